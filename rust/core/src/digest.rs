@@ -1,0 +1,44 @@
+//! FNV-1a over little-endian integers: a stable, dependency-free fingerprint that is the
+//! same on every rank and platform (std's hashers are not guaranteed stable).
+
+/// Incremental 64-bit FNV-1a.
+#[derive(Debug, Clone, Copy)]
+pub struct Fnv64(u64);
+
+impl Default for Fnv64 {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Fnv64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0100_0000_01b3;
+
+    /// A fresh hasher.
+    pub fn new() -> Self {
+        Self(Self::OFFSET)
+    }
+    /// Mixes in raw bytes.
+    pub fn bytes(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= u64::from(b);
+            self.0 = self.0.wrapping_mul(Self::PRIME);
+        }
+    }
+    /// Mixes in one `u64`.
+    pub fn u64(&mut self, v: u64) {
+        self.bytes(&v.to_le_bytes());
+    }
+    /// Mixes in a slice of `u32` (its length first, so `[1],[2]` differs from `[1,2]`).
+    pub fn u32s(&mut self, vs: &[u32]) {
+        self.u64(vs.len() as u64);
+        for &v in vs {
+            self.bytes(&v.to_le_bytes());
+        }
+    }
+    /// The fingerprint so far.
+    pub fn finish(self) -> u64 {
+        self.0
+    }
+}

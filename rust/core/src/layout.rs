@@ -1,0 +1,170 @@
+//! The Helix token placement: pages of `tokens_per_block` tokens dealt round-robin over
+//! the `cp` ranks. `cp = 1` is the plain paged layout.
+
+use crate::error::{CoreError, Result};
+
+/// Largest `cp * tokens_per_block`: keeps every product below in `u64` for any
+/// sequence length the ledger can describe.
+const MAX_TOKENS_PER_SUPERBLOCK: u64 = 1 << 24;
+
+/// Token placement for a CP group of `cp` ranks with pages of `tokens_per_block` tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Layout {
+    cp: u32,
+    tokens_per_block: u32,
+}
+
+impl Layout {
+    /// A layout for `cp >= 1` ranks and pages of `tokens_per_block >= 1` tokens.
+    pub fn new(cp: u32, tokens_per_block: u32) -> Result<Self> {
+        if cp == 0 {
+            return Err(CoreError::Config("cp_size must be at least 1".into()));
+        }
+        if tokens_per_block == 0 {
+            return Err(CoreError::Config("tokens_per_block must be at least 1".into()));
+        }
+        if u64::from(cp) * u64::from(tokens_per_block) > MAX_TOKENS_PER_SUPERBLOCK {
+            return Err(CoreError::Config(format!(
+                "cp_size * tokens_per_block = {} exceeds {MAX_TOKENS_PER_SUPERBLOCK}",
+                u64::from(cp) * u64::from(tokens_per_block)
+            )));
+        }
+        Ok(Self {
+            cp,
+            tokens_per_block,
+        })
+    }
+
+    /// Ranks in the CP group.
+    pub fn cp(self) -> u32 {
+        self.cp
+    }
+
+    /// Tokens in one physical page on one rank.
+    pub fn tokens_per_block(self) -> u32 {
+        self.tokens_per_block
+    }
+
+    /// Global tokens covered by one superblock (one page on each rank).
+    pub fn tokens_per_superblock(self) -> u64 {
+        u64::from(self.cp) * u64::from(self.tokens_per_block)
+    }
+
+    /// Fails unless `rank` is a rank of the group.
+    pub fn check_rank(self, rank: u32) -> Result<()> {
+        if rank < self.cp {
+            Ok(())
+        } else {
+            Err(CoreError::InvalidArgument(format!(
+                "rank {rank} is outside the CP group of {} ranks",
+                self.cp
+            )))
+        }
+    }
+
+    /// The rank that holds global position `pos`: `(pos // tpb) % cp`.
+    pub fn owner_rank(self, pos: u64) -> u32 {
+        ((pos / u64::from(self.tokens_per_block)) % u64::from(self.cp)) as u32
+    }
+
+    /// Tokens of a length-`n` sequence held by `rank` (closed form; `rank < cp`).
+    pub fn local_len(self, n: u64, rank: u32) -> u64 {
+        let tpb = u64::from(self.tokens_per_block);
+        let full = n / self.tokens_per_superblock();
+        let rem = n % self.tokens_per_superblock();
+        let offset = u64::from(rank) * tpb;
+        full * tpb + rem.saturating_sub(offset).min(tpb)
+    }
+
+    /// Superblocks a length-`n` sequence occupies: `ceil(n / (tpb * cp))`.
+    pub fn superblocks_for(self, n: u64) -> u64 {
+        n.div_ceil(self.tokens_per_superblock())
+    }
+
+    /// Index of superblock that holds global position `pos`.
+    pub fn superblock_index(self, pos: u64) -> u64 {
+        pos / self.tokens_per_superblock()
+    }
+
+    /// Position of `pos` inside its owner's local sequence.
+    pub fn local_index(self, pos: u64) -> u64 {
+        let tpb = u64::from(self.tokens_per_block);
+        self.superblock_index(pos) * tpb + pos % tpb
+    }
+
+    /// The global position of the `local_index`-th token held by `rank` (inverse of
+    /// [`Layout::local_index`] on that rank).
+    pub fn global_position(self, rank: u32, local_index: u64) -> u64 {
+        let tpb = u64::from(self.tokens_per_block);
+        (local_index / tpb) * self.tokens_per_superblock() + u64::from(rank) * tpb + local_index % tpb
+    }
+
+    /// Physical slot of global position `pos` on its owner rank, given the request's
+    /// superblock table (superblock id == physical page id on every rank).
+    /// `None` if the table does not reach `pos`.
+    pub fn slot(self, pos: u64, table: &[crate::SuperblockId]) -> Option<u64> {
+        let tpb = u64::from(self.tokens_per_block);
+        let page = *table.get(usize::try_from(self.superblock_index(pos)).ok()?)?;
+        Some(u64::from(page) * tpb + pos % tpb)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Place tokens one by one, the way the design states it, and count.
+    fn brute_force(layout: Layout, n: u64) -> Vec<Vec<u64>> {
+        let mut held = vec![Vec::new(); layout.cp() as usize];
+        for pos in 0..n {
+            let owner = ((pos / u64::from(layout.tokens_per_block())) % u64::from(layout.cp())) as usize;
+            held[owner].push(pos);
+        }
+        held
+    }
+
+    #[test]
+    fn closed_forms_match_brute_force_placement() {
+        for cp in 1..=5 {
+            for tpb in [1, 2, 3, 4, 7, 16] {
+                let layout = Layout::new(cp, tpb).unwrap();
+                for n in 0..(3 * u64::from(cp * tpb) + 5) {
+                    let held = brute_force(layout, n);
+                    let mut total = 0;
+                    for rank in 0..cp {
+                        let mine = &held[rank as usize];
+                        assert_eq!(layout.local_len(n, rank), mine.len() as u64, "cp={cp} tpb={tpb} n={n} r={rank}");
+                        for (i, &pos) in mine.iter().enumerate() {
+                            assert_eq!(layout.owner_rank(pos), rank);
+                            assert_eq!(layout.local_index(pos), i as u64);
+                            assert_eq!(layout.global_position(rank, i as u64), pos);
+                        }
+                        total += layout.local_len(n, rank);
+                    }
+                    assert_eq!(total, n);
+                    let per_rank_pages: Vec<u64> = held.iter().map(|h| (h.len() as u64).div_ceil(u64::from(tpb))).collect();
+                    assert_eq!(layout.superblocks_for(n), per_rank_pages.iter().copied().max().unwrap_or(0));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn slot_uses_the_owner_page_of_the_superblock() {
+        let layout = Layout::new(2, 4).unwrap();
+        let table = [7, 3];
+        // pos 9: superblock 1 (page 3), offset 1 -> slot 13, owner rank 0.
+        assert_eq!(layout.slot(9, &table), Some(13));
+        assert_eq!(layout.owner_rank(9), 0);
+        assert_eq!(layout.slot(5, &table), Some(29));
+        assert_eq!(layout.slot(16, &table), None);
+    }
+
+    #[test]
+    fn rejects_degenerate_layouts() {
+        assert!(matches!(Layout::new(0, 4), Err(CoreError::Config(_))));
+        assert!(matches!(Layout::new(2, 0), Err(CoreError::Config(_))));
+        assert!(matches!(Layout::new(1 << 16, 1 << 16), Err(CoreError::Config(_))));
+        assert!(Layout::new(2, 4).unwrap().check_rank(2).is_err());
+    }
+}

@@ -1,0 +1,524 @@
+//! The superblock page ledger: one pool of superblocks, identical on every rank, and a
+//! page table per request. A superblock is one physical page on each rank, and its id is
+//! that page's id on every rank, so one table serves the whole CP group.
+
+use rustc_hash::FxHashMap;
+
+use crate::error::{CoreError, Result};
+use crate::layout::Layout;
+use crate::{RequestId, SuperblockId};
+
+/// One request's KV holdings and the counters that decide where its tokens go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestKv {
+    id: RequestId,
+    table: Vec<SuperblockId>,
+    len: u64,
+    prompt_len: u64,
+    decode_count: u64,
+    decode_step: Option<u64>,
+    /// Length to restore on resume while the KV sits in a lower (host) tier.
+    suspended_len: Option<u64>,
+}
+
+impl RequestKv {
+    /// The request's id.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+    /// Superblock ids held, in sequence order (also the page ids on every rank).
+    pub fn table(&self) -> &[SuperblockId] {
+        &self.table
+    }
+    /// Global tokens reserved.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// Whether no token is reserved.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Prompt length, including generated tokens folded in by recompute.
+    pub fn prompt_len(&self) -> u64 {
+        self.prompt_len
+    }
+    /// Decode tokens allocated since the last (re-)prefill.
+    pub fn decode_count(&self) -> u64 {
+        self.decode_count
+    }
+    /// Whether the KV is suspended to a lower tier (holds no superblocks meanwhile).
+    pub fn is_suspended(&self) -> bool {
+        self.suspended_len.is_some()
+    }
+    /// Global tokens to restore on resume, if suspended.
+    pub fn suspended_len(&self) -> Option<u64> {
+        self.suspended_len
+    }
+    /// Global position the next decode allocation will take.
+    pub fn next_decode_position(&self) -> u64 {
+        self.prompt_len + self.decode_count
+    }
+}
+
+/// What one rank sees of a request: lengths on that rank and whether it owns the next
+/// decode token. All of it is derived from the ledger's counters and the layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeView {
+    /// Global tokens reserved.
+    pub global_len: u64,
+    /// Global position of the next decode token.
+    pub next_position: u64,
+    /// Rank that owns the next decode token.
+    pub owner_rank: u32,
+    /// Whether the viewing rank is not the owner (it attends but appends nothing).
+    pub inactive: bool,
+    /// Tokens this rank holds of the reserved length.
+    pub local_len: u64,
+    /// Tokens this rank holds before the next decode token.
+    pub past_seen_len: u64,
+}
+
+/// The superblock ledger. Two ledgers fed the same calls are equal (`==`), hand out the
+/// same ids and fail the same calls.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ledger {
+    layout: Layout,
+    capacity: u32,
+    /// A stack: the last element is handed out next. Its order depends only on the
+    /// sequence of calls, never on addresses or hashing.
+    free: Vec<SuperblockId>,
+    requests: Vec<RequestKv>,
+    /// Id -> position in `requests`; used for lookups only, never iterated.
+    index: FxHashMap<RequestId, usize>,
+}
+
+impl Ledger {
+    /// A ledger of `capacity` superblocks (`>= 1`) for `layout`.
+    pub fn new(layout: Layout, capacity: u32) -> Result<Self> {
+        if capacity == 0 {
+            return Err(CoreError::Config("ledger capacity must be at least one superblock".into()));
+        }
+        Ok(Self {
+            layout,
+            capacity,
+            free: (0..capacity).rev().collect(),
+            requests: Vec::new(),
+            index: FxHashMap::default(),
+        })
+    }
+
+    /// The token placement the ledger serves.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+    /// Total superblocks.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+    /// Global tokens the whole pool can hold.
+    pub fn capacity_tokens(&self) -> u64 {
+        u64::from(self.capacity) * self.layout.tokens_per_superblock()
+    }
+    /// Superblocks not held by any request.
+    pub fn free_superblocks(&self) -> u32 {
+        self.free.len() as u32
+    }
+    /// Superblocks held by requests.
+    pub fn used_superblocks(&self) -> u32 {
+        self.capacity - self.free_superblocks()
+    }
+    /// Live requests.
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+    /// Whether `id` is held.
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.index.contains_key(&id)
+    }
+    /// Whether `n` more superblocks could be handed out now.
+    pub fn can_allocate(&self, n: u64) -> bool {
+        n <= self.free.len() as u64
+    }
+
+    fn slot_of(&self, id: RequestId) -> Result<usize> {
+        self.index.get(&id).copied().ok_or(CoreError::UnknownRequest(id))
+    }
+
+    fn active_slot_of(&self, id: RequestId) -> Result<usize> {
+        let slot = self.slot_of(id)?;
+        if self.requests[slot].is_suspended() {
+            return Err(CoreError::InvalidState(format!("request {id} is suspended; resume it first")));
+        }
+        Ok(slot)
+    }
+
+    /// The request's holdings.
+    pub fn request(&self, id: RequestId) -> Result<&RequestKv> {
+        Ok(&self.requests[self.slot_of(id)?])
+    }
+
+    /// Holdings as `(id, superblocks)`, sorted by id.
+    pub fn holdings(&self) -> Vec<(RequestId, u32)> {
+        let mut out: Vec<_> = self.requests.iter().map(|r| (r.id, r.table.len() as u32)).collect();
+        out.sort_unstable();
+        out
+    }
+
+    fn check_len(&self, len: u64) -> Result<()> {
+        if len > self.capacity_tokens() {
+            return Err(CoreError::InvalidLength(format!(
+                "{len} tokens exceed the whole pool ({} tokens in {} superblocks)",
+                self.capacity_tokens(),
+                self.capacity
+            )));
+        }
+        Ok(())
+    }
+
+    /// Starts tracking request `id` with a prompt of `prompt_len` tokens; it holds nothing yet.
+    pub fn add(&mut self, id: RequestId, prompt_len: u64) -> Result<()> {
+        if self.contains(id) {
+            return Err(CoreError::DuplicateRequest(id));
+        }
+        self.check_len(prompt_len)?;
+        self.index.insert(id, self.requests.len());
+        self.requests.push(RequestKv {
+            id,
+            table: Vec::new(),
+            len: 0,
+            prompt_len,
+            decode_count: 0,
+            decode_step: None,
+            suspended_len: None,
+        });
+        Ok(())
+    }
+
+    fn check_grow(&self, id: RequestId, new_len: u64) -> Result<usize> {
+        let slot = self.active_slot_of(id)?;
+        self.check_len(new_len)?;
+        let current = self.requests[slot].len;
+        if new_len < current {
+            return Err(CoreError::InvalidLength(format!(
+                "grow of request {id} to {new_len} tokens is below its {current} tokens; use shrink"
+            )));
+        }
+        Ok(slot)
+    }
+
+    /// Applies a validated grow; `false` (and no change) if the pool is short.
+    fn grow_slot(&mut self, slot: usize, new_len: u64) -> bool {
+        let needed = self.layout.superblocks_for(new_len) as usize;
+        let request = &mut self.requests[slot];
+        let extra = needed.saturating_sub(request.table.len());
+        if extra > self.free.len() {
+            return false;
+        }
+        let split = self.free.len() - extra;
+        request.table.extend(self.free.drain(split..).rev());
+        request.len = new_len;
+        true
+    }
+
+    /// Reserves room for `new_len` global tokens. Returns `false` and changes nothing if
+    /// the pool cannot supply every superblock needed.
+    pub fn grow(&mut self, id: RequestId, new_len: u64) -> Result<bool> {
+        let slot = self.check_grow(id, new_len)?;
+        Ok(self.grow_slot(slot, new_len))
+    }
+
+    fn shrink_slot(&mut self, slot: usize, new_len: u64) {
+        let keep = self.layout.superblocks_for(new_len) as usize;
+        let request = &mut self.requests[slot];
+        self.free.extend(request.table.drain(keep..).rev());
+        request.len = new_len;
+    }
+
+    /// Gives back everything past `new_len` global tokens.
+    pub fn shrink(&mut self, id: RequestId, new_len: u64) -> Result<()> {
+        let slot = self.active_slot_of(id)?;
+        let current = self.requests[slot].len;
+        if new_len > current {
+            return Err(CoreError::InvalidLength(format!(
+                "shrink of request {id} to {new_len} tokens is above its {current} tokens; use grow"
+            )));
+        }
+        self.shrink_slot(slot, new_len);
+        Ok(())
+    }
+
+    fn remove_slot(&mut self, slot: usize) {
+        self.shrink_slot(slot, 0);
+        let removed = self.requests.swap_remove(slot);
+        self.index.remove(&removed.id);
+        if let Some(moved) = self.requests.get(slot) {
+            self.index.insert(moved.id, slot);
+        }
+    }
+
+    /// Frees every superblock of `id` and forgets it.
+    pub fn free(&mut self, id: RequestId) -> Result<()> {
+        let slot = self.slot_of(id)?;
+        self.remove_slot(slot);
+        Ok(())
+    }
+
+    fn check_unique(ids: &[RequestId]) -> Result<()> {
+        let mut seen = rustc_hash::FxHashSet::default();
+        seen.reserve(ids.len());
+        for &id in ids {
+            if !seen.insert(id) {
+                return Err(CoreError::InvalidArgument(format!("request {id} appears twice in one batch")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Batch grow: `ok[i]` says whether `ids[i]` reached `new_lens[i]`. The whole batch is
+    /// validated before anything is applied; entries are applied in order, each all or
+    /// nothing.
+    pub fn grow_many(&mut self, ids: &[RequestId], new_lens: &[u64], ok: &mut Vec<bool>) -> Result<()> {
+        if ids.len() != new_lens.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} ids but {} lengths",
+                ids.len(),
+                new_lens.len()
+            )));
+        }
+        Self::check_unique(ids)?;
+        let slots = ids
+            .iter()
+            .zip(new_lens)
+            .map(|(&id, &len)| self.check_grow(id, len))
+            .collect::<Result<Vec<_>>>()?;
+        ok.clear();
+        ok.extend(slots.into_iter().zip(new_lens).map(|(slot, &len)| self.grow_slot(slot, len)));
+        Ok(())
+    }
+
+    /// Batch free; validated whole before anything is freed.
+    pub fn free_many(&mut self, ids: &[RequestId]) -> Result<()> {
+        Self::check_unique(ids)?;
+        for &id in ids {
+            self.slot_of(id)?;
+        }
+        for &id in ids {
+            let slot = self.index[&id];
+            self.remove_slot(slot);
+        }
+        Ok(())
+    }
+
+    /// Reserves the next decode token of `id` in scheduler step `step` and returns its
+    /// global position, or `None` (nothing changed) if the pool is short. The decode
+    /// counter advances only here; a retry in the same step returns the same position.
+    pub fn allocate_decode(&mut self, id: RequestId, step: u64) -> Result<Option<u64>> {
+        let slot = self.active_slot_of(id)?;
+        let request = &self.requests[slot];
+        if request.decode_step == Some(step) {
+            return Ok(Some(request.next_decode_position() - 1));
+        }
+        let pos = request.next_decode_position();
+        if request.len < pos {
+            return Err(CoreError::InvalidState(format!(
+                "request {id} has {} of its {} prompt tokens reserved; its prefill must be allocated before decode",
+                request.len, request.prompt_len
+            )));
+        }
+        self.check_len(pos + 1)?;
+        let new_len = request.len.max(pos + 1);
+        if !self.grow_slot(slot, new_len) {
+            return Ok(None);
+        }
+        let request = &mut self.requests[slot];
+        request.decode_count += 1;
+        request.decode_step = Some(step);
+        Ok(Some(pos))
+    }
+
+    /// Undoes the decode allocation that `id` made in `step`, if any (a step that was
+    /// scheduled but not run). Returns whether there was one.
+    pub fn revert_decode(&mut self, id: RequestId, step: u64) -> Result<bool> {
+        let slot = self.active_slot_of(id)?;
+        let request = &mut self.requests[slot];
+        if request.decode_step != Some(step) {
+            return Ok(false);
+        }
+        request.decode_count -= 1;
+        request.decode_step = None;
+        let pos = request.next_decode_position();
+        self.shrink_slot(slot, pos);
+        Ok(true)
+    }
+
+    /// Recompute-pause: frees every superblock of `id`, folds `generated_tokens` sampled
+    /// tokens into its prompt and resets the decode counter, so a re-prefill starts at
+    /// position 0 and decoding resumes at the new prompt end.
+    pub fn reset_for_recompute(&mut self, id: RequestId, generated_tokens: u64) -> Result<()> {
+        let slot = self.slot_of(id)?;
+        let request = &self.requests[slot];
+        let limit = request.decode_count + 1;
+        if generated_tokens > limit {
+            return Err(CoreError::InvalidLength(format!(
+                "request {id} cannot fold {generated_tokens} generated tokens: it decoded {} since its prefill",
+                request.decode_count
+            )));
+        }
+        let new_prompt = request.prompt_len + generated_tokens;
+        self.check_len(new_prompt)?;
+        self.shrink_slot(slot, 0);
+        let request = &mut self.requests[slot];
+        request.prompt_len = new_prompt;
+        request.decode_count = 0;
+        request.decode_step = None;
+        request.suspended_len = None;
+        Ok(())
+    }
+
+    /// Suspends `id` to a lower tier: its superblocks return to the pool while its
+    /// counters and length are kept for [`Ledger::resume`]. Returns the superblocks freed.
+    pub fn suspend(&mut self, id: RequestId) -> Result<u32> {
+        let slot = self.active_slot_of(id)?;
+        let request = &self.requests[slot];
+        let (len, held) = (request.len, request.table.len() as u32);
+        self.shrink_slot(slot, 0);
+        let request = &mut self.requests[slot];
+        request.suspended_len = Some(len);
+        request.decode_step = None;
+        Ok(held)
+    }
+
+    /// Brings a suspended request back: reserves its length again. `false` (and still
+    /// suspended) if the pool is short.
+    pub fn resume(&mut self, id: RequestId) -> Result<bool> {
+        let slot = self.slot_of(id)?;
+        let Some(len) = self.requests[slot].suspended_len else {
+            return Err(CoreError::InvalidState(format!("request {id} is not suspended")));
+        };
+        if !self.grow_slot(slot, len) {
+            return Ok(false);
+        }
+        self.requests[slot].suspended_len = None;
+        Ok(true)
+    }
+
+    /// What `rank` sees of `id`.
+    pub fn view(&self, id: RequestId, rank: u32) -> Result<DecodeView> {
+        self.layout.check_rank(rank)?;
+        let request = self.request(id)?;
+        let next = request.next_decode_position();
+        let owner = self.layout.owner_rank(next);
+        Ok(DecodeView {
+            global_len: request.len,
+            next_position: next,
+            owner_rank: owner,
+            inactive: owner != rank,
+            local_len: self.layout.local_len(request.len, rank),
+            past_seen_len: self.layout.local_len(next, rank),
+        })
+    }
+
+    /// Widest table among `ids`.
+    pub fn max_table_len(&self, ids: &[RequestId]) -> Result<usize> {
+        ids.iter().try_fold(0, |acc, &id| Ok(acc.max(self.request(id)?.table.len())))
+    }
+
+    /// Fills `out` (row-major, `ids.len() x width`) with the page tables of `ids`, padded
+    /// with -1. Fails if a table is wider than `width`.
+    pub fn block_table_into(&self, ids: &[RequestId], width: usize, out: &mut [i32]) -> Result<()> {
+        if out.len() != ids.len() * width {
+            return Err(CoreError::InvalidArgument(format!(
+                "output holds {} entries, expected {} x {width}",
+                out.len(),
+                ids.len()
+            )));
+        }
+        let slots = ids.iter().map(|&id| self.slot_of(id)).collect::<Result<Vec<_>>>()?;
+        for (row, slot) in out.chunks_exact_mut(width.max(1)).zip(slots) {
+            let table = &self.requests[slot].table;
+            if table.len() > width {
+                return Err(CoreError::InvalidArgument(format!(
+                    "request {} holds {} superblocks, wider than the {width} columns asked for",
+                    self.requests[slot].id,
+                    table.len()
+                )));
+            }
+            for (dst, &page) in row.iter_mut().zip(table) {
+                *dst = page as i32;
+            }
+            row[table.len()..].fill(-1);
+        }
+        Ok(())
+    }
+
+    /// Appends to `out` this rank's slot for each new token of each request: request
+    /// `ids[i]` writes tokens `starts[i] .. starts[i] + counts[i]`; -1 where another rank
+    /// owns the token. Fails (and appends nothing) if a token is not reserved.
+    pub fn slot_mapping_into(
+        &self,
+        ids: &[RequestId],
+        starts: &[u64],
+        counts: &[u64],
+        rank: u32,
+        out: &mut Vec<i64>,
+    ) -> Result<()> {
+        self.layout.check_rank(rank)?;
+        if ids.len() != starts.len() || ids.len() != counts.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} ids, {} starts and {} counts must have the same length",
+                ids.len(),
+                starts.len(),
+                counts.len()
+            )));
+        }
+        let mut slots = Vec::with_capacity(ids.len());
+        let mut total = 0u64;
+        for ((&id, &start), &count) in ids.iter().zip(starts).zip(counts) {
+            let slot = self.slot_of(id)?;
+            let len = self.requests[slot].len;
+            if start.checked_add(count).is_none_or(|end| end > len) {
+                return Err(CoreError::InvalidLength(format!(
+                    "tokens {start}..{start}+{count} of request {id} are not all reserved (it holds {len})"
+                )));
+            }
+            total += count;
+            slots.push(slot);
+        }
+        out.reserve(total as usize);
+        let layout = self.layout;
+        let tpb = u64::from(layout.tokens_per_block());
+        for ((slot, &start), &count) in slots.into_iter().zip(starts).zip(counts) {
+            let table = &self.requests[slot].table;
+            out.extend((start..start + count).map(|pos| {
+                if layout.owner_rank(pos) == rank {
+                    let page = table[layout.superblock_index(pos) as usize];
+                    (u64::from(page) * tpb + pos % tpb) as i64
+                } else {
+                    -1
+                }
+            }));
+        }
+        Ok(())
+    }
+
+    /// A 64-bit fingerprint of the whole ledger state (free list order, every table and
+    /// counter, in id order). Equal ledgers have equal digests on every platform.
+    pub fn state_digest(&self) -> u64 {
+        let mut h = crate::digest::Fnv64::new();
+        h.u64(u64::from(self.capacity));
+        h.u32s(&self.free);
+        let mut order: Vec<usize> = (0..self.requests.len()).collect();
+        order.sort_unstable_by_key(|&i| self.requests[i].id);
+        for i in order {
+            let r = &self.requests[i];
+            h.u64(r.id);
+            h.u64(r.len);
+            h.u64(r.prompt_len);
+            h.u64(r.decode_count);
+            h.u64(r.decode_step.map_or(u64::MAX, |s| s));
+            h.u64(r.suspended_len.map_or(u64::MAX, |s| s));
+            h.u32s(&r.table);
+        }
+        h.finish()
+    }
+}

@@ -1,0 +1,22 @@
+//! helix_kv core: a rank-invariant paged KV ledger and preemptive scheduler for
+//! Helix (context-parallel) decoding.
+//!
+//! Everything here is deterministic in its inputs: no clocks, no per-rank readings, and
+//! no hash-map iteration order ever reaches a decision (hash maps are used for lookups
+//! only). Two instances fed the same calls are identical, which is what lets every CP
+//! rank run its own copy and still agree.
+#![forbid(unsafe_code)]
+
+pub mod digest;
+pub mod error;
+pub mod layout;
+pub mod ledger;
+
+pub use error::{CoreError, Result};
+pub use layout::Layout;
+pub use ledger::{DecodeView, Ledger, RequestKv};
+
+/// A request's id, chosen by the caller; unique among live requests.
+pub type RequestId = u64;
+/// A superblock id; it is also the physical page id on every rank.
+pub type SuperblockId = u32;
