@@ -21,7 +21,9 @@ impl Layout {
             return Err(CoreError::Config("cp_size must be at least 1".into()));
         }
         if tokens_per_block == 0 {
-            return Err(CoreError::Config("tokens_per_block must be at least 1".into()));
+            return Err(CoreError::Config(
+                "tokens_per_block must be at least 1".into(),
+            ));
         }
         if u64::from(cp) * u64::from(tokens_per_block) > MAX_TOKENS_PER_SUPERBLOCK {
             return Err(CoreError::Config(format!(
@@ -96,7 +98,9 @@ impl Layout {
     /// [`Layout::local_index`] on that rank).
     pub fn global_position(self, rank: u32, local_index: u64) -> u64 {
         let tpb = u64::from(self.tokens_per_block);
-        (local_index / tpb) * self.tokens_per_superblock() + u64::from(rank) * tpb + local_index % tpb
+        (local_index / tpb) * self.tokens_per_superblock()
+            + u64::from(rank) * tpb
+            + local_index % tpb
     }
 
     /// Physical slot of global position `pos` on its owner rank, given the request's
@@ -117,7 +121,8 @@ mod tests {
     fn brute_force(layout: Layout, n: u64) -> Vec<Vec<u64>> {
         let mut held = vec![Vec::new(); layout.cp() as usize];
         for pos in 0..n {
-            let owner = ((pos / u64::from(layout.tokens_per_block())) % u64::from(layout.cp())) as usize;
+            let owner =
+                ((pos / u64::from(layout.tokens_per_block())) % u64::from(layout.cp())) as usize;
             held[owner].push(pos);
         }
         held
@@ -133,7 +138,11 @@ mod tests {
                     let mut total = 0;
                     for rank in 0..cp {
                         let mine = &held[rank as usize];
-                        assert_eq!(layout.local_len(n, rank), mine.len() as u64, "cp={cp} tpb={tpb} n={n} r={rank}");
+                        assert_eq!(
+                            layout.local_len(n, rank),
+                            mine.len() as u64,
+                            "cp={cp} tpb={tpb} n={n} r={rank}"
+                        );
                         for (i, &pos) in mine.iter().enumerate() {
                             assert_eq!(layout.owner_rank(pos), rank);
                             assert_eq!(layout.local_index(pos), i as u64);
@@ -142,8 +151,14 @@ mod tests {
                         total += layout.local_len(n, rank);
                     }
                     assert_eq!(total, n);
-                    let per_rank_pages: Vec<u64> = held.iter().map(|h| (h.len() as u64).div_ceil(u64::from(tpb))).collect();
-                    assert_eq!(layout.superblocks_for(n), per_rank_pages.iter().copied().max().unwrap_or(0));
+                    let per_rank_pages: Vec<u64> = held
+                        .iter()
+                        .map(|h| (h.len() as u64).div_ceil(u64::from(tpb)))
+                        .collect();
+                    assert_eq!(
+                        layout.superblocks_for(n),
+                        per_rank_pages.iter().copied().max().unwrap_or(0)
+                    );
                 }
             }
         }
@@ -164,7 +179,10 @@ mod tests {
     fn rejects_degenerate_layouts() {
         assert!(matches!(Layout::new(0, 4), Err(CoreError::Config(_))));
         assert!(matches!(Layout::new(2, 0), Err(CoreError::Config(_))));
-        assert!(matches!(Layout::new(1 << 16, 1 << 16), Err(CoreError::Config(_))));
+        assert!(matches!(
+            Layout::new(1 << 16, 1 << 16),
+            Err(CoreError::Config(_))
+        ));
         assert!(Layout::new(2, 4).unwrap().check_rank(2).is_err());
     }
 }

@@ -96,7 +96,9 @@ impl Ledger {
     /// A ledger of `capacity` superblocks (`>= 1`) for `layout`.
     pub fn new(layout: Layout, capacity: u32) -> Result<Self> {
         if capacity == 0 {
-            return Err(CoreError::Config("ledger capacity must be at least one superblock".into()));
+            return Err(CoreError::Config(
+                "ledger capacity must be at least one superblock".into(),
+            ));
         }
         Ok(Self {
             layout,
@@ -141,13 +143,18 @@ impl Ledger {
     }
 
     fn slot_of(&self, id: RequestId) -> Result<usize> {
-        self.index.get(&id).copied().ok_or(CoreError::UnknownRequest(id))
+        self.index
+            .get(&id)
+            .copied()
+            .ok_or(CoreError::UnknownRequest(id))
     }
 
     fn active_slot_of(&self, id: RequestId) -> Result<usize> {
         let slot = self.slot_of(id)?;
         if self.requests[slot].is_suspended() {
-            return Err(CoreError::InvalidState(format!("request {id} is suspended; resume it first")));
+            return Err(CoreError::InvalidState(format!(
+                "request {id} is suspended; resume it first"
+            )));
         }
         Ok(slot)
     }
@@ -159,7 +166,11 @@ impl Ledger {
 
     /// Holdings as `(id, superblocks)`, sorted by id.
     pub fn holdings(&self) -> Vec<(RequestId, u32)> {
-        let mut out: Vec<_> = self.requests.iter().map(|r| (r.id, r.table.len() as u32)).collect();
+        let mut out: Vec<_> = self
+            .requests
+            .iter()
+            .map(|r| (r.id, r.table.len() as u32))
+            .collect();
         out.sort_unstable();
         out
     }
@@ -268,7 +279,9 @@ impl Ledger {
         seen.reserve(ids.len());
         for &id in ids {
             if !seen.insert(id) {
-                return Err(CoreError::InvalidArgument(format!("request {id} appears twice in one batch")));
+                return Err(CoreError::InvalidArgument(format!(
+                    "request {id} appears twice in one batch"
+                )));
             }
         }
         Ok(())
@@ -277,7 +290,12 @@ impl Ledger {
     /// Batch grow: `ok[i]` says whether `ids[i]` reached `new_lens[i]`. The whole batch is
     /// validated before anything is applied; entries are applied in order, each all or
     /// nothing.
-    pub fn grow_many(&mut self, ids: &[RequestId], new_lens: &[u64], ok: &mut Vec<bool>) -> Result<()> {
+    pub fn grow_many(
+        &mut self,
+        ids: &[RequestId],
+        new_lens: &[u64],
+        ok: &mut Vec<bool>,
+    ) -> Result<()> {
         if ids.len() != new_lens.len() {
             return Err(CoreError::InvalidArgument(format!(
                 "{} ids but {} lengths",
@@ -292,7 +310,12 @@ impl Ledger {
             .map(|(&id, &len)| self.check_grow(id, len))
             .collect::<Result<Vec<_>>>()?;
         ok.clear();
-        ok.extend(slots.into_iter().zip(new_lens).map(|(slot, &len)| self.grow_slot(slot, len)));
+        ok.extend(
+            slots
+                .into_iter()
+                .zip(new_lens)
+                .map(|(slot, &len)| self.grow_slot(slot, len)),
+        );
         Ok(())
     }
 
@@ -393,7 +416,9 @@ impl Ledger {
     pub fn resume(&mut self, id: RequestId) -> Result<bool> {
         let slot = self.slot_of(id)?;
         let Some(len) = self.requests[slot].suspended_len else {
-            return Err(CoreError::InvalidState(format!("request {id} is not suspended")));
+            return Err(CoreError::InvalidState(format!(
+                "request {id} is not suspended"
+            )));
         };
         if !self.grow_slot(slot, len) {
             return Ok(false);
@@ -420,7 +445,8 @@ impl Ledger {
 
     /// Widest table among `ids`.
     pub fn max_table_len(&self, ids: &[RequestId]) -> Result<usize> {
-        ids.iter().try_fold(0, |acc, &id| Ok(acc.max(self.request(id)?.table.len())))
+        ids.iter()
+            .try_fold(0, |acc, &id| Ok(acc.max(self.request(id)?.table.len())))
     }
 
     /// Fills `out` (row-major, `ids.len() x width`) with the page tables of `ids`, padded
@@ -433,7 +459,10 @@ impl Ledger {
                 ids.len()
             )));
         }
-        let slots = ids.iter().map(|&id| self.slot_of(id)).collect::<Result<Vec<_>>>()?;
+        let slots = ids
+            .iter()
+            .map(|&id| self.slot_of(id))
+            .collect::<Result<Vec<_>>>()?;
         for (row, slot) in out.chunks_exact_mut(width.max(1)).zip(slots) {
             let table = &self.requests[slot].table;
             if table.len() > width {

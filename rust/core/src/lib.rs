@@ -1,4 +1,4 @@
-//! helix_kv core: a rank-invariant paged KV ledger and preemptive scheduler for
+//! The `helix_kv` core: a rank-invariant paged KV ledger and preemptive scheduler for
 //! Helix (context-parallel) decoding.
 //!
 //! Everything here is deterministic in its inputs: no clocks, no per-rank readings, and

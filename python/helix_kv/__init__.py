@@ -1,0 +1,49 @@
+"""helix_kv: a rank-invariant paged KV ledger and preemptive scheduler for Helix
+(context-parallel) decoding.
+
+The ledger, victim selection and every ordering decision live in Rust (``helix_kv._core``);
+this package re-exports them. ``import helix_kv`` never imports torch: the torch pieces live in
+``helix_kv.executor`` and ``helix_kv.distributed`` and are imported on demand.
+"""
+
+from helix_kv._core import (
+    ConfigError,
+    ConfigGuardError,
+    DeadlockError,
+    DecodeView,
+    DuplicateRequestError,
+    HelixKVError,
+    InitSyncError,
+    InvalidArgumentError,
+    InvalidLengthError,
+    InvalidStateError,
+    Layout,
+    Ledger,
+    PreemptionDisabledError,
+    RequestState,
+    RequestTooLargeError,
+    ScheduleMismatchError,
+    UnknownRequestError,
+    __version__,
+)
+
+__all__ = [
+    "ConfigError",
+    "ConfigGuardError",
+    "DeadlockError",
+    "DecodeView",
+    "DuplicateRequestError",
+    "HelixKVError",
+    "InitSyncError",
+    "InvalidArgumentError",
+    "InvalidLengthError",
+    "InvalidStateError",
+    "Layout",
+    "Ledger",
+    "PreemptionDisabledError",
+    "RequestState",
+    "RequestTooLargeError",
+    "ScheduleMismatchError",
+    "UnknownRequestError",
+    "__version__",
+]

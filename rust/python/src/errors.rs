@@ -1,0 +1,156 @@
+//! One Python exception per `CoreError` kind under the `HelixKVError` base. The match in
+//! `From<CoreErr> for PyErr` is exhaustive, so a new core variant cannot ship without a class.
+
+use helix_kv_core::CoreError;
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+create_exception!(
+    helix_kv,
+    HelixKVError,
+    PyException,
+    "Base class of every helix_kv error."
+);
+create_exception!(
+    helix_kv,
+    ConfigError,
+    HelixKVError,
+    "A configuration value is out of range or inconsistent."
+);
+create_exception!(
+    helix_kv,
+    InvalidArgumentError,
+    HelixKVError,
+    "An argument is malformed (array lengths, rank, repeated id)."
+);
+create_exception!(
+    helix_kv,
+    InvalidLengthError,
+    HelixKVError,
+    "A length is negative, too large, or moves the wrong way."
+);
+create_exception!(
+    helix_kv,
+    UnknownRequestError,
+    HelixKVError,
+    "The request id is not held (never added, or already freed)."
+);
+create_exception!(
+    helix_kv,
+    DuplicateRequestError,
+    HelixKVError,
+    "The request id is already in use."
+);
+create_exception!(
+    helix_kv,
+    RequestTooLargeError,
+    HelixKVError,
+    "The request can never fit; the message names the limit."
+);
+create_exception!(
+    helix_kv,
+    PreemptionDisabledError,
+    HelixKVError,
+    "KV pressure where preemption is disabled (disaggregated generation)."
+);
+create_exception!(
+    helix_kv,
+    DeadlockError,
+    HelixKVError,
+    "Many consecutive steps with candidates and no progress."
+);
+create_exception!(
+    helix_kv,
+    InvalidStateError,
+    HelixKVError,
+    "A call arrived in the wrong order (e.g. update without schedule)."
+);
+create_exception!(
+    helix_kv,
+    ScheduleMismatchError,
+    HelixKVError,
+    "CP ranks made different scheduling decisions."
+);
+create_exception!(
+    helix_kv,
+    InitSyncError,
+    HelixKVError,
+    "Construction failed on at least one rank of the CP group."
+);
+create_exception!(
+    helix_kv,
+    ConfigGuardError,
+    HelixKVError,
+    "A configuration is rejected under the chosen serving mode."
+);
+
+/// A `CoreError` on its way to Python (the orphan rule forbids `From<CoreError> for PyErr`).
+pub struct CoreErr(pub CoreError);
+
+impl From<CoreError> for CoreErr {
+    fn from(err: CoreError) -> Self {
+        Self(err)
+    }
+}
+
+impl From<CoreErr> for PyErr {
+    fn from(CoreErr(err): CoreErr) -> Self {
+        let message = err.to_string();
+        match err {
+            CoreError::Config(_) => ConfigError::new_err(message),
+            CoreError::InvalidArgument(_) => InvalidArgumentError::new_err(message),
+            CoreError::InvalidLength(_) => InvalidLengthError::new_err(message),
+            CoreError::UnknownRequest(_) => UnknownRequestError::new_err(message),
+            CoreError::DuplicateRequest(_) => DuplicateRequestError::new_err(message),
+            CoreError::RequestTooLarge { .. } => RequestTooLargeError::new_err(message),
+            CoreError::PreemptionDisabled(_) => PreemptionDisabledError::new_err(message),
+            CoreError::Deadlock(_) => DeadlockError::new_err(message),
+            CoreError::InvalidState(_) => InvalidStateError::new_err(message),
+        }
+    }
+}
+
+/// `?`-friendly conversion of core results.
+pub trait IntoPyResult<T> {
+    fn py(self) -> PyResult<T>;
+}
+
+impl<T> IntoPyResult<T> for Result<T, CoreError> {
+    fn py(self) -> PyResult<T> {
+        self.map_err(|e| CoreErr(e).into())
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("HelixKVError", py.get_type::<HelixKVError>())?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add(
+        "InvalidArgumentError",
+        py.get_type::<InvalidArgumentError>(),
+    )?;
+    m.add("InvalidLengthError", py.get_type::<InvalidLengthError>())?;
+    m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;
+    m.add(
+        "DuplicateRequestError",
+        py.get_type::<DuplicateRequestError>(),
+    )?;
+    m.add(
+        "RequestTooLargeError",
+        py.get_type::<RequestTooLargeError>(),
+    )?;
+    m.add(
+        "PreemptionDisabledError",
+        py.get_type::<PreemptionDisabledError>(),
+    )?;
+    m.add("DeadlockError", py.get_type::<DeadlockError>())?;
+    m.add("InvalidStateError", py.get_type::<InvalidStateError>())?;
+    m.add(
+        "ScheduleMismatchError",
+        py.get_type::<ScheduleMismatchError>(),
+    )?;
+    m.add("InitSyncError", py.get_type::<InitSyncError>())?;
+    m.add("ConfigGuardError", py.get_type::<ConfigGuardError>())?;
+    Ok(())
+}

@@ -1,0 +1,338 @@
+//! `Ledger`: the superblock page ledger with numpy batch forms.
+
+use helix_kv_core::{DecodeView, Ledger, RequestKv};
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray1, PyArray2};
+use pyo3::prelude::*;
+
+use crate::arrays::{length, request_id, u64_vec};
+use crate::errors::{IntoPyResult, InvalidArgumentError};
+use crate::layout::PyLayout;
+
+/// The superblock ledger: a fixed pool of superblocks, identical on every rank, and a page
+/// table per request. Two ledgers fed the same calls hand out the same page ids.
+#[pyclass(module = "helix_kv._core", name = "Ledger")]
+pub struct PyLedger {
+    pub inner: Ledger,
+}
+
+/// One rank's view of a request (see `Ledger.view`).
+#[pyclass(frozen, get_all, eq, module = "helix_kv._core", name = "DecodeView")]
+#[derive(PartialEq, Eq)]
+pub struct PyDecodeView {
+    /// Global tokens reserved.
+    global_len: u64,
+    /// Global position of the next decode token.
+    next_position: u64,
+    /// Rank that owns the next decode token.
+    owner_rank: u32,
+    /// Whether the viewing rank is not the owner.
+    inactive: bool,
+    /// Tokens this rank holds of the reserved length.
+    local_len: u64,
+    /// Tokens this rank holds before the next decode token.
+    past_seen_len: u64,
+}
+
+impl From<DecodeView> for PyDecodeView {
+    fn from(v: DecodeView) -> Self {
+        Self {
+            global_len: v.global_len,
+            next_position: v.next_position,
+            owner_rank: v.owner_rank,
+            inactive: v.inactive,
+            local_len: v.local_len,
+            past_seen_len: v.past_seen_len,
+        }
+    }
+}
+
+#[pymethods]
+impl PyDecodeView {
+    fn __repr__(&self) -> String {
+        format!(
+            "DecodeView(global_len={}, next_position={}, owner_rank={}, inactive={}, local_len={}, past_seen_len={})",
+            self.global_len,
+            self.next_position,
+            self.owner_rank,
+            if self.inactive { "True" } else { "False" },
+            self.local_len,
+            self.past_seen_len
+        )
+    }
+}
+
+/// A request's holdings and counters (see `Ledger.request`).
+#[pyclass(frozen, get_all, module = "helix_kv._core", name = "RequestState")]
+pub struct PyRequestState {
+    /// The request id.
+    request_id: u64,
+    /// Global tokens reserved.
+    length: u64,
+    /// Prompt length, generated tokens folded in by recompute included.
+    prompt_len: u64,
+    /// Decode tokens allocated since the last (re-)prefill.
+    decode_count: u64,
+    /// Superblocks held.
+    superblocks: u32,
+    /// Whether the KV is suspended to a lower tier.
+    suspended: bool,
+}
+
+impl From<&RequestKv> for PyRequestState {
+    fn from(r: &RequestKv) -> Self {
+        Self {
+            request_id: r.id(),
+            length: r.len(),
+            prompt_len: r.prompt_len(),
+            decode_count: r.decode_count(),
+            superblocks: r.table().len() as u32,
+            suspended: r.is_suspended(),
+        }
+    }
+}
+
+#[pymethods]
+impl PyRequestState {
+    fn __repr__(&self) -> String {
+        format!(
+            "RequestState(request_id={}, length={}, prompt_len={}, decode_count={}, superblocks={}, suspended={})",
+            self.request_id,
+            self.length,
+            self.prompt_len,
+            self.decode_count,
+            self.superblocks,
+            if self.suspended { "True" } else { "False" }
+        )
+    }
+}
+
+/// Shared by `Ledger` and `Scheduler`: the padded block table of `ids`.
+pub fn block_table<'py>(
+    py: Python<'py>,
+    ledger: &Ledger,
+    ids: &[u64],
+    width: Option<usize>,
+) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    let width = match width {
+        Some(w) => w,
+        None => ledger.max_table_len(ids).py()?,
+    };
+    let mut out = vec![0i32; ids.len() * width];
+    py.detach(|| ledger.block_table_into(ids, width, &mut out))
+        .py()?;
+    let table = Array2::from_shape_vec((ids.len(), width), out)
+        .map_err(|e| InvalidArgumentError::new_err(e.to_string()))?;
+    Ok(table.into_pyarray(py))
+}
+
+/// Shared by `Ledger` and `Scheduler`: this rank's slots for the new tokens.
+pub fn slot_mapping<'py>(
+    py: Python<'py>,
+    ledger: &Ledger,
+    ids: &Bound<'py, PyAny>,
+    starts: &Bound<'py, PyAny>,
+    counts: &Bound<'py, PyAny>,
+    rank: u32,
+) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    let ids = u64_vec(ids, "request ids", false)?;
+    let starts = u64_vec(starts, "starts", true)?;
+    let counts = u64_vec(counts, "counts", true)?;
+    let mut out = Vec::new();
+    py.detach(|| ledger.slot_mapping_into(&ids, &starts, &counts, rank, &mut out))
+        .py()?;
+    Ok(PyArray1::from_vec(py, out))
+}
+
+#[pymethods]
+impl PyLedger {
+    #[new]
+    #[pyo3(signature = (layout, capacity_superblocks))]
+    fn new(layout: PyLayout, capacity_superblocks: u32) -> PyResult<Self> {
+        Ok(Self {
+            inner: Ledger::new(layout.inner, capacity_superblocks).py()?,
+        })
+    }
+
+    /// The token placement.
+    #[getter]
+    fn layout(&self) -> PyLayout {
+        PyLayout {
+            inner: self.inner.layout(),
+        }
+    }
+    /// Total superblocks.
+    #[getter]
+    fn capacity(&self) -> u32 {
+        self.inner.capacity()
+    }
+    /// Global tokens the whole pool holds.
+    #[getter]
+    fn capacity_tokens(&self) -> u64 {
+        self.inner.capacity_tokens()
+    }
+    /// Superblocks not held by any request.
+    #[getter]
+    fn free_superblocks(&self) -> u32 {
+        self.inner.free_superblocks()
+    }
+    /// Superblocks held by requests.
+    #[getter]
+    fn used_superblocks(&self) -> u32 {
+        self.inner.used_superblocks()
+    }
+    fn __len__(&self) -> usize {
+        self.inner.num_requests()
+    }
+    fn __contains__(&self, request_id: i64) -> bool {
+        u64::try_from(request_id).is_ok_and(|id| self.inner.contains(id))
+    }
+
+    /// Starts tracking a request; it holds nothing yet.
+    fn add(&mut self, request_id: i64, prompt_len: i64) -> PyResult<()> {
+        let id = self::request_id(request_id)?;
+        self.inner.add(id, length(prompt_len, "prompt_len")?).py()
+    }
+    /// Reserves room for `new_len` global tokens; False (nothing changed) if the pool is short.
+    fn grow(&mut self, request_id: i64, new_len: i64) -> PyResult<bool> {
+        let id = self::request_id(request_id)?;
+        self.inner.grow(id, length(new_len, "new_len")?).py()
+    }
+    /// Gives back everything past `new_len` global tokens.
+    fn shrink(&mut self, request_id: i64, new_len: i64) -> PyResult<()> {
+        let id = self::request_id(request_id)?;
+        self.inner.shrink(id, length(new_len, "new_len")?).py()
+    }
+    /// Frees every superblock of the request and forgets it.
+    fn free(&mut self, request_id: i64) -> PyResult<()> {
+        self.inner.free(self::request_id(request_id)?).py()
+    }
+    /// Batch grow: a bool per request. Validated whole before anything is applied.
+    fn grow_many<'py>(
+        &mut self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+        new_lens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
+        let ids = u64_vec(request_ids, "request ids", false)?;
+        let lens = u64_vec(new_lens, "lengths", true)?;
+        let mut ok = Vec::with_capacity(ids.len());
+        let ledger = &mut self.inner;
+        py.detach(|| ledger.grow_many(&ids, &lens, &mut ok)).py()?;
+        Ok(PyArray1::from_vec(py, ok))
+    }
+    /// Batch free. Validated whole before anything is freed.
+    fn free_many(&mut self, py: Python<'_>, request_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = u64_vec(request_ids, "request ids", false)?;
+        let ledger = &mut self.inner;
+        py.detach(|| ledger.free_many(&ids)).py()
+    }
+    /// Reserves the next decode token in `step`; its global position, or None if the pool is short.
+    fn allocate_decode(&mut self, request_id: i64, step: u64) -> PyResult<Option<u64>> {
+        self.inner
+            .allocate_decode(self::request_id(request_id)?, step)
+            .py()
+    }
+    /// Undoes the decode allocation made in `step`, if any.
+    fn revert_decode(&mut self, request_id: i64, step: u64) -> PyResult<bool> {
+        self.inner
+            .revert_decode(self::request_id(request_id)?, step)
+            .py()
+    }
+    /// Recompute-pause: frees the pages, folds generated tokens into the prompt, resets the decode counter.
+    fn reset_for_recompute(&mut self, request_id: i64, generated_tokens: i64) -> PyResult<()> {
+        let id = self::request_id(request_id)?;
+        self.inner
+            .reset_for_recompute(id, length(generated_tokens, "generated_tokens")?)
+            .py()
+    }
+    /// Suspends the request to a lower tier; returns the superblocks freed.
+    fn suspend(&mut self, request_id: i64) -> PyResult<u32> {
+        self.inner.suspend(self::request_id(request_id)?).py()
+    }
+    /// Reserves a suspended request's length again; False (still suspended) if the pool is short.
+    fn resume(&mut self, request_id: i64) -> PyResult<bool> {
+        self.inner.resume(self::request_id(request_id)?).py()
+    }
+    /// What `rank` sees of the request.
+    fn view(&self, request_id: i64, rank: u32) -> PyResult<PyDecodeView> {
+        Ok(self
+            .inner
+            .view(self::request_id(request_id)?, rank)
+            .py()?
+            .into())
+    }
+    /// The request's holdings and counters.
+    fn request(&self, request_id: i64) -> PyResult<PyRequestState> {
+        Ok(self
+            .inner
+            .request(self::request_id(request_id)?)
+            .py()?
+            .into())
+    }
+    /// Superblock ids of the request in sequence order (int32).
+    fn table<'py>(&self, py: Python<'py>, request_id: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let request = self.inner.request(self::request_id(request_id)?).py()?;
+        Ok(PyArray1::from_vec(
+            py,
+            request.table().iter().map(|&p| p as i32).collect(),
+        ))
+    }
+    /// `(request_ids int64, superblocks int32)`, sorted by id.
+    fn holdings<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i32>>) {
+        let (ids, counts): (Vec<i64>, Vec<i32>) = self
+            .inner
+            .holdings()
+            .into_iter()
+            .map(|(id, n)| (id as i64, n as i32))
+            .unzip();
+        (PyArray1::from_vec(py, ids), PyArray1::from_vec(py, counts))
+    }
+    /// Page-table rows of `request_ids` (int32, `[len(ids), width]`, -1 padded); width
+    /// defaults to the widest table.
+    #[pyo3(signature = (request_ids, width=None))]
+    fn block_table<'py>(
+        &self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+        width: Option<usize>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let ids = u64_vec(request_ids, "request ids", false)?;
+        block_table(py, &self.inner, &ids, width)
+    }
+    /// This rank's slot per new token (int64; -1 where another rank owns the token).
+    fn slot_mapping<'py>(
+        &self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+        starts: &Bound<'py, PyAny>,
+        counts: &Bound<'py, PyAny>,
+        rank: u32,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        slot_mapping(py, &self.inner, request_ids, starts, counts, rank)
+    }
+    /// 64-bit fingerprint of the whole ledger state; equal ledgers, equal digests.
+    fn state_digest(&self) -> u64 {
+        self.inner.state_digest()
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "Ledger(cp={}, tokens_per_block={}, capacity={}, free={}, requests={})",
+            self.inner.layout().cp(),
+            self.inner.layout().tokens_per_block(),
+            self.inner.capacity(),
+            self.inner.free_superblocks(),
+            self.inner.num_requests()
+        )
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyLedger>()?;
+    m.add_class::<PyDecodeView>()?;
+    m.add_class::<PyRequestState>()?;
+    Ok(())
+}
