@@ -148,7 +148,8 @@ pub fn slot_mapping<'py>(
 impl PyLedger {
     #[new]
     #[pyo3(signature = (layout, capacity_superblocks))]
-    fn new(layout: PyLayout, capacity_superblocks: u32) -> PyResult<Self> {
+    #[allow(clippy::trivially_copy_pass_by_ref)] // PyO3 hands pyclass arguments by reference
+    fn new(layout: &PyLayout, capacity_superblocks: u32) -> PyResult<Self> {
         Ok(Self {
             inner: Ledger::new(layout.inner, capacity_superblocks).py()?,
         })
