@@ -463,7 +463,8 @@ impl Ledger {
             .iter()
             .map(|&id| self.slot_of(id))
             .collect::<Result<Vec<_>>>()?;
-        for (row, slot) in out.chunks_exact_mut(width.max(1)).zip(slots) {
+        for (i, slot) in slots.into_iter().enumerate() {
+            let row = &mut out[i * width..(i + 1) * width];
             let table = &self.requests[slot].table;
             if table.len() > width {
                 return Err(CoreError::InvalidArgument(format!(
