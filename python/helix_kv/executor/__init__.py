@@ -1,0 +1,40 @@
+"""Reference Helix executor: torch KV pool, Helix attention and a tiny transformer.
+
+This subpackage imports torch; ``import helix_kv`` never imports it. Import it explicitly::
+
+    from helix_kv.executor import KVPool, TinyTransformer, run_prompts
+"""
+
+from helix_kv.executor.attention import (
+    PAD_KEY_POSITION,
+    PAD_QUERY_POSITION,
+    PartialAttention,
+    all_gather_combine,
+    combine_partial_list,
+    combine_partials,
+    partial_attention,
+    reference_attention,
+)
+from helix_kv.executor.kv_pool import AttentionGroup, KVPool, StepBatch
+from helix_kv.executor.model import TinyConfig, TinyTransformer, group_combine
+from helix_kv.executor.placement import RankPlacement
+from helix_kv.executor.step_plan import StepPlan
+
+__all__ = [
+    "PAD_KEY_POSITION",
+    "PAD_QUERY_POSITION",
+    "AttentionGroup",
+    "KVPool",
+    "PartialAttention",
+    "RankPlacement",
+    "StepBatch",
+    "StepPlan",
+    "TinyConfig",
+    "TinyTransformer",
+    "all_gather_combine",
+    "combine_partial_list",
+    "combine_partials",
+    "group_combine",
+    "partial_attention",
+    "reference_attention",
+]

@@ -1,0 +1,200 @@
+"""Per-rank paged KV pool and the device tensors of one step.
+
+The pool holds ``[layers, num_pages * tokens_per_block, kv_heads, head_dim]`` key and value
+tensors, indexed by physical page id (superblock id == page id on every rank). A
+:class:`StepBatch` is the device form of a :class:`~helix_kv.executor.step_plan.StepPlan`: every
+host index array is packed into one (pinned, on CUDA) buffer and copied asynchronously, then
+the per-request key gather indices are expanded on the device from the block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from helix_kv.executor.attention import PAD_QUERY_POSITION
+from helix_kv.executor.placement import RankPlacement
+from helix_kv.executor.staging import HostToDeviceStager
+from helix_kv.executor.step_plan import StepPlan
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """A contiguous run of entries attended together as one padded batch.
+
+    Decode entries (one query each) and context chunks form separate groups, so a long chunk
+    never pads every decode row to its length.
+
+    Attributes:
+        query_index: ``[entries, q_len]`` flat token row of each query (0 for padding).
+        query_positions: ``[entries, q_len]`` global positions, ``-1`` for padding.
+        key_slots: ``[entries, k_len]`` pool slot of each local key (0 for padding).
+        key_positions: ``[entries, k_len]`` global key positions, int64 max for padding.
+        unpad_index: rows of the flattened ``[entries * q_len]`` output that are real tokens,
+            in flat token order; ``None`` when there is no padding.
+    """
+
+    query_index: torch.Tensor
+    query_positions: torch.Tensor
+    key_slots: torch.Tensor
+    key_positions: torch.Tensor
+    unpad_index: Optional[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Device tensors of one step on one rank (all int64 on the pool's device).
+
+    ``block_table``, ``slot_mapping``, ``local_lens`` and ``past_seen_lens`` are the step's
+    rows in entry order (generation entries, then context chunks). ``write_token_index`` /
+    ``write_slots`` are the tokens this rank owns and where their KV goes (the ``>= 0`` part
+    of ``slot_mapping``, selected on the host so the write never syncs).
+    """
+
+    plan: StepPlan
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    write_token_index: torch.Tensor
+    write_slots: torch.Tensor
+    block_table: torch.Tensor
+    local_lens: torch.Tensor
+    past_seen_lens: torch.Tensor
+    sample_index: torch.Tensor
+    groups: Tuple[AttentionGroup, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens run in the step."""
+        return self.plan.num_tokens
+
+
+class KVPool:
+    """One rank's paged KV cache.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: model geometry.
+        placement: this rank's Helix placement (cp, tokens per block, rank).
+        capacity_superblocks: ledger capacity; the pool holds one page per superblock.
+        dtype, device: storage of the cache tensors.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        placement: RankPlacement,
+        capacity_superblocks: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if capacity_superblocks < 1:
+            raise ValueError("a KV pool needs at least one superblock")
+        self.placement = placement
+        self.num_pages = capacity_superblocks
+        self.device = torch.device(device)
+        slots = capacity_superblocks * placement.tokens_per_block
+        shape = (num_layers, slots, num_kv_heads, head_dim)
+        self.key_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.value_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._stager = HostToDeviceStager(self.device)
+
+    @staticmethod
+    def superblocks_for_bytes(
+        byte_budget: int, num_layers: int, num_kv_heads: int, head_dim: int,
+        tokens_per_block: int, dtype: torch.dtype,
+    ) -> int:
+        """Whole pages (= superblocks) one rank's KV byte budget holds (before the MIN sync)."""
+        element = torch.empty((), dtype=dtype).element_size()
+        page_bytes = 2 * num_layers * tokens_per_block * num_kv_heads * head_dim * element
+        return byte_budget // page_bytes
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per layer on this rank."""
+        return int(self.key_cache.shape[1])
+
+    def prepare(self, plan: StepPlan) -> StepBatch:
+        """Stage ``plan`` on the device: one async copy, then device-side key expansion."""
+        if plan.placement != self.placement:
+            raise ValueError(f"plan placement {plan.placement} != pool {self.placement}")
+        owned = np.flatnonzero(plan.slot_mapping >= 0)
+        group_bounds = _group_bounds(plan)
+        host_groups = [_host_group(plan, start, end) for start, end in group_bounds]
+        host_arrays: List[np.ndarray] = [
+            plan.token_ids, plan.positions(), plan.slot_mapping, owned,
+            plan.slot_mapping[owned], plan.block_table, plan.local_lens, plan.past_seen_lens,
+            plan.sample_index,
+        ]
+        for group in host_groups:
+            host_arrays.extend(group.arrays)
+        staged = self._stager.stage(host_arrays)
+        (token_ids, positions, slot_mapping, write_index, write_slots, block_table, local_lens,
+         past_seen, sample_index) = staged[:9]
+        groups = []
+        for number, (host, (start, end)) in enumerate(zip(host_groups, group_bounds)):
+            base = 9 + number * len(host.arrays)
+            query_index, query_positions, *unpad = staged[base:base + len(host.arrays)]
+            key_slots, key_positions = self.placement.key_slots_and_positions(
+                block_table[start:end], local_lens[start:end], host.key_len
+            )
+            groups.append(AttentionGroup(query_index, query_positions, key_slots,
+                                         key_positions, unpad[0] if unpad else None))
+        return StepBatch(plan, token_ids, positions, slot_mapping, write_index, write_slots,
+                         block_table, local_lens, past_seen, sample_index, tuple(groups))
+
+    def write(self, layer: int, batch: StepBatch, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the KV of the step's tokens that this rank owns (``slot_mapping >= 0``).
+
+        ``key`` / ``value``: ``[tokens, kv_heads, head_dim]`` for every token of the step.
+        """
+        index = batch.write_token_index
+        self.key_cache[layer].index_copy_(0, batch.write_slots, key[index].to(self.key_cache.dtype))
+        self.value_cache[layer].index_copy_(
+            0, batch.write_slots, value[index].to(self.value_cache.dtype)
+        )
+
+    def gather(self, layer: int, group: AttentionGroup) -> Tuple[torch.Tensor, torch.Tensor]:
+        """This rank's keys and values of a group's requests: ``[entries, k_len, kv_heads, D]``."""
+        return self.key_cache[layer][group.key_slots], self.value_cache[layer][group.key_slots]
+
+    def read_tokens(self, layer: int, slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at explicit slots (for tests and debugging)."""
+        return self.key_cache[layer][slots], self.value_cache[layer][slots]
+
+
+@dataclass(frozen=True)
+class _HostGroup:
+    arrays: List[np.ndarray]  # query_index, query_positions[, unpad_index]
+    key_len: int
+
+
+def _group_bounds(plan: StepPlan) -> List[Tuple[int, int]]:
+    bounds = [(0, plan.num_generation), (plan.num_generation, plan.num_entries)]
+    return [(start, end) for start, end in bounds if end > start]
+
+
+def _host_group(plan: StepPlan, start: int, end: int) -> _HostGroup:
+    counts = plan.counts[start:end]
+    offsets = plan.token_offsets[start:end]
+    q_len = int(counts.max())
+    column = np.arange(q_len, dtype=np.int64)
+    valid = column < counts[:, None]
+    query_index = np.where(valid, offsets[:, None] + column, 0)
+    query_positions = np.where(valid, plan.starts[start:end, None] + column, PAD_QUERY_POSITION)
+    arrays = [query_index, query_positions]
+    if not valid.all():
+        arrays.append(np.flatnonzero(valid.ravel()))
+    key_len = int(plan.local_lens[start:end].max())
+    width = plan.block_table.shape[1] if plan.block_table.ndim == 2 else 0
+    if width * plan.placement.tokens_per_block < key_len:
+        raise ValueError(
+            f"block table width {width} cannot hold {key_len} local tokens at "
+            f"{plan.placement.tokens_per_block} tokens per block"
+        )
+    return _HostGroup(arrays, key_len)
+

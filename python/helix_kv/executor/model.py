@@ -1,0 +1,186 @@
+"""A tiny deterministic decoder-only transformer that attends through the Helix KV pool.
+
+Weights are drawn from a seeded ``torch.Generator`` in float64 on the CPU and then cast, so
+every rank, device and dtype starts from the same numbers; nothing is downloaded. The model
+is replicated on every rank of the CP group: activations are identical everywhere and only
+the KV is sharded, so attention is the one place the ranks exchange data (one all-gather per
+layer, see :func:`~helix_kv.executor.attention.all_gather_combine`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from helix_kv.executor.attention import (
+    PartialAttention,
+    all_gather_combine,
+    partial_attention,
+)
+from helix_kv.executor.kv_pool import KVPool, StepBatch
+from helix_kv.executor.placement import RankPlacement
+
+#: Turns this rank's partial attention into the CP group's combined attention.
+Combine = Callable[[PartialAttention], PartialAttention]
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """Geometry and seed of the reference model."""
+
+    vocab_size: int = 96
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even for RoPE")
+
+    def to_dict(self) -> Dict[str, object]:
+        """Plain-dict form (picklable, printable)."""
+        return asdict(self)
+
+
+class TinyTransformer:
+    """Decoder-only transformer: RMSNorm, RoPE on global positions, GQA, SiLU-gated MLP.
+
+    Args:
+        config: geometry and seed.
+        dtype, device: where the weights live and the forward runs.
+    """
+
+    def __init__(
+        self, config: TinyConfig, dtype: torch.dtype = torch.float64,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        generator = torch.Generator().manual_seed(config.seed)
+        c = config
+
+        def draw(*shape: int, std: float) -> torch.Tensor:
+            values = torch.randn(*shape, generator=generator, dtype=torch.float64) * std
+            return values.to(dtype=dtype, device=self.device)
+
+        def ones(size: int) -> torch.Tensor:
+            return torch.ones(size, dtype=dtype, device=self.device)
+
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.embedding = draw(c.vocab_size, c.hidden_size, std=1.0)
+        self.layers = []
+        for _ in range(c.num_layers):
+            self.layers.append({
+                "attn_norm": ones(c.hidden_size),
+                "wq": draw(c.hidden_size, q_width, std=c.hidden_size ** -0.5),
+                "wk": draw(c.hidden_size, kv_width, std=c.hidden_size ** -0.5),
+                "wv": draw(c.hidden_size, kv_width, std=c.hidden_size ** -0.5),
+                "wo": draw(q_width, c.hidden_size, std=q_width ** -0.5),
+                "mlp_norm": ones(c.hidden_size),
+                "w_gate": draw(c.hidden_size, c.intermediate_size, std=c.hidden_size ** -0.5),
+                "w_up": draw(c.hidden_size, c.intermediate_size, std=c.hidden_size ** -0.5),
+                "w_down": draw(c.intermediate_size, c.hidden_size,
+                               std=c.intermediate_size ** -0.5),
+            })
+        self.final_norm = ones(c.hidden_size)
+        if c.tie_embeddings:
+            self.lm_head = self.embedding.t()
+        else:
+            self.lm_head = draw(c.hidden_size, c.vocab_size, std=c.hidden_size ** -0.5)
+        half = c.head_dim // 2
+        exponents = torch.arange(half, dtype=torch.float64) * 2.0 / c.head_dim
+        self._inv_freq = (c.rope_theta ** -exponents).to(self.device)
+
+    def new_kv_pool(self, placement: RankPlacement, capacity_superblocks: int,
+                    kv_dtype: Optional[torch.dtype] = None) -> KVPool:
+        """A KV pool shaped for this model on its device."""
+        return KVPool(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim,
+                      placement, capacity_superblocks, kv_dtype or self.dtype, self.device)
+
+    @torch.no_grad()
+    def forward(self, batch: StepBatch, pool: KVPool, combine: Optional[Combine] = None
+                ) -> torch.Tensor:
+        """Run the step's tokens, writing their KV to ``pool``; final hidden states ``[tokens, H]``.
+
+        ``combine`` merges this rank's partial attention with its peers' (default: all-gather
+        over the default process group, or the local combine without one).
+        """
+        combine = combine or all_gather_combine
+        hidden = self.embedding[batch.token_ids]
+        cos, sin = self._rope_tables(batch.positions)
+        for layer, weights in enumerate(self.layers):
+            attn_in = _rms_norm(hidden, weights["attn_norm"], self.config.rms_eps)
+            hidden = hidden + self._attention(layer, weights, attn_in, cos, sin, batch, pool,
+                                              combine)
+            mlp_in = _rms_norm(hidden, weights["mlp_norm"], self.config.rms_eps)
+            gate = torch.nn.functional.silu(mlp_in @ weights["w_gate"])
+            hidden = hidden + (gate * (mlp_in @ weights["w_up"])) @ weights["w_down"]
+        return _rms_norm(hidden, self.final_norm, self.config.rms_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits of the given hidden rows."""
+        return hidden @ self.lm_head
+
+    def _attention(
+        self, layer: int, weights: Dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, batch: StepBatch, pool: KVPool, combine: Combine,
+    ) -> torch.Tensor:
+        c = self.config
+        tokens = x.shape[0]
+        query = _apply_rope((x @ weights["wq"]).view(tokens, c.num_heads, c.head_dim), cos, sin)
+        key = _apply_rope((x @ weights["wk"]).view(tokens, c.num_kv_heads, c.head_dim), cos, sin)
+        value = (x @ weights["wv"]).view(tokens, c.num_kv_heads, c.head_dim)
+        pool.write(layer, batch, key, value)
+        outputs, lses = [], []
+        for group in batch.groups:
+            keys, values = pool.gather(layer, group)
+            part = partial_attention(query[group.query_index], keys.to(query.dtype),
+                                     values.to(query.dtype), group.query_positions,
+                                     group.key_positions)
+            output = part.output.reshape(-1, c.num_heads, c.head_dim)
+            lse = part.lse.reshape(-1, c.num_heads)
+            if group.unpad_index is not None:
+                output, lse = output[group.unpad_index], lse[group.unpad_index]
+            outputs.append(output)
+            lses.append(lse)
+        combined = combine(PartialAttention(torch.cat(outputs), torch.cat(lses)))
+        return combined.output.to(x.dtype).reshape(tokens, -1) @ weights["wo"]
+
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.to(torch.float64)[:, None] * self._inv_freq[None, :]
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    normed = work * torch.rsqrt(work.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return normed.to(x.dtype) * weight
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE; ``x``: ``[tokens, heads, head_dim]``, tables ``[tokens, head_dim/2]``."""
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+
+def group_combine(group: Optional[dist.ProcessGroup]) -> Combine:
+    """The :data:`Combine` of a CP process group (``None``: the default group)."""
+    return lambda partial: all_gather_combine(partial, group)
+
+
+__all__ = ["Combine", "TinyConfig", "TinyTransformer", "group_combine"]
