@@ -25,12 +25,15 @@ OPS = st.one_of(
         st.just("grow_many"), st.lists(IDS, max_size=4), st.lists(LENS, min_size=4, max_size=4)
     ),
     st.tuples(st.just("free_many"), st.lists(IDS, max_size=3)),
+    st.tuples(
+        st.just("add_many"), st.lists(IDS, max_size=3), st.lists(LENS, min_size=3, max_size=3)
+    ),
 )
 
 
 def apply(ledger: helix_kv.Ledger, op: tuple) -> str:
     name, *args = op
-    if name == "grow_many":
+    if name in ("grow_many", "add_many"):
         ids, lens = args
         args = [np.array(ids, dtype=np.int64), np.array(lens[: len(ids)], dtype=np.int64)]
     try:

@@ -87,7 +87,11 @@ pub struct Ledger {
     /// A stack: the last element is handed out next. Its order depends only on the
     /// sequence of calls, never on addresses or hashing.
     free: Vec<SuperblockId>,
+    /// A slab: freed entries stay (emptied, table capacity kept) and are reused from
+    /// `vacant`, so steady-state admission allocates nothing.
     requests: Vec<RequestKv>,
+    /// Stack of vacant positions in `requests`.
+    vacant: Vec<usize>,
     /// Id -> position in `requests`; used for lookups only, never iterated.
     index: FxHashMap<RequestId, usize>,
 }
@@ -105,6 +109,7 @@ impl Ledger {
             capacity,
             free: (0..capacity).rev().collect(),
             requests: Vec::new(),
+            vacant: Vec::new(),
             index: FxHashMap::default(),
         })
     }
@@ -131,7 +136,7 @@ impl Ledger {
     }
     /// Live requests.
     pub fn num_requests(&self) -> usize {
-        self.requests.len()
+        self.index.len()
     }
     /// Whether `id` is held.
     pub fn contains(&self, id: RequestId) -> bool {
@@ -167,9 +172,14 @@ impl Ledger {
     /// Holdings as `(id, superblocks)`, sorted by id.
     pub fn holdings(&self) -> Vec<(RequestId, u32)> {
         let mut out: Vec<_> = self
-            .requests
-            .iter()
-            .map(|r| (r.id, r.table.len() as u32))
+            .index
+            .values()
+            .map(|&slot| {
+                (
+                    self.requests[slot].id,
+                    self.requests[slot].table.len() as u32,
+                )
+            })
             .collect();
         out.sort_unstable();
         out
@@ -192,8 +202,13 @@ impl Ledger {
             return Err(CoreError::DuplicateRequest(id));
         }
         self.check_len(prompt_len)?;
-        self.index.insert(id, self.requests.len());
-        self.requests.push(RequestKv {
+        self.insert_checked(id, prompt_len);
+        Ok(())
+    }
+
+    /// Inserts a request whose id and length were validated.
+    fn insert_checked(&mut self, id: RequestId, prompt_len: u64) {
+        let fresh = RequestKv {
             id,
             table: Vec::new(),
             len: 0,
@@ -201,20 +216,67 @@ impl Ledger {
             decode_count: 0,
             decode_step: None,
             suspended_len: None,
-        });
+        };
+        let slot = if let Some(slot) = self.vacant.pop() {
+            let entry = &mut self.requests[slot];
+            let table = std::mem::take(&mut entry.table);
+            *entry = RequestKv { table, ..fresh };
+            slot
+        } else {
+            self.requests.push(fresh);
+            self.requests.len() - 1
+        };
+        self.index.insert(id, slot);
+    }
+
+    /// Batch `add`; validated whole (no repeated or held id, lengths in range) first.
+    pub fn add_many(&mut self, ids: &[RequestId], prompt_lens: &[u64]) -> Result<()> {
+        if ids.len() != prompt_lens.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} ids but {} prompt lengths",
+                ids.len(),
+                prompt_lens.len()
+            )));
+        }
+        if let Some(repeated) = first_repeat(ids) {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {repeated} appears twice in one batch"
+            )));
+        }
+        for (&id, &len) in ids.iter().zip(prompt_lens) {
+            if self.contains(id) {
+                return Err(CoreError::DuplicateRequest(id));
+            }
+            self.check_len(len)?;
+        }
+        for (&id, &len) in ids.iter().zip(prompt_lens) {
+            self.insert_checked(id, len);
+        }
         Ok(())
     }
 
     fn check_grow(&self, id: RequestId, new_len: u64) -> Result<usize> {
         let slot = self.active_slot_of(id)?;
-        self.check_len(new_len)?;
-        let current = self.requests[slot].len;
-        if new_len < current {
-            return Err(CoreError::InvalidLength(format!(
-                "grow of request {id} to {new_len} tokens is below its {current} tokens; use shrink"
+        self.check_grow_slot(slot, new_len)?;
+        Ok(slot)
+    }
+
+    fn check_grow_slot(&self, slot: usize, new_len: u64) -> Result<()> {
+        let request = &self.requests[slot];
+        if request.is_suspended() {
+            return Err(CoreError::InvalidState(format!(
+                "request {} is suspended; resume it first",
+                request.id
             )));
         }
-        Ok(slot)
+        self.check_len(new_len)?;
+        if new_len < request.len {
+            return Err(CoreError::InvalidLength(format!(
+                "grow of request {} to {new_len} tokens is below its {} tokens; use shrink",
+                request.id, request.len
+            )));
+        }
+        Ok(())
     }
 
     /// Applies a validated grow; `false` (and no change) if the pool is short.
@@ -260,11 +322,26 @@ impl Ledger {
 
     fn remove_slot(&mut self, slot: usize) {
         self.shrink_slot(slot, 0);
-        let removed = self.requests.swap_remove(slot);
-        self.index.remove(&removed.id);
-        if let Some(moved) = self.requests.get(slot) {
-            self.index.insert(moved.id, slot);
-        }
+        self.index.remove(&self.requests[slot].id);
+        self.vacate(slot);
+    }
+
+    /// Makes an emptied slab entry reusable (its table keeps its capacity).
+    fn vacate(&mut self, slot: usize) {
+        let entry = &mut self.requests[slot];
+        let mut table = std::mem::take(&mut entry.table);
+        table.clear();
+        // Canonical contents, so equality never depends on what a vacant entry once held.
+        *entry = RequestKv {
+            id: 0,
+            table,
+            len: 0,
+            prompt_len: 0,
+            decode_count: 0,
+            decode_step: None,
+            suspended_len: None,
+        };
+        self.vacant.push(slot);
     }
 
     /// Frees every superblock of `id` and forgets it.
@@ -274,17 +351,20 @@ impl Ledger {
         Ok(())
     }
 
-    fn check_unique(ids: &[RequestId]) -> Result<()> {
-        let mut seen = rustc_hash::FxHashSet::default();
-        seen.reserve(ids.len());
-        for &id in ids {
-            if !seen.insert(id) {
-                return Err(CoreError::InvalidArgument(format!(
-                    "request {id} appears twice in one batch"
-                )));
-            }
-        }
-        Ok(())
+    /// Slots of `ids`, refusing unknown ids and ids repeated within the batch.
+    fn unique_slots(&self, ids: &[RequestId]) -> Result<Vec<usize>> {
+        let mut seen = vec![false; self.requests.len()];
+        ids.iter()
+            .map(|&id| {
+                let slot = self.slot_of(id)?;
+                if std::mem::replace(&mut seen[slot], true) {
+                    return Err(CoreError::InvalidArgument(format!(
+                        "request {id} appears twice in one batch"
+                    )));
+                }
+                Ok(slot)
+            })
+            .collect()
     }
 
     /// Batch grow: `ok[i]` says whether `ids[i]` reached `new_lens[i]`. The whole batch is
@@ -303,12 +383,10 @@ impl Ledger {
                 new_lens.len()
             )));
         }
-        Self::check_unique(ids)?;
-        let slots = ids
-            .iter()
-            .zip(new_lens)
-            .map(|(&id, &len)| self.check_grow(id, len))
-            .collect::<Result<Vec<_>>>()?;
+        let slots = self.unique_slots(ids)?;
+        for (&slot, &len) in slots.iter().zip(new_lens) {
+            self.check_grow_slot(slot, len)?;
+        }
         ok.clear();
         ok.extend(
             slots
@@ -321,12 +399,7 @@ impl Ledger {
 
     /// Batch free; validated whole before anything is freed.
     pub fn free_many(&mut self, ids: &[RequestId]) -> Result<()> {
-        Self::check_unique(ids)?;
-        for &id in ids {
-            self.slot_of(id)?;
-        }
-        for &id in ids {
-            let slot = self.index[&id];
+        for slot in self.unique_slots(ids)? {
             self.remove_slot(slot);
         }
         Ok(())
@@ -537,7 +610,7 @@ impl Ledger {
         let mut h = crate::digest::Fnv64::new();
         h.u64(u64::from(self.capacity));
         h.u32s(&self.free);
-        let mut order: Vec<usize> = (0..self.requests.len()).collect();
+        let mut order: Vec<usize> = self.index.values().copied().collect();
         order.sort_unstable_by_key(|&i| self.requests[i].id);
         for i in order {
             let r = &self.requests[i];
@@ -551,4 +624,11 @@ impl Ledger {
         }
         h.finish()
     }
+}
+
+/// The first id that occurs a second time in `ids`.
+fn first_repeat(ids: &[RequestId]) -> Option<RequestId> {
+    let mut seen = rustc_hash::FxHashSet::default();
+    seen.reserve(ids.len());
+    ids.iter().copied().find(|&id| !seen.insert(id))
 }

@@ -208,6 +208,18 @@ impl PyLedger {
     fn free(&mut self, request_id: i64) -> PyResult<()> {
         self.inner.free(self::request_id(request_id)?).py()
     }
+    /// Batch add. Validated whole before anything is added.
+    fn add_many(
+        &mut self,
+        py: Python<'_>,
+        request_ids: &Bound<'_, PyAny>,
+        prompt_lens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ids = u64_vec(request_ids, "request ids", false)?;
+        let lens = u64_vec(prompt_lens, "prompt lengths", true)?;
+        let ledger = &mut self.inner;
+        py.detach(|| ledger.add_many(&ids, &lens)).py()
+    }
     /// Batch grow: a bool per request. Validated whole before anything is applied.
     fn grow_many<'py>(
         &mut self,
