@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helix_kv.executor import KVPool, RankPlacement, StepPlan, TinyConfig, TinyTransformer
+from helix_kv.executor.reference import dense_logits
 
 TOL = 1e-11
 TPB = 4
@@ -131,42 +132,9 @@ def test_float32_model_is_close_to_float64(model):
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
 
 
-def dense_reference_logits(model: TinyTransformer, tokens: np.ndarray) -> torch.Tensor:
-    """The same network written densely (no pool, no plan): causal attention over a prefix."""
-    c = model.config
-    n = len(tokens)
-    pos = torch.arange(n, dtype=torch.float64)
-    half = c.head_dim // 2
-    inv_freq = c.rope_theta ** -(torch.arange(half, dtype=torch.float64) * 2 / c.head_dim)
-    cos, sin = (pos[:, None] * inv_freq).cos()[:, None], (pos[:, None] * inv_freq).sin()[:, None]
-
-    def rope(x: torch.Tensor) -> torch.Tensor:
-        a, b = x[..., :half], x[..., half:]
-        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-
-    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + c.rms_eps) * w
-
-    h = model.embedding[torch.as_tensor(tokens)]
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    for w in model.layers:
-        x = norm(h, w["attn_norm"])
-        q = rope((x @ w["wq"]).view(n, c.num_heads, c.head_dim))
-        k = rope((x @ w["wk"]).view(n, c.num_kv_heads, c.head_dim))
-        v = (x @ w["wv"]).view(n, c.num_kv_heads, c.head_dim)
-        rep = c.num_heads // c.num_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / c.head_dim ** 0.5
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        h = h + torch.einsum("hqk,khd->qhd", probs, v).reshape(n, -1) @ w["wo"]
-        x = norm(h, w["mlp_norm"])
-        h = h + (torch.nn.functional.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
-    return norm(h, model.final_norm) @ model.lm_head
-
-
 def test_paged_forward_matches_dense_reference(model):
     tokens = prompt(1, 37)
     pool = new_pool(model)
     paged = torch.cat([run_step(model, pool, [(1, 0, tokens[:13])]),
                        run_step(model, pool, [(1, 13, tokens[13:])])])
-    torch.testing.assert_close(paged, dense_reference_logits(model, tokens), atol=TOL, rtol=TOL)
+    torch.testing.assert_close(paged, dense_logits(model, tokens), atol=TOL, rtol=TOL)

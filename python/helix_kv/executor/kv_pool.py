@@ -136,9 +136,10 @@ class KVPool:
         (token_ids, positions, slot_mapping, write_index, write_slots, block_table, local_lens,
          past_seen, sample_index) = staged[:9]
         groups = []
-        for number, (host, (start, end)) in enumerate(zip(host_groups, group_bounds)):
-            base = 9 + number * len(host.arrays)
+        base = 9
+        for host, (start, end) in zip(host_groups, group_bounds):
             query_index, query_positions, *unpad = staged[base:base + len(host.arrays)]
+            base += len(host.arrays)
             key_slots, key_positions = self.placement.key_slots_and_positions(
                 block_table[start:end], local_lens[start:end], host.key_len
             )

@@ -1,0 +1,259 @@
+"""One process per CP rank: drive helix_kv's scheduler and run the tiny model through the pool.
+
+The loop every rank runs (the embedding pattern for a real executor)::
+
+    out = scheduler.schedule()                      # identical on every rank
+    plan = StepPlan.from_schedule(scheduler, out, placement)
+    batch = pool.prepare(plan)                      # pinned staging + async copy + device tables
+    hidden = model.forward(batch, pool, combine)    # writes owned KV, one all-gather per layer
+    tokens = greedy(model.logits(hidden[batch.sample_index]))  # sample_ids order
+    finished = scheduler.update(tokens)
+
+:func:`run_rank` runs that loop to completion in the calling process (cp = 1, or inside an
+initialised process group); :func:`run_group` spawns the ranks (gloo on CPU, NCCL on GPUs)
+and checks that they agree.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from helix_kv.executor.launch import spawn_group
+from helix_kv.executor.model import TinyConfig, TinyTransformer, group_combine
+from helix_kv.executor.placement import RankPlacement
+from helix_kv.executor.step_plan import StepPlan
+
+Prompts = Mapping[int, Sequence[int]]
+
+SCHEDULER_METRICS = ("steps", "preemptions", "suspensions", "recomputed_tokens",
+                     "computed_tokens", "sat_out", "finished", "kv_used_superblocks",
+                     "kv_capacity_superblocks", "kv_utilization", "kv_utilization_peak")
+REQUEST_METRICS = ("preemptions", "recomputed_tokens", "steps_waited", "generated_tokens")
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """What one run needs besides the prompts (picklable, identical on every rank).
+
+    ``kv_superblocks`` is this rank's pool size before the group agrees on the minimum
+    (DESIGN.md section 3). ``scheduler_options`` go to ``helix_kv.SchedulerConfig`` as they are
+    (e.g. ``victim_policy``, ``max_preemptions_per_request``).
+    """
+
+    cp: int = 1
+    tokens_per_block: int = 4
+    kv_superblocks: int = 64
+    max_batch_size: int = 16
+    max_num_tokens: int = 128
+    model: TinyConfig = field(default_factory=TinyConfig)
+    dtype: str = "float64"
+    kv_dtype: Optional[str] = None
+    device: str = "cpu"
+    record_logits: bool = False
+    time_table_build: bool = False
+    max_steps: int = 100_000
+    scheduler_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def with_(self, **changes: Any) -> ExecutorConfig:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+
+@dataclass
+class RunResult:
+    """What one rank saw: outputs, scheduler metrics, per-step trace and timings."""
+
+    rank: int
+    outputs: Dict[int, List[int]]
+    metrics: Dict[str, float]
+    request_metrics: Dict[int, Dict[str, float]]
+    digests: List[int]
+    preempted: List[List[int]]
+    capacity_superblocks: int
+    logits: Dict[int, np.ndarray] = field(default_factory=dict)
+    total_s: float = 0.0
+    tokens_run: int = 0
+    preempted_while_decoding: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    table_build_us: List[float] = field(default_factory=list)
+
+    @property
+    def preemptions(self) -> int:
+        """Requests recompute-paused over the run (counted from the schedule outputs)."""
+        return sum(len(step) for step in self.preempted)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second over steps that ran decode entries only."""
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def table_build_us_median(self) -> float:
+        """Median µs per step to build the step's device tables (plan + stage + expand)."""
+        return float(np.median(self.table_build_us)) if self.table_build_us else 0.0
+
+
+def run_rank(
+    prompts: Prompts,
+    max_new_tokens: Union[int, Mapping[int, int]],
+    config: ExecutorConfig,
+    group: Optional[dist.ProcessGroup] = None,
+) -> RunResult:
+    """Run every prompt to completion on this rank; greedy decoding.
+
+    With ``config.cp > 1`` a process group of ``cp`` ranks must be initialised (``group`` or
+    the default group); this process is its rank ``dist.get_rank(group)``.
+    """
+    import helix_kv  # the extension; torch-free
+
+    rank = dist.get_rank(group) if config.cp > 1 else 0
+    if config.cp > 1 and dist.get_world_size(group) != config.cp:
+        raise ValueError(f"cp = {config.cp} but the process group has "
+                         f"{dist.get_world_size(group)} ranks")
+    device = _device(config.device)
+    dtype = getattr(torch, config.dtype)
+    model = TinyTransformer(config.model, dtype=dtype, device=device)
+    capacity = _agree_on_capacity(config.kv_superblocks, config.cp, device, group)
+    placement = RankPlacement(config.cp, config.tokens_per_block, rank)
+    pool = model.new_kv_pool(placement, capacity,
+                             getattr(torch, config.kv_dtype) if config.kv_dtype else None)
+    scheduler = helix_kv.Scheduler(helix_kv.SchedulerConfig(
+        cp_size=config.cp, cp_rank=rank, tokens_per_block=config.tokens_per_block,
+        kv_superblocks=capacity, max_batch_size=config.max_batch_size,
+        max_num_tokens=config.max_num_tokens, **dict(config.scheduler_options),
+    ))
+    for request_id, prompt in prompts.items():
+        budget = (max_new_tokens if isinstance(max_new_tokens, int)
+                  else max_new_tokens[request_id])
+        scheduler.add_request(int(request_id), np.asarray(prompt, dtype=np.int32), budget)
+
+    combine = group_combine(group)
+    result = RunResult(rank, {}, {}, {}, [], [], capacity)
+    logits_rows: Dict[int, List[np.ndarray]] = {}
+    decoding: set = set()  # requests that decoded since their last (re-)admission
+    started = time.perf_counter()
+    while scheduler.has_unfinished():
+        if len(result.digests) >= config.max_steps:
+            raise RuntimeError(f"no completion after {config.max_steps} steps")
+        step_start = time.perf_counter()
+        out = scheduler.schedule()
+        plan = StepPlan.from_schedule(scheduler, out, placement)
+        batch = pool.prepare(plan)
+        if config.time_table_build:
+            _synchronize(device)
+            result.table_build_us.append((time.perf_counter() - step_start) * 1e6)
+        sample_ids = np.asarray(out.sample_ids, dtype=np.int64)
+        tokens = torch.zeros(len(sample_ids), dtype=torch.int64, device=device)
+        if plan.num_tokens:
+            logits = model.logits(model.forward(batch, pool, combine)[batch.sample_index])
+            tokens = logits.argmax(dim=-1)
+            if config.record_logits:
+                _record_logits(logits_rows, sample_ids, logits)
+        if config.cp > 1 and len(sample_ids):
+            # ranks compute identical logits; broadcasting makes identical tokens a guarantee
+            dist.broadcast(tokens, src=dist.get_global_rank(group, 0) if group else 0,
+                           group=group)
+        finished = scheduler.update(tokens.cpu().numpy().astype(np.int32))
+        _account_step(result, out, plan, time.perf_counter() - step_start, decoding)
+        for request_id in np.asarray(finished, dtype=np.int64).tolist():
+            result.outputs[request_id] = np.asarray(scheduler.take_output(request_id)).tolist()
+            result.request_metrics[request_id] = _fields(
+                scheduler.request_metrics(request_id), REQUEST_METRICS)
+    result.total_s = time.perf_counter() - started
+    result.metrics = _fields(scheduler.metrics(), SCHEDULER_METRICS)
+    result.logits = {rid: np.stack(rows) for rid, rows in logits_rows.items()}
+    return result
+
+
+def run_group(
+    jobs: Sequence[tuple],
+    cp: int,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+    threads_per_rank: int = 1,
+) -> List[List[RunResult]]:
+    """Run ``(prompts, max_new_tokens, config)`` jobs one after another on a spawned CP group.
+
+    All jobs share one group of ``cp`` processes (``config.cp`` must equal ``cp``). Returns,
+    per job, the result of every rank, after checking that the ranks agree on every step's
+    digest, on the preempted requests and on the generated tokens.
+    """
+    for _, _, config in jobs:
+        if config.cp != cp:
+            raise ValueError(f"job for cp = {config.cp} in a group of {cp}")
+    per_rank = spawn_group(_group_worker, cp, args=(list(jobs),), backend=backend,
+                           timeout_s=timeout_s, threads_per_rank=threads_per_rank)
+    per_job = [[per_rank[rank][job] for rank in range(cp)] for job in range(len(jobs))]
+    for results in per_job:
+        check_ranks_agree(results)
+    return per_job
+
+
+def check_ranks_agree(results: Sequence[RunResult]) -> None:
+    """Raise if the ranks of one run disagree on decisions or outputs."""
+    first = results[0]
+    for other in results[1:]:
+        for name in ("digests", "preempted", "outputs"):
+            if getattr(other, name) != getattr(first, name):
+                raise AssertionError(f"rank {other.rank} differs from rank {first.rank} in {name}")
+
+
+def _group_worker(rank: int, world_size: int, jobs: List[tuple]) -> List[RunResult]:
+    return [run_rank(prompts, max_new, config) for prompts, max_new, config in jobs]
+
+
+def _device(name: str) -> torch.device:
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _agree_on_capacity(superblocks: int, cp: int, device: torch.device,
+                       group: Optional[dist.ProcessGroup]) -> int:
+    """The group's pool size: MIN over the ranks' own capacities (DESIGN.md section 3)."""
+    if cp == 1:
+        return superblocks
+    value = torch.tensor([superblocks], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return int(value.item())
+
+
+def _record_logits(rows: Dict[int, List[np.ndarray]], sample_ids: np.ndarray,
+                   logits: torch.Tensor) -> None:
+    host = logits.float().cpu().numpy() if logits.dtype == torch.bfloat16 else logits.cpu().numpy()
+    for request_id, row in zip(sample_ids.tolist(), host):
+        rows.setdefault(request_id, []).append(row)
+
+
+def _account_step(result: RunResult, out: Any, plan: StepPlan, seconds: float,
+                  decoding: set) -> None:
+    result.digests.append(int(out.digest))
+    preempted = np.asarray(out.preempted_ids, dtype=np.int64).tolist()
+    result.preempted.append(preempted)
+    result.preempted_while_decoding += len(decoding.intersection(preempted))
+    decoding.difference_update(preempted)
+    decoding.update(np.asarray(out.generation_ids, dtype=np.int64).tolist())
+    result.tokens_run += plan.num_tokens
+    if plan.num_generation and plan.num_generation == plan.num_entries:
+        result.decode_steps += 1
+        result.decode_tokens += plan.num_generation
+        result.decode_s += seconds
+
+
+def _fields(source: Any, names: Sequence[str]) -> Dict[str, float]:
+    if hasattr(source, "to_dict"):
+        return dict(source.to_dict())
+    return {name: getattr(source, name) for name in names if hasattr(source, name)}
