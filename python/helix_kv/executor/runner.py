@@ -83,6 +83,7 @@ class RunResult:
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_s: float = 0.0
+    schedule_us: List[float] = field(default_factory=list)
     table_build_us: List[float] = field(default_factory=list)
 
     @property
@@ -145,11 +146,13 @@ def run_rank(
             raise RuntimeError(f"no completion after {config.max_steps} steps")
         step_start = time.perf_counter()
         out = scheduler.schedule()
+        build_start = time.perf_counter()
+        result.schedule_us.append((build_start - step_start) * 1e6)
         plan = StepPlan.from_schedule(scheduler, out, placement)
         batch = pool.prepare(plan)
         if config.time_table_build:
             _synchronize(device)
-            result.table_build_us.append((time.perf_counter() - step_start) * 1e6)
+            result.table_build_us.append((time.perf_counter() - build_start) * 1e6)
         sample_ids = np.asarray(out.sample_ids, dtype=np.int64)
         tokens = torch.zeros(len(sample_ids), dtype=torch.int64, device=device)
         if plan.num_tokens:

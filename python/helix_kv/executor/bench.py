@@ -1,0 +1,98 @@
+"""Decode throughput and table-build time of the reference executor (CPU/gloo or GPU/NCCL).
+
+Used by ``benches/gpu_executor.py`` and by the CUDA tests, which print the figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from helix_kv.executor.model import TinyConfig
+from helix_kv.executor.runner import ExecutorConfig, RunResult, run_group, run_rank
+
+#: A model big enough that the GPU does real work per step, small enough to build in seconds.
+BENCH_MODEL = TinyConfig(vocab_size=4096, hidden_size=1024, num_layers=4, num_heads=16,
+                         num_kv_heads=4, head_dim=64, intermediate_size=2816, seed=0)
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """One measured workload."""
+
+    cp: int = 2
+    requests: int = 64
+    prompt_len: int = 512
+    new_tokens: int = 128
+    tokens_per_block: int = 32
+    kv_tokens: Optional[int] = None  # global KV budget; None: room for every request at once
+    max_batch_size: int = 64
+    max_num_tokens: int = 8192
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    model: TinyConfig = BENCH_MODEL
+    seed: int = 0
+
+
+def synthetic_prompts(count: int, length: int, vocab_size: int, seed: int
+                      ) -> Dict[int, List[int]]:
+    """``count`` random prompts of ``length`` tokens, ids ``0..count-1``."""
+    rng = np.random.default_rng(seed)
+    return {i: rng.integers(0, vocab_size, size=length).tolist() for i in range(count)}
+
+
+def executor_config(spec: BenchSpec, time_table_build: bool) -> ExecutorConfig:
+    """The executor configuration of a workload."""
+    kv_tokens = spec.kv_tokens or spec.requests * (spec.prompt_len + spec.new_tokens)
+    superblock = spec.tokens_per_block * spec.cp
+    return ExecutorConfig(
+        cp=spec.cp, tokens_per_block=spec.tokens_per_block,
+        kv_superblocks=max(1, kv_tokens // superblock), max_batch_size=spec.max_batch_size,
+        max_num_tokens=spec.max_num_tokens, model=spec.model, dtype=spec.dtype,
+        device=spec.device, time_table_build=time_table_build,
+    )
+
+
+def measure(spec: BenchSpec, timeout_s: float = 300.0) -> Dict[str, float]:
+    """Run the workload twice on one group: once timing the table build (a device sync per
+    step), once untimed for throughput. Returns rank 0's figures."""
+    prompts = synthetic_prompts(spec.requests, spec.prompt_len, spec.model.vocab_size, spec.seed)
+    jobs = [(prompts, spec.new_tokens, executor_config(spec, time_table_build=True)),
+            (prompts, spec.new_tokens, executor_config(spec, time_table_build=False))]
+    if spec.cp == 1:
+        timed, untimed = (run_rank(*job) for job in jobs)
+    else:
+        backend = "nccl" if spec.device == "cuda" else "gloo"
+        per_job = run_group(jobs, spec.cp, backend=backend, timeout_s=timeout_s)
+        timed, untimed = per_job[0][0], per_job[1][0]
+    return figures(timed, untimed)
+
+
+def figures(timed: RunResult, untimed: RunResult) -> Dict[str, float]:
+    """The reported numbers of one measured workload."""
+    build = np.asarray(timed.table_build_us[1:] or timed.table_build_us)  # drop the warm-up
+    return {
+        "decode_tokens_per_s": untimed.decode_tokens_per_s,
+        "decode_steps": float(untimed.decode_steps),
+        "decode_step_ms": 1e3 * untimed.decode_s / max(untimed.decode_steps, 1),
+        "tokens_per_s_overall": untimed.tokens_run / untimed.total_s,
+        "table_build_us_median": float(np.median(build)),
+        "table_build_us_p90": float(np.percentile(build, 90)),
+        "schedule_us_median": float(np.median(untimed.schedule_us)),
+        "steps": float(len(untimed.digests)),
+        "preemptions": float(untimed.preemptions),
+        "capacity_superblocks": float(untimed.capacity_superblocks),
+    }
+
+
+def format_figures(spec: BenchSpec, numbers: Dict[str, float]) -> str:
+    """One readable line per figure."""
+    device = (torch.cuda.get_device_name(0) if spec.device == "cuda" and torch.cuda.is_available()
+              else spec.device)
+    head = (f"helix_kv executor: cp={spec.cp} {spec.dtype} on {device}, {spec.requests} requests "
+            f"x {spec.prompt_len} prompt + {spec.new_tokens} new, tpb={spec.tokens_per_block}")
+    lines = [head] + [f"  {name}: {value:,.1f}" for name, value in numbers.items()]
+    return "\n".join(lines)
