@@ -46,11 +46,15 @@ def synthetic_prompts(count: int, length: int, vocab_size: int, seed: int
 
 def executor_config(spec: BenchSpec, time_table_build: bool) -> ExecutorConfig:
     """The executor configuration of a workload."""
-    kv_tokens = spec.kv_tokens or spec.requests * (spec.prompt_len + spec.new_tokens)
     superblock = spec.tokens_per_block * spec.cp
+    if spec.kv_tokens is None:  # every request's whole sequence at once
+        per_request = -(-(spec.prompt_len + spec.new_tokens) // superblock)
+        superblocks = spec.requests * per_request
+    else:
+        superblocks = max(1, spec.kv_tokens // superblock)
     return ExecutorConfig(
         cp=spec.cp, tokens_per_block=spec.tokens_per_block,
-        kv_superblocks=max(1, kv_tokens // superblock), max_batch_size=spec.max_batch_size,
+        kv_superblocks=superblocks, max_batch_size=spec.max_batch_size,
         max_num_tokens=spec.max_num_tokens, model=spec.model, dtype=spec.dtype,
         device=spec.device, time_table_build=time_table_build,
     )
