@@ -37,6 +37,14 @@ impl Fnv64 {
             self.bytes(&v.to_le_bytes());
         }
     }
+    /// Mixes in one whole word: one multiply by a dense odd constant, then a fold of the
+    /// high half down. Cheaper than [`Fnv64::u64`] (one multiply instead of eight) for
+    /// the per-step schedule digest, and each call is a bijection of the state, so two
+    /// inputs that differ in exactly one word always give different digests.
+    pub fn word(&mut self, v: u64) {
+        let mixed = (self.0 ^ v).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = mixed ^ (mixed >> 32);
+    }
     /// The fingerprint so far.
     pub fn finish(self) -> u64 {
         self.0

@@ -17,6 +17,10 @@ pub struct RequestKv {
     prompt_len: u64,
     decode_count: u64,
     decode_step: Option<u64>,
+    /// What the last decode allocation replaced, so `revert_decode` is an exact undo
+    /// (a reservation longer than the decode token, e.g. a whole-output admission,
+    /// survives it, and the step marker returns to its previous value).
+    decode_undo: Option<DecodeUndo>,
     /// Length to restore on resume while the KV sits in a lower (host) tier.
     suspended_len: Option<u64>,
 }
@@ -58,6 +62,13 @@ impl RequestKv {
     pub fn next_decode_position(&self) -> u64 {
         self.prompt_len + self.decode_count
     }
+}
+
+/// The state a decode allocation replaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct DecodeUndo {
+    step: Option<u64>,
+    len: u64,
 }
 
 /// What one rank sees of a request: lengths on that rank and whether it owns the next
@@ -215,6 +226,7 @@ impl Ledger {
             prompt_len,
             decode_count: 0,
             decode_step: None,
+            decode_undo: None,
             suspended_len: None,
         };
         let slot = if let Some(slot) = self.vacant.pop() {
@@ -339,6 +351,7 @@ impl Ledger {
             prompt_len: 0,
             decode_count: 0,
             decode_step: None,
+            decode_undo: None,
             suspended_len: None,
         };
         self.vacant.push(slot);
@@ -422,28 +435,37 @@ impl Ledger {
             )));
         }
         self.check_len(pos + 1)?;
-        let new_len = request.len.max(pos + 1);
+        let len_before = request.len;
+        let new_len = len_before.max(pos + 1);
         if !self.grow_slot(slot, new_len) {
             return Ok(None);
         }
         let request = &mut self.requests[slot];
+        request.decode_undo = Some(DecodeUndo {
+            step: request.decode_step,
+            len: len_before,
+        });
         request.decode_count += 1;
         request.decode_step = Some(step);
         Ok(Some(pos))
     }
 
     /// Undoes the decode allocation that `id` made in `step`, if any (a step that was
-    /// scheduled but not run). Returns whether there was one.
+    /// scheduled but not run). Returns whether there was one. It is an exact undo: the
+    /// length and the step marker return to what they were before the allocation (so
+    /// `state_digest` does too), and only the latest allocation can be undone.
     pub fn revert_decode(&mut self, id: RequestId, step: u64) -> Result<bool> {
         let slot = self.active_slot_of(id)?;
         let request = &mut self.requests[slot];
         if request.decode_step != Some(step) {
             return Ok(false);
         }
+        let Some(undo) = request.decode_undo.take() else {
+            return Ok(false);
+        };
         request.decode_count -= 1;
-        request.decode_step = None;
-        let pos = request.next_decode_position();
-        self.shrink_slot(slot, pos);
+        request.decode_step = undo.step;
+        self.shrink_slot(slot, undo.len);
         Ok(true)
     }
 
@@ -467,6 +489,7 @@ impl Ledger {
         request.prompt_len = new_prompt;
         request.decode_count = 0;
         request.decode_step = None;
+        request.decode_undo = None;
         request.suspended_len = None;
         Ok(())
     }
@@ -481,6 +504,7 @@ impl Ledger {
         let request = &mut self.requests[slot];
         request.suspended_len = Some(len);
         request.decode_step = None;
+        request.decode_undo = None;
         Ok(held)
     }
 

@@ -11,10 +11,15 @@ pub mod digest;
 pub mod error;
 pub mod layout;
 pub mod ledger;
+pub mod scheduler;
 
 pub use error::{CoreError, Result};
 pub use layout::Layout;
 pub use ledger::{DecodeView, Ledger, RequestKv};
+pub use scheduler::{
+    CapacityPolicy, RequestMetrics, RequestState, ScheduleOutput, Scheduler, SchedulerConfig,
+    SchedulerMetrics, ServingMode, VictimPolicy,
+};
 
 /// A request's id, chosen by the caller; unique among live requests.
 pub type RequestId = u64;

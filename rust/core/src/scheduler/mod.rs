@@ -1,0 +1,433 @@
+//! The preemptive, rank-invariant scheduler (docs/internals/scheduler.md).
+//!
+//! Every rank of a CP group runs its own [`Scheduler`] over its own copy of the
+//! [`Ledger`]. A decision reads only the queue (arrival order), request sizes in global
+//! tokens, priorities, the configuration and the ledger, all identical on every rank by
+//! construction, so every rank schedules, preempts and places tokens identically
+//! without talking to the others. `cp_rank` selects which per-rank fields a schedule
+//! reports and nothing else.
+//!
+//! A step is `schedule()` followed by either `update()` (it ran) or `revert()` (it did
+//! not). Every call that returns an error has changed nothing.
+
+mod commit;
+mod config;
+mod metrics;
+mod output;
+mod request;
+mod slots;
+mod step;
+mod victim;
+
+use rustc_hash::FxHashMap;
+
+pub use config::{CapacityPolicy, SchedulerConfig, ServingMode, VictimPolicy};
+pub use metrics::{RequestMetrics, SchedulerMetrics};
+pub use output::ScheduleOutput;
+pub use request::RequestState;
+
+use crate::digest::Fnv64;
+use crate::error::{CoreError, Result};
+use crate::layout::Layout;
+use crate::ledger::Ledger;
+use crate::RequestId;
+use request::Request;
+use slots::BatchSlots;
+use victim::VictimFinder;
+
+/// Index of a request in [`Scheduler::requests`]; stable while the request is live.
+type ReqSlot = u32;
+
+/// A generation entry of the step being built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct GenerationEntry {
+    req: ReqSlot,
+    position: u64,
+}
+
+/// A context entry of the step being built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct ContextEntry {
+    req: ReqSlot,
+    start: u64,
+    len: u64,
+}
+
+/// A ledger change made by the step being built, undone (newest first) by `revert`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum JournalEntry {
+    Decode(ReqSlot),
+    Reserve { req: ReqSlot, len_before: u64 },
+    Resume(ReqSlot),
+}
+
+/// A finished request whose output has not been taken yet.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct FinishedRequest {
+    generated: Vec<i32>,
+    metrics: RequestMetrics,
+}
+
+/// The scheduler of one rank. See the module docs.
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    layout: Layout,
+    ledger: Ledger,
+    /// Dense request storage; `index` maps ids to positions here (lookups only).
+    requests: Vec<Request>,
+    free_request_slots: Vec<ReqSlot>,
+    index: FxHashMap<RequestId, ReqSlot>,
+    /// Live requests in arrival order: the queue order every decision walks.
+    queue: Vec<ReqSlot>,
+    state_counts: [usize; RequestState::COUNT],
+    finished: FxHashMap<RequestId, FinishedRequest>,
+    batch_slots: BatchSlots,
+    host_used_superblocks: u32,
+    /// Number the next `schedule()` takes.
+    next_step: u64,
+    /// Whether the last schedule is waiting for `update` or `revert`.
+    pending: bool,
+    /// Consecutive scheduled steps that had live requests and made no progress.
+    stalled_steps: u32,
+    stalled_steps_before: u32,
+    metrics: SchedulerMetrics,
+
+    // Per-step scratch, kept to reuse the allocations.
+    output: ScheduleOutput,
+    generation: Vec<GenerationEntry>,
+    context: Vec<ContextEntry>,
+    /// Requests of the final generation entries, in output order (for `update`).
+    generation_reqs: Vec<ReqSlot>,
+    journal: Vec<JournalEntry>,
+    new_slot_reqs: Vec<ReqSlot>,
+    sat_out_reqs: Vec<ReqSlot>,
+    /// `(victim, requester)` pairs of this step, in the order chosen.
+    preempted: Vec<(RequestId, RequestId)>,
+    suspended: Vec<(RequestId, RequestId)>,
+    resumed: Vec<RequestId>,
+    finished_ids: Vec<RequestId>,
+    victims: VictimFinder,
+    step_tokens: u64,
+    /// Entries of this step that still need a new batch slot (assigned at the end).
+    step_new_slots: u32,
+    step_preempted: bool,
+}
+
+impl Scheduler {
+    /// A scheduler with an empty queue and a fresh ledger of
+    /// `config.capacity_superblocks` superblocks.
+    pub fn new(config: SchedulerConfig) -> Result<Self> {
+        config.validate()?;
+        let layout = config.layout()?;
+        let ledger = Ledger::new(layout, config.capacity_superblocks)?;
+        Ok(Self {
+            layout,
+            ledger,
+            requests: Vec::new(),
+            free_request_slots: Vec::new(),
+            index: FxHashMap::default(),
+            queue: Vec::new(),
+            state_counts: [0; RequestState::COUNT],
+            finished: FxHashMap::default(),
+            batch_slots: BatchSlots::new(config.max_batch_size),
+            host_used_superblocks: 0,
+            next_step: 0,
+            pending: false,
+            stalled_steps: 0,
+            stalled_steps_before: 0,
+            metrics: SchedulerMetrics {
+                kv_capacity_superblocks: config.capacity_superblocks,
+                ..SchedulerMetrics::default()
+            },
+            output: ScheduleOutput::default(),
+            generation: Vec::new(),
+            context: Vec::new(),
+            generation_reqs: Vec::new(),
+            journal: Vec::new(),
+            new_slot_reqs: Vec::new(),
+            sat_out_reqs: Vec::new(),
+            preempted: Vec::new(),
+            suspended: Vec::new(),
+            resumed: Vec::new(),
+            finished_ids: Vec::new(),
+            victims: VictimFinder::new(config.victim_policy),
+            step_tokens: 0,
+            step_new_slots: 0,
+            step_preempted: false,
+            config,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// The token placement.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// The ledger (read-only: the scheduler is the only writer).
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    /// Queues a request behind every live one. Rejected (nothing changed) for a
+    /// duplicate id, an empty prompt, `max_new_tokens == 0`, or a request that could
+    /// never be scheduled (the error names the limit).
+    pub fn add_request(
+        &mut self,
+        id: RequestId,
+        prompt: &[i32],
+        max_new_tokens: u32,
+        priority: i32,
+    ) -> Result<()> {
+        if self.index.contains_key(&id) || self.finished.contains_key(&id) {
+            return Err(CoreError::DuplicateRequest(id));
+        }
+        if prompt.is_empty() {
+            return Err(CoreError::InvalidLength(format!(
+                "request {id} has an empty prompt"
+            )));
+        }
+        if max_new_tokens == 0 {
+            return Err(CoreError::InvalidLength(format!(
+                "request {id} asks for max_new_tokens = 0; it must generate at least one token"
+            )));
+        }
+        self.check_fits(id, prompt.len() as u64, u64::from(max_new_tokens))?;
+        self.ledger.add(id, prompt.len() as u64)?;
+        let request = Request::new(
+            id,
+            prompt,
+            max_new_tokens,
+            priority,
+            self.first_step_for_new_request(),
+        );
+        let slot = if let Some(slot) = self.free_request_slots.pop() {
+            self.requests[slot as usize] = request;
+            slot
+        } else {
+            self.requests.push(request);
+            (self.requests.len() - 1) as ReqSlot
+        };
+        self.index.insert(id, slot);
+        self.queue.push(slot);
+        self.state_counts[RequestState::Waiting.index()] += 1;
+        Ok(())
+    }
+
+    /// A request added while a step is pending did not take part in it.
+    fn first_step_for_new_request(&self) -> u64 {
+        self.next_step
+    }
+
+    fn check_fits(&self, id: RequestId, prompt: u64, max_new: u64) -> Result<()> {
+        let too_large = |reason: String| Err(CoreError::RequestTooLarge { id, reason });
+        let total = prompt + max_new;
+        if total > self.config.max_seq_len {
+            return too_large(format!(
+                "prompt ({prompt}) + max_new_tokens ({max_new}) = {total} tokens exceed max_seq_len = {}",
+                self.config.max_seq_len
+            ));
+        }
+        let needed = self.layout.superblocks_for(total);
+        if needed > u64::from(self.config.capacity_superblocks) {
+            return too_large(format!(
+                "prompt + max_new_tokens = {total} tokens need {needed} superblocks, more than the whole KV pool \
+                 ({} superblocks = {} tokens)",
+                self.config.capacity_superblocks,
+                self.ledger.capacity_tokens()
+            ));
+        }
+        if !self.config.enable_chunked_prefill {
+            // A recompute-paused request re-prefills everything it has, up to the
+            // prompt and all but its last token, in one step.
+            let (longest, what) = if self.config.may_preempt() {
+                (
+                    total - 1,
+                    "a re-prefill after preemption (prompt + max_new_tokens - 1)",
+                )
+            } else {
+                (prompt, "the prompt")
+            };
+            if longest > u64::from(self.config.max_num_tokens) {
+                return too_large(format!(
+                    "without chunked prefill {what} takes {longest} tokens in one step, more than \
+                     max_num_tokens = {}; enable chunked prefill or raise max_num_tokens",
+                    self.config.max_num_tokens
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn req_slot(&self, id: RequestId) -> Result<ReqSlot> {
+        self.index
+            .get(&id)
+            .copied()
+            .ok_or(CoreError::UnknownRequest(id))
+    }
+
+    fn set_state(&mut self, req: ReqSlot, state: RequestState) {
+        let request = &mut self.requests[req as usize];
+        self.state_counts[request.state.index()] -= 1;
+        self.state_counts[state.index()] += 1;
+        request.state = state;
+    }
+
+    /// The state of a live request.
+    pub fn request_state(&self, id: RequestId) -> Result<RequestState> {
+        Ok(self.requests[self.req_slot(id)? as usize].state)
+    }
+
+    /// Prompt (with any folded tokens) plus generated tokens of a live request.
+    pub fn tokens(&self, id: RequestId) -> Result<&[i32]> {
+        Ok(&self.requests[self.req_slot(id)? as usize].tokens)
+    }
+
+    /// The generated tokens of a finished request; each output can be taken once, after
+    /// which its id may be used again.
+    pub fn take_output(&mut self, id: RequestId) -> Result<Vec<i32>> {
+        if self.index.contains_key(&id) {
+            return Err(CoreError::InvalidState(format!(
+                "request {id} has not finished yet"
+            )));
+        }
+        self.finished
+            .remove(&id)
+            .map(|finished| finished.generated)
+            .ok_or(CoreError::UnknownRequest(id))
+    }
+
+    /// Ids of finished requests whose output has not been taken, ascending.
+    pub fn untaken_outputs(&self) -> Vec<RequestId> {
+        let mut ids: Vec<RequestId> = self.finished.keys().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// Live requests.
+    pub fn num_live(&self) -> usize {
+        self.queue.len()
+    }
+    /// Live requests with nothing computed (new, or recompute-paused).
+    pub fn num_waiting(&self) -> usize {
+        self.state_counts[RequestState::Waiting.index()]
+    }
+    /// Live requests holding KV in the GPU pool (prefilling or decoding).
+    pub fn num_running(&self) -> usize {
+        self.state_counts[RequestState::Prefilling.index()]
+            + self.state_counts[RequestState::Decoding.index()]
+    }
+    /// Live requests suspended to the host tier.
+    pub fn num_suspended(&self) -> usize {
+        self.state_counts[RequestState::Suspended.index()]
+    }
+    /// Whether any request is live.
+    pub fn has_unfinished(&self) -> bool {
+        !self.queue.is_empty()
+    }
+    /// Ids of live requests in queue order.
+    pub fn queue_ids(&self) -> Vec<RequestId> {
+        self.queue
+            .iter()
+            .map(|&r| self.requests[r as usize].id)
+            .collect()
+    }
+    /// The schedule of the last successful `schedule()` (empty before the first).
+    pub fn last_output(&self) -> &ScheduleOutput {
+        &self.output
+    }
+    /// Whether a schedule awaits `update` or `revert`.
+    pub fn is_step_pending(&self) -> bool {
+        self.pending
+    }
+
+    /// Totals, with KV use as of now.
+    pub fn metrics(&self) -> SchedulerMetrics {
+        let used = self.ledger.used_superblocks();
+        SchedulerMetrics {
+            kv_used_superblocks: used,
+            kv_utilization: f64::from(used) / f64::from(self.config.capacity_superblocks),
+            ..self.metrics
+        }
+    }
+
+    /// Counters of a live request, or of a finished one whose output is not taken yet.
+    pub fn request_metrics(&self, id: RequestId) -> Result<RequestMetrics> {
+        if let Some(&req) = self.index.get(&id) {
+            let r = &self.requests[req as usize];
+            return Ok(RequestMetrics {
+                preemptions: r.preemptions,
+                recomputed_tokens: r.recomputed_tokens,
+                steps_waited: r.steps_waited,
+                generated_tokens: r.generated(),
+            });
+        }
+        self.finished
+            .get(&id)
+            .map(|f| f.metrics)
+            .ok_or(CoreError::UnknownRequest(id))
+    }
+
+    /// Block tables of `ids` (superblock ids == page ids on every rank), row-major
+    /// `ids.len() x width`, padded with -1; `width` defaults to the widest table.
+    pub fn block_table(
+        &self,
+        ids: &[RequestId],
+        width: Option<usize>,
+    ) -> Result<(Vec<i32>, usize)> {
+        let width = match width {
+            Some(width) => width,
+            None => self.ledger.max_table_len(ids)?,
+        };
+        let mut out = vec![-1; ids.len() * width];
+        self.ledger.block_table_into(ids, width, &mut out)?;
+        Ok((out, width))
+    }
+
+    /// This rank's KV slot for each new token (`starts[i] .. starts[i] + counts[i]` of
+    /// `ids[i]`), -1 where another rank owns the token.
+    pub fn slot_mapping(
+        &self,
+        ids: &[RequestId],
+        starts: &[u64],
+        counts: &[u64],
+    ) -> Result<Vec<i64>> {
+        let mut out = Vec::new();
+        self.ledger
+            .slot_mapping_into(ids, starts, counts, self.config.cp_rank, &mut out)?;
+        Ok(out)
+    }
+
+    /// A fingerprint of everything that drives decisions: the ledger, the queue and
+    /// every live request's progress, slots and counters. Equal on every rank of a
+    /// group that was fed the same calls (`cp_rank` is left out), and unchanged by a
+    /// `schedule()` + `revert()` that preempted nothing (step numbers are left out).
+    pub fn state_digest(&self) -> u64 {
+        let mut h = Fnv64::new();
+        h.u64(self.ledger.state_digest());
+        h.u64(u64::from(self.pending));
+        h.u64(u64::from(self.stalled_steps));
+        h.u64(u64::from(self.host_used_superblocks));
+        h.u64(self.queue.len() as u64);
+        for &req in &self.queue {
+            let r = &self.requests[req as usize];
+            h.u64(r.id);
+            h.u64(r.state.index() as u64);
+            h.u64(r.computed);
+            h.u64(r.tokens.len() as u64);
+            for &token in &r.tokens {
+                h.word(u64::from(token as u32));
+            }
+            h.u64(r.batch_slot.map_or(u64::MAX, u64::from));
+            h.u64(u64::from(r.preemptions));
+            h.u64(u64::from(r.host_superblocks));
+        }
+        h.u64(self.finished.len() as u64);
+        h.finish()
+    }
+}

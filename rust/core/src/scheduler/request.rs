@@ -1,0 +1,129 @@
+//! A request as the scheduler tracks it. The ledger owns the placement counters; this
+//! holds the tokens, progress and bookkeeping that decide what to schedule.
+
+use crate::RequestId;
+
+/// Where a live request stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RequestState {
+    /// Nothing computed: a new request, or one recompute-paused and waiting to re-prefill.
+    Waiting,
+    /// Part of the prompt computed (`0 < computed < prompt`).
+    Prefilling,
+    /// Prompt computed; decodes one token per step.
+    Decoding,
+    /// KV moved to the host tier (`NonHelix` only); holds no superblocks.
+    Suspended,
+}
+
+impl RequestState {
+    /// Number of states, for per-state counters.
+    pub(super) const COUNT: usize = 4;
+
+    /// Dense index for per-state counters.
+    pub(super) fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Lower-case name, as used by the Python surface.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Waiting => "waiting",
+            Self::Prefilling => "prefilling",
+            Self::Decoding => "decoding",
+            Self::Suspended => "suspended",
+        }
+    }
+}
+
+/// Marks "not in any step"; steps are numbered from 0.
+pub(super) const NO_STEP: u64 = u64::MAX;
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(super) struct Request {
+    pub id: RequestId,
+    pub state: RequestState,
+    /// Prompt, then every sampled token; folded tokens stay here, so a re-prefill reads
+    /// its chunks straight from this vector.
+    pub tokens: Vec<i32>,
+    /// Length of the prompt as added; `tokens.len() - original_prompt_len` is the number
+    /// of tokens generated so far, across preemptions.
+    pub original_prompt_len: u64,
+    /// Tokens whose KV has been written since the last (re-)prefill began. For a
+    /// `Decoding` request `tokens.len() == computed + 1`: the last token is the next input.
+    pub computed: u64,
+    pub max_new_tokens: u32,
+    pub priority: i32,
+    /// Persistent batch slot, if held.
+    pub batch_slot: Option<u32>,
+    /// Host-tier superblocks held while suspended.
+    pub host_superblocks: u32,
+    /// The state to return to on resume.
+    pub suspended_from: RequestState,
+    /// Times chosen as a victim (recompute-pause or suspend).
+    pub preemptions: u32,
+    pub recomputed_tokens: u64,
+    pub steps_waited: u64,
+    /// First step this request could take part in (steps scheduled before its add do
+    /// not count as waiting).
+    pub first_step: u64,
+    /// Last step that gave it a context or generation entry.
+    pub scheduled_step: u64,
+    /// Last step that preempted or suspended it.
+    pub victim_step: u64,
+    /// Last step that resumed it from the host tier.
+    pub resumed_step: u64,
+    /// Last step in which it sat out (found neither pages nor a victim).
+    pub sat_out_step: u64,
+    /// The batch slot it gave up by sitting out, restored if that step is reverted.
+    pub sat_out_slot: Option<u32>,
+    /// Set by `update` when it finishes; such requests leave the queue in the same call.
+    pub finished: bool,
+}
+
+impl Request {
+    pub fn new(
+        id: RequestId,
+        prompt: &[i32],
+        max_new_tokens: u32,
+        priority: i32,
+        first_step: u64,
+    ) -> Self {
+        // Room for a modest output up front; a long one grows by doubling as usual.
+        let mut tokens = Vec::with_capacity(prompt.len() + max_new_tokens.min(256) as usize);
+        tokens.extend_from_slice(prompt);
+        Self {
+            id,
+            state: RequestState::Waiting,
+            tokens,
+            original_prompt_len: prompt.len() as u64,
+            computed: 0,
+            max_new_tokens,
+            priority,
+            batch_slot: None,
+            host_superblocks: 0,
+            suspended_from: RequestState::Waiting,
+            preemptions: 0,
+            recomputed_tokens: 0,
+            steps_waited: 0,
+            first_step,
+            scheduled_step: NO_STEP,
+            victim_step: NO_STEP,
+            resumed_step: NO_STEP,
+            sat_out_step: NO_STEP,
+            sat_out_slot: None,
+            finished: false,
+        }
+    }
+
+    /// Tokens sampled so far, across preemptions.
+    pub fn generated(&self) -> u64 {
+        self.tokens.len() as u64 - self.original_prompt_len
+    }
+
+    /// Tokens the current (re-)prefill must cover: the prompt plus any folded tokens.
+    /// Only meaningful while `Waiting` or `Prefilling`.
+    pub fn prefill_len(&self) -> u64 {
+        self.tokens.len() as u64
+    }
+}

@@ -1,0 +1,481 @@
+//! Building one step: the generation phase, the context phase, the preemption ladder
+//! and the output arrays.
+
+use super::request::NO_STEP;
+use super::victim::VictimKey;
+use super::{
+    CapacityPolicy, ContextEntry, CoreError, GenerationEntry, JournalEntry, ReqSlot, RequestId,
+    RequestState, Result, ScheduleOutput, Scheduler, ServingMode, VictimPolicy,
+};
+
+impl Scheduler {
+    /// Decides the next step. Fails with `InvalidState` while the previous step awaits
+    /// `update`/`revert`, with `Deadlock` after `deadlock_steps` steps without progress,
+    /// and with `PreemptionDisabled` when a disaggregated generation server runs out of
+    /// pages for a decode token; each failure leaves the scheduler unchanged.
+    ///
+    /// The returned output lives in the scheduler and is reused by the next step (no
+    /// per-step allocation); clone it to keep it.
+    pub fn schedule(&mut self) -> Result<&ScheduleOutput> {
+        if self.pending {
+            return Err(CoreError::InvalidState(format!(
+                "step {} was scheduled and neither updated nor reverted; call update() or revert() first",
+                self.output.step
+            )));
+        }
+        if self.stalled_steps >= self.config.deadlock_steps {
+            return Err(CoreError::Deadlock(self.deadlock_message()));
+        }
+        let step = self.next_step;
+        self.begin_step();
+        if let Err(err) = self
+            .generation_phase(step)
+            .and_then(|()| self.context_phase(step))
+        {
+            self.undo_step(step);
+            return Err(err);
+        }
+        self.finish_step(step);
+        self.next_step += 1;
+        self.pending = true;
+        Ok(&self.output)
+    }
+
+    fn begin_step(&mut self) {
+        self.generation.clear();
+        self.context.clear();
+        self.journal.clear();
+        self.new_slot_reqs.clear();
+        self.sat_out_reqs.clear();
+        self.preempted.clear();
+        self.suspended.clear();
+        self.resumed.clear();
+        self.victims.begin_step(self.queue.len());
+        self.step_tokens = 0;
+        self.step_new_slots = 0;
+        self.step_preempted = false;
+    }
+
+    /// Batch slots still free for entries of this step.
+    fn free_slots_now(&self) -> u32 {
+        self.batch_slots.free_count() - self.step_new_slots
+    }
+
+    fn generation_phase(&mut self, step: u64) -> Result<()> {
+        for pos in 0..self.queue.len() {
+            let req = self.queue[pos];
+            let request = &self.requests[req as usize];
+            match request.state {
+                RequestState::Decoding => self.schedule_decode(step, pos, req)?,
+                RequestState::Suspended if request.victim_step != step => {
+                    self.try_resume(step, req)?;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn schedule_decode(&mut self, step: u64, pos: usize, req: ReqSlot) -> Result<()> {
+        let request = &self.requests[req as usize];
+        let needs_slot = request.batch_slot.is_none();
+        if self.step_tokens >= u64::from(self.config.max_num_tokens)
+            || (needs_slot && self.free_slots_now() == 0)
+        {
+            // Out of budget: not scheduled, keeps its slot; not a sit-out.
+            return Ok(());
+        }
+        let id = request.id;
+        loop {
+            if let Some(position) = self.ledger.allocate_decode(id, step)? {
+                debug_assert_eq!(position, self.requests[req as usize].computed);
+                self.generation.push(GenerationEntry { req, position });
+                self.journal.push(JournalEntry::Decode(req));
+                self.step_tokens += 1;
+                self.step_new_slots += u32::from(needs_slot);
+                self.requests[req as usize].scheduled_step = step;
+                return Ok(());
+            }
+            if self.config.serving_mode == ServingMode::DisaggregatedGeneration {
+                return Err(CoreError::PreemptionDisabled(
+                    self.decode_pressure_message(id),
+                ));
+            }
+            if !self.preempt_one_behind(step, pos, id)? {
+                break;
+            }
+        }
+        // Neither pages nor a victim: sit out, and give the slot up so a one-step-ahead
+        // executor cannot read it as still belonging to this request.
+        let request = &mut self.requests[req as usize];
+        request.sat_out_slot = request.batch_slot.take();
+        if let Some(slot) = request.sat_out_slot {
+            self.batch_slots.release(slot);
+        }
+        self.sat_out_reqs.push(req);
+        Ok(())
+    }
+
+    fn try_resume(&mut self, step: u64, req: ReqSlot) -> Result<()> {
+        let id = self.requests[req as usize].id;
+        if self.ledger.resume(id)? {
+            let request = &mut self.requests[req as usize];
+            self.host_used_superblocks -= request.host_superblocks;
+            request.host_superblocks = 0;
+            request.resumed_step = step;
+            let back_to = request.suspended_from;
+            self.set_state(req, back_to);
+            self.journal.push(JournalEntry::Resume(req));
+            self.resumed.push(id);
+        }
+        Ok(())
+    }
+
+    fn context_phase(&mut self, step: u64) -> Result<()> {
+        let unit = u64::from(self.config.effective_chunk_unit());
+        let max_tokens = u64::from(self.config.max_num_tokens);
+        for pos in 0..self.queue.len() {
+            let req = self.queue[pos];
+            let request = &self.requests[req as usize];
+            let admitting = match request.state {
+                RequestState::Waiting => true,
+                RequestState::Prefilling => false,
+                RequestState::Decoding | RequestState::Suspended => continue,
+            };
+            if request.victim_step == step
+                || (admitting && self.step_preempted && !self.config.admit_after_preemption)
+            {
+                continue;
+            }
+            let needs_slot = request.batch_slot.is_none();
+            if needs_slot && self.free_slots_now() == 0 {
+                continue;
+            }
+            let start = request.computed;
+            let remaining = request.prefill_len() - start;
+            let budget = max_tokens - self.step_tokens;
+            let chunk = if remaining <= budget {
+                remaining
+            } else if self.config.enable_chunked_prefill {
+                budget - budget % unit
+            } else {
+                0
+            };
+            if chunk == 0 || !self.reserve_prefill(step, pos, req, start + chunk)? {
+                // Head of line: nothing behind may take budget or pages this one could not.
+                break;
+            }
+            self.context.push(ContextEntry {
+                req,
+                start,
+                len: chunk,
+            });
+            self.step_tokens += chunk;
+            self.step_new_slots += u32::from(needs_slot);
+            self.requests[req as usize].scheduled_step = step;
+        }
+        Ok(())
+    }
+
+    /// Reserves KV up to `target` tokens for a prompt chunk, preempting requests behind
+    /// it if needed. `false` (nothing reserved) if that is not possible this step.
+    fn reserve_prefill(
+        &mut self,
+        step: u64,
+        pos: usize,
+        req: ReqSlot,
+        target: u64,
+    ) -> Result<bool> {
+        let request = &self.requests[req as usize];
+        let id = request.id;
+        let (reserve_to, len_before) = match self.config.capacity_policy {
+            CapacityPolicy::MaxUtilization => (target, request.computed),
+            CapacityPolicy::GuaranteedNoEvict => {
+                let held = self.ledger.request(id)?.len();
+                if held >= target {
+                    return Ok(true);
+                }
+                // Admission: the whole remaining output at once, so decode never fails.
+                let remaining_output = u64::from(request.max_new_tokens) - request.generated();
+                (request.prefill_len() + remaining_output, held)
+            }
+        };
+        loop {
+            if self.ledger.grow(id, reserve_to)? {
+                self.journal.push(JournalEntry::Reserve { req, len_before });
+                return Ok(true);
+            }
+            if !self.preempt_one_behind(step, pos, id)? {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Runs one rung of the ladder for the requester at queue position `requester_pos`:
+    /// picks a victim strictly behind it and suspends or recompute-pauses it. `false`
+    /// if the configuration never preempts or there is no candidate.
+    fn preempt_one_behind(
+        &mut self,
+        step: u64,
+        requester_pos: usize,
+        requester: RequestId,
+    ) -> Result<bool> {
+        if !self.config.may_preempt() {
+            return Ok(false);
+        }
+        let bound = self.config.max_preemptions_per_request;
+        let policy = self.config.victim_policy;
+        let (requests, queue) = (&self.requests, &self.queue);
+        let key = |pos: usize| -> VictimKey {
+            let r = &requests[queue[pos] as usize];
+            let holds_pages = matches!(r.state, RequestState::Prefilling | RequestState::Decoding);
+            if !holds_pages
+                || r.preemptions >= bound
+                || r.resumed_step == step
+                || r.victim_step == step
+            {
+                return None;
+            }
+            Some(match policy {
+                VictimPolicy::NewestFirst => 0,
+                VictimPolicy::LeastComputedFirst => r.computed,
+                VictimPolicy::Priority => (i64::from(r.priority) - i64::from(i32::MIN)) as u64,
+            })
+        };
+        let Some(victim_pos) = self.victims.find(requester_pos, key) else {
+            return Ok(false);
+        };
+        self.victims.remove(victim_pos);
+        self.preempt(step, self.queue[victim_pos], requester)?;
+        Ok(true)
+    }
+
+    fn preempt(&mut self, step: u64, victim: ReqSlot, requester: RequestId) -> Result<()> {
+        let request = &self.requests[victim as usize];
+        let id = request.id;
+        if request.state == RequestState::Decoding && request.scheduled_step == step {
+            // Scheduled earlier in this step: undo its decode token and give its budget
+            // back; its entry is dropped when the output is built.
+            self.ledger.revert_decode(id, step)?;
+            self.step_tokens -= 1;
+            self.step_new_slots -= u32::from(request.batch_slot.is_none());
+        }
+        let held = self.ledger.request(id)?.table().len() as u32;
+        let suspend = self.config.serving_mode == ServingMode::NonHelix
+            && self.config.host_tier_superblocks > 0
+            && self.host_used_superblocks + held <= self.config.host_tier_superblocks;
+        let request = &mut self.requests[victim as usize];
+        request.scheduled_step = NO_STEP;
+        request.victim_step = step;
+        request.preemptions += 1;
+        request.sat_out_slot = None;
+        if let Some(slot) = request.batch_slot.take() {
+            self.batch_slots.release(slot);
+        }
+        self.step_preempted = true;
+        if suspend {
+            let held = self.ledger.suspend(id)?;
+            let request = &mut self.requests[victim as usize];
+            request.host_superblocks = held;
+            request.suspended_from = request.state;
+            self.host_used_superblocks += held;
+            self.metrics.suspensions += 1;
+            self.set_state(victim, RequestState::Suspended);
+            self.suspended.push((id, requester));
+        } else {
+            let folded = self.requests[victim as usize].tokens.len() as u64
+                - self.ledger.request(id)?.prompt_len();
+            self.ledger.reset_for_recompute(id, folded)?;
+            let request = &mut self.requests[victim as usize];
+            let lost = std::mem::take(&mut request.computed);
+            request.recomputed_tokens += lost;
+            self.metrics.recomputed_tokens += lost;
+            self.metrics.preemptions += 1;
+            self.set_state(victim, RequestState::Waiting);
+            self.preempted.push((id, requester));
+        }
+        Ok(())
+    }
+
+    /// Fills the output from the step's entries, hands out batch slots and digests it.
+    fn finish_step(&mut self, step: u64) {
+        let rank = self.config.cp_rank;
+        let layout = self.layout;
+        let out = &mut self.output;
+        out.clear(step);
+        self.generation_reqs.clear();
+        for entry in &self.generation {
+            let request = &mut self.requests[entry.req as usize];
+            if request.scheduled_step != step {
+                continue; // preempted after it was scheduled
+            }
+            let slot = *request.batch_slot.get_or_insert_with(|| {
+                self.new_slot_reqs.push(entry.req);
+                self.batch_slots
+                    .take_lowest()
+                    .expect("a free batch slot was counted for this entry")
+            });
+            let position = entry.position;
+            let owner = layout.owner_rank(position);
+            out.generation_ids.push(request.id);
+            out.generation_positions.push(position);
+            out.generation_owner_ranks.push(owner);
+            out.generation_input_tokens
+                .push(request.tokens[position as usize]);
+            out.generation_batch_slots.push(slot as i32);
+            out.generation_active.push(owner == rank);
+            out.generation_past_seen_lens
+                .push(layout.local_len(position, rank));
+            out.generation_local_lens
+                .push(layout.local_len(position + 1, rank));
+            self.generation_reqs.push(entry.req);
+        }
+        for entry in &self.context {
+            let request = &mut self.requests[entry.req as usize];
+            let slot = *request.batch_slot.get_or_insert_with(|| {
+                self.new_slot_reqs.push(entry.req);
+                self.batch_slots
+                    .take_lowest()
+                    .expect("a free batch slot was counted for this entry")
+            });
+            let end = entry.start + entry.len;
+            out.context_ids.push(request.id);
+            out.context_starts.push(entry.start);
+            out.context_lens.push(entry.len);
+            out.context_completes.push(end == request.prefill_len());
+            out.context_batch_slots.push(slot as i32);
+            out.context_token_ids
+                .extend_from_slice(&request.tokens[entry.start as usize..end as usize]);
+        }
+        out.sample_ids.extend_from_slice(&out.generation_ids);
+        let completing = out.context_ids.iter().zip(&out.context_completes);
+        out.sample_ids.extend(
+            completing
+                .filter(|(_, &completes)| completes)
+                .map(|(&id, _)| id),
+        );
+        for &(victim, requester) in &self.preempted {
+            out.preempted_ids.push(victim);
+            out.preempted_requester_ids.push(requester);
+        }
+        for &(victim, requester) in &self.suspended {
+            out.suspended_ids.push(victim);
+            out.suspended_requester_ids.push(requester);
+        }
+        out.resumed_ids.extend_from_slice(&self.resumed);
+        out.sat_out_ids.extend(
+            self.sat_out_reqs
+                .iter()
+                .map(|&req| self.requests[req as usize].id),
+        );
+        out.num_tokens = self.step_tokens;
+        out.digest = out.compute_digest();
+
+        let progress = !out.generation_ids.is_empty()
+            || !out.context_ids.is_empty()
+            || !out.resumed_ids.is_empty();
+        self.stalled_steps_before = self.stalled_steps;
+        self.stalled_steps = if progress || self.queue.is_empty() {
+            0
+        } else {
+            self.stalled_steps + 1
+        };
+        let utilization =
+            f64::from(self.ledger.used_superblocks()) / f64::from(self.config.capacity_superblocks);
+        self.metrics.kv_utilization_peak = self.metrics.kv_utilization_peak.max(utilization);
+    }
+
+    /// Undoes the step's reservations (newest first), resumes, new batch slots and
+    /// sit-outs. Preemptions and suspends stay applied: they are identical on every
+    /// rank, and their victims simply re-prefill or resume later.
+    pub(super) fn undo_step(&mut self, step: u64) {
+        let journal = std::mem::take(&mut self.journal);
+        for &entry in journal.iter().rev() {
+            let req = match entry {
+                JournalEntry::Decode(req)
+                | JournalEntry::Reserve { req, .. }
+                | JournalEntry::Resume(req) => req,
+            };
+            let request = &self.requests[req as usize];
+            if request.victim_step == step {
+                continue; // its reservations went with the preemption
+            }
+            let id = request.id;
+            let undone = match entry {
+                JournalEntry::Decode(_) => self.ledger.revert_decode(id, step).map(|_| ()),
+                JournalEntry::Reserve { len_before, .. } => self.ledger.shrink(id, len_before),
+                JournalEntry::Resume(_) => self.ledger.suspend(id).map(|held| {
+                    self.host_used_superblocks += held;
+                    self.requests[req as usize].host_superblocks = held;
+                    self.set_state(req, RequestState::Suspended);
+                }),
+            };
+            undone.expect("the ledger accepts undoing a change it made in this step");
+        }
+        self.journal = journal;
+        for &req in &self.new_slot_reqs {
+            if let Some(slot) = self.requests[req as usize].batch_slot.take() {
+                self.batch_slots.release(slot);
+            }
+        }
+        self.new_slot_reqs.clear();
+        for &req in &self.sat_out_reqs {
+            let request = &mut self.requests[req as usize];
+            if let Some(slot) = request.sat_out_slot.take() {
+                self.batch_slots.take(slot);
+                request.batch_slot = Some(slot);
+            }
+        }
+    }
+
+    fn decode_pressure_message(&self, id: RequestId) -> String {
+        format!(
+            "request {id} needs a KV page for its next decode token and the pool is full ({} of {} superblocks \
+             used), but a disaggregated generation server may not recompute-pause or suspend requests. Raise the \
+             KV budget (kv_superblocks / kv_tokens), lower max_batch_size or max_num_tokens, use \
+             capacity_policy=\"guaranteed_no_evict\" so each request reserves its whole output at admission, or \
+             serve aggregated (serving_mode=\"aggregated_helix\") so requests can be recompute-paused. The step \
+             was rolled back.",
+            self.ledger.used_superblocks(),
+            self.ledger.capacity()
+        )
+    }
+
+    fn deadlock_message(&self) -> String {
+        let config = &self.config;
+        let remedy = match (config.serving_mode, config.capacity_policy) {
+            (ServingMode::DisaggregatedGeneration, _) => {
+                "raise the KV budget (kv_superblocks / kv_tokens), lower max_batch_size or max_num_tokens, use \
+                 capacity_policy=\"guaranteed_no_evict\", or serve aggregated (serving_mode=\"aggregated_helix\") \
+                 so requests can be recompute-paused"
+                    .to_string()
+            }
+            (_, CapacityPolicy::GuaranteedNoEvict) => {
+                "raise the KV budget (kv_superblocks / kv_tokens) or lower max_batch_size".to_string()
+            }
+            (ServingMode::NonHelix, CapacityPolicy::MaxUtilization) => format!(
+                "raise the KV budget (kv_superblocks / kv_tokens), lower max_batch_size or max_num_tokens, raise \
+                 max_preemptions_per_request (now {}), or give the scheduler a larger host tier \
+                 (host_tier_superblocks, now {})",
+                config.max_preemptions_per_request, config.host_tier_superblocks
+            ),
+            (ServingMode::AggregatedHelix, CapacityPolicy::MaxUtilization) => format!(
+                "raise the KV budget (kv_superblocks / kv_tokens), lower max_batch_size or max_num_tokens, or raise \
+                 max_preemptions_per_request (now {}) so more requests can be recompute-paused",
+                config.max_preemptions_per_request
+            ),
+        };
+        format!(
+            "{} consecutive steps made no progress with {} live requests ({} waiting, {} prefilling, {} decoding, \
+             {} suspended) and {} of {} KV superblocks in use; {remedy}",
+            self.stalled_steps,
+            self.queue.len(),
+            self.state_counts[RequestState::Waiting.index()],
+            self.state_counts[RequestState::Prefilling.index()],
+            self.state_counts[RequestState::Decoding.index()],
+            self.state_counts[RequestState::Suspended.index()],
+            self.ledger.used_superblocks(),
+            self.ledger.capacity(),
+        )
+    }
+}

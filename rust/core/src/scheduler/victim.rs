@@ -1,0 +1,173 @@
+//! Victim search: the best candidate strictly behind a requester in queue order.
+//!
+//! Within one step the requesters of each phase come in queue order, candidates only
+//! ever disappear (a victim holds nothing afterwards, and nothing a step admits or
+//! resumes is a candidate for a later requester), so both searches below stay linear
+//! per step however many requests preempt or sit out.
+
+use super::config::VictimPolicy;
+
+/// A candidate's rank for the policy; the smallest wins. Non-candidates are `None`.
+pub(super) type VictimKey = Option<u64>;
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(super) struct VictimFinder {
+    policy: VictimPolicy,
+    queue_len: usize,
+    /// `NewestFirst`: every queue position at or above this is known not to be a
+    /// candidate for the rest of the step.
+    newest_bound: usize,
+    /// Other policies: a min segment tree over queue positions, keyed by
+    /// `(policy key, newest first)`, built by the first search of a step.
+    tree: Vec<u128>,
+    leaves: usize,
+    built: bool,
+}
+
+const NOT_A_CANDIDATE: u128 = u128::MAX;
+
+impl VictimFinder {
+    pub fn new(policy: VictimPolicy) -> Self {
+        Self {
+            policy,
+            queue_len: 0,
+            newest_bound: 0,
+            tree: Vec::new(),
+            leaves: 0,
+            built: false,
+        }
+    }
+
+    /// Forgets the previous step; `queue_len` is this step's queue length.
+    pub fn begin_step(&mut self, queue_len: usize) {
+        self.queue_len = queue_len;
+        self.newest_bound = queue_len;
+        self.built = false;
+    }
+
+    /// The queue position of the victim for the requester at `requester`, or `None`.
+    /// `key(pos)` says whether the request at `pos` is a candidate and how it ranks.
+    pub fn find(&mut self, requester: usize, key: impl Fn(usize) -> VictimKey) -> Option<usize> {
+        if self.policy == VictimPolicy::NewestFirst {
+            while self.newest_bound > requester + 1 {
+                let pos = self.newest_bound - 1;
+                if key(pos).is_some() {
+                    return Some(pos);
+                }
+                self.newest_bound = pos;
+            }
+            return None;
+        }
+        if !self.built {
+            self.build(&key);
+        }
+        self.tree_min(requester + 1)
+    }
+
+    /// Marks the request at `pos` as no longer a candidate (it was just preempted).
+    pub fn remove(&mut self, pos: usize) {
+        if self.policy == VictimPolicy::NewestFirst || !self.built {
+            return;
+        }
+        let mut node = self.leaves + pos;
+        self.tree[node] = NOT_A_CANDIDATE;
+        while node > 1 {
+            node /= 2;
+            self.tree[node] = self.tree[2 * node].min(self.tree[2 * node + 1]);
+        }
+    }
+
+    fn build(&mut self, key: &impl Fn(usize) -> VictimKey) {
+        self.leaves = self.queue_len.next_power_of_two().max(1);
+        self.tree.clear();
+        self.tree.resize(2 * self.leaves, NOT_A_CANDIDATE);
+        for pos in 0..self.queue_len {
+            if let Some(rank) = key(pos) {
+                // Ties go to the newest: the larger position gets the smaller low half.
+                self.tree[self.leaves + pos] =
+                    (u128::from(rank) << 64) | u128::from(u64::MAX - pos as u64);
+            }
+        }
+        for node in (1..self.leaves).rev() {
+            self.tree[node] = self.tree[2 * node].min(self.tree[2 * node + 1]);
+        }
+        self.built = true;
+    }
+
+    /// The best candidate at a position in `from..queue_len`.
+    fn tree_min(&self, from: usize) -> Option<usize> {
+        let mut lo = from + self.leaves;
+        let mut hi = self.queue_len + self.leaves;
+        let mut best = NOT_A_CANDIDATE;
+        while lo < hi {
+            if lo & 1 == 1 {
+                best = best.min(self.tree[lo]);
+                lo += 1;
+            }
+            if hi & 1 == 1 {
+                hi -= 1;
+                best = best.min(self.tree[hi]);
+            }
+            lo /= 2;
+            hi /= 2;
+        }
+        (best != NOT_A_CANDIDATE).then(|| (u64::MAX - best as u64) as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn brute(policy: VictimPolicy, keys: &[VictimKey], requester: usize) -> Option<usize> {
+        let behind = (requester + 1..keys.len()).filter_map(|p| keys[p].map(|k| (k, p)));
+        match policy {
+            VictimPolicy::NewestFirst => behind.map(|(_, p)| p).max(),
+            _ => behind
+                .min_by_key(|&(k, p)| (k, std::cmp::Reverse(p)))
+                .map(|(_, p)| p),
+        }
+    }
+
+    #[test]
+    fn matches_a_brute_force_scan_as_candidates_disappear() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for policy in [
+            VictimPolicy::NewestFirst,
+            VictimPolicy::LeastComputedFirst,
+            VictimPolicy::Priority,
+        ] {
+            for len in [0usize, 1, 2, 5, 17, 64, 100] {
+                let mut keys: Vec<VictimKey> = (0..len)
+                    .map(|_| (next() % 3 != 0).then(|| next() % 4))
+                    .collect();
+                let mut finder = VictimFinder::new(policy);
+                finder.begin_step(len);
+                // Requesters arrive in queue order; each takes a few victims.
+                let mut requester = 0;
+                while requester < len {
+                    for _ in 0..(next() % 3) {
+                        let snapshot = keys.clone();
+                        let got = finder.find(requester, |p| snapshot[p]);
+                        assert_eq!(
+                            got,
+                            brute(policy, &keys, requester),
+                            "{policy:?} len={len} req={requester}"
+                        );
+                        if let Some(pos) = got {
+                            keys[pos] = None;
+                            finder.remove(pos);
+                        }
+                    }
+                    requester += 1 + (next() % 3) as usize;
+                }
+            }
+        }
+    }
+}

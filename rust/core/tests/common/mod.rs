@@ -1,0 +1,683 @@
+//! A simulated CP group for scheduler tests: one scheduler per rank fed the same calls,
+//! per-rank physical KV pools written through the ledger's slot mappings and read back
+//! through its block tables, and a deterministic "model" whose next token depends on the
+//! whole context it reads back. A schedule that feeds a wrong token, position or page
+//! changes every later token, so comparing outputs with a run without pressure checks
+//! replay end to end.
+//!
+//! Every step it checks: identical rank-invariant outputs, digests and state digests on
+//! every rank; per-rank fields consistent with the Helix layout; victims strictly
+//! behind their requesters; preemption bound; replay (re-prefill tokens == prompt +
+//! tokens generated so far; decode positions continue from the new prompt end).
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+
+use helix_kv_core::{CoreError, RequestId, ScheduleOutput, Scheduler, SchedulerConfig};
+
+/// A small deterministic generator (xorshift64*), so tests need no randomness crate.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    pub fn range(&mut self, lo: u64, hi_inclusive: u64) -> u64 {
+        lo + self.below(hi_inclusive - lo + 1)
+    }
+}
+
+/// One request of a workload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Spec {
+    pub id: RequestId,
+    pub prompt: Vec<i32>,
+    pub max_new_tokens: u32,
+    pub priority: i32,
+    /// Step before which the request is added (0: before the first step).
+    pub arrival_step: u64,
+}
+
+impl Spec {
+    pub fn new(id: RequestId, prompt_len: usize, max_new_tokens: u32) -> Self {
+        let prompt = (0..prompt_len)
+            .map(|i| ((id as usize * 7919 + i * 31) % 997) as i32)
+            .collect();
+        Self {
+            id,
+            prompt,
+            max_new_tokens,
+            priority: 0,
+            arrival_step: 0,
+        }
+    }
+    pub fn at(mut self, step: u64) -> Self {
+        self.arrival_step = step;
+        self
+    }
+    pub fn priority(mut self, priority: i32) -> Self {
+        self.priority = priority;
+        self
+    }
+}
+
+/// The deterministic model: the next token is a hash of the request id and every token
+/// of the context read back from the KV pools.
+#[derive(Debug, Clone, Copy)]
+pub struct Model {
+    pub vocab: u64,
+    /// A token that ends a request early, if any.
+    pub eos: Option<i32>,
+}
+
+impl Default for Model {
+    fn default() -> Self {
+        Self {
+            vocab: 50_000,
+            eos: None,
+        }
+    }
+}
+
+impl Model {
+    pub fn next_token(&self, id: RequestId, context: &[i32]) -> i32 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ id;
+        for &t in context {
+            h = (h ^ u64::from(t as u32)).wrapping_mul(0x0100_0000_01b3);
+            h ^= h >> 29;
+        }
+        (h % self.vocab) as i32
+    }
+}
+
+/// What a finished run produced.
+#[derive(Debug, Clone, Default)]
+pub struct RunResult {
+    pub outputs: BTreeMap<RequestId, Vec<i32>>,
+    pub steps: u64,
+    pub preemptions: u64,
+    pub suspensions: u64,
+    pub sat_out: u64,
+    pub reverted_steps: u64,
+    /// Every victim seen, `(victim, requester)`.
+    pub victims: Vec<(RequestId, RequestId)>,
+    pub max_request_preemptions: u32,
+}
+
+/// Options of a run beyond the configuration.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RunOptions {
+    /// Revert a step (and schedule again) with this probability in 1/1000.
+    pub revert_per_mille: u64,
+    pub seed: u64,
+    pub max_steps: u64,
+}
+
+/// One rank's state before a `schedule()`, to compare after a `revert()`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankSnapshot {
+    state_digest: u64,
+    ledger_digest: u64,
+    holdings: Vec<(RequestId, u32)>,
+}
+
+/// A slot of a simulated per-rank KV pool: which request's token at which position.
+type KvCell = Option<(RequestId, u64, i32)>;
+
+/// A CP group of schedulers, one per rank, plus their simulated KV pools.
+pub struct Group {
+    pub ranks: Vec<Scheduler>,
+    pub config: SchedulerConfig,
+    pub model: Model,
+    pools: Vec<Vec<KvCell>>,
+    /// Arrival order (queue order) of every request ever added.
+    arrival: BTreeMap<RequestId, usize>,
+    /// What the harness knows each live request holds: prompt + tokens it sampled.
+    known: BTreeMap<RequestId, Vec<i32>>,
+    /// Tokens a request's current (re-)prefill has been fed so far.
+    prefill_progress: BTreeMap<RequestId, u64>,
+    pub result: RunResult,
+}
+
+impl Group {
+    pub fn new(config: &SchedulerConfig, model: Model) -> Self {
+        let cp = config.cp_size;
+        let ranks: Vec<Scheduler> = (0..cp)
+            .map(|r| Scheduler::new(config.with_rank(r)).expect("valid config"))
+            .collect();
+        let slots = config.capacity_superblocks as usize * config.tokens_per_block as usize;
+        Self {
+            ranks,
+            config: config.clone(),
+            model,
+            pools: vec![vec![None; slots]; cp as usize],
+            arrival: BTreeMap::new(),
+            known: BTreeMap::new(),
+            prefill_progress: BTreeMap::new(),
+            result: RunResult::default(),
+        }
+    }
+
+    /// Adds a request on every rank; all ranks must agree on the outcome.
+    pub fn add(&mut self, spec: &Spec) -> Result<(), CoreError> {
+        let results: Vec<_> = self
+            .ranks
+            .iter_mut()
+            .map(|s| s.add_request(spec.id, &spec.prompt, spec.max_new_tokens, spec.priority))
+            .collect();
+        assert!(
+            results.windows(2).all(|w| w[0] == w[1]),
+            "ranks disagree on add: {results:?}"
+        );
+        results[0].clone()?;
+        let next = self.arrival.len();
+        self.arrival.insert(spec.id, next);
+        self.known.insert(spec.id, spec.prompt.clone());
+        self.prefill_progress.insert(spec.id, 0);
+        Ok(())
+    }
+
+    /// Schedules on every rank and checks agreement; all ranks must fail alike.
+    pub fn schedule(&mut self) -> Result<Vec<ScheduleOutput>, CoreError> {
+        let outs: Vec<Result<ScheduleOutput, CoreError>> = self
+            .ranks
+            .iter_mut()
+            .map(|s| s.schedule().cloned())
+            .collect();
+        if outs.iter().any(Result::is_err) {
+            assert!(
+                outs.windows(2).all(|w| w[0] == w[1]),
+                "ranks disagree on a failed schedule: {outs:?}"
+            );
+            return Err(outs.into_iter().next().unwrap().unwrap_err());
+        }
+        let outs: Vec<ScheduleOutput> = outs.into_iter().map(Result::unwrap).collect();
+        self.check_agreement(&outs);
+        Ok(outs)
+    }
+
+    fn check_agreement(&self, outs: &[ScheduleOutput]) {
+        let invariant = |o: &ScheduleOutput| {
+            let mut o = o.clone();
+            o.generation_active.clear();
+            o.generation_local_lens.clear();
+            o.generation_past_seen_lens.clear();
+            o
+        };
+        let first = invariant(&outs[0]);
+        for (rank, out) in outs.iter().enumerate() {
+            assert_eq!(
+                invariant(out),
+                first,
+                "rank {rank} schedules differently from rank 0"
+            );
+            assert_eq!(out.digest, outs[0].digest, "rank {rank} digest differs");
+            assert_eq!(
+                out.summary(),
+                outs[0].summary(),
+                "rank {rank} summary differs"
+            );
+            assert_eq!(out.digest, out.compute_digest());
+        }
+        let digests: Vec<u64> = self.ranks.iter().map(Scheduler::state_digest).collect();
+        assert!(
+            digests.windows(2).all(|w| w[0] == w[1]),
+            "scheduler states differ: {digests:x?}"
+        );
+        self.check_rank_fields(outs);
+        self.check_structure(&outs[0]);
+    }
+
+    /// Exactly the owner appends each decode token; per-rank lengths add up.
+    fn check_rank_fields(&self, outs: &[ScheduleOutput]) {
+        let cp = u64::from(self.config.cp_size);
+        let tpb = u64::from(self.config.tokens_per_block);
+        let gen = &outs[0];
+        for i in 0..gen.generation_ids.len() {
+            let pos = gen.generation_positions[i];
+            let owner = (pos / tpb) % cp;
+            assert_eq!(
+                u64::from(gen.generation_owner_ranks[i]),
+                owner,
+                "owner of position {pos}"
+            );
+            let active: Vec<usize> = (0..outs.len())
+                .filter(|&r| outs[r].generation_active[i])
+                .collect();
+            assert_eq!(
+                active,
+                vec![owner as usize],
+                "exactly the owner is active for position {pos}"
+            );
+            let after: u64 = outs.iter().map(|o| o.generation_local_lens[i]).sum();
+            let before: u64 = outs.iter().map(|o| o.generation_past_seen_lens[i]).sum();
+            assert_eq!(
+                (after, before),
+                (pos + 1, pos),
+                "local lens must sum to the global length"
+            );
+            for (rank, out) in outs.iter().enumerate() {
+                let grew = out.generation_local_lens[i] - out.generation_past_seen_lens[i];
+                assert_eq!(grew, u64::from(rank as u64 == owner));
+            }
+        }
+    }
+
+    /// Every id at most once among entries; slots distinct and in range; budgets kept;
+    /// victims behind their requesters; partial chunks in whole units; no leak.
+    fn check_structure(&self, gen: &ScheduleOutput) {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut slots = std::collections::BTreeSet::new();
+        for (id, slot) in gen
+            .context_ids
+            .iter()
+            .zip(&gen.context_batch_slots)
+            .chain(gen.generation_ids.iter().zip(&gen.generation_batch_slots))
+        {
+            assert!(
+                seen.insert(*id),
+                "request {id} has two entries in step {}",
+                gen.step
+            );
+            assert!(
+                slots.insert(*slot),
+                "batch slot {slot} used twice in step {}",
+                gen.step
+            );
+            assert!(*slot >= 0 && (*slot as u32) < self.config.max_batch_size);
+        }
+        assert!(seen.len() <= self.config.max_batch_size as usize);
+        assert!(gen.num_tokens <= u64::from(self.config.max_num_tokens));
+        let ctx_tokens: u64 = gen.context_lens.iter().sum();
+        assert_eq!(gen.num_tokens, ctx_tokens + gen.generation_ids.len() as u64);
+        assert_eq!(gen.context_token_ids.len() as u64, ctx_tokens);
+        // Victims strictly behind the request that needed their pages.
+        for (victims, requesters) in [
+            (&gen.preempted_ids, &gen.preempted_requester_ids),
+            (&gen.suspended_ids, &gen.suspended_requester_ids),
+        ] {
+            assert_eq!(victims.len(), requesters.len());
+            for (v, r) in victims.iter().zip(requesters.iter()) {
+                assert!(
+                    self.arrival[v] > self.arrival[r],
+                    "victim {v} is not behind requester {r}"
+                );
+                assert!(
+                    !gen.generation_ids.contains(v),
+                    "victim {v} still has a generation entry"
+                );
+            }
+        }
+        // Chunks: a chunk that does not complete its prompt is a multiple of the unit.
+        let unit = u64::from(self.config.effective_chunk_unit());
+        for i in 0..gen.context_ids.len() {
+            if !gen.context_completes[i] {
+                assert!(self.config.enable_chunked_prefill);
+                assert_eq!(
+                    gen.context_lens[i] % unit,
+                    0,
+                    "partial chunk not a multiple of chunk_unit"
+                );
+            }
+        }
+        for s in &self.ranks {
+            let ledger = s.ledger();
+            let held: u32 = ledger.holdings().iter().map(|&(_, n)| n).sum();
+            assert_eq!(
+                held + ledger.free_superblocks(),
+                ledger.capacity(),
+                "superblocks leaked"
+            );
+        }
+    }
+
+    /// Writes the step's KV into each rank's pool, as the owner rank would.
+    fn execute(&mut self, outs: &[ScheduleOutput]) {
+        let out = &outs[0];
+        let cp = self.config.cp_size as usize;
+        let tpb = u64::from(self.config.tokens_per_block);
+        // Replay checks against what the harness knows.
+        let mut offset = 0usize;
+        for i in 0..out.context_ids.len() {
+            let id = out.context_ids[i];
+            let (start, len) = (out.context_starts[i], out.context_lens[i]);
+            let tokens = &out.context_token_ids[offset..offset + len as usize];
+            offset += len as usize;
+            let known = &self.known[&id];
+            assert_eq!(
+                start, self.prefill_progress[&id],
+                "chunk of {id} does not continue its prefill"
+            );
+            assert_eq!(
+                tokens,
+                &known[start as usize..(start + len) as usize],
+                "re-prefill tokens of {id}"
+            );
+            let end = start + len;
+            assert_eq!(out.context_completes[i], end == known.len() as u64);
+        }
+        for i in 0..out.generation_ids.len() {
+            let id = out.generation_ids[i];
+            let known = &self.known[&id];
+            assert_eq!(
+                out.generation_positions[i],
+                known.len() as u64 - 1,
+                "decode position of {id}"
+            );
+            assert_eq!(
+                out.generation_input_tokens[i],
+                *known.last().unwrap(),
+                "decode input of {id}"
+            );
+        }
+        for (rank, sched) in self.ranks.iter().enumerate() {
+            let mut ids = out.context_ids.clone();
+            let mut starts = out.context_starts.clone();
+            let mut counts = out.context_lens.clone();
+            let mut values = out.context_token_ids.clone();
+            ids.extend(&out.generation_ids);
+            starts.extend(&out.generation_positions);
+            counts.extend(std::iter::repeat_n(1, out.generation_ids.len()));
+            values.extend(&out.generation_input_tokens);
+            let slots = sched
+                .slot_mapping(&ids, &starts, &counts)
+                .expect("slot mapping");
+            let mut k = 0;
+            for i in 0..ids.len() {
+                for pos in starts[i]..starts[i] + counts[i] {
+                    let owner = ((pos / tpb) % cp as u64) as usize;
+                    assert_eq!(
+                        slots[k] >= 0,
+                        owner == rank,
+                        "slot of {} pos {pos} on rank {rank}",
+                        ids[i]
+                    );
+                    if slots[k] >= 0 {
+                        self.pools[rank][slots[k] as usize] = Some((ids[i], pos, values[k]));
+                    }
+                    k += 1;
+                }
+            }
+        }
+    }
+
+    /// Reads the context `0..=last` of `id` back from the pools, as attention would.
+    fn read_context(&self, id: RequestId, last: u64) -> Vec<i32> {
+        let cp = u64::from(self.config.cp_size);
+        let tpb = u64::from(self.config.tokens_per_block);
+        let (table, _) = self.ranks[0].block_table(&[id], None).expect("block table");
+        for s in &self.ranks[1..] {
+            assert_eq!(
+                s.block_table(&[id], None).unwrap().0,
+                table,
+                "ranks hold different tables"
+            );
+        }
+        (0..=last)
+            .map(|pos| {
+                let owner = ((pos / tpb) % cp) as usize;
+                let page = table[(pos / (tpb * cp)) as usize];
+                let slot = page as u64 * tpb + pos % tpb;
+                let cell = self.pools[owner][slot as usize];
+                match cell {
+                    Some((who, at, token)) if who == id && at == pos => token,
+                    other => {
+                        panic!("KV of {id} at {pos} on rank {owner} slot {slot} holds {other:?}")
+                    }
+                }
+            })
+            .collect()
+    }
+
+    /// Samples the tokens of a step from the KV read back from the pools.
+    fn sample(&self, out: &ScheduleOutput) -> (Vec<i32>, Vec<bool>) {
+        let mut tokens = Vec::new();
+        let mut eos = Vec::new();
+        let mut last_positions: BTreeMap<RequestId, u64> = BTreeMap::new();
+        for i in 0..out.generation_ids.len() {
+            last_positions.insert(out.generation_ids[i], out.generation_positions[i]);
+        }
+        for i in 0..out.context_ids.len() {
+            if out.context_completes[i] {
+                last_positions.insert(
+                    out.context_ids[i],
+                    out.context_starts[i] + out.context_lens[i] - 1,
+                );
+            }
+        }
+        for id in &out.sample_ids {
+            let last = last_positions[id];
+            let context = self.read_context(*id, last);
+            assert_eq!(
+                context,
+                self.known[id][..=last as usize],
+                "KV read back for {id} differs from its tokens"
+            );
+            let token = self.model.next_token(*id, &context);
+            tokens.push(token);
+            eos.push(self.model.eos == Some(token));
+        }
+        (tokens, eos)
+    }
+
+    /// Runs the step that was scheduled: executes, samples and updates every rank.
+    pub fn run_step(&mut self, outs: &[ScheduleOutput]) -> Vec<RequestId> {
+        self.execute(outs);
+        let out = &outs[0];
+        let (tokens, eos) = self.sample(out);
+        let finished: Vec<Vec<RequestId>> = self
+            .ranks
+            .iter_mut()
+            .map(|s| s.update(&tokens, Some(&eos)).expect("update").to_vec())
+            .collect();
+        assert!(
+            finished.windows(2).all(|w| w[0] == w[1]),
+            "ranks finish different requests"
+        );
+        // Mirror the step in what the harness knows.
+        for (i, id) in out.sample_ids.iter().enumerate() {
+            self.known.get_mut(id).unwrap().push(tokens[i]);
+        }
+        for i in 0..out.context_ids.len() {
+            let id = out.context_ids[i];
+            let end = out.context_starts[i] + out.context_lens[i];
+            *self.prefill_progress.get_mut(&id).unwrap() =
+                if out.context_completes[i] { 0 } else { end };
+        }
+        for (victim, requester) in out.preempted_ids.iter().zip(&out.preempted_requester_ids) {
+            self.prefill_progress.insert(*victim, 0);
+            self.result.victims.push((*victim, *requester));
+        }
+        for (victim, requester) in out.suspended_ids.iter().zip(&out.suspended_requester_ids) {
+            self.result.victims.push((*victim, *requester));
+        }
+        for id in &finished[0] {
+            let outputs: Vec<Vec<i32>> = self
+                .ranks
+                .iter_mut()
+                .map(|s| s.take_output(*id).unwrap())
+                .collect();
+            assert!(outputs.windows(2).all(|w| w[0] == w[1]));
+            let known = self.known.remove(id).unwrap();
+            let generated = outputs[0].clone();
+            assert!(known.ends_with(&generated));
+            self.result.outputs.insert(*id, generated);
+            self.prefill_progress.remove(id);
+        }
+        self.result.steps += 1;
+        finished[0].clone()
+    }
+
+    /// Preempted victims of a step that is being reverted still restart their prefill.
+    fn note_reverted_victims(&mut self, out: &ScheduleOutput) {
+        for (victim, requester) in out.preempted_ids.iter().zip(&out.preempted_requester_ids) {
+            self.prefill_progress.insert(*victim, 0);
+            self.result.victims.push((*victim, *requester));
+        }
+        for (victim, requester) in out.suspended_ids.iter().zip(&out.suspended_requester_ids) {
+            self.result.victims.push((*victim, *requester));
+        }
+    }
+
+    /// Reverts the scheduled step on every rank and checks the ledger is back where it
+    /// was (`before`: per-rank ledger digests and holdings before `schedule`).
+    pub fn revert_step(&mut self, out: &ScheduleOutput, before: &[RankSnapshot]) {
+        for (rank, s) in self.ranks.iter_mut().enumerate() {
+            s.revert().expect("revert");
+            let RankSnapshot {
+                state_digest,
+                ledger_digest,
+                holdings,
+            } = &before[rank];
+            if out.preempted_ids.is_empty() && out.suspended_ids.is_empty() {
+                assert_eq!(
+                    s.ledger().state_digest(),
+                    *ledger_digest,
+                    "revert must restore the ledger"
+                );
+                assert_eq!(
+                    s.state_digest(),
+                    *state_digest,
+                    "revert must restore the scheduler"
+                );
+            } else {
+                let now = s.ledger().holdings();
+                for &(id, held) in holdings {
+                    let victim = out.preempted_ids.contains(&id) || out.suspended_ids.contains(&id);
+                    let expected = if victim { 0 } else { held };
+                    let got = now.iter().find(|h| h.0 == id).map_or(0, |h| h.1);
+                    assert_eq!(got, expected, "request {id} after revert");
+                }
+            }
+        }
+        self.note_reverted_victims(out);
+        self.result.reverted_steps += 1;
+    }
+
+    fn snapshot(&self) -> Vec<RankSnapshot> {
+        self.ranks
+            .iter()
+            .map(|s| RankSnapshot {
+                state_digest: s.state_digest(),
+                ledger_digest: s.ledger().state_digest(),
+                holdings: s.ledger().holdings(),
+            })
+            .collect()
+    }
+
+    /// Runs a workload to the end, adding each request at its arrival step.
+    pub fn run(&mut self, specs: &[Spec], options: RunOptions) -> Result<RunResult, CoreError> {
+        let mut rng = Rng::new(options.seed);
+        let max_steps = if options.max_steps == 0 {
+            20_000
+        } else {
+            options.max_steps
+        };
+        let mut pending: Vec<&Spec> = specs.iter().collect();
+        pending.sort_by_key(|s| s.arrival_step);
+        let mut next = 0;
+        let mut step = 0u64;
+        loop {
+            while next < pending.len() && pending[next].arrival_step <= step {
+                self.add(pending[next])?;
+                next += 1;
+            }
+            if next == pending.len() && !self.ranks[0].has_unfinished() {
+                break;
+            }
+            assert!(step < max_steps, "run did not finish in {max_steps} steps");
+            let before = self.snapshot();
+            let outs = self.schedule()?;
+            if options.revert_per_mille > 0 && rng.below(1000) < options.revert_per_mille {
+                self.revert_step(&outs[0], &before);
+                continue;
+            }
+            self.run_step(&outs);
+            step += 1;
+            self.check_bound();
+        }
+        for s in &self.ranks {
+            assert_eq!(
+                s.ledger().free_superblocks(),
+                s.ledger().capacity(),
+                "superblocks leaked at the end"
+            );
+            assert_eq!(s.num_live(), 0);
+        }
+        let metrics: Vec<_> = self.ranks.iter().map(Scheduler::metrics).collect();
+        assert!(
+            metrics.windows(2).all(|w| w[0] == w[1]),
+            "metrics differ between ranks"
+        );
+        self.result.preemptions = metrics[0].preemptions;
+        self.result.suspensions = metrics[0].suspensions;
+        self.result.sat_out = metrics[0].sat_out;
+        Ok(self.result.clone())
+    }
+
+    fn check_bound(&mut self) {
+        let bound = self.config.max_preemptions_per_request;
+        for id in self.ranks[0].queue_ids() {
+            let p = self.ranks[0].request_metrics(id).unwrap().preemptions;
+            assert!(
+                p <= bound,
+                "request {id} preempted {p} times, bound {bound}"
+            );
+            self.result.max_request_preemptions = self.result.max_request_preemptions.max(p);
+        }
+    }
+}
+
+/// Outputs of the same requests with no pressure at all: one rank, a pool big enough
+/// for everything, every request at once.
+pub fn reference_outputs(specs: &[Spec], model: Model) -> BTreeMap<RequestId, Vec<i32>> {
+    let total: u64 = specs
+        .iter()
+        .map(|s| s.prompt.len() as u64 + u64::from(s.max_new_tokens))
+        .sum();
+    let mut config = SchedulerConfig::new((total / 4 + specs.len() as u64 + 1) as u32);
+    config.tokens_per_block = 4;
+    config.max_batch_size = specs.len() as u32 + 1;
+    config.max_num_tokens = (total + 1) as u32;
+    let mut group = Group::new(&config, model);
+    let at_once: Vec<Spec> = specs.iter().cloned().map(|s| s.at(0)).collect();
+    let result = group
+        .run(&at_once, RunOptions::default())
+        .expect("reference run");
+    assert_eq!(result.preemptions + result.suspensions + result.sat_out, 0);
+    result.outputs
+}
+
+/// Checks a finished run against the reference: same tokens, each request stopped at
+/// `max_new_tokens` or at eos.
+pub fn assert_matches_reference(specs: &[Spec], model: Model, result: &RunResult) {
+    let reference = reference_outputs(specs, model);
+    assert_eq!(result.outputs.len(), specs.len());
+    for spec in specs {
+        let got = &result.outputs[&spec.id];
+        assert_eq!(
+            got, &reference[&spec.id],
+            "output of {} differs from the run without pressure",
+            spec.id
+        );
+        let ended_at_eos = model.eos.is_some() && got.last() == model.eos.as_ref();
+        assert!(
+            got.len() == spec.max_new_tokens as usize
+                || (ended_at_eos && got.len() < spec.max_new_tokens as usize),
+            "request {} generated {} of {} tokens",
+            spec.id,
+            got.len(),
+            spec.max_new_tokens
+        );
+    }
+}
