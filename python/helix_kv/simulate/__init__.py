@@ -1,0 +1,31 @@
+"""``helix-kv simulate``: drive a simulated CP group of real schedulers over a workload.
+
+The pieces are small and importable on their own:
+
+- :mod:`.workload` makes a seeded synthetic workload or reads a JSONL trace;
+- :mod:`.runner` runs the step loop over ``cp`` schedulers (one per rank) and checks that
+  the ranks agree every step;
+- :mod:`.report` turns a run into figures, a text table and JSON;
+- :mod:`.plot` draws a run with matplotlib (optional);
+- :mod:`.procs` runs the ranks as real processes over gloo (needs torch).
+
+Nothing here imports torch or matplotlib at import time.
+"""
+
+from helix_kv.simulate.workload import (
+    LengthDistribution,
+    RequestSpec,
+    TraceError,
+    WorkloadSpec,
+    read_trace,
+    synthetic_workload,
+)
+
+__all__ = [
+    "LengthDistribution",
+    "RequestSpec",
+    "TraceError",
+    "WorkloadSpec",
+    "read_trace",
+    "synthetic_workload",
+]

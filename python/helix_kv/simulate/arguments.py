@@ -1,0 +1,359 @@
+"""Command-line arguments of ``helix-kv simulate`` and their translation into options.
+
+Scheduler flags default to ``None`` (not given): the core's defaults then apply, and the
+report shows the resolved values. Every problem found here raises :class:`UsageError`
+with a one-line reason; the CLI turns it into exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any, NoReturn, Optional
+
+from helix_kv.simulate.options import (
+    CAPACITY_POLICIES,
+    SERVING_MODES,
+    VICTIM_POLICIES,
+    SimulationOptions,
+)
+from helix_kv.simulate.workload import LengthDistribution, WorkloadSpec
+
+#: Defaults of the embedded workload: under the default KV budget it preempts.
+DEFAULT_CP = 2
+DEFAULT_TOKENS_PER_BLOCK = 16
+DEFAULT_KV_TOKENS = 16_384
+DEFAULT_WORKLOAD = WorkloadSpec()
+
+#: Flags that shape the synthetic workload (they make no sense with ``--trace``).
+SYNTHETIC_FLAGS = {
+    "requests": "--requests",
+    "seed": "--seed",
+    "arrival_rate": "--arrival-rate",
+    "prompt_len": "--prompt-len",
+    "prompt_len_max": "--prompt-len-max",
+    "output_len": "--output-len",
+    "output_len_max": "--output-len-max",
+    "length_dist": "--length-dist",
+    "priority_levels": "--priority-levels",
+}
+
+
+class UsageError(Exception):
+    """Invalid command-line arguments; the message is one line.
+
+    ``prog`` is the command the message is about (printed before it).
+    """
+
+    def __init__(self, message: str, prog: str = "helix-kv simulate") -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors raise :class:`UsageError` instead of printing
+    the usage block and exiting, so every argument error is one line and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)", prog=self.prog)
+
+
+def _integer(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+positive_int = _integer(1)
+non_negative_int = _integer(0)
+
+
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare every flag of ``helix-kv simulate`` on ``parser``."""
+    group = parser.add_argument_group("CP group and KV budget")
+    group.add_argument(
+        "--cp",
+        type=positive_int,
+        metavar="N",
+        default=DEFAULT_CP,
+        help="CP ranks (default: %(default)s)",
+    )
+    group.add_argument(
+        "--tokens-per-block",
+        type=positive_int,
+        metavar="N",
+        default=DEFAULT_TOKENS_PER_BLOCK,
+        help="tokens in one KV page on one rank (default: %(default)s)",
+    )
+    group.add_argument(
+        "--kv-tokens",
+        type=positive_int,
+        metavar="N",
+        default=DEFAULT_KV_TOKENS,
+        help="ledger capacity in global tokens, rounded down to whole superblocks of "
+        "tokens_per_block*cp tokens (default: %(default)s)",
+    )
+
+    group = parser.add_argument_group("scheduler (unset flags take the scheduler's defaults)")
+    group.add_argument(
+        "--max-batch-size", type=positive_int, metavar="N", help="batch slots (default 256)"
+    )
+    group.add_argument(
+        "--max-num-tokens",
+        type=positive_int,
+        metavar="N",
+        help="token budget per step (default 8192)",
+    )
+    group.add_argument(
+        "--chunk-unit",
+        type=positive_int,
+        metavar="N",
+        help="a prefill chunk that does not finish its prompt is a multiple of this "
+        "(default: tokens_per_block)",
+    )
+    group.add_argument(
+        "--no-chunked-prefill",
+        dest="chunked_prefill",
+        action="store_false",
+        help="prefill each prompt in one piece",
+    )
+    group.add_argument(
+        "--max-seq-len", type=positive_int, metavar="N", help="longest request (default 131072)"
+    )
+    group.add_argument(
+        "--capacity-policy", choices=CAPACITY_POLICIES, help="default max_utilization"
+    )
+    group.add_argument(
+        "--mode", choices=SERVING_MODES, help="serving mode (default aggregated_helix)"
+    )
+    group.add_argument(
+        "--host-tier-tokens",
+        type=non_negative_int,
+        metavar="N",
+        help="host tier for suspends, in global tokens (non_helix mode only)",
+    )
+    group.add_argument(
+        "--policy", choices=VICTIM_POLICIES, help="victim policy (default newest_first)"
+    )
+    group.add_argument(
+        "--max-preemptions",
+        type=non_negative_int,
+        metavar="N",
+        help="a request preempted this often is never a victim again (default 8)",
+    )
+    group.add_argument(
+        "--admit-after-preemption",
+        action="store_true",
+        default=None,
+        help="let a step that preempted start new requests",
+    )
+    group.add_argument(
+        "--deadlock-steps",
+        type=positive_int,
+        metavar="N",
+        help="steps without progress before DeadlockError (default 64)",
+    )
+
+    group = parser.add_argument_group("workload (synthetic unless --trace)")
+    group.add_argument(
+        "--trace",
+        metavar="FILE",
+        help='JSONL trace, one {"id", "arrival_step", "prompt_len", "output_len"} per line',
+    )
+    defaults = DEFAULT_WORKLOAD
+    group.add_argument(
+        "--requests",
+        type=positive_int,
+        metavar="N",
+        help=f"requests (default {defaults.num_requests})",
+    )
+    group.add_argument(
+        "--seed",
+        type=non_negative_int,
+        metavar="N",
+        help=f"workload seed (default {defaults.seed})",
+    )
+    group.add_argument(
+        "--arrival-rate",
+        type=_non_negative_float,
+        metavar="RATE",
+        help="mean arrivals per step (Poisson); 0 puts every request at step 0 "
+        f"(default {defaults.arrival_rate})",
+    )
+    group.add_argument(
+        "--prompt-len",
+        type=positive_int,
+        metavar="N",
+        help=f"mean prompt length (default {defaults.prompt_len_mean})",
+    )
+    group.add_argument(
+        "--prompt-len-max",
+        type=positive_int,
+        metavar="N",
+        help=f"longest prompt (default: the larger of {defaults.prompt_len_max} and 4 x mean)",
+    )
+    group.add_argument(
+        "--output-len",
+        type=positive_int,
+        metavar="N",
+        help=f"mean output length (default {defaults.output_len_mean})",
+    )
+    group.add_argument(
+        "--output-len-max",
+        type=positive_int,
+        metavar="N",
+        help=f"longest output (default: the larger of {defaults.output_len_max} and 4 x mean)",
+    )
+    group.add_argument(
+        "--length-dist",
+        choices=[d.value for d in LengthDistribution],
+        help=f"length distribution (default {defaults.length_distribution.value})",
+    )
+    group.add_argument(
+        "--priority-levels",
+        type=positive_int,
+        metavar="N",
+        help=f"priorities drawn from 0..N-1 (default {defaults.priority_levels})",
+    )
+
+    group = parser.add_argument_group("run and output")
+    group.add_argument(
+        "--procs",
+        action="store_true",
+        help="run the ranks as real processes over gloo (needs torch)",
+    )
+    group.add_argument(
+        "--compare-policies",
+        action="store_true",
+        help="run the workload under every victim policy and show them side by side",
+    )
+    group.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of the table"
+    )
+    group.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw KV utilisation, running/waiting and preemptions per step (needs matplotlib)",
+    )
+    group.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="force the progress line on stderr (default: only on a terminal, not with --json)",
+    )
+    group.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="never show progress"
+    )
+    group.add_argument(
+        "--max-steps", type=positive_int, metavar="N", help="stop after this many scheduler steps"
+    )
+
+
+def _scheduler_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    given = {
+        "tokens_per_block": args.tokens_per_block,
+        "max_batch_size": args.max_batch_size,
+        "max_num_tokens": args.max_num_tokens,
+        "chunk_unit": args.chunk_unit,
+        "max_seq_len": args.max_seq_len,
+        "capacity_policy": args.capacity_policy,
+        "serving_mode": args.mode,
+        "victim_policy": args.policy,
+        "max_preemptions_per_request": args.max_preemptions,
+        "admit_after_preemption": args.admit_after_preemption,
+        "deadlock_steps": args.deadlock_steps,
+    }
+    if not args.chunked_prefill:
+        given["enable_chunked_prefill"] = False
+    if args.host_tier_tokens is not None:
+        tokens_per_superblock = args.tokens_per_block * args.cp
+        superblocks = args.host_tier_tokens // tokens_per_superblock
+        if args.host_tier_tokens > 0 and superblocks == 0:
+            raise UsageError(
+                f"--host-tier-tokens {args.host_tier_tokens} is less than one superblock "
+                f"({tokens_per_superblock} tokens); give at least that"
+            )
+        given["host_tier_superblocks"] = superblocks
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def check_combinations(args: argparse.Namespace) -> None:
+    """Reject flags that contradict each other."""
+    if args.trace is not None:
+        clashing = [
+            flag for dest, flag in SYNTHETIC_FLAGS.items() if getattr(args, dest) is not None
+        ]
+        if clashing:
+            raise UsageError(
+                f"{', '.join(clashing)} shape the synthetic workload and cannot be combined "
+                "with --trace (the trace gives every request)"
+            )
+    if args.compare_policies and args.policy is not None:
+        raise UsageError("--compare-policies runs every victim policy; drop --policy")
+    if args.plot is not None:
+        parent = Path(args.plot).expanduser().resolve().parent
+        if not parent.is_dir():
+            raise UsageError(f"--plot {args.plot}: folder {parent} does not exist")
+
+
+def simulation_options(args: argparse.Namespace) -> SimulationOptions:
+    """The options the flags describe (scheduler settings not given are left out)."""
+    check_combinations(args)
+    return SimulationOptions(
+        cp=args.cp,
+        kv_tokens=args.kv_tokens,
+        scheduler=_scheduler_kwargs(args),
+        max_steps=args.max_steps,
+        procs=args.procs,
+    )
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    """The synthetic workload the flags describe (defaults where not given)."""
+    defaults = DEFAULT_WORKLOAD
+
+    def pick(value: Optional[Any], default: Any) -> Any:
+        return default if value is None else value
+
+    spec = WorkloadSpec(
+        num_requests=pick(args.requests, defaults.num_requests),
+        seed=pick(args.seed, defaults.seed),
+        arrival_rate=pick(args.arrival_rate, defaults.arrival_rate),
+        prompt_len_mean=pick(args.prompt_len, defaults.prompt_len_mean),
+        prompt_len_max=pick(
+            args.prompt_len_max, max(defaults.prompt_len_max, 4 * pick(args.prompt_len, 0))
+        ),
+        output_len_mean=pick(args.output_len, defaults.output_len_mean),
+        output_len_max=pick(
+            args.output_len_max, max(defaults.output_len_max, 4 * pick(args.output_len, 0))
+        ),
+        length_distribution=LengthDistribution(
+            pick(args.length_dist, defaults.length_distribution.value)
+        ),
+        priority_levels=pick(args.priority_levels, defaults.priority_levels),
+    )
+    try:
+        spec.validate()
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    return spec

@@ -1,0 +1,105 @@
+"""Rank groups the step loop drives: all ranks in this process, or this process's rank.
+
+:class:`InProcessGroup` wraps :class:`helix_kv.SimulatedCPGroup` (``cp`` real schedulers in
+one process, compared every step). :class:`ProcessRankGroup` is one rank of a real
+``torch.distributed`` group; it checks agreement with
+:class:`helix_kv.distributed.ScheduleChecker` every step. Both satisfy
+:class:`helix_kv.simulate.runner.RankGroup`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class InProcessGroup:
+    """``cp`` schedulers in this process, one per rank, fed identical calls."""
+
+    def __init__(self, config: Any) -> None:
+        from helix_kv import SimulatedCPGroup
+
+        self._group = SimulatedCPGroup(config)
+        self.cp = int(config.cp_size)
+
+    def add_request(
+        self, request_id: int, prompt: np.ndarray, max_new_tokens: int, priority: int
+    ) -> None:
+        self._group.add_request(request_id, prompt, max_new_tokens, priority)
+
+    def schedule(self) -> Any:
+        return self._group.schedule()[0]
+
+    def update(self, tokens: np.ndarray) -> np.ndarray:
+        return np.asarray(self._group.update(tokens))
+
+    def take_output(self, request_id: int) -> np.ndarray:
+        return np.asarray(self._group.take_output(request_id))
+
+    def request_metrics(self, request_id: int) -> Any:
+        return self._group.schedulers[0].request_metrics(request_id)
+
+    def metrics(self) -> Any:
+        return self._group.schedulers[0].metrics()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._group.schedulers[0].has_unfinished())
+
+    @property
+    def num_running(self) -> int:
+        return int(self._group.schedulers[0].num_running)
+
+    @property
+    def num_waiting(self) -> int:
+        return int(self._group.schedulers[0].num_waiting)
+
+
+class ProcessRankGroup:
+    """This process's rank of a ``torch.distributed`` CP group.
+
+    Each process runs its own scheduler on the same workload; after every ``schedule()``
+    the ranks compare digests through :class:`helix_kv.distributed.ScheduleChecker`, which
+    raises :class:`helix_kv.ScheduleMismatchError` on every rank if they differ.
+    """
+
+    def __init__(self, config: Any, process_group: Any = None) -> None:
+        from helix_kv import Scheduler
+        from helix_kv.distributed import ScheduleChecker
+
+        self.cp = int(config.cp_size)
+        self.scheduler = Scheduler(config)
+        self.checker = ScheduleChecker(process_group)
+
+    def add_request(
+        self, request_id: int, prompt: np.ndarray, max_new_tokens: int, priority: int
+    ) -> None:
+        self.scheduler.add_request(request_id, prompt, max_new_tokens, priority)
+
+    def schedule(self) -> Any:
+        output = self.scheduler.schedule()
+        self.checker.check(output)
+        return output
+
+    def update(self, tokens: np.ndarray) -> np.ndarray:
+        return np.asarray(self.scheduler.update(tokens))
+
+    def take_output(self, request_id: int) -> np.ndarray:
+        return np.asarray(self.scheduler.take_output(request_id))
+
+    def request_metrics(self, request_id: int) -> Any:
+        return self.scheduler.request_metrics(request_id)
+
+    def metrics(self) -> Any:
+        return self.scheduler.metrics()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.has_unfinished())
+
+    @property
+    def num_running(self) -> int:
+        return int(self.scheduler.num_running)
+
+    @property
+    def num_waiting(self) -> int:
+        return int(self.scheduler.num_waiting)

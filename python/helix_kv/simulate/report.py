@@ -1,0 +1,182 @@
+"""Figures of a simulation run, as a flat JSON-ready dict, a text table or a comparison.
+
+:func:`summarize` is the single source of the figures; the table, the comparison and
+``--json`` all print from its output, so they can never disagree.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from helix_kv.simulate.runner import SimulationResult
+
+Summary = dict[str, Any]
+
+
+def _percentile(values: Sequence[int], q: float) -> Optional[int]:
+    """Nearest-rank percentile (an observed value), ``None`` for no values."""
+    if len(values) == 0:
+        return None
+    return int(np.percentile(np.asarray(values), q, method="inverted_cdf"))
+
+
+def _share(part: float, whole: float) -> float:
+    return float(part) / float(whole) if whole else 0.0
+
+
+def summarize(result: SimulationResult) -> Summary:
+    """The figures of a run as one flat dict (what ``--json`` prints).
+
+    Times are in scheduler steps of the simulated clock: ``waiting_steps`` counts the
+    steps a request was live but got no work (re-waits after preemption included),
+    ``first_token_steps`` and ``completion_steps`` run from arrival to the first sampled
+    token and to the last, both ends counted.
+    """
+    metrics = result.final_metrics
+    outcomes = result.outcomes
+    waiting = [o.steps_waited for o in outcomes]
+    first_token = [o.first_token_steps for o in outcomes]
+    completion = [o.completion_steps for o in outcomes]
+    utilization = result.series.kv_utilization
+    computed = int(metrics.computed_tokens)
+    recomputed = int(metrics.recomputed_tokens)
+    summary: Summary = {
+        "requests_total": result.requests_total,
+        "requests_finished": result.requests_finished,
+        "steps": len(result.series),
+        "clock_steps": result.clock,
+        "generated_tokens": result.generated_tokens,
+        "computed_tokens": computed,
+        "preemptions": int(metrics.preemptions),
+        "suspensions": int(metrics.suspensions),
+        "preempted_requests": sum(1 for o in outcomes if o.preemptions > 0),
+        "max_preemptions_of_a_request": max((o.preemptions for o in outcomes), default=0),
+        "recomputed_tokens": recomputed,
+        "recomputed_share": _share(recomputed, computed),
+        "sat_out": int(metrics.sat_out),
+        "kv_capacity_superblocks": int(metrics.kv_capacity_superblocks),
+        "kv_utilization_peak": float(metrics.kv_utilization_peak),
+        "kv_utilization_mean": float(np.mean(utilization)) if utilization else 0.0,
+        "waiting_steps_p50": _percentile(waiting, 50),
+        "waiting_steps_p99": _percentile(waiting, 99),
+        "first_token_steps_p50": _percentile(first_token, 50),
+        "first_token_steps_p99": _percentile(first_token, 99),
+        "completion_steps_p50": _percentile(completion, 50),
+        "completion_steps_p99": _percentile(completion, 99),
+        "rank_agreement": result.rank_agreement,
+        "outputs_exact": result.outputs_exact,
+        "config": result.config,
+    }
+    if result.mismatch is not None:
+        summary["mismatch"] = result.mismatch
+    return summary
+
+
+def to_json(summary: Mapping[str, Any]) -> str:
+    """One JSON object, keys in a stable order."""
+    return json.dumps(summary, indent=2)
+
+
+def _pair(first: Any, second: Any, unit: str = "") -> str:
+    def show(value: Any) -> str:
+        return "-" if value is None else str(value)
+
+    return f"{show(first)} / {show(second)}{unit}"
+
+
+def _percent(value: float) -> str:
+    return f"{100.0 * value:.1f}%"
+
+
+def _agreement(summary: Summary) -> str:
+    ranks = summary["config"].get("cp", "?")
+    if summary["rank_agreement"]:
+        return f"yes ({ranks} ranks, every step)"
+    return f"NO (stopped at step {summary['steps']})"
+
+
+#: Table rows: label and how to show the value from a summary.
+ROWS: list[tuple[str, Callable[[Summary], str]]] = [
+    ("requests finished / total", lambda s: _pair(s["requests_finished"], s["requests_total"])),
+    ("steps", lambda s: str(s["steps"])),
+    ("generated tokens", lambda s: str(s["generated_tokens"])),
+    ("computed tokens", lambda s: str(s["computed_tokens"])),
+    ("preemptions", lambda s: f"{s['preemptions']} ({s['preempted_requests']} requests)"),
+    (
+        "recomputed tokens",
+        lambda s: f"{s['recomputed_tokens']} ({_percent(s['recomputed_share'])} of computed)",
+    ),
+    ("sat-out decode slots", lambda s: str(s["sat_out"])),
+    (
+        "KV utilisation peak / mean",
+        lambda s: _pair(_percent(s["kv_utilization_peak"]), _percent(s["kv_utilization_mean"])),
+    ),
+    (
+        "waiting p50 / p99",
+        lambda s: _pair(s["waiting_steps_p50"], s["waiting_steps_p99"], " steps"),
+    ),
+    (
+        "first token p50 / p99",
+        lambda s: _pair(s["first_token_steps_p50"], s["first_token_steps_p99"], " steps"),
+    ),
+    (
+        "completion p50 / p99",
+        lambda s: _pair(s["completion_steps_p50"], s["completion_steps_p99"], " steps"),
+    ),
+    ("rank agreement", _agreement),
+    ("outputs exact", lambda s: "yes" if s["outputs_exact"] else "NO"),
+]
+
+
+def describe_config(config: Mapping[str, Any], *, include_policy: bool = True) -> str:
+    """One line naming the settings that matter most for KV pressure."""
+    scheduler = config.get("scheduler", {})
+    parts = [
+        f"cp={config.get('cp', '?')}",
+        f"tokens_per_block={scheduler.get('tokens_per_block', '?')}",
+        f"kv_tokens={config.get('kv_tokens', '?')}",
+        f"mode={scheduler.get('serving_mode', '?')}",
+        f"capacity={scheduler.get('capacity_policy', '?')}",
+    ]
+    if include_policy:
+        parts.append(f"policy={scheduler.get('victim_policy', '?')}")
+    source = config.get("workload", {})
+    if source.get("source") == "trace":
+        parts.append(f"trace={source.get('path')}")
+    else:
+        parts.append(f"requests={source.get('requests', '?')} seed={source.get('seed', '?')}")
+    return ", ".join(parts)
+
+
+def format_table(summary: Summary) -> str:
+    """The end-of-run table."""
+    width = max(len(label) for label, _ in ROWS)
+    lines = [f"helix-kv simulate: {describe_config(summary['config'])}"]
+    lines += [f"  {label:<{width}}  {show(summary)}" for label, show in ROWS]
+    if "mismatch" in summary:
+        lines.append(f"  mismatch: {summary['mismatch']}")
+    return "\n".join(lines)
+
+
+def format_comparison(summaries: Mapping[str, Summary]) -> str:
+    """The same rows for several runs (one per victim policy), side by side."""
+    names = list(summaries)
+    cells = [[show(summaries[name]) for name in names] for _, show in ROWS]
+    label_width = max(len(label) for label, _ in ROWS)
+    widths = [
+        max(len(name), *(len(row[column]) for row in cells)) for column, name in enumerate(names)
+    ]
+    first = next(iter(summaries.values()))
+    header = "  ".join(f"{name:>{width}}" for name, width in zip(names, widths))
+    setting = describe_config(first["config"], include_policy=False)
+    lines = [
+        f"helix-kv simulate --compare-policies: {setting}",
+        f"  {'victim policy':<{label_width}}  {header}",
+    ]
+    for (label, _), row in zip(ROWS, cells):
+        values = "  ".join(f"{cell:>{width}}" for cell, width in zip(row, widths))
+        lines.append(f"  {label:<{label_width}}  {values}")
+    return "\n".join(lines)

@@ -1,0 +1,275 @@
+"""The simulator's step loop: feed a workload to a group of ranks and record what happens.
+
+The loop is the same whether the ranks live in this process (:class:`~.group.InProcessGroup`,
+over :class:`helix_kv.SimulatedCPGroup`) or in separate processes over gloo (each process
+runs this loop over its own :class:`~.group.ProcessRankGroup`). Each step:
+
+1. requests whose ``arrival_step`` has come are added (on every rank, in queue order);
+   when nothing is live the clock jumps to the next arrival;
+2. ``schedule()`` on every rank; the group checks that the ranks agree;
+3. one deterministic token per ``sample_ids`` entry (see :mod:`.tokens`) goes to ``update``;
+4. finished requests have their metrics read and their output checked against the output
+   they would have had without any preemption.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import numpy as np
+
+from helix_kv.simulate.tokens import expected_output, prompt_tokens, sampled_tokens
+from helix_kv.simulate.workload import RequestSpec
+
+#: ``progress(clock, requests_finished, requests_total, steps)``, called after each step.
+ProgressCallback = Callable[[int, int, int, int], None]
+
+
+class RankGroup(Protocol):
+    """``cp`` ranks that receive identical calls; what :func:`run_simulation` drives."""
+
+    def add_request(
+        self, request_id: int, prompt: np.ndarray, max_new_tokens: int, priority: int
+    ) -> None:
+        """Add a request on every rank."""
+
+    def schedule(self) -> Any:
+        """Schedule one step on every rank, check they agree, return one rank's output.
+
+        Raises :class:`helix_kv.ScheduleMismatchError` when the ranks disagree.
+        """
+
+    def update(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed the sampled tokens to every rank; return the finished ids."""
+
+    def take_output(self, request_id: int) -> np.ndarray:
+        """The generated tokens of a finished request (taken on every rank)."""
+
+    def request_metrics(self, request_id: int) -> Any:
+        """Per-request counters (``preemptions``, ``recomputed_tokens``, ``steps_waited``...)."""
+
+    def metrics(self) -> Any:
+        """Scheduler counters (equal on every rank)."""
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is live."""
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV (prefilling or decoding)."""
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for (re-)admission."""
+
+
+@dataclass
+class StepSeries:
+    """Per-step figures of a run, one entry per scheduler step (idle gaps are not steps)."""
+
+    clock: list[int] = field(default_factory=list)
+    kv_utilization: list[float] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    sat_out: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.clock)
+
+
+@dataclass
+class RequestOutcome:
+    """What happened to one finished request; times are in steps of the simulated clock."""
+
+    request_id: int
+    arrival_step: int
+    first_token_step: int
+    finish_step: int
+    generated_tokens: int
+    preemptions: int
+    recomputed_tokens: int
+    steps_waited: int
+    output_exact: bool
+
+    @property
+    def completion_steps(self) -> int:
+        """Steps from arrival to finish, both counted."""
+        return self.finish_step - self.arrival_step + 1
+
+    @property
+    def first_token_steps(self) -> int:
+        """Steps from arrival to its first sampled token, both counted."""
+        return self.first_token_step - self.arrival_step + 1
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """The scheduler's counters at the end of a run, as plain numbers (picklable)."""
+
+    steps: int
+    preemptions: int
+    suspensions: int
+    recomputed_tokens: int
+    computed_tokens: int
+    sat_out: int
+    finished: int
+    kv_used_superblocks: int
+    kv_capacity_superblocks: int
+    kv_utilization: float
+    kv_utilization_peak: float
+
+    @classmethod
+    def of(cls, metrics: Any) -> MetricsSnapshot:
+        """Copy the fields of a ``helix_kv.SchedulerMetrics``."""
+        return cls(
+            steps=int(metrics.steps),
+            preemptions=int(metrics.preemptions),
+            suspensions=int(metrics.suspensions),
+            recomputed_tokens=int(metrics.recomputed_tokens),
+            computed_tokens=int(metrics.computed_tokens),
+            sat_out=int(metrics.sat_out),
+            finished=int(metrics.finished),
+            kv_used_superblocks=int(metrics.kv_used_superblocks),
+            kv_capacity_superblocks=int(metrics.kv_capacity_superblocks),
+            kv_utilization=float(metrics.kv_utilization),
+            kv_utilization_peak=float(metrics.kv_utilization_peak),
+        )
+
+
+@dataclass
+class SimulationResult:
+    """Everything a run produced; :mod:`.report` turns it into figures."""
+
+    requests_total: int
+    outcomes: list[RequestOutcome]
+    series: StepSeries
+    final_metrics: MetricsSnapshot
+    generated_tokens: int
+    clock: int
+    rank_agreement: bool
+    mismatch: Optional[str] = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def requests_finished(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def outputs_exact(self) -> bool:
+        """Every finished request produced exactly the tokens it would have without pressure."""
+        return all(outcome.output_exact for outcome in self.outcomes)
+
+
+def _sample_indices(ids: np.ndarray, generated: dict[int, int]) -> np.ndarray:
+    return np.fromiter((generated[i] for i in ids.tolist()), dtype=np.uint64, count=len(ids))
+
+
+def run_simulation(
+    group: RankGroup,
+    workload: Sequence[RequestSpec],
+    *,
+    config: Optional[dict[str, Any]] = None,
+    progress: Optional[ProgressCallback] = None,
+    max_steps: Optional[int] = None,
+) -> SimulationResult:
+    """Run ``workload`` to completion on ``group`` and return what happened.
+
+    Stops early (with ``rank_agreement=False`` and the mismatch message) if the ranks
+    disagree, or after ``max_steps`` scheduler steps. Scheduler errors (deadlock, preemption
+    disabled) propagate.
+    """
+    from helix_kv import ScheduleMismatchError
+
+    by_id = {request.request_id: request for request in workload}
+    generated: dict[int, int] = {}
+    first_token_step: dict[int, int] = {}
+    outcomes: list[RequestOutcome] = []
+    series = StepSeries()
+    total_generated = 0
+    next_arrival = 0
+    clock = 0
+    mismatch: Optional[str] = None
+    steps_limit = math.inf if max_steps is None else max_steps
+
+    while len(series) < steps_limit:
+        while next_arrival < len(workload) and workload[next_arrival].arrival_step <= clock:
+            request = workload[next_arrival]
+            group.add_request(
+                request.request_id,
+                prompt_tokens(request.request_id, request.prompt_len),
+                request.output_len,
+                request.priority,
+            )
+            generated[request.request_id] = 0
+            next_arrival += 1
+        if not group.has_unfinished():
+            if next_arrival >= len(workload):
+                break
+            clock = workload[next_arrival].arrival_step  # idle: jump to the next arrival
+            continue
+
+        try:
+            output = group.schedule()
+        except ScheduleMismatchError as err:
+            mismatch = str(err)
+            break
+        metrics = group.metrics()
+        series.clock.append(clock)
+        series.kv_utilization.append(float(metrics.kv_utilization))
+        series.running.append(int(group.num_running))
+        series.waiting.append(int(group.num_waiting))
+        series.preempted.append(len(output.preempted_ids))
+        series.sat_out.append(len(output.sat_out_ids))
+        series.num_tokens.append(int(output.num_tokens))
+
+        sample_ids = np.asarray(output.sample_ids, dtype=np.int64)
+        tokens = sampled_tokens(sample_ids, _sample_indices(sample_ids, generated))
+        finished = group.update(tokens)
+        for request_id in sample_ids.tolist():
+            if generated[request_id] == 0:
+                first_token_step[request_id] = clock
+            generated[request_id] += 1
+        total_generated += len(sample_ids)
+
+        for request_id in np.asarray(finished).tolist():
+            request = by_id[request_id]
+            request_metrics = group.request_metrics(request_id)
+            output_tokens = group.take_output(request_id)
+            outcomes.append(
+                RequestOutcome(
+                    request_id=request_id,
+                    arrival_step=request.arrival_step,
+                    first_token_step=first_token_step[request_id],
+                    finish_step=clock,
+                    generated_tokens=int(request_metrics.generated_tokens),
+                    preemptions=int(request_metrics.preemptions),
+                    recomputed_tokens=int(request_metrics.recomputed_tokens),
+                    steps_waited=int(request_metrics.steps_waited),
+                    output_exact=bool(
+                        np.array_equal(
+                            np.asarray(output_tokens),
+                            expected_output(request_id, request.output_len),
+                        )
+                    ),
+                )
+            )
+            del generated[request_id]
+        clock += 1
+        if progress is not None:
+            progress(clock, len(outcomes), len(workload), len(series))
+
+    return SimulationResult(
+        requests_total=len(workload),
+        outcomes=outcomes,
+        series=series,
+        final_metrics=MetricsSnapshot.of(group.metrics()),
+        generated_tokens=total_generated,
+        clock=clock,
+        rank_agreement=mismatch is None,
+        mismatch=mismatch,
+        config=dict(config or {}),
+    )
