@@ -1,0 +1,239 @@
+"""The engine-side configuration of one CP rank, its KV budget arithmetic and the guards.
+
+Nothing here talks to other ranks: :mod:`helix_kv.distributed.rank` runs these checks on every
+rank and then agrees on the outcome with the group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional
+
+from helix_kv import ConfigError, ConfigGuardError
+
+logger = logging.getLogger("helix_kv")
+
+#: Set to ``1`` on every rank to compare the ranks' schedules each step.
+CHECK_SCHEDULE_ENV = "HELIX_KV_CHECK_SCHEDULE"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+#: EngineConfig fields handed to :class:`helix_kv.SchedulerConfig` unchanged.
+SCHEDULER_FIELDS = (
+    "tokens_per_block",
+    "max_batch_size",
+    "max_num_tokens",
+    "enable_chunked_prefill",
+    "chunk_unit",
+    "max_seq_len",
+    "capacity_policy",
+    "serving_mode",
+    "victim_policy",
+    "max_preemptions_per_request",
+    "admit_after_preemption",
+    "deadlock_steps",
+)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What a serving engine knows about one CP rank's KV cache and scheduler.
+
+    Must be the same on every rank of the group (the KV byte budget, which may differ, is
+    passed separately to :meth:`HelixKVRank.create <helix_kv.distributed.HelixKVRank.create>`).
+
+    Scheduler fields: as :class:`helix_kv.SchedulerConfig` (``cp_size``, ``cp_rank`` and the
+    capacity come from the process group and the KV budget).
+
+    KV geometry (what one token costs on one rank): ``num_layers`` x ``kv_factor`` (2 for K
+    and V, 1 for a latent cache such as MLA) x ``num_kv_heads`` (KV heads stored on this rank,
+    after any tensor-parallel split) x ``head_dim`` x ``dtype_bytes``.
+
+    Serving options the guards look at:
+        host_cache_bytes: a host-memory KV tier. ``None`` (not configured) lets the engine
+            default apply: a host tier as large as the GPU budget for ``non_helix``, none under
+            aggregated Helix (skipped, logged at info) or for disaggregated generation.
+        disk_cache_bytes: a disk KV tier (the engine's; ``0`` = none).
+        kv_connector: name of a KV connector that loads/offloads pages outside the scheduler.
+        kv_pool_rebalance: whether the engine may resize the KV pool at run time.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+    kv_factor: int = 2
+
+    tokens_per_block: int = 32
+    max_batch_size: int = 256
+    max_num_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    chunk_unit: Optional[int] = None
+    max_seq_len: int = 131072
+    capacity_policy: str = "max_utilization"
+    serving_mode: str = "aggregated_helix"
+    victim_policy: str = "newest_first"
+    max_preemptions_per_request: int = 8
+    admit_after_preemption: bool = False
+    deadlock_steps: int = 64
+
+    host_cache_bytes: Optional[int] = None
+    disk_cache_bytes: int = 0
+    kv_connector: Optional[str] = None
+    kv_pool_rebalance: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "tokens_per_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"EngineConfig.{name} = {value!r} must be an integer >= 1")
+        if self.kv_factor not in (1, 2):
+            raise ConfigError(
+                f"EngineConfig.kv_factor = {self.kv_factor!r} must be 2 (separate K and V) "
+                "or 1 (one latent vector per token, e.g. MLA)"
+            )
+        for name in ("host_cache_bytes", "disk_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"EngineConfig.{name} = {value!r} must be an integer")
+            if value is not None and value < 0:
+                raise ConfigError(f"EngineConfig.{name} = {value} must be >= 0")
+        if self.kv_connector is not None and not (
+            isinstance(self.kv_connector, str) and self.kv_connector
+        ):
+            raise ConfigError(
+                f"EngineConfig.kv_connector = {self.kv_connector!r} must be a connector name "
+                "or None"
+            )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:
+        """Builds a config from a mapping, naming any unknown key."""
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown EngineConfig field(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return cls(**values)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token costs on the rank that holds it."""
+        return (
+            self.num_layers * self.kv_factor * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        )
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one physical KV page (``tokens_per_block`` tokens) on one rank."""
+        return self.tokens_per_block * self.bytes_per_token
+
+    def scheduler_kwargs(self) -> Dict[str, Any]:
+        """The :class:`helix_kv.SchedulerConfig` keyword arguments this config fixes."""
+        return {name: getattr(self, name) for name in SCHEDULER_FIELDS}
+
+
+def superblocks_for_budget(config: EngineConfig, kv_budget_bytes: int) -> int:
+    """Whole physical pages that fit in one rank's KV byte budget.
+
+    A superblock is one page on every rank, so a rank's page count is the number of
+    superblocks it can hold. Raises :class:`~helix_kv.ConfigError` if not even one page fits.
+    """
+    if isinstance(kv_budget_bytes, bool) or not isinstance(kv_budget_bytes, int):
+        raise ConfigError(f"kv_budget_bytes = {kv_budget_bytes!r} must be an integer")
+    pages = kv_budget_bytes // config.page_bytes
+    if pages < 1:
+        raise ConfigError(
+            f"kv_budget_bytes = {kv_budget_bytes} holds no KV page: one page is "
+            f"{config.page_bytes} bytes (tokens_per_block {config.tokens_per_block} x "
+            f"{config.bytes_per_token} bytes per token); raise the KV budget or lower "
+            "tokens_per_block"
+        )
+    return min(pages, 2**32 - 1)
+
+
+def check_config_guards(config: EngineConfig, cp_size: int) -> None:
+    """Rejects serving options that would break rank invariance.
+
+    Under aggregated Helix the KV pool is a single GPU pool per rank and the superblock ledger
+    must look the same on every rank, so host/disk tiers, KV connectors and KV-pool rebalance
+    are rejected. Any CP group (``cp_size > 1``) rejects rebalance. Every violated guard is
+    listed in one :class:`~helix_kv.ConfigGuardError`, each with why and what to do instead.
+    Non-Helix and disaggregated configurations keep the tiers and connectors.
+    """
+    aggregated = config.serving_mode == "aggregated_helix"
+    problems = []
+    if aggregated and config.host_cache_bytes:
+        problems.append(
+            f"host_cache_bytes = {config.host_cache_bytes}: a host KV tier is rejected under "
+            "aggregated Helix. Each rank's KV pool is a single GPU pool, so suspending a request "
+            "to host memory frees nothing the scheduler can use, and resuming it would have to "
+            "read per-rank utilisation, which differs between ranks and breaks rank-invariant "
+            "scheduling; under KV pressure helix_kv recompute-pauses instead. Set "
+            "host_cache_bytes to None or 0 and give the GPU pool more KV budget (or fewer batch "
+            "slots); for a host tier, serve on one rank with serving_mode='non_helix'."
+        )
+    if aggregated and config.disk_cache_bytes:
+        problems.append(
+            f"disk_cache_bytes = {config.disk_cache_bytes}: a disk KV tier is rejected under "
+            "aggregated Helix for the same reason as a host tier: offloading frees nothing in "
+            "the single GPU pool and bringing pages back would read per-rank state. Set "
+            "disk_cache_bytes = 0 and raise the GPU KV budget instead."
+        )
+    if aggregated and config.kv_connector is not None:
+        problems.append(
+            f"kv_connector = {config.kv_connector!r}: KV connectors are rejected under aggregated "
+            "Helix. A connector loads and offloads pages outside the scheduler, which changes one "
+            "rank's capacity and contents behind a ledger that must be identical on every rank. "
+            "Remove kv_connector; to move KV between servers, serve the decode side with "
+            "serving_mode='disaggregated_generation'."
+        )
+    if config.kv_pool_rebalance and (aggregated or cp_size > 1):
+        where = "aggregated Helix" if aggregated else f"Helix (cp_size = {cp_size})"
+        problems.append(
+            f"kv_pool_rebalance = True: KV-pool rebalance is rejected under {where}. It resizes "
+            "a rank's pool at run time, while the superblock ledger needs the same capacity on "
+            "every rank, fixed at construction when the group agrees on the smallest budget. "
+            "Set kv_pool_rebalance = False and size the pool with kv_budget_bytes."
+        )
+    if problems:
+        raise ConfigGuardError("\n".join(problems))
+
+
+def host_tier_superblocks(config: EngineConfig, kv_budget_bytes: int) -> int:
+    """Host-tier superblocks to give the scheduler (after :func:`check_config_guards`).
+
+    Only ``non_helix`` suspends to a host tier. An unset ``host_cache_bytes`` provisions one as
+    large as the GPU budget there; under aggregated Helix the automatic tier is skipped (logged
+    at info). A disaggregated generation server never suspends: a host tier it configures is
+    left to the engine and the scheduler gets none.
+    """
+    if config.serving_mode == "non_helix":
+        host_bytes = kv_budget_bytes if config.host_cache_bytes is None else config.host_cache_bytes
+        return min(host_bytes // config.page_bytes, 2**32 - 1)
+    if config.serving_mode == "aggregated_helix" and config.host_cache_bytes is None:
+        logger.info(
+            "aggregated Helix: automatic host KV tier skipped (the KV pool is GPU-only; under "
+            "KV pressure requests are recompute-paused, not suspended)"
+        )
+    return 0
+
+
+def schedule_check_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether :data:`CHECK_SCHEDULE_ENV` asks for the per-step schedule check."""
+    value = (os.environ if environ is None else environ).get(CHECK_SCHEDULE_ENV, "")
+    normalized = value.strip().lower()
+    if normalized in _TRUE:
+        return True
+    if normalized in _FALSE:
+        return False
+    raise ConfigError(
+        f"{CHECK_SCHEDULE_ENV} = {value!r} is not understood; set it to 1 (check every step) "
+        "or 0 (off) on every rank"
+    )
