@@ -1,0 +1,208 @@
+"""The step loop and the report, driven by a fake rank group (no scheduler needed).
+
+The fake admits every arrived request at once with unlimited KV: one prefill step (which
+samples the first token), then one token per step. It is enough to check the loop's
+bookkeeping: arrivals, idle gaps, token feeding, output checks, stops and the figures.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from types import SimpleNamespace
+from typing import Optional
+
+import numpy as np
+import pytest
+
+import helix_kv
+from helix_kv.simulate.progress import ProgressLine, progress_wanted
+from helix_kv.simulate.report import format_comparison, format_table, summarize, to_json
+from helix_kv.simulate.runner import SimulationResult, run_simulation
+from helix_kv.simulate.tokens import prompt_tokens
+from helix_kv.simulate.workload import RequestSpec
+
+
+class FakeGroup:
+    """Unlimited KV, no preemption; optionally corrupts tokens or raises a mismatch."""
+
+    def __init__(self, mismatch_at_step: Optional[int] = None, corrupt: bool = False) -> None:
+        self.live: dict[int, dict] = {}
+        self.done: dict[int, dict] = {}
+        self.step = 0
+        self.mismatch_at_step = mismatch_at_step
+        self.corrupt = corrupt
+        self.added_at_step: dict[int, int] = {}
+        self._last: Optional[list[int]] = None
+
+    def add_request(self, request_id, prompt, max_new_tokens, priority) -> None:
+        assert np.array_equal(prompt, prompt_tokens(request_id, len(prompt)))
+        self.live[request_id] = {"max": max_new_tokens, "out": [], "prefilled": False}
+        self.added_at_step[request_id] = self.step
+
+    def schedule(self):
+        if self.step == self.mismatch_at_step:
+            raise helix_kv.ScheduleMismatchError("ranks 0 and 1 differ in field 'preempted'")
+        decoding = [i for i, r in self.live.items() if r["prefilled"]]
+        context = [i for i, r in self.live.items() if not r["prefilled"]]
+        for i in context:
+            self.live[i]["prefilled"] = True
+        self._last = decoding + context
+        return SimpleNamespace(
+            sample_ids=np.array(self._last, dtype=np.int64),
+            preempted_ids=np.array([], dtype=np.int64),
+            sat_out_ids=np.array([], dtype=np.int64),
+            num_tokens=len(decoding) + len(context),
+        )
+
+    def update(self, tokens):
+        assert self._last is not None
+        assert len(tokens) == len(self._last)
+        finished = []
+        for request_id, token in zip(self._last, tokens.tolist()):
+            request = self.live[request_id]
+            request["out"].append(token + (1 if self.corrupt else 0))
+            if len(request["out"]) == request["max"]:
+                self.done[request_id] = self.live.pop(request_id)
+                finished.append(request_id)
+        self.step += 1
+        self._last = None
+        return np.array(finished, dtype=np.int64)
+
+    def take_output(self, request_id):
+        return np.array(self.done.pop(request_id)["out"], dtype=np.int32)
+
+    def request_metrics(self, request_id):
+        request = self.done[request_id]
+        return SimpleNamespace(
+            generated_tokens=len(request["out"]),
+            preemptions=0,
+            recomputed_tokens=0,
+            steps_waited=0,
+        )
+
+    def metrics(self):
+        return SimpleNamespace(
+            steps=self.step,
+            preemptions=0,
+            suspensions=0,
+            recomputed_tokens=0,
+            computed_tokens=100,
+            sat_out=0,
+            finished=len(self.done),
+            kv_used_superblocks=1,
+            kv_capacity_superblocks=4,
+            kv_utilization=0.25,
+            kv_utilization_peak=0.5,
+        )
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live)
+
+    @property
+    def num_running(self) -> int:
+        return sum(r["prefilled"] for r in self.live.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(not r["prefilled"] for r in self.live.values())
+
+
+WORKLOAD = [
+    RequestSpec(3, 0, 5, 4),
+    RequestSpec(1, 2, 7, 1),
+    RequestSpec(8, 20, 2, 3),  # after an idle gap
+]
+CONFIG = {"cp": 2, "kv_tokens": 64, "scheduler": {"tokens_per_block": 4}, "workload": {}}
+
+
+def run(group: FakeGroup, **kwargs) -> SimulationResult:
+    return run_simulation(group, WORKLOAD, config=CONFIG, **kwargs)
+
+
+def test_loop_feeds_arrivals_tokens_and_checks_outputs() -> None:
+    calls = []
+    result = run(FakeGroup(), progress=lambda *args: calls.append(args))
+    assert result.requests_finished == result.requests_total == 3
+    assert result.rank_agreement
+    assert result.outputs_exact
+    assert result.generated_tokens == 4 + 1 + 3
+    # request 8 arrives at 20 after an idle gap: the clock jumped, no empty steps were run
+    by_id = {o.request_id: o for o in result.outcomes}
+    assert by_id[8].first_token_step == 20
+    assert by_id[8].finish_step == 22
+    assert by_id[3].completion_steps == 4
+    assert by_id[1].first_token_steps == 1
+    assert len(result.series) == 4 + 3
+    assert result.clock == 23
+    assert calls[-1] == (23, 3, 3, 7)
+
+
+def test_wrong_output_is_flagged() -> None:
+    result = run(FakeGroup(corrupt=True))
+    assert not result.outputs_exact
+    assert not any(o.output_exact for o in result.outcomes)
+
+
+def test_mismatch_stops_the_run() -> None:
+    result = run(FakeGroup(mismatch_at_step=2))
+    assert not result.rank_agreement
+    assert "field 'preempted'" in (result.mismatch or "")
+    assert len(result.series) == 2
+    summary = summarize(result)
+    assert summary["rank_agreement"] is False
+    assert "NO (stopped at step 2)" in format_table(summary)
+
+
+def test_max_steps_stops_early() -> None:
+    result = run(FakeGroup(), max_steps=3)
+    assert len(result.series) == 3
+    assert result.requests_finished < result.requests_total
+
+
+def test_summary_keys_table_and_comparison() -> None:
+    summary = summarize(run(FakeGroup()))
+    for key in (
+        "requests_total",
+        "requests_finished",
+        "steps",
+        "generated_tokens",
+        "preemptions",
+        "recomputed_tokens",
+        "recomputed_share",
+        "kv_utilization_peak",
+        "kv_utilization_mean",
+        "waiting_steps_p50",
+        "waiting_steps_p99",
+        "completion_steps_p50",
+        "completion_steps_p99",
+        "rank_agreement",
+        "config",
+    ):
+        assert key in summary
+    assert summary["kv_utilization_mean"] == pytest.approx(0.25)
+    assert summary["completion_steps_p50"] == 3
+    assert summary["completion_steps_p99"] == 4
+    assert json.loads(to_json(summary)) == summary
+    table = format_table(summary)
+    assert re.search(r"requests finished / total +3 / 3\n", table)
+    assert re.search(r"KV utilisation peak / mean +50.0% / 25.0%\n", table)
+    comparison = format_comparison({"newest_first": summary, "priority": summary})
+    header = comparison.splitlines()[1]
+    assert "newest_first" in header
+    assert "priority" in header
+    assert "policy=" not in comparison.splitlines()[0]
+
+
+def test_progress_line() -> None:
+    stream = io.StringIO()
+    line = ProgressLine(label="x", stream=stream)
+    assert line.render(1, 4, 9) == "x [######------------------] 1/4 requests  step 9"
+    line(0, 4, 4, 10)
+    line.close()
+    assert stream.getvalue().startswith("\rx [####")
+    assert stream.getvalue().endswith("\n")
+    assert progress_wanted(False, None, stream) is False  # not a terminal
+    assert progress_wanted(True, True, stream) is True  # forced
+    assert progress_wanted(False, False, stream) is False
