@@ -70,6 +70,7 @@ class ProcessRankGroup:
         self.cp = int(config.cp_size)
         self.scheduler = Scheduler(config)
         self.checker = ScheduleChecker(process_group)
+        self._sample_ids: Any = None
 
     def add_request(
         self, request_id: int, prompt: np.ndarray, max_new_tokens: int, priority: int
@@ -79,9 +80,12 @@ class ProcessRankGroup:
     def schedule(self) -> Any:
         output = self.scheduler.schedule()
         self.checker.check(output)
+        self._sample_ids = output.sample_ids
         return output
 
     def update(self, tokens: np.ndarray) -> np.ndarray:
+        # the fed tokens join the next check, so a rank fed a different token is caught too
+        self.checker.record_update(self._sample_ids, tokens)
         return np.asarray(self.scheduler.update(tokens))
 
     def take_output(self, request_id: int) -> np.ndarray:
