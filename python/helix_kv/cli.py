@@ -45,9 +45,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``helix-kv`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
         if args.command is None:
             raise UsageError("choose a command: simulate (see helix-kv --help)", prog="helix-kv")
+        if extras:
+            prog = f"helix-kv {args.command}"
+            raise UsageError(
+                f"unrecognized arguments: {' '.join(extras)} (see {prog} --help)", prog=prog
+            )
     except UsageError as err:
         print(f"{err.prog}: error: {err}", file=sys.stderr)
         return EXIT_USAGE

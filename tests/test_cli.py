@@ -1,0 +1,277 @@
+"""``helix-kv simulate`` end to end: figures, JSON, plot, comparisons, --procs and failures.
+
+Runs ``helix_kv.cli.main([...])`` in-process on small workloads, plus one real subprocess run
+of the console script with its defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import helix_kv
+from helix_kv.cli import main
+
+needs_scheduler = pytest.mark.skipif(
+    not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler is not built yet"
+)
+
+#: A small workload: 24 requests at once, prompts ~96 and outputs ~48 tokens.
+SMALL = [
+    "--cp", "2", "--tokens-per-block", "8", "--requests", "24", "--arrival-rate", "0",
+    "--prompt-len", "96", "--output-len", "48", "--seed", "3",
+]  # fmt: skip
+TIGHT = [*SMALL, "--kv-tokens", "1024"]
+ROOMY = [*SMALL, "--kv-tokens", "65536"]
+
+JSON_KEYS = {
+    "requests_total",
+    "requests_finished",
+    "steps",
+    "generated_tokens",
+    "preemptions",
+    "recomputed_tokens",
+    "recomputed_share",
+    "kv_utilization_peak",
+    "kv_utilization_mean",
+    "waiting_steps_p50",
+    "waiting_steps_p99",
+    "completion_steps_p50",
+    "completion_steps_p99",
+    "rank_agreement",
+    "outputs_exact",
+    "config",
+}
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    status = main(["simulate", *argv, "--json"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    return json.loads(captured.out)
+
+
+def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run, expect exit status 2 and exactly one line on stderr; return that line."""
+    status = main(["simulate", *argv])
+    captured = capsys.readouterr()
+    assert status == 2, captured
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    return lines[0]
+
+
+# --- argument and trace errors -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (["--cp", "0"], "argument --cp: must be >= 1, got 0"),
+        (["--kv-tokens", "lots"], "argument --kv-tokens: expected an integer, got 'lots'"),
+        (["--policy", "oldest"], "argument --policy: invalid choice: 'oldest'"),
+        (["--arrival-rate", "-2"], "argument --arrival-rate: must be a finite number >= 0"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--trace", "t.jsonl", "--requests", "5"], "--requests shape the synthetic workload"),
+        (["--compare-policies", "--policy", "priority"], "drop --policy"),
+        (["--plot", "/no/such/folder/x.png"], "folder /no/such/folder does not exist"),
+        (["--prompt-len", "50", "--prompt-len-max", "10"], "prompt len max (10)"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], reason: str
+) -> None:
+    line = usage_error(capsys, *argv)
+    assert line.startswith("helix-kv simulate: error: ")
+    assert reason in line
+
+
+def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "helix-kv: error: choose a command: simulate (see helix-kv --help)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        ('{"id": 2, "arrival_step": 0, "prompt_len": 8}', "missing key 'output_len'"),
+        ('{"id": 2, "arrival_step": 0, "prompt_len": -3, "output_len": 4}', "'prompt_len' must"),
+        ("not json", "not valid JSON"),
+        ('{"id": 1, "arrival_step": 1, "prompt_len": 8, "output_len": 4}', "duplicate id 1"),
+    ],
+)
+def test_bad_trace_line_names_the_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, line: str, reason: str
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    good = '{"id": 1, "arrival_step": 0, "prompt_len": 8, "output_len": 4}'
+    trace.write_text(f"{good}\n\n{line}\n")
+    message = usage_error(capsys, "--trace", str(trace))
+    assert f"trace {trace} line 3: " in message
+    assert reason in message
+
+
+# --- runs -----------------------------------------------------------------------------------
+
+
+@needs_scheduler
+def test_tight_budget_preempts_and_everything_finishes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    report = run_json(capsys, *TIGHT)
+    assert not JSON_KEYS - set(report)
+    assert report["requests_finished"] == report["requests_total"] == 24
+    assert report["preemptions"] > 0
+    assert report["recomputed_tokens"] > 0
+    assert 0 < report["recomputed_share"] < 1
+    assert report["rank_agreement"] is True
+    assert report["outputs_exact"] is True
+    assert report["kv_utilization_peak"] <= 1.0
+    assert 0 < report["kv_utilization_mean"] <= report["kv_utilization_peak"]
+    assert report["waiting_steps_p50"] <= report["waiting_steps_p99"]
+    assert report["completion_steps_p50"] <= report["completion_steps_p99"]
+    config = report["config"]
+    assert config["cp"] == 2
+    assert config["kv_tokens"] == 1024
+    assert config["scheduler"]["tokens_per_block"] == 8
+    assert config["workload"]["requests"] == 24
+
+
+@needs_scheduler
+def test_roomy_budget_never_preempts(capsys: pytest.CaptureFixture[str]) -> None:
+    report = run_json(capsys, *ROOMY)
+    assert report["requests_finished"] == report["requests_total"]
+    assert report["preemptions"] == 0
+    assert report["recomputed_tokens"] == 0
+    assert report["rank_agreement"] is True
+    # the same workload under pressure generates the same tokens, in more steps
+    tight = run_json(capsys, *TIGHT)
+    assert tight["generated_tokens"] == report["generated_tokens"]
+    assert tight["steps"] > report["steps"]
+
+
+@needs_scheduler
+def test_table_shows_every_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *TIGHT]) == 0
+    table = capsys.readouterr().out
+    for label in (
+        "requests finished / total",
+        "steps",
+        "generated tokens",
+        "preemptions",
+        "recomputed tokens",
+        "of computed",
+        "KV utilisation peak / mean",
+        "waiting p50 / p99",
+        "completion p50 / p99",
+        "rank agreement",
+    ):
+        assert label in table
+    assert "24 / 24" in table
+    assert "yes (2 ranks, every step)" in table
+
+
+@needs_scheduler
+def test_trace_run_matches_its_requests(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        json.dumps({"id": 100 + i, "arrival_step": 2 * i, "prompt_len": 40, "output_len": 10})
+        for i in range(6)
+    ]
+    trace.write_text("\n".join(lines) + "\n")
+    report = run_json(capsys, "--trace", str(trace), "--kv-tokens", "4096")
+    assert report["requests_finished"] == 6
+    assert report["generated_tokens"] == 60
+    assert report["config"]["workload"] == {"source": "trace", "path": str(trace), "requests": 6}
+
+
+@needs_scheduler
+def test_compare_policies_lists_each_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *TIGHT, "--compare-policies"]) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    for policy in ("newest_first", "least_computed_first", "priority"):
+        assert policy in header
+    report = run_json(capsys, *TIGHT, "--compare-policies")
+    assert list(report["policies"]) == ["newest_first", "least_computed_first", "priority"]
+    for name, summary in report["policies"].items():
+        assert summary["config"]["scheduler"]["victim_policy"] == name
+        assert summary["requests_finished"] == 24
+
+
+@needs_scheduler
+def test_request_that_can_never_run_is_rejected_up_front(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = usage_error(capsys, *SMALL, "--kv-tokens", "64", "--prompt-len-max", "400")
+    assert "cannot run" in line
+    assert "KV pool" in line
+
+
+@needs_scheduler
+def test_bad_scheduler_config_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    line = usage_error(capsys, *SMALL, "--mode", "non_helix")
+    assert "non_helix needs cp_size == 1" in line
+    line = usage_error(capsys, *SMALL, "--kv-tokens", "8")
+    assert "superblock" in line
+
+
+@needs_scheduler
+def test_disaggregated_generation_under_pressure_fails_with_the_remedy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status = main(["simulate", *TIGHT, "--mode", "disaggregated_generation"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "PreemptionDisabledError" in err
+    assert "guaranteed_no_evict" in err
+
+
+@needs_scheduler
+def test_guaranteed_no_evict_never_preempts(capsys: pytest.CaptureFixture[str]) -> None:
+    report = run_json(capsys, *TIGHT, "--capacity-policy", "guaranteed_no_evict")
+    assert report["requests_finished"] == 24
+    assert report["preemptions"] == 0
+
+
+@needs_scheduler
+def test_plot_is_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "run.png"
+    assert main(["simulate", *TIGHT, "--plot", str(target)]) == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot written to {target}" in capsys.readouterr().err
+
+
+@needs_scheduler
+def test_procs_with_two_ranks_agree(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    in_process = run_json(capsys, *TIGHT)
+    with_procs = run_json(capsys, *TIGHT, "--procs")
+    assert with_procs["rank_agreement"] is True
+    assert with_procs["config"]["procs"] is True
+    for key in ("steps", "preemptions", "recomputed_tokens", "generated_tokens"):
+        assert with_procs[key] == in_process[key]
+
+
+@needs_scheduler
+def test_console_script_with_defaults_finishes_and_preempts() -> None:
+    script = shutil.which("helix-kv")
+    command = [script, "simulate"] if script else [sys.executable, "-m", "helix_kv.cli", "simulate"]
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert elapsed < 60
+    assert "rank agreement" in done.stdout
+    preemptions = next(line for line in done.stdout.splitlines() if "preemptions" in line)
+    assert int(preemptions.split()[1]) > 0
+    assert done.stderr == ""  # not a terminal: no progress line
