@@ -1,0 +1,399 @@
+"""Scenarios every rank of a test group runs (module-level so spawned ranks can import them).
+
+Each takes ``(rank, world, backend)``, runs collectively on the default (world) group and
+returns what the parent test asserts on. Expected errors are caught and described, never
+re-raised: a scenario that raises has failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import numpy as np
+
+import helix_kv
+from helix_kv.distributed import EngineConfig, HelixKVRank
+
+TOKENS_PER_BLOCK = 4
+#: Pool of the pressured runs, in global tokens (the superblock count depends on cp).
+PRESSURE_KV_TOKENS = 96
+
+
+def engine_config(**changes: Any) -> EngineConfig:
+    """A tiny model: 512-byte pages (4 tokens x 2 layers x K,V x 2 heads x 8 dims x 2 bytes)."""
+    values: Dict[str, Any] = dict(
+        num_layers=2, num_kv_heads=2, head_dim=8, dtype_bytes=2,
+        tokens_per_block=TOKENS_PER_BLOCK, max_batch_size=8, max_num_tokens=64,
+        max_seq_len=256, deadlock_steps=32,
+    )  # fmt: skip
+    values.update(changes)
+    return EngineConfig(**values)
+
+
+PAGE_BYTES = engine_config().page_bytes
+
+
+def describe(exc: BaseException, started: float) -> Dict[str, Any]:
+    """What the parent needs to know about an expected error."""
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "is_init_sync": isinstance(exc, helix_kv.InitSyncError),
+        "is_guard": isinstance(exc, helix_kv.ConfigGuardError),
+        "is_config": isinstance(exc, helix_kv.ConfigError),
+        "is_mismatch": isinstance(exc, helix_kv.ScheduleMismatchError),
+        "cause": type(exc.__cause__).__name__ if exc.__cause__ is not None else None,
+        "failed_ranks": getattr(exc, "failed_ranks", None),
+        "ranks": getattr(exc, "ranks", None),
+        "fields": getattr(exc, "fields", None),
+        "step": getattr(exc, "step", None),
+        "seconds": time.monotonic() - started,
+    }
+
+
+def attempt(build: Callable[[], Any]) -> Dict[str, Any]:
+    """Runs ``build``; ``{"ok": True, ...}`` or the description of what it raised."""
+    started = time.monotonic()
+    try:
+        built = build()
+    except helix_kv.HelixKVError as exc:
+        return {"ok": False, **describe(exc, started)}
+    return {"ok": True, "built": built, "seconds": time.monotonic() - started}
+
+
+class LogCapture(logging.Handler):
+    """Collects ``helix_kv`` log records (INFO and up) while in a ``with`` block."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> LogCapture:
+        logger = logging.getLogger("helix_kv")
+        self._level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        logger = logging.getLogger("helix_kv")
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
+
+
+# --- quota sync -----------------------------------------------------------------------------
+
+
+def quota_budget(rank: int) -> int:
+    """Different budgets per rank, none a whole number of pages; the last rank is smallest."""
+    return PAGE_BYTES * (40 - 3 * rank) + 7 * rank + 5
+
+
+def scenario_quota(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    shapes: List[int] = []
+
+    def allocate(built: HelixKVRank) -> str:
+        shapes.append(built.capacity_superblocks)
+        return f"pool of {built.capacity_superblocks} pages"
+
+    with LogCapture() as logs:
+        built = HelixKVRank.create(engine_config(), quota_budget(rank), allocate=allocate)
+    return {
+        "capacity": built.capacity_superblocks,
+        "capacity_tokens": built.capacity_tokens,
+        "scheduler_capacity": built.scheduler_config.capacity_superblocks,
+        "local": built.local_superblocks,
+        "cp_rank": built.cp_rank,
+        "cp_size": built.cp_size,
+        "allocated_for": shapes,
+        "kv_storage": built.kv_storage,
+        "logs": logs.messages,
+    }
+
+
+# --- init-status sync -----------------------------------------------------------------------
+
+
+def scenario_init_failure(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """The KV allocation fails on the last rank only (after the quota sync)."""
+
+    def allocate(built: HelixKVRank) -> None:
+        if built.cp_rank == world - 1:
+            raise RuntimeError(
+                f"injected: CUDA out of memory allocating the KV pool on rank {rank}"
+            )
+
+    result = attempt(
+        lambda: HelixKVRank.create(engine_config(), 64 * PAGE_BYTES, allocate=allocate)
+    )
+    result.pop("built", None)
+    return result
+
+
+def scenario_init_failures_mixed(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """Rank 0's budget holds no page; the last rank alone sets a host tier (a guard)."""
+    budget = PAGE_BYTES // 2 if rank == 0 else 64 * PAGE_BYTES
+    config = engine_config(host_cache_bytes=1 << 20) if rank == world - 1 else engine_config()
+    result = attempt(lambda: HelixKVRank.create(config, budget))
+    result.pop("built", None)
+    return result
+
+
+def scenario_init_failure_budget(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """Only rank 1's budget is too small: a config error on one rank stops every rank."""
+    budget = 100 if rank == 1 else 64 * PAGE_BYTES
+    result = attempt(lambda: HelixKVRank.create(engine_config(), budget))
+    result.pop("built", None)
+    return result
+
+
+def scenario_check_env_mismatch(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """HELIX_KV_CHECK_SCHEDULE set on rank 0 only: every rank refuses to start."""
+    with env_var("HELIX_KV_CHECK_SCHEDULE", "1" if rank == 0 else None):
+        result = attempt(lambda: HelixKVRank.create(engine_config(), 64 * PAGE_BYTES))
+    result.pop("built", None)
+    return result
+
+
+def scenario_check_env_on(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    with env_var("HELIX_KV_CHECK_SCHEDULE", "1"):
+        built = HelixKVRank.create(engine_config(), 64 * PAGE_BYTES)
+    return {"checker": built.checker is not None and built.checker.enabled}
+
+
+# --- guards ---------------------------------------------------------------------------------
+
+GUARDS: Dict[str, Dict[str, Any]] = {
+    "host_tier": {"host_cache_bytes": 1 << 20},
+    "disk_tier": {"disk_cache_bytes": 1 << 30},
+    "kv_connector": {"kv_connector": "lmcache"},
+    "kv_pool_rebalance": {"kv_pool_rebalance": True},
+}
+
+
+def scenario_guards(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    budget = 64 * PAGE_BYTES
+    out: Dict[str, Any] = {}
+    for name, option in GUARDS.items():
+        out[f"reject/{name}"] = attempt(
+            lambda o=option: HelixKVRank.create(engine_config(**o), budget)
+        )
+    # A guard tripped on one rank only (configs differ): every rank stops, naming that rank.
+    lone = engine_config(kv_connector="nixl") if rank == 1 else engine_config()
+    out["reject/one_rank"] = attempt(lambda: HelixKVRank.create(lone, budget))
+    # Disaggregated Helix keeps tiers and connectors, but not rebalance (the ledger needs the
+    # same capacity on every rank).
+    disagg = {"serving_mode": "disaggregated_generation"}
+    out["reject/disagg_rebalance"] = attempt(
+        lambda: HelixKVRank.create(engine_config(**disagg, kv_pool_rebalance=True), budget)
+    )
+    allowed = engine_config(
+        **disagg, host_cache_bytes=1 << 20, disk_cache_bytes=1 << 30, kv_connector="nixl"
+    )
+    out["allow/disagg_tiers_connector"] = attempt(lambda: HelixKVRank.create(allowed, budget))
+    with LogCapture() as logs:
+        out["allow/aggregated_default"] = attempt(
+            lambda: HelixKVRank.create(engine_config(), budget)
+        )
+    out["auto_host_tier_logs"] = logs.messages
+    for value in out.values():
+        if isinstance(value, dict) and value.pop("built", None) is not None:
+            value["built"] = True
+    return out
+
+
+# --- schedule check -------------------------------------------------------------------------
+
+
+def sampled_tokens(out: Any) -> np.ndarray:
+    """A deterministic "sampled" token per ``sample_ids`` entry: a hash of id and position."""
+    positions = np.concatenate(
+        [
+            np.asarray(out.generation_positions, dtype=np.int64) + 1,
+            (np.asarray(out.context_starts) + np.asarray(out.context_lens))[
+                np.asarray(out.context_completes, dtype=bool)
+            ],
+        ]
+    )
+    ids = np.asarray(out.sample_ids, dtype=np.int64)
+    return ((ids * 7919 + positions * 104729) % 32000).astype(np.int32)
+
+
+def prompt(request_id: int, length: int) -> np.ndarray:
+    return ((np.arange(length, dtype=np.int64) * 31 + request_id * 17) % 32000).astype(np.int32)
+
+
+def pressured_rank(world: int, **changes: Any) -> HelixKVRank:
+    superblocks = PRESSURE_KV_TOKENS // (TOKENS_PER_BLOCK * world)
+    return HelixKVRank.create(
+        engine_config(**changes), superblocks * PAGE_BYTES, check_schedule=True
+    )
+
+
+def add_workload(built: HelixKVRank, count: int = 16, priorities: Optional[Dict[int, int]] = None):
+    """Requests that together need several times the pool: preemptions are certain."""
+    for rid in range(count):
+        length = 6 + (rid * 5) % 23
+        new_tokens = 12 + (rid * 7) % 25
+        built.scheduler.add_request(
+            rid, prompt(rid, length), new_tokens, (priorities or {}).get(rid, 0)
+        )
+
+
+def drive(built: HelixKVRank, max_steps: int = 5000) -> Iterator[Any]:
+    """Schedule/update until every request finished; yields each step's output first (the
+    caller may inject a divergence by sending replacement tokens back)."""
+    for _ in range(max_steps):
+        if not built.scheduler.has_unfinished():
+            return
+        out = built.schedule()
+        tokens = sampled_tokens(out)
+        replaced = yield out
+        built.update(tokens if replaced is None else replaced)
+    raise AssertionError(f"workload did not finish in {max_steps} steps")
+
+
+def scenario_long_run(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """A pressured run to completion with the check on every step: no false positive."""
+    built = pressured_rank(world)
+    add_workload(built, count=24)
+    steps = 0
+    for _ in drive(built):
+        steps += 1
+    metrics = built.scheduler.metrics()
+    outputs = {rid: built.scheduler.take_output(rid).tolist() for rid in range(24)}
+    return {
+        "steps": steps,
+        "preemptions": int(metrics.preemptions),
+        "recomputed_tokens": int(metrics.recomputed_tokens),
+        "outputs": outputs,
+    }
+
+
+def scenario_check_cost(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """Per-step cost of the check alone, on this group's backend."""
+    from helix_kv.distributed import ScheduleChecker
+
+    built = pressured_rank(world)
+    add_workload(built, count=4)
+    out = built.scheduler.schedule()
+    checker = ScheduleChecker()
+    for _ in range(50):
+        checker.check(out)
+    rounds = 400
+    samples = np.empty(rounds)
+    for i in range(rounds):
+        started = time.perf_counter()
+        checker.check(out)
+        samples[i] = time.perf_counter() - started
+    return {
+        "median_us": float(np.median(samples) * 1e6),
+        "p90_us": float(np.quantile(samples, 0.9) * 1e6),
+    }
+
+
+def run_until_mismatch(gen: Iterator[Any], inject: Callable[[Any], Optional[np.ndarray]]):
+    """Drives ``gen``; ``inject(out)`` may return replacement tokens. Returns (steps run,
+    step of the last successful schedule, what the error was)."""
+    started = time.monotonic()
+    last_step = None
+    try:
+        out = next(gen)
+        while True:
+            last_step = int(out.step)
+            out = gen.send(inject(out))
+    except StopIteration:
+        return {"caught": False, "last_step": last_step}
+    except helix_kv.ScheduleMismatchError as exc:
+        return {"caught": True, "last_step": last_step, **describe(exc, started)}
+
+
+INJECT_STEP = 12
+
+
+def scenario_diverge_token(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """At step INJECT_STEP the last rank samples a different token for its first entry."""
+    built = pressured_rank(world)
+    add_workload(built)
+    injected: Dict[str, Any] = {}
+
+    def inject(out: Any) -> Optional[np.ndarray]:
+        if int(out.step) != INJECT_STEP or len(out.sample_ids) == 0:
+            return None
+        injected["request"] = int(out.sample_ids[0])
+        tokens = sampled_tokens(out)
+        if rank == world - 1:
+            tokens[0] += 1
+        return tokens
+
+    result = run_until_mismatch(drive(built), inject)
+    return {**result, **injected}
+
+
+def scenario_diverge_request(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """At step INJECT_STEP a request arrives; the last rank sees a longer prompt."""
+    built = pressured_rank(world, admit_after_preemption=True)
+    add_workload(built, count=2)
+    injected: Dict[str, Any] = {}
+
+    def inject(out: Any) -> None:
+        if int(out.step) == INJECT_STEP:
+            length = 30 if rank == world - 1 else 10
+            built.scheduler.add_request(100, prompt(100, length), 4, 0)
+            injected["added_after_step"] = INJECT_STEP
+
+    result = run_until_mismatch(drive(built), inject)
+    return {**result, **injected}
+
+
+def scenario_diverge_victim(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """Priority victims; the last rank gives the newest request a higher priority, so the
+    first preemption picks a different victim there."""
+    built = pressured_rank(world, victim_policy="priority")
+    newest = 15
+    add_workload(built, priorities={newest: 5} if rank == world - 1 else None)
+    first: Dict[str, Any] = {}
+
+    def inject(out: Any) -> None:
+        if len(out.preempted_ids) and "first_preemption_step" not in first:
+            first["first_preemption_step"] = int(out.step)
+
+    return {**run_until_mismatch(drive(built), inject), **first}
+
+
+class env_var:
+    """Sets (or, with ``None``, removes) one environment variable inside a ``with`` block."""
+
+    def __init__(self, name: str, value: Optional[str]) -> None:
+        self.name, self.value = name, value
+
+    def __enter__(self) -> None:
+        self.saved = os.environ.get(self.name)
+        if self.value is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = self.value
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.saved is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = self.saved
+
+
+def scenario_rank_dies(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """The last rank dies before construction; its peers raise InitSyncError, never hang."""
+    if rank == world - 1:
+        os._exit(17)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = attempt(lambda: HelixKVRank.create(engine_config(), 64 * PAGE_BYTES))
+    result.pop("built", None)
+    return result

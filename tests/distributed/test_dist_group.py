@@ -1,0 +1,221 @@
+"""Multi-process tests over a real torch.distributed group: gloo on CPU (2 and 4 ranks), and
+NCCL on two GPUs (four with four GPUs) when CUDA is present.
+
+One group per (backend, ranks) runs every cooperative scenario in turn (``dist_scenarios``),
+so the spawn and rendezvous are paid once; each test below asserts on its scenario's reports.
+A rank that dies or hangs fails the tests (deadline), never the run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import dist_scenarios as sc  # noqa: E402
+from dist_harness import GroupRun, cuda_ranks_available, run_group  # noqa: E402
+
+GROUP_TIMEOUT_S = 20.0
+
+SCENARIOS = [
+    sc.scenario_quota,
+    sc.scenario_init_failure,
+    sc.scenario_init_failure_budget,
+    sc.scenario_init_failures_mixed,
+    sc.scenario_check_env_mismatch,
+    sc.scenario_check_env_on,
+    sc.scenario_guards,
+    sc.scenario_diverge_token,
+    sc.scenario_diverge_request,
+    sc.scenario_diverge_victim,
+    sc.scenario_long_run,
+    sc.scenario_check_cost,
+]
+
+
+def _needs(backend: str, world: int) -> List[Any]:
+    if backend == "nccl" and not cuda_ranks_available(world):
+        return [pytest.mark.skip(reason=f"NCCL test needs {world} CUDA GPUs")]
+    return []
+
+
+GROUPS = [
+    pytest.param(backend, world, id=f"{backend}-{world}", marks=_needs(backend, world))
+    for backend, world in [("gloo", 2), ("gloo", 4), ("nccl", 2), ("nccl", 4)]
+]
+
+_RUNS: Dict[tuple, GroupRun] = {}
+
+
+@pytest.fixture(params=GROUPS)
+def group(request: pytest.FixtureRequest) -> GroupRun:
+    """Every scenario's reports from one group (run once per backend and size)."""
+    key = request.param
+    if key not in _RUNS:
+        backend, world = key
+        _RUNS[key] = run_group(
+            SCENARIOS, world, backend, deadline_s=100.0, group_timeout_s=GROUP_TIMEOUT_S
+        )
+    return _RUNS[key]
+
+
+def test_ranks_with_different_budgets_agree_on_the_minimum(group: GroupRun) -> None:
+    reports = group.scenario("scenario_quota")
+    world = group.world
+    smallest = min(sc.quota_budget(r) // sc.PAGE_BYTES for r in range(world))
+    for rank, report in enumerate(reports):
+        assert report["cp_rank"] == rank
+        assert report["cp_size"] == world
+        assert report["local"] == sc.quota_budget(rank) // sc.PAGE_BYTES
+        assert report["capacity"] == report["scheduler_capacity"] == smallest
+        assert report["capacity_tokens"] == smallest * sc.TOKENS_PER_BLOCK * world
+        assert report["allocated_for"] == [smallest]
+        agreed = [m for m in report["logs"] if "KV quota agreed" in m]
+        assert agreed, report["logs"]
+        assert f"{world} CP ranks: {smallest} superblocks" in agreed[0]
+        assert f"rank {rank} offered {report['local']}" in agreed[0]
+    # A lower budget shrinks everyone; the largest budget (rank 0) did not grow anyone.
+    assert reports[0]["local"] > reports[0]["capacity"]
+
+
+def test_failed_allocation_on_one_rank_raises_on_every_rank(group: GroupRun) -> None:
+    failing = group.world - 1
+    for rank, report in enumerate(group.scenario("scenario_init_failure")):
+        assert not report["ok"]
+        assert report["type"] == "InitSyncError", report
+        assert report["failed_ranks"] == [failing]
+        assert f"CP rank(s) {failing} of {group.world}" in report["message"]
+        assert "injected: CUDA out of memory" in report["message"]
+        assert report["cause"] == ("RuntimeError" if rank == failing else None)
+        assert report["seconds"] < GROUP_TIMEOUT_S / 2
+
+
+def test_config_error_on_one_rank_raises_on_every_rank(group: GroupRun) -> None:
+    for report in group.scenario("scenario_init_failure_budget"):
+        assert report["is_init_sync"], report
+        assert report["is_config"]
+        assert report["failed_ranks"] == [1]
+        assert "rank 1: ConfigError: kv_budget_bytes = 100 holds no KV page" in report["message"]
+
+
+def test_mixed_failures_name_every_failing_rank(group: GroupRun) -> None:
+    last = group.world - 1
+    for report in group.scenario("scenario_init_failures_mixed"):
+        assert report["type"] == "InitSyncError", report
+        assert report["failed_ranks"] == [0, last]
+        assert "rank 0: ConfigError" in report["message"]
+        assert f"rank {last}: ConfigGuardError: host_cache_bytes" in report["message"]
+
+
+def test_check_setting_must_agree_across_ranks(group: GroupRun) -> None:
+    for report in group.scenario("scenario_check_env_mismatch"):
+        assert report["is_init_sync"], report
+        assert "HELIX_KV_CHECK_SCHEDULE differs" in report["message"]
+        assert "on for rank(s) 0" in report["message"]
+    assert all(r["checker"] for r in group.scenario("scenario_check_env_on"))
+
+
+@pytest.mark.parametrize("guard", sorted(sc.GUARDS))
+def test_guard_rejects_on_every_rank(group: GroupRun, guard: str) -> None:
+    needle = {
+        "host_tier": "a host KV tier is rejected under aggregated Helix",
+        "disk_tier": "a disk KV tier is rejected under aggregated Helix",
+        "kv_connector": "KV connectors are rejected under aggregated Helix",
+        "kv_pool_rebalance": "KV-pool rebalance is rejected under aggregated Helix",
+    }[guard]
+    for report in group.scenario("scenario_guards"):
+        got = report[f"reject/{guard}"]
+        assert got["is_guard"], got
+        assert got["is_init_sync"]
+        assert got["failed_ranks"] == list(range(group.world))
+        assert needle in got["message"]
+
+
+def test_guard_on_one_rank_stops_every_rank(group: GroupRun) -> None:
+    for report in group.scenario("scenario_guards"):
+        got = report["reject/one_rank"]
+        assert got["is_guard"], got
+        assert got["failed_ranks"] == [1]
+        assert "kv_connector = 'nixl'" in got["message"]
+        got = report["reject/disagg_rebalance"]
+        assert got["is_guard"], got
+        assert f"rejected under Helix (cp_size = {group.world})" in got["message"]
+
+
+def test_allowed_configurations_construct(group: GroupRun) -> None:
+    for report in group.scenario("scenario_guards"):
+        assert report["allow/disagg_tiers_connector"]["ok"], report["allow/disagg_tiers_connector"]
+        assert report["allow/aggregated_default"]["ok"]
+        assert any("automatic host KV tier skipped" in m for m in report["auto_host_tier_logs"])
+
+
+def test_divergent_sampled_token_is_caught_at_the_next_step(group: GroupRun) -> None:
+    reports = group.scenario("scenario_diverge_token")
+    for report in reports:
+        assert report["caught"], report
+        assert report["last_step"] == sc.INJECT_STEP
+        assert report["step"] == sc.INJECT_STEP + 1
+        assert report["ranks"] == [group.world - 1]
+        assert "sampled_tokens" in report["fields"]
+        assert f"rank(s) {group.world - 1} differ" in report["message"]
+        assert "sampled_tokens: rank 0:" in report["message"]
+    assert len({r["message"] for r in reports}) == 1  # the same error on every rank
+
+
+def test_divergent_request_is_caught_on_the_step_it_is_scheduled(group: GroupRun) -> None:
+    for report in group.scenario("scenario_diverge_request"):
+        assert report["caught"], report
+        assert report["step"] == sc.INJECT_STEP + 1
+        assert report["ranks"] == [group.world - 1]
+        assert "context" in report["fields"], report["fields"]
+        assert "100:0+10" in report["message"]
+        assert "100:0+30" in report["message"]
+
+
+def test_divergent_victim_is_named(group: GroupRun) -> None:
+    for report in group.scenario("scenario_diverge_victim"):
+        assert report["caught"], report
+        assert report["ranks"] == [group.world - 1]
+        assert "preempted" in report["fields"], report["fields"]
+
+
+def test_long_pressured_run_has_no_false_positive(group: GroupRun) -> None:
+    reports = group.scenario("scenario_long_run")
+    assert all(r["preemptions"] > 0 for r in reports), [r["preemptions"] for r in reports]
+    for report in reports[1:]:
+        assert report == reports[0]
+    assert all(len(tokens) > 0 for tokens in reports[0]["outputs"].values())
+
+
+def test_check_cost_per_step(group: GroupRun, capsys: pytest.CaptureFixture) -> None:
+    reports = group.scenario("scenario_check_cost")
+    worst = max(r["median_us"] for r in reports)
+    with capsys.disabled():
+        print(
+            f"\nschedule check on {group.world} {group.backend} ranks: median "
+            + ", ".join(f"{r['median_us']:.1f}" for r in reports)
+            + f" us/step per rank (p90 {max(r['p90_us'] for r in reports):.1f} us)"
+        )
+    assert worst < 5000  # sanity only; the figure is the output
+
+
+def test_group_finished_in_time(group: GroupRun) -> None:
+    assert not group.problems, group.problems
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dead_rank_makes_peers_raise_not_hang(world: int) -> None:
+    """gloo only: a dead NCCL peer is handled by NCCL's watchdog, which aborts the process."""
+    run = run_group(
+        [sc.scenario_rank_dies], world, "gloo", deadline_s=60.0, group_timeout_s=10.0,
+        allowed_exits={world - 1: 17},
+    )  # fmt: skip
+    assert not run.problems, run.problems
+    reports = run.results.get("scenario_rank_dies", {})
+    assert sorted(reports) == list(range(world - 1)), (reports, run.errors)
+    for report in reports.values():
+        assert report["is_init_sync"], report
+        assert "died or did not reach the sync" in report["message"]
+        assert report["seconds"] < 15.0

@@ -1,0 +1,209 @@
+"""helix_kv.distributed in one process: config, budget arithmetic, guards, the warn-once path
+of the schedule check, and the mismatch report (no process group needed)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Dict, List
+
+import pytest
+
+pytest.importorskip("torch")
+
+import dist_scenarios as sc
+
+import helix_kv
+from helix_kv.distributed import (
+    CHECK_SCHEDULE_ENV,
+    EngineConfig,
+    HelixKVRank,
+    ScheduleChecker,
+    check_config_guards,
+    schedule_check_requested,
+    superblocks_for_budget,
+)
+from helix_kv.distributed.check import describe_mismatch, divergence, to_int64
+
+
+def test_budget_becomes_whole_pages() -> None:
+    config = sc.engine_config()
+    assert config.bytes_per_token == 2 * 2 * 2 * 8 * 2
+    assert config.page_bytes == sc.TOKENS_PER_BLOCK * config.bytes_per_token == sc.PAGE_BYTES
+    assert superblocks_for_budget(config, 10 * sc.PAGE_BYTES + sc.PAGE_BYTES - 1) == 10
+    mla = sc.engine_config(kv_factor=1, num_kv_heads=1, head_dim=512)
+    assert mla.bytes_per_token == 2 * 1 * 1 * 512 * 2
+    with pytest.raises(helix_kv.ConfigError, match="holds no KV page: one page is 512 bytes"):
+        superblocks_for_budget(config, 511)
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"num_layers": 0}, "num_layers = 0 must be an integer >= 1"),
+        ({"head_dim": 2.5}, "head_dim = 2.5"),
+        ({"kv_factor": 3}, "kv_factor = 3 must be 2"),
+        ({"host_cache_bytes": -1}, "host_cache_bytes = -1 must be >= 0"),
+        ({"kv_connector": ""}, "kv_connector = '' must be a connector name"),
+    ],
+)
+def test_engine_config_names_the_bad_field(changes: Dict[str, Any], needle: str) -> None:
+    with pytest.raises(helix_kv.ConfigError, match=needle):
+        sc.engine_config(**changes)
+
+
+def test_engine_config_from_dict_names_unknown_keys() -> None:
+    with pytest.raises(helix_kv.ConfigError, match=r"unknown EngineConfig field\(s\) host_tier"):
+        EngineConfig.from_dict({"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "host_tier": 1})
+
+
+@pytest.mark.parametrize(
+    ("guard", "why", "instead"),
+    [
+        (
+            "host_tier",
+            "suspending a request to host memory frees nothing",
+            "serving_mode='non_helix'",
+        ),
+        ("disk_tier", "offloading frees nothing", "raise the GPU KV budget"),
+        ("kv_connector", "changes one rank's capacity", "serving_mode='disaggregated_generation'"),
+        ("kv_pool_rebalance", "needs the same capacity on every rank", "size the pool with"),
+    ],
+)
+def test_each_guard_says_why_and_what_instead(guard: str, why: str, instead: str) -> None:
+    config = sc.engine_config(**sc.GUARDS[guard])
+    for check in (
+        lambda: check_config_guards(config, cp_size=2),
+        lambda: HelixKVRank.create(config, 64 * sc.PAGE_BYTES),  # one process: raised as is
+    ):
+        with pytest.raises(helix_kv.ConfigGuardError) as info:
+            check()
+        assert why in str(info.value)
+        assert instead in str(info.value)
+
+
+def test_all_violated_guards_are_listed_at_once() -> None:
+    options: Dict[str, Any] = {}
+    for option in sc.GUARDS.values():
+        options.update(option)
+    with pytest.raises(helix_kv.ConfigGuardError) as info:
+        check_config_guards(sc.engine_config(**options), cp_size=4)
+    assert len(str(info.value).splitlines()) == len(sc.GUARDS)
+
+
+def test_non_helix_and_disaggregated_keep_their_options() -> None:
+    check_config_guards(
+        sc.engine_config(
+            serving_mode="non_helix", **{k: v for o in sc.GUARDS.values() for k, v in o.items()}
+        ),
+        cp_size=1,
+    )
+    check_config_guards(
+        sc.engine_config(serving_mode="disaggregated_generation", host_cache_bytes=1 << 20,
+                         disk_cache_bytes=1 << 30, kv_connector="nixl", kv_pool_rebalance=True),
+        cp_size=1,
+    )  # fmt: skip
+    with pytest.raises(helix_kv.ConfigGuardError, match=r"rejected under Helix \(cp_size = 2\)"):
+        check_config_guards(
+            sc.engine_config(serving_mode="disaggregated_generation", kv_pool_rebalance=True), 2
+        )
+
+
+def test_non_helix_gets_a_host_tier_aggregated_helix_skips_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    budget = 16 * sc.PAGE_BYTES
+    explicit = HelixKVRank.create(
+        sc.engine_config(serving_mode="non_helix", host_cache_bytes=4 * sc.PAGE_BYTES), budget
+    )
+    assert explicit.host_tier_superblocks == 4
+    automatic = HelixKVRank.create(sc.engine_config(serving_mode="non_helix"), budget)
+    assert automatic.host_tier_superblocks == 16
+    with caplog.at_level(logging.INFO, logger="helix_kv"):
+        helix = HelixKVRank.create(sc.engine_config(), budget)
+    assert helix.host_tier_superblocks == 0
+    assert "automatic host KV tier skipped" in caplog.text
+    disagg = HelixKVRank.create(
+        sc.engine_config(serving_mode="disaggregated_generation", host_cache_bytes=1 << 20), budget
+    )
+    assert disagg.host_tier_superblocks == 0  # the engine's; this scheduler never suspends
+
+
+def test_single_process_rank() -> None:
+    built = HelixKVRank.create(
+        sc.engine_config(), 10 * sc.PAGE_BYTES + 3, allocate=lambda r: "pool"
+    )
+    assert (built.cp_rank, built.cp_size, built.capacity_superblocks) == (0, 1, 10)
+    assert built.capacity_tokens == 10 * sc.TOKENS_PER_BLOCK
+    assert built.kv_storage == "pool"
+    assert built.checker is None
+    with pytest.raises(RuntimeError, match="boom"):  # one process: its own error, unchanged
+        HelixKVRank.create(sc.engine_config(), 10 * sc.PAGE_BYTES, allocate=_boom)
+
+
+def _boom(_rank: HelixKVRank) -> None:
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("1", True), ("on", True), ("", False), ("0", False)]
+)
+def test_check_variable(value: str, expected: bool) -> None:
+    assert schedule_check_requested({CHECK_SCHEDULE_ENV: value}) is expected
+
+
+def test_check_variable_rejects_nonsense() -> None:
+    with pytest.raises(helix_kv.ConfigError, match="HELIX_KV_CHECK_SCHEDULE = 'maybe'"):
+        schedule_check_requested({CHECK_SCHEDULE_ENV: "maybe"})
+
+
+def test_check_warns_once_when_it_cannot_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CHECK_SCHEDULE_ENV, "1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        built = HelixKVRank.create(sc.engine_config(), 32 * sc.PAGE_BYTES)
+        sc.add_workload(built, count=3)
+        steps = sum(1 for _ in sc.drive(built))
+    assert steps > 0
+    assert built.checker is not None
+    assert not built.checker.enabled
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert "cannot apply: this CP group has one rank" in messages[0]
+    with pytest.warns(RuntimeWarning, match="cannot apply"):
+        ScheduleChecker().check(None)  # disabled: never reads the output
+
+
+def test_digest_travels_as_int64() -> None:
+    assert to_int64(0) == 0
+    assert to_int64(2**63 - 1) == 2**63 - 1
+    assert to_int64(2**63) == -(2**63)
+    assert to_int64(2**64 - 1) == -1
+
+
+def _record(rank: int, digest: int, **fields: str) -> Dict[str, Any]:
+    base = {"step": "5", "context": "1:0+8", "generation": "0@9/r1", "preempted": ""}
+    base.update(fields)
+    return {"rank": rank, "global_rank": rank, "step": 5, "digest": digest, "summary": "",
+            "fields": base}  # fmt: skip
+
+
+def test_mismatch_names_the_minority_rank_and_fields() -> None:
+    records: List[Dict[str, Any]] = [
+        _record(0, 1), _record(1, 1), _record(2, 7, preempted="3(for 0)", generation="0@9/r0"),
+        _record(3, 1),
+    ]  # fmt: skip
+    assert divergence(records) == ([2], ["generation", "preempted"])
+    text = describe_mismatch(records)
+    assert (
+        "schedule of step 5: rank(s) 2 differ from rank(s) 0, 1, 3 in generation, preempted" in text
+    )
+    assert "preempted: rank 0: (none) | rank 2: 3(for 0)" in text
+
+
+def test_mismatch_between_two_ranks_names_the_higher_one() -> None:
+    records = [_record(0, 1), _record(1, 2, context="1:0+8!", incomplete_prompts="1")]
+    ranks, fields = divergence(records)
+    assert ranks == [1]
+    assert fields == ["context", "incomplete_prompts"]
+    assert "incomplete_prompts: rank 0: (absent) | rank 1: 1" in describe_mismatch(records)
