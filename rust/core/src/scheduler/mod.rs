@@ -105,6 +105,9 @@ pub struct Scheduler {
     /// `(victim, requester)` pairs of this step, in the order chosen.
     preempted: Vec<(RequestId, RequestId)>,
     suspended: Vec<(RequestId, RequestId)>,
+    /// Pages of this step's suspended requests, concatenated, and their counts.
+    suspended_pages: Vec<i32>,
+    suspended_page_counts: Vec<u64>,
     resumed: Vec<RequestId>,
     finished_ids: Vec<RequestId>,
     victims: VictimFinder,
@@ -149,6 +152,8 @@ impl Scheduler {
             sat_out_reqs: Vec::new(),
             preempted: Vec::new(),
             suspended: Vec::new(),
+            suspended_pages: Vec::new(),
+            suspended_page_counts: Vec::new(),
             resumed: Vec::new(),
             finished_ids: Vec::new(),
             victims: VictimFinder::new(config.victim_policy),

@@ -53,7 +53,16 @@ pub struct ScheduleOutput {
     pub suspended_ids: Vec<RequestId>,
     /// For each suspended request, the request that needed its pages.
     pub suspended_requester_ids: Vec<RequestId>,
+    /// The pages (superblock ids, the same on every rank) each suspended request held,
+    /// concatenated in `suspended_ids` order. The executor copies them to the host tier
+    /// before anything else writes KV, whether the step then runs or is reverted: the
+    /// pool may hand them out again in this very step.
+    pub suspended_block_ids: Vec<i32>,
+    /// How many of `suspended_block_ids` belong to each suspended request.
+    pub suspended_block_counts: Vec<u64>,
     /// Requests brought back from the host tier this step (they decode from the next).
+    /// Their new pages are in their block tables; the executor copies their KV back in
+    /// after copying this step's suspended pages out (a resume may reuse those pages).
     pub resumed_ids: Vec<RequestId>,
     /// Generation requests that found neither pages nor a victim; their batch slots were
     /// released. A request that sat out may later in the same step be preempted by an
@@ -103,6 +112,8 @@ impl ScheduleOutput {
         self.preempted_requester_ids.clear();
         self.suspended_ids.clear();
         self.suspended_requester_ids.clear();
+        self.suspended_block_ids.clear();
+        self.suspended_block_counts.clear();
         self.resumed_ids.clear();
         self.sat_out_ids.clear();
         self.sample_ids.clear();
@@ -148,6 +159,11 @@ impl ScheduleOutput {
             &self.sat_out_ids,
         ] {
             hash_ids(&mut h, list);
+        }
+        hash_ids(&mut h, &self.suspended_block_counts);
+        h.word(self.suspended_block_ids.len() as u64);
+        for &page in &self.suspended_block_ids {
+            h.word(u64::from(page as u32));
         }
         h.word(self.sample_ids.len() as u64);
         h.finish()

@@ -49,6 +49,8 @@ impl Scheduler {
         self.sat_out_reqs.clear();
         self.preempted.clear();
         self.suspended.clear();
+        self.suspended_pages.clear();
+        self.suspended_page_counts.clear();
         self.resumed.clear();
         self.victims.begin_step(self.queue.len());
         self.step_tokens = 0;
@@ -274,6 +276,10 @@ impl Scheduler {
         }
         self.step_preempted = true;
         if suspend {
+            let table = self.ledger.request(id)?.table();
+            self.suspended_pages
+                .extend(table.iter().map(|&page| page as i32));
+            self.suspended_page_counts.push(table.len() as u64);
             let held = self.ledger.suspend(id)?;
             let request = &mut self.requests[victim as usize];
             request.host_superblocks = held;
@@ -362,6 +368,10 @@ impl Scheduler {
             out.suspended_ids.push(victim);
             out.suspended_requester_ids.push(requester);
         }
+        out.suspended_block_ids
+            .extend_from_slice(&self.suspended_pages);
+        out.suspended_block_counts
+            .extend_from_slice(&self.suspended_page_counts);
         out.resumed_ids.extend_from_slice(&self.resumed);
         out.sat_out_ids.extend(
             self.sat_out_reqs

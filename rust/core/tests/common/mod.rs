@@ -140,6 +140,8 @@ pub struct Group {
     pub config: SchedulerConfig,
     pub model: Model,
     pools: Vec<Vec<KvCell>>,
+    /// The host tier: per suspended request, per rank, the cells of its pages in order.
+    host: BTreeMap<RequestId, Vec<Vec<KvCell>>>,
     /// Arrival order (queue order) of every request ever added.
     arrival: BTreeMap<RequestId, usize>,
     /// What the harness knows each live request holds: prompt + tokens it sampled.
@@ -161,6 +163,7 @@ impl Group {
             config: config.clone(),
             model,
             pools: vec![vec![None; slots]; cp as usize],
+            host: BTreeMap::new(),
             arrival: BTreeMap::new(),
             known: BTreeMap::new(),
             prefill_progress: BTreeMap::new(),
@@ -341,9 +344,56 @@ impl Group {
         }
     }
 
+    /// Copies suspended requests' pages to the host tier, as an executor must before
+    /// anything else writes KV.
+    fn copy_out_suspended(&mut self, out: &ScheduleOutput) {
+        let tpb = self.config.tokens_per_block as usize;
+        let mut offset = 0;
+        for (i, id) in out.suspended_ids.iter().enumerate() {
+            let count = out.suspended_block_counts[i] as usize;
+            let pages = &out.suspended_block_ids[offset..offset + count];
+            offset += count;
+            let saved = self
+                .pools
+                .iter()
+                .map(|pool| {
+                    pages
+                        .iter()
+                        .flat_map(|&p| pool[p as usize * tpb..(p as usize + 1) * tpb].to_vec())
+                        .collect()
+                })
+                .collect();
+            self.host.insert(*id, saved);
+        }
+        assert_eq!(offset, out.suspended_block_ids.len());
+    }
+
+    /// Copies resumed requests' KV back from the host tier into their new pages.
+    fn copy_in_resumed(&mut self, out: &ScheduleOutput) {
+        let tpb = self.config.tokens_per_block as usize;
+        for id in &out.resumed_ids {
+            let (table, _) = self.ranks[0].block_table(&[*id], None).unwrap();
+            let saved = self
+                .host
+                .remove(id)
+                .expect("a resumed request was suspended");
+            for (pool, cells) in self.pools.iter_mut().zip(saved) {
+                // A resumed prefill may also take a chunk (and more pages) in this step.
+                let restored = cells.len() / tpb;
+                assert!(restored <= table.len(), "resume restores every page");
+                for (k, &page) in table.iter().take(restored).enumerate() {
+                    let dst = page as usize * tpb;
+                    pool[dst..dst + tpb].copy_from_slice(&cells[k * tpb..(k + 1) * tpb]);
+                }
+            }
+        }
+    }
+
     /// Writes the step's KV into each rank's pool, as the owner rank would.
     fn execute(&mut self, outs: &[ScheduleOutput]) {
         let out = &outs[0];
+        self.copy_out_suspended(out);
+        self.copy_in_resumed(out);
         let cp = self.config.cp_size as usize;
         let tpb = u64::from(self.config.tokens_per_block);
         // Replay checks against what the harness knows.
@@ -520,6 +570,7 @@ impl Group {
 
     /// Preempted victims of a step that is being reverted still restart their prefill.
     fn note_reverted_victims(&mut self, out: &ScheduleOutput) {
+        self.copy_out_suspended(out);
         for (victim, requester) in out.preempted_ids.iter().zip(&out.preempted_requester_ids) {
             self.prefill_progress.insert(*victim, 0);
             self.result.victims.push((*victim, *requester));
@@ -648,7 +699,7 @@ pub fn reference_outputs(specs: &[Spec], model: Model) -> BTreeMap<RequestId, Ve
     let mut config = SchedulerConfig::new((total / 4 + specs.len() as u64 + 1) as u32);
     config.tokens_per_block = 4;
     config.max_batch_size = specs.len() as u32 + 1;
-    config.max_num_tokens = (total + 1) as u32;
+    config.max_num_tokens = (total + 1).max(4) as u32;
     let mut group = Group::new(&config, model);
     let at_once: Vec<Spec> = specs.iter().cloned().map(|s| s.at(0)).collect();
     let result = group

@@ -1,0 +1,172 @@
+//! Random configurations and workloads through the simulated CP group: whatever the
+//! configuration, ranks agree every step, replay is exact, outputs equal a run without
+//! pressure, nothing leaks, and the only ways a run may stop early are the documented
+//! ones (a preemption bound that ran out, or a disaggregated server out of pages).
+
+mod common;
+
+use common::{assert_matches_reference, Group, Model, RunOptions, Spec};
+use helix_kv_core::{
+    CapacityPolicy, CoreError, Scheduler, SchedulerConfig, ServingMode, VictimPolicy,
+};
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+struct Case {
+    config: SchedulerConfig,
+    specs: Vec<Spec>,
+    model: Model,
+    revert_per_mille: u64,
+}
+
+fn mode() -> impl Strategy<Value = (ServingMode, u32)> {
+    prop_oneof![
+        4 => Just((ServingMode::AggregatedHelix, 0)),
+        2 => (0u32..8).prop_map(|host| (ServingMode::NonHelix, host)),
+        1 => Just((ServingMode::DisaggregatedGeneration, 0)),
+    ]
+}
+
+fn spec() -> impl Strategy<Value = (usize, u32, i32, u64)> {
+    (1usize..40, 1u32..24, -3i32..4, 0u64..4)
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        (
+            prop::sample::select(vec![1u32, 2, 4]),
+            1u32..5,
+            mode(),
+            prop::bool::weighted(0.2),
+            0u32..4,
+        ),
+        (0u64..60, 1u32..16, 8u32..64, any::<bool>(), 1u32..9),
+        (0u32..12, any::<bool>(), any::<bool>(), 0u64..3),
+        prop::collection::vec(spec(), 1..10),
+    )
+        .prop_map(|(shape, budget, rules, requests)| {
+            let (cp, tpb, (serving_mode, host_tier), no_evict, policy) = shape;
+            let (spare_percent, max_batch_size, max_num_tokens, chunked, chunk_unit) = budget;
+            let (bound, admit_after_preemption, eos, revert) = rules;
+            let cp = if serving_mode == ServingMode::NonHelix {
+                1
+            } else {
+                cp
+            };
+            let specs: Vec<Spec> = requests
+                .iter()
+                .enumerate()
+                .map(|(i, &(prompt, max_new, priority, at))| {
+                    Spec::new(i as u64 + 1, prompt, max_new)
+                        .priority(priority)
+                        .at(at)
+                })
+                .collect();
+            // A pool that holds the largest request (so every request can run) plus a
+            // share of the rest: mostly under pressure.
+            let per_superblock = u64::from(cp * tpb);
+            let sizes = specs
+                .iter()
+                .map(|s| s.prompt.len() as u64 + u64::from(s.max_new_tokens));
+            let largest = sizes.clone().max().unwrap();
+            let rest = sizes.sum::<u64>() - largest;
+            let superblocks = (largest + rest * spare_percent / 100).div_ceil(per_superblock);
+            let mut config = SchedulerConfig::new(superblocks as u32);
+            config.cp_size = cp;
+            config.tokens_per_block = tpb;
+            config.serving_mode = serving_mode;
+            config.host_tier_superblocks = host_tier;
+            config.capacity_policy = if no_evict {
+                CapacityPolicy::GuaranteedNoEvict
+            } else {
+                CapacityPolicy::MaxUtilization
+            };
+            config.victim_policy = [
+                VictimPolicy::NewestFirst,
+                VictimPolicy::LeastComputedFirst,
+                VictimPolicy::Priority,
+                VictimPolicy::NewestFirst,
+            ][policy as usize];
+            config.max_batch_size = max_batch_size;
+            config.enable_chunked_prefill = chunked;
+            config.chunk_unit = Some(chunk_unit);
+            config.max_num_tokens = max_num_tokens.max(chunk_unit);
+            config.max_preemptions_per_request = if bound >= 6 { 1000 } else { bound };
+            config.admit_after_preemption = admit_after_preemption;
+            config.deadlock_steps = 12;
+            let model = if eos {
+                Model {
+                    vocab: 24,
+                    eos: Some(5),
+                }
+            } else {
+                Model::default()
+            };
+            Case {
+                config,
+                specs,
+                model,
+                revert_per_mille: revert * 120,
+            }
+        })
+}
+
+/// Keeps the requests the configuration accepts (the others are refused at add, which
+/// the unit tests cover), checking that refusals change nothing.
+fn accepted(config: &SchedulerConfig, specs: &[Spec]) -> Vec<Spec> {
+    let mut probe = Scheduler::new(config.clone()).unwrap();
+    specs
+        .iter()
+        .filter(|s| {
+            let before = probe.state_digest();
+            match probe.add_request(s.id, &s.prompt, s.max_new_tokens, s.priority) {
+                Ok(()) => true,
+                Err(CoreError::RequestTooLarge { .. }) => {
+                    assert_eq!(probe.state_digest(), before);
+                    false
+                }
+                Err(other) => panic!("unexpected refusal {other}"),
+            }
+        })
+        .cloned()
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_configs_and_workloads_keep_every_invariant(case in case()) {
+        let config = &case.config;
+        let specs = accepted(config, &case.specs);
+        prop_assume!(!specs.is_empty());
+        let mut group = Group::new(config, case.model);
+        let options = RunOptions { revert_per_mille: case.revert_per_mille, seed: specs.len() as u64, max_steps: 5_000 };
+        match group.run(&specs, options) {
+            Ok(result) => {
+                assert_matches_reference(&specs, case.model, &result);
+                prop_assert!(result.max_request_preemptions <= config.max_preemptions_per_request);
+                if !config.may_preempt() {
+                    prop_assert_eq!(result.preemptions + result.suspensions, 0);
+                }
+                if config.host_tier_superblocks == 0 {
+                    prop_assert_eq!(result.suspensions, 0);
+                }
+            }
+            Err(CoreError::Deadlock(msg)) => {
+                // Only a preemption bound that ran out, or a server that may not preempt,
+                // can wedge a group whose every request fits the pool.
+                let bound_hit = group.result.max_request_preemptions == config.max_preemptions_per_request;
+                let no_preemption = config.serving_mode == ServingMode::DisaggregatedGeneration;
+                prop_assert!(bound_hit || no_preemption, "unexpected deadlock: {}", msg);
+                if config.serving_mode == ServingMode::AggregatedHelix {
+                    prop_assert!(!msg.contains("host"), "{}", msg);
+                }
+            }
+            Err(CoreError::PreemptionDisabled(msg)) => {
+                prop_assert_eq!(config.serving_mode, ServingMode::DisaggregatedGeneration, "{}", msg);
+            }
+            Err(other) => prop_assert!(false, "unexpected error {}", other),
+        }
+    }
+}

@@ -1,0 +1,602 @@
+//! Targeted rules of the scheduler: victim policies, modes and their ladders, deadlock
+//! detection, revert, batch slots, admission after preemption, and bad input.
+
+mod common;
+
+use common::{assert_matches_reference, Group, Model, RunOptions, Spec};
+use helix_kv_core::{
+    CapacityPolicy, CoreError, RequestState, ScheduleOutput, Scheduler, SchedulerConfig,
+    ServingMode, VictimPolicy,
+};
+
+fn config(cp: u32, tpb: u32, superblocks: u32) -> SchedulerConfig {
+    let mut config = SchedulerConfig::new(superblocks);
+    config.cp_size = cp;
+    config.tokens_per_block = tpb;
+    config
+}
+
+fn prompt(len: usize) -> Vec<i32> {
+    (0..len as i32).map(|t| t + 100).collect()
+}
+
+/// Runs one step, feeding `token` for every sample.
+fn step(s: &mut Scheduler, token: i32) -> ScheduleOutput {
+    let out = s.schedule().unwrap().clone();
+    let tokens = vec![token; out.sample_ids.len()];
+    s.update(&tokens, None).unwrap();
+    out
+}
+
+/// Requests 0..=4 all prefilled and decoding in a pool that is then exactly full, so the
+/// next decode of request 0 must preempt one of 1..=4.
+fn full_pool_with_candidates(policy: VictimPolicy) -> Scheduler {
+    // tpb 4, cp 1: prompt lengths 4, 8, 4, 12, 8 -> 1, 2, 1, 3, 2 superblocks = 9.
+    let mut config = config(1, 4, 9);
+    config.victim_policy = policy;
+    let mut s = Scheduler::new(config).unwrap();
+    let sizes = [4, 8, 4, 12, 8];
+    let priorities = [0, -3, 0, -3, 1];
+    for (id, (&len, &priority)) in sizes.iter().zip(&priorities).enumerate() {
+        s.add_request(id as u64, &prompt(len), 10, priority)
+            .unwrap();
+    }
+    let out = step(&mut s, 7);
+    assert_eq!(out.context_ids, vec![0, 1, 2, 3, 4]);
+    assert_eq!(s.ledger().free_superblocks(), 0);
+    s
+}
+
+#[test]
+fn each_victim_policy_picks_what_it_promises() {
+    for (policy, expected) in [
+        (VictimPolicy::NewestFirst, 4),        // the last in queue order
+        (VictimPolicy::LeastComputedFirst, 2), // 4 computed tokens, fewest
+        (VictimPolicy::Priority, 3),           // priority -3 ties 1 and 3: the newer
+    ] {
+        let mut s = full_pool_with_candidates(policy);
+        let out = s.schedule().unwrap().clone();
+        assert_eq!(out.preempted_ids[0], expected, "{policy:?}");
+        assert_eq!(out.preempted_requester_ids[0], 0, "{policy:?}");
+        assert_eq!(
+            out.generation_ids[0], 0,
+            "the requester decodes after the preemption"
+        );
+        assert_eq!(s.request_state(expected).unwrap(), RequestState::Waiting);
+        assert_eq!(s.request_metrics(expected).unwrap().preemptions, 1);
+        assert!(!out.generation_ids.contains(&expected));
+    }
+}
+
+#[test]
+fn a_request_never_preempts_one_ahead_of_it() {
+    // Request 0 holds most of the pool; request 1 arrives later and cannot fit: it waits
+    // (no victim behind it), it never takes request 0's pages.
+    let mut s = Scheduler::new(config(2, 2, 4)).unwrap();
+    s.add_request(0, &prompt(12), 4, 0).unwrap(); // 3 of 4 superblocks
+    step(&mut s, 1);
+    s.add_request(1, &prompt(8), 4, 100).unwrap();
+    for _ in 0..3 {
+        let out = step(&mut s, 1);
+        assert!(out.preempted_ids.is_empty() && out.suspended_ids.is_empty());
+        assert!(!out.context_ids.contains(&1));
+    }
+    // Request 0 finishes, then 1 runs.
+    while s.has_unfinished() {
+        step(&mut s, 1);
+    }
+    assert_eq!(s.metrics().preemptions, 0);
+}
+
+/// Two decoding requests that outgrow the pool while nobody may be a victim (bound 0):
+/// both sit out once the pool is full, and the group stalls.
+fn stalling_pair(cp: u32, mode: ServingMode) -> Scheduler {
+    // tpb 2: prompts of 2 superblocks each, 8 new tokens; 8 (cp 1) or 6 (cp 2)
+    // superblocks cannot hold both at full length.
+    let mut config = config(cp, 2, if cp == 1 { 8 } else { 6 });
+    config.serving_mode = mode;
+    config.max_preemptions_per_request = 0;
+    config.deadlock_steps = 3;
+    let mut s = Scheduler::new(config).unwrap();
+    let per = 4 * cp as usize;
+    s.add_request(0, &prompt(per), 8, 0).unwrap();
+    s.add_request(1, &prompt(per), 8, 0).unwrap();
+    s
+}
+
+#[test]
+fn generation_request_without_pages_or_victim_sits_out_and_releases_its_slot() {
+    let mut s = stalling_pair(1, ServingMode::AggregatedHelix);
+    let first = step(&mut s, 1);
+    assert_eq!(first.context_batch_slots, vec![0, 1]);
+    let out = loop {
+        let out = step(&mut s, 1);
+        if !out.sat_out_ids.is_empty() {
+            break out;
+        }
+        assert_eq!(out.generation_batch_slots, vec![0, 1]);
+    };
+    assert_eq!(out.generation_ids, Vec::<u64>::new());
+    assert_eq!(out.sat_out_ids, vec![0, 1]);
+    assert!(
+        out.summary().contains("sat_out: 0 1\n"),
+        "{}",
+        out.summary()
+    );
+    assert_eq!(s.metrics().sat_out, 2);
+    // They keep their pages and stay decoding; only their batch slots went back.
+    assert_eq!(s.request_state(0).unwrap(), RequestState::Decoding);
+    assert_eq!(s.ledger().free_superblocks(), 0);
+}
+
+#[test]
+fn deadlock_fires_with_a_remedy_that_fits_the_mode() {
+    for (cp, mode) in [
+        (2, ServingMode::AggregatedHelix),
+        (1, ServingMode::AggregatedHelix),
+        (1, ServingMode::NonHelix),
+    ] {
+        let mut s = stalling_pair(cp, mode);
+        let mut stalled = 0;
+        let err = loop {
+            let before = s.state_digest();
+            match s.schedule() {
+                Ok(out) => {
+                    stalled = if out.num_tokens == 0 { stalled + 1 } else { 0 };
+                    let n = out.sample_ids.len();
+                    s.update(&vec![1; n], None).unwrap();
+                }
+                Err(err) => {
+                    assert_eq!(s.state_digest(), before, "a deadlock error changes nothing");
+                    break err;
+                }
+            }
+        };
+        assert_eq!(stalled, 3, "after exactly deadlock_steps stalled steps");
+        let CoreError::Deadlock(msg) = &err else {
+            panic!("expected a deadlock, got {err}")
+        };
+        assert!(
+            msg.contains("3 consecutive steps") && msg.contains("max_preemptions_per_request"),
+            "{msg}"
+        );
+        assert!(msg.contains("kv_superblocks"), "{msg}");
+        match mode {
+            ServingMode::AggregatedHelix => {
+                assert!(!msg.contains("host"), "never advise a host tier: {msg}");
+            }
+            _ => assert!(msg.contains("host_tier_superblocks"), "{msg}"),
+        }
+        assert_eq!(s.schedule().unwrap_err(), err);
+    }
+}
+
+#[test]
+fn disaggregated_generation_refuses_to_preempt_and_changes_nothing() {
+    let mut config = config(2, 2, 4);
+    config.serving_mode = ServingMode::DisaggregatedGeneration;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(0, &prompt(8), 8, 0).unwrap();
+    s.add_request(1, &prompt(8), 8, 0).unwrap();
+    // Prefill fills the pool (2 + 2 superblocks); the first decode token of each still
+    // fits the prompt's last superblock? 8 tokens = exactly 2 superblocks, so no.
+    step(&mut s, 5);
+    let last = s.last_output().clone();
+    let (state, ledger) = (s.state_digest(), s.ledger().state_digest());
+    let err = s.schedule().unwrap_err();
+    let CoreError::PreemptionDisabled(msg) = &err else {
+        panic!("expected PreemptionDisabled, got {err}")
+    };
+    for needle in [
+        "kv_superblocks",
+        "max_batch_size",
+        "guaranteed_no_evict",
+        "aggregated_helix",
+        "rolled back",
+    ] {
+        assert!(
+            msg.contains(needle),
+            "remedy should mention {needle}: {msg}"
+        );
+    }
+    assert_eq!(
+        (s.state_digest(), s.ledger().state_digest()),
+        (state, ledger)
+    );
+    assert_eq!(s.last_output(), &last, "the previous output stays");
+    assert!(!s.is_step_pending());
+    assert_eq!(
+        s.schedule().unwrap_err(),
+        err,
+        "still unchanged: same answer"
+    );
+}
+
+#[test]
+fn disaggregated_context_requests_wait_for_pages_instead_of_failing() {
+    let mut config = config(1, 4, 4);
+    config.serving_mode = ServingMode::DisaggregatedGeneration;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(0, &prompt(8), 4, 0).unwrap(); // 8 + 3 decode tokens: 3 superblocks
+    step(&mut s, 1);
+    s.add_request(1, &prompt(8), 4, 0).unwrap(); // cannot fit until 0 finishes
+    let mut waited = 0;
+    while s.has_unfinished() {
+        let out = step(&mut s, 1);
+        waited += usize::from(
+            out.context_ids.is_empty()
+                && s.request_state(1)
+                    .is_ok_and(|st| st == RequestState::Waiting),
+        );
+    }
+    assert!(waited > 0);
+    assert_eq!(s.metrics().finished, 2);
+}
+
+#[test]
+fn guaranteed_no_evict_reserves_at_admission_and_never_preempts() {
+    let specs: Vec<Spec> = (0..8).map(|i| Spec::new(i, 10, 30).at(i / 3)).collect();
+    for cp in [1, 2, 4] {
+        let tokens = 160 / (4 * u64::from(cp));
+        let mut config = config(cp, 4, tokens as u32);
+        config.capacity_policy = CapacityPolicy::GuaranteedNoEvict;
+        let mut group = Group::new(&config, Model::default());
+        let options = RunOptions {
+            revert_per_mille: 150,
+            seed: 9,
+            max_steps: 0,
+        };
+        let result = group.run(&specs, options).unwrap();
+        assert_matches_reference(&specs, Model::default(), &result);
+        assert_eq!(result.preemptions + result.suspensions, 0);
+        assert!(result.reverted_steps > 0);
+    }
+    let mut config = config(1, 4, 16);
+    config.capacity_policy = CapacityPolicy::GuaranteedNoEvict;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(0, &prompt(10), 30, 0).unwrap();
+    s.schedule().unwrap();
+    assert_eq!(
+        s.ledger().request(0).unwrap().len(),
+        40,
+        "prompt + whole output at admission"
+    );
+    s.revert().unwrap();
+    assert_eq!(
+        s.ledger().request(0).unwrap().len(),
+        0,
+        "revert undoes the admission entirely"
+    );
+    step(&mut s, 3);
+    let out = s.schedule().unwrap().clone();
+    s.revert().unwrap();
+    assert_eq!(out.generation_positions, vec![10]);
+    assert_eq!(
+        s.ledger().request(0).unwrap().len(),
+        40,
+        "a reverted decode keeps the reservation"
+    );
+}
+
+#[test]
+fn non_helix_suspends_to_the_host_tier_first_then_recomputes() {
+    let specs: Vec<Spec> = (0..8).map(|i| Spec::new(i, 10, 30)).collect();
+    let mut config = config(1, 4, 40);
+    config.serving_mode = ServingMode::NonHelix;
+    config.host_tier_superblocks = 6;
+    for revert_per_mille in [0, 200] {
+        let mut group = Group::new(&config, Model::default());
+        let options = RunOptions {
+            revert_per_mille,
+            seed: 3,
+            max_steps: 0,
+        };
+        let result = group.run(&specs, options).unwrap();
+        assert_matches_reference(&specs, Model::default(), &result);
+        assert!(result.suspensions > 0, "the host tier is used first");
+        assert!(result.preemptions > 0, "and recompute when it is full");
+    }
+
+    // The first victim of the first pressured step is suspended, not recomputed.
+    let mut s = Scheduler::new(config).unwrap();
+    for spec in &specs {
+        s.add_request(spec.id, &spec.prompt, spec.max_new_tokens, 0)
+            .unwrap();
+    }
+    loop {
+        let out = step(&mut s, 1);
+        if !out.suspended_ids.is_empty() || !out.preempted_ids.is_empty() {
+            assert!(
+                !out.suspended_ids.is_empty(),
+                "suspend comes first: {}",
+                out.summary()
+            );
+            assert_eq!(
+                s.request_state(out.suspended_ids[0]).unwrap(),
+                RequestState::Suspended
+            );
+            assert_eq!(s.num_suspended(), out.suspended_ids.len());
+            break;
+        }
+    }
+}
+
+#[test]
+fn no_admission_in_a_step_that_preempted_unless_configured() {
+    for admit in [false, true] {
+        let mut config = config(1, 4, 3);
+        config.admit_after_preemption = admit;
+        let mut s = Scheduler::new(config).unwrap();
+        s.add_request(0, &prompt(4), 6, 0).unwrap(); // 1 superblock, then grows
+        s.add_request(1, &prompt(8), 4, 0).unwrap(); // 2 superblocks: pool full
+        step(&mut s, 1);
+        s.add_request(2, &prompt(2), 1, 0).unwrap();
+        let out = step(&mut s, 1);
+        assert_eq!(out.preempted_ids, vec![1]);
+        assert!(
+            !out.context_ids.contains(&1),
+            "a victim is never re-admitted in its step"
+        );
+        assert_eq!(
+            out.context_ids.contains(&2),
+            admit,
+            "admit_after_preemption = {admit}"
+        );
+    }
+}
+
+#[test]
+fn partial_chunks_are_whole_units_and_respect_the_token_budget() {
+    let mut config = config(2, 2, 64);
+    config.max_num_tokens = 10;
+    config.chunk_unit = Some(4);
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(0, &prompt(21), 2, 0).unwrap();
+    s.add_request(1, &prompt(3), 2, 0).unwrap();
+    let first = step(&mut s, 1);
+    assert_eq!(
+        (first.context_ids.clone(), first.context_lens.clone()),
+        (vec![0], vec![8])
+    );
+    assert_eq!(first.context_completes, vec![false]);
+    assert!(
+        first
+            .summary()
+            .contains("context: 0:0+8!\nincomplete_prompts: 0\n"),
+        "{}",
+        first.summary()
+    );
+    let second = step(&mut s, 1);
+    assert_eq!(
+        (second.context_starts.clone(), second.context_lens.clone()),
+        (vec![8], vec![8])
+    );
+    let third = step(&mut s, 1);
+    assert_eq!(third.context_ids, vec![0, 1]);
+    assert_eq!(
+        (third.context_starts.clone(), third.context_lens.clone()),
+        (vec![16, 0], vec![5, 3])
+    );
+    assert_eq!(third.context_completes, vec![true, true]);
+    assert_eq!(third.sample_ids, vec![0, 1]);
+    assert_eq!(
+        third.context_token_ids,
+        [&prompt(21)[16..], &prompt(3)[..]].concat()
+    );
+    let fourth = step(&mut s, 1);
+    assert_eq!(fourth.generation_ids, vec![0, 1]);
+    assert_eq!(fourth.generation_positions, vec![21, 3]);
+    assert_eq!(fourth.generation_owner_ranks, vec![0, 1]);
+    assert_eq!(s.request_metrics(1).unwrap().steps_waited, 2);
+}
+
+#[test]
+fn batch_slots_are_lowest_free_first_and_bound_the_running_set() {
+    let mut config = config(1, 4, 64);
+    config.max_batch_size = 2;
+    let mut s = Scheduler::new(config).unwrap();
+    for id in 0..3 {
+        s.add_request(id, &prompt(4), 2 + id as u32, 0).unwrap();
+    }
+    let first = step(&mut s, 1);
+    assert_eq!(
+        (first.context_ids.clone(), first.context_batch_slots.clone()),
+        (vec![0, 1], vec![0, 1])
+    );
+    let second = step(&mut s, 1); // 0 finishes (2 tokens); 2 waits for a slot meanwhile
+    assert_eq!(
+        (
+            second.generation_ids.clone(),
+            second.generation_batch_slots.clone()
+        ),
+        (vec![0, 1], vec![0, 1])
+    );
+    assert!(second.context_ids.is_empty());
+    let third = step(&mut s, 1);
+    assert_eq!(
+        (
+            third.generation_ids.clone(),
+            third.generation_batch_slots.clone()
+        ),
+        (vec![1], vec![1])
+    );
+    assert_eq!(
+        (third.context_ids.clone(), third.context_batch_slots.clone()),
+        (vec![2], vec![0])
+    );
+    assert!(
+        third.summary().contains("batch_slots: 2=0 1=1\n"),
+        "{}",
+        third.summary()
+    );
+}
+
+#[test]
+fn revert_of_a_preempting_step_keeps_the_preemption_only() {
+    let mut s = full_pool_with_candidates(VictimPolicy::NewestFirst);
+    let holdings = s.ledger().holdings();
+    let out = s.schedule().unwrap().clone();
+    assert!(!out.preempted_ids.is_empty());
+    s.revert().unwrap();
+    for (id, held) in holdings {
+        let now = s.ledger().request(id).unwrap().table().len() as u32;
+        let expected = if out.preempted_ids.contains(&id) {
+            0
+        } else {
+            held
+        };
+        assert_eq!(now, expected, "request {id}");
+    }
+    for id in &out.preempted_ids {
+        assert_eq!(s.request_state(*id).unwrap(), RequestState::Waiting);
+    }
+    assert_eq!(s.metrics().preemptions, out.preempted_ids.len() as u64);
+    let again = s.schedule().unwrap();
+    assert!(again.step > out.step, "step numbers are not reused");
+}
+
+fn assert_unchanged(
+    s: &mut Scheduler,
+    call: impl FnOnce(&mut Scheduler) -> CoreError,
+    needle: &str,
+) {
+    let before = (
+        s.state_digest(),
+        s.ledger().state_digest(),
+        s.queue_ids(),
+        s.metrics(),
+    );
+    let err = call(s);
+    assert!(
+        err.to_string().contains(needle),
+        "{err} should mention {needle}"
+    );
+    assert_eq!(
+        (
+            s.state_digest(),
+            s.ledger().state_digest(),
+            s.queue_ids(),
+            s.metrics()
+        ),
+        before
+    );
+}
+
+#[test]
+fn bad_input_is_refused_with_a_typed_error_and_changes_nothing() {
+    let mut config = config(2, 4, 8); // 64 tokens of KV
+    config.max_seq_len = 60;
+    config.enable_chunked_prefill = false;
+    config.max_num_tokens = 32;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(1, &prompt(8), 4, 0).unwrap();
+    let p = prompt(8);
+    assert_unchanged(
+        &mut s,
+        |s| s.add_request(1, &p, 4, 0).unwrap_err(),
+        "duplicate request 1",
+    );
+    assert_unchanged(
+        &mut s,
+        |s| s.add_request(2, &[], 4, 0).unwrap_err(),
+        "empty prompt",
+    );
+    assert_unchanged(
+        &mut s,
+        |s| s.add_request(2, &p, 0, 0).unwrap_err(),
+        "max_new_tokens = 0",
+    );
+    let long = prompt(50);
+    assert_unchanged(
+        &mut s,
+        |s| s.add_request(2, &long, 20, 0).unwrap_err(),
+        "max_seq_len = 60",
+    );
+    assert_unchanged(
+        &mut s,
+        |s| s.add_request(2, &prompt(30), 6, 0).unwrap_err(),
+        "max_num_tokens = 32",
+    );
+    assert!(matches!(
+        s.add_request(2, &long, 2, 0),
+        Err(CoreError::RequestTooLarge { id: 2, .. })
+    ));
+    assert_unchanged(&mut s, |s| s.tokens(9).unwrap_err(), "unknown request 9");
+    assert_unchanged(
+        &mut s,
+        |s| s.request_metrics(9).unwrap_err(),
+        "unknown request 9",
+    );
+    assert_unchanged(
+        &mut s,
+        |s| s.take_output(9).unwrap_err(),
+        "unknown request 9",
+    );
+    assert_unchanged(&mut s, |s| s.take_output(1).unwrap_err(), "not finished");
+    assert_unchanged(
+        &mut s,
+        |s| s.update(&[], None).unwrap_err(),
+        "call schedule() first",
+    );
+    assert_unchanged(&mut s, |s| s.revert().unwrap_err(), "call schedule() first");
+    let out = s.schedule().unwrap().clone();
+    assert_eq!(out.sample_ids, vec![1]);
+    assert_unchanged(
+        &mut s,
+        |s| s.schedule().unwrap_err(),
+        "neither updated nor reverted",
+    );
+    assert_unchanged(
+        &mut s,
+        |s| s.update(&[1, 2], None).unwrap_err(),
+        "got 2 tokens for the 1 entries",
+    );
+    assert_unchanged(
+        &mut s,
+        |s| s.update(&[1], Some(&[])).unwrap_err(),
+        "got 0 eos flags",
+    );
+    s.update(&[3], Some(&[true])).unwrap();
+    assert_eq!(
+        s.take_output(1).unwrap(),
+        vec![3],
+        "eos ends it after one token"
+    );
+    assert!(matches!(
+        s.take_output(1),
+        Err(CoreError::UnknownRequest(1))
+    ));
+    s.add_request(1, &p, 4, 0).unwrap(); // the id is free again once its output is taken
+}
+
+#[test]
+fn pool_limit_is_named_when_a_request_can_never_fit() {
+    let mut s = Scheduler::new(config(4, 4, 2)).unwrap(); // 2 superblocks of 16 tokens
+    let err = s.add_request(1, &prompt(30), 3, 0).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("3 superblocks, more than the whole KV pool (2 superblocks = 32 tokens)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn metrics_count_what_ran() {
+    let specs: Vec<Spec> = (0..6).map(|i| Spec::new(i, 10, 20)).collect();
+    let mut config = config(2, 4, 10);
+    config.max_num_tokens = 64;
+    let mut group = Group::new(&config, Model::default());
+    let result = group.run(&specs, RunOptions::default()).unwrap();
+    let m = group.ranks[0].metrics();
+    assert_eq!(m.finished, 6);
+    assert_eq!(m.steps, result.steps);
+    assert!(m.preemptions > 0 && m.recomputed_tokens > 0);
+    // Every token computed at least once; recomputation on top.
+    let minimum: u64 = specs
+        .iter()
+        .map(|s| s.prompt.len() as u64 + u64::from(s.max_new_tokens) - 1)
+        .sum();
+    assert_eq!(m.computed_tokens, minimum + m.recomputed_tokens);
+    assert!(m.kv_utilization_peak > 0.9 && m.kv_utilization == 0.0);
+    assert_eq!(m.kv_capacity_superblocks, 10);
+}
