@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from helix_kv.distributed import EngineConfig, HelixKVRank
+from helix_kv.executor.kv_pool import KVPool
 from helix_kv.executor.launch import spawn_group
 from helix_kv.executor.model import TinyConfig, TinyTransformer, group_combine
 from helix_kv.executor.placement import RankPlacement
@@ -41,9 +43,12 @@ REQUEST_METRICS = ("preemptions", "recomputed_tokens", "steps_waited", "generate
 class ExecutorConfig:
     """What one run needs besides the prompts (picklable, identical on every rank).
 
-    ``kv_superblocks`` is this rank's pool size before the group agrees on the minimum
-    (DESIGN.md section 3). ``scheduler_options`` go to ``helix_kv.SchedulerConfig`` as they are
-    (e.g. ``victim_policy``, ``max_preemptions_per_request``).
+    ``kv_superblocks`` is this rank's own KV budget in pages; the group agrees on the minimum
+    (DESIGN.md section 3) through :class:`helix_kv.distributed.HelixKVRank`.
+    ``scheduler_options`` go to its ``EngineConfig`` as they are (e.g. ``victim_policy``,
+    ``max_preemptions_per_request``).
+    ``check_schedule``: compare every step's schedule across the ranks (``None``: read
+    ``HELIX_KV_CHECK_SCHEDULE``).
     """
 
     cp: int = 1
@@ -56,6 +61,7 @@ class ExecutorConfig:
     kv_dtype: Optional[str] = None
     device: str = "cpu"
     record_logits: bool = False
+    check_schedule: Optional[bool] = None
     time_table_build: bool = False
     max_steps: int = 100_000
     scheduler_options: Mapping[str, Any] = field(default_factory=dict)
@@ -113,31 +119,35 @@ def run_rank(
     With ``config.cp > 1`` a process group of ``cp`` ranks must be initialised (``group`` or
     the default group); this process is its rank ``dist.get_rank(group)``.
     """
-    import helix_kv  # the extension; torch-free
-
-    rank = dist.get_rank(group) if config.cp > 1 else 0
-    if config.cp > 1 and dist.get_world_size(group) != config.cp:
-        raise ValueError(f"cp = {config.cp} but the process group has "
-                         f"{dist.get_world_size(group)} ranks")
     device = _device(config.device)
     dtype = getattr(torch, config.dtype)
+    kv_dtype = getattr(torch, config.kv_dtype) if config.kv_dtype else dtype
     model = TinyTransformer(config.model, dtype=dtype, device=device)
-    capacity = _agree_on_capacity(config.kv_superblocks, config.cp, device, group)
-    placement = RankPlacement(config.cp, config.tokens_per_block, rank)
-    pool = model.new_kv_pool(placement, capacity,
-                             getattr(torch, config.kv_dtype) if config.kv_dtype else None)
-    scheduler = helix_kv.Scheduler(helix_kv.SchedulerConfig(
-        cp_size=config.cp, cp_rank=rank, tokens_per_block=config.tokens_per_block,
-        kv_superblocks=capacity, max_batch_size=config.max_batch_size,
+    engine = EngineConfig(
+        num_layers=config.model.num_layers, num_kv_heads=config.model.num_kv_heads,
+        head_dim=config.model.head_dim, dtype_bytes=torch.empty((), dtype=kv_dtype).element_size(),
+        tokens_per_block=config.tokens_per_block, max_batch_size=config.max_batch_size,
         max_num_tokens=config.max_num_tokens, **dict(config.scheduler_options),
-    ))
+    )
+
+    def allocate_pool(built: HelixKVRank) -> KVPool:
+        placement = RankPlacement(built.cp_size, config.tokens_per_block, built.cp_rank)
+        return model.new_kv_pool(placement, built.capacity_superblocks, kv_dtype)
+
+    # quota sync (MIN over the ranks' budgets) + init-status sync + optional schedule check
+    helix = HelixKVRank.create(engine, config.kv_superblocks * engine.page_bytes, group,
+                               allocate=allocate_pool, check_schedule=config.check_schedule)
+    if helix.cp_size != config.cp:
+        raise ValueError(f"cp = {config.cp} but the process group has {helix.cp_size} ranks")
+    rank, scheduler, pool = helix.cp_rank, helix.scheduler, helix.kv_storage
+    placement = pool.placement
     for request_id, prompt in prompts.items():
         budget = (max_new_tokens if isinstance(max_new_tokens, int)
                   else max_new_tokens[request_id])
         scheduler.add_request(int(request_id), np.asarray(prompt, dtype=np.int32), budget)
 
     combine = group_combine(group)
-    result = RunResult(rank, {}, {}, {}, [], [], capacity)
+    result = RunResult(rank, {}, {}, {}, [], [], helix.capacity_superblocks)
     logits_rows: Dict[int, List[np.ndarray]] = {}
     decoding: set = set()  # requests that decoded since their last (re-)admission
     started = time.perf_counter()
@@ -145,7 +155,7 @@ def run_rank(
         if len(result.digests) >= config.max_steps:
             raise RuntimeError(f"no completion after {config.max_steps} steps")
         step_start = time.perf_counter()
-        out = scheduler.schedule()
+        out = helix.schedule()
         build_start = time.perf_counter()
         result.schedule_us.append((build_start - step_start) * 1e6)
         plan = StepPlan.from_schedule(scheduler, out, placement)
@@ -164,7 +174,7 @@ def run_rank(
             # ranks compute identical logits; broadcasting makes identical tokens a guarantee
             dist.broadcast(tokens, src=dist.get_global_rank(group, 0) if group else 0,
                            group=group)
-        finished = scheduler.update(tokens.cpu().numpy().astype(np.int32))
+        finished = helix.update(tokens.cpu().numpy().astype(np.int32))
         _account_step(result, out, plan, time.perf_counter() - step_start, decoding)
         for request_id in np.asarray(finished, dtype=np.int64).tolist():
             result.outputs[request_id] = np.asarray(scheduler.take_output(request_id)).tolist()
@@ -222,16 +232,6 @@ def _device(name: str) -> torch.device:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _agree_on_capacity(superblocks: int, cp: int, device: torch.device,
-                       group: Optional[dist.ProcessGroup]) -> int:
-    """The group's pool size: MIN over the ranks' own capacities (DESIGN.md section 3)."""
-    if cp == 1:
-        return superblocks
-    value = torch.tensor([superblocks], dtype=torch.int64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    return int(value.item())
 
 
 def _record_logits(rows: Dict[int, List[np.ndarray]], sample_ids: np.ndarray,
