@@ -42,7 +42,7 @@ def _needs(backend: str, world: int) -> List[Any]:
 
 
 GROUPS = [
-    pytest.param(backend, world, id=f"{backend}-{world}", marks=_needs(backend, world))
+    pytest.param((backend, world), id=f"{backend}-{world}", marks=_needs(backend, world))
     for backend, world in [("gloo", 2), ("gloo", 4), ("nccl", 2), ("nccl", 4)]
 ]
 
