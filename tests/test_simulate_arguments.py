@@ -1,0 +1,99 @@
+"""Flags of ``helix-kv simulate`` -> options and workload (no scheduler needed)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from helix_kv.cli import build_parser
+from helix_kv.simulate.arguments import UsageError, simulation_options, workload_spec
+from helix_kv.simulate.workload import LengthDistribution, WorkloadSpec
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["simulate", *argv])
+
+
+def test_defaults_leave_scheduler_defaults_to_the_core() -> None:
+    options = simulation_options(parse())
+    assert options.cp == 2
+    assert options.kv_tokens == 16_384
+    assert options.scheduler == {"tokens_per_block": 16}
+    assert not options.procs
+    assert workload_spec(parse()) == WorkloadSpec()
+
+
+def test_every_scheduler_flag_maps_to_its_field() -> None:
+    args = parse(
+        "--cp", "1", "--tokens-per-block", "8", "--max-batch-size", "4",
+        "--max-num-tokens", "512", "--chunk-unit", "16", "--no-chunked-prefill",
+        "--max-seq-len", "9000", "--capacity-policy", "guaranteed_no_evict",
+        "--mode", "non_helix", "--host-tier-tokens", "100", "--policy", "priority",
+        "--max-preemptions", "0", "--admit-after-preemption", "--deadlock-steps", "9",
+    )  # fmt: skip
+    assert simulation_options(args).scheduler == {
+        "tokens_per_block": 8,
+        "max_batch_size": 4,
+        "max_num_tokens": 512,
+        "chunk_unit": 16,
+        "enable_chunked_prefill": False,
+        "max_seq_len": 9000,
+        "capacity_policy": "guaranteed_no_evict",
+        "serving_mode": "non_helix",
+        "host_tier_superblocks": 12,  # 100 // (8 * 1)
+        "victim_policy": "priority",
+        "max_preemptions_per_request": 0,
+        "admit_after_preemption": True,
+        "deadlock_steps": 9,
+    }
+
+
+def test_host_tier_below_one_superblock_is_refused() -> None:
+    with pytest.raises(UsageError, match="less than one superblock"):
+        simulation_options(parse("--host-tier-tokens", "5"))
+
+
+def test_workload_flags() -> None:
+    spec = workload_spec(
+        parse(
+            "--requests",
+            "7",
+            "--seed",
+            "4",
+            "--arrival-rate",
+            "0",
+            "--prompt-len",
+            "1000",
+            "--output-len",
+            "20",
+            "--output-len-max",
+            "30",
+            "--length-dist",
+            "fixed",
+            "--priority-levels",
+            "1",
+        )
+    )
+    assert spec == WorkloadSpec(
+        num_requests=7,
+        seed=4,
+        arrival_rate=0.0,
+        prompt_len_mean=1000,
+        prompt_len_max=4000,  # default max follows a larger mean
+        output_len_mean=20,
+        output_len_max=30,
+        length_distribution=LengthDistribution.FIXED,
+        priority_levels=1,
+    )
+
+
+def test_options_switch_policy_without_touching_the_rest() -> None:
+    options = simulation_options(parse("--max-batch-size", "3"))
+    other = options.with_victim_policy("least_computed_first")
+    assert other.scheduler == {
+        "tokens_per_block": 16,
+        "max_batch_size": 3,
+        "victim_policy": "least_computed_first",
+    }
+    assert options.scheduler == {"tokens_per_block": 16, "max_batch_size": 3}
