@@ -293,8 +293,14 @@ impl Ledger {
 
     /// Applies a validated grow; `false` (and no change) if the pool is short.
     fn grow_slot(&mut self, slot: usize, new_len: u64) -> bool {
-        let needed = self.layout.superblocks_for(new_len) as usize;
         let request = &mut self.requests[slot];
+        // Most grows (every decode token but one per superblock) stay inside the last
+        // superblock: settle those with a multiply instead of a division.
+        if new_len <= request.table.len() as u64 * self.layout.tokens_per_superblock() {
+            request.len = new_len;
+            return true;
+        }
+        let needed = self.layout.superblocks_for(new_len) as usize;
         let extra = needed.saturating_sub(request.table.len());
         if extra > self.free.len() {
             return false;
@@ -423,7 +429,36 @@ impl Ledger {
     /// counter advances only here; a retry in the same step returns the same position.
     pub fn allocate_decode(&mut self, id: RequestId, step: u64) -> Result<Option<u64>> {
         let slot = self.active_slot_of(id)?;
+        self.allocate_decode_in(slot, step)
+    }
+
+    /// Where `id` sits in the ledger's storage; stable while the request is held. The
+    /// scheduler keeps it to skip the id lookup on its per-step decode path.
+    pub(crate) fn position_of(&self, id: RequestId) -> Result<usize> {
+        self.slot_of(id)
+    }
+
+    /// [`Ledger::allocate_decode`] for a request at a known position (from
+    /// [`Ledger::position_of`]); a position that does not hold `id` falls back to the
+    /// lookup.
+    pub(crate) fn allocate_decode_at(
+        &mut self,
+        position: usize,
+        id: RequestId,
+        step: u64,
+    ) -> Result<Option<u64>> {
+        match self.requests.get(position) {
+            Some(request) if request.id == id && !request.is_suspended() => {
+                debug_assert_eq!(self.index.get(&id), Some(&position));
+                self.allocate_decode_in(position, step)
+            }
+            _ => self.allocate_decode(id, step),
+        }
+    }
+
+    fn allocate_decode_in(&mut self, slot: usize, step: u64) -> Result<Option<u64>> {
         let request = &self.requests[slot];
+        let id = request.id;
         if request.decode_step == Some(step) {
             return Ok(Some(request.next_decode_position() - 1));
         }
@@ -434,13 +469,19 @@ impl Ledger {
                 request.len, request.prompt_len
             )));
         }
-        self.check_len(pos + 1)?;
         let len_before = request.len;
         let new_len = len_before.max(pos + 1);
-        if !self.grow_slot(slot, new_len) {
-            return Ok(None);
+        // The common case, every decode token but one per superblock: the token fits
+        // the superblocks already held (so also the pool), nothing to hand out.
+        let held_tokens = request.table.len() as u64 * self.layout.tokens_per_superblock();
+        if new_len > held_tokens {
+            self.check_len(pos + 1)?;
+            if !self.grow_slot(slot, new_len) {
+                return Ok(None);
+            }
         }
         let request = &mut self.requests[slot];
+        request.len = new_len;
         request.decode_undo = Some(DecodeUndo {
             step: request.decode_step,
             len: len_before,

@@ -14,6 +14,7 @@ mod commit;
 mod config;
 mod metrics;
 mod output;
+mod placement;
 mod request;
 mod slots;
 mod step;
@@ -31,19 +32,13 @@ use crate::error::{CoreError, Result};
 use crate::layout::Layout;
 use crate::ledger::Ledger;
 use crate::RequestId;
+use placement::Placement;
 use request::Request;
 use slots::BatchSlots;
 use victim::VictimFinder;
 
 /// Index of a request in [`Scheduler::requests`]; stable while the request is live.
 type ReqSlot = u32;
-
-/// A generation entry of the step being built.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct GenerationEntry {
-    req: ReqSlot,
-    position: u64,
-}
 
 /// A context entry of the step being built.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -73,6 +68,7 @@ struct FinishedRequest {
 pub struct Scheduler {
     config: SchedulerConfig,
     layout: Layout,
+    placement: Placement,
     ledger: Ledger,
     /// Dense request storage; `index` maps ids to positions here (lookups only).
     requests: Vec<Request>,
@@ -94,21 +90,20 @@ pub struct Scheduler {
     metrics: SchedulerMetrics,
 
     // Per-step scratch, kept to reuse the allocations.
+    /// The last successful schedule.
     output: ScheduleOutput,
-    generation: Vec<GenerationEntry>,
+    /// The schedule being built; swapped with `output` on success.
+    building: ScheduleOutput,
     context: Vec<ContextEntry>,
-    /// Requests of the final generation entries, in output order (for `update`).
+    /// Request of each generation entry, in output order (for `update`).
     generation_reqs: Vec<ReqSlot>,
+    /// Generation entries whose request had no batch slot yet.
+    generation_needing_slots: Vec<u32>,
+    /// Whether a request was preempted after its generation entry was made.
+    generation_removed: bool,
     journal: Vec<JournalEntry>,
     new_slot_reqs: Vec<ReqSlot>,
     sat_out_reqs: Vec<ReqSlot>,
-    /// `(victim, requester)` pairs of this step, in the order chosen.
-    preempted: Vec<(RequestId, RequestId)>,
-    suspended: Vec<(RequestId, RequestId)>,
-    /// Pages of this step's suspended requests, concatenated, and their counts.
-    suspended_pages: Vec<i32>,
-    suspended_page_counts: Vec<u64>,
-    resumed: Vec<RequestId>,
     finished_ids: Vec<RequestId>,
     victims: VictimFinder,
     step_tokens: u64,
@@ -126,6 +121,7 @@ impl Scheduler {
         let ledger = Ledger::new(layout, config.capacity_superblocks)?;
         Ok(Self {
             layout,
+            placement: Placement::new(layout),
             ledger,
             requests: Vec::new(),
             free_request_slots: Vec::new(),
@@ -144,17 +140,14 @@ impl Scheduler {
                 ..SchedulerMetrics::default()
             },
             output: ScheduleOutput::default(),
-            generation: Vec::new(),
+            building: ScheduleOutput::default(),
             context: Vec::new(),
             generation_reqs: Vec::new(),
+            generation_needing_slots: Vec::new(),
+            generation_removed: false,
             journal: Vec::new(),
             new_slot_reqs: Vec::new(),
             sat_out_reqs: Vec::new(),
-            preempted: Vec::new(),
-            suspended: Vec::new(),
-            suspended_pages: Vec::new(),
-            suspended_page_counts: Vec::new(),
-            resumed: Vec::new(),
             finished_ids: Vec::new(),
             victims: VictimFinder::new(config.victim_policy),
             step_tokens: 0,
@@ -204,13 +197,15 @@ impl Scheduler {
         }
         self.check_fits(id, prompt.len() as u64, u64::from(max_new_tokens))?;
         self.ledger.add(id, prompt.len() as u64)?;
-        let request = Request::new(
+        let ledger_position = self.ledger.position_of(id)?;
+        let mut request = Request::new(
             id,
             prompt,
             max_new_tokens,
             priority,
             self.first_step_for_new_request(),
         );
+        request.ledger_position = ledger_position;
         let slot = if let Some(slot) = self.free_request_slots.pop() {
             self.requests[slot as usize] = request;
             slot

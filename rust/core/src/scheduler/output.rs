@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use crate::digest::Fnv64;
+use crate::digest::LaneDigest;
 use crate::RequestId;
 
 /// The schedule of one step. Every field is identical on every rank of a CP group except
@@ -78,16 +78,9 @@ pub struct ScheduleOutput {
     pub digest: u64,
 }
 
-fn hash_ids(h: &mut Fnv64, ids: &[RequestId]) {
-    h.word(ids.len() as u64);
-    for &id in ids {
-        h.word(id);
-    }
-}
-
-/// Packs a rank and a batch slot into one digest word.
-fn pack(high: u32, low: i32) -> u64 {
-    (u64::from(high) << 32) | u64::from(low as u32)
+/// Two 32-bit values in one digest word.
+fn pack(low: i32, high: i32) -> u64 {
+    u64::from(low as u32) | (u64::from(high as u32) << 32)
 }
 
 impl ScheduleOutput {
@@ -121,50 +114,56 @@ impl ScheduleOutput {
         self.digest = 0;
     }
 
-    /// The fingerprint of every rank-invariant field. `sample_ids` is not hashed on its
-    /// own: it is a function of the generation ids and the context ids and flags, which
-    /// are.
+    /// The fingerprint of every rank-invariant field, array by array (each with its
+    /// length). Fields that are functions of hashed ones are covered through them:
+    /// `sample_ids` (generation ids, then completing context ids) and the owner ranks
+    /// (positions, under the group's layout). A request's id and position share a word
+    /// (`id * odd ^ position`: still any single-field difference changes it), and so do
+    /// its input token and batch slot.
     pub fn compute_digest(&self) -> u64 {
-        let mut h = Fnv64::new();
+        let mut h = LaneDigest::new();
         h.word(self.step);
         h.word(self.num_tokens);
-        hash_ids(&mut h, &self.context_ids);
-        for i in 0..self.context_ids.len() {
-            h.word(self.context_starts[i]);
-            h.word(self.context_lens[i]);
-            h.word(pack(
-                u32::from(self.context_completes[i]),
-                self.context_batch_slots[i],
-            ));
-        }
+        h.words(&self.context_ids);
+        h.words(&self.context_starts);
+        h.words(&self.context_lens);
+        h.flags(&self.context_completes);
+        h.stream(
+            self.context_batch_slots
+                .iter()
+                .map(|&v| u64::from(v as u32)),
+        );
+        let tokens = self
+            .context_token_ids
+            .chunks(2)
+            .map(|pair| pack(pair[0], pair.get(1).copied().unwrap_or(0)));
         h.word(self.context_token_ids.len() as u64);
-        for pair in self.context_token_ids.chunks(2) {
-            h.word(pack(pair[0] as u32, pair.get(1).copied().unwrap_or(0)));
-        }
-        hash_ids(&mut h, &self.generation_ids);
-        for i in 0..self.generation_ids.len() {
-            h.word(self.generation_positions[i]);
-            h.word(pack(
-                self.generation_owner_ranks[i],
-                self.generation_batch_slots[i],
-            ));
-            h.word(u64::from(self.generation_input_tokens[i] as u32));
-        }
-        for list in [
+        h.stream(tokens);
+        let id_positions = self.generation_ids.iter().zip(&self.generation_positions);
+        h.stream(
+            id_positions.map(|(&id, &position)| id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ position),
+        );
+        let token_slots = self
+            .generation_input_tokens
+            .iter()
+            .zip(&self.generation_batch_slots);
+        h.stream(token_slots.map(|(&token, &slot)| pack(token, slot)));
+        for ids in [
             &self.preempted_ids,
             &self.preempted_requester_ids,
             &self.suspended_ids,
             &self.suspended_requester_ids,
+            &self.suspended_block_counts,
             &self.resumed_ids,
             &self.sat_out_ids,
         ] {
-            hash_ids(&mut h, list);
+            h.words(ids);
         }
-        hash_ids(&mut h, &self.suspended_block_counts);
-        h.word(self.suspended_block_ids.len() as u64);
-        for &page in &self.suspended_block_ids {
-            h.word(u64::from(page as u32));
-        }
+        h.stream(
+            self.suspended_block_ids
+                .iter()
+                .map(|&v| u64::from(v as u32)),
+        );
         h.word(self.sample_ids.len() as u64);
         h.finish()
     }

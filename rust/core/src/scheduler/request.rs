@@ -39,46 +39,55 @@ impl RequestState {
 /// Marks "not in any step"; steps are numbered from 0.
 pub(super) const NO_STEP: u64 = u64::MAX;
 
+/// Fields in declaration order (`repr(C)`), the ones every step reads or writes for a
+/// decoding request first, so they share one 64-byte line; the rest (touched by
+/// `update`, preemption and metrics) follow.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[repr(C, align(64))]
 pub(super) struct Request {
     pub id: RequestId,
-    pub state: RequestState,
-    /// Prompt, then every sampled token; folded tokens stay here, so a re-prefill reads
-    /// its chunks straight from this vector.
-    pub tokens: Vec<i32>,
-    /// Length of the prompt as added; `tokens.len() - original_prompt_len` is the number
-    /// of tokens generated so far, across preemptions.
-    pub original_prompt_len: u64,
     /// Tokens whose KV has been written since the last (re-)prefill began. For a
     /// `Decoding` request `tokens.len() == computed + 1`: the last token is the next input.
     pub computed: u64,
-    pub max_new_tokens: u32,
-    pub priority: i32,
-    /// Persistent batch slot, if held.
-    pub batch_slot: Option<u32>,
-    /// Host-tier superblocks held while suspended.
-    pub host_superblocks: u32,
-    /// The state to return to on resume.
-    pub suspended_from: RequestState,
-    /// Times chosen as a victim (recompute-pause or suspend).
-    pub preemptions: u32,
-    pub recomputed_tokens: u64,
-    pub steps_waited: u64,
-    /// First step this request could take part in (steps scheduled before its add do
-    /// not count as waiting).
-    pub first_step: u64,
     /// Last step that gave it a context or generation entry.
     pub scheduled_step: u64,
     /// Last step that preempted or suspended it.
     pub victim_step: u64,
     /// Last step that resumed it from the host tier.
     pub resumed_step: u64,
-    /// Last step in which it sat out (found neither pages nor a victim).
-    pub sat_out_step: u64,
-    /// The batch slot it gave up by sitting out, restored if that step is reverted.
-    pub sat_out_slot: Option<u32>,
+    /// Its position in the ledger's storage (stable while held): skips the id lookup.
+    pub ledger_position: usize,
+    /// Persistent batch slot, if held.
+    pub batch_slot: Option<u32>,
+    /// `tokens.last()`, kept here so the per-step decode path does not touch the token
+    /// buffer (a cache miss per request).
+    pub last_token: i32,
+    pub state: RequestState,
     /// Set by `update` when it finishes; such requests leave the queue in the same call.
     pub finished: bool,
+
+    /// Prompt, then every sampled token; folded tokens stay here, so a re-prefill reads
+    /// its chunks straight from this vector.
+    pub tokens: Vec<i32>,
+    /// Length of the prompt as added; `tokens.len() - original_prompt_len` is the number
+    /// of tokens generated so far, across preemptions.
+    pub original_prompt_len: u64,
+    /// First step this request could take part in (steps scheduled before its add do
+    /// not count as waiting).
+    pub first_step: u64,
+    pub steps_waited: u64,
+    pub max_new_tokens: u32,
+    pub priority: i32,
+    /// Times chosen as a victim (recompute-pause or suspend).
+    pub preemptions: u32,
+    /// Host-tier superblocks held while suspended.
+    pub host_superblocks: u32,
+
+    pub recomputed_tokens: u64,
+    /// The batch slot it gave up by sitting out, restored if that step is reverted.
+    pub sat_out_slot: Option<u32>,
+    /// The state to return to on resume.
+    pub suspended_from: RequestState,
 }
 
 impl Request {
@@ -95,6 +104,7 @@ impl Request {
         Self {
             id,
             state: RequestState::Waiting,
+            last_token: prompt.last().copied().unwrap_or_default(),
             tokens,
             original_prompt_len: prompt.len() as u64,
             computed: 0,
@@ -110,10 +120,16 @@ impl Request {
             scheduled_step: NO_STEP,
             victim_step: NO_STEP,
             resumed_step: NO_STEP,
-            sat_out_step: NO_STEP,
+            ledger_position: 0,
             sat_out_slot: None,
             finished: false,
         }
+    }
+
+    /// Appends a sampled token.
+    pub fn push_token(&mut self, token: i32) {
+        self.tokens.push(token);
+        self.last_token = token;
     }
 
     /// Tokens sampled so far, across preemptions.

@@ -4,8 +4,8 @@
 use super::request::NO_STEP;
 use super::victim::VictimKey;
 use super::{
-    CapacityPolicy, ContextEntry, CoreError, GenerationEntry, JournalEntry, ReqSlot, RequestId,
-    RequestState, Result, ScheduleOutput, Scheduler, ServingMode, VictimPolicy,
+    CapacityPolicy, ContextEntry, CoreError, JournalEntry, ReqSlot, RequestId, RequestState,
+    Result, ScheduleOutput, Scheduler, ServingMode, VictimPolicy,
 };
 
 impl Scheduler {
@@ -15,7 +15,8 @@ impl Scheduler {
     /// pages for a decode token; each failure leaves the scheduler unchanged.
     ///
     /// The returned output lives in the scheduler and is reused by the next step (no
-    /// per-step allocation); clone it to keep it.
+    /// per-step allocation); clone it to keep it. It is built in a spare buffer that
+    /// becomes the current output only on success, so a failure leaves the previous one.
     pub fn schedule(&mut self) -> Result<&ScheduleOutput> {
         if self.pending {
             return Err(CoreError::InvalidState(format!(
@@ -36,22 +37,21 @@ impl Scheduler {
             return Err(err);
         }
         self.finish_step(step);
+        std::mem::swap(&mut self.output, &mut self.building);
         self.next_step += 1;
         self.pending = true;
         Ok(&self.output)
     }
 
     fn begin_step(&mut self) {
-        self.generation.clear();
+        self.building.clear(self.next_step);
+        self.generation_reqs.clear();
+        self.generation_needing_slots.clear();
+        self.generation_removed = false;
         self.context.clear();
         self.journal.clear();
         self.new_slot_reqs.clear();
         self.sat_out_reqs.clear();
-        self.preempted.clear();
-        self.suspended.clear();
-        self.suspended_pages.clear();
-        self.suspended_page_counts.clear();
-        self.resumed.clear();
         self.victims.begin_step(self.queue.len());
         self.step_tokens = 0;
         self.step_new_slots = 0;
@@ -87,15 +87,10 @@ impl Scheduler {
             // Out of budget: not scheduled, keeps its slot; not a sit-out.
             return Ok(());
         }
-        let id = request.id;
+        let (id, ledger_position) = (request.id, request.ledger_position);
         loop {
-            if let Some(position) = self.ledger.allocate_decode(id, step)? {
-                debug_assert_eq!(position, self.requests[req as usize].computed);
-                self.generation.push(GenerationEntry { req, position });
-                self.journal.push(JournalEntry::Decode(req));
-                self.step_tokens += 1;
-                self.step_new_slots += u32::from(needs_slot);
-                self.requests[req as usize].scheduled_step = step;
+            if let Some(position) = self.ledger.allocate_decode_at(ledger_position, id, step)? {
+                self.push_generation_entry(step, req, position);
                 return Ok(());
             }
             if self.config.serving_mode == ServingMode::DisaggregatedGeneration {
@@ -115,7 +110,33 @@ impl Scheduler {
             self.batch_slots.release(slot);
         }
         self.sat_out_reqs.push(req);
+        self.building.sat_out_ids.push(request.id);
         Ok(())
+    }
+
+    /// Records a scheduled decode straight into the output being built (the common case
+    /// touches each request once per step); a victim's entry is dropped in
+    /// `finish_step`, a missing batch slot and the placement fields are filled in there.
+    fn push_generation_entry(&mut self, step: u64, req: ReqSlot, position: u64) {
+        let request = &mut self.requests[req as usize];
+        debug_assert_eq!(position, request.computed);
+        let entry = self.building.generation_ids.len();
+        request.scheduled_step = step;
+        let slot = if let Some(slot) = request.batch_slot {
+            slot as i32
+        } else {
+            self.step_new_slots += 1;
+            self.generation_needing_slots.push(entry as u32);
+            -1
+        };
+        let out = &mut self.building;
+        out.generation_ids.push(request.id);
+        out.generation_positions.push(position);
+        out.generation_input_tokens.push(request.last_token);
+        out.generation_batch_slots.push(slot);
+        self.generation_reqs.push(req);
+        self.journal.push(JournalEntry::Decode(req));
+        self.step_tokens += 1;
     }
 
     fn try_resume(&mut self, step: u64, req: ReqSlot) -> Result<()> {
@@ -128,12 +149,17 @@ impl Scheduler {
             let back_to = request.suspended_from;
             self.set_state(req, back_to);
             self.journal.push(JournalEntry::Resume(req));
-            self.resumed.push(id);
+            self.building.resumed_ids.push(id);
         }
         Ok(())
     }
 
     fn context_phase(&mut self, step: u64) -> Result<()> {
+        let candidates = self.state_counts[RequestState::Waiting.index()]
+            + self.state_counts[RequestState::Prefilling.index()];
+        if candidates == 0 {
+            return Ok(()); // steady decode: no need to walk the queue again
+        }
         let unit = u64::from(self.config.effective_chunk_unit());
         let max_tokens = u64::from(self.config.max_num_tokens);
         for pos in 0..self.queue.len() {
@@ -167,16 +193,27 @@ impl Scheduler {
                 // Head of line: nothing behind may take budget or pages this one could not.
                 break;
             }
-            self.context.push(ContextEntry {
-                req,
-                start,
-                len: chunk,
-            });
-            self.step_tokens += chunk;
+            self.push_context_entry(step, req, start, chunk);
             self.step_new_slots += u32::from(needs_slot);
-            self.requests[req as usize].scheduled_step = step;
         }
         Ok(())
+    }
+
+    fn push_context_entry(&mut self, step: u64, req: ReqSlot, start: u64, len: u64) {
+        let request = &mut self.requests[req as usize];
+        request.scheduled_step = step;
+        let end = start + len;
+        let out = &mut self.building;
+        out.context_ids.push(request.id);
+        out.context_starts.push(start);
+        out.context_lens.push(len);
+        out.context_completes.push(end == request.prefill_len());
+        out.context_batch_slots
+            .push(request.batch_slot.map_or(-1, |slot| slot as i32));
+        out.context_token_ids
+            .extend_from_slice(&request.tokens[start as usize..end as usize]);
+        self.context.push(ContextEntry { req, start, len });
+        self.step_tokens += len;
     }
 
     /// Reserves KV up to `target` tokens for a prompt chunk, preempting requests behind
@@ -261,6 +298,7 @@ impl Scheduler {
             self.ledger.revert_decode(id, step)?;
             self.step_tokens -= 1;
             self.step_new_slots -= u32::from(request.batch_slot.is_none());
+            self.generation_removed = true;
         }
         let held = self.ledger.request(id)?.table().len() as u32;
         let suspend = self.config.serving_mode == ServingMode::NonHelix
@@ -277,9 +315,12 @@ impl Scheduler {
         self.step_preempted = true;
         if suspend {
             let table = self.ledger.request(id)?.table();
-            self.suspended_pages
+            let out = &mut self.building;
+            out.suspended_block_ids
                 .extend(table.iter().map(|&page| page as i32));
-            self.suspended_page_counts.push(table.len() as u64);
+            out.suspended_block_counts.push(table.len() as u64);
+            out.suspended_ids.push(id);
+            out.suspended_requester_ids.push(requester);
             let held = self.ledger.suspend(id)?;
             let request = &mut self.requests[victim as usize];
             request.host_superblocks = held;
@@ -287,7 +328,6 @@ impl Scheduler {
             self.host_used_superblocks += held;
             self.metrics.suspensions += 1;
             self.set_state(victim, RequestState::Suspended);
-            self.suspended.push((id, requester));
         } else {
             let folded = self.requests[victim as usize].tokens.len() as u64
                 - self.ledger.request(id)?.prompt_len();
@@ -298,85 +338,53 @@ impl Scheduler {
             self.metrics.recomputed_tokens += lost;
             self.metrics.preemptions += 1;
             self.set_state(victim, RequestState::Waiting);
-            self.preempted.push((id, requester));
+            self.building.preempted_ids.push(id);
+            self.building.preempted_requester_ids.push(requester);
         }
         Ok(())
     }
 
-    /// Fills the output from the step's entries, hands out batch slots and digests it.
+    /// Completes the output being built: hands out batch slots (generation entries, then
+    /// context entries, lowest free first), drops entries of requests preempted after
+    /// they were scheduled, and digests it.
     fn finish_step(&mut self, step: u64) {
-        let rank = self.config.cp_rank;
-        let layout = self.layout;
-        let out = &mut self.output;
-        out.clear(step);
-        self.generation_reqs.clear();
-        for entry in &self.generation {
-            let request = &mut self.requests[entry.req as usize];
+        for &entry in &self.generation_needing_slots {
+            let req = self.generation_reqs[entry as usize];
+            let request = &mut self.requests[req as usize];
             if request.scheduled_step != step {
                 continue; // preempted after it was scheduled
             }
-            let slot = *request.batch_slot.get_or_insert_with(|| {
-                self.new_slot_reqs.push(entry.req);
-                self.batch_slots
-                    .take_lowest()
-                    .expect("a free batch slot was counted for this entry")
-            });
-            let position = entry.position;
-            let owner = layout.owner_rank(position);
-            out.generation_ids.push(request.id);
-            out.generation_positions.push(position);
-            out.generation_owner_ranks.push(owner);
-            out.generation_input_tokens
-                .push(request.tokens[position as usize]);
-            out.generation_batch_slots.push(slot as i32);
-            out.generation_active.push(owner == rank);
-            out.generation_past_seen_lens
-                .push(layout.local_len(position, rank));
-            out.generation_local_lens
-                .push(layout.local_len(position + 1, rank));
-            self.generation_reqs.push(entry.req);
+            let slot = self
+                .batch_slots
+                .take_lowest()
+                .expect("a free batch slot was counted for this entry");
+            request.batch_slot = Some(slot);
+            self.new_slot_reqs.push(req);
+            self.building.generation_batch_slots[entry as usize] = slot as i32;
         }
-        for entry in &self.context {
+        for (i, entry) in self.context.iter().enumerate() {
             let request = &mut self.requests[entry.req as usize];
-            let slot = *request.batch_slot.get_or_insert_with(|| {
-                self.new_slot_reqs.push(entry.req);
-                self.batch_slots
+            if request.batch_slot.is_none() {
+                let slot = self
+                    .batch_slots
                     .take_lowest()
-                    .expect("a free batch slot was counted for this entry")
-            });
-            let end = entry.start + entry.len;
-            out.context_ids.push(request.id);
-            out.context_starts.push(entry.start);
-            out.context_lens.push(entry.len);
-            out.context_completes.push(end == request.prefill_len());
-            out.context_batch_slots.push(slot as i32);
-            out.context_token_ids
-                .extend_from_slice(&request.tokens[entry.start as usize..end as usize]);
+                    .expect("a free batch slot was counted for this entry");
+                request.batch_slot = Some(slot);
+                self.new_slot_reqs.push(entry.req);
+                self.building.context_batch_slots[i] = slot as i32;
+            }
         }
+        if self.generation_removed {
+            self.drop_preempted_generation_entries(step);
+        }
+        self.fill_placement();
+        let out = &mut self.building;
         out.sample_ids.extend_from_slice(&out.generation_ids);
         let completing = out.context_ids.iter().zip(&out.context_completes);
         out.sample_ids.extend(
             completing
                 .filter(|(_, &completes)| completes)
                 .map(|(&id, _)| id),
-        );
-        for &(victim, requester) in &self.preempted {
-            out.preempted_ids.push(victim);
-            out.preempted_requester_ids.push(requester);
-        }
-        for &(victim, requester) in &self.suspended {
-            out.suspended_ids.push(victim);
-            out.suspended_requester_ids.push(requester);
-        }
-        out.suspended_block_ids
-            .extend_from_slice(&self.suspended_pages);
-        out.suspended_block_counts
-            .extend_from_slice(&self.suspended_page_counts);
-        out.resumed_ids.extend_from_slice(&self.resumed);
-        out.sat_out_ids.extend(
-            self.sat_out_reqs
-                .iter()
-                .map(|&req| self.requests[req as usize].id),
         );
         out.num_tokens = self.step_tokens;
         out.digest = out.compute_digest();
@@ -393,6 +401,56 @@ impl Scheduler {
         let utilization =
             f64::from(self.ledger.used_superblocks()) / f64::from(self.config.capacity_superblocks);
         self.metrics.kv_utilization_peak = self.metrics.kv_utilization_peak.max(utilization);
+    }
+
+    /// One order-preserving pass over the generation entries, keeping those whose
+    /// request was not preempted after being scheduled.
+    fn drop_preempted_generation_entries(&mut self, step: u64) {
+        let out = &mut self.building;
+        let mut kept = 0;
+        for i in 0..self.generation_reqs.len() {
+            let req = self.generation_reqs[i];
+            if self.requests[req as usize].scheduled_step != step {
+                continue;
+            }
+            self.generation_reqs[kept] = req;
+            out.generation_ids[kept] = out.generation_ids[i];
+            out.generation_positions[kept] = out.generation_positions[i];
+            out.generation_input_tokens[kept] = out.generation_input_tokens[i];
+            out.generation_batch_slots[kept] = out.generation_batch_slots[i];
+            kept += 1;
+        }
+        self.generation_reqs.truncate(kept);
+        out.generation_ids.truncate(kept);
+        out.generation_positions.truncate(kept);
+        out.generation_input_tokens.truncate(kept);
+        out.generation_batch_slots.truncate(kept);
+    }
+
+    /// Owner ranks and this rank's lengths for every generation entry, in one tight
+    /// pass over the positions.
+    fn fill_placement(&mut self) {
+        let (placement, rank) = (self.placement, self.config.cp_rank);
+        let out = &mut self.building;
+        let entries = out.generation_positions.len();
+        out.generation_owner_ranks.resize(entries, 0);
+        out.generation_active.resize(entries, false);
+        out.generation_past_seen_lens.resize(entries, 0);
+        out.generation_local_lens.resize(entries, 0);
+        let rows = out
+            .generation_positions
+            .iter()
+            .zip(&mut out.generation_owner_ranks)
+            .zip(&mut out.generation_active)
+            .zip(&mut out.generation_past_seen_lens)
+            .zip(&mut out.generation_local_lens);
+        for ((((&position, owner), active), past_seen_len), local_len) in rows {
+            let placed = placement.decode(position, rank);
+            *owner = placed.owner;
+            *active = placed.owner == rank;
+            *past_seen_len = placed.past_seen_len;
+            *local_len = placed.local_len;
+        }
     }
 
     /// Undoes the step's reservations (newest first), resumes, new batch slots and

@@ -1,0 +1,148 @@
+//! Division-free Helix placement for the per-step hot path. The layout's closed forms
+//! divide by `tokens_per_block` and by `tokens_per_block * cp`; a step needs them for
+//! every decode request, and a 64-bit division costs more than the rest of the
+//! per-request work, so the divisors are prepared once.
+
+use crate::layout::Layout;
+
+/// Division by a divisor fixed in advance: a shift for powers of two, otherwise a
+/// multiply by `ceil(2^64 / d)`, exact for every dividend below 2^32 (Lemire, Kaser and
+/// Kurz, "Faster remainder by direct computation", 2019); larger dividends divide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Divisor {
+    value: u64,
+    shift: Option<u32>,
+    magic: u64,
+}
+
+impl Divisor {
+    fn new(divisor: u64) -> Self {
+        debug_assert!(divisor >= 1 && u32::try_from(divisor).is_ok());
+        if divisor.is_power_of_two() {
+            Self {
+                value: divisor,
+                shift: Some(divisor.trailing_zeros()),
+                magic: 0,
+            }
+        } else {
+            Self {
+                value: divisor,
+                shift: None,
+                magic: u64::MAX / divisor + 1,
+            }
+        }
+    }
+
+    fn div(self, n: u64) -> u64 {
+        match self.shift {
+            Some(shift) => n >> shift,
+            None if u32::try_from(n).is_ok() => {
+                ((u128::from(self.magic) * u128::from(n)) >> 64) as u64
+            }
+            None => n / self.value,
+        }
+    }
+}
+
+/// Where a decode token goes and what one rank holds around it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct DecodePlacement {
+    /// Rank that appends the token.
+    pub owner: u32,
+    /// Tokens the viewing rank holds before the token.
+    pub past_seen_len: u64,
+    /// Tokens the viewing rank holds after it.
+    pub local_len: u64,
+}
+
+/// The layout's closed forms with prepared divisors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct Placement {
+    tokens_per_block: u64,
+    per_block: Divisor,
+    per_superblock: Divisor,
+}
+
+impl Placement {
+    pub fn new(layout: Layout) -> Self {
+        Self {
+            tokens_per_block: u64::from(layout.tokens_per_block()),
+            per_block: Divisor::new(u64::from(layout.tokens_per_block())),
+            per_superblock: Divisor::new(layout.tokens_per_superblock()),
+        }
+    }
+
+    /// The decode token at global position `position`, seen from `rank`.
+    pub fn decode(self, position: u64, rank: u32) -> DecodePlacement {
+        let full = self.per_superblock.div(position);
+        let into_superblock = position - full * self.per_superblock.value;
+        let owner = self.per_block.div(into_superblock) as u32;
+        let before_rank = u64::from(rank) * self.tokens_per_block;
+        let past_seen_len = full * self.tokens_per_block
+            + into_superblock
+                .saturating_sub(before_rank)
+                .min(self.tokens_per_block);
+        DecodePlacement {
+            owner,
+            past_seen_len,
+            local_len: past_seen_len + u64::from(owner == rank),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matches_the_layout_closed_forms() {
+        for cp in [1, 2, 3, 4, 6, 8] {
+            for tpb in [1, 2, 3, 5, 16, 32, 48] {
+                let layout = Layout::new(cp, tpb).unwrap();
+                let placement = Placement::new(layout);
+                let span = u64::from(cp * tpb);
+                let probes = (0..4 * span + 3).chain([
+                    u64::from(u32::MAX) - 1,
+                    u64::from(u32::MAX),
+                    1 << 33,
+                    (1 << 40) + 7,
+                ]);
+                for pos in probes {
+                    for rank in 0..cp {
+                        let got = placement.decode(pos, rank);
+                        assert_eq!(
+                            got.owner,
+                            layout.owner_rank(pos),
+                            "cp={cp} tpb={tpb} pos={pos}"
+                        );
+                        assert_eq!(got.past_seen_len, layout.local_len(pos, rank));
+                        assert_eq!(got.local_len, layout.local_len(pos + 1, rank));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn divides_exactly_below_and_above_two_to_the_32() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        for divisor in [1u64, 3, 7, 96, 1000, 65_537, (1 << 24) - 1, 1 << 24] {
+            let prepared = Divisor::new(divisor);
+            for _ in 0..20_000 {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                let n = if seed & 1 == 0 {
+                    seed >> 32
+                } else {
+                    seed >> 20
+                };
+                assert_eq!(prepared.div(n), n / divisor, "{n} / {divisor}");
+            }
+            assert_eq!(
+                prepared.div(u64::from(u32::MAX)),
+                u64::from(u32::MAX) / divisor
+            );
+        }
+    }
+}
