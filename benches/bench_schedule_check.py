@@ -59,13 +59,22 @@ def _stats(samples: List[float]) -> Dict[str, float]:
 
 
 def rank_worker(rank: int, world: int, requests: int) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
     from helix_kv.distributed import HelixKVRank
 
+    nccl = "nccl" in str(dist.get_backend())
+    if nccl:  # create the world communicator first, so the figure below is the checker's own
+        dist.all_reduce(torch.zeros(1, device="cuda"))
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
     config = _config()
     # A pool of 6144 global tokens, about a third of what the requests need: KV pressure.
     pages = 6144 // (config.tokens_per_block * world)
     built = HelixKVRank.create(config, pages * config.page_bytes, check_schedule=True)
     checker = built.checker
+    checker_mib = (free_before - torch.cuda.mem_get_info()[0]) / 2**20 if nccl else 0.0
     assert checker is not None
     assert checker.enabled
     rng = np.random.default_rng(7)  # same seed on every rank: same workload
@@ -105,6 +114,8 @@ def rank_worker(rank: int, world: int, requests: int) -> Dict[str, Any]:
         "schedule": _stats(schedule_s),
         "steps": len(check_s),
         "preemptions": int(metrics.preemptions),
+        "checker_mib": checker_mib,
+        "graphed": bool(getattr(checker._reduce, "graphed", False)),
     }
 
 
@@ -137,7 +148,13 @@ def main() -> None:
             f"{median('isolated'):.1f} us/step isolated (p90 {median('isolated', 'p90_us'):.1f}); "
             f"{median('in_run'):.1f} us/step in a pressured run of {results[0]['steps']} steps "
             f"(p90 {median('in_run', 'p90_us'):.1f}; schedule() itself {median('schedule'):.1f} "
-            f"us; {results[0]['preemptions']} preemptions)",
+            f"us; {results[0]['preemptions']} preemptions)"
+            + (
+                f"; CUDA graph: {results[0]['graphed']}, checker communicator "
+                f"{max(r['checker_mib'] for r in results):.0f} MiB of GPU memory"
+                if args.backend == "nccl"
+                else ""
+            ),
             flush=True,
         )
 

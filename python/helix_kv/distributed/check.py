@@ -10,19 +10,17 @@ differ.
 
 from __future__ import annotations
 
-import logging
 import warnings
 import zlib
+from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from helix_kv import ScheduleMismatchError
-from helix_kv.distributed.group import ProcessGroup, collective_device, resolve_group
-
-logger = logging.getLogger("helix_kv")
+from helix_kv.distributed.group import ProcessGroup, resolve_group
+from helix_kv.distributed.reduce import HostMinAllReduce
 
 #: Longest field value quoted in an error message (the full summaries ride on the error).
 _QUOTE_CHARS = 160
@@ -40,14 +38,17 @@ class ScheduleChecker:
     rank there is nothing to compare: the checker warns once, at construction, and ``check``
     does nothing (``enabled`` is False).
 
-    On NCCL the two int64 travel through pinned host memory and a side stream, so the check
-    waits for its own collective only, never for compute queued on the current stream. The
-    collective shares ``group``'s communicator; pass a dedicated group to keep it off the
-    data path. A rank that stops calling ``check`` leaves its peers blocked until the group's
-    timeout.
+    On NCCL the checker runs on its own communicator over the same ranks (so constructing it
+    is collective) and replays a CUDA graph on a side stream: the check waits for its own
+    collective only, never for compute queued on the current stream or for the model's
+    collectives (see :mod:`helix_kv.distributed.reduce`). A rank that stops calling ``check``
+    leaves its peers blocked until ``timeout`` (default: the group's own timeout), after which
+    they raise.
     """
 
-    def __init__(self, group: Optional[ProcessGroup] = None) -> None:
+    def __init__(
+        self, group: Optional[ProcessGroup] = None, *, timeout: Optional[timedelta] = None
+    ) -> None:
         self.group, self.rank, self.size = resolve_group(group)
         self.enabled = self.size > 1
         self._pending_update: Optional[Tuple[int, tuple]] = None
@@ -59,15 +60,7 @@ class ScheduleChecker:
                 stacklevel=2,
             )
             return
-        device = collective_device(self.group)
-        self._host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._host_np = self._host.numpy()
-        if device.type == "cuda":
-            self._device_buf = torch.zeros(2, dtype=torch.int64, device=device)
-            self._stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device)
-        else:
-            self._device_buf = self._host
-            self._stream = None
+        self._reduce = HostMinAllReduce(self.group, timeout)
 
     def record_update(self, sample_ids: Any, tokens: Any, eos: Optional[Any] = None) -> None:
         """Folds the tokens fed to ``update`` (one per ``sample_ids`` entry) into the next
@@ -94,17 +87,11 @@ class ScheduleChecker:
         if self._pending_update is not None:
             value ^= self._pending_update[0]
         value = to_int64(value)
-        self._host_np[0] = value
-        self._host_np[1] = ~value
-        if self._stream is None:
-            dist.all_reduce(self._host, op=dist.ReduceOp.MIN, group=self.group)
-        else:
-            with torch.cuda.stream(self._stream):
-                self._device_buf.copy_(self._host, non_blocking=True)
-                dist.all_reduce(self._device_buf, op=dist.ReduceOp.MIN, group=self.group)
-                self._host.copy_(self._device_buf, non_blocking=True)
-            self._stream.synchronize()
-        agreed = self._host_np[0] == value and ~self._host_np[1] == value
+        values = self._reduce.values
+        values[0] = value
+        values[1] = ~value
+        self._reduce()
+        agreed = values[0] == value and ~values[1] == value
         pending, self._pending_update = self._pending_update, None
         if not agreed:
             self._raise_mismatch(output, pending)
@@ -124,7 +111,6 @@ class ScheduleChecker:
         error.step = int(output.step)
         error.ranks, error.fields = divergence(records)
         error.summaries = {r["rank"]: r["summary"] for r in records}
-        logger.error("%s", error)
         raise error
 
 

@@ -1,0 +1,120 @@
+"""The schedule check's one collective: an all-reduce MIN of two int64 that live on the host.
+
+* gloo (or any CPU backend): ``all_reduce`` on the host tensor itself.
+* NCCL: a dedicated communicator over the same ranks, and a CUDA graph of
+  ``copy host->GPU; all_reduce; copy GPU->host`` replayed on a side stream. One graph launch
+  instead of three eager launches keeps a step's check at about 40 us on two H200s (eager
+  c10d: about 100 us). The dedicated communicator is what makes the graph safe: NCCL forbids
+  two operations of one communicator in flight on different streams, and the caller's group
+  may be busy with the model's collectives on its own stream. A replayed graph is not watched
+  by torch's NCCL watchdog, so the wait polls its completion event against the timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from helix_kv import HelixKVError
+from helix_kv.distributed.group import ProcessGroup, collective_device
+
+logger = logging.getLogger("helix_kv")
+
+#: Used when the group's own timeout cannot be read (torch's NCCL default).
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+#: Completion-event polls before the wait starts sleeping between polls.
+_SPIN_POLLS = 2000
+
+
+class HostMinAllReduce:
+    """``values`` (a host int64[2] numpy view) becomes its element-wise minimum over
+    ``group`` on every call. Construction is collective on NCCL (it creates a communicator
+    and warms it up)."""
+
+    def __init__(self, group: ProcessGroup, timeout: Optional[timedelta] = None) -> None:
+        device = collective_device(group)
+        self._host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.values: np.ndarray = self._host.numpy()
+        self.graphed = False
+        if device.type != "cuda":
+            self._group = group
+            self._stream: Optional[torch.cuda.Stream] = None
+            return
+        self.timeout = timeout or group_timeout(group)
+        self._group = dist.new_group(
+            dist.get_process_group_ranks(group),
+            backend="nccl",
+            timeout=self.timeout,
+            use_local_synchronization=True,
+        )
+        self._device_buf = torch.zeros(2, dtype=torch.int64, device=device)
+        self._stream = torch.cuda.Stream(device)
+        self._done = torch.cuda.Event()
+        with torch.cuda.stream(self._stream):
+            for _ in range(2):  # creates the communicator; warms up before the capture
+                self._enqueue()
+        self._stream.synchronize()
+        self._graph: Optional[torch.cuda.CUDAGraph] = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(
+                self._graph, stream=self._stream, capture_error_mode="thread_local"
+            ):
+                self._enqueue()
+            self.graphed = True
+        except RuntimeError as exc:  # an old NCCL or torch: stay eager, on the same comm
+            self._graph = None
+            logger.info("schedule check: CUDA graph capture failed (%s); using eager NCCL", exc)
+
+    def __call__(self) -> None:
+        if self._stream is None:
+            dist.all_reduce(self._host, op=dist.ReduceOp.MIN, group=self._group)
+            return
+        with torch.cuda.stream(self._stream):
+            if self._graph is not None:
+                self._graph.replay()
+            else:
+                self._enqueue()
+            self._done.record(self._stream)
+        self._wait()
+
+    def _enqueue(self) -> None:
+        self._device_buf.copy_(self._host, non_blocking=True)
+        dist.all_reduce(self._device_buf, op=dist.ReduceOp.MIN, group=self._group)
+        self._host.copy_(self._device_buf, non_blocking=True)
+
+    def _wait(self) -> None:
+        polls = 0
+        deadline = None
+        while not self._done.query():
+            polls += 1
+            if polls < _SPIN_POLLS:
+                continue
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.timeout.total_seconds()
+            elif now > deadline:
+                raise HelixKVError(
+                    "helix_kv schedule check: a peer rank did not reach this step's check within "
+                    f"{self.timeout.total_seconds():.0f} s (it died, hangs, or ran a different "
+                    "number of steps); the check's NCCL communicator is now stuck, so restart "
+                    "the group"
+                )
+            time.sleep(0.0001)
+
+
+def group_timeout(group: ProcessGroup) -> timedelta:
+    """The timeout ``group`` was created with, where torch lets it be read."""
+    try:
+        backend = group._get_backend(torch.device("cuda"))  # type: ignore[attr-defined]
+        timeout = backend.options._timeout
+        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    except (AttributeError, RuntimeError):
+        pass
+    return DEFAULT_TIMEOUT
