@@ -600,3 +600,20 @@ fn metrics_count_what_ran() {
     assert!(m.kv_utilization_peak > 0.9 && m.kv_utilization == 0.0);
     assert_eq!(m.kv_capacity_superblocks, 10);
 }
+
+#[test]
+fn the_output_can_be_moved_out_and_the_step_still_closes() {
+    let mut s = Scheduler::new(config(2, 4, 16)).unwrap();
+    s.add_request(3, &prompt(5), 2, 0).unwrap();
+    let expected = s.schedule().unwrap().clone();
+    let taken = s.take_last_output();
+    assert_eq!(taken, expected);
+    assert_eq!(s.last_output(), &ScheduleOutput::default());
+    s.update(&[9], None).unwrap();
+    let second = s.schedule().unwrap().clone();
+    assert_eq!(
+        (second.generation_ids, second.generation_positions),
+        (vec![3], vec![5])
+    );
+    s.revert().unwrap();
+}

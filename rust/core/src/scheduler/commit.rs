@@ -15,12 +15,12 @@ impl Scheduler {
                 "update() without a pending step: call schedule() first (and update or revert each step once)".into(),
             ));
         }
-        let samples = self.output.sample_ids.len();
+        let samples = self.pending_samples;
         if tokens.len() != samples {
             return Err(CoreError::InvalidArgument(format!(
                 "update() got {} tokens for the {samples} entries of sample_ids of step {}",
                 tokens.len(),
-                self.output.step
+                self.pending_step
             )));
         }
         if let Some(eos) = eos {
@@ -28,7 +28,7 @@ impl Scheduler {
                 return Err(CoreError::InvalidArgument(format!(
                     "update() got {} eos flags for the {samples} entries of sample_ids of step {}",
                     eos.len(),
-                    self.output.step
+                    self.pending_step
                 )));
             }
         }
@@ -41,7 +41,7 @@ impl Scheduler {
     /// queue order too): appends sampled tokens, advances progress, counts waited steps,
     /// and retires finished requests, freeing their KV and slots.
     fn apply_step(&mut self, tokens: &[i32], eos: Option<&[bool]>) {
-        let step = self.output.step;
+        let step = self.pending_step;
         let ends = |sample: usize| eos.is_some_and(|flags| flags[sample]);
         // Taken for the pass (retiring needs `self`), put back to keep the allocation.
         let generation = std::mem::take(&mut self.generation_reqs);
@@ -68,7 +68,7 @@ impl Scheduler {
                 let len = self.context[next_context].len;
                 request.computed += len;
                 computed_tokens += len;
-                let new_state = if self.output.context_completes[next_context] {
+                let new_state = if self.context[next_context].completes {
                     request.push_token(tokens[next_context_sample]);
                     finished = request.generated() >= u64::from(request.max_new_tokens)
                         || ends(next_context_sample);
@@ -140,7 +140,7 @@ impl Scheduler {
                 "revert() without a pending step: call schedule() first (and update or revert each step once)".into(),
             ));
         }
-        self.undo_step(self.output.step);
+        self.undo_step(self.pending_step);
         self.stalled_steps = self.stalled_steps_before;
         self.pending = false;
         Ok(())

@@ -46,6 +46,7 @@ struct ContextEntry {
     req: ReqSlot,
     start: u64,
     len: u64,
+    completes: bool,
 }
 
 /// A ledger change made by the step being built, undone (newest first) by `revert`.
@@ -84,6 +85,10 @@ pub struct Scheduler {
     next_step: u64,
     /// Whether the last schedule is waiting for `update` or `revert`.
     pending: bool,
+    /// Step number and sample count of the last schedule (kept apart from the output,
+    /// which may have been moved out).
+    pending_step: u64,
+    pending_samples: usize,
     /// Consecutive scheduled steps that had live requests and made no progress.
     stalled_steps: u32,
     stalled_steps_before: u32,
@@ -133,6 +138,8 @@ impl Scheduler {
             host_used_superblocks: 0,
             next_step: 0,
             pending: false,
+            pending_step: 0,
+            pending_samples: 0,
             stalled_steps: 0,
             stalled_steps_before: 0,
             metrics: SchedulerMetrics {
@@ -340,6 +347,11 @@ impl Scheduler {
     /// The schedule of the last successful `schedule()` (empty before the first).
     pub fn last_output(&self) -> &ScheduleOutput {
         &self.output
+    }
+    /// Moves the last schedule out of the scheduler (a zero-copy handoff, e.g. to numpy
+    /// arrays); `last_output()` is empty afterwards. `update` and `revert` do not need it.
+    pub fn take_last_output(&mut self) -> ScheduleOutput {
+        std::mem::take(&mut self.output)
     }
     /// Whether a schedule awaits `update` or `revert`.
     pub fn is_step_pending(&self) -> bool {

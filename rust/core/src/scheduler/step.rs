@@ -21,7 +21,7 @@ impl Scheduler {
         if self.pending {
             return Err(CoreError::InvalidState(format!(
                 "step {} was scheduled and neither updated nor reverted; call update() or revert() first",
-                self.output.step
+                self.pending_step
             )));
         }
         if self.stalled_steps >= self.config.deadlock_steps {
@@ -37,6 +37,8 @@ impl Scheduler {
             return Err(err);
         }
         self.finish_step(step);
+        self.pending_step = step;
+        self.pending_samples = self.building.sample_ids.len();
         std::mem::swap(&mut self.output, &mut self.building);
         self.next_step += 1;
         self.pending = true;
@@ -45,6 +47,15 @@ impl Scheduler {
 
     fn begin_step(&mut self) {
         self.building.clear(self.next_step);
+        // The previous output may have been moved out (`take_last_output`): size the
+        // buffers once instead of growing them push by push.
+        let decoding = self.state_counts[RequestState::Decoding.index()];
+        let out = &mut self.building;
+        out.generation_ids.reserve(decoding);
+        out.generation_positions.reserve(decoding);
+        out.generation_input_tokens.reserve(decoding);
+        out.generation_batch_slots.reserve(decoding);
+        out.sample_ids.reserve(decoding);
         self.generation_reqs.clear();
         self.generation_needing_slots.clear();
         self.generation_removed = false;
@@ -212,7 +223,12 @@ impl Scheduler {
             .push(request.batch_slot.map_or(-1, |slot| slot as i32));
         out.context_token_ids
             .extend_from_slice(&request.tokens[start as usize..end as usize]);
-        self.context.push(ContextEntry { req, start, len });
+        self.context.push(ContextEntry {
+            req,
+            start,
+            len,
+            completes: end == request.prefill_len(),
+        });
         self.step_tokens += len;
     }
 
