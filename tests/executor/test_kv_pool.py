@@ -40,16 +40,18 @@ def test_plan_slots_and_device_keys(cp, tpb, rank):
         want = table[row, pos // (cp * tpb)] * tpb + pos % tpb if owner == rank else -1
         assert slot == want
 
-    pool = KVPool(1, 1, 2, placement, capacity_superblocks=8)
+    pool = KVPool(1, 1, 1, placement, capacity_superblocks=8, dtype=torch.float64)
+    pool.key_cache[0, :, 0, 0] = torch.arange(pool.num_slots, dtype=torch.float64)  # key = slot
     batch = pool.prepare(plan)
     (group,) = batch.groups  # no decode entries: one context group
     want_local = placement.local_lens(np.add(starts, lengths))
     np.testing.assert_array_equal(batch.local_lens.numpy(), want_local)
+    keys, _ = pool.gather(0, group)
     for row in range(2):
         n = want_local[row]
         j = np.arange(n)
         slots = table[row, j // tpb] * tpb + j % tpb
-        np.testing.assert_array_equal(group.key_slots[row, :n].numpy(), slots)
+        np.testing.assert_array_equal(keys[row, :n, 0, 0].numpy(), slots)
         np.testing.assert_array_equal(group.key_positions[row, :n].numpy(),
                                       placement.global_positions(j))
         assert (group.key_positions[row, n:] == PAD_KEY_POSITION).all()

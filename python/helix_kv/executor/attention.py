@@ -154,7 +154,8 @@ def all_gather_combine(
 
     Every rank passes partials for the **same** queries (activations are replicated across
     the CP group; only the KV is sharded). Output and LSE are packed into one tensor and
-    exchanged with a single ``dist.all_gather``, which works on gloo (CPU) and NCCL (GPU).
+    exchanged with a single all-gather (``dist.all_gather`` on gloo, its flat-buffer form
+    ``all_gather_into_tensor`` on NCCL).
     The gathered list is in rank order on every rank, so every rank computes bit-identical
     combined outputs. Without an initialised process group, or in a group of one, this is
     the local combine (empty rows become zero).
@@ -166,9 +167,15 @@ def all_gather_combine(
     if world == 1:
         return combine_partials(partial.output.unsqueeze(0), partial.lse.unsqueeze(0))
     packed = torch.cat([partial.output, partial.lse.unsqueeze(-1)], dim=-1).contiguous()
-    gathered = [torch.empty_like(packed) for _ in range(world)]
-    dist.all_gather(gathered, packed, group=group)
-    stacked = torch.stack(gathered)
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        # one flat receive buffer, no per-rank copies: ranks stacked along dim 0
+        stacked = packed.new_empty((world * packed.shape[0], *packed.shape[1:]))
+        dist.all_gather_into_tensor(stacked, packed, group=group)
+        stacked = stacked.view(world, *packed.shape)
+    else:
+        gathered = [torch.empty_like(packed) for _ in range(world)]
+        dist.all_gather(gathered, packed, group=group)
+        stacked = torch.stack(gathered)
     return combine_partials(stacked[..., :-1], stacked[..., -1])
 
 

@@ -3,8 +3,10 @@
 The pool holds ``[layers, num_pages * tokens_per_block, kv_heads, head_dim]`` key and value
 tensors, indexed by physical page id (superblock id == page id on every rank). A
 :class:`StepBatch` is the device form of a :class:`~helix_kv.executor.step_plan.StepPlan`: every
-host index array is packed into one (pinned, on CUDA) buffer and copied asynchronously, then
-the per-request key gather indices are expanded on the device from the block table.
+host index array is packed into one (pinned, on CUDA) buffer and copied asynchronously; keys
+are then gathered a whole page at a time through the block table, and their global positions
+come from a per-rank table cached on the device, so building a step costs a handful of kernels
+whatever the batch.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from helix_kv.executor.attention import PAD_QUERY_POSITION
+from helix_kv.executor.attention import PAD_KEY_POSITION, PAD_QUERY_POSITION
 from helix_kv.executor.placement import RankPlacement
 from helix_kv.executor.staging import HostToDeviceStager
 from helix_kv.executor.step_plan import StepPlan
@@ -31,15 +33,19 @@ class AttentionGroup:
     Attributes:
         query_index: ``[entries, q_len]`` flat token row of each query (0 for padding).
         query_positions: ``[entries, q_len]`` global positions, ``-1`` for padding.
-        key_slots: ``[entries, k_len]`` pool slot of each local key (0 for padding).
-        key_positions: ``[entries, k_len]`` global key positions, int64 max for padding.
+        pages: ``[entries, width]`` the requests' page ids (the block table cut to the widest
+            local length, ``-1`` padding replaced by page 0, which the mask hides). Local key
+            ``j`` sits in slot ``pages[j // tpb] * tpb + j % tpb``.
+        key_positions: ``[entries, width * tpb]`` global position of local key ``j``,
+            ``(j // tpb) * tpb * cp + rank * tpb + j % tpb``; int64 max at and beyond the
+            request's local length.
         unpad_index: rows of the flattened ``[entries * q_len]`` output that are real tokens,
             in flat token order; ``None`` when there is no padding.
     """
 
     query_index: torch.Tensor
     query_positions: torch.Tensor
-    key_slots: torch.Tensor
+    pages: torch.Tensor
     key_positions: torch.Tensor
     unpad_index: Optional[torch.Tensor]
 
@@ -102,6 +108,8 @@ class KVPool:
         self.key_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.value_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self._stager = HostToDeviceStager(self.device)
+        self._local_index = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._local_positions = torch.zeros(0, dtype=torch.int64, device=self.device)
 
     @staticmethod
     def superblocks_for_bytes(
@@ -119,7 +127,7 @@ class KVPool:
         return int(self.key_cache.shape[1])
 
     def prepare(self, plan: StepPlan) -> StepBatch:
-        """Stage ``plan`` on the device: one async copy, then device-side key expansion."""
+        """Stage ``plan`` on the device: one async copy, then the key masks on the device."""
         if plan.placement != self.placement:
             raise ValueError(f"plan placement {plan.placement} != pool {self.placement}")
         owned = np.flatnonzero(plan.slot_mapping >= 0)
@@ -138,15 +146,25 @@ class KVPool:
         groups = []
         base = 9
         for host, (start, end) in zip(host_groups, group_bounds):
-            query_index, query_positions, *unpad = staged[base:base + len(host.arrays)]
+            pages, query_index, query_positions, *unpad = staged[base:base + len(host.arrays)]
             base += len(host.arrays)
-            key_slots, key_positions = self.placement.key_slots_and_positions(
-                block_table[start:end], local_lens[start:end], host.key_len
-            )
-            groups.append(AttentionGroup(query_index, query_positions, key_slots,
-                                         key_positions, unpad[0] if unpad else None))
+            key_positions = self._key_positions(local_lens[start:end], host.width)
+            groups.append(AttentionGroup(query_index, query_positions, pages, key_positions,
+                                         unpad[0] if unpad else None))
         return StepBatch(plan, token_ids, positions, slot_mapping, write_index, write_slots,
                          block_table, local_lens, past_seen, sample_index, tuple(groups))
+
+    def _key_positions(self, local_lens: torch.Tensor, width: int) -> torch.Tensor:
+        """``[entries, width * tpb]`` global positions of local keys, padding int64 max."""
+        keys = width * self.placement.tokens_per_block
+        if self._local_index.numel() < keys:
+            grown = max(keys, 2 * self._local_index.numel())
+            local = np.arange(grown, dtype=np.int64)
+            self._local_index = torch.from_numpy(local).to(self.device)
+            self._local_positions = torch.from_numpy(
+                self.placement.global_positions(local)).to(self.device)
+        visible = self._local_index[:keys] < local_lens[:, None]
+        return torch.where(visible, self._local_positions[:keys], PAD_KEY_POSITION)
 
     def write(self, layer: int, batch: StepBatch, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the KV of the step's tokens that this rank owns (``slot_mapping >= 0``).
@@ -160,8 +178,15 @@ class KVPool:
         )
 
     def gather(self, layer: int, group: AttentionGroup) -> Tuple[torch.Tensor, torch.Tensor]:
-        """This rank's keys and values of a group's requests: ``[entries, k_len, kv_heads, D]``."""
-        return self.key_cache[layer][group.key_slots], self.value_cache[layer][group.key_slots]
+        """This rank's keys and values of a group's requests, whole pages at a time:
+        ``[entries, width * tpb, kv_heads, head_dim]`` (local key ``j`` at index ``j``)."""
+        entries, width = group.pages.shape
+        tpb = self.placement.tokens_per_block
+        paged_shape = (self.num_pages, tpb, *self.key_cache.shape[2:])
+        flat_shape = (entries, width * tpb, *self.key_cache.shape[2:])
+        keys = self.key_cache[layer].view(paged_shape)[group.pages].view(flat_shape)
+        values = self.value_cache[layer].view(paged_shape)[group.pages].view(flat_shape)
+        return keys, values
 
     def read_tokens(self, layer: int, slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at explicit slots (for tests and debugging)."""
@@ -170,8 +195,8 @@ class KVPool:
 
 @dataclass(frozen=True)
 class _HostGroup:
-    arrays: List[np.ndarray]  # query_index, query_positions[, unpad_index]
-    key_len: int
+    arrays: List[np.ndarray]  # pages, query_index, query_positions[, unpad_index]
+    width: int  # pages per request covering the widest local length
 
 
 def _group_bounds(plan: StepPlan) -> List[Tuple[int, int]]:
@@ -187,15 +212,14 @@ def _host_group(plan: StepPlan, start: int, end: int) -> _HostGroup:
     valid = column < counts[:, None]
     query_index = np.where(valid, offsets[:, None] + column, 0)
     query_positions = np.where(valid, plan.starts[start:end, None] + column, PAD_QUERY_POSITION)
-    arrays = [query_index, query_positions]
+    tpb = plan.placement.tokens_per_block
+    width = max(1, -(-int(plan.local_lens[start:end].max()) // tpb))
+    table = plan.block_table
+    if table.ndim != 2 or table.shape[1] < width:
+        raise ValueError(f"block table of shape {table.shape} cannot hold "
+                         f"{width} pages of {tpb} local tokens")
+    pages = np.maximum(table[start:end, :width], 0)  # -1 padding -> page 0, masked
+    arrays = [pages, query_index, query_positions]
     if not valid.all():
         arrays.append(np.flatnonzero(valid.ravel()))
-    key_len = int(plan.local_lens[start:end].max())
-    width = plan.block_table.shape[1] if plan.block_table.ndim == 2 else 0
-    if width * plan.placement.tokens_per_block < key_len:
-        raise ValueError(
-            f"block table width {width} cannot hold {key_len} local tokens at "
-            f"{plan.placement.tokens_per_block} tokens per block"
-        )
-    return _HostGroup(arrays, key_len)
-
+    return _HostGroup(arrays, width)

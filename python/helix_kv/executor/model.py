@@ -95,6 +95,8 @@ class TinyTransformer:
                 "w_down": draw(c.intermediate_size, c.hidden_size,
                                std=c.intermediate_size ** -0.5),
             })
+        for weights in self.layers:  # one projection for q, k and v (same numbers)
+            weights["wqkv"] = torch.cat([weights["wq"], weights["wk"], weights["wv"]], dim=1)
         self.final_norm = ones(c.hidden_size)
         if c.tie_embeddings:
             self.lm_head = self.embedding.t()
@@ -140,9 +142,10 @@ class TinyTransformer:
     ) -> torch.Tensor:
         c = self.config
         tokens = x.shape[0]
-        query = _apply_rope((x @ weights["wq"]).view(tokens, c.num_heads, c.head_dim), cos, sin)
-        key = _apply_rope((x @ weights["wk"]).view(tokens, c.num_kv_heads, c.head_dim), cos, sin)
-        value = (x @ weights["wv"]).view(tokens, c.num_kv_heads, c.head_dim)
+        qkv = (x @ weights["wqkv"]).view(tokens, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        rotated = _apply_rope(qkv[:, :c.num_heads + c.num_kv_heads], cos, sin)
+        query, key = rotated[:, :c.num_heads], rotated[:, c.num_heads:]
+        value = qkv[:, c.num_heads + c.num_kv_heads:]
         pool.write(layer, batch, key, value)
         outputs, lses = [], []
         for group in batch.groups:

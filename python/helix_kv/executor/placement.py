@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 IntArray = npt.NDArray[np.int64]
 
@@ -73,28 +72,3 @@ class RankPlacement:
         pages = table[np.asarray(rows, dtype=np.int64), pos // self.tokens_per_superblock]
         mine = self.owner_ranks(pos) == self.rank
         return np.where(mine, pages * tpb + pos % tpb, -1)
-
-    def key_slots_and_positions(
-        self, block_table: torch.Tensor, local_lens: torch.Tensor, key_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device-side gather indices of each request's local keys, padded to ``key_len``.
-
-        Local token ``j`` of a request sits in slot ``table[j // tpb] * tpb + j % tpb`` and has
-        global position ``(j // tpb) * tpb * cp + rank * tpb + j % tpb``. Padding (``j`` at or
-        beyond the request's local length) gets slot 0 and position ``int64 max`` (masked).
-
-        Args:
-            block_table: ``[batch, width]`` int64 superblock ids (``width * tpb`` must cover
-                ``key_len``).
-            local_lens: ``[batch]`` int64 tokens this rank holds per request.
-            key_len: padded key length (the largest local length, known on the host).
-        """
-        tpb = self.tokens_per_block
-        j = torch.arange(key_len, device=block_table.device, dtype=torch.int64)
-        block, offset = j // tpb, j % tpb
-        pages = block_table.gather(1, block.expand(block_table.shape[0], key_len))
-        valid = j < local_lens[:, None]
-        slots = torch.where(valid, pages * tpb + offset, torch.zeros_like(pages))
-        positions = block * self.tokens_per_superblock + self.rank * tpb + offset
-        pad = torch.full_like(pages, torch.iinfo(torch.int64).max)
-        return slots, torch.where(valid, positions.expand_as(pages), pad)
