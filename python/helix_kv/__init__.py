@@ -20,12 +20,18 @@ from helix_kv._core import (
     Layout,
     Ledger,
     PreemptionDisabledError,
+    RequestMetrics,
     RequestState,
     RequestTooLargeError,
     ScheduleMismatchError,
+    ScheduleOutput,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerMetrics,
     UnknownRequestError,
     __version__,
 )
+from helix_kv.sim import SimulatedCPGroup
 
 __all__ = [
     "ConfigError",
@@ -41,9 +47,15 @@ __all__ = [
     "Layout",
     "Ledger",
     "PreemptionDisabledError",
+    "RequestMetrics",
     "RequestState",
     "RequestTooLargeError",
     "ScheduleMismatchError",
+    "ScheduleOutput",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerMetrics",
+    "SimulatedCPGroup",
     "UnknownRequestError",
     "__version__",
 ]

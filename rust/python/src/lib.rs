@@ -8,6 +8,9 @@ mod arrays;
 mod errors;
 mod layout;
 mod ledger;
+mod schedule_output;
+mod scheduler;
+mod scheduler_config;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -15,5 +18,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     layout::register(m)?;
     ledger::register(m)?;
+    scheduler::register(m)?;
     Ok(())
 }

@@ -1,0 +1,104 @@
+"""Scheduler step cost from Python: ``schedule()`` + ``update()`` with N running decode
+requests at cp = 4, without and with steady KV pressure.
+
+Target: <= 25 ns per request per step + 15 us fixed at N = 256..4096, cp = 4; at most 2x that
+under steady pressure; doubling N at most doubles the time. The fixed part is measured on
+its own (one request). Run with ``python -m pytest benches/bench_scheduler.py
+--benchmark-enable -s``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import helix_kv
+
+CP, TPB, PROMPT = 4, 32, 100
+ROUNDS = 300
+WARMUP = 20
+
+
+def scheduler(n: int, superblocks: int, max_new: int) -> helix_kv.Scheduler:
+    config = helix_kv.SchedulerConfig(
+        cp_size=CP,
+        tokens_per_block=TPB,
+        kv_superblocks=superblocks,
+        max_batch_size=max(n, 1),
+        max_num_tokens=n + 4096,
+        max_preemptions_per_request=1_000_000,
+    )
+    return helix_kv.Scheduler(config)
+
+
+class Loop:
+    """``n`` live requests; finished ones are replaced so ``n`` stay live."""
+
+    def __init__(self, n: int, superblocks: int, max_new: int) -> None:
+        self.s = scheduler(n, superblocks, max_new)
+        self.prompt = np.arange(PROMPT, dtype=np.int32)
+        self.max_new = max_new
+        self.tokens = np.full(n + 4096, 7, dtype=np.int32)
+        self.next_id = 0
+        for _ in range(n):
+            self.add()
+
+    def add(self) -> None:
+        self.s.add_request(self.next_id, self.prompt, self.max_new)
+        self.next_id += 1
+
+    def step(self) -> helix_kv.ScheduleOutput:
+        out = self.s.schedule()
+        for request_id in self.s.update(self.tokens[: out.num_samples]).tolist():
+            self.s.take_output(request_id)
+            self.add()
+        return out
+
+    def prefill(self) -> None:
+        """Steps until every live request is decoding."""
+        while self.step().context_ids.size or self.s.num_waiting:
+            pass
+
+
+def steps_needed() -> int:
+    return 300 + WARMUP + ROUNDS  # prefill steps, pytest-benchmark's warm-up, the rounds
+
+
+@pytest.mark.parametrize("n", [256, 1024, 4096])
+def test_bench_decode_step(benchmark, report_figure, n: int) -> None:
+    """Every request decodes every step; nobody finishes during the run."""
+    max_new = steps_needed() + 100
+    per_request = -(-(PROMPT + max_new) // (CP * TPB))
+    loop = Loop(n, n * per_request, max_new)
+    loop.prefill()  # from here on every step is pure decode
+    benchmark.pedantic(loop.step, rounds=ROUNDS, warmup_rounds=WARMUP)
+    assert loop.s.metrics().preemptions == 0
+    report_figure(
+        benchmark, f"schedule+update, {n} decoding, cp={CP}", n, "request",
+        f"<= 25 ns/request + 15 us fixed, i.e. <= {25 * n / 1000 + 15:.0f} us/step",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("n", [256, 1024, 4096])
+def test_bench_decode_step_under_steady_pressure(benchmark, report_figure, n: int) -> None:
+    """About two thirds of the KV the live set needs: preemptions every step, victims
+    re-prefill, finished requests are replaced (their add_request is timed too)."""
+    loop = Loop(n, 2 * n, 300)
+    for _ in range(200):
+        loop.step()
+    before = loop.s.metrics().preemptions
+    benchmark.pedantic(loop.step, rounds=ROUNDS, warmup_rounds=WARMUP)
+    if benchmark.stats is not None:
+        assert loop.s.metrics().preemptions > before, "the workload must keep preempting"
+    report_figure(
+        benchmark, f"schedule+update under steady pressure, {n} live, cp={CP}", n, "request",
+        f"<= 2x the decode step, i.e. <= {2 * (25 * n / 1000 + 15):.0f} us/step",
+    )  # fmt: skip
+
+
+def test_bench_fixed_cost(benchmark, report_figure) -> None:
+    """One decoding request: the per-step cost that does not scale with N."""
+    loop = Loop(1, 64, steps_needed() + 100)
+    loop.prefill()
+    benchmark.pedantic(loop.step, rounds=2000, warmup_rounds=50)
+    report_figure(benchmark, "schedule+update, 1 request (fixed cost)", 1, "step", "<= 15 us")

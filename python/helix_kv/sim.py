@@ -1,0 +1,313 @@
+"""A whole CP group in one process: one :class:`helix_kv.Scheduler` per rank, fed the same
+calls, compared after every call.
+
+Each rank's scheduler is built from ``config.with_rank(r)``. After every ``schedule()`` the
+group checks that every rank-invariant array and the digest agree on all ranks, and that the
+per-rank fields are consistent with the Helix layout (exactly one rank, the owner, appends
+each decode token; the per-rank lengths add up to the global length). A divergence raises
+:class:`helix_kv.ScheduleMismatchError` naming the ranks and the fields (with the differing
+summary lines), the same error a real group raises through its schedule check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+import numpy as np
+import numpy.typing as npt
+
+from helix_kv._core import (
+    ScheduleMismatchError,
+    ScheduleOutput,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerMetrics,
+)
+
+__all__ = ["INVARIANT_FIELDS", "RANK_FIELDS", "SimulatedCPGroup"]
+
+#: Array fields of :class:`helix_kv.ScheduleOutput` that every rank must agree on.
+INVARIANT_FIELDS = (
+    "context_ids",
+    "context_starts",
+    "context_lens",
+    "context_completes",
+    "context_batch_slots",
+    "context_token_ids",
+    "generation_ids",
+    "generation_positions",
+    "generation_owner_ranks",
+    "generation_input_tokens",
+    "generation_batch_slots",
+    "preempted_ids",
+    "preempted_requester_ids",
+    "suspended_ids",
+    "suspended_requester_ids",
+    "suspended_block_ids",
+    "suspended_block_counts",
+    "resumed_ids",
+    "sat_out_ids",
+    "sample_ids",
+)
+
+#: Array fields that differ by rank by design.
+RANK_FIELDS = ("generation_active", "generation_local_lens", "generation_past_seen_lens")
+
+#: Summary line that shows each array field (fields without one are reported by name).
+_SUMMARY_LINE = {
+    "context_ids": "context",
+    "context_starts": "context",
+    "context_lens": "context",
+    "context_completes": "incomplete_prompts",
+    "context_batch_slots": "batch_slots",
+    "generation_ids": "generation",
+    "generation_positions": "generation",
+    "generation_owner_ranks": "generation",
+    "generation_batch_slots": "batch_slots",
+    "preempted_ids": "preempted",
+    "preempted_requester_ids": "preempted",
+    "suspended_ids": "suspended",
+    "suspended_requester_ids": "suspended",
+    "resumed_ids": "resumed",
+    "sat_out_ids": "sat_out",
+}
+
+
+def _summary_lines(output: ScheduleOutput) -> dict[str, str]:
+    lines: dict[str, str] = {}
+    for line in output.summary().splitlines():
+        name, _, value = line.partition(":")
+        lines[name.strip()] = value.strip()
+    return lines
+
+
+def _short(values: npt.NDArray[Any], limit: int = 12) -> str:
+    shown = " ".join(str(v) for v in values[:limit].tolist())
+    more = f" ... ({values.size} values)" if values.size > limit else ""
+    return shown + more
+
+
+class SimulatedCPGroup:
+    """``config.cp_size`` schedulers, one per rank, driven with identical calls.
+
+    Args:
+        config: the configuration of any rank; each rank gets ``config.with_rank(r)``.
+        check_rank_fields: also check the per-rank fields against the Helix layout.
+    """
+
+    def __init__(self, config: SchedulerConfig, *, check_rank_fields: bool = True) -> None:
+        self.config = config
+        self.cp = int(config.cp_size)
+        self.check_rank_fields = check_rank_fields
+        self.schedulers: list[Scheduler] = [Scheduler(config.with_rank(r)) for r in range(self.cp)]
+
+    def __len__(self) -> int:
+        return self.cp
+
+    def __repr__(self) -> str:
+        return f"SimulatedCPGroup(cp={self.cp}, schedulers={self.schedulers!r})"
+
+    # -- calls fed to every rank --------------------------------------------------------
+
+    def _on_every_rank(self, call: str, action: Callable[[Scheduler], Any]) -> list[Any]:
+        """Runs ``action`` on every rank; ranks must all succeed or all fail alike."""
+        results: list[Any] = []
+        errors: list[Optional[BaseException]] = []
+        for scheduler in self.schedulers:
+            try:
+                results.append(action(scheduler))
+                errors.append(None)
+            except Exception as error:  # compared below, re-raised unchanged if all agree
+                results.append(None)
+                errors.append(error)
+        outcomes = [None if e is None else (type(e), str(e)) for e in errors]
+        if all(outcome == outcomes[0] for outcome in outcomes):
+            if errors[0] is not None:
+                raise errors[0]
+            return results
+        described = "; ".join(
+            f"rank {rank}: " + ("ok" if e is None else f"{type(e).__name__}: {e}")
+            for rank, e in enumerate(errors)
+        )
+        ranks = [r for r, outcome in enumerate(outcomes) if outcome != outcomes[0]]
+        raise self._mismatch(
+            f"{call}() ended differently on the CP ranks: {described}", None, ranks, [call], {}
+        )
+
+    def add_request(
+        self,
+        request_id: int,
+        prompt: npt.ArrayLike,
+        max_new_tokens: int,
+        priority: int = 0,
+    ) -> None:
+        """Queues the request on every rank."""
+        tokens = np.ascontiguousarray(prompt, dtype=np.int32)
+        self._on_every_rank(
+            "add_request",
+            lambda s: s.add_request(request_id, tokens, max_new_tokens, priority),
+        )
+
+    def schedule(self) -> list[ScheduleOutput]:
+        """Schedules a step on every rank, checks agreement, returns the per-rank outputs."""
+        outputs: list[ScheduleOutput] = self._on_every_rank("schedule", Scheduler.schedule)
+        self._check(outputs)
+        return outputs
+
+    def update(
+        self, tokens: npt.ArrayLike, eos: Optional[npt.ArrayLike] = None
+    ) -> npt.NDArray[np.int64]:
+        """Feeds the same sampled tokens (and eos flags) to every rank; returns the finished
+        ids (equal on every rank)."""
+        sampled = np.ascontiguousarray(tokens, dtype=np.int32)
+        flags = None if eos is None else np.ascontiguousarray(eos, dtype=bool)
+        finished = self._on_every_rank("update", lambda s: s.update(sampled, flags))
+        self._agree("update", [np.asarray(f) for f in finished], "finished_ids")
+        return np.asarray(finished[0], dtype=np.int64)
+
+    def revert(self) -> None:
+        """Reverts the scheduled step on every rank."""
+        self._on_every_rank("revert", Scheduler.revert)
+
+    def take_output(self, request_id: int) -> npt.NDArray[np.int32]:
+        """The generated tokens of a finished request (equal on every rank)."""
+        outputs = self._on_every_rank("take_output", lambda s: s.take_output(request_id))
+        self._agree("take_output", [np.asarray(o) for o in outputs], "generated_tokens")
+        return np.asarray(outputs[0], dtype=np.int32)
+
+    # -- convenience views (rank 0; every rank agrees) ----------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.schedulers[0].has_unfinished()
+
+    def metrics(self) -> SchedulerMetrics:
+        return self.schedulers[0].metrics()
+
+    def state_digests(self) -> list[int]:
+        """Every rank's ``state_digest()`` (equal unless something diverged)."""
+        return [s.state_digest() for s in self.schedulers]
+
+    # -- checks -------------------------------------------------------------------------
+
+    def _mismatch(
+        self,
+        headline: str,
+        step: Optional[int],
+        ranks: Sequence[int],
+        fields: Sequence[str],
+        summaries: dict[int, str],
+    ) -> ScheduleMismatchError:
+        error = ScheduleMismatchError(headline)
+        error.step = step  # type: ignore[attr-defined]
+        error.ranks = list(ranks)  # type: ignore[attr-defined]
+        error.fields = list(fields)  # type: ignore[attr-defined]
+        error.summaries = summaries  # type: ignore[attr-defined]
+        return error
+
+    def _agree(self, call: str, values: Sequence[npt.NDArray[Any]], what: str) -> None:
+        ranks = [r for r, v in enumerate(values) if not np.array_equal(v, values[0])]
+        if ranks:
+            detail = "; ".join(f"rank {r}: {_short(values[r])}" for r in [0, *ranks])
+            raise self._mismatch(
+                f"{call}(): ranks {ranks} differ from rank 0 in {what}: {detail}",
+                None,
+                ranks,
+                [what],
+                {},
+            )
+
+    def _check(self, outputs: Sequence[ScheduleOutput]) -> None:
+        reference = outputs[0]
+        differing: dict[int, list[str]] = {}
+        for rank, output in enumerate(outputs[1:], start=1):
+            fields = [
+                name
+                for name in INVARIANT_FIELDS
+                if not np.array_equal(getattr(output, name), getattr(reference, name))
+            ]
+            for scalar in ("step", "num_tokens", "digest"):
+                if getattr(output, scalar) != getattr(reference, scalar):
+                    fields.append(scalar)
+            if fields:
+                differing[rank] = fields
+        if differing:
+            raise self._divergence(outputs, differing)
+        if self.check_rank_fields:
+            self._check_rank_fields(outputs)
+
+    def _divergence(
+        self, outputs: Sequence[ScheduleOutput], differing: dict[int, list[str]]
+    ) -> ScheduleMismatchError:
+        step = int(outputs[0].step)
+        reference_lines = _summary_lines(outputs[0])
+        fields = sorted({f for names in differing.values() for f in names})
+        lines = [
+            f"step {step}: CP ranks {sorted(differing)} scheduled differently from rank 0 "
+            f"(fields: {', '.join(fields)})"
+        ]
+        for rank, names in sorted(differing.items()):
+            lines.extend(self._describe(outputs[0], outputs[rank], rank, names, reference_lines))
+        summaries = {rank: output.summary() for rank, output in enumerate(outputs)}
+        return self._mismatch("\n".join(lines), step, sorted(differing), fields, summaries)
+
+    @staticmethod
+    def _describe(
+        reference: ScheduleOutput,
+        output: ScheduleOutput,
+        rank: int,
+        names: Sequence[str],
+        reference_lines: dict[str, str],
+    ) -> list[str]:
+        """Lines showing how ``output`` (of ``rank``) differs from rank 0 in ``names``:
+        the summary line where there is one, else the values."""
+        rank_lines = _summary_lines(output)
+        lines: list[str] = []
+        shown: set[str] = set()
+        for name in names:
+            line = _SUMMARY_LINE.get(name)
+            if line is not None:
+                if line not in shown and rank_lines.get(line) != reference_lines.get(line):
+                    shown.add(line)
+                    lines.append(f"  {line}: rank 0: {reference_lines.get(line, '')!r}")
+                    lines.append(f"  {line}: rank {rank}: {rank_lines.get(line, '')!r}")
+                continue
+            ours, theirs = getattr(reference, name), getattr(output, name)
+            if name in INVARIANT_FIELDS:
+                ours, theirs = _short(np.asarray(ours)), _short(np.asarray(theirs))
+            lines.append(f"  {name}: rank 0: {ours}; rank {rank}: {theirs}")
+        return lines
+
+    def _check_rank_fields(self, outputs: Sequence[ScheduleOutput]) -> None:
+        reference = outputs[0]
+        positions = np.asarray(reference.generation_positions, dtype=np.int64)
+        if positions.size == 0:
+            return
+        tokens_per_block = int(self.config.tokens_per_block)
+        owners = (positions // tokens_per_block) % self.cp
+        active = np.stack([np.asarray(o.generation_active, dtype=bool) for o in outputs])
+        after = np.stack([np.asarray(o.generation_local_lens, dtype=np.int64) for o in outputs])
+        before = np.stack(
+            [np.asarray(o.generation_past_seen_lens, dtype=np.int64) for o in outputs]
+        )
+        problems = []
+        if not np.array_equal(np.asarray(reference.generation_owner_ranks), owners):
+            problems.append("generation_owner_ranks is not (position // tokens_per_block) % cp")
+        expected_active = owners[None, :] == np.arange(self.cp)[:, None]
+        if not np.array_equal(active, expected_active):
+            problems.append("generation_active is not exactly the owner rank")
+        if not np.array_equal(after.sum(axis=0), positions + 1):
+            problems.append("generation_local_lens do not add up to position + 1")
+        if not np.array_equal(before.sum(axis=0), positions):
+            problems.append("generation_past_seen_lens do not add up to the position")
+        if not np.array_equal(after - before, expected_active.astype(np.int64)):
+            problems.append("only the owner rank's length may grow by the decode token")
+        if problems:
+            step = int(reference.step)
+            raise self._mismatch(
+                f"step {step}: per-rank fields are inconsistent: " + "; ".join(problems),
+                step,
+                list(range(self.cp)),
+                list(RANK_FIELDS),
+                {rank: output.summary() for rank, output in enumerate(outputs)},
+            )

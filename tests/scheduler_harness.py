@@ -1,0 +1,293 @@
+"""Drives a :class:`helix_kv.SimulatedCPGroup` like an executor would, through the binding.
+
+Each rank has a physical KV pool (numpy) written through the scheduler's ``slot_mapping`` and
+read back through its ``block_table``; a deterministic "model" samples the next token from
+the whole context it reads back (a CRC of the request id and every token). A schedule that
+feeds a wrong token, position or page changes every later token, so comparing outputs with a
+run without pressure checks replay end to end. Every step also checks replay directly
+(re-prefill tokens are prompt + tokens generated so far; decode positions continue from the
+new prompt end) and that victims are strictly behind the request that needed their pages.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+import helix_kv
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One request of a workload."""
+
+    request_id: int
+    prompt_len: int
+    max_new_tokens: int
+    priority: int = 0
+    arrival_step: int = 0
+
+    def prompt(self) -> np.ndarray:
+        ids = (self.request_id * 7919 + np.arange(self.prompt_len) * 31) % 997
+        return ids.astype(np.int32)
+
+
+@dataclass(frozen=True)
+class Model:
+    """Next token = CRC32 of the request id and the context read back, modulo ``vocab``."""
+
+    vocab: int = 50_000
+    eos: Optional[int] = None
+
+    def next_token(self, request_id: int, context: np.ndarray) -> int:
+        data = np.concatenate([[request_id], context]).astype(np.int64).tobytes()
+        return zlib.crc32(data) % self.vocab
+
+
+@dataclass
+class RunResult:
+    outputs: Dict[int, List[int]] = field(default_factory=dict)
+    steps: int = 0
+    reverted: int = 0
+    victims: List[Tuple[int, int]] = field(default_factory=list)
+    max_request_preemptions: int = 0
+    metrics: Optional[helix_kv.SchedulerMetrics] = None
+
+
+class Executor:
+    """A simulated executor over a :class:`helix_kv.SimulatedCPGroup`."""
+
+    def __init__(self, config: helix_kv.SchedulerConfig, model: Model = Model()) -> None:
+        self.group = helix_kv.SimulatedCPGroup(config)
+        self.config = config
+        self.model = model
+        self.cp = int(config.cp_size)
+        self.tpb = int(config.tokens_per_block)
+        slots = int(config.kv_superblocks) * self.tpb
+        # Per rank and slot: token, owning request, position (-1: never written).
+        self.token = np.full((self.cp, slots), -1, dtype=np.int64)
+        self.owner = np.full((self.cp, slots), -1, dtype=np.int64)
+        self.position = np.full((self.cp, slots), -1, dtype=np.int64)
+        self.host: Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.arrival: Dict[int, int] = {}
+        self.known: Dict[int, List[int]] = {}
+        self.prefilled: Dict[int, int] = {}
+        self.result = RunResult()
+
+    # -- calls --------------------------------------------------------------------------
+
+    def add(self, spec: Spec) -> None:
+        self.group.add_request(spec.request_id, spec.prompt(), spec.max_new_tokens, spec.priority)
+        self.arrival[spec.request_id] = len(self.arrival)
+        self.known[spec.request_id] = spec.prompt().tolist()
+        self.prefilled[spec.request_id] = 0
+
+    def step(self, revert: bool = False) -> None:
+        before = [
+            (s.state_digest(), s.metrics().kv_used_superblocks) for s in self.group.schedulers
+        ]
+        outputs = self.group.schedule()
+        out = outputs[0]
+        self._check_victims(out)
+        self._copy_out_suspended(out)
+        for victim in out.preempted_ids.tolist():
+            self.prefilled[victim] = 0
+        if revert:
+            self.group.revert()
+            if out.preempted_ids.size == 0 and out.suspended_ids.size == 0:
+                after = [
+                    (s.state_digest(), s.metrics().kv_used_superblocks)
+                    for s in self.group.schedulers
+                ]
+                assert after == before, "revert must restore the scheduler and ledger"
+            self.result.reverted += 1
+            return
+        self._check_replay(out)
+        self._copy_in_resumed(out)
+        self._write_kv(out)
+        tokens, eos = self._sample(out)
+        finished = self.group.update(tokens, eos if self.model.eos is not None else None)
+        assert finished.dtype == np.int64
+        for request_id, token in zip(out.sample_ids.tolist(), tokens.tolist()):
+            self.known[request_id].append(token)
+        ends = (out.context_starts + out.context_lens).tolist()
+        for request_id, end, completes in zip(
+            out.context_ids.tolist(), ends, out.context_completes.tolist()
+        ):
+            self.prefilled[request_id] = 0 if completes else end
+        for request_id in finished.tolist():
+            generated = self.group.take_output(request_id).tolist()
+            known = self.known.pop(request_id)
+            assert known[len(known) - len(generated) :] == generated
+            self.result.outputs[request_id] = generated
+        self.result.steps += 1
+        bound = int(self.config.max_preemptions_per_request)
+        for request_id in self.group.schedulers[0].queue_ids().tolist():
+            preemptions = self.group.schedulers[0].request_metrics(request_id).preemptions
+            assert preemptions <= bound
+            self.result.max_request_preemptions = max(
+                self.result.max_request_preemptions, preemptions
+            )
+
+    def run(
+        self, specs: Sequence[Spec], revert_every: int = 0, max_steps: int = 5_000
+    ) -> RunResult:
+        pending = sorted(specs, key=lambda s: s.arrival_step)
+        next_spec, step, scheduled = 0, 0, 0
+        while True:
+            while next_spec < len(pending) and pending[next_spec].arrival_step <= step:
+                self.add(pending[next_spec])
+                next_spec += 1
+            if next_spec == len(pending) and not self.group.has_unfinished():
+                break
+            assert step < max_steps, f"no completion in {max_steps} steps"
+            scheduled += 1
+            if revert_every and scheduled % revert_every == 0:
+                self.step(revert=True)
+                continue
+            self.step()
+            step += 1
+        for scheduler in self.group.schedulers:
+            metrics = scheduler.metrics()
+            assert metrics.kv_used_superblocks == 0, "superblocks leaked"
+            assert scheduler.num_live == 0
+        self.result.metrics = self.group.metrics()
+        return self.result
+
+    # -- checks and the simulated executor ----------------------------------------------
+
+    def _check_victims(self, out: helix_kv.ScheduleOutput) -> None:
+        pairs = list(zip(out.preempted_ids.tolist(), out.preempted_requester_ids.tolist()))
+        pairs += list(zip(out.suspended_ids.tolist(), out.suspended_requester_ids.tolist()))
+        for victim, requester in pairs:
+            assert self.arrival[victim] > self.arrival[requester], (victim, requester)
+            assert victim not in out.generation_ids.tolist()
+        self.result.victims.extend(pairs)
+
+    def _check_replay(self, out: helix_kv.ScheduleOutput) -> None:
+        offset = 0
+        for request_id, start, length, completes in zip(
+            out.context_ids.tolist(),
+            out.context_starts.tolist(),
+            out.context_lens.tolist(),
+            out.context_completes.tolist(),
+        ):
+            chunk = out.context_token_ids[offset : offset + length].tolist()
+            offset += length
+            known = self.known[request_id]
+            assert start == self.prefilled[request_id], "a chunk continues its prefill"
+            assert chunk == known[start : start + length], "re-prefill tokens are the context"
+            assert completes == (start + length == len(known))
+        for request_id, position, token in zip(
+            out.generation_ids.tolist(),
+            out.generation_positions.tolist(),
+            out.generation_input_tokens.tolist(),
+        ):
+            known = self.known[request_id]
+            assert position == len(known) - 1, "decode continues from the prompt end"
+            assert token == known[-1]
+
+    def _pages(self, table: np.ndarray) -> np.ndarray:
+        return (table[:, None] * self.tpb + np.arange(self.tpb)).ravel()
+
+    def _copy_out_suspended(self, out: helix_kv.ScheduleOutput) -> None:
+        offset = 0
+        for request_id, count in zip(
+            out.suspended_ids.tolist(), out.suspended_block_counts.tolist()
+        ):
+            slots = self._pages(out.suspended_block_ids[offset : offset + count].astype(np.int64))
+            offset += count
+            self.host[request_id] = (
+                self.token[:, slots].copy(),
+                self.owner[:, slots].copy(),
+                self.position[:, slots].copy(),
+            )
+
+    def _copy_in_resumed(self, out: helix_kv.ScheduleOutput) -> None:
+        for request_id in out.resumed_ids.tolist():
+            token, owner, position = self.host.pop(request_id)
+            table = self.group.schedulers[0].block_table([request_id])[0]
+            slots = self._pages(table[table >= 0].astype(np.int64))[: token.shape[1]]
+            self.token[:, slots], self.owner[:, slots], self.position[:, slots] = (
+                token,
+                owner,
+                position,
+            )
+
+    def _write_kv(self, out: helix_kv.ScheduleOutput) -> None:
+        ids = np.concatenate([out.context_ids, out.generation_ids])
+        starts = np.concatenate([out.context_starts, out.generation_positions])
+        counts = np.concatenate([out.context_lens, np.ones_like(out.generation_ids)])
+        values = np.concatenate([out.context_token_ids, out.generation_input_tokens])
+        total = int(counts.sum())
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        positions = np.repeat(starts, counts) + np.arange(total) - first
+        who = np.repeat(ids, counts)
+        owners = (positions // self.tpb) % self.cp
+        for rank, scheduler in enumerate(self.group.schedulers):
+            slots = scheduler.slot_mapping(ids, starts, counts)
+            assert slots.dtype == np.int64
+            assert slots.shape == (total,)
+            mine = slots >= 0
+            assert np.array_equal(mine, owners == rank), "a rank writes exactly what it owns"
+            self.token[rank, slots[mine]] = values[mine]
+            self.owner[rank, slots[mine]] = who[mine]
+            self.position[rank, slots[mine]] = positions[mine]
+
+    def _read_context(self, request_id: int, last: int) -> np.ndarray:
+        tables = [s.block_table([request_id])[0] for s in self.group.schedulers]
+        for table in tables[1:]:
+            assert np.array_equal(table, tables[0]), "every rank holds the same table"
+        positions = np.arange(last + 1)
+        owners = (positions // self.tpb) % self.cp
+        pages = tables[0][positions // (self.tpb * self.cp)].astype(np.int64)
+        slots = pages * self.tpb + positions % self.tpb
+        assert np.all(self.owner[owners, slots] == request_id), f"stale KV read for {request_id}"
+        assert np.array_equal(self.position[owners, slots], positions)
+        return self.token[owners, slots]
+
+    def _sample(self, out: helix_kv.ScheduleOutput) -> Tuple[np.ndarray, np.ndarray]:
+        last = dict(zip(out.generation_ids.tolist(), out.generation_positions.tolist()))
+        ends = out.context_starts + out.context_lens - 1
+        for request_id, end, completes in zip(
+            out.context_ids.tolist(), ends.tolist(), out.context_completes.tolist()
+        ):
+            if completes:
+                last[request_id] = end
+        tokens, eos = [], []
+        for request_id in out.sample_ids.tolist():
+            context = self._read_context(request_id, last[request_id])
+            assert context.tolist() == self.known[request_id][: last[request_id] + 1]
+            token = self.model.next_token(request_id, context)
+            tokens.append(token)
+            eos.append(token == self.model.eos)
+        return np.asarray(tokens, dtype=np.int32), np.asarray(eos, dtype=bool)
+
+
+def reference_outputs(specs: Sequence[Spec], model: Model = Model()) -> Dict[int, List[int]]:
+    """The same requests with no pressure: one rank, a pool that holds everything."""
+    total = sum(s.prompt_len + s.max_new_tokens for s in specs)
+    config = helix_kv.SchedulerConfig(
+        tokens_per_block=4,
+        kv_superblocks=total // 4 + len(specs) + 1,
+        max_batch_size=len(specs) + 1,
+        max_num_tokens=max(total + 1, 4),
+    )
+    at_once = [Spec(s.request_id, s.prompt_len, s.max_new_tokens, s.priority) for s in specs]
+    result = Executor(config, model).run(at_once)
+    assert result.metrics is not None
+    assert result.metrics.preemptions == 0
+    return result.outputs
+
+
+def assert_matches_reference(specs: Sequence[Spec], result: RunResult, model: Model = Model()):
+    reference = reference_outputs(specs, model)
+    assert set(result.outputs) == {s.request_id for s in specs}
+    for spec in specs:
+        got = result.outputs[spec.request_id]
+        assert got == reference[spec.request_id], f"request {spec.request_id} output differs"
+        at_eos = model.eos is not None and got and got[-1] == model.eos
+        assert len(got) == spec.max_new_tokens or (at_eos and len(got) < spec.max_new_tokens)
