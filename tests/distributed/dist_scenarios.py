@@ -285,6 +285,7 @@ def scenario_check_cost(rank: int, world: int, backend: str) -> Dict[str, Any]:
     add_workload(built, count=4)
     out = built.scheduler.schedule()
     checker = ScheduleChecker()
+    timeout = getattr(checker._reduce, "timeout", None)
     for _ in range(50):
         checker.check(out)
     rounds = 400
@@ -294,6 +295,7 @@ def scenario_check_cost(rank: int, world: int, backend: str) -> Dict[str, Any]:
         checker.check(out)
         samples[i] = time.perf_counter() - started
     return {
+        "timeout_s": None if timeout is None else timeout.total_seconds(),
         "median_us": float(np.median(samples) * 1e6),
         "p90_us": float(np.quantile(samples, 0.9) * 1e6),
     }
@@ -397,3 +399,26 @@ def scenario_rank_dies(rank: int, world: int, backend: str) -> Dict[str, Any]:
         result = attempt(lambda: HelixKVRank.create(engine_config(), 64 * PAGE_BYTES))
     result.pop("built", None)
     return result
+
+
+def scenario_check_timeout(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """NCCL: the last rank skips a check; the others raise after the checker's timeout instead
+    of waiting forever on the replayed graph (which torch's watchdog does not see)."""
+    from datetime import timedelta
+
+    from helix_kv.distributed import ScheduleChecker
+
+    checker = ScheduleChecker(timeout=timedelta(seconds=2))
+    built = pressured_rank(world)
+    add_workload(built, count=2)
+    out = built.scheduler.schedule()
+    checker.check(out)  # every rank: fine
+    if rank == world - 1:
+        time.sleep(6.0)  # skips the next check
+        return {"skipped": True}
+    started = time.monotonic()
+    try:
+        checker.check(out)
+    except helix_kv.HelixKVError as exc:
+        return {"skipped": False, **describe(exc, started)}
+    return {"skipped": False, "type": None, "seconds": time.monotonic() - started}

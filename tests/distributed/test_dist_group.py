@@ -199,6 +199,8 @@ def test_check_cost_per_step(group: GroupRun, capsys: pytest.CaptureFixture) -> 
             + f" us/step per rank (p90 {max(r['p90_us'] for r in reports):.1f} us)"
         )
     assert worst < 5000  # sanity only; the figure is the output
+    if group.backend == "nccl":  # the graph path polls against the group's own timeout
+        assert all(r["timeout_s"] == GROUP_TIMEOUT_S for r in reports)
 
 
 def test_group_finished_in_time(group: GroupRun) -> None:
@@ -219,3 +221,16 @@ def test_dead_rank_makes_peers_raise_not_hang(world: int) -> None:
         assert report["is_init_sync"], report
         assert "died or did not reach the sync" in report["message"]
         assert report["seconds"] < 15.0
+
+
+@pytest.mark.skipif(not cuda_ranks_available(2), reason="needs 2 CUDA GPUs (NCCL)")
+def test_stuck_peer_times_out_the_nccl_check() -> None:
+    """The NCCL check replays a CUDA graph, which torch's watchdog does not watch: a peer that
+    never arrives must make the others raise after the checker's timeout, not hang."""
+    run = run_group([sc.scenario_check_timeout], 2, "nccl", deadline_s=60.0)
+    reports = run.scenario("scenario_check_timeout")
+    assert reports[1]["skipped"]
+    waited = reports[0]
+    assert waited["type"] == "HelixKVError", waited
+    assert "did not reach this step's check within 2 s" in waited["message"]
+    assert 2.0 <= waited["seconds"] < 5.0

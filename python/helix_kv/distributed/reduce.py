@@ -51,7 +51,7 @@ class HostMinAllReduce:
             dist.get_process_group_ranks(group),
             backend="nccl",
             timeout=self.timeout,
-            pg_options=_one_channel_options(),
+            pg_options=_one_channel_options(self.timeout),
             use_local_synchronization=True,
         )
         self._device_buf = torch.zeros(2, dtype=torch.int64, device=device)
@@ -109,11 +109,12 @@ class HostMinAllReduce:
             time.sleep(0.0001)
 
 
-def _one_channel_options() -> Optional[object]:
+def _one_channel_options(timeout: timedelta) -> Optional[object]:
     """NCCL options for a 16-byte collective: one CTA, hence one channel's buffers (about
     22 MiB of GPU memory on two H200s instead of about 490 MiB, at the same latency)."""
     try:
         options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout  # as the timeout argument (torch warns when they differ)
         options.config.min_ctas = 1
         options.config.max_ctas = 1
     except (AttributeError, RuntimeError):  # a torch without these knobs: NCCL's defaults
