@@ -41,6 +41,8 @@ def check_plot_available() -> None:
 def plot_run(result: SimulationResult, path: Union[str, Path]) -> None:
     """Draw the run's per-step series into a PNG at ``path``."""
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     series = result.series
     steps = list(range(len(series)))
     figure, (kv_axis, queue_axis, preempt_axis) = plt.subplots(
@@ -67,6 +69,9 @@ def plot_run(result: SimulationResult, path: Union[str, Path]) -> None:
         total += count
         running_total.append(total)
     cumulative.plot(steps, running_total, color="black", lw=1, label="cumulative")
+    cumulative.set_ylim(bottom=0)
+    preempt_axis.yaxis.set_major_locator(MaxNLocator(integer=True))
+    cumulative.yaxis.set_major_locator(MaxNLocator(integer=True))
     preempt_axis.set_ylabel("preemptions / step")
     cumulative.set_ylabel("preemptions (total)")
     preempt_axis.set_xlabel("scheduler step")
