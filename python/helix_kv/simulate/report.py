@@ -94,7 +94,8 @@ def _percent(value: float) -> str:
 def _agreement(summary: Summary) -> str:
     ranks = summary["config"].get("cp", "?")
     if summary["rank_agreement"]:
-        return f"yes ({ranks} ranks, every step)"
+        kind = "rank processes" if summary["config"].get("procs") else "ranks"
+        return f"yes ({ranks} {kind}, every step)"
     return f"NO (stopped at step {summary['steps']})"
 
 
@@ -104,7 +105,12 @@ ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     ("steps", lambda s: str(s["steps"])),
     ("generated tokens", lambda s: str(s["generated_tokens"])),
     ("computed tokens", lambda s: str(s["computed_tokens"])),
-    ("preemptions", lambda s: f"{s['preemptions']} ({s['preempted_requests']} requests)"),
+    ("preemptions", lambda s: str(s["preemptions"])),
+    ("suspensions", lambda s: str(s["suspensions"])),
+    (
+        "preempted requests",
+        lambda s: f"{s['preempted_requests']} (at most {s['max_preemptions_of_a_request']}x)",
+    ),
     (
         "recomputed tokens",
         lambda s: f"{s['recomputed_tokens']} ({_percent(s['recomputed_share'])} of computed)",

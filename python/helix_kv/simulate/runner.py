@@ -168,6 +168,91 @@ def _sample_indices(ids: np.ndarray, generated: dict[int, int]) -> np.ndarray:
     return np.fromiter((generated[i] for i in ids.tolist()), dtype=np.uint64, count=len(ids))
 
 
+class _StepLoop:
+    """The state of one run: what has arrived, what each request has generated, the record."""
+
+    def __init__(self, group: RankGroup, workload: Sequence[RequestSpec]) -> None:
+        self.group = group
+        self.workload = workload
+        self.by_id = {request.request_id: request for request in workload}
+        self.generated: dict[int, int] = {}
+        self.first_token_step: dict[int, int] = {}
+        self.outcomes: list[RequestOutcome] = []
+        self.series = StepSeries()
+        self.total_generated = 0
+        self.next_arrival = 0
+        self.clock = 0
+
+    def admit_arrivals(self) -> bool:
+        """Add the requests that have arrived; jump over idle time. False when all is done."""
+        while True:
+            while (
+                self.next_arrival < len(self.workload)
+                and self.workload[self.next_arrival].arrival_step <= self.clock
+            ):
+                request = self.workload[self.next_arrival]
+                self.group.add_request(
+                    request.request_id,
+                    prompt_tokens(request.request_id, request.prompt_len),
+                    request.output_len,
+                    request.priority,
+                )
+                self.generated[request.request_id] = 0
+                self.next_arrival += 1
+            if self.group.has_unfinished():
+                return True
+            if self.next_arrival >= len(self.workload):
+                return False
+            self.clock = self.workload[self.next_arrival].arrival_step  # idle: jump ahead
+
+    def run_step(self) -> None:
+        """Schedule one step on every rank, record it, feed the tokens, collect finishers."""
+        output = self.group.schedule()
+        metrics = self.group.metrics()
+        series = self.series
+        series.clock.append(self.clock)
+        series.kv_utilization.append(float(metrics.kv_utilization))
+        series.running.append(int(self.group.num_running))
+        series.waiting.append(int(self.group.num_waiting))
+        series.preempted.append(len(output.preempted_ids))
+        series.sat_out.append(len(output.sat_out_ids))
+        series.num_tokens.append(int(output.num_tokens))
+
+        sample_ids = np.asarray(output.sample_ids, dtype=np.int64)
+        tokens = sampled_tokens(sample_ids, _sample_indices(sample_ids, self.generated))
+        finished = self.group.update(tokens)
+        for request_id in sample_ids.tolist():
+            if self.generated[request_id] == 0:
+                self.first_token_step[request_id] = self.clock
+            self.generated[request_id] += 1
+        self.total_generated += len(sample_ids)
+        for request_id in np.asarray(finished).tolist():
+            self.collect(request_id)
+        self.clock += 1
+
+    def collect(self, request_id: int) -> None:
+        """Read a finished request's metrics and output, and check the output."""
+        request = self.by_id[request_id]
+        request_metrics = self.group.request_metrics(request_id)
+        output_tokens = np.asarray(self.group.take_output(request_id))
+        self.outcomes.append(
+            RequestOutcome(
+                request_id=request_id,
+                arrival_step=request.arrival_step,
+                first_token_step=self.first_token_step[request_id],
+                finish_step=self.clock,
+                generated_tokens=int(request_metrics.generated_tokens),
+                preemptions=int(request_metrics.preemptions),
+                recomputed_tokens=int(request_metrics.recomputed_tokens),
+                steps_waited=int(request_metrics.steps_waited),
+                output_exact=bool(
+                    np.array_equal(output_tokens, expected_output(request_id, request.output_len))
+                ),
+            )
+        )
+        del self.generated[request_id]
+
+
 def run_simulation(
     group: RankGroup,
     workload: Sequence[RequestSpec],
@@ -179,96 +264,29 @@ def run_simulation(
     """Run ``workload`` to completion on ``group`` and return what happened.
 
     Stops early (with ``rank_agreement=False`` and the mismatch message) if the ranks
-    disagree, or after ``max_steps`` scheduler steps. Scheduler errors (deadlock, preemption
-    disabled) propagate.
+    disagree on any call, or after ``max_steps`` scheduler steps. Other scheduler errors
+    (deadlock, preemption disabled) propagate.
     """
     from helix_kv import ScheduleMismatchError
 
-    by_id = {request.request_id: request for request in workload}
-    generated: dict[int, int] = {}
-    first_token_step: dict[int, int] = {}
-    outcomes: list[RequestOutcome] = []
-    series = StepSeries()
-    total_generated = 0
-    next_arrival = 0
-    clock = 0
+    loop = _StepLoop(group, workload)
     mismatch: Optional[str] = None
     steps_limit = math.inf if max_steps is None else max_steps
-
-    while len(series) < steps_limit:
-        while next_arrival < len(workload) and workload[next_arrival].arrival_step <= clock:
-            request = workload[next_arrival]
-            group.add_request(
-                request.request_id,
-                prompt_tokens(request.request_id, request.prompt_len),
-                request.output_len,
-                request.priority,
-            )
-            generated[request.request_id] = 0
-            next_arrival += 1
-        if not group.has_unfinished():
-            if next_arrival >= len(workload):
-                break
-            clock = workload[next_arrival].arrival_step  # idle: jump to the next arrival
-            continue
-
-        try:
-            output = group.schedule()
-        except ScheduleMismatchError as err:
-            mismatch = str(err)
-            break
-        metrics = group.metrics()
-        series.clock.append(clock)
-        series.kv_utilization.append(float(metrics.kv_utilization))
-        series.running.append(int(group.num_running))
-        series.waiting.append(int(group.num_waiting))
-        series.preempted.append(len(output.preempted_ids))
-        series.sat_out.append(len(output.sat_out_ids))
-        series.num_tokens.append(int(output.num_tokens))
-
-        sample_ids = np.asarray(output.sample_ids, dtype=np.int64)
-        tokens = sampled_tokens(sample_ids, _sample_indices(sample_ids, generated))
-        finished = group.update(tokens)
-        for request_id in sample_ids.tolist():
-            if generated[request_id] == 0:
-                first_token_step[request_id] = clock
-            generated[request_id] += 1
-        total_generated += len(sample_ids)
-
-        for request_id in np.asarray(finished).tolist():
-            request = by_id[request_id]
-            request_metrics = group.request_metrics(request_id)
-            output_tokens = group.take_output(request_id)
-            outcomes.append(
-                RequestOutcome(
-                    request_id=request_id,
-                    arrival_step=request.arrival_step,
-                    first_token_step=first_token_step[request_id],
-                    finish_step=clock,
-                    generated_tokens=int(request_metrics.generated_tokens),
-                    preemptions=int(request_metrics.preemptions),
-                    recomputed_tokens=int(request_metrics.recomputed_tokens),
-                    steps_waited=int(request_metrics.steps_waited),
-                    output_exact=bool(
-                        np.array_equal(
-                            np.asarray(output_tokens),
-                            expected_output(request_id, request.output_len),
-                        )
-                    ),
-                )
-            )
-            del generated[request_id]
-        clock += 1
-        if progress is not None:
-            progress(clock, len(outcomes), len(workload), len(series))
+    try:
+        while len(loop.series) < steps_limit and loop.admit_arrivals():
+            loop.run_step()
+            if progress is not None:
+                progress(loop.clock, len(loop.outcomes), len(workload), len(loop.series))
+    except ScheduleMismatchError as err:
+        mismatch = str(err)
 
     return SimulationResult(
         requests_total=len(workload),
-        outcomes=outcomes,
-        series=series,
+        outcomes=loop.outcomes,
+        series=loop.series,
         final_metrics=MetricsSnapshot.of(group.metrics()),
-        generated_tokens=total_generated,
-        clock=clock,
+        generated_tokens=loop.total_generated,
+        clock=loop.clock,
         rank_agreement=mismatch is None,
         mismatch=mismatch,
         config=dict(config or {}),
