@@ -72,12 +72,15 @@ def run_group(
     env: Optional[Dict[str, str]] = None,
     rank_env: Optional[Dict[int, Dict[str, str]]] = None,
     allowed_exits: Optional[Dict[int, int]] = None,
+    exit_grace_s: float = 10.0,
 ) -> GroupRun:
     """Runs ``scenarios`` in order on ``world`` fresh ranks and collects their reports.
 
     ``group_timeout_s`` is the process group's timeout (bounds every collective);
     ``deadline_s`` bounds the whole run. ``allowed_exits`` maps a rank to the exit code it is
-    expected to die with (a scenario that kills its rank on purpose).
+    expected to die with (a scenario that kills its rank on purpose). Ranks still alive
+    ``exit_grace_s`` after the last report (e.g. stuck tearing down a broken NCCL
+    communicator) are killed.
     """
     run = GroupRun(world, backend)
     common_env = {**DEFAULT_RANK_ENV, **LOOPBACK_ENV, **(env or {})}
@@ -120,8 +123,10 @@ def run_group(
                                 f"rank {rank} died (exit code {proc.exitcode}) before finishing"
                             )
         finally:
+            left = max(0.0, deadline_s - (time.monotonic() - start))
+            exit_by = time.monotonic() + min(exit_grace_s, left)
             for proc in procs:
-                proc.join(timeout=max(0.0, min(10.0, deadline_s - (time.monotonic() - start))))
+                proc.join(timeout=max(0.0, exit_by - time.monotonic()))
             for proc in procs:
                 if proc.is_alive():
                     proc.kill()

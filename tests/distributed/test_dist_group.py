@@ -227,7 +227,7 @@ def test_dead_rank_makes_peers_raise_not_hang(world: int) -> None:
 def test_stuck_peer_times_out_the_nccl_check() -> None:
     """The NCCL check replays a CUDA graph, which torch's watchdog does not watch: a peer that
     never arrives must make the others raise after the checker's timeout, not hang."""
-    run = run_group([sc.scenario_check_timeout], 2, "nccl", deadline_s=60.0)
+    run = run_group([sc.scenario_check_timeout], 2, "nccl", deadline_s=60.0, exit_grace_s=3.0)
     reports = run.scenario("scenario_check_timeout")
     assert reports[1]["skipped"]
     waited = reports[0]
