@@ -275,3 +275,25 @@ def test_console_script_with_defaults_finishes_and_preempts() -> None:
     preemptions = next(line for line in done.stdout.splitlines() if "preemptions" in line)
     assert int(preemptions.split()[1]) > 0
     assert done.stderr == ""  # not a terminal: no progress line
+
+
+@pytest.mark.parametrize(
+    ("flag", "modules", "message"),
+    [
+        (["--procs"], ("torch", "torch.distributed"), "--procs needs torch"),
+        (["--plot", "x.png"], ("matplotlib",), "--plot needs matplotlib"),
+    ],
+)
+@needs_scheduler
+def test_missing_optional_dependency_is_a_clear_usage_error(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flag: list[str],
+    modules: tuple[str, ...],
+    message: str,
+) -> None:
+    for module in modules:
+        monkeypatch.setitem(sys.modules, module, None)  # makes `import module` fail
+    line = usage_error(capsys, *TIGHT, *flag)
+    assert message in line
+    assert "pip install" in line

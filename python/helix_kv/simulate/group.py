@@ -41,10 +41,10 @@ class InProcessGroup:
         return self._group.schedulers[0].request_metrics(request_id)
 
     def metrics(self) -> Any:
-        return self._group.schedulers[0].metrics()
+        return self._group.metrics()
 
     def has_unfinished(self) -> bool:
-        return bool(self._group.schedulers[0].has_unfinished())
+        return bool(self._group.has_unfinished())
 
     @property
     def num_running(self) -> int:
