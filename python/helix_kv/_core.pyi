@@ -21,8 +21,8 @@ __all__ = [
     "Layout",
     "Ledger",
     "PreemptionDisabledError",
+    "RequestHoldings",
     "RequestMetrics",
-    "RequestState",
     "RequestTooLargeError",
     "ScheduleMismatchError",
     "ScheduleOutput",
@@ -91,7 +91,7 @@ class DecodeView:
     def __eq__(self, other: object, /) -> bool: ...
 
 @final
-class RequestState:
+class RequestHoldings:
     """A request's holdings and counters."""
 
     @property
@@ -137,7 +137,7 @@ class Ledger:
     def suspend(self, request_id: int) -> int: ...
     def resume(self, request_id: int) -> bool: ...
     def view(self, request_id: int, rank: int) -> DecodeView: ...
-    def request(self, request_id: int) -> RequestState: ...
+    def request(self, request_id: int) -> RequestHoldings: ...
     def table(self, request_id: int) -> npt.NDArray[np.int32]: ...
     def holdings(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]: ...
     def block_table(

@@ -63,8 +63,8 @@ impl PyDecodeView {
 }
 
 /// A request's holdings and counters (see `Ledger.request`).
-#[pyclass(frozen, get_all, module = "helix_kv._core", name = "RequestState")]
-pub struct PyRequestState {
+#[pyclass(frozen, get_all, module = "helix_kv._core", name = "RequestHoldings")]
+pub struct PyRequestHoldings {
     /// The request id.
     request_id: u64,
     /// Global tokens reserved.
@@ -79,7 +79,7 @@ pub struct PyRequestState {
     suspended: bool,
 }
 
-impl From<&RequestKv> for PyRequestState {
+impl From<&RequestKv> for PyRequestHoldings {
     fn from(r: &RequestKv) -> Self {
         Self {
             request_id: r.id(),
@@ -93,10 +93,10 @@ impl From<&RequestKv> for PyRequestState {
 }
 
 #[pymethods]
-impl PyRequestState {
+impl PyRequestHoldings {
     fn __repr__(&self) -> String {
         format!(
-            "RequestState(request_id={}, length={}, prompt_len={}, decode_count={}, superblocks={}, suspended={})",
+            "RequestHoldings(request_id={}, length={}, prompt_len={}, decode_count={}, superblocks={}, suspended={})",
             self.request_id,
             self.length,
             self.prompt_len,
@@ -276,7 +276,7 @@ impl PyLedger {
             .into())
     }
     /// The request's holdings and counters.
-    fn request(&self, request_id: i64) -> PyResult<PyRequestState> {
+    fn request(&self, request_id: i64) -> PyResult<PyRequestHoldings> {
         Ok(self
             .inner
             .request(self::request_id(request_id)?)
@@ -346,6 +346,6 @@ impl PyLedger {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyLedger>()?;
     m.add_class::<PyDecodeView>()?;
-    m.add_class::<PyRequestState>()?;
+    m.add_class::<PyRequestHoldings>()?;
     Ok(())
 }
