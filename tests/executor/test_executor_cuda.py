@@ -5,8 +5,10 @@ throughput and table-build figures). Skips cleanly without CUDA; the two-GPU tes
 fewer than two GPUs.
 
 Stated tolerances (max |logit difference|, logits have a standard deviation of about 1):
-float32 ``1e-3``, bf16 ``0.25``, up to and including the first token where two runs part;
-they may only part at a near tie (see :mod:`helix_kv.executor.agreement`).
+float32 ``1e-4``, bf16 ``0.1``, up to and including the first token where two runs part; they
+may only part at a near tie (see :mod:`helix_kv.executor.agreement`). Seen on two H200s
+(torch 2.11): float32 within 2e-6 of float64; bf16 within 0.04 of float64 and 0.025 of the
+single-GPU bf16 run.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ pytestmark = [
 ]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
-TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25}
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}
 DTYPES = list(TOLERANCE)
 TPB = 8
 MAX_NEW = 24
