@@ -11,7 +11,7 @@ prompt — exactly the order of ``ScheduleOutput.sample_ids`` that ``Scheduler.u
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -125,7 +125,7 @@ class StepPlan:
         placement: RankPlacement,
         request_ids: npt.ArrayLike,
         starts: npt.ArrayLike,
-        token_ids_per_entry: list[npt.ArrayLike],
+        token_ids_per_entry: Sequence[npt.ArrayLike],
         block_table: npt.ArrayLike,
         num_generation: int = 0,
         sample_index: Optional[npt.ArrayLike] = None,
@@ -135,10 +135,10 @@ class StepPlan:
         The slot mapping and local lengths are derived from ``block_table`` with the Helix
         placement. ``sample_index`` defaults to the last token of every entry.
         """
-        counts = np.array([len(t) for t in token_ids_per_entry], dtype=np.int64)
+        entries = [np.asarray(t, dtype=np.int64).ravel() for t in token_ids_per_entry]
+        counts = np.array([e.size for e in entries], dtype=np.int64)
         starts_arr = np.asarray(starts, dtype=np.int64)
-        token_ids = (np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids_per_entry])
-                     if counts.size else np.zeros(0, dtype=np.int64))
+        token_ids = np.concatenate(entries) if entries else np.zeros(0, dtype=np.int64)
         table = np.asarray(block_table, dtype=np.int64)
         within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
         positions = np.repeat(starts_arr, counts) + within
