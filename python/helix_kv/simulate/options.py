@@ -103,8 +103,7 @@ def preflight(options: SimulationOptions, workload: Sequence[RequestSpec]) -> No
                 )
             except HelixKVError as err:
                 raise SimulationSetupError(
-                    f"request {request.request_id} (prompt {request.prompt_len} + output "
-                    f"{request.output_len} tokens) cannot run: {_one_line(str(err))}"
+                    f"the workload cannot run: {_one_line(str(err))}"
                 ) from None
 
 
