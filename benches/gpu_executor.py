@@ -30,20 +30,31 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=defaults.prompt_len)
     parser.add_argument("--new-tokens", type=int, default=defaults.new_tokens)
     parser.add_argument("--tokens-per-block", type=int, default=defaults.tokens_per_block)
-    parser.add_argument("--kv-tokens", type=int, default=None,
-                        help="global KV budget in tokens (default: everything fits)")
+    parser.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help="global KV budget in tokens (default: everything fits)",
+    )
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
     parser.add_argument("--max-num-tokens", type=int, default=defaults.max_num_tokens)
-    parser.add_argument("--dtype", default=defaults.dtype,
-                        choices=["float64", "float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype", default=defaults.dtype, choices=["float64", "float32", "bfloat16"]
+    )
     parser.add_argument("--device", default=defaults.device, choices=["cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="use the tiny test model")
     args = parser.parse_args()
     spec = BenchSpec(
-        cp=args.cp, requests=args.requests, prompt_len=args.prompt_len,
-        new_tokens=args.new_tokens, tokens_per_block=args.tokens_per_block,
-        kv_tokens=args.kv_tokens, max_batch_size=args.max_batch_size,
-        max_num_tokens=args.max_num_tokens, dtype=args.dtype, device=args.device,
+        cp=args.cp,
+        requests=args.requests,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        tokens_per_block=args.tokens_per_block,
+        kv_tokens=args.kv_tokens,
+        max_batch_size=args.max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+        dtype=args.dtype,
+        device=args.device,
         model=TinyConfig() if args.small else defaults.model,
     )
     print(format_figures(spec, measure(spec)))

@@ -26,13 +26,21 @@ from helix_kv.executor.launch import spawn_group
 TOL = 1e-12
 
 
-def make_problem(seed: int, batch: int, q_len: int, k_lens: Sequence[int], kv_heads: int,
-                 group: int, head_dim: int) -> dict:
+def make_problem(
+    seed: int,
+    batch: int,
+    q_len: int,
+    k_lens: Sequence[int],
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+) -> dict:
     """Random float64 queries/keys with global positions; keys padded per request."""
     gen = torch.Generator().manual_seed(seed)
     k_len = max(k_lens, default=0)
-    query = torch.randn(batch, q_len, kv_heads * group, head_dim, generator=gen,
-                        dtype=torch.float64)
+    query = torch.randn(
+        batch, q_len, kv_heads * group, head_dim, generator=gen, dtype=torch.float64
+    )
     key = torch.randn(batch, k_len, kv_heads, head_dim, generator=gen, dtype=torch.float64)
     value = torch.randn(batch, k_len, kv_heads, head_dim, generator=gen, dtype=torch.float64)
     key_pos = torch.full((batch, k_len), PAD_KEY_POSITION, dtype=torch.int64)
@@ -41,8 +49,13 @@ def make_problem(seed: int, batch: int, q_len: int, k_lens: Sequence[int], kv_he
         # keys at scattered global positions, queries anywhere around them (some padded)
         key_pos[b, :n] = torch.randperm(3 * n + 1, generator=gen)[:n]
         query_pos[b] = torch.randint(-1, 3 * n + 2, (q_len,), generator=gen)
-    return {"query": query, "key": key, "value": value, "query_positions": query_pos,
-            "key_positions": key_pos}
+    return {
+        "query": query,
+        "key": key,
+        "value": value,
+        "query_positions": query_pos,
+        "key_positions": key_pos,
+    }
 
 
 def shard(problem: dict, owner: torch.Tensor, rank: int) -> dict:
@@ -56,11 +69,16 @@ def shard(problem: dict, owner: torch.Tensor, rank: int) -> dict:
     pos = torch.full((batch, width), PAD_KEY_POSITION, dtype=torch.int64)
     for b in range(batch):
         idx = mine[b].nonzero().flatten()
-        key[b, :idx.numel()] = problem["key"][b, idx]
-        value[b, :idx.numel()] = problem["value"][b, idx]
-        pos[b, :idx.numel()] = problem["key_positions"][b, idx]
-    return {"query": problem["query"], "key": key, "value": value,
-            "query_positions": problem["query_positions"], "key_positions": pos}
+        key[b, : idx.numel()] = problem["key"][b, idx]
+        value[b, : idx.numel()] = problem["value"][b, idx]
+        pos[b, : idx.numel()] = problem["key_positions"][b, idx]
+    return {
+        "query": problem["query"],
+        "key": key,
+        "value": value,
+        "query_positions": problem["query_positions"],
+        "key_positions": pos,
+    }
 
 
 def expected(problem: dict) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -73,10 +91,12 @@ def expected(problem: dict) -> Tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def combine_in_order(problem: dict, owner: torch.Tensor, ranks: int,
-                     order: Sequence[int]) -> PartialAttention:
-    partials: List[PartialAttention] = [partial_attention(**shard(problem, owner, r))
-                                        for r in range(ranks)]
+def combine_in_order(
+    problem: dict, owner: torch.Tensor, ranks: int, order: Sequence[int]
+) -> PartialAttention:
+    partials: List[PartialAttention] = [
+        partial_attention(**shard(problem, owner, r)) for r in range(ranks)
+    ]
     return combine_partial_list([partials[r] for r in order])
 
 
@@ -102,13 +122,16 @@ def assert_matches(got: PartialAttention, problem: dict) -> None:
     ranks=st.integers(1, 5),
     data=st.data(),
 )
-def test_partial_plus_combine_equals_full_attention(seed, batch, q_len, k_lens, kv_heads, group,
-                                                    head_dim, ranks, data):
+def test_partial_plus_combine_equals_full_attention(
+    seed, batch, q_len, k_lens, kv_heads, group, head_dim, ranks, data
+):
     problem = make_problem(seed, batch, q_len, k_lens[:batch], kv_heads, group, head_dim)
     k_len = problem["key"].shape[1]
     owner = torch.tensor(
-        data.draw(st.lists(st.integers(0, ranks - 1), min_size=batch * k_len,
-                           max_size=batch * k_len)), dtype=torch.int64,
+        data.draw(
+            st.lists(st.integers(0, ranks - 1), min_size=batch * k_len, max_size=batch * k_len)
+        ),
+        dtype=torch.int64,
     ).view(batch, k_len)
     order = data.draw(st.permutations(range(ranks)))
     assert_matches(combine_in_order(problem, owner, ranks, order), problem)

@@ -39,20 +39,38 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}
 DTYPES = list(TOLERANCE)
 TPB = 8
 MAX_NEW = 24
-MODEL = TinyConfig(vocab_size=256, hidden_size=256, num_layers=3, num_heads=8, num_kv_heads=2,
-                   head_dim=32, intermediate_size=512, seed=11)
+MODEL = TinyConfig(
+    vocab_size=256,
+    hidden_size=256,
+    num_layers=3,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
+    intermediate_size=512,
+    seed=11,
+)
 
 
 def prompts() -> Dict[int, List[int]]:
     rng = np.random.default_rng(5)
-    return {i: rng.integers(0, MODEL.vocab_size, size=int(n)).tolist()
-            for i, n in enumerate(rng.integers(10, 120, size=12))}
+    return {
+        i: rng.integers(0, MODEL.vocab_size, size=int(n)).tolist()
+        for i, n in enumerate(rng.integers(10, 120, size=12))
+    }
 
 
 def config(cp: int, dtype: str, kv_tokens: int, device: str = "cuda") -> ExecutorConfig:
-    return ExecutorConfig(cp=cp, tokens_per_block=TPB, kv_superblocks=kv_tokens // (TPB * cp),
-                          max_batch_size=16, max_num_tokens=256, model=MODEL, dtype=dtype,
-                          device=device, record_logits=True)
+    return ExecutorConfig(
+        cp=cp,
+        tokens_per_block=TPB,
+        kv_superblocks=kv_tokens // (TPB * cp),
+        max_batch_size=16,
+        max_num_tokens=256,
+        model=MODEL,
+        dtype=dtype,
+        device=device,
+        record_logits=True,
+    )
 
 
 ROOMY, TIGHT = 4096, 512  # global KV tokens; TIGHT holds ~3 of the 12 requests
@@ -70,8 +88,10 @@ def single_gpu() -> Dict[str, RunResult]:
 
 def check(reference: RunResult, other: RunResult, atol: float, label: str) -> None:
     agreement = compare_runs(reference, other, atol)
-    print(f"\n{label}: max |logit diff| {agreement.max_logit_diff:.3g} (tolerance {atol}) over "
-          f"{agreement.compared_rows} rows; requests whose tokens part: {agreement.diverged}")
+    print(
+        f"\n{label}: max |logit diff| {agreement.max_logit_diff:.3g} (tolerance {atol}) over "
+        f"{agreement.compared_rows} rows; requests whose tokens part: {agreement.diverged}"
+    )
     assert agreement.ok, agreement.unexplained
 
 
@@ -82,13 +102,16 @@ def test_single_gpu_matches_cpu_float64(cpu_float64, single_gpu, dtype):
 
 @two_gpus
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_two_gpu_nccl_matches_single_gpu_with_and_without_preemption(single_gpu, cpu_float64,
-                                                                     dtype):
+def test_two_gpu_nccl_matches_single_gpu_with_and_without_preemption(
+    single_gpu, cpu_float64, dtype
+):
     jobs = [(prompts(), MAX_NEW, config(2, dtype, kv)) for kv in (ROOMY, TIGHT)]
     (roomy, *_), (tight, *_) = run_group(jobs, cp=2, backend="nccl", timeout_s=300)
-    print(f"\ncp=2 {dtype}: roomy {roomy.preemptions} preemptions, tight {tight.preemptions} "
-          f"preemptions ({tight.preempted_while_decoding} while decoding), "
-          f"recomputed {tight.metrics.get('recomputed_tokens')} tokens")
+    print(
+        f"\ncp=2 {dtype}: roomy {roomy.preemptions} preemptions, tight {tight.preemptions} "
+        f"preemptions ({tight.preempted_while_decoding} while decoding), "
+        f"recomputed {tight.metrics.get('recomputed_tokens')} tokens"
+    )
     assert roomy.preemptions == 0
     assert tight.preemptions >= 1
     check(single_gpu[dtype], roomy, TOLERANCE[dtype], f"2 GPUs {dtype} vs 1 GPU")

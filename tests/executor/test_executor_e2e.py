@@ -17,8 +17,9 @@ from helix_kv.executor.model import TinyConfig, TinyTransformer
 from helix_kv.executor.reference import greedy_generate
 from helix_kv.executor.runner import ExecutorConfig, RunResult, run_group, run_rank
 
-pytestmark = pytest.mark.skipif(not hasattr(helix_kv, "Scheduler"),
-                                reason="helix_kv.Scheduler binding not built yet")
+pytestmark = pytest.mark.skipif(
+    not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler binding not built yet"
+)
 
 TPB = 4
 MAX_NEW = 12
@@ -34,14 +35,21 @@ MODEL = TinyConfig(num_layers=2, seed=7)
 def prompts() -> Dict[int, List[int]]:
     rng = np.random.default_rng(2024)
     lengths = [27, 9, 30, 5, 18, 23]  # uneven, several pages, some partial pages
-    return {100 + i: rng.integers(0, MODEL.vocab_size, size=n).tolist()
-            for i, n in enumerate(lengths)}
+    return {
+        100 + i: rng.integers(0, MODEL.vocab_size, size=n).tolist() for i, n in enumerate(lengths)
+    }
 
 
 def config(cp: int, kv_tokens: int) -> ExecutorConfig:
-    return ExecutorConfig(cp=cp, tokens_per_block=TPB, kv_superblocks=kv_tokens // (TPB * cp),
-                          max_batch_size=8, max_num_tokens=24, model=MODEL,
-                          check_schedule=cp > 1)
+    return ExecutorConfig(
+        cp=cp,
+        tokens_per_block=TPB,
+        kv_superblocks=kv_tokens // (TPB * cp),
+        max_batch_size=8,
+        max_num_tokens=24,
+        model=MODEL,
+        check_schedule=cp > 1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +65,11 @@ def runs() -> Dict[int, Dict[str, RunResult]]:
         by_cp[cp] = {"roomy": per_job[0][0], "tight": per_job[1][0]}
         for name, results in zip(("roomy", "tight"), per_job):
             r = results[0]
-            print(f"\ncp={cp} {name}: capacity {r.capacity_superblocks} superblocks, "
-                  f"{len(r.digests)} steps, {r.preemptions} preemptions "
-                  f"({r.preempted_while_decoding} while decoding), metrics {r.metrics}")
+            print(
+                f"\ncp={cp} {name}: capacity {r.capacity_superblocks} superblocks, "
+                f"{len(r.digests)} steps, {r.preemptions} preemptions "
+                f"({r.preempted_while_decoding} while decoding), metrics {r.metrics}"
+            )
     return by_cp
 
 
@@ -109,4 +119,3 @@ def test_preemption_counts_are_consistent(runs, cp):
     assert per_request == tight.preemptions
     assert tight.metrics["recomputed_tokens"] > 0
     assert tight.capacity_superblocks == TIGHT_TOKENS // (TPB * cp)
-

@@ -16,10 +16,12 @@ def test_placement_matches_rust_layout(cp, tpb):
     lengths = np.arange(0, 5 * cp * tpb + 3, dtype=np.int64)
     for rank in range(cp):
         placement = RankPlacement(cp, tpb, rank)
-        np.testing.assert_array_equal(placement.local_lens(lengths),
-                                      layout.local_lens(lengths, rank))
-        np.testing.assert_array_equal(placement.global_positions(lengths),
-                                      layout.global_positions(rank, lengths))
+        np.testing.assert_array_equal(
+            placement.local_lens(lengths), layout.local_lens(lengths, rank)
+        )
+        np.testing.assert_array_equal(
+            placement.global_positions(lengths), layout.global_positions(rank, lengths)
+        )
         np.testing.assert_array_equal(placement.owner_ranks(lengths), layout.owner_ranks(lengths))
     assert sum(RankPlacement(cp, tpb, r).local_lens([41])[0] for r in range(cp)) == 41
 
@@ -52,12 +54,14 @@ def test_plan_slots_and_device_keys(cp, tpb, rank):
         j = np.arange(n)
         slots = table[row, j // tpb] * tpb + j % tpb
         np.testing.assert_array_equal(keys[row, :n, 0, 0].numpy(), slots)
-        np.testing.assert_array_equal(group.key_positions[row, :n].numpy(),
-                                      placement.global_positions(j))
+        np.testing.assert_array_equal(
+            group.key_positions[row, :n].numpy(), placement.global_positions(j)
+        )
         assert (group.key_positions[row, n:] == PAD_KEY_POSITION).all()
     # the owned tokens are exactly those written
-    np.testing.assert_array_equal(batch.write_slots.numpy(),
-                                  plan.slot_mapping[plan.slot_mapping >= 0])
+    np.testing.assert_array_equal(
+        batch.write_slots.numpy(), plan.slot_mapping[plan.slot_mapping >= 0]
+    )
 
 
 def test_write_only_touches_owned_slots():

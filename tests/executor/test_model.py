@@ -35,18 +35,30 @@ def prompt(request_id: int, length: int) -> np.ndarray:
     return rng.integers(0, CONFIG.vocab_size, size=length)
 
 
-def run_step(model: TinyTransformer, pool: KVPool, entries: Sequence[Tuple[int, int, np.ndarray]],
-             num_generation: int = 0, all_logits: bool = True) -> torch.Tensor:
+def run_step(
+    model: TinyTransformer,
+    pool: KVPool,
+    entries: Sequence[Tuple[int, int, np.ndarray]],
+    num_generation: int = 0,
+    all_logits: bool = True,
+) -> torch.Tensor:
     """One forward over ``(request_id, start, tokens)`` entries; logits of every token."""
     ids = [e[0] for e in entries]
     width = max(len(TABLES[i]) for i in ids)
     table = np.full((len(ids), width), -1)
     for row, request_id in enumerate(ids):
-        table[row, :len(TABLES[request_id])] = TABLES[request_id]
+        table[row, : len(TABLES[request_id])] = TABLES[request_id]
     counts = [len(e[2]) for e in entries]
     sample = np.arange(sum(counts)) if all_logits else None
-    plan = StepPlan.from_arrays(PLACEMENT, ids, [e[1] for e in entries], [e[2] for e in entries],
-                                table, num_generation=num_generation, sample_index=sample)
+    plan = StepPlan.from_arrays(
+        PLACEMENT,
+        ids,
+        [e[1] for e in entries],
+        [e[2] for e in entries],
+        table,
+        num_generation=num_generation,
+        sample_index=sample,
+    )
     batch = pool.prepare(plan)
     hidden = model.forward(batch, pool)
     return model.logits(hidden[batch.sample_index])
@@ -73,7 +85,7 @@ def test_chunked_prefill_matches_unchunked(model, chunks):
     pieces: List[torch.Tensor] = []
     start = 0
     for length in chunks:
-        pieces.append(run_step(model, chunked_pool, [(1, start, tokens[start:start + length])]))
+        pieces.append(run_step(model, chunked_pool, [(1, start, tokens[start : start + length])]))
         start += length
     torch.testing.assert_close(torch.cat(pieces), whole, atol=TOL, rtol=TOL)
     for got, want in zip(kv_of(chunked_pool, 1, 37), kv_of(whole_pool, 1, 37)):
@@ -86,7 +98,7 @@ def test_decode_steps_match_prefill(model):
     pool = new_pool(model)
     pieces = [run_step(model, pool, [(2, 0, tokens[:18])])]
     for pos in range(18, 23):
-        pieces.append(run_step(model, pool, [(2, pos, tokens[pos:pos + 1])], num_generation=1))
+        pieces.append(run_step(model, pool, [(2, pos, tokens[pos : pos + 1])], num_generation=1))
     torch.testing.assert_close(torch.cat(pieces), whole, atol=TOL, rtol=TOL)
 
 
@@ -110,8 +122,7 @@ def test_batched_prefill_of_uneven_requests_matches_one_by_one(model):
     alone_first = run_step(model, new_pool(model), [(1, 0, first)])
     alone_second = run_step(model, new_pool(model), [(2, 0, second)])
     together = run_step(model, new_pool(model), [(1, 0, first), (2, 0, second)])
-    torch.testing.assert_close(together, torch.cat([alone_first, alone_second]), atol=TOL,
-                               rtol=TOL)
+    torch.testing.assert_close(together, torch.cat([alone_first, alone_second]), atol=TOL, rtol=TOL)
 
 
 def test_weights_are_deterministic_and_seeded():
@@ -135,6 +146,10 @@ def test_float32_model_is_close_to_float64(model):
 def test_paged_forward_matches_dense_reference(model):
     tokens = prompt(1, 37)
     pool = new_pool(model)
-    paged = torch.cat([run_step(model, pool, [(1, 0, tokens[:13])]),
-                       run_step(model, pool, [(1, 13, tokens[13:])])])
+    paged = torch.cat(
+        [
+            run_step(model, pool, [(1, 0, tokens[:13])]),
+            run_step(model, pool, [(1, 13, tokens[13:])]),
+        ]
+    )
     torch.testing.assert_close(paged, dense_logits(model, tokens), atol=TOL, rtol=TOL)

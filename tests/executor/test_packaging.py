@@ -7,9 +7,11 @@ import sys
 
 
 def test_import_helix_kv_does_not_import_torch_or_the_executor():
-    code = ("import sys, helix_kv; "
-            "assert 'torch' not in sys.modules, 'torch imported'; "
-            "assert 'helix_kv.executor' not in sys.modules, 'executor imported'")
+    code = (
+        "import sys, helix_kv; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert 'helix_kv.executor' not in sys.modules, 'executor imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -47,13 +47,13 @@ def compare_runs(reference: RunResult, other: RunResult, atol: float) -> Agreeme
         result.max_logit_diff = max(result.max_logit_diff, diff)
         result.compared_rows += rows
         if diff > atol:
-            result.unexplained.append(
-                f"request {request_id}: logits differ by {diff:.3g} > {atol}")
+            result.unexplained.append(f"request {request_id}: logits differ by {diff:.3g} > {atol}")
         if part is not None:
             result.diverged.append(request_id)
             top_two = np.sort(want_logits[part])[-2:]
             gap = float(top_two[1] - top_two[0])
             if gap > 2 * atol:
                 result.unexplained.append(
-                    f"request {request_id}: tokens part at {part} with a top-2 gap of {gap:.3g}")
+                    f"request {request_id}: tokens part at {part} with a top-2 gap of {gap:.3g}"
+                )
     return result

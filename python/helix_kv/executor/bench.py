@@ -15,8 +15,16 @@ from helix_kv.executor.model import TinyConfig
 from helix_kv.executor.runner import ExecutorConfig, RunResult, run_group, run_rank
 
 #: A model big enough that the GPU does real work per step, small enough to build in seconds.
-BENCH_MODEL = TinyConfig(vocab_size=4096, hidden_size=1024, num_layers=4, num_heads=16,
-                         num_kv_heads=4, head_dim=64, intermediate_size=2816, seed=0)
+BENCH_MODEL = TinyConfig(
+    vocab_size=4096,
+    hidden_size=1024,
+    num_layers=4,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=64,
+    intermediate_size=2816,
+    seed=0,
+)
 
 
 @dataclass(frozen=True)
@@ -37,8 +45,7 @@ class BenchSpec:
     seed: int = 0
 
 
-def synthetic_prompts(count: int, length: int, vocab_size: int, seed: int
-                      ) -> Dict[int, List[int]]:
+def synthetic_prompts(count: int, length: int, vocab_size: int, seed: int) -> Dict[int, List[int]]:
     """``count`` random prompts of ``length`` tokens, ids ``0..count-1``."""
     rng = np.random.default_rng(seed)
     return {i: rng.integers(0, vocab_size, size=length).tolist() for i in range(count)}
@@ -53,10 +60,15 @@ def executor_config(spec: BenchSpec, time_table_build: bool) -> ExecutorConfig:
     else:
         superblocks = max(1, spec.kv_tokens // superblock)
     return ExecutorConfig(
-        cp=spec.cp, tokens_per_block=spec.tokens_per_block,
-        kv_superblocks=superblocks, max_batch_size=spec.max_batch_size,
-        max_num_tokens=spec.max_num_tokens, model=spec.model, dtype=spec.dtype,
-        device=spec.device, time_table_build=time_table_build,
+        cp=spec.cp,
+        tokens_per_block=spec.tokens_per_block,
+        kv_superblocks=superblocks,
+        max_batch_size=spec.max_batch_size,
+        max_num_tokens=spec.max_num_tokens,
+        model=spec.model,
+        dtype=spec.dtype,
+        device=spec.device,
+        time_table_build=time_table_build,
     )
 
 
@@ -64,8 +76,10 @@ def measure(spec: BenchSpec, timeout_s: float = 300.0) -> Dict[str, float]:
     """Run the workload twice on one group: once timing the table build (a device sync per
     step), once untimed for throughput. Returns rank 0's figures."""
     prompts = synthetic_prompts(spec.requests, spec.prompt_len, spec.model.vocab_size, spec.seed)
-    jobs = [(prompts, spec.new_tokens, executor_config(spec, time_table_build=True)),
-            (prompts, spec.new_tokens, executor_config(spec, time_table_build=False))]
+    jobs = [
+        (prompts, spec.new_tokens, executor_config(spec, time_table_build=True)),
+        (prompts, spec.new_tokens, executor_config(spec, time_table_build=False)),
+    ]
     if spec.cp == 1:
         timed, untimed = (run_rank(*job) for job in jobs)
     else:
@@ -94,9 +108,14 @@ def figures(timed: RunResult, untimed: RunResult) -> Dict[str, float]:
 
 def format_figures(spec: BenchSpec, numbers: Dict[str, float]) -> str:
     """One readable line per figure."""
-    device = (torch.cuda.get_device_name(0) if spec.device == "cuda" and torch.cuda.is_available()
-              else spec.device)
-    head = (f"helix_kv executor: cp={spec.cp} {spec.dtype} on {device}, {spec.requests} requests "
-            f"x {spec.prompt_len} prompt + {spec.new_tokens} new, tpb={spec.tokens_per_block}")
+    device = (
+        torch.cuda.get_device_name(0)
+        if spec.device == "cuda" and torch.cuda.is_available()
+        else spec.device
+    )
+    head = (
+        f"helix_kv executor: cp={spec.cp} {spec.dtype} on {device}, {spec.requests} requests "
+        f"x {spec.prompt_len} prompt + {spec.new_tokens} new, tpb={spec.tokens_per_block}"
+    )
     lines = [head] + [f"  {name}: {value:,.1f}" for name, value in numbers.items()]
     return "\n".join(lines)

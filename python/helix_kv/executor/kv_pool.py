@@ -113,8 +113,12 @@ class KVPool:
 
     @staticmethod
     def superblocks_for_bytes(
-        byte_budget: int, num_layers: int, num_kv_heads: int, head_dim: int,
-        tokens_per_block: int, dtype: torch.dtype,
+        byte_budget: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        tokens_per_block: int,
+        dtype: torch.dtype,
     ) -> int:
         """Whole pages (= superblocks) one rank's KV byte budget holds (before the MIN sync)."""
         element = torch.empty((), dtype=dtype).element_size()
@@ -134,25 +138,54 @@ class KVPool:
         group_bounds = _group_bounds(plan)
         host_groups = [_host_group(plan, start, end) for start, end in group_bounds]
         host_arrays: List[np.ndarray] = [
-            plan.token_ids, plan.positions(), plan.slot_mapping, owned,
-            plan.slot_mapping[owned], plan.block_table, plan.local_lens, plan.past_seen_lens,
+            plan.token_ids,
+            plan.positions(),
+            plan.slot_mapping,
+            owned,
+            plan.slot_mapping[owned],
+            plan.block_table,
+            plan.local_lens,
+            plan.past_seen_lens,
             plan.sample_index,
         ]
         for group in host_groups:
             host_arrays.extend(group.arrays)
         staged = self._stager.stage(host_arrays)
-        (token_ids, positions, slot_mapping, write_index, write_slots, block_table, local_lens,
-         past_seen, sample_index) = staged[:9]
+        (
+            token_ids,
+            positions,
+            slot_mapping,
+            write_index,
+            write_slots,
+            block_table,
+            local_lens,
+            past_seen,
+            sample_index,
+        ) = staged[:9]
         groups = []
         base = 9
         for host, (start, end) in zip(host_groups, group_bounds):
-            pages, query_index, query_positions, *unpad = staged[base:base + len(host.arrays)]
+            pages, query_index, query_positions, *unpad = staged[base : base + len(host.arrays)]
             base += len(host.arrays)
             key_positions = self._key_positions(local_lens[start:end], host.width)
-            groups.append(AttentionGroup(query_index, query_positions, pages, key_positions,
-                                         unpad[0] if unpad else None))
-        return StepBatch(plan, token_ids, positions, slot_mapping, write_index, write_slots,
-                         block_table, local_lens, past_seen, sample_index, tuple(groups))
+            groups.append(
+                AttentionGroup(
+                    query_index, query_positions, pages, key_positions, unpad[0] if unpad else None
+                )
+            )
+        return StepBatch(
+            plan,
+            token_ids,
+            positions,
+            slot_mapping,
+            write_index,
+            write_slots,
+            block_table,
+            local_lens,
+            past_seen,
+            sample_index,
+            tuple(groups),
+        )
 
     def _key_positions(self, local_lens: torch.Tensor, width: int) -> torch.Tensor:
         """``[entries, width * tpb]`` global positions of local keys, padding int64 max."""
@@ -161,8 +194,9 @@ class KVPool:
             grown = max(keys, 2 * self._local_index.numel())
             local = np.arange(grown, dtype=np.int64)
             self._local_index = torch.from_numpy(local).to(self.device)
-            self._local_positions = torch.from_numpy(
-                self.placement.global_positions(local)).to(self.device)
+            self._local_positions = torch.from_numpy(self.placement.global_positions(local)).to(
+                self.device
+            )
         visible = self._local_index[:keys] < local_lens[:, None]
         return torch.where(visible, self._local_positions[:keys], PAD_KEY_POSITION)
 
@@ -216,8 +250,9 @@ def _host_group(plan: StepPlan, start: int, end: int) -> _HostGroup:
     width = max(1, -(-int(plan.local_lens[start:end].max()) // tpb))
     table = plan.block_table
     if table.ndim != 2 or table.shape[1] < width:
-        raise ValueError(f"block table of shape {table.shape} cannot hold "
-                         f"{width} pages of {tpb} local tokens")
+        raise ValueError(
+            f"block table of shape {table.shape} cannot hold {width} pages of {tpb} local tokens"
+        )
     pages = np.maximum(table[start:end, :width], 0)  # -1 padding -> page 0, masked
     arrays = [pages, query_index, query_positions]
     if not valid.all():

@@ -44,8 +44,17 @@ def spawn_group(
         init_method = f"file://{Path(scratch) / 'store'}"
         mp.spawn(
             _rank_main,
-            args=(world_size, worker, tuple(args), backend, init_method, timeout_s,
-                  threads_per_rank, rank_env, scratch),
+            args=(
+                world_size,
+                worker,
+                tuple(args),
+                backend,
+                init_method,
+                timeout_s,
+                threads_per_rank,
+                rank_env,
+                scratch,
+            ),
             nprocs=world_size,
             join=True,
         )
@@ -56,21 +65,30 @@ def spawn_group(
     return results
 
 
-def init_rank(
-    rank: int, world_size: int, backend: str, init_method: str, timeout_s: float
-) -> None:
+def init_rank(rank: int, world_size: int, backend: str, init_method: str, timeout_s: float) -> None:
     """Join the process group as ``rank`` (NCCL: on GPU ``rank % device_count``)."""
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+        backend=backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
 
 
 def _rank_main(
-    rank: int, world_size: int, worker: Callable[..., Any], args: tuple, backend: str,
-    init_method: str, timeout_s: float, threads: int, env: Dict[str, str], scratch: str,
+    rank: int,
+    world_size: int,
+    worker: Callable[..., Any],
+    args: tuple,
+    backend: str,
+    init_method: str,
+    timeout_s: float,
+    threads: int,
+    env: Dict[str, str],
+    scratch: str,
 ) -> None:
     os.environ.update(env)
     torch.set_num_threads(threads)

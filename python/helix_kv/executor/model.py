@@ -63,7 +63,9 @@ class TinyTransformer:
     """
 
     def __init__(
-        self, config: TinyConfig, dtype: torch.dtype = torch.float64,
+        self,
+        config: TinyConfig,
+        dtype: torch.dtype = torch.float64,
         device: torch.device | str = "cpu",
     ) -> None:
         self.config = config
@@ -83,38 +85,53 @@ class TinyTransformer:
         self.embedding = draw(c.vocab_size, c.hidden_size, std=1.0)
         self.layers = []
         for _ in range(c.num_layers):
-            self.layers.append({
-                "attn_norm": ones(c.hidden_size),
-                "wq": draw(c.hidden_size, q_width, std=c.hidden_size ** -0.5),
-                "wk": draw(c.hidden_size, kv_width, std=c.hidden_size ** -0.5),
-                "wv": draw(c.hidden_size, kv_width, std=c.hidden_size ** -0.5),
-                "wo": draw(q_width, c.hidden_size, std=q_width ** -0.5),
-                "mlp_norm": ones(c.hidden_size),
-                "w_gate": draw(c.hidden_size, c.intermediate_size, std=c.hidden_size ** -0.5),
-                "w_up": draw(c.hidden_size, c.intermediate_size, std=c.hidden_size ** -0.5),
-                "w_down": draw(c.intermediate_size, c.hidden_size,
-                               std=c.intermediate_size ** -0.5),
-            })
+            self.layers.append(
+                {
+                    "attn_norm": ones(c.hidden_size),
+                    "wq": draw(c.hidden_size, q_width, std=c.hidden_size**-0.5),
+                    "wk": draw(c.hidden_size, kv_width, std=c.hidden_size**-0.5),
+                    "wv": draw(c.hidden_size, kv_width, std=c.hidden_size**-0.5),
+                    "wo": draw(q_width, c.hidden_size, std=q_width**-0.5),
+                    "mlp_norm": ones(c.hidden_size),
+                    "w_gate": draw(c.hidden_size, c.intermediate_size, std=c.hidden_size**-0.5),
+                    "w_up": draw(c.hidden_size, c.intermediate_size, std=c.hidden_size**-0.5),
+                    "w_down": draw(
+                        c.intermediate_size, c.hidden_size, std=c.intermediate_size**-0.5
+                    ),
+                }
+            )
         for weights in self.layers:  # one projection for q, k and v (same numbers)
             weights["wqkv"] = torch.cat([weights["wq"], weights["wk"], weights["wv"]], dim=1)
         self.final_norm = ones(c.hidden_size)
         if c.tie_embeddings:
             self.lm_head = self.embedding.t()
         else:
-            self.lm_head = draw(c.hidden_size, c.vocab_size, std=c.hidden_size ** -0.5)
+            self.lm_head = draw(c.hidden_size, c.vocab_size, std=c.hidden_size**-0.5)
         half = c.head_dim // 2
         exponents = torch.arange(half, dtype=torch.float64) * 2.0 / c.head_dim
-        self._inv_freq = (c.rope_theta ** -exponents).to(self.device)
+        self._inv_freq = (c.rope_theta**-exponents).to(self.device)
 
-    def new_kv_pool(self, placement: RankPlacement, capacity_superblocks: int,
-                    kv_dtype: Optional[torch.dtype] = None) -> KVPool:
+    def new_kv_pool(
+        self,
+        placement: RankPlacement,
+        capacity_superblocks: int,
+        kv_dtype: Optional[torch.dtype] = None,
+    ) -> KVPool:
         """A KV pool shaped for this model on its device."""
-        return KVPool(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim,
-                      placement, capacity_superblocks, kv_dtype or self.dtype, self.device)
+        return KVPool(
+            self.config.num_layers,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            placement,
+            capacity_superblocks,
+            kv_dtype or self.dtype,
+            self.device,
+        )
 
     @torch.no_grad()
-    def forward(self, batch: StepBatch, pool: KVPool, combine: Optional[Combine] = None
-                ) -> torch.Tensor:
+    def forward(
+        self, batch: StepBatch, pool: KVPool, combine: Optional[Combine] = None
+    ) -> torch.Tensor:
         """Run the step's tokens, writing their KV to ``pool``; final hidden states ``[tokens, H]``.
 
         ``combine`` merges this rank's partial attention with its peers' (default: all-gather
@@ -125,8 +142,9 @@ class TinyTransformer:
         cos, sin = self._rope_tables(batch.positions)
         for layer, weights in enumerate(self.layers):
             attn_in = _rms_norm(hidden, weights["attn_norm"], self.config.rms_eps)
-            hidden = hidden + self._attention(layer, weights, attn_in, cos, sin, batch, pool,
-                                              combine)
+            hidden = hidden + self._attention(
+                layer, weights, attn_in, cos, sin, batch, pool, combine
+            )
             mlp_in = _rms_norm(hidden, weights["mlp_norm"], self.config.rms_eps)
             gate = torch.nn.functional.silu(mlp_in @ weights["w_gate"])
             hidden = hidden + (gate * (mlp_in @ weights["w_up"])) @ weights["w_down"]
@@ -137,22 +155,33 @@ class TinyTransformer:
         return hidden @ self.lm_head
 
     def _attention(
-        self, layer: int, weights: Dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
-        sin: torch.Tensor, batch: StepBatch, pool: KVPool, combine: Combine,
+        self,
+        layer: int,
+        weights: Dict[str, torch.Tensor],
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: StepBatch,
+        pool: KVPool,
+        combine: Combine,
     ) -> torch.Tensor:
         c = self.config
         tokens = x.shape[0]
         qkv = (x @ weights["wqkv"]).view(tokens, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
-        rotated = _apply_rope(qkv[:, :c.num_heads + c.num_kv_heads], cos, sin)
-        query, key = rotated[:, :c.num_heads], rotated[:, c.num_heads:]
-        value = qkv[:, c.num_heads + c.num_kv_heads:]
+        rotated = _apply_rope(qkv[:, : c.num_heads + c.num_kv_heads], cos, sin)
+        query, key = rotated[:, : c.num_heads], rotated[:, c.num_heads :]
+        value = qkv[:, c.num_heads + c.num_kv_heads :]
         pool.write(layer, batch, key, value)
         outputs, lses = [], []
         for group in batch.groups:
             keys, values = pool.gather(layer, group)
-            part = partial_attention(query[group.query_index], keys.to(query.dtype),
-                                     values.to(query.dtype), group.query_positions,
-                                     group.key_positions)
+            part = partial_attention(
+                query[group.query_index],
+                keys.to(query.dtype),
+                values.to(query.dtype),
+                group.query_positions,
+                group.key_positions,
+            )
             output = part.output.reshape(-1, c.num_heads, c.head_dim)
             lse = part.lse.reshape(-1, c.num_heads)
             if group.unpad_index is not None:

@@ -26,8 +26,9 @@ class RankPlacement:
 
     def __post_init__(self) -> None:
         if self.cp < 1 or self.tokens_per_block < 1:
-            raise ValueError(f"cp ({self.cp}) and tokens_per_block ({self.tokens_per_block}) "
-                             "must be at least 1")
+            raise ValueError(
+                f"cp ({self.cp}) and tokens_per_block ({self.tokens_per_block}) must be at least 1"
+            )
         if not 0 <= self.rank < self.cp:
             raise ValueError(f"rank {self.rank} is outside the CP group of {self.cp} ranks")
 

@@ -42,7 +42,7 @@ def dense_logits(model: TinyTransformer, tokens: Sequence[int]) -> torch.Tensor:
         q = rope((x @ w["wq"]).view(n, c.num_heads, c.head_dim))
         k = rope((x @ w["wk"]).view(n, c.num_kv_heads, c.head_dim)).repeat_interleave(repeat, 1)
         v = (x @ w["wv"]).view(n, c.num_kv_heads, c.head_dim).repeat_interleave(repeat, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / c.head_dim ** 0.5
+        scores = torch.einsum("qhd,khd->hqk", q, k) / c.head_dim**0.5
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         hidden = hidden + torch.einsum("hqk,khd->qhd", probs, v).reshape(n, -1) @ w["wo"]
         x = norm(hidden, w["mlp_norm"])
@@ -51,10 +51,11 @@ def dense_logits(model: TinyTransformer, tokens: Sequence[int]) -> torch.Tensor:
     return norm(hidden, model.final_norm) @ model.lm_head
 
 
-def greedy_generate(model: TinyTransformer, prompt: Sequence[int], max_new_tokens: int
-                    ) -> List[int]:
+def greedy_generate(
+    model: TinyTransformer, prompt: Sequence[int], max_new_tokens: int
+) -> List[int]:
     """Greedy tokens after ``prompt``, recomputing the whole sequence for every token."""
     tokens = list(prompt)
     for _ in range(max_new_tokens):
         tokens.append(int(dense_logits(model, tokens)[-1].argmax()))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]

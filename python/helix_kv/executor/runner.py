@@ -33,9 +33,19 @@ from helix_kv.executor.step_plan import StepPlan
 
 Prompts = Mapping[int, Sequence[int]]
 
-SCHEDULER_METRICS = ("steps", "preemptions", "suspensions", "recomputed_tokens",
-                     "computed_tokens", "sat_out", "finished", "kv_used_superblocks",
-                     "kv_capacity_superblocks", "kv_utilization", "kv_utilization_peak")
+SCHEDULER_METRICS = (
+    "steps",
+    "preemptions",
+    "suspensions",
+    "recomputed_tokens",
+    "computed_tokens",
+    "sat_out",
+    "finished",
+    "kv_used_superblocks",
+    "kv_capacity_superblocks",
+    "kv_utilization",
+    "kv_utilization_peak",
+)
 REQUEST_METRICS = ("preemptions", "recomputed_tokens", "steps_waited", "generated_tokens")
 
 
@@ -124,10 +134,14 @@ def run_rank(
     kv_dtype = getattr(torch, config.kv_dtype) if config.kv_dtype else dtype
     model = TinyTransformer(config.model, dtype=dtype, device=device)
     engine = EngineConfig(
-        num_layers=config.model.num_layers, num_kv_heads=config.model.num_kv_heads,
-        head_dim=config.model.head_dim, dtype_bytes=torch.empty((), dtype=kv_dtype).element_size(),
-        tokens_per_block=config.tokens_per_block, max_batch_size=config.max_batch_size,
-        max_num_tokens=config.max_num_tokens, **dict(config.scheduler_options),
+        num_layers=config.model.num_layers,
+        num_kv_heads=config.model.num_kv_heads,
+        head_dim=config.model.head_dim,
+        dtype_bytes=torch.empty((), dtype=kv_dtype).element_size(),
+        tokens_per_block=config.tokens_per_block,
+        max_batch_size=config.max_batch_size,
+        max_num_tokens=config.max_num_tokens,
+        **dict(config.scheduler_options),
     )
 
     def allocate_pool(built: HelixKVRank) -> KVPool:
@@ -135,15 +149,19 @@ def run_rank(
         return model.new_kv_pool(placement, built.capacity_superblocks, kv_dtype)
 
     # quota sync (MIN over the ranks' budgets) + init-status sync + optional schedule check
-    helix = HelixKVRank.create(engine, config.kv_superblocks * engine.page_bytes, group,
-                               allocate=allocate_pool, check_schedule=config.check_schedule)
+    helix = HelixKVRank.create(
+        engine,
+        config.kv_superblocks * engine.page_bytes,
+        group,
+        allocate=allocate_pool,
+        check_schedule=config.check_schedule,
+    )
     if helix.cp_size != config.cp:
         raise ValueError(f"cp = {config.cp} but the process group has {helix.cp_size} ranks")
     rank, scheduler, pool = helix.cp_rank, helix.scheduler, helix.kv_storage
     placement = pool.placement
     for request_id, prompt in prompts.items():
-        budget = (max_new_tokens if isinstance(max_new_tokens, int)
-                  else max_new_tokens[request_id])
+        budget = max_new_tokens if isinstance(max_new_tokens, int) else max_new_tokens[request_id]
         scheduler.add_request(int(request_id), np.asarray(prompt, dtype=np.int32), budget)
 
     combine = group_combine(group)
@@ -172,13 +190,13 @@ def run_rank(
                 _record_logits(logits_rows, sample_ids, logits)
         if config.cp > 1 and len(sample_ids):
             # ranks compute identical logits; broadcasting makes identical tokens a guarantee
-            dist.broadcast(tokens, src=dist.get_global_rank(group, 0) if group else 0,
-                           group=group)
+            dist.broadcast(tokens, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         finished = helix.update(tokens.cpu().numpy().astype(np.int32))
         _account_step(result, out, plan, time.perf_counter() - step_start, decoding)
         for request_id in np.asarray(finished, dtype=np.int64).tolist():
             result.request_metrics[request_id] = _fields(  # before take_output forgets it
-                scheduler.request_metrics(request_id), REQUEST_METRICS)
+                scheduler.request_metrics(request_id), REQUEST_METRICS
+            )
             result.outputs[request_id] = np.asarray(scheduler.take_output(request_id)).tolist()
     result.total_s = time.perf_counter() - started
     result.metrics = _fields(scheduler.metrics(), SCHEDULER_METRICS)
@@ -202,8 +220,14 @@ def run_group(
     for _, _, config in jobs:
         if config.cp != cp:
             raise ValueError(f"job for cp = {config.cp} in a group of {cp}")
-    per_rank = spawn_group(_group_worker, cp, args=(list(jobs),), backend=backend,
-                           timeout_s=timeout_s, threads_per_rank=threads_per_rank)
+    per_rank = spawn_group(
+        _group_worker,
+        cp,
+        args=(list(jobs),),
+        backend=backend,
+        timeout_s=timeout_s,
+        threads_per_rank=threads_per_rank,
+    )
     per_job = [[per_rank[rank][job] for rank in range(cp)] for job in range(len(jobs))]
     for results in per_job:
         check_ranks_agree(results)
@@ -234,15 +258,17 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _record_logits(rows: Dict[int, List[np.ndarray]], sample_ids: np.ndarray,
-                   logits: torch.Tensor) -> None:
+def _record_logits(
+    rows: Dict[int, List[np.ndarray]], sample_ids: np.ndarray, logits: torch.Tensor
+) -> None:
     host = logits.float().cpu().numpy() if logits.dtype == torch.bfloat16 else logits.cpu().numpy()
     for request_id, row in zip(sample_ids.tolist(), host):
         rows.setdefault(request_id, []).append(row)
 
 
-def _account_step(result: RunResult, out: Any, plan: StepPlan, seconds: float,
-                  decoding: set) -> None:
+def _account_step(
+    result: RunResult, out: Any, plan: StepPlan, seconds: float, decoding: set
+) -> None:
     result.digests.append(int(out.digest))
     preempted = np.asarray(out.preempted_ids, dtype=np.int64).tolist()
     result.preempted.append(preempted)

@@ -39,7 +39,7 @@ class HostToDeviceStager:
         tensors = []
         offset = 0
         for array, size in zip(host_arrays, sizes):
-            tensors.append(device_flat[offset:offset + size].view(array.shape))
+            tensors.append(device_flat[offset : offset + size].view(array.shape))
             offset += size
         return tensors
 
@@ -65,5 +65,5 @@ class HostToDeviceStager:
 def _pack(host_arrays: Sequence[np.ndarray], out: np.ndarray) -> None:
     offset = 0
     for array in host_arrays:
-        out[offset:offset + array.size] = array.ravel()
+        out[offset : offset + array.size] = array.ravel()
         offset += array.size

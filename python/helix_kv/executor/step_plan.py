@@ -91,10 +91,12 @@ class StepPlan:
         request_ids = np.concatenate([gen_ids, ctx_ids])
         starts = np.concatenate([np.asarray(out.generation_positions, dtype=np.int64), ctx_starts])
         counts = np.concatenate([np.ones(num_gen, dtype=np.int64), ctx_lens])
-        token_ids = np.concatenate([
-            np.asarray(out.generation_input_tokens, dtype=np.int64),
-            np.asarray(out.context_token_ids, dtype=np.int64),
-        ])
+        token_ids = np.concatenate(
+            [
+                np.asarray(out.generation_input_tokens, dtype=np.int64),
+                np.asarray(out.context_token_ids, dtype=np.int64),
+            ]
+        )
         if request_ids.size:
             block_table = np.asarray(scheduler.block_table(request_ids), dtype=np.int64)
             slot_mapping = np.asarray(
@@ -103,21 +105,36 @@ class StepPlan:
         else:
             block_table = np.zeros((0, 0), dtype=np.int64)
             slot_mapping = np.zeros(0, dtype=np.int64)
-        local_lens = np.concatenate([
-            np.asarray(out.generation_local_lens, dtype=np.int64),
-            placement.local_lens(ctx_starts + ctx_lens),
-        ])
-        past_seen_lens = np.concatenate([
-            np.asarray(out.generation_past_seen_lens, dtype=np.int64),
-            placement.local_lens(ctx_starts),
-        ])
+        local_lens = np.concatenate(
+            [
+                np.asarray(out.generation_local_lens, dtype=np.int64),
+                placement.local_lens(ctx_starts + ctx_lens),
+            ]
+        )
+        past_seen_lens = np.concatenate(
+            [
+                np.asarray(out.generation_past_seen_lens, dtype=np.int64),
+                placement.local_lens(ctx_starts),
+            ]
+        )
         completes = np.asarray(out.context_completes, dtype=bool)
         chunk_ends = num_gen + np.cumsum(ctx_lens) - 1
         sample_index = np.concatenate(
             [np.arange(num_gen, dtype=np.int64), chunk_ends[completes].astype(np.int64)]
         )
-        return cls(placement, request_ids, starts, counts, num_gen, token_ids, block_table,
-                   slot_mapping, local_lens, past_seen_lens, sample_index)
+        return cls(
+            placement,
+            request_ids,
+            starts,
+            counts,
+            num_gen,
+            token_ids,
+            block_table,
+            slot_mapping,
+            local_lens,
+            past_seen_lens,
+            sample_index,
+        )
 
     @classmethod
     def from_arrays(
