@@ -60,6 +60,7 @@ class ScheduleChecker:
                 stacklevel=2,
             )
             return
+        assert self.group is not None
         self._reduce = HostMinAllReduce(self.group, timeout)
 
     def record_update(self, sample_ids: Any, tokens: Any, eos: Optional[Any] = None) -> None:
@@ -108,9 +109,9 @@ class ScheduleChecker:
         records: List[Any] = [None] * self.size
         dist.all_gather_object(records, record, group=self.group)
         error = ScheduleMismatchError(describe_mismatch(records))
-        error.step = int(output.step)
-        error.ranks, error.fields = divergence(records)
-        error.summaries = {r["rank"]: r["summary"] for r in records}
+        ranks, fields = divergence(records)
+        summaries = {r["rank"]: r["summary"] for r in records}
+        vars(error).update(step=int(output.step), ranks=ranks, fields=fields, summaries=summaries)
         raise error
 
 

@@ -112,6 +112,7 @@ class HelixKVRank:
         except Exception as exc:
             failure = exc
         capacity, check = sync.agree_quota(local_superblocks, check, failure)
+        assert local_superblocks is not None  # agree_quota raised otherwise
         if size > 1:
             logger.info(
                 "KV quota agreed by %d CP ranks: %d superblocks (%d global tokens); "

@@ -47,13 +47,15 @@ class HostMinAllReduce:
             self._stream: Optional[torch.cuda.Stream] = None
             return
         self.timeout = timeout or group_timeout(group)
-        self._group = dist.new_group(
+        own = dist.new_group(
             dist.get_process_group_ranks(group),
             backend="nccl",
             timeout=self.timeout,
             pg_options=_one_channel_options(self.timeout),
             use_local_synchronization=True,
         )
+        assert isinstance(own, ProcessGroup)  # this rank is a member
+        self._group = own
         self._device_buf = torch.zeros(2, dtype=torch.int64, device=device)
         self._stream = torch.cuda.Stream(device)
         self._done = torch.cuda.Event()

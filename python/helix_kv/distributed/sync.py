@@ -117,8 +117,10 @@ class GroupSync:
             f"helix_kv construction failed on CP rank(s) {ranks} of {self.size} during the "
             f"{phase} phase, so every rank stops:\n{reasons}"
         )
-        error.failed_ranks = sorted(failed)
-        error.reasons = {rank: f"{name}: {message}" for rank, (name, message, _) in failed.items()}
+        vars(error).update(
+            failed_ranks=sorted(failed),
+            reasons={rank: f"{name}: {message}" for rank, (name, message, _) in failed.items()},
+        )
         raise error from failure
 
     def _raise_check_disagreement(self, check: bool) -> None:
@@ -134,7 +136,7 @@ class GroupSync:
             f"{', '.join(on)}, off for rank(s) {', '.join(off)}): the check is a collective "
             "every rank must run; set it to the same value on every rank"
         )
-        error.failed_ranks = [int(rank) for rank in (off if len(off) <= len(on) else on)]
+        vars(error).update(failed_ranks=[int(r) for r in (off if len(off) <= len(on) else on)])
         raise error
 
     def _lost_peer(self, exc: BaseException) -> InitSyncError:
