@@ -57,8 +57,7 @@ impl Scheduler {
             if generation.get(next_generation) == Some(&req) {
                 request.push_token(tokens[next_generation]);
                 request.computed += 1;
-                finished = request.generated() >= u64::from(request.max_new_tokens)
-                    || ends(next_generation);
+                finished = request.is_complete() || ends(next_generation);
                 next_generation += 1;
             } else if self
                 .context
@@ -70,8 +69,7 @@ impl Scheduler {
                 computed_tokens += len;
                 let new_state = if self.context[next_context].completes {
                     request.push_token(tokens[next_context_sample]);
-                    finished = request.generated() >= u64::from(request.max_new_tokens)
-                        || ends(next_context_sample);
+                    finished = request.is_complete() || ends(next_context_sample);
                     next_context_sample += 1;
                     RequestState::Decoding
                 } else {

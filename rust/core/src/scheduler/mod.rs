@@ -204,15 +204,13 @@ impl Scheduler {
         }
         self.check_fits(id, prompt.len() as u64, u64::from(max_new_tokens))?;
         self.ledger.add(id, prompt.len() as u64)?;
-        let ledger_position = self.ledger.position_of(id)?;
-        let mut request = Request::new(
+        let request = Request::new(
             id,
             prompt,
             max_new_tokens,
             priority,
             self.first_step_for_new_request(),
         );
-        request.ledger_position = ledger_position;
         let slot = if let Some(slot) = self.free_request_slots.pop() {
             self.requests[slot as usize] = request;
             slot
@@ -220,6 +218,9 @@ impl Scheduler {
             self.requests.push(request);
             (self.requests.len() - 1) as ReqSlot
         };
+        // The ledger's slab and `requests` take and give back positions in step, so a
+        // request's slot is also its ledger position (the decode path's lookup hint).
+        debug_assert_eq!(self.ledger.position_of(id).ok(), Some(slot as usize));
         self.index.insert(id, slot);
         self.queue.push(slot);
         self.state_counts[RequestState::Waiting.index()] += 1;
@@ -435,7 +436,7 @@ impl Scheduler {
             for &token in &r.tokens {
                 h.word(u64::from(token as u32));
             }
-            h.u64(r.batch_slot.map_or(u64::MAX, u64::from));
+            h.u64(r.batch_slot.get().map_or(u64::MAX, u64::from));
             h.u64(u64::from(r.preemptions));
             h.u64(u64::from(r.host_superblocks));
         }

@@ -39,36 +39,60 @@ impl RequestState {
 /// Marks "not in any step"; steps are numbered from 0.
 pub(super) const NO_STEP: u64 = u64::MAX;
 
-/// Fields in declaration order (`repr(C)`), the ones every step reads or writes for a
-/// decoding request first, so they share one 64-byte line; the rest (touched by
-/// `update`, preemption and metrics) follow.
+/// A batch slot or none in four bytes (slots are below `max_batch_size` <= 2^31 - 1, so
+/// `u32::MAX` never is one), to keep a decoding request's hot fields on one line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct BatchSlot(u32);
+
+impl BatchSlot {
+    const NONE: u32 = u32::MAX;
+
+    pub const fn none() -> Self {
+        Self(Self::NONE)
+    }
+    pub fn get(self) -> Option<u32> {
+        (self.0 != Self::NONE).then_some(self.0)
+    }
+    pub fn is_none(self) -> bool {
+        self.0 == Self::NONE
+    }
+    pub fn set(&mut self, slot: u32) {
+        debug_assert_ne!(slot, Self::NONE);
+        self.0 = slot;
+    }
+    pub fn take(&mut self) -> Option<u32> {
+        std::mem::replace(self, Self::none()).get()
+    }
+}
+
+/// Fields in declaration order (`repr(C)`): everything a step reads or writes for a
+/// decoding request (`schedule` and `update` alike, the finish check included) comes
+/// first and shares one 64-byte line; the rest (prefill, preemption, metrics) follow.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[repr(C, align(64))]
 pub(super) struct Request {
+    /// Prompt, then every sampled token; folded tokens stay here, so a re-prefill reads
+    /// its chunks straight from this vector.
+    pub tokens: Vec<i32>,
     pub id: RequestId,
     /// Tokens whose KV has been written since the last (re-)prefill began. For a
     /// `Decoding` request `tokens.len() == computed + 1`: the last token is the next input.
     pub computed: u64,
     /// Last step that gave it a context or generation entry.
     pub scheduled_step: u64,
+    /// Persistent batch slot, if held.
+    pub batch_slot: BatchSlot,
+    /// `tokens.last()`, kept here so the per-step decode path does not touch the token
+    /// buffer (a cache miss per request).
+    pub last_token: i32,
+    /// `max_new_tokens - generated()`: the finish check without reading the cold line.
+    pub remaining_tokens: u32,
+    pub state: RequestState,
+
     /// Last step that preempted or suspended it.
     pub victim_step: u64,
     /// Last step that resumed it from the host tier.
     pub resumed_step: u64,
-    /// Its position in the ledger's storage (stable while held): skips the id lookup.
-    pub ledger_position: usize,
-    /// Persistent batch slot, if held.
-    pub batch_slot: Option<u32>,
-    /// `tokens.last()`, kept here so the per-step decode path does not touch the token
-    /// buffer (a cache miss per request).
-    pub last_token: i32,
-    pub state: RequestState,
-    /// Set by `update` when it finishes; such requests leave the queue in the same call.
-    pub finished: bool,
-
-    /// Prompt, then every sampled token; folded tokens stay here, so a re-prefill reads
-    /// its chunks straight from this vector.
-    pub tokens: Vec<i32>,
     /// Length of the prompt as added; `tokens.len() - original_prompt_len` is the number
     /// of tokens generated so far, across preemptions.
     pub original_prompt_len: u64,
@@ -109,8 +133,9 @@ impl Request {
             original_prompt_len: prompt.len() as u64,
             computed: 0,
             max_new_tokens,
+            remaining_tokens: max_new_tokens,
             priority,
-            batch_slot: None,
+            batch_slot: BatchSlot::none(),
             host_superblocks: 0,
             suspended_from: RequestState::Waiting,
             preemptions: 0,
@@ -120,9 +145,7 @@ impl Request {
             scheduled_step: NO_STEP,
             victim_step: NO_STEP,
             resumed_step: NO_STEP,
-            ledger_position: 0,
             sat_out_slot: None,
-            finished: false,
         }
     }
 
@@ -130,6 +153,12 @@ impl Request {
     pub fn push_token(&mut self, token: i32) {
         self.tokens.push(token);
         self.last_token = token;
+        self.remaining_tokens = self.remaining_tokens.saturating_sub(1);
+    }
+
+    /// Whether it has generated `max_new_tokens` (reads only the hot line).
+    pub fn is_complete(&self) -> bool {
+        self.remaining_tokens == 0
     }
 
     /// Tokens sampled so far, across preemptions.
@@ -143,3 +172,7 @@ impl Request {
         self.tokens.len() as u64
     }
 }
+
+// The decode path's fields must stay on the first line.
+const _: () = assert!(std::mem::offset_of!(Request, state) < 64);
+const _: () = assert!(std::mem::offset_of!(Request, victim_step) == 64);

@@ -98,9 +98,10 @@ impl Scheduler {
             // Out of budget: not scheduled, keeps its slot; not a sit-out.
             return Ok(());
         }
-        let (id, ledger_position) = (request.id, request.ledger_position);
+        let id = request.id;
         loop {
-            if let Some(position) = self.ledger.allocate_decode_at(ledger_position, id, step)? {
+            // The request's slot is its ledger position (see `add_request`).
+            if let Some(position) = self.ledger.allocate_decode_at(req as usize, id, step)? {
                 self.push_generation_entry(step, req, position);
                 return Ok(());
             }
@@ -133,7 +134,7 @@ impl Scheduler {
         debug_assert_eq!(position, request.computed);
         let entry = self.building.generation_ids.len();
         request.scheduled_step = step;
-        let slot = if let Some(slot) = request.batch_slot {
+        let slot = if let Some(slot) = request.batch_slot.get() {
             slot as i32
         } else {
             self.step_new_slots += 1;
@@ -220,7 +221,7 @@ impl Scheduler {
         out.context_lens.push(len);
         out.context_completes.push(end == request.prefill_len());
         out.context_batch_slots
-            .push(request.batch_slot.map_or(-1, |slot| slot as i32));
+            .push(request.batch_slot.get().map_or(-1, |slot| slot as i32));
         out.context_token_ids
             .extend_from_slice(&request.tokens[start as usize..end as usize]);
         self.context.push(ContextEntry {
@@ -374,7 +375,7 @@ impl Scheduler {
                 .batch_slots
                 .take_lowest()
                 .expect("a free batch slot was counted for this entry");
-            request.batch_slot = Some(slot);
+            request.batch_slot.set(slot);
             self.new_slot_reqs.push(req);
             self.building.generation_batch_slots[entry as usize] = slot as i32;
         }
@@ -385,7 +386,7 @@ impl Scheduler {
                     .batch_slots
                     .take_lowest()
                     .expect("a free batch slot was counted for this entry");
-                request.batch_slot = Some(slot);
+                request.batch_slot.set(slot);
                 self.new_slot_reqs.push(entry.req);
                 self.building.context_batch_slots[i] = slot as i32;
             }
@@ -507,7 +508,7 @@ impl Scheduler {
             let request = &mut self.requests[req as usize];
             if let Some(slot) = request.sat_out_slot.take() {
                 self.batch_slots.take(slot);
-                request.batch_slot = Some(slot);
+                request.batch_slot.set(slot);
             }
         }
     }
