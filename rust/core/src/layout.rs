@@ -80,7 +80,13 @@ impl Layout {
 
     /// Superblocks a length-`n` sequence occupies: `ceil(n / (tpb * cp))`.
     pub fn superblocks_for(self, n: u64) -> u64 {
-        n.div_ceil(self.tokens_per_superblock())
+        let per = self.tokens_per_superblock();
+        if per.is_power_of_two() {
+            // The usual layouts (powers of two for both factors): a shift, not a division.
+            (n >> per.trailing_zeros()) + u64::from(n & (per - 1) != 0)
+        } else {
+            n.div_ceil(per)
+        }
     }
 
     /// Index of superblock that holds global position `pos`.

@@ -306,7 +306,9 @@ impl Ledger {
             return false;
         }
         let split = self.free.len() - extra;
-        request.table.extend(self.free.drain(split..).rev());
+        // The top of the stack, last first (a slice copy: no drain machinery).
+        request.table.extend(self.free[split..].iter().rev());
+        self.free.truncate(split);
         request.len = new_len;
         true
     }
@@ -319,9 +321,16 @@ impl Ledger {
     }
 
     fn shrink_slot(&mut self, slot: usize, new_len: u64) {
-        let keep = self.layout.superblocks_for(new_len) as usize;
+        let keep = if new_len == 0 {
+            0 // free, recompute-pause, suspend
+        } else {
+            self.layout.superblocks_for(new_len) as usize
+        };
         let request = &mut self.requests[slot];
-        self.free.extend(request.table.drain(keep..).rev());
+        if let Some(released) = request.table.get(keep..) {
+            self.free.extend(released.iter().rev());
+            request.table.truncate(keep);
+        }
         request.len = new_len;
     }
 
@@ -373,17 +382,17 @@ impl Ledger {
     /// Slots of `ids`, refusing unknown ids and ids repeated within the batch.
     fn unique_slots(&self, ids: &[RequestId]) -> Result<Vec<usize>> {
         let mut seen = vec![false; self.requests.len()];
-        ids.iter()
-            .map(|&id| {
-                let slot = self.slot_of(id)?;
-                if std::mem::replace(&mut seen[slot], true) {
-                    return Err(CoreError::InvalidArgument(format!(
-                        "request {id} appears twice in one batch"
-                    )));
-                }
-                Ok(slot)
-            })
-            .collect()
+        let mut slots = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let slot = self.slot_of(id)?;
+            if std::mem::replace(&mut seen[slot], true) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "request {id} appears twice in one batch"
+                )));
+            }
+            slots.push(slot);
+        }
+        Ok(slots)
     }
 
     /// Batch grow: `ok[i]` says whether `ids[i]` reached `new_lens[i]`. The whole batch is
@@ -418,8 +427,24 @@ impl Ledger {
 
     /// Batch free; validated whole before anything is freed.
     pub fn free_many(&mut self, ids: &[RequestId]) -> Result<()> {
-        for slot in self.unique_slots(ids)? {
-            self.remove_slot(slot);
+        // One index probe per id: each is taken out of the index straight away. An
+        // unknown or repeated id puts back every one taken (the index is looked up,
+        // never iterated, so that leaves no trace) and reports what validation finds.
+        let mut slots = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let Some(slot) = self.index.remove(&id) else {
+                for (&id, &slot) in ids.iter().zip(&slots) {
+                    self.index.insert(id, slot);
+                }
+                return Err(self
+                    .unique_slots(ids)
+                    .expect_err("a batch with an unknown or repeated id fails validation"));
+            };
+            slots.push(slot);
+        }
+        for slot in slots {
+            self.shrink_slot(slot, 0);
+            self.vacate(slot);
         }
         Ok(())
     }

@@ -176,3 +176,22 @@ fn free_list_order_is_deterministic() {
     assert!(ledger.grow(2, 64 * 3).unwrap());
     assert_eq!(ledger.request(2).unwrap().table(), &[3, 0, 1]);
 }
+
+#[test]
+fn a_refused_free_many_changes_nothing_and_names_the_first_bad_id() {
+    let layout = Layout::new(2, 4).unwrap();
+    let mut ledger = Ledger::new(layout, 8).unwrap();
+    ledger.add_many(&[1, 2, 3], &[0, 0, 0]).unwrap();
+    let mut ok = Vec::new();
+    ledger.grow_many(&[1, 2, 3], &[8, 9, 17], &mut ok).unwrap();
+    let (before, digest) = (ledger.clone(), ledger.state_digest());
+    let repeated = ledger.free_many(&[2, 1, 2, 9]).unwrap_err().to_string();
+    assert!(repeated.contains("request 2 appears twice"), "{repeated}");
+    let unknown = ledger.free_many(&[3, 9, 3]).unwrap_err().to_string();
+    assert!(unknown.contains('9'), "{unknown}");
+    assert_eq!(ledger, before);
+    assert_eq!(ledger.state_digest(), digest);
+    // Every id is still found after the roll-back.
+    ledger.free_many(&[3, 1, 2]).unwrap();
+    assert_eq!(ledger.free_superblocks(), 8);
+}

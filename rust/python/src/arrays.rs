@@ -24,19 +24,18 @@ pub fn int64_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<PyReadonlyArray1<'p
 
 /// Copies `values` into a `u64` vector, refusing negatives (`what` names them in the error).
 pub fn non_negative(values: &[i64], what: &str, length: bool) -> PyResult<Vec<u64>> {
-    values
-        .iter()
-        .map(|&v| {
-            u64::try_from(v).map_err(|_| {
-                let message = format!("{what} must be non-negative, got {v}");
-                if length {
-                    InvalidLengthError::new_err(message)
-                } else {
-                    InvalidArgumentError::new_err(message)
-                }
-            })
-        })
-        .collect()
+    // One branch-free pass finds out whether any value is negative; then a plain
+    // (vectorised) copy of the right size. The slow search only names the culprit.
+    if values.iter().fold(0, |acc, &v| acc | v) >= 0 {
+        return Ok(values.iter().map(|&v| v as u64).collect());
+    }
+    let v = values.iter().copied().find(|&v| v < 0).unwrap_or_default();
+    let message = format!("{what} must be non-negative, got {v}");
+    Err(if length {
+        InvalidLengthError::new_err(message)
+    } else {
+        InvalidArgumentError::new_err(message)
+    })
 }
 
 /// A non-negative length from a Python int.
