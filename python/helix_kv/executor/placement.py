@@ -1,17 +1,20 @@
-"""The Helix token placement as vectorised numpy/torch formulas (DESIGN.md section 2).
+"""One rank's view of the Helix token placement (DESIGN.md section 2), for the executor.
 
-The Rust core (``helix_kv.Layout``) is the source of truth; these are the same closed forms
-for arrays the executor builds per step, so that no step needs a per-request Python loop and
-device tensors never round-trip through the host. Pages of ``tokens_per_block`` (tpb) tokens
-are dealt round-robin over the ``cp`` ranks; superblock id == physical page id on every rank.
+The layout math itself is ``helix_kv.Layout`` (Rust, numpy batch forms); this binds it to a
+rank so the executor's per-step arrays are built without a per-request Python loop. Pages of
+``tokens_per_block`` tokens are dealt round-robin over the ``cp`` ranks; superblock id ==
+physical page id on every rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import numpy.typing as npt
+
+from helix_kv import Layout
 
 IntArray = npt.NDArray[np.int64]
 
@@ -33,31 +36,34 @@ class RankPlacement:
             raise ValueError(f"rank {self.rank} is outside the CP group of {self.cp} ranks")
 
     @property
+    def layout(self) -> Layout:
+        """The group's ``helix_kv.Layout`` (cached; the placement itself stays picklable)."""
+        return _layout(self.cp, self.tokens_per_block)
+
+    @property
     def tokens_per_superblock(self) -> int:
         """Global tokens covered by one superblock (one page on every rank)."""
-        return self.cp * self.tokens_per_block
+        return int(self.layout.tokens_per_superblock)
 
     def local_lens(self, lengths: npt.ArrayLike) -> IntArray:
         """Tokens this rank holds of sequences of the given global lengths (closed form)."""
         n = np.asarray(lengths, dtype=np.int64)
-        tpb = self.tokens_per_block
-        full, rem = np.divmod(n, self.tokens_per_superblock)
-        return full * tpb + np.clip(rem - self.rank * tpb, 0, tpb)
+        return self.layout.local_lens(n.ravel(), self.rank).reshape(n.shape)
 
     def owner_ranks(self, positions: npt.ArrayLike) -> IntArray:
         """The rank holding each global position: ``(pos // tpb) % cp``."""
-        return (np.asarray(positions, dtype=np.int64) // self.tokens_per_block) % self.cp
+        pos = np.asarray(positions, dtype=np.int64)
+        return self.layout.owner_ranks(pos.ravel()).astype(np.int64).reshape(pos.shape)
 
     def superblocks_for(self, lengths: npt.ArrayLike) -> IntArray:
         """Superblocks a sequence of each global length occupies."""
         n = np.asarray(lengths, dtype=np.int64)
-        return -(-n // self.tokens_per_superblock)
+        return self.layout.superblocks_for_many(n.ravel()).reshape(n.shape)
 
     def global_positions(self, local_indices: npt.ArrayLike) -> IntArray:
         """Global position of this rank's ``j``-th local token."""
         j = np.asarray(local_indices, dtype=np.int64)
-        tpb = self.tokens_per_block
-        return (j // tpb) * self.tokens_per_superblock + self.rank * tpb + j % tpb
+        return self.layout.global_positions(self.rank, j.ravel()).reshape(j.shape)
 
     def slot_mapping(
         self, block_table: npt.ArrayLike, rows: npt.ArrayLike, positions: npt.ArrayLike
@@ -73,3 +79,8 @@ class RankPlacement:
         pages = table[np.asarray(rows, dtype=np.int64), pos // self.tokens_per_superblock]
         mine = self.owner_ranks(pos) == self.rank
         return np.where(mine, pages * tpb + pos % tpb, -1)
+
+
+@cache
+def _layout(cp: int, tokens_per_block: int) -> Layout:
+    return Layout(cp, tokens_per_block)
