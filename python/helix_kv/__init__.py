@@ -9,6 +9,7 @@ this package re-exports them. ``import helix_kv`` never imports torch: the torch
 from helix_kv._core import (
     ConfigError,
     ConfigGuardError,
+    ConfigMismatchError,
     DeadlockError,
     DecodeView,
     DuplicateRequestError,
@@ -36,6 +37,7 @@ from helix_kv.sim import SimulatedCPGroup
 __all__ = [
     "ConfigError",
     "ConfigGuardError",
+    "ConfigMismatchError",
     "DeadlockError",
     "DecodeView",
     "DuplicateRequestError",

@@ -11,7 +11,8 @@ import logging
 import os
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional
+import weakref
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -46,6 +47,7 @@ def describe(exc: BaseException, started: float) -> Dict[str, Any]:
         "is_guard": isinstance(exc, helix_kv.ConfigGuardError),
         "is_config": isinstance(exc, helix_kv.ConfigError),
         "is_mismatch": isinstance(exc, helix_kv.ScheduleMismatchError),
+        "is_config_mismatch": isinstance(exc, helix_kv.ConfigMismatchError),
         "cause": type(exc.__cause__).__name__ if exc.__cause__ is not None else None,
         "failed_ranks": getattr(exc, "failed_ranks", None),
         "ranks": getattr(exc, "ranks", None),
@@ -112,6 +114,7 @@ def scenario_quota(rank: int, world: int, backend: str) -> Dict[str, Any]:
         "local": built.local_superblocks,
         "cp_rank": built.cp_rank,
         "cp_size": built.cp_size,
+        "fingerprint": built.scheduler_config.fingerprint,
         "allocated_for": shapes,
         "kv_storage": built.kv_storage,
         "logs": logs.messages,
@@ -166,6 +169,156 @@ def scenario_check_env_on(rank: int, world: int, backend: str) -> Dict[str, Any]
     with env_var("HELIX_KV_CHECK_SCHEDULE", "1"):
         built = HelixKVRank.create(engine_config(), 64 * PAGE_BYTES)
     return {"checker": built.checker is not None and built.checker.enabled}
+
+
+# --- configuration agreement ----------------------------------------------------------------
+
+
+class Mismatch(NamedTuple):
+    """One class of field the ranks must agree on: ``changes`` on the differing ranks (on top
+    of ``base`` on every rank) must be caught, naming ``field``."""
+
+    field: str
+    changes: Dict[str, Any]
+    base: Optional[Dict[str, Any]] = None
+
+
+DISAGG = {"serving_mode": "disaggregated_generation"}
+
+MISMATCHES: Dict[str, Mismatch] = {
+    "layout": Mismatch("tokens_per_block", {"tokens_per_block": 8}),
+    "batch_limit": Mismatch("max_batch_size", {"max_batch_size": 16}),
+    "token_limit": Mismatch("max_num_tokens", {"max_num_tokens": 128}),
+    "seq_limit": Mismatch("max_seq_len", {"max_seq_len": 512}),
+    # Compared as the unit in effect, so the base names it (None would mean tokens_per_block).
+    "chunk_unit": Mismatch("chunk_unit", {"chunk_unit": 8}, {"chunk_unit": TOKENS_PER_BLOCK}),
+    "chunking": Mismatch("enable_chunked_prefill", {"enable_chunked_prefill": False}),
+    "victim_policy": Mismatch("victim_policy", {"victim_policy": "priority"}),
+    "serving_mode": Mismatch("serving_mode", DISAGG),
+    "capacity_policy": Mismatch("capacity_policy", {"capacity_policy": "guaranteed_no_evict"}),
+    "preemption_bound": Mismatch("max_preemptions_per_request", {"max_preemptions_per_request": 2}),
+    "admit_after_preemption": Mismatch("admit_after_preemption", {"admit_after_preemption": True}),
+    "deadlock_steps": Mismatch("deadlock_steps", {"deadlock_steps": 8}),
+    # Under aggregated Helix a host tier is a guard error; a disaggregated server keeps the
+    # engine's, which must still be the same on every rank.
+    "host_tier": Mismatch("host_cache_bytes", {"host_cache_bytes": 1 << 20}, DISAGG),
+    "layers": Mismatch("num_layers", {"num_layers": 4}),
+    "kv_heads": Mismatch("num_kv_heads", {"num_kv_heads": 1}),
+    "head_dim": Mismatch("head_dim", {"head_dim": 16}),
+    "dtype": Mismatch("dtype_bytes", {"dtype_bytes": 4}),
+    "kv_factor": Mismatch("kv_factor", {"kv_factor": 1}),
+}
+
+
+class claimed_place:
+    """Makes ``HelixKVRank.create`` in this process take ``(cp_rank, cp_size)`` for its place
+    in the group: a stand-in for an engine that derived them wrongly."""
+
+    def __init__(self, cp_rank: int, cp_size: int) -> None:
+        self.place = (cp_rank, cp_size)
+
+    def __enter__(self) -> None:
+        import helix_kv.distributed.rank as module
+
+        self.saved = module.resolve_group
+        module.resolve_group = lambda group: (self.saved(group)[0], *self.place)
+
+    def __exit__(self, *exc: Any) -> None:
+        import helix_kv.distributed.rank as module
+
+        module.resolve_group = self.saved
+
+
+def create_mismatched(rank: int, differing: Sequence[int], mismatch: Mismatch) -> Dict[str, Any]:
+    changes = {**(mismatch.base or {}), **(mismatch.changes if rank in differing else {})}
+    result = attempt(lambda: HelixKVRank.create(engine_config(**changes), 64 * PAGE_BYTES))
+    result.pop("built", None)
+    return result
+
+
+def scenario_config_mismatch(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """Each class of field differs on the last rank; then splits and misplaced ranks."""
+    last = world - 1
+    out = {name: create_mismatched(rank, [last], m) for name, m in MISMATCHES.items()}
+    # Half the group differs from the other half (a tie: the half holding rank 0 agrees).
+    upper = list(range(world // 2, world))
+    out["split"] = create_mismatched(rank, upper, MISMATCHES["layout"])
+    # Two fields differ on two different ranks.
+    lone = {0: {"victim_policy": "priority"}, last: {"num_layers": 4}}.get(rank, {})
+    out["two_ranks"] = attempt(lambda: HelixKVRank.create(engine_config(**lone), 64 * PAGE_BYTES))
+    # The last rank takes rank 0's cp_rank (two owners for rank 0's tokens, none for its own);
+    # then a cp_size that is not the group's size.
+    with claimed_place(0 if rank == last else rank, world):
+        out["cp_rank"] = attempt(lambda: HelixKVRank.create(engine_config(), 64 * PAGE_BYTES))
+    with claimed_place(rank, world + 1 if rank == last else world):
+        out["cp_size"] = attempt(lambda: HelixKVRank.create(engine_config(), 64 * PAGE_BYTES))
+    # A check that fails on one rank still takes precedence: the guard is what it reports.
+    guard = engine_config(kv_connector="nixl") if rank == last else engine_config(num_layers=4)
+    out["failure_first"] = attempt(lambda: HelixKVRank.create(guard, 64 * PAGE_BYTES))
+    # Still in step after all of that: an agreeing group builds.
+    out["agreeing"] = attempt(lambda: HelixKVRank.create(engine_config(), 64 * PAGE_BYTES))
+    for value in out.values():
+        value.pop("built", None)
+    return out
+
+
+# --- failed init: checker inside the sync, pools released -----------------------------------
+
+
+class KVPool:
+    """Stands in for a KV pool allocation (weak-referenceable)."""
+
+    def __init__(self, pages: int) -> None:
+        self.pages = pages
+
+
+def scenario_checker_failure(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """Building the schedule checker fails on the last rank only: every rank raises through
+    the init-status sync instead of peers running on (gloo) or waiting for it (NCCL)."""
+    import helix_kv.distributed.rank as module
+
+    saved = module.ScheduleChecker
+
+    def broken(group: Any) -> Any:
+        raise RuntimeError(f"injected: schedule checker construction failed on rank {rank}")
+
+    if rank == world - 1:
+        module.ScheduleChecker = broken  # type: ignore[assignment, misc]
+    try:
+        result = attempt(
+            lambda: HelixKVRank.create(engine_config(), 64 * PAGE_BYTES, check_schedule=True)
+        )
+    finally:
+        module.ScheduleChecker = saved  # type: ignore[misc]
+    result.pop("built", None)
+    return result
+
+
+def scenario_retry_releases_pool(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """The KV allocation fails on the last rank (after allocating part of its pool); every
+    rank retries inside its ``except`` block. No rank may hold the first pool by then."""
+    refs: List[Any] = []
+
+    def allocate(built: HelixKVRank) -> KVPool:
+        pool = KVPool(built.capacity_superblocks)
+        refs.append(weakref.ref(pool))
+        if rank == world - 1 and len(refs) == 1:
+            raise RuntimeError("injected: out of memory for the second half of the KV pool")
+        return pool
+
+    try:
+        HelixKVRank.create(engine_config(), 64 * PAGE_BYTES, allocate=allocate)
+    except helix_kv.InitSyncError as exc:
+        first_alive_in_except = refs[0]() is not None
+        retried = HelixKVRank.create(engine_config(), 64 * PAGE_BYTES, allocate=allocate)
+        alive_after_retry = [ref() is not None for ref in refs]
+        return {
+            "raised": type(exc).__name__,
+            "first_alive_in_except": first_alive_in_except,
+            "alive_after_retry": alive_after_retry,
+            "retry_holds_its_pool": retried.kv_storage is refs[-1](),
+        }
+    return {"raised": None}
 
 
 # --- guards ---------------------------------------------------------------------------------

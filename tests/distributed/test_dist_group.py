@@ -26,6 +26,9 @@ SCENARIOS = [
     sc.scenario_init_failures_mixed,
     sc.scenario_check_env_mismatch,
     sc.scenario_check_env_on,
+    sc.scenario_config_mismatch,
+    sc.scenario_checker_failure,
+    sc.scenario_retry_releases_pool,
     sc.scenario_guards,
     sc.scenario_diverge_token,
     sc.scenario_diverge_request,
@@ -75,7 +78,9 @@ def test_ranks_with_different_budgets_agree_on_the_minimum(group: GroupRun) -> N
         agreed = [m for m in report["logs"] if "KV quota agreed" in m]
         assert agreed, report["logs"]
         assert f"{world} CP ranks: {smallest} superblocks" in agreed[0]
+        assert f"= {report['capacity_tokens']} global tokens" in agreed[0]
         assert f"rank {rank} offered {report['local']}" in agreed[0]
+        assert f"configuration fingerprint {report['fingerprint']:016x}" in agreed[0]
     # A lower budget shrinks everyone; the largest budget (rank 0) did not grow anyone.
     assert reports[0]["local"] > reports[0]["capacity"]
 
@@ -115,6 +120,91 @@ def test_check_setting_must_agree_across_ranks(group: GroupRun) -> None:
         assert "HELIX_KV_CHECK_SCHEDULE differs" in report["message"]
         assert "on for rank(s) 0" in report["message"]
     assert all(r["checker"] for r in group.scenario("scenario_check_env_on"))
+
+
+def _mismatch_reports(group: GroupRun, case: str) -> List[Dict[str, Any]]:
+    reports = [report[case] for report in group.scenario("scenario_config_mismatch")]
+    for report in reports:
+        assert report.get("is_config_mismatch"), report
+        assert report["is_init_sync"]
+        assert report["is_config"]
+        assert report["failed_ranks"] == report["ranks"]
+        assert report["seconds"] < GROUP_TIMEOUT_S / 2
+    assert len({report["message"] for report in reports}) == 1  # the same error everywhere
+    return reports
+
+
+@pytest.mark.parametrize("case", sorted(sc.MISMATCHES))
+def test_config_mismatch_raises_on_every_rank_naming_the_field(group: GroupRun, case: str) -> None:
+    mismatch = sc.MISMATCHES[case]
+    last = group.world - 1
+    base = sc.engine_config(**(mismatch.base or {}))
+    expected = mismatch.changes[mismatch.field]
+    for report in _mismatch_reports(group, case):
+        assert report["ranks"] == [last]
+        values = report["fields"][mismatch.field]
+        assert values[last] == expected
+        assert all(values[r] == getattr(base, mismatch.field) for r in range(last)), values
+        assert f"rank(s) {last} of {group.world} differ from rank(s) 0" in report["message"]
+        assert f"  {mismatch.field}: " in report["message"]
+        assert f"{expected!r} on rank(s) {last}" in report["message"]
+
+
+def test_config_mismatch_of_half_the_group_names_the_other_half(group: GroupRun) -> None:
+    upper = list(range(group.world // 2, group.world))
+    for report in _mismatch_reports(group, "split"):
+        assert report["ranks"] == upper
+        assert report["fields"]["tokens_per_block"] == {
+            r: 8 if r in upper else sc.TOKENS_PER_BLOCK for r in range(group.world)
+        }
+
+
+def test_config_mismatch_on_two_ranks_names_both(group: GroupRun) -> None:
+    last = group.world - 1
+    for report in _mismatch_reports(group, "two_ranks"):
+        assert report["ranks"] == [0, last] if group.world > 2 else [last]
+        assert set(report["fields"]) == {"victim_policy", "num_layers"}
+        assert report["fields"]["victim_policy"][0] == "priority"
+        assert report["fields"]["num_layers"][last] == 4
+
+
+def test_cp_rank_and_size_must_be_the_place_in_the_group(group: GroupRun) -> None:
+    last, world = group.world - 1, group.world
+    for report in _mismatch_reports(group, "cp_rank"):
+        assert report["ranks"] == [last]
+        assert report["fields"] == {"cp_rank": {r: 0 if r == last else r for r in range(world)}}
+        assert f"must equal the group rank: rank {last} has {last}" in report["message"]
+    for report in _mismatch_reports(group, "cp_size"):
+        assert report["ranks"] == [last]
+        assert report["fields"]["cp_size"][last] == world + 1
+        assert f"must equal the group size: rank {last} has {world}" in report["message"]
+
+
+def test_a_failure_is_reported_before_a_config_mismatch(group: GroupRun) -> None:
+    last = group.world - 1
+    for report in group.scenario("scenario_config_mismatch"):
+        got = report["failure_first"]
+        assert got["is_guard"], got
+        assert not got["is_config_mismatch"]
+        assert got["failed_ranks"] == [last]
+        assert report["agreeing"]["ok"], report["agreeing"]
+
+
+def test_checker_failure_is_reported_through_the_init_sync(group: GroupRun) -> None:
+    last = group.world - 1
+    for report in group.scenario("scenario_checker_failure"):
+        assert report["type"] == "InitSyncError", report
+        assert report["failed_ranks"] == [last]
+        assert "injected: schedule checker construction failed" in report["message"]
+        assert report["seconds"] < GROUP_TIMEOUT_S / 2
+
+
+def test_a_retry_after_a_failed_init_does_not_hold_two_pools(group: GroupRun) -> None:
+    for report in group.scenario("scenario_retry_releases_pool"):
+        assert report["raised"] == "InitSyncError", report
+        assert not report["first_alive_in_except"]
+        assert report["alive_after_retry"] == [False, True]
+        assert report["retry_holds_its_pool"]
 
 
 @pytest.mark.parametrize("guard", sorted(sc.GUARDS))

@@ -3,8 +3,10 @@ of the schedule check, and the mismatch report (no process group needed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
+import weakref
 from typing import Any, Dict, List
 
 import pytest
@@ -18,12 +20,16 @@ from helix_kv.distributed import (
     CHECK_SCHEDULE_ENV,
     EngineConfig,
     HelixKVRank,
+    InitSyncConfigMismatchError,
     ScheduleChecker,
     check_config_guards,
+    group_fields,
     schedule_check_requested,
     superblocks_for_budget,
 )
 from helix_kv.distributed.check import describe_mismatch, divergence, to_int64
+from helix_kv.distributed.config import SCHEDULER_FIELDS
+from helix_kv.distributed.sync import ConfigIdentity, config_mismatch
 
 
 def test_budget_becomes_whole_pages() -> None:
@@ -207,3 +213,79 @@ def test_mismatch_between_two_ranks_names_the_higher_one() -> None:
     assert ranks == [1]
     assert fields == ["context", "incomplete_prompts"]
     assert "incomplete_prompts: rank 0: (absent) | rank 1: 1" in describe_mismatch(records)
+
+
+def test_group_fields_are_the_decision_fields_and_the_rest_of_the_engine_config() -> None:
+    config = sc.engine_config(chunk_unit=None)
+    scheduler_config = helix_kv.SchedulerConfig(**config.scheduler_kwargs(), kv_superblocks=9)
+    fields = dict(group_fields(config, scheduler_config))
+    decisions = dict(scheduler_config.decision_fields())
+    assert "capacity_superblocks" not in fields  # agreed by the quota sync (its minimum)
+    assert "cp_rank" not in fields
+    for name, value in decisions.items():
+        assert name == "capacity_superblocks" or fields[name] == value
+    engine_only = {f.name for f in dataclasses.fields(EngineConfig)} - set(SCHEDULER_FIELDS)
+    assert engine_only <= set(fields)
+    assert {"num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "kv_factor"} <= engine_only
+    assert fields["chunk_unit"] == sc.TOKENS_PER_BLOCK  # the unit in effect
+    assert len(fields) == len(group_fields(config, scheduler_config))  # no name twice
+    other = sc.engine_config(head_dim=16)
+    assert ConfigIdentity(0, 2, group_fields(config, scheduler_config)).fingerprint != (
+        ConfigIdentity(0, 2, group_fields(other, scheduler_config)).fingerprint
+    )
+
+
+def _config_report(rank: int, size: int, **changes: Any) -> Dict[str, Any]:
+    fields = {"tokens_per_block": 4, "victim_policy": "newest_first", "num_layers": 2}
+    fields.update(changes)
+    return {"group_rank": rank, "group_size": size, "cp_rank": rank, "cp_size": size,
+            "fields": tuple(fields.items())}  # fmt: skip
+
+
+def test_config_mismatch_names_ranks_fields_and_values() -> None:
+    reports = [_config_report(r, 4) for r in range(4)]
+    reports[2] = _config_report(2, 4, tokens_per_block=8)
+    reports[3]["cp_rank"] = 0
+    error = config_mismatch(reports)
+    assert isinstance(error, helix_kv.ConfigMismatchError)
+    assert isinstance(error, helix_kv.InitSyncError)
+    assert isinstance(error, InitSyncConfigMismatchError)
+    assert error.ranks == error.failed_ranks == [2, 3]
+    assert error.fields == {
+        "tokens_per_block": {0: 4, 1: 4, 2: 8, 3: 4},
+        "cp_rank": {0: 0, 1: 1, 2: 2, 3: 0},
+    }
+    assert error.reasons == {
+        2: "tokens_per_block = 8 (rank 0: 4)",
+        3: "cp_rank = 0, not its group rank 3",
+    }
+    text = str(error)
+    assert "rank(s) 2, 3 of 4 differ from rank(s) 0, 1 in tokens_per_block, cp_rank" in text
+    assert "  tokens_per_block: 4 on rank(s) 0, 1, 3 | 8 on rank(s) 2" in text
+    assert "(must equal the group rank: rank 3 has 3)" in text
+
+
+def test_config_mismatch_names_a_field_one_rank_lacks() -> None:
+    reports = [_config_report(0, 2), _config_report(1, 2)]
+    reports[1]["fields"] += (("new_field", 1),)
+    error = config_mismatch(reports)
+    assert error.ranks == [1]
+    assert "new_field: (absent) on rank(s) 0 | 1 on rank(s) 1" in str(error)
+
+
+def test_a_lone_process_releases_its_partial_pool_when_allocation_fails() -> None:
+    refs: List[Any] = []
+
+    def allocate(built: HelixKVRank) -> sc.KVPool:
+        pool = sc.KVPool(built.capacity_superblocks)
+        refs.append(weakref.ref(pool))
+        if len(refs) == 1:
+            raise RuntimeError("injected: out of memory")
+        return pool
+
+    try:
+        HelixKVRank.create(sc.engine_config(), 8 * sc.PAGE_BYTES, allocate=allocate)
+    except RuntimeError:
+        assert refs[0]() is None  # not even the half-built pool outlives the failure
+        retried = HelixKVRank.create(sc.engine_config(), 8 * sc.PAGE_BYTES, allocate=allocate)
+    assert retried.kv_storage is refs[1]()

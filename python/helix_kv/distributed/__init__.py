@@ -12,8 +12,8 @@ helix_kv in a few lines::
     rank = HelixKVRank.create(config, kv_budget_bytes=free_bytes)   # world group = CP group
     out = rank.schedule(); ...; rank.update(tokens)
 
-See ``docs/distributed.md``: quota sync, init-status sync, the ``HELIX_KV_CHECK_SCHEDULE``
-schedule check and the configuration guards.
+See ``docs/distributed.md``: quota and configuration sync, init-status sync, the
+``HELIX_KV_CHECK_SCHEDULE`` schedule check and the configuration guards.
 """
 
 from helix_kv.distributed.check import ScheduleChecker
@@ -21,12 +21,17 @@ from helix_kv.distributed.config import (
     CHECK_SCHEDULE_ENV,
     EngineConfig,
     check_config_guards,
+    group_fields,
     host_tier_superblocks,
     schedule_check_requested,
     superblocks_for_budget,
 )
 from helix_kv.distributed.rank import HelixKVRank
-from helix_kv.distributed.sync import InitSyncConfigError, InitSyncConfigGuardError
+from helix_kv.distributed.sync import (
+    InitSyncConfigError,
+    InitSyncConfigGuardError,
+    InitSyncConfigMismatchError,
+)
 
 __all__ = [
     "CHECK_SCHEDULE_ENV",
@@ -34,8 +39,10 @@ __all__ = [
     "HelixKVRank",
     "InitSyncConfigError",
     "InitSyncConfigGuardError",
+    "InitSyncConfigMismatchError",
     "ScheduleChecker",
     "check_config_guards",
+    "group_fields",
     "host_tier_superblocks",
     "schedule_check_requested",
     "superblocks_for_budget",

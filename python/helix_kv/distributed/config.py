@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from helix_kv import ConfigError, ConfigGuardError
 
@@ -137,6 +137,27 @@ class EngineConfig:
     def scheduler_kwargs(self) -> Dict[str, Any]:
         """The :class:`helix_kv.SchedulerConfig` keyword arguments this config fixes."""
         return {name: getattr(self, name) for name in SCHEDULER_FIELDS}
+
+
+def group_fields(config: EngineConfig, scheduler_config: Any) -> Tuple[Tuple[str, Any], ...]:
+    """Every ``(field, value)`` the ranks of a CP group must agree on, in a fixed order.
+
+    First ``scheduler_config.decision_fields()`` (the Rust core's one list of the fields that
+    can change a decision or a placement; ``cp_rank`` is not among them) less
+    ``capacity_superblocks``, which the quota sync agrees on as the group's minimum; then
+    every :class:`EngineConfig` field that is not handed to the scheduler: the KV geometry
+    (``num_layers``, ``num_kv_heads``, ``head_dim``, ``dtype_bytes``, ``kv_factor``: the shape
+    of each rank's KV pool) and the tier, connector and rebalance options.
+    """
+    fields = [
+        pair for pair in scheduler_config.decision_fields() if pair[0] != "capacity_superblocks"
+    ]
+    fields += [
+        (field.name, getattr(config, field.name))
+        for field in dataclasses.fields(config)
+        if field.name not in SCHEDULER_FIELDS
+    ]
+    return tuple(fields)
 
 
 def superblocks_for_budget(config: EngineConfig, kv_budget_bytes: int) -> int:

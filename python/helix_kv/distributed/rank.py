@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -12,12 +13,13 @@ from helix_kv.distributed.check import ScheduleChecker
 from helix_kv.distributed.config import (
     EngineConfig,
     check_config_guards,
+    group_fields,
     host_tier_superblocks,
     schedule_check_requested,
     superblocks_for_budget,
 )
 from helix_kv.distributed.group import ProcessGroup, resolve_group
-from helix_kv.distributed.sync import GroupSync
+from helix_kv.distributed.sync import ConfigIdentity, GroupSync
 
 logger = logging.getLogger("helix_kv")
 
@@ -81,22 +83,32 @@ class HelixKVRank:
         1. Locally: the guards (:func:`check_config_guards`), the config, and this rank's
            ``kv_budget_bytes`` turned into whole pages, i.e. superblocks.
         2. Quota + status sync: one all-reduce MIN gives the group's smallest superblock count
-           (logged) and whether any rank failed step 1.
-        3. The scheduler is built with the agreed capacity, then ``allocate(rank)`` (e.g. the
-           KV pool tensors for ``rank.capacity_superblocks`` pages) runs; a status all-reduce
-           follows.
+           (logged), whether any rank failed step 1, and whether every rank was built from
+           the same configuration (a fingerprint of
+           :func:`~helix_kv.distributed.config.group_fields`: every scheduler decision field
+           and every other :class:`EngineConfig` field, the KV geometry included) with
+           ``cp_rank``/``cp_size`` its place in the group.
+        3. The scheduler is built with the agreed capacity, then the schedule checker (when on)
+           and ``allocate(rank)`` (e.g. the KV pool tensors for ``rank.capacity_superblocks``
+           pages); a status all-reduce follows.
         If any rank fails, every rank raises :class:`helix_kv.InitSyncError` naming the failing
         ranks and their reasons (an instance of :class:`helix_kv.ConfigGuardError` too when
         every failure was a guard, of :class:`helix_kv.ConfigError` when every failure was a
-        config error). A lone process raises its own error unchanged.
+        config error). If the configurations differ, every rank raises
+        :class:`~helix_kv.distributed.InitSyncConfigMismatchError` (a
+        :class:`helix_kv.ConfigMismatchError` and an ``InitSyncError``) naming the ranks and
+        the fields, with their values. A lone process raises its own error unchanged. After a
+        failure no rank keeps its KV pool: ``allocate``'s result is dropped before the error
+        is raised, so a retry in an ``except`` block does not hold two pools.
 
         ``check_schedule``: run the per-step schedule check; ``None`` reads
         ``HELIX_KV_CHECK_SCHEDULE`` (which must then agree on every rank).
         """
         group, rank, size = resolve_group(group)
-        sync = GroupSync(group, rank, size)
+        sync = GroupSync(group)
 
         local_superblocks: Optional[int] = None
+        identity: Optional[ConfigIdentity] = None
         check = False
         failure: Optional[BaseException] = None
         try:
@@ -108,31 +120,48 @@ class HelixKVRank:
                 config.scheduler_kwargs(), cp_size=size, cp_rank=rank,
                 host_tier_superblocks=host_superblocks,
             )  # fmt: skip
-            helix_kv.SchedulerConfig(**scheduler_kwargs, kv_superblocks=local_superblocks)
+            local_config = helix_kv.SchedulerConfig(
+                **scheduler_kwargs, kv_superblocks=local_superblocks
+            )
+            identity = ConfigIdentity(rank, size, group_fields(config, local_config))
         except Exception as exc:
             failure = exc
-        capacity, check = sync.agree_quota(local_superblocks, check, failure)
+        capacity, check = sync.agree_quota(local_superblocks, check, failure, identity)
         assert local_superblocks is not None  # agree_quota raised otherwise
-        if size > 1:
-            logger.info(
-                "KV quota agreed by %d CP ranks: %d superblocks (%d global tokens); "
-                "rank %d offered %d",
-                size, capacity, capacity * config.tokens_per_block * size, rank,
-                local_superblocks,
-            )  # fmt: skip
 
         built: Optional[HelixKVRank] = None
+        checker: Optional[ScheduleChecker] = None
         try:
             scheduler_config = helix_kv.SchedulerConfig(**scheduler_kwargs, kv_superblocks=capacity)
-            built = cls(config, scheduler_config, group, local_superblocks, None)
+            if size > 1:
+                logger.info(
+                    "KV quota agreed by %d CP ranks: %d superblocks = %d global tokens "
+                    "(tokens_per_block %d x cp_size %d per superblock); rank %d offered %d; "
+                    "configuration fingerprint %016x",
+                    size, capacity, scheduler_config.kv_tokens, scheduler_config.tokens_per_block,
+                    size, rank, local_superblocks, scheduler_config.fingerprint,
+                )  # fmt: skip
+            # Inside the sync, and before the allocation that may fail on one rank only: on
+            # NCCL the checker's construction is collective, so every rank must reach it.
+            checker = ScheduleChecker(group) if check else None
+            built = cls(config, scheduler_config, group, local_superblocks, checker)
             if allocate is not None:
                 built.kv_storage = allocate(built)
         except Exception as exc:
             failure = exc
-        sync.agree_status(failure, "scheduler and KV allocation")
+            # A KV pool allocated in part lives on in the failed frames' locals; let it go.
+            traceback.clear_frames(exc.__traceback__)
+        try:
+            sync.agree_status(failure, "scheduler, schedule check and KV allocation")
+        except BaseException:
+            # Drop this rank's KV pool before raising: the traceback keeps this frame, and so
+            # its locals, alive while the caller handles the error, and a retry in an
+            # ``except`` block would otherwise hold two pools.
+            if built is not None:
+                built.kv_storage = built.checker = None
+            built = checker = None
+            raise
         assert built is not None
-        if check:
-            built.checker = ScheduleChecker(group)
         return built
 
     @property

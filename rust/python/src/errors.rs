@@ -85,6 +85,13 @@ create_exception!(
     "A configuration is rejected under the chosen serving mode."
 );
 
+create_exception!(
+    helix_kv,
+    ConfigMismatchError,
+    ConfigError,
+    "The ranks of a CP group were built from different configurations."
+);
+
 /// A `CoreError` on its way to Python (the orphan rule forbids `From<CoreError> for PyErr`).
 pub struct CoreErr(pub CoreError);
 
@@ -152,5 +159,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("InitSyncError", py.get_type::<InitSyncError>())?;
     m.add("ConfigGuardError", py.get_type::<ConfigGuardError>())?;
+    m.add("ConfigMismatchError", py.get_type::<ConfigMismatchError>())?;
     Ok(())
 }

@@ -1,9 +1,9 @@
 //! `SchedulerConfig`: the scheduler's configuration, built from keyword arguments and
 //! validated once (every rule error is a `ConfigError` naming the field).
 
-use helix_kv_core::{CapacityPolicy, SchedulerConfig, ServingMode, VictimPolicy};
+use helix_kv_core::{CapacityPolicy, FieldValue, SchedulerConfig, ServingMode, VictimPolicy};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
 
 use crate::errors::{ConfigError, IntoPyResult};
 
@@ -282,6 +282,35 @@ impl PySchedulerConfig {
     #[getter]
     fn deadlock_steps(&self) -> u32 {
         self.inner.deadlock_steps
+    }
+
+    /// 64-bit fingerprint of `decision_fields()`: equal on every rank of a group built
+    /// from one configuration (`cp_rank` is left out). It seeds every step's
+    /// `ScheduleOutput.digest` and the scheduler's `state_digest()`.
+    #[getter]
+    fn fingerprint(&self) -> u64 {
+        self.inner.fingerprint()
+    }
+
+    /// Every field that can change a decision or a placement, as ordered `(name, value)`
+    /// pairs: all fields but `cp_rank`, `chunk_unit` as the unit in effect, the capacity as
+    /// `capacity_superblocks`, policies and modes by name.
+    fn decision_fields<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(&'static str, Bound<'py, PyAny>)>> {
+        self.inner
+            .decision_fields()
+            .into_iter()
+            .map(|(name, value)| {
+                let value = match value {
+                    FieldValue::Int(v) => v.into_pyobject(py)?.into_any(),
+                    FieldValue::Bool(v) => PyBool::new(py, v).to_owned().into_any(),
+                    FieldValue::Name(v) => PyString::new(py, v).into_any(),
+                };
+                Ok((name, value))
+            })
+            .collect()
     }
 }
 

@@ -4,6 +4,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::digest::Fnv64;
 use crate::error::{CoreError, Result};
 use crate::layout::Layout;
 
@@ -94,6 +95,20 @@ snake_case_names!(VictimPolicy, "victim_policy",
     LeastComputedFirst => "least_computed_first",
     Priority => "priority",
 );
+
+/// The value of one field in [`SchedulerConfig::decision_fields`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FieldValue {
+    /// A count or size.
+    Int(u64),
+    /// A switch.
+    Bool(bool),
+    /// A policy or mode, by its `snake_case` name.
+    Name(&'static str),
+}
+
+/// Fields in [`SchedulerConfig::decision_fields`]: every field but `cp_rank`.
+pub const DECISION_FIELDS: usize = 15;
 
 /// Everything a [`super::Scheduler`] is built from. Every field except `cp_rank` is the
 /// same on every rank of a CP group; `cp_rank` only selects which per-rank fields a
@@ -205,6 +220,84 @@ impl SchedulerConfig {
     pub fn may_preempt(&self) -> bool {
         self.capacity_policy == CapacityPolicy::MaxUtilization
             && self.serving_mode != ServingMode::DisaggregatedGeneration
+    }
+
+    /// Every field that can change a decision or a placement, with its value, in
+    /// declaration order: all fields but `cp_rank`, which only selects the per-rank fields
+    /// a schedule reports. `chunk_unit` is the unit in effect (`None` and
+    /// `Some(tokens_per_block)` decide alike). This is the one list both
+    /// [`Self::fingerprint`] and the Python layer's mismatch report read, so a new field
+    /// cannot be left out of either (the destructuring below stops compiling).
+    pub fn decision_fields(&self) -> [(&'static str, FieldValue); DECISION_FIELDS] {
+        use FieldValue::{Bool, Int, Name};
+        let Self {
+            cp_size,
+            cp_rank: _,
+            tokens_per_block,
+            capacity_superblocks,
+            max_batch_size,
+            max_num_tokens,
+            enable_chunked_prefill,
+            chunk_unit: _,
+            max_seq_len,
+            capacity_policy,
+            serving_mode,
+            host_tier_superblocks,
+            victim_policy,
+            max_preemptions_per_request,
+            admit_after_preemption,
+            deadlock_steps,
+        } = *self;
+        [
+            ("cp_size", Int(cp_size.into())),
+            ("tokens_per_block", Int(tokens_per_block.into())),
+            ("capacity_superblocks", Int(capacity_superblocks.into())),
+            ("max_batch_size", Int(max_batch_size.into())),
+            ("max_num_tokens", Int(max_num_tokens.into())),
+            ("enable_chunked_prefill", Bool(enable_chunked_prefill)),
+            ("chunk_unit", Int(self.effective_chunk_unit().into())),
+            ("max_seq_len", Int(max_seq_len)),
+            ("capacity_policy", Name(capacity_policy.as_str())),
+            ("serving_mode", Name(serving_mode.as_str())),
+            ("host_tier_superblocks", Int(host_tier_superblocks.into())),
+            ("victim_policy", Name(victim_policy.as_str())),
+            (
+                "max_preemptions_per_request",
+                Int(max_preemptions_per_request.into()),
+            ),
+            ("admit_after_preemption", Bool(admit_after_preemption)),
+            ("deadlock_steps", Int(deadlock_steps.into())),
+        ]
+    }
+
+    /// A 64-bit fingerprint of [`Self::decision_fields`] (names and values): equal on
+    /// every rank of a correctly built group (`cp_rank` is left out), and different for
+    /// two configurations that could decide or place differently. The scheduler seeds
+    /// every step's `ScheduleOutput::digest` and its `state_digest` with it, so ranks
+    /// built from different configurations disagree from the first step on.
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = Fnv64::new();
+        h.bytes(b"helix_kv.SchedulerConfig");
+        for (name, value) in self.decision_fields() {
+            h.u64(name.len() as u64);
+            h.bytes(name.as_bytes());
+            match value {
+                FieldValue::Int(v) => {
+                    h.u64(0);
+                    h.u64(v);
+                }
+                FieldValue::Bool(v) => {
+                    h.u64(1);
+                    h.u64(u64::from(v));
+                }
+                FieldValue::Name(v) => {
+                    h.u64(2);
+                    h.u64(v.len() as u64);
+                    h.bytes(v.as_bytes());
+                }
+            }
+        }
+        h.finish()
     }
 
     /// Checks every rule; the error names the field and what to do.

@@ -22,7 +22,9 @@ mod victim;
 
 use rustc_hash::FxHashMap;
 
-pub use config::{CapacityPolicy, SchedulerConfig, ServingMode, VictimPolicy};
+pub use config::{
+    CapacityPolicy, FieldValue, SchedulerConfig, ServingMode, VictimPolicy, DECISION_FIELDS,
+};
 pub use metrics::{RequestMetrics, SchedulerMetrics};
 pub use output::ScheduleOutput;
 pub use request::RequestState;
@@ -68,6 +70,8 @@ struct FinishedRequest {
 #[derive(Debug, Clone)]
 pub struct Scheduler {
     config: SchedulerConfig,
+    /// `config.fingerprint()`, the seed of every digest (computed once).
+    fingerprint: u64,
     layout: Layout,
     placement: Placement,
     ledger: Ledger,
@@ -160,6 +164,7 @@ impl Scheduler {
             step_tokens: 0,
             step_new_slots: 0,
             step_preempted: false,
+            fingerprint: config.fingerprint(),
             config,
         })
     }
@@ -416,12 +421,14 @@ impl Scheduler {
         Ok(out)
     }
 
-    /// A fingerprint of everything that drives decisions: the ledger, the queue and
-    /// every live request's progress, slots and counters. Equal on every rank of a
-    /// group that was fed the same calls (`cp_rank` is left out), and unchanged by a
-    /// `schedule()` + `revert()` that preempted nothing (step numbers are left out).
+    /// A fingerprint of everything that drives decisions: the configuration
+    /// ([`SchedulerConfig::fingerprint`]), the ledger, the queue and every live request's
+    /// progress, slots and counters. Equal on every rank of a group that was built from
+    /// one configuration and fed the same calls (`cp_rank` is left out), and unchanged by
+    /// a `schedule()` + `revert()` that preempted nothing (step numbers are left out).
     pub fn state_digest(&self) -> u64 {
         let mut h = Fnv64::new();
+        h.u64(self.fingerprint);
         h.u64(self.ledger.state_digest());
         h.u64(u64::from(self.pending));
         h.u64(u64::from(self.stalled_steps));

@@ -74,7 +74,8 @@ pub struct ScheduleOutput {
     pub sample_ids: Vec<RequestId>,
     /// Context tokens plus decode tokens scheduled.
     pub num_tokens: u64,
-    /// Fingerprint of every rank-invariant field.
+    /// Fingerprint of every rank-invariant field, seeded with the configuration's
+    /// (see [`ScheduleOutput::compute_digest`]).
     pub digest: u64,
 }
 
@@ -115,13 +116,16 @@ impl ScheduleOutput {
     }
 
     /// The fingerprint of every rank-invariant field, array by array (each with its
-    /// length). Fields that are functions of hashed ones are covered through them:
+    /// length), seeded with the scheduler's configuration fingerprint
+    /// ([`super::SchedulerConfig::fingerprint`]): two ranks built from different
+    /// configurations get different digests even for a step whose fields agree. Fields that are functions of hashed ones are covered through them:
     /// `sample_ids` (generation ids, then completing context ids) and the owner ranks
     /// (positions, under the group's layout). A request's id and position share a word
     /// (`id * odd ^ position`: still any single-field difference changes it), and so do
     /// its input token and batch slot.
-    pub fn compute_digest(&self) -> u64 {
+    pub fn compute_digest(&self, config_fingerprint: u64) -> u64 {
         let mut h = LaneDigest::new();
+        h.word(config_fingerprint);
         h.word(self.step);
         h.word(self.num_tokens);
         h.words(&self.context_ids);

@@ -404,7 +404,7 @@ impl Scheduler {
                 .map(|(&id, _)| id),
         );
         out.num_tokens = self.step_tokens;
-        out.digest = out.compute_digest();
+        out.digest = out.compute_digest(self.fingerprint);
 
         let progress = !out.generation_ids.is_empty()
             || !out.context_ids.is_empty()
