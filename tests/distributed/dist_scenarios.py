@@ -279,7 +279,7 @@ def scenario_checker_failure(rank: int, world: int, backend: str) -> Dict[str, A
 
     saved = module.ScheduleChecker
 
-    def broken(group: Any) -> Any:
+    def broken(group: Any, **options: Any) -> Any:
         raise RuntimeError(f"injected: schedule checker construction failed on rank {rank}")
 
     if rank == world - 1:

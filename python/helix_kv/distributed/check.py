@@ -39,15 +39,20 @@ class ScheduleChecker:
     does nothing (``enabled`` is False).
 
     On NCCL the checker runs on its own communicator over the same ranks (so constructing it
-    is collective) and replays a CUDA graph on a side stream: the check waits for its own
-    collective only, never for compute queued on the current stream or for the model's
-    collectives (see :mod:`helix_kv.distributed.reduce`). A rank that stops calling ``check``
+    is collective; ``connect=False`` defers that part to :meth:`connect`) and replays a CUDA
+    graph on a side stream: the check waits for its own collective only, never for compute
+    queued on the current stream or for the model's collectives (see
+    :mod:`helix_kv.distributed.reduce`). A rank that stops calling ``check``
     leaves its peers blocked until ``timeout`` (default: the group's own timeout), after which
     they raise.
     """
 
     def __init__(
-        self, group: Optional[ProcessGroup] = None, *, timeout: Optional[timedelta] = None
+        self,
+        group: Optional[ProcessGroup] = None,
+        *,
+        timeout: Optional[timedelta] = None,
+        connect: bool = True,
     ) -> None:
         self.group, self.rank, self.size = resolve_group(group)
         self.enabled = self.size > 1
@@ -61,7 +66,18 @@ class ScheduleChecker:
             )
             return
         assert self.group is not None
-        self._reduce = HostMinAllReduce(self.group, timeout)
+        self._reduce = HostMinAllReduce(self.group, timeout, connect=connect)
+
+    def connect(self) -> None:
+        """The collective part of construction, when it was deferred with ``connect=False``:
+        on NCCL, creating and warming up the checker's own communicator. Every rank of the
+        group calls it; it does nothing on gloo, for a disabled checker, or once done.
+
+        Deferring lets a caller first agree that every rank built the local part: a rank that
+        failed before the collective part would leave its peers waiting inside it.
+        """
+        if self.enabled:
+            self._reduce.connect()
 
     def record_update(self, sample_ids: Any, tokens: Any, eos: Optional[Any] = None) -> None:
         """Folds the tokens fed to ``update`` (one per ``sample_ids`` entry) into the next

@@ -141,9 +141,9 @@ class HelixKVRank:
                     size, capacity, scheduler_config.kv_tokens, scheduler_config.tokens_per_block,
                     size, rank, local_superblocks, scheduler_config.fingerprint,
                 )  # fmt: skip
-            # Inside the sync, and before the allocation that may fail on one rank only: on
-            # NCCL the checker's construction is collective, so every rank must reach it.
-            checker = ScheduleChecker(group) if check else None
+            # Inside the sync, so its failure on one rank reaches every rank; its collective
+            # part (NCCL) waits until every rank is known to have got this far.
+            checker = ScheduleChecker(group, connect=False) if check else None
             built = cls(config, scheduler_config, group, local_superblocks, checker)
             if allocate is not None:
                 built.kv_storage = allocate(built)
@@ -153,6 +153,12 @@ class HelixKVRank:
             traceback.clear_frames(exc.__traceback__)
         try:
             sync.agree_status(failure, "scheduler, schedule check and KV allocation")
+            if checker is not None:
+                try:
+                    checker.connect()
+                except Exception as exc:
+                    failure = exc
+                sync.agree_status(failure, "schedule check connection")
         except BaseException:
             # Drop this rank's KV pool before raising: the traceback keeps this frame, and so
             # its locals, alive while the caller handles the error, and a retry in an

@@ -35,20 +35,37 @@ _SPIN_POLLS = 2000
 class HostMinAllReduce:
     """``values`` (a host int64[2] numpy view) becomes its element-wise minimum over
     ``group`` on every call. Construction is collective on NCCL (it creates a communicator
-    and warms it up)."""
+    and warms it up); with ``connect=False`` it only allocates, locally, and the collective
+    part waits for :meth:`connect`."""
 
-    def __init__(self, group: ProcessGroup, timeout: Optional[timedelta] = None) -> None:
+    def __init__(
+        self, group: ProcessGroup, timeout: Optional[timedelta] = None, *, connect: bool = True
+    ) -> None:
         device = collective_device(group)
         self._host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.values: np.ndarray = self._host.numpy()
         self.graphed = False
+        self._parent = group
+        self._group: Optional[ProcessGroup] = group  # NCCL: the own communicator, from connect()
         if device.type != "cuda":
-            self._group = group
             self._stream: Optional[torch.cuda.Stream] = None
             return
         self.timeout = timeout or group_timeout(group)
+        self._group = None
+        self._device_buf = torch.zeros(2, dtype=torch.int64, device=device)
+        self._stream = torch.cuda.Stream(device)
+        self._done = torch.cuda.Event()
+        if connect:
+            self.connect()
+
+    def connect(self) -> None:
+        """The collective part of construction (NCCL: creates the own communicator, warms it
+        up and captures the graph); every rank of the group calls it. Does nothing on a CPU
+        backend or once connected."""
+        if self._stream is None or self._group is not None:
+            return
         own = dist.new_group(
-            dist.get_process_group_ranks(group),
+            dist.get_process_group_ranks(self._parent),
             backend="nccl",
             timeout=self.timeout,
             pg_options=_one_channel_options(self.timeout),
@@ -56,9 +73,6 @@ class HostMinAllReduce:
         )
         assert isinstance(own, ProcessGroup)  # this rank is a member
         self._group = own
-        self._device_buf = torch.zeros(2, dtype=torch.int64, device=device)
-        self._stream = torch.cuda.Stream(device)
-        self._done = torch.cuda.Event()
         with torch.cuda.stream(self._stream):
             for _ in range(2):  # creates the communicator; warms up before the capture
                 self._enqueue()
@@ -78,6 +92,8 @@ class HostMinAllReduce:
         if self._stream is None:
             dist.all_reduce(self._host, op=dist.ReduceOp.MIN, group=self._group)
             return
+        if self._group is None:  # never on the default group by mistake
+            raise HelixKVError("helix_kv schedule check used before connect()")
         with torch.cuda.stream(self._stream):
             if self._graph is not None:
                 self._graph.replay()
