@@ -88,9 +88,11 @@ class HelixKVRank:
            :func:`~helix_kv.distributed.config.group_fields`: every scheduler decision field
            and every other :class:`EngineConfig` field, the KV geometry included) with
            ``cp_rank``/``cp_size`` its place in the group.
-        3. The scheduler is built with the agreed capacity, then the schedule checker (when on)
-           and ``allocate(rank)`` (e.g. the KV pool tensors for ``rank.capacity_superblocks``
-           pages); a status all-reduce follows.
+        3. The scheduler is built with the agreed capacity, then the schedule checker's local
+           part (when on) and ``allocate(rank)`` (e.g. the KV pool tensors for
+           ``rank.capacity_superblocks`` pages); a status all-reduce follows.
+        4. With the check on: the checker's collective part (on NCCL, its own communicator),
+           then one more status all-reduce.
         If any rank fails, every rank raises :class:`helix_kv.InitSyncError` naming the failing
         ranks and their reasons (an instance of :class:`helix_kv.ConfigGuardError` too when
         every failure was a guard, of :class:`helix_kv.ConfigError` when every failure was a

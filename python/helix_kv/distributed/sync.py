@@ -254,7 +254,6 @@ def config_mismatch(reports: Sequence[Dict[str, Any]]) -> InitSyncConfigMismatch
         agreeing.setdefault(tuple(report["fields"]), []).append(rank)
     majority = max(agreeing.values(), key=lambda ranks: (len(ranks), -min(ranks)))
     differing = {rank for rank in everyone if rank not in majority}
-    # cp_rank / cp_size must be the rank's place in the group (compared per rank, not across).
     reference = min(majority)
     reasons: Dict[int, List[str]] = {rank: [] for rank in everyone}
     for name, values in fields.items():
@@ -263,6 +262,7 @@ def config_mismatch(reports: Sequence[Dict[str, Any]]) -> InitSyncConfigMismatch
                 reasons[rank].append(
                     f"{name} = {values[rank]!r} (rank {reference}: {values[reference]!r})"
                 )
+    # cp_rank / cp_size must be the rank's place in the group (compared per rank, not across).
     notes: Dict[str, str] = {}
     for key, place in (("cp_rank", "group_rank"), ("cp_size", "group_size")):
         wrong = [rank for rank, report in enumerate(reports) if report[key] != report[place]]
@@ -274,6 +274,7 @@ def config_mismatch(reports: Sequence[Dict[str, Any]]) -> InitSyncConfigMismatch
                 f"rank {rank} has {reports[rank][place]}" for rank in wrong
             )
             for rank in wrong:
+                reasons[rank] = [r for r in reasons[rank] if not r.startswith(f"{key} = ")]
                 reasons[rank].append(
                     f"{key} = {reports[rank][key]}, not its {what} {reports[rank][place]}"
                 )
