@@ -17,8 +17,8 @@ pub use error::{CoreError, Result};
 pub use layout::Layout;
 pub use ledger::{DecodeView, Ledger, RequestKv};
 pub use scheduler::{
-    CapacityPolicy, RequestMetrics, RequestState, ScheduleOutput, Scheduler, SchedulerConfig,
-    SchedulerMetrics, ServingMode, VictimPolicy,
+    CapacityPolicy, FinishReason, RequestMetrics, RequestOutput, RequestState, ScheduleOutput,
+    Scheduler, SchedulerConfig, SchedulerMetrics, ServingMode, VictimPolicy,
 };
 
 /// A request's id, chosen by the caller; unique among live requests.
