@@ -14,7 +14,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use helix_kv_core::{
-    CoreError, FinishReason, RequestId, RequestOutput, ScheduleOutput, Scheduler, SchedulerConfig,
+    CoreError, FinishReason, RequestId, RequestOutput, RequestState, ScheduleOutput, Scheduler,
+    SchedulerConfig,
 };
 
 /// A small deterministic generator (xorshift64*), so tests need no randomness crate.
@@ -53,11 +54,13 @@ pub struct Spec {
 }
 
 /// When a request is aborted: before step `step` is scheduled, or while it is pending
-/// (after `schedule`, before `update`/`revert`).
+/// (after `schedule`, before `update`/`revert`); with `in_state`, only once it is seen in
+/// that state (a label of `Group::state_label`, e.g. "recompute-paused").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AbortAt {
     pub step: u64,
     pub while_pending: bool,
+    pub in_state: Option<&'static str>,
 }
 
 impl Spec {
@@ -79,6 +82,17 @@ impl Spec {
         self.abort = Some(AbortAt {
             step,
             while_pending: false,
+            in_state: None,
+        });
+        self
+    }
+    /// Aborted the first time it is seen in `state` (between steps, or while a step is
+    /// pending).
+    pub fn abort_in_state(mut self, state: &'static str, while_pending: bool) -> Self {
+        self.abort = Some(AbortAt {
+            step: 0,
+            while_pending,
+            in_state: Some(state),
         });
         self
     }
@@ -87,6 +101,7 @@ impl Spec {
         self.abort = Some(AbortAt {
             step,
             while_pending: true,
+            in_state: None,
         });
         self
     }
@@ -136,6 +151,9 @@ pub struct RunResult {
     pub outputs: BTreeMap<RequestId, Vec<i32>>,
     /// Outputs of aborted requests (what they generated before the abort).
     pub aborted: BTreeMap<RequestId, Vec<i32>>,
+    /// The states aborted requests were in when aborted ("decoding", "suspended",
+    /// "recompute-paused"...; "... while pending" when a step was pending).
+    pub abort_states: BTreeSet<String>,
     pub steps: u64,
     pub preemptions: u64,
     pub suspensions: u64,
@@ -591,7 +609,10 @@ impl Group {
         for id in &finished[0] {
             self.collect(*id);
         }
-        assert!(self.aborting.is_empty(), "an abort requested in the step did not finish");
+        assert!(
+            self.aborting.is_empty(),
+            "an abort requested in the step did not finish"
+        );
         self.result.steps += 1;
         self.check_host_tier();
         finished[0].clone()
@@ -608,7 +629,10 @@ impl Group {
         assert!(outputs.windows(2).all(|w| w[0] == w[1]));
         let output = outputs.into_iter().next().unwrap();
         assert_eq!(output.request_id, id);
-        assert_eq!(output.metrics.generated_tokens, output.token_ids.len() as u64);
+        assert_eq!(
+            output.metrics.generated_tokens,
+            output.token_ids.len() as u64
+        );
         let known = self.known.remove(&id).unwrap();
         assert!(known.ends_with(&output.token_ids));
         let was_aborting = self.aborting.remove(&id);
@@ -618,7 +642,8 @@ impl Group {
             }
             reason => {
                 assert!(!was_aborting, "{id} was aborted but finished as {reason:?}");
-                let eos = self.model.eos.is_some() && output.token_ids.last() == self.model.eos.as_ref();
+                let eos =
+                    self.model.eos.is_some() && output.token_ids.last() == self.model.eos.as_ref();
                 assert_eq!(reason == FinishReason::Eos, eos, "finish reason of {id}");
                 self.result.outputs.insert(id, output.token_ids);
             }
@@ -630,6 +655,7 @@ impl Group {
     /// Aborts `ids` on every rank (all must agree); between steps their outputs are
     /// taken at once, while a step is pending they are taken when it closes.
     pub fn abort(&mut self, ids: &[RequestId]) -> Result<(), CoreError> {
+        let states: Vec<Option<&str>> = ids.iter().map(|&id| self.state_label(id)).collect();
         let results: Vec<_> = self.ranks.iter_mut().map(|s| s.abort_many(ids)).collect();
         assert!(
             results.windows(2).all(|w| w[0] == w[1]),
@@ -642,6 +668,10 @@ impl Group {
             "scheduler states differ after abort: {digests:x?}"
         );
         let pending = self.ranks[0].is_step_pending();
+        let when = if pending { " while pending" } else { "" };
+        for state in states.into_iter().flatten() {
+            self.result.abort_states.insert(format!("{state}{when}"));
+        }
         for &id in ids {
             if !self.known.contains_key(&id) {
                 continue; // finished before (its output was taken) or a repeat
@@ -659,12 +689,31 @@ impl Group {
         Ok(())
     }
 
+    /// What state a live request is in, for `abort_states`.
+    fn state_label(&self, id: RequestId) -> Option<&'static str> {
+        let s = &self.ranks[0];
+        let state = s.request_state(id).ok()?;
+        if s.is_abort_requested(id).ok()? {
+            return None;
+        }
+        let paused = state == RequestState::Waiting && s.request_metrics(id).ok()?.preemptions > 0;
+        Some(if paused {
+            "recompute-paused"
+        } else {
+            state.as_str()
+        })
+    }
+
     /// The scheduler's host-tier use equals the pages the harness holds there.
     fn check_host_tier(&self) {
         let tpb = self.config.tokens_per_block as usize;
         let pages: usize = self.host.values().map(|ranks| ranks[0].len() / tpb).sum();
         for s in &self.ranks {
-            assert_eq!(s.host_used_superblocks() as usize, pages, "host tier leaked");
+            assert_eq!(
+                s.host_used_superblocks() as usize,
+                pages,
+                "host tier leaked"
+            );
         }
     }
 
@@ -686,15 +735,17 @@ impl Group {
         let mut aborted = Vec::new();
         for (rank, s) in self.ranks.iter_mut().enumerate() {
             let closed = s.revert().expect("revert").to_vec();
-            assert!(rank == 0 || closed == aborted, "ranks abort different requests");
+            assert!(
+                rank == 0 || closed == aborted,
+                "ranks abort different requests"
+            );
             aborted = closed;
             let RankSnapshot {
                 state_digest,
                 ledger_digest,
                 holdings,
             } = &before[rank];
-            if aborted.is_empty() && out.preempted_ids.is_empty() && out.suspended_ids.is_empty()
-            {
+            if aborted.is_empty() && out.preempted_ids.is_empty() && out.suspended_ids.is_empty() {
                 assert_eq!(
                     s.ledger().state_digest(),
                     *ledger_digest,
@@ -724,7 +775,10 @@ impl Group {
         self.note_reverted_victims(out);
         let mut expected: Vec<RequestId> = self.aborting.iter().copied().collect();
         expected.sort_by_key(|id| self.arrival[id]);
-        assert_eq!(aborted, expected, "revert aborts the requested ones, in queue order");
+        assert_eq!(
+            aborted, expected,
+            "revert aborts the requested ones, in queue order"
+        );
         for id in aborted {
             self.collect(id);
         }
@@ -804,7 +858,11 @@ impl Group {
             .iter()
             .filter(|spec| {
                 spec.abort.is_some_and(|at| {
-                    at.step <= step && at.while_pending == while_pending
+                    at.step <= step
+                        && at.while_pending == while_pending
+                        && at
+                            .in_state
+                            .is_none_or(|state| self.state_label(spec.id) == Some(state))
                 }) && self.known.contains_key(&spec.id)
                     && !self.aborting.contains(&spec.id)
             })
