@@ -401,5 +401,6 @@ def assert_matches_reference_with_aborts(
     by_id = {s.request_id: s for s in specs}
     for request_id, got in result.aborted.items():
         full = reference[request_id]
-        assert len(got) < len(full) and full[: len(got)] == got, (request_id, got, full)
+        assert len(got) < len(full), (request_id, got, full)
+        assert full[: len(got)] == got, (request_id, got, full)
         assert by_id[request_id].abort_step is not None, f"{request_id} was aborted unasked"

@@ -208,7 +208,8 @@ def test_abort_rate_aborts_requests_and_the_rest_finish_exactly(
     report = run_json(capsys, *TIGHT, "--abort-rate", "0.5")
     assert report["requests_aborted"] > 0
     assert report["requests_finished"] + report["requests_aborted"] == 24
-    assert report["outputs_exact"] is True and report["rank_agreement"] is True
+    assert report["outputs_exact"] is True
+    assert report["rank_agreement"] is True
     assert report["config"]["workload"]["abort_rate"] == 0.5
     whole = run_json(capsys, *TIGHT)
     assert report["generated_tokens"] < whole["generated_tokens"]
@@ -221,10 +222,11 @@ def test_trace_abort_steps_abort_those_requests(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     trace = tmp_path / "trace.jsonl"
+    request = {"prompt_len": 40, "output_len": 10}
     lines = [
-        json.dumps({"id": i, "arrival_step": i, "prompt_len": 40, "output_len": 10, "abort_step": s})
+        json.dumps({"id": i, "arrival_step": i, **request, "abort_step": s})
         for i, s in ((0, 3), (1, None), (2, 2), (3, 90))  # 3 finishes before step 90
-    ]  # fmt: skip
+    ]
     trace.write_text("\n".join(lines) + "\n")
     report = run_json(capsys, "--trace", str(trace), "--kv-tokens", "4096")
     assert (report["requests_finished"], report["requests_aborted"]) == (2, 2)

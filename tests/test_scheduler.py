@@ -488,8 +488,10 @@ def test_abort_while_pending_is_deferred_to_update_or_revert() -> None:
     out = s.schedule()
     assert out.generation_ids.tolist() == [1, 2, 3]
     s.abort_many([3, 1])
-    assert s.is_abort_requested(1) and not s.is_abort_requested(2)
-    assert s.num_live == 3 and s.metrics().aborts == 0
+    assert s.is_abort_requested(1)
+    assert not s.is_abort_requested(2)
+    assert s.num_live == 3
+    assert s.metrics().aborts == 0
     with pytest.raises(helix_kv.InvalidStateError, match="not finished"):
         s.take_output(1)
     assert s.update([21, 22, 23]).tolist() == [1, 3]
@@ -498,7 +500,8 @@ def test_abort_while_pending_is_deferred_to_update_or_revert() -> None:
     s.schedule()
     s.abort(2)
     aborted = s.revert()
-    assert aborted.dtype == np.int64 and aborted.tolist() == [2]
+    assert aborted.dtype == np.int64
+    assert aborted.tolist() == [2]
     assert s.take_output(2).token_ids.tolist() == [11, 12, 22]
     assert s.metrics().kv_used_superblocks == 0
     s.schedule()  # nothing live: an empty step
@@ -553,7 +556,8 @@ def test_request_output_is_a_frozen_picklable_record() -> None:
     with pytest.raises(AttributeError):
         output.finish_reason = "length"  # type: ignore[misc]
     again = pickle.loads(pickle.dumps(output))
-    assert again == output and hash(again) == hash(output)
+    assert again == output
+    assert hash(again) == hash(output)
     assert again.token_ids.tolist() == [11, 12, 13]
     assert output != helix_kv.RequestOutput(7, [11, 12, 13], "length", output.metrics)
     assert output != helix_kv.RequestOutput(7, [11, 12], "aborted", output.metrics)

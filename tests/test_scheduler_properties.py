@@ -232,9 +232,7 @@ CALLS_WITH_ABORTS = st.lists(
 
 @settings(max_examples=60, deadline=None)
 @given(CALLS_WITH_ABORTS, st.integers(0, 2**32 - 1))
-def test_random_call_sequences_with_aborts_keep_two_ranks_identical(
-    calls: list, seed: int
-) -> None:
+def test_random_call_sequences_with_aborts_keep_two_ranks_identical(calls: list, seed: int) -> None:
     """Aborts in any state, pending step or not, unknown ids included: every call ends alike
     on both ranks, a failed call changes nothing, and no page outlives its request."""
     for s in run_calls(calls, seed):

@@ -301,7 +301,8 @@ def test_group_abort_while_pending_takes_effect_at_update_or_revert() -> None:
     assert group.revert().tolist() == [2]
     output = group.take_output(2)
     assert (output.token_ids.tolist(), output.finish_reason) == ([11, 12, 13], "aborted")
-    assert group.revert.__doc__ and group.metrics().aborts == 2
+    assert group.revert.__doc__
+    assert group.metrics().aborts == 2
 
 
 def test_group_abort_of_a_finished_request_keeps_its_output_and_reason() -> None:

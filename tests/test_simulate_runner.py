@@ -215,7 +215,8 @@ def test_aborts_are_applied_between_steps_and_reported() -> None:
     result = run_simulation(group, workload, config=CONFIG)
     by_id = {o.request_id: o for o in result.outcomes}
     assert (by_id[3].finish_reason, by_id[3].generated_tokens) == ("aborted", 0)
-    assert by_id[3].first_token_step is None and by_id[3].first_token_steps is None
+    assert by_id[3].first_token_step is None
+    assert by_id[3].first_token_steps is None
     assert (by_id[1].finish_reason, by_id[1].generated_tokens, by_id[1].finish_step) == (
         "aborted",
         2,
@@ -250,7 +251,8 @@ def test_a_real_group_aborts_identically_on_every_rank() -> None:
     assert 0 < len(aborting) < len(workload)
     config = helix_kv.SchedulerConfig(cp_size=2, tokens_per_block=4, kv_tokens=512)
     result = run_simulation(InProcessGroup(config), workload, config=CONFIG)
-    assert result.rank_agreement and result.outputs_exact
+    assert result.rank_agreement
+    assert result.outputs_exact
     aborted = {o.request_id for o in result.outcomes if o.aborted}
     assert aborted == aborting  # each abort comes before its request could finish
     assert result.final_metrics.aborts == len(aborted)
