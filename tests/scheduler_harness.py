@@ -7,13 +7,17 @@ feeds a wrong token, position or page changes every later token, so comparing ou
 run without pressure checks replay end to end. Every step also checks replay directly
 (re-prefill tokens are prompt + tokens generated so far; decode positions continue from the
 new prompt end) and that victims are strictly behind the request that needed their pages.
+
+Requests may be aborted (:attr:`Spec.abort_step`): between steps or while a step is pending,
+optionally only once seen in a given state. Aborted outputs must be the start of the output
+the request would have had, and nothing may be left behind (pages, host tier, slots).
 """
 
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -29,6 +33,12 @@ class Spec:
     max_new_tokens: int
     priority: int = 0
     arrival_step: int = 0
+    #: Abort it once step ``abort_step`` comes (``None``: never): before that step is
+    #: scheduled, or (``abort_pending``) while it is pending; with ``abort_state``, only once
+    #: it is seen in that state (a label of :meth:`Executor.state_label`).
+    abort_step: Optional[int] = None
+    abort_pending: bool = False
+    abort_state: Optional[str] = None
 
     def prompt(self) -> np.ndarray:
         ids = (self.request_id * 7919 + np.arange(self.prompt_len) * 31) % 997
@@ -49,7 +59,12 @@ class Model:
 
 @dataclass
 class RunResult:
+    #: Outputs of requests that finished by length or eos.
     outputs: Dict[int, List[int]] = field(default_factory=dict)
+    #: Outputs of aborted requests.
+    aborted: Dict[int, List[int]] = field(default_factory=dict)
+    #: States aborted requests were in ("decoding", "suspended while pending"...).
+    abort_states: Set[str] = field(default_factory=set)
     steps: int = 0
     reverted: int = 0
     victims: List[Tuple[int, int]] = field(default_factory=list)
@@ -75,6 +90,9 @@ class Executor:
         self.arrival: Dict[int, int] = {}
         self.known: Dict[int, List[int]] = {}
         self.prefilled: Dict[int, int] = {}
+        self.specs: Sequence[Spec] = ()
+        #: Requests whose abort waits for the pending step to close.
+        self.aborting: Set[int] = set()
         self.result = RunResult()
 
     # -- calls --------------------------------------------------------------------------
@@ -85,19 +103,91 @@ class Executor:
         self.known[spec.request_id] = spec.prompt().tolist()
         self.prefilled[spec.request_id] = 0
 
-    def step(self, revert: bool = False) -> None:
+    def state_label(self, request_id: int) -> Optional[str]:
+        """The state of a live request not yet being aborted ("recompute-paused" for a
+        waiting request that was preempted), else ``None``."""
+        scheduler = self.group.schedulers[0]
+        if request_id not in self.known or request_id in self.aborting:
+            return None
+        state = scheduler.request_state(request_id)
+        if state == "waiting" and scheduler.request_metrics(request_id).preemptions > 0:
+            return "recompute-paused"
+        return state
+
+    def abort(self, request_ids: List[int]) -> None:
+        """Aborts on every rank (the group checks they agree); between steps the outputs
+        are taken at once, while a step is pending when it closes."""
+        if not request_ids:
+            return
+        pending = self.group.schedulers[0].step_pending
+        labels = [self.state_label(r) for r in request_ids]
+        self.group.abort_many(request_ids)
+        for request_id, label in zip(request_ids, labels):
+            if label is None:
+                continue  # finished, or already being aborted: a no-op
+            self.result.abort_states.add(label + (" while pending" if pending else ""))
+            if pending:
+                assert self.group.schedulers[0].is_abort_requested(request_id)
+                self.aborting.add(request_id)
+            else:
+                self._collect(request_id)
+        if not pending:
+            self._check_host_tier()
+
+    def _due_aborts(self, step: int, pending: bool) -> List[int]:
+        return [
+            spec.request_id
+            for spec in self.specs
+            if spec.abort_step is not None
+            and spec.abort_step <= step
+            and spec.abort_pending == pending
+            and self.state_label(spec.request_id) is not None
+            and (spec.abort_state is None or self.state_label(spec.request_id) == spec.abort_state)
+        ]
+
+    def _collect(self, request_id: int) -> None:
+        """Takes a finished or aborted request's output and checks it."""
+        output = self.group.take_output(request_id)
+        assert output.request_id == request_id
+        generated = output.token_ids.tolist()
+        assert output.metrics.generated_tokens == len(generated)
+        known = self.known.pop(request_id)
+        assert known[len(known) - len(generated) :] == generated
+        self.prefilled.pop(request_id, None)
+        self.host.pop(request_id, None)
+        if output.finish_reason == "aborted":
+            self.result.aborted[request_id] = generated
+            self.aborting.discard(request_id)
+        else:
+            assert request_id not in self.aborting, f"{request_id} was aborted"
+            at_eos = self.model.eos is not None and generated[-1:] == [self.model.eos]
+            assert output.finish_reason == ("eos" if at_eos else "length")
+            self.result.outputs[request_id] = generated
+
+    def _check_host_tier(self) -> None:
+        held = sum(token.shape[1] // self.tpb for token, _, _ in self.host.values())
+        for scheduler in self.group.schedulers:
+            assert scheduler.host_used_superblocks == held, "host tier leaked"
+
+    def step(self, revert: bool = False, index: int = 0) -> None:
         before = [
             (s.state_digest(), s.metrics().kv_used_superblocks) for s in self.group.schedulers
         ]
         outputs = self.group.schedule()
         out = outputs[0]
+        self.abort(self._due_aborts(index, pending=True))
         self._check_victims(out)
         self._copy_out_suspended(out)
         for victim in out.preempted_ids.tolist():
             self.prefilled[victim] = 0
         if revert:
-            self.group.revert()
-            if out.preempted_ids.size == 0 and out.suspended_ids.size == 0:
+            aborted = self.group.revert().tolist()
+            queue_order = sorted(self.aborting, key=self.arrival.__getitem__)
+            assert aborted == queue_order, "revert aborts the requested ones, in queue order"
+            for request_id in aborted:
+                self._collect(request_id)
+            self._check_host_tier()
+            if not aborted and out.preempted_ids.size == 0 and out.suspended_ids.size == 0:
                 after = [
                     (s.state_digest(), s.metrics().kv_used_superblocks)
                     for s in self.group.schedulers
@@ -112,17 +202,17 @@ class Executor:
         finished = self.group.update(tokens, eos if self.model.eos is not None else None)
         assert finished.dtype == np.int64
         for request_id, token in zip(out.sample_ids.tolist(), tokens.tolist()):
-            self.known[request_id].append(token)
+            if request_id not in self.aborting:  # an aborted request's token is dropped
+                self.known[request_id].append(token)
         ends = (out.context_starts + out.context_lens).tolist()
         for request_id, end, completes in zip(
             out.context_ids.tolist(), ends, out.context_completes.tolist()
         ):
             self.prefilled[request_id] = 0 if completes else end
         for request_id in finished.tolist():
-            generated = self.group.take_output(request_id).tolist()
-            known = self.known.pop(request_id)
-            assert known[len(known) - len(generated) :] == generated
-            self.result.outputs[request_id] = generated
+            self._collect(request_id)
+        assert not self.aborting, "every requested abort took effect at update"
+        self._check_host_tier()
         self.result.steps += 1
         bound = int(self.config.max_preemptions_per_request)
         for request_id in self.group.schedulers[0].queue_ids().tolist():
@@ -136,24 +226,29 @@ class Executor:
         self, specs: Sequence[Spec], revert_every: int = 0, max_steps: int = 5_000
     ) -> RunResult:
         pending = sorted(specs, key=lambda s: s.arrival_step)
+        self.specs = pending
         next_spec, step, scheduled = 0, 0, 0
         while True:
             while next_spec < len(pending) and pending[next_spec].arrival_step <= step:
                 self.add(pending[next_spec])
                 next_spec += 1
+            self.abort(self._due_aborts(step, pending=False))
             if next_spec == len(pending) and not self.group.has_unfinished():
                 break
             assert step < max_steps, f"no completion in {max_steps} steps"
             scheduled += 1
             if revert_every and scheduled % revert_every == 0:
-                self.step(revert=True)
+                self.step(revert=True, index=step)
                 continue
-            self.step()
+            self.step(index=step)
             step += 1
         for scheduler in self.group.schedulers:
             metrics = scheduler.metrics()
             assert metrics.kv_used_superblocks == 0, "superblocks leaked"
+            assert scheduler.host_used_superblocks == 0, "host tier leaked"
             assert scheduler.num_live == 0
+            assert metrics.aborts == len(self.result.aborted)
+            assert metrics.finished == len(self.result.outputs)
         self.result.metrics = self.group.metrics()
         return self.result
 
@@ -291,3 +386,21 @@ def assert_matches_reference(specs: Sequence[Spec], result: RunResult, model: Mo
         assert got == reference[spec.request_id], f"request {spec.request_id} output differs"
         at_eos = model.eos is not None and got and got[-1] == model.eos
         assert len(got) == spec.max_new_tokens or (at_eos and len(got) < spec.max_new_tokens)
+
+
+def assert_matches_reference_with_aborts(
+    specs: Sequence[Spec], result: RunResult, model: Model = Model()
+) -> None:
+    """Every request finished exactly as in the reference, or was aborted (as asked) with a
+    strict prefix of its reference output."""
+    assert len(result.outputs) + len(result.aborted) == len(specs)
+    survivors = [s for s in specs if s.request_id not in result.aborted]
+    finished = RunResult(outputs=result.outputs)
+    assert_matches_reference(survivors, finished, model)
+    reference = reference_outputs(specs, model)
+    by_id = {s.request_id: s for s in specs}
+    for request_id, got in result.aborted.items():
+        full = reference[request_id]
+        assert len(got) < len(full), (request_id, got, full)
+        assert full[: len(got)] == got, (request_id, got, full)
+        assert by_id[request_id].abort_step is not None, f"{request_id} was aborted unasked"

@@ -33,6 +33,7 @@ ROOMY = [*SMALL, "--kv-tokens", "65536"]
 JSON_KEYS = {
     "requests_total",
     "requests_finished",
+    "requests_aborted",
     "steps",
     "generated_tokens",
     "preemptions",
@@ -83,6 +84,8 @@ def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
         (["--compare-policies", "--policy", "priority"], "drop --policy"),
         (["--plot", "/no/such/folder/x.png"], "folder /no/such/folder does not exist"),
         (["--prompt-len", "50", "--prompt-len-max", "10"], "prompt len max (10)"),
+        (["--abort-rate", "2"], "argument --abort-rate: must be a fraction in [0, 1], got 2"),
+        (["--trace", "t.jsonl", "--abort-rate", "0.1"], "--abort-rate shape the synthetic"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(
@@ -107,6 +110,10 @@ def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None
         ('{"id": 2, "arrival_step": 0, "prompt_len": -3, "output_len": 4}', "'prompt_len' must"),
         ("not json", "not valid JSON"),
         ('{"id": 1, "arrival_step": 1, "prompt_len": 8, "output_len": 4}', "duplicate id 1"),
+        (
+            '{"id": 2, "arrival_step": 3, "prompt_len": 8, "output_len": 4, "abort_step": 1}',
+            "'abort_step' (1) must be >= 'arrival_step' (3)",
+        ),
     ],
 )
 def test_bad_trace_line_names_the_line(
@@ -192,6 +199,40 @@ def test_trace_run_matches_its_requests(capsys: pytest.CaptureFixture[str], tmp_
     assert report["requests_finished"] == 6
     assert report["generated_tokens"] == 60
     assert report["config"]["workload"] == {"source": "trace", "path": str(trace), "requests": 6}
+
+
+@needs_scheduler
+def test_abort_rate_aborts_requests_and_the_rest_finish_exactly(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    report = run_json(capsys, *TIGHT, "--abort-rate", "0.5")
+    assert report["requests_aborted"] > 0
+    assert report["requests_finished"] + report["requests_aborted"] == 24
+    assert report["outputs_exact"] is True
+    assert report["rank_agreement"] is True
+    assert report["config"]["workload"]["abort_rate"] == 0.5
+    whole = run_json(capsys, *TIGHT)
+    assert report["generated_tokens"] < whole["generated_tokens"]
+    assert main(["simulate", *TIGHT, "--abort-rate", "0.5"]) == 0
+    assert "requests aborted" in capsys.readouterr().out
+
+
+@needs_scheduler
+def test_trace_abort_steps_abort_those_requests(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    request = {"prompt_len": 40, "output_len": 10}
+    lines = [
+        json.dumps({"id": i, "arrival_step": i, **request, "abort_step": s})
+        for i, s in ((0, 3), (1, None), (2, 2), (3, 90))  # 3 finishes before step 90
+    ]
+    trace.write_text("\n".join(lines) + "\n")
+    report = run_json(capsys, "--trace", str(trace), "--kv-tokens", "4096")
+    assert (report["requests_finished"], report["requests_aborted"]) == (2, 2)
+    # 0 is aborted before step 3 (3 tokens: steps 0-2), 2 on arrival (none)
+    assert report["generated_tokens"] == 10 + 10 + 3
+    assert report["outputs_exact"] is True
 
 
 @needs_scheduler

@@ -159,8 +159,9 @@ def test_every_output_array_has_its_dtype_and_shape() -> None:
         assert finished.dtype == np.int64
         for request_id in finished.tolist():
             taken = s.take_output(request_id)
-            assert taken.dtype == np.int32
-            assert taken.tolist() == [3] * 12
+            assert taken.token_ids.dtype == np.int32
+            assert taken.token_ids.tolist() == [3] * 12
+            assert taken.finish_reason == "length"
     assert seen_preemption
 
 
@@ -171,7 +172,7 @@ def test_inputs_accept_lists_and_other_integer_dtypes() -> None:
     out = s.schedule()
     s.update(np.array([8, 9], dtype=np.int64), eos=[0, 1])
     assert out.context_token_ids.tolist() == [5, 6, 7, 1, 2]
-    assert s.take_output(2).tolist() == [9]
+    assert s.take_output(2).token_ids.tolist() == [9]
     assert s.tokens(1).tolist() == [5, 6, 7, 8]
     assert s.tokens(1).dtype == np.int32
 
@@ -272,7 +273,7 @@ def test_bad_input_raises_typed_errors_and_changes_nothing() -> None:
             call()
         assert snapshot(s) == before, needle
     s.update([3], np.array([True]))
-    assert s.take_output(1).tolist() == [3]
+    assert s.take_output(1).token_ids.tolist() == [3]
     s.add_request(1, prompt(8), 4)  # the id is free again once its output is taken
 
 
@@ -446,3 +447,146 @@ def test_counters_and_metrics() -> None:
     assert 0.0 < totals.kv_utilization_peak <= 1.0
     assert set(totals.to_dict()) >= {"steps", "preemptions", "kv_utilization_peak"}
     assert "SchedulerMetrics(steps=" in repr(totals)
+
+
+# -- abort and the output record --------------------------------------------------------
+
+
+def decoding(s: helix_kv.Scheduler, *request_ids: int, steps: int = 2) -> None:
+    for request_id in request_ids:
+        s.add_request(request_id, prompt(5), 8)
+    for token in range(11, 11 + steps):
+        step(s, token)
+
+
+def test_abort_between_steps_finishes_the_request_with_its_tokens() -> None:
+    s = make(superblocks=16)
+    decoding(s, 1, 2)
+    before = s.state_digest()
+    assert s.abort(1) is None
+    assert s.state_digest() != before
+    assert s.queue_ids().tolist() == [2]
+    output = s.take_output(1)
+    assert isinstance(output, helix_kv.RequestOutput)
+    assert output.request_id == 1
+    assert output.token_ids.tolist() == [11, 12]
+    assert output.token_ids.dtype == np.int32
+    assert output.finish_reason == "aborted"
+    assert output.metrics == helix_kv.RequestMetrics(generated_tokens=2)
+    metrics = s.metrics()
+    assert (metrics.aborts, metrics.finished) == (1, 0)
+    assert metrics.to_dict()["aborts"] == 1
+    assert "aborts=1" in repr(metrics)
+    s.abort_many(np.array([2], dtype=np.int64))
+    assert s.metrics().kv_used_superblocks == 0
+    assert s.host_used_superblocks == 0
+
+
+def test_abort_while_pending_is_deferred_to_update_or_revert() -> None:
+    s = make(superblocks=16)
+    decoding(s, 1, 2, 3)
+    out = s.schedule()
+    assert out.generation_ids.tolist() == [1, 2, 3]
+    s.abort_many([3, 1])
+    assert s.is_abort_requested(1)
+    assert not s.is_abort_requested(2)
+    assert s.num_live == 3
+    assert s.metrics().aborts == 0
+    with pytest.raises(helix_kv.InvalidStateError, match="not finished"):
+        s.take_output(1)
+    assert s.update([21, 22, 23]).tolist() == [1, 3]
+    assert s.take_output(1).token_ids.tolist() == [11, 12]  # 21 was dropped
+    assert s.take_output(3).finish_reason == "aborted"
+    s.schedule()
+    s.abort(2)
+    aborted = s.revert()
+    assert aborted.dtype == np.int64
+    assert aborted.tolist() == [2]
+    assert s.take_output(2).token_ids.tolist() == [11, 12, 22]
+    assert s.metrics().kv_used_superblocks == 0
+    s.schedule()  # nothing live: an empty step
+    assert s.revert().tolist() == []
+
+
+def test_abort_of_a_finished_request_is_a_no_op_and_unknown_ids_fail() -> None:
+    s = make(superblocks=16)
+    s.add_request(1, prompt(3), 1)
+    step(s, 5)
+    before = snapshot(s)
+    s.abort(1)
+    s.abort_many([1, 1])
+    assert snapshot(s) == before
+    output = s.take_output(1)
+    assert (output.token_ids.tolist(), output.finish_reason) == ([5], "length")
+    decoding(s, 2)
+    cases = [
+        (helix_kv.UnknownRequestError, "unknown request 1", lambda: s.abort(1)),
+        (helix_kv.UnknownRequestError, "unknown request 9", lambda: s.abort_many([2, 9])),
+        (helix_kv.UnknownRequestError, "unknown request 9", lambda: s.is_abort_requested(9)),
+        (helix_kv.InvalidArgumentError, "request ids must be", lambda: s.abort(-1)),
+        (helix_kv.InvalidArgumentError, "non-negative", lambda: s.abort_many([2, -4])),
+    ]
+    for error, needle, call in cases:
+        before = snapshot(s)
+        with pytest.raises(error, match=needle):
+            call()
+        assert snapshot(s) == before, needle
+    assert s.queue_ids().tolist() == [2]
+
+
+def test_eos_and_length_finish_reasons() -> None:
+    s = make(superblocks=16)
+    for request_id in (1, 2):
+        s.add_request(request_id, prompt(4), 3)
+    s.schedule()
+    s.update([7, 7], eos=[False, True])
+    assert s.take_output(2).finish_reason == "eos"
+    while s.has_unfinished():
+        step(s)
+    assert s.take_output(1).finish_reason == "length"
+
+
+def test_request_output_is_a_frozen_picklable_record() -> None:
+    s = make(superblocks=16)
+    decoding(s, 7, steps=3)
+    s.abort(7)
+    output = s.take_output(7)
+    with pytest.raises(ValueError, match="read-only"):
+        output.token_ids[0] = 1
+    with pytest.raises(AttributeError):
+        output.finish_reason = "length"  # type: ignore[misc]
+    again = pickle.loads(pickle.dumps(output))
+    assert again == output
+    assert hash(again) == hash(output)
+    assert again.token_ids.tolist() == [11, 12, 13]
+    assert output != helix_kv.RequestOutput(7, [11, 12, 13], "length", output.metrics)
+    assert output != helix_kv.RequestOutput(7, [11, 12], "aborted", output.metrics)
+    assert output != "not an output"
+    assert repr(output) == (
+        "RequestOutput(request_id=7, token_ids=[11, 12, 13], finish_reason='aborted', "
+        "metrics=RequestMetrics(preemptions=0, recomputed_tokens=0, steps_waited=0, "
+        "generated_tokens=3))"
+    )
+    long = helix_kv.RequestOutput(1, list(range(40)), "length", helix_kv.RequestMetrics())
+    assert "... (40 tokens)" in repr(long)
+    metrics = helix_kv.RequestMetrics(preemptions=2, steps_waited=5)
+    assert pickle.loads(pickle.dumps(metrics)) == metrics
+    with pytest.raises(helix_kv.InvalidArgumentError, match="finish_reason must be"):
+        helix_kv.RequestOutput(1, [1], "stop", metrics)
+    with pytest.raises(helix_kv.InvalidArgumentError, match="must fit int32"):
+        helix_kv.RequestOutput(1, [2**40], "eos", metrics)
+
+
+def test_abort_of_a_suspended_request_frees_its_host_tier_share() -> None:
+    s = make(tpb=4, superblocks=40, serving_mode="non_helix", host_tier_superblocks=6)
+    for request_id in range(8):
+        s.add_request(request_id, prompt(10), 30)
+    while s.num_suspended == 0:
+        step(s, 1)
+    held = s.host_used_superblocks
+    (victim,) = [r for r in s.queue_ids().tolist() if s.request_state(r) == "suspended"][:1]
+    s.abort(victim)
+    assert s.host_used_superblocks < held
+    assert s.take_output(victim).finish_reason == "aborted"
+    s.abort_many(s.queue_ids())
+    assert (s.host_used_superblocks, s.metrics().kv_used_superblocks, s.num_live) == (0, 0, 0)

@@ -1,5 +1,6 @@
 """Hypothesis: random configurations and workloads through a simulated CP group keep every
-invariant, and random call sequences (bad calls included) keep two ranks identical."""
+invariant (with random aborts too), and random call sequences (bad calls and aborts included)
+keep two ranks identical."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import helix_kv
-from scheduler_harness import Executor, Model, Spec, assert_matches_reference
+from scheduler_harness import (
+    Executor,
+    Model,
+    Spec,
+    assert_matches_reference,
+    assert_matches_reference_with_aborts,
+)
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -101,16 +108,14 @@ def test_random_configs_and_workloads_keep_every_invariant(case: tuple) -> None:
     assert result.metrics.suspensions == 0 or config.host_tier_superblocks > 0
 
 
-CALLS = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.integers(0, 6), st.integers(0, 12), st.integers(-1, 6)),
-        st.tuples(st.just("schedule")),
-        st.tuples(st.just("update"), st.sampled_from([0, 0, 0, 1]), st.booleans()),
-        st.tuples(st.just("revert")),
-        st.tuples(st.just("take"), st.integers(0, 6)),
-    ),
-    max_size=60,
+CALL = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 6), st.integers(0, 12), st.integers(-1, 6)),
+    st.tuples(st.just("schedule")),
+    st.tuples(st.just("update"), st.sampled_from([0, 0, 0, 1]), st.booleans()),
+    st.tuples(st.just("revert")),
+    st.tuples(st.just("take"), st.integers(0, 6)),
 )
+CALLS = st.lists(CALL, max_size=60)
 
 
 def apply(s: helix_kv.Scheduler, call: tuple, rng: np.random.Generator, samples: dict) -> str:
@@ -132,9 +137,12 @@ def apply(s: helix_kv.Scheduler, call: tuple, rng: np.random.Generator, samples:
             eos = rng.random(count) < 0.2 if with_eos else None
             return f"finished {s.update(tokens, eos).tolist()}"
         elif call[0] == "revert":
-            s.revert()
+            return f"reverted, aborted {s.revert().tolist()}"
+        elif call[0] == "abort":
+            s.abort_many(list(call[1]))
         else:
-            return f"output {s.take_output(call[1]).tolist()}"
+            output = s.take_output(call[1])
+            return f"output {output.token_ids.tolist()} {output.finish_reason}"
     except helix_kv.HelixKVError as error:
         failure = f"{type(error).__name__}: {error}"
     else:
@@ -143,9 +151,8 @@ def apply(s: helix_kv.Scheduler, call: tuple, rng: np.random.Generator, samples:
     return failure
 
 
-@settings(max_examples=60, deadline=None)
-@given(CALLS, st.integers(0, 2**32 - 1))
-def test_random_call_sequences_keep_two_ranks_identical(calls: list, seed: int) -> None:
+def run_calls(calls: list, seed: int) -> list:
+    """Feeds ``calls`` to two ranks, checking after each that they ended alike."""
     config = helix_kv.SchedulerConfig(
         cp_size=2, tokens_per_block=2, kv_superblocks=6, max_num_tokens=16, chunk_unit=2
     )
@@ -158,3 +165,77 @@ def test_random_call_sequences_keep_two_ranks_identical(calls: list, seed: int) 
     for s in ranks:
         held = s.metrics().kv_used_superblocks
         assert 0 <= held <= config.kv_superblocks
+    return ranks
+
+
+@settings(max_examples=60, deadline=None)
+@given(CALLS, st.integers(0, 2**32 - 1))
+def test_random_call_sequences_keep_two_ranks_identical(calls: list, seed: int) -> None:
+    run_calls(calls, seed)
+
+
+def check_early_stop(config: helix_kv.SchedulerConfig, executor: Executor, error) -> None:
+    """The only documented ways a run may stop early (see the test above)."""
+    if isinstance(error, helix_kv.DeadlockError):
+        bound_hit = executor.result.max_request_preemptions == config.max_preemptions_per_request
+        assert bound_hit or config.serving_mode == "disaggregated_generation", str(error)
+    else:
+        assert config.serving_mode == "disaggregated_generation", str(error)
+
+
+@FAST
+@given(cases(), st.lists(st.tuples(st.integers(0, 30), st.booleans()), min_size=10, max_size=10),
+       st.lists(st.booleans(), min_size=10, max_size=10))  # fmt: skip
+def test_random_aborts_keep_every_invariant(case: tuple, aborts: list, chosen: list) -> None:
+    """Aborts between steps and while a step is pending (reverts mixed in): ranks agree,
+    nothing leaks (the harness checks pages and the host tier), aborted outputs are the start
+    of the full ones, and the survivors generate what they would without the aborted ones."""
+    kwargs, specs, model, revert_every = case
+    config = helix_kv.SchedulerConfig(**kwargs)
+    specs = [
+        Spec(s.request_id, s.prompt_len, s.max_new_tokens, s.priority, s.arrival_step,
+             abort_step=s.arrival_step + after, abort_pending=pending)
+        if abort else s
+        for s, (after, pending), abort in zip(specs, aborts, chosen)
+    ]  # fmt: skip
+    specs = accepted(config, specs)
+    if not specs:
+        return
+    executor = Executor(config, model)
+    try:
+        result = executor.run(specs, revert_every=revert_every)
+    except (helix_kv.DeadlockError, helix_kv.PreemptionDisabledError) as error:
+        check_early_stop(config, executor, error)
+        return
+    assert_matches_reference_with_aborts(specs, result, model)
+    survivors = [
+        Spec(s.request_id, s.prompt_len, s.max_new_tokens, s.priority, s.arrival_step)
+        for s in specs
+        if s.request_id not in result.aborted
+    ]
+    if not survivors:
+        return
+    alone = Executor(config, model)
+    try:
+        without = alone.run(survivors, revert_every=revert_every)
+    except (helix_kv.DeadlockError, helix_kv.PreemptionDisabledError) as error:
+        check_early_stop(config, alone, error)  # the pressure changed, so may its outcome
+        return
+    assert without.outputs == result.outputs
+
+
+CALLS_WITH_ABORTS = st.lists(
+    st.one_of(CALL, st.tuples(st.just("abort"), st.lists(st.integers(0, 6), max_size=3))),
+    max_size=60,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(CALLS_WITH_ABORTS, st.integers(0, 2**32 - 1))
+def test_random_call_sequences_with_aborts_keep_two_ranks_identical(calls: list, seed: int) -> None:
+    """Aborts in any state, pending step or not, unknown ids included: every call ends alike
+    on both ranks, a failed call changes nothing, and no page outlives its request."""
+    for s in run_calls(calls, seed):
+        if s.num_live == 0:
+            assert s.metrics().kv_used_superblocks == 0
+            assert s.host_used_superblocks == 0

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 import helix_kv
-from scheduler_harness import Executor, Model, Spec, assert_matches_reference
+from scheduler_harness import (
+    Executor,
+    Model,
+    Spec,
+    assert_matches_reference,
+    assert_matches_reference_with_aborts,
+)
 
 CPS = (1, 2, 4)
 PLAIN = Model()
@@ -159,5 +165,178 @@ def test_finished_outputs_agree_and_metrics_come_from_rank_zero() -> None:
         n = group.schedule()[0].num_samples
         finished = group.update(np.full(n, 9, dtype=np.int32))
     assert finished.tolist() == [4]
-    assert group.take_output(4).tolist() == [9, 9]
+    output = group.take_output(4)
+    assert (output.token_ids.tolist(), output.finish_reason) == ([9, 9], "length")
     assert group.metrics().finished == 1
+
+
+# -- aborts ---------------------------------------------------------------------------
+
+
+def run_with_aborts(cfg: helix_kv.SchedulerConfig, specs, revert_every: int = 0):
+    """Runs ``specs`` with their aborts, then the survivors alone: same tokens."""
+    result = Executor(cfg).run(specs, revert_every=revert_every)
+    assert_matches_reference_with_aborts(specs, result)
+    survivors = [
+        Spec(s.request_id, s.prompt_len, s.max_new_tokens, s.priority, s.arrival_step)
+        for s in specs
+        if s.request_id not in result.aborted
+    ]
+    alone = Executor(cfg).run(survivors, revert_every=revert_every)
+    assert alone.outputs == result.outputs, "aborts changed a surviving request's output"
+    return result
+
+
+def aborting(spec: Spec, state: str, pending: bool) -> Spec:
+    """``spec``, aborted the first time it is seen in ``state``."""
+    return Spec(
+        spec.request_id,
+        spec.prompt_len,
+        spec.max_new_tokens,
+        spec.priority,
+        spec.arrival_step,
+        abort_step=0,
+        abort_pending=pending,
+        abort_state=state,
+    )
+
+
+EVERY_STATE = {
+    1: ("prefilling", False),
+    2: ("decoding", True),
+    3: ("waiting", False),
+    5: ("recompute-paused", False),
+    6: ("recompute-paused", True),
+    7: ("prefilling", True),
+    8: ("recompute-paused", False),
+    9: ("recompute-paused", True),
+    10: ("recompute-paused", True),
+    11: ("decoding", False),
+    12: ("recompute-paused", False),
+    13: ("waiting", True),
+    15: ("recompute-paused", True),
+}
+
+
+@pytest.mark.parametrize("cp", CPS)
+@pytest.mark.parametrize("revert_every", [0, 5])
+def test_aborts_in_every_state_leave_the_survivors_unchanged(cp: int, revert_every: int) -> None:
+    specs = []
+    for i in range(16):
+        spec = Spec(i, 10 + (i * 7) % 30, 24, 0, i // 3)
+        if i in EVERY_STATE:
+            spec = aborting(spec, *EVERY_STATE[i])
+        elif i == 14:  # a fixed step, whatever its state then
+            spec = Spec(i, spec.prompt_len, 24, 0, spec.arrival_step, abort_step=40)
+        specs.append(spec)
+    result = run_with_aborts(
+        config(cp, 4, 192, max_num_tokens=24, chunk_unit=8), specs, revert_every
+    )
+    assert result.metrics.preemptions > 0
+    assert result.metrics.aborts == len(result.aborted) >= 8
+    for state in ("waiting", "prefilling", "decoding", "recompute-paused"):
+        for when in ("", " while pending"):
+            assert state + when in result.abort_states, (state + when, result.abort_states)
+
+
+def test_aborts_of_suspended_requests_release_the_host_tier() -> None:
+    specs = [Spec(i, 10, 30) for i in range(8)]
+    specs[2] = Spec(2, 10, 30, abort_step=18)
+    for i, pending in ((6, False), (7, False), (4, True), (5, True)):
+        specs[i] = aborting(specs[i], "suspended", pending)
+    for revert_every in (0, 4):
+        result = run_with_aborts(
+            config(1, 4, 160, serving_mode="non_helix", host_tier_superblocks=6),
+            specs,
+            revert_every,
+        )
+        assert result.metrics.suspensions > 0
+        assert {"suspended", "suspended while pending"} <= result.abort_states
+
+
+def decoding_group(cp: int = 2) -> helix_kv.SimulatedCPGroup:
+    """Requests 1 and 2 decoding (two tokens each so far), 3 waiting behind them."""
+    group = helix_kv.SimulatedCPGroup(config(cp, 4, 64, max_batch_size=2))
+    for request_id in (1, 2, 3):
+        group.add_request(request_id, np.arange(5, dtype=np.int32), 8)
+    for token in (11, 12):
+        n = group.schedule()[0].num_samples
+        group.update(np.full(n, token, dtype=np.int32))
+    return group
+
+
+def test_group_abort_between_steps_frees_everything_on_every_rank() -> None:
+    group = decoding_group()
+    digests = group.state_digests()
+    group.abort_many([3, 1])
+    assert group.state_digests() != digests
+    assert len(set(group.state_digests())) == 1
+    for request_id, tokens in ((1, [11, 12]), (3, [])):
+        output = group.take_output(request_id)
+        assert (output.token_ids.tolist(), output.finish_reason) == (tokens, "aborted")
+    assert group.metrics().aborts == 2
+    for scheduler in group.schedulers:
+        assert scheduler.queue_ids().tolist() == [2]
+        assert scheduler.metrics().kv_used_superblocks > 0  # 2 still holds its pages
+    group.abort(2)
+    for scheduler in group.schedulers:
+        assert scheduler.metrics().kv_used_superblocks == 0
+        assert not scheduler.has_unfinished()
+
+
+def test_group_abort_while_pending_takes_effect_at_update_or_revert() -> None:
+    group = decoding_group()
+    outputs = group.schedule()
+    assert outputs[0].generation_ids.tolist() == [1, 2]
+    group.abort(1)
+    assert all(s.is_abort_requested(1) for s in group.schedulers)
+    with pytest.raises(helix_kv.InvalidStateError, match="not finished"):
+        group.take_output(1)
+    finished = group.update(np.array([13, 13], dtype=np.int32))
+    assert finished.tolist() == [1]
+    assert group.take_output(1).token_ids.tolist() == [11, 12]  # its token 13 was dropped
+
+    group.schedule()
+    group.abort(2)
+    assert group.revert().tolist() == [2]
+    output = group.take_output(2)
+    assert (output.token_ids.tolist(), output.finish_reason) == ([11, 12, 13], "aborted")
+    assert group.revert.__doc__
+    assert group.metrics().aborts == 2
+
+
+def test_group_abort_of_a_finished_request_keeps_its_output_and_reason() -> None:
+    group = helix_kv.SimulatedCPGroup(config(2, 4, 64))
+    group.add_request(4, [1, 2, 3], 1)
+    group.schedule()
+    group.update(np.array([9], dtype=np.int32))
+    digests = group.state_digests()
+    group.abort(4)
+    assert group.state_digests() == digests
+    output = group.take_output(4)
+    assert (output.token_ids.tolist(), output.finish_reason) == ([9], "length")
+    assert group.metrics().aborts == 0
+    with pytest.raises(helix_kv.UnknownRequestError, match="unknown request 4"):
+        group.abort(4)
+
+
+def test_group_abort_many_is_all_or_nothing() -> None:
+    group = decoding_group()
+    digests = group.state_digests()
+    with pytest.raises(helix_kv.UnknownRequestError, match="unknown request 7"):
+        group.abort_many([1, 7])
+    assert group.state_digests() == digests
+    assert group.schedulers[0].queue_ids().tolist() == [1, 2, 3]
+
+
+def test_group_abort_reports_ranks_that_diverged() -> None:
+    group = decoding_group()
+    group.schedulers[0].abort(3)  # only rank 0 is told
+    with pytest.raises(helix_kv.ScheduleMismatchError, match="state_digest") as caught:
+        group.abort(2)
+    assert caught.value.ranks == [1]
+    group = decoding_group()
+    group.schedulers[1].abort(3)
+    group.schedulers[1].take_output(3)  # rank 1 no longer knows request 3
+    with pytest.raises(helix_kv.ScheduleMismatchError, match=r"abort_many\(\) ended differently"):
+        group.abort(3)

@@ -73,6 +73,8 @@ def test_workload_flags() -> None:
             "fixed",
             "--priority-levels",
             "1",
+            "--abort-rate",
+            "0.2",
         )
     )
     assert spec == WorkloadSpec(
@@ -85,6 +87,7 @@ def test_workload_flags() -> None:
         output_len_max=30,
         length_distribution=LengthDistribution.FIXED,
         priority_levels=1,
+        abort_rate=0.2,
     )
 
 

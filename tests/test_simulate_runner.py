@@ -34,6 +34,7 @@ class FakeGroup:
         self.mismatch_at_step = mismatch_at_step
         self.corrupt = corrupt
         self.added_at_step: dict[int, int] = {}
+        self.aborted = 0
         self._last: Optional[list[int]] = None
 
     def add_request(self, request_id, prompt, max_new_tokens, priority) -> None:
@@ -70,16 +71,23 @@ class FakeGroup:
         self._last = None
         return np.array(finished, dtype=np.int64)
 
-    def take_output(self, request_id):
-        return np.array(self.done.pop(request_id)["out"], dtype=np.int32)
+    def abort_many(self, request_ids):
+        assert self._last is None, "the loop aborts between steps only"
+        for request_id in request_ids.tolist():
+            self.done[request_id] = dict(self.live.pop(request_id), aborted=True)
+        self.aborted += len(request_ids)
 
-    def request_metrics(self, request_id):
-        request = self.done[request_id]
+    def take_output(self, request_id):
+        request = self.done.pop(request_id)
         return SimpleNamespace(
-            generated_tokens=len(request["out"]),
-            preemptions=0,
-            recomputed_tokens=0,
-            steps_waited=0,
+            token_ids=np.array(request["out"], dtype=np.int32),
+            finish_reason="aborted" if request.get("aborted") else "length",
+            metrics=SimpleNamespace(
+                generated_tokens=len(request["out"]),
+                preemptions=0,
+                recomputed_tokens=0,
+                steps_waited=0,
+            ),
         )
 
     def metrics(self):
@@ -91,6 +99,7 @@ class FakeGroup:
             computed_tokens=100,
             sat_out=0,
             finished=len(self.done),
+            aborts=self.aborted,
             kv_used_superblocks=1,
             kv_capacity_superblocks=4,
             kv_utilization=0.25,
@@ -166,6 +175,7 @@ def test_summary_keys_table_and_comparison() -> None:
     for key in (
         "requests_total",
         "requests_finished",
+        "requests_aborted",
         "steps",
         "generated_tokens",
         "preemptions",
@@ -193,6 +203,61 @@ def test_summary_keys_table_and_comparison() -> None:
     assert "newest_first" in header
     assert "priority" in header
     assert "policy=" not in comparison.splitlines()[0]
+
+
+def test_aborts_are_applied_between_steps_and_reported() -> None:
+    workload = [
+        RequestSpec(3, 0, 5, 4, abort_step=0),  # aborted on arrival, before any token
+        RequestSpec(1, 2, 7, 5, abort_step=4),  # two tokens in (steps 2 and 3)
+        RequestSpec(8, 3, 2, 3, abort_step=99),  # finishes first: nothing to abort
+    ]
+    group = FakeGroup()
+    result = run_simulation(group, workload, config=CONFIG)
+    by_id = {o.request_id: o for o in result.outcomes}
+    assert (by_id[3].finish_reason, by_id[3].generated_tokens) == ("aborted", 0)
+    assert by_id[3].first_token_step is None
+    assert by_id[3].first_token_steps is None
+    assert (by_id[1].finish_reason, by_id[1].generated_tokens, by_id[1].finish_step) == (
+        "aborted",
+        2,
+        4,
+    )
+    assert by_id[8].finish_reason == "length"
+    assert (result.requests_finished, result.requests_aborted) == (1, 2)
+    assert result.outputs_exact  # aborted outputs are the start of the full ones
+    assert result.final_metrics.aborts == 2
+    summary = summarize(result)
+    assert (summary["requests_finished"], summary["requests_aborted"]) == (1, 2)
+    assert summary["completion_steps_p99"] == by_id[8].completion_steps  # finished ones only
+    assert re.search(r"requests aborted +2\n", format_table(summary))
+
+
+def test_a_wrong_aborted_output_is_flagged() -> None:
+    workload = [RequestSpec(1, 0, 7, 5, abort_step=3)]
+    result = run_simulation(FakeGroup(corrupt=True), workload, config=CONFIG)
+    assert result.outcomes[0].finish_reason == "aborted"
+    assert not result.outputs_exact
+
+
+def test_a_real_group_aborts_identically_on_every_rank() -> None:
+    from helix_kv.simulate.group import InProcessGroup
+    from helix_kv.simulate.workload import WorkloadSpec, synthetic_workload
+
+    spec = WorkloadSpec(
+        num_requests=24, seed=3, prompt_len_mean=40, output_len_mean=24, abort_rate=0.4
+    )
+    workload = synthetic_workload(spec)
+    aborting = {r.request_id for r in workload if r.abort_step is not None}
+    assert 0 < len(aborting) < len(workload)
+    config = helix_kv.SchedulerConfig(cp_size=2, tokens_per_block=4, kv_tokens=512)
+    result = run_simulation(InProcessGroup(config), workload, config=CONFIG)
+    assert result.rank_agreement
+    assert result.outputs_exact
+    aborted = {o.request_id for o in result.outcomes if o.aborted}
+    assert aborted == aborting  # each abort comes before its request could finish
+    assert result.final_metrics.aborts == len(aborted)
+    assert result.final_metrics.kv_used_superblocks == 0
+    assert result.final_metrics.preemptions > 0
 
 
 def test_progress_line() -> None:

@@ -82,11 +82,50 @@ def test_knobs_draw_from_independent_streams() -> None:
         ({"prompt_len_mean": 0}, "prompt len mean"),
         ({"output_len_mean": 50, "output_len_max": 10}, "output len max (10)"),
         ({"priority_levels": 0}, "priority levels"),
+        ({"abort_rate": 1.5}, "abort rate must be in .0, 1., got 1.5"),
+        ({"abort_rate": float("nan")}, "abort rate"),
     ],
 )
 def test_bad_workload_spec(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         WorkloadSpec(**change).validate()
+
+
+def test_abort_rate_aborts_a_seeded_share_before_each_could_finish() -> None:
+    plain = synthetic_workload(WorkloadSpec(num_requests=2000, seed=4))
+    spec = WorkloadSpec(num_requests=2000, seed=4, abort_rate=0.25)
+    workload = synthetic_workload(spec)
+    assert workload == synthetic_workload(spec)
+    assert all(r.abort_step is None for r in plain)
+    aborted = [r for r in workload if r.abort_step is not None]
+    assert abs(len(aborted) / 2000 - 0.25) < 0.04
+    # every abort lands between arrival and the earliest step the request could finish
+    assert all(r.arrival_step <= r.abort_step < r.arrival_step + r.output_len for r in aborted)
+    assert len({r.abort_step - r.arrival_step for r in aborted}) > 10
+    # the other knobs' streams are untouched
+    strip = [RequestSpec(r.request_id, r.arrival_step, r.prompt_len, r.output_len, r.priority)
+             for r in workload]  # fmt: skip
+    assert strip == plain
+    every = synthetic_workload(WorkloadSpec(num_requests=50, seed=4, abort_rate=1.0))
+    assert all(r.abort_step is not None for r in every)
+    assert WorkloadSpec(abort_rate=0.1).to_dict()["abort_rate"] == 0.1
+
+
+def test_trace_abort_step_is_optional_and_round_trips(tmp_path: Path) -> None:
+    lines = _lines(
+        {**GOOD, "abort_step": 3},
+        {**GOOD, "id": 2, "abort_step": None},
+        {**GOOD, "id": 3, "arrival_step": 2, "abort_step": 2},
+    )
+    requests = parse_trace(lines)
+    assert [r.abort_step for r in requests] == [3, None, 2]
+    workload = synthetic_workload(WorkloadSpec(num_requests=40, seed=2, abort_rate=0.5))
+    path = tmp_path / "trace.jsonl"
+    write_trace(workload, path)
+    assert read_trace(path) == workload
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    # only requests that are aborted carry the key
+    assert [("abort_step" in r) for r in records] == [w.abort_step is not None for w in workload]
 
 
 def test_tokens_are_deterministic_and_in_vocabulary() -> None:
@@ -140,6 +179,11 @@ GOOD = {"id": 1, "arrival_step": 0, "prompt_len": 4, "output_len": 2}
         ({**GOOD, "id": -1}, "'id' must be in [0,"),
         ({**GOOD, "id": True}, "'id' must be an integer, got true"),
         ({**GOOD, "id": 2, "priority": 2**40}, "'priority' must fit in 32 bits"),
+        (
+            {**GOOD, "id": 2, "arrival_step": 5, "abort_step": 4},
+            "'abort_step' (4) must be >= 'arrival_step' (5)",
+        ),
+        ({**GOOD, "id": 2, "abort_step": "3"}, "'abort_step' must be an integer, got \"3\""),
         ({**GOOD, "id": 1}, "duplicate id 1 (first used on line 1)"),
     ],
 )

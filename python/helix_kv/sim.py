@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from helix_kv._core import (
+    RequestOutput,
     ScheduleMismatchError,
     ScheduleOutput,
     Scheduler,
@@ -166,15 +167,33 @@ class SimulatedCPGroup:
         self._agree("update", [np.asarray(f) for f in finished], "finished_ids")
         return np.asarray(finished[0], dtype=np.int64)
 
-    def revert(self) -> None:
-        """Reverts the scheduled step on every rank."""
-        self._on_every_rank("revert", Scheduler.revert)
+    def revert(self) -> npt.NDArray[np.int64]:
+        """Reverts the scheduled step on every rank; returns the ids of requests whose
+        abort was requested while it was pending (aborted now; equal on every rank)."""
+        aborted = self._on_every_rank("revert", Scheduler.revert)
+        self._agree("revert", [np.asarray(a) for a in aborted], "aborted_ids")
+        return np.asarray(aborted[0], dtype=np.int64)
 
-    def take_output(self, request_id: int) -> npt.NDArray[np.int32]:
-        """The generated tokens of a finished request (equal on every rank)."""
+    def abort(self, request_id: int) -> None:
+        """Aborts a request on every rank (see :meth:`helix_kv.Scheduler.abort`)."""
+        self.abort_many([request_id])
+
+    def abort_many(self, request_ids: npt.ArrayLike) -> None:
+        """Aborts requests on every rank, in order (all or nothing, see
+        :meth:`helix_kv.Scheduler.abort_many`); then checks the ranks' state digests agree."""
+        ids = np.ascontiguousarray(request_ids, dtype=np.int64)
+        self._on_every_rank("abort_many", lambda s: s.abort_many(ids))
+        digests = [np.asarray([d], dtype=np.uint64) for d in self.state_digests()]
+        self._agree("abort_many", digests, "state_digest")
+
+    def take_output(self, request_id: int) -> RequestOutput:
+        """The output of a finished request: tokens, finish reason and counters (checked
+        equal on every rank)."""
         outputs = self._on_every_rank("take_output", lambda s: s.take_output(request_id))
-        self._agree("take_output", [np.asarray(o) for o in outputs], "generated_tokens")
-        return np.asarray(outputs[0], dtype=np.int32)
+        self._agree("take_output", [o.token_ids for o in outputs], "generated_tokens")
+        reasons = [np.asarray([o.finish_reason]) for o in outputs]
+        self._agree("take_output", reasons, "finish_reason")
+        return outputs[0]
 
     # -- convenience views (rank 0; every rank agrees) ----------------------------------
 

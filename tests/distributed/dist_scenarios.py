@@ -421,7 +421,7 @@ def scenario_long_run(rank: int, world: int, backend: str) -> Dict[str, Any]:
     for _ in drive(built):
         steps += 1
     metrics = built.scheduler.metrics()
-    outputs = {rid: built.scheduler.take_output(rid).tolist() for rid in range(24)}
+    outputs = {rid: built.scheduler.take_output(rid).token_ids.tolist() for rid in range(24)}
     return {
         "steps": steps,
         "preemptions": int(metrics.preemptions),
@@ -521,6 +521,121 @@ def scenario_diverge_victim(rank: int, world: int, backend: str) -> Dict[str, An
             first["first_preemption_step"] = int(out.step)
 
     return {**run_until_mismatch(drive(built), inject), **first}
+
+
+# --- abort ----------------------------------------------------------------------------------
+
+#: Request -> (state it is aborted in the first time it is seen there, while a step is pending).
+ABORT_PLAN = {
+    1: ("prefilling", False),
+    2: ("decoding", True),
+    3: ("waiting", False),
+    5: ("recompute-paused", False),
+    6: ("recompute-paused", True),
+    7: ("prefilling", True),
+    9: ("recompute-paused", True),
+    10: ("recompute-paused", False),
+    12: ("recompute-paused", False),
+    14: ("recompute-paused", False),
+    15: ("recompute-paused", False),
+    11: ("decoding", False),
+    13: ("waiting", True),
+}
+#: Every REVERT_EVERY-th scheduled step is reverted (aborts requested in it take effect then).
+REVERT_EVERY = 5
+#: A small step budget, so prompts are prefilled in several chunks.
+ABORT_STEP_TOKENS = 16
+
+
+def state_label(scheduler: Any, rid: int) -> str:
+    state = scheduler.request_state(rid)
+    if state == "waiting" and scheduler.request_metrics(rid).preemptions > 0:
+        return "recompute-paused"
+    return state
+
+
+def run_with_aborts(built: HelixKVRank, plan: Dict[int, tuple]) -> Dict[str, Any]:
+    """Drives ``built`` to the end, aborting per ``plan`` and reverting now and then; returns
+    what every request produced and in which states the aborts landed."""
+    scheduler = built.scheduler
+    outputs: Dict[int, List[int]] = {}
+    reasons: Dict[int, str] = {}
+    states: List[str] = []
+    requested: set = set()
+
+    def collect(rids: Any) -> None:
+        for rid in np.asarray(rids, dtype=np.int64).tolist():
+            output = scheduler.take_output(rid)
+            outputs[rid], reasons[rid] = output.token_ids.tolist(), output.finish_reason
+
+    def abort_due(pending: bool) -> None:
+        live = scheduler.queue_ids().tolist()
+        due = [
+            rid
+            for rid in live
+            if rid in plan
+            and rid not in requested
+            and plan[rid] == (state_label(scheduler, rid), pending)
+        ]
+        states.extend(plan[rid][0] + (" while pending" if pending else "") for rid in due)
+        requested.update(due)
+        built.abort_many(np.asarray(due, dtype=np.int64))  # every rank: same calls, same order
+        if not pending:
+            collect(due)
+
+    for scheduled in range(1, 5000):
+        abort_due(pending=False)
+        if not scheduler.has_unfinished():
+            break
+        out = built.schedule()
+        abort_due(pending=True)
+        if scheduled % REVERT_EVERY == 0:
+            collect(built.revert())
+        else:
+            collect(built.update(sampled_tokens(out)))
+    metrics = scheduler.metrics()
+    return {
+        "outputs": outputs,
+        "reasons": reasons,
+        "states": sorted(set(states)),
+        "aborts": int(metrics.aborts),
+        "preemptions": int(metrics.preemptions),
+        "kv_used": int(metrics.kv_used_superblocks),
+        "live": int(scheduler.num_live),
+    }
+
+
+def scenario_abort(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """Aborts in every state a CP group has (waiting, part-prefilled, decoding,
+    recompute-paused), between steps and while a step is pending, with the schedule check on;
+    then the survivors alone in a fresh group: they must generate the same tokens."""
+    built = pressured_rank(world, max_num_tokens=ABORT_STEP_TOKENS)
+    add_workload(built, count=16)
+    with_aborts = run_with_aborts(built, ABORT_PLAN)
+    aborted = {rid for rid, reason in with_aborts["reasons"].items() if reason == "aborted"}
+    alone = pressured_rank(world, max_num_tokens=ABORT_STEP_TOKENS)
+    for rid in range(16):
+        if rid not in aborted:
+            length, new_tokens = 6 + (rid * 5) % 23, 12 + (rid * 7) % 25
+            alone.scheduler.add_request(rid, prompt(rid, length), new_tokens, 0)
+    return {**with_aborts, "alone": run_with_aborts(alone, {})["outputs"]}
+
+
+def scenario_diverge_abort(rank: int, world: int, backend: str) -> Dict[str, Any]:
+    """After step INJECT_STEP the last rank alone aborts a decoding request: the schedule
+    check catches it at the next step."""
+    built = pressured_rank(world)
+    add_workload(built)
+    injected: Dict[str, Any] = {}
+
+    def inject(out: Any) -> None:
+        if int(out.step) == INJECT_STEP + 1 and len(out.generation_ids):
+            # this step is pending: the abort takes effect when it is updated
+            injected["request"] = int(out.generation_ids[0])
+            if rank == world - 1:
+                built.abort(injected["request"])
+
+    return {**run_until_mismatch(drive(built), inject), **injected}
 
 
 class env_var:

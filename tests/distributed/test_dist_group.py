@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -35,6 +36,8 @@ SCENARIOS = [
     sc.scenario_diverge_victim,
     sc.scenario_long_run,
     sc.scenario_check_cost,
+    sc.scenario_abort,
+    sc.scenario_diverge_abort,
 ]
 
 
@@ -277,6 +280,38 @@ def test_long_pressured_run_has_no_false_positive(group: GroupRun) -> None:
     for report in reports[1:]:
         assert report == reports[0]
     assert all(len(tokens) > 0 for tokens in reports[0]["outputs"].values())
+
+
+def test_aborts_in_every_state_keep_ranks_identical_and_survivors_unchanged(
+    group: GroupRun,
+) -> None:
+    reports = group.scenario("scenario_abort")
+    for report in reports[1:]:
+        assert report == reports[0]  # outputs, finish reasons, states, metrics: every rank
+    report = reports[0]
+    aborted = {rid for rid, reason in report["reasons"].items() if reason == "aborted"}
+    assert aborted <= set(sc.ABORT_PLAN), report["reasons"]
+    assert len(aborted) >= 6, report["reasons"]
+    assert report["aborts"] == len(aborted)
+    assert report["preemptions"] > 0
+    assert (report["kv_used"], report["live"]) == (0, 0)  # nothing left behind
+    for state in ("waiting", "prefilling", "decoding", "recompute-paused"):
+        for when in ("", " while pending"):
+            assert state + when in report["states"], report["states"]
+    survivors = {rid: out for rid, out in report["outputs"].items() if rid not in aborted}
+    assert survivors == report["alone"]  # as if the aborted requests had never been sent
+    for rid in aborted:  # what an aborted request generated is the start of its full output
+        length = 6 + (rid * 5) % 23
+        got = report["outputs"][rid]
+        positions = np.arange(length, length + len(got))  # the k-th token sits at length + k
+        assert got == ((rid * 7919 + positions * 104729) % 32000).tolist()
+
+
+def test_an_abort_on_one_rank_only_is_caught_at_the_next_step(group: GroupRun) -> None:
+    for report in group.scenario("scenario_diverge_abort"):
+        assert report["caught"], report
+        assert report["step"] == sc.INJECT_STEP + 2
+        assert report["ranks"] == [group.world - 1]
 
 
 def test_check_cost_per_step(group: GroupRun, capsys: pytest.CaptureFixture) -> None:

@@ -194,6 +194,18 @@ class HelixKVRank:
             self.checker.record_update(self._sample_ids, tokens, eos)
         return finished
 
-    def revert(self) -> None:
-        """Undoes the scheduled step that was not run."""
-        self.scheduler.revert()
+    def revert(self) -> np.ndarray:
+        """Undoes the scheduled step that was not run; returns the ids of requests whose
+        abort was requested while it was pending (aborted now)."""
+        return self.scheduler.revert()
+
+    def abort(self, request_id: int) -> None:
+        """Aborts a request (see :meth:`helix_kv.Scheduler.abort`). Every rank must make
+        the same abort calls between the same steps, in the same order; with the schedule
+        check on, the next step's check covers them (the state they leave drives it)."""
+        self.scheduler.abort(request_id)
+
+    def abort_many(self, request_ids: Any) -> None:
+        """Aborts requests in order, all or nothing (see
+        :meth:`helix_kv.Scheduler.abort_many`); the same rule as :meth:`abort` applies."""
+        self.scheduler.abort_many(request_ids)

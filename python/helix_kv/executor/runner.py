@@ -41,6 +41,7 @@ SCHEDULER_METRICS = (
     "computed_tokens",
     "sat_out",
     "finished",
+    "aborts",
     "kv_used_superblocks",
     "kv_capacity_superblocks",
     "kv_utilization",
@@ -194,10 +195,9 @@ def run_rank(
         finished = helix.update(tokens.cpu().numpy().astype(np.int32))
         _account_step(result, out, plan, time.perf_counter() - step_start, decoding)
         for request_id in np.asarray(finished, dtype=np.int64).tolist():
-            result.request_metrics[request_id] = _fields(  # before take_output forgets it
-                scheduler.request_metrics(request_id), REQUEST_METRICS
-            )
-            result.outputs[request_id] = np.asarray(scheduler.take_output(request_id)).tolist()
+            output = scheduler.take_output(request_id)
+            result.request_metrics[request_id] = _fields(output.metrics, REQUEST_METRICS)
+            result.outputs[request_id] = output.token_ids.tolist()
     result.total_s = time.perf_counter() - started
     result.metrics = _fields(scheduler.metrics(), SCHEDULER_METRICS)
     result.logits = {rid: np.stack(rows) for rid, rows in logits_rows.items()}

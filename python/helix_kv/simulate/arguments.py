@@ -37,6 +37,7 @@ SYNTHETIC_FLAGS = {
     "output_len_max": "--output-len-max",
     "length_dist": "--length-dist",
     "priority_levels": "--priority-levels",
+    "abort_rate": "--abort-rate",
 }
 
 
@@ -80,6 +81,16 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
     return value
 
 
@@ -234,6 +245,13 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"priorities drawn from 0..N-1 (default {defaults.priority_levels})",
     )
+    group.add_argument(
+        "--abort-rate",
+        type=_fraction,
+        metavar="F",
+        help="fraction of requests their client aborts, each at a seeded random step between "
+        f"its arrival and its earliest possible finish (default {defaults.abort_rate})",
+    )
 
     group = parser.add_argument_group("run and output")
     group.add_argument(
@@ -351,6 +369,7 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
             pick(args.length_dist, defaults.length_distribution.value)
         ),
         priority_levels=pick(args.priority_levels, defaults.priority_levels),
+        abort_rate=pick(args.abort_rate, defaults.abort_rate),
     )
     try:
         spec.validate()

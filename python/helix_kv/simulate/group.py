@@ -34,11 +34,11 @@ class InProcessGroup:
     def update(self, tokens: np.ndarray) -> np.ndarray:
         return np.asarray(self._group.update(tokens))
 
-    def take_output(self, request_id: int) -> np.ndarray:
-        return np.asarray(self._group.take_output(request_id))
+    def abort_many(self, request_ids: np.ndarray) -> None:
+        self._group.abort_many(request_ids)
 
-    def request_metrics(self, request_id: int) -> Any:
-        return self._group.schedulers[0].request_metrics(request_id)
+    def take_output(self, request_id: int) -> Any:
+        return self._group.take_output(request_id)
 
     def metrics(self) -> Any:
         return self._group.metrics()
@@ -88,11 +88,12 @@ class ProcessRankGroup:
         self.checker.record_update(self._sample_ids, tokens)
         return np.asarray(self.scheduler.update(tokens))
 
-    def take_output(self, request_id: int) -> np.ndarray:
-        return np.asarray(self.scheduler.take_output(request_id))
+    def abort_many(self, request_ids: np.ndarray) -> None:
+        # Same calls on every rank; the next step's check covers the state they leave.
+        self.scheduler.abort_many(request_ids)
 
-    def request_metrics(self, request_id: int) -> Any:
-        return self.scheduler.request_metrics(request_id)
+    def take_output(self, request_id: int) -> Any:
+        return self.scheduler.take_output(request_id)
 
     def metrics(self) -> Any:
         return self.scheduler.metrics()

@@ -33,19 +33,22 @@ def summarize(result: SimulationResult) -> Summary:
     Times are in scheduler steps of the simulated clock: ``waiting_steps`` counts the
     steps a request was live but got no work (re-waits after preemption included),
     ``first_token_steps`` and ``completion_steps`` run from arrival to the first sampled
-    token and to the last, both ends counted.
+    token and to the last, both ends counted. These latencies describe the requests that
+    finished; aborted requests are counted apart (``requests_aborted``).
     """
     metrics = result.final_metrics
     outcomes = result.outcomes
-    waiting = [o.steps_waited for o in outcomes]
-    first_token = [o.first_token_steps for o in outcomes]
-    completion = [o.completion_steps for o in outcomes]
+    completed = [o for o in outcomes if not o.aborted]
+    waiting = [o.steps_waited for o in completed]
+    first_token = [o.first_token_steps for o in completed if o.first_token_steps is not None]
+    completion = [o.completion_steps for o in completed]
     utilization = result.series.kv_utilization
     computed = int(metrics.computed_tokens)
     recomputed = int(metrics.recomputed_tokens)
     summary: Summary = {
         "requests_total": result.requests_total,
         "requests_finished": result.requests_finished,
+        "requests_aborted": result.requests_aborted,
         "steps": len(result.series),
         "clock_steps": result.clock,
         "generated_tokens": result.generated_tokens,
@@ -102,6 +105,7 @@ def _agreement(summary: Summary) -> str:
 #: Table rows: label and how to show the value from a summary.
 ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     ("requests finished / total", lambda s: _pair(s["requests_finished"], s["requests_total"])),
+    ("requests aborted", lambda s: str(s["requests_aborted"])),
     ("steps", lambda s: str(s["steps"])),
     ("generated tokens", lambda s: str(s["generated_tokens"])),
     ("computed tokens", lambda s: str(s["computed_tokens"])),

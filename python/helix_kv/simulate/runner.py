@@ -5,11 +5,15 @@ over :class:`helix_kv.SimulatedCPGroup`) or in separate processes over gloo (eac
 runs this loop over its own :class:`~.group.ProcessRankGroup`). Each step:
 
 1. requests whose ``arrival_step`` has come are added (on every rank, in queue order);
-   when nothing is live the clock jumps to the next arrival;
+   then live requests whose ``abort_step`` has come are aborted (one ``abort_many`` on
+   every rank, in queue order); when nothing is live the clock jumps to the next arrival;
 2. ``schedule()`` on every rank; the group checks that the ranks agree;
 3. one deterministic token per ``sample_ids`` entry (see :mod:`.tokens`) goes to ``update``;
 4. finished requests have their metrics read and their output checked against the output
-   they would have had without any preemption.
+   they would have had without any preemption (an aborted request's against its start).
+
+Aborts are applied between steps only, never while a step is pending, so no sampled token
+is dropped and every rank sees the same calls in the same order.
 """
 
 from __future__ import annotations
@@ -44,11 +48,11 @@ class RankGroup(Protocol):
     def update(self, tokens: np.ndarray) -> np.ndarray:
         """Feed the sampled tokens to every rank; return the finished ids."""
 
-    def take_output(self, request_id: int) -> np.ndarray:
-        """The generated tokens of a finished request (taken on every rank)."""
+    def abort_many(self, request_ids: np.ndarray) -> None:
+        """Abort live requests on every rank, in order (no step is pending)."""
 
-    def request_metrics(self, request_id: int) -> Any:
-        """Per-request counters (``preemptions``, ``recomputed_tokens``, ``steps_waited``...)."""
+    def take_output(self, request_id: int) -> Any:
+        """The :class:`helix_kv.RequestOutput` of a finished request (taken on every rank)."""
 
     def metrics(self) -> Any:
         """Scheduler counters (equal on every rank)."""
@@ -83,17 +87,24 @@ class StepSeries:
 
 @dataclass
 class RequestOutcome:
-    """What happened to one finished request; times are in steps of the simulated clock."""
+    """What happened to one finished or aborted request; times are in steps of the
+    simulated clock. An aborted request finishes at the step it was aborted before, and
+    has no ``first_token_step`` if it was aborted before sampling one."""
 
     request_id: int
     arrival_step: int
-    first_token_step: int
+    first_token_step: Optional[int]
     finish_step: int
     generated_tokens: int
     preemptions: int
     recomputed_tokens: int
     steps_waited: int
     output_exact: bool
+    finish_reason: str = "length"
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "aborted"
 
     @property
     def completion_steps(self) -> int:
@@ -101,8 +112,10 @@ class RequestOutcome:
         return self.finish_step - self.arrival_step + 1
 
     @property
-    def first_token_steps(self) -> int:
+    def first_token_steps(self) -> Optional[int]:
         """Steps from arrival to its first sampled token, both counted."""
+        if self.first_token_step is None:
+            return None
         return self.first_token_step - self.arrival_step + 1
 
 
@@ -117,6 +130,7 @@ class MetricsSnapshot:
     computed_tokens: int
     sat_out: int
     finished: int
+    aborts: int
     kv_used_superblocks: int
     kv_capacity_superblocks: int
     kv_utilization: float
@@ -133,6 +147,7 @@ class MetricsSnapshot:
             computed_tokens=int(metrics.computed_tokens),
             sat_out=int(metrics.sat_out),
             finished=int(metrics.finished),
+            aborts=int(metrics.aborts),
             kv_used_superblocks=int(metrics.kv_used_superblocks),
             kv_capacity_superblocks=int(metrics.kv_capacity_superblocks),
             kv_utilization=float(metrics.kv_utilization),
@@ -156,11 +171,17 @@ class SimulationResult:
 
     @property
     def requests_finished(self) -> int:
-        return len(self.outcomes)
+        """Requests that finished by length (aborted ones are not counted)."""
+        return sum(1 for outcome in self.outcomes if not outcome.aborted)
+
+    @property
+    def requests_aborted(self) -> int:
+        return sum(1 for outcome in self.outcomes if outcome.aborted)
 
     @property
     def outputs_exact(self) -> bool:
-        """Every finished request produced exactly the tokens it would have without pressure."""
+        """Every finished request produced exactly the tokens it would have without pressure
+        (an aborted one: exactly their start)."""
         return all(outcome.output_exact for outcome in self.outcomes)
 
 
@@ -176,6 +197,8 @@ class _StepLoop:
         self.workload = workload
         self.by_id = {request.request_id: request for request in workload}
         self.generated: dict[int, int] = {}
+        #: Live requests that will be aborted, in queue order, with their abort step.
+        self.abort_steps: dict[int, int] = {}
         self.first_token_step: dict[int, int] = {}
         self.outcomes: list[RequestOutcome] = []
         self.series = StepSeries()
@@ -198,12 +221,24 @@ class _StepLoop:
                     request.priority,
                 )
                 self.generated[request.request_id] = 0
+                if request.abort_step is not None:
+                    self.abort_steps[request.request_id] = request.abort_step
                 self.next_arrival += 1
+            self.apply_aborts()
             if self.group.has_unfinished():
                 return True
             if self.next_arrival >= len(self.workload):
                 return False
             self.clock = self.workload[self.next_arrival].arrival_step  # idle: jump ahead
+
+    def apply_aborts(self) -> None:
+        """Abort the live requests whose abort step has come (one call, queue order)."""
+        due = [rid for rid, step in self.abort_steps.items() if step <= self.clock]
+        if not due:
+            return
+        self.group.abort_many(np.asarray(due, dtype=np.int64))
+        for request_id in due:
+            self.collect(request_id)
 
     def run_step(self) -> None:
         """Schedule one step on every rank, record it, feed the tokens, collect finishers."""
@@ -231,26 +266,33 @@ class _StepLoop:
         self.clock += 1
 
     def collect(self, request_id: int) -> None:
-        """Read a finished request's metrics and output, and check the output."""
+        """Read a finished or aborted request's output and metrics, and check the output."""
         request = self.by_id[request_id]
-        request_metrics = self.group.request_metrics(request_id)
-        output_tokens = np.asarray(self.group.take_output(request_id))
+        output = self.group.take_output(request_id)
+        tokens = np.asarray(output.token_ids)
+        expected = expected_output(request_id, request.output_len)
+        if output.finish_reason == "aborted":
+            # Exactly the start of its output, and short of the whole of it.
+            exact = tokens.size < expected.size and np.array_equal(tokens, expected[: tokens.size])
+        else:
+            exact = np.array_equal(tokens, expected)
+        request_metrics = output.metrics
         self.outcomes.append(
             RequestOutcome(
                 request_id=request_id,
                 arrival_step=request.arrival_step,
-                first_token_step=self.first_token_step[request_id],
+                first_token_step=self.first_token_step.get(request_id),
                 finish_step=self.clock,
                 generated_tokens=int(request_metrics.generated_tokens),
                 preemptions=int(request_metrics.preemptions),
                 recomputed_tokens=int(request_metrics.recomputed_tokens),
                 steps_waited=int(request_metrics.steps_waited),
-                output_exact=bool(
-                    np.array_equal(output_tokens, expected_output(request_id, request.output_len))
-                ),
+                output_exact=bool(exact),
+                finish_reason=str(output.finish_reason),
             )
         )
         del self.generated[request_id]
+        self.abort_steps.pop(request_id, None)
 
 
 def run_simulation(

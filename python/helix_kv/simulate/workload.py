@@ -19,20 +19,29 @@ import numpy as np
 #: Largest request id the scheduler accepts (ids are ``u64`` in the core).
 MAX_REQUEST_ID = 2**64 - 1
 
-#: The keys of one trace line; ``priority`` is optional (default 0), other keys are ignored.
+#: The keys of one trace line; ``priority`` (default 0) and ``abort_step`` (default: never
+#: aborted) are optional, other keys are ignored.
 TRACE_REQUIRED_KEYS = ("id", "arrival_step", "prompt_len", "output_len")
-TRACE_OPTIONAL_KEYS = ("priority",)
+TRACE_OPTIONAL_KEYS = ("priority", "abort_step")
+
+#: Largest step a trace may name.
+MAX_STEP = 2**62
 
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request of a workload; lengths are in global tokens."""
+    """One request of a workload; lengths are in global tokens.
+
+    ``abort_step``: the client aborts the request before step ``abort_step`` is scheduled
+    (``>= arrival_step``; ``None``: never). A request that finished earlier is not affected.
+    """
 
     request_id: int
     arrival_step: int
     prompt_len: int
     output_len: int
     priority: int = 0
+    abort_step: Optional[int] = None
 
     @property
     def total_len(self) -> int:
@@ -60,7 +69,10 @@ class WorkloadSpec:
 
     ``arrival_rate`` is the mean number of arrivals per scheduler step (a Poisson process);
     ``0`` puts every request at step 0. Lengths are clipped to ``[1, *_max]``. Priorities
-    are uniform on ``0 .. priority_levels - 1`` (higher is more important).
+    are uniform on ``0 .. priority_levels - 1`` (higher is more important). A fraction
+    ``abort_rate`` of the requests (each independently) is aborted by its client at a step
+    drawn uniformly from ``arrival .. arrival + output_len - 1``, which is always before it
+    could have finished.
     """
 
     num_requests: int = 96
@@ -72,6 +84,7 @@ class WorkloadSpec:
     output_len_max: int = 1024
     length_distribution: LengthDistribution = LengthDistribution.LOGNORMAL
     priority_levels: int = 3
+    abort_rate: float = 0.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` with a one-line reason if a parameter is out of range."""
@@ -92,6 +105,8 @@ class WorkloadSpec:
                 )
         if self.priority_levels < 1:
             raise ValueError(f"priority levels must be >= 1, got {self.priority_levels}")
+        if not 0.0 <= self.abort_rate <= 1.0:  # also rejects NaN
+            raise ValueError(f"abort rate must be in [0, 1], got {self.abort_rate}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (for the report's resolved configuration)."""
@@ -106,6 +121,7 @@ class WorkloadSpec:
             "output_len_max": self.output_len_max,
             "length_distribution": self.length_distribution.value,
             "priority_levels": self.priority_levels,
+            "abort_rate": self.abort_rate,
         }
 
 
@@ -137,12 +153,13 @@ def _draw_arrivals(rng: np.random.Generator, count: int, rate: float) -> np.ndar
 def synthetic_workload(spec: WorkloadSpec) -> list[RequestSpec]:
     """Draw ``spec.num_requests`` requests; ids are ``0 .. n-1`` in arrival order.
 
-    Arrivals, prompt lengths, output lengths and priorities come from independent streams
-    of one seed, so changing one knob (say the output mean) leaves the others unchanged.
+    Arrivals, prompt lengths, output lengths, priorities and aborts come from independent
+    streams of one seed, so changing one knob (say the output mean, or the abort rate)
+    leaves the others unchanged.
     """
     spec.validate()
-    streams = [np.random.default_rng(s) for s in np.random.SeedSequence(spec.seed).spawn(4)]
-    arrival_rng, prompt_rng, output_rng, priority_rng = streams
+    streams = [np.random.default_rng(s) for s in np.random.SeedSequence(spec.seed).spawn(5)]
+    arrival_rng, prompt_rng, output_rng, priority_rng, abort_rng = streams
     count = spec.num_requests
     arrivals = _draw_arrivals(arrival_rng, count, spec.arrival_rate)
     prompts = _draw_lengths(
@@ -152,6 +169,10 @@ def synthetic_workload(spec: WorkloadSpec) -> list[RequestSpec]:
         output_rng, count, spec.output_len_mean, spec.output_len_max, spec.length_distribution
     )
     priorities = priority_rng.integers(0, spec.priority_levels, size=count)
+    # Drawn for every request whatever the rate, so a request's abort step depends only on
+    # the seed and its own output length.
+    aborted = abort_rng.random(count) < spec.abort_rate
+    abort_offsets = np.floor(abort_rng.random(count) * outputs).astype(np.int64)
     return [
         RequestSpec(
             request_id=i,
@@ -159,6 +180,7 @@ def synthetic_workload(spec: WorkloadSpec) -> list[RequestSpec]:
             prompt_len=int(prompts[i]),
             output_len=int(outputs[i]),
             priority=int(priorities[i]),
+            abort_step=int(arrivals[i] + abort_offsets[i]) if aborted[i] else None,
         )
         for i in range(count)
     ]
@@ -204,12 +226,21 @@ def parse_trace_line(text: str) -> RequestSpec:
         raise ValueError(f"'priority' must be an integer, got {json.dumps(priority)}")
     if not -(2**31) <= priority < 2**31:
         raise ValueError(f"'priority' must fit in 32 bits, got {priority}")
+    arrival_step = _int_field(record, "arrival_step", 0, MAX_STEP)
+    abort_step = record.get("abort_step")
+    if abort_step is not None:
+        abort_step = _int_field(record, "abort_step", 0, MAX_STEP)
+        if abort_step < arrival_step:
+            raise ValueError(
+                f"'abort_step' ({abort_step}) must be >= 'arrival_step' ({arrival_step})"
+            )
     return RequestSpec(
         request_id=_int_field(record, "id", 0, MAX_REQUEST_ID),
-        arrival_step=_int_field(record, "arrival_step", 0, 2**62),
+        arrival_step=arrival_step,
         prompt_len=_int_field(record, "prompt_len", 1, 2**31 - 1),
         output_len=_int_field(record, "output_len", 1, 2**32 - 1),
         priority=priority,
+        abort_step=abort_step,
     )
 
 
@@ -248,7 +279,9 @@ def read_trace(path: Union[str, Path]) -> list[RequestSpec]:
     """Read a JSONL trace: one ``{"id", "arrival_step", "prompt_len", "output_len"}`` per line.
 
     An optional integer ``"priority"`` (default 0, higher is more important) is used by the
-    ``priority`` victim policy; other keys are ignored.
+    ``priority`` victim policy. An optional integer ``"abort_step"`` (``>= arrival_step``;
+    absent or ``null``: never) aborts the request before that step is scheduled, unless it
+    finished earlier. Other keys are ignored.
     """
     try:
         with open(path, encoding="utf-8") as handle:
@@ -270,4 +303,6 @@ def write_trace(requests: Iterable[RequestSpec], path: Union[str, Path]) -> None
                 "output_len": request.output_len,
                 "priority": request.priority,
             }
+            if request.abort_step is not None:
+                record["abort_step"] = request.abort_step
             handle.write(json.dumps(record) + "\n")

@@ -17,8 +17,8 @@ pub use error::{CoreError, Result};
 pub use layout::Layout;
 pub use ledger::{DecodeView, Ledger, RequestKv};
 pub use scheduler::{
-    CapacityPolicy, FieldValue, RequestMetrics, RequestState, ScheduleOutput, Scheduler,
-    SchedulerConfig, SchedulerMetrics, ServingMode, VictimPolicy,
+    CapacityPolicy, FieldValue, FinishReason, RequestMetrics, RequestOutput, RequestState,
+    ScheduleOutput, Scheduler, SchedulerConfig, SchedulerMetrics, ServingMode, VictimPolicy,
 };
 
 /// A request's id, chosen by the caller; unique among live requests.

@@ -3,8 +3,10 @@
 
 mod common;
 
-use common::{assert_matches_reference, Group, Model, RunOptions, Spec};
-use helix_kv_core::{SchedulerConfig, VictimPolicy};
+use common::{
+    assert_matches_reference, assert_matches_reference_with_aborts, Group, Model, RunOptions, Spec,
+};
+use helix_kv_core::{SchedulerConfig, ServingMode, VictimPolicy};
 
 const CPS: [u32; 3] = [1, 2, 4];
 
@@ -165,6 +167,122 @@ fn bound_on_preemptions_holds_under_heavy_pressure() {
                 assert!(group.result.max_request_preemptions <= 2);
             }
             Err(other) => panic!("unexpected error {other}"),
+        }
+    }
+}
+
+/// Runs `specs` with their aborts, then the survivors alone (no aborts) under the same
+/// configuration: the survivors' outputs must be the same tokens.
+fn run_with_aborts(
+    config: &SchedulerConfig,
+    specs: &[Spec],
+    options: RunOptions,
+) -> common::RunResult {
+    let mut group = Group::new(config, Model::default());
+    let result = group.run(specs, options).expect("run with aborts");
+    assert_matches_reference_with_aborts(specs, Model::default(), &result);
+    let survivors: Vec<Spec> = specs
+        .iter()
+        .filter(|s| !result.aborted.contains_key(&s.id))
+        .cloned()
+        .map(|mut s| {
+            s.abort = None;
+            s
+        })
+        .collect();
+    let mut alone = Group::new(config, Model::default());
+    let without = alone
+        .run(&survivors, options)
+        .expect("run without the aborted");
+    assert_eq!(
+        result.outputs, without.outputs,
+        "aborts changed the output of a surviving request"
+    );
+    result
+}
+
+#[test]
+fn aborts_in_every_state_leave_the_survivors_unchanged() {
+    // Under pressure with chunked prefill: aborts land on waiting, part-prefilled,
+    // decoding and recompute-paused requests, between steps and while a step is
+    // pending, with reverted steps mixed in.
+    let specs: Vec<Spec> = (0..16)
+        .map(|i| {
+            let spec = Spec::new(i, 10 + (i as usize * 7) % 30, 24).at(i / 3);
+            match i {
+                1 => spec.abort_in_state("prefilling", false),
+                2 => spec.abort_in_state("decoding", true),
+                3 => spec.abort_in_state("waiting", false),
+                5 | 8 | 12 => spec.abort_in_state("recompute-paused", false),
+                6 | 9 | 10 | 15 => spec.abort_in_state("recompute-paused", true),
+                7 => spec.abort_in_state("prefilling", true),
+                11 => spec.abort_in_state("decoding", false),
+                13 => spec.abort_in_state("waiting", true),
+                14 => spec.abort_at(40), // a fixed step, whatever its state then
+                _ => spec,
+            }
+        })
+        .collect();
+    for cp in CPS {
+        let mut config = config(cp, 4, 192);
+        config.max_num_tokens = 24;
+        config.chunk_unit = Some(8);
+        for revert_per_mille in [0, 200] {
+            let options = RunOptions {
+                revert_per_mille,
+                seed: u64::from(cp),
+                max_steps: 0,
+            };
+            let result = run_with_aborts(&config, &specs, options);
+            assert!(result.preemptions > 0, "cp={cp}: the workload must preempt");
+            assert!(result.aborted.len() >= 8, "cp={cp}: {:?}", result.aborted);
+            for state in [
+                "waiting",
+                "prefilling",
+                "decoding",
+                "recompute-paused",
+                "waiting while pending",
+                "prefilling while pending",
+                "decoding while pending",
+                "recompute-paused while pending",
+            ] {
+                assert!(
+                    result.abort_states.contains(state),
+                    "cp={cp}: no abort of a {state} request: {:?}",
+                    result.abort_states
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn aborts_of_suspended_requests_release_the_host_tier() {
+    let specs: Vec<Spec> = (0..8)
+        .map(|i| match i {
+            2 => Spec::new(i, 10, 30).abort_at(18),
+            6 | 7 => Spec::new(i, 10, 30).abort_in_state("suspended", false),
+            4 | 5 => Spec::new(i, 10, 30).abort_in_state("suspended", true),
+            _ => Spec::new(i, 10, 30),
+        })
+        .collect();
+    let mut config = config(1, 4, 160);
+    config.serving_mode = ServingMode::NonHelix;
+    config.host_tier_superblocks = 6;
+    for revert_per_mille in [0, 200] {
+        let options = RunOptions {
+            revert_per_mille,
+            seed: 5,
+            max_steps: 0,
+        };
+        let result = run_with_aborts(&config, &specs, options);
+        assert!(result.suspensions > 0);
+        for state in ["suspended", "suspended while pending"] {
+            assert!(
+                result.abort_states.contains(state),
+                "no abort of a {state} request: {:?}",
+                result.abort_states
+            );
         }
     }
 }

@@ -5,7 +5,9 @@
 
 mod common;
 
-use common::{assert_matches_reference, Group, Model, RunOptions, Spec};
+use common::{
+    assert_matches_reference, assert_matches_reference_with_aborts, Group, Model, RunOptions, Spec,
+};
 use helix_kv_core::{
     CapacityPolicy, CoreError, Scheduler, SchedulerConfig, ServingMode, VictimPolicy,
 };
@@ -167,6 +169,95 @@ proptest! {
                 prop_assert_eq!(config.serving_mode, ServingMode::DisaggregatedGeneration, "{}", msg);
             }
             Err(other) => prop_assert!(false, "unexpected error {}", other),
+        }
+    }
+}
+
+/// A case whose requests are aborted at random: `None` or (steps after arrival, while a
+/// step is pending).
+fn case_with_aborts() -> impl Strategy<Value = Case> {
+    (
+        case(),
+        prop::collection::vec(prop::option::weighted(0.4, (0u64..30, any::<bool>())), 10),
+    )
+        .prop_map(|(mut case, aborts)| {
+            for (spec, abort) in case.specs.iter_mut().zip(aborts) {
+                if let Some((after, while_pending)) = abort {
+                    let step = spec.arrival_step + after;
+                    *spec = if while_pending {
+                        spec.clone().abort_while_pending(step)
+                    } else {
+                        spec.clone().abort_at(step)
+                    };
+                }
+            }
+            case
+        })
+}
+
+/// The errors a run may end with (see the test above).
+fn check_early_stop(
+    config: &SchedulerConfig,
+    group: &Group,
+    err: &CoreError,
+) -> Result<(), TestCaseError> {
+    match err {
+        CoreError::Deadlock(msg) => {
+            let bound_hit =
+                group.result.max_request_preemptions == config.max_preemptions_per_request;
+            let no_preemption = config.serving_mode == ServingMode::DisaggregatedGeneration;
+            prop_assert!(bound_hit || no_preemption, "unexpected deadlock: {}", msg);
+        }
+        CoreError::PreemptionDisabled(msg) => {
+            prop_assert_eq!(
+                config.serving_mode,
+                ServingMode::DisaggregatedGeneration,
+                "{}",
+                msg
+            );
+        }
+        other => prop_assert!(false, "unexpected error {}", other),
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
+
+    /// Random aborts (between steps and while a step is pending, with reverts mixed in):
+    /// ranks stay identical, nothing leaks (the harness checks pages, slots and the host
+    /// tier every step), every aborted output is a prefix of its full output, and the
+    /// survivors generate the same tokens as a run without the aborted requests.
+    #[test]
+    fn random_aborts_keep_every_invariant(case in case_with_aborts()) {
+        let config = &case.config;
+        let specs = accepted(config, &case.specs);
+        prop_assume!(!specs.is_empty());
+        let mut group = Group::new(config, case.model);
+        let options = RunOptions { revert_per_mille: case.revert_per_mille, seed: specs.len() as u64, max_steps: 5_000 };
+        let result = match group.run(&specs, options) {
+            Ok(result) => result,
+            Err(err) => return check_early_stop(config, &group, &err),
+        };
+        assert_matches_reference_with_aborts(&specs, case.model, &result);
+        prop_assert_eq!(
+            group.ranks[0].metrics().aborts,
+            result.aborted.len() as u64
+        );
+        // The same configuration without the aborted requests: the survivors' tokens
+        // are the same (only their timing may differ, as the pressure changed).
+        let survivors: Vec<Spec> = specs
+            .iter()
+            .filter(|s| !result.aborted.contains_key(&s.id))
+            .map(|s| Spec { abort: None, ..s.clone() })
+            .collect();
+        if survivors.is_empty() {
+            return Ok(());
+        }
+        let mut alone = Group::new(config, case.model);
+        match alone.run(&survivors, options) {
+            Ok(without) => prop_assert_eq!(&result.outputs, &without.outputs),
+            Err(err) => check_early_stop(config, &alone, &err)?,
         }
     }
 }

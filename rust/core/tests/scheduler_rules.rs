@@ -558,7 +558,7 @@ fn bad_input_is_refused_with_a_typed_error_and_changes_nothing() {
     );
     s.update(&[3], Some(&[true])).unwrap();
     assert_eq!(
-        s.take_output(1).unwrap(),
+        s.take_output(1).unwrap().token_ids,
         vec![3],
         "eos ends it after one token"
     );

@@ -8,6 +8,7 @@ mod arrays;
 mod errors;
 mod layout;
 mod ledger;
+mod request_output;
 mod schedule_output;
 mod scheduler;
 mod scheduler_config;

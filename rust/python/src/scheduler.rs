@@ -4,11 +4,12 @@
 use helix_kv_core::{RequestMetrics, Scheduler, SchedulerMetrics};
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple};
 
 use crate::arrays::{int64_array, request_id, u64_vec};
 use crate::errors::{IntoPyResult, InvalidArgumentError, InvalidLengthError};
 use crate::ledger::{block_table, slot_mapping};
+use crate::request_output::PyRequestOutput;
 use crate::schedule_output::PyScheduleOutput;
 use crate::scheduler_config::PySchedulerConfig;
 
@@ -34,8 +35,10 @@ pub struct PySchedulerMetrics {
     computed_tokens: u64,
     /// Times a generation request sat out a step.
     sat_out: u64,
-    /// Requests finished.
+    /// Requests that finished by length or eos.
     finished: u64,
+    /// Requests aborted.
+    aborts: u64,
     /// Superblocks held now.
     kv_used_superblocks: u32,
     /// Superblocks in the pool.
@@ -56,6 +59,7 @@ impl From<SchedulerMetrics> for PySchedulerMetrics {
             computed_tokens: m.computed_tokens,
             sat_out: m.sat_out,
             finished: m.finished,
+            aborts: m.aborts,
             kv_used_superblocks: m.kv_used_superblocks,
             kv_capacity_superblocks: m.kv_capacity_superblocks,
             kv_utilization: m.kv_utilization,
@@ -76,6 +80,7 @@ impl PySchedulerMetrics {
         d.set_item("computed_tokens", self.computed_tokens)?;
         d.set_item("sat_out", self.sat_out)?;
         d.set_item("finished", self.finished)?;
+        d.set_item("aborts", self.aborts)?;
         d.set_item("kv_used_superblocks", self.kv_used_superblocks)?;
         d.set_item("kv_capacity_superblocks", self.kv_capacity_superblocks)?;
         d.set_item("kv_utilization", self.kv_utilization)?;
@@ -85,7 +90,7 @@ impl PySchedulerMetrics {
     fn __repr__(&self) -> String {
         format!(
             "SchedulerMetrics(steps={}, preemptions={}, suspensions={}, recomputed_tokens={}, \
-             computed_tokens={}, sat_out={}, finished={}, kv_used_superblocks={}, \
+             computed_tokens={}, sat_out={}, finished={}, aborts={}, kv_used_superblocks={}, \
              kv_capacity_superblocks={}, kv_utilization={}, kv_utilization_peak={})",
             self.steps,
             self.preemptions,
@@ -94,6 +99,7 @@ impl PySchedulerMetrics {
             self.computed_tokens,
             self.sat_out,
             self.finished,
+            self.aborts,
             self.kv_used_superblocks,
             self.kv_capacity_superblocks,
             self.kv_utilization,
@@ -133,8 +139,46 @@ impl From<RequestMetrics> for PyRequestMetrics {
     }
 }
 
+impl From<&PyRequestMetrics> for RequestMetrics {
+    fn from(m: &PyRequestMetrics) -> Self {
+        Self {
+            preemptions: m.preemptions,
+            recomputed_tokens: m.recomputed_tokens,
+            steps_waited: m.steps_waited,
+            generated_tokens: m.generated_tokens,
+        }
+    }
+}
+
 #[pymethods]
 impl PyRequestMetrics {
+    /// Builds counters (what unpickling a `RequestOutput` calls).
+    #[new]
+    #[pyo3(signature = (*, preemptions = 0, recomputed_tokens = 0, steps_waited = 0, generated_tokens = 0))]
+    fn py_new(
+        preemptions: u32,
+        recomputed_tokens: u64,
+        steps_waited: u64,
+        generated_tokens: u64,
+    ) -> Self {
+        Self {
+            preemptions,
+            recomputed_tokens,
+            steps_waited,
+            generated_tokens,
+        }
+    }
+
+    /// Pickles as `functools.partial(RequestMetrics, **to_dict())`.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let rebuild = py
+            .import("functools")?
+            .getattr("partial")?
+            .call((py.get_type::<Self>(),), Some(&slf.get().to_dict(py)?))?;
+        PyTuple::new(py, [rebuild, PyTuple::empty(py).into_any()])
+    }
+
     /// The counters as a dict.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
@@ -144,7 +188,7 @@ impl PyRequestMetrics {
         d.set_item("generated_tokens", self.generated_tokens)?;
         Ok(d)
     }
-    fn __repr__(&self) -> String {
+    pub(crate) fn __repr__(&self) -> String {
         format!(
             "RequestMetrics(preemptions={}, recomputed_tokens={}, steps_waited={}, generated_tokens={})",
             self.preemptions, self.recomputed_tokens, self.steps_waited, self.generated_tokens
@@ -287,19 +331,38 @@ impl PyScheduler {
         Ok(ids_to_numpy(py, finished))
     }
 
-    /// Undoes the scheduled step that did not run (preemptions stay applied).
-    fn revert(&mut self) -> PyResult<()> {
-        self.inner.revert().py()
+    /// Undoes the scheduled step that did not run (preemptions stay applied), then
+    /// applies the aborts requested while it was pending. Returns their ids (int64).
+    fn revert<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let finished = self.inner.revert().map(<[u64]>::to_vec).py()?;
+        Ok(ids_to_numpy(py, finished))
     }
 
-    /// Generated tokens of a finished request (int32); each output is taken once.
-    fn take_output<'py>(
-        &mut self,
-        py: Python<'py>,
-        request_id: i64,
-    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let tokens = self.inner.take_output(self::request_id(request_id)?).py()?;
-        Ok(PyArray1::from_vec(py, tokens))
+    /// Aborts a request (valid in every state; a finished, untaken one is left as it
+    /// is). While a step is pending the abort takes effect when it closes.
+    fn abort(&mut self, request_id: i64) -> PyResult<()> {
+        self.inner.abort(self::request_id(request_id)?).py()
+    }
+
+    /// Aborts several requests in order; every id is checked first (all or nothing).
+    fn abort_many(&mut self, py: Python<'_>, request_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = u64_vec(request_ids, "request ids", false)?;
+        let inner = &mut self.inner;
+        py.detach(|| inner.abort_many(&ids)).py()
+    }
+
+    /// Whether an abort of this live request waits for the pending step to close.
+    fn is_abort_requested(&self, request_id: i64) -> PyResult<bool> {
+        self.inner
+            .is_abort_requested(self::request_id(request_id)?)
+            .py()
+    }
+
+    /// The output of a finished request (tokens, finish reason, counters); each output
+    /// is taken once.
+    fn take_output(&mut self, py: Python<'_>, request_id: i64) -> PyResult<PyRequestOutput> {
+        let output = self.inner.take_output(self::request_id(request_id)?).py()?;
+        PyRequestOutput::new(py, output)
     }
 
     /// Prompt (with folded tokens) plus generated tokens of a live request (int32).
@@ -375,6 +438,11 @@ impl PyScheduler {
     fn num_suspended(&self) -> usize {
         self.inner.num_suspended()
     }
+    /// Host-tier superblocks held by suspended requests.
+    #[getter]
+    fn host_used_superblocks(&self) -> u32 {
+        self.inner.host_used_superblocks()
+    }
     /// Whether a schedule awaits `update` or `revert`.
     #[getter]
     fn step_pending(&self) -> bool {
@@ -416,5 +484,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduleOutput>()?;
     m.add_class::<PySchedulerMetrics>()?;
     m.add_class::<PyRequestMetrics>()?;
+    crate::request_output::register(m)?;
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! Closing a step: `update` (it ran) or `revert` (it did not).
 
 use super::{
-    CoreError, FinishedRequest, RequestId, RequestMetrics, RequestState, Result, Scheduler,
+    CoreError, FinishReason, ReqSlot, RequestId, RequestMetrics, RequestOutput, RequestState,
+    Result, Scheduler,
 };
 
 impl Scheduler {
@@ -9,6 +10,10 @@ impl Scheduler {
     /// and optionally an end-of-sequence flag per entry. Returns the ids of requests
     /// that finished, in queue order; their outputs wait for `take_output`. The input is
     /// validated whole before anything changes.
+    ///
+    /// A request whose abort was requested while this step was pending finishes here
+    /// with [`FinishReason::Aborted`]: its token of this step is dropped (the client is
+    /// gone), its KV and slot are freed, and its id is among those returned.
     pub fn update(&mut self, tokens: &[i32], eos: Option<&[bool]>) -> Result<&[RequestId]> {
         if !self.pending {
             return Err(CoreError::InvalidState(
@@ -39,7 +44,7 @@ impl Scheduler {
 
     /// One order-preserving pass over the queue (generation and context entries are in
     /// queue order too): appends sampled tokens, advances progress, counts waited steps,
-    /// and retires finished requests, freeing their KV and slots.
+    /// and retires finished and abort-requested requests, freeing their KV and slots.
     fn apply_step(&mut self, tokens: &[i32], eos: Option<&[bool]>) {
         let step = self.pending_step;
         let ends = |sample: usize| eos.is_some_and(|flags| flags[sample]);
@@ -53,12 +58,23 @@ impl Scheduler {
         for read in 0..self.queue.len() {
             let req = self.queue[read];
             let request = &mut self.requests[req as usize];
-            let mut finished = false;
+            // Read from the hot line; an aborted request's token is dropped below.
+            let aborted = request.abort_requested;
+            let mut finished = None;
             if generation.get(next_generation) == Some(&req) {
-                request.push_token(tokens[next_generation]);
-                request.computed += 1;
-                finished = request.is_complete() || ends(next_generation);
+                if !aborted {
+                    request.push_token(tokens[next_generation]);
+                    request.computed += 1;
+                    finished = finish_reason(request.is_complete(), ends(next_generation));
+                }
                 next_generation += 1;
+            } else if aborted {
+                // Its context entry (if any) ran and is counted; the rest is freed below.
+                if let Some(entry) = self.context.get(next_context).filter(|e| e.req == req) {
+                    computed_tokens += entry.len;
+                    next_context_sample += usize::from(entry.completes);
+                    next_context += 1;
+                }
             } else if self
                 .context
                 .get(next_context)
@@ -69,7 +85,7 @@ impl Scheduler {
                 computed_tokens += len;
                 let new_state = if self.context[next_context].completes {
                     request.push_token(tokens[next_context_sample]);
-                    finished = request.is_complete() || ends(next_context_sample);
+                    finished = finish_reason(request.is_complete(), ends(next_context_sample));
                     next_context_sample += 1;
                     RequestState::Decoding
                 } else {
@@ -82,8 +98,12 @@ impl Scheduler {
             } else if request.first_step <= step {
                 request.steps_waited += 1;
             }
-            if finished {
-                self.retire(req);
+            if aborted {
+                self.retire(req, FinishReason::Aborted);
+                self.finished_ids.push(self.requests[req as usize].id);
+            } else if let Some(reason) = finished {
+                self.retire(req, reason);
+                self.finished_ids.push(self.requests[req as usize].id);
             } else {
                 self.queue[kept] = req;
                 kept += 1;
@@ -95,18 +115,24 @@ impl Scheduler {
         );
         self.queue.truncate(kept);
         self.generation_reqs = generation;
+        if std::mem::take(&mut self.abort_requests) > 0 {
+            self.stalled_steps = 0; // freed pages may unblock the queue
+        }
         self.metrics.computed_tokens += computed_tokens;
         self.metrics.steps += 1;
         self.metrics.sat_out += self.sat_out_reqs.len() as u64;
     }
 
-    /// Frees a finished request's KV and slot and keeps its output for `take_output`.
-    fn retire(&mut self, req: super::ReqSlot) {
+    /// Frees a finished (or aborted) request's KV, host-tier share and slot, and keeps
+    /// its output for `take_output`. The caller removes it from the queue.
+    pub(super) fn retire(&mut self, req: ReqSlot, reason: FinishReason) {
         let request = &mut self.requests[req as usize];
         let id = request.id;
         if let Some(slot) = request.batch_slot.take() {
             self.batch_slots.release(slot);
         }
+        // Only a suspended request holds host-tier superblocks.
+        self.host_used_superblocks -= std::mem::take(&mut request.host_superblocks);
         let metrics = RequestMetrics {
             preemptions: request.preemptions,
             recomputed_tokens: request.recomputed_tokens,
@@ -122,17 +148,30 @@ impl Scheduler {
             .expect("a live request is held by the ledger");
         self.index.remove(&id);
         self.free_request_slots.push(req);
-        self.finished
-            .insert(id, FinishedRequest { generated, metrics });
-        self.finished_ids.push(id);
-        self.metrics.finished += 1;
+        self.finished.insert(
+            id,
+            RequestOutput {
+                request_id: id,
+                token_ids: generated,
+                finish_reason: reason,
+                metrics,
+            },
+        );
+        if reason == FinishReason::Aborted {
+            self.metrics.aborts += 1;
+        } else {
+            self.metrics.finished += 1;
+        }
     }
 
     /// Undoes the scheduled step that did not run: its decode and prompt reservations,
     /// resumes, new batch slots and sit-outs, so the ledger is as before `schedule()`.
     /// Preemptions and suspends made by the step stay applied (every rank applied the
     /// same ones; the victims re-prefill or resume later). The step number stays used.
-    pub fn revert(&mut self) -> Result<()> {
+    ///
+    /// Requests whose abort was requested while the step was pending are aborted right
+    /// after the undo (in queue order); their ids are returned, as `update` would.
+    pub fn revert(&mut self) -> Result<&[RequestId]> {
         if !self.pending {
             return Err(CoreError::InvalidState(
                 "revert() without a pending step: call schedule() first (and update or revert each step once)".into(),
@@ -141,6 +180,22 @@ impl Scheduler {
         self.undo_step(self.pending_step);
         self.stalled_steps = self.stalled_steps_before;
         self.pending = false;
-        Ok(())
+        self.finished_ids.clear();
+        if self.abort_requests > 0 {
+            self.apply_requested_aborts();
+        }
+        Ok(&self.finished_ids)
+    }
+}
+
+/// How a request that just sampled a token finishes, if it does: end-of-sequence wins
+/// over length when both hold.
+fn finish_reason(complete: bool, eos: bool) -> Option<FinishReason> {
+    if eos {
+        Some(FinishReason::Eos)
+    } else if complete {
+        Some(FinishReason::Length)
+    } else {
+        None
     }
 }

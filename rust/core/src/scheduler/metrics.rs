@@ -16,8 +16,12 @@ pub struct SchedulerMetrics {
     pub computed_tokens: u64,
     /// Times a generation request sat out a step (in steps that ran).
     pub sat_out: u64,
-    /// Requests finished.
+    /// Requests that finished by length or end-of-sequence (aborted ones are not counted
+    /// here but in `aborts`).
     pub finished: u64,
+    /// Requests aborted (counted when the abort takes effect; an abort of a request that
+    /// had already finished changes nothing and is not counted).
+    pub aborts: u64,
     /// Superblocks held now.
     pub kv_used_superblocks: u32,
     /// Superblocks in the pool.

@@ -10,6 +10,7 @@
 //! A step is `schedule()` followed by either `update()` (it ran) or `revert()` (it did
 //! not). Every call that returns an error has changed nothing.
 
+mod abort;
 mod commit;
 mod config;
 mod metrics;
@@ -27,7 +28,7 @@ pub use config::{
 };
 pub use metrics::{RequestMetrics, SchedulerMetrics};
 pub use output::ScheduleOutput;
-pub use request::RequestState;
+pub use request::{FinishReason, RequestOutput, RequestState};
 
 use crate::digest::Fnv64;
 use crate::error::{CoreError, Result};
@@ -59,13 +60,6 @@ enum JournalEntry {
     Resume(ReqSlot),
 }
 
-/// A finished request whose output has not been taken yet.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-struct FinishedRequest {
-    generated: Vec<i32>,
-    metrics: RequestMetrics,
-}
-
 /// The scheduler of one rank. See the module docs.
 #[derive(Debug, Clone)]
 pub struct Scheduler {
@@ -82,7 +76,10 @@ pub struct Scheduler {
     /// Live requests in arrival order: the queue order every decision walks.
     queue: Vec<ReqSlot>,
     state_counts: [usize; RequestState::COUNT],
-    finished: FxHashMap<RequestId, FinishedRequest>,
+    /// Finished requests whose output has not been taken yet.
+    finished: FxHashMap<RequestId, RequestOutput>,
+    /// Live requests whose abort waits for the pending step to close.
+    abort_requests: usize,
     batch_slots: BatchSlots,
     host_used_superblocks: u32,
     /// Number the next `schedule()` takes.
@@ -138,6 +135,7 @@ impl Scheduler {
             queue: Vec::new(),
             state_counts: [0; RequestState::COUNT],
             finished: FxHashMap::default(),
+            abort_requests: 0,
             batch_slots: BatchSlots::new(config.max_batch_size),
             host_used_superblocks: 0,
             next_step: 0,
@@ -301,9 +299,9 @@ impl Scheduler {
         Ok(&self.requests[self.req_slot(id)? as usize].tokens)
     }
 
-    /// The generated tokens of a finished request; each output can be taken once, after
-    /// which its id may be used again.
-    pub fn take_output(&mut self, id: RequestId) -> Result<Vec<i32>> {
+    /// The output of a finished request: its generated tokens, why it finished and its
+    /// counters. Each output can be taken once, after which its id may be used again.
+    pub fn take_output(&mut self, id: RequestId) -> Result<RequestOutput> {
         if self.index.contains_key(&id) {
             return Err(CoreError::InvalidState(format!(
                 "request {id} has not finished yet"
@@ -311,7 +309,6 @@ impl Scheduler {
         }
         self.finished
             .remove(&id)
-            .map(|finished| finished.generated)
             .ok_or(CoreError::UnknownRequest(id))
     }
 
@@ -338,6 +335,10 @@ impl Scheduler {
     /// Live requests suspended to the host tier.
     pub fn num_suspended(&self) -> usize {
         self.state_counts[RequestState::Suspended.index()]
+    }
+    /// Host-tier superblocks held by suspended requests.
+    pub fn host_used_superblocks(&self) -> u32 {
+        self.host_used_superblocks
     }
     /// Whether any request is live.
     pub fn has_unfinished(&self) -> bool {
@@ -446,6 +447,7 @@ impl Scheduler {
             h.u64(r.batch_slot.get().map_or(u64::MAX, u64::from));
             h.u64(u64::from(r.preemptions));
             h.u64(u64::from(r.host_superblocks));
+            h.u64(u64::from(r.abort_requested));
         }
         h.u64(self.finished.len() as u64);
         h.finish()

@@ -1,6 +1,7 @@
 //! A request as the scheduler tracks it. The ledger owns the placement counters; this
 //! holds the tokens, progress and bookkeeping that decide what to schedule.
 
+use super::metrics::RequestMetrics;
 use crate::RequestId;
 
 /// Where a live request stands.
@@ -34,6 +35,41 @@ impl RequestState {
             Self::Suspended => "suspended",
         }
     }
+}
+
+/// Why a request finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// It generated `max_new_tokens`.
+    Length,
+    /// `update()` flagged its last token as end-of-sequence (this wins over `Length`
+    /// when both hold: the model ended it).
+    Eos,
+    /// `abort()` / `abort_many()` ended it.
+    Aborted,
+}
+
+impl FinishReason {
+    /// Lower-case name, as used by the Python surface.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Length => "length",
+            Self::Eos => "eos",
+            Self::Aborted => "aborted",
+        }
+    }
+}
+
+/// What `take_output` hands over for a finished request.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RequestOutput {
+    pub request_id: RequestId,
+    /// Tokens generated before it finished (for an aborted request, before the abort
+    /// took effect), across preemptions.
+    pub token_ids: Vec<i32>,
+    pub finish_reason: FinishReason,
+    /// Its counters when it finished.
+    pub metrics: RequestMetrics,
 }
 
 /// Marks "not in any step"; steps are numbered from 0.
@@ -88,6 +124,9 @@ pub(super) struct Request {
     /// `max_new_tokens - generated()`: the finish check without reading the cold line.
     pub remaining_tokens: u32,
     pub state: RequestState,
+    /// `abort()` was called while a step was pending; it takes effect when that step is
+    /// updated or reverted. On the hot line because `update` reads it for every request.
+    pub abort_requested: bool,
 
     /// Last step that preempted or suspended it.
     pub victim_step: u64,
@@ -128,6 +167,7 @@ impl Request {
         Self {
             id,
             state: RequestState::Waiting,
+            abort_requested: false,
             last_token: prompt.last().copied().unwrap_or_default(),
             tokens,
             original_prompt_len: prompt.len() as u64,
@@ -175,4 +215,5 @@ impl Request {
 
 // The decode path's fields must stay on the first line.
 const _: () = assert!(std::mem::offset_of!(Request, state) < 64);
+const _: () = assert!(std::mem::offset_of!(Request, abort_requested) < 64);
 const _: () = assert!(std::mem::offset_of!(Request, victim_step) == 64);

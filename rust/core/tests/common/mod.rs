@@ -11,9 +11,12 @@
 //! tokens generated so far; decode positions continue from the new prompt end).
 #![allow(dead_code)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
-use helix_kv_core::{CoreError, RequestId, ScheduleOutput, Scheduler, SchedulerConfig};
+use helix_kv_core::{
+    CoreError, FinishReason, RequestId, RequestOutput, RequestState, ScheduleOutput, Scheduler,
+    SchedulerConfig,
+};
 
 /// A small deterministic generator (xorshift64*), so tests need no randomness crate.
 #[derive(Debug, Clone)]
@@ -46,6 +49,18 @@ pub struct Spec {
     pub priority: i32,
     /// Step before which the request is added (0: before the first step).
     pub arrival_step: u64,
+    /// When the client aborts it, if it does (and it is still live then).
+    pub abort: Option<AbortAt>,
+}
+
+/// When a request is aborted: before step `step` is scheduled, or while it is pending
+/// (after `schedule`, before `update`/`revert`); with `in_state`, only once it is seen in
+/// that state (a label of `Group::state_label`, e.g. "recompute-paused").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AbortAt {
+    pub step: u64,
+    pub while_pending: bool,
+    pub in_state: Option<&'static str>,
 }
 
 impl Spec {
@@ -59,7 +74,36 @@ impl Spec {
             max_new_tokens,
             priority: 0,
             arrival_step: 0,
+            abort: None,
         }
+    }
+    /// Aborted before step `step` is scheduled.
+    pub fn abort_at(mut self, step: u64) -> Self {
+        self.abort = Some(AbortAt {
+            step,
+            while_pending: false,
+            in_state: None,
+        });
+        self
+    }
+    /// Aborted the first time it is seen in `state` (between steps, or while a step is
+    /// pending).
+    pub fn abort_in_state(mut self, state: &'static str, while_pending: bool) -> Self {
+        self.abort = Some(AbortAt {
+            step: 0,
+            while_pending,
+            in_state: Some(state),
+        });
+        self
+    }
+    /// Aborted while step `step` is pending.
+    pub fn abort_while_pending(mut self, step: u64) -> Self {
+        self.abort = Some(AbortAt {
+            step,
+            while_pending: true,
+            in_state: None,
+        });
+        self
     }
     pub fn at(mut self, step: u64) -> Self {
         self.arrival_step = step;
@@ -103,7 +147,13 @@ impl Model {
 /// What a finished run produced.
 #[derive(Debug, Clone, Default)]
 pub struct RunResult {
+    /// Outputs of requests that finished by length or eos.
     pub outputs: BTreeMap<RequestId, Vec<i32>>,
+    /// Outputs of aborted requests (what they generated before the abort).
+    pub aborted: BTreeMap<RequestId, Vec<i32>>,
+    /// The states aborted requests were in when aborted ("decoding", "suspended",
+    /// "recompute-paused"...; "... while pending" when a step was pending).
+    pub abort_states: BTreeSet<String>,
     pub steps: u64,
     pub preemptions: u64,
     pub suspensions: u64,
@@ -148,6 +198,8 @@ pub struct Group {
     known: BTreeMap<RequestId, Vec<i32>>,
     /// Tokens a request's current (re-)prefill has been fed so far.
     prefill_progress: BTreeMap<RequestId, u64>,
+    /// Requests aborted while the pending step runs: their token of it is dropped.
+    aborting: BTreeSet<RequestId>,
     pub result: RunResult,
 }
 
@@ -167,6 +219,7 @@ impl Group {
             arrival: BTreeMap::new(),
             known: BTreeMap::new(),
             prefill_progress: BTreeMap::new(),
+            aborting: BTreeSet::new(),
             result: RunResult::default(),
         }
     }
@@ -535,9 +588,11 @@ impl Group {
             finished.windows(2).all(|w| w[0] == w[1]),
             "ranks finish different requests"
         );
-        // Mirror the step in what the harness knows.
+        // Mirror the step in what the harness knows (an aborted request's token is dropped).
         for (i, id) in out.sample_ids.iter().enumerate() {
-            self.known.get_mut(id).unwrap().push(tokens[i]);
+            if !self.aborting.contains(id) {
+                self.known.get_mut(id).unwrap().push(tokens[i]);
+            }
         }
         for i in 0..out.context_ids.len() {
             let id = out.context_ids[i];
@@ -553,20 +608,114 @@ impl Group {
             self.result.victims.push((*victim, *requester));
         }
         for id in &finished[0] {
-            let outputs: Vec<Vec<i32>> = self
-                .ranks
-                .iter_mut()
-                .map(|s| s.take_output(*id).unwrap())
-                .collect();
-            assert!(outputs.windows(2).all(|w| w[0] == w[1]));
-            let known = self.known.remove(id).unwrap();
-            let generated = outputs[0].clone();
-            assert!(known.ends_with(&generated));
-            self.result.outputs.insert(*id, generated);
-            self.prefill_progress.remove(id);
+            self.collect(*id);
         }
+        assert!(
+            self.aborting.is_empty(),
+            "an abort requested in the step did not finish"
+        );
         self.result.steps += 1;
+        self.check_host_tier();
         finished[0].clone()
+    }
+
+    /// Takes a finished request's output on every rank and checks it against what the
+    /// harness knows.
+    fn collect(&mut self, id: RequestId) {
+        let outputs: Vec<RequestOutput> = self
+            .ranks
+            .iter_mut()
+            .map(|s| s.take_output(id).unwrap())
+            .collect();
+        assert!(outputs.windows(2).all(|w| w[0] == w[1]));
+        let output = outputs.into_iter().next().unwrap();
+        assert_eq!(output.request_id, id);
+        assert_eq!(
+            output.metrics.generated_tokens,
+            output.token_ids.len() as u64
+        );
+        let known = self.known.remove(&id).unwrap();
+        assert!(known.ends_with(&output.token_ids));
+        let was_aborting = self.aborting.remove(&id);
+        match output.finish_reason {
+            FinishReason::Aborted => {
+                self.result.aborted.insert(id, output.token_ids);
+            }
+            reason => {
+                assert!(!was_aborting, "{id} was aborted but finished as {reason:?}");
+                let eos =
+                    self.model.eos.is_some() && output.token_ids.last() == self.model.eos.as_ref();
+                assert_eq!(reason == FinishReason::Eos, eos, "finish reason of {id}");
+                self.result.outputs.insert(id, output.token_ids);
+            }
+        }
+        self.prefill_progress.remove(&id);
+        self.host.remove(&id);
+    }
+
+    /// Aborts `ids` on every rank (all must agree); between steps their outputs are
+    /// taken at once, while a step is pending they are taken when it closes.
+    pub fn abort(&mut self, ids: &[RequestId]) -> Result<(), CoreError> {
+        let states: Vec<Option<&str>> = ids.iter().map(|&id| self.state_label(id)).collect();
+        let results: Vec<_> = self.ranks.iter_mut().map(|s| s.abort_many(ids)).collect();
+        assert!(
+            results.windows(2).all(|w| w[0] == w[1]),
+            "ranks disagree on abort: {results:?}"
+        );
+        results[0].clone()?;
+        let digests: Vec<u64> = self.ranks.iter().map(Scheduler::state_digest).collect();
+        assert!(
+            digests.windows(2).all(|w| w[0] == w[1]),
+            "scheduler states differ after abort: {digests:x?}"
+        );
+        let pending = self.ranks[0].is_step_pending();
+        let when = if pending { " while pending" } else { "" };
+        for state in states.into_iter().flatten() {
+            self.result.abort_states.insert(format!("{state}{when}"));
+        }
+        for &id in ids {
+            if !self.known.contains_key(&id) {
+                continue; // finished before (its output was taken) or a repeat
+            }
+            if pending {
+                assert!(self.ranks[0].is_abort_requested(id).unwrap());
+                self.aborting.insert(id);
+            } else {
+                self.collect(id);
+            }
+        }
+        if !pending {
+            self.check_host_tier(); // a pending step's suspends are copied out when it runs
+        }
+        Ok(())
+    }
+
+    /// What state a live request is in, for `abort_states`.
+    fn state_label(&self, id: RequestId) -> Option<&'static str> {
+        let s = &self.ranks[0];
+        let state = s.request_state(id).ok()?;
+        if s.is_abort_requested(id).ok()? {
+            return None;
+        }
+        let paused = state == RequestState::Waiting && s.request_metrics(id).ok()?.preemptions > 0;
+        Some(if paused {
+            "recompute-paused"
+        } else {
+            state.as_str()
+        })
+    }
+
+    /// The scheduler's host-tier use equals the pages the harness holds there.
+    fn check_host_tier(&self) {
+        let tpb = self.config.tokens_per_block as usize;
+        let pages: usize = self.host.values().map(|ranks| ranks[0].len() / tpb).sum();
+        for s in &self.ranks {
+            assert_eq!(
+                s.host_used_superblocks() as usize,
+                pages,
+                "host tier leaked"
+            );
+        }
     }
 
     /// Preempted victims of a step that is being reverted still restart their prefill.
@@ -584,14 +733,20 @@ impl Group {
     /// Reverts the scheduled step on every rank and checks the ledger is back where it
     /// was (`before`: per-rank ledger digests and holdings before `schedule`).
     pub fn revert_step(&mut self, out: &ScheduleOutput, before: &[RankSnapshot]) {
+        let mut aborted = Vec::new();
         for (rank, s) in self.ranks.iter_mut().enumerate() {
-            s.revert().expect("revert");
+            let closed = s.revert().expect("revert").to_vec();
+            assert!(
+                rank == 0 || closed == aborted,
+                "ranks abort different requests"
+            );
+            aborted = closed;
             let RankSnapshot {
                 state_digest,
                 ledger_digest,
                 holdings,
             } = &before[rank];
-            if out.preempted_ids.is_empty() && out.suspended_ids.is_empty() {
+            if aborted.is_empty() && out.preempted_ids.is_empty() && out.suspended_ids.is_empty() {
                 assert_eq!(
                     s.ledger().state_digest(),
                     *ledger_digest,
@@ -603,17 +758,33 @@ impl Group {
                     "revert must restore the scheduler"
                 );
             } else {
+                // Victims and aborted requests hold nothing; the rest is as before.
                 let now = s.ledger().holdings();
                 for &(id, held) in holdings {
-                    let victim = out.preempted_ids.contains(&id) || out.suspended_ids.contains(&id);
-                    let expected = if victim { 0 } else { held };
+                    let freed = out.preempted_ids.contains(&id)
+                        || out.suspended_ids.contains(&id)
+                        || aborted.contains(&id);
+                    let expected = if freed { 0 } else { held };
                     let got = now.iter().find(|h| h.0 == id).map_or(0, |h| h.1);
                     assert_eq!(got, expected, "request {id} after revert");
+                }
+                for &id in &aborted {
+                    assert!(now.iter().all(|h| h.0 != id), "aborted {id} still held");
                 }
             }
         }
         self.note_reverted_victims(out);
+        let mut expected: Vec<RequestId> = self.aborting.iter().copied().collect();
+        expected.sort_by_key(|id| self.arrival[id]);
+        assert_eq!(
+            aborted, expected,
+            "revert aborts the requested ones, in queue order"
+        );
+        for id in aborted {
+            self.collect(id);
+        }
         self.result.reverted_steps += 1;
+        self.check_host_tier();
     }
 
     fn snapshot(&self) -> Vec<RankSnapshot> {
@@ -644,12 +815,14 @@ impl Group {
                 self.add(pending[next])?;
                 next += 1;
             }
+            self.abort(&self.due_aborts(specs, step, false))?;
             if next == pending.len() && !self.ranks[0].has_unfinished() {
                 break;
             }
             assert!(step < max_steps, "run did not finish in {max_steps} steps");
             let before = self.snapshot();
             let outs = self.schedule()?;
+            self.abort(&self.due_aborts(specs, step, true))?;
             if options.revert_per_mille > 0 && rng.below(1000) < options.revert_per_mille {
                 self.revert_step(&outs[0], &before);
                 continue;
@@ -674,7 +847,28 @@ impl Group {
         self.result.preemptions = metrics[0].preemptions;
         self.result.suspensions = metrics[0].suspensions;
         self.result.sat_out = metrics[0].sat_out;
+        assert_eq!(metrics[0].aborts, self.result.aborted.len() as u64);
+        assert_eq!(metrics[0].finished, self.result.outputs.len() as u64);
         Ok(self.result.clone())
+    }
+
+    /// Live requests (in `specs` order) whose abort is due by `step`, between steps or
+    /// while it is pending.
+    fn due_aborts(&self, specs: &[Spec], step: u64, while_pending: bool) -> Vec<RequestId> {
+        specs
+            .iter()
+            .filter(|spec| {
+                spec.abort.is_some_and(|at| {
+                    at.step <= step
+                        && at.while_pending == while_pending
+                        && at
+                            .in_state
+                            .is_none_or(|state| self.state_label(spec.id) == Some(state))
+                }) && self.known.contains_key(&spec.id)
+                    && !self.aborting.contains(&spec.id)
+            })
+            .map(|spec| spec.id)
+            .collect()
     }
 
     fn check_bound(&mut self) {
@@ -702,12 +896,44 @@ pub fn reference_outputs(specs: &[Spec], model: Model) -> BTreeMap<RequestId, Ve
     config.max_batch_size = specs.len() as u32 + 1;
     config.max_num_tokens = (total + 1).max(4) as u32;
     let mut group = Group::new(&config, model);
-    let at_once: Vec<Spec> = specs.iter().cloned().map(|s| s.at(0)).collect();
+    let at_once: Vec<Spec> = specs
+        .iter()
+        .cloned()
+        .map(|mut s| {
+            s.abort = None;
+            s.at(0)
+        })
+        .collect();
     let result = group
         .run(&at_once, RunOptions::default())
         .expect("reference run");
     assert_eq!(result.preemptions + result.suspensions + result.sat_out, 0);
     result.outputs
+}
+
+/// Checks a run with aborts: every request either finished exactly as in the reference
+/// (which the aborted ones are absent from), or was aborted with a strict prefix of its
+/// reference output.
+pub fn assert_matches_reference_with_aborts(specs: &[Spec], model: Model, result: &RunResult) {
+    assert_eq!(result.outputs.len() + result.aborted.len(), specs.len());
+    let survivors: Vec<Spec> = specs
+        .iter()
+        .filter(|s| !result.aborted.contains_key(&s.id))
+        .cloned()
+        .collect();
+    let mut finished = result.clone();
+    finished.aborted.clear();
+    assert_matches_reference(&survivors, model, &finished);
+    let reference = reference_outputs(specs, model);
+    for (id, got) in &result.aborted {
+        let full = &reference[id];
+        assert!(
+            got.len() < full.len() && full.starts_with(got),
+            "aborted {id} generated {got:?}, not a strict prefix of {full:?}"
+        );
+        let spec = specs.iter().find(|s| s.id == *id).unwrap();
+        assert!(spec.abort.is_some(), "{id} was aborted without asking");
+    }
 }
 
 /// Checks a finished run against the reference: same tokens, each request stopped at

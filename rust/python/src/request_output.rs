@@ -1,0 +1,168 @@
+//! `RequestOutput`: what `Scheduler.take_output` hands over for a finished request.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+
+use helix_kv_core::{FinishReason, RequestMetrics, RequestOutput};
+use numpy::{PyArray1, PyArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::arrays::{int64_array, request_id};
+use crate::errors::InvalidArgumentError;
+use crate::scheduler::PyRequestMetrics;
+
+/// Tokens shown by `repr` before it elides the rest.
+const REPR_TOKENS: usize = 16;
+
+fn parse_finish_reason(text: &str) -> PyResult<FinishReason> {
+    match text {
+        "length" => Ok(FinishReason::Length),
+        "eos" => Ok(FinishReason::Eos),
+        "aborted" => Ok(FinishReason::Aborted),
+        other => Err(InvalidArgumentError::new_err(format!(
+            "finish_reason must be 'length', 'eos' or 'aborted', got {other:?}"
+        ))),
+    }
+}
+
+/// A read-only int32 array owning `tokens` (no copy): the record is frozen, so its
+/// array must not be writable either.
+fn frozen_tokens(py: Python<'_>, tokens: Vec<i32>) -> PyResult<Py<PyArray1<i32>>> {
+    let array = PyArray1::from_vec(py, tokens);
+    array.getattr("flags")?.setattr("writeable", false)?;
+    Ok(array.unbind())
+}
+
+/// The output of a finished request (frozen): its id, the tokens it generated, why it
+/// finished (`"length"`, `"eos"` or `"aborted"`) and its counters at the end.
+#[pyclass(frozen, module = "helix_kv._core", name = "RequestOutput")]
+pub struct PyRequestOutput {
+    id: u64,
+    token_ids: Py<PyArray1<i32>>,
+    finish_reason: FinishReason,
+    metrics: RequestMetrics,
+}
+
+impl PyRequestOutput {
+    pub fn new(py: Python<'_>, output: RequestOutput) -> PyResult<Self> {
+        Ok(Self {
+            id: output.request_id,
+            token_ids: frozen_tokens(py, output.token_ids)?,
+            finish_reason: output.finish_reason,
+            metrics: output.metrics,
+        })
+    }
+
+    fn tokens<'a>(&'a self, py: Python<'a>) -> PyResult<Vec<i32>> {
+        Ok(self.token_ids.bind(py).readonly().as_slice()?.to_vec())
+    }
+}
+
+#[pymethods]
+impl PyRequestOutput {
+    /// Rebuilds an output (what unpickling calls); `token_ids` must fit int32.
+    #[new]
+    fn py_new(
+        py: Python<'_>,
+        request_id: i64,
+        token_ids: &Bound<'_, PyAny>,
+        finish_reason: &str,
+        metrics: &Bound<'_, PyRequestMetrics>,
+    ) -> PyResult<Self> {
+        let id = self::request_id(request_id)?;
+        let wide = int64_array(token_ids)?;
+        let tokens = wide
+            .as_slice()?
+            .iter()
+            .map(|&v| {
+                i32::try_from(v).map_err(|_| {
+                    InvalidArgumentError::new_err(format!("token ids must fit int32, got {v}"))
+                })
+            })
+            .collect::<PyResult<Vec<i32>>>()?;
+        Ok(Self {
+            id,
+            token_ids: frozen_tokens(py, tokens)?,
+            finish_reason: parse_finish_reason(finish_reason)?,
+            metrics: RequestMetrics::from(metrics.get()),
+        })
+    }
+
+    /// The request's id.
+    #[getter]
+    fn request_id(&self) -> u64 {
+        self.id
+    }
+
+    /// Tokens generated before it finished (int32, read-only), across preemptions; for
+    /// an aborted request, those generated before the abort took effect.
+    #[getter]
+    fn token_ids(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.token_ids.clone_ref(py)
+    }
+
+    /// `"length"` (`max_new_tokens` reached), `"eos"` (flagged end-of-sequence) or
+    /// `"aborted"`.
+    #[getter]
+    fn finish_reason(&self) -> &'static str {
+        self.finish_reason.as_str()
+    }
+
+    /// Its counters when it finished.
+    #[getter]
+    fn metrics(&self) -> PyRequestMetrics {
+        self.metrics.into()
+    }
+
+    fn __eq__(&self, py: Python<'_>, other: &Bound<'_, Self>) -> PyResult<bool> {
+        let other = other.get();
+        Ok(self.id == other.id
+            && self.finish_reason == other.finish_reason
+            && self.metrics == other.metrics
+            && self.tokens(py)? == other.tokens(py)?)
+    }
+
+    fn __hash__(&self, py: Python<'_>) -> PyResult<u64> {
+        let mut hasher = DefaultHasher::new();
+        (self.id, self.finish_reason, self.metrics, self.tokens(py)?).hash(&mut hasher);
+        Ok(hasher.finish())
+    }
+
+    /// Pickles as `RequestOutput(request_id, token_ids, finish_reason, metrics)`.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let this = slf.get();
+        let args = (
+            this.id,
+            this.token_ids.clone_ref(py),
+            this.finish_reason.as_str(),
+            PyRequestMetrics::from(this.metrics),
+        )
+            .into_pyobject(py)?;
+        PyTuple::new(py, [py.get_type::<Self>().into_any(), args.into_any()])
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let tokens = self.tokens(py)?;
+        let mut shown: Vec<String> = tokens
+            .iter()
+            .take(REPR_TOKENS)
+            .map(ToString::to_string)
+            .collect();
+        if tokens.len() > REPR_TOKENS {
+            shown.push(format!("... ({} tokens)", tokens.len()));
+        }
+        Ok(format!(
+            "RequestOutput(request_id={}, token_ids=[{}], finish_reason='{}', metrics={})",
+            self.id,
+            shown.join(", "),
+            self.finish_reason.as_str(),
+            PyRequestMetrics::from(self.metrics).__repr__()
+        ))
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyRequestOutput>()
+}
