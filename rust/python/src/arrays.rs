@@ -141,12 +141,22 @@ pub fn str_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
 
 // -- arrays ------------------------------------------------------------------------------
 
+/// A value of [`Ints`] for an error message.
+fn show(value: i128) -> String {
+    match value {
+        i128::MIN => "a value below -2**64".to_string(),
+        i128::MAX => "a value of 2**64 or more".to_string(),
+        v => v.to_string(),
+    }
+}
+
 /// The integers of an array argument, before range checks: borrowed from numpy where the
 /// array already has a 64-bit integer dtype, or read one by one from a list/tuple.
 pub enum Ints<'py> {
     Signed(PyReadonlyArray1<'py, i64>),
     Unsigned(PyReadonlyArray1<'py, u64>),
-    /// From a Python sequence: every value in `-2**63..2**64`.
+    /// From a Python sequence: values in `-2**63..2**64`, and `i128::MIN`/`i128::MAX` for
+    /// anything beyond.
     Wide(Vec<i128>),
 }
 
@@ -262,11 +272,12 @@ fn sequence_ints(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i128>> {
             i128::from(v)
         } else if let Ok(v) = int.extract::<u64>() {
             i128::from(v)
+        } else if int.lt(0)? {
+            // Outside every 64-bit range: out of range for every target, whose own rule
+            // then names the error class.
+            i128::MIN
         } else {
-            return Err(InvalidArgumentError::new_err(format!(
-                "{element} is outside every 64-bit integer range, got {}",
-                describe(&item)
-            )));
+            i128::MAX
         };
         out.push(value);
     }
@@ -312,7 +323,7 @@ pub fn int64_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<PyReadonlyArray1<'p
     }
     let values = ints.map(
         |v| i64::try_from(v).ok(),
-        |v| InvalidArgumentError::new_err(format!("values must fit int64, got {v}")),
+        |v| InvalidArgumentError::new_err(format!("values must fit int64, got {}", show(v))),
     )?;
     Ok(PyArray1::from_vec(obj.py(), values).readonly())
 }
@@ -364,9 +375,9 @@ pub fn u64_vec(obj: &Bound<'_, PyAny>, what: &str, length: bool) -> PyResult<Vec
         |v| u64::try_from(v).ok().filter(|&v| v <= max),
         |v| {
             let message = if length {
-                format!("{what} must be in 0..=2**63-1, got {v}")
+                format!("{what} must be in 0..=2**63-1, got {}", show(v))
             } else {
-                format!("{what} must be in 0..=2**64-1, got {v}")
+                format!("{what} must be in 0..=2**64-1, got {}", show(v))
             };
             if length {
                 InvalidLengthError::new_err(message)
@@ -402,7 +413,7 @@ pub fn token_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<TokenIds<
     }
     let values = integers(obj, what)?.map(
         |v| i32::try_from(v).ok(),
-        |v| InvalidArgumentError::new_err(format!("{what} must fit int32, got {v}")),
+        |v| InvalidArgumentError::new_err(format!("{what} must fit int32, got {}", show(v))),
     )?;
     Ok(TokenIds::Converted(values))
 }
@@ -431,7 +442,9 @@ pub fn flags<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Flags<'py>> {
         1 => Some(true),
         _ => None,
     };
-    let bad = |v| InvalidArgumentError::new_err(format!("{what} must be bools (or 0/1), got {v}"));
+    let bad = |v| {
+        InvalidArgumentError::new_err(format!("{what} must be bools (or 0/1), got {}", show(v)))
+    };
     match as_ndarray(obj, what)? {
         Some(array) if array.dtype().kind() == b'b' => {
             Ok(Flags::Borrowed(contiguous(&array, "bool")?))
