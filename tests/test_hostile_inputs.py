@@ -117,6 +117,9 @@ FLAG = _kind("flag", [1, 0, "yes", None, 1.0, np.int64(1), object()], [], Config
 NAME = _kind("name", [1, None, b"newest_first", ["newest_first"], 1.5], ["no_such"], ConfigError)
 CONFIG = _kind("config", ["x", None, 3, {}, helix_kv.Layout(2, 4)], [], ConfigError)
 LAYOUT = _kind("layout", ["x", None, 3, (2, 4)], [], ConfigError)
+LAYOUT_SIZE = _kind("layout size", NOT_INTS, [0, -1, 2**25, 2**32, 2**64], ConfigError)
+# Page ids are int32 in block tables: a pool past 2**31-1 superblocks is refused up front.
+CAPACITY = _kind("capacity", NOT_INTS, [0, -1, 2**31, 2**32 - 1, 2**32, 2**64], ConfigError)
 
 
 def _array_kind(name: str, range_values: list, range_error: type) -> Kind:
@@ -256,8 +259,8 @@ SCHEDULER_CALLS = [
 ]
 CONFIG_CALLS = [Call("config", "with_rank", (1,), (CONFIG_INT,))]
 CONSTRUCTOR_CALLS = [
-    Call("new", "Layout", (2, 4), (CONFIG_INT, CONFIG_INT)),
-    Call("new", "Ledger", (helix_kv.Layout(2, 4), 8), (LAYOUT, CONFIG_INT)),
+    Call("new", "Layout", (2, 4), (LAYOUT_SIZE, LAYOUT_SIZE)),
+    Call("new", "Ledger", (helix_kv.Layout(2, 4), 8), (LAYOUT, CAPACITY)),
     Call("new", "Scheduler", (make_config(),), (CONFIG,)),
 ]
 CALLS = LAYOUT_CALLS + LEDGER_CALLS + SCHEDULER_CALLS + CONFIG_CALLS + CONSTRUCTOR_CALLS

@@ -8,6 +8,10 @@ use crate::error::{CoreError, Result};
 use crate::layout::Layout;
 use crate::{RequestId, SuperblockId};
 
+/// Largest pool: superblock ids are page ids, handed out as int32 (block tables pad with
+/// -1), so every id must fit `i32`.
+pub const MAX_CAPACITY: u32 = i32::MAX as u32;
+
 /// One request's KV holdings and the counters that decide where its tokens go.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestKv {
@@ -111,13 +115,18 @@ pub struct Ledger {
 }
 
 impl Ledger {
-    /// A ledger of `capacity` superblocks (`>= 1`) for `layout`. A free list that cannot
-    /// be allocated is a `Config` error, not an abort.
+    /// A ledger of `capacity` superblocks (`1..=MAX_CAPACITY`) for `layout`. A free list
+    /// that cannot be allocated is a `Config` error, not an abort.
     pub fn new(layout: Layout, capacity: u32) -> Result<Self> {
         if capacity == 0 {
             return Err(CoreError::Config(
                 "ledger capacity must be at least one superblock".into(),
             ));
+        }
+        if capacity > MAX_CAPACITY {
+            return Err(CoreError::Config(format!(
+                "ledger capacity {capacity} exceeds {MAX_CAPACITY} superblocks: page ids are int32 in block tables"
+            )));
         }
         let mut free = Vec::new();
         free.try_reserve_exact(capacity as usize).map_err(|_| {
