@@ -51,7 +51,11 @@ fn python_int<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, P
     if let Ok(int) = obj.cast::<PyInt>() {
         return Ok(int.clone());
     }
-    if !obj.hasattr(pyo3::intern!(obj.py(), "__index__"))? {
+    // An object whose attribute lookup itself fails is no integer either.
+    if !obj
+        .hasattr(pyo3::intern!(obj.py(), "__index__"))
+        .unwrap_or(false)
+    {
         return Err(not_an_int());
     }
     obj.call_method0(pyo3::intern!(obj.py(), "__index__"))
@@ -207,7 +211,7 @@ fn as_ndarray<'py>(
         )));
     } else if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
         return Ok(None);
-    } else if obj.hasattr(pyo3::intern!(py, "__array__"))? {
+    } else if obj.hasattr(pyo3::intern!(py, "__array__")).unwrap_or(false) {
         let converted = py
             .import("numpy")?
             .call_method1("asarray", (obj,))
@@ -258,14 +262,24 @@ fn contiguous<'py, T: numpy::Element>(
         .readonly())
 }
 
+/// A sequence that raises while it is read (a hostile `__iter__`/`__getitem__`) is an
+/// `InvalidTypeError` too, with the original error as its cause.
+fn unreadable<T>(result: PyResult<T>, what: &str) -> PyResult<T> {
+    result.map_err(|err| {
+        let wrapped = invalid_type(format!("{what} could not be read: {err}"));
+        Python::attach(|py| wrapped.set_cause(py, Some(err)));
+        wrapped
+    })
+}
+
 /// The values of the elements of a list, tuple or other sequence, each a Python int.
 fn sequence_ints(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i128>> {
     let sequence = obj
         .cast::<PySequence>()
         .map_err(|_| invalid_type(format!("{what} must be a sequence, got {}", describe(obj))))?;
     let mut out = Vec::with_capacity(sequence.len().unwrap_or(0));
-    for (i, item) in obj.try_iter()?.enumerate() {
-        let item = item?;
+    for (i, item) in unreadable(obj.try_iter(), what)?.enumerate() {
+        let item = unreadable(item, what)?;
         let element = format!("{what}[{i}]");
         let int = python_int(&item, &element)?;
         let value = if let Ok(v) = int.extract::<i64>() {
@@ -455,8 +469,8 @@ pub fn flags<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Flags<'py>> {
                 invalid_type(format!("{what} must be a sequence, got {}", describe(obj)))
             })?;
             let mut out = Vec::with_capacity(sequence.len().unwrap_or(0));
-            for (i, item) in obj.try_iter()?.enumerate() {
-                let item = item?;
+            for (i, item) in unreadable(obj.try_iter(), what)?.enumerate() {
+                let item = unreadable(item, what)?;
                 if let Ok(flag) = item.extract::<bool>() {
                     out.push(flag);
                     continue;
