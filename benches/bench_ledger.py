@@ -17,11 +17,11 @@ def test_bench_batched_grow_and_free(benchmark, report_figure, superblocks_each:
     cp, tpb = 4, 32
     ledger = helix_kv.Ledger(helix_kv.Layout(cp, tpb), BATCH * superblocks_each)
     ids = np.arange(BATCH, dtype=np.int64)
-    zeros = np.zeros(BATCH, dtype=np.int64)
+    prompts = np.ones(BATCH, dtype=np.int64)  # a prompt holds at least one token
     lens = np.full(BATCH, superblocks_each * cp * tpb, dtype=np.int64)
 
     def register() -> tuple:
-        ledger.add_many(ids, zeros)
+        ledger.add_many(ids, prompts)
         return (), {}
 
     def grow_and_free() -> None:
@@ -43,13 +43,13 @@ def test_bench_add_many(benchmark, report_figure) -> None:
     """Registration cost, reported beside the target (not part of it)."""
     ledger = helix_kv.Ledger(helix_kv.Layout(4, 32), BATCH)
     ids = np.arange(BATCH, dtype=np.int64)
-    zeros = np.zeros(BATCH, dtype=np.int64)
+    prompts = np.ones(BATCH, dtype=np.int64)
 
     def clear() -> tuple:
         ledger.free_many(ids[: len(ledger)])
         return (), {}
 
-    benchmark.pedantic(lambda: ledger.add_many(ids, zeros), setup=clear, rounds=500)
+    benchmark.pedantic(lambda: ledger.add_many(ids, prompts), setup=clear, rounds=500)
     report_figure(benchmark, f"add_many batch {BATCH}", BATCH, "request", "n/a")
 
 
@@ -58,7 +58,7 @@ def test_bench_block_table_1024_by_64(benchmark, report_figure) -> None:
     cp, tpb, width = 2, 16, 64
     ledger = helix_kv.Ledger(helix_kv.Layout(cp, tpb), BATCH * width)
     ids = np.arange(BATCH, dtype=np.int64)
-    ledger.add_many(ids, np.zeros(BATCH, dtype=np.int64))
+    ledger.add_many(ids, np.ones(BATCH, dtype=np.int64))
     assert ledger.grow_many(ids, np.full(BATCH, width * cp * tpb, dtype=np.int64)).all()
     table = benchmark(ledger.block_table, ids, width)
     assert table.shape == (BATCH, width)

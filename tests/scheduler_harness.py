@@ -315,7 +315,7 @@ class Executor:
     def _write_kv(self, out: helix_kv.ScheduleOutput) -> None:
         ids = np.concatenate([out.context_ids, out.generation_ids])
         starts = np.concatenate([out.context_starts, out.generation_positions])
-        counts = np.concatenate([out.context_lens, np.ones_like(out.generation_ids)])
+        counts = np.concatenate([out.context_lens, np.ones(out.generation_ids.size, np.int64)])
         values = np.concatenate([out.context_token_ids, out.generation_input_tokens])
         total = int(counts.sum())
         first = np.repeat(np.cumsum(counts) - counts, counts)

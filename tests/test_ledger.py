@@ -55,7 +55,7 @@ def snapshot(ledger: helix_kv.Ledger) -> tuple:
 
 def check_invariants(ledger: helix_kv.Ledger) -> None:
     ids, counts = ledger.holdings()
-    assert ids.dtype == np.int64
+    assert ids.dtype == np.uint64
     assert counts.dtype == np.int32
     pages = [p for i in ids for p in ledger.table(int(i)).tolist()]
     assert len(pages) == len(set(pages)), "a page is held twice"
@@ -91,8 +91,8 @@ def test_two_ledgers_fed_the_same_calls_stay_identical(cp, tpb, capacity, ops) -
 
 def test_grow_that_cannot_be_satisfied_allocates_nothing() -> None:
     ledger = helix_kv.Ledger(helix_kv.Layout(2, 4), 4)  # 32 global tokens
-    ledger.add(1, 0)
-    ledger.add(2, 0)
+    ledger.add(1, 1)
+    ledger.add(2, 1)
     assert ledger.grow(1, 20)  # 3 superblocks
     assert not ledger.grow(2, 9)  # needs 2, only 1 free
     assert ledger.request(2).length == 0
@@ -141,8 +141,8 @@ def test_misuse_raises_typed_errors_and_leaves_ledger_unchanged() -> None:
 def test_block_table_and_slot_mapping_arrays() -> None:
     layout = helix_kv.Layout(2, 4)
     ledger = helix_kv.Ledger(layout, 8)
-    ledger.add(10, 0)
-    ledger.add(11, 0)
+    ledger.add(10, 1)
+    ledger.add(11, 1)
     ok = ledger.grow_many(np.array([10, 11]), np.array([20, 5]))
     assert ok.dtype == np.bool_
     assert ok.tolist() == [True, True]

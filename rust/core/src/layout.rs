@@ -101,12 +101,22 @@ impl Layout {
     }
 
     /// The global position of the `local_index`-th token held by `rank` (inverse of
-    /// [`Layout::local_index`] on that rank).
+    /// [`Layout::local_index`] on that rank). Needs `rank < cp` and a result that fits
+    /// `u64` (any local index of a sequence the ledger can hold does); see
+    /// [`Layout::checked_global_position`] for arbitrary inputs.
     pub fn global_position(self, rank: u32, local_index: u64) -> u64 {
         let tpb = u64::from(self.tokens_per_block);
         (local_index / tpb) * self.tokens_per_superblock()
             + u64::from(rank) * tpb
             + local_index % tpb
+    }
+
+    /// [`Layout::global_position`], or `None` where the position would not fit `u64`.
+    pub fn checked_global_position(self, rank: u32, local_index: u64) -> Option<u64> {
+        let tpb = u64::from(self.tokens_per_block);
+        (local_index / tpb)
+            .checked_mul(self.tokens_per_superblock())?
+            .checked_add(u64::from(rank) * tpb + local_index % tpb)
     }
 
     /// Physical slot of global position `pos` on its owner rank, given the request's
@@ -179,6 +189,24 @@ mod tests {
         assert_eq!(layout.owner_rank(9), 0);
         assert_eq!(layout.slot(5, &table), Some(29));
         assert_eq!(layout.slot(16, &table), None);
+    }
+
+    #[test]
+    fn checked_global_position_refuses_what_does_not_fit() {
+        let layout = Layout::new(2, 4).unwrap();
+        assert_eq!(layout.checked_global_position(1, 5), Some(13));
+        assert_eq!(
+            layout.checked_global_position(1, 5),
+            Some(layout.global_position(1, 5))
+        );
+        assert_eq!(
+            layout.checked_global_position(1, 1 << 62),
+            Some((1 << 63) + 4)
+        );
+        assert_eq!(layout.checked_global_position(1, 1 << 63), None);
+        assert_eq!(layout.checked_global_position(0, u64::MAX), None);
+        let plain = Layout::new(1, 1).unwrap();
+        assert_eq!(plain.checked_global_position(0, u64::MAX), Some(u64::MAX));
     }
 
     #[test]

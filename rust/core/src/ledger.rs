@@ -8,6 +8,10 @@ use crate::error::{CoreError, Result};
 use crate::layout::Layout;
 use crate::{RequestId, SuperblockId};
 
+/// Largest pool: superblock ids are page ids, handed out as int32 (block tables pad with
+/// -1), so every id must fit `i32`.
+pub const MAX_CAPACITY: u32 = i32::MAX as u32;
+
 /// One request's KV holdings and the counters that decide where its tokens go.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestKv {
@@ -64,11 +68,14 @@ impl RequestKv {
     }
 }
 
-/// The state a decode allocation replaced.
+/// The state a decode allocation replaced, and the length it left.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct DecodeUndo {
     step: Option<u64>,
     len: u64,
+    /// The length right after the allocation. A `grow` or `shrink` since then owns the
+    /// length, so `revert_decode` restores it only while it still equals this.
+    len_after: u64,
 }
 
 /// What one rank sees of a request: lengths on that rank and whether it owns the next
@@ -108,17 +115,31 @@ pub struct Ledger {
 }
 
 impl Ledger {
-    /// A ledger of `capacity` superblocks (`>= 1`) for `layout`.
+    /// A ledger of `capacity` superblocks (`1..=MAX_CAPACITY`) for `layout`. A free list
+    /// that cannot be allocated is a `Config` error, not an abort.
     pub fn new(layout: Layout, capacity: u32) -> Result<Self> {
         if capacity == 0 {
             return Err(CoreError::Config(
                 "ledger capacity must be at least one superblock".into(),
             ));
         }
+        if capacity > MAX_CAPACITY {
+            return Err(CoreError::Config(format!(
+                "ledger capacity {capacity} exceeds {MAX_CAPACITY} superblocks: page ids are int32 in block tables"
+            )));
+        }
+        let mut free = Vec::new();
+        free.try_reserve_exact(capacity as usize).map_err(|_| {
+            CoreError::Config(format!(
+                "a ledger of {capacity} superblocks cannot be allocated (its free list needs {} bytes)",
+                u64::from(capacity) * 4
+            ))
+        })?;
+        free.extend((0..capacity).rev());
         Ok(Self {
             layout,
             capacity,
-            free: (0..capacity).rev().collect(),
+            free,
             requests: Vec::new(),
             vacant: Vec::new(),
             index: FxHashMap::default(),
@@ -196,6 +217,15 @@ impl Ledger {
         out
     }
 
+    fn check_prompt_len(&self, id: RequestId, prompt_len: u64) -> Result<()> {
+        if prompt_len == 0 {
+            return Err(CoreError::InvalidLength(format!(
+                "request {id} has an empty prompt; a prompt holds at least one token"
+            )));
+        }
+        self.check_len(prompt_len)
+    }
+
     fn check_len(&self, len: u64) -> Result<()> {
         if len > self.capacity_tokens() {
             return Err(CoreError::InvalidLength(format!(
@@ -207,12 +237,13 @@ impl Ledger {
         Ok(())
     }
 
-    /// Starts tracking request `id` with a prompt of `prompt_len` tokens; it holds nothing yet.
+    /// Starts tracking request `id` with a prompt of `prompt_len >= 1` tokens; it holds
+    /// nothing yet.
     pub fn add(&mut self, id: RequestId, prompt_len: u64) -> Result<()> {
         if self.contains(id) {
             return Err(CoreError::DuplicateRequest(id));
         }
-        self.check_len(prompt_len)?;
+        self.check_prompt_len(id, prompt_len)?;
         self.insert_checked(id, prompt_len);
         Ok(())
     }
@@ -259,7 +290,7 @@ impl Ledger {
             if self.contains(id) {
                 return Err(CoreError::DuplicateRequest(id));
             }
-            self.check_len(len)?;
+            self.check_prompt_len(id, len)?;
         }
         for (&id, &len) in ids.iter().zip(prompt_lens) {
             self.insert_checked(id, len);
@@ -485,7 +516,15 @@ impl Ledger {
         let request = &self.requests[slot];
         let id = request.id;
         if request.decode_step == Some(step) {
-            return Ok(Some(request.next_decode_position() - 1));
+            let pos = request.next_decode_position() - 1;
+            if pos >= request.len {
+                // A shrink since the allocation gave the token back: the retry cannot
+                // hand out a position that is no longer reserved.
+                return Err(CoreError::InvalidState(format!(
+                    "request {id}'s decode token at position {pos} (step {step}) was given back by a shrink"
+                )));
+            }
+            return Ok(Some(pos));
         }
         let pos = request.next_decode_position();
         if request.len < pos {
@@ -510,6 +549,7 @@ impl Ledger {
         request.decode_undo = Some(DecodeUndo {
             step: request.decode_step,
             len: len_before,
+            len_after: new_len,
         });
         request.decode_count += 1;
         request.decode_step = Some(step);
@@ -520,6 +560,10 @@ impl Ledger {
     /// scheduled but not run). Returns whether there was one. It is an exact undo: the
     /// length and the step marker return to what they were before the allocation (so
     /// `state_digest` does too), and only the latest allocation can be undone.
+    ///
+    /// If a `grow` or `shrink` changed the length since the allocation, that call owns
+    /// the length and it is kept (only the counters go back): restoring the old length
+    /// could raise it past the superblocks a shrink gave back, or drop a grow.
     pub fn revert_decode(&mut self, id: RequestId, step: u64) -> Result<bool> {
         let slot = self.active_slot_of(id)?;
         let request = &mut self.requests[slot];
@@ -531,7 +575,10 @@ impl Ledger {
         };
         request.decode_count -= 1;
         request.decode_step = undo.step;
-        self.shrink_slot(slot, undo.len);
+        if request.len == undo.len_after {
+            // `undo.len <= undo.len_after`: this only ever shrinks.
+            self.shrink_slot(slot, undo.len);
+        }
         Ok(true)
     }
 
@@ -674,10 +721,11 @@ impl Ledger {
                     "tokens {start}..{start}+{count} of request {id} are not all reserved (it holds {len})"
                 )));
             }
-            total += count;
+            // A request may be named many times: the sum can pass any length one holds.
+            total = total.saturating_add(count);
             slots.push(slot);
         }
-        out.reserve(total as usize);
+        reserve_exactly(out, total, "slot mapping")?;
         let layout = self.layout;
         let tpb = u64::from(layout.tokens_per_block());
         for ((slot, &start), &count) in slots.into_iter().zip(starts).zip(counts) {
@@ -714,6 +762,19 @@ impl Ledger {
         }
         h.finish()
     }
+}
+
+/// Makes room for `additional` more entries in `out`, or a clear `InvalidLength` error
+/// (never an allocation abort) for a size that cannot be served.
+pub fn reserve_exactly<T>(out: &mut Vec<T>, additional: u64, what: &str) -> Result<()> {
+    usize::try_from(additional)
+        .ok()
+        .and_then(|n| out.try_reserve_exact(n).ok())
+        .ok_or_else(|| {
+            CoreError::InvalidLength(format!(
+                "a {what} of {additional} entries cannot be allocated"
+            ))
+        })
 }
 
 /// The first id that occurs a second time in `ids`.

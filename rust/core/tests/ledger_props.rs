@@ -21,20 +21,22 @@ enum Op {
 }
 
 fn op() -> impl Strategy<Value = Op> {
-    let id = 0u64..6;
+    // Few ids and steps, so sequences often revisit one request (grow, decode, shrink,
+    // revert on the same id is what found issue 9).
+    let id = 0u64..3;
     let len = 0u64..90;
     prop_oneof![
-        (id.clone(), len.clone()).prop_map(|(i, n)| Op::Add(i, n)),
-        (id.clone(), len.clone()).prop_map(|(i, n)| Op::Grow(i, n)),
-        (id.clone(), len.clone()).prop_map(|(i, n)| Op::Shrink(i, n)),
-        id.clone().prop_map(Op::Free),
-        (id.clone(), 0u64..3).prop_map(|(i, s)| Op::Decode(i, s)),
-        (id.clone(), 0u64..3).prop_map(|(i, s)| Op::Revert(i, s)),
-        (id.clone(), 0u64..3).prop_map(|(i, g)| Op::Recompute(i, g)),
-        id.clone().prop_map(Op::Suspend),
-        id.clone().prop_map(Op::Resume),
-        prop::collection::vec((id.clone(), len), 0..4).prop_map(Op::GrowMany),
-        prop::collection::vec(id, 0..3).prop_map(Op::FreeMany),
+        2 => (id.clone(), len.clone()).prop_map(|(i, n)| Op::Add(i, n)),
+        3 => (id.clone(), len.clone()).prop_map(|(i, n)| Op::Grow(i, n)),
+        3 => (id.clone(), len.clone()).prop_map(|(i, n)| Op::Shrink(i, n)),
+        1 => id.clone().prop_map(Op::Free),
+        3 => (id.clone(), 0u64..3).prop_map(|(i, s)| Op::Decode(i, s)),
+        3 => (id.clone(), 0u64..3).prop_map(|(i, s)| Op::Revert(i, s)),
+        1 => (id.clone(), 0u64..3).prop_map(|(i, g)| Op::Recompute(i, g)),
+        1 => id.clone().prop_map(Op::Suspend),
+        1 => id.clone().prop_map(Op::Resume),
+        1 => prop::collection::vec((id.clone(), len), 0..4).prop_map(Op::GrowMany),
+        1 => prop::collection::vec(id, 0..3).prop_map(Op::FreeMany),
     ]
 }
 
@@ -82,6 +84,20 @@ fn check_invariants(ledger: &Ledger) {
             expected,
             "table of {id} does not match its length"
         );
+        if !request.is_suspended() {
+            // Every reserved token maps to a slot on its owner rank (this walks the table
+            // through the length, so a length the table does not back fails here).
+            let mut slots = Vec::new();
+            for rank in 0..layout.cp() {
+                ledger
+                    .slot_mapping_into(&[id], &[0], &[request.len()], rank, &mut slots)
+                    .unwrap();
+            }
+            assert_eq!(
+                slots.iter().filter(|&&s| s >= 0).count() as u64,
+                request.len()
+            );
+        }
         for &page in request.table() {
             assert!(!seen[page as usize], "page {page} held twice");
             seen[page as usize] = true;
@@ -96,7 +112,7 @@ fn check_invariants(ledger: &Ledger) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(ProptestConfig::with_cases(512))]
     #[test]
     fn random_sequences_keep_invariants(
         cp in 1u32..5,
@@ -166,8 +182,8 @@ fn decode_counter_advances_only_on_success_and_retries_are_idempotent() {
 fn free_list_order_is_deterministic() {
     let layout = Layout::new(4, 16).unwrap();
     let mut ledger = Ledger::new(layout, 8).unwrap();
-    ledger.add(1, 0).unwrap();
-    ledger.add(2, 0).unwrap();
+    ledger.add(1, 1).unwrap();
+    ledger.add(2, 1).unwrap();
     assert!(ledger.grow(1, 130).unwrap());
     assert!(ledger.grow(2, 64).unwrap());
     assert_eq!(ledger.request(1).unwrap().table(), &[0, 1, 2]);
@@ -181,7 +197,7 @@ fn free_list_order_is_deterministic() {
 fn a_refused_free_many_changes_nothing_and_names_the_first_bad_id() {
     let layout = Layout::new(2, 4).unwrap();
     let mut ledger = Ledger::new(layout, 8).unwrap();
-    ledger.add_many(&[1, 2, 3], &[0, 0, 0]).unwrap();
+    ledger.add_many(&[1, 2, 3], &[1, 1, 1]).unwrap();
     let mut ok = Vec::new();
     ledger.grow_many(&[1, 2, 3], &[8, 9, 17], &mut ok).unwrap();
     let (before, digest) = (ledger.clone(), ledger.state_digest());
@@ -194,4 +210,111 @@ fn a_refused_free_many_changes_nothing_and_names_the_first_bad_id() {
     // Every id is still found after the roll-back.
     ledger.free_many(&[3, 1, 2]).unwrap();
     assert_eq!(ledger.free_superblocks(), 8);
+}
+
+#[test]
+fn revert_decode_after_a_shrink_keeps_the_length_and_the_table_together() {
+    // Issue 9: the revert used to restore the 60 tokens of before the decode while the
+    // shrink had already given back all but 3 superblocks; slot_mapping then indexed
+    // past the table.
+    let layout = Layout::new(2, 4).unwrap();
+    let mut ledger = Ledger::new(layout, 8).unwrap();
+    ledger.add(4, 12).unwrap();
+    assert!(ledger.grow(4, 60).unwrap());
+    assert_eq!(ledger.allocate_decode(4, 11).unwrap(), Some(12));
+    ledger.shrink(4, 21).unwrap();
+    assert!(ledger.revert_decode(4, 11).unwrap());
+    let request = ledger.request(4).unwrap();
+    assert_eq!((request.len(), request.decode_count()), (21, 0));
+    assert_eq!(request.table().len(), 3);
+    check_invariants(&ledger);
+    let mut out = Vec::new();
+    assert!(ledger
+        .slot_mapping_into(&[4], &[0], &[60], 0, &mut out)
+        .is_err());
+    ledger
+        .slot_mapping_into(&[4], &[0], &[21], 0, &mut out)
+        .unwrap();
+    assert_eq!(out.len(), 21);
+}
+
+#[test]
+fn revert_decode_keeps_a_grow_made_after_the_decode() {
+    let layout = Layout::new(2, 4).unwrap();
+    let mut ledger = Ledger::new(layout, 8).unwrap();
+    ledger.add(1, 8).unwrap();
+    assert!(ledger.grow(1, 8).unwrap());
+    assert_eq!(ledger.allocate_decode(1, 0).unwrap(), Some(8));
+    assert!(ledger.grow(1, 30).unwrap());
+    assert!(ledger.revert_decode(1, 0).unwrap());
+    assert_eq!(ledger.request(1).unwrap().len(), 30);
+    assert_eq!(ledger.request(1).unwrap().next_decode_position(), 8);
+    check_invariants(&ledger);
+    // Undone in reverse order (the scheduler's journal), the revert is exact again.
+    assert_eq!(ledger.allocate_decode(1, 1).unwrap(), Some(8));
+    let before_grow = ledger.clone();
+    assert!(ledger.grow(1, 40).unwrap());
+    ledger.shrink(1, 30).unwrap();
+    assert_eq!(ledger, before_grow);
+    assert!(ledger.revert_decode(1, 1).unwrap());
+    assert_eq!(ledger.request(1).unwrap().len(), 30);
+    check_invariants(&ledger);
+}
+
+#[test]
+fn a_decode_retry_after_its_token_was_shrunk_away_is_refused() {
+    let layout = Layout::new(1, 4).unwrap();
+    let mut ledger = Ledger::new(layout, 4).unwrap();
+    ledger.add(1, 4).unwrap();
+    assert!(ledger.grow(1, 4).unwrap());
+    assert_eq!(ledger.allocate_decode(1, 3).unwrap(), Some(4));
+    ledger.shrink(1, 2).unwrap();
+    let before = ledger.clone();
+    let err = ledger.allocate_decode(1, 3).unwrap_err().to_string();
+    assert!(err.contains("given back by a shrink"), "{err}");
+    assert_eq!(ledger, before);
+}
+
+#[test]
+fn an_empty_prompt_is_refused_and_changes_nothing() {
+    let layout = Layout::new(2, 4).unwrap();
+    let mut ledger = Ledger::new(layout, 4).unwrap();
+    let before = ledger.clone();
+    assert!(matches!(
+        ledger.add(1, 0),
+        Err(helix_kv_core::CoreError::InvalidLength(_))
+    ));
+    assert!(matches!(
+        ledger.add_many(&[1, 2], &[3, 0]),
+        Err(helix_kv_core::CoreError::InvalidLength(_))
+    ));
+    assert_eq!(ledger, before);
+}
+
+#[test]
+fn oversized_outputs_are_errors_not_aborts() {
+    let layout = Layout::new(1, 1 << 20).unwrap();
+    let mut ledger = Ledger::new(layout, 1).unwrap();
+    ledger.add(1, 1 << 20).unwrap();
+    assert!(ledger.grow(1, 1 << 20).unwrap());
+    // 2^20 tokens named 2^40 times: 2^60 slots, far more than can be allocated.
+    let ids = vec![1u64; 1 << 20];
+    let starts = vec![0u64; 1 << 20];
+    let counts = vec![1u64 << 20; 1 << 20];
+    let mut out = Vec::new();
+    let err = ledger
+        .slot_mapping_into(&ids, &starts, &counts, 0, &mut out)
+        .unwrap_err();
+    assert!(
+        matches!(err, helix_kv_core::CoreError::InvalidLength(_)),
+        "{err}"
+    );
+    assert!(out.is_empty());
+}
+
+#[test]
+fn a_pool_whose_page_ids_do_not_fit_int32_is_refused() {
+    let layout = Layout::new(1, 1).unwrap();
+    let err = Ledger::new(layout, (1 << 31) + 1).unwrap_err();
+    assert!(matches!(err, helix_kv_core::CoreError::Config(_)), "{err}");
 }

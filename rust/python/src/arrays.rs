@@ -1,25 +1,345 @@
-//! Array and integer conversions at the Python edge. Negative values are refused here with
-//! typed errors so the core only ever sees valid unsigned quantities.
+//! Argument conversions at the Python edge (rules: docs/errors.md, "Argument rules").
+//!
+//! Nothing is coerced: an integer argument is a Python `int` or a numpy integer scalar
+//! (never a `bool`, float, string or `None`), an integer array is a one-dimensional numpy
+//! array of an integer dtype or a list/tuple of such integers, and every value is range
+//! checked before the core sees it. The dtype kind is checked before anything is
+//! converted, so numpy never gets the chance to truncate a float or parse a string.
+//!
+//! Errors: a wrong type or dtype kind is an `InvalidTypeError` (an `InvalidArgumentError`
+//! and a `TypeError`); a wrong shape, or an id, rank or token out of range, an
+//! `InvalidArgumentError`; a length, position or count out of range an
+//! `InvalidLengthError`.
 
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::{
+    PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray,
+    PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyList, PySequence, PyString, PyTuple};
 
-use crate::errors::{InvalidArgumentError, InvalidLengthError};
+use crate::errors::{invalid_type, InvalidArgumentError, InvalidLengthError};
 
-/// A contiguous read-only `int64` view of `obj` (any integer array or sequence); converts
-/// only when `obj` is not already a contiguous `int64` array.
-pub fn int64_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<PyReadonlyArray1<'py, i64>> {
-    if let Ok(array) = obj.cast::<PyArray1<i64>>() {
-        if array.is_contiguous() {
-            return Ok(array.readonly());
+/// Largest length, position or count accepted (`2**63 - 1`: they come back as int64).
+pub const MAX_LENGTH: u64 = i64::MAX as u64;
+
+// -- scalars ---------------------------------------------------------------------------
+
+/// `repr(obj)` for an error message (shortened: a hostile argument may be huge).
+fn describe(obj: &Bound<'_, PyAny>) -> String {
+    let text = obj
+        .repr()
+        .map_or_else(|_| "<unprintable>".to_string(), |r| r.to_string());
+    let type_name = obj
+        .get_type()
+        .name()
+        .map_or_else(|_| "?".to_string(), |n| n.to_string());
+    let mut short: String = text.chars().take(60).collect();
+    if short.len() < text.len() {
+        short.push_str("...");
+    }
+    format!("{short} ({type_name})")
+}
+
+/// `obj` as a Python int: an `int` (not a `bool`) or a numpy integer scalar (anything with
+/// `__index__`, which floats, strings and numpy bools lack).
+fn python_int<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyInt>> {
+    let not_an_int = || invalid_type(format!("{what} must be an integer, got {}", describe(obj)));
+    if obj.is_instance_of::<PyBool>() {
+        return Err(not_an_int());
+    }
+    if let Ok(int) = obj.cast::<PyInt>() {
+        return Ok(int.clone());
+    }
+    // An object whose attribute lookup itself fails is no integer either.
+    if !obj
+        .hasattr(pyo3::intern!(obj.py(), "__index__"))
+        .unwrap_or(false)
+    {
+        return Err(not_an_int());
+    }
+    obj.call_method0(pyo3::intern!(obj.py(), "__index__"))
+        .ok()
+        .and_then(|value| value.cast_into::<PyInt>().ok())
+        .ok_or_else(not_an_int)
+}
+
+/// A request id: an integer in `0..=2**64-1`.
+pub fn id_arg(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let int = python_int(obj, "a request id")?;
+    if let Ok(value) = int.extract::<i64>() {
+        return request_id(value);
+    }
+    int.extract::<u64>().map_err(|_| {
+        InvalidArgumentError::new_err(format!(
+            "request ids must be in 0..=2**64-1, got {}",
+            describe(obj)
+        ))
+    })
+}
+
+/// A length, position or count: an integer in `0..=2**63-1`.
+pub fn length_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    let int = python_int(obj, what)?;
+    let value = int.extract::<i64>().map_err(|_| {
+        InvalidLengthError::new_err(format!(
+            "{what} must be in 0..=2**63-1, got {}",
+            describe(obj)
+        ))
+    })?;
+    length(value, what)
+}
+
+/// An unsigned integer of the full `u64` range (a step number).
+pub fn u64_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    let int = python_int(obj, what)?;
+    int.extract::<u64>().map_err(|_| {
+        InvalidArgumentError::new_err(format!(
+            "{what} must be in 0..=2**64-1, got {}",
+            describe(obj)
+        ))
+    })
+}
+
+/// An integer that must fit `T`; `out_of_range` builds the error from its message.
+pub fn int_arg<T: for<'a, 'py> FromPyObject<'a, 'py>>(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    range: &str,
+    out_of_range: fn(String) -> PyErr,
+) -> PyResult<T> {
+    let int = python_int(obj, what)?;
+    int.extract::<T>().map_err(|_| {
+        out_of_range(format!(
+            "{what} must be an integer in {range}, got {}",
+            describe(obj)
+        ))
+    })
+}
+
+/// A rank: an integer in `0..=2**32-1` (the core checks it against the group).
+pub fn rank_arg(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
+    int_arg(obj, "rank", "0..=2**32-1", |m| {
+        InvalidArgumentError::new_err(m)
+    })
+}
+
+/// A flag: a `bool` or a numpy bool scalar (an int is refused: `0`/`1` is ambiguous with
+/// a count).
+pub fn flag_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<bool> {
+    obj.extract::<bool>()
+        .map_err(|_| invalid_type(format!("{what} must be a bool, got {}", describe(obj))))
+}
+
+/// The `InvalidTypeError` for `obj` given as `what` where `expected` was wanted.
+pub fn invalid_type_of(what: &str, expected: &str, obj: &Bound<'_, PyAny>) -> PyErr {
+    invalid_type(format!("{what} must be {expected}, got {}", describe(obj)))
+}
+
+/// A string.
+pub fn str_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
+    obj.cast::<PyString>()
+        .map_err(|_| invalid_type(format!("{what} must be a str, got {}", describe(obj))))?
+        .extract::<String>()
+}
+
+// -- arrays ------------------------------------------------------------------------------
+
+/// A value of [`Ints`] for an error message.
+fn show(value: i128) -> String {
+    match value {
+        i128::MIN => "a value below -2**64".to_string(),
+        i128::MAX => "a value of 2**64 or more".to_string(),
+        v => v.to_string(),
+    }
+}
+
+/// The integers of an array argument, before range checks: borrowed from numpy where the
+/// array already has a 64-bit integer dtype, or read one by one from a list/tuple.
+pub enum Ints<'py> {
+    Signed(PyReadonlyArray1<'py, i64>),
+    Unsigned(PyReadonlyArray1<'py, u64>),
+    /// From a Python sequence: values in `-2**63..2**64`, and `i128::MIN`/`i128::MAX` for
+    /// anything beyond.
+    Wide(Vec<i128>),
+}
+
+impl Ints<'_> {
+    /// Converts every value with `f`, which refuses (with its value) what is out of range.
+    fn map<T>(
+        &self,
+        f: impl Fn(i128) -> Option<T>,
+        bad: impl Fn(i128) -> PyErr,
+    ) -> PyResult<Vec<T>> {
+        fn convert<V: Copy + Into<i128>, T>(
+            values: &[V],
+            f: impl Fn(i128) -> Option<T>,
+            bad: impl Fn(i128) -> PyErr,
+        ) -> PyResult<Vec<T>> {
+            let mut out = Vec::with_capacity(values.len());
+            for &v in values {
+                let v = v.into();
+                out.push(f(v).ok_or_else(|| bad(v))?);
+            }
+            Ok(out)
+        }
+        match self {
+            Self::Signed(array) => convert(array.as_slice()?, f, bad),
+            Self::Unsigned(array) => convert(array.as_slice()?, f, bad),
+            Self::Wide(values) => convert(values, f, bad),
         }
     }
-    let numpy = obj.py().import("numpy")?;
-    let converted = numpy.call_method1("ascontiguousarray", (obj, "int64"))?;
-    let array = converted
-        .cast_into::<PyArray1<i64>>()
-        .map_err(|_| InvalidArgumentError::new_err("expected a one-dimensional integer array"))?;
-    Ok(array.readonly())
+}
+
+/// The numpy array behind `obj`, if it is one or converts to one without guessing
+/// (objects with `__array__`, e.g. CPU tensors); `None` for lists, tuples and other
+/// sequences, which are read element by element.
+fn as_ndarray<'py>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<Option<Bound<'py, PyUntypedArray>>> {
+    let py = obj.py();
+    let array = if let Ok(array) = obj.cast::<PyUntypedArray>() {
+        array.clone()
+    } else if obj.is_instance_of::<PyString>()
+        || obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyByteArray>()
+    {
+        return Err(invalid_type(format!(
+            "{what} must be a one-dimensional integer array or sequence, got {}",
+            describe(obj)
+        )));
+    } else if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        return Ok(None);
+    } else if obj.hasattr(pyo3::intern!(py, "__array__")).unwrap_or(false) {
+        let converted = py
+            .import("numpy")?
+            .call_method1("asarray", (obj,))
+            .map_err(|e| {
+                invalid_type(format!(
+                    "{what}: {} cannot be read as an array: {e}",
+                    describe(obj)
+                ))
+            })?;
+        converted
+            .cast_into::<PyUntypedArray>()
+            .map_err(|_| invalid_type(format!("{what}: {} is not an array", describe(obj))))?
+    } else if obj.cast::<PySequence>().is_ok() {
+        return Ok(None);
+    } else {
+        return Err(invalid_type(format!(
+            "{what} must be a one-dimensional integer array or sequence, got {}",
+            describe(obj)
+        )));
+    };
+    if array.ndim() != 1 {
+        return Err(InvalidArgumentError::new_err(format!(
+            "{what} must be one-dimensional, got an array of shape {:?}",
+            array.shape()
+        )));
+    }
+    Ok(Some(array))
+}
+
+/// `array` converted to a contiguous array of `dtype` (after the kind check, so
+/// value-preserving), or borrowed when it already is one.
+fn contiguous<'py, T: numpy::Element>(
+    array: &Bound<'py, PyUntypedArray>,
+    dtype: &str,
+) -> PyResult<PyReadonlyArray1<'py, T>> {
+    if let Ok(typed) = array.cast::<PyArray1<T>>() {
+        if typed.is_contiguous() {
+            return Ok(typed.readonly());
+        }
+    }
+    let converted = array
+        .py()
+        .import("numpy")?
+        .call_method1("ascontiguousarray", (array, dtype))?;
+    Ok(converted
+        .cast_into::<PyArray1<T>>()
+        .map_err(|e| InvalidArgumentError::new_err(e.to_string()))?
+        .readonly())
+}
+
+/// A sequence that raises while it is read (a hostile `__iter__`/`__getitem__`) is an
+/// `InvalidTypeError` too, with the original error as its cause.
+fn unreadable<T>(result: PyResult<T>, what: &str) -> PyResult<T> {
+    result.map_err(|err| {
+        let wrapped = invalid_type(format!("{what} could not be read: {err}"));
+        Python::attach(|py| wrapped.set_cause(py, Some(err)));
+        wrapped
+    })
+}
+
+/// The values of the elements of a list, tuple or other sequence, each a Python int.
+fn sequence_ints(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i128>> {
+    let sequence = obj
+        .cast::<PySequence>()
+        .map_err(|_| invalid_type(format!("{what} must be a sequence, got {}", describe(obj))))?;
+    let mut out = Vec::with_capacity(sequence.len().unwrap_or(0));
+    for (i, item) in unreadable(obj.try_iter(), what)?.enumerate() {
+        let item = unreadable(item, what)?;
+        let element = format!("{what}[{i}]");
+        let int = python_int(&item, &element)?;
+        let value = if let Ok(v) = int.extract::<i64>() {
+            i128::from(v)
+        } else if let Ok(v) = int.extract::<u64>() {
+            i128::from(v)
+        } else if int.lt(0)? {
+            // Outside every 64-bit range: out of range for every target, whose own rule
+            // then names the error class.
+            i128::MIN
+        } else {
+            i128::MAX
+        };
+        out.push(value);
+    }
+    Ok(out)
+}
+
+/// The integers of `obj`: a one-dimensional numpy array of an integer dtype (any width,
+/// signed or unsigned; an empty array of any dtype), an object with `__array__` giving
+/// one, or a list/tuple/sequence of ints. Floats, bools, strings and objects are refused.
+pub fn integers<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Ints<'py>> {
+    match as_ndarray(obj, what)? {
+        Some(array) => array_ints(&array, what),
+        None => Ok(Ints::Wide(sequence_ints(obj, what)?)),
+    }
+}
+
+/// The integers of a one-dimensional numpy array, refused unless its dtype kind is integer.
+fn array_ints<'py>(array: &Bound<'py, PyUntypedArray>, what: &str) -> PyResult<Ints<'py>> {
+    let dtype = array.dtype();
+    match dtype.kind() {
+        b'u' if dtype.itemsize() == 8 => Ok(Ints::Unsigned(contiguous(array, "uint64")?)),
+        b'i' | b'u' => Ok(Ints::Signed(contiguous(array, "int64")?)),
+        // `np.array([])` is float64: an empty array holds no value to coerce.
+        _ if array.is_empty() => Ok(Ints::Wide(Vec::new())),
+        _ => Err(invalid_type(format!(
+            "{what} must have an integer dtype, got {}",
+            dtype
+                .str()
+                .map_or_else(|_| "?".to_string(), |s| s.to_string())
+        ))),
+    }
+}
+
+/// A contiguous read-only `int64` view of `obj` (an integer array or sequence, see
+/// [`integers`]); converts only when `obj` is not already a contiguous `int64` array.
+/// Values outside int64 are an `InvalidArgumentError`. (Part of this module's conversion
+/// API for binding code that wants a borrowed int64 view; unused by the classes here.)
+#[allow(dead_code)]
+pub fn int64_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<PyReadonlyArray1<'py, i64>> {
+    let ints = integers(obj, "values")?;
+    if let Ints::Signed(array) = ints {
+        return Ok(array);
+    }
+    let values = ints.map(
+        |v| i64::try_from(v).ok(),
+        |v| InvalidArgumentError::new_err(format!("values must fit int64, got {}", show(v))),
+    )?;
+    Ok(PyArray1::from_vec(obj.py(), values).readonly())
 }
 
 /// Copies `values` into a `u64` vector, refusing negatives (`what` names them in the error).
@@ -45,15 +365,150 @@ pub fn length(value: i64, what: &str) -> PyResult<u64> {
     })
 }
 
-/// A non-negative request id from a Python int.
+/// A non-negative request id from a Python int (see [`id_arg`] for the full `u64` range).
 pub fn request_id(value: i64) -> PyResult<u64> {
     u64::try_from(value).map_err(|_| {
         InvalidArgumentError::new_err(format!("request ids must be non-negative, got {value}"))
     })
 }
 
-/// `int64` ids/lengths from an array-like, as `u64`.
+/// Request ids (`length == false`: `0..=2**64-1`, else `InvalidArgumentError`) or
+/// lengths/positions/counts (`length == true`: `0..=2**63-1`, else `InvalidLengthError`)
+/// from an integer array-like, as `u64`.
 pub fn u64_vec(obj: &Bound<'_, PyAny>, what: &str, length: bool) -> PyResult<Vec<u64>> {
-    let array = int64_array(obj)?;
-    non_negative(array.as_slice()?, what, length)
+    let ints = integers(obj, what)?;
+    let max = if length { MAX_LENGTH } else { u64::MAX };
+    match &ints {
+        // The common cases: an int64 array (or one converted to it), where
+        // `non_negative` is the vectorised path, and a uint64 array of ids (a copy).
+        Ints::Signed(array) => return non_negative(array.as_slice()?, what, length),
+        Ints::Unsigned(array) if !length => return Ok(array.as_slice()?.to_vec()),
+        _ => {}
+    }
+    ints.map(
+        |v| u64::try_from(v).ok().filter(|&v| v <= max),
+        |v| {
+            let message = if length {
+                format!("{what} must be in 0..=2**63-1, got {}", show(v))
+            } else {
+                format!("{what} must be in 0..=2**64-1, got {}", show(v))
+            };
+            if length {
+                InvalidLengthError::new_err(message)
+            } else {
+                InvalidArgumentError::new_err(message)
+            }
+        },
+    )
+}
+
+/// Token ids (int32): borrowed when already a contiguous int32 array, else range checked
+/// (numpy's own cast would wrap silently).
+pub enum TokenIds<'py> {
+    Borrowed(PyReadonlyArray1<'py, i32>),
+    Converted(Vec<i32>),
+}
+
+impl TokenIds<'_> {
+    pub fn as_slice(&self) -> PyResult<&[i32]> {
+        match self {
+            Self::Borrowed(array) => Ok(array.as_slice()?),
+            Self::Converted(values) => Ok(values),
+        }
+    }
+}
+
+/// Token ids from an integer array-like; each must fit int32 (`InvalidArgumentError`).
+pub fn token_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<TokenIds<'py>> {
+    if let Ok(array) = obj.cast::<PyArray1<i32>>() {
+        if array.is_contiguous() {
+            return Ok(TokenIds::Borrowed(array.readonly()));
+        }
+    }
+    let values = integers(obj, what)?.map(
+        |v| i32::try_from(v).ok(),
+        |v| InvalidArgumentError::new_err(format!("{what} must fit int32, got {}", show(v))),
+    )?;
+    Ok(TokenIds::Converted(values))
+}
+
+/// Flags: borrowed when already a contiguous bool array, else read from a bool array, an
+/// integer array or sequence of `0`/`1`, or a sequence of bools. Floats, strings and
+/// objects are refused (numpy's `bool` cast would make `"no"` true).
+pub enum Flags<'py> {
+    Borrowed(PyReadonlyArray1<'py, bool>),
+    Converted(Vec<bool>),
+}
+
+impl Flags<'_> {
+    pub fn as_slice(&self) -> PyResult<&[bool]> {
+        match self {
+            Self::Borrowed(array) => Ok(array.as_slice()?),
+            Self::Converted(values) => Ok(values),
+        }
+    }
+}
+
+/// See [`Flags`].
+pub fn flags<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Flags<'py>> {
+    let bit = |v: i128| match v {
+        0 => Some(false),
+        1 => Some(true),
+        _ => None,
+    };
+    let bad = |v| {
+        InvalidArgumentError::new_err(format!("{what} must be bools (or 0/1), got {}", show(v)))
+    };
+    match as_ndarray(obj, what)? {
+        Some(array) if array.dtype().kind() == b'b' => {
+            Ok(Flags::Borrowed(contiguous(&array, "bool")?))
+        }
+        Some(array) => Ok(Flags::Converted(array_ints(&array, what)?.map(bit, bad)?)),
+        None => {
+            let sequence = obj.cast::<PySequence>().map_err(|_| {
+                invalid_type(format!("{what} must be a sequence, got {}", describe(obj)))
+            })?;
+            let mut out = Vec::with_capacity(sequence.len().unwrap_or(0));
+            for (i, item) in unreadable(obj.try_iter(), what)?.enumerate() {
+                let item = unreadable(item, what)?;
+                if let Ok(flag) = item.extract::<bool>() {
+                    out.push(flag);
+                    continue;
+                }
+                let element = format!("{what}[{i}]");
+                let value = python_int(&item, &element).map_err(|_| {
+                    invalid_type(format!("{element} must be a bool, got {}", describe(&item)))
+                })?;
+                out.push(
+                    value
+                        .extract::<i64>()
+                        .ok()
+                        .and_then(|v| bit(v.into()))
+                        .ok_or_else(|| {
+                            InvalidArgumentError::new_err(format!(
+                                "{element} must be a bool (or 0/1), got {}",
+                                describe(&item)
+                            ))
+                        })?,
+                );
+            }
+            Ok(Flags::Converted(out))
+        }
+    }
+}
+
+/// An output vector of `len` entries (`None`: the size overflowed), or an
+/// `InvalidLengthError` naming `what()` for a size that cannot be allocated (never an
+/// allocation abort).
+pub fn try_vec<T: Clone>(
+    len: Option<usize>,
+    fill: T,
+    what: impl Fn() -> String,
+) -> PyResult<Vec<T>> {
+    let too_large = || InvalidLengthError::new_err(format!("{} is too large to allocate", what()));
+    let len = len.ok_or_else(too_large)?;
+    let mut out = Vec::new();
+    out.try_reserve_exact(len).map_err(|_| too_large())?;
+    out.resize(len, fill);
+    Ok(out)
 }

@@ -3,8 +3,10 @@
 
 use helix_kv_core::CoreError;
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyTypeError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
 
 create_exception!(
     helix_kv,
@@ -92,6 +94,46 @@ create_exception!(
     "The ranks of a CP group were built from different configurations."
 );
 
+/// `InvalidTypeError(InvalidArgumentError, TypeError)`: `create_exception!` takes one base,
+/// so this class is made by `type(...)` once and kept.
+static INVALID_TYPE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+fn invalid_type_error(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    INVALID_TYPE_ERROR
+        .get_or_try_init(py, || {
+            let bases = PyTuple::new(
+                py,
+                [
+                    py.get_type::<InvalidArgumentError>(),
+                    py.get_type::<PyTypeError>(),
+                ],
+            )?;
+            let namespace = PyDict::new(py);
+            namespace.set_item("__module__", "helix_kv")?;
+            namespace.set_item(
+                "__doc__",
+                "An argument has the wrong type or dtype kind (a float, str, bool or None \
+                 where an integer is expected); also a TypeError.",
+            )?;
+            Ok::<_, PyErr>(
+                py.get_type::<PyType>()
+                    .call1(("InvalidTypeError", bases, namespace))?
+                    .cast_into::<PyType>()?
+                    .unbind(),
+            )
+        })
+        .map(|ty| ty.bind(py))
+}
+
+/// An `InvalidTypeError` with `message`.
+pub fn invalid_type(message: impl Into<String>) -> PyErr {
+    let message = message.into();
+    Python::attach(|py| match invalid_type_error(py) {
+        Ok(ty) => PyErr::from_type(ty.clone(), message),
+        Err(err) => err,
+    })
+}
+
 /// A `CoreError` on its way to Python (the orphan rule forbids `From<CoreError> for PyErr`).
 pub struct CoreErr(pub CoreError);
 
@@ -137,6 +179,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "InvalidArgumentError",
         py.get_type::<InvalidArgumentError>(),
     )?;
+    m.add("InvalidTypeError", invalid_type_error(py)?)?;
     m.add("InvalidLengthError", py.get_type::<InvalidLengthError>())?;
     m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;
     m.add(

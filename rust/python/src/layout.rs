@@ -3,11 +3,11 @@
 #![allow(clippy::trivially_copy_pass_by_ref)]
 
 use helix_kv_core::Layout;
-use numpy::{PyArray1, PyUntypedArrayMethods};
+use numpy::PyArray1;
 use pyo3::prelude::*;
 
-use crate::arrays::{int64_array, length, non_negative};
-use crate::errors::IntoPyResult;
+use crate::arrays::{int_arg, length_arg, rank_arg, u64_vec, MAX_LENGTH};
+use crate::errors::{ConfigError, IntoPyResult, InvalidLengthError};
 
 /// Token placement for `cp` ranks with pages of `tokens_per_block` tokens.
 #[pyclass(frozen, eq, hash, module = "helix_kv._core", name = "Layout")]
@@ -20,9 +20,14 @@ pub struct PyLayout {
 impl PyLayout {
     #[new]
     #[pyo3(signature = (cp, tokens_per_block))]
-    fn new(cp: u32, tokens_per_block: u32) -> PyResult<Self> {
+    fn new(cp: &Bound<'_, PyAny>, tokens_per_block: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let setting = |obj, name| int_arg::<u32>(obj, name, "1..=2**32-1", ConfigError::new_err);
         Ok(Self {
-            inner: Layout::new(cp, tokens_per_block).py()?,
+            inner: Layout::new(
+                setting(cp, "cp")?,
+                setting(tokens_per_block, "tokens_per_block")?,
+            )
+            .py()?,
         })
     }
 
@@ -45,32 +50,37 @@ impl PyLayout {
     }
 
     /// Rank holding global position `pos`: `(pos // tokens_per_block) % cp`.
-    fn owner_rank(&self, pos: i64) -> PyResult<u32> {
-        Ok(self.inner.owner_rank(length(pos, "position")?))
+    fn owner_rank(&self, pos: &Bound<'_, PyAny>) -> PyResult<u32> {
+        Ok(self.inner.owner_rank(length_arg(pos, "position")?))
     }
 
     /// Tokens of a length-`n` sequence held by `rank`.
-    fn local_len(&self, n: i64, rank: u32) -> PyResult<u64> {
-        self.inner.check_rank(rank).py()?;
-        Ok(self.inner.local_len(length(n, "length")?, rank))
+    fn local_len(&self, n: &Bound<'_, PyAny>, rank: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let n = length_arg(n, "length")?;
+        let rank = self.rank(rank)?;
+        Ok(self.inner.local_len(n, rank))
     }
 
     /// Superblocks a length-`n` sequence needs: `ceil(n / (tokens_per_block * cp))`.
-    fn superblocks_for(&self, n: i64) -> PyResult<u64> {
-        Ok(self.inner.superblocks_for(length(n, "length")?))
+    fn superblocks_for(&self, n: &Bound<'_, PyAny>) -> PyResult<u64> {
+        Ok(self.inner.superblocks_for(length_arg(n, "length")?))
     }
 
     /// Index of global position `pos` inside its owner's local sequence.
-    fn local_index(&self, pos: i64) -> PyResult<u64> {
-        Ok(self.inner.local_index(length(pos, "position")?))
+    fn local_index(&self, pos: &Bound<'_, PyAny>) -> PyResult<u64> {
+        Ok(self.inner.local_index(length_arg(pos, "position")?))
     }
 
-    /// Global position of the `local_index`-th token held by `rank`.
-    fn global_position(&self, rank: u32, local_index: i64) -> PyResult<u64> {
-        self.inner.check_rank(rank).py()?;
-        Ok(self
-            .inner
-            .global_position(rank, length(local_index, "local index")?))
+    /// Global position of the `local_index`-th token held by `rank`; a position past
+    /// `2**63 - 1` is an `InvalidLengthError`.
+    fn global_position(
+        &self,
+        rank: &Bound<'_, PyAny>,
+        local_index: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let rank = self.rank(rank)?;
+        let index = length_arg(local_index, "local index")?;
+        global_position(self.inner, rank, index)
     }
 
     /// Batch `owner_rank` (int32 out).
@@ -79,18 +89,18 @@ impl PyLayout {
         positions: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let layout = self.inner;
-        map_array(positions, "positions", |p| layout.owner_rank(p) as i32)
+        map_array(positions, "positions", |p| Ok(layout.owner_rank(p) as i32))
     }
 
     /// Batch `local_len` for one rank (int64 out).
     fn local_lens<'py>(
         &self,
         lengths: &Bound<'py, PyAny>,
-        rank: u32,
+        rank: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        self.inner.check_rank(rank).py()?;
+        let rank = self.rank(rank)?;
         let layout = self.inner;
-        map_array(lengths, "lengths", |n| layout.local_len(n, rank) as i64)
+        map_array(lengths, "lengths", |n| Ok(layout.local_len(n, rank) as i64))
     }
 
     /// Batch `superblocks_for` (int64 out).
@@ -99,19 +109,20 @@ impl PyLayout {
         lengths: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let layout = self.inner;
-        map_array(lengths, "lengths", |n| layout.superblocks_for(n) as i64)
+        map_array(lengths, "lengths", |n| Ok(layout.superblocks_for(n) as i64))
     }
 
-    /// Batch `global_position` for one rank (int64 out).
+    /// Batch `global_position` for one rank (int64 out); a position past `2**63 - 1` is
+    /// an `InvalidLengthError`.
     fn global_positions<'py>(
         &self,
-        rank: u32,
+        rank: &Bound<'py, PyAny>,
         local_indices: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        self.inner.check_rank(rank).py()?;
+        let rank = self.rank(rank)?;
         let layout = self.inner;
         map_array(local_indices, "local indices", |i| {
-            layout.global_position(rank, i) as i64
+            global_position(layout, rank, i).map(|p| p as i64)
         })
     }
 
@@ -124,20 +135,39 @@ impl PyLayout {
     }
 }
 
-/// Applies `f` to every element of a non-negative int64 array-like.
-fn map_array<'py, T: numpy::Element + Send>(
+impl PyLayout {
+    /// A rank of the group.
+    fn rank(&self, rank: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let rank = rank_arg(rank)?;
+        self.inner.check_rank(rank).py()?;
+        Ok(rank)
+    }
+}
+
+/// `layout.global_position`, refused where it would not fit int64 (every length and
+/// position crosses the Python edge as int64).
+fn global_position(layout: Layout, rank: u32, local_index: u64) -> PyResult<u64> {
+    layout
+        .checked_global_position(rank, local_index)
+        .filter(|&pos| pos <= MAX_LENGTH)
+        .ok_or_else(|| {
+            InvalidLengthError::new_err(format!(
+                "local index {local_index} on rank {rank} is past the largest position (2**63-1)"
+            ))
+        })
+}
+
+/// Applies `f` to every element of an array-like of lengths or positions
+/// (`0..=2**63-1`).
+fn map_array<'py, T: numpy::Element>(
     values: &Bound<'py, PyAny>,
     what: &str,
-    f: impl Fn(u64) -> T + Send + Sync,
+    f: impl Fn(u64) -> PyResult<T>,
 ) -> PyResult<Bound<'py, PyArray1<T>>> {
-    let array = int64_array(values)?;
-    let slice = array.as_slice()?;
-    if let Some(&bad) = slice.iter().find(|&&v| v < 0) {
-        non_negative(&[bad], what, true)?;
-    }
-    let out: Vec<T> = slice.iter().map(|&v| f(v as u64)).collect();
-    debug_assert_eq!(out.len(), array.len());
-    Ok(PyArray1::from_vec(values.py(), out))
+    let py = values.py();
+    let values = u64_vec(values, what, true)?;
+    let out = values.into_iter().map(f).collect::<PyResult<Vec<T>>>()?;
+    Ok(PyArray1::from_vec(py, out))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -5,8 +5,10 @@ use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::prelude::*;
 
-use crate::arrays::{length, request_id, u64_vec};
-use crate::errors::{IntoPyResult, InvalidArgumentError};
+use crate::arrays::{
+    id_arg, int_arg, invalid_type_of, length_arg, rank_arg, try_vec, u64_arg, u64_vec,
+};
+use crate::errors::{ConfigError, IntoPyResult, InvalidArgumentError};
 use crate::layout::PyLayout;
 
 /// The superblock ledger: a fixed pool of superblocks, identical on every rank, and a page
@@ -107,19 +109,33 @@ impl PyRequestHoldings {
     }
 }
 
-/// Shared by `Ledger` and `Scheduler`: the padded block table of `ids`.
+/// Shared by `Ledger` and `Scheduler`: the padded block table of `ids`; `width` is
+/// `None` or a non-negative int, and a table too large to allocate is an
+/// `InvalidLengthError`.
 pub fn block_table<'py>(
     py: Python<'py>,
     ledger: &Ledger,
-    ids: &[u64],
-    width: Option<usize>,
+    ids: &Bound<'py, PyAny>,
+    width: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyArray2<i32>>> {
-    let width = match width {
-        Some(w) => w,
-        None => ledger.max_table_len(ids).py()?,
+    let ids = u64_vec(ids, "request ids", false)?;
+    let width = match width.filter(|w| !w.is_none()) {
+        // `usize` is 64-bit on every supported platform, so this never saturates there.
+        Some(w) => usize::try_from(length_arg(w, "width")?).unwrap_or(usize::MAX),
+        None => ledger.max_table_len(&ids).py()?,
     };
-    let mut out = vec![0i32; ids.len() * width];
-    py.detach(|| ledger.block_table_into(ids, width, &mut out))
+    // A row's stride (`width * 4` bytes) must fit numpy's `intp` even with no rows, or
+    // numpy is handed strides that overflow.
+    let entries = ids
+        .len()
+        .max(1)
+        .checked_mul(width)
+        .filter(|&n| n <= isize::MAX as usize / std::mem::size_of::<i32>())
+        .map(|_| ids.len() * width);
+    let mut out = try_vec(entries, 0i32, || {
+        format!("a block table of {} x {width} entries", ids.len())
+    })?;
+    py.detach(|| ledger.block_table_into(&ids, width, &mut out))
         .py()?;
     let table = Array2::from_shape_vec((ids.len(), width), out)
         .map_err(|e| InvalidArgumentError::new_err(e.to_string()))?;
@@ -148,10 +164,20 @@ pub fn slot_mapping<'py>(
 impl PyLedger {
     #[new]
     #[pyo3(signature = (layout, capacity_superblocks))]
-    #[allow(clippy::trivially_copy_pass_by_ref)] // PyO3 hands pyclass arguments by reference
-    fn new(layout: &PyLayout, capacity_superblocks: u32) -> PyResult<Self> {
+    fn new(layout: &Bound<'_, PyAny>, capacity_superblocks: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let layout = layout
+            .cast::<PyLayout>()
+            .map_err(|_| invalid_type_of("layout", "a Layout", layout))?
+            .get()
+            .inner;
+        let capacity = int_arg::<u32>(
+            capacity_superblocks,
+            "capacity_superblocks",
+            "1..=2**32-1",
+            ConfigError::new_err,
+        )?;
         Ok(Self {
-            inner: Ledger::new(layout.inner, capacity_superblocks).py()?,
+            inner: Ledger::new(layout, capacity).py()?,
         })
     }
 
@@ -185,28 +211,50 @@ impl PyLedger {
     fn __len__(&self) -> usize {
         self.inner.num_requests()
     }
-    fn __contains__(&self, request_id: i64) -> bool {
-        u64::try_from(request_id).is_ok_and(|id| self.inner.contains(id))
+    /// Whether the request is held; an int outside the id range is never held, anything
+    /// but an int is an `InvalidTypeError`.
+    fn __contains__(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        match id_arg(request_id) {
+            Ok(id) => Ok(self.inner.contains(id)),
+            Err(err) if err.is_instance_of::<pyo3::exceptions::PyTypeError>(request_id.py()) => {
+                Err(err)
+            }
+            Err(_) => Ok(false),
+        }
     }
 
     /// Starts tracking a request; it holds nothing yet.
-    fn add(&mut self, request_id: i64, prompt_len: i64) -> PyResult<()> {
-        let id = self::request_id(request_id)?;
-        self.inner.add(id, length(prompt_len, "prompt_len")?).py()
+    fn add(
+        &mut self,
+        request_id: &Bound<'_, PyAny>,
+        prompt_len: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let id = id_arg(request_id)?;
+        self.inner
+            .add(id, length_arg(prompt_len, "prompt_len")?)
+            .py()
     }
     /// Reserves room for `new_len` global tokens; False (nothing changed) if the pool is short.
-    fn grow(&mut self, request_id: i64, new_len: i64) -> PyResult<bool> {
-        let id = self::request_id(request_id)?;
-        self.inner.grow(id, length(new_len, "new_len")?).py()
+    fn grow(
+        &mut self,
+        request_id: &Bound<'_, PyAny>,
+        new_len: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let id = id_arg(request_id)?;
+        self.inner.grow(id, length_arg(new_len, "new_len")?).py()
     }
     /// Gives back everything past `new_len` global tokens.
-    fn shrink(&mut self, request_id: i64, new_len: i64) -> PyResult<()> {
-        let id = self::request_id(request_id)?;
-        self.inner.shrink(id, length(new_len, "new_len")?).py()
+    fn shrink(
+        &mut self,
+        request_id: &Bound<'_, PyAny>,
+        new_len: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let id = id_arg(request_id)?;
+        self.inner.shrink(id, length_arg(new_len, "new_len")?).py()
     }
     /// Frees every superblock of the request and forgets it.
-    fn free(&mut self, request_id: i64) -> PyResult<()> {
-        self.inner.free(self::request_id(request_id)?).py()
+    fn free(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.inner.free(id_arg(request_id)?).py()
     }
     /// Batch add. Validated whole before anything is added.
     fn add_many(
@@ -241,66 +289,77 @@ impl PyLedger {
         py.detach(|| ledger.free_many(&ids)).py()
     }
     /// Reserves the next decode token in `step`; its global position, or None if the pool is short.
-    fn allocate_decode(&mut self, request_id: i64, step: u64) -> PyResult<Option<u64>> {
-        self.inner
-            .allocate_decode(self::request_id(request_id)?, step)
-            .py()
+    fn allocate_decode(
+        &mut self,
+        request_id: &Bound<'_, PyAny>,
+        step: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<u64>> {
+        let id = id_arg(request_id)?;
+        self.inner.allocate_decode(id, u64_arg(step, "step")?).py()
     }
     /// Undoes the decode allocation made in `step`, if any.
-    fn revert_decode(&mut self, request_id: i64, step: u64) -> PyResult<bool> {
-        self.inner
-            .revert_decode(self::request_id(request_id)?, step)
-            .py()
+    fn revert_decode(
+        &mut self,
+        request_id: &Bound<'_, PyAny>,
+        step: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let id = id_arg(request_id)?;
+        self.inner.revert_decode(id, u64_arg(step, "step")?).py()
     }
     /// Recompute-pause: frees the pages, folds generated tokens into the prompt, resets the decode counter.
-    fn reset_for_recompute(&mut self, request_id: i64, generated_tokens: i64) -> PyResult<()> {
-        let id = self::request_id(request_id)?;
+    fn reset_for_recompute(
+        &mut self,
+        request_id: &Bound<'_, PyAny>,
+        generated_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let id = id_arg(request_id)?;
         self.inner
-            .reset_for_recompute(id, length(generated_tokens, "generated_tokens")?)
+            .reset_for_recompute(id, length_arg(generated_tokens, "generated_tokens")?)
             .py()
     }
     /// Suspends the request to a lower tier; returns the superblocks freed.
-    fn suspend(&mut self, request_id: i64) -> PyResult<u32> {
-        self.inner.suspend(self::request_id(request_id)?).py()
+    fn suspend(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        self.inner.suspend(id_arg(request_id)?).py()
     }
     /// Reserves a suspended request's length again; False (still suspended) if the pool is short.
-    fn resume(&mut self, request_id: i64) -> PyResult<bool> {
-        self.inner.resume(self::request_id(request_id)?).py()
+    fn resume(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.inner.resume(id_arg(request_id)?).py()
     }
     /// What `rank` sees of the request.
-    fn view(&self, request_id: i64, rank: u32) -> PyResult<PyDecodeView> {
-        Ok(self
-            .inner
-            .view(self::request_id(request_id)?, rank)
-            .py()?
-            .into())
+    fn view(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        rank: &Bound<'_, PyAny>,
+    ) -> PyResult<PyDecodeView> {
+        let id = id_arg(request_id)?;
+        Ok(self.inner.view(id, rank_arg(rank)?).py()?.into())
     }
     /// The request's holdings and counters.
-    fn request(&self, request_id: i64) -> PyResult<PyRequestHoldings> {
-        Ok(self
-            .inner
-            .request(self::request_id(request_id)?)
-            .py()?
-            .into())
+    fn request(&self, request_id: &Bound<'_, PyAny>) -> PyResult<PyRequestHoldings> {
+        Ok(self.inner.request(id_arg(request_id)?).py()?.into())
     }
     /// Superblock ids of the request in sequence order (int32).
-    fn table<'py>(&self, py: Python<'py>, request_id: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let request = self.inner.request(self::request_id(request_id)?).py()?;
+    fn table<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let request = self.inner.request(id_arg(request_id)?).py()?;
         Ok(PyArray1::from_vec(
             py,
             request.table().iter().map(|&p| p as i32).collect(),
         ))
     }
-    /// `(request_ids int64, superblocks int32)`, sorted by id.
+    /// `(request_ids uint64, superblocks int32)`, sorted by id.
     fn holdings<'py>(
         &self,
         py: Python<'py>,
-    ) -> (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i32>>) {
-        let (ids, counts): (Vec<i64>, Vec<i32>) = self
+    ) -> (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<i32>>) {
+        let (ids, counts): (Vec<u64>, Vec<i32>) = self
             .inner
             .holdings()
             .into_iter()
-            .map(|(id, n)| (id as i64, n as i32))
+            .map(|(id, n)| (id, n as i32))
             .unzip();
         (PyArray1::from_vec(py, ids), PyArray1::from_vec(py, counts))
     }
@@ -311,10 +370,9 @@ impl PyLedger {
         &self,
         py: Python<'py>,
         request_ids: &Bound<'py, PyAny>,
-        width: Option<usize>,
+        width: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        let ids = u64_vec(request_ids, "request ids", false)?;
-        block_table(py, &self.inner, &ids, width)
+        block_table(py, &self.inner, request_ids, width)
     }
     /// This rank's slot per new token (int64; -1 where another rank owns the token).
     fn slot_mapping<'py>(
@@ -323,8 +381,9 @@ impl PyLedger {
         request_ids: &Bound<'py, PyAny>,
         starts: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
-        rank: u32,
+        rank: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let rank = rank_arg(rank)?;
         slot_mapping(py, &self.inner, request_ids, starts, counts, rank)
     }
     /// 64-bit fingerprint of the whole ledger state; equal ledgers, equal digests.

@@ -8,7 +8,7 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::arrays::{int64_array, request_id};
+use crate::arrays::{id_arg, token_ids as token_ids_arg};
 use crate::errors::InvalidArgumentError;
 use crate::scheduler::PyRequestMetrics;
 
@@ -65,22 +65,13 @@ impl PyRequestOutput {
     #[new]
     fn py_new(
         py: Python<'_>,
-        request_id: i64,
+        request_id: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
         finish_reason: &str,
         metrics: &Bound<'_, PyRequestMetrics>,
     ) -> PyResult<Self> {
-        let id = self::request_id(request_id)?;
-        let wide = int64_array(token_ids)?;
-        let tokens = wide
-            .as_slice()?
-            .iter()
-            .map(|&v| {
-                i32::try_from(v).map_err(|_| {
-                    InvalidArgumentError::new_err(format!("token ids must fit int32, got {v}"))
-                })
-            })
-            .collect::<PyResult<Vec<i32>>>()?;
+        let id = id_arg(request_id)?;
+        let tokens = token_ids_arg(token_ids, "token_ids")?.as_slice()?.to_vec();
         Ok(Self {
             id,
             token_ids: frozen_tokens(py, tokens)?,

@@ -9,16 +9,25 @@ use numpy::{Element, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
-/// A core element type and the numpy dtype it is exposed as (ids and lengths as int64,
-/// ranks as int32), with the exact conversions both ways.
-pub trait Exposed: Sized + Copy + Send + Clone {
-    type Numpy: Element + Copy;
-    fn to_numpy(self) -> Self::Numpy;
-    fn from_numpy(value: Self::Numpy) -> Self;
+/// A core element type exposed as numpy dtype `N` (ids as uint64, lengths and positions
+/// as int64, ranks as int32), with the exact conversions both ways.
+pub trait Exposed<N: Element + Copy>: Sized + Copy + Send + Clone {
+    fn to_numpy(self) -> N;
+    fn from_numpy(value: N) -> Self;
 }
 
-impl Exposed for u64 {
-    type Numpy = i64;
+/// Request ids: the whole `u64` range, as uint64.
+impl Exposed<u64> for u64 {
+    fn to_numpy(self) -> u64 {
+        self
+    }
+    fn from_numpy(value: u64) -> Self {
+        value
+    }
+}
+
+/// Lengths and positions (below `2**63` by the ledger's bounds), as int64.
+impl Exposed<i64> for u64 {
     fn to_numpy(self) -> i64 {
         self as i64
     }
@@ -27,8 +36,7 @@ impl Exposed for u64 {
     }
 }
 
-impl Exposed for u32 {
-    type Numpy = i32;
+impl Exposed<i32> for u32 {
     fn to_numpy(self) -> i32 {
         self as i32
     }
@@ -37,8 +45,7 @@ impl Exposed for u32 {
     }
 }
 
-impl Exposed for i32 {
-    type Numpy = i32;
+impl Exposed<i32> for i32 {
     fn to_numpy(self) -> i32 {
         self
     }
@@ -47,8 +54,7 @@ impl Exposed for i32 {
     }
 }
 
-impl Exposed for bool {
-    type Numpy = bool;
+impl Exposed<bool> for bool {
     fn to_numpy(self) -> bool {
         self
     }
@@ -59,12 +65,12 @@ impl Exposed for bool {
 
 /// One output array: the core's vector until Python first reads it, then a cached numpy
 /// array that owns the same buffer (same-size element conversions reuse the allocation).
-pub struct LazyArray<T: Exposed> {
+pub struct LazyArray<T: Exposed<N>, N: Element + Copy> {
     vector: Mutex<Option<Vec<T>>>,
-    array: PyOnceLock<Py<PyArray1<T::Numpy>>>,
+    array: PyOnceLock<Py<PyArray1<N>>>,
 }
 
-impl<T: Exposed> LazyArray<T> {
+impl<T: Exposed<N>, N: Element + Copy> LazyArray<T, N> {
     fn new(vector: Vec<T>) -> Self {
         Self {
             vector: Mutex::new(Some(vector)),
@@ -81,11 +87,10 @@ impl<T: Exposed> LazyArray<T> {
     }
 
     /// The numpy array (created on first use).
-    pub fn get<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<T::Numpy>> {
+    pub fn get<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<N>> {
         self.array
             .get_or_init(py, || {
-                let converted: Vec<T::Numpy> =
-                    self.take_vector().into_iter().map(T::to_numpy).collect();
+                let converted: Vec<N> = self.take_vector().into_iter().map(T::to_numpy).collect();
                 PyArray1::from_vec(py, converted).unbind()
             })
             .bind(py)
@@ -123,8 +128,8 @@ impl<T: Exposed> LazyArray<T> {
     }
 }
 
-/// The schedule of one step (frozen). Arrays: ids, starts, lengths and positions are
-/// int64; owner ranks, batch slots, token and block ids int32; flags bool. Every field is
+/// The schedule of one step (frozen). Arrays: request ids are uint64; starts, lengths and
+/// positions int64; owner ranks, batch slots, token and block ids int32; flags bool. Every field is
 /// identical on every rank except `generation_active`, `generation_local_lens` and
 /// `generation_past_seen_lens`.
 #[pyclass(frozen, module = "helix_kv._core", name = "ScheduleOutput")]
@@ -132,29 +137,29 @@ pub struct PyScheduleOutput {
     step: u64,
     num_tokens: u64,
     digest: u64,
-    context_ids: LazyArray<u64>,
-    context_starts: LazyArray<u64>,
-    context_lens: LazyArray<u64>,
-    context_completes: LazyArray<bool>,
-    context_batch_slots: LazyArray<i32>,
-    context_token_ids: LazyArray<i32>,
-    generation_ids: LazyArray<u64>,
-    generation_positions: LazyArray<u64>,
-    generation_owner_ranks: LazyArray<u32>,
-    generation_input_tokens: LazyArray<i32>,
-    generation_batch_slots: LazyArray<i32>,
-    generation_active: LazyArray<bool>,
-    generation_local_lens: LazyArray<u64>,
-    generation_past_seen_lens: LazyArray<u64>,
-    preempted_ids: LazyArray<u64>,
-    preempted_requester_ids: LazyArray<u64>,
-    suspended_ids: LazyArray<u64>,
-    suspended_requester_ids: LazyArray<u64>,
-    suspended_block_ids: LazyArray<i32>,
-    suspended_block_counts: LazyArray<u64>,
-    resumed_ids: LazyArray<u64>,
-    sat_out_ids: LazyArray<u64>,
-    sample_ids: LazyArray<u64>,
+    context_ids: LazyArray<u64, u64>,
+    context_starts: LazyArray<u64, i64>,
+    context_lens: LazyArray<u64, i64>,
+    context_completes: LazyArray<bool, bool>,
+    context_batch_slots: LazyArray<i32, i32>,
+    context_token_ids: LazyArray<i32, i32>,
+    generation_ids: LazyArray<u64, u64>,
+    generation_positions: LazyArray<u64, i64>,
+    generation_owner_ranks: LazyArray<u32, i32>,
+    generation_input_tokens: LazyArray<i32, i32>,
+    generation_batch_slots: LazyArray<i32, i32>,
+    generation_active: LazyArray<bool, bool>,
+    generation_local_lens: LazyArray<u64, i64>,
+    generation_past_seen_lens: LazyArray<u64, i64>,
+    preempted_ids: LazyArray<u64, u64>,
+    preempted_requester_ids: LazyArray<u64, u64>,
+    suspended_ids: LazyArray<u64, u64>,
+    suspended_requester_ids: LazyArray<u64, u64>,
+    suspended_block_ids: LazyArray<i32, i32>,
+    suspended_block_counts: LazyArray<u64, i64>,
+    resumed_ids: LazyArray<u64, u64>,
+    sat_out_ids: LazyArray<u64, u64>,
+    sample_ids: LazyArray<u64, u64>,
 }
 
 impl From<ScheduleOutput> for PyScheduleOutput {
@@ -243,9 +248,9 @@ impl PyScheduleOutput {
     fn digest(&self) -> u64 {
         self.digest
     }
-    /// Requests with a prompt chunk, in queue order (int64).
+    /// Requests with a prompt chunk, in queue order (uint64).
     #[getter]
-    fn context_ids<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
+    fn context_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
         self.context_ids.get(py)
     }
     /// Global position of each chunk's first token (int64).
@@ -273,9 +278,9 @@ impl PyScheduleOutput {
     fn context_token_ids<'py>(&self, py: Python<'py>) -> Array<'py, i32> {
         self.context_token_ids.get(py)
     }
-    /// Requests decoding one token, in queue order (int64).
+    /// Requests decoding one token, in queue order (uint64).
     #[getter]
-    fn generation_ids<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
+    fn generation_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
         self.generation_ids.get(py)
     }
     /// Global position of the token being written (int64).
@@ -313,24 +318,24 @@ impl PyScheduleOutput {
     fn generation_past_seen_lens<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
         self.generation_past_seen_lens.get(py)
     }
-    /// Requests recompute-paused this step, in the order chosen (int64).
+    /// Requests recompute-paused this step, in the order chosen (uint64).
     #[getter]
-    fn preempted_ids<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
+    fn preempted_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
         self.preempted_ids.get(py)
     }
-    /// For each preempted request, the request that needed its pages (int64).
+    /// For each preempted request, the request that needed its pages (uint64).
     #[getter]
-    fn preempted_requester_ids<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
+    fn preempted_requester_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
         self.preempted_requester_ids.get(py)
     }
-    /// Requests suspended to the host tier this step (int64).
+    /// Requests suspended to the host tier this step (uint64).
     #[getter]
-    fn suspended_ids<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
+    fn suspended_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
         self.suspended_ids.get(py)
     }
-    /// For each suspended request, the request that needed its pages (int64).
+    /// For each suspended request, the request that needed its pages (uint64).
     #[getter]
-    fn suspended_requester_ids<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
+    fn suspended_requester_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
         self.suspended_requester_ids.get(py)
     }
     /// Pages the suspended requests held, concatenated (int32): copy them out first.
@@ -343,19 +348,19 @@ impl PyScheduleOutput {
     fn suspended_block_counts<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
         self.suspended_block_counts.get(py)
     }
-    /// Requests brought back from the host tier (int64).
+    /// Requests brought back from the host tier (uint64).
     #[getter]
-    fn resumed_ids<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
+    fn resumed_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
         self.resumed_ids.get(py)
     }
-    /// Generation requests that found neither pages nor a victim (int64).
+    /// Generation requests that found neither pages nor a victim (uint64).
     #[getter]
-    fn sat_out_ids<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
+    fn sat_out_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
         self.sat_out_ids.get(py)
     }
-    /// Generation ids, then completing context ids: the order `update` takes tokens (int64).
+    /// Generation ids, then completing context ids: the order `update` takes tokens (uint64).
     #[getter]
-    fn sample_ids<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
+    fn sample_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
         self.sample_ids.get(py)
     }
     /// Tokens `update` expects (`len(sample_ids)`), without building the array.

@@ -2,11 +2,11 @@
 //! crossing per `schedule()` and per `update()`; arrays in and out are numpy.
 
 use helix_kv_core::{RequestMetrics, Scheduler, SchedulerMetrics};
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArray2};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use crate::arrays::{int64_array, request_id, u64_vec};
+use crate::arrays::{flags, id_arg, int_arg, invalid_type_of, token_ids, u64_vec};
 use crate::errors::{IntoPyResult, InvalidArgumentError, InvalidLengthError};
 use crate::ledger::{block_table, slot_mapping};
 use crate::request_output::PyRequestOutput;
@@ -196,58 +196,28 @@ impl PyRequestMetrics {
     }
 }
 
-/// Token ids: borrowed when already a contiguous int32 array, else converted with a range
-/// check (numpy's own cast would wrap silently).
-enum TokenIds<'py> {
-    Borrowed(PyReadonlyArray1<'py, i32>),
-    Converted(Vec<i32>),
-}
+/// A request priority (int32), checked like every other integer argument (a keyword with
+/// a default cannot be taken as a `Bound`, so it is its own type).
+#[derive(Clone, Copy)]
+struct Priority(i32);
 
-impl TokenIds<'_> {
-    fn as_slice(&self) -> PyResult<&[i32]> {
-        match self {
-            Self::Borrowed(array) => Ok(array.as_slice()?),
-            Self::Converted(values) => Ok(values),
-        }
+impl<'a, 'py> FromPyObject<'a, 'py> for Priority {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        int_arg::<i32>(
+            &obj,
+            "priority",
+            "-2**31..=2**31-1",
+            InvalidArgumentError::new_err,
+        )
+        .map(Self)
     }
 }
 
-fn token_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<TokenIds<'py>> {
-    if let Ok(array) = obj.cast::<PyArray1<i32>>() {
-        if array.is_contiguous() {
-            return Ok(TokenIds::Borrowed(array.readonly()));
-        }
-    }
-    let wide = int64_array(obj)?;
-    let values = wide
-        .as_slice()?
-        .iter()
-        .map(|&v| {
-            i32::try_from(v).map_err(|_| {
-                InvalidArgumentError::new_err(format!("{what} must fit int32, got {v}"))
-            })
-        })
-        .collect::<PyResult<Vec<i32>>>()?;
-    Ok(TokenIds::Converted(values))
-}
-
-/// End-of-sequence flags: borrowed when already a contiguous bool array.
-fn flags<'py>(obj: &Bound<'py, PyAny>) -> PyResult<PyReadonlyArray1<'py, bool>> {
-    if let Ok(array) = obj.cast::<PyArray1<bool>>() {
-        if array.is_contiguous() {
-            return Ok(array.readonly());
-        }
-    }
-    let numpy = obj.py().import("numpy")?;
-    let converted = numpy.call_method1("ascontiguousarray", (obj, "bool"))?;
-    Ok(converted
-        .cast_into::<PyArray1<bool>>()
-        .map_err(|_| InvalidArgumentError::new_err("eos must be a one-dimensional bool array"))?
-        .readonly())
-}
-
-fn ids_to_numpy(py: Python<'_>, ids: Vec<u64>) -> Bound<'_, PyArray1<i64>> {
-    PyArray1::from_vec(py, ids.into_iter().map(|id| id as i64).collect())
+/// Request ids out: uint64, the whole id range (an id is never shown as a negative int64).
+fn ids_to_numpy(py: Python<'_>, ids: Vec<u64>) -> Bound<'_, PyArray1<u64>> {
+    PyArray1::from_vec(py, ids)
 }
 
 /// One rank's scheduler. Every rank of a CP group builds one from the same configuration
@@ -261,7 +231,11 @@ pub struct PyScheduler {
 #[pymethods]
 impl PyScheduler {
     #[new]
-    fn new(config: Bound<'_, PySchedulerConfig>) -> PyResult<Self> {
+    fn new(config: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let config = config
+            .cast::<PySchedulerConfig>()
+            .map_err(|_| invalid_type_of("config", "a SchedulerConfig", config))?
+            .clone();
         Ok(Self {
             inner: Scheduler::new(config.get().inner.clone()).py()?,
             config: config.unbind(),
@@ -275,25 +249,26 @@ impl PyScheduler {
     }
 
     /// Queues a request behind every live one (its place in the queue is kept forever).
-    #[pyo3(signature = (request_id, prompt, max_new_tokens, priority = 0))]
+    #[pyo3(
+        signature = (request_id, prompt, max_new_tokens, priority = Priority(0)),
+        text_signature = "($self, request_id, prompt, max_new_tokens, priority=0)"
+    )]
     fn add_request(
         &mut self,
-        request_id: i64,
+        request_id: &Bound<'_, PyAny>,
         prompt: &Bound<'_, PyAny>,
-        max_new_tokens: i64,
-        priority: i64,
+        max_new_tokens: &Bound<'_, PyAny>,
+        priority: Priority,
     ) -> PyResult<()> {
-        let id = self::request_id(request_id)?;
+        let id = id_arg(request_id)?;
         let prompt = token_ids(prompt, "prompt tokens")?;
-        let max_new = u32::try_from(max_new_tokens).map_err(|_| {
-            InvalidLengthError::new_err(format!(
-                "max_new_tokens must be in 1..={}, got {max_new_tokens}",
-                u32::MAX
-            ))
-        })?;
-        let priority = i32::try_from(priority).map_err(|_| {
-            InvalidArgumentError::new_err(format!("priority must fit int32, got {priority}"))
-        })?;
+        let max_new = int_arg::<u32>(
+            max_new_tokens,
+            "max_new_tokens",
+            "1..=2**32-1",
+            InvalidLengthError::new_err,
+        )?;
+        let Priority(priority) = priority;
         self.inner
             .add_request(id, prompt.as_slice()?, max_new, priority)
             .py()
@@ -312,18 +287,19 @@ impl PyScheduler {
     }
 
     /// Applies the step that ran: one token per `sample_ids` entry (int32) and optional
-    /// end-of-sequence flags. Returns the ids of requests that finished (int64).
+    /// end-of-sequence flags (bools, or 0/1). Returns the ids of requests that finished
+    /// (uint64).
     #[pyo3(signature = (tokens, eos = None))]
     fn update<'py>(
         &mut self,
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
         eos: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    ) -> PyResult<Bound<'py, PyArray1<u64>>> {
         let tokens = token_ids(tokens, "sampled tokens")?;
-        let eos = eos.map(flags).transpose()?;
+        let eos = eos.map(|eos| flags(eos, "eos")).transpose()?;
         let tokens = tokens.as_slice()?;
-        let eos = eos.as_ref().map(PyReadonlyArray1::as_slice).transpose()?;
+        let eos = eos.as_ref().map(|eos| eos.as_slice()).transpose()?;
         let inner = &mut self.inner;
         let finished = py
             .detach(|| inner.update(tokens, eos).map(<[u64]>::to_vec))
@@ -332,16 +308,16 @@ impl PyScheduler {
     }
 
     /// Undoes the scheduled step that did not run (preemptions stay applied), then
-    /// applies the aborts requested while it was pending. Returns their ids (int64).
-    fn revert<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    /// applies the aborts requested while it was pending. Returns their ids (uint64).
+    fn revert<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u64>>> {
         let finished = self.inner.revert().map(<[u64]>::to_vec).py()?;
         Ok(ids_to_numpy(py, finished))
     }
 
     /// Aborts a request (valid in every state; a finished, untaken one is left as it
     /// is). While a step is pending the abort takes effect when it closes.
-    fn abort(&mut self, request_id: i64) -> PyResult<()> {
-        self.inner.abort(self::request_id(request_id)?).py()
+    fn abort(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.inner.abort(id_arg(request_id)?).py()
     }
 
     /// Aborts several requests in order; every id is checked first (all or nothing).
@@ -352,32 +328,34 @@ impl PyScheduler {
     }
 
     /// Whether an abort of this live request waits for the pending step to close.
-    fn is_abort_requested(&self, request_id: i64) -> PyResult<bool> {
-        self.inner
-            .is_abort_requested(self::request_id(request_id)?)
-            .py()
+    fn is_abort_requested(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.inner.is_abort_requested(id_arg(request_id)?).py()
     }
 
     /// The output of a finished request (tokens, finish reason, counters); each output
     /// is taken once.
-    fn take_output(&mut self, py: Python<'_>, request_id: i64) -> PyResult<PyRequestOutput> {
-        let output = self.inner.take_output(self::request_id(request_id)?).py()?;
+    fn take_output(
+        &mut self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+    ) -> PyResult<PyRequestOutput> {
+        let output = self.inner.take_output(id_arg(request_id)?).py()?;
         PyRequestOutput::new(py, output)
     }
 
     /// Prompt (with folded tokens) plus generated tokens of a live request (int32).
-    fn tokens<'py>(&self, py: Python<'py>, request_id: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let tokens = self.inner.tokens(self::request_id(request_id)?).py()?;
+    fn tokens<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let tokens = self.inner.tokens(id_arg(request_id)?).py()?;
         Ok(PyArray1::from_slice(py, tokens))
     }
 
     /// `"waiting"`, `"prefilling"`, `"decoding"` or `"suspended"`.
-    fn request_state(&self, request_id: i64) -> PyResult<&'static str> {
-        Ok(self
-            .inner
-            .request_state(self::request_id(request_id)?)
-            .py()?
-            .as_str())
+    fn request_state(&self, request_id: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+        Ok(self.inner.request_state(id_arg(request_id)?).py()?.as_str())
     }
 
     /// Page-table rows of `request_ids` (int32, `[len(ids), width]`, -1 padded).
@@ -386,10 +364,9 @@ impl PyScheduler {
         &self,
         py: Python<'py>,
         request_ids: &Bound<'py, PyAny>,
-        width: Option<usize>,
+        width: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        let ids = u64_vec(request_ids, "request ids", false)?;
-        block_table(py, self.inner.ledger(), &ids, width)
+        block_table(py, self.inner.ledger(), request_ids, width)
     }
 
     /// This rank's slot per new token (int64; -1 where another rank owns it).
@@ -410,12 +387,8 @@ impl PyScheduler {
     }
 
     /// Counters of a live request, or of a finished one whose output is not taken yet.
-    fn request_metrics(&self, request_id: i64) -> PyResult<PyRequestMetrics> {
-        Ok(self
-            .inner
-            .request_metrics(self::request_id(request_id)?)
-            .py()?
-            .into())
+    fn request_metrics(&self, request_id: &Bound<'_, PyAny>) -> PyResult<PyRequestMetrics> {
+        Ok(self.inner.request_metrics(id_arg(request_id)?).py()?.into())
     }
 
     /// Live requests.
@@ -452,8 +425,8 @@ impl PyScheduler {
     fn has_unfinished(&self) -> bool {
         self.inner.has_unfinished()
     }
-    /// Ids of live requests in queue order (int64).
-    fn queue_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+    /// Ids of live requests in queue order (uint64).
+    fn queue_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
         ids_to_numpy(py, self.inner.queue_ids())
     }
     /// Fingerprint of everything that drives decisions (equal on every rank fed the

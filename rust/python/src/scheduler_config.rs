@@ -5,22 +5,67 @@ use helix_kv_core::{CapacityPolicy, FieldValue, SchedulerConfig, ServingMode, Vi
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
 
+use crate::arrays::{flag_arg, int_arg, str_arg};
 use crate::errors::{ConfigError, IntoPyResult};
 
-/// A non-negative integer setting that must fit `u32`.
-fn setting_u32(value: i64, name: &str) -> PyResult<u32> {
-    u32::try_from(value).map_err(|_| {
-        ConfigError::new_err(format!(
-            "{name} must be an integer in 0..={}, got {value}",
-            u32::MAX
-        ))
+/// A keyword argument as given, or `Absent` (its default applies). Taking the object
+/// itself lets every setting be checked here, naming it, instead of by `PyO3`'s extraction
+/// (whose errors are plain `TypeError`/`OverflowError`).
+pub enum Given<'py> {
+    Absent,
+    Value(Bound<'py, PyAny>),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Given<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Self::Value(obj.to_owned()))
+    }
+}
+
+impl<'py> Given<'py> {
+    /// `default` if absent, else `convert` of the value.
+    fn map_or<T>(
+        self,
+        default: PyResult<T>,
+        convert: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
+    ) -> PyResult<T> {
+        match self {
+            Self::Absent => default,
+            Self::Value(value) => convert(&value),
+        }
+    }
+}
+
+/// A `u32` setting, `default` if absent.
+fn setting_u32(value: Given<'_>, name: &str, default: u32) -> PyResult<u32> {
+    match value {
+        Given::Absent => Ok(default),
+        Given::Value(value) => int_setting(&value, name),
+    }
+}
+
+/// A non-negative integer setting that must fit `u32` (a `ConfigError` naming it if not;
+/// an `InvalidTypeError` for a float, bool, str or `None`).
+fn int_setting(value: &Bound<'_, PyAny>, name: &str) -> PyResult<u32> {
+    int_arg(value, name, "0..=2**32-1", ConfigError::new_err)
+}
+
+/// A non-negative integer setting (`0..=2**63-1`, like every length).
+fn u64_setting(value: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
+    int_arg::<i64>(value, name, "0..=2**63-1", ConfigError::new_err).and_then(|v| {
+        u64::try_from(v)
+            .map_err(|_| ConfigError::new_err(format!("{name} must be non-negative, got {v}")))
     })
 }
 
-/// A non-negative integer setting.
-fn setting_u64(value: i64, name: &str) -> PyResult<u64> {
-    u64::try_from(value)
-        .map_err(|_| ConfigError::new_err(format!("{name} must be non-negative, got {value}")))
+/// An optional setting: `None` or what `convert` accepts.
+fn optional<'py, T>(
+    value: Option<&Bound<'py, PyAny>>,
+    convert: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
+) -> PyResult<Option<T>> {
+    value.filter(|v| !v.is_none()).map(convert).transpose()
 }
 
 /// The scheduler configuration (frozen). Give the KV pool as `kv_superblocks` (the group's
@@ -36,55 +81,60 @@ impl PySchedulerConfig {
     #[new]
     #[pyo3(signature = (
         *,
-        cp_size = 1,
-        cp_rank = 0,
-        tokens_per_block = 32,
+        cp_size = Given::Absent,
+        cp_rank = Given::Absent,
+        tokens_per_block = Given::Absent,
         kv_superblocks = None,
         kv_tokens = None,
-        max_batch_size = 256,
-        max_num_tokens = 8192,
-        enable_chunked_prefill = true,
+        max_batch_size = Given::Absent,
+        max_num_tokens = Given::Absent,
+        enable_chunked_prefill = Given::Absent,
         chunk_unit = None,
-        max_seq_len = 131_072,
-        capacity_policy = "max_utilization",
-        serving_mode = "aggregated_helix",
-        host_tier_superblocks = 0,
-        victim_policy = "newest_first",
-        max_preemptions_per_request = 8,
-        admit_after_preemption = false,
-        deadlock_steps = 64,
-    ))]
+        max_seq_len = Given::Absent,
+        capacity_policy = Given::Absent,
+        serving_mode = Given::Absent,
+        host_tier_superblocks = Given::Absent,
+        victim_policy = Given::Absent,
+        max_preemptions_per_request = Given::Absent,
+        admit_after_preemption = Given::Absent,
+        deadlock_steps = Given::Absent,
+    ), text_signature = "(*, cp_size=1, cp_rank=0, tokens_per_block=32, kv_superblocks=None, \
+        kv_tokens=None, max_batch_size=256, max_num_tokens=8192, enable_chunked_prefill=True, \
+        chunk_unit=None, max_seq_len=131072, capacity_policy=\"max_utilization\", \
+        serving_mode=\"aggregated_helix\", host_tier_superblocks=0, \
+        victim_policy=\"newest_first\", max_preemptions_per_request=8, \
+        admit_after_preemption=False, deadlock_steps=64)")]
     #[allow(clippy::too_many_arguments)] // the Python keyword surface, one per field
     fn new(
-        cp_size: i64,
-        cp_rank: i64,
-        tokens_per_block: i64,
-        kv_superblocks: Option<i64>,
-        kv_tokens: Option<i64>,
-        max_batch_size: i64,
-        max_num_tokens: i64,
-        enable_chunked_prefill: bool,
-        chunk_unit: Option<i64>,
-        max_seq_len: i64,
-        capacity_policy: &str,
-        serving_mode: &str,
-        host_tier_superblocks: i64,
-        victim_policy: &str,
-        max_preemptions_per_request: i64,
-        admit_after_preemption: bool,
-        deadlock_steps: i64,
+        cp_size: Given<'_>,
+        cp_rank: Given<'_>,
+        tokens_per_block: Given<'_>,
+        kv_superblocks: Option<&Bound<'_, PyAny>>,
+        kv_tokens: Option<&Bound<'_, PyAny>>,
+        max_batch_size: Given<'_>,
+        max_num_tokens: Given<'_>,
+        enable_chunked_prefill: Given<'_>,
+        chunk_unit: Option<&Bound<'_, PyAny>>,
+        max_seq_len: Given<'_>,
+        capacity_policy: Given<'_>,
+        serving_mode: Given<'_>,
+        host_tier_superblocks: Given<'_>,
+        victim_policy: Given<'_>,
+        max_preemptions_per_request: Given<'_>,
+        admit_after_preemption: Given<'_>,
+        deadlock_steps: Given<'_>,
     ) -> PyResult<Self> {
-        let cp_size = setting_u32(cp_size, "cp_size")?;
-        let tokens_per_block = setting_u32(tokens_per_block, "tokens_per_block")?;
+        let cp_size = setting_u32(cp_size, "cp_size", 1)?;
+        let tokens_per_block = setting_u32(tokens_per_block, "tokens_per_block", 32)?;
+        let kv_superblocks = optional(kv_superblocks, |v| int_setting(v, "kv_superblocks"))?;
+        let kv_tokens = optional(kv_tokens, |v| u64_setting(v, "kv_tokens"))?;
         let capacity =
             match (kv_superblocks, kv_tokens) {
-                (Some(superblocks), None) => setting_u32(superblocks, "kv_superblocks")?,
-                (None, Some(tokens)) => SchedulerConfig::superblocks_for_kv_tokens(
-                    cp_size,
-                    tokens_per_block,
-                    setting_u64(tokens, "kv_tokens")?,
-                )
-                .py()?,
+                (Some(superblocks), None) => superblocks,
+                (None, Some(tokens)) => {
+                    SchedulerConfig::superblocks_for_kv_tokens(cp_size, tokens_per_block, tokens)
+                        .py()?
+                }
                 _ => return Err(ConfigError::new_err(
                     "give the KV pool as exactly one of kv_superblocks (superblocks, the group's \
                      agreed minimum) or kv_tokens (global tokens)",
@@ -92,30 +142,47 @@ impl PySchedulerConfig {
             };
         let mut config = SchedulerConfig::new(capacity);
         config.cp_size = cp_size;
-        config.cp_rank = setting_u32(cp_rank, "cp_rank")?;
+        config.cp_rank = setting_u32(cp_rank, "cp_rank", 0)?;
         config.tokens_per_block = tokens_per_block;
-        config.max_batch_size = setting_u32(max_batch_size, "max_batch_size")?;
-        config.max_num_tokens = setting_u32(max_num_tokens, "max_num_tokens")?;
-        config.enable_chunked_prefill = enable_chunked_prefill;
-        config.chunk_unit = chunk_unit
-            .map(|unit| setting_u32(unit, "chunk_unit"))
-            .transpose()?;
-        config.max_seq_len = setting_u64(max_seq_len, "max_seq_len")?;
-        config.capacity_policy = capacity_policy.parse::<CapacityPolicy>().py()?;
-        config.serving_mode = serving_mode.parse::<ServingMode>().py()?;
-        config.host_tier_superblocks = setting_u32(host_tier_superblocks, "host_tier_superblocks")?;
-        config.victim_policy = victim_policy.parse::<VictimPolicy>().py()?;
-        config.max_preemptions_per_request =
-            setting_u32(max_preemptions_per_request, "max_preemptions_per_request")?;
-        config.admit_after_preemption = admit_after_preemption;
-        config.deadlock_steps = setting_u32(deadlock_steps, "deadlock_steps")?;
+        config.max_batch_size = setting_u32(max_batch_size, "max_batch_size", 256)?;
+        config.max_num_tokens = setting_u32(max_num_tokens, "max_num_tokens", 8192)?;
+        config.enable_chunked_prefill =
+            enable_chunked_prefill.map_or(Ok(true), |v| flag_arg(v, "enable_chunked_prefill"))?;
+        config.chunk_unit = optional(chunk_unit, |unit| int_setting(unit, "chunk_unit"))?;
+        config.max_seq_len = max_seq_len.map_or(Ok(131_072), |v| u64_setting(v, "max_seq_len"))?;
+        config.capacity_policy = capacity_policy
+            .map_or(Ok("max_utilization".into()), |v| {
+                str_arg(v, "capacity_policy")
+            })?
+            .parse::<CapacityPolicy>()
+            .py()?;
+        config.serving_mode = serving_mode
+            .map_or(Ok("aggregated_helix".into()), |v| {
+                str_arg(v, "serving_mode")
+            })?
+            .parse::<ServingMode>()
+            .py()?;
+        config.host_tier_superblocks =
+            setting_u32(host_tier_superblocks, "host_tier_superblocks", 0)?;
+        config.victim_policy = victim_policy
+            .map_or(Ok("newest_first".into()), |v| str_arg(v, "victim_policy"))?
+            .parse::<VictimPolicy>()
+            .py()?;
+        config.max_preemptions_per_request = setting_u32(
+            max_preemptions_per_request,
+            "max_preemptions_per_request",
+            8,
+        )?;
+        config.admit_after_preemption =
+            admit_after_preemption.map_or(Ok(false), |v| flag_arg(v, "admit_after_preemption"))?;
+        config.deadlock_steps = setting_u32(deadlock_steps, "deadlock_steps", 64)?;
         config.validate().py()?;
         Ok(Self { inner: config })
     }
 
     /// The same configuration for rank `cp_rank` of the group.
-    fn with_rank(&self, cp_rank: i64) -> PyResult<Self> {
-        let config = self.inner.with_rank(setting_u32(cp_rank, "cp_rank")?);
+    fn with_rank(&self, cp_rank: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let config = self.inner.with_rank(int_setting(cp_rank, "cp_rank")?);
         config.validate().py()?;
         Ok(Self { inner: config })
     }
