@@ -185,6 +185,14 @@ def test_table_shows_every_figure(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @needs_scheduler
+def test_one_rank_has_nothing_to_compare(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *SMALL[2:], "--cp", "1", "--kv-tokens", "4096"]) == 0
+    table = capsys.readouterr().out
+    assert "rank agreement              n/a (1 rank: nothing to compare)" in table
+    assert "1 ranks" not in table
+
+
+@needs_scheduler
 def test_trace_run_matches_its_requests(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     lines = [

@@ -57,7 +57,7 @@ def build_parser() -> OneLineArgumentParser:
 def _asks_for_json(argv: Sequence[str]) -> bool:
     """Whether ``--json`` (or an abbreviation argparse would accept) is among the arguments,
     read from the raw arguments because a usage error stops parsing before it is known."""
-    return any(len(arg) > 3 and "--json".startswith(arg) for arg in argv)
+    return any(len(arg) > 2 and "--json".startswith(arg) for arg in argv)
 
 
 def _run(argv: Sequence[str]) -> int:
