@@ -80,12 +80,16 @@ def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
         (["--policy", "oldest"], "argument --policy: invalid choice: 'oldest'"),
         (["--arrival-rate", "-2"], "argument --arrival-rate: must be a finite number >= 0"),
         (["--bogus"], "unrecognized arguments: --bogus"),
-        (["--trace", "t.jsonl", "--requests", "5"], "--requests shape the synthetic workload"),
+        (["--trace", "t.jsonl", "--requests", "5"], "--requests shapes the synthetic workload"),
+        (
+            ["--trace", "t.jsonl", "--requests", "5", "--seed", "1", "--prompt-len", "9"],
+            "--requests, --seed and --prompt-len shape the synthetic workload",
+        ),
         (["--compare-policies", "--policy", "priority"], "drop --policy"),
         (["--plot", "/no/such/folder/x.png"], "folder /no/such/folder does not exist"),
         (["--prompt-len", "50", "--prompt-len-max", "10"], "prompt len max (10)"),
         (["--abort-rate", "2"], "argument --abort-rate: must be a fraction in [0, 1], got 2"),
-        (["--trace", "t.jsonl", "--abort-rate", "0.1"], "--abort-rate shape the synthetic"),
+        (["--trace", "t.jsonl", "--abort-rate", "0.1"], "--abort-rate shapes the synthetic"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(
@@ -188,6 +192,14 @@ def test_table_shows_every_figure(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @needs_scheduler
+def test_one_rank_has_nothing_to_compare(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *SMALL[2:], "--cp", "1", "--kv-tokens", "4096"]) == 0
+    table = capsys.readouterr().out
+    assert "rank agreement              n/a (1 rank: nothing to compare)" in table
+    assert "1 ranks" not in table
+
+
+@needs_scheduler
 def test_trace_run_matches_its_requests(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     lines = [
@@ -259,10 +271,20 @@ def test_request_that_can_never_run_is_rejected_up_front(
 
 @needs_scheduler
 def test_bad_scheduler_config_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    # the core's ConfigError, with its fields named by the flags that set them
     line = usage_error(capsys, *SMALL, "--mode", "non_helix")
-    assert "non_helix needs cp_size == 1" in line
+    assert "--mode non_helix needs --cp 1 (got 2)" in line
+    assert "cp_size" not in line
     line = usage_error(capsys, *SMALL, "--kv-tokens", "8")
-    assert "superblock" in line
+    assert (
+        "--kv-tokens 8 is less than one superblock (16 tokens = --tokens-per-block 8 x --cp 2)"
+        in line
+    )
+    line = usage_error(capsys, *SMALL, "--max-num-tokens", "8", "--chunk-unit", "16")
+    assert "--max-num-tokens 8 is below --chunk-unit 16" in line
+    line = usage_error(capsys, *SMALL, "--host-tier-tokens", "64")
+    assert "--host-tier-tokens (4 superblocks) is rejected under aggregated Helix" in line
+    assert "set --host-tier-tokens 0" in line
 
 
 @needs_scheduler
@@ -283,13 +305,43 @@ def test_guaranteed_no_evict_never_preempts(capsys: pytest.CaptureFixture[str]) 
     assert report["preemptions"] == 0
 
 
+#: The first bytes of each format ``--plot`` is asked for in the tests.
+PLOT_MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "svg": b"<?xml", "pdf": b"%PDF-"}
+
+
+@pytest.mark.parametrize("extension", sorted(PLOT_MAGIC))
 @needs_scheduler
-def test_plot_is_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_plot_format_follows_the_extension(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, extension: str
+) -> None:
     pytest.importorskip("matplotlib")
-    target = tmp_path / "run.png"
+    target = tmp_path / f"run.{extension}"
     assert main(["simulate", *TIGHT, "--plot", str(target)]) == 0
-    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = target.read_bytes()
+    assert data.startswith(PLOT_MAGIC[extension])
+    for other, magic in PLOT_MAGIC.items():
+        if other != extension:
+            assert not data.startswith(magic)
+    if extension == "svg":
+        assert b"<svg" in data[:2000]
     assert f"plot written to {target}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("run.xyz", "extension .xyz is not one of .png, .svg"),
+        ("run", "has no extension, give one of .png"),
+    ],
+)
+@needs_scheduler
+def test_plot_with_an_unknown_extension_is_refused_before_the_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, reason: str
+) -> None:
+    pytest.importorskip("matplotlib")
+    line = usage_error(capsys, *TIGHT, "--plot", str(tmp_path / name))
+    assert reason in line
+    assert list(tmp_path.iterdir()) == []
 
 
 @needs_scheduler

@@ -100,3 +100,67 @@ def test_options_switch_policy_without_touching_the_rest() -> None:
         "victim_policy": "least_computed_first",
     }
     assert options.scheduler == {"tokens_per_block": 16, "max_batch_size": 3}
+
+
+# --- limits: every integer flag is bounded while parsing, naming the flag ------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "largest"),
+    [
+        ("--cp", "256"),
+        ("--tokens-per-block", str(2**32 - 1)),
+        ("--kv-tokens", str(2**63 - 1)),
+        ("--max-batch-size", str(2**31 - 1)),
+        ("--max-num-tokens", str(2**32 - 1)),
+        ("--chunk-unit", str(2**32 - 1)),
+        ("--max-seq-len", str(2**63 - 1)),
+        ("--host-tier-tokens", str(2**63 - 1)),
+        ("--max-preemptions", str(2**32 - 1)),
+        ("--deadlock-steps", str(2**32 - 1)),
+        ("--requests", "1000000"),
+        ("--seed", str(2**64 - 1)),
+        ("--prompt-len", str(2**20)),
+        ("--prompt-len-max", str(2**20)),
+        ("--output-len", str(2**20)),
+        ("--output-len-max", str(2**20)),
+        ("--priority-levels", str(2**31 - 1)),
+        ("--max-steps", str(2**63 - 1)),
+    ],
+)
+def test_integer_flags_take_their_largest_value_and_refuse_one_more(
+    flag: str, largest: str
+) -> None:
+    dest = flag.lstrip("-").replace("-", "_")
+    assert getattr(parse(flag, largest), dest) == int(largest)
+    with pytest.raises(UsageError) as caught:
+        parse(flag, str(int(largest) + 1))
+    message = str(caught.value)
+    assert message.startswith(f"argument {flag}: must be at most {largest}, got ")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(("rate", "ok"), [("0", True), ("1e-6", True), ("1e-7", False)])
+def test_arrival_rate_is_zero_or_not_vanishingly_small(rate: str, ok: bool) -> None:
+    if ok:
+        assert parse("--arrival-rate", rate).arrival_rate == float(rate)
+    else:
+        with pytest.raises(UsageError, match="--arrival-rate: must be 0 or at least 1e-06"):
+            parse("--arrival-rate", rate)
+
+
+def test_default_longest_lengths_stay_within_the_limit() -> None:
+    spec = workload_spec(parse("--prompt-len", str(2**20), "--output-len", str(2**19)))
+    assert spec.prompt_len_max == 2**20
+    assert spec.output_len_max == 2**20
+
+
+def test_procs_takes_fewer_ranks() -> None:
+    assert simulation_options(parse("--cp", "256")).cp == 256
+    with pytest.raises(UsageError, match="--procs runs at most 64"):
+        simulation_options(parse("--cp", "65", "--procs"))
+
+
+def test_host_tier_beyond_the_core_field_is_refused() -> None:
+    with pytest.raises(UsageError, match=r"--host-tier-tokens .* is more than 4294967295"):
+        simulation_options(parse("--cp", "1", "--host-tier-tokens", str(2**40)))

@@ -170,6 +170,29 @@ def test_max_steps_stops_early() -> None:
     assert result.requests_finished < result.requests_total
 
 
+def test_should_stop_ends_the_run_on_a_step_boundary() -> None:
+    asked = []
+
+    def stop_after_two_steps() -> bool:
+        asked.append(True)
+        return len(asked) > 2
+
+    result = run(FakeGroup(), should_stop=stop_after_two_steps)
+    assert result.interrupted
+    assert len(result.series) == 2  # asked before each step: the third was never started
+    assert all(len(values) == 2 for values in vars(result.series).values())
+    assert result.rank_agreement
+    summary = summarize(result)
+    assert summary["interrupted"] is True
+    assert summary["steps"] == 2
+    assert "interrupted after 2 steps: the figures cover those only" in format_table(summary)
+    comparison = format_comparison({"newest_first": summary})
+    assert "newest_first was interrupted after 2 steps" in comparison
+    finished = summarize(run(FakeGroup(), should_stop=lambda: False))
+    assert "interrupted" not in finished
+    assert "interrupted" not in format_table(finished)
+
+
 def test_summary_keys_table_and_comparison() -> None:
     summary = summarize(run(FakeGroup()))
     for key in (

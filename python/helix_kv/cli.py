@@ -1,12 +1,23 @@
-"""The ``helix-kv`` console script.
+"""The ``helix-kv`` console script (also ``python -m helix_kv``).
 
 ``helix-kv simulate`` runs a simulated CP group of real schedulers over a workload under a
 KV budget and prints what KV pressure did (see ``docs/user-guide.md``). The work lives in
-:mod:`helix_kv.simulate`; this module only parses arguments.
+:mod:`helix_kv.simulate`; this module parses arguments and turns the ways a command-line
+tool can end into exit statuses, never a traceback:
+
+====  =========================================================================
+0     the run finished, ranks in agreement, every output exact
+1     the run failed (one line on stderr says why)
+2     usage: bad flags, a bad trace, a missing optional dependency (one line)
+130   interrupted by Ctrl-C (a run prints the report of its steps so far first)
+141   stdout was closed early (``helix-kv simulate | head -1``): nothing more is
+      written, as for a tool ended by SIGPIPE (128 + 13)
+====  =========================================================================
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -17,6 +28,8 @@ from helix_kv.simulate.arguments import (
 )
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
 
 
 def build_parser() -> OneLineArgumentParser:
@@ -41,8 +54,13 @@ def build_parser() -> OneLineArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run ``helix-kv`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+def _asks_for_json(argv: Sequence[str]) -> bool:
+    """Whether ``--json`` (or an abbreviation argparse would accept) is among the arguments,
+    read from the raw arguments because a usage error stops parsing before it is known."""
+    return any(len(arg) > 2 and "--json".startswith(arg) for arg in argv)
+
+
+def _run(argv: Sequence[str]) -> int:
     parser = build_parser()
     try:
         args, extras = parser.parse_known_args(argv)
@@ -55,10 +73,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
     except UsageError as err:
         print(f"{err.prog}: error: {err}", file=sys.stderr)
+        if _asks_for_json(argv):
+            from helix_kv.simulate.command import error_object
+
+            print(error_object(EXIT_USAGE, "UsageError", str(err)))
         return EXIT_USAGE
     from helix_kv.simulate.command import run_simulate
 
     return run_simulate(args)
+
+
+def _discard_stdout() -> None:
+    """Point stdout's descriptor at /dev/null so the interpreter's final flush of what is
+    still buffered cannot fail again (Python's documented recipe for SIGPIPE)."""
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (a test's capture): nothing is flushed at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, descriptor)
+    os.close(devnull)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``helix-kv`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    try:
+        status = _run(arguments)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:  # before the run started, or a second Ctrl-C
+        command = "helix-kv simulate" if "simulate" in arguments else "helix-kv"
+        # on a terminal the "^C" echo (or a progress line) holds the cursor: start a new line
+        lead = "\n" if sys.stderr.isatty() else ""
+        print(f"{lead}{command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return status
 
 
 if __name__ == "__main__":

@@ -14,7 +14,16 @@ from typing import Any, NoReturn, Optional
 
 from helix_kv.simulate.options import (
     CAPACITY_POLICIES,
+    I32_MAX,
+    I64_MAX,
+    MAX_CP,
+    MAX_PROCS_CP,
+    MAX_REQUEST_TOKENS,
+    MAX_REQUESTS,
+    MIN_ARRIVAL_RATE,
     SERVING_MODES,
+    U32_MAX,
+    U64_MAX,
     VICTIM_POLICIES,
     SimulationOptions,
 )
@@ -60,7 +69,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)", prog=self.prog)
 
 
-def _integer(minimum: int) -> Any:
+def _integer(minimum: int, maximum: int) -> Any:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -68,19 +77,23 @@ def _integer(minimum: int) -> Any:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
 
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = f"integer in [{minimum}, {maximum}]"
     return parse
 
 
-def _non_negative_float(text: str) -> float:
+def _arrival_rate(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    if 0 < value < MIN_ARRIVAL_RATE:
+        raise argparse.ArgumentTypeError(f"must be 0 or at least {MIN_ARRIVAL_RATE:g}, got {text}")
     return value
 
 
@@ -94,30 +107,26 @@ def _fraction(text: str) -> float:
     return value
 
 
-positive_int = _integer(1)
-non_negative_int = _integer(0)
-
-
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare every flag of ``helix-kv simulate`` on ``parser``."""
     group = parser.add_argument_group("CP group and KV budget")
     group.add_argument(
         "--cp",
-        type=positive_int,
+        type=_integer(1, MAX_CP),
         metavar="N",
         default=DEFAULT_CP,
         help="CP ranks (default: %(default)s)",
     )
     group.add_argument(
         "--tokens-per-block",
-        type=positive_int,
+        type=_integer(1, U32_MAX),
         metavar="N",
         default=DEFAULT_TOKENS_PER_BLOCK,
         help="tokens in one KV page on one rank (default: %(default)s)",
     )
     group.add_argument(
         "--kv-tokens",
-        type=positive_int,
+        type=_integer(1, I64_MAX),
         metavar="N",
         default=DEFAULT_KV_TOKENS,
         help="ledger capacity in global tokens, rounded down to whole superblocks of "
@@ -126,17 +135,17 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("scheduler (unset flags take the scheduler's defaults)")
     group.add_argument(
-        "--max-batch-size", type=positive_int, metavar="N", help="batch slots (default 256)"
+        "--max-batch-size", type=_integer(1, I32_MAX), metavar="N", help="batch slots (default 256)"
     )
     group.add_argument(
         "--max-num-tokens",
-        type=positive_int,
+        type=_integer(1, U32_MAX),
         metavar="N",
         help="token budget per step (default 8192)",
     )
     group.add_argument(
         "--chunk-unit",
-        type=positive_int,
+        type=_integer(1, U32_MAX),
         metavar="N",
         help="a prefill chunk that does not finish its prompt is a multiple of this "
         "(default: tokens_per_block)",
@@ -148,7 +157,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefill each prompt in one piece",
     )
     group.add_argument(
-        "--max-seq-len", type=positive_int, metavar="N", help="longest request (default 131072)"
+        "--max-seq-len",
+        type=_integer(1, I64_MAX),
+        metavar="N",
+        help="longest request (default 131072)",
     )
     group.add_argument(
         "--capacity-policy", choices=CAPACITY_POLICIES, help="default max_utilization"
@@ -158,7 +170,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--host-tier-tokens",
-        type=non_negative_int,
+        type=_integer(0, I64_MAX),
         metavar="N",
         help="host tier for suspends, in global tokens (non_helix mode only)",
     )
@@ -167,7 +179,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--max-preemptions",
-        type=non_negative_int,
+        type=_integer(0, U32_MAX),
         metavar="N",
         help="a request preempted this often is never a victim again (default 8)",
     )
@@ -179,7 +191,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--deadlock-steps",
-        type=positive_int,
+        type=_integer(1, U32_MAX),
         metavar="N",
         help="steps without progress before DeadlockError (default 64)",
     )
@@ -193,46 +205,48 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = DEFAULT_WORKLOAD
     group.add_argument(
         "--requests",
-        type=positive_int,
+        type=_integer(1, MAX_REQUESTS),
         metavar="N",
         help=f"requests (default {defaults.num_requests})",
     )
     group.add_argument(
         "--seed",
-        type=non_negative_int,
+        type=_integer(0, U64_MAX),
         metavar="N",
         help=f"workload seed (default {defaults.seed})",
     )
     group.add_argument(
         "--arrival-rate",
-        type=_non_negative_float,
+        type=_arrival_rate,
         metavar="RATE",
         help="mean arrivals per step (Poisson); 0 puts every request at step 0 "
         f"(default {defaults.arrival_rate})",
     )
     group.add_argument(
         "--prompt-len",
-        type=positive_int,
+        type=_integer(1, MAX_REQUEST_TOKENS),
         metavar="N",
         help=f"mean prompt length (default {defaults.prompt_len_mean})",
     )
     group.add_argument(
         "--prompt-len-max",
-        type=positive_int,
+        type=_integer(1, MAX_REQUEST_TOKENS),
         metavar="N",
-        help=f"longest prompt (default: the larger of {defaults.prompt_len_max} and 4 x mean)",
+        help=f"longest prompt (default: the larger of {defaults.prompt_len_max} and 4 x mean, "
+        f"at most {MAX_REQUEST_TOKENS})",
     )
     group.add_argument(
         "--output-len",
-        type=positive_int,
+        type=_integer(1, MAX_REQUEST_TOKENS),
         metavar="N",
         help=f"mean output length (default {defaults.output_len_mean})",
     )
     group.add_argument(
         "--output-len-max",
-        type=positive_int,
+        type=_integer(1, MAX_REQUEST_TOKENS),
         metavar="N",
-        help=f"longest output (default: the larger of {defaults.output_len_max} and 4 x mean)",
+        help=f"longest output (default: the larger of {defaults.output_len_max} and 4 x mean, "
+        f"at most {MAX_REQUEST_TOKENS})",
     )
     group.add_argument(
         "--length-dist",
@@ -241,7 +255,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--priority-levels",
-        type=positive_int,
+        type=_integer(1, I32_MAX),
         metavar="N",
         help=f"priorities drawn from 0..N-1 (default {defaults.priority_levels})",
     )
@@ -269,8 +283,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--plot",
-        metavar="FILE.png",
-        help="draw KV utilisation, running/waiting and preemptions per step (needs matplotlib)",
+        metavar="FILE",
+        help="draw KV utilisation, running/waiting and preemptions per step (needs matplotlib); "
+        "the extension picks the format: .png, .svg, .pdf, ...",
     )
     group.add_argument(
         "--progress",
@@ -283,7 +298,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-progress", dest="progress", action="store_false", help="never show progress"
     )
     group.add_argument(
-        "--max-steps", type=positive_int, metavar="N", help="stop after this many scheduler steps"
+        "--max-steps",
+        type=_integer(1, I64_MAX),
+        metavar="N",
+        help="stop after this many scheduler steps",
     )
 
 
@@ -311,6 +329,11 @@ def _scheduler_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 f"--host-tier-tokens {args.host_tier_tokens} is less than one superblock "
                 f"({tokens_per_superblock} tokens); give at least that"
             )
+        if superblocks > U32_MAX:
+            raise UsageError(
+                f"--host-tier-tokens {args.host_tier_tokens} is more than {U32_MAX} superblocks "
+                f"of {tokens_per_superblock} tokens"
+            )
         given["host_tier_superblocks"] = superblocks
     return {key: value for key, value in given.items() if value is not None}
 
@@ -322,10 +345,20 @@ def check_combinations(args: argparse.Namespace) -> None:
             flag for dest, flag in SYNTHETIC_FLAGS.items() if getattr(args, dest) is not None
         ]
         if clashing:
+            names = clashing[0]
+            if len(clashing) > 1:
+                names = f"{', '.join(clashing[:-1])} and {clashing[-1]}"
+            verb = "shapes" if len(clashing) == 1 else "shape"
             raise UsageError(
-                f"{', '.join(clashing)} shape the synthetic workload and cannot be combined "
+                f"{names} {verb} the synthetic workload and cannot be combined "
                 "with --trace (the trace gives every request)"
             )
+    if args.procs and args.cp > MAX_PROCS_CP:
+        raise UsageError(
+            f"--cp {args.cp} with --procs starts {args.cp} processes, each loading torch; "
+            f"--procs runs at most {MAX_PROCS_CP} (drop --procs to simulate up to {MAX_CP} "
+            "ranks in one process)"
+        )
     if args.compare_policies and args.policy is not None:
         raise UsageError("--compare-policies runs every victim policy; drop --policy")
     if args.plot is not None:
@@ -346,6 +379,11 @@ def simulation_options(args: argparse.Namespace) -> SimulationOptions:
     )
 
 
+def _default_max(default: int, mean: Optional[int]) -> int:
+    """The larger of ``default`` and 4 x ``mean``, within the simulator's length limit."""
+    return min(MAX_REQUEST_TOKENS, max(default, 4 * (mean or 0)))
+
+
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
     """The synthetic workload the flags describe (defaults where not given)."""
     defaults = DEFAULT_WORKLOAD
@@ -359,11 +397,11 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
         arrival_rate=pick(args.arrival_rate, defaults.arrival_rate),
         prompt_len_mean=pick(args.prompt_len, defaults.prompt_len_mean),
         prompt_len_max=pick(
-            args.prompt_len_max, max(defaults.prompt_len_max, 4 * pick(args.prompt_len, 0))
+            args.prompt_len_max, _default_max(defaults.prompt_len_max, args.prompt_len)
         ),
         output_len_mean=pick(args.output_len, defaults.output_len_mean),
         output_len_max=pick(
-            args.output_len_max, max(defaults.output_len_max, 4 * pick(args.output_len, 0))
+            args.output_len_max, _default_max(defaults.output_len_max, args.output_len)
         ),
         length_distribution=LengthDistribution(
             pick(args.length_dist, defaults.length_distribution.value)

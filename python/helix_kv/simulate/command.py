@@ -1,9 +1,11 @@
 """``helix-kv simulate`` from parsed arguments to printed figures and an exit status.
 
-Exit status: 0 when the run finished with the ranks in agreement and every output exact;
-1 when a run failed (a scheduler error such as ``DeadlockError`` or
-``PreemptionDisabledError``, a rank mismatch, a wrong output); 2 when the arguments, the
-trace or the environment do not allow the run to start (one line on stderr).
+Exit status (also in docs/user-guide.md): 0 when the run finished with the ranks in agreement
+and every output exact; 1 when a run failed (a scheduler error such as ``DeadlockError`` or
+``PreemptionDisabledError``, a rank mismatch, a wrong output); 2 when the arguments, the trace
+or the environment do not allow the run to start; 130 when Ctrl-C stopped the run (the report
+of the steps so far is printed first). Errors are one line on stderr; with ``--json`` stdout
+carries one JSON object whatever happens: the report, or ``{"error": {...}}``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from typing import Any, Callable, Optional, TextIO
 
 from helix_kv.simulate.arguments import UsageError, simulation_options, workload_spec
+from helix_kv.simulate.interrupt import InterruptGuard
 from helix_kv.simulate.options import (
     VICTIM_POLICIES,
     SimulationOptions,
@@ -21,7 +24,7 @@ from helix_kv.simulate.options import (
     check_config,
     preflight,
 )
-from helix_kv.simulate.plot import PlotUnavailableError, check_plot_available, plot_run
+from helix_kv.simulate.plot import PlotUnavailableError, check_plot_target, plot_run
 from helix_kv.simulate.procs import (
     ProcsUnavailableError,
     RankFailedError,
@@ -37,6 +40,12 @@ PROG = "helix-kv simulate"
 EXIT_OK = 0
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command ended by Ctrl-C
+
+
+def error_object(status: int, error_type: str, message: str) -> str:
+    """What ``--json`` prints instead of a report when the command fails."""
+    return to_json({"error": {"type": error_type, "message": message, "exit_status": status}})
 
 
 def load_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], dict[str, Any]]:
@@ -54,11 +63,14 @@ def run_once(
     workload_info: dict[str, Any],
     show_progress: bool,
     label: str = "",
+    should_stop: Optional[Callable[[], bool]] = None,
 ) -> SimulationResult:
     """One run, in this process or (``options.procs``) one process per rank."""
     config = options.resolved(workload_info)
     if options.procs:
-        return run_in_processes(options, workload, config, show_progress=show_progress)
+        return run_in_processes(
+            options, workload, config, show_progress=show_progress, should_stop=should_stop
+        )
     from helix_kv.simulate.group import InProcessGroup
 
     progress = ProgressLine(label=label) if show_progress else None
@@ -69,6 +81,7 @@ def run_once(
             config=config,
             progress=progress,
             max_steps=options.max_steps,
+            should_stop=should_stop,
         )
     finally:
         if progress is not None:
@@ -79,7 +92,7 @@ def _plot_path(path: str, policy: Optional[str]) -> Path:
     target = Path(path)
     if policy is None:
         return target
-    return target.with_name(f"{target.stem}.{policy}{target.suffix or '.png'}")
+    return target.with_name(f"{target.stem}.{policy}{target.suffix}")
 
 
 def run_simulate(
@@ -89,8 +102,13 @@ def run_simulate(
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
 
-    def fail(status: int, message: str) -> int:
-        print(f"{PROG}: {'error: ' if status == EXIT_USAGE else ''}{message}", file=stderr)
+    def fail(status: int, message: str, error_type: str, detail: Optional[str] = None) -> int:
+        """One line on stderr; with ``--json`` also the error object (``detail``: its
+        message when the line says more, e.g. the error's class)."""
+        label = "error: " if status == EXIT_USAGE else ""
+        print(f"{PROG}: {label}{message}", file=stderr)
+        if args.json:
+            print(error_object(status, error_type, detail or message), file=stdout)
         return status
 
     try:
@@ -98,36 +116,41 @@ def run_simulate(
         workload, workload_info = load_workload(args)
         check_config(options)
         if args.plot is not None:
-            check_plot_available()
+            check_plot_target(args.plot)
         if options.procs:
             check_procs_available()
         preflight(options, workload)
-    except UsageError as err:
-        print(f"{err.prog}: error: {err}", file=stderr)
-        return EXIT_USAGE
     except (
+        UsageError,
         SimulationSetupError,
         TraceError,
         PlotUnavailableError,
         ProcsUnavailableError,
     ) as err:
-        return fail(EXIT_USAGE, str(err))
+        return fail(EXIT_USAGE, str(err), "UsageError")
 
     from helix_kv import HelixKVError
 
     policies: list[Optional[str]] = list(VICTIM_POLICIES) if args.compare_policies else [None]
     show_progress = progress_wanted(args.json, args.progress, stderr)
     results: dict[str, SimulationResult] = {}
-    for policy in policies:
-        run_options = options if policy is None else options.with_victim_policy(policy)
-        try:
-            result = run_once(run_options, workload, workload_info, show_progress, policy or "")
-        except HelixKVError as err:
-            prefix = f"[{policy}] " if policy else ""
-            return fail(EXIT_RUN_FAILED, f"{prefix}{type(err).__name__}: {err}")
-        except RankFailedError as err:
-            return fail(EXIT_RUN_FAILED, str(err))
-        results[policy or str(result.config["scheduler"].get("victim_policy"))] = result
+    with InterruptGuard() as interrupted:
+        for policy in policies:
+            if interrupted():
+                break
+            run_options = options if policy is None else options.with_victim_policy(policy)
+            label = policy or ""
+            try:
+                result = run_once(
+                    run_options, workload, workload_info, show_progress, label, interrupted
+                )
+            except HelixKVError as err:
+                prefix = f"[{policy}] " if policy else ""
+                name = type(err).__name__
+                return fail(EXIT_RUN_FAILED, f"{prefix}{name}: {err}", name, f"{prefix}{err}")
+            except RankFailedError as err:
+                return fail(EXIT_RUN_FAILED, str(err), type(err).__name__)
+            results[policy or str(result.config["scheduler"].get("victim_policy"))] = result
 
     summaries = {name: summarize(result) for name, result in results.items()}
     if args.compare_policies:
@@ -142,9 +165,17 @@ def run_simulate(
     if args.plot is not None:
         for policy, result in results.items():
             path = _plot_path(args.plot, policy if args.compare_policies else None)
-            plot_run(result, path)
+            try:
+                plot_run(result, path)
+            except OSError as err:  # the report is out already: stderr only
+                print(f"{PROG}: cannot write the plot {path}: {err.strerror or err}", file=stderr)
+                return EXIT_RUN_FAILED
             if not args.json:
                 print(f"plot written to {path}", file=stderr)
 
+    if interrupted():
+        steps = sum(len(result.series) for result in results.values())
+        print(f"{PROG}: interrupted after {steps} steps; the report covers those", file=stderr)
+        return EXIT_INTERRUPTED
     healthy = all(r.rank_agreement and r.outputs_exact for r in results.values())
     return EXIT_OK if healthy else EXIT_RUN_FAILED

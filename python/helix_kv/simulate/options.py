@@ -8,6 +8,7 @@ so the core's defaults apply; the report shows the resolved values from
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -20,6 +21,47 @@ CAPACITY_POLICIES = ("max_utilization", "guaranteed_no_evict")
 SERVING_MODES = ("aggregated_helix", "non_helix", "disaggregated_generation")
 
 _PREFLIGHT_BATCH = 256
+
+# Limits of the simulator, checked before anything is allocated (the flags in
+# :mod:`.arguments`, the pool and the trace's lengths here). An upper bound is either the width
+# of the core field a flag feeds, so the core never sees a value it cannot hold, or a bound on
+# what one simulating process can hold. docs/user-guide.md lists them.
+MAX_CP = 256
+"""Ranks in one process (one scheduler each)."""
+MAX_PROCS_CP = 64
+"""Ranks with ``--procs`` (one process each, each loading torch)."""
+MAX_REQUESTS = 1_000_000
+"""Requests of a synthetic workload."""
+MAX_REQUEST_TOKENS = 1 << 20
+"""Longest prompt or output of a request, in tokens (synthetic or from a trace)."""
+MAX_KV_SUPERBLOCKS = 1 << 22
+"""Largest KV pool, in superblocks: every rank's ledger allocates a few bytes per superblock
+when it is built (4 MiB-superblock pools already cost tens of MB per rank)."""
+MIN_ARRIVAL_RATE = 1e-6
+"""Smallest non-zero ``--arrival-rate``: arrival steps must stay well within int64."""
+I32_MAX = (1 << 31) - 1
+U32_MAX = (1 << 32) - 1
+I64_MAX = (1 << 63) - 1
+U64_MAX = (1 << 64) - 1
+
+#: ``SchedulerConfig`` fields as the ``helix-kv simulate`` flags that set them, so that a
+#: ``ConfigError`` reads in the user's terms.
+FLAG_OF_FIELD = {
+    "cp_size": "--cp",
+    "tokens_per_block": "--tokens-per-block",
+    "kv_tokens": "--kv-tokens",
+    "max_batch_size": "--max-batch-size",
+    "max_num_tokens": "--max-num-tokens",
+    "chunk_unit": "--chunk-unit",
+    "max_seq_len": "--max-seq-len",
+    "capacity_policy": "--capacity-policy",
+    "serving_mode": "--mode",
+    "victim_policy": "--policy",
+    "max_preemptions_per_request": "--max-preemptions",
+    "deadlock_steps": "--deadlock-steps",
+}
+_FIELD_PATTERN = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b( == | = )?")
+_HOST_TIER_PATTERN = re.compile(r"\bhost_tier_superblocks = (\d+)")
 
 
 class SimulationSetupError(ValueError):
@@ -54,33 +96,56 @@ class SimulationOptions:
 
     def resolved(self, workload_info: dict[str, Any]) -> dict[str, Any]:
         """The configuration as run: the report's ``config`` object."""
-        scheduler = dict(self.scheduler_config().to_dict())
-        capacity = scheduler.get("capacity_superblocks", scheduler.get("kv_superblocks"))
-        tokens_per_block = scheduler.get("tokens_per_block")
-        effective = (
-            int(capacity) * int(tokens_per_block) * self.cp
-            if capacity is not None and tokens_per_block is not None
-            else None
-        )
+        config = self.scheduler_config()
         return {
             "cp": self.cp,
             "kv_tokens": self.kv_tokens,
-            "kv_tokens_effective": effective,
+            # what the pool holds: kv_tokens rounded down to whole superblocks, by the core
+            "kv_tokens_effective": int(config.kv_tokens),
             "procs": self.procs,
             "max_steps": self.max_steps,
-            "scheduler": scheduler,
+            "scheduler": dict(config.to_dict()),
             "workload": workload_info,
         }
 
 
+def in_flag_terms(message: str) -> str:
+    """A core ``ConfigError`` message with the ``SchedulerConfig`` fields named by their
+    ``helix-kv simulate`` flags (``cp_size = 3`` reads ``--cp 3``)."""
+
+    def flag(match: re.Match[str]) -> str:
+        name, operator = match.group(1), match.group(2)
+        # keep "=" in a product such as "cp_size * tokens_per_block = 32"
+        keep = operator is not None and match.string[: match.start()].endswith("* ")
+        return FLAG_OF_FIELD[name] + (operator if keep else " " if operator else "")
+
+    message = _HOST_TIER_PATTERN.sub(
+        lambda m: "--host-tier-tokens " + ("0" if m[1] == "0" else f"({m[1]} superblocks)"),
+        message,
+    )
+    message = message.replace("host_tier_superblocks", "--host-tier-tokens")
+    return _FIELD_PATTERN.sub(flag, message)
+
+
 def check_config(options: SimulationOptions) -> None:
-    """Build the configuration once; turn a ``ConfigError`` into a setup error."""
+    """Build the configuration once (nothing is allocated) and check the pool is within the
+    simulator's limit; turn a ``ConfigError`` into a setup error in the flags' terms."""
     from helix_kv import ConfigError
 
     try:
-        options.scheduler_config()
+        config = options.scheduler_config()
     except ConfigError as err:
-        raise SimulationSetupError(_one_line(str(err))) from None
+        raise SimulationSetupError(in_flag_terms(_one_line(str(err)))) from None
+    if config.kv_superblocks > MAX_KV_SUPERBLOCKS:
+        from helix_kv import Layout
+
+        superblock = Layout(config.cp_size, config.tokens_per_block).tokens_per_superblock
+        raise SimulationSetupError(
+            f"--kv-tokens {options.kv_tokens} is {config.kv_superblocks} superblocks of "
+            f"{superblock} tokens; the simulator holds at most {MAX_KV_SUPERBLOCKS} superblocks "
+            f"(--kv-tokens {MAX_KV_SUPERBLOCKS * superblock} with this --cp and "
+            "--tokens-per-block)"
+        )
 
 
 def preflight(options: SimulationOptions, workload: Sequence[RequestSpec]) -> None:
@@ -91,6 +156,15 @@ def preflight(options: SimulationOptions, workload: Sequence[RequestSpec]) -> No
     from helix_kv import HelixKVError, Scheduler
 
     config = options.scheduler_config()
+    for request in workload:
+        # checked before any prompt is built: a trace may give lengths up to 2**31
+        longest = max(request.prompt_len, request.output_len)
+        if longest > MAX_REQUEST_TOKENS:
+            raise SimulationSetupError(
+                f"the workload cannot run: request {request.request_id} has "
+                f"{request.prompt_len} prompt and {request.output_len} output tokens; the "
+                f"simulator takes at most {MAX_REQUEST_TOKENS} of each"
+            )
     for start in range(0, len(workload), _PREFLIGHT_BATCH):
         scheduler = Scheduler(config)
         for request in workload[start : start + _PREFLIGHT_BATCH]:

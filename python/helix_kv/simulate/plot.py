@@ -1,7 +1,9 @@
-"""``--plot FILE.png``: KV utilisation, running/waiting counts and preemptions per step.
+"""``--plot FILE``: KV utilisation, running/waiting counts and preemptions per step.
 
-matplotlib is optional (``pip install 'helix_kv[plot]'``); it is imported only here, with
-the non-interactive Agg backend, so plotting works without a display.
+The file's extension picks the format (``run.png``, ``run.svg``, ``run.pdf``...); an unknown
+or missing extension is refused before the run. matplotlib is optional
+(``pip install 'helix_kv[plot]'``); it is imported only here, with the non-interactive Agg
+backend, so plotting works without a display.
 """
 
 from __future__ import annotations
@@ -18,8 +20,13 @@ MISSING_MATPLOTLIB = (
 )
 
 
+#: Formats ``--plot`` writes, by extension, where matplotlib's Agg backend supports them
+#: (pgf is left out: it needs a LaTeX installation).
+PLOT_FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+
+
 class PlotUnavailableError(RuntimeError):
-    """matplotlib is not installed."""
+    """matplotlib is not installed, or it cannot write the format the file name asks for."""
 
 
 def _pyplot():  # type: ignore[no-untyped-def]
@@ -33,13 +40,36 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
-def check_plot_available() -> None:
-    """Raise :class:`PlotUnavailableError` now rather than after a long run."""
+def plot_formats() -> tuple[str, ...]:
+    """The extensions ``--plot`` accepts here (raises :class:`PlotUnavailableError` without
+    matplotlib)."""
     _pyplot()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    supported = FigureCanvasAgg.get_supported_filetypes()
+    return tuple(name for name in PLOT_FORMATS if name in supported)
+
+
+def plot_format(path: Union[str, Path]) -> str:
+    """The format of ``path``, from its extension; raise :class:`PlotUnavailableError` (a
+    one-line reason) for a missing or unknown extension or without matplotlib."""
+    formats = plot_formats()
+    extension = Path(path).suffix.lower().lstrip(".")
+    if extension not in formats:
+        known = ", ".join(f".{name}" for name in formats)
+        what = f"extension .{extension} is not one" if extension else "has no extension, give one"
+        raise PlotUnavailableError(f"--plot {path}: {what} of {known}")
+    return extension
+
+
+def check_plot_target(path: Union[str, Path]) -> None:
+    """Check now, rather than after a long run, that ``path`` can be drawn."""
+    plot_format(path)
 
 
 def plot_run(result: SimulationResult, path: Union[str, Path]) -> None:
-    """Draw the run's per-step series into a PNG at ``path``."""
+    """Draw the run's per-step series into ``path``, in the format its extension names."""
+    file_format = plot_format(path)
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -77,5 +107,5 @@ def plot_run(result: SimulationResult, path: Union[str, Path]) -> None:
     preempt_axis.set_xlabel("scheduler step")
     preempt_axis.grid(alpha=0.3)
 
-    figure.savefig(path, format="png", dpi=100)
+    figure.savefig(path, format=file_format, dpi=100)
     plt.close(figure)

@@ -75,6 +75,8 @@ def summarize(result: SimulationResult) -> Summary:
     }
     if result.mismatch is not None:
         summary["mismatch"] = result.mismatch
+    if result.interrupted:
+        summary["interrupted"] = True
     return summary
 
 
@@ -96,9 +98,12 @@ def _percent(value: float) -> str:
 
 def _agreement(summary: Summary) -> str:
     ranks = summary["config"].get("cp", "?")
+    kind = "rank process" if summary["config"].get("procs") else "rank"
+    if ranks == 1:
+        return f"n/a (1 {kind}: nothing to compare)"
     if summary["rank_agreement"]:
-        kind = "rank processes" if summary["config"].get("procs") else "ranks"
-        return f"yes ({ranks} {kind}, every step)"
+        kinds = "rank processes" if summary["config"].get("procs") else "ranks"
+        return f"yes ({ranks} {kinds}, every step)"
     return f"NO (stopped at step {summary['steps']})"
 
 
@@ -141,13 +146,22 @@ ROWS: list[tuple[str, Callable[[Summary], str]]] = [
 ]
 
 
+def _kv_tokens(config: Mapping[str, Any]) -> str:
+    """The pool's capacity in tokens; the asked-for budget too when rounding cut it."""
+    usable = config.get("kv_tokens_effective")
+    asked = config.get("kv_tokens", "?")
+    if usable is None or usable == asked:
+        return str(asked)
+    return f"{usable} ({asked} asked)"
+
+
 def describe_config(config: Mapping[str, Any], *, include_policy: bool = True) -> str:
     """One line naming the settings that matter most for KV pressure."""
     scheduler = config.get("scheduler", {})
     parts = [
         f"cp={config.get('cp', '?')}",
         f"tokens_per_block={scheduler.get('tokens_per_block', '?')}",
-        f"kv_tokens={config.get('kv_tokens', '?')}",
+        f"kv_tokens={_kv_tokens(config)}",
         f"mode={scheduler.get('serving_mode', '?')}",
         f"capacity={scheduler.get('capacity_policy', '?')}",
     ]
@@ -168,6 +182,8 @@ def format_table(summary: Summary) -> str:
     lines += [f"  {label:<{width}}  {show(summary)}" for label, show in ROWS]
     if "mismatch" in summary:
         lines.append(f"  mismatch: {summary['mismatch']}")
+    if summary.get("interrupted"):
+        lines.append(f"  interrupted after {summary['steps']} steps: the figures cover those only")
     return "\n".join(lines)
 
 
@@ -189,4 +205,10 @@ def format_comparison(summaries: Mapping[str, Summary]) -> str:
     for (label, _), row in zip(ROWS, cells):
         values = "  ".join(f"{cell:>{width}}" for cell, width in zip(row, widths))
         lines.append(f"  {label:<{label_width}}  {values}")
+    for name, summary in summaries.items():
+        if summary.get("interrupted"):
+            lines.append(
+                f"  {name} was interrupted after {summary['steps']} steps: its figures cover "
+                "those only"
+            )
     return "\n".join(lines)

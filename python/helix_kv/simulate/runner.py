@@ -168,6 +168,8 @@ class SimulationResult:
     rank_agreement: bool
     mismatch: Optional[str] = None
     config: dict[str, Any] = field(default_factory=dict)
+    interrupted: bool = False
+    """The run was stopped early on request (``should_stop``); the figures cover its steps."""
 
     @property
     def requests_finished(self) -> int:
@@ -302,20 +304,26 @@ def run_simulation(
     config: Optional[dict[str, Any]] = None,
     progress: Optional[ProgressCallback] = None,
     max_steps: Optional[int] = None,
+    should_stop: Optional[Callable[[], bool]] = None,
 ) -> SimulationResult:
     """Run ``workload`` to completion on ``group`` and return what happened.
 
     Stops early (with ``rank_agreement=False`` and the mismatch message) if the ranks
-    disagree on any call, or after ``max_steps`` scheduler steps. Other scheduler errors
-    (deadlock, preemption disabled) propagate.
+    disagree on any call, or after ``max_steps`` scheduler steps, or (``interrupted=True``)
+    when ``should_stop()``, asked before every step, says so: a step is never cut in half.
+    Other scheduler errors (deadlock, preemption disabled) propagate.
     """
     from helix_kv import ScheduleMismatchError
 
     loop = _StepLoop(group, workload)
     mismatch: Optional[str] = None
+    interrupted = False
     steps_limit = math.inf if max_steps is None else max_steps
     try:
         while len(loop.series) < steps_limit and loop.admit_arrivals():
+            if should_stop is not None and should_stop():
+                interrupted = True
+                break
             loop.run_step()
             if progress is not None:
                 progress(loop.clock, len(loop.outcomes), len(workload), len(loop.series))
@@ -332,4 +340,5 @@ def run_simulation(
         rank_agreement=mismatch is None,
         mismatch=mismatch,
         config=dict(config or {}),
+        interrupted=interrupted,
     )

@@ -1,0 +1,281 @@
+"""``helix-kv`` as a Unix tool, run as a real subprocess: a closed pipe, Ctrl-C, absurd
+numbers, ``--json`` on failure, ``python -m helix_kv``. Every case ends with its documented
+exit status (docs/user-guide.md), at most one line on stderr and never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import helix_kv
+from helix_kv.cli import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED
+
+needs_scheduler = pytest.mark.skipif(
+    not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler is not built yet"
+)
+
+#: ``python -m helix_kv``: the same entry point as the console script, found without PATH.
+HELIX_KV = [sys.executable, "-m", "helix_kv"]
+SMALL = [
+    "--cp", "2", "--tokens-per-block", "8", "--requests", "24", "--arrival-rate", "0",
+    "--prompt-len", "96", "--output-len", "48", "--seed", "3", "--kv-tokens", "1024",
+]  # fmt: skip
+#: Long enough that a Ctrl-C lands mid-run: thousands of steps.
+LONG = ["--requests", "3000", "--progress"]
+
+
+def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*HELIX_KV, *argv], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def assert_one_clean_line(stderr: str) -> str:
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+# --- python -m helix_kv --------------------------------------------------------------------
+
+
+def test_python_m_helix_kv_is_the_cli() -> None:
+    done = run("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"helix-kv {helix_kv.__version__}"
+    done = run()
+    assert done.returncode == 2
+    assert assert_one_clean_line(done.stderr) == (
+        "helix-kv: error: choose a command: simulate (see helix-kv --help)"
+    )
+
+
+# --- numbers too large to hold: refused while parsing, before anything is allocated ---------
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (
+            ["--kv-tokens", "99999999999999999999999"],
+            "argument --kv-tokens: must be at most 9223372036854775807",
+        ),
+        (["--requests", "99999999999"], "argument --requests: must be at most 1000000"),
+        (["--prompt-len", "3000000000"], "argument --prompt-len: must be at most 1048576"),
+        (["--cp", "5000000000"], "argument --cp: must be at most 256"),
+        (
+            ["--kv-tokens", "137438953440"],
+            "--kv-tokens 137438953440 is 4294967295 superblocks of 32 tokens; "
+            "the simulator holds at most 4194304",
+        ),
+    ],
+)
+@needs_scheduler
+def test_absurd_numbers_are_one_usage_line(argv: list[str], reason: str) -> None:
+    started = time.monotonic()
+    done = run("simulate", *argv)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    line = assert_one_clean_line(done.stderr)
+    assert line.startswith("helix-kv simulate: error: ")
+    assert reason in line
+    assert time.monotonic() - started < 30  # refused, not attempted
+
+
+# --- --json: one JSON object on stdout whatever happens -------------------------------------
+
+
+@needs_scheduler
+def test_json_on_a_failed_run_prints_an_error_object() -> None:
+    done = run("simulate", *SMALL, "--mode", "disaggregated_generation", "--json")
+    assert done.returncode == 1
+    line = assert_one_clean_line(done.stderr)
+    assert line.startswith("helix-kv simulate: PreemptionDisabledError: ")
+    error = json.loads(done.stdout)["error"]
+    assert error["type"] == "PreemptionDisabledError"
+    assert error["exit_status"] == 1
+    assert "guaranteed_no_evict" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--cp", "0", "--json"], ["--json", "--requests", "99999999999"], ["--js", "--bogus"]],
+)
+def test_json_on_a_usage_error_prints_an_error_object(argv: list[str]) -> None:
+    done = run("simulate", *argv)
+    assert done.returncode == 2
+    line = assert_one_clean_line(done.stderr)
+    error = json.loads(done.stdout)["error"]
+    assert error == {"type": "UsageError", "message": error["message"], "exit_status": 2}
+    assert line.endswith(error["message"])
+
+
+# --- stdout closed early (helix-kv simulate | head -1) --------------------------------------
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"], ["--compare-policies"]])
+@needs_scheduler
+def test_closed_stdout_ends_quietly_with_141(extra: list[str]) -> None:
+    """The reader is gone before anything is written (``head`` that has read its line), so
+    every write fails: Python's SIGPIPE recipe, no traceback, the documented status."""
+    process = subprocess.Popen(
+        [*HELIX_KV, "simulate", *SMALL, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    process.stdout.close()
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == EXIT_BROKEN_PIPE == 141
+    assert stderr == ""
+
+
+@needs_scheduler
+def test_head_of_a_shell_pipeline_gets_the_first_line() -> None:
+    """The real pipeline: the first line arrives and the command ends without a word, with
+    0 (all written before head left) or 141 (head left first)."""
+    command = [*HELIX_KV, "simulate", *SMALL, "--compare-policies"]
+    script = " ".join(f"'{part}'" for part in command) + ' | head -1; echo "${PIPESTATUS[0]}"'
+    done = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    first, status = done.stdout.splitlines()
+    assert first.startswith("helix-kv simulate --compare-policies: ")
+    assert status in {"0", "141"}
+    assert done.stderr == ""
+
+
+# --- Ctrl-C: the report of the steps so far, then 130 ---------------------------------------
+
+
+def _interrupt(argv: list[str], ready: str, times: int = 1) -> tuple[int, str, str]:
+    """Start ``helix-kv simulate argv`` in its own process group, wait until stderr shows
+    ``ready`` (a progress line), press Ctrl-C ``times`` (SIGINT to the whole group, as a
+    terminal does) and return the exit status, stdout and stderr."""
+    process = subprocess.Popen(
+        [*HELIX_KV, "simulate", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert process.stderr is not None
+    os.set_blocking(process.stderr.fileno(), False)
+    seen = b""
+    deadline = time.monotonic() + 120
+    while ready.encode() not in seen:
+        assert process.poll() is None, seen.decode()
+        assert time.monotonic() < deadline, seen.decode()
+        seen += process.stderr.read() or b""
+        time.sleep(0.05)
+    for _ in range(times):
+        os.killpg(process.pid, signal.SIGINT)
+        time.sleep(0.05)
+    os.set_blocking(process.stderr.fileno(), True)
+    stdout, stderr = process.communicate(timeout=120)
+    _assert_group_gone(process.pid)
+    return process.returncode, stdout.decode(), (seen + stderr).decode()
+
+
+def _assert_group_gone(group: int) -> None:
+    """Every process of the group (the rank processes of --procs included) has exited."""
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, "a process of the run outlived it"
+        time.sleep(0.1)
+
+
+def _last_line(stderr: str) -> str:
+    # the progress line redraws itself with carriage returns; what follows it is one line
+    tail = stderr.replace("\r", "\n").strip().splitlines()[-1]
+    assert "Traceback" not in stderr
+    assert "Warning" not in stderr
+    return tail
+
+
+def _interrupted_steps(line: str) -> int:
+    assert line.startswith("helix-kv simulate: interrupted after "), line
+    assert line.endswith(" steps; the report covers those"), line
+    return int(line.split()[4])
+
+
+@needs_scheduler
+def test_ctrl_c_prints_the_report_so_far_and_exits_130() -> None:
+    status, stdout, stderr = _interrupt(LONG, ready="step")
+    assert status == EXIT_INTERRUPTED == 130
+    steps = _interrupted_steps(_last_line(stderr))
+    assert stdout.startswith("helix-kv simulate: ")
+    assert f"  steps                       {steps}\n" in stdout
+    assert f"interrupted after {steps} steps: the figures cover those only" in stdout
+    finished = next(line for line in stdout.splitlines() if "requests finished" in line)
+    assert finished.split()[-1] == "3000"
+    assert int(finished.split()[-3]) < 3000
+
+
+@needs_scheduler
+def test_ctrl_c_with_json_prints_the_partial_report() -> None:
+    status, stdout, stderr = _interrupt([*LONG, "--json"], ready="step")
+    assert status == 130
+    report = json.loads(stdout)
+    assert report["interrupted"] is True
+    assert report["steps"] == _interrupted_steps(_last_line(stderr))
+    assert report["requests_finished"] < report["requests_total"] == 3000
+    assert report["rank_agreement"] is True
+
+
+@needs_scheduler
+def test_ctrl_c_with_procs_stops_every_rank_quietly() -> None:
+    pytest.importorskip("torch")
+    status, stdout, stderr = _interrupt([*LONG, "--procs"], ready="rank 0 [")
+    assert status == 130
+    steps = _interrupted_steps(_last_line(stderr))
+    assert f"interrupted after {steps} steps" in stdout
+    assert "yes (2 rank processes, every step)" in stdout
+    assert stderr.count("helix-kv simulate:") == 1
+
+
+@needs_scheduler
+def test_ctrl_c_twice_with_procs_ends_the_ranks_at_once() -> None:
+    pytest.importorskip("torch")
+    status, stdout, stderr = _interrupt([*LONG, "--procs"], ready="rank 0 [", times=2)
+    assert status == 130
+    assert stdout == ""
+    # rank 0's progress line may be cut short by SIGTERM: the message ends that line
+    assert _last_line(stderr).endswith("helix-kv simulate: interrupted")
+
+
+# --- wording ------------------------------------------------------------------------------
+
+
+@needs_scheduler
+def test_procs_with_one_rank_runs_without_a_warning() -> None:
+    pytest.importorskip("torch")
+    done = run("simulate", "--procs", "--cp", "1", "--requests", "4", "--kv-tokens", "4096")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert "rank agreement              n/a (1 rank process: nothing to compare)" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("cp", "header"),
+    [
+        ("2", "kv_tokens=16384,"),  # 512 superblocks of 32 tokens: all of it
+        ("3", "kv_tokens=16368 (16384 asked),"),  # 341 superblocks of 48 tokens
+    ],
+)
+@needs_scheduler
+def test_header_states_the_usable_capacity(cp: str, header: str) -> None:
+    done = run("simulate", "--cp", cp, "--requests", "2")
+    assert done.returncode == 0, done.stderr
+    assert header in done.stdout.splitlines()[0]

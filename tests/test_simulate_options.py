@@ -1,0 +1,88 @@
+"""The checks made before a simulation starts: core errors in the flags' terms, the pool and
+request-length limits (checked before anything large is allocated), the usable capacity."""
+
+from __future__ import annotations
+
+import pytest
+
+import helix_kv
+from helix_kv.simulate.options import (
+    MAX_KV_SUPERBLOCKS,
+    MAX_REQUEST_TOKENS,
+    SimulationOptions,
+    SimulationSetupError,
+    check_config,
+    in_flag_terms,
+    preflight,
+)
+from helix_kv.simulate.workload import RequestSpec
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler is not built yet"
+)
+
+
+@pytest.mark.parametrize(
+    ("core", "cli"),
+    [
+        (
+            "serving_mode non_helix needs cp_size == 1 (got 2)",
+            "--mode non_helix needs --cp 1 (got 2)",
+        ),
+        (
+            "kv_tokens = 8 is less than one superblock (16 tokens = tokens_per_block 8 x "
+            "cp_size 2)",
+            "--kv-tokens 8 is less than one superblock (16 tokens = --tokens-per-block 8 x --cp 2)",
+        ),
+        (
+            "cp_size * tokens_per_block = 33554432 exceeds 16777216",
+            "--cp * --tokens-per-block = 33554432 exceeds 16777216",
+        ),
+        (
+            "host_tier_superblocks = 4 is rejected; set host_tier_superblocks = 0",
+            "--host-tier-tokens (4 superblocks) is rejected; set --host-tier-tokens 0",
+        ),
+        ("max_num_tokens_x stays", "max_num_tokens_x stays"),  # whole names only
+    ],
+)
+def test_core_messages_read_in_flags(core: str, cli: str) -> None:
+    assert in_flag_terms(core) == cli
+
+
+def test_config_errors_name_flags_not_fields() -> None:
+    with pytest.raises(SimulationSetupError) as caught:
+        check_config(SimulationOptions(cp=4, scheduler={"tokens_per_block": 2**23}))
+    message = str(caught.value)
+    assert "--cp * --tokens-per-block" in message
+    assert "cp_size" not in message
+
+
+def test_pool_beyond_the_limit_is_refused_before_a_ledger_exists() -> None:
+    superblock = 2 * 16
+    pages = {"tokens_per_block": 16}
+    check_config(
+        SimulationOptions(cp=2, kv_tokens=MAX_KV_SUPERBLOCKS * superblock, scheduler=pages)
+    )
+    too_many = (MAX_KV_SUPERBLOCKS + 1) * superblock
+    with pytest.raises(SimulationSetupError) as caught:
+        check_config(SimulationOptions(cp=2, kv_tokens=too_many, scheduler=pages))
+    assert str(caught.value) == (
+        f"--kv-tokens {(MAX_KV_SUPERBLOCKS + 1) * superblock} is {MAX_KV_SUPERBLOCKS + 1} "
+        f"superblocks of 32 tokens; the simulator holds at most {MAX_KV_SUPERBLOCKS} "
+        f"superblocks (--kv-tokens {MAX_KV_SUPERBLOCKS * superblock} with this --cp and "
+        "--tokens-per-block)"
+    )
+
+
+def test_a_trace_request_beyond_the_length_limit_is_refused_before_its_prompt_is_built() -> None:
+    options = SimulationOptions(cp=2, kv_tokens=4096, scheduler={"max_seq_len": 2**62})
+    huge = RequestSpec(request_id=7, arrival_step=0, prompt_len=2**31 - 1, output_len=4)
+    with pytest.raises(SimulationSetupError, match=f"request 7 .* at most {MAX_REQUEST_TOKENS}"):
+        preflight(options, [huge])
+
+
+def test_resolved_config_reports_the_usable_capacity_from_the_core() -> None:
+    resolved = SimulationOptions(cp=3, scheduler={"tokens_per_block": 16}).resolved({})
+    assert resolved["kv_tokens"] == 16_384
+    config = helix_kv.SchedulerConfig(cp_size=3, tokens_per_block=16, kv_tokens=16_384)
+    assert resolved["kv_tokens_effective"] == config.kv_tokens == 16_368
