@@ -6,7 +6,9 @@ the whole context it reads back (a CRC of the request id and every token). A sch
 feeds a wrong token, position or page changes every later token, so comparing outputs with a
 run without pressure checks replay end to end. Every step also checks replay directly
 (re-prefill tokens are prompt + tokens generated so far; decode positions continue from the
-new prompt end) and that victims are strictly behind the request that needed their pages.
+new prompt end), that victims are strictly behind the request that needed their pages, that
+each such request is served in the step that preempted for it (no futile preemption), and
+that a victim goes past ``max_preemptions_per_request`` only for the queue head.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class RunResult:
     reverted: int = 0
     victims: List[Tuple[int, int]] = field(default_factory=list)
     max_request_preemptions: int = 0
+    # preemptions that took a request past the bound (each for the queue head)
+    preemptions_past_bound: int = 0
     metrics: Optional[helix_kv.SchedulerMetrics] = None
 
 
@@ -124,10 +128,8 @@ class Executor:
             assert known[len(known) - len(generated) :] == generated
             self.result.outputs[request_id] = generated
         self.result.steps += 1
-        bound = int(self.config.max_preemptions_per_request)
         for request_id in self.group.schedulers[0].queue_ids().tolist():
             preemptions = self.group.schedulers[0].request_metrics(request_id).preemptions
-            assert preemptions <= bound
             self.result.max_request_preemptions = max(
                 self.result.max_request_preemptions, preemptions
             )
@@ -162,9 +164,17 @@ class Executor:
     def _check_victims(self, out: helix_kv.ScheduleOutput) -> None:
         pairs = list(zip(out.preempted_ids.tolist(), out.preempted_requester_ids.tolist()))
         pairs += list(zip(out.suspended_ids.tolist(), out.suspended_requester_ids.tolist()))
+        served = set(out.generation_ids.tolist()) | set(out.context_ids.tolist())
+        head = min(self.known, key=self.arrival.__getitem__, default=None)
+        bound = int(self.config.max_preemptions_per_request)
+        scheduler = self.group.schedulers[0]
         for victim, requester in pairs:
             assert self.arrival[victim] > self.arrival[requester], (victim, requester)
             assert victim not in out.generation_ids.tolist()
+            assert requester in served, f"futile preemption of {victim} for {requester}"
+            if scheduler.request_metrics(victim).preemptions > bound:
+                assert requester == head, (victim, requester, head)
+                self.result.preemptions_past_bound += 1
         self.result.victims.extend(pairs)
 
     def _check_replay(self, out: helix_kv.ScheduleOutput) -> None:

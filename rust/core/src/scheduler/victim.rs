@@ -219,4 +219,56 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn rollback_makes_tentatively_removed_candidates_candidates_again() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for policy in [
+            VictimPolicy::NewestFirst,
+            VictimPolicy::LeastComputedFirst,
+            VictimPolicy::Priority,
+        ] {
+            for len in [1usize, 3, 16, 50] {
+                let mut keys: Vec<VictimKey> = (0..len)
+                    .map(|_| (next() % 3 != 0).then(|| next() % 4))
+                    .collect();
+                let mut finder = VictimFinder::new(policy);
+                finder.begin_step(len);
+                let mut requester = 0;
+                while requester < len {
+                    // A tentative plan: take a few, then roll back or keep them.
+                    let checkpoint = finder.checkpoint();
+                    let mut taken = Vec::new();
+                    for _ in 0..(next() % 4) {
+                        let snapshot = keys.clone();
+                        let got = finder.find(requester, |p| snapshot[p]);
+                        assert_eq!(got, brute(policy, &keys, requester), "{policy:?}");
+                        let Some(pos) = got else { break };
+                        finder.remove(pos);
+                        taken.push((pos, keys[pos].take()));
+                    }
+                    if next() % 2 == 0 {
+                        finder.rollback(checkpoint);
+                        for (pos, key) in taken {
+                            keys[pos] = key;
+                        }
+                    }
+                    let snapshot = keys.clone();
+                    let got = finder.find(requester, |p| snapshot[p]);
+                    assert_eq!(
+                        got,
+                        brute(policy, &keys, requester),
+                        "{policy:?} after plan"
+                    );
+                    requester += 1 + (next() % 3) as usize;
+                }
+            }
+        }
+    }
 }
