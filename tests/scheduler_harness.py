@@ -164,7 +164,9 @@ class Executor:
     def _check_victims(self, out: helix_kv.ScheduleOutput) -> None:
         pairs = list(zip(out.preempted_ids.tolist(), out.preempted_requester_ids.tolist()))
         pairs += list(zip(out.suspended_ids.tolist(), out.suspended_requester_ids.tolist()))
+        # a suspended queue head that preempted to come back is served by its resume
         served = set(out.generation_ids.tolist()) | set(out.context_ids.tolist())
+        served |= set(out.resumed_ids.tolist())
         head = min(self.known, key=self.arrival.__getitem__, default=None)
         bound = int(self.config.max_preemptions_per_request)
         scheduler = self.group.schedulers[0]

@@ -3,9 +3,10 @@
 //!
 //! - no futile preemption: every request preempted in a step was preempted for a
 //!   requester that is then served in that same step (the harness checks this every
-//!   step, see `common::Group::check_structure`);
+//!   step, see `common::Group::check_ladder`);
 //! - liveness does not depend on `max_preemptions_per_request`: when every request fits
-//!   the pool alone, no bound >= 1 ever ends a run with `DeadlockError`.
+//!   the pool alone, no bound >= 1 ever ends a run with `DeadlockError` (aggregated Helix,
+//!   and `non_helix` with a host tier, where a suspended queue head may preempt to resume).
 
 mod common;
 
@@ -20,22 +21,25 @@ struct Case {
     revert_per_mille: u64,
 }
 
-/// Aggregated Helix under pressure: a pool that holds the largest request (so every
-/// request fits alone) plus a small share of the rest, a small preemption bound, any
-/// victim policy, chunked prefill on or off.
-fn case() -> impl Strategy<Value = Case> {
+/// Under pressure: a pool that holds the largest request (so every request fits alone)
+/// plus a small share of the rest, a small preemption bound, any victim policy, chunked
+/// prefill on or off. `host_tiers` empty: aggregated Helix at cp 1..4; otherwise
+/// `non_helix` (cp 1) with one of these host tiers.
+fn case(host_tiers: &'static [u32]) -> impl Strategy<Value = Case> {
+    let max_cp = if host_tiers.is_empty() { 5 } else { 2 };
     (
-        (1u32..5, 1u32..9, 0u64..40, 1u32..4, 0usize..3),
+        (1u32..max_cp, 1u32..9, 0u64..40, 1u32..4, 0usize..3),
         (1u32..12, 8u32..96, any::<bool>(), 1u32..9, any::<bool>()),
         (
             0u64..3,
             prop::collection::vec((1usize..48, 1u32..32, -2i32..3, 0u64..6), 2..12),
+            0usize..host_tiers.len().max(1),
         ),
     )
-        .prop_map(|(shape, budget, rest)| {
+        .prop_map(move |(shape, budget, rest)| {
             let (cp, tpb, spare_percent, bound, policy) = shape;
             let (max_batch_size, max_num_tokens, chunked, chunk_unit, admit) = budget;
-            let (revert, requests) = rest;
+            let (revert, requests, host_tier) = rest;
             let specs: Vec<Spec> = requests
                 .iter()
                 .enumerate()
@@ -55,7 +59,10 @@ fn case() -> impl Strategy<Value = Case> {
             let mut config = SchedulerConfig::new(superblocks as u32);
             config.cp_size = cp;
             config.tokens_per_block = tpb;
-            config.serving_mode = ServingMode::AggregatedHelix;
+            if let Some(&superblocks) = host_tiers.get(host_tier) {
+                config.serving_mode = ServingMode::NonHelix;
+                config.host_tier_superblocks = superblocks;
+            }
             config.victim_policy = [
                 VictimPolicy::NewestFirst,
                 VictimPolicy::LeastComputedFirst,
@@ -80,30 +87,42 @@ fn case() -> impl Strategy<Value = Case> {
         })
 }
 
+fn run_to_the_end(case: &Case) -> Result<(), TestCaseError> {
+    let config = &case.config;
+    let mut group = Group::new(config, Model::default());
+    let options = RunOptions {
+        revert_per_mille: case.revert_per_mille,
+        seed: case.specs.len() as u64,
+        max_steps: 20_000,
+    };
+    match group.run(&case.specs, options) {
+        Ok(result) => assert_matches_reference(&case.specs, Model::default(), &result),
+        Err(CoreError::Deadlock(msg)) => prop_assert!(
+            false,
+            "bound {} deadlocked: {}",
+            config.max_preemptions_per_request,
+            msg
+        ),
+        Err(other) => prop_assert!(false, "unexpected error {}", other),
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
-    /// Every request fits alone, so with any bound >= 1 the group runs to the end: no
-    /// `DeadlockError`, every rank identical every step, outputs exact, and every
-    /// preemption served its requester in the same step.
+    /// Aggregated Helix, every request fits alone: with any bound >= 1 the group runs to
+    /// the end: no `DeadlockError`, every rank identical every step, outputs exact, and
+    /// every preemption served its requester in the same step.
     #[test]
-    fn no_bound_ever_deadlocks_a_workload_whose_requests_fit_alone(case in case()) {
-        let config = &case.config;
-        let mut group = Group::new(config, Model::default());
-        let options = RunOptions {
-            revert_per_mille: case.revert_per_mille,
-            seed: case.specs.len() as u64,
-            max_steps: 20_000,
-        };
-        match group.run(&case.specs, options) {
-            Ok(result) => assert_matches_reference(&case.specs, Model::default(), &result),
-            Err(CoreError::Deadlock(msg)) => prop_assert!(
-                false,
-                "bound {} deadlocked: {}",
-                config.max_preemptions_per_request,
-                msg
-            ),
-            Err(other) => prop_assert!(false, "unexpected error {}", other),
-        }
+    fn no_bound_ever_deadlocks_a_workload_whose_requests_fit_alone(case in case(&[])) {
+        run_to_the_end(&case)?;
+    }
+
+    /// The same on one `non_helix` rank with a host tier, where victims are suspended
+    /// while it has room and a suspended queue head may preempt to resume.
+    #[test]
+    fn no_bound_ever_deadlocks_a_non_helix_rank_with_a_host_tier(case in case(&[2, 8, 1000])) {
+        run_to_the_end(&case)?;
     }
 }

@@ -82,7 +82,7 @@ impl Scheduler {
             match request.state {
                 RequestState::Decoding => self.schedule_decode(step, pos, req)?,
                 RequestState::Suspended if request.victim_step != step => {
-                    self.try_resume(step, req)?;
+                    self.try_resume(step, pos, req)?;
                 }
                 _ => {}
             }
@@ -159,9 +159,17 @@ impl Scheduler {
         self.step_tokens += 1;
     }
 
-    fn try_resume(&mut self, step: u64, req: ReqSlot) -> Result<()> {
+    /// Brings a suspended request back when the pool has room for it. The queue head
+    /// does not wait for room: like any other head it may take pages from requests
+    /// behind it (see `preempt_for`), so a small preemption bound cannot stall it.
+    fn try_resume(&mut self, step: u64, pos: usize, req: ReqSlot) -> Result<()> {
         let id = self.requests[req as usize].id;
-        if self.ledger.resume(id)? {
+        let mut resumed = self.ledger.resume(id)?;
+        if !resumed && pos == 0 {
+            let len = self.ledger.request(id)?.suspended_len().unwrap_or_default();
+            resumed = self.preempt_for(step, pos, id, len)? && self.ledger.resume(id)?;
+        }
+        if resumed {
             let request = &mut self.requests[req as usize];
             self.host_used_superblocks -= request.host_superblocks;
             request.host_superblocks = 0;

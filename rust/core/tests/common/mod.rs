@@ -219,8 +219,12 @@ impl Group {
     /// step is served in it. A victim goes past the preemption bound only for the queue
     /// head (the oldest live request).
     fn check_ladder(&mut self, out: &ScheduleOutput) {
-        let served =
-            |id: &RequestId| out.generation_ids.contains(id) || out.context_ids.contains(id);
+        // A suspended queue head that preempted to come back is served by its resume.
+        let served = |id: &RequestId| {
+            out.generation_ids.contains(id)
+                || out.context_ids.contains(id)
+                || out.resumed_ids.contains(id)
+        };
         let head = self.known.keys().min_by_key(|id| self.arrival[id]).copied();
         let bound = self.config.max_preemptions_per_request;
         for (victims, requesters) in [
