@@ -6,7 +6,9 @@ the whole context it reads back (a CRC of the request id and every token). A sch
 feeds a wrong token, position or page changes every later token, so comparing outputs with a
 run without pressure checks replay end to end. Every step also checks replay directly
 (re-prefill tokens are prompt + tokens generated so far; decode positions continue from the
-new prompt end) and that victims are strictly behind the request that needed their pages.
+new prompt end), that victims are strictly behind the request that needed their pages, that
+each such request is served in the step that preempted for it (no futile preemption), and
+that a victim goes past ``max_preemptions_per_request`` only for the queue head.
 
 Requests may be aborted (:attr:`Spec.abort_step`): between steps or while a step is pending,
 optionally only once seen in a given state. Aborted outputs must be the start of the output
@@ -69,6 +71,8 @@ class RunResult:
     reverted: int = 0
     victims: List[Tuple[int, int]] = field(default_factory=list)
     max_request_preemptions: int = 0
+    # preemptions that took a request past the bound (each for the queue head)
+    preemptions_past_bound: int = 0
     metrics: Optional[helix_kv.SchedulerMetrics] = None
 
 
@@ -214,10 +218,8 @@ class Executor:
         assert not self.aborting, "every requested abort took effect at update"
         self._check_host_tier()
         self.result.steps += 1
-        bound = int(self.config.max_preemptions_per_request)
         for request_id in self.group.schedulers[0].queue_ids().tolist():
             preemptions = self.group.schedulers[0].request_metrics(request_id).preemptions
-            assert preemptions <= bound
             self.result.max_request_preemptions = max(
                 self.result.max_request_preemptions, preemptions
             )
@@ -257,9 +259,19 @@ class Executor:
     def _check_victims(self, out: helix_kv.ScheduleOutput) -> None:
         pairs = list(zip(out.preempted_ids.tolist(), out.preempted_requester_ids.tolist()))
         pairs += list(zip(out.suspended_ids.tolist(), out.suspended_requester_ids.tolist()))
+        # a suspended queue head that preempted to come back is served by its resume
+        served = set(out.generation_ids.tolist()) | set(out.context_ids.tolist())
+        served |= set(out.resumed_ids.tolist())
+        head = min(self.known, key=self.arrival.__getitem__, default=None)
+        bound = int(self.config.max_preemptions_per_request)
+        scheduler = self.group.schedulers[0]
         for victim, requester in pairs:
             assert self.arrival[victim] > self.arrival[requester], (victim, requester)
             assert victim not in out.generation_ids.tolist()
+            assert requester in served, f"futile preemption of {victim} for {requester}"
+            if scheduler.request_metrics(victim).preemptions > bound:
+                assert requester == head, (victim, requester, head)
+                self.result.preemptions_past_bound += 1
         self.result.victims.extend(pairs)
 
     def _check_replay(self, out: helix_kv.ScheduleOutput) -> None:

@@ -95,7 +95,7 @@ def test_random_configs_and_workloads_keep_every_invariant(case: tuple) -> None:
     if isinstance(stopped, helix_kv.DeadlockError):
         # only a preemption bound that ran out, or a server that may not preempt, can wedge
         # a group whose every request fits the pool
-        bound_hit = executor.result.max_request_preemptions == config.max_preemptions_per_request
+        bound_hit = executor.result.max_request_preemptions >= config.max_preemptions_per_request
         assert bound_hit or config.serving_mode == "disaggregated_generation", str(stopped)
         if config.serving_mode == "aggregated_helix":
             assert "host" not in str(stopped)

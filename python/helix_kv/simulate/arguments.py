@@ -181,7 +181,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-preemptions",
         type=_integer(0, U32_MAX),
         metavar="N",
-        help="a request preempted this often is never a victim again (default 8)",
+        help="a request preempted this often is a victim again only for the oldest live "
+        "request; 0: never (default 8)",
     )
     group.add_argument(
         "--admit-after-preemption",

@@ -29,7 +29,10 @@ fn run(
     let mut group = Group::new(config, model);
     let result = group.run(specs, options).expect("run");
     assert_matches_reference(specs, model, &result);
-    assert!(result.max_request_preemptions <= config.max_preemptions_per_request);
+    assert!(
+        result.max_request_preemptions <= config.max_preemptions_per_request
+            || result.preemptions_past_bound > 0
+    );
     result
 }
 
@@ -148,27 +151,26 @@ fn eos_ends_requests_early_and_frees_their_pages() {
 }
 
 #[test]
-fn bound_on_preemptions_holds_under_heavy_pressure() {
+fn bound_on_preemptions_gives_way_only_to_the_queue_head() {
     let specs: Vec<Spec> = (0..12).map(|i| Spec::new(i, 6, 40)).collect();
+    let mut past_bound = 0;
     for cp in CPS {
         let mut config = config(cp, 2, 96);
         config.max_preemptions_per_request = 2;
         config.deadlock_steps = 16;
         let mut group = Group::new(&config, Model::default());
-        match group.run(&specs, RunOptions::default()) {
-            Ok(result) => {
-                assert_matches_reference(&specs, Model::default(), &result);
-                assert!(result.max_request_preemptions <= 2);
-            }
-            // With a tight bound the group may legitimately wedge; then every rank
-            // reports it identically (the harness checks) and the bound still held.
-            Err(helix_kv_core::CoreError::Deadlock(msg)) => {
-                assert!(msg.contains("max_preemptions_per_request"), "{msg}");
-                assert!(group.result.max_request_preemptions <= 2);
-            }
-            Err(other) => panic!("unexpected error {other}"),
-        }
+        // Every request fits alone, so a tight bound never wedges the group: the oldest
+        // live request may take requests at their bound (the harness checks that each
+        // preemption past the bound is for the queue head).
+        let result = group.run(&specs, RunOptions::default()).expect("run");
+        assert_matches_reference(&specs, Model::default(), &result);
+        assert!(result.max_request_preemptions <= 2 || result.preemptions_past_bound > 0);
+        past_bound += result.preemptions_past_bound;
     }
+    assert!(
+        past_bound > 0,
+        "the workload must push a request past its bound"
+    );
 }
 
 /// Runs `specs` with their aborts, then the survivors alone (no aborts) under the same

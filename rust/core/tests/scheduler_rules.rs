@@ -617,3 +617,162 @@ fn the_output_can_be_moved_out_and_the_step_still_closes() {
     );
     s.revert().unwrap();
 }
+
+/// Steps until every request has finished, checking each step that every preemption
+/// served its requester in that step.
+fn run_to_end(s: &mut Scheduler) {
+    for _ in 0..1_000 {
+        if !s.has_unfinished() {
+            return;
+        }
+        let out = step(s, 1);
+        for requester in &out.preempted_requester_ids {
+            assert!(
+                out.generation_ids.contains(requester) || out.context_ids.contains(requester),
+                "step {}: futile preemption for {requester}",
+                out.step
+            );
+        }
+    }
+    panic!("did not finish");
+}
+
+#[test]
+fn a_request_preempts_nobody_when_the_victims_behind_it_cannot_free_enough() {
+    // tpb 4, cp 1, 7 superblocks: 0 and 1 hold 3 each, 2 holds 1; the pool is full.
+    let mut config = config(1, 4, 7);
+    config.victim_policy = VictimPolicy::Priority;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(0, &prompt(12), 8, 5).unwrap();
+    s.add_request(1, &prompt(12), 8, -1).unwrap();
+    s.add_request(2, &prompt(4), 8, 5).unwrap();
+    step(&mut s, 1);
+    assert_eq!(s.ledger().free_superblocks(), 0);
+    // 0's first decode token needs a fourth superblock: 1 (lowest priority) frees 3.
+    let out = step(&mut s, 1);
+    assert_eq!(
+        (out.preempted_ids, out.preempted_requester_ids),
+        (vec![1], vec![0])
+    );
+    assert_eq!(out.generation_ids, vec![0, 2]);
+    assert_eq!(s.ledger().free_superblocks(), 1);
+    // 1 must re-prefill 13 tokens (4 superblocks). Behind it only 2 is a candidate, and
+    // its 2 superblocks plus the 1 free make 3: preempting 2 would not serve 1, so nobody
+    // is preempted and 1 waits.
+    assert_eq!(s.ledger().request(2).unwrap().table().len(), 2);
+    let out = step(&mut s, 1);
+    assert!(out.preempted_ids.is_empty(), "{}", out.summary());
+    assert!(out.context_ids.is_empty());
+    assert_eq!(out.generation_ids, vec![0, 2]);
+    assert_eq!(s.request_state(1).unwrap(), RequestState::Waiting);
+    assert_eq!(s.request_metrics(2).unwrap().preemptions, 0);
+    assert_eq!(s.metrics().preemptions, 1);
+    run_to_end(&mut s);
+}
+
+#[test]
+fn a_request_served_by_preempting_is_no_victim_later_in_that_step() {
+    // tpb 1, cp 1, 25 superblocks. 0 prefills a 24-token prompt in chunks of 8 while 1
+    // and 2 (3 and 4 tokens) decode behind it, one superblock per token.
+    let mut config = config(1, 1, 25);
+    config.max_num_tokens = 15;
+    config.chunk_unit = Some(8);
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(0, &prompt(24), 1, 0).unwrap();
+    s.add_request(1, &prompt(3), 20, 0).unwrap();
+    s.add_request(2, &prompt(4), 20, 0).unwrap();
+    let out = step(&mut s, 1);
+    assert_eq!(out.context_lens, vec![8, 3, 4]);
+    let out = step(&mut s, 1);
+    assert_eq!((out.context_ids, out.context_lens), (vec![0], vec![8]));
+    assert_eq!(s.ledger().free_superblocks(), 0);
+    // Step 2: 1 needs a superblock and preempts 2 (5 superblocks), leaving 4 free. 0's
+    // last chunk needs 8: 1's 5 superblocks would cover it, but taking them would make
+    // 2's preemption futile. 0 waits; 1 decodes.
+    let out = step(&mut s, 1);
+    assert_eq!(
+        (&out.preempted_ids, &out.preempted_requester_ids),
+        (&vec![2], &vec![1])
+    );
+    assert_eq!(out.generation_ids, vec![1]);
+    assert!(out.context_ids.is_empty(), "{}", out.summary());
+    // The next step 0 may take 1's pages.
+    let out = step(&mut s, 1);
+    assert_eq!(
+        (out.preempted_ids, out.preempted_requester_ids),
+        (vec![1], vec![0])
+    );
+    assert_eq!(out.context_ids, vec![0]);
+    run_to_end(&mut s);
+}
+
+#[test]
+fn the_queue_head_may_preempt_past_the_bound_so_a_small_bound_cannot_deadlock() {
+    // tpb 1, cp 1, 19 superblocks, bound 1, 8 tokens a step: 0 (19 tokens) and 1 (17
+    // tokens, a step later) each fit alone. 0 preempts 1 once, which puts 1 at its bound;
+    // 1 re-prefills in chunks. When 0 (the oldest live request) next runs out of pages,
+    // it may still take 1's, instead of both sitting out until DeadlockError.
+    let mut config = config(1, 1, 19);
+    config.max_preemptions_per_request = 1;
+    config.max_batch_size = 3;
+    config.max_num_tokens = 8;
+    config.chunk_unit = Some(1);
+    config.deadlock_steps = 8;
+    let specs = vec![Spec::new(0, 1, 18), Spec::new(1, 1, 16).at(1)];
+    let mut group = Group::new(&config, Model::default());
+    let result = group
+        .run(&specs, RunOptions::default())
+        .expect("no deadlock");
+    assert_matches_reference(&specs, Model::default(), &result);
+    assert!(result.preemptions_past_bound > 0);
+    assert!(result.max_request_preemptions > 1);
+    assert!(result
+        .victims
+        .iter()
+        .all(|&(victim, requester)| (victim, requester) == (1, 0)));
+}
+
+#[test]
+fn only_the_queue_head_takes_a_victim_at_its_bound() {
+    // tpb 1, cp 1, bound 1, 12 superblocks: 0 (4 tokens), 1 and 2 (3 tokens each)
+    // decode, one superblock per token.
+    let mut config = config(1, 1, 12);
+    config.max_preemptions_per_request = 1;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(0, &prompt(4), 8, 0).unwrap();
+    s.add_request(1, &prompt(3), 8, 0).unwrap();
+    s.add_request(2, &prompt(3), 8, 0).unwrap();
+    loop {
+        let out = step(&mut s, 1);
+        if !out.preempted_ids.is_empty() {
+            // 0 needed a page first: the newest, 2, goes and reaches its bound.
+            assert_eq!(
+                (out.preempted_ids, out.preempted_requester_ids),
+                (vec![2], vec![0])
+            );
+            break;
+        }
+    }
+    assert_eq!(s.request_metrics(2).unwrap().preemptions, 1);
+    // Whenever 2 is preempted again, it is for the queue head; 1 sits out instead.
+    let mut past_bound = 0;
+    for _ in 0..200 {
+        if !s.has_unfinished() {
+            break;
+        }
+        let head = s.queue_ids()[0];
+        let out = step(&mut s, 1);
+        for (&victim, &requester) in out.preempted_ids.iter().zip(&out.preempted_requester_ids) {
+            if s.request_metrics(victim).unwrap().preemptions > 1 {
+                assert_eq!(requester, head, "step {}", out.step);
+                past_bound += 1;
+            }
+        }
+    }
+    assert!(!s.has_unfinished());
+    assert!(past_bound > 0, "the workload must push 2 past its bound");
+    assert!(
+        s.metrics().sat_out > 0,
+        "1 must have sat out rather than take 2"
+    );
+}

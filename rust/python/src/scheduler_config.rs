@@ -335,7 +335,8 @@ impl PySchedulerConfig {
     fn victim_policy(&self) -> &'static str {
         self.inner.victim_policy.as_str()
     }
-    /// A request chosen as a victim this many times is never chosen again.
+    /// A request chosen as a victim this many times is no longer chosen, except by the
+    /// oldest live request; 0 turns preemption off.
     #[getter]
     fn max_preemptions_per_request(&self) -> u32 {
         self.inner.max_preemptions_per_request

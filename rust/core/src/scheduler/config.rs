@@ -142,7 +142,9 @@ pub struct SchedulerConfig {
     pub host_tier_superblocks: u32,
     /// Who gives up pages under pressure.
     pub victim_policy: VictimPolicy,
-    /// A request chosen as a victim this many times is never chosen again.
+    /// A request chosen as a victim this many times is no longer chosen, except by the
+    /// queue head when nothing under the bound frees enough (so no bound >= 1 deadlocks);
+    /// 0 turns preemption off.
     pub max_preemptions_per_request: u32,
     /// Whether a step that preempted may still admit waiting requests.
     pub admit_after_preemption: bool,

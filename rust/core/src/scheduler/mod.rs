@@ -111,7 +111,12 @@ pub struct Scheduler {
     new_slot_reqs: Vec<ReqSlot>,
     sat_out_reqs: Vec<ReqSlot>,
     finished_ids: Vec<RequestId>,
+    /// Candidates below the preemption bound, for every requester.
     victims: VictimFinder,
+    /// Candidates at the bound, only for the queue head (see `preempt_for`).
+    head_victims: VictimFinder,
+    /// Queue positions of the victims the ladder chose for one requester.
+    plan: Vec<usize>,
     step_tokens: u64,
     /// Entries of this step that still need a new batch slot (assigned at the end).
     step_new_slots: u32,
@@ -159,6 +164,8 @@ impl Scheduler {
             sat_out_reqs: Vec::new(),
             finished_ids: Vec::new(),
             victims: VictimFinder::new(config.victim_policy),
+            head_victims: VictimFinder::new(config.victim_policy),
+            plan: Vec::new(),
             step_tokens: 0,
             step_new_slots: 0,
             step_preempted: false,

@@ -132,6 +132,8 @@ pub(super) struct Request {
     pub victim_step: u64,
     /// Last step that resumed it from the host tier.
     pub resumed_step: u64,
+    /// Last step in which it got its decode page by preempting (no victim in that step).
+    pub rescued_step: u64,
     /// Length of the prompt as added; `tokens.len() - original_prompt_len` is the number
     /// of tokens generated so far, across preemptions.
     pub original_prompt_len: u64,
@@ -185,6 +187,7 @@ impl Request {
             scheduled_step: NO_STEP,
             victim_step: NO_STEP,
             resumed_step: NO_STEP,
+            rescued_step: NO_STEP,
             sat_out_slot: None,
         }
     }

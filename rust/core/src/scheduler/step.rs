@@ -64,6 +64,7 @@ impl Scheduler {
         self.new_slot_reqs.clear();
         self.sat_out_reqs.clear();
         self.victims.begin_step(self.queue.len());
+        self.head_victims.begin_step(self.queue.len());
         self.step_tokens = 0;
         self.step_new_slots = 0;
         self.step_preempted = false;
@@ -81,7 +82,7 @@ impl Scheduler {
             match request.state {
                 RequestState::Decoding => self.schedule_decode(step, pos, req)?,
                 RequestState::Suspended if request.victim_step != step => {
-                    self.try_resume(step, req)?;
+                    self.try_resume(step, pos, req)?;
                 }
                 _ => {}
             }
@@ -99,10 +100,14 @@ impl Scheduler {
             return Ok(());
         }
         let id = request.id;
+        let mut preempted = false;
         loop {
             // The request's slot is its ledger position (see `add_request`).
             if let Some(position) = self.ledger.allocate_decode_at(req as usize, id, step)? {
                 self.push_generation_entry(step, req, position);
+                if preempted {
+                    self.mark_served_by_preempting(step, pos, req);
+                }
                 return Ok(());
             }
             if self.config.serving_mode == ServingMode::DisaggregatedGeneration {
@@ -110,9 +115,12 @@ impl Scheduler {
                     self.decode_pressure_message(id),
                 ));
             }
-            if !self.preempt_one_behind(step, pos, id)? {
+            let kv = self.ledger.request(id)?;
+            let new_len = kv.len().max(kv.next_decode_position() + 1);
+            if !self.preempt_for(step, pos, id, new_len)? {
                 break;
             }
+            preempted = true;
         }
         // Neither pages nor a victim: sit out, and give the slot up so a one-step-ahead
         // executor cannot read it as still belonging to this request.
@@ -151,9 +159,17 @@ impl Scheduler {
         self.step_tokens += 1;
     }
 
-    fn try_resume(&mut self, step: u64, req: ReqSlot) -> Result<()> {
+    /// Brings a suspended request back when the pool has room for it. The queue head
+    /// does not wait for room: like any other head it may take pages from requests
+    /// behind it (see `preempt_for`), so a small preemption bound cannot stall it.
+    fn try_resume(&mut self, step: u64, pos: usize, req: ReqSlot) -> Result<()> {
         let id = self.requests[req as usize].id;
-        if self.ledger.resume(id)? {
+        let mut resumed = self.ledger.resume(id)?;
+        if !resumed && pos == 0 {
+            let len = self.ledger.request(id)?.suspended_len().unwrap_or_default();
+            resumed = self.preempt_for(step, pos, id, len)? && self.ledger.resume(id)?;
+        }
+        if resumed {
             let request = &mut self.requests[req as usize];
             self.host_used_superblocks -= request.host_superblocks;
             request.host_superblocks = 0;
@@ -261,48 +277,100 @@ impl Scheduler {
                 self.journal.push(JournalEntry::Reserve { req, len_before });
                 return Ok(true);
             }
-            if !self.preempt_one_behind(step, pos, id)? {
+            if !self.preempt_for(step, pos, id, reserve_to)? {
                 return Ok(false);
             }
         }
     }
 
-    /// Runs one rung of the ladder for the requester at queue position `requester_pos`:
-    /// picks a victim strictly behind it and suspends or recompute-pauses it. `false`
-    /// if the configuration never preempts or there is no candidate.
-    fn preempt_one_behind(
+    /// A decode request that got its page by preempting is no victim for the rest of the
+    /// step: an older context request taking its pages would make the preemption it
+    /// paid for futile.
+    fn mark_served_by_preempting(&mut self, step: u64, pos: usize, req: ReqSlot) {
+        self.requests[req as usize].rescued_step = step;
+        self.victims.remove(pos);
+        self.head_victims.remove(pos);
+    }
+
+    /// The ladder for the requester at queue position `requester_pos`, which needs its KV
+    /// to reach `new_len` global tokens: decide first, then act. It takes candidates
+    /// strictly behind the requester in policy order (below the preemption bound; the
+    /// queue head then also those at the bound) until they and the free pool cover what
+    /// the requester lacks, and only then suspends or recompute-pauses them. If they
+    /// cannot, nothing is preempted and it returns `false`: the requester sits out or
+    /// waits. A suspend frees the same pages as a recompute-pause (the host tier is not
+    /// part of the pool), so the count is the same either way.
+    fn preempt_for(
         &mut self,
         step: u64,
         requester_pos: usize,
         requester: RequestId,
+        new_len: u64,
     ) -> Result<bool> {
         if !self.config.may_preempt() {
             return Ok(false);
         }
+        let held = self.ledger.request(requester)?.table().len() as u64;
+        let need = self.layout.superblocks_for(new_len).saturating_sub(held);
+        let mut covered = u64::from(self.ledger.free_superblocks());
+        debug_assert!(covered < need, "the allocation failed, so pages are short");
         let bound = self.config.max_preemptions_per_request;
         let policy = self.config.victim_policy;
-        let (requests, queue) = (&self.requests, &self.queue);
-        let key = |pos: usize| -> VictimKey {
-            let r = &requests[queue[pos] as usize];
-            let holds_pages = matches!(r.state, RequestState::Prefilling | RequestState::Decoding);
-            if !holds_pages
-                || r.preemptions >= bound
-                || r.resumed_step == step
-                || r.victim_step == step
-            {
-                return None;
+        let checkpoints = (self.victims.checkpoint(), self.head_victims.checkpoint());
+        self.plan.clear();
+        // The queue head may also take requests at their bound: a bound limits thrash
+        // and must never stop the oldest live request, which everything else waits
+        // behind. A bound of 0 turns preemption off altogether.
+        let tiers: &[bool] = if requester_pos == 0 && bound > 0 {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        'tiers: for &at_bound in tiers {
+            let (requests, queue) = (&self.requests, &self.queue);
+            let key = |pos: usize| -> VictimKey {
+                let r = &requests[queue[pos] as usize];
+                let holds_pages =
+                    matches!(r.state, RequestState::Prefilling | RequestState::Decoding);
+                if !holds_pages
+                    || (r.preemptions >= bound) != at_bound
+                    || r.resumed_step == step
+                    || r.victim_step == step
+                    || r.rescued_step == step
+                {
+                    return None;
+                }
+                Some(match policy {
+                    VictimPolicy::NewestFirst => 0,
+                    VictimPolicy::LeastComputedFirst => r.computed,
+                    VictimPolicy::Priority => (i64::from(r.priority) - i64::from(i32::MIN)) as u64,
+                })
+            };
+            let finder = if at_bound {
+                &mut self.head_victims
+            } else {
+                &mut self.victims
+            };
+            while covered < need {
+                let Some(pos) = finder.find(requester_pos, key) else {
+                    continue 'tiers;
+                };
+                finder.remove(pos);
+                let id = self.requests[self.queue[pos] as usize].id;
+                covered += self.ledger.request(id)?.table().len() as u64;
+                self.plan.push(pos);
             }
-            Some(match policy {
-                VictimPolicy::NewestFirst => 0,
-                VictimPolicy::LeastComputedFirst => r.computed,
-                VictimPolicy::Priority => (i64::from(r.priority) - i64::from(i32::MIN)) as u64,
-            })
-        };
-        let Some(victim_pos) = self.victims.find(requester_pos, key) else {
+            break;
+        }
+        if covered < need {
+            self.victims.rollback(checkpoints.0);
+            self.head_victims.rollback(checkpoints.1);
             return Ok(false);
-        };
-        self.victims.remove(victim_pos);
-        self.preempt(step, self.queue[victim_pos], requester)?;
+        }
+        for i in 0..self.plan.len() {
+            let victim = self.queue[self.plan[i]];
+            self.preempt(step, victim, requester)?;
+        }
         Ok(true)
     }
 

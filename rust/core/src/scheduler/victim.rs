@@ -1,9 +1,16 @@
 //! Victim search: the best candidate strictly behind a requester in queue order.
 //!
 //! Within one step the requesters of each phase come in queue order, candidates only
-//! ever disappear (a victim holds nothing afterwards, and nothing a step admits or
-//! resumes is a candidate for a later requester), so both searches below stay linear
-//! per step however many requests preempt or sit out.
+//! ever disappear (a victim holds nothing afterwards, a request served by preempting
+//! is no candidate for the rest of the step, and nothing a step admits or resumes is a
+//! candidate for a later requester), so both searches below stay linear per step however
+//! many requests preempt or sit out.
+//!
+//! The ladder decides before it acts: it takes candidates off one by one (`remove`)
+//! until they free enough, and only then preempts them. If they cannot, it puts them
+//! back (`rollback` to a `checkpoint`). That happens at most once per phase with a
+//! candidate taken: a decode token needs one superblock and every candidate holds at
+//! least one, and a context request that cannot be served ends the context phase.
 
 use super::config::VictimPolicy;
 
@@ -22,7 +29,13 @@ pub(super) struct VictimFinder {
     tree: Vec<u128>,
     leaves: usize,
     built: bool,
+    /// Candidates removed this step, with their tree leaves, for `rollback`.
+    removed: Vec<(usize, u128)>,
 }
+
+/// Where a tentative run of removals began; see [`VictimFinder::rollback`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Checkpoint(usize);
 
 const NOT_A_CANDIDATE: u128 = u128::MAX;
 
@@ -35,6 +48,7 @@ impl VictimFinder {
             tree: Vec::new(),
             leaves: 0,
             built: false,
+            removed: Vec::new(),
         }
     }
 
@@ -43,6 +57,7 @@ impl VictimFinder {
         self.queue_len = queue_len;
         self.newest_bound = queue_len;
         self.built = false;
+        self.removed.clear();
     }
 
     /// The queue position of the victim for the requester at `requester`, or `None`.
@@ -64,13 +79,47 @@ impl VictimFinder {
         self.tree_min(requester + 1)
     }
 
-    /// Marks the request at `pos` as no longer a candidate (it was just preempted).
+    /// Marks the request at `pos` as no longer a candidate (it is about to be preempted,
+    /// or it was served by preempting). `NewestFirst` relies on `key` for positions below
+    /// its bound, so only a just-found candidate moves the bound.
     pub fn remove(&mut self, pos: usize) {
-        if self.policy == VictimPolicy::NewestFirst || !self.built {
-            return;
+        let leaf = if self.policy == VictimPolicy::NewestFirst {
+            if pos + 1 == self.newest_bound {
+                self.newest_bound = pos;
+            }
+            NOT_A_CANDIDATE
+        } else if self.built {
+            let leaf = self.tree[self.leaves + pos];
+            self.set_leaf(pos, NOT_A_CANDIDATE);
+            leaf
+        } else {
+            return; // the tree is built later, from keys that already exclude it
+        };
+        self.removed.push((pos, leaf));
+    }
+
+    /// Marks the start of a tentative run of removals.
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint(self.removed.len())
+    }
+
+    /// Makes the candidates removed since `checkpoint` candidates again. Positions the
+    /// searches skipped as non-candidates stay skipped, so a later search does not walk
+    /// them again.
+    pub fn rollback(&mut self, checkpoint: Checkpoint) {
+        while self.removed.len() > checkpoint.0 {
+            let (pos, leaf) = self.removed.pop().expect("longer than the checkpoint");
+            if self.policy == VictimPolicy::NewestFirst {
+                self.newest_bound = self.newest_bound.max(pos + 1);
+            } else if self.built && leaf != NOT_A_CANDIDATE {
+                self.set_leaf(pos, leaf);
+            }
         }
+    }
+
+    fn set_leaf(&mut self, pos: usize, value: u128) {
         let mut node = self.leaves + pos;
-        self.tree[node] = NOT_A_CANDIDATE;
+        self.tree[node] = value;
         while node > 1 {
             node /= 2;
             self.tree[node] = self.tree[2 * node].min(self.tree[2 * node + 1]);
@@ -165,6 +214,58 @@ mod tests {
                             finder.remove(pos);
                         }
                     }
+                    requester += 1 + (next() % 3) as usize;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rollback_makes_tentatively_removed_candidates_candidates_again() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for policy in [
+            VictimPolicy::NewestFirst,
+            VictimPolicy::LeastComputedFirst,
+            VictimPolicy::Priority,
+        ] {
+            for len in [1usize, 3, 16, 50] {
+                let mut keys: Vec<VictimKey> = (0..len)
+                    .map(|_| (next() % 3 != 0).then(|| next() % 4))
+                    .collect();
+                let mut finder = VictimFinder::new(policy);
+                finder.begin_step(len);
+                let mut requester = 0;
+                while requester < len {
+                    // A tentative plan: take a few, then roll back or keep them.
+                    let checkpoint = finder.checkpoint();
+                    let mut taken = Vec::new();
+                    for _ in 0..(next() % 4) {
+                        let snapshot = keys.clone();
+                        let got = finder.find(requester, |p| snapshot[p]);
+                        assert_eq!(got, brute(policy, &keys, requester), "{policy:?}");
+                        let Some(pos) = got else { break };
+                        finder.remove(pos);
+                        taken.push((pos, keys[pos].take()));
+                    }
+                    if next() % 2 == 0 {
+                        finder.rollback(checkpoint);
+                        for (pos, key) in taken {
+                            keys[pos] = key;
+                        }
+                    }
+                    let snapshot = keys.clone();
+                    let got = finder.find(requester, |p| snapshot[p]);
+                    assert_eq!(
+                        got,
+                        brute(policy, &keys, requester),
+                        "{policy:?} after plan"
+                    );
                     requester += 1 + (next() % 3) as usize;
                 }
             }

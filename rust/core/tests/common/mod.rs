@@ -7,8 +7,10 @@
 //!
 //! Every step it checks: identical rank-invariant outputs, digests and state digests on
 //! every rank; per-rank fields consistent with the Helix layout; victims strictly
-//! behind their requesters; preemption bound; replay (re-prefill tokens == prompt +
-//! tokens generated so far; decode positions continue from the new prompt end).
+//! behind their requesters; no futile preemption (each requester is served in the step
+//! that preempted for it); preemption bound (past it only for the queue head); replay
+//! (re-prefill tokens == prompt + tokens generated so far; decode positions continue
+//! from the new prompt end).
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -162,6 +164,9 @@ pub struct RunResult {
     /// Every victim seen, `(victim, requester)`.
     pub victims: Vec<(RequestId, RequestId)>,
     pub max_request_preemptions: u32,
+    /// Preemptions that took a request past `max_preemptions_per_request` (each one for
+    /// the oldest live request, which the harness checks).
+    pub preemptions_past_bound: u64,
 }
 
 /// Options of a run beyond the configuration.
@@ -259,7 +264,44 @@ impl Group {
         }
         let outs: Vec<ScheduleOutput> = outs.into_iter().map(Result::unwrap).collect();
         self.check_agreement(&outs);
+        self.check_ladder(&outs[0]);
         Ok(outs)
+    }
+
+    /// No futile preemption: every request that preempted or suspended a victim in this
+    /// step is served in it. A victim goes past the preemption bound only for the queue
+    /// head (the oldest live request).
+    fn check_ladder(&mut self, out: &ScheduleOutput) {
+        // A suspended queue head that preempted to come back is served by its resume.
+        let served = |id: &RequestId| {
+            out.generation_ids.contains(id)
+                || out.context_ids.contains(id)
+                || out.resumed_ids.contains(id)
+        };
+        let head = self.known.keys().min_by_key(|id| self.arrival[id]).copied();
+        let bound = self.config.max_preemptions_per_request;
+        for (victims, requesters) in [
+            (&out.preempted_ids, &out.preempted_requester_ids),
+            (&out.suspended_ids, &out.suspended_requester_ids),
+        ] {
+            for (victim, requester) in victims.iter().zip(requesters) {
+                assert!(
+                    served(requester),
+                    "step {}: request {victim} was preempted for request {requester}, which is not served in that step",
+                    out.step
+                );
+                let preemptions = self.ranks[0].request_metrics(*victim).unwrap().preemptions;
+                if preemptions > bound {
+                    assert_eq!(
+                        Some(*requester),
+                        head,
+                        "step {}: request {victim} preempted {preemptions} times (bound {bound}) for a request that is not the queue head",
+                        out.step
+                    );
+                    self.result.preemptions_past_bound += 1;
+                }
+            }
+        }
     }
 
     fn check_agreement(&self, outs: &[ScheduleOutput]) {
@@ -871,14 +913,11 @@ impl Group {
             .collect()
     }
 
+    /// Tracks the most preemptions of a request; `check_ladder` checks each preemption
+    /// past the bound as it happens.
     fn check_bound(&mut self) {
-        let bound = self.config.max_preemptions_per_request;
         for id in self.ranks[0].queue_ids() {
             let p = self.ranks[0].request_metrics(id).unwrap().preemptions;
-            assert!(
-                p <= bound,
-                "request {id} preempted {p} times, bound {bound}"
-            );
             self.result.max_request_preemptions = self.result.max_request_preemptions.max(p);
         }
     }
