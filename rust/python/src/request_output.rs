@@ -30,7 +30,10 @@ fn parse_finish_reason(text: &str) -> PyResult<FinishReason> {
 /// array must not be writable either.
 fn frozen_tokens(py: Python<'_>, tokens: Vec<i32>) -> PyResult<Py<PyArray1<i32>>> {
     let array = PyArray1::from_vec(py, tokens);
-    array.getattr("flags")?.setattr("writeable", false)?;
+    // Fresh and unshared, so the write borrow cannot fail.
+    if let Ok(borrow) = array.try_readwrite() {
+        drop(borrow.make_nonwriteable());
+    }
     Ok(array.unbind())
 }
 
@@ -149,11 +152,7 @@ impl PyRequestOutput {
             self.id,
             shown.join(", "),
             self.finish_reason.as_str(),
-            PyRequestMetrics::from(self.metrics).__repr__()
+            PyRequestMetrics::from(self.metrics).__repr__(py)?
         ))
     }
-}
-
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyRequestOutput>()
 }
