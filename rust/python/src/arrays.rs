@@ -559,3 +559,13 @@ pub fn table_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(Vec<i64>, usiz
     }
     Ok((entries, width.unwrap_or(0)))
 }
+
+/// Clears the `WRITEABLE` flag of an array the binding just made (from a vector): numpy then
+/// refuses writes, and as the memory's owner is not a writable buffer, Python cannot set the
+/// flag back.
+pub fn make_read_only<T: numpy::Element>(array: &Bound<'_, PyArray1<T>>) {
+    // A fresh, unshared array: the write borrow cannot fail.
+    if let Ok(borrow) = array.try_readwrite() {
+        drop(borrow.make_nonwriteable());
+    }
+}

@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
-use crate::arrays::{invalid_type_of, u64_arg};
+use crate::arrays::{invalid_type_of, make_read_only, u64_arg};
 use crate::errors::{IntoPyResult, InvalidArgumentError};
 
 /// A core element type exposed as numpy dtype `N` (ids as uint64, lengths and positions
@@ -110,11 +110,7 @@ impl<T: Exposed<N>, N: Element + Copy> LazyArray<T, N> {
             .get_or_init(py, || {
                 let converted: Vec<N> = self.take_vector().into_iter().map(T::to_numpy).collect();
                 let array = PyArray1::from_vec(py, converted);
-                // Fresh and unshared, so the write borrow cannot fail; the array has no
-                // owner of its own that Python could make writeable again.
-                if let Ok(borrow) = array.try_readwrite() {
-                    drop(borrow.make_nonwriteable());
-                }
+                make_read_only(&array);
                 array.unbind()
             })
             .bind(py)

@@ -166,7 +166,7 @@ impl PyScheduler {
         request_id: &Bound<'_, PyAny>,
     ) -> PyResult<PyRequestOutput> {
         let output = self.inner.take_output(id_arg(request_id)?).py()?;
-        PyRequestOutput::new(py, output)
+        Ok(PyRequestOutput::new(py, output))
     }
 
     /// Prompt (with folded tokens) plus generated tokens of a live request (int32).
