@@ -511,8 +511,12 @@ mod tests {
     #[test]
     fn field_lists_cover_the_struct() {
         let names: Vec<_> = ScheduleOutput::FIELDS.iter().map(|(n, _)| *n).collect();
-        assert_eq!(names.len(), 26);
-        assert_eq!(names[0], "step");
+        let shown = format!("{:?}", ScheduleOutput::default());
+        for (i, name) in names.iter().enumerate() {
+            assert!(!names[..i].contains(name), "{name} listed twice");
+            assert!(shown.contains(&format!(" {name}: ")), "{name} is no field");
+        }
+        assert_eq!(shown.matches(": ").count(), names.len());
         let per_rank: Vec<_> = ScheduleOutput::fields_with_scope(FieldScope::PerRank).collect();
         assert_eq!(
             per_rank,
