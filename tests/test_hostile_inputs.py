@@ -193,6 +193,21 @@ FLAGS = Kind(
     ),
 )
 
+# Block tables (two-dimensional): Layout(2, 4) with positions 0 and 5 reads page [row][0].
+TABLE = Kind(
+    "table",
+    tuple(
+        [(v, InvalidTypeError) for v in (np.array([[1.0, 2.0]]), np.array([[True, False]]))]
+        + [(v, InvalidTypeError) for v in (np.array([["a", "b"]]), [[1.5, 2]], [["1"]], [[None]])]
+        + [(v, InvalidTypeError) for v in ("12", None, 5, object(), RaisingGetattr())]
+        + [(v, InvalidTypeError) for v in ([RaisingSequence()], [[RaisingIndex()]])]
+        + [(v, InvalidArgumentError) for v in (np.zeros(2, np.int64), np.zeros((1, 2, 1), int))]
+        + [(v, InvalidArgumentError) for v in ([[3, 0], [1]], np.zeros((0, 2), np.int64))]
+        + [(v, InvalidArgumentError) for v in (np.zeros((1, 0), np.int64), [[-1, 0]])]
+        + [(v, InvalidArgumentError) for v in (np.array([[2**40, 0]]), [[2**64, 0]])]
+    ),
+)
+
 
 def _mismatched(good: Any) -> tuple:
     """Arrays one entry longer and one shorter than `good` (paired arguments)."""
@@ -254,6 +269,13 @@ LAYOUT_CALLS = [
     Call("layout", "local_lens", ([1, 21], 1), (LENGTHS, RANK)),
     Call("layout", "superblocks_for_many", ([1, 21],), (LENGTHS,)),
     Call("layout", "global_positions", (1, [0, 5]), (RANK, LENGTHS)),
+    Call(
+        "layout",
+        "slot_mapping",
+        ([[3, 0]], [0, 0], [0, 5], 1),
+        (TABLE, IDS, LENGTHS, RANK),
+        paired=(1, 2),
+    ),
 ]
 LEDGER_CALLS = [
     Call("ledger", "add", (10, 4), (ID, LENGTH)),

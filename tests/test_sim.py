@@ -118,9 +118,8 @@ def test_divergence_names_the_ranks_and_the_fields() -> None:
         group.schedule()
     error = info.value
     message = str(error)
-    assert "CP ranks [1] scheduled differently from rank 0" in message
-    assert "context: rank 0: ''" in message
-    assert "context: rank 1: '99:0+3'" in message
+    assert "schedule of step 1: rank(s) 1 differ from rank(s) 0 in context_ids," in message
+    assert "  context: rank 0: (none) | rank 1: 99:0+3\n" in message
     assert error.ranks == [1]
     assert "context_ids" in error.fields
     assert "digest" in error.fields

@@ -1,6 +1,6 @@
 """Type stubs for the ``helix_kv._core`` extension (kept honest by ``mypy.stubtest``)."""
 
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, ClassVar, Literal, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -78,6 +78,14 @@ class Layout:
     def local_lens(self, lengths: _IntArray, rank: int) -> npt.NDArray[np.int64]: ...
     def superblocks_for_many(self, lengths: _IntArray) -> npt.NDArray[np.int64]: ...
     def global_positions(self, rank: int, local_indices: _IntArray) -> npt.NDArray[np.int64]: ...
+    def slot_mapping(
+        self,
+        block_table: Union[npt.NDArray[np.integer], Sequence[Sequence[int]]],
+        rows: _IntArray,
+        positions: _IntArray,
+        rank: int,
+    ) -> npt.NDArray[np.int64]: ...
+    def __reduce__(self) -> tuple[Any, ...]: ...
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 
@@ -85,6 +93,17 @@ class Layout:
 class DecodeView:
     """One rank's view of a request."""
 
+    FIELDS: ClassVar[tuple[str, ...]]
+    def __new__(
+        cls,
+        *,
+        global_len: int,
+        next_position: int,
+        owner_rank: int,
+        inactive: bool,
+        local_len: int,
+        past_seen_len: int,
+    ) -> DecodeView: ...
     @property
     def global_len(self) -> int: ...
     @property
@@ -97,12 +116,25 @@ class DecodeView:
     def local_len(self) -> int: ...
     @property
     def past_seen_len(self) -> int: ...
+    def to_dict(self) -> dict[str, Union[int, bool]]: ...
+    def __reduce__(self) -> tuple[Any, ...]: ...
     def __eq__(self, other: object, /) -> bool: ...
 
 @final
 class RequestHoldings:
     """A request's holdings and counters."""
 
+    FIELDS: ClassVar[tuple[str, ...]]
+    def __new__(
+        cls,
+        *,
+        request_id: int,
+        length: int,
+        prompt_len: int,
+        decode_count: int,
+        superblocks: int,
+        suspended: bool,
+    ) -> RequestHoldings: ...
     @property
     def request_id(self) -> int: ...
     @property
@@ -115,6 +147,9 @@ class RequestHoldings:
     def superblocks(self) -> int: ...
     @property
     def suspended(self) -> bool: ...
+    def to_dict(self) -> dict[str, Union[int, bool]]: ...
+    def __reduce__(self) -> tuple[Any, ...]: ...
+    def __eq__(self, other: object, /) -> bool: ...
 
 @final
 class Ledger:
@@ -167,6 +202,10 @@ _FlagArray: TypeAlias = Union[
 class SchedulerConfig:
     """The scheduler configuration; give the pool as ``kv_superblocks`` or ``kv_tokens``."""
 
+    DEFAULTS: ClassVar[Mapping[str, Any]]
+    VICTIM_POLICIES: ClassVar[tuple[str, ...]]
+    SERVING_MODES: ClassVar[tuple[str, ...]]
+    CAPACITY_POLICIES: ClassVar[tuple[str, ...]]
     def __new__(
         cls,
         *,
@@ -206,6 +245,10 @@ class SchedulerConfig:
     @property
     def kv_tokens(self) -> int: ...
     @property
+    def capacity_tokens(self) -> int: ...
+    @property
+    def layout(self) -> Layout: ...
+    @property
     def max_batch_size(self) -> int: ...
     @property
     def max_num_tokens(self) -> int: ...
@@ -238,6 +281,10 @@ class ScheduleOutput:
     """One step's schedule; every field is rank-invariant except ``generation_active``,
     ``generation_local_lens`` and ``generation_past_seen_lens``."""
 
+    FIELDS: ClassVar[tuple[str, ...]]
+    RANK_INVARIANT_FIELDS: ClassVar[tuple[str, ...]]
+    PER_RANK_FIELDS: ClassVar[tuple[str, ...]]
+    SUMMARY_ENTRIES: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]]
     @property
     def step(self) -> int: ...
     @property
@@ -293,11 +340,34 @@ class ScheduleOutput:
     @property
     def sample_ids(self) -> npt.NDArray[np.uint64]: ...
     def summary(self) -> str: ...
+    def summary_fields(self) -> list[tuple[str, str]]: ...
+    def differing_fields(self, other: ScheduleOutput) -> list[str]: ...
+    def __reduce__(self) -> tuple[Any, ...]: ...
+    @classmethod
+    def _from_fields(cls, fields: dict[str, Any]) -> ScheduleOutput: ...
 
 @final
 class SchedulerMetrics:
     """Scheduler totals (equal on every rank)."""
 
+    FIELDS: ClassVar[tuple[str, ...]]
+    def __new__(
+        cls,
+        *,
+        steps: int,
+        preemptions: int,
+        suspensions: int,
+        recomputed_tokens: int,
+        computed_tokens: int,
+        sat_out: int,
+        finished: int,
+        aborts: int,
+        kv_used_superblocks: int,
+        kv_capacity_superblocks: int,
+        kv_utilization: float,
+        kv_utilization_peak: float,
+    ) -> SchedulerMetrics: ...
+    def __reduce__(self) -> tuple[Any, ...]: ...
     @property
     def steps(self) -> int: ...
     @property
@@ -329,6 +399,7 @@ class SchedulerMetrics:
 class RequestMetrics:
     """Counters of one request."""
 
+    FIELDS: ClassVar[tuple[str, ...]]
     def __new__(
         cls,
         *,

@@ -2,11 +2,12 @@
 calls, compared after every call.
 
 Each rank's scheduler is built from ``config.with_rank(r)``. After every ``schedule()`` the
-group checks that every rank-invariant array and the digest agree on all ranks, and that the
-per-rank fields are consistent with the Helix layout (exactly one rank, the owner, appends
+group checks that the ranks' digests (which cover every rank-invariant field) agree, and that
+the per-rank fields are consistent with the Helix layout (exactly one rank, the owner, appends
 each decode token; the per-rank lengths add up to the global length). A divergence raises
 :class:`helix_kv.ScheduleMismatchError` naming the ranks and the fields (with the differing
-summary lines), the same error a real group raises through its schedule check.
+summary entries), built by :func:`helix_kv.mismatch.schedule_mismatch` like the error a real
+group raises through its schedule check.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from helix_kv._core import (
+    Layout,
     RequestOutput,
     ScheduleMismatchError,
     ScheduleOutput,
@@ -25,62 +27,9 @@ from helix_kv._core import (
     SchedulerConfig,
     SchedulerMetrics,
 )
+from helix_kv.mismatch import schedule_mismatch
 
-__all__ = ["INVARIANT_FIELDS", "RANK_FIELDS", "SimulatedCPGroup"]
-
-#: Array fields of :class:`helix_kv.ScheduleOutput` that every rank must agree on.
-INVARIANT_FIELDS = (
-    "context_ids",
-    "context_starts",
-    "context_lens",
-    "context_completes",
-    "context_batch_slots",
-    "context_token_ids",
-    "generation_ids",
-    "generation_positions",
-    "generation_owner_ranks",
-    "generation_input_tokens",
-    "generation_batch_slots",
-    "preempted_ids",
-    "preempted_requester_ids",
-    "suspended_ids",
-    "suspended_requester_ids",
-    "suspended_block_ids",
-    "suspended_block_counts",
-    "resumed_ids",
-    "sat_out_ids",
-    "sample_ids",
-)
-
-#: Array fields that differ by rank by design.
-RANK_FIELDS = ("generation_active", "generation_local_lens", "generation_past_seen_lens")
-
-#: Summary line that shows each array field (fields without one are reported by name).
-_SUMMARY_LINE = {
-    "context_ids": "context",
-    "context_starts": "context",
-    "context_lens": "context",
-    "context_completes": "incomplete_prompts",
-    "context_batch_slots": "batch_slots",
-    "generation_ids": "generation",
-    "generation_positions": "generation",
-    "generation_owner_ranks": "generation",
-    "generation_batch_slots": "batch_slots",
-    "preempted_ids": "preempted",
-    "preempted_requester_ids": "preempted",
-    "suspended_ids": "suspended",
-    "suspended_requester_ids": "suspended",
-    "resumed_ids": "resumed",
-    "sat_out_ids": "sat_out",
-}
-
-
-def _summary_lines(output: ScheduleOutput) -> dict[str, str]:
-    lines: dict[str, str] = {}
-    for line in output.summary().splitlines():
-        name, _, value = line.partition(":")
-        lines[name.strip()] = value.strip()
-    return lines
+__all__ = ["SimulatedCPGroup"]
 
 
 def _short(values: npt.NDArray[Any], limit: int = 12) -> str:
@@ -237,81 +186,29 @@ class SimulatedCPGroup:
             )
 
     def _check(self, outputs: Sequence[ScheduleOutput]) -> None:
-        reference = outputs[0]
-        differing: dict[int, list[str]] = {}
-        for rank, output in enumerate(outputs[1:], start=1):
-            fields = [
-                name
-                for name in INVARIANT_FIELDS
-                if not np.array_equal(getattr(output, name), getattr(reference, name))
-            ]
-            for scalar in ("step", "num_tokens", "digest"):
-                if getattr(output, scalar) != getattr(reference, scalar):
-                    fields.append(scalar)
-            if fields:
-                differing[rank] = fields
-        if differing:
-            raise self._divergence(outputs, differing)
+        # The digest covers every rank-invariant field: equal digests, equal schedules. The
+        # field-by-field comparison (and any array) is only built on a mismatch.
+        digest = outputs[0].digest
+        if any(output.digest != digest for output in outputs[1:]):
+            raise schedule_mismatch(outputs)
         if self.check_rank_fields:
             self._check_rank_fields(outputs)
-
-    def _divergence(
-        self, outputs: Sequence[ScheduleOutput], differing: dict[int, list[str]]
-    ) -> ScheduleMismatchError:
-        step = int(outputs[0].step)
-        reference_lines = _summary_lines(outputs[0])
-        fields = sorted({f for names in differing.values() for f in names})
-        lines = [
-            f"step {step}: CP ranks {sorted(differing)} scheduled differently from rank 0 "
-            f"(fields: {', '.join(fields)})"
-        ]
-        for rank, names in sorted(differing.items()):
-            lines.extend(self._describe(outputs[0], outputs[rank], rank, names, reference_lines))
-        summaries = {rank: output.summary() for rank, output in enumerate(outputs)}
-        return self._mismatch("\n".join(lines), step, sorted(differing), fields, summaries)
-
-    @staticmethod
-    def _describe(
-        reference: ScheduleOutput,
-        output: ScheduleOutput,
-        rank: int,
-        names: Sequence[str],
-        reference_lines: dict[str, str],
-    ) -> list[str]:
-        """Lines showing how ``output`` (of ``rank``) differs from rank 0 in ``names``:
-        the summary line where there is one, else the values."""
-        rank_lines = _summary_lines(output)
-        lines: list[str] = []
-        shown: set[str] = set()
-        for name in names:
-            line = _SUMMARY_LINE.get(name)
-            if line is not None:
-                if line not in shown and rank_lines.get(line) != reference_lines.get(line):
-                    shown.add(line)
-                    lines.append(f"  {line}: rank 0: {reference_lines.get(line, '')!r}")
-                    lines.append(f"  {line}: rank {rank}: {rank_lines.get(line, '')!r}")
-                continue
-            ours, theirs = getattr(reference, name), getattr(output, name)
-            if name in INVARIANT_FIELDS:
-                ours, theirs = _short(np.asarray(ours)), _short(np.asarray(theirs))
-            lines.append(f"  {name}: rank 0: {ours}; rank {rank}: {theirs}")
-        return lines
 
     def _check_rank_fields(self, outputs: Sequence[ScheduleOutput]) -> None:
         reference = outputs[0]
         positions = np.asarray(reference.generation_positions, dtype=np.int64)
         if positions.size == 0:
             return
-        tokens_per_block = int(self.config.tokens_per_block)
-        owners = (positions // tokens_per_block) % self.cp
+        layout: Layout = self.config.layout
+        owners = layout.owner_ranks(positions).astype(np.int64)
         active = np.stack([np.asarray(o.generation_active, dtype=bool) for o in outputs])
         after = np.stack([np.asarray(o.generation_local_lens, dtype=np.int64) for o in outputs])
         before = np.stack(
             [np.asarray(o.generation_past_seen_lens, dtype=np.int64) for o in outputs]
         )
         problems = []
-        if not np.array_equal(np.asarray(reference.generation_owner_ranks), owners):
-            problems.append("generation_owner_ranks is not (position // tokens_per_block) % cp")
+        if not all(np.array_equal(o.generation_owner_ranks, owners) for o in outputs):
+            problems.append("generation_owner_ranks is not the layout's owner of the position")
         expected_active = owners[None, :] == np.arange(self.cp)[:, None]
         if not np.array_equal(active, expected_active):
             problems.append("generation_active is not exactly the owner rank")
@@ -327,6 +224,6 @@ class SimulatedCPGroup:
                 f"step {step}: per-rank fields are inconsistent: " + "; ".join(problems),
                 step,
                 list(range(self.cp)),
-                list(RANK_FIELDS),
+                list(ScheduleOutput.PER_RANK_FIELDS),
                 {rank: output.summary() for rank, output in enumerate(outputs)},
             )

@@ -262,7 +262,7 @@ def test_divergent_request_is_caught_on_the_step_it_is_scheduled(group: GroupRun
         assert report["caught"], report
         assert report["step"] == sc.INJECT_STEP + 1
         assert report["ranks"] == [group.world - 1]
-        assert "context" in report["fields"], report["fields"]
+        assert "context_lens" in report["fields"], report["fields"]
         assert "100:0+10" in report["message"]
         assert "100:0+30" in report["message"]
 
@@ -271,7 +271,7 @@ def test_divergent_victim_is_named(group: GroupRun) -> None:
     for report in group.scenario("scenario_diverge_victim"):
         assert report["caught"], report
         assert report["ranks"] == [group.world - 1]
-        assert "preempted" in report["fields"], report["fields"]
+        assert "preempted_ids" in report["fields"], report["fields"]
 
 
 def test_long_pressured_run_has_no_false_positive(group: GroupRun) -> None:

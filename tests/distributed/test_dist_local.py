@@ -1,5 +1,5 @@
-"""helix_kv.distributed in one process: config, budget arithmetic, guards, the warn-once path
-of the schedule check, and the mismatch report (no process group needed)."""
+"""helix_kv.distributed in one process: config, budget arithmetic, guards and the warn-once path
+of the schedule check (no process group needed; the mismatch report is tests/test_mismatch.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import warnings
 import weakref
 from typing import Any, Dict, List
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -27,7 +28,7 @@ from helix_kv.distributed import (
     schedule_check_requested,
     superblocks_for_budget,
 )
-from helix_kv.distributed.check import describe_mismatch, divergence, to_int64
+from helix_kv.distributed.check import sampled_fields, to_int64
 from helix_kv.distributed.config import SCHEDULER_FIELDS
 from helix_kv.distributed.sync import ConfigIdentity, config_mismatch
 
@@ -187,32 +188,12 @@ def test_digest_travels_as_int64() -> None:
     assert to_int64(2**64 - 1) == -1
 
 
-def _record(rank: int, digest: int, **fields: str) -> Dict[str, Any]:
-    base = {"step": "5", "context": "1:0+8", "generation": "0@9/r1", "preempted": ""}
-    base.update(fields)
-    return {"rank": rank, "global_rank": rank, "step": 5, "digest": digest, "summary": "",
-            "fields": base}  # fmt: skip
-
-
-def test_mismatch_names_the_minority_rank_and_fields() -> None:
-    records: List[Dict[str, Any]] = [
-        _record(0, 1), _record(1, 1), _record(2, 7, preempted="3(for 0)", generation="0@9/r0"),
-        _record(3, 1),
-    ]  # fmt: skip
-    assert divergence(records) == ([2], ["generation", "preempted"])
-    text = describe_mismatch(records)
-    assert (
-        "schedule of step 5: rank(s) 2 differ from rank(s) 0, 1, 3 in generation, preempted" in text
-    )
-    assert "preempted: rank 0: (none) | rank 2: 3(for 0)" in text
-
-
-def test_mismatch_between_two_ranks_names_the_higher_one() -> None:
-    records = [_record(0, 1), _record(1, 2, context="1:0+8!", incomplete_prompts="1")]
-    ranks, fields = divergence(records)
-    assert ranks == [1]
-    assert fields == ["context", "incomplete_prompts"]
-    assert "incomplete_prompts: rank 0: (absent) | rank 1: 1" in describe_mismatch(records)
+def test_sampled_tokens_become_one_field_to_compare() -> None:
+    ids, tokens = np.array([3, 5], dtype=np.uint64), np.array([17, 22], dtype=np.int32)
+    assert sampled_fields(None) == {}
+    assert sampled_fields((ids, tokens, None)) == {"sampled_tokens": "3:17 5:22"}
+    eos = np.array([False, True])
+    assert sampled_fields((ids, tokens, eos)) == {"sampled_tokens": "3:17 5:22 (eos: 5)"}
 
 
 def test_group_fields_are_the_decision_fields_and_the_rest_of_the_engine_config() -> None:

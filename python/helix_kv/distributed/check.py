@@ -3,9 +3,9 @@
 Every rank's scheduler must make bit-identical decisions. :class:`ScheduleChecker` compares
 the 64-bit digest of each rank's :class:`~helix_kv.ScheduleOutput` with one all-reduce MIN of
 two int64 (``digest`` and ``~digest``: the minimum of the second is ``~max``), so the happy path
-costs one small collective per step. On a mismatch every rank gathers the ranks' summaries and
-raises the same :class:`~helix_kv.ScheduleMismatchError`, naming the ranks and fields that
-differ.
+costs one small collective per step. On a mismatch every rank gathers the ranks' outputs and
+raises the same :class:`~helix_kv.ScheduleMismatchError` (built by
+:func:`helix_kv.mismatch.schedule_mismatch`), naming the ranks and fields that differ.
 """
 
 from __future__ import annotations
@@ -13,17 +13,14 @@ from __future__ import annotations
 import warnings
 import zlib
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch.distributed as dist
 
-from helix_kv import ScheduleMismatchError
 from helix_kv.distributed.group import ProcessGroup, resolve_group
 from helix_kv.distributed.reduce import HostMinAllReduce
-
-#: Longest field value quoted in an error message (the full summaries ride on the error).
-_QUOTE_CHARS = 160
+from helix_kv.mismatch import schedule_mismatch
 
 
 def to_int64(value: int) -> int:
@@ -114,105 +111,25 @@ class ScheduleChecker:
             self._raise_mismatch(output, pending)
 
     def _raise_mismatch(self, output: Any, pending: Optional[Tuple[int, tuple]]) -> None:
+        # Every rank's whole output (pickled) and the tokens it fed: the same description as
+        # the in-process group's, from the core's own comparison.
         record = {
-            "rank": self.rank,
-            "global_rank": dist.get_rank(),
-            "step": int(output.step),
-            "digest": int(output.digest),
-            "summary": output.summary(),
-            "fields": summary_fields(output, None if pending is None else pending[1]),
+            "output": output,
+            "extra": sampled_fields(None if pending is None else pending[1]),
         }
         records: List[Any] = [None] * self.size
         dist.all_gather_object(records, record, group=self.group)
-        error = ScheduleMismatchError(describe_mismatch(records))
-        ranks, fields = divergence(records)
-        summaries = {r["rank"]: r["summary"] for r in records}
-        vars(error).update(step=int(output.step), ranks=ranks, fields=fields, summaries=summaries)
-        raise error
+        raise schedule_mismatch([r["output"] for r in records], [r["extra"] for r in records])
 
 
-def summary_fields(output: Any, sampled: Optional[tuple]) -> Dict[str, str]:
-    """``output.summary()`` as ``{field: value}``, plus the token fields the summary leaves out
-    (the digest covers them): context chunk tokens, decode input tokens and, when recorded,
-    the tokens fed to the previous ``update``."""
-    fields: Dict[str, str] = {}
-    for line in output.summary().splitlines():
-        name, _, value = line.partition(":")
-        if name != "digest":
-            fields[name.strip()] = value.strip()
-    context_tokens = np.asarray(output.context_token_ids, dtype=np.int32)
-    fields["context_tokens"] = (
-        f"{context_tokens.size} tokens, crc32 {zlib.crc32(context_tokens.tobytes()):08x}"
-    )
-    fields["generation_input_tokens"] = " ".join(
-        f"{rid}:{tok}"
-        for rid, tok in zip(
-            np.asarray(output.generation_ids).tolist(),
-            np.asarray(output.generation_input_tokens).tolist(),
-        )
-    )
-    if sampled is not None:
-        ids, tokens, flags = sampled
-        text = " ".join(f"{rid}:{tok}" for rid, tok in zip(ids.tolist(), tokens.tolist()))
-        if flags is not None:
-            ended = [str(rid) for rid, flag in zip(ids.tolist(), flags.tolist()) if flag]
-            text += f" (eos: {' '.join(ended) or '-'})"
-        fields["sampled_tokens"] = text
-    return fields
-
-
-def divergence(records: Sequence[Dict[str, Any]]) -> Tuple[List[int], List[str]]:
-    """The ranks outside the largest agreeing set (ties: the set holding the lowest rank) and
-    the fields in which they differ from it."""
-    groups: Dict[Tuple[int, Tuple[Tuple[str, str], ...]], List[int]] = {}
-    for record in records:
-        key = (record["digest"], tuple(sorted(record["fields"].items())))
-        groups.setdefault(key, []).append(record["rank"])
-    majority = max(groups.values(), key=lambda ranks: (len(ranks), -min(ranks)))
-    reference = records[min(majority)]["fields"]
-    ranks = sorted(r["rank"] for r in records if r["rank"] not in majority)
-    fields: List[str] = []
-    for record in records:
-        if record["rank"] in majority:
-            continue
-        names = list(reference) + [n for n in record["fields"] if n not in reference]
-        for name in names:
-            if record["fields"].get(name) != reference.get(name) and name not in fields:
-                fields.append(name)
-    return ranks, fields
-
-
-def describe_mismatch(records: Sequence[Dict[str, Any]]) -> str:
-    """The error text: who disagrees, on what, with the differing values quoted."""
-    ranks, fields = divergence(records)
-    agreeing = [r["rank"] for r in records if r["rank"] not in ranks]
-    reference = records[agreeing[0]]
-    steps = sorted({r["step"] for r in records})
-    step = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
-    lines = [
-        f"CP ranks disagree on the schedule of {step}: rank(s) {_ranks(ranks)} differ from "
-        f"rank(s) {_ranks(agreeing)} in {', '.join(fields) or 'fields outside the summary'}"
-    ]
-    for name in fields:
-        shown = [reference] + [r for r in records if r["rank"] in ranks]
-        values = [f"rank {r['rank']}: {_quote(r['fields'].get(name))}" for r in shown]
-        lines.append(f"  {name}: " + " | ".join(values))
-    lines.append("  digests: " + ", ".join(f"rank {r['rank']} {r['digest']:016x}" for r in records))
-    lines.append(
-        "Every decision must read only rank-invariant inputs; the requests, sampled tokens and "
-        "config fed to each rank must be identical. Full summaries are on the error's "
-        "`summaries` attribute."
-    )
-    return "\n".join(lines)
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return ", ".join(str(rank) for rank in ranks)
-
-
-def _quote(value: Optional[str]) -> str:
-    if value is None:
-        return "(absent)"
-    if value == "":
-        return "(none)"
-    return value if len(value) <= _QUOTE_CHARS else value[: _QUOTE_CHARS - 3] + "..."
+def sampled_fields(sampled: Optional[tuple]) -> Dict[str, str]:
+    """The tokens (and eos flags) fed to the previous ``update`` as the ``sampled_tokens``
+    field the ranks must agree on; nothing when none were recorded."""
+    if sampled is None:
+        return {}
+    ids, tokens, flags = sampled
+    text = " ".join(f"{rid}:{tok}" for rid, tok in zip(ids.tolist(), tokens.tolist()))
+    if flags is not None:
+        ended = [str(rid) for rid, flag in zip(ids.tolist(), flags.tolist()) if flag]
+        text += f" (eos: {' '.join(ended) or '-'})"
+    return {"sampled_tokens": text}

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from helix_kv import ConfigError, ConfigGuardError
+from helix_kv import ConfigError, ConfigGuardError, SchedulerConfig
 
 logger = logging.getLogger("helix_kv")
 
@@ -22,21 +22,16 @@ CHECK_SCHEDULE_ENV = "HELIX_KV_CHECK_SCHEDULE"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 
-#: EngineConfig fields handed to :class:`helix_kv.SchedulerConfig` unchanged.
-SCHEDULER_FIELDS = (
-    "tokens_per_block",
-    "max_batch_size",
-    "max_num_tokens",
-    "enable_chunked_prefill",
-    "chunk_unit",
-    "max_seq_len",
-    "capacity_policy",
-    "serving_mode",
-    "victim_policy",
-    "max_preemptions_per_request",
-    "admit_after_preemption",
-    "deadlock_steps",
-)
+#: The scheduler's defaults (the core's), which EngineConfig's scheduler fields take.
+_DEFAULTS = SchedulerConfig.DEFAULTS
+
+#: SchedulerConfig keywords an EngineConfig does not give: the process group fixes
+#: ``cp_size`` and ``cp_rank``, the host cache bytes fix the host tier.
+_NOT_ENGINE_FIELDS = ("cp_size", "cp_rank", "host_tier_superblocks")
+
+#: EngineConfig fields handed to :class:`helix_kv.SchedulerConfig` unchanged: every
+#: SchedulerConfig keyword with a default but those above, in its order.
+SCHEDULER_FIELDS = tuple(name for name in _DEFAULTS if name not in _NOT_ENGINE_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -46,8 +41,9 @@ class EngineConfig:
     Must be the same on every rank of the group (the KV byte budget, which may differ, is
     passed separately to :meth:`HelixKVRank.create <helix_kv.distributed.HelixKVRank.create>`).
 
-    Scheduler fields: as :class:`helix_kv.SchedulerConfig` (``cp_size``, ``cp_rank`` and the
-    capacity come from the process group and the KV budget).
+    Scheduler fields: as :class:`helix_kv.SchedulerConfig`, with its defaults
+    (``SchedulerConfig.DEFAULTS``); ``cp_size``, ``cp_rank`` and the capacity come from the
+    process group and the KV budget.
 
     KV geometry (what one token costs on one rank): ``num_layers`` x ``kv_factor`` (2 for K
     and V, 1 for a latent cache such as MLA) x ``num_kv_heads`` (KV heads stored on this rank,
@@ -68,18 +64,18 @@ class EngineConfig:
     dtype_bytes: int = 2
     kv_factor: int = 2
 
-    tokens_per_block: int = 32
-    max_batch_size: int = 256
-    max_num_tokens: int = 8192
-    enable_chunked_prefill: bool = True
-    chunk_unit: Optional[int] = None
-    max_seq_len: int = 131072
-    capacity_policy: str = "max_utilization"
-    serving_mode: str = "aggregated_helix"
-    victim_policy: str = "newest_first"
-    max_preemptions_per_request: int = 8
-    admit_after_preemption: bool = False
-    deadlock_steps: int = 64
+    tokens_per_block: int = _DEFAULTS["tokens_per_block"]
+    max_batch_size: int = _DEFAULTS["max_batch_size"]
+    max_num_tokens: int = _DEFAULTS["max_num_tokens"]
+    enable_chunked_prefill: bool = _DEFAULTS["enable_chunked_prefill"]
+    chunk_unit: Optional[int] = _DEFAULTS["chunk_unit"]
+    max_seq_len: int = _DEFAULTS["max_seq_len"]
+    capacity_policy: str = _DEFAULTS["capacity_policy"]
+    serving_mode: str = _DEFAULTS["serving_mode"]
+    victim_policy: str = _DEFAULTS["victim_policy"]
+    max_preemptions_per_request: int = _DEFAULTS["max_preemptions_per_request"]
+    admit_after_preemption: bool = _DEFAULTS["admit_after_preemption"]
+    deadlock_steps: int = _DEFAULTS["deadlock_steps"]
 
     host_cache_bytes: Optional[int] = None
     disk_cache_bytes: int = 0

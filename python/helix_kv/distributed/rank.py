@@ -174,8 +174,8 @@ class HelixKVRank:
 
     @property
     def capacity_tokens(self) -> int:
-        """Global tokens the agreed KV pool holds."""
-        return self.capacity_superblocks * self.config.tokens_per_block * self.cp_size
+        """Global tokens the agreed KV pool holds (the scheduler configuration's)."""
+        return int(self.scheduler_config.capacity_tokens)
 
     def schedule(self) -> Any:
         """The next step's :class:`helix_kv.ScheduleOutput`, checked across the group when

@@ -70,15 +70,15 @@ class RankPlacement:
     ) -> IntArray:
         """Physical slot of each global position on this rank, ``-1`` where another rank owns it.
 
-        ``block_table[rows[i]]`` is the superblock table of the request of token ``i``.
-        The same result as the scheduler's ``slot_mapping``; used where no scheduler runs.
+        ``block_table[rows[i]]`` is the superblock table of the request of token ``i``
+        (``-1`` padded). The same result as the scheduler's ``slot_mapping``, computed by the
+        core (``Layout.slot_mapping``); used where no scheduler runs.
         """
-        table = np.asarray(block_table, dtype=np.int64)
         pos = np.asarray(positions, dtype=np.int64)
-        tpb = self.tokens_per_block
-        pages = table[np.asarray(rows, dtype=np.int64), pos // self.tokens_per_superblock]
-        mine = self.owner_ranks(pos) == self.rank
-        return np.where(mine, pages * tpb + pos % tpb, -1)
+        rows_arr = np.asarray(rows, dtype=np.int64).ravel()
+        table = np.asarray(block_table, dtype=np.int64)
+        slots = self.layout.slot_mapping(table, rows_arr, pos.ravel(), self.rank)
+        return slots.reshape(pos.shape)
 
 
 @cache

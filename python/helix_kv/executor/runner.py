@@ -33,22 +33,6 @@ from helix_kv.executor.step_plan import StepPlan
 
 Prompts = Mapping[int, Sequence[int]]
 
-SCHEDULER_METRICS = (
-    "steps",
-    "preemptions",
-    "suspensions",
-    "recomputed_tokens",
-    "computed_tokens",
-    "sat_out",
-    "finished",
-    "aborts",
-    "kv_used_superblocks",
-    "kv_capacity_superblocks",
-    "kv_utilization",
-    "kv_utilization_peak",
-)
-REQUEST_METRICS = ("preemptions", "recomputed_tokens", "steps_waited", "generated_tokens")
-
 
 @dataclass(frozen=True)
 class ExecutorConfig:
@@ -196,10 +180,10 @@ def run_rank(
         _account_step(result, out, plan, time.perf_counter() - step_start, decoding)
         for request_id in np.asarray(finished, dtype=np.int64).tolist():
             output = scheduler.take_output(request_id)
-            result.request_metrics[request_id] = _fields(output.metrics, REQUEST_METRICS)
+            result.request_metrics[request_id] = dict(output.metrics.to_dict())
             result.outputs[request_id] = output.token_ids.tolist()
     result.total_s = time.perf_counter() - started
-    result.metrics = _fields(scheduler.metrics(), SCHEDULER_METRICS)
+    result.metrics = dict(scheduler.metrics().to_dict())
     result.logits = {rid: np.stack(rows) for rid, rows in logits_rows.items()}
     return result
 
@@ -280,9 +264,3 @@ def _account_step(
         result.decode_steps += 1
         result.decode_tokens += plan.num_generation
         result.decode_s += seconds
-
-
-def _fields(source: Any, names: Sequence[str]) -> Dict[str, float]:
-    if hasattr(source, "to_dict"):
-        return dict(source.to_dict())
-    return {name: getattr(source, name) for name in names if hasattr(source, name)}

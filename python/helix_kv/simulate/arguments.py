@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
+from helix_kv._core import ConfigError, Layout, SchedulerConfig
 from helix_kv.simulate.options import (
     CAPACITY_POLICIES,
     I32_MAX,
@@ -34,6 +35,9 @@ DEFAULT_CP = 2
 DEFAULT_TOKENS_PER_BLOCK = 16
 DEFAULT_KV_TOKENS = 16_384
 DEFAULT_WORKLOAD = WorkloadSpec()
+
+#: The scheduler's own defaults (the core's), quoted by the help of the flags left unset.
+SCHEDULER_DEFAULTS = SchedulerConfig.DEFAULTS
 
 #: Flags that shape the synthetic workload (they make no sense with ``--trace``).
 SYNTHETIC_FLAGS = {
@@ -134,14 +138,18 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     group = parser.add_argument_group("scheduler (unset flags take the scheduler's defaults)")
+    defaults = SCHEDULER_DEFAULTS
     group.add_argument(
-        "--max-batch-size", type=_integer(1, I32_MAX), metavar="N", help="batch slots (default 256)"
+        "--max-batch-size",
+        type=_integer(1, I32_MAX),
+        metavar="N",
+        help=f"batch slots (default {defaults['max_batch_size']})",
     )
     group.add_argument(
         "--max-num-tokens",
         type=_integer(1, U32_MAX),
         metavar="N",
-        help="token budget per step (default 8192)",
+        help=f"token budget per step (default {defaults['max_num_tokens']})",
     )
     group.add_argument(
         "--chunk-unit",
@@ -160,13 +168,17 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-seq-len",
         type=_integer(1, I64_MAX),
         metavar="N",
-        help="longest request (default 131072)",
+        help=f"longest request (default {defaults['max_seq_len']})",
     )
     group.add_argument(
-        "--capacity-policy", choices=CAPACITY_POLICIES, help="default max_utilization"
+        "--capacity-policy",
+        choices=CAPACITY_POLICIES,
+        help=f"default {defaults['capacity_policy']}",
     )
     group.add_argument(
-        "--mode", choices=SERVING_MODES, help="serving mode (default aggregated_helix)"
+        "--mode",
+        choices=SERVING_MODES,
+        help=f"serving mode (default {defaults['serving_mode']})",
     )
     group.add_argument(
         "--host-tier-tokens",
@@ -175,14 +187,16 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="host tier for suspends, in global tokens (non_helix mode only)",
     )
     group.add_argument(
-        "--policy", choices=VICTIM_POLICIES, help="victim policy (default newest_first)"
+        "--policy",
+        choices=VICTIM_POLICIES,
+        help=f"victim policy (default {defaults['victim_policy']})",
     )
     group.add_argument(
         "--max-preemptions",
         type=_integer(0, U32_MAX),
         metavar="N",
         help="a request preempted this often is a victim again only for the oldest live "
-        "request; 0: never (default 8)",
+        f"request; 0: never (default {defaults['max_preemptions_per_request']})",
     )
     group.add_argument(
         "--admit-after-preemption",
@@ -194,7 +208,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--deadlock-steps",
         type=_integer(1, U32_MAX),
         metavar="N",
-        help="steps without progress before DeadlockError (default 64)",
+        help=f"steps without progress before DeadlockError (default {defaults['deadlock_steps']})",
     )
 
     group = parser.add_argument_group("workload (synthetic unless --trace)")
@@ -203,69 +217,69 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help='JSONL trace, one {"id", "arrival_step", "prompt_len", "output_len"} per line',
     )
-    defaults = DEFAULT_WORKLOAD
+    workload = DEFAULT_WORKLOAD
     group.add_argument(
         "--requests",
         type=_integer(1, MAX_REQUESTS),
         metavar="N",
-        help=f"requests (default {defaults.num_requests})",
+        help=f"requests (default {workload.num_requests})",
     )
     group.add_argument(
         "--seed",
         type=_integer(0, U64_MAX),
         metavar="N",
-        help=f"workload seed (default {defaults.seed})",
+        help=f"workload seed (default {workload.seed})",
     )
     group.add_argument(
         "--arrival-rate",
         type=_arrival_rate,
         metavar="RATE",
         help="mean arrivals per step (Poisson); 0 puts every request at step 0 "
-        f"(default {defaults.arrival_rate})",
+        f"(default {workload.arrival_rate})",
     )
     group.add_argument(
         "--prompt-len",
         type=_integer(1, MAX_REQUEST_TOKENS),
         metavar="N",
-        help=f"mean prompt length (default {defaults.prompt_len_mean})",
+        help=f"mean prompt length (default {workload.prompt_len_mean})",
     )
     group.add_argument(
         "--prompt-len-max",
         type=_integer(1, MAX_REQUEST_TOKENS),
         metavar="N",
-        help=f"longest prompt (default: the larger of {defaults.prompt_len_max} and 4 x mean, "
+        help=f"longest prompt (default: the larger of {workload.prompt_len_max} and 4 x mean, "
         f"at most {MAX_REQUEST_TOKENS})",
     )
     group.add_argument(
         "--output-len",
         type=_integer(1, MAX_REQUEST_TOKENS),
         metavar="N",
-        help=f"mean output length (default {defaults.output_len_mean})",
+        help=f"mean output length (default {workload.output_len_mean})",
     )
     group.add_argument(
         "--output-len-max",
         type=_integer(1, MAX_REQUEST_TOKENS),
         metavar="N",
-        help=f"longest output (default: the larger of {defaults.output_len_max} and 4 x mean, "
+        help=f"longest output (default: the larger of {workload.output_len_max} and 4 x mean, "
         f"at most {MAX_REQUEST_TOKENS})",
     )
     group.add_argument(
         "--length-dist",
         choices=[d.value for d in LengthDistribution],
-        help=f"length distribution (default {defaults.length_distribution.value})",
+        help=f"length distribution (default {workload.length_distribution.value})",
     )
     group.add_argument(
         "--priority-levels",
         type=_integer(1, I32_MAX),
         metavar="N",
-        help=f"priorities drawn from 0..N-1 (default {defaults.priority_levels})",
+        help=f"priorities drawn from 0..N-1 (default {workload.priority_levels})",
     )
     group.add_argument(
         "--abort-rate",
         type=_fraction,
         metavar="F",
         help="fraction of requests their client aborts, each at a seeded random step between "
-        f"its arrival and its earliest possible finish (default {defaults.abort_rate})",
+        f"its arrival and its earliest possible finish (default {workload.abort_rate})",
     )
 
     group = parser.add_argument_group("run and output")
@@ -323,20 +337,30 @@ def _scheduler_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if not args.chunked_prefill:
         given["enable_chunked_prefill"] = False
     if args.host_tier_tokens is not None:
-        tokens_per_superblock = args.tokens_per_block * args.cp
-        superblocks = args.host_tier_tokens // tokens_per_superblock
-        if args.host_tier_tokens > 0 and superblocks == 0:
-            raise UsageError(
-                f"--host-tier-tokens {args.host_tier_tokens} is less than one superblock "
-                f"({tokens_per_superblock} tokens); give at least that"
-            )
-        if superblocks > U32_MAX:
-            raise UsageError(
-                f"--host-tier-tokens {args.host_tier_tokens} is more than {U32_MAX} superblocks "
-                f"of {tokens_per_superblock} tokens"
-            )
-        given["host_tier_superblocks"] = superblocks
+        given["host_tier_superblocks"] = _host_tier_superblocks(args)
     return {key: value for key, value in given.items() if value is not None}
+
+
+def _host_tier_superblocks(args: argparse.Namespace) -> Optional[int]:
+    """``--host-tier-tokens`` in superblocks of the layout (the core's), rounded down; ``None``
+    when ``--cp`` with ``--tokens-per-block`` is no layout at all (building the configuration
+    then refuses them, in the flags' terms)."""
+    try:
+        tokens_per_superblock = Layout(args.cp, args.tokens_per_block).tokens_per_superblock
+    except ConfigError:
+        return None
+    superblocks: int = args.host_tier_tokens // tokens_per_superblock
+    if args.host_tier_tokens > 0 and superblocks == 0:
+        raise UsageError(
+            f"--host-tier-tokens {args.host_tier_tokens} is less than one superblock "
+            f"({tokens_per_superblock} tokens); give at least that"
+        )
+    if superblocks > U32_MAX:
+        raise UsageError(
+            f"--host-tier-tokens {args.host_tier_tokens} is more than {U32_MAX} superblocks "
+            f"of {tokens_per_superblock} tokens"
+        )
+    return superblocks
 
 
 def check_combinations(args: argparse.Namespace) -> None:

@@ -12,13 +12,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from helix_kv._core import SchedulerConfig
 from helix_kv.simulate.tokens import prompt_tokens
 from helix_kv.simulate.workload import RequestSpec
 
-#: Victim policies, in the order ``--compare-policies`` runs them.
-VICTIM_POLICIES = ("newest_first", "least_computed_first", "priority")
-CAPACITY_POLICIES = ("max_utilization", "guaranteed_no_evict")
-SERVING_MODES = ("aggregated_helix", "non_helix", "disaggregated_generation")
+#: Victim policies, in the order ``--compare-policies`` runs them (the core's names).
+VICTIM_POLICIES: tuple[str, ...] = SchedulerConfig.VICTIM_POLICIES
+CAPACITY_POLICIES: tuple[str, ...] = SchedulerConfig.CAPACITY_POLICIES
+SERVING_MODES: tuple[str, ...] = SchedulerConfig.SERVING_MODES
 
 _PREFLIGHT_BATCH = 256
 
@@ -82,10 +83,8 @@ class SimulationOptions:
     max_steps: Optional[int] = None
     procs: bool = False
 
-    def scheduler_config(self, rank: int = 0) -> Any:
+    def scheduler_config(self, rank: int = 0) -> SchedulerConfig:
         """The ``helix_kv.SchedulerConfig`` of ``rank``; raises ``helix_kv.ConfigError``."""
-        from helix_kv import SchedulerConfig
-
         return SchedulerConfig(
             cp_size=self.cp, cp_rank=rank, kv_tokens=self.kv_tokens, **self.scheduler
         )
@@ -137,14 +136,16 @@ def check_config(options: SimulationOptions) -> None:
     except ConfigError as err:
         raise SimulationSetupError(in_flag_terms(_one_line(str(err)))) from None
     if config.kv_superblocks > MAX_KV_SUPERBLOCKS:
-        from helix_kv import Layout
-
-        superblock = Layout(config.cp_size, config.tokens_per_block).tokens_per_superblock
+        largest = SchedulerConfig(
+            cp_size=config.cp_size,
+            tokens_per_block=config.tokens_per_block,
+            kv_superblocks=MAX_KV_SUPERBLOCKS,
+        )
         raise SimulationSetupError(
             f"--kv-tokens {options.kv_tokens} is {config.kv_superblocks} superblocks of "
-            f"{superblock} tokens; the simulator holds at most {MAX_KV_SUPERBLOCKS} superblocks "
-            f"(--kv-tokens {MAX_KV_SUPERBLOCKS * superblock} with this --cp and "
-            "--tokens-per-block)"
+            f"{config.layout.tokens_per_superblock} tokens; the simulator holds at most "
+            f"{MAX_KV_SUPERBLOCKS} superblocks (--kv-tokens {largest.capacity_tokens} with this "
+            "--cp and --tokens-per-block)"
         )
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
+from helix_kv._core import SchedulerMetrics
 from helix_kv.simulate.tokens import expected_output, prompt_tokens, sampled_tokens
 from helix_kv.simulate.workload import RequestSpec
 
@@ -119,42 +120,6 @@ class RequestOutcome:
         return self.first_token_step - self.arrival_step + 1
 
 
-@dataclass(frozen=True)
-class MetricsSnapshot:
-    """The scheduler's counters at the end of a run, as plain numbers (picklable)."""
-
-    steps: int
-    preemptions: int
-    suspensions: int
-    recomputed_tokens: int
-    computed_tokens: int
-    sat_out: int
-    finished: int
-    aborts: int
-    kv_used_superblocks: int
-    kv_capacity_superblocks: int
-    kv_utilization: float
-    kv_utilization_peak: float
-
-    @classmethod
-    def of(cls, metrics: Any) -> MetricsSnapshot:
-        """Copy the fields of a ``helix_kv.SchedulerMetrics``."""
-        return cls(
-            steps=int(metrics.steps),
-            preemptions=int(metrics.preemptions),
-            suspensions=int(metrics.suspensions),
-            recomputed_tokens=int(metrics.recomputed_tokens),
-            computed_tokens=int(metrics.computed_tokens),
-            sat_out=int(metrics.sat_out),
-            finished=int(metrics.finished),
-            aborts=int(metrics.aborts),
-            kv_used_superblocks=int(metrics.kv_used_superblocks),
-            kv_capacity_superblocks=int(metrics.kv_capacity_superblocks),
-            kv_utilization=float(metrics.kv_utilization),
-            kv_utilization_peak=float(metrics.kv_utilization_peak),
-        )
-
-
 @dataclass
 class SimulationResult:
     """Everything a run produced; :mod:`.report` turns it into figures."""
@@ -162,7 +127,8 @@ class SimulationResult:
     requests_total: int
     outcomes: list[RequestOutcome]
     series: StepSeries
-    final_metrics: MetricsSnapshot
+    final_metrics: SchedulerMetrics
+    """The scheduler's counters at the end of the run (a frozen, picklable record)."""
     generated_tokens: int
     clock: int
     rank_agreement: bool
@@ -334,7 +300,7 @@ def run_simulation(
         requests_total=len(workload),
         outcomes=loop.outcomes,
         series=loop.series,
-        final_metrics=MetricsSnapshot.of(group.metrics()),
+        final_metrics=group.metrics(),
         generated_tokens=loop.total_generated,
         clock=loop.clock,
         rank_agreement=mismatch is None,

@@ -127,6 +127,76 @@ impl Layout {
         let page = *table.get(usize::try_from(self.superblock_index(pos)).ok()?)?;
         Some(u64::from(page) * tpb + pos % tpb)
     }
+
+    /// The batch slot mapping of a step run without a scheduler: for each token `i`, the
+    /// slot on `rank` of global position `positions[i]` of the request whose superblock
+    /// table is row `rows[i]` of `table` (row-major, `width` entries a row, padded with
+    /// negative ids), or -1 where another rank owns the position. Appends to `out`.
+    ///
+    /// Every argument is checked before anything is appended: `rank` in the group, as many
+    /// rows as positions, every row in the table, and every position inside its row's
+    /// table at a page id in `0..=u32::MAX`, whichever rank owns it (so every rank accepts
+    /// or refuses the same batch).
+    pub fn slot_mapping_into(
+        self,
+        table: &[i64],
+        width: usize,
+        rows: &[u64],
+        positions: &[u64],
+        rank: u32,
+        out: &mut Vec<i64>,
+    ) -> Result<()> {
+        self.check_rank(rank)?;
+        if rows.len() != positions.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} rows and {} positions must have the same length",
+                rows.len(),
+                positions.len()
+            )));
+        }
+        let num_rows = table.len().checked_div(width).unwrap_or(0);
+        let page_of = |row: u64, pos: u64| -> Result<u32> {
+            let row = usize::try_from(row)
+                .ok()
+                .filter(|&row| row < num_rows)
+                .ok_or_else(|| {
+                    CoreError::InvalidArgument(format!(
+                        "row {row} is outside the block table ({num_rows} rows)"
+                    ))
+                })?;
+            let index = usize::try_from(self.superblock_index(pos))
+                .ok()
+                .filter(|&index| index < width)
+                .ok_or_else(|| {
+                    CoreError::InvalidArgument(format!(
+                        "position {pos} is past row {row} of the block table ({width} \
+                         superblocks of {} tokens)",
+                        self.tokens_per_superblock()
+                    ))
+                })?;
+            let page = table[row * width + index];
+            u32::try_from(page).map_err(|_| {
+                CoreError::InvalidArgument(format!(
+                    "position {pos} of row {row} falls on page id {page}, not a page \
+                     (0..=2**32-1)"
+                ))
+            })
+        };
+        for (&row, &pos) in rows.iter().zip(positions) {
+            page_of(row, pos)?;
+        }
+        let tpb = u64::from(self.tokens_per_block);
+        out.reserve(positions.len());
+        for (&row, &pos) in rows.iter().zip(positions) {
+            out.push(if self.owner_rank(pos) == rank {
+                let page = page_of(row, pos)?;
+                (u64::from(page) * tpb + pos % tpb) as i64
+            } else {
+                -1
+            });
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -189,6 +259,52 @@ mod tests {
         assert_eq!(layout.owner_rank(9), 0);
         assert_eq!(layout.slot(5, &table), Some(29));
         assert_eq!(layout.slot(16, &table), None);
+    }
+
+    #[test]
+    fn batch_slot_mapping_matches_slot_and_checks_everything_first() {
+        let layout = Layout::new(2, 4).unwrap();
+        // Two rows of two superblocks; row 1 holds one superblock (padded with -1).
+        let table = [7, 3, 5, -1];
+        let rows = [0, 0, 0, 1, 1];
+        let positions = [0, 5, 9, 2, 6];
+        for rank in 0..2 {
+            let mut out = Vec::new();
+            layout
+                .slot_mapping_into(&table, 2, &rows, &positions, rank, &mut out)
+                .unwrap();
+            let expected: Vec<i64> = rows
+                .iter()
+                .zip(&positions)
+                .map(|(&row, &pos)| {
+                    let pages: Vec<u32> = table[row as usize * 2..][..2]
+                        .iter()
+                        .filter(|&&p| p >= 0)
+                        .map(|&p| p as u32)
+                        .collect();
+                    if layout.owner_rank(pos) == rank {
+                        layout.slot(pos, &pages).unwrap() as i64
+                    } else {
+                        -1
+                    }
+                })
+                .collect();
+            assert_eq!(out, expected, "rank {rank}");
+        }
+        let mut out = vec![42];
+        for (rows, positions, rank) in [
+            (&[0, 2][..], &[0, 0][..], 0),  // row outside the table
+            (&[0, 1][..], &[0, 9][..], 0),  // row 1's second superblock is padding
+            (&[0, 1][..], &[0, 17][..], 0), // past the table's width
+            (&[0][..], &[0, 1][..], 0),     // lengths differ
+            (&[0][..], &[0][..], 2),        // rank outside the group
+        ] {
+            let err = layout
+                .slot_mapping_into(&table, 2, rows, positions, rank, &mut out)
+                .unwrap_err();
+            assert!(matches!(err, CoreError::InvalidArgument(_)), "{err}");
+        }
+        assert_eq!(out, [42]);
     }
 
     #[test]

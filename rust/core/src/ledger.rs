@@ -78,23 +78,35 @@ struct DecodeUndo {
     len_after: u64,
 }
 
-/// What one rank sees of a request: lengths on that rank and whether it owns the next
-/// decode token. All of it is derived from the ledger's counters and the layout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DecodeView {
-    /// Global tokens reserved.
-    pub global_len: u64,
-    /// Global position of the next decode token.
-    pub next_position: u64,
-    /// Rank that owns the next decode token.
-    pub owner_rank: u32,
-    /// Whether the viewing rank is not the owner (it attends but appends nothing).
-    pub inactive: bool,
-    /// Tokens this rank holds of the reserved length.
-    pub local_len: u64,
-    /// Tokens this rank holds before the next decode token.
-    pub past_seen_len: u64,
+/// Hands the field list of [`DecodeView`] to another macro:
+/// `decode_view_fields!(callback! { args })` expands to `callback! { { args } fields... }`.
+#[macro_export]
+macro_rules! decode_view_fields {
+    ($callback:ident ! { $($args:tt)* }) => {
+        $callback! {
+            { $($args)* }
+            /// Global tokens reserved.
+            global_len: u64,
+            /// Global position of the next decode token.
+            next_position: u64,
+            /// Rank that owns the next decode token.
+            owner_rank: u32,
+            /// Whether the viewing rank is not the owner (it attends but appends nothing).
+            inactive: bool,
+            /// Tokens this rank holds of the reserved length.
+            local_len: u64,
+            /// Tokens this rank holds before the next decode token.
+            past_seen_len: u64,
+        }
+    };
 }
+
+decode_view_fields!(define_record! {
+    /// What one rank sees of a request: lengths on that rank and whether it owns the next
+    /// decode token. All of it is derived from the ledger's counters and the layout.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    struct DecodeView
+});
 
 /// The superblock ledger. Two ledgers fed the same calls are equal (`==`), hand out the
 /// same ids and fail the same calls.

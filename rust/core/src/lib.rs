@@ -7,6 +7,17 @@
 //! rank run its own copy and still agree.
 #![forbid(unsafe_code)]
 
+/// Defines a plain record, `pub struct` with `pub` fields, from a field list handed over by
+/// one of the `*_fields!` macros (the binding builds its Python class from the same list).
+macro_rules! define_record {
+    ({ $(#[$attr:meta])* struct $name:ident } $( $(#[doc = $doc:tt])* $field:ident : $ty:ty ),* $(,)?) => {
+        $(#[$attr])*
+        pub struct $name {
+            $( $(#[doc = $doc])* pub $field: $ty, )*
+        }
+    };
+}
+
 pub mod digest;
 pub mod error;
 pub mod layout;
@@ -17,8 +28,9 @@ pub use error::{CoreError, Result};
 pub use layout::Layout;
 pub use ledger::{DecodeView, Ledger, RequestKv};
 pub use scheduler::{
-    CapacityPolicy, FieldValue, FinishReason, RequestMetrics, RequestOutput, RequestState,
-    ScheduleOutput, Scheduler, SchedulerConfig, SchedulerMetrics, ServingMode, VictimPolicy,
+    CapacityPolicy, FieldScope, FieldValue, FinishReason, RequestMetrics, RequestOutput,
+    RequestState, ScheduleOutput, Scheduler, SchedulerConfig, SchedulerMetrics, ServingMode,
+    VictimPolicy,
 };
 
 /// A request's id, chosen by the caller; unique among live requests.

@@ -512,3 +512,60 @@ pub fn try_vec<T: Clone>(
     out.resize(len, fill);
     Ok(out)
 }
+
+/// A block table: a two-dimensional numpy integer array, or a list/tuple of equally long
+/// integer rows. Returns the entries row-major (as int64; padding is negative) and the
+/// width. A wrong type or dtype kind is an `InvalidTypeError`, a wrong shape or a value
+/// outside int64 an `InvalidArgumentError`.
+pub fn table_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(Vec<i64>, usize)> {
+    let to_i64 = |ints: Ints<'_>| {
+        ints.map(
+            |v| i64::try_from(v).ok(),
+            |v| {
+                InvalidArgumentError::new_err(format!(
+                    "{what} entries must fit int64, got {}",
+                    show(v)
+                ))
+            },
+        )
+    };
+    if let Ok(array) = obj.cast::<PyUntypedArray>() {
+        if array.ndim() != 2 {
+            return Err(InvalidArgumentError::new_err(format!(
+                "{what} must be two-dimensional, got an array of shape {:?}",
+                array.shape()
+            )));
+        }
+        let width = array.shape()[1];
+        let flat = array.call_method0(pyo3::intern!(obj.py(), "ravel"))?;
+        return Ok((to_i64(integers(&flat, what)?)?, width));
+    }
+    if !(obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()) {
+        return Err(invalid_type(format!(
+            "{what} must be a two-dimensional integer array or a list of integer rows, got {}",
+            describe(obj)
+        )));
+    }
+    let mut entries = Vec::new();
+    let mut width = None;
+    for row in obj.try_iter()? {
+        let row = to_i64(integers(&row?, what)?)?;
+        if *width.get_or_insert(row.len()) != row.len() {
+            return Err(InvalidArgumentError::new_err(format!(
+                "the rows of {what} must have the same length"
+            )));
+        }
+        entries.extend(row);
+    }
+    Ok((entries, width.unwrap_or(0)))
+}
+
+/// Clears the `WRITEABLE` flag of an array the binding just made (from a vector): numpy then
+/// refuses writes, and as the memory's owner is not a writable buffer, Python cannot set the
+/// flag back.
+pub fn make_read_only<T: numpy::Element>(array: &Bound<'_, PyArray1<T>>) {
+    // A fresh, unshared array: the write borrow cannot fail.
+    if let Ok(borrow) = array.try_readwrite() {
+        drop(borrow.make_nonwriteable());
+    }
+}

@@ -171,37 +171,8 @@ impl<T> IntoPyResult<T> for Result<T, CoreError> {
     }
 }
 
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
-    m.add("HelixKVError", py.get_type::<HelixKVError>())?;
-    m.add("ConfigError", py.get_type::<ConfigError>())?;
-    m.add(
-        "InvalidArgumentError",
-        py.get_type::<InvalidArgumentError>(),
-    )?;
-    m.add("InvalidTypeError", invalid_type_error(py)?)?;
-    m.add("InvalidLengthError", py.get_type::<InvalidLengthError>())?;
-    m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;
-    m.add(
-        "DuplicateRequestError",
-        py.get_type::<DuplicateRequestError>(),
-    )?;
-    m.add(
-        "RequestTooLargeError",
-        py.get_type::<RequestTooLargeError>(),
-    )?;
-    m.add(
-        "PreemptionDisabledError",
-        py.get_type::<PreemptionDisabledError>(),
-    )?;
-    m.add("DeadlockError", py.get_type::<DeadlockError>())?;
-    m.add("InvalidStateError", py.get_type::<InvalidStateError>())?;
-    m.add(
-        "ScheduleMismatchError",
-        py.get_type::<ScheduleMismatchError>(),
-    )?;
-    m.add("InitSyncError", py.get_type::<InitSyncError>())?;
-    m.add("ConfigGuardError", py.get_type::<ConfigGuardError>())?;
-    m.add("ConfigMismatchError", py.get_type::<ConfigMismatchError>())?;
-    Ok(())
+/// Adds `InvalidTypeError`, the one exception class made at run time (the others are
+/// exported by the module's export list).
+pub fn add_invalid_type_error(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("InvalidTypeError", invalid_type_error(m.py())?)
 }

@@ -6,10 +6,13 @@ use helix_kv_core::Layout;
 use numpy::PyArray1;
 use pyo3::prelude::*;
 
-use crate::arrays::{int_arg, length_arg, rank_arg, u64_vec, MAX_LENGTH};
+use pyo3::types::PyTuple;
+
+use crate::arrays::{int_arg, length_arg, rank_arg, table_arg, u64_vec, MAX_LENGTH};
 use crate::errors::{ConfigError, IntoPyResult, InvalidLengthError};
 
-/// Token placement for `cp` ranks with pages of `tokens_per_block` tokens.
+/// Token placement for `cp` ranks with pages of `tokens_per_block` tokens (frozen, hashable,
+/// picklable).
 #[pyclass(frozen, eq, hash, module = "helix_kv._core", name = "Layout")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PyLayout {
@@ -126,6 +129,38 @@ impl PyLayout {
         })
     }
 
+    /// Batch slot mapping for a step run without a scheduler: the slot on `rank` of each
+    /// global position `positions[i]` of the request whose superblock table is row
+    /// `rows[i]` of `block_table` (two-dimensional, padded with negative ids), or -1 where
+    /// another rank owns the position (int64 out). Every position must fall inside its row's
+    /// table on a page id, whichever rank owns it.
+    fn slot_mapping<'py>(
+        &self,
+        block_table: &Bound<'py, PyAny>,
+        rows: &Bound<'py, PyAny>,
+        positions: &Bound<'py, PyAny>,
+        rank: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let py = block_table.py();
+        let (table, width) = table_arg(block_table, "block table")?;
+        let rows = u64_vec(rows, "rows", false)?;
+        let positions = u64_vec(positions, "positions", true)?;
+        let rank = rank_arg(rank)?;
+        let mut out = Vec::new();
+        let layout = self.inner;
+        py.detach(|| layout.slot_mapping_into(&table, width, &rows, &positions, rank, &mut out))
+            .py()?;
+        Ok(PyArray1::from_vec(py, out))
+    }
+
+    /// Pickles as `Layout(cp, tokens_per_block)`.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let layout = slf.get().inner;
+        let args = (layout.cp(), layout.tokens_per_block()).into_pyobject(py)?;
+        PyTuple::new(py, [py.get_type::<Self>().into_any(), args.into_any()])
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Layout(cp={}, tokens_per_block={})",
@@ -168,8 +203,4 @@ fn map_array<'py, T: numpy::Element>(
     let values = u64_vec(values, what, true)?;
     let out = values.into_iter().map(f).collect::<PyResult<Vec<T>>>()?;
     Ok(PyArray1::from_vec(py, out))
-}
-
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyLayout>()
 }

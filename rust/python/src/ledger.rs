@@ -18,55 +18,16 @@ pub struct PyLedger {
     pub inner: Ledger,
 }
 
-/// One rank's view of a request (see `Ledger.view`).
-#[pyclass(frozen, get_all, eq, module = "helix_kv._core", name = "DecodeView")]
-#[derive(PartialEq, Eq)]
-pub struct PyDecodeView {
-    /// Global tokens reserved.
-    global_len: u64,
-    /// Global position of the next decode token.
-    next_position: u64,
-    /// Rank that owns the next decode token.
-    owner_rank: u32,
-    /// Whether the viewing rank is not the owner.
-    inactive: bool,
-    /// Tokens this rank holds of the reserved length.
-    local_len: u64,
-    /// Tokens this rank holds before the next decode token.
-    past_seen_len: u64,
-}
+helix_kv_core::decode_view_fields!(value_record! {
+    /// One rank's view of a request (see `Ledger.view`; frozen, picklable).
+    PyDecodeView as "DecodeView" from DecodeView
+});
 
-impl From<DecodeView> for PyDecodeView {
-    fn from(v: DecodeView) -> Self {
-        Self {
-            global_len: v.global_len,
-            next_position: v.next_position,
-            owner_rank: v.owner_rank,
-            inactive: v.inactive,
-            local_len: v.local_len,
-            past_seen_len: v.past_seen_len,
-        }
+value_record! {
+    {
+        /// A request's holdings and counters (see `Ledger.request`; frozen, picklable).
+        PyRequestHoldings as "RequestHoldings"
     }
-}
-
-#[pymethods]
-impl PyDecodeView {
-    fn __repr__(&self) -> String {
-        format!(
-            "DecodeView(global_len={}, next_position={}, owner_rank={}, inactive={}, local_len={}, past_seen_len={})",
-            self.global_len,
-            self.next_position,
-            self.owner_rank,
-            if self.inactive { "True" } else { "False" },
-            self.local_len,
-            self.past_seen_len
-        )
-    }
-}
-
-/// A request's holdings and counters (see `Ledger.request`).
-#[pyclass(frozen, get_all, module = "helix_kv._core", name = "RequestHoldings")]
-pub struct PyRequestHoldings {
     /// The request id.
     request_id: u64,
     /// Global tokens reserved.
@@ -91,21 +52,6 @@ impl From<&RequestKv> for PyRequestHoldings {
             superblocks: r.table().len() as u32,
             suspended: r.is_suspended(),
         }
-    }
-}
-
-#[pymethods]
-impl PyRequestHoldings {
-    fn __repr__(&self) -> String {
-        format!(
-            "RequestHoldings(request_id={}, length={}, prompt_len={}, decode_count={}, superblocks={}, suspended={})",
-            self.request_id,
-            self.length,
-            self.prompt_len,
-            self.decode_count,
-            self.superblocks,
-            if self.suspended { "True" } else { "False" }
-        )
     }
 }
 
@@ -400,11 +346,4 @@ impl PyLedger {
             self.inner.num_requests()
         )
     }
-}
-
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyLedger>()?;
-    m.add_class::<PyDecodeView>()?;
-    m.add_class::<PyRequestHoldings>()?;
-    Ok(())
 }

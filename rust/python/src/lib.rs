@@ -1,8 +1,9 @@
 //! `helix_kv._core`: the thin `PyO3` layer over `helix_kv_core`. One file per area of the
-//! Python surface; every class and exception is registered flat on `_core` and
-//! re-exported by `helix_kv/__init__.py`.
+//! Python surface; the module below is the one export list: every class and exception is
+//! registered flat on `_core` and re-exported by `helix_kv/__init__.py`.
 
-use pyo3::prelude::*;
+#[macro_use]
+mod records;
 
 mod arrays;
 mod errors;
@@ -13,12 +14,32 @@ mod schedule_output;
 mod scheduler;
 mod scheduler_config;
 
-#[pymodule]
-fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    errors::register(m)?;
-    layout::register(m)?;
-    ledger::register(m)?;
-    scheduler::register(m)?;
-    Ok(())
+#[pyo3::pymodule]
+mod _core {
+    use pyo3::prelude::*;
+
+    #[pymodule_export]
+    use crate::errors::{
+        ConfigError, ConfigGuardError, ConfigMismatchError, DeadlockError, DuplicateRequestError,
+        HelixKVError, InitSyncError, InvalidArgumentError, InvalidLengthError, InvalidStateError,
+        PreemptionDisabledError, RequestTooLargeError, ScheduleMismatchError, UnknownRequestError,
+    };
+    #[pymodule_export]
+    use crate::layout::PyLayout;
+    #[pymodule_export]
+    use crate::ledger::{PyDecodeView, PyLedger, PyRequestHoldings};
+    #[pymodule_export]
+    use crate::request_output::PyRequestOutput;
+    #[pymodule_export]
+    use crate::schedule_output::PyScheduleOutput;
+    #[pymodule_export]
+    use crate::scheduler::{PyRequestMetrics, PyScheduler, PySchedulerMetrics};
+    #[pymodule_export]
+    use crate::scheduler_config::PySchedulerConfig;
+
+    #[pymodule_init]
+    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+        m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        crate::errors::add_invalid_type_error(m)
+    }
 }

@@ -8,7 +8,7 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::arrays::{id_arg, token_ids as token_ids_arg};
+use crate::arrays::{id_arg, make_read_only, token_ids as token_ids_arg};
 use crate::errors::InvalidArgumentError;
 use crate::scheduler::PyRequestMetrics;
 
@@ -28,10 +28,10 @@ fn parse_finish_reason(text: &str) -> PyResult<FinishReason> {
 
 /// A read-only int32 array owning `tokens` (no copy): the record is frozen, so its
 /// array must not be writable either.
-fn frozen_tokens(py: Python<'_>, tokens: Vec<i32>) -> PyResult<Py<PyArray1<i32>>> {
+fn frozen_tokens(py: Python<'_>, tokens: Vec<i32>) -> Py<PyArray1<i32>> {
     let array = PyArray1::from_vec(py, tokens);
-    array.getattr("flags")?.setattr("writeable", false)?;
-    Ok(array.unbind())
+    make_read_only(&array);
+    array.unbind()
 }
 
 /// The output of a finished request (frozen): its id, the tokens it generated, why it
@@ -45,13 +45,13 @@ pub struct PyRequestOutput {
 }
 
 impl PyRequestOutput {
-    pub fn new(py: Python<'_>, output: RequestOutput) -> PyResult<Self> {
-        Ok(Self {
+    pub fn new(py: Python<'_>, output: RequestOutput) -> Self {
+        Self {
             id: output.request_id,
-            token_ids: frozen_tokens(py, output.token_ids)?,
+            token_ids: frozen_tokens(py, output.token_ids),
             finish_reason: output.finish_reason,
             metrics: output.metrics,
-        })
+        }
     }
 
     fn tokens<'a>(&'a self, py: Python<'a>) -> PyResult<Vec<i32>> {
@@ -74,7 +74,7 @@ impl PyRequestOutput {
         let tokens = token_ids_arg(token_ids, "token_ids")?.as_slice()?.to_vec();
         Ok(Self {
             id,
-            token_ids: frozen_tokens(py, tokens)?,
+            token_ids: frozen_tokens(py, tokens),
             finish_reason: parse_finish_reason(finish_reason)?,
             metrics: RequestMetrics::from(metrics.get()),
         })
@@ -149,11 +149,7 @@ impl PyRequestOutput {
             self.id,
             shown.join(", "),
             self.finish_reason.as_str(),
-            PyRequestMetrics::from(self.metrics).__repr__()
+            PyRequestMetrics::from(self.metrics).__repr__(py)?
         ))
     }
-}
-
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyRequestOutput>()
 }

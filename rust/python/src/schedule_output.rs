@@ -1,13 +1,21 @@
 //! `ScheduleOutput`: one step's schedule as numpy arrays. The core's vectors are moved in
-//! (no copy) and each becomes a numpy array, also without a copy, the first time Python
-//! reads it; fields never read cost nothing.
+//! (no copy) and each becomes a read-only numpy array, also without a copy, the first time
+//! Python reads it; fields never read cost nothing. The arrays cannot be written, so what
+//! `summary()` and `differing_fields()` read is always what `digest` fingerprints.
+//!
+//! The class, its getters, the conversions both ways and its field lists are built from the
+//! core's one field list (`helix_kv_core::schedule_output_fields!`).
 
 use std::sync::Mutex;
 
-use helix_kv_core::ScheduleOutput;
+use helix_kv_core::{FieldScope, RequestId, ScheduleOutput};
 use numpy::{Element, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
+
+use crate::arrays::{invalid_type_of, make_read_only, u64_arg};
+use crate::errors::{IntoPyResult, InvalidArgumentError};
 
 /// A core element type exposed as numpy dtype `N` (ids as uint64, lengths and positions
 /// as int64, ranks as int32), with the exact conversions both ways.
@@ -63,8 +71,9 @@ impl Exposed<bool> for bool {
     }
 }
 
-/// One output array: the core's vector until Python first reads it, then a cached numpy
-/// array that owns the same buffer (same-size element conversions reuse the allocation).
+/// One output array: the core's vector until Python first reads it, then a cached read-only
+/// numpy array that owns the same buffer (same-size element conversions reuse the
+/// allocation).
 pub struct LazyArray<T: Exposed<N>, N: Element + Copy> {
     vector: Mutex<Option<Vec<T>>>,
     array: PyOnceLock<Py<PyArray1<N>>>,
@@ -78,6 +87,15 @@ impl<T: Exposed<N>, N: Element + Copy> LazyArray<T, N> {
         }
     }
 
+    /// The values of a 1-D numpy array of dtype `N` (copied: the caller keeps its array).
+    fn from_object(value: &Bound<'_, PyAny>, field: &str) -> PyResult<Self> {
+        let array = value
+            .cast::<PyArray1<N>>()
+            .map_err(|_| invalid_type_of(field, "a 1-D numpy array of the field's dtype", value))?;
+        let values = array.to_owned_array().into_iter().map(T::from_numpy);
+        Ok(Self::new(values.collect()))
+    }
+
     fn take_vector(&self) -> Vec<T> {
         self.vector
             .lock()
@@ -86,12 +104,14 @@ impl<T: Exposed<N>, N: Element + Copy> LazyArray<T, N> {
             .unwrap_or_default()
     }
 
-    /// The numpy array (created on first use).
+    /// The numpy array (created on first use, read-only).
     pub fn get<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<N>> {
         self.array
             .get_or_init(py, || {
                 let converted: Vec<N> = self.take_vector().into_iter().map(T::to_numpy).collect();
-                PyArray1::from_vec(py, converted).unbind()
+                let array = PyArray1::from_vec(py, converted);
+                make_read_only(&array);
+                array.unbind()
             })
             .bind(py)
             .clone()
@@ -128,249 +148,215 @@ impl<T: Exposed<N>, N: Element + Copy> LazyArray<T, N> {
     }
 }
 
-/// The schedule of one step (frozen). Arrays: request ids are uint64; starts, lengths and
-/// positions int64; owner ranks, batch slots, token and block ids int32; flags bool. Every field is
-/// identical on every rank except `generation_active`, `generation_local_lens` and
-/// `generation_past_seen_lens`.
-#[pyclass(frozen, module = "helix_kv._core", name = "ScheduleOutput")]
-pub struct PyScheduleOutput {
-    step: u64,
-    num_tokens: u64,
-    digest: u64,
-    context_ids: LazyArray<u64, u64>,
-    context_starts: LazyArray<u64, i64>,
-    context_lens: LazyArray<u64, i64>,
-    context_completes: LazyArray<bool, bool>,
-    context_batch_slots: LazyArray<i32, i32>,
-    context_token_ids: LazyArray<i32, i32>,
-    generation_ids: LazyArray<u64, u64>,
-    generation_positions: LazyArray<u64, i64>,
-    generation_owner_ranks: LazyArray<u32, i32>,
-    generation_input_tokens: LazyArray<i32, i32>,
-    generation_batch_slots: LazyArray<i32, i32>,
-    generation_active: LazyArray<bool, bool>,
-    generation_local_lens: LazyArray<u64, i64>,
-    generation_past_seen_lens: LazyArray<u64, i64>,
-    preempted_ids: LazyArray<u64, u64>,
-    preempted_requester_ids: LazyArray<u64, u64>,
-    suspended_ids: LazyArray<u64, u64>,
-    suspended_requester_ids: LazyArray<u64, u64>,
-    suspended_block_ids: LazyArray<i32, i32>,
-    suspended_block_counts: LazyArray<u64, i64>,
-    resumed_ids: LazyArray<u64, u64>,
-    sat_out_ids: LazyArray<u64, u64>,
-    sample_ids: LazyArray<u64, u64>,
-}
+/// What the `get_all` getters return for an array field: the cached numpy array.
+impl<'py, T: Exposed<N>, N: Element + Copy> IntoPyObject<'py> for &LazyArray<T, N> {
+    type Target = PyArray1<N>;
+    type Output = Bound<'py, PyArray1<N>>;
+    type Error = std::convert::Infallible;
 
-impl From<ScheduleOutput> for PyScheduleOutput {
-    fn from(out: ScheduleOutput) -> Self {
-        Self {
-            step: out.step,
-            num_tokens: out.num_tokens,
-            digest: out.digest,
-            context_ids: LazyArray::new(out.context_ids),
-            context_starts: LazyArray::new(out.context_starts),
-            context_lens: LazyArray::new(out.context_lens),
-            context_completes: LazyArray::new(out.context_completes),
-            context_batch_slots: LazyArray::new(out.context_batch_slots),
-            context_token_ids: LazyArray::new(out.context_token_ids),
-            generation_ids: LazyArray::new(out.generation_ids),
-            generation_positions: LazyArray::new(out.generation_positions),
-            generation_owner_ranks: LazyArray::new(out.generation_owner_ranks),
-            generation_input_tokens: LazyArray::new(out.generation_input_tokens),
-            generation_batch_slots: LazyArray::new(out.generation_batch_slots),
-            generation_active: LazyArray::new(out.generation_active),
-            generation_local_lens: LazyArray::new(out.generation_local_lens),
-            generation_past_seen_lens: LazyArray::new(out.generation_past_seen_lens),
-            preempted_ids: LazyArray::new(out.preempted_ids),
-            preempted_requester_ids: LazyArray::new(out.preempted_requester_ids),
-            suspended_ids: LazyArray::new(out.suspended_ids),
-            suspended_requester_ids: LazyArray::new(out.suspended_requester_ids),
-            suspended_block_ids: LazyArray::new(out.suspended_block_ids),
-            suspended_block_counts: LazyArray::new(out.suspended_block_counts),
-            resumed_ids: LazyArray::new(out.resumed_ids),
-            sat_out_ids: LazyArray::new(out.sat_out_ids),
-            sample_ids: LazyArray::new(out.sample_ids),
-        }
+    fn into_pyobject(self, py: Python<'py>) -> Result<Self::Output, Self::Error> {
+        Ok(self.get(py))
     }
 }
 
-impl PyScheduleOutput {
-    /// The core output again (for the summary), from the arrays as they are now.
-    fn to_core(&self, py: Python<'_>) -> ScheduleOutput {
-        ScheduleOutput {
-            step: self.step,
-            context_ids: self.context_ids.values(py),
-            context_starts: self.context_starts.values(py),
-            context_lens: self.context_lens.values(py),
-            context_completes: self.context_completes.values(py),
-            context_batch_slots: self.context_batch_slots.values(py),
-            context_token_ids: self.context_token_ids.values(py),
-            generation_ids: self.generation_ids.values(py),
-            generation_positions: self.generation_positions.values(py),
-            generation_owner_ranks: self.generation_owner_ranks.values(py),
-            generation_input_tokens: self.generation_input_tokens.values(py),
-            generation_batch_slots: self.generation_batch_slots.values(py),
-            generation_active: self.generation_active.values(py),
-            generation_local_lens: self.generation_local_lens.values(py),
-            generation_past_seen_lens: self.generation_past_seen_lens.values(py),
-            preempted_ids: self.preempted_ids.values(py),
-            preempted_requester_ids: self.preempted_requester_ids.values(py),
-            suspended_ids: self.suspended_ids.values(py),
-            suspended_requester_ids: self.suspended_requester_ids.values(py),
-            suspended_block_ids: self.suspended_block_ids.values(py),
-            suspended_block_counts: self.suspended_block_counts.values(py),
-            resumed_ids: self.resumed_ids.values(py),
-            sat_out_ids: self.sat_out_ids.values(py),
-            sample_ids: self.sample_ids.values(py),
-            num_tokens: self.num_tokens,
-            digest: self.digest,
-        }
-    }
+/// The numpy dtype of a core element type.
+macro_rules! exposed {
+    (RequestId) => {
+        u64
+    };
+    (u64) => {
+        i64
+    };
+    (u32) => {
+        i32
+    };
+    (i32) => {
+        i32
+    };
+    (bool) => {
+        bool
+    };
 }
 
-type Array<'py, T> = Bound<'py, PyArray1<T>>;
+/// The binding's type for a field: a [`LazyArray`] for an array, the value for a scalar.
+macro_rules! py_field_type {
+    ([$element:tt]) => { LazyArray<$element, exposed!($element)> };
+    ($scalar:ty) => { $scalar };
+}
+
+/// One field of the core output in the binding's form.
+macro_rules! from_core_field {
+    ($value:expr, [$element:tt]) => {
+        LazyArray::new($value)
+    };
+    ($value:expr, $scalar:ty) => {
+        $value
+    };
+}
+
+/// One field of the binding's output in the core's form (the arrays as they are now).
+macro_rules! to_core_field {
+    ($field:expr, $py:expr, [$element:tt]) => {
+        $field.values($py)
+    };
+    ($field:expr, $py:expr, $scalar:ty) => {
+        $field
+    };
+}
+
+/// One field as a Python object (`__reduce__`): the numpy array, or the int.
+macro_rules! field_object {
+    ($field:expr, $py:expr, [$element:tt]) => {
+        $field.get($py).into_any()
+    };
+    ($field:expr, $py:expr, $scalar:ty) => {
+        $field.into_pyobject($py)?.into_any()
+    };
+}
+
+/// One field rebuilt from a Python object (`_from_fields`).
+macro_rules! field_from_object {
+    ($value:expr, $name:expr, [$element:tt]) => {
+        LazyArray::from_object($value, $name)?
+    };
+    ($value:expr, $name:expr, $scalar:ty) => {
+        u64_arg($value, $name)?
+    };
+}
+
+macro_rules! define_py_schedule_output {
+    ({} $( $(#[doc = $doc:tt])* $scope:ident $name:ident : $kind:tt ),* $(,)?) => {
+        /// The schedule of one step (frozen; picklable). Arrays are read-only: request ids
+        /// uint64; starts, lengths and positions int64; owner ranks, batch slots, token and
+        /// block ids int32; flags bool. Every field is identical on every rank except those
+        /// in `PER_RANK_FIELDS`.
+        #[pyclass(frozen, get_all, module = "helix_kv._core", name = "ScheduleOutput")]
+        pub struct PyScheduleOutput {
+            $( $(#[doc = $doc])* $name: py_field_type!($kind), )*
+        }
+
+        impl From<ScheduleOutput> for PyScheduleOutput {
+            fn from(out: ScheduleOutput) -> Self {
+                Self { $( $name: from_core_field!(out.$name, $kind), )* }
+            }
+        }
+
+        impl PyScheduleOutput {
+            /// The core output again, from the arrays as they are now.
+            fn to_core(&self, py: Python<'_>) -> ScheduleOutput {
+                ScheduleOutput { $( $name: to_core_field!(self.$name, py, $kind), )* }
+            }
+
+            /// Every field by name: numpy arrays and ints.
+            fn field_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+                let dict = PyDict::new(py);
+                $( dict.set_item(stringify!($name), field_object!(self.$name, py, $kind))?; )*
+                Ok(dict)
+            }
+
+            /// An output from [`Self::field_dict`]'s form; every field must be present.
+            fn from_field_dict(fields: &Bound<'_, PyDict>) -> PyResult<Self> {
+                let field = |name: &str| {
+                    fields.get_item(name)?.ok_or_else(|| {
+                        InvalidArgumentError::new_err(format!("ScheduleOutput field {name} is missing"))
+                    })
+                };
+                Ok(Self {
+                    $( $name: field_from_object!(&field(stringify!($name))?, stringify!($name), $kind), )*
+                })
+            }
+        }
+    };
+}
+
+helix_kv_core::schedule_output_fields!(define_py_schedule_output! {});
+
+/// Field names as a tuple.
+fn names(
+    py: Python<'_>,
+    names: impl IntoIterator<Item = &'static str>,
+) -> PyResult<Bound<'_, PyTuple>> {
+    PyTuple::new(py, names.into_iter().collect::<Vec<_>>())
+}
 
 #[pymethods]
 impl PyScheduleOutput {
-    /// Step number (every successful `schedule()` takes a new one).
-    #[getter]
-    fn step(&self) -> u64 {
-        self.step
+    /// Every field name, in order.
+    #[classattr]
+    #[allow(non_snake_case)] // class constants
+    fn FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+        names(py, ScheduleOutput::FIELDS.iter().map(|(name, _)| *name))
     }
-    /// Context tokens plus decode tokens scheduled.
-    #[getter]
-    fn num_tokens(&self) -> u64 {
-        self.num_tokens
+    /// The fields identical on every rank that scheduled alike (`digest` among them).
+    #[classattr]
+    #[allow(non_snake_case)]
+    fn RANK_INVARIANT_FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+        names(
+            py,
+            ScheduleOutput::fields_with_scope(FieldScope::RankInvariant),
+        )
     }
-    /// 64-bit fingerprint of every rank-invariant field (unsigned).
-    #[getter]
-    fn digest(&self) -> u64 {
-        self.digest
+    /// The fields that differ by rank by design (this rank's share of the KV).
+    #[classattr]
+    #[allow(non_snake_case)]
+    fn PER_RANK_FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+        names(py, ScheduleOutput::fields_with_scope(FieldScope::PerRank))
     }
-    /// Requests with a prompt chunk, in queue order (uint64).
-    #[getter]
-    fn context_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
-        self.context_ids.get(py)
+    /// The entries of `summary_fields()`, in order, each with the fields its value shows.
+    #[classattr]
+    #[allow(non_snake_case)]
+    fn SUMMARY_ENTRIES(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+        let entries = ScheduleOutput::SUMMARY_ENTRIES
+            .iter()
+            .map(|(entry, shown)| Ok((*entry, names(py, shown.iter().copied())?)))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyTuple::new(py, entries)
     }
-    /// Global position of each chunk's first token (int64).
-    #[getter]
-    fn context_starts<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
-        self.context_starts.get(py)
-    }
-    /// Tokens in each chunk (int64).
-    #[getter]
-    fn context_lens<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
-        self.context_lens.get(py)
-    }
-    /// Whether each chunk completes its prompt (bool).
-    #[getter]
-    fn context_completes<'py>(&self, py: Python<'py>) -> Array<'py, bool> {
-        self.context_completes.get(py)
-    }
-    /// Batch slot of each context entry (int32).
-    #[getter]
-    fn context_batch_slots<'py>(&self, py: Python<'py>) -> Array<'py, i32> {
-        self.context_batch_slots.get(py)
-    }
-    /// The chunks' tokens, concatenated in entry order (int32).
-    #[getter]
-    fn context_token_ids<'py>(&self, py: Python<'py>) -> Array<'py, i32> {
-        self.context_token_ids.get(py)
-    }
-    /// Requests decoding one token, in queue order (uint64).
-    #[getter]
-    fn generation_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
-        self.generation_ids.get(py)
-    }
-    /// Global position of the token being written (int64).
-    #[getter]
-    fn generation_positions<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
-        self.generation_positions.get(py)
-    }
-    /// Rank that appends each decode token (int32).
-    #[getter]
-    fn generation_owner_ranks<'py>(&self, py: Python<'py>) -> Array<'py, i32> {
-        self.generation_owner_ranks.get(py)
-    }
-    /// Token fed at each position: the request's last token (int32).
-    #[getter]
-    fn generation_input_tokens<'py>(&self, py: Python<'py>) -> Array<'py, i32> {
-        self.generation_input_tokens.get(py)
-    }
-    /// Batch slot of each generation entry (int32).
-    #[getter]
-    fn generation_batch_slots<'py>(&self, py: Python<'py>) -> Array<'py, i32> {
-        self.generation_batch_slots.get(py)
-    }
-    /// Per rank: whether this rank appends the token (bool).
-    #[getter]
-    fn generation_active<'py>(&self, py: Python<'py>) -> Array<'py, bool> {
-        self.generation_active.get(py)
-    }
-    /// Per rank: tokens this rank holds after the append (int64).
-    #[getter]
-    fn generation_local_lens<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
-        self.generation_local_lens.get(py)
-    }
-    /// Per rank: tokens this rank holds before the append (int64).
-    #[getter]
-    fn generation_past_seen_lens<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
-        self.generation_past_seen_lens.get(py)
-    }
-    /// Requests recompute-paused this step, in the order chosen (uint64).
-    #[getter]
-    fn preempted_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
-        self.preempted_ids.get(py)
-    }
-    /// For each preempted request, the request that needed its pages (uint64).
-    #[getter]
-    fn preempted_requester_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
-        self.preempted_requester_ids.get(py)
-    }
-    /// Requests suspended to the host tier this step (uint64).
-    #[getter]
-    fn suspended_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
-        self.suspended_ids.get(py)
-    }
-    /// For each suspended request, the request that needed its pages (uint64).
-    #[getter]
-    fn suspended_requester_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
-        self.suspended_requester_ids.get(py)
-    }
-    /// Pages the suspended requests held, concatenated (int32): copy them out first.
-    #[getter]
-    fn suspended_block_ids<'py>(&self, py: Python<'py>) -> Array<'py, i32> {
-        self.suspended_block_ids.get(py)
-    }
-    /// How many of `suspended_block_ids` each suspended request held (int64).
-    #[getter]
-    fn suspended_block_counts<'py>(&self, py: Python<'py>) -> Array<'py, i64> {
-        self.suspended_block_counts.get(py)
-    }
-    /// Requests brought back from the host tier (uint64).
-    #[getter]
-    fn resumed_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
-        self.resumed_ids.get(py)
-    }
-    /// Generation requests that found neither pages nor a victim (uint64).
-    #[getter]
-    fn sat_out_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
-        self.sat_out_ids.get(py)
-    }
-    /// Generation ids, then completing context ids: the order `update` takes tokens (uint64).
-    #[getter]
-    fn sample_ids<'py>(&self, py: Python<'py>) -> Array<'py, u64> {
-        self.sample_ids.get(py)
-    }
+
     /// Tokens `update` expects (`len(sample_ids)`), without building the array.
     #[getter]
     fn num_samples(&self, py: Python<'_>) -> usize {
         self.sample_ids.len(py)
     }
-    /// One `name: value` line per rank-invariant field, stable text to diff two ranks'.
+    /// The summary as `(entry, value)` pairs: the entries of `SUMMARY_ENTRIES`, each value
+    /// stable text, so two ranks' entries compare as strings.
+    fn summary_fields(&self, py: Python<'_>) -> Vec<(&'static str, String)> {
+        self.to_core(py).summary_fields()
+    }
+    /// One `name: value` line per entry of `summary_fields()`, stable text to diff two
+    /// ranks'.
     fn summary(&self, py: Python<'_>) -> String {
         self.to_core(py).summary()
+    }
+    /// The rank-invariant fields in which `other` (another rank's output of the same step)
+    /// differs from this one, in `FIELDS` order.
+    fn differing_fields(
+        &self,
+        py: Python<'_>,
+        other: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<&'static str>> {
+        let other = other
+            .cast::<Self>()
+            .map_err(|_| invalid_type_of("other", "a ScheduleOutput", other))?;
+        Ok(self.to_core(py).differing_fields(&other.get().to_core(py)))
+    }
+    /// Pickles as `ScheduleOutput._from_fields({field: value})`.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let rebuild = py.get_type::<Self>().getattr("_from_fields")?;
+        let args = PyTuple::new(py, [slf.get().field_dict(py)?])?;
+        PyTuple::new(py, [rebuild, args.into_any()])
+    }
+    /// Rebuilds a pickled output from its fields (arrays of the fields' dtypes; the array
+    /// lengths must fit together).
+    #[classmethod]
+    fn _from_fields(_cls: &Bound<'_, PyType>, fields: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let fields = fields
+            .cast::<PyDict>()
+            .map_err(|_| invalid_type_of("fields", "a dict", fields))?;
+        let output = Self::from_field_dict(fields)?;
+        output.to_core(fields.py()).check_lengths().py()?;
+        Ok(output)
     }
     fn __repr__(&self, py: Python<'_>) -> String {
         format!(

@@ -4,7 +4,6 @@
 use helix_kv_core::{RequestMetrics, Scheduler, SchedulerMetrics};
 use numpy::{PyArray1, PyArray2};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
 
 use crate::arrays::{flags, id_arg, int_arg, invalid_type_of, token_ids, u64_vec};
 use crate::errors::{IntoPyResult, InvalidArgumentError, InvalidLengthError};
@@ -13,188 +12,15 @@ use crate::request_output::PyRequestOutput;
 use crate::schedule_output::PyScheduleOutput;
 use crate::scheduler_config::PySchedulerConfig;
 
-/// Scheduler totals (frozen; equal on every rank).
-#[pyclass(
-    frozen,
-    get_all,
-    eq,
-    module = "helix_kv._core",
-    name = "SchedulerMetrics"
-)]
-#[derive(PartialEq)]
-pub struct PySchedulerMetrics {
-    /// Steps run (updated).
-    steps: u64,
-    /// Recompute-pauses.
-    preemptions: u64,
-    /// Suspends to the host tier.
-    suspensions: u64,
-    /// KV tokens thrown away by recompute-pauses.
-    recomputed_tokens: u64,
-    /// Context and decode tokens run, recomputation included.
-    computed_tokens: u64,
-    /// Times a generation request sat out a step.
-    sat_out: u64,
-    /// Requests that finished by length or eos.
-    finished: u64,
-    /// Requests aborted.
-    aborts: u64,
-    /// Superblocks held now.
-    kv_used_superblocks: u32,
-    /// Superblocks in the pool.
-    kv_capacity_superblocks: u32,
-    /// Used / capacity, now.
-    kv_utilization: f64,
-    /// Highest utilisation seen right after a `schedule()`.
-    kv_utilization_peak: f64,
-}
+helix_kv_core::scheduler_metrics_fields!(value_record! {
+    /// Scheduler totals (frozen; equal on every rank; picklable).
+    PySchedulerMetrics as "SchedulerMetrics" from SchedulerMetrics
+});
 
-impl From<SchedulerMetrics> for PySchedulerMetrics {
-    fn from(m: SchedulerMetrics) -> Self {
-        Self {
-            steps: m.steps,
-            preemptions: m.preemptions,
-            suspensions: m.suspensions,
-            recomputed_tokens: m.recomputed_tokens,
-            computed_tokens: m.computed_tokens,
-            sat_out: m.sat_out,
-            finished: m.finished,
-            aborts: m.aborts,
-            kv_used_superblocks: m.kv_used_superblocks,
-            kv_capacity_superblocks: m.kv_capacity_superblocks,
-            kv_utilization: m.kv_utilization,
-            kv_utilization_peak: m.kv_utilization_peak,
-        }
-    }
-}
-
-#[pymethods]
-impl PySchedulerMetrics {
-    /// The counters as a dict.
-    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("steps", self.steps)?;
-        d.set_item("preemptions", self.preemptions)?;
-        d.set_item("suspensions", self.suspensions)?;
-        d.set_item("recomputed_tokens", self.recomputed_tokens)?;
-        d.set_item("computed_tokens", self.computed_tokens)?;
-        d.set_item("sat_out", self.sat_out)?;
-        d.set_item("finished", self.finished)?;
-        d.set_item("aborts", self.aborts)?;
-        d.set_item("kv_used_superblocks", self.kv_used_superblocks)?;
-        d.set_item("kv_capacity_superblocks", self.kv_capacity_superblocks)?;
-        d.set_item("kv_utilization", self.kv_utilization)?;
-        d.set_item("kv_utilization_peak", self.kv_utilization_peak)?;
-        Ok(d)
-    }
-    fn __repr__(&self) -> String {
-        format!(
-            "SchedulerMetrics(steps={}, preemptions={}, suspensions={}, recomputed_tokens={}, \
-             computed_tokens={}, sat_out={}, finished={}, aborts={}, kv_used_superblocks={}, \
-             kv_capacity_superblocks={}, kv_utilization={}, kv_utilization_peak={})",
-            self.steps,
-            self.preemptions,
-            self.suspensions,
-            self.recomputed_tokens,
-            self.computed_tokens,
-            self.sat_out,
-            self.finished,
-            self.aborts,
-            self.kv_used_superblocks,
-            self.kv_capacity_superblocks,
-            self.kv_utilization,
-            self.kv_utilization_peak
-        )
-    }
-}
-
-/// Counters of one request (frozen).
-#[pyclass(
-    frozen,
-    get_all,
-    eq,
-    module = "helix_kv._core",
-    name = "RequestMetrics"
-)]
-#[derive(PartialEq, Eq)]
-pub struct PyRequestMetrics {
-    /// Times chosen as a victim (recompute-pause or suspend).
-    preemptions: u32,
-    /// KV tokens it lost to recompute-pauses.
-    recomputed_tokens: u64,
-    /// Steps run while it was live and got no entry.
-    steps_waited: u64,
-    /// Tokens sampled for it so far.
-    generated_tokens: u64,
-}
-
-impl From<RequestMetrics> for PyRequestMetrics {
-    fn from(m: RequestMetrics) -> Self {
-        Self {
-            preemptions: m.preemptions,
-            recomputed_tokens: m.recomputed_tokens,
-            steps_waited: m.steps_waited,
-            generated_tokens: m.generated_tokens,
-        }
-    }
-}
-
-impl From<&PyRequestMetrics> for RequestMetrics {
-    fn from(m: &PyRequestMetrics) -> Self {
-        Self {
-            preemptions: m.preemptions,
-            recomputed_tokens: m.recomputed_tokens,
-            steps_waited: m.steps_waited,
-            generated_tokens: m.generated_tokens,
-        }
-    }
-}
-
-#[pymethods]
-impl PyRequestMetrics {
-    /// Builds counters (what unpickling a `RequestOutput` calls).
-    #[new]
-    #[pyo3(signature = (*, preemptions = 0, recomputed_tokens = 0, steps_waited = 0, generated_tokens = 0))]
-    fn py_new(
-        preemptions: u32,
-        recomputed_tokens: u64,
-        steps_waited: u64,
-        generated_tokens: u64,
-    ) -> Self {
-        Self {
-            preemptions,
-            recomputed_tokens,
-            steps_waited,
-            generated_tokens,
-        }
-    }
-
-    /// Pickles as `functools.partial(RequestMetrics, **to_dict())`.
-    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
-        let py = slf.py();
-        let rebuild = py
-            .import("functools")?
-            .getattr("partial")?
-            .call((py.get_type::<Self>(),), Some(&slf.get().to_dict(py)?))?;
-        PyTuple::new(py, [rebuild, PyTuple::empty(py).into_any()])
-    }
-
-    /// The counters as a dict.
-    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("preemptions", self.preemptions)?;
-        d.set_item("recomputed_tokens", self.recomputed_tokens)?;
-        d.set_item("steps_waited", self.steps_waited)?;
-        d.set_item("generated_tokens", self.generated_tokens)?;
-        Ok(d)
-    }
-    pub(crate) fn __repr__(&self) -> String {
-        format!(
-            "RequestMetrics(preemptions={}, recomputed_tokens={}, steps_waited={}, generated_tokens={})",
-            self.preemptions, self.recomputed_tokens, self.steps_waited, self.generated_tokens
-        )
-    }
-}
+helix_kv_core::request_metrics_fields!(value_record! {
+    /// Counters of one request (frozen; picklable).
+    PyRequestMetrics as "RequestMetrics" from RequestMetrics, default = 0
+});
 
 /// A request priority (int32), checked like every other integer argument (a keyword with
 /// a default cannot be taken as a `Bound`, so it is its own type).
@@ -340,7 +166,7 @@ impl PyScheduler {
         request_id: &Bound<'_, PyAny>,
     ) -> PyResult<PyRequestOutput> {
         let output = self.inner.take_output(id_arg(request_id)?).py()?;
-        PyRequestOutput::new(py, output)
+        Ok(PyRequestOutput::new(py, output))
     }
 
     /// Prompt (with folded tokens) plus generated tokens of a live request (int32).
@@ -449,14 +275,4 @@ impl PyScheduler {
             self.inner.ledger().capacity()
         )
     }
-}
-
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    crate::scheduler_config::register(m)?;
-    m.add_class::<PyScheduler>()?;
-    m.add_class::<PyScheduleOutput>()?;
-    m.add_class::<PySchedulerMetrics>()?;
-    m.add_class::<PyRequestMetrics>()?;
-    crate::request_output::register(m)?;
-    Ok(())
 }

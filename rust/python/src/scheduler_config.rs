@@ -7,6 +7,8 @@ use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
 
 use crate::arrays::{flag_arg, int_arg, str_arg};
 use crate::errors::{ConfigError, IntoPyResult};
+use crate::layout::PyLayout;
+use crate::records::{reduce_by_keywords, repr_of};
 
 /// A keyword argument as given, or `Absent` (its default applies). Taking the object
 /// itself lets every setting be checked here, naming it, instead of by `PyO3`'s extraction
@@ -124,8 +126,14 @@ impl PySchedulerConfig {
         admit_after_preemption: Given<'_>,
         deadlock_steps: Given<'_>,
     ) -> PyResult<Self> {
-        let cp_size = setting_u32(cp_size, "cp_size", 1)?;
-        let tokens_per_block = setting_u32(tokens_per_block, "tokens_per_block", 32)?;
+        // Every default is the core's (`SchedulerConfig::new`); `DEFAULTS` shows them.
+        let defaults = SchedulerConfig::new(1);
+        let cp_size = setting_u32(cp_size, "cp_size", defaults.cp_size)?;
+        let tokens_per_block = setting_u32(
+            tokens_per_block,
+            "tokens_per_block",
+            defaults.tokens_per_block,
+        )?;
         let kv_superblocks = optional(kv_superblocks, |v| int_setting(v, "kv_superblocks"))?;
         let kv_tokens = optional(kv_tokens, |v| u64_setting(v, "kv_tokens"))?;
         let capacity =
@@ -140,42 +148,51 @@ impl PySchedulerConfig {
                      agreed minimum) or kv_tokens (global tokens)",
                 )),
             };
-        let mut config = SchedulerConfig::new(capacity);
-        config.cp_size = cp_size;
-        config.cp_rank = setting_u32(cp_rank, "cp_rank", 0)?;
-        config.tokens_per_block = tokens_per_block;
-        config.max_batch_size = setting_u32(max_batch_size, "max_batch_size", 256)?;
-        config.max_num_tokens = setting_u32(max_num_tokens, "max_num_tokens", 8192)?;
-        config.enable_chunked_prefill =
-            enable_chunked_prefill.map_or(Ok(true), |v| flag_arg(v, "enable_chunked_prefill"))?;
+        let mut config = SchedulerConfig {
+            capacity_superblocks: capacity,
+            cp_size,
+            tokens_per_block,
+            ..defaults
+        };
+        config.cp_rank = setting_u32(cp_rank, "cp_rank", config.cp_rank)?;
+        config.max_batch_size =
+            setting_u32(max_batch_size, "max_batch_size", config.max_batch_size)?;
+        config.max_num_tokens =
+            setting_u32(max_num_tokens, "max_num_tokens", config.max_num_tokens)?;
+        config.enable_chunked_prefill = enable_chunked_prefill
+            .map_or(Ok(config.enable_chunked_prefill), |v| {
+                flag_arg(v, "enable_chunked_prefill")
+            })?;
         config.chunk_unit = optional(chunk_unit, |unit| int_setting(unit, "chunk_unit"))?;
-        config.max_seq_len = max_seq_len.map_or(Ok(131_072), |v| u64_setting(v, "max_seq_len"))?;
-        config.capacity_policy = capacity_policy
-            .map_or(Ok("max_utilization".into()), |v| {
-                str_arg(v, "capacity_policy")
-            })?
-            .parse::<CapacityPolicy>()
-            .py()?;
-        config.serving_mode = serving_mode
-            .map_or(Ok("aggregated_helix".into()), |v| {
-                str_arg(v, "serving_mode")
-            })?
-            .parse::<ServingMode>()
-            .py()?;
-        config.host_tier_superblocks =
-            setting_u32(host_tier_superblocks, "host_tier_superblocks", 0)?;
-        config.victim_policy = victim_policy
-            .map_or(Ok("newest_first".into()), |v| str_arg(v, "victim_policy"))?
-            .parse::<VictimPolicy>()
-            .py()?;
+        config.max_seq_len =
+            max_seq_len.map_or(Ok(config.max_seq_len), |v| u64_setting(v, "max_seq_len"))?;
+        config.capacity_policy = capacity_policy.map_or(Ok(config.capacity_policy), |v| {
+            str_arg(v, "capacity_policy")?
+                .parse::<CapacityPolicy>()
+                .py()
+        })?;
+        config.serving_mode = serving_mode.map_or(Ok(config.serving_mode), |v| {
+            str_arg(v, "serving_mode")?.parse::<ServingMode>().py()
+        })?;
+        config.host_tier_superblocks = setting_u32(
+            host_tier_superblocks,
+            "host_tier_superblocks",
+            config.host_tier_superblocks,
+        )?;
+        config.victim_policy = victim_policy.map_or(Ok(config.victim_policy), |v| {
+            str_arg(v, "victim_policy")?.parse::<VictimPolicy>().py()
+        })?;
         config.max_preemptions_per_request = setting_u32(
             max_preemptions_per_request,
             "max_preemptions_per_request",
-            8,
+            config.max_preemptions_per_request,
         )?;
-        config.admit_after_preemption =
-            admit_after_preemption.map_or(Ok(false), |v| flag_arg(v, "admit_after_preemption"))?;
-        config.deadlock_steps = setting_u32(deadlock_steps, "deadlock_steps", 64)?;
+        config.admit_after_preemption = admit_after_preemption
+            .map_or(Ok(config.admit_after_preemption), |v| {
+                flag_arg(v, "admit_after_preemption")
+            })?;
+        config.deadlock_steps =
+            setting_u32(deadlock_steps, "deadlock_steps", config.deadlock_steps)?;
         config.validate().py()?;
         Ok(Self { inner: config })
     }
@@ -190,71 +207,48 @@ impl PySchedulerConfig {
     /// The keyword arguments that rebuild this configuration (`kv_superblocks`, and the
     /// chunk unit in effect), e.g. for reports: `SchedulerConfig(**c.to_dict()) == c`.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = &self.inner;
-        let d = PyDict::new(py);
-        d.set_item("cp_size", c.cp_size)?;
-        d.set_item("cp_rank", c.cp_rank)?;
-        d.set_item("tokens_per_block", c.tokens_per_block)?;
-        d.set_item("kv_superblocks", c.capacity_superblocks)?;
-        d.set_item("max_batch_size", c.max_batch_size)?;
-        d.set_item("max_num_tokens", c.max_num_tokens)?;
-        d.set_item("enable_chunked_prefill", c.enable_chunked_prefill)?;
-        d.set_item("chunk_unit", c.chunk_unit)?;
-        d.set_item("max_seq_len", c.max_seq_len)?;
-        d.set_item("capacity_policy", c.capacity_policy.as_str())?;
-        d.set_item("serving_mode", c.serving_mode.as_str())?;
-        d.set_item("host_tier_superblocks", c.host_tier_superblocks)?;
-        d.set_item("victim_policy", c.victim_policy.as_str())?;
-        d.set_item("max_preemptions_per_request", c.max_preemptions_per_request)?;
-        d.set_item("admit_after_preemption", c.admit_after_preemption)?;
-        d.set_item("deadlock_steps", c.deadlock_steps)?;
-        Ok(d)
+        keywords(py, &self.inner)
+    }
+
+    /// The default of every keyword argument but the KV pool (`kv_superblocks` or
+    /// `kv_tokens`, which has none): the core's defaults, read-only.
+    #[classattr]
+    #[allow(non_snake_case)] // class constants
+    fn DEFAULTS(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+        let defaults = keywords(py, &SchedulerConfig::new(1))?;
+        defaults.del_item("kv_superblocks")?;
+        // `chunk_unit`'s default is "unset" (the unit is then `tokens_per_block`).
+        defaults.set_item("chunk_unit", py.None())?;
+        py.import("types")?
+            .getattr("MappingProxyType")?
+            .call1((defaults,))
+    }
+    /// The accepted `victim_policy` names, in declaration order.
+    #[classattr]
+    #[allow(non_snake_case)]
+    fn VICTIM_POLICIES(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+        PyTuple::new(py, VictimPolicy::NAMES)
+    }
+    /// The accepted `serving_mode` names, in declaration order.
+    #[classattr]
+    #[allow(non_snake_case)]
+    fn SERVING_MODES(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+        PyTuple::new(py, ServingMode::NAMES)
+    }
+    /// The accepted `capacity_policy` names, in declaration order.
+    #[classattr]
+    #[allow(non_snake_case)]
+    fn CAPACITY_POLICIES(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+        PyTuple::new(py, CapacityPolicy::NAMES)
     }
 
     /// Pickles as `functools.partial(SchedulerConfig, **to_dict())`.
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
-        let py = slf.py();
-        let rebuild = py
-            .import("functools")?
-            .getattr("partial")?
-            .call((py.get_type::<Self>(),), Some(&slf.get().to_dict(py)?))?;
-        PyTuple::new(py, [rebuild, PyTuple::empty(py).into_any()])
+        reduce_by_keywords(slf, &slf.get().to_dict(slf.py())?)
     }
 
-    fn __repr__(&self) -> String {
-        let c = &self.inner;
-        format!(
-            "SchedulerConfig(cp_size={}, cp_rank={}, tokens_per_block={}, kv_superblocks={}, \
-             max_batch_size={}, max_num_tokens={}, enable_chunked_prefill={}, chunk_unit={}, \
-             max_seq_len={}, capacity_policy='{}', serving_mode='{}', host_tier_superblocks={}, \
-             victim_policy='{}', max_preemptions_per_request={}, admit_after_preemption={}, \
-             deadlock_steps={})",
-            c.cp_size,
-            c.cp_rank,
-            c.tokens_per_block,
-            c.capacity_superblocks,
-            c.max_batch_size,
-            c.max_num_tokens,
-            if c.enable_chunked_prefill {
-                "True"
-            } else {
-                "False"
-            },
-            c.chunk_unit
-                .map_or_else(|| "None".to_string(), |u| u.to_string()),
-            c.max_seq_len,
-            c.capacity_policy,
-            c.serving_mode,
-            c.host_tier_superblocks,
-            c.victim_policy,
-            c.max_preemptions_per_request,
-            if c.admit_after_preemption {
-                "True"
-            } else {
-                "False"
-            },
-            c.deadlock_steps,
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        repr_of("SchedulerConfig", &self.to_dict(py)?)
     }
 
     /// Ranks in the CP group.
@@ -285,9 +279,19 @@ impl PySchedulerConfig {
     /// Global tokens the KV pool holds (`kv_superblocks * tokens_per_block * cp_size`).
     #[getter]
     fn kv_tokens(&self) -> u64 {
-        u64::from(self.inner.capacity_superblocks)
-            * u64::from(self.inner.tokens_per_block)
-            * u64::from(self.inner.cp_size)
+        self.inner.capacity_tokens()
+    }
+    /// Global tokens the KV pool holds (the core's name for `kv_tokens`).
+    #[getter]
+    fn capacity_tokens(&self) -> u64 {
+        self.inner.capacity_tokens()
+    }
+    /// The group's token placement (`Layout(cp_size, tokens_per_block)`).
+    #[getter]
+    fn layout(&self) -> PyResult<PyLayout> {
+        Ok(PyLayout {
+            inner: self.inner.layout().py()?,
+        })
     }
     /// Entries (and batch slots) per step.
     #[getter]
@@ -382,6 +386,25 @@ impl PySchedulerConfig {
     }
 }
 
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PySchedulerConfig>()
+/// The keyword arguments that rebuild `config`, in signature order.
+fn keywords<'py>(py: Python<'py>, config: &SchedulerConfig) -> PyResult<Bound<'py, PyDict>> {
+    let c = config;
+    let d = PyDict::new(py);
+    d.set_item("cp_size", c.cp_size)?;
+    d.set_item("cp_rank", c.cp_rank)?;
+    d.set_item("tokens_per_block", c.tokens_per_block)?;
+    d.set_item("kv_superblocks", c.capacity_superblocks)?;
+    d.set_item("max_batch_size", c.max_batch_size)?;
+    d.set_item("max_num_tokens", c.max_num_tokens)?;
+    d.set_item("enable_chunked_prefill", c.enable_chunked_prefill)?;
+    d.set_item("chunk_unit", c.chunk_unit)?;
+    d.set_item("max_seq_len", c.max_seq_len)?;
+    d.set_item("capacity_policy", c.capacity_policy.as_str())?;
+    d.set_item("serving_mode", c.serving_mode.as_str())?;
+    d.set_item("host_tier_superblocks", c.host_tier_superblocks)?;
+    d.set_item("victim_policy", c.victim_policy.as_str())?;
+    d.set_item("max_preemptions_per_request", c.max_preemptions_per_request)?;
+    d.set_item("admit_after_preemption", c.admit_after_preemption)?;
+    d.set_item("deadlock_steps", c.deadlock_steps)?;
+    Ok(d)
 }

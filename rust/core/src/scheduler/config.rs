@@ -208,6 +208,14 @@ impl SchedulerConfig {
         })
     }
 
+    /// Global tokens the KV pool holds: `capacity_superblocks` superblocks of
+    /// `tokens_per_block * cp_size` tokens.
+    pub fn capacity_tokens(&self) -> u64 {
+        u64::from(self.capacity_superblocks)
+            .saturating_mul(u64::from(self.tokens_per_block))
+            .saturating_mul(u64::from(self.cp_size))
+    }
+
     /// The chunk unit in effect.
     pub fn effective_chunk_unit(&self) -> u32 {
         self.chunk_unit.unwrap_or(self.tokens_per_block)
@@ -464,6 +472,14 @@ mod tests {
         assert_eq!(
             SchedulerConfig::superblocks_for_kv_tokens(2, 16, 100).unwrap(),
             3
+        );
+        let mut config = SchedulerConfig::new(3);
+        config.cp_size = 2;
+        config.tokens_per_block = 16;
+        assert_eq!(config.capacity_tokens(), 96);
+        assert_eq!(
+            config.capacity_tokens(),
+            config.layout().unwrap().tokens_per_superblock() * 3
         );
         let err = SchedulerConfig::superblocks_for_kv_tokens(2, 16, 31).unwrap_err();
         assert!(

@@ -1,47 +1,76 @@
 //! Counters for dashboards and tests. They are derived from rank-invariant events, so
 //! they are equal on every rank too.
+//!
+//! Each record's fields are listed once, in a `*_fields!` macro: the struct here and the
+//! Python class (getters, conversions, `to_dict`, `repr`, pickling) in the binding are built
+//! from that list.
 
-/// Totals over the scheduler's life.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct SchedulerMetrics {
-    /// Steps run (updated; reverted steps are not counted).
-    pub steps: u64,
-    /// Recompute-pauses.
-    pub preemptions: u64,
-    /// Suspends to the host tier.
-    pub suspensions: u64,
-    /// KV tokens thrown away by recompute-pauses (they are computed again).
-    pub recomputed_tokens: u64,
-    /// Context and decode tokens run, recomputation included.
-    pub computed_tokens: u64,
-    /// Times a generation request sat out a step (in steps that ran).
-    pub sat_out: u64,
-    /// Requests that finished by length or end-of-sequence (aborted ones are not counted
-    /// here but in `aborts`).
-    pub finished: u64,
-    /// Requests aborted (counted when the abort takes effect; an abort of a request that
-    /// had already finished changes nothing and is not counted).
-    pub aborts: u64,
-    /// Superblocks held now.
-    pub kv_used_superblocks: u32,
-    /// Superblocks in the pool.
-    pub kv_capacity_superblocks: u32,
-    /// `kv_used_superblocks / kv_capacity_superblocks`, now.
-    pub kv_utilization: f64,
-    /// Highest utilisation seen right after a `schedule()`.
-    pub kv_utilization_peak: f64,
+/// Hands the field list of [`SchedulerMetrics`] to another macro:
+/// `scheduler_metrics_fields!(callback! { args })` expands to
+/// `callback! { { args } fields... }`, each field its doc comment, name and type.
+#[macro_export]
+macro_rules! scheduler_metrics_fields {
+    ($callback:ident ! { $($args:tt)* }) => {
+        $callback! {
+            { $($args)* }
+            /// Steps run (updated; reverted steps are not counted).
+            steps: u64,
+            /// Recompute-pauses.
+            preemptions: u64,
+            /// Suspends to the host tier.
+            suspensions: u64,
+            /// KV tokens thrown away by recompute-pauses (they are computed again).
+            recomputed_tokens: u64,
+            /// Context and decode tokens run, recomputation included.
+            computed_tokens: u64,
+            /// Times a generation request sat out a step (in steps that ran).
+            sat_out: u64,
+            /// Requests that finished by length or end-of-sequence (aborted ones are not
+            /// counted here but in `aborts`).
+            finished: u64,
+            /// Requests aborted (counted when the abort takes effect; an abort of a request
+            /// that had already finished changes nothing and is not counted).
+            aborts: u64,
+            /// Superblocks held now.
+            kv_used_superblocks: u32,
+            /// Superblocks in the pool.
+            kv_capacity_superblocks: u32,
+            /// `kv_used_superblocks / kv_capacity_superblocks`, now.
+            kv_utilization: f64,
+            /// Highest utilisation seen right after a `schedule()`.
+            kv_utilization_peak: f64,
+        }
+    };
 }
 
-/// Counters of one request (live, or finished and not yet taken).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct RequestMetrics {
-    /// Times chosen as a victim (recompute-pause or suspend); bounded by
-    /// `max_preemptions_per_request`.
-    pub preemptions: u32,
-    /// KV tokens it lost to recompute-pauses.
-    pub recomputed_tokens: u64,
-    /// Steps run while it was live and got no context or generation entry.
-    pub steps_waited: u64,
-    /// Tokens sampled for it so far.
-    pub generated_tokens: u64,
+/// Hands the field list of [`RequestMetrics`] to another macro (see
+/// [`scheduler_metrics_fields!`](crate::scheduler_metrics_fields)).
+#[macro_export]
+macro_rules! request_metrics_fields {
+    ($callback:ident ! { $($args:tt)* }) => {
+        $callback! {
+            { $($args)* }
+            /// Times chosen as a victim (recompute-pause or suspend); bounded by
+            /// `max_preemptions_per_request`.
+            preemptions: u32,
+            /// KV tokens it lost to recompute-pauses.
+            recomputed_tokens: u64,
+            /// Steps run while it was live and got no context or generation entry.
+            steps_waited: u64,
+            /// Tokens sampled for it so far.
+            generated_tokens: u64,
+        }
+    };
 }
+
+scheduler_metrics_fields!(define_record! {
+    /// Totals over the scheduler's life.
+    #[derive(Debug, Clone, Copy, PartialEq, Default)]
+    struct SchedulerMetrics
+});
+
+request_metrics_fields!(define_record! {
+    /// Counters of one request (live, or finished and not yet taken).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    struct RequestMetrics
+});

@@ -27,7 +27,7 @@ pub use config::{
     CapacityPolicy, FieldValue, SchedulerConfig, ServingMode, VictimPolicy, DECISION_FIELDS,
 };
 pub use metrics::{RequestMetrics, SchedulerMetrics};
-pub use output::ScheduleOutput;
+pub use output::{FieldScope, ScheduleOutput};
 pub use request::{FinishReason, RequestOutput, RequestState};
 
 use crate::digest::Fnv64;

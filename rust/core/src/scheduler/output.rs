@@ -1,83 +1,172 @@
 //! What one step decided: flat arrays, ready to hand to numpy without a per-request
-//! loop, plus a digest and a line-per-field summary for cross-rank checks.
+//! loop, plus a digest, a summary as `(entry, value)` pairs and a field-by-field comparison
+//! for cross-rank checks.
+//!
+//! The fields are listed once, in [`schedule_output_fields!`](crate::schedule_output_fields):
+//! the struct, [`ScheduleOutput::FIELDS`], `clear` and [`ScheduleOutput::differing_fields`]
+//! here, and the Python class with its getters and field lists in the binding, are all built
+//! from that list, so adding a field is one edit there (plus its place in the digest, which
+//! [`ScheduleOutput::compute_digest`] makes a compile error to forget).
 
 use std::fmt::Write as _;
 
 use crate::digest::LaneDigest;
+use crate::error::{CoreError, Result};
 use crate::RequestId;
 
-/// The schedule of one step. Every field is identical on every rank of a CP group except
-/// the three marked *rank*.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct ScheduleOutput {
-    /// Step number; every successful `schedule()` takes a new one, reverted or not.
-    pub step: u64,
-
-    /// Requests with a prompt chunk this step, in queue order.
-    pub context_ids: Vec<RequestId>,
-    /// Global position of each chunk's first token.
-    pub context_starts: Vec<u64>,
-    /// Tokens in each chunk.
-    pub context_lens: Vec<u64>,
-    /// Whether the chunk completes the prompt (its last logits are sampled).
-    pub context_completes: Vec<bool>,
-    /// Batch slot of each context entry.
-    pub context_batch_slots: Vec<i32>,
-    /// The chunks' tokens concatenated in entry order (re-prefills include the folded
-    /// generated tokens).
-    pub context_token_ids: Vec<i32>,
-
-    /// Requests decoding one token this step, in queue order.
-    pub generation_ids: Vec<RequestId>,
-    /// Global position of the token being written.
-    pub generation_positions: Vec<u64>,
-    /// Rank that appends that token: `(pos // tokens_per_block) % cp_size`.
-    pub generation_owner_ranks: Vec<u32>,
-    /// The token fed at that position (the request's last token).
-    pub generation_input_tokens: Vec<i32>,
-    /// Batch slot of each generation entry.
-    pub generation_batch_slots: Vec<i32>,
-    /// *rank*: whether this rank is the owner (appends the token's KV).
-    pub generation_active: Vec<bool>,
-    /// *rank*: tokens this rank holds after the append.
-    pub generation_local_lens: Vec<u64>,
-    /// *rank*: tokens this rank holds before the append.
-    pub generation_past_seen_lens: Vec<u64>,
-
-    /// Requests recompute-paused this step, in the order chosen.
-    pub preempted_ids: Vec<RequestId>,
-    /// For each preempted request, the request that needed its pages (always ahead of
-    /// it in queue order).
-    pub preempted_requester_ids: Vec<RequestId>,
-    /// Requests suspended to the host tier this step, in the order chosen.
-    pub suspended_ids: Vec<RequestId>,
-    /// For each suspended request, the request that needed its pages.
-    pub suspended_requester_ids: Vec<RequestId>,
-    /// The pages (superblock ids, the same on every rank) each suspended request held,
-    /// concatenated in `suspended_ids` order. The executor copies them to the host tier
-    /// before anything else writes KV, whether the step then runs or is reverted: the
-    /// pool may hand them out again in this very step.
-    pub suspended_block_ids: Vec<i32>,
-    /// How many of `suspended_block_ids` belong to each suspended request.
-    pub suspended_block_counts: Vec<u64>,
-    /// Requests brought back from the host tier this step (they decode from the next).
-    /// Their new pages are in their block tables; the executor copies their KV back in
-    /// after copying this step's suspended pages out (a resume may reuse those pages).
-    pub resumed_ids: Vec<RequestId>,
-    /// Generation requests that found neither pages nor a victim; their batch slots were
-    /// released. A request that sat out may later in the same step be preempted by an
-    /// older context request and then also appears in `preempted_ids`.
-    pub sat_out_ids: Vec<RequestId>,
-
-    /// Generation ids, then the ids of context entries that complete their prompt: the
-    /// order of the tokens `update` takes.
-    pub sample_ids: Vec<RequestId>,
-    /// Context tokens plus decode tokens scheduled.
-    pub num_tokens: u64,
-    /// Fingerprint of every rank-invariant field, seeded with the configuration's
-    /// (see [`ScheduleOutput::compute_digest`]).
-    pub digest: u64,
+/// Hands the field list of [`ScheduleOutput`] to another macro:
+/// `schedule_output_fields!(callback! { args })` expands to
+/// `callback! { { args } fields... }`.
+///
+/// Each field is its doc comment, its scope (`invariant`: identical on every rank of a CP
+/// group; `rank`: this rank's share, different by design), its name and its type: `[T]` for
+/// an array (a `Vec<T>`), a bare type for a scalar. Element types are `RequestId`, `u64`
+/// (lengths, positions, counts), `u32` (ranks), `i32` (batch slots, token and block ids) and
+/// `bool`; the caller has them in scope.
+#[macro_export]
+macro_rules! schedule_output_fields {
+    ($callback:ident ! { $($args:tt)* }) => {
+        $callback! {
+            { $($args)* }
+            /// Step number; every successful `schedule()` takes a new one, reverted or not.
+            invariant step: u64,
+            /// Requests with a prompt chunk this step, in queue order.
+            invariant context_ids: [RequestId],
+            /// Global position of each chunk's first token.
+            invariant context_starts: [u64],
+            /// Tokens in each chunk.
+            invariant context_lens: [u64],
+            /// Whether the chunk completes the prompt (its last logits are sampled).
+            invariant context_completes: [bool],
+            /// Batch slot of each context entry.
+            invariant context_batch_slots: [i32],
+            /// The chunks' tokens concatenated in entry order (re-prefills include the folded
+            /// generated tokens).
+            invariant context_token_ids: [i32],
+            /// Requests decoding one token this step, in queue order.
+            invariant generation_ids: [RequestId],
+            /// Global position of the token being written.
+            invariant generation_positions: [u64],
+            /// Rank that appends that token: `(pos // tokens_per_block) % cp_size`.
+            invariant generation_owner_ranks: [u32],
+            /// The token fed at that position (the request's last token).
+            invariant generation_input_tokens: [i32],
+            /// Batch slot of each generation entry.
+            invariant generation_batch_slots: [i32],
+            /// Per rank: whether this rank is the owner (appends the token's KV).
+            rank generation_active: [bool],
+            /// Per rank: tokens this rank holds after the append.
+            rank generation_local_lens: [u64],
+            /// Per rank: tokens this rank holds before the append.
+            rank generation_past_seen_lens: [u64],
+            /// Requests recompute-paused this step, in the order chosen.
+            invariant preempted_ids: [RequestId],
+            /// For each preempted request, the request that needed its pages (always ahead
+            /// of it in queue order).
+            invariant preempted_requester_ids: [RequestId],
+            /// Requests suspended to the host tier this step, in the order chosen.
+            invariant suspended_ids: [RequestId],
+            /// For each suspended request, the request that needed its pages.
+            invariant suspended_requester_ids: [RequestId],
+            /// The pages (superblock ids, the same on every rank) each suspended request
+            /// held, concatenated in `suspended_ids` order. The executor copies them to the
+            /// host tier before anything else writes KV, whether the step then runs or is
+            /// reverted: the pool may hand them out again in this very step.
+            invariant suspended_block_ids: [i32],
+            /// How many of `suspended_block_ids` belong to each suspended request.
+            invariant suspended_block_counts: [u64],
+            /// Requests brought back from the host tier this step (they decode from the
+            /// next). Their new pages are in their block tables; the executor copies their KV
+            /// back in after copying this step's suspended pages out (a resume may reuse
+            /// those pages).
+            invariant resumed_ids: [RequestId],
+            /// Generation requests that found neither pages nor a victim; their batch slots
+            /// were released. A request that sat out may later in the same step be preempted
+            /// by an older context request and then also appears in `preempted_ids`.
+            invariant sat_out_ids: [RequestId],
+            /// Generation ids, then the ids of context entries that complete their prompt:
+            /// the order of the tokens `update` takes.
+            invariant sample_ids: [RequestId],
+            /// Context tokens plus decode tokens scheduled.
+            invariant num_tokens: u64,
+            /// Fingerprint of every rank-invariant field, seeded with the configuration's
+            /// fingerprint: equal on every rank that scheduled alike.
+            invariant digest: u64,
+        }
+    };
 }
+
+/// Whether a field of a [`ScheduleOutput`] is the same on every rank of a CP group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FieldScope {
+    /// Identical on every rank that scheduled alike.
+    RankInvariant,
+    /// This rank's share of the step (whether it appends, its local lengths).
+    PerRank,
+}
+
+macro_rules! field_scope {
+    (invariant) => {
+        FieldScope::RankInvariant
+    };
+    (rank) => {
+        FieldScope::PerRank
+    };
+}
+
+macro_rules! field_type {
+    ([$element:ty]) => { Vec<$element> };
+    ($scalar:ty) => { $scalar };
+}
+
+macro_rules! clear_field {
+    ($field:expr, [$element:ty]) => {
+        $field.clear()
+    };
+    ($field:expr, $scalar:ty) => {
+        $field = <$scalar>::default()
+    };
+}
+
+macro_rules! define_schedule_output {
+    ({} $( $(#[doc = $doc:tt])* $scope:ident $name:ident : $kind:tt ),* $(,)?) => {
+        /// The schedule of one step. Every field is identical on every rank of a CP group
+        /// except the per-rank ones (see [`ScheduleOutput::FIELDS`]).
+        #[derive(Debug, Clone, PartialEq, Eq, Default)]
+        pub struct ScheduleOutput {
+            $( $(#[doc = $doc])* pub $name: field_type!($kind), )*
+        }
+
+        impl ScheduleOutput {
+            /// Every field, in declaration order, with its scope.
+            pub const FIELDS: &'static [(&'static str, FieldScope)] =
+                &[$( (stringify!($name), field_scope!($scope)) ),*];
+
+            /// Empties every field, keeping the allocations for the next step.
+            pub(super) fn clear(&mut self, step: u64) {
+                $( clear_field!(self.$name, $kind); )*
+                self.step = step;
+            }
+
+            /// The rank-invariant fields in which `other` differs from `self`, in
+            /// declaration order (the digest among them when it differs): what two ranks
+            /// that disagree disagree on.
+            pub fn differing_fields(&self, other: &Self) -> Vec<&'static str> {
+                let mut names = Vec::new();
+                $(
+                    if field_scope!($scope) == FieldScope::RankInvariant
+                        && self.$name != other.$name
+                    {
+                        names.push(stringify!($name));
+                    }
+                )*
+                names
+            }
+        }
+    };
+}
+
+schedule_output_fields!(define_schedule_output! {});
 
 /// Two 32-bit values in one digest word.
 fn pack(low: i32, high: i32) -> u64 {
@@ -85,91 +174,206 @@ fn pack(low: i32, high: i32) -> u64 {
 }
 
 impl ScheduleOutput {
-    /// Empties every field, keeping the allocations for the next step.
-    pub(super) fn clear(&mut self, step: u64) {
-        self.step = step;
-        self.context_ids.clear();
-        self.context_starts.clear();
-        self.context_lens.clear();
-        self.context_completes.clear();
-        self.context_batch_slots.clear();
-        self.context_token_ids.clear();
-        self.generation_ids.clear();
-        self.generation_positions.clear();
-        self.generation_owner_ranks.clear();
-        self.generation_input_tokens.clear();
-        self.generation_batch_slots.clear();
-        self.generation_active.clear();
-        self.generation_local_lens.clear();
-        self.generation_past_seen_lens.clear();
-        self.preempted_ids.clear();
-        self.preempted_requester_ids.clear();
-        self.suspended_ids.clear();
-        self.suspended_requester_ids.clear();
-        self.suspended_block_ids.clear();
-        self.suspended_block_counts.clear();
-        self.resumed_ids.clear();
-        self.sat_out_ids.clear();
-        self.sample_ids.clear();
-        self.num_tokens = 0;
-        self.digest = 0;
+    /// The names of the fields with `scope`, in declaration order.
+    pub fn fields_with_scope(scope: FieldScope) -> impl Iterator<Item = &'static str> {
+        Self::FIELDS
+            .iter()
+            .filter(move |(_, s)| *s == scope)
+            .map(|(name, _)| *name)
     }
+
+    /// The summary's entries in order, each with the fields its value shows. A difference
+    /// in a shown field always changes that entry's text; fields no entry shows (tokens,
+    /// suspended pages, `sample_ids`) are compared by [`Self::differing_fields`] only.
+    pub const SUMMARY_ENTRIES: &'static [(&'static str, &'static [&'static str])] = &[
+        ("step", &["step"]),
+        ("num_tokens", &["num_tokens"]),
+        (
+            "context",
+            &[
+                "context_ids",
+                "context_starts",
+                "context_lens",
+                "context_completes",
+            ],
+        ),
+        ("incomplete_prompts", &["context_completes"]),
+        (
+            "generation",
+            &[
+                "generation_ids",
+                "generation_positions",
+                "generation_owner_ranks",
+            ],
+        ),
+        ("preempted", &["preempted_ids", "preempted_requester_ids"]),
+        ("suspended", &["suspended_ids", "suspended_requester_ids"]),
+        ("resumed", &["resumed_ids"]),
+        ("sat_out", &["sat_out_ids"]),
+        (
+            "batch_slots",
+            &["context_batch_slots", "generation_batch_slots"],
+        ),
+        ("digest", &["digest"]),
+    ];
 
     /// The fingerprint of every rank-invariant field, array by array (each with its
     /// length), seeded with the scheduler's configuration fingerprint
     /// ([`super::SchedulerConfig::fingerprint`]): two ranks built from different
-    /// configurations get different digests even for a step whose fields agree. Fields that are functions of hashed ones are covered through them:
-    /// `sample_ids` (generation ids, then completing context ids) and the owner ranks
-    /// (positions, under the group's layout). A request's id and position share a word
-    /// (`id * odd ^ position`: still any single-field difference changes it), and so do
-    /// its input token and batch slot.
+    /// configurations get different digests even for a step whose fields agree. Fields that
+    /// are functions of hashed ones are covered through them: `sample_ids` (generation ids,
+    /// then completing context ids) and the owner ranks (positions, under the group's
+    /// layout). A request's id and position share a word (`id * odd ^ position`: still any
+    /// single-field difference changes it), and so do its input token and batch slot.
     pub fn compute_digest(&self, config_fingerprint: u64) -> u64 {
+        // Every field is named here, so a new one cannot be left out of the digest by
+        // accident: the destructuring stops compiling until it is hashed or skipped.
+        let Self {
+            step,
+            context_ids,
+            context_starts,
+            context_lens,
+            context_completes,
+            context_batch_slots,
+            context_token_ids,
+            generation_ids,
+            generation_positions,
+            generation_owner_ranks: _, // a function of the positions
+            generation_input_tokens,
+            generation_batch_slots,
+            generation_active: _, // per rank
+            generation_local_lens: _,
+            generation_past_seen_lens: _,
+            preempted_ids,
+            preempted_requester_ids,
+            suspended_ids,
+            suspended_requester_ids,
+            suspended_block_ids,
+            suspended_block_counts,
+            resumed_ids,
+            sat_out_ids,
+            sample_ids,
+            num_tokens,
+            digest: _,
+        } = self;
         let mut h = LaneDigest::new();
         h.word(config_fingerprint);
-        h.word(self.step);
-        h.word(self.num_tokens);
-        h.words(&self.context_ids);
-        h.words(&self.context_starts);
-        h.words(&self.context_lens);
-        h.flags(&self.context_completes);
-        h.stream(
-            self.context_batch_slots
-                .iter()
-                .map(|&v| u64::from(v as u32)),
-        );
-        let tokens = self
-            .context_token_ids
+        h.word(*step);
+        h.word(*num_tokens);
+        h.words(context_ids);
+        h.words(context_starts);
+        h.words(context_lens);
+        h.flags(context_completes);
+        h.stream(context_batch_slots.iter().map(|&v| u64::from(v as u32)));
+        let tokens = context_token_ids
             .chunks(2)
             .map(|pair| pack(pair[0], pair.get(1).copied().unwrap_or(0)));
-        h.word(self.context_token_ids.len() as u64);
+        h.word(context_token_ids.len() as u64);
         h.stream(tokens);
-        let id_positions = self.generation_ids.iter().zip(&self.generation_positions);
+        let id_positions = generation_ids.iter().zip(generation_positions);
         h.stream(
             id_positions.map(|(&id, &position)| id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ position),
         );
-        let token_slots = self
-            .generation_input_tokens
-            .iter()
-            .zip(&self.generation_batch_slots);
+        let token_slots = generation_input_tokens.iter().zip(generation_batch_slots);
         h.stream(token_slots.map(|(&token, &slot)| pack(token, slot)));
         for ids in [
-            &self.preempted_ids,
-            &self.preempted_requester_ids,
-            &self.suspended_ids,
-            &self.suspended_requester_ids,
-            &self.suspended_block_counts,
-            &self.resumed_ids,
-            &self.sat_out_ids,
+            preempted_ids,
+            preempted_requester_ids,
+            suspended_ids,
+            suspended_requester_ids,
+            suspended_block_counts,
+            resumed_ids,
+            sat_out_ids,
         ] {
             h.words(ids);
         }
-        h.stream(
-            self.suspended_block_ids
-                .iter()
-                .map(|&v| u64::from(v as u32)),
-        );
-        h.word(self.sample_ids.len() as u64);
+        h.stream(suspended_block_ids.iter().map(|&v| u64::from(v as u32)));
+        h.word(sample_ids.len() as u64);
         h.finish()
+    }
+
+    /// Fails (`InvalidArgument`) unless the arrays fit together the way a schedule makes
+    /// them: one value per entry in each of the context, generation, preempted and
+    /// suspended groups, `suspended_block_counts` adding up to the suspended pages,
+    /// `context_lens` to the context tokens, and one sample per generation entry and per
+    /// completing chunk. [`Self::summary`] relies on it; the binding checks an output
+    /// rebuilt from Python (unpickled) with it.
+    pub fn check_lengths(&self) -> Result<()> {
+        let groups: [(&str, &[usize]); 4] = [
+            (
+                "context",
+                &[
+                    self.context_ids.len(),
+                    self.context_starts.len(),
+                    self.context_lens.len(),
+                    self.context_completes.len(),
+                    self.context_batch_slots.len(),
+                ],
+            ),
+            (
+                "generation",
+                &[
+                    self.generation_ids.len(),
+                    self.generation_positions.len(),
+                    self.generation_owner_ranks.len(),
+                    self.generation_input_tokens.len(),
+                    self.generation_batch_slots.len(),
+                    self.generation_active.len(),
+                    self.generation_local_lens.len(),
+                    self.generation_past_seen_lens.len(),
+                ],
+            ),
+            (
+                "preempted",
+                &[self.preempted_ids.len(), self.preempted_requester_ids.len()],
+            ),
+            (
+                "suspended",
+                &[
+                    self.suspended_ids.len(),
+                    self.suspended_requester_ids.len(),
+                    self.suspended_block_counts.len(),
+                ],
+            ),
+        ];
+        for (group, lengths) in groups {
+            if lengths.iter().any(|&len| len != lengths[0]) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "the {group} arrays of a schedule must have one value per entry, got lengths {lengths:?}"
+                )));
+            }
+        }
+        let total = |values: &[u64]| values.iter().try_fold(0u64, |sum, &v| sum.checked_add(v));
+        let sums = [
+            (
+                "suspended_block_counts",
+                total(&self.suspended_block_counts),
+                "suspended_block_ids",
+                self.suspended_block_ids.len(),
+            ),
+            (
+                "context_lens",
+                total(&self.context_lens),
+                "context_token_ids",
+                self.context_token_ids.len(),
+            ),
+        ];
+        for (counts, sum, values, len) in sums {
+            if sum != Some(len as u64) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "{counts} must add up to the {len} values of {values}"
+                )));
+            }
+        }
+        let completing = self.context_completes.iter().filter(|&&c| c).count();
+        if self.sample_ids.len() != self.generation_ids.len() + completing {
+            return Err(CoreError::InvalidArgument(format!(
+                "sample_ids holds {} ids, not one per generation entry and completing chunk ({})",
+                self.sample_ids.len(),
+                self.generation_ids.len() + completing
+            )));
+        }
+        Ok(())
     }
 
     /// Ids of context entries whose chunk does not complete the prompt.
@@ -181,77 +385,232 @@ impl ScheduleOutput {
             .map(|(&id, _)| id)
     }
 
-    /// One `name: value` line per field, stable text so two ranks' summaries can be
-    /// diffed line by line. Rank-dependent fields are left out.
-    pub fn summary(&self) -> String {
-        fn ids_line(out: &mut String, name: &str, ids: impl Iterator<Item = RequestId>) {
-            out.push_str(name);
-            out.push(':');
+    /// The summary as `(entry, value)` pairs, the entries of [`Self::SUMMARY_ENTRIES`] in
+    /// order; rank-dependent fields are left out. Values are stable text (items separated
+    /// by one space), so two ranks' entries compare as strings.
+    pub fn summary_fields(&self) -> Vec<(&'static str, String)> {
+        fn ids(ids: impl IntoIterator<Item = RequestId>) -> String {
+            let mut out = Words::default();
             for id in ids {
-                let _ = write!(out, " {id}");
+                out.push(format_args!("{id}"));
             }
-            out.push('\n');
+            out.0
         }
-        fn victims_line(
-            out: &mut String,
-            name: &str,
-            victims: &[RequestId],
-            requesters: &[RequestId],
-        ) {
-            out.push_str(name);
-            out.push(':');
+        fn victims(victims: &[RequestId], requesters: &[RequestId]) -> String {
+            let mut out = Words::default();
             for (victim, requester) in victims.iter().zip(requesters) {
-                let _ = write!(out, " {victim}(for {requester})");
+                out.push(format_args!("{victim}(for {requester})"));
             }
-            out.push('\n');
+            out.0
         }
-        let mut out = String::new();
-        let _ = writeln!(out, "step: {}", self.step);
-        let _ = writeln!(out, "num_tokens: {}", self.num_tokens);
-        out.push_str("context:");
+        let mut context = Words::default();
         for i in 0..self.context_ids.len() {
             let marker = if self.context_completes[i] { "" } else { "!" };
-            let _ = write!(
-                out,
-                " {}:{}+{}{marker}",
+            context.push(format_args!(
+                "{}:{}+{}{marker}",
                 self.context_ids[i], self.context_starts[i], self.context_lens[i]
-            );
+            ));
         }
-        out.push('\n');
-        ids_line(&mut out, "incomplete_prompts", self.incomplete_prompt_ids());
-        out.push_str("generation:");
+        let mut generation = Words::default();
         for i in 0..self.generation_ids.len() {
-            let _ = write!(
-                out,
-                " {}@{}/r{}",
+            generation.push(format_args!(
+                "{}@{}/r{}",
                 self.generation_ids[i],
                 self.generation_positions[i],
                 self.generation_owner_ranks[i]
-            );
+            ));
         }
-        out.push('\n');
-        victims_line(
-            &mut out,
-            "preempted",
-            &self.preempted_ids,
-            &self.preempted_requester_ids,
-        );
-        victims_line(
-            &mut out,
-            "suspended",
-            &self.suspended_ids,
-            &self.suspended_requester_ids,
-        );
-        ids_line(&mut out, "resumed", self.resumed_ids.iter().copied());
-        ids_line(&mut out, "sat_out", self.sat_out_ids.iter().copied());
-        out.push_str("batch_slots:");
+        let mut batch_slots = Words::default();
         let slots = self.context_ids.iter().zip(&self.context_batch_slots);
         for (id, slot) in slots.chain(self.generation_ids.iter().zip(&self.generation_batch_slots))
         {
-            let _ = write!(out, " {id}={slot}");
+            batch_slots.push(format_args!("{id}={slot}"));
         }
-        out.push('\n');
-        let _ = writeln!(out, "digest: {:016x}", self.digest);
+        vec![
+            ("step", self.step.to_string()),
+            ("num_tokens", self.num_tokens.to_string()),
+            ("context", context.0),
+            ("incomplete_prompts", ids(self.incomplete_prompt_ids())),
+            ("generation", generation.0),
+            (
+                "preempted",
+                victims(&self.preempted_ids, &self.preempted_requester_ids),
+            ),
+            (
+                "suspended",
+                victims(&self.suspended_ids, &self.suspended_requester_ids),
+            ),
+            ("resumed", ids(self.resumed_ids.iter().copied())),
+            ("sat_out", ids(self.sat_out_ids.iter().copied())),
+            ("batch_slots", batch_slots.0),
+            ("digest", format!("{:016x}", self.digest)),
+        ]
+    }
+
+    /// One `name: value` line per entry of [`Self::summary_fields`] (`name:` alone for an
+    /// empty value), stable text so two ranks' summaries can be diffed line by line.
+    pub fn summary(&self) -> String {
+        let mut out = String::new();
+        for (name, value) in self.summary_fields() {
+            out.push_str(name);
+            out.push(':');
+            if !value.is_empty() {
+                out.push(' ');
+                out.push_str(&value);
+            }
+            out.push('\n');
+        }
         out
+    }
+}
+
+/// Space-separated items.
+#[derive(Default)]
+struct Words(String);
+
+impl Words {
+    fn push(&mut self, item: std::fmt::Arguments<'_>) {
+        if !self.0.is_empty() {
+            self.0.push(' ');
+        }
+        let _ = self.0.write_fmt(item);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> ScheduleOutput {
+        let mut out = ScheduleOutput {
+            step: 3,
+            context_ids: vec![4, 5],
+            context_starts: vec![0, 16],
+            context_lens: vec![8, 4],
+            context_completes: vec![false, true],
+            context_batch_slots: vec![0, 1],
+            context_token_ids: (0..12).collect(),
+            generation_ids: vec![1],
+            generation_positions: vec![9],
+            generation_owner_ranks: vec![0],
+            generation_input_tokens: vec![7],
+            generation_batch_slots: vec![2],
+            generation_active: vec![true],
+            generation_local_lens: vec![6],
+            generation_past_seen_lens: vec![5],
+            preempted_ids: vec![6],
+            preempted_requester_ids: vec![4],
+            sample_ids: vec![1, 5],
+            num_tokens: 13,
+            ..ScheduleOutput::default()
+        };
+        out.digest = out.compute_digest(11);
+        out
+    }
+
+    #[test]
+    fn field_lists_cover_the_struct() {
+        let names: Vec<_> = ScheduleOutput::FIELDS.iter().map(|(n, _)| *n).collect();
+        let shown = format!("{:?}", ScheduleOutput::default());
+        for (i, name) in names.iter().enumerate() {
+            assert!(!names[..i].contains(name), "{name} listed twice");
+            assert!(shown.contains(&format!(" {name}: ")), "{name} is no field");
+        }
+        assert_eq!(shown.matches(": ").count(), names.len());
+        let per_rank: Vec<_> = ScheduleOutput::fields_with_scope(FieldScope::PerRank).collect();
+        assert_eq!(
+            per_rank,
+            [
+                "generation_active",
+                "generation_local_lens",
+                "generation_past_seen_lens"
+            ]
+        );
+        for (entry, shown) in ScheduleOutput::SUMMARY_ENTRIES {
+            for field in *shown {
+                assert!(names.contains(field), "{entry} shows unknown field {field}");
+                assert!(!per_rank.contains(field), "{entry} shows per-rank {field}");
+            }
+        }
+    }
+
+    #[test]
+    fn summary_pairs_follow_the_entries_and_make_the_text() {
+        let out = sample();
+        let pairs = out.summary_fields();
+        let names: Vec<_> = pairs.iter().map(|(n, _)| *n).collect();
+        let entries: Vec<_> = ScheduleOutput::SUMMARY_ENTRIES
+            .iter()
+            .map(|(n, _)| *n)
+            .collect();
+        assert_eq!(names, entries);
+        let text = out.summary();
+        assert!(text.starts_with("step: 3\nnum_tokens: 13\ncontext: 4:0+8! 5:16+4\n"));
+        assert!(text.contains("\nincomplete_prompts: 4\ngeneration: 1@9/r0\n"));
+        assert!(text.contains("\npreempted: 6(for 4)\nsuspended:\nresumed:\n"));
+        assert!(text.contains("\nbatch_slots: 4=0 5=1 1=2\n"));
+        assert!(text.ends_with(&format!("digest: {:016x}\n", out.digest)));
+    }
+
+    #[test]
+    fn lengths_that_do_not_fit_together_are_refused() {
+        sample().check_lengths().unwrap();
+        ScheduleOutput::default().check_lengths().unwrap();
+        let broken: [fn(&mut ScheduleOutput); 5] = [
+            |o| o.context_lens.push(1),
+            |o| o.generation_past_seen_lens.clear(),
+            |o| o.preempted_requester_ids.push(1),
+            |o| o.context_token_ids.truncate(3),
+            |o| o.sample_ids.push(9),
+        ];
+        for edit in broken {
+            let mut out = sample();
+            edit(&mut out);
+            assert!(matches!(
+                out.check_lengths(),
+                Err(CoreError::InvalidArgument(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn clear_empties_every_field_but_the_step() {
+        let mut out = sample();
+        out.clear(9);
+        assert_eq!(
+            out,
+            ScheduleOutput {
+                step: 9,
+                ..ScheduleOutput::default()
+            }
+        );
+    }
+
+    #[test]
+    fn differing_fields_name_rank_invariant_fields_only() {
+        let out = sample();
+        let mut other = out.clone();
+        assert!(out.differing_fields(&other).is_empty());
+        other.generation_local_lens = vec![0];
+        other.generation_active = vec![false];
+        assert!(out.differing_fields(&other).is_empty());
+        other.context_token_ids[3] = 99;
+        other.digest = other.compute_digest(11);
+        assert_eq!(
+            out.differing_fields(&other),
+            ["context_token_ids", "digest"]
+        );
+        // A shown field changes its summary entry.
+        other = out.clone();
+        other.preempted_requester_ids = vec![5];
+        assert_eq!(out.differing_fields(&other), ["preempted_requester_ids"]);
+        let changed: Vec<_> = out
+            .summary_fields()
+            .into_iter()
+            .zip(other.summary_fields())
+            .filter(|(a, b)| a != b)
+            .map(|(a, _)| a.0)
+            .collect();
+        assert_eq!(changed, ["preempted"]);
     }
 }

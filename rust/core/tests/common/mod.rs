@@ -327,6 +327,8 @@ impl Group {
             );
             let fingerprint = self.ranks[rank].config().fingerprint();
             assert_eq!(out.digest, out.compute_digest(fingerprint));
+            assert!(out.differing_fields(&outs[0]).is_empty());
+            out.check_lengths().unwrap();
         }
         let digests: Vec<u64> = self.ranks.iter().map(Scheduler::state_digest).collect();
         assert!(

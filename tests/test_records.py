@@ -1,0 +1,191 @@
+"""Records built from one field list: value records (metrics, views) and ScheduleOutput expose
+their field names, convert, print and pickle from that list; ScheduleOutput's arrays are
+read-only; the config's capacity, layout and the batch slot mapping come from the core."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+import helix_kv
+
+
+def scheduler(cp: int = 2, rank: int = 0, **overrides) -> helix_kv.Scheduler:
+    config = helix_kv.SchedulerConfig(
+        cp_size=cp, cp_rank=rank, tokens_per_block=4, kv_superblocks=8, **overrides
+    )
+    return helix_kv.Scheduler(config)
+
+
+def pressured() -> tuple[helix_kv.Scheduler, list[helix_kv.ScheduleOutput]]:
+    """A scheduler that decoded, chunked and preempted; its outputs."""
+    s = scheduler(max_num_tokens=16, chunk_unit=4)
+    for rid in range(4):
+        s.add_request(rid, np.arange(10 + rid, dtype=np.int32), 20)
+    outputs = []
+    while s.has_unfinished() and len(outputs) < 40:
+        out = s.schedule()
+        outputs.append(out)
+        s.update(np.full(out.num_samples, 3, dtype=np.int32))
+    assert any(len(o.preempted_ids) for o in outputs)
+    return s, outputs
+
+
+def value_records() -> list:
+    s, _ = pressured()
+    ledger = helix_kv.Ledger(helix_kv.Layout(2, 4), 8)
+    ledger.add(7, 9)
+    assert ledger.grow(7, 9)
+    s.add_request(99, np.arange(5, dtype=np.int32), 8)
+    for _ in range(3):
+        s.update(np.full(s.schedule().num_samples, 3, dtype=np.int32))
+    assert s.request_metrics(99).generated_tokens == 3
+    return [s.metrics(), s.request_metrics(99), ledger.view(7, 1), ledger.request(7)]
+
+
+@pytest.mark.parametrize("record", value_records(), ids=lambda r: type(r).__name__)
+def test_value_records_list_convert_print_and_pickle_their_fields(record) -> None:
+    cls = type(record)
+    fields = cls.FIELDS
+    values = record.to_dict()
+    assert tuple(values) == fields
+    assert [getattr(record, name) for name in fields] == list(values.values())
+    assert (
+        repr(record)
+        == f"{cls.__name__}("
+        + ", ".join(f"{name}={value!r}" for name, value in values.items())
+        + ")"
+    )
+    again = pickle.loads(pickle.dumps(record))
+    assert type(again) is cls
+    assert again == record
+    assert cls(**values) == record
+    changed = {**values, fields[0]: values[fields[0]] + 1}
+    assert cls(**changed) != record
+    with pytest.raises(AttributeError):
+        setattr(record, fields[0], 1)
+    if cls is not helix_kv.RequestMetrics:  # its keywords default to 0 (see below)
+        with pytest.raises(TypeError, match=fields[-1]):
+            cls(**{name: value for name, value in values.items() if name != fields[-1]})
+
+
+def test_request_metrics_keywords_default_to_zero() -> None:
+    assert helix_kv.RequestMetrics().to_dict() == dict.fromkeys(helix_kv.RequestMetrics.FIELDS, 0)
+
+
+def test_schedule_output_field_lists_cover_every_getter() -> None:
+    cls = helix_kv.ScheduleOutput
+    assert set(cls.RANK_INVARIANT_FIELDS) | set(cls.PER_RANK_FIELDS) == set(cls.FIELDS)
+    assert not set(cls.RANK_INVARIANT_FIELDS) & set(cls.PER_RANK_FIELDS)
+    assert [f for f in cls.FIELDS if f in cls.PER_RANK_FIELDS] == list(cls.PER_RANK_FIELDS)
+    assert cls.PER_RANK_FIELDS == (
+        "generation_active",
+        "generation_local_lens",
+        "generation_past_seen_lens",
+    )
+    assert {"step", "num_tokens", "digest", "sample_ids"} <= set(cls.RANK_INVARIANT_FIELDS)
+    getters = {name for name, value in vars(cls).items() if hasattr(value, "__get__")}
+    assert set(cls.FIELDS) <= getters
+    shown = {field for _, fields in cls.SUMMARY_ENTRIES for field in fields}
+    assert shown <= set(cls.RANK_INVARIANT_FIELDS)
+
+
+def test_schedule_output_arrays_are_read_only() -> None:
+    _, outputs = pressured()
+    out = outputs[-1]
+    for name in helix_kv.ScheduleOutput.FIELDS:
+        value = getattr(out, name)
+        if isinstance(value, np.ndarray):
+            assert not value.flags.writeable, name
+            with pytest.raises(ValueError, match="WRITEABLE"):
+                value.flags.writeable = True
+            if value.size:
+                with pytest.raises(ValueError, match="read-only"):
+                    value[0] = value[0]
+
+
+def test_summary_is_its_pairs_and_the_pickled_output_is_the_same_step() -> None:
+    _, outputs = pressured()
+    for out in outputs:
+        pairs = out.summary_fields()
+        assert [name for name, _ in pairs] == [
+            e for e, _ in helix_kv.ScheduleOutput.SUMMARY_ENTRIES
+        ]
+        lines = [f"{name}: {value}" if value else f"{name}:" for name, value in pairs]
+        assert out.summary() == "\n".join(lines) + "\n"
+        again = pickle.loads(pickle.dumps(out))
+        assert again.summary() == out.summary()
+        assert again.differing_fields(out) == [] == out.differing_fields(again)
+        for name in helix_kv.ScheduleOutput.FIELDS:
+            ours, theirs = getattr(out, name), getattr(again, name)
+            assert np.array_equal(ours, theirs), name
+            assert np.asarray(ours).dtype == np.asarray(theirs).dtype, name
+    assert outputs[0].differing_fields(outputs[1])[0] == "step"
+
+
+def test_differing_fields_leave_the_per_rank_fields_out() -> None:
+    outputs = []
+    for rank in range(2):
+        s = scheduler(rank=rank)
+        s.add_request(1, np.arange(6, dtype=np.int32), 3)
+        s.update(np.full(s.schedule().num_samples, 4, dtype=np.int32))
+        outputs.append(s.schedule())
+    assert not np.array_equal(outputs[0].generation_local_lens, outputs[1].generation_local_lens)
+    assert outputs[0].differing_fields(outputs[1]) == []
+    with pytest.raises(helix_kv.InvalidTypeError):
+        outputs[0].differing_fields("not an output")  # type: ignore[arg-type]
+
+
+def test_an_inconsistent_pickle_is_refused() -> None:
+    _, outputs = pressured()
+    out = next(o for o in outputs if len(o.context_ids))
+    fields = out.__reduce__()[1][0]
+    rebuild = helix_kv.ScheduleOutput._from_fields
+    assert rebuild(dict(fields)).summary() == out.summary()
+    short = {**fields, "context_lens": fields["context_lens"][:-1]}
+    with pytest.raises(helix_kv.InvalidArgumentError, match="one value per entry"):
+        rebuild(short)
+    with pytest.raises(helix_kv.InvalidArgumentError, match="sample_ids"):
+        rebuild({**fields, "sample_ids": np.zeros(0, dtype=np.uint64)})
+    with pytest.raises(helix_kv.InvalidTypeError):
+        rebuild({**fields, "context_ids": fields["context_ids"].astype(np.int64)})
+    with pytest.raises(helix_kv.InvalidArgumentError, match="digest is missing"):
+        rebuild({k: v for k, v in fields.items() if k != "digest"})
+
+
+def test_config_capacity_and_layout_are_the_cores() -> None:
+    config = helix_kv.SchedulerConfig(cp_size=4, tokens_per_block=8, kv_tokens=1000)
+    assert config.layout == helix_kv.Layout(4, 8)
+    ledger = helix_kv.Ledger(config.layout, config.capacity_superblocks)
+    assert config.capacity_tokens == config.kv_tokens == ledger.capacity_tokens == 31 * 32
+
+
+def test_layout_pickles_and_its_batch_slot_mapping_is_the_schedulers() -> None:
+    layout = helix_kv.Layout(2, 4)
+    assert pickle.loads(pickle.dumps(layout)) == layout
+    s = scheduler(max_num_tokens=16, chunk_unit=4)
+    for rid in range(4):
+        s.add_request(rid, np.arange(10 + rid, dtype=np.int32), 20)
+    compared = 0
+    while s.has_unfinished():
+        out = s.schedule()
+        ids = np.concatenate([out.context_ids, out.generation_ids])
+        starts = np.concatenate([out.context_starts, out.generation_positions])
+        counts = np.concatenate([out.context_lens, np.ones(len(out.generation_ids), np.int64)])
+        if len(ids):
+            table = s.block_table(ids)
+            rows = np.repeat(np.arange(len(ids)), counts)
+            positions = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, counts)])
+            expected = s.slot_mapping(ids, starts, counts)
+            assert np.array_equal(layout.slot_mapping(table, rows, positions, 0), expected)
+            other = layout.slot_mapping(table, rows, positions, 1)
+            assert np.array_equal(other >= 0, expected < 0)  # one rank owns each token
+            compared += 1
+        s.update(np.full(out.num_samples, 3, dtype=np.int32))
+    assert compared > 10
+    with pytest.raises(helix_kv.InvalidArgumentError, match="falls on page id -1"):
+        layout.slot_mapping([[3, -1]], [0], [9], 0)  # padding, on whichever rank
+    with pytest.raises(helix_kv.InvalidArgumentError, match="past row 0"):
+        layout.slot_mapping([[3, -1]], [0], [16], 1)
