@@ -34,7 +34,7 @@ from helix_kv._core import (
     UnknownRequestError,
     __version__,
 )
-from helix_kv.sim import SimulatedCPGroup
+from helix_kv.cpgroup import SimulatedCPGroup
 
 __all__ = [
     "ConfigError",
