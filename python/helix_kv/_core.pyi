@@ -1,10 +1,21 @@
 """Type stubs for the ``helix_kv._core`` extension (kept honest by ``mypy.stubtest``)."""
 
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import numpy.typing as npt
 from typing_extensions import TypeAlias, final
+
+from helix_kv.types import (
+    CapacityPolicy,
+    FinishReason,
+    FlagArray,
+    IntArray,
+    RequestState,
+    ServingMode,
+    TokenArray,
+    VictimPolicy,
+)
 
 __version__: str
 __all__ = [
@@ -36,11 +47,11 @@ __all__ = [
     "__version__",
 ]
 
-# Argument rules (docs/errors.md): integers are ints or numpy integer scalars, never bools,
-# floats or strings; arrays are 1-D numpy arrays of an integer dtype or sequences of ints.
-# Request ids are 0..2**64-1, lengths/positions/counts 0..2**63-1, token ids int32.
-_IntArray: TypeAlias = Union[npt.NDArray[np.integer], Sequence[int]]
-_FinishReason: TypeAlias = Literal["length", "eos", "aborted"]
+# Argument rules (docs/errors.md; the aliases are helix_kv.types'): integers are ints or
+# numpy integer scalars, never bools, floats or strings; arrays are 1-D numpy arrays of an
+# integer dtype or sequences of ints.
+_IntArray: TypeAlias = IntArray
+_FinishReason: TypeAlias = FinishReason
 
 class HelixKVError(Exception): ...
 class ConfigError(HelixKVError): ...
@@ -53,6 +64,9 @@ class RequestTooLargeError(HelixKVError): ...
 class PreemptionDisabledError(HelixKVError): ...
 class DeadlockError(HelixKVError): ...
 class InvalidStateError(HelixKVError): ...
+
+# Raised by the Python layer: ScheduleMismatchError and InitSyncError only through their
+# helix_kv.errors subclasses, whose constructors set and declare their attributes.
 class ScheduleMismatchError(HelixKVError): ...
 class InitSyncError(HelixKVError): ...
 class ConfigGuardError(HelixKVError): ...
@@ -157,11 +171,8 @@ class Ledger:
     ) -> npt.NDArray[np.int64]: ...
     def state_digest(self) -> int: ...
 
-_TokenArray: TypeAlias = Union[npt.NDArray[np.integer], Sequence[int]]
-# eos flags: bools, or integers that are 0 or 1.
-_FlagArray: TypeAlias = Union[
-    npt.NDArray[np.bool_], npt.NDArray[np.integer], Sequence[Union[bool, int]]
-]
+_TokenArray: TypeAlias = TokenArray
+_FlagArray: TypeAlias = FlagArray
 
 @final
 class SchedulerConfig:
@@ -180,10 +191,10 @@ class SchedulerConfig:
         enable_chunked_prefill: bool = True,
         chunk_unit: Optional[int] = None,
         max_seq_len: int = 131072,
-        capacity_policy: str = "max_utilization",
-        serving_mode: str = "aggregated_helix",
+        capacity_policy: CapacityPolicy = "max_utilization",
+        serving_mode: ServingMode = "aggregated_helix",
         host_tier_superblocks: int = 0,
-        victim_policy: str = "newest_first",
+        victim_policy: VictimPolicy = "newest_first",
         max_preemptions_per_request: int = 8,
         admit_after_preemption: bool = False,
         deadlock_steps: int = 64,
@@ -216,13 +227,13 @@ class SchedulerConfig:
     @property
     def max_seq_len(self) -> int: ...
     @property
-    def capacity_policy(self) -> str: ...
+    def capacity_policy(self) -> CapacityPolicy: ...
     @property
-    def serving_mode(self) -> str: ...
+    def serving_mode(self) -> ServingMode: ...
     @property
     def host_tier_superblocks(self) -> int: ...
     @property
-    def victim_policy(self) -> str: ...
+    def victim_policy(self) -> VictimPolicy: ...
     @property
     def max_preemptions_per_request(self) -> int: ...
     @property
@@ -392,7 +403,7 @@ class Scheduler:
     def is_abort_requested(self, request_id: int) -> bool: ...
     def take_output(self, request_id: int) -> RequestOutput: ...
     def tokens(self, request_id: int) -> npt.NDArray[np.int32]: ...
-    def request_state(self, request_id: int) -> str: ...
+    def request_state(self, request_id: int) -> RequestState: ...
     def block_table(
         self, request_ids: _IntArray, width: Optional[int] = None
     ) -> npt.NDArray[np.int32]: ...

@@ -19,12 +19,12 @@ import numpy.typing as npt
 
 from helix_kv._core import (
     RequestOutput,
-    ScheduleMismatchError,
     ScheduleOutput,
     Scheduler,
     SchedulerConfig,
     SchedulerMetrics,
 )
+from helix_kv.errors import ScheduleMismatchError
 
 __all__ = ["INVARIANT_FIELDS", "RANK_FIELDS", "SimulatedCPGroup"]
 
@@ -217,12 +217,9 @@ class SimulatedCPGroup:
         fields: Sequence[str],
         summaries: dict[int, str],
     ) -> ScheduleMismatchError:
-        error = ScheduleMismatchError(headline)
-        error.step = step  # type: ignore[attr-defined]
-        error.ranks = list(ranks)  # type: ignore[attr-defined]
-        error.fields = list(fields)  # type: ignore[attr-defined]
-        error.summaries = summaries  # type: ignore[attr-defined]
-        return error
+        return ScheduleMismatchError(
+            headline, step=step, ranks=ranks, fields=fields, summaries=summaries
+        )
 
     def _agree(self, call: str, values: Sequence[npt.NDArray[Any]], what: str) -> None:
         ranks = [r for r, v in enumerate(values) if not np.array_equal(v, values[0])]

@@ -18,9 +18,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch.distributed as dist
 
-from helix_kv import ScheduleMismatchError
 from helix_kv.distributed.group import ProcessGroup, resolve_group
 from helix_kv.distributed.reduce import HostMinAllReduce
+from helix_kv.errors import ScheduleMismatchError
 
 #: Longest field value quoted in an error message (the full summaries ride on the error).
 _QUOTE_CHARS = 160
@@ -124,11 +124,15 @@ class ScheduleChecker:
         }
         records: List[Any] = [None] * self.size
         dist.all_gather_object(records, record, group=self.group)
-        error = ScheduleMismatchError(describe_mismatch(records))
         ranks, fields = divergence(records)
         summaries = {r["rank"]: r["summary"] for r in records}
-        vars(error).update(step=int(output.step), ranks=ranks, fields=fields, summaries=summaries)
-        raise error
+        raise ScheduleMismatchError(
+            describe_mismatch(records),
+            step=int(output.step),
+            ranks=ranks,
+            fields=fields,
+            summaries=summaries,
+        )
 
 
 def summary_fields(output: Any, sampled: Optional[tuple]) -> Dict[str, str]:

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from helix_kv import ConfigError, ConfigGuardError
+from helix_kv.errors import ConfigError, ConfigGuardError
 
 logger = logging.getLogger("helix_kv")
 

@@ -27,39 +27,20 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 import torch
 import torch.distributed as dist
 
-from helix_kv import (
+from helix_kv.distributed.group import ProcessGroup, collective_device
+from helix_kv.errors import (
     ConfigError,
     ConfigGuardError,
-    ConfigMismatchError,
     HelixKVError,
+    InitSyncConfigError,
+    InitSyncConfigGuardError,
+    InitSyncConfigMismatchError,
     InitSyncError,
 )
-from helix_kv.distributed.group import ProcessGroup, collective_device
 
 logger = logging.getLogger("helix_kv")
 
 _INT64_MAX = (1 << 63) - 1
-
-
-class InitSyncConfigGuardError(InitSyncError, ConfigGuardError):
-    """Every failing rank was stopped by a configuration guard (catch either class)."""
-
-
-class InitSyncConfigError(InitSyncError, ConfigError):
-    """Every failing rank had an invalid configuration (catch either class)."""
-
-
-class InitSyncConfigMismatchError(InitSyncError, ConfigMismatchError):
-    """The ranks were built from different configurations (catch either class).
-
-    ``ranks``: the ranks outside the largest agreeing set (ties: the set holding the lowest
-    rank), plus any rank whose ``cp_rank``/``cp_size`` is not its place in the process group;
-    ``fields``: ``{field: {rank: value}}`` for every field that differs (every rank's value).
-    ``failed_ranks`` and ``reasons`` as on every :class:`~helix_kv.InitSyncError`.
-    """
-
-    ranks: List[int]
-    fields: Dict[str, Dict[int, Any]]
 
 
 @dataclass(frozen=True)
@@ -184,15 +165,12 @@ class GroupSync:
         if len(common) == 1:
             error_type = _COMMON_CAUSE.get(common.pop(), InitSyncError)
         ranks = ", ".join(str(rank) for rank in failed)
-        error = error_type(
+        raise error_type(
             f"helix_kv construction failed on CP rank(s) {ranks} of {self.size} during the "
-            f"{phase} phase, so every rank stops:\n{reasons}"
-        )
-        vars(error).update(
+            f"{phase} phase, so every rank stops:\n{reasons}",
             failed_ranks=sorted(failed),
             reasons={rank: f"{name}: {message}" for rank, (name, message, _) in failed.items()},
-        )
-        raise error from failure
+        ) from failure
 
     def _report(self, identity: ConfigIdentity) -> Dict[str, Any]:
         return {
@@ -219,13 +197,12 @@ class GroupSync:
             raise self._lost_peer(exc) from exc
         on = [str(rank) for rank, flag in enumerate(flags) if flag]
         off = [str(rank) for rank, flag in enumerate(flags) if not flag]
-        error = InitSyncConfigError(
+        raise InitSyncConfigError(
             f"HELIX_KV_CHECK_SCHEDULE differs across the CP group (on for rank(s) "
             f"{', '.join(on)}, off for rank(s) {', '.join(off)}): the check is a collective "
-            "every rank must run; set it to the same value on every rank"
+            "every rank must run; set it to the same value on every rank",
+            failed_ranks=[int(r) for r in (off if len(off) <= len(on) else on)],
         )
-        vars(error).update(failed_ranks=[int(r) for r in (off if len(off) <= len(on) else on)])
-        raise error
 
     def _lost_peer(self, exc: BaseException) -> InitSyncError:
         return InitSyncError(
@@ -297,14 +274,12 @@ def config_mismatch(reports: Sequence[Dict[str, Any]]) -> InitSyncConfigMismatch
         "group agrees on the smallest), with cp_rank and cp_size its place in the group. Ranks "
         "that disagree place and schedule tokens differently: KV is dropped or written twice."
     )
-    error = InitSyncConfigMismatchError("\n".join(lines))
-    vars(error).update(
+    return InitSyncConfigMismatchError(
+        "\n".join(lines),
         ranks=ranks,
         fields=fields,
-        failed_ranks=ranks,
         reasons={rank: "; ".join(reasons[rank]) for rank in ranks},
     )
-    return error
 
 
 class _Absent:

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
+from helix_kv.errors import UsageError
 from helix_kv.simulate.options import (
     CAPACITY_POLICIES,
     I32_MAX,
@@ -48,17 +49,6 @@ SYNTHETIC_FLAGS = {
     "priority_levels": "--priority-levels",
     "abort_rate": "--abort-rate",
 }
-
-
-class UsageError(Exception):
-    """Invalid command-line arguments; the message is one line.
-
-    ``prog`` is the command the message is about (printed before it).
-    """
-
-    def __init__(self, message: str, prog: str = "helix-kv simulate") -> None:
-        super().__init__(message)
-        self.prog = prog
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

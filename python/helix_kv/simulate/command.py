@@ -35,6 +35,7 @@ from helix_kv.simulate.progress import ProgressLine, progress_wanted
 from helix_kv.simulate.report import format_comparison, format_table, summarize, to_json
 from helix_kv.simulate.runner import SimulationResult, run_simulation
 from helix_kv.simulate.workload import RequestSpec, TraceError, read_trace, synthetic_workload
+from helix_kv.types import VictimPolicy
 
 PROG = "helix-kv simulate"
 EXIT_OK = 0
@@ -131,7 +132,9 @@ def run_simulate(
 
     from helix_kv import HelixKVError
 
-    policies: list[Optional[str]] = list(VICTIM_POLICIES) if args.compare_policies else [None]
+    policies: list[Optional[VictimPolicy]] = (
+        list(VICTIM_POLICIES) if args.compare_policies else [None]
+    )
     show_progress = progress_wanted(args.json, args.progress, stderr)
     results: dict[str, SimulationResult] = {}
     with InterruptGuard() as interrupted:

@@ -10,15 +10,17 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, get_args
 
+from helix_kv.errors import SimulationSetupError
 from helix_kv.simulate.tokens import prompt_tokens
 from helix_kv.simulate.workload import RequestSpec
+from helix_kv.types import CapacityPolicy, ServingMode, VictimPolicy
 
 #: Victim policies, in the order ``--compare-policies`` runs them.
-VICTIM_POLICIES = ("newest_first", "least_computed_first", "priority")
-CAPACITY_POLICIES = ("max_utilization", "guaranteed_no_evict")
-SERVING_MODES = ("aggregated_helix", "non_helix", "disaggregated_generation")
+VICTIM_POLICIES: tuple[VictimPolicy, ...] = get_args(VictimPolicy)
+CAPACITY_POLICIES: tuple[CapacityPolicy, ...] = get_args(CapacityPolicy)
+SERVING_MODES: tuple[ServingMode, ...] = get_args(ServingMode)
 
 _PREFLIGHT_BATCH = 256
 
@@ -64,10 +66,6 @@ _FIELD_PATTERN = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b( == | = )?"
 _HOST_TIER_PATTERN = re.compile(r"\bhost_tier_superblocks = (\d+)")
 
 
-class SimulationSetupError(ValueError):
-    """The settings or the workload cannot be run; the message is one line."""
-
-
 @dataclass(frozen=True)
 class SimulationOptions:
     """What to simulate, apart from the workload.
@@ -90,7 +88,7 @@ class SimulationOptions:
             cp_size=self.cp, cp_rank=rank, kv_tokens=self.kv_tokens, **self.scheduler
         )
 
-    def with_victim_policy(self, policy: str) -> SimulationOptions:
+    def with_victim_policy(self, policy: VictimPolicy) -> SimulationOptions:
         """The same options under another victim policy."""
         return dataclasses.replace(self, scheduler={**self.scheduler, "victim_policy": policy})
 

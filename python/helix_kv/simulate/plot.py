@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Union
 
+from helix_kv.errors import PlotUnavailableError
 from helix_kv.simulate.report import describe_config
 from helix_kv.simulate.runner import SimulationResult
 
@@ -23,10 +24,6 @@ MISSING_MATPLOTLIB = (
 #: Formats ``--plot`` writes, by extension, where matplotlib's Agg backend supports them
 #: (pgf is left out: it needs a LaTeX installation).
 PLOT_FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
-
-
-class PlotUnavailableError(RuntimeError):
-    """matplotlib is not installed, or it cannot write the format the file name asks for."""
 
 
 def _pyplot():  # type: ignore[no-untyped-def]

@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from helix_kv.errors import ProcsUnavailableError, RankFailedError
 from helix_kv.simulate.options import SimulationOptions
 from helix_kv.simulate.runner import SimulationResult, run_simulation
 from helix_kv.simulate.workload import RequestSpec
@@ -44,14 +45,6 @@ STOP_CHECK_STEPS = 16
 POLL_SECONDS = 0.1
 #: How long a rank has to exit after SIGTERM before it is killed, in seconds.
 TERMINATE_GRACE_SECONDS = 5.0
-
-
-class ProcsUnavailableError(RuntimeError):
-    """torch (with torch.distributed) is not available."""
-
-
-class RankFailedError(RuntimeError):
-    """A rank process failed without a typed helix_kv error (a crash, a torch error)."""
 
 
 def check_procs_available() -> None:

@@ -26,6 +26,7 @@ import numpy as np
 
 from helix_kv.simulate.tokens import expected_output, prompt_tokens, sampled_tokens
 from helix_kv.simulate.workload import RequestSpec
+from helix_kv.types import FinishReason
 
 #: ``progress(clock, requests_finished, requests_total, steps)``, called after each step.
 ProgressCallback = Callable[[int, int, int, int], None]
@@ -100,7 +101,7 @@ class RequestOutcome:
     recomputed_tokens: int
     steps_waited: int
     output_exact: bool
-    finish_reason: str = "length"
+    finish_reason: FinishReason = "length"
 
     @property
     def aborted(self) -> bool:
@@ -290,7 +291,7 @@ class _StepLoop:
                 recomputed_tokens=int(request_metrics.recomputed_tokens),
                 steps_waited=int(request_metrics.steps_waited),
                 output_exact=bool(exact),
-                finish_reason=str(output.finish_reason),
+                finish_reason=output.finish_reason,
             )
         )
         del self.generated[request_id]

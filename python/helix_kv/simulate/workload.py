@@ -16,6 +16,8 @@ from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 
+from helix_kv.errors import TraceError
+
 #: Largest request id the scheduler accepts (ids are ``u64`` in the core).
 MAX_REQUEST_ID = 2**64 - 1
 
@@ -184,17 +186,6 @@ def synthetic_workload(spec: WorkloadSpec) -> list[RequestSpec]:
         )
         for i in range(count)
     ]
-
-
-class TraceError(ValueError):
-    """A trace file that cannot be used; the message names the file and, if any, the line."""
-
-    def __init__(self, path: Union[str, Path], message: str, line_number: Optional[int] = None):
-        self.path = str(path)
-        self.line_number = line_number
-        self.reason = message
-        where = f"{self.path} line {line_number}" if line_number is not None else self.path
-        super().__init__(f"trace {where}: {message}")
 
 
 def _int_field(record: dict[str, Any], key: str, minimum: int, maximum: int) -> int:
