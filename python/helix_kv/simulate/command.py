@@ -33,7 +33,7 @@ from helix_kv.simulate.procs import (
 )
 from helix_kv.simulate.progress import ProgressLine, progress_wanted
 from helix_kv.simulate.report import format_comparison, format_table, summarize, to_json
-from helix_kv.simulate.runner import SimulationResult, run_simulation
+from helix_kv.simulate.step_loop import SimulationResult, run_simulation
 from helix_kv.simulate.workload import RequestSpec, TraceError, read_trace, synthetic_workload
 from helix_kv.types import VictimPolicy
 

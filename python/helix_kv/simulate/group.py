@@ -4,7 +4,7 @@
 one process, compared every step). :class:`ProcessRankGroup` is one rank of a real
 ``torch.distributed`` group; it checks agreement with
 :class:`helix_kv.distributed.ScheduleChecker` every step. Both satisfy
-:class:`helix_kv.simulate.runner.RankGroup`.
+:class:`helix_kv.simulate.step_loop.RankGroup`.
 """
 
 from __future__ import annotations

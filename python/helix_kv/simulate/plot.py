@@ -13,7 +13,7 @@ from typing import Union
 
 from helix_kv.errors import PlotUnavailableError
 from helix_kv.simulate.report import describe_config
-from helix_kv.simulate.runner import SimulationResult
+from helix_kv.simulate.step_loop import SimulationResult
 
 MISSING_MATPLOTLIB = (
     "--plot needs matplotlib, which is not installed; "

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from helix_kv.errors import ProcsUnavailableError, RankFailedError
 from helix_kv.simulate.options import SimulationOptions
-from helix_kv.simulate.runner import SimulationResult, run_simulation
+from helix_kv.simulate.step_loop import SimulationResult, run_simulation
 from helix_kv.simulate.workload import RequestSpec
 
 MISSING_TORCH = (

@@ -43,7 +43,7 @@ class ProgressLine:
         return f"{prefix}[{bar}] {finished}/{total} requests  step {steps}"
 
     def __call__(self, clock: int, finished: int, total: int, steps: int) -> None:
-        """Progress callback for :func:`helix_kv.simulate.runner.run_simulation`."""
+        """Progress callback for :func:`helix_kv.simulate.step_loop.run_simulation`."""
         now = time.monotonic()
         if now - self._last_draw < MIN_REDRAW_SECONDS and finished < total:
             return

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from helix_kv.simulate.runner import SimulationResult
+from helix_kv.simulate.step_loop import SimulationResult
 
 Summary = dict[str, Any]
 

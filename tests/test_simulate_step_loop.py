@@ -19,7 +19,7 @@ import pytest
 import helix_kv
 from helix_kv.simulate.progress import ProgressLine, progress_wanted
 from helix_kv.simulate.report import format_comparison, format_table, summarize, to_json
-from helix_kv.simulate.runner import SimulationResult, run_simulation
+from helix_kv.simulate.step_loop import SimulationResult, run_simulation
 from helix_kv.simulate.tokens import prompt_tokens
 from helix_kv.simulate.workload import RequestSpec
 
