@@ -129,7 +129,7 @@ def main() -> None:
 
     import torch
 
-    from helix_kv.executor.launch import spawn_group
+    from helix_kv.distributed.launch import spawn_group
 
     for world in ranks:
         if args.backend == "nccl" and torch.cuda.device_count() < world:

@@ -173,7 +173,7 @@ class Executor:
         before = [
             (s.state_digest(), s.metrics().kv_used_superblocks) for s in self.group.schedulers
         ]
-        outputs = self.group.schedule()
+        outputs = self.group.schedule_per_rank()
         out = outputs[0]
         self.abort(self._due_aborts(index, pending=True))
         self._check_victims(out)
@@ -200,7 +200,7 @@ class Executor:
         self._write_kv(out)
         tokens, eos = self._sample(out)
         finished = self.group.update(tokens, eos if self.model.eos is not None else None)
-        assert finished.dtype == np.int64
+        assert finished.dtype == np.uint64  # the ids dtype of every contract implementation
         for request_id, token in zip(out.sample_ids.tolist(), tokens.tolist()):
             if request_id not in self.aborting:  # an aborted request's token is dropped
                 self.known[request_id].append(token)

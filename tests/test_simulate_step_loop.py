@@ -263,7 +263,6 @@ def test_a_wrong_aborted_output_is_flagged() -> None:
 
 
 def test_a_real_group_aborts_identically_on_every_rank() -> None:
-    from helix_kv.simulate.group import InProcessGroup
     from helix_kv.simulate.workload import WorkloadSpec, synthetic_workload
 
     spec = WorkloadSpec(
@@ -273,7 +272,7 @@ def test_a_real_group_aborts_identically_on_every_rank() -> None:
     aborting = {r.request_id for r in workload if r.abort_step is not None}
     assert 0 < len(aborting) < len(workload)
     config = helix_kv.SchedulerConfig(cp_size=2, tokens_per_block=4, kv_tokens=512)
-    result = run_simulation(InProcessGroup(config), workload, config=CONFIG)
+    result = run_simulation(helix_kv.SimulatedCPGroup(config), workload, config=CONFIG)
     assert result.rank_agreement
     assert result.outputs_exact
     aborted = {o.request_id for o in result.outcomes if o.aborted}

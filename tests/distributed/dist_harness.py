@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helix_kv.executor.launch import DEFAULT_RANK_ENV, init_rank
+from helix_kv.distributed.launch import DEFAULT_RANK_ENV, init_rank
 
 Scenario = Callable[[int, int, str], Any]
 

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helix_kv.distributed.launch import spawn_group
 from helix_kv.executor.attention import (
     PAD_KEY_POSITION,
     PAD_QUERY_POSITION,
@@ -21,7 +22,6 @@ from helix_kv.executor.attention import (
     partial_attention,
     reference_attention,
 )
-from helix_kv.executor.launch import spawn_group
 
 TOL = 1e-12
 

@@ -2,12 +2,16 @@
 
 The loop every rank runs (the embedding pattern for a real executor)::
 
-    out = scheduler.schedule()                      # identical on every rank
-    plan = StepPlan.from_schedule(scheduler, out, placement)
+    out = helix.schedule()                          # identical on every rank
+    plan = StepPlan.from_schedule(helix.scheduler, out, placement)
     batch = pool.prepare(plan)                      # pinned staging + async copy + device tables
     hidden = model.forward(batch, pool, combine)    # writes owned KV, one all-gather per layer
     tokens = greedy(model.logits(hidden[batch.sample_index]))  # sample_ids order
-    finished = scheduler.update(tokens)
+    finished = helix.update(tokens)
+
+``helix`` is the rank's :class:`helix_kv.distributed.HelixKVRank`; the loop makes only the
+calls of the scheduler contract (:class:`helix_kv.contract.SchedulerProtocol`) on it, plus the
+block tables the step plan reads from its scheduler.
 
 :func:`run_rank` runs that loop to completion in the calling process (cp = 1, or inside an
 initialised process group); :func:`run_group` spawns the ranks (gloo on CPU, NCCL on GPUs)
@@ -25,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from helix_kv.distributed import EngineConfig, HelixKVRank
+from helix_kv.distributed.launch import spawn_group
 from helix_kv.executor.kv_pool import KVPool
-from helix_kv.executor.launch import spawn_group
 from helix_kv.executor.model import TinyConfig, TinyTransformer, group_combine
 from helix_kv.executor.placement import RankPlacement
 from helix_kv.executor.step_plan import StepPlan
@@ -159,25 +163,27 @@ def run_rank(
     )
     if helix.cp_size != config.cp:
         raise ValueError(f"cp = {config.cp} but the process group has {helix.cp_size} ranks")
-    rank, scheduler, pool = helix.cp_rank, helix.scheduler, helix.kv_storage
+    rank, pool = helix.cp_rank, helix.kv_storage
     placement = pool.placement
+    # The loop drives the scheduler contract (helix_kv.contract.SchedulerProtocol) through
+    # ``helix``; only the step plan reads this rank's block tables from its scheduler.
     for request_id, prompt in prompts.items():
         budget = max_new_tokens if isinstance(max_new_tokens, int) else max_new_tokens[request_id]
-        scheduler.add_request(int(request_id), np.asarray(prompt, dtype=np.int32), budget)
+        helix.add_request(int(request_id), np.asarray(prompt, dtype=np.int32), budget)
 
     combine = group_combine(group)
     result = RunResult(rank, {}, {}, {}, [], [], helix.capacity_superblocks)
     logits_rows: Dict[int, List[np.ndarray]] = {}
     decoding: set = set()  # requests that decoded since their last (re-)admission
     started = time.perf_counter()
-    while scheduler.has_unfinished():
+    while helix.has_unfinished():
         if len(result.digests) >= config.max_steps:
             raise RuntimeError(f"no completion after {config.max_steps} steps")
         step_start = time.perf_counter()
         out = helix.schedule()
         build_start = time.perf_counter()
         result.schedule_us.append((build_start - step_start) * 1e6)
-        plan = StepPlan.from_schedule(scheduler, out, placement)
+        plan = StepPlan.from_schedule(helix.scheduler, out, placement)
         batch = pool.prepare(plan)
         if config.time_table_build:
             _synchronize(device)
@@ -195,11 +201,11 @@ def run_rank(
         finished = helix.update(tokens.cpu().numpy().astype(np.int32))
         _account_step(result, out, plan, time.perf_counter() - step_start, decoding)
         for request_id in np.asarray(finished, dtype=np.int64).tolist():
-            output = scheduler.take_output(request_id)
+            output = helix.take_output(request_id)
             result.request_metrics[request_id] = _fields(output.metrics, REQUEST_METRICS)
             result.outputs[request_id] = output.token_ids.tolist()
     result.total_s = time.perf_counter() - started
-    result.metrics = _fields(scheduler.metrics(), SCHEDULER_METRICS)
+    result.metrics = _fields(helix.metrics(), SCHEDULER_METRICS)
     result.logits = {rid: np.stack(rows) for rid, rows in logits_rows.items()}
     return result
 

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
+from helix_kv.cpgroup import SimulatedCPGroup
+from helix_kv.errors import HelixKVError
 from helix_kv.simulate.arguments import UsageError, simulation_options, workload_spec
 from helix_kv.simulate.interrupt import InterruptGuard
 from helix_kv.simulate.options import (
@@ -72,12 +74,10 @@ def run_once(
         return run_in_processes(
             options, workload, config, show_progress=show_progress, should_stop=should_stop
         )
-    from helix_kv.simulate.group import InProcessGroup
-
     progress = ProgressLine(label=label) if show_progress else None
     try:
         return run_simulation(
-            InProcessGroup(options.scheduler_config()),
+            SimulatedCPGroup(options.scheduler_config()),
             workload,
             config=config,
             progress=progress,
@@ -129,8 +129,6 @@ def run_simulate(
         ProcsUnavailableError,
     ) as err:
         return fail(EXIT_USAGE, str(err), "UsageError")
-
-    from helix_kv import HelixKVError
 
     policies: list[Optional[VictimPolicy]] = (
         list(VICTIM_POLICIES) if args.compare_policies else [None]

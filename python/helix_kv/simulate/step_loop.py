@@ -1,8 +1,10 @@
 """The simulator's step loop: feed a workload to a group of ranks and record what happens.
 
-The loop is the same whether the ranks live in this process (:class:`~.group.InProcessGroup`,
-over :class:`helix_kv.SimulatedCPGroup`) or in separate processes over gloo (each process
-runs this loop over its own :class:`~.group.ProcessRankGroup`). Each step:
+The loop drives the scheduler contract (:class:`helix_kv.contract.SchedulerProtocol`), so it
+is the same whether the ranks live in this process (a :class:`helix_kv.SimulatedCPGroup`) or
+in separate processes over gloo (each process runs this loop over its own
+``helix_kv.distributed.HelixKVRank``, which compares the ranks' schedules every step). Each
+step:
 
 1. requests whose ``arrival_step`` has come are added (on every rank, in queue order);
    then live requests whose ``abort_step`` has come are aborted (one ``abort_many`` on
@@ -20,54 +22,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from helix_kv.contract import SchedulerProtocol
+from helix_kv.errors import ScheduleMismatchError
 from helix_kv.simulate.tokens import expected_output, prompt_tokens, sampled_tokens
 from helix_kv.simulate.workload import RequestSpec
 from helix_kv.types import FinishReason
 
 #: ``progress(clock, requests_finished, requests_total, steps)``, called after each step.
 ProgressCallback = Callable[[int, int, int, int], None]
-
-
-class RankGroup(Protocol):
-    """``cp`` ranks that receive identical calls; what :func:`run_simulation` drives."""
-
-    def add_request(
-        self, request_id: int, prompt: np.ndarray, max_new_tokens: int, priority: int
-    ) -> None:
-        """Add a request on every rank."""
-
-    def schedule(self) -> Any:
-        """Schedule one step on every rank, check they agree, return one rank's output.
-
-        Raises :class:`helix_kv.ScheduleMismatchError` when the ranks disagree.
-        """
-
-    def update(self, tokens: np.ndarray) -> np.ndarray:
-        """Feed the sampled tokens to every rank; return the finished ids."""
-
-    def abort_many(self, request_ids: np.ndarray) -> None:
-        """Abort live requests on every rank, in order (no step is pending)."""
-
-    def take_output(self, request_id: int) -> Any:
-        """The :class:`helix_kv.RequestOutput` of a finished request (taken on every rank)."""
-
-    def metrics(self) -> Any:
-        """Scheduler counters (equal on every rank)."""
-
-    def has_unfinished(self) -> bool:
-        """Whether any request is live."""
-
-    @property
-    def num_running(self) -> int:
-        """Requests holding KV (prefilling or decoding)."""
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests waiting for (re-)admission."""
 
 
 @dataclass
@@ -195,7 +161,7 @@ def _sample_indices(ids: np.ndarray, generated: dict[int, int]) -> np.ndarray:
 class _StepLoop:
     """The state of one run: what has arrived, what each request has generated, the record."""
 
-    def __init__(self, group: RankGroup, workload: Sequence[RequestSpec]) -> None:
+    def __init__(self, group: SchedulerProtocol, workload: Sequence[RequestSpec]) -> None:
         self.group = group
         self.workload = workload
         self.by_id = {request.request_id: request for request in workload}
@@ -299,7 +265,7 @@ class _StepLoop:
 
 
 def run_simulation(
-    group: RankGroup,
+    group: SchedulerProtocol,
     workload: Sequence[RequestSpec],
     *,
     config: Optional[dict[str, Any]] = None,
@@ -314,8 +280,6 @@ def run_simulation(
     when ``should_stop()``, asked before every step, says so: a step is never cut in half.
     Other scheduler errors (deadlock, preemption disabled) propagate.
     """
-    from helix_kv import ScheduleMismatchError
-
     loop = _StepLoop(group, workload)
     mismatch: Optional[str] = None
     interrupted = False
