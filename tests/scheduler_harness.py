@@ -58,7 +58,9 @@ class Model:
 
 
 @dataclass
-class RunResult:
+class HarnessResult:
+    """What one :meth:`Executor.run` of the harness saw."""
+
     #: Outputs of requests that finished by length or eos.
     outputs: Dict[int, List[int]] = field(default_factory=dict)
     #: Outputs of aborted requests.
@@ -93,7 +95,7 @@ class Executor:
         self.specs: Sequence[Spec] = ()
         #: Requests whose abort waits for the pending step to close.
         self.aborting: Set[int] = set()
-        self.result = RunResult()
+        self.result = HarnessResult()
 
     # -- calls --------------------------------------------------------------------------
 
@@ -224,7 +226,7 @@ class Executor:
 
     def run(
         self, specs: Sequence[Spec], revert_every: int = 0, max_steps: int = 5_000
-    ) -> RunResult:
+    ) -> HarnessResult:
         pending = sorted(specs, key=lambda s: s.arrival_step)
         self.specs = pending
         next_spec, step, scheduled = 0, 0, 0
@@ -378,7 +380,7 @@ def reference_outputs(specs: Sequence[Spec], model: Model = Model()) -> Dict[int
     return result.outputs
 
 
-def assert_matches_reference(specs: Sequence[Spec], result: RunResult, model: Model = Model()):
+def assert_matches_reference(specs: Sequence[Spec], result: HarnessResult, model: Model = Model()):
     reference = reference_outputs(specs, model)
     assert set(result.outputs) == {s.request_id for s in specs}
     for spec in specs:
@@ -389,13 +391,13 @@ def assert_matches_reference(specs: Sequence[Spec], result: RunResult, model: Mo
 
 
 def assert_matches_reference_with_aborts(
-    specs: Sequence[Spec], result: RunResult, model: Model = Model()
+    specs: Sequence[Spec], result: HarnessResult, model: Model = Model()
 ) -> None:
     """Every request finished exactly as in the reference, or was aborted (as asked) with a
     strict prefix of its reference output."""
     assert len(result.outputs) + len(result.aborted) == len(specs)
     survivors = [s for s in specs if s.request_id not in result.aborted]
-    finished = RunResult(outputs=result.outputs)
+    finished = HarnessResult(outputs=result.outputs)
     assert_matches_reference(survivors, finished, model)
     reference = reference_outputs(specs, model)
     by_id = {s.request_id: s for s in specs}
