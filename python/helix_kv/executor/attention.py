@@ -3,7 +3,7 @@
 Every rank of a context-parallel (CP) group holds a disjoint slice of every request's keys and
 values. Each rank attends over its slice and returns, per query and head, the normalised
 partial output ``o_i`` and its log-sum-exp ``LSE_i``; the partials combine exactly
-(DESIGN.md section 7)::
+(``docs/executor.md``, "Attention across ranks")::
 
     m_i = max z,  l_i = sum exp(z - m_i),  o_i = sum exp(z - m_i) v / l_i,  LSE_i = m_i + log l_i
     LSE = logsumexp_i LSE_i,  o = sum_i exp(LSE_i - LSE) o_i

@@ -59,7 +59,7 @@ class ExecutorConfig:
     """What one run needs besides the prompts (picklable, identical on every rank).
 
     ``kv_superblocks`` is this rank's own KV budget in pages; the group agrees on the minimum
-    (DESIGN.md section 3) through :class:`helix_kv.distributed.HelixKVRank`.
+    (``docs/distributed.md``, "Quota sync") through :class:`helix_kv.distributed.HelixKVRank`.
     ``scheduler_options`` go to its ``EngineConfig`` as they are (e.g. ``victim_policy``,
     ``max_preemptions_per_request``).
     ``check_schedule``: compare every step's schedule across the ranks (``None``: read

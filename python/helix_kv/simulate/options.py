@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, get_args
 
-from helix_kv.errors import SimulationSetupError
+from helix_kv._core import Layout, Scheduler, SchedulerConfig
+from helix_kv.errors import ConfigError, HelixKVError, SimulationSetupError
 from helix_kv.simulate.tokens import prompt_tokens
 from helix_kv.simulate.workload import RequestSpec
 from helix_kv.types import CapacityPolicy, ServingMode, VictimPolicy
@@ -80,10 +81,8 @@ class SimulationOptions:
     max_steps: Optional[int] = None
     procs: bool = False
 
-    def scheduler_config(self, rank: int = 0) -> Any:
+    def scheduler_config(self, rank: int = 0) -> SchedulerConfig:
         """The ``helix_kv.SchedulerConfig`` of ``rank``; raises ``helix_kv.ConfigError``."""
-        from helix_kv import SchedulerConfig
-
         return SchedulerConfig(
             cp_size=self.cp, cp_rank=rank, kv_tokens=self.kv_tokens, **self.scheduler
         )
@@ -128,15 +127,11 @@ def in_flag_terms(message: str) -> str:
 def check_config(options: SimulationOptions) -> None:
     """Build the configuration once (nothing is allocated) and check the pool is within the
     simulator's limit; turn a ``ConfigError`` into a setup error in the flags' terms."""
-    from helix_kv import ConfigError
-
     try:
         config = options.scheduler_config()
     except ConfigError as err:
         raise SimulationSetupError(in_flag_terms(_one_line(str(err)))) from None
     if config.kv_superblocks > MAX_KV_SUPERBLOCKS:
-        from helix_kv import Layout
-
         superblock = Layout(config.cp_size, config.tokens_per_block).tokens_per_superblock
         raise SimulationSetupError(
             f"--kv-tokens {options.kv_tokens} is {config.kv_superblocks} superblocks of "
@@ -151,8 +146,6 @@ def preflight(options: SimulationOptions, workload: Sequence[RequestSpec]) -> No
     reported before the run starts, with the core's own reason (``RequestTooLargeError``:
     longer than ``max_seq_len`` or the whole KV pool, or an unchunked re-prefill that
     cannot fit ``max_num_tokens``)."""
-    from helix_kv import HelixKVError, Scheduler
-
     config = options.scheduler_config()
     for request in workload:
         # checked before any prompt is built: a trace may give lengths up to 2**31

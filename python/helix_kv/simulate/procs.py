@@ -75,7 +75,7 @@ class _AgreedStop:
         self.calls += 1
         if self.calls % STOP_CHECK_STEPS:
             return False
-        import torch
+        import torch  # here, not at the top: --procs is the only part that needs torch
         import torch.distributed as dist
 
         from helix_kv.distributed.launch import stop_requested
@@ -93,7 +93,7 @@ def _rank_scheduler(options: SimulationOptions, rank: int) -> HelixKVRank:
     holds no KV tensors, so there is no byte budget to agree on. Its ``EngineConfig`` carries
     the scheduler fields and a notional geometry of one byte per token.
     """
-    from helix_kv.distributed import EngineConfig, HelixKVRank, ScheduleChecker
+    from helix_kv.distributed import EngineConfig, HelixKVRank, ScheduleChecker  # imports torch
     from helix_kv.distributed.config import SCHEDULER_FIELDS
 
     config = options.scheduler_config(rank)
@@ -147,7 +147,7 @@ def run_in_processes(
     step boundary and the result covers the steps so far (``interrupted=True``).
     """
     check_procs_available()
-    from helix_kv.distributed.launch import spawn_group
+    from helix_kv.distributed.launch import spawn_group  # imports torch
 
     results = spawn_group(
         _rank_worker,
