@@ -16,8 +16,8 @@ the request would have had, and nothing may be left behind (pages, host tier, sl
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -36,9 +36,9 @@ class Spec:
     #: Abort it once step ``abort_step`` comes (``None``: never): before that step is
     #: scheduled, or (``abort_pending``) while it is pending; with ``abort_state``, only once
     #: it is seen in that state (a label of :meth:`Executor.state_label`).
-    abort_step: Optional[int] = None
+    abort_step: int | None = None
     abort_pending: bool = False
-    abort_state: Optional[str] = None
+    abort_state: str | None = None
 
     def prompt(self) -> np.ndarray:
         ids = (self.request_id * 7919 + np.arange(self.prompt_len) * 31) % 997
@@ -50,7 +50,7 @@ class Model:
     """Next token = CRC32 of the request id and the context read back, modulo ``vocab``."""
 
     vocab: int = 50_000
-    eos: Optional[int] = None
+    eos: int | None = None
 
     def next_token(self, request_id: int, context: np.ndarray) -> int:
         data = np.concatenate([[request_id], context]).astype(np.int64).tobytes()
@@ -62,16 +62,16 @@ class HarnessResult:
     """What one :meth:`Executor.run` of the harness saw."""
 
     #: Outputs of requests that finished by length or eos.
-    outputs: Dict[int, List[int]] = field(default_factory=dict)
+    outputs: dict[int, list[int]] = field(default_factory=dict)
     #: Outputs of aborted requests.
-    aborted: Dict[int, List[int]] = field(default_factory=dict)
+    aborted: dict[int, list[int]] = field(default_factory=dict)
     #: States aborted requests were in ("decoding", "suspended while pending"...).
-    abort_states: Set[str] = field(default_factory=set)
+    abort_states: set[str] = field(default_factory=set)
     steps: int = 0
     reverted: int = 0
-    victims: List[Tuple[int, int]] = field(default_factory=list)
+    victims: list[tuple[int, int]] = field(default_factory=list)
     max_request_preemptions: int = 0
-    metrics: Optional[helix_kv.SchedulerMetrics] = None
+    metrics: helix_kv.SchedulerMetrics | None = None
 
 
 class Executor:
@@ -88,13 +88,13 @@ class Executor:
         self.token = np.full((self.cp, slots), -1, dtype=np.int64)
         self.owner = np.full((self.cp, slots), -1, dtype=np.int64)
         self.position = np.full((self.cp, slots), -1, dtype=np.int64)
-        self.host: Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self.arrival: Dict[int, int] = {}
-        self.known: Dict[int, List[int]] = {}
-        self.prefilled: Dict[int, int] = {}
+        self.host: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.arrival: dict[int, int] = {}
+        self.known: dict[int, list[int]] = {}
+        self.prefilled: dict[int, int] = {}
         self.specs: Sequence[Spec] = ()
         #: Requests whose abort waits for the pending step to close.
-        self.aborting: Set[int] = set()
+        self.aborting: set[int] = set()
         self.result = HarnessResult()
 
     # -- calls --------------------------------------------------------------------------
@@ -105,7 +105,7 @@ class Executor:
         self.known[spec.request_id] = spec.prompt().tolist()
         self.prefilled[spec.request_id] = 0
 
-    def state_label(self, request_id: int) -> Optional[str]:
+    def state_label(self, request_id: int) -> str | None:
         """The state of a live request not yet being aborted ("recompute-paused" for a
         waiting request that was preempted), else ``None``."""
         scheduler = self.group.schedulers[0]
@@ -116,7 +116,7 @@ class Executor:
             return "recompute-paused"
         return state
 
-    def abort(self, request_ids: List[int]) -> None:
+    def abort(self, request_ids: list[int]) -> None:
         """Aborts on every rank (the group checks they agree); between steps the outputs
         are taken at once, while a step is pending when it closes."""
         if not request_ids:
@@ -136,7 +136,7 @@ class Executor:
         if not pending:
             self._check_host_tier()
 
-    def _due_aborts(self, step: int, pending: bool) -> List[int]:
+    def _due_aborts(self, step: int, pending: bool) -> list[int]:
         return [
             spec.request_id
             for spec in self.specs
@@ -346,7 +346,7 @@ class Executor:
         assert np.array_equal(self.position[owners, slots], positions)
         return self.token[owners, slots]
 
-    def _sample(self, out: helix_kv.ScheduleOutput) -> Tuple[np.ndarray, np.ndarray]:
+    def _sample(self, out: helix_kv.ScheduleOutput) -> tuple[np.ndarray, np.ndarray]:
         last = dict(zip(out.generation_ids.tolist(), out.generation_positions.tolist()))
         ends = out.context_starts + out.context_lens - 1
         for request_id, end, completes in zip(
@@ -364,7 +364,7 @@ class Executor:
         return np.asarray(tokens, dtype=np.int32), np.asarray(eos, dtype=bool)
 
 
-def reference_outputs(specs: Sequence[Spec], model: Model = Model()) -> Dict[int, List[int]]:
+def reference_outputs(specs: Sequence[Spec], model: Model = Model()) -> dict[int, list[int]]:
     """The same requests with no pressure: one rank, a pool that holds everything."""
     total = sum(s.prompt_len + s.max_new_tokens for s in specs)
     config = helix_kv.SchedulerConfig(

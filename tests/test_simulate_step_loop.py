@@ -11,7 +11,6 @@ import io
 import json
 import re
 from types import SimpleNamespace
-from typing import Optional
 
 import numpy as np
 import pytest
@@ -27,7 +26,7 @@ from helix_kv.simulate.workload import RequestSpec
 class FakeGroup:
     """Unlimited KV, no preemption; optionally corrupts tokens or raises a mismatch."""
 
-    def __init__(self, mismatch_at_step: Optional[int] = None, corrupt: bool = False) -> None:
+    def __init__(self, mismatch_at_step: int | None = None, corrupt: bool = False) -> None:
         self.live: dict[int, dict] = {}
         self.done: dict[int, dict] = {}
         self.step = 0
@@ -35,7 +34,7 @@ class FakeGroup:
         self.corrupt = corrupt
         self.added_at_step: dict[int, int] = {}
         self.aborted = 0
-        self._last: Optional[list[int]] = None
+        self._last: list[int] | None = None
 
     def add_request(self, request_id, prompt, max_new_tokens, priority) -> None:
         assert np.array_equal(prompt, prompt_tokens(request_id, len(prompt)))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from helix_kv import __version__
 from helix_kv.simulate.arguments import (
@@ -91,7 +91,7 @@ def _discard_stdout() -> None:
     os.close(devnull)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run ``helix-kv`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
     arguments = list(sys.argv[1:] if argv is None else argv)
     try:

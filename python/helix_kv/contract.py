@@ -24,7 +24,7 @@ raises has changed nothing. Modelled on vLLM's ``SchedulerInterface``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -62,7 +62,7 @@ class SchedulerProtocol(Protocol):
         """Schedules the next step (``InvalidStateError`` while one is pending)."""
         ...
 
-    def update(self, tokens: TokenArray, eos: Optional[FlagArray] = None) -> npt.NDArray[np.uint64]:
+    def update(self, tokens: TokenArray, eos: FlagArray | None = None) -> npt.NDArray[np.uint64]:
         """Closes the pending step with one sampled token (and optionally an end-of-sequence
         flag) per ``sample_ids`` entry; returns the ids that finished, whose outputs are now
         ready for :meth:`take_output`."""

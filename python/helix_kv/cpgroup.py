@@ -12,7 +12,7 @@ summary lines), the same error a real group raises through its schedule check.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -119,7 +119,7 @@ class SimulatedCPGroup:
     def _on_every_rank(self, call: str, action: Callable[[Scheduler], Any]) -> list[Any]:
         """Runs ``action`` on every rank; ranks must all succeed or all fail alike."""
         results: list[Any] = []
-        errors: list[Optional[BaseException]] = []
+        errors: list[BaseException | None] = []
         for scheduler in self.schedulers:
             try:
                 results.append(action(scheduler))
@@ -167,7 +167,7 @@ class SimulatedCPGroup:
         self._check(outputs)
         return outputs
 
-    def update(self, tokens: TokenArray, eos: Optional[FlagArray] = None) -> npt.NDArray[np.uint64]:
+    def update(self, tokens: TokenArray, eos: FlagArray | None = None) -> npt.NDArray[np.uint64]:
         """Feeds the same sampled tokens (and eos flags) to every rank; returns the finished
         ids (equal on every rank)."""
         finished = self._on_every_rank("update", lambda s: s.update(tokens, eos))
@@ -233,7 +233,7 @@ class SimulatedCPGroup:
     def _mismatch(
         self,
         headline: str,
-        step: Optional[int],
+        step: int | None,
         ranks: Sequence[int],
         fields: Sequence[str],
         summaries: dict[int, str],

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 from helix_kv import _core
 from helix_kv._core import (
@@ -92,7 +92,7 @@ class ScheduleMismatchError(_core.ScheduleMismatchError):
             schedules were compared (empty otherwise).
     """
 
-    step: Optional[int]
+    step: int | None
     ranks: list[int]
     fields: list[str]
     summaries: dict[int, str]
@@ -101,10 +101,10 @@ class ScheduleMismatchError(_core.ScheduleMismatchError):
         self,
         message: str,
         *,
-        step: Optional[int] = None,
+        step: int | None = None,
         ranks: Iterable[int] = (),
         fields: Iterable[str] = (),
-        summaries: Optional[Mapping[int, str]] = None,
+        summaries: Mapping[int, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.step = step
@@ -133,7 +133,7 @@ class InitSyncError(_core.InitSyncError):
         message: str,
         *,
         failed_ranks: Iterable[int] = (),
-        reasons: Optional[Mapping[int, str]] = None,
+        reasons: Mapping[int, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.failed_ranks = [int(rank) for rank in failed_ranks]
@@ -168,8 +168,8 @@ class InitSyncConfigMismatchError(InitSyncError, ConfigMismatchError):
         message: str,
         *,
         ranks: Iterable[int] = (),
-        fields: Optional[Mapping[str, Mapping[int, Any]]] = None,
-        reasons: Optional[Mapping[int, str]] = None,
+        fields: Mapping[str, Mapping[int, Any]] | None = None,
+        reasons: Mapping[int, str] | None = None,
     ) -> None:
         ranks = [int(rank) for rank in ranks]
         super().__init__(message, failed_ranks=ranks, reasons=reasons)
@@ -207,12 +207,10 @@ class TraceError(ValueError):
     """
 
     path: str
-    line_number: Optional[int]
+    line_number: int | None
     reason: str
 
-    def __init__(
-        self, path: Union[str, Path], message: str, line_number: Optional[int] = None
-    ) -> None:
+    def __init__(self, path: str | Path, message: str, line_number: int | None = None) -> None:
         self.path = str(path)
         self.line_number = line_number
         self.reason = message

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import warnings
 import zlib
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
@@ -49,14 +50,14 @@ class ScheduleChecker:
 
     def __init__(
         self,
-        group: Optional[ProcessGroup] = None,
+        group: ProcessGroup | None = None,
         *,
-        timeout: Optional[timedelta] = None,
+        timeout: timedelta | None = None,
         connect: bool = True,
     ) -> None:
         self.group, self.rank, self.size = resolve_group(group)
         self.enabled = self.size > 1
-        self._pending_update: Optional[Tuple[int, tuple]] = None
+        self._pending_update: tuple[int, tuple] | None = None
         if not self.enabled:
             warnings.warn(
                 "helix_kv schedule check requested but it cannot apply: this CP group has one "
@@ -79,7 +80,7 @@ class ScheduleChecker:
         if self.enabled:
             self._reduce.connect()
 
-    def record_update(self, sample_ids: Any, tokens: Any, eos: Optional[Any] = None) -> None:
+    def record_update(self, sample_ids: Any, tokens: Any, eos: Any | None = None) -> None:
         """Folds the tokens fed to ``update`` (one per ``sample_ids`` entry) into the next
         ``check``.
 
@@ -113,7 +114,7 @@ class ScheduleChecker:
         if not agreed:
             self._raise_mismatch(output, pending)
 
-    def _raise_mismatch(self, output: Any, pending: Optional[Tuple[int, tuple]]) -> None:
+    def _raise_mismatch(self, output: Any, pending: tuple[int, tuple] | None) -> None:
         record = {
             "rank": self.rank,
             "global_rank": dist.get_rank(),
@@ -122,7 +123,7 @@ class ScheduleChecker:
             "summary": output.summary(),
             "fields": summary_fields(output, None if pending is None else pending[1]),
         }
-        records: List[Any] = [None] * self.size
+        records: list[Any] = [None] * self.size
         dist.all_gather_object(records, record, group=self.group)
         ranks, fields = divergence(records)
         summaries = {r["rank"]: r["summary"] for r in records}
@@ -135,11 +136,11 @@ class ScheduleChecker:
         )
 
 
-def summary_fields(output: Any, sampled: Optional[tuple]) -> Dict[str, str]:
+def summary_fields(output: Any, sampled: tuple | None) -> dict[str, str]:
     """``output.summary()`` as ``{field: value}``, plus the token fields the summary leaves out
     (the digest covers them): context chunk tokens, decode input tokens and, when recorded,
     the tokens fed to the previous ``update``."""
-    fields: Dict[str, str] = {}
+    fields: dict[str, str] = {}
     for line in output.summary().splitlines():
         name, _, value = line.partition(":")
         if name != "digest":
@@ -165,17 +166,17 @@ def summary_fields(output: Any, sampled: Optional[tuple]) -> Dict[str, str]:
     return fields
 
 
-def divergence(records: Sequence[Dict[str, Any]]) -> Tuple[List[int], List[str]]:
+def divergence(records: Sequence[dict[str, Any]]) -> tuple[list[int], list[str]]:
     """The ranks outside the largest agreeing set (ties: the set holding the lowest rank) and
     the fields in which they differ from it."""
-    groups: Dict[Tuple[int, Tuple[Tuple[str, str], ...]], List[int]] = {}
+    groups: dict[tuple[int, tuple[tuple[str, str], ...]], list[int]] = {}
     for record in records:
         key = (record["digest"], tuple(sorted(record["fields"].items())))
         groups.setdefault(key, []).append(record["rank"])
     majority = max(groups.values(), key=lambda ranks: (len(ranks), -min(ranks)))
     reference = records[min(majority)]["fields"]
     ranks = sorted(r["rank"] for r in records if r["rank"] not in majority)
-    fields: List[str] = []
+    fields: list[str] = []
     for record in records:
         if record["rank"] in majority:
             continue
@@ -186,7 +187,7 @@ def divergence(records: Sequence[Dict[str, Any]]) -> Tuple[List[int], List[str]]
     return ranks, fields
 
 
-def describe_mismatch(records: Sequence[Dict[str, Any]]) -> str:
+def describe_mismatch(records: Sequence[dict[str, Any]]) -> str:
     """The error text: who disagrees, on what, with the differing values quoted."""
     ranks, fields = divergence(records)
     agreeing = [r["rank"] for r in records if r["rank"] not in ranks]
@@ -214,7 +215,7 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(str(rank) for rank in ranks)
 
 
-def _quote(value: Optional[str]) -> str:
+def _quote(value: str | None) -> str:
     if value is None:
         return "(absent)"
     if value == "":

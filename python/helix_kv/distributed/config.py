@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any
 
 from helix_kv.errors import ConfigError, ConfigGuardError
 
@@ -72,7 +73,7 @@ class EngineConfig:
     max_batch_size: int = 256
     max_num_tokens: int = 8192
     enable_chunked_prefill: bool = True
-    chunk_unit: Optional[int] = None
+    chunk_unit: int | None = None
     max_seq_len: int = 131072
     capacity_policy: str = "max_utilization"
     serving_mode: str = "aggregated_helix"
@@ -81,9 +82,9 @@ class EngineConfig:
     admit_after_preemption: bool = False
     deadlock_steps: int = 64
 
-    host_cache_bytes: Optional[int] = None
+    host_cache_bytes: int | None = None
     disk_cache_bytes: int = 0
-    kv_connector: Optional[str] = None
+    kv_connector: str | None = None
     kv_pool_rebalance: bool = False
 
     def __post_init__(self) -> None:
@@ -134,12 +135,12 @@ class EngineConfig:
         """Bytes of one physical KV page (``tokens_per_block`` tokens) on one rank."""
         return self.tokens_per_block * self.bytes_per_token
 
-    def scheduler_kwargs(self) -> Dict[str, Any]:
+    def scheduler_kwargs(self) -> dict[str, Any]:
         """The :class:`helix_kv.SchedulerConfig` keyword arguments this config fixes."""
         return {name: getattr(self, name) for name in SCHEDULER_FIELDS}
 
 
-def group_fields(config: EngineConfig, scheduler_config: Any) -> Tuple[Tuple[str, Any], ...]:
+def group_fields(config: EngineConfig, scheduler_config: Any) -> tuple[tuple[str, Any], ...]:
     """Every ``(field, value)`` the ranks of a CP group must agree on, in a fixed order.
 
     First ``scheduler_config.decision_fields()`` (the Rust core's one list of the fields that
@@ -246,7 +247,7 @@ def host_tier_superblocks(config: EngineConfig, kv_budget_bytes: int) -> int:
     return 0
 
 
-def schedule_check_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
+def schedule_check_requested(environ: Mapping[str, str] | None = None) -> bool:
     """Whether :data:`CHECK_SCHEDULE_ENV` asks for the per-step schedule check."""
     value = (os.environ if environ is None else environ).get(CHECK_SCHEDULE_ENV, "")
     normalized = value.strip().lower()

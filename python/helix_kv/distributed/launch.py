@@ -32,7 +32,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -61,8 +61,8 @@ _ERROR_FILE = "error-rank{rank}.pkl"
 _STOP_FILE = "stop"
 
 # Set in each rank process before its worker runs (read by stop_requested).
-_stop_path: Optional[Path] = None
-_parent_pid: Optional[int] = None
+_stop_path: Path | None = None
+_parent_pid: int | None = None
 
 
 def spawn_group(
@@ -73,8 +73,8 @@ def spawn_group(
     backend: str = "gloo",
     timeout_s: float = 120.0,
     threads_per_rank: int = 1,
-    env: Optional[Mapping[str, str]] = None,
-    should_stop: Optional[Callable[[], bool]] = None,
+    env: Mapping[str, str] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[Any]:
     """Run ``worker(rank, world_size, *args)`` in ``world_size`` processes; results by rank.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -51,9 +51,9 @@ class HelixKVRank:
         self,
         config: EngineConfig,
         scheduler_config: SchedulerConfig,
-        group: Optional[ProcessGroup],
+        group: ProcessGroup | None,
         local_superblocks: int,
-        checker: Optional[ScheduleChecker],
+        checker: ScheduleChecker | None,
     ) -> None:
         self.config = config
         self.scheduler_config = scheduler_config
@@ -66,17 +66,17 @@ class HelixKVRank:
         self.local_superblocks = local_superblocks
         self.checker = checker
         self.kv_storage: Any = None
-        self._sample_ids: Optional[npt.NDArray[np.uint64]] = None
+        self._sample_ids: npt.NDArray[np.uint64] | None = None
 
     @classmethod
     def create(
         cls,
         config: EngineConfig,
         kv_budget_bytes: int,
-        group: Optional[ProcessGroup] = None,
+        group: ProcessGroup | None = None,
         *,
-        allocate: Optional[Callable[[HelixKVRank], Any]] = None,
-        check_schedule: Optional[bool] = None,
+        allocate: Callable[[HelixKVRank], Any] | None = None,
+        check_schedule: bool | None = None,
     ) -> HelixKVRank:
         """Builds this rank's scheduler in agreement with every rank of ``group``.
 
@@ -113,10 +113,10 @@ class HelixKVRank:
         group, rank, size = resolve_group(group)
         sync = GroupSync(group)
 
-        local_superblocks: Optional[int] = None
-        identity: Optional[ConfigIdentity] = None
+        local_superblocks: int | None = None
+        identity: ConfigIdentity | None = None
         check = False
-        failure: Optional[BaseException] = None
+        failure: BaseException | None = None
         try:
             check = schedule_check_requested() if check_schedule is None else bool(check_schedule)
             check_config_guards(config, size)
@@ -135,8 +135,8 @@ class HelixKVRank:
         capacity, check = sync.agree_quota(local_superblocks, check, failure, identity)
         assert local_superblocks is not None  # agree_quota raised otherwise
 
-        built: Optional[HelixKVRank] = None
-        checker: Optional[ScheduleChecker] = None
+        built: HelixKVRank | None = None
+        checker: ScheduleChecker | None = None
         try:
             scheduler_config = helix_kv.SchedulerConfig(**scheduler_kwargs, kv_superblocks=capacity)
             if size > 1:
@@ -199,7 +199,7 @@ class HelixKVRank:
         self._sample_ids = output.sample_ids
         return output
 
-    def update(self, tokens: TokenArray, eos: Optional[FlagArray] = None) -> npt.NDArray[np.uint64]:
+    def update(self, tokens: TokenArray, eos: FlagArray | None = None) -> npt.NDArray[np.uint64]:
         """Feeds the step's sampled tokens (one per ``sample_ids`` entry); returns the ids
         that finished. With the check on, the tokens are compared at the next ``schedule``
         (recorded once the update has succeeded: a rejected update changed nothing)."""

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ class ConfigIdentity:
 
     cp_rank: int
     cp_size: int
-    fields: Tuple[Tuple[str, Any], ...]
+    fields: tuple[tuple[str, Any], ...]
 
     @property
     def fingerprint(self) -> int:
@@ -61,7 +62,7 @@ class ConfigIdentity:
 
 
 #: The error raised when every failing rank failed with the same configuration error class.
-_COMMON_CAUSE: Dict[str, Type[InitSyncError]] = {
+_COMMON_CAUSE: dict[str, type[InitSyncError]] = {
     "ConfigGuardError": InitSyncConfigGuardError,
     "ConfigError": InitSyncConfigError,
 }
@@ -75,7 +76,7 @@ class GroupSync:
     built with.
     """
 
-    def __init__(self, group: Optional[ProcessGroup]) -> None:
+    def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group
         self.rank, self.size = 0, 1
         if group is not None:
@@ -83,11 +84,11 @@ class GroupSync:
 
     def agree_quota(
         self,
-        local_superblocks: Optional[int],
+        local_superblocks: int | None,
         check: bool,
-        failure: Optional[BaseException],
-        identity: Optional[ConfigIdentity] = None,
-    ) -> Tuple[int, bool]:
+        failure: BaseException | None,
+        identity: ConfigIdentity | None = None,
+    ) -> tuple[int, bool]:
         """The group's minimum KV superblocks and its (verified identical) configuration and
         schedule-check setting, after the configuration phase; raises on every rank if any
         rank failed or the ranks' configurations differ.
@@ -127,7 +128,7 @@ class GroupSync:
             self._raise_check_disagreement(check)
         return superblocks, bool(check_min)
 
-    def agree_status(self, failure: Optional[BaseException], phase: str) -> None:
+    def agree_status(self, failure: BaseException | None, phase: str) -> None:
         """All-reduce MAX of a status code (0 = ok) after ``phase``; raises on every rank if
         any rank failed."""
         if self.size == 1:
@@ -138,7 +139,7 @@ class GroupSync:
         if neg_status < 0:
             self._raise_failures(failure, phase)
 
-    def _all_reduce_min(self, values: List[int], failure: Optional[BaseException]) -> List[int]:
+    def _all_reduce_min(self, values: list[int], failure: BaseException | None) -> list[int]:
         assert self.group is not None
         tensor = torch.tensor(values, dtype=torch.int64, device=collective_device(self.group))
         try:
@@ -147,11 +148,11 @@ class GroupSync:
             raise self._lost_peer(exc) from (failure or exc)
         return tensor.tolist()
 
-    def _raise_failures(self, failure: Optional[BaseException], phase: str) -> None:
+    def _raise_failures(self, failure: BaseException | None, phase: str) -> None:
         mine = None
         if failure is not None:
             mine = (type(failure).__name__, str(failure), _helix_kv_base(type(failure)))
-        reports: List[Any] = [None] * self.size
+        reports: list[Any] = [None] * self.size
         try:
             dist.all_gather_object(reports, mine, group=self.group)
         except RuntimeError as exc:
@@ -172,7 +173,7 @@ class GroupSync:
             reasons={rank: f"{name}: {message}" for rank, (name, message, _) in failed.items()},
         ) from failure
 
-    def _report(self, identity: ConfigIdentity) -> Dict[str, Any]:
+    def _report(self, identity: ConfigIdentity) -> dict[str, Any]:
         return {
             "group_rank": self.rank,
             "group_size": self.size,
@@ -182,7 +183,7 @@ class GroupSync:
         }
 
     def _raise_config_mismatch(self, identity: ConfigIdentity) -> None:
-        reports: List[Any] = [None] * self.size
+        reports: list[Any] = [None] * self.size
         try:
             dist.all_gather_object(reports, self._report(identity), group=self.group)
         except RuntimeError as exc:
@@ -190,7 +191,7 @@ class GroupSync:
         raise config_mismatch(reports)
 
     def _raise_check_disagreement(self, check: bool) -> None:
-        flags: List[Any] = [None] * self.size
+        flags: list[Any] = [None] * self.size
         try:
             dist.all_gather_object(flags, check, group=self.group)
         except RuntimeError as exc:
@@ -212,11 +213,11 @@ class GroupSync:
         )
 
 
-def config_mismatch(reports: Sequence[Dict[str, Any]]) -> InitSyncConfigMismatchError:
+def config_mismatch(reports: Sequence[dict[str, Any]]) -> InitSyncConfigMismatchError:
     """The error every rank raises for the gathered ``reports`` (one per group rank, in rank
     order: its ``group_rank``, ``group_size``, ``cp_rank``, ``cp_size`` and ``fields``)."""
     everyone = range(len(reports))
-    per_field: Dict[str, Dict[int, Any]] = {}
+    per_field: dict[str, dict[int, Any]] = {}
     for rank, report in enumerate(reports):
         for name, value in report["fields"]:
             per_field.setdefault(name, {})[rank] = value
@@ -226,13 +227,13 @@ def config_mismatch(reports: Sequence[Dict[str, Any]]) -> InitSyncConfigMismatch
         if len(values) < len(reports) or len(set(values.values())) > 1
     }
     # Ranks outside the largest agreeing set (ties: the set holding the lowest rank).
-    agreeing: Dict[Tuple[Tuple[str, Any], ...], List[int]] = {}
+    agreeing: dict[tuple[tuple[str, Any], ...], list[int]] = {}
     for rank, report in enumerate(reports):
         agreeing.setdefault(tuple(report["fields"]), []).append(rank)
     majority = max(agreeing.values(), key=lambda ranks: (len(ranks), -min(ranks)))
     differing = {rank for rank in everyone if rank not in majority}
     reference = min(majority)
-    reasons: Dict[int, List[str]] = {rank: [] for rank in everyone}
+    reasons: dict[int, list[str]] = {rank: [] for rank in everyone}
     for name, values in fields.items():
         for rank in differing:
             if values[rank] != values[reference]:
@@ -240,7 +241,7 @@ def config_mismatch(reports: Sequence[Dict[str, Any]]) -> InitSyncConfigMismatch
                     f"{name} = {values[rank]!r} (rank {reference}: {values[reference]!r})"
                 )
     # cp_rank / cp_size must be the rank's place in the group (compared per rank, not across).
-    notes: Dict[str, str] = {}
+    notes: dict[str, str] = {}
     for key, place in (("cp_rank", "group_rank"), ("cp_size", "group_size")):
         wrong = [rank for rank, report in enumerate(reports) if report[key] != report[place]]
         if wrong:
@@ -264,7 +265,7 @@ def config_mismatch(reports: Sequence[Dict[str, Any]]) -> InitSyncConfigMismatch
         + f" in {', '.join(fields)}"
     ]
     for name, values in fields.items():
-        by_value: Dict[Any, List[int]] = {}
+        by_value: dict[Any, list[int]] = {}
         for rank, value in values.items():
             by_value.setdefault(value, []).append(rank)
         shown = " | ".join(f"{value!r} on rank(s) {_ranks(rs)}" for value, rs in by_value.items())
@@ -296,7 +297,7 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(str(rank) for rank in ranks)
 
 
-def _helix_kv_base(cls: Type[BaseException]) -> str:
+def _helix_kv_base(cls: type[BaseException]) -> str:
     """The name of the helix_kv error class a failure counts as (``""`` for foreign errors)."""
     for base in (ConfigGuardError, ConfigError, HelixKVError):
         if issubclass(cls, base):

@@ -21,8 +21,9 @@ and checks that they agree.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,10 +74,10 @@ class ExecutorConfig:
     max_num_tokens: int = 128
     model: TinyConfig = field(default_factory=TinyConfig)
     dtype: str = "float64"
-    kv_dtype: Optional[str] = None
+    kv_dtype: str | None = None
     device: str = "cpu"
     record_logits: bool = False
-    check_schedule: Optional[bool] = None
+    check_schedule: bool | None = None
     time_table_build: bool = False
     max_steps: int = 100_000
     scheduler_options: Mapping[str, Any] = field(default_factory=dict)
@@ -91,21 +92,21 @@ class RunResult:
     """What one rank saw: outputs, scheduler metrics, per-step trace and timings."""
 
     rank: int
-    outputs: Dict[int, List[int]]
-    metrics: Dict[str, float]
-    request_metrics: Dict[int, Dict[str, float]]
-    digests: List[int]
-    preempted: List[List[int]]
+    outputs: dict[int, list[int]]
+    metrics: dict[str, float]
+    request_metrics: dict[int, dict[str, float]]
+    digests: list[int]
+    preempted: list[list[int]]
     capacity_superblocks: int
-    logits: Dict[int, np.ndarray] = field(default_factory=dict)
+    logits: dict[int, np.ndarray] = field(default_factory=dict)
     total_s: float = 0.0
     tokens_run: int = 0
     preempted_while_decoding: int = 0
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_s: float = 0.0
-    schedule_us: List[float] = field(default_factory=list)
-    table_build_us: List[float] = field(default_factory=list)
+    schedule_us: list[float] = field(default_factory=list)
+    table_build_us: list[float] = field(default_factory=list)
 
     @property
     def preemptions(self) -> int:
@@ -125,9 +126,9 @@ class RunResult:
 
 def run_rank(
     prompts: Prompts,
-    max_new_tokens: Union[int, Mapping[int, int]],
+    max_new_tokens: int | Mapping[int, int],
     config: ExecutorConfig,
-    group: Optional[dist.ProcessGroup] = None,
+    group: dist.ProcessGroup | None = None,
 ) -> RunResult:
     """Run every prompt to completion on this rank; greedy decoding.
 
@@ -173,7 +174,7 @@ def run_rank(
 
     combine = group_combine(group)
     result = RunResult(rank, {}, {}, {}, [], [], helix.capacity_superblocks)
-    logits_rows: Dict[int, List[np.ndarray]] = {}
+    logits_rows: dict[int, list[np.ndarray]] = {}
     decoding: set = set()  # requests that decoded since their last (re-)admission
     started = time.perf_counter()
     while helix.has_unfinished():
@@ -216,7 +217,7 @@ def run_group(
     backend: str = "gloo",
     timeout_s: float = 120.0,
     threads_per_rank: int = 1,
-) -> List[List[RunResult]]:
+) -> list[list[RunResult]]:
     """Run ``(prompts, max_new_tokens, config)`` jobs one after another on a spawned CP group.
 
     All jobs share one group of ``cp`` processes (``config.cp`` must equal ``cp``). Returns,
@@ -249,7 +250,7 @@ def check_ranks_agree(results: Sequence[RunResult]) -> None:
                 raise AssertionError(f"rank {other.rank} differs from rank {first.rank} in {name}")
 
 
-def _group_worker(rank: int, world_size: int, jobs: List[tuple]) -> List[RunResult]:
+def _group_worker(rank: int, world_size: int, jobs: list[tuple]) -> list[RunResult]:
     return [run_rank(prompts, max_new, config) for prompts, max_new, config in jobs]
 
 
@@ -265,7 +266,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _record_logits(
-    rows: Dict[int, List[np.ndarray]], sample_ids: np.ndarray, logits: torch.Tensor
+    rows: dict[int, list[np.ndarray]], sample_ids: np.ndarray, logits: torch.Tensor
 ) -> None:
     host = logits.float().cpu().numpy() if logits.dtype == torch.bfloat16 else logits.cpu().numpy()
     for request_id, row in zip(sample_ids.tolist(), host):
@@ -288,7 +289,7 @@ def _account_step(
         result.decode_s += seconds
 
 
-def _fields(source: Any, names: Sequence[str]) -> Dict[str, float]:
+def _fields(source: Any, names: Sequence[str]) -> dict[str, float]:
     if hasattr(source, "to_dict"):
         return dict(source.to_dict())
     return {name: getattr(source, name) for name in names if hasattr(source, name)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn
 
 from helix_kv.errors import UsageError
 from helix_kv.simulate.options import (
@@ -369,7 +369,7 @@ def simulation_options(args: argparse.Namespace) -> SimulationOptions:
     )
 
 
-def _default_max(default: int, mean: Optional[int]) -> int:
+def _default_max(default: int, mean: int | None) -> int:
     """The larger of ``default`` and 4 x ``mean``, within the simulator's length limit."""
     return min(MAX_REQUEST_TOKENS, max(default, 4 * (mean or 0)))
 
@@ -378,7 +378,7 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
     """The synthetic workload the flags describe (defaults where not given)."""
     defaults = DEFAULT_WORKLOAD
 
-    def pick(value: Optional[Any], default: Any) -> Any:
+    def pick(value: Any | None, default: Any) -> Any:
         return default if value is None else value
 
     spec = WorkloadSpec(

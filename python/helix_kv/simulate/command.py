@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, TextIO
+from typing import Any, Callable, TextIO
 
 from helix_kv.cpgroup import SimulatedCPGroup
 from helix_kv.errors import HelixKVError
@@ -66,7 +66,7 @@ def run_once(
     workload_info: dict[str, Any],
     show_progress: bool,
     label: str = "",
-    should_stop: Optional[Callable[[], bool]] = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> SimulationResult:
     """One run, in this process or (``options.procs``) one process per rank."""
     config = options.resolved(workload_info)
@@ -89,7 +89,7 @@ def run_once(
             progress.close()
 
 
-def _plot_path(path: str, policy: Optional[str]) -> Path:
+def _plot_path(path: str, policy: str | None) -> Path:
     target = Path(path)
     if policy is None:
         return target
@@ -97,13 +97,13 @@ def _plot_path(path: str, policy: Optional[str]) -> Path:
 
 
 def run_simulate(
-    args: argparse.Namespace, stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None
+    args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None
 ) -> int:
     """Run ``helix-kv simulate`` for parsed ``args``; return the exit status."""
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
 
-    def fail(status: int, message: str, error_type: str, detail: Optional[str] = None) -> int:
+    def fail(status: int, message: str, error_type: str, detail: str | None = None) -> int:
         """One line on stderr; with ``--json`` also the error object (``detail``: its
         message when the line says more, e.g. the error's class)."""
         label = "error: " if status == EXIT_USAGE else ""
@@ -130,9 +130,7 @@ def run_simulate(
     ) as err:
         return fail(EXIT_USAGE, str(err), "UsageError")
 
-    policies: list[Optional[VictimPolicy]] = (
-        list(VICTIM_POLICIES) if args.compare_policies else [None]
-    )
+    policies: list[VictimPolicy | None] = list(VICTIM_POLICIES) if args.compare_policies else [None]
     show_progress = progress_wanted(args.json, args.progress, stderr)
     results: dict[str, SimulationResult] = {}
     with InterruptGuard() as interrupted:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, get_args
+from typing import Any, get_args
 
 from helix_kv._core import Layout, Scheduler, SchedulerConfig
 from helix_kv.errors import ConfigError, HelixKVError, SimulationSetupError
@@ -78,7 +79,7 @@ class SimulationOptions:
     cp: int = 2
     kv_tokens: int = 16_384
     scheduler: dict[str, Any] = field(default_factory=dict)
-    max_steps: Optional[int] = None
+    max_steps: int | None = None
     procs: bool = False
 
     def scheduler_config(self, rank: int = 0) -> SchedulerConfig:

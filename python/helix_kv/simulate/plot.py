@@ -9,7 +9,6 @@ backend, so plotting works without a display.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
 
 from helix_kv.errors import PlotUnavailableError
 from helix_kv.simulate.report import describe_config
@@ -47,7 +46,7 @@ def plot_formats() -> tuple[str, ...]:
     return tuple(name for name in PLOT_FORMATS if name in supported)
 
 
-def plot_format(path: Union[str, Path]) -> str:
+def plot_format(path: str | Path) -> str:
     """The format of ``path``, from its extension; raise :class:`PlotUnavailableError` (a
     one-line reason) for a missing or unknown extension or without matplotlib."""
     formats = plot_formats()
@@ -59,12 +58,12 @@ def plot_format(path: Union[str, Path]) -> str:
     return extension
 
 
-def check_plot_target(path: Union[str, Path]) -> None:
+def check_plot_target(path: str | Path) -> None:
     """Check now, rather than after a long run, that ``path`` can be drawn."""
     plot_format(path)
 
 
-def plot_run(result: SimulationResult, path: Union[str, Path]) -> None:
+def plot_run(result: SimulationResult, path: str | Path) -> None:
     """Draw the run's per-step series into ``path``, in the format its extension names."""
     file_format = plot_format(path)
     plt = _pyplot()

@@ -18,7 +18,8 @@ ends the ranks with SIGTERM.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 from helix_kv.errors import ProcsUnavailableError, RankFailedError
 from helix_kv.simulate.options import SimulationOptions
@@ -113,7 +114,7 @@ def _rank_worker(
     workload: Sequence[RequestSpec],
     config: dict[str, Any],
     show_progress: bool,
-) -> Optional[SimulationResult]:
+) -> SimulationResult | None:
     """One rank process (run by ``spawn_group``): the step loop over this rank; rank 0's
     result goes back to the parent."""
     progress = ProgressLine(label=f"rank {rank}") if show_progress and rank == 0 else None
@@ -135,9 +136,9 @@ def _rank_worker(
 def run_in_processes(
     options: SimulationOptions,
     workload: Sequence[RequestSpec],
-    config: Optional[dict[str, Any]] = None,
+    config: dict[str, Any] | None = None,
     show_progress: bool = False,
-    should_stop: Optional[Callable[[], bool]] = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> SimulationResult:
     """Run the simulation with one process per rank; return rank 0's result.
 

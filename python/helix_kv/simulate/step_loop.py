@@ -21,8 +21,9 @@ is dropped and every rank sees the same calls in the same order.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
@@ -60,7 +61,7 @@ class RequestOutcome:
 
     request_id: int
     arrival_step: int
-    first_token_step: Optional[int]
+    first_token_step: int | None
     finish_step: int
     generated_tokens: int
     preemptions: int
@@ -79,7 +80,7 @@ class RequestOutcome:
         return self.finish_step - self.arrival_step + 1
 
     @property
-    def first_token_steps(self) -> Optional[int]:
+    def first_token_steps(self) -> int | None:
         """Steps from arrival to its first sampled token, both counted."""
         if self.first_token_step is None:
             return None
@@ -133,7 +134,7 @@ class SimulationResult:
     generated_tokens: int
     clock: int
     rank_agreement: bool
-    mismatch: Optional[str] = None
+    mismatch: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
     interrupted: bool = False
     """The run was stopped early on request (``should_stop``); the figures cover its steps."""
@@ -268,10 +269,10 @@ def run_simulation(
     group: SchedulerProtocol,
     workload: Sequence[RequestSpec],
     *,
-    config: Optional[dict[str, Any]] = None,
-    progress: Optional[ProgressCallback] = None,
-    max_steps: Optional[int] = None,
-    should_stop: Optional[Callable[[], bool]] = None,
+    config: dict[str, Any] | None = None,
+    progress: ProgressCallback | None = None,
+    max_steps: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> SimulationResult:
     """Run ``workload`` to completion on ``group`` and return what happened.
 
@@ -281,7 +282,7 @@ def run_simulation(
     Other scheduler errors (deadlock, preemption disabled) propagate.
     """
     loop = _StepLoop(group, workload)
-    mismatch: Optional[str] = None
+    mismatch: str | None = None
     interrupted = False
     steps_limit = math.inf if max_steps is None else max_steps
     try:
