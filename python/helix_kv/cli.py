@@ -22,11 +22,8 @@ import sys
 from collections.abc import Sequence
 
 from helix_kv import __version__
-from helix_kv.simulate.arguments import (
-    OneLineArgumentParser,
-    UsageError,
-    add_simulate_arguments,
-)
+from helix_kv.errors import UsageError
+from helix_kv.simulate.arguments import OneLineArgumentParser, add_simulate_arguments
 from helix_kv.simulate.command import error_object, run_simulate
 
 EXIT_USAGE = 2

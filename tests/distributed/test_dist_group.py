@@ -15,8 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import dist_scenarios as sc  # noqa: E402
-from dist_harness import GroupRun, cuda_ranks_available, run_group  # noqa: E402
+import dist_scenarios as sc  # noqa: E402  (after the torch skip: they import torch)
+from dist_harness import GroupRun, cuda_ranks_available, run_group  # noqa: E402  (same)
 
 GROUP_TIMEOUT_S = 20.0
 

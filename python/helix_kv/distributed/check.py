@@ -14,14 +14,18 @@ import warnings
 import zlib
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
+import numpy.typing as npt
 import torch.distributed as dist
 
 from helix_kv.distributed.group import ProcessGroup, resolve_group
 from helix_kv.distributed.reduce import HostMinAllReduce
 from helix_kv.errors import ScheduleMismatchError
+
+#: What ``record_update`` keeps of an update: sample ids, tokens and eos flags (or ``None``).
+SampledTokens = tuple[npt.NDArray[Any], npt.NDArray[np.int32], Optional[npt.NDArray[np.bool_]]]
 
 #: Longest field value quoted in an error message (the full summaries ride on the error).
 _QUOTE_CHARS = 160
@@ -57,7 +61,7 @@ class ScheduleChecker:
     ) -> None:
         self.group, self.rank, self.size = resolve_group(group)
         self.enabled = self.size > 1
-        self._pending_update: tuple[int, tuple] | None = None
+        self._pending_update: tuple[int, SampledTokens] | None = None
         if not self.enabled:
             warnings.warn(
                 "helix_kv schedule check requested but it cannot apply: this CP group has one "
@@ -114,7 +118,7 @@ class ScheduleChecker:
         if not agreed:
             self._raise_mismatch(output, pending)
 
-    def _raise_mismatch(self, output: Any, pending: tuple[int, tuple] | None) -> None:
+    def _raise_mismatch(self, output: Any, pending: tuple[int, SampledTokens] | None) -> None:
         record = {
             "rank": self.rank,
             "global_rank": dist.get_rank(),
@@ -136,7 +140,7 @@ class ScheduleChecker:
         )
 
 
-def summary_fields(output: Any, sampled: tuple | None) -> dict[str, str]:
+def summary_fields(output: Any, sampled: SampledTokens | None) -> dict[str, str]:
     """``output.summary()`` as ``{field: value}``, plus the token fields the summary leaves out
     (the digest covers them): context chunk tokens, decode input tokens and, when recorded,
     the tokens fed to the previous ``update``."""

@@ -149,7 +149,7 @@ def _start_ranks(rank_args: tuple[Any, ...], world_size: int) -> ProcessContext:
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
     try:
-        context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        context: ProcessContext = start_processes(
             _rank_main, args=rank_args, nprocs=world_size, join=False, start_method="spawn"
         )
     finally:

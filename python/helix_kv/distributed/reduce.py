@@ -142,7 +142,7 @@ def _one_channel_options(timeout: timedelta) -> object | None:
 def group_timeout(group: ProcessGroup) -> timedelta:
     """The timeout ``group`` was created with, where torch lets it be read."""
     try:
-        backend = group._get_backend(torch.device("cuda"))  # type: ignore[attr-defined]
+        backend = group._get_backend(torch.device("cuda"))
         timeout = backend.options._timeout
         if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
             return timeout

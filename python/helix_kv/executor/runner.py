@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -85,6 +85,11 @@ class ExecutorConfig:
     def with_(self, **changes: Any) -> ExecutorConfig:
         """A copy with some fields changed."""
         return replace(self, **changes)
+
+
+#: One job of :func:`run_group`: ``(prompts, max_new_tokens, config)``, as :func:`run_rank` takes
+#: them (a runtime alias: ``Union``, not ``|``, for Python 3.9).
+Job = tuple[Prompts, Union[int, Mapping[int, int]], ExecutorConfig]
 
 
 @dataclass
@@ -175,7 +180,7 @@ def run_rank(
     combine = group_combine(group)
     result = RunResult(rank, {}, {}, {}, [], [], helix.capacity_superblocks)
     logits_rows: dict[int, list[np.ndarray]] = {}
-    decoding: set = set()  # requests that decoded since their last (re-)admission
+    decoding: set[int] = set()  # requests that decoded since their last (re-)admission
     started = time.perf_counter()
     while helix.has_unfinished():
         if len(result.digests) >= config.max_steps:
@@ -212,7 +217,7 @@ def run_rank(
 
 
 def run_group(
-    jobs: Sequence[tuple],
+    jobs: Sequence[Job],
     cp: int,
     backend: str = "gloo",
     timeout_s: float = 120.0,
@@ -250,7 +255,7 @@ def check_ranks_agree(results: Sequence[RunResult]) -> None:
                 raise AssertionError(f"rank {other.rank} differs from rank {first.rank} in {name}")
 
 
-def _group_worker(rank: int, world_size: int, jobs: list[tuple]) -> list[RunResult]:
+def _group_worker(rank: int, world_size: int, jobs: list[Job]) -> list[RunResult]:
     return [run_rank(prompts, max_new, config) for prompts, max_new, config in jobs]
 
 
@@ -274,7 +279,7 @@ def _record_logits(
 
 
 def _account_step(
-    result: RunResult, out: Any, plan: StepPlan, seconds: float, decoding: set
+    result: RunResult, out: Any, plan: StepPlan, seconds: float, decoding: set[int]
 ) -> None:
     result.digests.append(int(out.digest))
     preempted = np.asarray(out.preempted_ids, dtype=np.int64).tolist()

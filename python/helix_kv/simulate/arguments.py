@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, NoReturn
 
-from helix_kv.errors import UsageError
+from helix_kv.errors import UsageError as UsageError  # also importable from here
 from helix_kv.simulate.options import (
     CAPACITY_POLICIES,
     I32_MAX,

@@ -16,27 +16,29 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from helix_kv.cpgroup import SimulatedCPGroup
-from helix_kv.errors import HelixKVError
-from helix_kv.simulate.arguments import UsageError, simulation_options, workload_spec
+from helix_kv.errors import (
+    HelixKVError,
+    PlotUnavailableError,
+    ProcsUnavailableError,
+    RankFailedError,
+    SimulationSetupError,
+    TraceError,
+    UsageError,
+)
+from helix_kv.simulate.arguments import simulation_options, workload_spec
 from helix_kv.simulate.interrupt import InterruptGuard
 from helix_kv.simulate.options import (
     VICTIM_POLICIES,
     SimulationOptions,
-    SimulationSetupError,
     check_config,
     preflight,
 )
-from helix_kv.simulate.plot import PlotUnavailableError, check_plot_target, plot_run
-from helix_kv.simulate.procs import (
-    ProcsUnavailableError,
-    RankFailedError,
-    check_procs_available,
-    run_in_processes,
-)
+from helix_kv.simulate.plot import check_plot_target, plot_run
+from helix_kv.simulate.procs import check_procs_available, run_in_processes
 from helix_kv.simulate.progress import ProgressLine, progress_wanted
 from helix_kv.simulate.report import format_comparison, format_table, summarize, to_json
 from helix_kv.simulate.step_loop import SimulationResult, run_simulation
-from helix_kv.simulate.workload import RequestSpec, TraceError, read_trace, synthetic_workload
+from helix_kv.simulate.workload import RequestSpec, read_trace, synthetic_workload
 from helix_kv.types import VictimPolicy
 
 PROG = "helix-kv simulate"
@@ -162,8 +164,8 @@ def run_simulate(
         print(to_json(summary) if args.json else format_table(summary), file=stdout)
 
     if args.plot is not None:
-        for policy, result in results.items():
-            path = _plot_path(args.plot, policy if args.compare_policies else None)
+        for name, result in results.items():
+            path = _plot_path(args.plot, name if args.compare_policies else None)
             try:
                 plot_run(result, path)
             except OSError as err:  # the report is out already: stderr only

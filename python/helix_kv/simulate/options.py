@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, get_args
 
 from helix_kv._core import Layout, Scheduler, SchedulerConfig
-from helix_kv.errors import ConfigError, HelixKVError, SimulationSetupError
+from helix_kv.errors import ConfigError, HelixKVError
+from helix_kv.errors import SimulationSetupError as SimulationSetupError  # also from here
 from helix_kv.simulate.tokens import prompt_tokens
 from helix_kv.simulate.workload import RequestSpec
 from helix_kv.types import CapacityPolicy, ServingMode, VictimPolicy

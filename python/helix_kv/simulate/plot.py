@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from helix_kv.errors import PlotUnavailableError
+from helix_kv.errors import PlotUnavailableError as PlotUnavailableError  # also from here
 from helix_kv.simulate.report import describe_config
 from helix_kv.simulate.step_loop import SimulationResult
 
@@ -25,21 +25,20 @@ MISSING_MATPLOTLIB = (
 PLOT_FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def _use_agg() -> None:
+    """Select matplotlib's non-interactive Agg backend (before pyplot is first imported);
+    raise :class:`PlotUnavailableError` without matplotlib."""
     try:
-        import matplotlib
+        import matplotlib  # here, not at the top: matplotlib is optional
     except ImportError:
         raise PlotUnavailableError(MISSING_MATPLOTLIB) from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_formats() -> tuple[str, ...]:
     """The extensions ``--plot`` accepts here (raises :class:`PlotUnavailableError` without
     matplotlib)."""
-    _pyplot()
+    _use_agg()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     supported = FigureCanvasAgg.get_supported_filetypes()
@@ -66,7 +65,8 @@ def check_plot_target(path: str | Path) -> None:
 def plot_run(result: SimulationResult, path: str | Path) -> None:
     """Draw the run's per-step series into ``path``, in the format its extension names."""
     file_format = plot_format(path)
-    plt = _pyplot()
+    _use_agg()
+    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
     series = result.series

@@ -55,7 +55,7 @@ def check_procs_available() -> None:
     """Raise :class:`ProcsUnavailableError` if torch.distributed cannot be used."""
     try:
         import torch.distributed as dist
-        import torch.multiprocessing  # noqa: F401
+        import torch.multiprocessing  # noqa: F401  (imported to check that it imports)
     except ImportError:
         raise ProcsUnavailableError(MISSING_TORCH) from None
     if not dist.is_available():

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from helix_kv.errors import TraceError
+from helix_kv.errors import TraceError as TraceError  # also importable from here
 
 #: Largest request id the scheduler accepts (ids are ``u64`` in the core).
 MAX_REQUEST_ID = 2**64 - 1
