@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from helix_kv.errors import ConfigError, ConfigGuardError
+from helix_kv.types import CapacityPolicy, ServingMode, VictimPolicy
 
 logger = logging.getLogger("helix_kv")
 
@@ -75,9 +76,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     chunk_unit: int | None = None
     max_seq_len: int = 131072
-    capacity_policy: str = "max_utilization"
-    serving_mode: str = "aggregated_helix"
-    victim_policy: str = "newest_first"
+    capacity_policy: CapacityPolicy = "max_utilization"
+    serving_mode: ServingMode = "aggregated_helix"
+    victim_policy: VictimPolicy = "newest_first"
     max_preemptions_per_request: int = 8
     admit_after_preemption: bool = False
     deadlock_steps: int = 64
