@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +49,7 @@ def _tokens(out: Any) -> np.ndarray:
     return ((np.asarray(out.sample_ids) * 7919 + positions * 104729) % 32000).astype(np.int32)
 
 
-def _stats(samples: List[float]) -> Dict[str, float]:
+def _stats(samples: list[float]) -> dict[str, float]:
     array = np.asarray(samples) * 1e6
     return {
         "median_us": float(np.median(array)),
@@ -58,7 +58,7 @@ def _stats(samples: List[float]) -> Dict[str, float]:
     }
 
 
-def rank_worker(rank: int, world: int, requests: int) -> Dict[str, Any]:
+def rank_worker(rank: int, world: int, requests: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -129,7 +129,7 @@ def main() -> None:
 
     import torch
 
-    from helix_kv.executor.launch import spawn_group
+    from helix_kv.distributed.launch import spawn_group
 
     for world in ranks:
         if args.backend == "nccl" and torch.cuda.device_count() < world:
@@ -140,7 +140,7 @@ def main() -> None:
             env={"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"},
         )  # fmt: skip
 
-        def median(key: str, field: str = "median_us", res: List[Any] = results) -> float:
+        def median(key: str, field: str = "median_us", res: list[Any] = results) -> float:
             return float(np.median([r[key][field] for r in res]))
 
         print(

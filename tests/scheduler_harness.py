@@ -18,8 +18,8 @@ the request would have had, and nothing may be left behind (pages, host tier, sl
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -38,9 +38,9 @@ class Spec:
     #: Abort it once step ``abort_step`` comes (``None``: never): before that step is
     #: scheduled, or (``abort_pending``) while it is pending; with ``abort_state``, only once
     #: it is seen in that state (a label of :meth:`Executor.state_label`).
-    abort_step: Optional[int] = None
+    abort_step: int | None = None
     abort_pending: bool = False
-    abort_state: Optional[str] = None
+    abort_state: str | None = None
 
     def prompt(self) -> np.ndarray:
         ids = (self.request_id * 7919 + np.arange(self.prompt_len) * 31) % 997
@@ -52,7 +52,7 @@ class Model:
     """Next token = CRC32 of the request id and the context read back, modulo ``vocab``."""
 
     vocab: int = 50_000
-    eos: Optional[int] = None
+    eos: int | None = None
 
     def next_token(self, request_id: int, context: np.ndarray) -> int:
         data = np.concatenate([[request_id], context]).astype(np.int64).tobytes()
@@ -60,20 +60,22 @@ class Model:
 
 
 @dataclass
-class RunResult:
+class HarnessResult:
+    """What one :meth:`Executor.run` of the harness saw."""
+
     #: Outputs of requests that finished by length or eos.
-    outputs: Dict[int, List[int]] = field(default_factory=dict)
+    outputs: dict[int, list[int]] = field(default_factory=dict)
     #: Outputs of aborted requests.
-    aborted: Dict[int, List[int]] = field(default_factory=dict)
+    aborted: dict[int, list[int]] = field(default_factory=dict)
     #: States aborted requests were in ("decoding", "suspended while pending"...).
-    abort_states: Set[str] = field(default_factory=set)
+    abort_states: set[str] = field(default_factory=set)
     steps: int = 0
     reverted: int = 0
-    victims: List[Tuple[int, int]] = field(default_factory=list)
+    victims: list[tuple[int, int]] = field(default_factory=list)
     max_request_preemptions: int = 0
     # preemptions that took a request past the bound (each for the queue head)
     preemptions_past_bound: int = 0
-    metrics: Optional[helix_kv.SchedulerMetrics] = None
+    metrics: helix_kv.SchedulerMetrics | None = None
 
 
 class Executor:
@@ -90,14 +92,14 @@ class Executor:
         self.token = np.full((self.cp, slots), -1, dtype=np.int64)
         self.owner = np.full((self.cp, slots), -1, dtype=np.int64)
         self.position = np.full((self.cp, slots), -1, dtype=np.int64)
-        self.host: Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self.arrival: Dict[int, int] = {}
-        self.known: Dict[int, List[int]] = {}
-        self.prefilled: Dict[int, int] = {}
+        self.host: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.arrival: dict[int, int] = {}
+        self.known: dict[int, list[int]] = {}
+        self.prefilled: dict[int, int] = {}
         self.specs: Sequence[Spec] = ()
         #: Requests whose abort waits for the pending step to close.
-        self.aborting: Set[int] = set()
-        self.result = RunResult()
+        self.aborting: set[int] = set()
+        self.result = HarnessResult()
 
     # -- calls --------------------------------------------------------------------------
 
@@ -107,7 +109,7 @@ class Executor:
         self.known[spec.request_id] = spec.prompt().tolist()
         self.prefilled[spec.request_id] = 0
 
-    def state_label(self, request_id: int) -> Optional[str]:
+    def state_label(self, request_id: int) -> str | None:
         """The state of a live request not yet being aborted ("recompute-paused" for a
         waiting request that was preempted), else ``None``."""
         scheduler = self.group.schedulers[0]
@@ -118,7 +120,7 @@ class Executor:
             return "recompute-paused"
         return state
 
-    def abort(self, request_ids: List[int]) -> None:
+    def abort(self, request_ids: list[int]) -> None:
         """Aborts on every rank (the group checks they agree); between steps the outputs
         are taken at once, while a step is pending when it closes."""
         if not request_ids:
@@ -138,7 +140,7 @@ class Executor:
         if not pending:
             self._check_host_tier()
 
-    def _due_aborts(self, step: int, pending: bool) -> List[int]:
+    def _due_aborts(self, step: int, pending: bool) -> list[int]:
         return [
             spec.request_id
             for spec in self.specs
@@ -177,7 +179,7 @@ class Executor:
         before = [
             (s.state_digest(), s.metrics().kv_used_superblocks) for s in self.group.schedulers
         ]
-        outputs = self.group.schedule()
+        outputs = self.group.schedule_per_rank()
         out = outputs[0]
         self.abort(self._due_aborts(index, pending=True))
         self._check_victims(out)
@@ -204,7 +206,7 @@ class Executor:
         self._write_kv(out)
         tokens, eos = self._sample(out)
         finished = self.group.update(tokens, eos if self.model.eos is not None else None)
-        assert finished.dtype == np.int64
+        assert finished.dtype == np.uint64  # the ids dtype of every contract implementation
         for request_id, token in zip(out.sample_ids.tolist(), tokens.tolist()):
             if request_id not in self.aborting:  # an aborted request's token is dropped
                 self.known[request_id].append(token)
@@ -226,7 +228,7 @@ class Executor:
 
     def run(
         self, specs: Sequence[Spec], revert_every: int = 0, max_steps: int = 5_000
-    ) -> RunResult:
+    ) -> HarnessResult:
         pending = sorted(specs, key=lambda s: s.arrival_step)
         self.specs = pending
         next_spec, step, scheduled = 0, 0, 0
@@ -356,7 +358,7 @@ class Executor:
         assert np.array_equal(self.position[owners, slots], positions)
         return self.token[owners, slots]
 
-    def _sample(self, out: helix_kv.ScheduleOutput) -> Tuple[np.ndarray, np.ndarray]:
+    def _sample(self, out: helix_kv.ScheduleOutput) -> tuple[np.ndarray, np.ndarray]:
         last = dict(zip(out.generation_ids.tolist(), out.generation_positions.tolist()))
         ends = out.context_starts + out.context_lens - 1
         for request_id, end, completes in zip(
@@ -374,7 +376,7 @@ class Executor:
         return np.asarray(tokens, dtype=np.int32), np.asarray(eos, dtype=bool)
 
 
-def reference_outputs(specs: Sequence[Spec], model: Model = Model()) -> Dict[int, List[int]]:
+def reference_outputs(specs: Sequence[Spec], model: Model = Model()) -> dict[int, list[int]]:
     """The same requests with no pressure: one rank, a pool that holds everything."""
     total = sum(s.prompt_len + s.max_new_tokens for s in specs)
     config = helix_kv.SchedulerConfig(
@@ -390,7 +392,7 @@ def reference_outputs(specs: Sequence[Spec], model: Model = Model()) -> Dict[int
     return result.outputs
 
 
-def assert_matches_reference(specs: Sequence[Spec], result: RunResult, model: Model = Model()):
+def assert_matches_reference(specs: Sequence[Spec], result: HarnessResult, model: Model = Model()):
     reference = reference_outputs(specs, model)
     assert set(result.outputs) == {s.request_id for s in specs}
     for spec in specs:
@@ -401,13 +403,13 @@ def assert_matches_reference(specs: Sequence[Spec], result: RunResult, model: Mo
 
 
 def assert_matches_reference_with_aborts(
-    specs: Sequence[Spec], result: RunResult, model: Model = Model()
+    specs: Sequence[Spec], result: HarnessResult, model: Model = Model()
 ) -> None:
     """Every request finished exactly as in the reference, or was aborted (as asked) with a
     strict prefix of its reference output."""
     assert len(result.outputs) + len(result.aborted) == len(specs)
     survivors = [s for s in specs if s.request_id not in result.aborted]
-    finished = RunResult(outputs=result.outputs)
+    finished = HarnessResult(outputs=result.outputs)
     assert_matches_reference(survivors, finished, model)
     reference = reference_outputs(specs, model)
     by_id = {s.request_id: s for s in specs}

@@ -132,3 +132,14 @@ def test_engine_config_takes_the_core_defaults() -> None:
     assert set(SCHEDULER_FIELDS) == set(DEFAULTS) - {"cp_size", "cp_rank", "host_tier_superblocks"}
     for name in SCHEDULER_FIELDS:
         assert defaults[name] == DEFAULTS[name], name
+
+
+def test_option_literal_aliases_are_the_core_names() -> None:
+    """helix_kv.types spells the option names for type checkers; the core owns them."""
+    from typing import get_args
+
+    from helix_kv import types
+
+    assert get_args(types.VictimPolicy) == helix_kv.SchedulerConfig.VICTIM_POLICIES
+    assert get_args(types.ServingMode) == helix_kv.SchedulerConfig.SERVING_MODES
+    assert get_args(types.CapacityPolicy) == helix_kv.SchedulerConfig.CAPACITY_POLICIES

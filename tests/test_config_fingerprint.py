@@ -3,7 +3,7 @@ differ in any decision field disagree from the first step on; ``cp_rank`` change
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import pytest
 
@@ -11,14 +11,14 @@ import helix_kv
 
 #: A small CP-2 configuration every single-field change below keeps valid (the chunk unit is
 #: pinned: left unset, the unit in effect would follow tokens_per_block).
-BASE: Dict[str, Any] = dict(
+BASE: dict[str, Any] = dict(
     cp_size=2, tokens_per_block=4, kv_superblocks=16, max_batch_size=8, max_num_tokens=64,
     max_seq_len=256, chunk_unit=4,
 )  # fmt: skip
 NON_HELIX = {**BASE, "cp_size": 1, "serving_mode": "non_helix"}
 
 #: decision field -> (base keyword arguments, the keyword that sets the field, its new value).
-CHANGES: Dict[str, Tuple[Dict[str, Any], str, Any]] = {
+CHANGES: dict[str, tuple[dict[str, Any], str, Any]] = {
     "cp_size": (BASE, "cp_size", 4),
     "tokens_per_block": (BASE, "tokens_per_block", 8),
     "capacity_superblocks": (BASE, "kv_superblocks", 17),
@@ -44,7 +44,7 @@ def loaded(config: Any) -> Any:
     return scheduler
 
 
-def digests(scheduler: Any, steps: int) -> List[int]:
+def digests(scheduler: Any, steps: int) -> list[int]:
     out = []
     for _ in range(steps):
         step = scheduler.schedule()

@@ -492,7 +492,7 @@ def test_contains_answers_false_for_ints_outside_the_id_range_and_refuses_other_
     assert 2**64 not in ledger
     for value in (1.0, "1", None, True):
         with pytest.raises(InvalidTypeError):
-            value in ledger  # noqa: B015
+            value in ledger  # noqa: B015  (the comparison is the call under test)
 
 
 def test_the_full_u64_id_range_round_trips() -> None:

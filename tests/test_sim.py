@@ -98,10 +98,10 @@ def test_guaranteed_no_evict_never_preempts() -> None:
 def test_schedule_returns_one_output_per_rank_with_rank_fields() -> None:
     group = helix_kv.SimulatedCPGroup(config(4, 2, 64))
     group.add_request(1, np.arange(5, dtype=np.int32), 3)
-    outputs = group.schedule()
+    outputs = group.schedule_per_rank()
     assert len(outputs) == 4
     group.update(np.array([7], dtype=np.int32))
-    outputs = group.schedule()
+    outputs = group.schedule_per_rank()
     active = [bool(o.generation_active[0]) for o in outputs]
     assert active == [False, False, True, False]  # position 5 is in block 2 -> rank 2
     assert [int(o.generation_local_lens[0]) for o in outputs] == [2, 2, 2, 0]
@@ -112,7 +112,7 @@ def test_schedule_returns_one_output_per_rank_with_rank_fields() -> None:
 def test_divergence_names_the_ranks_and_the_fields() -> None:
     group = helix_kv.SimulatedCPGroup(config(2, 4, 256))
     group.add_request(1, np.arange(6, dtype=np.int32), 4)
-    group.update(np.zeros(group.schedule()[0].num_samples, dtype=np.int32))
+    group.update(np.zeros(group.schedule().num_samples, dtype=np.int32))
     group.schedulers[1].add_request(99, np.arange(3, dtype=np.int32), 2)  # only rank 1
     with pytest.raises(helix_kv.ScheduleMismatchError) as info:
         group.schedule()
@@ -165,7 +165,7 @@ def test_finished_outputs_agree_and_metrics_come_from_rank_zero() -> None:
     group.add_request(4, [1, 2, 3], 2)
     finished = np.zeros(0, dtype=np.int64)
     while group.has_unfinished():
-        n = group.schedule()[0].num_samples
+        n = group.schedule().num_samples
         finished = group.update(np.full(n, 9, dtype=np.int32))
     assert finished.tolist() == [4]
     output = group.take_output(4)
@@ -263,7 +263,7 @@ def decoding_group(cp: int = 2) -> helix_kv.SimulatedCPGroup:
     for request_id in (1, 2, 3):
         group.add_request(request_id, np.arange(5, dtype=np.int32), 8)
     for token in (11, 12):
-        n = group.schedule()[0].num_samples
+        n = group.schedule().num_samples
         group.update(np.full(n, token, dtype=np.int32))
     return group
 
@@ -289,7 +289,7 @@ def test_group_abort_between_steps_frees_everything_on_every_rank() -> None:
 
 def test_group_abort_while_pending_takes_effect_at_update_or_revert() -> None:
     group = decoding_group()
-    outputs = group.schedule()
+    outputs = group.schedule_per_rank()
     assert outputs[0].generation_ids.tolist() == [1, 2]
     group.abort(1)
     assert all(s.is_abort_requested(1) for s in group.schedulers)

@@ -2,16 +2,33 @@
 (context-parallel) decoding.
 
 The ledger, victim selection and every ordering decision live in Rust (``helix_kv._core``);
-this package re-exports them. ``import helix_kv`` never imports torch: the torch pieces live in
-``helix_kv.executor`` and ``helix_kv.distributed`` and are imported on demand.
+this package re-exports them. Every exception is in :mod:`helix_kv.errors` (the core's and the
+group errors are re-exported here too); the scheduler contract that :class:`Scheduler`,
+:class:`SimulatedCPGroup` and ``helix_kv.distributed.HelixKVRank`` share is
+:class:`helix_kv.contract.SchedulerProtocol`. ``import helix_kv`` never imports torch: the
+torch pieces live in ``helix_kv.executor`` and ``helix_kv.distributed`` and are imported on
+demand.
 """
 
 from helix_kv._core import (
+    DecodeView,
+    Layout,
+    Ledger,
+    RequestHoldings,
+    RequestMetrics,
+    RequestOutput,
+    ScheduleOutput,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerMetrics,
+    __version__,
+)
+from helix_kv.cpgroup import SimulatedCPGroup
+from helix_kv.errors import (
     ConfigError,
     ConfigGuardError,
     ConfigMismatchError,
     DeadlockError,
-    DecodeView,
     DuplicateRequestError,
     HelixKVError,
     InitSyncError,
@@ -19,22 +36,11 @@ from helix_kv._core import (
     InvalidLengthError,
     InvalidStateError,
     InvalidTypeError,
-    Layout,
-    Ledger,
     PreemptionDisabledError,
-    RequestHoldings,
-    RequestMetrics,
-    RequestOutput,
     RequestTooLargeError,
     ScheduleMismatchError,
-    ScheduleOutput,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerMetrics,
     UnknownRequestError,
-    __version__,
 )
-from helix_kv.sim import SimulatedCPGroup
 
 __all__ = [
     "ConfigError",

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
-from helix_kv.simulate.arguments import (
-    OneLineArgumentParser,
-    UsageError,
-    add_simulate_arguments,
-)
+from helix_kv import __version__
+from helix_kv.errors import UsageError
+from helix_kv.simulate.arguments import OneLineArgumentParser, add_simulate_arguments
+from helix_kv.simulate.command import error_object, run_simulate
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -39,8 +38,6 @@ def build_parser() -> OneLineArgumentParser:
         description="helix_kv tools: a rank-invariant paged KV ledger and preemptive "
         "scheduler for Helix (context-parallel) decoding.",
     )
-    from helix_kv import __version__
-
     parser.add_argument("--version", action="version", version=f"helix-kv {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     simulate = commands.add_parser(
@@ -74,12 +71,8 @@ def _run(argv: Sequence[str]) -> int:
     except UsageError as err:
         print(f"{err.prog}: error: {err}", file=sys.stderr)
         if _asks_for_json(argv):
-            from helix_kv.simulate.command import error_object
-
             print(error_object(EXIT_USAGE, "UsageError", str(err)))
         return EXIT_USAGE
-    from helix_kv.simulate.command import run_simulate
-
     return run_simulate(args)
 
 
@@ -95,7 +88,7 @@ def _discard_stdout() -> None:
     os.close(devnull)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run ``helix-kv`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
     arguments = list(sys.argv[1:] if argv is None else argv)
     try:

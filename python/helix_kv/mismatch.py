@@ -11,11 +11,12 @@ shows which field from :attr:`~helix_kv.ScheduleOutput.SUMMARY_ENTRIES`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
-from helix_kv._core import ScheduleMismatchError, ScheduleOutput
+from helix_kv._core import ScheduleOutput
+from helix_kv.errors import ScheduleMismatchError
 
 __all__ = ["schedule_mismatch"]
 
@@ -28,7 +29,7 @@ SHOWN_VALUES = 12
 
 def schedule_mismatch(
     outputs: Sequence[ScheduleOutput],
-    extra: Optional[Sequence[Mapping[str, str]]] = None,
+    extra: Sequence[Mapping[str, str]] | None = None,
 ) -> ScheduleMismatchError:
     """The :class:`~helix_kv.ScheduleMismatchError` for one step whose schedules differ.
 
@@ -77,14 +78,13 @@ def schedule_mismatch(
         "config fed to each rank must be identical. Full summaries are on the error's "
         "`summaries` attribute."
     )
-    error = ScheduleMismatchError("\n".join(lines))
-    error.step = int(outputs[reference].step)  # type: ignore[attr-defined]
-    error.ranks = ranks  # type: ignore[attr-defined]
-    error.fields = fields  # type: ignore[attr-defined]
-    error.summaries = {  # type: ignore[attr-defined]
-        rank: output.summary() for rank, output in enumerate(outputs)
-    }
-    return error
+    return ScheduleMismatchError(
+        "\n".join(lines),
+        step=int(outputs[reference].step),
+        ranks=ranks,
+        fields=fields,
+        summaries={rank: output.summary() for rank, output in enumerate(outputs)},
+    )
 
 
 def _value_lines(
@@ -119,7 +119,7 @@ def _value_lines(
     return lines
 
 
-def _line(name: str, ranks: Sequence[int], values: Sequence[Optional[str]]) -> str:
+def _line(name: str, ranks: Sequence[int], values: Sequence[str | None]) -> str:
     return f"  {name}: " + " | ".join(f"rank {r}: {_quote(v)}" for r, v in zip(ranks, values))
 
 
@@ -133,7 +133,7 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(str(rank) for rank in ranks)
 
 
-def _quote(value: Optional[str]) -> str:
+def _quote(value: str | None) -> str:
     if value is None:
         return "(absent)"
     if value == "":

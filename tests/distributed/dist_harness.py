@@ -15,15 +15,16 @@ import queue
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helix_kv.executor.launch import DEFAULT_RANK_ENV, init_rank
+from helix_kv.distributed.launch import DEFAULT_RANK_ENV, init_rank
 
 Scenario = Callable[[int, int, str], Any]
 
@@ -43,12 +44,12 @@ class GroupRun:
 
     world: int
     backend: str
-    results: Dict[str, Dict[int, Any]] = field(default_factory=dict)
-    errors: Dict[str, Dict[int, str]] = field(default_factory=dict)
-    problems: List[str] = field(default_factory=list)
+    results: dict[str, dict[int, Any]] = field(default_factory=dict)
+    errors: dict[str, dict[int, str]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
-    def scenario(self, name: str) -> List[Any]:
+    def scenario(self, name: str) -> list[Any]:
         """Every rank's result of ``name``; fails with the ranks' tracebacks otherwise."""
         got = self.results.get(name, {})
         if len(got) == self.world:
@@ -69,9 +70,9 @@ def run_group(
     *,
     deadline_s: float = 90.0,
     group_timeout_s: float = 20.0,
-    env: Optional[Dict[str, str]] = None,
-    rank_env: Optional[Dict[int, Dict[str, str]]] = None,
-    allowed_exits: Optional[Dict[int, int]] = None,
+    env: dict[str, str] | None = None,
+    rank_env: dict[int, dict[str, str]] | None = None,
+    allowed_exits: dict[int, int] | None = None,
     exit_grace_s: float = 10.0,
 ) -> GroupRun:
     """Runs ``scenarios`` in order on ``world`` fresh ranks and collects their reports.
@@ -136,7 +137,7 @@ def run_group(
     return run
 
 
-def _record(run: GroupRun, done: set, report: Tuple[int, str, str, Any]) -> None:
+def _record(run: GroupRun, done: set, report: tuple[int, str, str, Any]) -> None:
     rank, name, status, payload = report
     if status == "done":
         done.add(rank)
@@ -161,7 +162,7 @@ def _rank_main(
     backend: str,
     init_method: str,
     group_timeout_s: float,
-    env: Dict[str, str],
+    env: dict[str, str],
     scenarios: Sequence[Scenario],
     reports: Any,
 ) -> None:

@@ -12,7 +12,8 @@ import os
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -26,7 +27,7 @@ PRESSURE_KV_TOKENS = 96
 
 def engine_config(**changes: Any) -> EngineConfig:
     """A tiny model: 512-byte pages (4 tokens x 2 layers x K,V x 2 heads x 8 dims x 2 bytes)."""
-    values: Dict[str, Any] = dict(
+    values: dict[str, Any] = dict(
         num_layers=2, num_kv_heads=2, head_dim=8, dtype_bytes=2,
         tokens_per_block=TOKENS_PER_BLOCK, max_batch_size=8, max_num_tokens=64,
         max_seq_len=256, deadlock_steps=32,
@@ -38,7 +39,7 @@ def engine_config(**changes: Any) -> EngineConfig:
 PAGE_BYTES = engine_config().page_bytes
 
 
-def describe(exc: BaseException, started: float) -> Dict[str, Any]:
+def describe(exc: BaseException, started: float) -> dict[str, Any]:
     """What the parent needs to know about an expected error."""
     return {
         "type": type(exc).__name__,
@@ -57,7 +58,7 @@ def describe(exc: BaseException, started: float) -> Dict[str, Any]:
     }
 
 
-def attempt(build: Callable[[], Any]) -> Dict[str, Any]:
+def attempt(build: Callable[[], Any]) -> dict[str, Any]:
     """Runs ``build``; ``{"ok": True, ...}`` or the description of what it raised."""
     started = time.monotonic()
     try:
@@ -72,7 +73,7 @@ class LogCapture(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
-        self.messages: List[str] = []
+        self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
@@ -98,8 +99,8 @@ def quota_budget(rank: int) -> int:
     return PAGE_BYTES * (40 - 3 * rank) + 7 * rank + 5
 
 
-def scenario_quota(rank: int, world: int, backend: str) -> Dict[str, Any]:
-    shapes: List[int] = []
+def scenario_quota(rank: int, world: int, backend: str) -> dict[str, Any]:
+    shapes: list[int] = []
 
     def allocate(built: HelixKVRank) -> str:
         shapes.append(built.capacity_superblocks)
@@ -124,7 +125,7 @@ def scenario_quota(rank: int, world: int, backend: str) -> Dict[str, Any]:
 # --- init-status sync -----------------------------------------------------------------------
 
 
-def scenario_init_failure(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_init_failure(rank: int, world: int, backend: str) -> dict[str, Any]:
     """The KV allocation fails on the last rank only (after the quota sync)."""
 
     def allocate(built: HelixKVRank) -> None:
@@ -140,7 +141,7 @@ def scenario_init_failure(rank: int, world: int, backend: str) -> Dict[str, Any]
     return result
 
 
-def scenario_init_failures_mixed(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_init_failures_mixed(rank: int, world: int, backend: str) -> dict[str, Any]:
     """Rank 0's budget holds no page; the last rank alone sets a host tier (a guard)."""
     budget = PAGE_BYTES // 2 if rank == 0 else 64 * PAGE_BYTES
     config = engine_config(host_cache_bytes=1 << 20) if rank == world - 1 else engine_config()
@@ -149,7 +150,7 @@ def scenario_init_failures_mixed(rank: int, world: int, backend: str) -> Dict[st
     return result
 
 
-def scenario_init_failure_budget(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_init_failure_budget(rank: int, world: int, backend: str) -> dict[str, Any]:
     """Only rank 1's budget is too small: a config error on one rank stops every rank."""
     budget = 100 if rank == 1 else 64 * PAGE_BYTES
     result = attempt(lambda: HelixKVRank.create(engine_config(), budget))
@@ -157,7 +158,7 @@ def scenario_init_failure_budget(rank: int, world: int, backend: str) -> Dict[st
     return result
 
 
-def scenario_check_env_mismatch(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_check_env_mismatch(rank: int, world: int, backend: str) -> dict[str, Any]:
     """HELIX_KV_CHECK_SCHEDULE set on rank 0 only: every rank refuses to start."""
     with env_var("HELIX_KV_CHECK_SCHEDULE", "1" if rank == 0 else None):
         result = attempt(lambda: HelixKVRank.create(engine_config(), 64 * PAGE_BYTES))
@@ -165,7 +166,7 @@ def scenario_check_env_mismatch(rank: int, world: int, backend: str) -> Dict[str
     return result
 
 
-def scenario_check_env_on(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_check_env_on(rank: int, world: int, backend: str) -> dict[str, Any]:
     with env_var("HELIX_KV_CHECK_SCHEDULE", "1"):
         built = HelixKVRank.create(engine_config(), 64 * PAGE_BYTES)
     return {"checker": built.checker is not None and built.checker.enabled}
@@ -179,13 +180,13 @@ class Mismatch(NamedTuple):
     of ``base`` on every rank) must be caught, naming ``field``."""
 
     field: str
-    changes: Dict[str, Any]
-    base: Optional[Dict[str, Any]] = None
+    changes: dict[str, Any]
+    base: dict[str, Any] | None = None
 
 
 DISAGG = {"serving_mode": "disaggregated_generation"}
 
-MISMATCHES: Dict[str, Mismatch] = {
+MISMATCHES: dict[str, Mismatch] = {
     "layout": Mismatch("tokens_per_block", {"tokens_per_block": 8}),
     "batch_limit": Mismatch("max_batch_size", {"max_batch_size": 16}),
     "token_limit": Mismatch("max_num_tokens", {"max_num_tokens": 128}),
@@ -229,14 +230,14 @@ class claimed_place:
         module.resolve_group = self.saved
 
 
-def create_mismatched(rank: int, differing: Sequence[int], mismatch: Mismatch) -> Dict[str, Any]:
+def create_mismatched(rank: int, differing: Sequence[int], mismatch: Mismatch) -> dict[str, Any]:
     changes = {**(mismatch.base or {}), **(mismatch.changes if rank in differing else {})}
     result = attempt(lambda: HelixKVRank.create(engine_config(**changes), 64 * PAGE_BYTES))
     result.pop("built", None)
     return result
 
 
-def scenario_config_mismatch(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_config_mismatch(rank: int, world: int, backend: str) -> dict[str, Any]:
     """Each class of field differs on the last rank; then splits and misplaced ranks."""
     last = world - 1
     out = {name: create_mismatched(rank, [last], m) for name, m in MISMATCHES.items()}
@@ -272,7 +273,7 @@ class KVPool:
         self.pages = pages
 
 
-def scenario_checker_failure(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_checker_failure(rank: int, world: int, backend: str) -> dict[str, Any]:
     """Building the schedule checker fails on the last rank only: every rank raises through
     the init-status sync instead of peers running on (gloo) or waiting for it (NCCL)."""
     import helix_kv.distributed.rank as module
@@ -294,10 +295,10 @@ def scenario_checker_failure(rank: int, world: int, backend: str) -> Dict[str, A
     return result
 
 
-def scenario_retry_releases_pool(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_retry_releases_pool(rank: int, world: int, backend: str) -> dict[str, Any]:
     """The KV allocation fails on the last rank (after allocating part of its pool); every
     rank retries inside its ``except`` block. No rank may hold the first pool by then."""
-    refs: List[Any] = []
+    refs: list[Any] = []
 
     def allocate(built: HelixKVRank) -> KVPool:
         pool = KVPool(built.capacity_superblocks)
@@ -323,7 +324,7 @@ def scenario_retry_releases_pool(rank: int, world: int, backend: str) -> Dict[st
 
 # --- guards ---------------------------------------------------------------------------------
 
-GUARDS: Dict[str, Dict[str, Any]] = {
+GUARDS: dict[str, dict[str, Any]] = {
     "host_tier": {"host_cache_bytes": 1 << 20},
     "disk_tier": {"disk_cache_bytes": 1 << 30},
     "kv_connector": {"kv_connector": "lmcache"},
@@ -331,9 +332,9 @@ GUARDS: Dict[str, Dict[str, Any]] = {
 }
 
 
-def scenario_guards(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_guards(rank: int, world: int, backend: str) -> dict[str, Any]:
     budget = 64 * PAGE_BYTES
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for name, option in GUARDS.items():
         out[f"reject/{name}"] = attempt(
             lambda o=option: HelixKVRank.create(engine_config(**o), budget)
@@ -390,7 +391,7 @@ def pressured_rank(world: int, **changes: Any) -> HelixKVRank:
     )
 
 
-def add_workload(built: HelixKVRank, count: int = 16, priorities: Optional[Dict[int, int]] = None):
+def add_workload(built: HelixKVRank, count: int = 16, priorities: dict[int, int] | None = None):
     """Requests that together need several times the pool: preemptions are certain."""
     for rid in range(count):
         length = 6 + (rid * 5) % 23
@@ -413,7 +414,7 @@ def drive(built: HelixKVRank, max_steps: int = 5000) -> Iterator[Any]:
     raise AssertionError(f"workload did not finish in {max_steps} steps")
 
 
-def scenario_long_run(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_long_run(rank: int, world: int, backend: str) -> dict[str, Any]:
     """A pressured run to completion with the check on every step: no false positive."""
     built = pressured_rank(world)
     add_workload(built, count=24)
@@ -430,7 +431,7 @@ def scenario_long_run(rank: int, world: int, backend: str) -> Dict[str, Any]:
     }
 
 
-def scenario_check_cost(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_check_cost(rank: int, world: int, backend: str) -> dict[str, Any]:
     """Per-step cost of the check alone, on this group's backend."""
     from helix_kv.distributed import ScheduleChecker
 
@@ -454,7 +455,7 @@ def scenario_check_cost(rank: int, world: int, backend: str) -> Dict[str, Any]:
     }
 
 
-def run_until_mismatch(gen: Iterator[Any], inject: Callable[[Any], Optional[np.ndarray]]):
+def run_until_mismatch(gen: Iterator[Any], inject: Callable[[Any], np.ndarray | None]):
     """Drives ``gen``; ``inject(out)`` may return replacement tokens. Returns (steps run,
     step of the last successful schedule, what the error was)."""
     started = time.monotonic()
@@ -473,13 +474,13 @@ def run_until_mismatch(gen: Iterator[Any], inject: Callable[[Any], Optional[np.n
 INJECT_STEP = 12
 
 
-def scenario_diverge_token(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_diverge_token(rank: int, world: int, backend: str) -> dict[str, Any]:
     """At step INJECT_STEP the last rank samples a different token for its first entry."""
     built = pressured_rank(world)
     add_workload(built)
-    injected: Dict[str, Any] = {}
+    injected: dict[str, Any] = {}
 
-    def inject(out: Any) -> Optional[np.ndarray]:
+    def inject(out: Any) -> np.ndarray | None:
         if int(out.step) != INJECT_STEP or len(out.sample_ids) == 0:
             return None
         injected["request"] = int(out.sample_ids[0])
@@ -492,11 +493,11 @@ def scenario_diverge_token(rank: int, world: int, backend: str) -> Dict[str, Any
     return {**result, **injected}
 
 
-def scenario_diverge_request(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_diverge_request(rank: int, world: int, backend: str) -> dict[str, Any]:
     """At step INJECT_STEP a request arrives; the last rank sees a longer prompt."""
     built = pressured_rank(world, admit_after_preemption=True)
     add_workload(built, count=2)
-    injected: Dict[str, Any] = {}
+    injected: dict[str, Any] = {}
 
     def inject(out: Any) -> None:
         if int(out.step) == INJECT_STEP:
@@ -508,13 +509,13 @@ def scenario_diverge_request(rank: int, world: int, backend: str) -> Dict[str, A
     return {**result, **injected}
 
 
-def scenario_diverge_victim(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_diverge_victim(rank: int, world: int, backend: str) -> dict[str, Any]:
     """Priority victims; the last rank gives the newest request a higher priority, so the
     first preemption picks a different victim there."""
     built = pressured_rank(world, victim_policy="priority")
     newest = 15
     add_workload(built, priorities={newest: 5} if rank == world - 1 else None)
-    first: Dict[str, Any] = {}
+    first: dict[str, Any] = {}
 
     def inject(out: Any) -> None:
         if len(out.preempted_ids) and "first_preemption_step" not in first:
@@ -554,13 +555,13 @@ def state_label(scheduler: Any, rid: int) -> str:
     return state
 
 
-def run_with_aborts(built: HelixKVRank, plan: Dict[int, tuple]) -> Dict[str, Any]:
+def run_with_aborts(built: HelixKVRank, plan: dict[int, tuple]) -> dict[str, Any]:
     """Drives ``built`` to the end, aborting per ``plan`` and reverting now and then; returns
     what every request produced and in which states the aborts landed."""
     scheduler = built.scheduler
-    outputs: Dict[int, List[int]] = {}
-    reasons: Dict[int, str] = {}
-    states: List[str] = []
+    outputs: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    states: list[str] = []
     requested: set = set()
 
     def collect(rids: Any) -> None:
@@ -605,7 +606,7 @@ def run_with_aborts(built: HelixKVRank, plan: Dict[int, tuple]) -> Dict[str, Any
     }
 
 
-def scenario_abort(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_abort(rank: int, world: int, backend: str) -> dict[str, Any]:
     """Aborts in every state a CP group has (waiting, part-prefilled, decoding,
     recompute-paused), between steps and while a step is pending, with the schedule check on;
     then the survivors alone in a fresh group: they must generate the same tokens."""
@@ -621,12 +622,12 @@ def scenario_abort(rank: int, world: int, backend: str) -> Dict[str, Any]:
     return {**with_aborts, "alone": run_with_aborts(alone, {})["outputs"]}
 
 
-def scenario_diverge_abort(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_diverge_abort(rank: int, world: int, backend: str) -> dict[str, Any]:
     """After step INJECT_STEP the last rank alone aborts a decoding request: the schedule
     check catches it at the next step."""
     built = pressured_rank(world)
     add_workload(built)
-    injected: Dict[str, Any] = {}
+    injected: dict[str, Any] = {}
 
     def inject(out: Any) -> None:
         if int(out.step) == INJECT_STEP + 1 and len(out.generation_ids):
@@ -641,7 +642,7 @@ def scenario_diverge_abort(rank: int, world: int, backend: str) -> Dict[str, Any
 class env_var:
     """Sets (or, with ``None``, removes) one environment variable inside a ``with`` block."""
 
-    def __init__(self, name: str, value: Optional[str]) -> None:
+    def __init__(self, name: str, value: str | None) -> None:
         self.name, self.value = name, value
 
     def __enter__(self) -> None:
@@ -658,7 +659,7 @@ class env_var:
             os.environ[self.name] = self.saved
 
 
-def scenario_rank_dies(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_rank_dies(rank: int, world: int, backend: str) -> dict[str, Any]:
     """The last rank dies before construction; its peers raise InitSyncError, never hang."""
     if rank == world - 1:
         os._exit(17)
@@ -669,7 +670,7 @@ def scenario_rank_dies(rank: int, world: int, backend: str) -> Dict[str, Any]:
     return result
 
 
-def scenario_check_timeout(rank: int, world: int, backend: str) -> Dict[str, Any]:
+def scenario_check_timeout(rank: int, world: int, backend: str) -> dict[str, Any]:
     """NCCL: the last rank skips a check; the others raise after the checker's timeout instead
     of waiting forever on the replayed graph (which torch's watchdog does not see)."""
     from datetime import timedelta

@@ -8,15 +8,15 @@ A rank that dies or hangs fails the tests (deadline), never the run.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-import dist_scenarios as sc  # noqa: E402
-from dist_harness import GroupRun, cuda_ranks_available, run_group  # noqa: E402
+import dist_scenarios as sc  # noqa: E402  (after the torch skip: they import torch)
+from dist_harness import GroupRun, cuda_ranks_available, run_group  # noqa: E402  (same)
 
 GROUP_TIMEOUT_S = 20.0
 
@@ -41,7 +41,7 @@ SCENARIOS = [
 ]
 
 
-def _needs(backend: str, world: int) -> List[Any]:
+def _needs(backend: str, world: int) -> list[Any]:
     if backend == "nccl" and not cuda_ranks_available(world):
         return [pytest.mark.skip(reason=f"NCCL test needs {world} CUDA GPUs")]
     return []
@@ -52,7 +52,7 @@ GROUPS = [
     for backend, world in [("gloo", 2), ("gloo", 4), ("nccl", 2), ("nccl", 4)]
 ]
 
-_RUNS: Dict[tuple, GroupRun] = {}
+_RUNS: dict[tuple, GroupRun] = {}
 
 
 @pytest.fixture(params=GROUPS)
@@ -125,7 +125,7 @@ def test_check_setting_must_agree_across_ranks(group: GroupRun) -> None:
     assert all(r["checker"] for r in group.scenario("scenario_check_env_on"))
 
 
-def _mismatch_reports(group: GroupRun, case: str) -> List[Dict[str, Any]]:
+def _mismatch_reports(group: GroupRun, case: str) -> list[dict[str, Any]]:
     reports = [report[case] for report in group.scenario("scenario_config_mismatch")]
     for report in reports:
         assert report.get("is_config_mismatch"), report

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import warnings
 import weakref
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
 import pytest
@@ -54,7 +54,7 @@ def test_budget_becomes_whole_pages() -> None:
         ({"kv_connector": ""}, "kv_connector = '' must be a connector name"),
     ],
 )
-def test_engine_config_names_the_bad_field(changes: Dict[str, Any], needle: str) -> None:
+def test_engine_config_names_the_bad_field(changes: dict[str, Any], needle: str) -> None:
     with pytest.raises(helix_kv.ConfigError, match=needle):
         sc.engine_config(**changes)
 
@@ -90,7 +90,7 @@ def test_each_guard_says_why_and_what_instead(guard: str, why: str, instead: str
 
 
 def test_all_violated_guards_are_listed_at_once() -> None:
-    options: Dict[str, Any] = {}
+    options: dict[str, Any] = {}
     for option in sc.GUARDS.values():
         options.update(option)
     with pytest.raises(helix_kv.ConfigGuardError) as info:
@@ -216,7 +216,7 @@ def test_group_fields_are_the_decision_fields_and_the_rest_of_the_engine_config(
     )
 
 
-def _config_report(rank: int, size: int, **changes: Any) -> Dict[str, Any]:
+def _config_report(rank: int, size: int, **changes: Any) -> dict[str, Any]:
     fields = {"tokens_per_block": 4, "victim_policy": "newest_first", "num_layers": 2}
     fields.update(changes)
     return {"group_rank": rank, "group_size": size, "cp_rank": rank, "cp_size": size,
@@ -255,7 +255,7 @@ def test_config_mismatch_names_a_field_one_rank_lacks() -> None:
 
 
 def test_a_lone_process_releases_its_partial_pool_when_allocation_fails() -> None:
-    refs: List[Any] = []
+    refs: list[Any] = []
 
     def allocate(built: HelixKVRank) -> sc.KVPool:
         pool = sc.KVPool(built.capacity_superblocks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import List, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helix_kv.distributed.launch import spawn_group
 from helix_kv.executor.attention import (
     PAD_KEY_POSITION,
     PAD_QUERY_POSITION,
@@ -21,7 +22,6 @@ from helix_kv.executor.attention import (
     partial_attention,
     reference_attention,
 )
-from helix_kv.executor.launch import spawn_group
 
 TOL = 1e-12
 
@@ -81,7 +81,7 @@ def shard(problem: dict, owner: torch.Tensor, rank: int) -> dict:
     }
 
 
-def expected(problem: dict) -> Tuple[torch.Tensor, torch.Tensor]:
+def expected(problem: dict) -> tuple[torch.Tensor, torch.Tensor]:
     out = reference_attention(**problem)
     q, k = problem["query"], problem["key"]
     k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
@@ -94,7 +94,7 @@ def expected(problem: dict) -> Tuple[torch.Tensor, torch.Tensor]:
 def combine_in_order(
     problem: dict, owner: torch.Tensor, ranks: int, order: Sequence[int]
 ) -> PartialAttention:
-    partials: List[PartialAttention] = [
+    partials: list[PartialAttention] = [
         partial_attention(**shard(problem, owner, r)) for r in range(ranks)
     ]
     return combine_partial_list([partials[r] for r in order])

@@ -14,7 +14,6 @@ single-GPU bf16 run.
 from __future__ import annotations
 
 import os
-from typing import Dict, List
 
 import numpy as np
 import pytest
@@ -51,7 +50,7 @@ MODEL = TinyConfig(
 )
 
 
-def prompts() -> Dict[int, List[int]]:
+def prompts() -> dict[int, list[int]]:
     rng = np.random.default_rng(5)
     return {
         i: rng.integers(0, MODEL.vocab_size, size=int(n)).tolist()
@@ -82,7 +81,7 @@ def cpu_float64() -> RunResult:
 
 
 @pytest.fixture(scope="module")
-def single_gpu() -> Dict[str, RunResult]:
+def single_gpu() -> dict[str, RunResult]:
     return {dtype: run_rank(prompts(), MAX_NEW, config(1, dtype, ROOMY)) for dtype in DTYPES}
 
 

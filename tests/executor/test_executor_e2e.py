@@ -7,8 +7,6 @@ Each CP size runs its two pools in one spawned process group to keep CI time dow
 
 from __future__ import annotations
 
-from typing import Dict, List
-
 import numpy as np
 import pytest
 
@@ -32,7 +30,7 @@ CP_SIZES = (1, 2, 4)
 MODEL = TinyConfig(num_layers=2, seed=7)
 
 
-def prompts() -> Dict[int, List[int]]:
+def prompts() -> dict[int, list[int]]:
     rng = np.random.default_rng(2024)
     lengths = [27, 9, 30, 5, 18, 23]  # uneven, several pages, some partial pages
     return {
@@ -53,7 +51,7 @@ def config(cp: int, kv_tokens: int) -> ExecutorConfig:
 
 
 @pytest.fixture(scope="module")
-def runs() -> Dict[int, Dict[str, RunResult]]:
+def runs() -> dict[int, dict[str, RunResult]]:
     """{cp: {"roomy": rank-0 result, "tight": rank-0 result}}; ranks checked to agree."""
     by_cp = {}
     for cp in CP_SIZES:
@@ -74,7 +72,7 @@ def runs() -> Dict[int, Dict[str, RunResult]]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> Dict[int, List[int]]:
+def reference() -> dict[int, list[int]]:
     model = TinyTransformer(MODEL)
     return {rid: greedy_generate(model, p, MAX_NEW) for rid, p in prompts().items()}
 

@@ -6,7 +6,7 @@ and every step is a :class:`StepPlan` built from plain arrays, on a single rank 
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -38,7 +38,7 @@ def prompt(request_id: int, length: int) -> np.ndarray:
 def run_step(
     model: TinyTransformer,
     pool: KVPool,
-    entries: Sequence[Tuple[int, int, np.ndarray]],
+    entries: Sequence[tuple[int, int, np.ndarray]],
     num_generation: int = 0,
     all_logits: bool = True,
 ) -> torch.Tensor:
@@ -64,7 +64,7 @@ def run_step(
     return model.logits(hidden[batch.sample_index])
 
 
-def kv_of(pool: KVPool, request_id: int, length: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def kv_of(pool: KVPool, request_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     table = np.asarray(TABLES[request_id])
     pos = np.arange(length)
     slots = torch.as_tensor(table[pos // TPB] * TPB + pos % TPB)
@@ -82,7 +82,7 @@ def test_chunked_prefill_matches_unchunked(model, chunks):
     tokens = prompt(1, 37)
     whole_pool, chunked_pool = new_pool(model), new_pool(model)
     whole = run_step(model, whole_pool, [(1, 0, tokens)])
-    pieces: List[torch.Tensor] = []
+    pieces: list[torch.Tensor] = []
     start = 0
     for length in chunks:
         pieces.append(run_step(model, chunked_pool, [(1, start, tokens[start : start + length])]))

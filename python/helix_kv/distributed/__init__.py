@@ -27,7 +27,7 @@ from helix_kv.distributed.config import (
     superblocks_for_budget,
 )
 from helix_kv.distributed.rank import HelixKVRank
-from helix_kv.distributed.sync import (
+from helix_kv.errors import (
     InitSyncConfigError,
     InitSyncConfigGuardError,
     InitSyncConfigMismatchError,

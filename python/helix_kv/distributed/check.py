@@ -13,14 +13,18 @@ from __future__ import annotations
 import warnings
 import zlib
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 import numpy as np
+import numpy.typing as npt
 import torch.distributed as dist
 
 from helix_kv.distributed.group import ProcessGroup, resolve_group
 from helix_kv.distributed.reduce import HostMinAllReduce
 from helix_kv.mismatch import schedule_mismatch
+
+#: What ``record_update`` keeps of an update: sample ids, tokens and eos flags (or ``None``).
+SampledTokens = tuple[npt.NDArray[Any], npt.NDArray[np.int32], Optional[npt.NDArray[np.bool_]]]
 
 
 def to_int64(value: int) -> int:
@@ -46,14 +50,14 @@ class ScheduleChecker:
 
     def __init__(
         self,
-        group: Optional[ProcessGroup] = None,
+        group: ProcessGroup | None = None,
         *,
-        timeout: Optional[timedelta] = None,
+        timeout: timedelta | None = None,
         connect: bool = True,
     ) -> None:
         self.group, self.rank, self.size = resolve_group(group)
         self.enabled = self.size > 1
-        self._pending_update: Optional[Tuple[int, tuple]] = None
+        self._pending_update: tuple[int, SampledTokens] | None = None
         if not self.enabled:
             warnings.warn(
                 "helix_kv schedule check requested but it cannot apply: this CP group has one "
@@ -76,7 +80,7 @@ class ScheduleChecker:
         if self.enabled:
             self._reduce.connect()
 
-    def record_update(self, sample_ids: Any, tokens: Any, eos: Optional[Any] = None) -> None:
+    def record_update(self, sample_ids: Any, tokens: Any, eos: Any | None = None) -> None:
         """Folds the tokens fed to ``update`` (one per ``sample_ids`` entry) into the next
         ``check``.
 
@@ -110,19 +114,19 @@ class ScheduleChecker:
         if not agreed:
             self._raise_mismatch(output, pending)
 
-    def _raise_mismatch(self, output: Any, pending: Optional[Tuple[int, tuple]]) -> None:
+    def _raise_mismatch(self, output: Any, pending: tuple[int, SampledTokens] | None) -> None:
         # Every rank's whole output (pickled) and the tokens it fed: the same description as
         # the in-process group's, from the core's own comparison.
         record = {
             "output": output,
             "extra": sampled_fields(None if pending is None else pending[1]),
         }
-        records: List[Any] = [None] * self.size
+        records: list[Any] = [None] * self.size
         dist.all_gather_object(records, record, group=self.group)
         raise schedule_mismatch([r["output"] for r in records], [r["extra"] for r in records])
 
 
-def sampled_fields(sampled: Optional[tuple]) -> Dict[str, str]:
+def sampled_fields(sampled: SampledTokens | None) -> dict[str, str]:
     """The tokens (and eos flags) fed to the previous ``update`` as the ``sampled_tokens``
     field the ranks must agree on; nothing when none were recorded."""
     if sampled is None:

@@ -9,10 +9,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any
 
-from helix_kv import ConfigError, ConfigGuardError, SchedulerConfig
+from helix_kv._core import SchedulerConfig
+from helix_kv.errors import ConfigError, ConfigGuardError
+from helix_kv.types import CapacityPolicy, ServingMode, VictimPolicy
 
 logger = logging.getLogger("helix_kv")
 
@@ -68,18 +71,18 @@ class EngineConfig:
     max_batch_size: int = _DEFAULTS["max_batch_size"]
     max_num_tokens: int = _DEFAULTS["max_num_tokens"]
     enable_chunked_prefill: bool = _DEFAULTS["enable_chunked_prefill"]
-    chunk_unit: Optional[int] = _DEFAULTS["chunk_unit"]
+    chunk_unit: int | None = _DEFAULTS["chunk_unit"]
     max_seq_len: int = _DEFAULTS["max_seq_len"]
-    capacity_policy: str = _DEFAULTS["capacity_policy"]
-    serving_mode: str = _DEFAULTS["serving_mode"]
-    victim_policy: str = _DEFAULTS["victim_policy"]
+    capacity_policy: CapacityPolicy = _DEFAULTS["capacity_policy"]
+    serving_mode: ServingMode = _DEFAULTS["serving_mode"]
+    victim_policy: VictimPolicy = _DEFAULTS["victim_policy"]
     max_preemptions_per_request: int = _DEFAULTS["max_preemptions_per_request"]
     admit_after_preemption: bool = _DEFAULTS["admit_after_preemption"]
     deadlock_steps: int = _DEFAULTS["deadlock_steps"]
 
-    host_cache_bytes: Optional[int] = None
+    host_cache_bytes: int | None = None
     disk_cache_bytes: int = 0
-    kv_connector: Optional[str] = None
+    kv_connector: str | None = None
     kv_pool_rebalance: bool = False
 
     def __post_init__(self) -> None:
@@ -130,12 +133,12 @@ class EngineConfig:
         """Bytes of one physical KV page (``tokens_per_block`` tokens) on one rank."""
         return self.tokens_per_block * self.bytes_per_token
 
-    def scheduler_kwargs(self) -> Dict[str, Any]:
+    def scheduler_kwargs(self) -> dict[str, Any]:
         """The :class:`helix_kv.SchedulerConfig` keyword arguments this config fixes."""
         return {name: getattr(self, name) for name in SCHEDULER_FIELDS}
 
 
-def group_fields(config: EngineConfig, scheduler_config: Any) -> Tuple[Tuple[str, Any], ...]:
+def group_fields(config: EngineConfig, scheduler_config: Any) -> tuple[tuple[str, Any], ...]:
     """Every ``(field, value)`` the ranks of a CP group must agree on, in a fixed order.
 
     First ``scheduler_config.decision_fields()`` (the Rust core's one list of the fields that
@@ -242,7 +245,7 @@ def host_tier_superblocks(config: EngineConfig, kv_budget_bytes: int) -> int:
     return 0
 
 
-def schedule_check_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
+def schedule_check_requested(environ: Mapping[str, str] | None = None) -> bool:
     """Whether :data:`CHECK_SCHEDULE_ENV` asks for the per-step schedule check."""
     value = (os.environ if environ is None else environ).get(CHECK_SCHEDULE_ENV, "")
     normalized = value.strip().lower()

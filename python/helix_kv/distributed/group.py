@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 import torch.distributed as dist
 
 ProcessGroup = dist.ProcessGroup
 
 
-def resolve_group(group: Optional[ProcessGroup]) -> Tuple[Optional[ProcessGroup], int, int]:
+def resolve_group(group: ProcessGroup | None) -> tuple[ProcessGroup | None, int, int]:
     """``(group, rank, size)``; ``group=None`` means the world group.
 
     Without an initialised process group (and ``group=None``) this process is a group of one:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
+import numpy.typing as npt
 
 import helix_kv
+from helix_kv._core import RequestOutput, ScheduleOutput, SchedulerConfig, SchedulerMetrics
 from helix_kv.distributed.check import ScheduleChecker
 from helix_kv.distributed.config import (
     EngineConfig,
@@ -20,6 +22,7 @@ from helix_kv.distributed.config import (
 )
 from helix_kv.distributed.group import ProcessGroup, resolve_group
 from helix_kv.distributed.sync import ConfigIdentity, GroupSync
+from helix_kv.types import FlagArray, IntArray, TokenArray
 
 logger = logging.getLogger("helix_kv")
 
@@ -27,8 +30,9 @@ logger = logging.getLogger("helix_kv")
 class HelixKVRank:
     """A rank's scheduler (with its superblock ledger) and, optionally, its KV storage.
 
-    Build it with :meth:`create`. ``schedule()`` / ``update()`` / ``revert()`` forward to the
-    scheduler and, when the schedule check is on, compare every step across the group.
+    Build it with :meth:`create`. It satisfies :class:`helix_kv.contract.SchedulerProtocol`:
+    the calls forward to the scheduler and, when the schedule check is on, ``schedule()``
+    compares every step across the group (with the tokens fed to the previous ``update()``).
 
     Attributes:
         config: the engine configuration.
@@ -46,10 +50,10 @@ class HelixKVRank:
     def __init__(
         self,
         config: EngineConfig,
-        scheduler_config: Any,
-        group: Optional[ProcessGroup],
+        scheduler_config: SchedulerConfig,
+        group: ProcessGroup | None,
         local_superblocks: int,
-        checker: Optional[ScheduleChecker],
+        checker: ScheduleChecker | None,
     ) -> None:
         self.config = config
         self.scheduler_config = scheduler_config
@@ -62,17 +66,17 @@ class HelixKVRank:
         self.local_superblocks = local_superblocks
         self.checker = checker
         self.kv_storage: Any = None
-        self._sample_ids: Optional[np.ndarray] = None
+        self._sample_ids: npt.NDArray[np.uint64] | None = None
 
     @classmethod
     def create(
         cls,
         config: EngineConfig,
         kv_budget_bytes: int,
-        group: Optional[ProcessGroup] = None,
+        group: ProcessGroup | None = None,
         *,
-        allocate: Optional[Callable[[HelixKVRank], Any]] = None,
-        check_schedule: Optional[bool] = None,
+        allocate: Callable[[HelixKVRank], Any] | None = None,
+        check_schedule: bool | None = None,
     ) -> HelixKVRank:
         """Builds this rank's scheduler in agreement with every rank of ``group``.
 
@@ -109,10 +113,10 @@ class HelixKVRank:
         group, rank, size = resolve_group(group)
         sync = GroupSync(group)
 
-        local_superblocks: Optional[int] = None
-        identity: Optional[ConfigIdentity] = None
+        local_superblocks: int | None = None
+        identity: ConfigIdentity | None = None
         check = False
-        failure: Optional[BaseException] = None
+        failure: BaseException | None = None
         try:
             check = schedule_check_requested() if check_schedule is None else bool(check_schedule)
             check_config_guards(config, size)
@@ -131,8 +135,8 @@ class HelixKVRank:
         capacity, check = sync.agree_quota(local_superblocks, check, failure, identity)
         assert local_superblocks is not None  # agree_quota raised otherwise
 
-        built: Optional[HelixKVRank] = None
-        checker: Optional[ScheduleChecker] = None
+        built: HelixKVRank | None = None
+        checker: ScheduleChecker | None = None
         try:
             scheduler_config = helix_kv.SchedulerConfig(**scheduler_kwargs, kv_superblocks=capacity)
             if size > 1:
@@ -177,7 +181,16 @@ class HelixKVRank:
         """Global tokens the agreed KV pool holds (the scheduler configuration's)."""
         return int(self.scheduler_config.capacity_tokens)
 
-    def schedule(self) -> Any:
+    # -- the scheduler contract (helix_kv.contract.SchedulerProtocol) -------------------
+
+    def add_request(
+        self, request_id: int, prompt: TokenArray, max_new_tokens: int, priority: int = 0
+    ) -> None:
+        """Queues a request (see :meth:`helix_kv.Scheduler.add_request`). Every rank must add
+        the same requests between the same steps, in the same order."""
+        self.scheduler.add_request(request_id, prompt, max_new_tokens, priority)
+
+    def schedule(self) -> ScheduleOutput:
         """The next step's :class:`helix_kv.ScheduleOutput`, checked across the group when
         the schedule check is on (raises :class:`helix_kv.ScheduleMismatchError`)."""
         output = self.scheduler.schedule()
@@ -186,15 +199,16 @@ class HelixKVRank:
         self._sample_ids = output.sample_ids
         return output
 
-    def update(self, tokens: Any, eos: Optional[Any] = None) -> np.ndarray:
+    def update(self, tokens: TokenArray, eos: FlagArray | None = None) -> npt.NDArray[np.uint64]:
         """Feeds the step's sampled tokens (one per ``sample_ids`` entry); returns the ids
-        that finished. With the check on, the tokens are compared at the next ``schedule``."""
+        that finished. With the check on, the tokens are compared at the next ``schedule``
+        (recorded once the update has succeeded: a rejected update changed nothing)."""
         finished = self.scheduler.update(tokens, eos)
         if self.checker is not None and self._sample_ids is not None:
             self.checker.record_update(self._sample_ids, tokens, eos)
         return finished
 
-    def revert(self) -> np.ndarray:
+    def revert(self) -> npt.NDArray[np.uint64]:
         """Undoes the scheduled step that was not run; returns the ids of requests whose
         abort was requested while it was pending (aborted now)."""
         return self.scheduler.revert()
@@ -205,7 +219,29 @@ class HelixKVRank:
         check on, the next step's check covers them (the state they leave drives it)."""
         self.scheduler.abort(request_id)
 
-    def abort_many(self, request_ids: Any) -> None:
+    def abort_many(self, request_ids: IntArray) -> None:
         """Aborts requests in order, all or nothing (see
         :meth:`helix_kv.Scheduler.abort_many`); the same rule as :meth:`abort` applies."""
         self.scheduler.abort_many(request_ids)
+
+    def take_output(self, request_id: int) -> RequestOutput:
+        """The output of a finished request (see :meth:`helix_kv.Scheduler.take_output`)."""
+        return self.scheduler.take_output(request_id)
+
+    def metrics(self) -> SchedulerMetrics:
+        """The scheduler's totals (equal on every rank)."""
+        return self.scheduler.metrics()
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is still live."""
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV (prefilling or decoding)."""
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for (re-)admission."""
+        return self.scheduler.num_waiting

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Optional
 
 import numpy as np
 import torch
@@ -39,16 +38,16 @@ class HostMinAllReduce:
     part waits for :meth:`connect`."""
 
     def __init__(
-        self, group: ProcessGroup, timeout: Optional[timedelta] = None, *, connect: bool = True
+        self, group: ProcessGroup, timeout: timedelta | None = None, *, connect: bool = True
     ) -> None:
         device = collective_device(group)
         self._host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.values: np.ndarray = self._host.numpy()
         self.graphed = False
         self._parent = group
-        self._group: Optional[ProcessGroup] = group  # NCCL: the own communicator, from connect()
+        self._group: ProcessGroup | None = group  # NCCL: the own communicator, from connect()
         if device.type != "cuda":
-            self._stream: Optional[torch.cuda.Stream] = None
+            self._stream: torch.cuda.Stream | None = None
             return
         self.timeout = timeout or group_timeout(group)
         self._group = None
@@ -77,7 +76,7 @@ class HostMinAllReduce:
             for _ in range(2):  # creates the communicator; warms up before the capture
                 self._enqueue()
         self._stream.synchronize()
-        self._graph: Optional[torch.cuda.CUDAGraph] = torch.cuda.CUDAGraph()
+        self._graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(
                 self._graph, stream=self._stream, capture_error_mode="thread_local"
@@ -127,7 +126,7 @@ class HostMinAllReduce:
             time.sleep(0.0001)
 
 
-def _one_channel_options(timeout: timedelta) -> Optional[object]:
+def _one_channel_options(timeout: timedelta) -> object | None:
     """NCCL options for a 16-byte collective: one CTA, hence one channel's buffers (about
     22 MiB of GPU memory on two H200s instead of about 490 MiB, at the same latency)."""
     try:
@@ -143,7 +142,7 @@ def _one_channel_options(timeout: timedelta) -> Optional[object]:
 def group_timeout(group: ProcessGroup) -> timedelta:
     """The timeout ``group`` was created with, where torch lets it be read."""
     try:
-        backend = group._get_backend(torch.device("cuda"))  # type: ignore[attr-defined]
+        backend = group._get_backend(torch.device("cuda"))
         timeout = backend.options._timeout
         if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
             return timeout

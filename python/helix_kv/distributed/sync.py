@@ -21,45 +21,27 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from helix_kv import (
+from helix_kv.distributed.group import ProcessGroup, collective_device
+from helix_kv.errors import (
     ConfigError,
     ConfigGuardError,
-    ConfigMismatchError,
     HelixKVError,
+    InitSyncConfigError,
+    InitSyncConfigGuardError,
+    InitSyncConfigMismatchError,
     InitSyncError,
 )
-from helix_kv.distributed.group import ProcessGroup, collective_device
 
 logger = logging.getLogger("helix_kv")
 
 _INT64_MAX = (1 << 63) - 1
-
-
-class InitSyncConfigGuardError(InitSyncError, ConfigGuardError):
-    """Every failing rank was stopped by a configuration guard (catch either class)."""
-
-
-class InitSyncConfigError(InitSyncError, ConfigError):
-    """Every failing rank had an invalid configuration (catch either class)."""
-
-
-class InitSyncConfigMismatchError(InitSyncError, ConfigMismatchError):
-    """The ranks were built from different configurations (catch either class).
-
-    ``ranks``: the ranks outside the largest agreeing set (ties: the set holding the lowest
-    rank), plus any rank whose ``cp_rank``/``cp_size`` is not its place in the process group;
-    ``fields``: ``{field: {rank: value}}`` for every field that differs (every rank's value).
-    ``failed_ranks`` and ``reasons`` as on every :class:`~helix_kv.InitSyncError`.
-    """
-
-    ranks: List[int]
-    fields: Dict[str, Dict[int, Any]]
 
 
 @dataclass(frozen=True)
@@ -69,7 +51,7 @@ class ConfigIdentity:
 
     cp_rank: int
     cp_size: int
-    fields: Tuple[Tuple[str, Any], ...]
+    fields: tuple[tuple[str, Any], ...]
 
     @property
     def fingerprint(self) -> int:
@@ -80,7 +62,7 @@ class ConfigIdentity:
 
 
 #: The error raised when every failing rank failed with the same configuration error class.
-_COMMON_CAUSE: Dict[str, Type[InitSyncError]] = {
+_COMMON_CAUSE: dict[str, type[InitSyncError]] = {
     "ConfigGuardError": InitSyncConfigGuardError,
     "ConfigError": InitSyncConfigError,
 }
@@ -94,7 +76,7 @@ class GroupSync:
     built with.
     """
 
-    def __init__(self, group: Optional[ProcessGroup]) -> None:
+    def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group
         self.rank, self.size = 0, 1
         if group is not None:
@@ -102,11 +84,11 @@ class GroupSync:
 
     def agree_quota(
         self,
-        local_superblocks: Optional[int],
+        local_superblocks: int | None,
         check: bool,
-        failure: Optional[BaseException],
-        identity: Optional[ConfigIdentity] = None,
-    ) -> Tuple[int, bool]:
+        failure: BaseException | None,
+        identity: ConfigIdentity | None = None,
+    ) -> tuple[int, bool]:
         """The group's minimum KV superblocks and its (verified identical) configuration and
         schedule-check setting, after the configuration phase; raises on every rank if any
         rank failed or the ranks' configurations differ.
@@ -146,7 +128,7 @@ class GroupSync:
             self._raise_check_disagreement(check)
         return superblocks, bool(check_min)
 
-    def agree_status(self, failure: Optional[BaseException], phase: str) -> None:
+    def agree_status(self, failure: BaseException | None, phase: str) -> None:
         """All-reduce MAX of a status code (0 = ok) after ``phase``; raises on every rank if
         any rank failed."""
         if self.size == 1:
@@ -157,7 +139,7 @@ class GroupSync:
         if neg_status < 0:
             self._raise_failures(failure, phase)
 
-    def _all_reduce_min(self, values: List[int], failure: Optional[BaseException]) -> List[int]:
+    def _all_reduce_min(self, values: list[int], failure: BaseException | None) -> list[int]:
         assert self.group is not None
         tensor = torch.tensor(values, dtype=torch.int64, device=collective_device(self.group))
         try:
@@ -166,11 +148,11 @@ class GroupSync:
             raise self._lost_peer(exc) from (failure or exc)
         return tensor.tolist()
 
-    def _raise_failures(self, failure: Optional[BaseException], phase: str) -> None:
+    def _raise_failures(self, failure: BaseException | None, phase: str) -> None:
         mine = None
         if failure is not None:
             mine = (type(failure).__name__, str(failure), _helix_kv_base(type(failure)))
-        reports: List[Any] = [None] * self.size
+        reports: list[Any] = [None] * self.size
         try:
             dist.all_gather_object(reports, mine, group=self.group)
         except RuntimeError as exc:
@@ -184,17 +166,14 @@ class GroupSync:
         if len(common) == 1:
             error_type = _COMMON_CAUSE.get(common.pop(), InitSyncError)
         ranks = ", ".join(str(rank) for rank in failed)
-        error = error_type(
+        raise error_type(
             f"helix_kv construction failed on CP rank(s) {ranks} of {self.size} during the "
-            f"{phase} phase, so every rank stops:\n{reasons}"
-        )
-        vars(error).update(
+            f"{phase} phase, so every rank stops:\n{reasons}",
             failed_ranks=sorted(failed),
             reasons={rank: f"{name}: {message}" for rank, (name, message, _) in failed.items()},
-        )
-        raise error from failure
+        ) from failure
 
-    def _report(self, identity: ConfigIdentity) -> Dict[str, Any]:
+    def _report(self, identity: ConfigIdentity) -> dict[str, Any]:
         return {
             "group_rank": self.rank,
             "group_size": self.size,
@@ -204,7 +183,7 @@ class GroupSync:
         }
 
     def _raise_config_mismatch(self, identity: ConfigIdentity) -> None:
-        reports: List[Any] = [None] * self.size
+        reports: list[Any] = [None] * self.size
         try:
             dist.all_gather_object(reports, self._report(identity), group=self.group)
         except RuntimeError as exc:
@@ -212,20 +191,19 @@ class GroupSync:
         raise config_mismatch(reports)
 
     def _raise_check_disagreement(self, check: bool) -> None:
-        flags: List[Any] = [None] * self.size
+        flags: list[Any] = [None] * self.size
         try:
             dist.all_gather_object(flags, check, group=self.group)
         except RuntimeError as exc:
             raise self._lost_peer(exc) from exc
         on = [str(rank) for rank, flag in enumerate(flags) if flag]
         off = [str(rank) for rank, flag in enumerate(flags) if not flag]
-        error = InitSyncConfigError(
+        raise InitSyncConfigError(
             f"HELIX_KV_CHECK_SCHEDULE differs across the CP group (on for rank(s) "
             f"{', '.join(on)}, off for rank(s) {', '.join(off)}): the check is a collective "
-            "every rank must run; set it to the same value on every rank"
+            "every rank must run; set it to the same value on every rank",
+            failed_ranks=[int(r) for r in (off if len(off) <= len(on) else on)],
         )
-        vars(error).update(failed_ranks=[int(r) for r in (off if len(off) <= len(on) else on)])
-        raise error
 
     def _lost_peer(self, exc: BaseException) -> InitSyncError:
         return InitSyncError(
@@ -235,11 +213,11 @@ class GroupSync:
         )
 
 
-def config_mismatch(reports: Sequence[Dict[str, Any]]) -> InitSyncConfigMismatchError:
+def config_mismatch(reports: Sequence[dict[str, Any]]) -> InitSyncConfigMismatchError:
     """The error every rank raises for the gathered ``reports`` (one per group rank, in rank
     order: its ``group_rank``, ``group_size``, ``cp_rank``, ``cp_size`` and ``fields``)."""
     everyone = range(len(reports))
-    per_field: Dict[str, Dict[int, Any]] = {}
+    per_field: dict[str, dict[int, Any]] = {}
     for rank, report in enumerate(reports):
         for name, value in report["fields"]:
             per_field.setdefault(name, {})[rank] = value
@@ -249,13 +227,13 @@ def config_mismatch(reports: Sequence[Dict[str, Any]]) -> InitSyncConfigMismatch
         if len(values) < len(reports) or len(set(values.values())) > 1
     }
     # Ranks outside the largest agreeing set (ties: the set holding the lowest rank).
-    agreeing: Dict[Tuple[Tuple[str, Any], ...], List[int]] = {}
+    agreeing: dict[tuple[tuple[str, Any], ...], list[int]] = {}
     for rank, report in enumerate(reports):
         agreeing.setdefault(tuple(report["fields"]), []).append(rank)
     majority = max(agreeing.values(), key=lambda ranks: (len(ranks), -min(ranks)))
     differing = {rank for rank in everyone if rank not in majority}
     reference = min(majority)
-    reasons: Dict[int, List[str]] = {rank: [] for rank in everyone}
+    reasons: dict[int, list[str]] = {rank: [] for rank in everyone}
     for name, values in fields.items():
         for rank in differing:
             if values[rank] != values[reference]:
@@ -263,7 +241,7 @@ def config_mismatch(reports: Sequence[Dict[str, Any]]) -> InitSyncConfigMismatch
                     f"{name} = {values[rank]!r} (rank {reference}: {values[reference]!r})"
                 )
     # cp_rank / cp_size must be the rank's place in the group (compared per rank, not across).
-    notes: Dict[str, str] = {}
+    notes: dict[str, str] = {}
     for key, place in (("cp_rank", "group_rank"), ("cp_size", "group_size")):
         wrong = [rank for rank, report in enumerate(reports) if report[key] != report[place]]
         if wrong:
@@ -287,7 +265,7 @@ def config_mismatch(reports: Sequence[Dict[str, Any]]) -> InitSyncConfigMismatch
         + f" in {', '.join(fields)}"
     ]
     for name, values in fields.items():
-        by_value: Dict[Any, List[int]] = {}
+        by_value: dict[Any, list[int]] = {}
         for rank, value in values.items():
             by_value.setdefault(value, []).append(rank)
         shown = " | ".join(f"{value!r} on rank(s) {_ranks(rs)}" for value, rs in by_value.items())
@@ -297,14 +275,12 @@ def config_mismatch(reports: Sequence[Dict[str, Any]]) -> InitSyncConfigMismatch
         "group agrees on the smallest), with cp_rank and cp_size its place in the group. Ranks "
         "that disagree place and schedule tokens differently: KV is dropped or written twice."
     )
-    error = InitSyncConfigMismatchError("\n".join(lines))
-    vars(error).update(
+    return InitSyncConfigMismatchError(
+        "\n".join(lines),
         ranks=ranks,
         fields=fields,
-        failed_ranks=ranks,
         reasons={rank: "; ".join(reasons[rank]) for rank in ranks},
     )
-    return error
 
 
 class _Absent:
@@ -321,7 +297,7 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(str(rank) for rank in ranks)
 
 
-def _helix_kv_base(cls: Type[BaseException]) -> str:
+def _helix_kv_base(cls: type[BaseException]) -> str:
     """The name of the helix_kv error class a failure counts as (``""`` for foreign errors)."""
     for base in (ConfigGuardError, ConfigError, HelixKVError):
         if issubclass(cls, base):

@@ -2,7 +2,8 @@
 
 This subpackage imports torch; ``import helix_kv`` never imports it. Import it explicitly::
 
-    from helix_kv.executor import KVPool, TinyTransformer, run_prompts
+    from helix_kv.executor import KVPool, TinyTransformer
+    from helix_kv.executor.runner import ExecutorConfig, run_group, run_rank
 """
 
 from helix_kv.executor.attention import (

@@ -10,7 +10,6 @@ within ``atol``; and they may only part where the reference's top two logits are
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
 
 import numpy as np
 
@@ -23,8 +22,8 @@ class Agreement:
 
     max_logit_diff: float = 0.0
     compared_rows: int = 0
-    diverged: List[int] = field(default_factory=list)  # requests whose tokens part
-    unexplained: List[str] = field(default_factory=list)  # failures, human readable
+    diverged: list[int] = field(default_factory=list)  # requests whose tokens part
+    unexplained: list[str] = field(default_factory=list)  # failures, human readable
 
     @property
     def ok(self) -> bool:

@@ -3,7 +3,7 @@
 Every rank of a context-parallel (CP) group holds a disjoint slice of every request's keys and
 values. Each rank attends over its slice and returns, per query and head, the normalised
 partial output ``o_i`` and its log-sum-exp ``LSE_i``; the partials combine exactly
-(DESIGN.md section 7)::
+(``docs/executor.md``, "Attention across ranks")::
 
     m_i = max z,  l_i = sum exp(z - m_i),  o_i = sum exp(z - m_i) v / l_i,  LSE_i = m_i + log l_i
     LSE = logsumexp_i LSE_i,  o = sum_i exp(LSE_i - LSE) o_i
@@ -20,7 +20,8 @@ Padding follows one convention everywhere: padded keys carry position
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,7 @@ def partial_attention(
     value: torch.Tensor,
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
-    scale: Optional[float] = None,
+    scale: float | None = None,
 ) -> PartialAttention:
     """Attention of a padded batch of queries over one rank's keys, with output and LSE.
 
@@ -148,7 +149,7 @@ def combine_partial_list(partials: Sequence[PartialAttention]) -> PartialAttenti
 
 
 def all_gather_combine(
-    partial: PartialAttention, group: Optional[dist.ProcessGroup] = None
+    partial: PartialAttention, group: dist.ProcessGroup | None = None
 ) -> PartialAttention:
     """Combine this rank's partial with its CP peers' over ``group`` (one collective).
 
@@ -185,7 +186,7 @@ def reference_attention(
     value: torch.Tensor,
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
-    scale: Optional[float] = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Plain softmax attention with the same shapes and mask rules (for tests).
 

@@ -6,7 +6,6 @@ Used by ``benches/gpu_executor.py`` and by the CUDA tests, which print the figur
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -36,7 +35,7 @@ class BenchSpec:
     prompt_len: int = 512
     new_tokens: int = 128
     tokens_per_block: int = 32
-    kv_tokens: Optional[int] = None  # global KV budget; None: room for every request at once
+    kv_tokens: int | None = None  # global KV budget; None: room for every request at once
     max_batch_size: int = 64
     max_num_tokens: int = 8192
     dtype: str = "bfloat16"
@@ -45,7 +44,7 @@ class BenchSpec:
     seed: int = 0
 
 
-def synthetic_prompts(count: int, length: int, vocab_size: int, seed: int) -> Dict[int, List[int]]:
+def synthetic_prompts(count: int, length: int, vocab_size: int, seed: int) -> dict[int, list[int]]:
     """``count`` random prompts of ``length`` tokens, ids ``0..count-1``."""
     rng = np.random.default_rng(seed)
     return {i: rng.integers(0, vocab_size, size=length).tolist() for i in range(count)}
@@ -72,7 +71,7 @@ def executor_config(spec: BenchSpec, time_table_build: bool) -> ExecutorConfig:
     )
 
 
-def measure(spec: BenchSpec, timeout_s: float = 300.0) -> Dict[str, float]:
+def measure(spec: BenchSpec, timeout_s: float = 300.0) -> dict[str, float]:
     """Run the workload twice on one group: once timing the table build (a device sync per
     step), once untimed for throughput. Returns rank 0's figures."""
     prompts = synthetic_prompts(spec.requests, spec.prompt_len, spec.model.vocab_size, spec.seed)
@@ -89,7 +88,7 @@ def measure(spec: BenchSpec, timeout_s: float = 300.0) -> Dict[str, float]:
     return figures(timed, untimed)
 
 
-def figures(timed: RunResult, untimed: RunResult) -> Dict[str, float]:
+def figures(timed: RunResult, untimed: RunResult) -> dict[str, float]:
     """The reported numbers of one measured workload."""
     build = np.asarray(timed.table_build_us[1:] or timed.table_build_us)  # drop the warm-up
     return {
@@ -106,7 +105,7 @@ def figures(timed: RunResult, untimed: RunResult) -> Dict[str, float]:
     }
 
 
-def format_figures(spec: BenchSpec, numbers: Dict[str, float]) -> str:
+def format_figures(spec: BenchSpec, numbers: dict[str, float]) -> str:
     """One readable line per figure."""
     device = (
         torch.cuda.get_device_name(0)

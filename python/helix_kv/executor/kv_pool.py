@@ -12,7 +12,6 @@ whatever the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -47,7 +46,7 @@ class AttentionGroup:
     query_positions: torch.Tensor
     pages: torch.Tensor
     key_positions: torch.Tensor
-    unpad_index: Optional[torch.Tensor]
+    unpad_index: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ class StepBatch:
     local_lens: torch.Tensor
     past_seen_lens: torch.Tensor
     sample_index: torch.Tensor
-    groups: Tuple[AttentionGroup, ...]
+    groups: tuple[AttentionGroup, ...]
 
     @property
     def num_tokens(self) -> int:
@@ -137,7 +136,7 @@ class KVPool:
         owned = np.flatnonzero(plan.slot_mapping >= 0)
         group_bounds = _group_bounds(plan)
         host_groups = [_host_group(plan, start, end) for start, end in group_bounds]
-        host_arrays: List[np.ndarray] = [
+        host_arrays: list[np.ndarray] = [
             plan.token_ids,
             plan.positions(),
             plan.slot_mapping,
@@ -211,7 +210,7 @@ class KVPool:
             0, batch.write_slots, value[index].to(self.value_cache.dtype)
         )
 
-    def gather(self, layer: int, group: AttentionGroup) -> Tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's keys and values of a group's requests, whole pages at a time:
         ``[entries, width * tpb, kv_heads, head_dim]`` (local key ``j`` at index ``j``)."""
         entries, width = group.pages.shape
@@ -222,18 +221,18 @@ class KVPool:
         values = self.value_cache[layer].view(paged_shape)[group.pages].view(flat_shape)
         return keys, values
 
-    def read_tokens(self, layer: int, slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def read_tokens(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at explicit slots (for tests and debugging)."""
         return self.key_cache[layer][slots], self.value_cache[layer][slots]
 
 
 @dataclass(frozen=True)
 class _HostGroup:
-    arrays: List[np.ndarray]  # pages, query_index, query_positions[, unpad_index]
+    arrays: list[np.ndarray]  # pages, query_index, query_positions[, unpad_index]
     width: int  # pages per request covering the widest local length
 
 
-def _group_bounds(plan: StepPlan) -> List[Tuple[int, int]]:
+def _group_bounds(plan: StepPlan) -> list[tuple[int, int]]:
     bounds = [(0, plan.num_generation), (plan.num_generation, plan.num_entries)]
     return [(start, end) for start, end in bounds if end > start]
 

@@ -10,7 +10,7 @@ layer, see :func:`~helix_kv.executor.attention.all_gather_combine`).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ class TinyConfig:
         if self.head_dim % 2:
             raise ValueError("head_dim must be even for RoPE")
 
-    def to_dict(self) -> Dict[str, object]:
+    def to_dict(self) -> dict[str, object]:
         """Plain-dict form (picklable, printable)."""
         return asdict(self)
 
@@ -115,7 +115,7 @@ class TinyTransformer:
         self,
         placement: RankPlacement,
         capacity_superblocks: int,
-        kv_dtype: Optional[torch.dtype] = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> KVPool:
         """A KV pool shaped for this model on its device."""
         return KVPool(
@@ -130,7 +130,7 @@ class TinyTransformer:
 
     @torch.no_grad()
     def forward(
-        self, batch: StepBatch, pool: KVPool, combine: Optional[Combine] = None
+        self, batch: StepBatch, pool: KVPool, combine: Combine | None = None
     ) -> torch.Tensor:
         """Run the step's tokens, writing their KV to ``pool``; final hidden states ``[tokens, H]``.
 
@@ -157,7 +157,7 @@ class TinyTransformer:
     def _attention(
         self,
         layer: int,
-        weights: Dict[str, torch.Tensor],
+        weights: dict[str, torch.Tensor],
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
@@ -210,7 +210,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
 
-def group_combine(group: Optional[dist.ProcessGroup]) -> Combine:
+def group_combine(group: dist.ProcessGroup | None) -> Combine:
     """The :data:`Combine` of a CP process group (``None``: the default group)."""
     return lambda partial: all_gather_combine(partial, group)
 

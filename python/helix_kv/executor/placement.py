@@ -1,4 +1,5 @@
-"""One rank's view of the Helix token placement (DESIGN.md section 2), for the executor.
+"""One rank's view of the Helix token placement (``docs/user-guide.md``, "The ledger on its
+own"), for the executor.
 
 The layout math itself is ``helix_kv.Layout`` (Rust, numpy batch forms); this binds it to a
 rank so the executor's per-step arrays are built without a per-request Python loop. Pages of

@@ -8,7 +8,7 @@ preemption, its greedy tokens must equal :func:`greedy_generate`'s.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -53,7 +53,7 @@ def dense_logits(model: TinyTransformer, tokens: Sequence[int]) -> torch.Tensor:
 
 def greedy_generate(
     model: TinyTransformer, prompt: Sequence[int], max_new_tokens: int
-) -> List[int]:
+) -> list[int]:
     """Greedy tokens after ``prompt``, recomputing the whole sequence for every token."""
     tokens = list(prompt)
     for _ in range(max_new_tokens):

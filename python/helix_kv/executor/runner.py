@@ -2,12 +2,16 @@
 
 The loop every rank runs (the embedding pattern for a real executor)::
 
-    out = scheduler.schedule()                      # identical on every rank
-    plan = StepPlan.from_schedule(scheduler, out, placement)
+    out = helix.schedule()                          # identical on every rank
+    plan = StepPlan.from_schedule(helix.scheduler, out, placement)
     batch = pool.prepare(plan)                      # pinned staging + async copy + device tables
     hidden = model.forward(batch, pool, combine)    # writes owned KV, one all-gather per layer
     tokens = greedy(model.logits(hidden[batch.sample_index]))  # sample_ids order
-    finished = scheduler.update(tokens)
+    finished = helix.update(tokens)
+
+``helix`` is the rank's :class:`helix_kv.distributed.HelixKVRank`; the loop makes only the
+calls of the scheduler contract (:class:`helix_kv.contract.SchedulerProtocol`) on it, plus the
+block tables the step plan reads from its scheduler.
 
 :func:`run_rank` runs that loop to completion in the calling process (cp = 1, or inside an
 initialised process group); :func:`run_group` spawns the ranks (gloo on CPU, NCCL on GPUs)
@@ -17,16 +21,17 @@ and checks that they agree.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from helix_kv.distributed import EngineConfig, HelixKVRank
+from helix_kv.distributed.launch import spawn_group
 from helix_kv.executor.kv_pool import KVPool
-from helix_kv.executor.launch import spawn_group
 from helix_kv.executor.model import TinyConfig, TinyTransformer, group_combine
 from helix_kv.executor.placement import RankPlacement
 from helix_kv.executor.step_plan import StepPlan
@@ -39,7 +44,7 @@ class ExecutorConfig:
     """What one run needs besides the prompts (picklable, identical on every rank).
 
     ``kv_superblocks`` is this rank's own KV budget in pages; the group agrees on the minimum
-    (DESIGN.md section 3) through :class:`helix_kv.distributed.HelixKVRank`.
+    (``docs/distributed.md``, "Quota sync") through :class:`helix_kv.distributed.HelixKVRank`.
     ``scheduler_options`` go to its ``EngineConfig`` as they are (e.g. ``victim_policy``,
     ``max_preemptions_per_request``).
     ``check_schedule``: compare every step's schedule across the ranks (``None``: read
@@ -53,10 +58,10 @@ class ExecutorConfig:
     max_num_tokens: int = 128
     model: TinyConfig = field(default_factory=TinyConfig)
     dtype: str = "float64"
-    kv_dtype: Optional[str] = None
+    kv_dtype: str | None = None
     device: str = "cpu"
     record_logits: bool = False
-    check_schedule: Optional[bool] = None
+    check_schedule: bool | None = None
     time_table_build: bool = False
     max_steps: int = 100_000
     scheduler_options: Mapping[str, Any] = field(default_factory=dict)
@@ -66,26 +71,31 @@ class ExecutorConfig:
         return replace(self, **changes)
 
 
+#: One job of :func:`run_group`: ``(prompts, max_new_tokens, config)``, as :func:`run_rank` takes
+#: them (a runtime alias: ``Union``, not ``|``, for Python 3.9).
+Job = tuple[Prompts, Union[int, Mapping[int, int]], ExecutorConfig]
+
+
 @dataclass
 class RunResult:
     """What one rank saw: outputs, scheduler metrics, per-step trace and timings."""
 
     rank: int
-    outputs: Dict[int, List[int]]
-    metrics: Dict[str, float]
-    request_metrics: Dict[int, Dict[str, float]]
-    digests: List[int]
-    preempted: List[List[int]]
+    outputs: dict[int, list[int]]
+    metrics: dict[str, float]
+    request_metrics: dict[int, dict[str, float]]
+    digests: list[int]
+    preempted: list[list[int]]
     capacity_superblocks: int
-    logits: Dict[int, np.ndarray] = field(default_factory=dict)
+    logits: dict[int, np.ndarray] = field(default_factory=dict)
     total_s: float = 0.0
     tokens_run: int = 0
     preempted_while_decoding: int = 0
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_s: float = 0.0
-    schedule_us: List[float] = field(default_factory=list)
-    table_build_us: List[float] = field(default_factory=list)
+    schedule_us: list[float] = field(default_factory=list)
+    table_build_us: list[float] = field(default_factory=list)
 
     @property
     def preemptions(self) -> int:
@@ -105,9 +115,9 @@ class RunResult:
 
 def run_rank(
     prompts: Prompts,
-    max_new_tokens: Union[int, Mapping[int, int]],
+    max_new_tokens: int | Mapping[int, int],
     config: ExecutorConfig,
-    group: Optional[dist.ProcessGroup] = None,
+    group: dist.ProcessGroup | None = None,
 ) -> RunResult:
     """Run every prompt to completion on this rank; greedy decoding.
 
@@ -143,25 +153,27 @@ def run_rank(
     )
     if helix.cp_size != config.cp:
         raise ValueError(f"cp = {config.cp} but the process group has {helix.cp_size} ranks")
-    rank, scheduler, pool = helix.cp_rank, helix.scheduler, helix.kv_storage
+    rank, pool = helix.cp_rank, helix.kv_storage
     placement = pool.placement
+    # The loop drives the scheduler contract (helix_kv.contract.SchedulerProtocol) through
+    # ``helix``; only the step plan reads this rank's block tables from its scheduler.
     for request_id, prompt in prompts.items():
         budget = max_new_tokens if isinstance(max_new_tokens, int) else max_new_tokens[request_id]
-        scheduler.add_request(int(request_id), np.asarray(prompt, dtype=np.int32), budget)
+        helix.add_request(int(request_id), np.asarray(prompt, dtype=np.int32), budget)
 
     combine = group_combine(group)
     result = RunResult(rank, {}, {}, {}, [], [], helix.capacity_superblocks)
-    logits_rows: Dict[int, List[np.ndarray]] = {}
-    decoding: set = set()  # requests that decoded since their last (re-)admission
+    logits_rows: dict[int, list[np.ndarray]] = {}
+    decoding: set[int] = set()  # requests that decoded since their last (re-)admission
     started = time.perf_counter()
-    while scheduler.has_unfinished():
+    while helix.has_unfinished():
         if len(result.digests) >= config.max_steps:
             raise RuntimeError(f"no completion after {config.max_steps} steps")
         step_start = time.perf_counter()
         out = helix.schedule()
         build_start = time.perf_counter()
         result.schedule_us.append((build_start - step_start) * 1e6)
-        plan = StepPlan.from_schedule(scheduler, out, placement)
+        plan = StepPlan.from_schedule(helix.scheduler, out, placement)
         batch = pool.prepare(plan)
         if config.time_table_build:
             _synchronize(device)
@@ -179,22 +191,22 @@ def run_rank(
         finished = helix.update(tokens.cpu().numpy().astype(np.int32))
         _account_step(result, out, plan, time.perf_counter() - step_start, decoding)
         for request_id in np.asarray(finished, dtype=np.int64).tolist():
-            output = scheduler.take_output(request_id)
+            output = helix.take_output(request_id)
             result.request_metrics[request_id] = dict(output.metrics.to_dict())
             result.outputs[request_id] = output.token_ids.tolist()
     result.total_s = time.perf_counter() - started
-    result.metrics = dict(scheduler.metrics().to_dict())
+    result.metrics = dict(helix.metrics().to_dict())
     result.logits = {rid: np.stack(rows) for rid, rows in logits_rows.items()}
     return result
 
 
 def run_group(
-    jobs: Sequence[tuple],
+    jobs: Sequence[Job],
     cp: int,
     backend: str = "gloo",
     timeout_s: float = 120.0,
     threads_per_rank: int = 1,
-) -> List[List[RunResult]]:
+) -> list[list[RunResult]]:
     """Run ``(prompts, max_new_tokens, config)`` jobs one after another on a spawned CP group.
 
     All jobs share one group of ``cp`` processes (``config.cp`` must equal ``cp``). Returns,
@@ -227,7 +239,7 @@ def check_ranks_agree(results: Sequence[RunResult]) -> None:
                 raise AssertionError(f"rank {other.rank} differs from rank {first.rank} in {name}")
 
 
-def _group_worker(rank: int, world_size: int, jobs: List[tuple]) -> List[RunResult]:
+def _group_worker(rank: int, world_size: int, jobs: list[Job]) -> list[RunResult]:
     return [run_rank(prompts, max_new, config) for prompts, max_new, config in jobs]
 
 
@@ -243,7 +255,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _record_logits(
-    rows: Dict[int, List[np.ndarray]], sample_ids: np.ndarray, logits: torch.Tensor
+    rows: dict[int, list[np.ndarray]], sample_ids: np.ndarray, logits: torch.Tensor
 ) -> None:
     host = logits.float().cpu().numpy() if logits.dtype == torch.bfloat16 else logits.cpu().numpy()
     for request_id, row in zip(sample_ids.tolist(), host):
@@ -251,7 +263,7 @@ def _record_logits(
 
 
 def _account_step(
-    result: RunResult, out: Any, plan: StepPlan, seconds: float, decoding: set
+    result: RunResult, out: Any, plan: StepPlan, seconds: float, decoding: set[int]
 ) -> None:
     result.digests.append(int(out.digest))
     preempted = np.asarray(out.preempted_ids, dtype=np.int64).tolist()

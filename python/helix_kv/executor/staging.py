@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -21,11 +21,11 @@ class HostToDeviceStager:
     def __init__(self, device: torch.device, num_buffers: int = 2) -> None:
         self.device = torch.device(device)
         self._pinned = self.device.type == "cuda"
-        self._buffers: List[Optional[torch.Tensor]] = [None] * num_buffers
-        self._events: List[Optional[torch.cuda.Event]] = [None] * num_buffers
+        self._buffers: list[torch.Tensor | None] = [None] * num_buffers
+        self._events: list[torch.cuda.Event | None] = [None] * num_buffers
         self._next = 0
 
-    def stage(self, arrays: Sequence[npt.ArrayLike]) -> List[torch.Tensor]:
+    def stage(self, arrays: Sequence[npt.ArrayLike]) -> list[torch.Tensor]:
         """Device int64 tensors with the shapes and values of ``arrays``, in order."""
         host_arrays = [np.asarray(a) for a in arrays]
         sizes = [a.size for a in host_arrays]

@@ -10,8 +10,9 @@ prompt — exactly the order of ``ScheduleOutput.sample_ids`` that ``Scheduler.u
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -145,7 +146,7 @@ class StepPlan:
         token_ids_per_entry: Sequence[npt.ArrayLike],
         block_table: npt.ArrayLike,
         num_generation: int = 0,
-        sample_index: Optional[npt.ArrayLike] = None,
+        sample_index: npt.ArrayLike | None = None,
     ) -> StepPlan:
         """A plan from plain arrays, for running the model without a scheduler.
 

@@ -3,7 +3,7 @@
 The pieces are small and importable on their own:
 
 - :mod:`.workload` makes a seeded synthetic workload or reads a JSONL trace;
-- :mod:`.runner` runs the step loop over ``cp`` schedulers (one per rank) and checks that
+- :mod:`.step_loop` runs the step loop over ``cp`` schedulers (one per rank) and checks that
   the ranks agree every step;
 - :mod:`.report` turns a run into figures, a text table and JSON;
 - :mod:`.plot` draws a run with matplotlib (optional);

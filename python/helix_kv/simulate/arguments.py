@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn
 
-from helix_kv._core import ConfigError, Layout, SchedulerConfig
+from helix_kv._core import Layout, SchedulerConfig
+from helix_kv.errors import ConfigError
+from helix_kv.errors import UsageError as UsageError  # also importable from here
 from helix_kv.simulate.options import (
     CAPACITY_POLICIES,
     I32_MAX,
@@ -52,17 +54,6 @@ SYNTHETIC_FLAGS = {
     "priority_levels": "--priority-levels",
     "abort_rate": "--abort-rate",
 }
-
-
-class UsageError(Exception):
-    """Invalid command-line arguments; the message is one line.
-
-    ``prog`` is the command the message is about (printed before it).
-    """
-
-    def __init__(self, message: str, prog: str = "helix-kv simulate") -> None:
-        super().__init__(message)
-        self.prog = prog
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -341,7 +332,7 @@ def _scheduler_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in given.items() if value is not None}
 
 
-def _host_tier_superblocks(args: argparse.Namespace) -> Optional[int]:
+def _host_tier_superblocks(args: argparse.Namespace) -> int | None:
     """``--host-tier-tokens`` in superblocks of the layout (the core's), rounded down; ``None``
     when ``--cp`` with ``--tokens-per-block`` is no layout at all (building the configuration
     then refuses them, in the flags' terms)."""
@@ -404,7 +395,7 @@ def simulation_options(args: argparse.Namespace) -> SimulationOptions:
     )
 
 
-def _default_max(default: int, mean: Optional[int]) -> int:
+def _default_max(default: int, mean: int | None) -> int:
     """The larger of ``default`` and 4 x ``mean``, within the simulator's length limit."""
     return min(MAX_REQUEST_TOKENS, max(default, 4 * (mean or 0)))
 
@@ -413,7 +404,7 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
     """The synthetic workload the flags describe (defaults where not given)."""
     defaults = DEFAULT_WORKLOAD
 
-    def pick(value: Optional[Any], default: Any) -> Any:
+    def pick(value: Any | None, default: Any) -> Any:
         return default if value is None else value
 
     spec = WorkloadSpec(

@@ -13,28 +13,33 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, TextIO
+from typing import Any, Callable, TextIO
 
-from helix_kv.simulate.arguments import UsageError, simulation_options, workload_spec
+from helix_kv.cpgroup import SimulatedCPGroup
+from helix_kv.errors import (
+    HelixKVError,
+    PlotUnavailableError,
+    ProcsUnavailableError,
+    RankFailedError,
+    SimulationSetupError,
+    TraceError,
+    UsageError,
+)
+from helix_kv.simulate.arguments import simulation_options, workload_spec
 from helix_kv.simulate.interrupt import InterruptGuard
 from helix_kv.simulate.options import (
     VICTIM_POLICIES,
     SimulationOptions,
-    SimulationSetupError,
     check_config,
     preflight,
 )
-from helix_kv.simulate.plot import PlotUnavailableError, check_plot_target, plot_run
-from helix_kv.simulate.procs import (
-    ProcsUnavailableError,
-    RankFailedError,
-    check_procs_available,
-    run_in_processes,
-)
+from helix_kv.simulate.plot import check_plot_target, plot_run
+from helix_kv.simulate.procs import check_procs_available, run_in_processes
 from helix_kv.simulate.progress import ProgressLine, progress_wanted
 from helix_kv.simulate.report import format_comparison, format_table, summarize, to_json
-from helix_kv.simulate.runner import SimulationResult, run_simulation
-from helix_kv.simulate.workload import RequestSpec, TraceError, read_trace, synthetic_workload
+from helix_kv.simulate.step_loop import SimulationResult, run_simulation
+from helix_kv.simulate.workload import RequestSpec, read_trace, synthetic_workload
+from helix_kv.types import VictimPolicy
 
 PROG = "helix-kv simulate"
 EXIT_OK = 0
@@ -63,7 +68,7 @@ def run_once(
     workload_info: dict[str, Any],
     show_progress: bool,
     label: str = "",
-    should_stop: Optional[Callable[[], bool]] = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> SimulationResult:
     """One run, in this process or (``options.procs``) one process per rank."""
     config = options.resolved(workload_info)
@@ -71,12 +76,10 @@ def run_once(
         return run_in_processes(
             options, workload, config, show_progress=show_progress, should_stop=should_stop
         )
-    from helix_kv.simulate.group import InProcessGroup
-
     progress = ProgressLine(label=label) if show_progress else None
     try:
         return run_simulation(
-            InProcessGroup(options.scheduler_config()),
+            SimulatedCPGroup(options.scheduler_config()),
             workload,
             config=config,
             progress=progress,
@@ -88,7 +91,7 @@ def run_once(
             progress.close()
 
 
-def _plot_path(path: str, policy: Optional[str]) -> Path:
+def _plot_path(path: str, policy: str | None) -> Path:
     target = Path(path)
     if policy is None:
         return target
@@ -96,13 +99,13 @@ def _plot_path(path: str, policy: Optional[str]) -> Path:
 
 
 def run_simulate(
-    args: argparse.Namespace, stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None
+    args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None
 ) -> int:
     """Run ``helix-kv simulate`` for parsed ``args``; return the exit status."""
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
 
-    def fail(status: int, message: str, error_type: str, detail: Optional[str] = None) -> int:
+    def fail(status: int, message: str, error_type: str, detail: str | None = None) -> int:
         """One line on stderr; with ``--json`` also the error object (``detail``: its
         message when the line says more, e.g. the error's class)."""
         label = "error: " if status == EXIT_USAGE else ""
@@ -129,9 +132,7 @@ def run_simulate(
     ) as err:
         return fail(EXIT_USAGE, str(err), "UsageError")
 
-    from helix_kv import HelixKVError
-
-    policies: list[Optional[str]] = list(VICTIM_POLICIES) if args.compare_policies else [None]
+    policies: list[VictimPolicy | None] = list(VICTIM_POLICIES) if args.compare_policies else [None]
     show_progress = progress_wanted(args.json, args.progress, stderr)
     results: dict[str, SimulationResult] = {}
     with InterruptGuard() as interrupted:
@@ -163,8 +164,8 @@ def run_simulate(
         print(to_json(summary) if args.json else format_table(summary), file=stdout)
 
     if args.plot is not None:
-        for policy, result in results.items():
-            path = _plot_path(args.plot, policy if args.compare_policies else None)
+        for name, result in results.items():
+            path = _plot_path(args.plot, name if args.compare_policies else None)
             try:
                 plot_run(result, path)
             except OSError as err:  # the report is out already: stderr only

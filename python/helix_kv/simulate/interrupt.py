@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import threading
 from types import FrameType
-from typing import Any, Optional
+from typing import Any
 
 
 class InterruptGuard:
@@ -43,7 +43,7 @@ class InterruptGuard:
         """Whether Ctrl-C was pressed while the guard was active."""
         return self.interrupted
 
-    def _on_sigint(self, signum: int, frame: Optional[FrameType]) -> None:
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         if self.interrupted:
             raise KeyboardInterrupt
         self.interrupted = True

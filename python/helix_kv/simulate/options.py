@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
-from helix_kv._core import SchedulerConfig
+from helix_kv._core import Scheduler, SchedulerConfig
+from helix_kv.errors import ConfigError, HelixKVError
+from helix_kv.errors import SimulationSetupError as SimulationSetupError  # also from here
 from helix_kv.simulate.tokens import prompt_tokens
 from helix_kv.simulate.workload import RequestSpec
+from helix_kv.types import CapacityPolicy, ServingMode, VictimPolicy
 
-#: Victim policies, in the order ``--compare-policies`` runs them (the core's names).
-VICTIM_POLICIES: tuple[str, ...] = SchedulerConfig.VICTIM_POLICIES
-CAPACITY_POLICIES: tuple[str, ...] = SchedulerConfig.CAPACITY_POLICIES
-SERVING_MODES: tuple[str, ...] = SchedulerConfig.SERVING_MODES
+#: Victim policies, in the order ``--compare-policies`` runs them (the core's names; the
+#: ``Literal`` aliases of :mod:`helix_kv.types` are checked against them by a test).
+VICTIM_POLICIES: tuple[VictimPolicy, ...] = SchedulerConfig.VICTIM_POLICIES
+CAPACITY_POLICIES: tuple[CapacityPolicy, ...] = SchedulerConfig.CAPACITY_POLICIES
+SERVING_MODES: tuple[ServingMode, ...] = SchedulerConfig.SERVING_MODES
 
 _PREFLIGHT_BATCH = 256
 
@@ -65,10 +70,6 @@ _FIELD_PATTERN = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b( == | = )?"
 _HOST_TIER_PATTERN = re.compile(r"\bhost_tier_superblocks = (\d+)")
 
 
-class SimulationSetupError(ValueError):
-    """The settings or the workload cannot be run; the message is one line."""
-
-
 @dataclass(frozen=True)
 class SimulationOptions:
     """What to simulate, apart from the workload.
@@ -80,7 +81,7 @@ class SimulationOptions:
     cp: int = 2
     kv_tokens: int = 16_384
     scheduler: dict[str, Any] = field(default_factory=dict)
-    max_steps: Optional[int] = None
+    max_steps: int | None = None
     procs: bool = False
 
     def scheduler_config(self, rank: int = 0) -> SchedulerConfig:
@@ -89,7 +90,7 @@ class SimulationOptions:
             cp_size=self.cp, cp_rank=rank, kv_tokens=self.kv_tokens, **self.scheduler
         )
 
-    def with_victim_policy(self, policy: str) -> SimulationOptions:
+    def with_victim_policy(self, policy: VictimPolicy) -> SimulationOptions:
         """The same options under another victim policy."""
         return dataclasses.replace(self, scheduler={**self.scheduler, "victim_policy": policy})
 
@@ -129,8 +130,6 @@ def in_flag_terms(message: str) -> str:
 def check_config(options: SimulationOptions) -> None:
     """Build the configuration once (nothing is allocated) and check the pool is within the
     simulator's limit; turn a ``ConfigError`` into a setup error in the flags' terms."""
-    from helix_kv import ConfigError
-
     try:
         config = options.scheduler_config()
     except ConfigError as err:
@@ -154,8 +153,6 @@ def preflight(options: SimulationOptions, workload: Sequence[RequestSpec]) -> No
     reported before the run starts, with the core's own reason (``RequestTooLargeError``:
     longer than ``max_seq_len`` or the whole KV pool, or an unchunked re-prefill that
     cannot fit ``max_num_tokens``)."""
-    from helix_kv import HelixKVError, Scheduler
-
     config = options.scheduler_config()
     for request in workload:
         # checked before any prompt is built: a trace may give lengths up to 2**31

@@ -9,10 +9,10 @@ backend, so plotting works without a display.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
 
+from helix_kv.errors import PlotUnavailableError as PlotUnavailableError  # also from here
 from helix_kv.simulate.report import describe_config
-from helix_kv.simulate.runner import SimulationResult
+from helix_kv.simulate.step_loop import SimulationResult
 
 MISSING_MATPLOTLIB = (
     "--plot needs matplotlib, which is not installed; "
@@ -25,32 +25,27 @@ MISSING_MATPLOTLIB = (
 PLOT_FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
 
 
-class PlotUnavailableError(RuntimeError):
-    """matplotlib is not installed, or it cannot write the format the file name asks for."""
-
-
-def _pyplot():  # type: ignore[no-untyped-def]
+def _use_agg() -> None:
+    """Select matplotlib's non-interactive Agg backend (before pyplot is first imported);
+    raise :class:`PlotUnavailableError` without matplotlib."""
     try:
-        import matplotlib
+        import matplotlib  # here, not at the top: matplotlib is optional
     except ImportError:
         raise PlotUnavailableError(MISSING_MATPLOTLIB) from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_formats() -> tuple[str, ...]:
     """The extensions ``--plot`` accepts here (raises :class:`PlotUnavailableError` without
     matplotlib)."""
-    _pyplot()
+    _use_agg()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     supported = FigureCanvasAgg.get_supported_filetypes()
     return tuple(name for name in PLOT_FORMATS if name in supported)
 
 
-def plot_format(path: Union[str, Path]) -> str:
+def plot_format(path: str | Path) -> str:
     """The format of ``path``, from its extension; raise :class:`PlotUnavailableError` (a
     one-line reason) for a missing or unknown extension or without matplotlib."""
     formats = plot_formats()
@@ -62,15 +57,16 @@ def plot_format(path: Union[str, Path]) -> str:
     return extension
 
 
-def check_plot_target(path: Union[str, Path]) -> None:
+def check_plot_target(path: str | Path) -> None:
     """Check now, rather than after a long run, that ``path`` can be drawn."""
     plot_format(path)
 
 
-def plot_run(result: SimulationResult, path: Union[str, Path]) -> None:
+def plot_run(result: SimulationResult, path: str | Path) -> None:
     """Draw the run's per-step series into ``path``, in the format its extension names."""
     file_format = plot_format(path)
-    plt = _pyplot()
+    _use_agg()
+    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
     series = result.series

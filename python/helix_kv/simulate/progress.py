@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Optional, TextIO
+from typing import TextIO
 
 BAR_WIDTH = 24
 MIN_REDRAW_SECONDS = 0.1
 
 
-def progress_wanted(json_output: bool, forced: Optional[bool], stream: TextIO) -> bool:
+def progress_wanted(json_output: bool, forced: bool | None, stream: TextIO) -> bool:
     """Show progress when forced on, never when forced off, else only on a terminal
     and not with ``--json``."""
     if forced is not None:
@@ -28,7 +28,7 @@ def progress_wanted(json_output: bool, forced: Optional[bool], stream: TextIO) -
 class ProgressLine:
     """``[#####-----] 40/96 requests  step 812``, redrawn in place; :meth:`close` ends it."""
 
-    def __init__(self, label: str = "", stream: Optional[TextIO] = None) -> None:
+    def __init__(self, label: str = "", stream: TextIO | None = None) -> None:
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
         self._last_draw = -float("inf")
@@ -43,7 +43,7 @@ class ProgressLine:
         return f"{prefix}[{bar}] {finished}/{total} requests  step {steps}"
 
     def __call__(self, clock: int, finished: int, total: int, steps: int) -> None:
-        """Progress callback for :func:`helix_kv.simulate.runner.run_simulation`."""
+        """Progress callback for :func:`helix_kv.simulate.step_loop.run_simulation`."""
         now = time.monotonic()
         if now - self._last_draw < MIN_REDRAW_SECONDS and finished < total:
             return

@@ -7,16 +7,17 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
-from helix_kv.simulate.runner import SimulationResult
+from helix_kv.simulate.step_loop import SimulationResult
 
 Summary = dict[str, Any]
 
 
-def _percentile(values: Sequence[int], q: float) -> Optional[int]:
+def _percentile(values: Sequence[int], q: float) -> int | None:
     """Nearest-rank percentile (an observed value), ``None`` for no values."""
     if len(values) == 0:
         return None

@@ -10,11 +10,14 @@ from __future__ import annotations
 import enum
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any
 
 import numpy as np
+
+from helix_kv.errors import TraceError as TraceError  # also importable from here
 
 #: Largest request id the scheduler accepts (ids are ``u64`` in the core).
 MAX_REQUEST_ID = 2**64 - 1
@@ -41,7 +44,7 @@ class RequestSpec:
     prompt_len: int
     output_len: int
     priority: int = 0
-    abort_step: Optional[int] = None
+    abort_step: int | None = None
 
     @property
     def total_len(self) -> int:
@@ -186,17 +189,6 @@ def synthetic_workload(spec: WorkloadSpec) -> list[RequestSpec]:
     ]
 
 
-class TraceError(ValueError):
-    """A trace file that cannot be used; the message names the file and, if any, the line."""
-
-    def __init__(self, path: Union[str, Path], message: str, line_number: Optional[int] = None):
-        self.path = str(path)
-        self.line_number = line_number
-        self.reason = message
-        where = f"{self.path} line {line_number}" if line_number is not None else self.path
-        super().__init__(f"trace {where}: {message}")
-
-
 def _int_field(record: dict[str, Any], key: str, minimum: int, maximum: int) -> int:
     if key not in record:
         raise ValueError(f"missing key {key!r}")
@@ -244,7 +236,7 @@ def parse_trace_line(text: str) -> RequestSpec:
     )
 
 
-def parse_trace(lines: Iterable[str], path: Union[str, Path] = "<trace>") -> list[RequestSpec]:
+def parse_trace(lines: Iterable[str], path: str | Path = "<trace>") -> list[RequestSpec]:
     """Parse JSONL trace lines (blank lines are skipped) into a workload in queue order.
 
     Requests are ordered by ``arrival_step``, ties in line order. Raises :class:`TraceError`
@@ -275,7 +267,7 @@ def parse_trace(lines: Iterable[str], path: Union[str, Path] = "<trace>") -> lis
     return requests
 
 
-def read_trace(path: Union[str, Path]) -> list[RequestSpec]:
+def read_trace(path: str | Path) -> list[RequestSpec]:
     """Read a JSONL trace: one ``{"id", "arrival_step", "prompt_len", "output_len"}`` per line.
 
     An optional integer ``"priority"`` (default 0, higher is more important) is used by the
@@ -292,7 +284,7 @@ def read_trace(path: Union[str, Path]) -> list[RequestSpec]:
         raise TraceError(path, f"not UTF-8 text ({err.reason})") from None
 
 
-def write_trace(requests: Iterable[RequestSpec], path: Union[str, Path]) -> None:
+def write_trace(requests: Iterable[RequestSpec], path: str | Path) -> None:
     """Write requests as a JSONL trace that :func:`read_trace` reads back unchanged."""
     with open(path, "w", encoding="utf-8") as handle:
         for request in requests:

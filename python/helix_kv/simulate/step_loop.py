@@ -1,8 +1,10 @@
 """The simulator's step loop: feed a workload to a group of ranks and record what happens.
 
-The loop is the same whether the ranks live in this process (:class:`~.group.InProcessGroup`,
-over :class:`helix_kv.SimulatedCPGroup`) or in separate processes over gloo (each process
-runs this loop over its own :class:`~.group.ProcessRankGroup`). Each step:
+The loop drives the scheduler contract (:class:`helix_kv.contract.SchedulerProtocol`), so it
+is the same whether the ranks live in this process (a :class:`helix_kv.SimulatedCPGroup`) or
+in separate processes over gloo (each process runs this loop over its own
+``helix_kv.distributed.HelixKVRank``, which compares the ranks' schedules every step). Each
+step:
 
 1. requests whose ``arrival_step`` has come are added (on every rank, in queue order);
    then live requests whose ``abort_step`` has come are aborted (one ``abort_many`` on
@@ -19,55 +21,21 @@ is dropped and every rank sees the same calls in the same order.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
 from helix_kv._core import SchedulerMetrics
+from helix_kv.contract import SchedulerProtocol
+from helix_kv.errors import ScheduleMismatchError
 from helix_kv.simulate.tokens import expected_output, prompt_tokens, sampled_tokens
 from helix_kv.simulate.workload import RequestSpec
+from helix_kv.types import FinishReason
 
 #: ``progress(clock, requests_finished, requests_total, steps)``, called after each step.
 ProgressCallback = Callable[[int, int, int, int], None]
-
-
-class RankGroup(Protocol):
-    """``cp`` ranks that receive identical calls; what :func:`run_simulation` drives."""
-
-    def add_request(
-        self, request_id: int, prompt: np.ndarray, max_new_tokens: int, priority: int
-    ) -> None:
-        """Add a request on every rank."""
-
-    def schedule(self) -> Any:
-        """Schedule one step on every rank, check they agree, return one rank's output.
-
-        Raises :class:`helix_kv.ScheduleMismatchError` when the ranks disagree.
-        """
-
-    def update(self, tokens: np.ndarray) -> np.ndarray:
-        """Feed the sampled tokens to every rank; return the finished ids."""
-
-    def abort_many(self, request_ids: np.ndarray) -> None:
-        """Abort live requests on every rank, in order (no step is pending)."""
-
-    def take_output(self, request_id: int) -> Any:
-        """The :class:`helix_kv.RequestOutput` of a finished request (taken on every rank)."""
-
-    def metrics(self) -> Any:
-        """Scheduler counters (equal on every rank)."""
-
-    def has_unfinished(self) -> bool:
-        """Whether any request is live."""
-
-    @property
-    def num_running(self) -> int:
-        """Requests holding KV (prefilling or decoding)."""
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests waiting for (re-)admission."""
 
 
 @dataclass
@@ -94,14 +62,14 @@ class RequestOutcome:
 
     request_id: int
     arrival_step: int
-    first_token_step: Optional[int]
+    first_token_step: int | None
     finish_step: int
     generated_tokens: int
     preemptions: int
     recomputed_tokens: int
     steps_waited: int
     output_exact: bool
-    finish_reason: str = "length"
+    finish_reason: FinishReason = "length"
 
     @property
     def aborted(self) -> bool:
@@ -113,7 +81,7 @@ class RequestOutcome:
         return self.finish_step - self.arrival_step + 1
 
     @property
-    def first_token_steps(self) -> Optional[int]:
+    def first_token_steps(self) -> int | None:
         """Steps from arrival to its first sampled token, both counted."""
         if self.first_token_step is None:
             return None
@@ -132,7 +100,7 @@ class SimulationResult:
     generated_tokens: int
     clock: int
     rank_agreement: bool
-    mismatch: Optional[str] = None
+    mismatch: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
     interrupted: bool = False
     """The run was stopped early on request (``should_stop``); the figures cover its steps."""
@@ -160,7 +128,7 @@ def _sample_indices(ids: np.ndarray, generated: dict[int, int]) -> np.ndarray:
 class _StepLoop:
     """The state of one run: what has arrived, what each request has generated, the record."""
 
-    def __init__(self, group: RankGroup, workload: Sequence[RequestSpec]) -> None:
+    def __init__(self, group: SchedulerProtocol, workload: Sequence[RequestSpec]) -> None:
         self.group = group
         self.workload = workload
         self.by_id = {request.request_id: request for request in workload}
@@ -256,7 +224,7 @@ class _StepLoop:
                 recomputed_tokens=int(request_metrics.recomputed_tokens),
                 steps_waited=int(request_metrics.steps_waited),
                 output_exact=bool(exact),
-                finish_reason=str(output.finish_reason),
+                finish_reason=output.finish_reason,
             )
         )
         del self.generated[request_id]
@@ -264,13 +232,13 @@ class _StepLoop:
 
 
 def run_simulation(
-    group: RankGroup,
+    group: SchedulerProtocol,
     workload: Sequence[RequestSpec],
     *,
-    config: Optional[dict[str, Any]] = None,
-    progress: Optional[ProgressCallback] = None,
-    max_steps: Optional[int] = None,
-    should_stop: Optional[Callable[[], bool]] = None,
+    config: dict[str, Any] | None = None,
+    progress: ProgressCallback | None = None,
+    max_steps: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> SimulationResult:
     """Run ``workload`` to completion on ``group`` and return what happened.
 
@@ -279,10 +247,8 @@ def run_simulation(
     when ``should_stop()``, asked before every step, says so: a step is never cut in half.
     Other scheduler errors (deadlock, preemption disabled) propagate.
     """
-    from helix_kv import ScheduleMismatchError
-
     loop = _StepLoop(group, workload)
-    mismatch: Optional[str] = None
+    mismatch: str | None = None
     interrupted = False
     steps_limit = math.inf if max_steps is None else max_steps
     try:

@@ -11,7 +11,6 @@ import io
 import json
 import re
 from types import SimpleNamespace
-from typing import Optional
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ import pytest
 import helix_kv
 from helix_kv.simulate.progress import ProgressLine, progress_wanted
 from helix_kv.simulate.report import format_comparison, format_table, summarize, to_json
-from helix_kv.simulate.runner import SimulationResult, run_simulation
+from helix_kv.simulate.step_loop import SimulationResult, run_simulation
 from helix_kv.simulate.tokens import prompt_tokens
 from helix_kv.simulate.workload import RequestSpec
 
@@ -27,7 +26,7 @@ from helix_kv.simulate.workload import RequestSpec
 class FakeGroup:
     """Unlimited KV, no preemption; optionally corrupts tokens or raises a mismatch."""
 
-    def __init__(self, mismatch_at_step: Optional[int] = None, corrupt: bool = False) -> None:
+    def __init__(self, mismatch_at_step: int | None = None, corrupt: bool = False) -> None:
         self.live: dict[int, dict] = {}
         self.done: dict[int, dict] = {}
         self.step = 0
@@ -35,7 +34,7 @@ class FakeGroup:
         self.corrupt = corrupt
         self.added_at_step: dict[int, int] = {}
         self.aborted = 0
-        self._last: Optional[list[int]] = None
+        self._last: list[int] | None = None
 
     def add_request(self, request_id, prompt, max_new_tokens, priority) -> None:
         assert np.array_equal(prompt, prompt_tokens(request_id, len(prompt)))
@@ -263,7 +262,6 @@ def test_a_wrong_aborted_output_is_flagged() -> None:
 
 
 def test_a_real_group_aborts_identically_on_every_rank() -> None:
-    from helix_kv.simulate.group import InProcessGroup
     from helix_kv.simulate.workload import WorkloadSpec, synthetic_workload
 
     spec = WorkloadSpec(
@@ -273,7 +271,7 @@ def test_a_real_group_aborts_identically_on_every_rank() -> None:
     aborting = {r.request_id for r in workload if r.abort_step is not None}
     assert 0 < len(aborting) < len(workload)
     config = helix_kv.SchedulerConfig(cp_size=2, tokens_per_block=4, kv_tokens=512)
-    result = run_simulation(InProcessGroup(config), workload, config=CONFIG)
+    result = run_simulation(helix_kv.SimulatedCPGroup(config), workload, config=CONFIG)
     assert result.rank_agreement
     assert result.outputs_exact
     aborted = {o.request_id for o in result.outcomes if o.aborted}

@@ -13,7 +13,7 @@ group raises through its schedule check.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -21,13 +21,14 @@ import numpy.typing as npt
 from helix_kv._core import (
     Layout,
     RequestOutput,
-    ScheduleMismatchError,
     ScheduleOutput,
     Scheduler,
     SchedulerConfig,
     SchedulerMetrics,
 )
+from helix_kv.errors import ScheduleMismatchError
 from helix_kv.mismatch import schedule_mismatch
+from helix_kv.types import FlagArray, IntArray, TokenArray
 
 __all__ = ["SimulatedCPGroup"]
 
@@ -40,6 +41,10 @@ def _short(values: npt.NDArray[Any], limit: int = 12) -> str:
 
 class SimulatedCPGroup:
     """``config.cp_size`` schedulers, one per rank, driven with identical calls.
+
+    It satisfies :class:`helix_kv.contract.SchedulerProtocol` like one rank's
+    :class:`helix_kv.Scheduler`: each call goes to every rank, as given (each rank applies the
+    argument rules itself), and returns rank 0's result once the ranks are seen to agree.
 
     Args:
         config: the configuration of any rank; each rank gets ``config.with_rank(r)``.
@@ -63,7 +68,7 @@ class SimulatedCPGroup:
     def _on_every_rank(self, call: str, action: Callable[[Scheduler], Any]) -> list[Any]:
         """Runs ``action`` on every rank; ranks must all succeed or all fail alike."""
         results: list[Any] = []
-        errors: list[Optional[BaseException]] = []
+        errors: list[BaseException | None] = []
         for scheduler in self.schedulers:
             try:
                 results.append(action(scheduler))
@@ -88,50 +93,53 @@ class SimulatedCPGroup:
     def add_request(
         self,
         request_id: int,
-        prompt: npt.ArrayLike,
+        prompt: TokenArray,
         max_new_tokens: int,
         priority: int = 0,
     ) -> None:
         """Queues the request on every rank."""
-        tokens = np.ascontiguousarray(prompt, dtype=np.int32)
         self._on_every_rank(
             "add_request",
-            lambda s: s.add_request(request_id, tokens, max_new_tokens, priority),
+            lambda s: s.add_request(request_id, prompt, max_new_tokens, priority),
         )
 
-    def schedule(self) -> list[ScheduleOutput]:
-        """Schedules a step on every rank, checks agreement, returns the per-rank outputs."""
+    def schedule(self) -> ScheduleOutput:
+        """Schedules a step on every rank, checks agreement, returns rank 0's output (every
+        rank-invariant field is the same on every rank; :meth:`schedule_per_rank` returns
+        each rank's)."""
+        return self.schedule_per_rank()[0]
+
+    def schedule_per_rank(self) -> list[ScheduleOutput]:
+        """Schedules a step on every rank, checks agreement, returns the per-rank outputs
+        (in rank order)."""
         outputs: list[ScheduleOutput] = self._on_every_rank("schedule", Scheduler.schedule)
         self._check(outputs)
         return outputs
 
-    def update(
-        self, tokens: npt.ArrayLike, eos: Optional[npt.ArrayLike] = None
-    ) -> npt.NDArray[np.int64]:
+    def update(self, tokens: TokenArray, eos: FlagArray | None = None) -> npt.NDArray[np.uint64]:
         """Feeds the same sampled tokens (and eos flags) to every rank; returns the finished
         ids (equal on every rank)."""
-        sampled = np.ascontiguousarray(tokens, dtype=np.int32)
-        flags = None if eos is None else np.ascontiguousarray(eos, dtype=bool)
-        finished = self._on_every_rank("update", lambda s: s.update(sampled, flags))
-        self._agree("update", [np.asarray(f) for f in finished], "finished_ids")
-        return np.asarray(finished[0], dtype=np.int64)
+        finished = self._on_every_rank("update", lambda s: s.update(tokens, eos))
+        self._agree("update", finished, "finished_ids")
+        result: npt.NDArray[np.uint64] = finished[0]
+        return result
 
-    def revert(self) -> npt.NDArray[np.int64]:
+    def revert(self) -> npt.NDArray[np.uint64]:
         """Reverts the scheduled step on every rank; returns the ids of requests whose
         abort was requested while it was pending (aborted now; equal on every rank)."""
         aborted = self._on_every_rank("revert", Scheduler.revert)
-        self._agree("revert", [np.asarray(a) for a in aborted], "aborted_ids")
-        return np.asarray(aborted[0], dtype=np.int64)
+        self._agree("revert", aborted, "aborted_ids")
+        result: npt.NDArray[np.uint64] = aborted[0]
+        return result
 
     def abort(self, request_id: int) -> None:
         """Aborts a request on every rank (see :meth:`helix_kv.Scheduler.abort`)."""
         self.abort_many([request_id])
 
-    def abort_many(self, request_ids: npt.ArrayLike) -> None:
+    def abort_many(self, request_ids: IntArray) -> None:
         """Aborts requests on every rank, in order (all or nothing, see
         :meth:`helix_kv.Scheduler.abort_many`); then checks the ranks' state digests agree."""
-        ids = np.ascontiguousarray(request_ids, dtype=np.int64)
-        self._on_every_rank("abort_many", lambda s: s.abort_many(ids))
+        self._on_every_rank("abort_many", lambda s: s.abort_many(request_ids))
         digests = [np.asarray([d], dtype=np.uint64) for d in self.state_digests()]
         self._agree("abort_many", digests, "state_digest")
 
@@ -142,15 +150,28 @@ class SimulatedCPGroup:
         self._agree("take_output", [o.token_ids for o in outputs], "generated_tokens")
         reasons = [np.asarray([o.finish_reason]) for o in outputs]
         self._agree("take_output", reasons, "finish_reason")
-        return outputs[0]
+        output: RequestOutput = outputs[0]
+        return output
 
-    # -- convenience views (rank 0; every rank agrees) ----------------------------------
+    # -- views (rank 0; the state digests agree after every call) -----------------------
 
     def has_unfinished(self) -> bool:
+        """Whether any request is still live."""
         return self.schedulers[0].has_unfinished()
 
     def metrics(self) -> SchedulerMetrics:
+        """The scheduler's totals (equal on every rank)."""
         return self.schedulers[0].metrics()
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV (prefilling or decoding)."""
+        return self.schedulers[0].num_running
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for (re-)admission."""
+        return self.schedulers[0].num_waiting
 
     def state_digests(self) -> list[int]:
         """Every rank's ``state_digest()`` (equal unless something diverged)."""
@@ -161,17 +182,14 @@ class SimulatedCPGroup:
     def _mismatch(
         self,
         headline: str,
-        step: Optional[int],
+        step: int | None,
         ranks: Sequence[int],
         fields: Sequence[str],
         summaries: dict[int, str],
     ) -> ScheduleMismatchError:
-        error = ScheduleMismatchError(headline)
-        error.step = step  # type: ignore[attr-defined]
-        error.ranks = list(ranks)  # type: ignore[attr-defined]
-        error.fields = list(fields)  # type: ignore[attr-defined]
-        error.summaries = summaries  # type: ignore[attr-defined]
-        return error
+        return ScheduleMismatchError(
+            headline, step=step, ranks=ranks, fields=fields, summaries=summaries
+        )
 
     def _agree(self, call: str, values: Sequence[npt.NDArray[Any]], what: str) -> None:
         ranks = [r for r, v in enumerate(values) if not np.array_equal(v, values[0])]

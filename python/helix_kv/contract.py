@@ -1,0 +1,111 @@
+"""The scheduler contract: the calls an executor (or the simulator) makes on a scheduler.
+
+Three classes satisfy :class:`SchedulerProtocol`, with the same semantics:
+
+- :class:`helix_kv.Scheduler`: one rank's scheduler (the Rust core);
+- :class:`helix_kv.SimulatedCPGroup`: every rank of a CP group in one process, fed identical
+  calls and compared after each (a divergence raises
+  :class:`~helix_kv.errors.ScheduleMismatchError`);
+- ``helix_kv.distributed.HelixKVRank``: this process's rank of a ``torch.distributed`` group,
+  its schedules compared across the group every step when the schedule check is on.
+
+The simulator's step loop (:func:`helix_kv.simulate.step_loop.run_simulation`) and the
+reference executor (``helix_kv.executor.runner.run_rank``) drive this contract and nothing
+else of the scheduler (the executor also reads block tables and slot mappings, which are
+per-rank and outside the contract).
+
+One step: ``schedule()``, run the model on what it scheduled, then either ``update()`` with
+one sampled token per ``sample_ids`` entry or ``revert()`` to drop the step. Requests are
+added and aborted between steps (an abort while a step is pending completes when the step
+closes); a finished request's output is taken once with ``take_output()``. Every call that
+raises has changed nothing. Modelled on vLLM's ``SchedulerInterface``
+(``vllm/v1/core/sched/interface.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from helix_kv._core import RequestOutput, ScheduleOutput, SchedulerMetrics
+from helix_kv.types import FlagArray, IntArray, TokenArray
+
+__all__ = ["SchedulerProtocol"]
+
+
+@runtime_checkable
+class SchedulerProtocol(Protocol):
+    """What :class:`helix_kv.Scheduler`, :class:`helix_kv.SimulatedCPGroup` and
+    ``helix_kv.distributed.HelixKVRank`` all provide (``isinstance`` checks the names only;
+    ``mypy`` checks the signatures)."""
+
+    def add_request(
+        self, request_id: int, prompt: TokenArray, max_new_tokens: int, priority: int = 0
+    ) -> None:
+        """Queues a request (``DuplicateRequestError`` if the id is live or its output not
+        yet taken; ``RequestTooLargeError`` if it can never fit)."""
+        ...
+
+    def abort(self, request_id: int) -> None:
+        """Aborts a live request; while a step is pending, it is aborted when the step
+        closes. A finished request whose output is not taken yet, or one already being
+        aborted, is left alone; any other id raises ``UnknownRequestError``."""
+        ...
+
+    def abort_many(self, request_ids: IntArray) -> None:
+        """Aborts requests in order, all or nothing (see :meth:`abort`)."""
+        ...
+
+    def schedule(self) -> ScheduleOutput:
+        """Schedules the next step (``InvalidStateError`` while one is pending)."""
+        ...
+
+    def update(self, tokens: TokenArray, eos: FlagArray | None = None) -> npt.NDArray[np.uint64]:
+        """Closes the pending step with one sampled token (and optionally an end-of-sequence
+        flag) per ``sample_ids`` entry; returns the ids that finished, whose outputs are now
+        ready for :meth:`take_output`."""
+        ...
+
+    def revert(self) -> npt.NDArray[np.uint64]:
+        """Undoes the pending step the executor did not run (its preemptions stay applied:
+        the victims re-prefill); returns the ids of requests whose abort was requested while
+        it was pending, aborted now."""
+        ...
+
+    def take_output(self, request_id: int) -> RequestOutput:
+        """The output of a finished or aborted request (its tokens, finish reason and
+        counters); taking it frees the id."""
+        ...
+
+    def metrics(self) -> SchedulerMetrics:
+        """The scheduler's totals (equal on every rank)."""
+        ...
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is still live (waiting, running or suspended)."""
+        ...
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV (prefilling or decoding)."""
+        ...
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for (re-)admission."""
+        ...
+
+
+if TYPE_CHECKING:
+    # Static proof that the three implementations satisfy the contract (``mypy --strict`` in
+    # CI checks these assignments; the tests check it at run time).
+    from helix_kv._core import Scheduler
+    from helix_kv.cpgroup import SimulatedCPGroup
+    from helix_kv.distributed.rank import HelixKVRank
+
+    def _implementations(
+        scheduler: Scheduler, group: SimulatedCPGroup, rank: HelixKVRank
+    ) -> list[SchedulerProtocol]:
+        return [scheduler, group, rank]
