@@ -65,6 +65,8 @@ def test_every_python_block_is_a_program_or_a_labelled_fragment() -> None:
 def test_python_block_runs_as_written(page: str, line: int, code: str, tmp_path: Path) -> None:
     if re.search(r"^import torch|^from helix_kv\.(executor|distributed)", code, re.MULTILINE):
         pytest.importorskip("torch")
+    if "prometheus_client" in code:
+        pytest.importorskip("prometheus_client")  # the metrics extra (in the test extra too)
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tmp_path,  # a block may write files (a trace, a plot)
@@ -83,6 +85,7 @@ def test_the_engine_loop_uses_no_placeholder_names() -> None:
     assert {page for page, _, code in PROGRAMS if "HelixKVRank.create" in code} == {
         "README.md",
         "docs/executor.md",
+        "docs/kv-memory-pressure.md",  # the Prometheus example
     }
     for code in loops:
         for name in ("free_kv_bytes", "make_kv_pool", "run_model"):

@@ -10,6 +10,7 @@ raises the same :class:`~helix_kv.ScheduleMismatchError` (built by
 
 from __future__ import annotations
 
+import time
 import warnings
 import zlib
 from datetime import timedelta
@@ -58,6 +59,10 @@ class ScheduleChecker:
         self.group, self.rank, self.size = resolve_group(group)
         self.enabled = self.size > 1
         self._pending_update: tuple[int, SampledTokens] | None = None
+        #: Comparisons done and their wall time in seconds, for metrics (the clock never reaches
+        #: a decision). Both only grow; a mismatch's gather is not timed.
+        self.checks = 0
+        self.check_seconds = 0.0
         if not self.enabled:
             warnings.warn(
                 "helix_kv schedule check requested but it cannot apply: this CP group has one "
@@ -101,6 +106,7 @@ class ScheduleChecker:
         schedules for this step differ (or, after :meth:`record_update`, the tokens they fed)."""
         if not self.enabled:
             return
+        started = time.perf_counter()
         value = output.digest
         if self._pending_update is not None:
             value ^= self._pending_update[0]
@@ -111,6 +117,8 @@ class ScheduleChecker:
         self._reduce()
         agreed = values[0] == value and ~values[1] == value
         pending, self._pending_update = self._pending_update, None
+        self.check_seconds += time.perf_counter() - started
+        self.checks += 1
         if not agreed:
             self._raise_mismatch(output, pending)
 

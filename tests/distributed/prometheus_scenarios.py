@@ -1,0 +1,45 @@
+"""Rank-side part of the Prometheus tests over a real group (module-level, so spawned ranks can
+import it): a checked, pressured run scraped through ``prometheus_client`` on every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dist_scenarios as sc
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from helix_kv.distributed.prometheus import register_rank_metrics
+
+Samples = dict[str, tuple[str, dict[str, str], float]]
+
+
+def scrape(registry: CollectorRegistry) -> Samples:
+    """``{sample name: (family type, labels, value)}`` of one scrape, read back from the
+    exposition text with prometheus_client's own parser."""
+    text = generate_latest(registry).decode("utf-8")
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            assert sample.name not in samples, f"{sample.name} exposed twice"
+            samples[sample.name] = (family.type, dict(sample.labels), float(sample.value))
+    return samples
+
+
+def scenario_scraped_run(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """A pressured run with the schedule check on, scraped after every step."""
+    built = sc.pressured_rank(world)
+    registry = CollectorRegistry()
+    register_rank_metrics(built, registry)
+    sc.add_workload(built, count=12)
+    scrapes: list[Samples] = [scrape(registry)]
+    for _ in sc.drive(built):
+        scrapes.append(scrape(registry))  # between schedule() and update()
+    scrapes.append(scrape(registry))
+    assert built.checker is not None
+    return {
+        "scrapes": scrapes,
+        "checks": built.checker.checks,
+        "check_seconds": built.checker.check_seconds,
+        "metrics": built.scheduler.metrics().to_dict(),
+    }
