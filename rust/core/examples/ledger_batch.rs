@@ -1,7 +1,11 @@
 //! Cost of the batched ledger calls the Python bench times (`grow_many` + `free_many` at
 //! batch 1024, cp = 4, tpb = 32), per request, with `add_many` untimed. Run with
 //! `cargo run --release -p helix-kv-core --example ledger_batch [superblocks ...]`.
-#![allow(clippy::cast_precision_loss)] // timings for printing
+#![expect(clippy::cast_precision_loss, reason = "timings for printing")]
+#![expect(
+    clippy::disallowed_methods,
+    reason = "a benchmark reads the clock to time itself; nothing it decides depends on it"
+)]
 
 use std::time::Instant;
 

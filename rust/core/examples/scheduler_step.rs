@@ -2,7 +2,11 @@
 //! without and with steady KV pressure. Run with
 //! `cargo run --release -p helix-kv-core --example scheduler_step [N ...]` (env `ONLY=free`
 //! or `ONLY=pressure`, `WORK=` request-steps per run).
-#![allow(clippy::cast_precision_loss)] // timings and rates for printing
+#![expect(clippy::cast_precision_loss, reason = "timings and rates for printing")]
+#![expect(
+    clippy::disallowed_methods,
+    reason = "a benchmark reads the clock to time itself; nothing it decides depends on it"
+)]
 
 use std::time::Instant;
 

@@ -11,7 +11,10 @@
 //! that preempted for it); preemption bound (past it only for the queue head); replay
 //! (re-prefill tokens == prompt + tokens generated so far; decode positions continue
 //! from the new prompt end).
-#![allow(dead_code)]
+#![allow(
+    dead_code,
+    reason = "each test crate uses its own part of these shared helpers"
+)]
 
 use std::collections::{BTreeMap, BTreeSet};
 
