@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use helix_kv_core::{Layout, Ledger};
 
-const BATCH: u64 = 1024;
+const BATCH: usize = 1024;
 
 fn main() {
     let sizes: Vec<u64> = std::env::args()
@@ -25,10 +25,10 @@ fn main() {
     };
     for each in sizes {
         let layout = Layout::new(4, 32).unwrap();
-        let mut ledger = Ledger::new(layout, (BATCH * each) as u32).unwrap();
-        let ids: Vec<u64> = (0..BATCH).collect();
-        let zeros = vec![0; BATCH as usize];
-        let lens = vec![each * layout.tokens_per_superblock(); BATCH as usize];
+        let mut ledger = Ledger::new(layout, u32::try_from(BATCH as u64 * each).unwrap()).unwrap();
+        let ids: Vec<u64> = (0..BATCH as u64).collect();
+        let zeros = vec![0; BATCH];
+        let lens = vec![each * layout.tokens_per_superblock(); BATCH];
         let mut ok = Vec::new();
         let (mut add, mut grow, mut free) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
         // The best of many rounds: a shared machine adds noise, never removes it.

@@ -65,6 +65,10 @@ impl Layout {
     }
 
     /// The rank that holds global position `pos`: `(pos // tpb) % cp`.
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "a remainder modulo cp, a u32"
+    )]
     pub fn owner_rank(self, pos: u64) -> u32 {
         ((pos / u64::from(self.tokens_per_block)) % u64::from(self.cp)) as u32
     }
@@ -137,8 +141,7 @@ mod tests {
     fn brute_force(layout: Layout, n: u64) -> Vec<Vec<u64>> {
         let mut held = vec![Vec::new(); layout.cp() as usize];
         for pos in 0..n {
-            let owner =
-                ((pos / u64::from(layout.tokens_per_block())) % u64::from(layout.cp())) as usize;
+            let owner = usize::try_from(layout.owner_rank(pos)).unwrap();
             held[owner].push(pos);
         }
         held

@@ -12,6 +12,25 @@ use crate::{RequestId, SuperblockId};
 /// -1), so every id must fit `i32`.
 pub const MAX_CAPACITY: u32 = i32::MAX as u32;
 
+/// A superblock id as the int32 page id of block tables and the executor's arrays.
+#[expect(
+    clippy::cast_possible_wrap,
+    reason = "ids are below the pool's capacity, at most MAX_CAPACITY = i32::MAX (`Ledger::new` refuses more)"
+)]
+pub(crate) fn page_id(superblock: SuperblockId) -> i32 {
+    debug_assert!(superblock < MAX_CAPACITY);
+    superblock as i32
+}
+
+/// The length of a page table or of the free list, in superblocks.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "a table or the free list holds at most the pool's capacity, a u32"
+)]
+pub(crate) fn superblock_count(len: usize) -> u32 {
+    len as u32
+}
+
 /// One request's KV holdings and the counters that decide where its tokens go.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestKv {
@@ -160,7 +179,7 @@ impl Ledger {
     }
     /// Superblocks not held by any request.
     pub fn free_superblocks(&self) -> u32 {
-        self.free.len() as u32
+        superblock_count(self.free.len())
     }
     /// Superblocks held by requests.
     pub fn used_superblocks(&self) -> u32 {
@@ -209,7 +228,7 @@ impl Ledger {
             .map(|&slot| {
                 (
                     self.requests[slot].id,
-                    self.requests[slot].table.len() as u32,
+                    superblock_count(self.requests[slot].table.len()),
                 )
             })
             .collect();
@@ -331,6 +350,10 @@ impl Ledger {
             request.len = new_len;
             return true;
         }
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "`new_len` is within the pool (checked by the caller), so this is at most its capacity, a u32"
+        )]
         let needed = self.layout.superblocks_for(new_len) as usize;
         let extra = needed.saturating_sub(request.table.len());
         if extra > self.free.len() {
@@ -352,6 +375,10 @@ impl Ledger {
     }
 
     fn shrink_slot(&mut self, slot: usize, new_len: u64) {
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "`new_len` is at most the reserved length, so this is at most the table's length"
+        )]
         let keep = if new_len == 0 {
             0 // free, recompute-pause, suspend
         } else {
@@ -612,7 +639,7 @@ impl Ledger {
     pub fn suspend(&mut self, id: RequestId) -> Result<u32> {
         let slot = self.active_slot_of(id)?;
         let request = &self.requests[slot];
-        let (len, held) = (request.len, request.table.len() as u32);
+        let (len, held) = (request.len, superblock_count(request.table.len()));
         self.shrink_slot(slot, 0);
         let request = &mut self.requests[slot];
         request.suspended_len = Some(len);
@@ -684,7 +711,7 @@ impl Ledger {
                 )));
             }
             for (dst, &page) in row.iter_mut().zip(table) {
-                *dst = page as i32;
+                *dst = page_id(page);
             }
             row[table.len()..].fill(-1);
         }
@@ -730,6 +757,12 @@ impl Ledger {
         let tpb = u64::from(layout.tokens_per_block());
         for ((slot, &start), &count) in slots.into_iter().zip(starts).zip(counts) {
             let table = &self.requests[slot].table;
+            #[expect(
+                clippy::cast_possible_truncation,
+                clippy::cast_possible_wrap,
+                reason = "reserved positions index the table (checked above), and a page id is below 2^31 and \
+                          tpb below 2^32, so page * tpb + offset < 2^63 fits i64"
+            )]
             out.extend((start..start + count).map(|pos| {
                 if layout.owner_rank(pos) == rank {
                     let page = table[layout.superblock_index(pos) as usize];

@@ -139,6 +139,10 @@ impl Scheduler {
             steps_waited: request.steps_waited,
             generated_tokens: request.generated(),
         };
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "the original prompt length was a slice length"
+        )]
         let generated = request
             .tokens
             .split_off(request.original_prompt_len as usize);

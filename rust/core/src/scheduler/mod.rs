@@ -30,7 +30,7 @@ pub use metrics::{RequestMetrics, SchedulerMetrics};
 pub use output::ScheduleOutput;
 pub use request::{FinishReason, RequestOutput, RequestState};
 
-use crate::digest::Fnv64;
+use crate::digest::{bits, Fnv64};
 use crate::error::{CoreError, Result};
 use crate::layout::Layout;
 use crate::ledger::Ledger;
@@ -104,7 +104,7 @@ pub struct Scheduler {
     /// Request of each generation entry, in output order (for `update`).
     generation_reqs: Vec<ReqSlot>,
     /// Generation entries whose request had no batch slot yet.
-    generation_needing_slots: Vec<u32>,
+    generation_needing_slots: Vec<usize>,
     /// Whether a request was preempted after its generation entry was made.
     generation_removed: bool,
     journal: Vec<JournalEntry>,
@@ -226,7 +226,12 @@ impl Scheduler {
             slot
         } else {
             self.requests.push(request);
-            (self.requests.len() - 1) as ReqSlot
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "2^32 live requests would take at least 256 GiB of request records (64 bytes each) first"
+            )]
+            let slot = (self.requests.len() - 1) as ReqSlot;
+            slot
         };
         // The ledger's slab and `requests` take and give back positions in step, so a
         // request's slot is also its ledger position (the decode path's lookup hint).
@@ -449,7 +454,7 @@ impl Scheduler {
             h.u64(r.computed);
             h.u64(r.tokens.len() as u64);
             for &token in &r.tokens {
-                h.word(u64::from(token as u32));
+                h.word(bits(token));
             }
             h.u64(r.batch_slot.get().map_or(u64::MAX, u64::from));
             h.u64(u64::from(r.preemptions));

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use crate::digest::LaneDigest;
+use crate::digest::{bits, LaneDigest};
 use crate::RequestId;
 
 /// The schedule of one step. Every field is identical on every rank of a CP group except
@@ -81,7 +81,7 @@ pub struct ScheduleOutput {
 
 /// Two 32-bit values in one digest word.
 fn pack(low: i32, high: i32) -> u64 {
-    u64::from(low as u32) | (u64::from(high as u32) << 32)
+    bits(low) | (bits(high) << 32)
 }
 
 impl ScheduleOutput {
@@ -132,11 +132,7 @@ impl ScheduleOutput {
         h.words(&self.context_starts);
         h.words(&self.context_lens);
         h.flags(&self.context_completes);
-        h.stream(
-            self.context_batch_slots
-                .iter()
-                .map(|&v| u64::from(v as u32)),
-        );
+        h.stream(self.context_batch_slots.iter().map(|&v| bits(v)));
         let tokens = self
             .context_token_ids
             .chunks(2)
@@ -163,11 +159,7 @@ impl ScheduleOutput {
         ] {
             h.words(ids);
         }
-        h.stream(
-            self.suspended_block_ids
-                .iter()
-                .map(|&v| u64::from(v as u32)),
-        );
+        h.stream(self.suspended_block_ids.iter().map(|&v| bits(v)));
         h.word(self.sample_ids.len() as u64);
         h.finish()
     }

@@ -2,11 +2,13 @@
 //! and the output arrays.
 
 use super::request::NO_STEP;
+use super::slots::slot_id;
 use super::victim::VictimKey;
 use super::{
     CapacityPolicy, ContextEntry, CoreError, JournalEntry, ReqSlot, RequestId, RequestState,
     Result, ScheduleOutput, Scheduler, ServingMode, VictimPolicy,
 };
+use crate::ledger::{page_id, superblock_count};
 
 impl Scheduler {
     /// Decides the next step. Fails with `InvalidState` while the previous step awaits
@@ -143,10 +145,10 @@ impl Scheduler {
         let entry = self.building.generation_ids.len();
         request.scheduled_step = step;
         let slot = if let Some(slot) = request.batch_slot.get() {
-            slot as i32
+            slot_id(slot)
         } else {
             self.step_new_slots += 1;
-            self.generation_needing_slots.push(entry as u32);
+            self.generation_needing_slots.push(entry);
             -1
         };
         let out = &mut self.building;
@@ -237,7 +239,11 @@ impl Scheduler {
         out.context_lens.push(len);
         out.context_completes.push(end == request.prefill_len());
         out.context_batch_slots
-            .push(request.batch_slot.get().map_or(-1, |slot| slot as i32));
+            .push(request.batch_slot.get().map_or(-1, slot_id));
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "a chunk lies inside `tokens`: `end <= prefill_len() == tokens.len()`"
+        )]
         out.context_token_ids
             .extend_from_slice(&request.tokens[start as usize..end as usize]);
         self.context.push(ContextEntry {
@@ -343,7 +349,8 @@ impl Scheduler {
                 Some(match policy {
                     VictimPolicy::NewestFirst => 0,
                     VictimPolicy::LeastComputedFirst => r.computed,
-                    VictimPolicy::Priority => (i64::from(r.priority) - i64::from(i32::MIN)) as u64,
+                    // The priority shifted to `0..2^32`, order kept.
+                    VictimPolicy::Priority => i64::from(r.priority).abs_diff(i64::from(i32::MIN)),
                 })
             };
             let finder = if at_bound {
@@ -385,7 +392,7 @@ impl Scheduler {
             self.step_new_slots -= u32::from(request.batch_slot.is_none());
             self.generation_removed = true;
         }
-        let held = self.ledger.request(id)?.table().len() as u32;
+        let held = superblock_count(self.ledger.request(id)?.table().len());
         let suspend = self.config.serving_mode == ServingMode::NonHelix
             && self.config.host_tier_superblocks > 0
             && self.host_used_superblocks + held <= self.config.host_tier_superblocks;
@@ -402,7 +409,7 @@ impl Scheduler {
             let table = self.ledger.request(id)?.table();
             let out = &mut self.building;
             out.suspended_block_ids
-                .extend(table.iter().map(|&page| page as i32));
+                .extend(table.iter().copied().map(page_id));
             out.suspended_block_counts.push(table.len() as u64);
             out.suspended_ids.push(id);
             out.suspended_requester_ids.push(requester);
@@ -434,7 +441,7 @@ impl Scheduler {
     /// they were scheduled, and digests it.
     fn finish_step(&mut self, step: u64) {
         for &entry in &self.generation_needing_slots {
-            let req = self.generation_reqs[entry as usize];
+            let req = self.generation_reqs[entry];
             let request = &mut self.requests[req as usize];
             if request.scheduled_step != step {
                 continue; // preempted after it was scheduled
@@ -445,7 +452,7 @@ impl Scheduler {
                 .expect("a free batch slot was counted for this entry");
             request.batch_slot.set(slot);
             self.new_slot_reqs.push(req);
-            self.building.generation_batch_slots[entry as usize] = slot as i32;
+            self.building.generation_batch_slots[entry] = slot_id(slot);
         }
         for (i, entry) in self.context.iter().enumerate() {
             let request = &mut self.requests[entry.req as usize];
@@ -456,7 +463,7 @@ impl Scheduler {
                     .expect("a free batch slot was counted for this entry");
                 request.batch_slot.set(slot);
                 self.new_slot_reqs.push(entry.req);
-                self.building.context_batch_slots[i] = slot as i32;
+                self.building.context_batch_slots[i] = slot_id(slot);
             }
         }
         if self.generation_removed {
