@@ -123,8 +123,8 @@ impl Layout {
             .checked_add(u64::from(rank) * tpb + local_index % tpb)
     }
 
-    /// Physical slot of global position `pos` on its owner rank, given the request's
-    /// superblock table (superblock id == physical page id on every rank).
+    /// KV slot (cell of its owner rank's page pool) of global position `pos`, given the
+    /// request's superblock table (superblock id == physical page id on every rank).
     /// `None` if the table does not reach `pos`.
     pub fn slot(self, pos: u64, table: &[crate::SuperblockId]) -> Option<u64> {
         let tpb = u64::from(self.tokens_per_block);

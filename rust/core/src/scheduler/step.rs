@@ -5,7 +5,7 @@ use super::request::NO_STEP;
 use super::slots::slot_id;
 use super::victim::VictimKey;
 use super::{
-    CapacityPolicy, ContextEntry, CoreError, JournalEntry, ReqSlot, RequestId, RequestState,
+    CapacityPolicy, ContextEntry, CoreError, JournalEntry, RequestId, RequestIndex, RequestState,
     Result, ScheduleOutput, Scheduler, ServingMode, VictimPolicy,
 };
 use crate::ledger::{page_id, superblock_count};
@@ -78,13 +78,13 @@ impl Scheduler {
     }
 
     fn generation_phase(&mut self, step: u64) -> Result<()> {
-        for pos in 0..self.queue.len() {
-            let req = self.queue[pos];
+        for queue_pos in 0..self.queue.len() {
+            let req = self.queue[queue_pos];
             let request = &self.requests[req as usize];
             match request.state {
-                RequestState::Decoding => self.schedule_decode(step, pos, req)?,
+                RequestState::Decoding => self.schedule_decode(step, queue_pos, req)?,
                 RequestState::Suspended if request.victim_step != step => {
-                    self.try_resume(step, pos, req)?;
+                    self.try_resume(step, queue_pos, req)?;
                 }
                 _ => {}
             }
@@ -92,23 +92,23 @@ impl Scheduler {
         Ok(())
     }
 
-    fn schedule_decode(&mut self, step: u64, pos: usize, req: ReqSlot) -> Result<()> {
+    fn schedule_decode(&mut self, step: u64, queue_pos: usize, req: RequestIndex) -> Result<()> {
         let request = &self.requests[req as usize];
         let needs_slot = request.batch_slot.is_none();
         if self.step_tokens >= u64::from(self.config.max_num_tokens)
             || (needs_slot && self.free_slots_now() == 0)
         {
-            // Out of budget: not scheduled, keeps its slot; not a sit-out.
+            // Out of budget: not scheduled, keeps its batch slot; not a sit-out.
             return Ok(());
         }
         let id = request.id;
         let mut preempted = false;
         loop {
-            // The request's slot is its ledger position (see `add_request`).
+            // The request's index is also its ledger entry (see `add_request`).
             if let Some(position) = self.ledger.allocate_decode_at(req as usize, id, step)? {
                 self.push_generation_entry(step, req, position);
                 if preempted {
-                    self.mark_served_by_preempting(step, pos, req);
+                    self.mark_served_by_preempting(step, queue_pos, req);
                 }
                 return Ok(());
             }
@@ -119,12 +119,12 @@ impl Scheduler {
             }
             let kv = self.ledger.request(id)?;
             let new_len = kv.len().max(kv.next_decode_position() + 1);
-            if !self.preempt_for(step, pos, id, new_len)? {
+            if !self.preempt_for(step, queue_pos, id, new_len)? {
                 break;
             }
             preempted = true;
         }
-        // Neither pages nor a victim: sit out, and give the slot up so a one-step-ahead
+        // Neither pages nor a victim: sit out, and give the batch slot up so a one-step-ahead
         // executor cannot read it as still belonging to this request.
         let request = &mut self.requests[req as usize];
         request.sat_out_slot = request.batch_slot.take();
@@ -139,7 +139,7 @@ impl Scheduler {
     /// Records a scheduled decode straight into the output being built (the common case
     /// touches each request once per step); a victim's entry is dropped in
     /// `finish_step`, a missing batch slot and the placement fields are filled in there.
-    fn push_generation_entry(&mut self, step: u64, req: ReqSlot, position: u64) {
+    fn push_generation_entry(&mut self, step: u64, req: RequestIndex, position: u64) {
         let request = &mut self.requests[req as usize];
         debug_assert_eq!(position, request.computed);
         let entry = self.building.generation_ids.len();
@@ -164,12 +164,12 @@ impl Scheduler {
     /// Brings a suspended request back when the pool has room for it. The queue head
     /// does not wait for room: like any other head it may take pages from requests
     /// behind it (see `preempt_for`), so a small preemption bound cannot stall it.
-    fn try_resume(&mut self, step: u64, pos: usize, req: ReqSlot) -> Result<()> {
+    fn try_resume(&mut self, step: u64, queue_pos: usize, req: RequestIndex) -> Result<()> {
         let id = self.requests[req as usize].id;
         let mut resumed = self.ledger.resume(id)?;
-        if !resumed && pos == 0 {
+        if !resumed && queue_pos == 0 {
             let len = self.ledger.request(id)?.suspended_len().unwrap_or_default();
-            resumed = self.preempt_for(step, pos, id, len)? && self.ledger.resume(id)?;
+            resumed = self.preempt_for(step, queue_pos, id, len)? && self.ledger.resume(id)?;
         }
         if resumed {
             let request = &mut self.requests[req as usize];
@@ -192,8 +192,8 @@ impl Scheduler {
         }
         let unit = u64::from(self.config.effective_chunk_unit());
         let max_tokens = u64::from(self.config.max_num_tokens);
-        for pos in 0..self.queue.len() {
-            let req = self.queue[pos];
+        for queue_pos in 0..self.queue.len() {
+            let req = self.queue[queue_pos];
             let request = &self.requests[req as usize];
             let admitting = match request.state {
                 RequestState::Waiting => true,
@@ -219,7 +219,7 @@ impl Scheduler {
             } else {
                 0
             };
-            if chunk == 0 || !self.reserve_prefill(step, pos, req, start + chunk)? {
+            if chunk == 0 || !self.reserve_prefill(step, queue_pos, req, start + chunk)? {
                 // Head of line: nothing behind may take budget or pages this one could not.
                 break;
             }
@@ -229,7 +229,7 @@ impl Scheduler {
         Ok(())
     }
 
-    fn push_context_entry(&mut self, step: u64, req: ReqSlot, start: u64, len: u64) {
+    fn push_context_entry(&mut self, step: u64, req: RequestIndex, start: u64, len: u64) {
         let request = &mut self.requests[req as usize];
         request.scheduled_step = step;
         let end = start + len;
@@ -260,8 +260,8 @@ impl Scheduler {
     fn reserve_prefill(
         &mut self,
         step: u64,
-        pos: usize,
-        req: ReqSlot,
+        queue_pos: usize,
+        req: RequestIndex,
         target: u64,
     ) -> Result<bool> {
         let request = &self.requests[req as usize];
@@ -283,7 +283,7 @@ impl Scheduler {
                 self.journal.push(JournalEntry::Reserve { req, len_before });
                 return Ok(true);
             }
-            if !self.preempt_for(step, pos, id, reserve_to)? {
+            if !self.preempt_for(step, queue_pos, id, reserve_to)? {
                 return Ok(false);
             }
         }
@@ -292,10 +292,10 @@ impl Scheduler {
     /// A decode request that got its page by preempting is no victim for the rest of the
     /// step: an older context request taking its pages would make the preemption it
     /// paid for futile.
-    fn mark_served_by_preempting(&mut self, step: u64, pos: usize, req: ReqSlot) {
+    fn mark_served_by_preempting(&mut self, step: u64, queue_pos: usize, req: RequestIndex) {
         self.requests[req as usize].rescued_step = step;
-        self.victims.remove(pos);
-        self.head_victims.remove(pos);
+        self.victims.remove(queue_pos);
+        self.head_victims.remove(queue_pos);
     }
 
     /// The ladder for the requester at queue position `requester_pos`, which needs its KV
@@ -334,8 +334,8 @@ impl Scheduler {
         };
         'tiers: for &at_bound in tiers {
             let (requests, queue) = (&self.requests, &self.queue);
-            let key = |pos: usize| -> VictimKey {
-                let r = &requests[queue[pos] as usize];
+            let key = |queue_pos: usize| -> VictimKey {
+                let r = &requests[queue[queue_pos] as usize];
                 let holds_pages =
                     matches!(r.state, RequestState::Prefilling | RequestState::Decoding);
                 if !holds_pages
@@ -359,13 +359,13 @@ impl Scheduler {
                 &mut self.victims
             };
             while covered < need {
-                let Some(pos) = finder.find(requester_pos, key) else {
+                let Some(queue_pos) = finder.find(requester_pos, key) else {
                     continue 'tiers;
                 };
-                finder.remove(pos);
-                let id = self.requests[self.queue[pos] as usize].id;
+                finder.remove(queue_pos);
+                let id = self.requests[self.queue[queue_pos] as usize].id;
                 covered += self.ledger.request(id)?.table().len() as u64;
-                self.plan.push(pos);
+                self.plan.push(queue_pos);
             }
             break;
         }
@@ -381,7 +381,7 @@ impl Scheduler {
         Ok(true)
     }
 
-    fn preempt(&mut self, step: u64, victim: ReqSlot, requester: RequestId) -> Result<()> {
+    fn preempt(&mut self, step: u64, victim: RequestIndex, requester: RequestId) -> Result<()> {
         let request = &self.requests[victim as usize];
         let id = request.id;
         if request.state == RequestState::Decoding && request.scheduled_step == step {
