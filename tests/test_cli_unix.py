@@ -71,9 +71,14 @@ def test_python_m_helix_kv_is_the_cli() -> None:
         (["--prompt-len", "3000000000"], "argument --prompt-len: must be at most 1048576"),
         (["--cp", "5000000000"], "argument --cp: must be at most 256"),
         (
-            ["--kv-tokens", "137438953440"],
-            "--kv-tokens 137438953440 is 4294967295 superblocks of 32 tokens; "
+            ["--kv-tokens", "68719476704"],
+            "--kv-tokens 68719476704 is 2147483647 superblocks of 32 tokens; "
             "the simulator holds at most 4194304",
+        ),
+        (
+            ["--kv-tokens", "137438953440"],
+            "capacity_superblocks = 4294967295 is more than 2147483647, the most superblocks "
+            "int32 page ids can name",
         ),
     ],
 )

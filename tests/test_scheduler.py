@@ -94,6 +94,8 @@ def test_kv_tokens_round_down_to_superblocks() -> None:
         ({"kv_superblocks": 4, "kv_tokens": 400}, "exactly one of kv_superblocks"),
         ({"kv_superblocks": 0}, "capacity_superblocks"),
         ({"kv_superblocks": -1}, "kv_superblocks must be"),
+        ({"kv_superblocks": 2**31}, "capacity_superblocks = 2147483648 is more than 2147483647"),
+        ({"kv_tokens": 2**31 * 32}, "int32 page ids"),
         ({"kv_superblocks": 4, "cp_size": 0}, "cp_size"),
         ({"kv_superblocks": 4, "cp_rank": 1}, "cp_rank = 1 must be below cp_size = 1"),
         ({"kv_superblocks": 4, "max_num_tokens": 16}, "chunk_unit"),

@@ -2,7 +2,11 @@
 //! without and with steady KV pressure. Run with
 //! `cargo run --release -p helix-kv-core --example scheduler_step [N ...]` (env `ONLY=free`
 //! or `ONLY=pressure`, `WORK=` request-steps per run).
-#![allow(clippy::cast_precision_loss)] // timings and rates for printing
+#![expect(clippy::cast_precision_loss, reason = "timings and rates for printing")]
+#![expect(
+    clippy::disallowed_methods,
+    reason = "a benchmark reads the clock to time itself; nothing it decides depends on it"
+)]
 
 use std::time::Instant;
 
@@ -10,7 +14,7 @@ use helix_kv_core::{Scheduler, SchedulerConfig};
 
 const CP: u32 = 4;
 const TOKENS_PER_BLOCK: u32 = 32;
-const PROMPT: usize = 100;
+const PROMPT: u32 = 100;
 
 /// `n` requests decoding in a pool of `superblocks`; finished requests are replaced, so
 /// `n` stay live. Returns nanoseconds per live request per step, and preemptions.
@@ -22,7 +26,7 @@ fn measure(n: u32, superblocks: u32, max_new: u32, steps: u32) -> (f64, u64) {
     config.max_num_tokens = n + 4096;
     config.max_preemptions_per_request = 1_000_000;
     let mut scheduler = Scheduler::new(config).unwrap();
-    let prompt: Vec<i32> = (0..PROMPT as i32).collect();
+    let prompt: Vec<i32> = (0..i32::try_from(PROMPT).unwrap()).collect();
     let mut next_id = 0u64;
     for _ in 0..n {
         scheduler.add_request(next_id, &prompt, max_new, 0).unwrap();
@@ -72,7 +76,7 @@ fn main() {
         let steps = work / n;
         // Nobody finishes: pure decode.
         let max_new = steps + 400;
-        let per_request = (PROMPT as u32 + max_new).div_ceil(CP * TOKENS_PER_BLOCK);
+        let per_request = (PROMPT + max_new).div_ceil(CP * TOKENS_PER_BLOCK);
         let only = std::env::var("ONLY").unwrap_or_default();
         let (free, _) = if only == "pressure" {
             (0.0, 0)

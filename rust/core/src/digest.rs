@@ -1,6 +1,16 @@
 //! FNV-1a over little-endian integers: a stable, dependency-free fingerprint that is the
 //! same on every rank and platform (std's hashers are not guaranteed stable).
 
+/// The two's-complement bits of a signed 32-bit value (a token, a page or a batch slot),
+/// zero-extended: the word a digest mixes in for it.
+#[expect(
+    clippy::cast_sign_loss,
+    reason = "a reinterpretation of the bits, not a conversion of the value"
+)]
+pub(crate) fn bits(v: i32) -> u64 {
+    u64::from(v as u32)
+}
+
 /// Incremental 64-bit FNV-1a.
 #[derive(Debug, Clone, Copy)]
 pub struct Fnv64(u64);
@@ -151,6 +161,7 @@ mod tests {
         let digest = |words: &[u64]| {
             let mut d = LaneDigest::new();
             d.words(words);
+            #[expect(clippy::cast_possible_truncation, reason = "the low halves")]
             let halves: Vec<u32> = words.iter().map(|&w| w as u32).collect();
             d.halves(&halves);
             d.finish()

@@ -65,6 +65,10 @@ impl Layout {
     }
 
     /// The rank that holds global position `pos`: `(pos // tpb) % cp`.
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "a remainder modulo cp, a u32"
+    )]
     pub fn owner_rank(self, pos: u64) -> u32 {
         ((pos / u64::from(self.tokens_per_block)) % u64::from(self.cp)) as u32
     }
@@ -119,8 +123,8 @@ impl Layout {
             .checked_add(u64::from(rank) * tpb + local_index % tpb)
     }
 
-    /// Physical slot of global position `pos` on its owner rank, given the request's
-    /// superblock table (superblock id == physical page id on every rank).
+    /// KV slot (cell of its owner rank's page pool) of global position `pos`, given the
+    /// request's superblock table (superblock id == physical page id on every rank).
     /// `None` if the table does not reach `pos`.
     pub fn slot(self, pos: u64, table: &[crate::SuperblockId]) -> Option<u64> {
         let tpb = u64::from(self.tokens_per_block);
@@ -190,7 +194,12 @@ impl Layout {
         for (&row, &pos) in rows.iter().zip(positions) {
             out.push(if self.owner_rank(pos) == rank {
                 let page = page_of(row, pos)?;
-                (u64::from(page) * tpb + pos % tpb) as i64
+                let slot = u64::from(page) * tpb + pos % tpb;
+                i64::try_from(slot).map_err(|_| {
+                    CoreError::InvalidArgument(format!(
+                        "position {pos} of row {row} maps to KV slot {slot}, past 2**63-1"
+                    ))
+                })?
             } else {
                 -1
             });
@@ -207,8 +216,7 @@ mod tests {
     fn brute_force(layout: Layout, n: u64) -> Vec<Vec<u64>> {
         let mut held = vec![Vec::new(); layout.cp() as usize];
         for pos in 0..n {
-            let owner =
-                ((pos / u64::from(layout.tokens_per_block())) % u64::from(layout.cp())) as usize;
+            let owner = usize::try_from(layout.owner_rank(pos)).unwrap();
             held[owner].push(pos);
         }
         held
@@ -277,13 +285,13 @@ mod tests {
                 .iter()
                 .zip(&positions)
                 .map(|(&row, &pos)| {
-                    let pages: Vec<u32> = table[row as usize * 2..][..2]
+                    let pages: Vec<u32> = table[usize::try_from(row).unwrap() * 2..][..2]
                         .iter()
                         .filter(|&&p| p >= 0)
-                        .map(|&p| p as u32)
+                        .map(|&p| u32::try_from(p).unwrap())
                         .collect();
                     if layout.owner_rank(pos) == rank {
-                        layout.slot(pos, &pages).unwrap() as i64
+                        i64::try_from(layout.slot(pos, &pages).unwrap()).unwrap()
                     } else {
                         -1
                     }

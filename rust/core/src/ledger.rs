@@ -12,6 +12,31 @@ use crate::{RequestId, SuperblockId};
 /// -1), so every id must fit `i32`.
 pub const MAX_CAPACITY: u32 = i32::MAX as u32;
 
+/// A superblock id as the int32 page id of block tables and the executor's arrays.
+#[expect(
+    clippy::cast_possible_wrap,
+    reason = "ids are below the pool's capacity, at most MAX_CAPACITY = i32::MAX (`Ledger::new` refuses more)"
+)]
+pub(crate) fn page_id(superblock: SuperblockId) -> i32 {
+    debug_assert!(superblock < MAX_CAPACITY);
+    superblock as i32
+}
+
+/// The length of a page table or of the free list, in superblocks.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "a table or the free list holds at most the pool's capacity, a u32"
+)]
+pub(crate) fn superblock_count(len: usize) -> u32 {
+    len as u32
+}
+
+/// Where a held request's [`RequestKv`] sits in the ledger's slab: its *ledger entry*.
+/// Stable while the request is held, and reused once it is freed. (A KV slot is a token's
+/// place in a rank's page pool, a batch slot a row of the executor's batch: other words
+/// for other things.)
+pub(crate) type EntryIndex = usize;
+
 /// One request's KV holdings and the counters that decide where its tokens go.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestKv {
@@ -117,13 +142,14 @@ pub struct Ledger {
     /// A stack: the last element is handed out next. Its order depends only on the
     /// sequence of calls, never on addresses or hashing.
     free: Vec<SuperblockId>,
-    /// A slab: freed entries stay (emptied, table capacity kept) and are reused from
-    /// `vacant`, so steady-state admission allocates nothing.
+    /// A slab of entries, one per held request: freed entries stay (emptied, table
+    /// capacity kept) and are reused from `vacant`, so steady-state admission allocates
+    /// nothing.
     requests: Vec<RequestKv>,
-    /// Stack of vacant positions in `requests`.
-    vacant: Vec<usize>,
-    /// Id -> position in `requests`; used for lookups only, never iterated.
-    index: FxHashMap<RequestId, usize>,
+    /// Stack of vacant entries.
+    vacant: Vec<EntryIndex>,
+    /// Id -> entry; used for lookups only, never iterated.
+    index: FxHashMap<RequestId, EntryIndex>,
 }
 
 impl Ledger {
@@ -172,7 +198,7 @@ impl Ledger {
     }
     /// Superblocks not held by any request.
     pub fn free_superblocks(&self) -> u32 {
-        self.free.len() as u32
+        superblock_count(self.free.len())
     }
     /// Superblocks held by requests.
     pub fn used_superblocks(&self) -> u32 {
@@ -191,26 +217,28 @@ impl Ledger {
         n <= self.free.len() as u64
     }
 
-    fn slot_of(&self, id: RequestId) -> Result<usize> {
+    /// The entry that holds `id`; stable while the request is held. The scheduler keeps
+    /// it to skip the id lookup on its per-step decode path.
+    pub(crate) fn entry_of(&self, id: RequestId) -> Result<EntryIndex> {
         self.index
             .get(&id)
             .copied()
             .ok_or(CoreError::UnknownRequest(id))
     }
 
-    fn active_slot_of(&self, id: RequestId) -> Result<usize> {
-        let slot = self.slot_of(id)?;
-        if self.requests[slot].is_suspended() {
+    fn active_entry_of(&self, id: RequestId) -> Result<EntryIndex> {
+        let entry = self.entry_of(id)?;
+        if self.requests[entry].is_suspended() {
             return Err(CoreError::InvalidState(format!(
                 "request {id} is suspended; resume it first"
             )));
         }
-        Ok(slot)
+        Ok(entry)
     }
 
     /// The request's holdings.
     pub fn request(&self, id: RequestId) -> Result<&RequestKv> {
-        Ok(&self.requests[self.slot_of(id)?])
+        Ok(&self.requests[self.entry_of(id)?])
     }
 
     /// Holdings as `(id, superblocks)`, sorted by id.
@@ -218,10 +246,10 @@ impl Ledger {
         let mut out: Vec<_> = self
             .index
             .values()
-            .map(|&slot| {
+            .map(|&entry| {
                 (
-                    self.requests[slot].id,
-                    self.requests[slot].table.len() as u32,
+                    self.requests[entry].id,
+                    superblock_count(self.requests[entry].table.len()),
                 )
             })
             .collect();
@@ -272,16 +300,16 @@ impl Ledger {
             decode_undo: None,
             suspended_len: None,
         };
-        let slot = if let Some(slot) = self.vacant.pop() {
-            let entry = &mut self.requests[slot];
-            let table = std::mem::take(&mut entry.table);
-            *entry = RequestKv { table, ..fresh };
-            slot
+        let entry = if let Some(entry) = self.vacant.pop() {
+            let kv = &mut self.requests[entry];
+            let table = std::mem::take(&mut kv.table);
+            *kv = RequestKv { table, ..fresh };
+            entry
         } else {
             self.requests.push(fresh);
             self.requests.len() - 1
         };
-        self.index.insert(id, slot);
+        self.index.insert(id, entry);
     }
 
     /// Batch `add`; validated whole (no repeated or held id, lengths in range) first.
@@ -310,14 +338,14 @@ impl Ledger {
         Ok(())
     }
 
-    fn check_grow(&self, id: RequestId, new_len: u64) -> Result<usize> {
-        let slot = self.active_slot_of(id)?;
-        self.check_grow_slot(slot, new_len)?;
-        Ok(slot)
+    fn check_grow(&self, id: RequestId, new_len: u64) -> Result<EntryIndex> {
+        let entry = self.active_entry_of(id)?;
+        self.check_grow_entry(entry, new_len)?;
+        Ok(entry)
     }
 
-    fn check_grow_slot(&self, slot: usize, new_len: u64) -> Result<()> {
-        let request = &self.requests[slot];
+    fn check_grow_entry(&self, entry: EntryIndex, new_len: u64) -> Result<()> {
+        let request = &self.requests[entry];
         if request.is_suspended() {
             return Err(CoreError::InvalidState(format!(
                 "request {} is suspended; resume it first",
@@ -335,14 +363,18 @@ impl Ledger {
     }
 
     /// Applies a validated grow; `false` (and no change) if the pool is short.
-    fn grow_slot(&mut self, slot: usize, new_len: u64) -> bool {
-        let request = &mut self.requests[slot];
+    fn grow_entry(&mut self, entry: EntryIndex, new_len: u64) -> bool {
+        let request = &mut self.requests[entry];
         // Most grows (every decode token but one per superblock) stay inside the last
         // superblock: settle those with a multiply instead of a division.
         if new_len <= request.table.len() as u64 * self.layout.tokens_per_superblock() {
             request.len = new_len;
             return true;
         }
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "`new_len` is within the pool (checked by the caller), so this is at most its capacity, a u32"
+        )]
         let needed = self.layout.superblocks_for(new_len) as usize;
         let extra = needed.saturating_sub(request.table.len());
         if extra > self.free.len() {
@@ -359,17 +391,21 @@ impl Ledger {
     /// Reserves room for `new_len` global tokens. Returns `false` and changes nothing if
     /// the pool cannot supply every superblock needed.
     pub fn grow(&mut self, id: RequestId, new_len: u64) -> Result<bool> {
-        let slot = self.check_grow(id, new_len)?;
-        Ok(self.grow_slot(slot, new_len))
+        let entry = self.check_grow(id, new_len)?;
+        Ok(self.grow_entry(entry, new_len))
     }
 
-    fn shrink_slot(&mut self, slot: usize, new_len: u64) {
+    fn shrink_entry(&mut self, entry: EntryIndex, new_len: u64) {
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "`new_len` is at most the reserved length, so this is at most the table's length"
+        )]
         let keep = if new_len == 0 {
             0 // free, recompute-pause, suspend
         } else {
             self.layout.superblocks_for(new_len) as usize
         };
-        let request = &mut self.requests[slot];
+        let request = &mut self.requests[entry];
         if let Some(released) = request.table.get(keep..) {
             self.free.extend(released.iter().rev());
             request.table.truncate(keep);
@@ -379,30 +415,30 @@ impl Ledger {
 
     /// Gives back everything past `new_len` global tokens.
     pub fn shrink(&mut self, id: RequestId, new_len: u64) -> Result<()> {
-        let slot = self.active_slot_of(id)?;
-        let current = self.requests[slot].len;
+        let entry = self.active_entry_of(id)?;
+        let current = self.requests[entry].len;
         if new_len > current {
             return Err(CoreError::InvalidLength(format!(
                 "shrink of request {id} to {new_len} tokens is above its {current} tokens; use grow"
             )));
         }
-        self.shrink_slot(slot, new_len);
+        self.shrink_entry(entry, new_len);
         Ok(())
     }
 
-    fn remove_slot(&mut self, slot: usize) {
-        self.shrink_slot(slot, 0);
-        self.index.remove(&self.requests[slot].id);
-        self.vacate(slot);
+    fn remove_entry(&mut self, entry: EntryIndex) {
+        self.shrink_entry(entry, 0);
+        self.index.remove(&self.requests[entry].id);
+        self.vacate(entry);
     }
 
     /// Makes an emptied slab entry reusable (its table keeps its capacity).
-    fn vacate(&mut self, slot: usize) {
-        let entry = &mut self.requests[slot];
-        let mut table = std::mem::take(&mut entry.table);
+    fn vacate(&mut self, entry: EntryIndex) {
+        let kv = &mut self.requests[entry];
+        let mut table = std::mem::take(&mut kv.table);
         table.clear();
         // Canonical contents, so equality never depends on what a vacant entry once held.
-        *entry = RequestKv {
+        *kv = RequestKv {
             id: 0,
             table,
             len: 0,
@@ -412,34 +448,34 @@ impl Ledger {
             decode_undo: None,
             suspended_len: None,
         };
-        self.vacant.push(slot);
+        self.vacant.push(entry);
     }
 
     /// Frees every superblock of `id` and forgets it.
     pub fn free(&mut self, id: RequestId) -> Result<()> {
-        let slot = self.slot_of(id)?;
-        self.remove_slot(slot);
+        let entry = self.entry_of(id)?;
+        self.remove_entry(entry);
         Ok(())
     }
 
-    /// Slots of `ids`, refusing unknown ids and ids repeated within the batch.
-    fn unique_slots(&self, ids: &[RequestId]) -> Result<Vec<usize>> {
+    /// The entries of `ids`, refusing unknown ids and ids repeated within the batch.
+    fn unique_entries(&self, ids: &[RequestId]) -> Result<Vec<EntryIndex>> {
         let mut seen = vec![false; self.requests.len()];
-        let mut slots = Vec::with_capacity(ids.len());
+        let mut entries = Vec::with_capacity(ids.len());
         for &id in ids {
-            let slot = self.slot_of(id)?;
-            if std::mem::replace(&mut seen[slot], true) {
+            let entry = self.entry_of(id)?;
+            if std::mem::replace(&mut seen[entry], true) {
                 return Err(CoreError::InvalidArgument(format!(
                     "request {id} appears twice in one batch"
                 )));
             }
-            slots.push(slot);
+            entries.push(entry);
         }
-        Ok(slots)
+        Ok(entries)
     }
 
     /// Batch grow: `ok[i]` says whether `ids[i]` reached `new_lens[i]`. The whole batch is
-    /// validated before anything is applied; entries are applied in order, each all or
+    /// validated before anything is applied; ids are applied in order, each all or
     /// nothing.
     pub fn grow_many(
         &mut self,
@@ -454,16 +490,16 @@ impl Ledger {
                 new_lens.len()
             )));
         }
-        let slots = self.unique_slots(ids)?;
-        for (&slot, &len) in slots.iter().zip(new_lens) {
-            self.check_grow_slot(slot, len)?;
+        let entries = self.unique_entries(ids)?;
+        for (&entry, &len) in entries.iter().zip(new_lens) {
+            self.check_grow_entry(entry, len)?;
         }
         ok.clear();
         ok.extend(
-            slots
+            entries
                 .into_iter()
                 .zip(new_lens)
-                .map(|(slot, &len)| self.grow_slot(slot, len)),
+                .map(|(entry, &len)| self.grow_entry(entry, len)),
         );
         Ok(())
     }
@@ -473,21 +509,21 @@ impl Ledger {
         // One index probe per id: each is taken out of the index straight away. An
         // unknown or repeated id puts back every one taken (the index is looked up,
         // never iterated, so that leaves no trace) and reports what validation finds.
-        let mut slots = Vec::with_capacity(ids.len());
+        let mut entries = Vec::with_capacity(ids.len());
         for &id in ids {
-            let Some(slot) = self.index.remove(&id) else {
-                for (&id, &slot) in ids.iter().zip(&slots) {
-                    self.index.insert(id, slot);
+            let Some(entry) = self.index.remove(&id) else {
+                for (&id, &entry) in ids.iter().zip(&entries) {
+                    self.index.insert(id, entry);
                 }
                 return Err(self
-                    .unique_slots(ids)
+                    .unique_entries(ids)
                     .expect_err("a batch with an unknown or repeated id fails validation"));
             };
-            slots.push(slot);
+            entries.push(entry);
         }
-        for slot in slots {
-            self.shrink_slot(slot, 0);
-            self.vacate(slot);
+        for entry in entries {
+            self.shrink_entry(entry, 0);
+            self.vacate(entry);
         }
         Ok(())
     }
@@ -496,36 +532,29 @@ impl Ledger {
     /// global position, or `None` (nothing changed) if the pool is short. The decode
     /// counter advances only here; a retry in the same step returns the same position.
     pub fn allocate_decode(&mut self, id: RequestId, step: u64) -> Result<Option<u64>> {
-        let slot = self.active_slot_of(id)?;
-        self.allocate_decode_in(slot, step)
+        let entry = self.active_entry_of(id)?;
+        self.allocate_decode_in(entry, step)
     }
 
-    /// Where `id` sits in the ledger's storage; stable while the request is held. The
-    /// scheduler keeps it to skip the id lookup on its per-step decode path.
-    pub(crate) fn position_of(&self, id: RequestId) -> Result<usize> {
-        self.slot_of(id)
-    }
-
-    /// [`Ledger::allocate_decode`] for a request at a known position (from
-    /// [`Ledger::position_of`]); a position that does not hold `id` falls back to the
-    /// lookup.
+    /// [`Ledger::allocate_decode`] for a request at a known entry (from
+    /// [`Ledger::entry_of`]); an entry that does not hold `id` falls back to the lookup.
     pub(crate) fn allocate_decode_at(
         &mut self,
-        position: usize,
+        entry: EntryIndex,
         id: RequestId,
         step: u64,
     ) -> Result<Option<u64>> {
-        match self.requests.get(position) {
+        match self.requests.get(entry) {
             Some(request) if request.id == id && !request.is_suspended() => {
-                debug_assert_eq!(self.index.get(&id), Some(&position));
-                self.allocate_decode_in(position, step)
+                debug_assert_eq!(self.index.get(&id), Some(&entry));
+                self.allocate_decode_in(entry, step)
             }
             _ => self.allocate_decode(id, step),
         }
     }
 
-    fn allocate_decode_in(&mut self, slot: usize, step: u64) -> Result<Option<u64>> {
-        let request = &self.requests[slot];
+    fn allocate_decode_in(&mut self, entry: EntryIndex, step: u64) -> Result<Option<u64>> {
+        let request = &self.requests[entry];
         let id = request.id;
         if request.decode_step == Some(step) {
             let pos = request.next_decode_position() - 1;
@@ -552,11 +581,11 @@ impl Ledger {
         let held_tokens = request.table.len() as u64 * self.layout.tokens_per_superblock();
         if new_len > held_tokens {
             self.check_len(pos + 1)?;
-            if !self.grow_slot(slot, new_len) {
+            if !self.grow_entry(entry, new_len) {
                 return Ok(None);
             }
         }
-        let request = &mut self.requests[slot];
+        let request = &mut self.requests[entry];
         request.len = new_len;
         request.decode_undo = Some(DecodeUndo {
             step: request.decode_step,
@@ -577,8 +606,8 @@ impl Ledger {
     /// the length and it is kept (only the counters go back): restoring the old length
     /// could raise it past the superblocks a shrink gave back, or drop a grow.
     pub fn revert_decode(&mut self, id: RequestId, step: u64) -> Result<bool> {
-        let slot = self.active_slot_of(id)?;
-        let request = &mut self.requests[slot];
+        let entry = self.active_entry_of(id)?;
+        let request = &mut self.requests[entry];
         if request.decode_step != Some(step) {
             return Ok(false);
         }
@@ -589,7 +618,7 @@ impl Ledger {
         request.decode_step = undo.step;
         if request.len == undo.len_after {
             // `undo.len <= undo.len_after`: this only ever shrinks.
-            self.shrink_slot(slot, undo.len);
+            self.shrink_entry(entry, undo.len);
         }
         Ok(true)
     }
@@ -598,8 +627,8 @@ impl Ledger {
     /// tokens into its prompt and resets the decode counter, so a re-prefill starts at
     /// position 0 and decoding resumes at the new prompt end.
     pub fn reset_for_recompute(&mut self, id: RequestId, generated_tokens: u64) -> Result<()> {
-        let slot = self.slot_of(id)?;
-        let request = &self.requests[slot];
+        let entry = self.entry_of(id)?;
+        let request = &self.requests[entry];
         let limit = request.decode_count + 1;
         if generated_tokens > limit {
             return Err(CoreError::InvalidLength(format!(
@@ -609,8 +638,8 @@ impl Ledger {
         }
         let new_prompt = request.prompt_len + generated_tokens;
         self.check_len(new_prompt)?;
-        self.shrink_slot(slot, 0);
-        let request = &mut self.requests[slot];
+        self.shrink_entry(entry, 0);
+        let request = &mut self.requests[entry];
         request.prompt_len = new_prompt;
         request.decode_count = 0;
         request.decode_step = None;
@@ -622,11 +651,11 @@ impl Ledger {
     /// Suspends `id` to a lower tier: its superblocks return to the pool while its
     /// counters and length are kept for [`Ledger::resume`]. Returns the superblocks freed.
     pub fn suspend(&mut self, id: RequestId) -> Result<u32> {
-        let slot = self.active_slot_of(id)?;
-        let request = &self.requests[slot];
-        let (len, held) = (request.len, request.table.len() as u32);
-        self.shrink_slot(slot, 0);
-        let request = &mut self.requests[slot];
+        let entry = self.active_entry_of(id)?;
+        let request = &self.requests[entry];
+        let (len, held) = (request.len, superblock_count(request.table.len()));
+        self.shrink_entry(entry, 0);
+        let request = &mut self.requests[entry];
         request.suspended_len = Some(len);
         request.decode_step = None;
         request.decode_undo = None;
@@ -636,16 +665,16 @@ impl Ledger {
     /// Brings a suspended request back: reserves its length again. `false` (and still
     /// suspended) if the pool is short.
     pub fn resume(&mut self, id: RequestId) -> Result<bool> {
-        let slot = self.slot_of(id)?;
-        let Some(len) = self.requests[slot].suspended_len else {
+        let entry = self.entry_of(id)?;
+        let Some(len) = self.requests[entry].suspended_len else {
             return Err(CoreError::InvalidState(format!(
                 "request {id} is not suspended"
             )));
         };
-        if !self.grow_slot(slot, len) {
+        if !self.grow_entry(entry, len) {
             return Ok(false);
         }
-        self.requests[slot].suspended_len = None;
+        self.requests[entry].suspended_len = None;
         Ok(true)
     }
 
@@ -681,29 +710,29 @@ impl Ledger {
                 ids.len()
             )));
         }
-        let slots = ids
+        let entries = ids
             .iter()
-            .map(|&id| self.slot_of(id))
+            .map(|&id| self.entry_of(id))
             .collect::<Result<Vec<_>>>()?;
-        for (i, slot) in slots.into_iter().enumerate() {
+        for (i, entry) in entries.into_iter().enumerate() {
             let row = &mut out[i * width..(i + 1) * width];
-            let table = &self.requests[slot].table;
+            let table = &self.requests[entry].table;
             if table.len() > width {
                 return Err(CoreError::InvalidArgument(format!(
                     "request {} holds {} superblocks, wider than the {width} columns asked for",
-                    self.requests[slot].id,
+                    self.requests[entry].id,
                     table.len()
                 )));
             }
             for (dst, &page) in row.iter_mut().zip(table) {
-                *dst = page as i32;
+                *dst = page_id(page);
             }
             row[table.len()..].fill(-1);
         }
         Ok(())
     }
 
-    /// Appends to `out` this rank's slot for each new token of each request: request
+    /// Appends to `out` this rank's KV slot for each new token of each request: request
     /// `ids[i]` writes tokens `starts[i] .. starts[i] + counts[i]`; -1 where another rank
     /// owns the token. Fails (and appends nothing) if a token is not reserved.
     pub fn slot_mapping_into(
@@ -723,11 +752,11 @@ impl Ledger {
                 counts.len()
             )));
         }
-        let mut slots = Vec::with_capacity(ids.len());
+        let mut entries = Vec::with_capacity(ids.len());
         let mut total = 0u64;
         for ((&id, &start), &count) in ids.iter().zip(starts).zip(counts) {
-            let slot = self.slot_of(id)?;
-            let len = self.requests[slot].len;
+            let entry = self.entry_of(id)?;
+            let len = self.requests[entry].len;
             if start.checked_add(count).is_none_or(|end| end > len) {
                 return Err(CoreError::InvalidLength(format!(
                     "tokens {start}..{start}+{count} of request {id} are not all reserved (it holds {len})"
@@ -735,13 +764,19 @@ impl Ledger {
             }
             // A request may be named many times: the sum can pass any length one holds.
             total = total.saturating_add(count);
-            slots.push(slot);
+            entries.push(entry);
         }
         reserve_exactly(out, total, "slot mapping")?;
         let layout = self.layout;
         let tpb = u64::from(layout.tokens_per_block());
-        for ((slot, &start), &count) in slots.into_iter().zip(starts).zip(counts) {
-            let table = &self.requests[slot].table;
+        for ((entry, &start), &count) in entries.into_iter().zip(starts).zip(counts) {
+            let table = &self.requests[entry].table;
+            #[expect(
+                clippy::cast_possible_truncation,
+                clippy::cast_possible_wrap,
+                reason = "reserved positions index the table (checked above), and a page id is below 2^31 and \
+                          tpb below 2^32, so page * tpb + offset < 2^63 fits i64"
+            )]
             out.extend((start..start + count).map(|pos| {
                 if layout.owner_rank(pos) == rank {
                     let page = table[layout.superblock_index(pos) as usize];
@@ -760,7 +795,7 @@ impl Ledger {
         let mut h = crate::digest::Fnv64::new();
         h.u64(u64::from(self.capacity));
         h.u32s(&self.free);
-        let mut order: Vec<usize> = self.index.values().copied().collect();
+        let mut order: Vec<EntryIndex> = self.index.values().copied().collect();
         order.sort_unstable_by_key(|&i| self.requests[i].id);
         for i in order {
             let r = &self.requests[i];

@@ -73,7 +73,7 @@ fn check_invariants(ledger: &Ledger) {
     let mut used = 0u32;
     for (id, count) in ledger.holdings() {
         let request = ledger.request(id).unwrap();
-        assert_eq!(request.table().len() as u32, count);
+        assert_eq!(request.table().len(), count as usize);
         let expected = if request.is_suspended() {
             0
         } else {

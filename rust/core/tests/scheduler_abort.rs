@@ -18,7 +18,7 @@ fn config(cp: u32, tpb: u32, superblocks: u32) -> SchedulerConfig {
 }
 
 fn prompt(len: usize) -> Vec<i32> {
-    (0..len as i32).map(|t| t + 100).collect()
+    (0..i32::try_from(len).unwrap()).map(|t| t + 100).collect()
 }
 
 /// Runs one step, feeding `token` for every sample; returns the schedule.
@@ -163,7 +163,7 @@ fn abort_of_a_suspended_request_releases_its_host_tier_share() {
     let victim = out.suspended_ids[0];
     let held = s.host_used_superblocks();
     assert!(held > 0);
-    let generated = s.request_metrics(victim).unwrap().generated_tokens as usize;
+    let generated = usize::try_from(s.request_metrics(victim).unwrap().generated_tokens).unwrap();
     assert_eq!(
         abort_now(&mut s, victim, RequestState::Suspended),
         vec![1; generated]
@@ -250,8 +250,8 @@ fn unknown_ids_reject_the_whole_batch_and_change_nothing() {
 #[test]
 fn abort_many_equals_aborts_one_by_one_in_the_given_order() {
     let mut s = Scheduler::new(config(2, 4, 32)).unwrap();
-    for id in 0..6 {
-        s.add_request(id, &prompt(5 + 3 * id as usize), 8, 0)
+    for id in 0..6u64 {
+        s.add_request(id, &prompt(5 + 3 * usize::try_from(id).unwrap()), 8, 0)
             .unwrap();
     }
     step(&mut s, 1);

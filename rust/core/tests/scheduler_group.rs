@@ -48,8 +48,8 @@ fn decode_pressure_preempts_identically_and_replays_exactly() {
 
 #[test]
 fn chunked_prefill_pressure() {
-    let specs: Vec<Spec> = (0..6)
-        .map(|i| Spec::new(i, 40 + 9 * i as usize, 12))
+    let specs: Vec<Spec> = (0..6usize)
+        .map(|i| Spec::new(i as u64, 40 + 9 * i, 12))
         .collect();
     for cp in CPS {
         let mut config = config(cp, 4, 192);
@@ -63,7 +63,14 @@ fn chunked_prefill_pressure() {
 #[test]
 fn staggered_arrivals_with_mixed_sizes() {
     let specs: Vec<Spec> = (0..12)
-        .map(|i| Spec::new(i, 5 + (i as usize * 13) % 40, 8 + (i as u32 * 7) % 25).at(i * 3 % 17))
+        .map(|i: u8| {
+            Spec::new(
+                u64::from(i),
+                5 + usize::from(i * 13 % 40),
+                8 + u32::from(i * 7 % 25),
+            )
+            .at(u64::from(i * 3 % 17))
+        })
         .collect();
     for cp in CPS {
         let mut config = config(cp, 2, 128);
@@ -77,7 +84,7 @@ fn staggered_arrivals_with_mixed_sizes() {
 #[test]
 fn without_chunked_prefill_prompts_are_scheduled_whole() {
     let specs: Vec<Spec> = (0..6)
-        .map(|i| Spec::new(i, 12 + i as usize, 16).at(i))
+        .map(|i| Spec::new(i as u64, 12 + i, 16).at(i as u64))
         .collect();
     for cp in CPS {
         let mut config = config(cp, 4, 128);
@@ -90,11 +97,11 @@ fn without_chunked_prefill_prompts_are_scheduled_whole() {
 
 #[test]
 fn every_victim_policy_stays_consistent_under_pressure() {
-    let specs: Vec<Spec> = (0..10)
+    let specs: Vec<Spec> = (0..10u8)
         .map(|i| {
-            Spec::new(i, 6 + (i as usize * 5) % 17, 20)
-                .priority((i as i32 * 7) % 5 - 2)
-                .at(i / 3)
+            Spec::new(u64::from(i), 6 + usize::from(i * 5 % 17), 20)
+                .priority(i32::from(i * 7 % 5) - 2)
+                .at(u64::from(i / 3))
         })
         .collect();
     for policy in [
@@ -117,7 +124,7 @@ fn every_victim_policy_stays_consistent_under_pressure() {
 #[test]
 fn reverted_steps_restore_state_and_change_no_output() {
     let specs: Vec<Spec> = (0..8)
-        .map(|i| Spec::new(i, 9 + i as usize, 24).at(i / 2))
+        .map(|i| Spec::new(i as u64, 9 + i, 24).at(i as u64 / 2))
         .collect();
     for cp in CPS {
         let mut config = config(cp, 4, 160);
@@ -210,7 +217,7 @@ fn aborts_in_every_state_leave_the_survivors_unchanged() {
     // pending, with reverted steps mixed in.
     let specs: Vec<Spec> = (0..16)
         .map(|i| {
-            let spec = Spec::new(i, 10 + (i as usize * 7) % 30, 24).at(i / 3);
+            let spec = Spec::new(i, 10 + usize::try_from(i * 7 % 30).unwrap(), 24).at(i / 3);
             match i {
                 1 => spec.abort_in_state("prefilling", false),
                 2 => spec.abort_in_state("decoding", true),

@@ -17,7 +17,7 @@ fn config(cp: u32, tpb: u32, superblocks: u32) -> SchedulerConfig {
 }
 
 fn prompt(len: usize) -> Vec<i32> {
-    (0..len as i32).map(|t| t + 100).collect()
+    (0..i32::try_from(len).unwrap()).map(|t| t + 100).collect()
 }
 
 /// Runs one step, feeding `token` for every sample.
@@ -238,7 +238,7 @@ fn guaranteed_no_evict_reserves_at_admission_and_never_preempts() {
     let specs: Vec<Spec> = (0..8).map(|i| Spec::new(i, 10, 30).at(i / 3)).collect();
     for cp in [1, 2, 4] {
         let tokens = 160 / (4 * u64::from(cp));
-        let mut config = config(cp, 4, tokens as u32);
+        let mut config = config(cp, 4, u32::try_from(tokens).unwrap());
         config.capacity_policy = CapacityPolicy::GuaranteedNoEvict;
         let mut group = Group::new(&config, Model::default());
         let options = RunOptions {
@@ -395,8 +395,8 @@ fn batch_slots_are_lowest_free_first_and_bound_the_running_set() {
     let mut config = config(1, 4, 64);
     config.max_batch_size = 2;
     let mut s = Scheduler::new(config).unwrap();
-    for id in 0..3 {
-        s.add_request(id, &prompt(4), 2 + id as u32, 0).unwrap();
+    for id in 0..3u32 {
+        s.add_request(u64::from(id), &prompt(4), 2 + id, 0).unwrap();
     }
     let first = step(&mut s, 1);
     assert_eq!(
@@ -439,7 +439,7 @@ fn revert_of_a_preempting_step_keeps_the_preemption_only() {
     assert!(!out.preempted_ids.is_empty());
     s.revert().unwrap();
     for (id, held) in holdings {
-        let now = s.ledger().request(id).unwrap().table().len() as u32;
+        let now = u32::try_from(s.ledger().request(id).unwrap().table().len()).unwrap();
         let expected = if out.preempted_ids.contains(&id) {
             0
         } else {

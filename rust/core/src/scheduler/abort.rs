@@ -57,7 +57,7 @@ impl Scheduler {
         }
         if retired {
             // With no step pending no other live request is marked, so the marks are
-            // exactly the requests just retired (their slots are not reused before this).
+            // exactly the requests just retired (their indices are not reused before this).
             let requests = &self.requests;
             self.queue
                 .retain(|&req| !requests[req as usize].abort_requested);
@@ -69,7 +69,7 @@ impl Scheduler {
     /// Whether `abort` was called for this live request while a step was pending (it
     /// finishes as aborted when that step closes). `UnknownRequest` if it is not live.
     pub fn is_abort_requested(&self, id: RequestId) -> Result<bool> {
-        Ok(self.requests[self.req_slot(id)? as usize].abort_requested)
+        Ok(self.requests[self.request_index(id)? as usize].abort_requested)
     }
 
     /// Aborts every marked request, in queue order, after a `revert`; their ids go to

@@ -1,7 +1,7 @@
 //! Closing a step: `update` (it ran) or `revert` (it did not).
 
 use super::{
-    CoreError, FinishReason, ReqSlot, RequestId, RequestMetrics, RequestOutput, RequestState,
+    CoreError, FinishReason, RequestId, RequestIndex, RequestMetrics, RequestOutput, RequestState,
     Result, Scheduler,
 };
 
@@ -13,7 +13,7 @@ impl Scheduler {
     ///
     /// A request whose abort was requested while this step was pending finishes here
     /// with [`FinishReason::Aborted`]: its token of this step is dropped (the client is
-    /// gone), its KV and slot are freed, and its id is among those returned.
+    /// gone), its KV and batch slot are freed, and its id is among those returned.
     pub fn update(&mut self, tokens: &[i32], eos: Option<&[bool]>) -> Result<&[RequestId]> {
         if !self.pending {
             return Err(CoreError::InvalidState(
@@ -44,7 +44,7 @@ impl Scheduler {
 
     /// One order-preserving pass over the queue (generation and context entries are in
     /// queue order too): appends sampled tokens, advances progress, counts waited steps,
-    /// and retires finished and abort-requested requests, freeing their KV and slots.
+    /// and retires finished and abort-requested requests, freeing their KV and batch slots.
     fn apply_step(&mut self, tokens: &[i32], eos: Option<&[bool]>) {
         let step = self.pending_step;
         let ends = |sample: usize| eos.is_some_and(|flags| flags[sample]);
@@ -123,9 +123,9 @@ impl Scheduler {
         self.metrics.sat_out += self.sat_out_reqs.len() as u64;
     }
 
-    /// Frees a finished (or aborted) request's KV, host-tier share and slot, and keeps
+    /// Frees a finished (or aborted) request's KV, host-tier share and batch slot, and keeps
     /// its output for `take_output`. The caller removes it from the queue.
-    pub(super) fn retire(&mut self, req: ReqSlot, reason: FinishReason) {
+    pub(super) fn retire(&mut self, req: RequestIndex, reason: FinishReason) {
         let request = &mut self.requests[req as usize];
         let id = request.id;
         if let Some(slot) = request.batch_slot.take() {
@@ -139,6 +139,10 @@ impl Scheduler {
             steps_waited: request.steps_waited,
             generated_tokens: request.generated(),
         };
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "the original prompt length was a slice length"
+        )]
         let generated = request
             .tokens
             .split_off(request.original_prompt_len as usize);
@@ -147,7 +151,7 @@ impl Scheduler {
             .free(id)
             .expect("a live request is held by the ledger");
         self.index.remove(&id);
-        self.free_request_slots.push(req);
+        self.vacant.push(req);
         self.finished.insert(
             id,
             RequestOutput {

@@ -7,6 +7,7 @@ use std::str::FromStr;
 use crate::digest::Fnv64;
 use crate::error::{CoreError, Result};
 use crate::layout::Layout;
+use crate::ledger::MAX_CAPACITY;
 
 /// How KV capacity is promised to requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -326,6 +327,15 @@ impl SchedulerConfig {
                     .into(),
             );
         }
+        if self.capacity_superblocks > MAX_CAPACITY {
+            // The ledger refuses such a pool too; saying so here names the field early.
+            return fail(format!(
+                "capacity_superblocks = {} is more than {MAX_CAPACITY}, the most superblocks int32 page ids \
+                 can name (block tables and slot mappings hand them out as int32); lower the KV budget \
+                 (kv_superblocks / kv_tokens)",
+                self.capacity_superblocks
+            ));
+        }
         if self.max_batch_size == 0 || self.max_batch_size > i32::MAX as u32 {
             return fail(format!(
                 "max_batch_size = {} must be in 1..={} (batch slots are int32)",
@@ -416,6 +426,14 @@ mod tests {
                 changed(|c| c.capacity_superblocks = 0),
                 "capacity_superblocks",
             ),
+            (
+                changed(|c| c.capacity_superblocks = MAX_CAPACITY + 1),
+                "capacity_superblocks = 2147483648 is more than 2147483647",
+            ),
+            (
+                changed(|c| c.capacity_superblocks = u32::MAX),
+                "int32 page ids",
+            ),
             (changed(|c| c.max_batch_size = 0), "max_batch_size"),
             (changed(|c| c.max_num_tokens = 0), "max_num_tokens"),
             (changed(|c| c.max_num_tokens = 16), "chunk_unit"),
@@ -449,6 +467,27 @@ mod tests {
                 "{err} should mention {needle}"
             );
         }
+    }
+
+    #[test]
+    fn the_largest_pool_int32_page_ids_can_name_is_accepted() {
+        // Validation only: building a scheduler this large would allocate its free list.
+        changed(|c| c.capacity_superblocks = MAX_CAPACITY)
+            .validate()
+            .unwrap();
+        assert_eq!(i64::from(MAX_CAPACITY), i64::from(i32::MAX));
+    }
+
+    #[test]
+    fn a_scheduler_past_the_int32_page_ids_is_refused_by_its_config() {
+        let err = super::super::Scheduler::new(changed(|c| c.capacity_superblocks = u32::MAX))
+            .unwrap_err();
+        assert!(matches!(err, CoreError::Config(_)));
+        assert!(
+            err.to_string()
+                .contains("capacity_superblocks = 4294967295 is more than 2147483647"),
+            "{err}"
+        );
     }
 
     #[test]

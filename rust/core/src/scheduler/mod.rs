@@ -30,7 +30,7 @@ pub use metrics::{RequestMetrics, SchedulerMetrics};
 pub use output::{FieldScope, ScheduleOutput};
 pub use request::{FinishReason, RequestOutput, RequestState};
 
-use crate::digest::Fnv64;
+use crate::digest::{bits, Fnv64};
 use crate::error::{CoreError, Result};
 use crate::layout::Layout;
 use crate::ledger::Ledger;
@@ -40,13 +40,15 @@ use request::Request;
 use slots::BatchSlots;
 use victim::VictimFinder;
 
-/// Index of a request in [`Scheduler::requests`]; stable while the request is live.
-type ReqSlot = u32;
+/// Where a live request sits in [`Scheduler::requests`]; stable while the request is
+/// live, reused once it is retired. It is also the request's entry in the ledger (see
+/// `add_request`).
+type RequestIndex = u32;
 
 /// A context entry of the step being built.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct ContextEntry {
-    req: ReqSlot,
+    req: RequestIndex,
     start: u64,
     len: u64,
     completes: bool,
@@ -55,9 +57,9 @@ struct ContextEntry {
 /// A ledger change made by the step being built, undone (newest first) by `revert`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum JournalEntry {
-    Decode(ReqSlot),
-    Reserve { req: ReqSlot, len_before: u64 },
-    Resume(ReqSlot),
+    Decode(RequestIndex),
+    Reserve { req: RequestIndex, len_before: u64 },
+    Resume(RequestIndex),
 }
 
 /// The scheduler of one rank. See the module docs.
@@ -69,12 +71,13 @@ pub struct Scheduler {
     layout: Layout,
     placement: Placement,
     ledger: Ledger,
-    /// Dense request storage; `index` maps ids to positions here (lookups only).
+    /// Dense request storage; `index` maps ids to their indices here (lookups only).
     requests: Vec<Request>,
-    free_request_slots: Vec<ReqSlot>,
-    index: FxHashMap<RequestId, ReqSlot>,
+    /// Stack of vacant indices in `requests`, in step with the ledger's vacant entries.
+    vacant: Vec<RequestIndex>,
+    index: FxHashMap<RequestId, RequestIndex>,
     /// Live requests in arrival order: the queue order every decision walks.
-    queue: Vec<ReqSlot>,
+    queue: Vec<RequestIndex>,
     state_counts: [usize; RequestState::COUNT],
     /// Finished requests whose output has not been taken yet.
     finished: FxHashMap<RequestId, RequestOutput>,
@@ -102,14 +105,14 @@ pub struct Scheduler {
     building: ScheduleOutput,
     context: Vec<ContextEntry>,
     /// Request of each generation entry, in output order (for `update`).
-    generation_reqs: Vec<ReqSlot>,
+    generation_reqs: Vec<RequestIndex>,
     /// Generation entries whose request had no batch slot yet.
-    generation_needing_slots: Vec<u32>,
+    generation_needing_slots: Vec<usize>,
     /// Whether a request was preempted after its generation entry was made.
     generation_removed: bool,
     journal: Vec<JournalEntry>,
-    new_slot_reqs: Vec<ReqSlot>,
-    sat_out_reqs: Vec<ReqSlot>,
+    new_slot_reqs: Vec<RequestIndex>,
+    sat_out_reqs: Vec<RequestIndex>,
     finished_ids: Vec<RequestId>,
     /// Candidates below the preemption bound, for every requester.
     victims: VictimFinder,
@@ -135,7 +138,7 @@ impl Scheduler {
             placement: Placement::new(layout),
             ledger,
             requests: Vec::new(),
-            free_request_slots: Vec::new(),
+            vacant: Vec::new(),
             index: FxHashMap::default(),
             queue: Vec::new(),
             state_counts: [0; RequestState::COUNT],
@@ -221,18 +224,23 @@ impl Scheduler {
             priority,
             self.first_step_for_new_request(),
         );
-        let slot = if let Some(slot) = self.free_request_slots.pop() {
-            self.requests[slot as usize] = request;
-            slot
+        let req = if let Some(req) = self.vacant.pop() {
+            self.requests[req as usize] = request;
+            req
         } else {
             self.requests.push(request);
-            (self.requests.len() - 1) as ReqSlot
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "2^32 live requests would take at least 256 GiB of request records (64 bytes each) first"
+            )]
+            let req = (self.requests.len() - 1) as RequestIndex;
+            req
         };
-        // The ledger's slab and `requests` take and give back positions in step, so a
-        // request's slot is also its ledger position (the decode path's lookup hint).
-        debug_assert_eq!(self.ledger.position_of(id).ok(), Some(slot as usize));
-        self.index.insert(id, slot);
-        self.queue.push(slot);
+        // The ledger's slab and `requests` take and give back indices in step, so a
+        // request's index is also its ledger entry (the decode path's lookup hint).
+        debug_assert_eq!(self.ledger.entry_of(id).ok(), Some(req as usize));
+        self.index.insert(id, req);
+        self.queue.push(req);
         self.state_counts[RequestState::Waiting.index()] += 1;
         Ok(())
     }
@@ -282,14 +290,14 @@ impl Scheduler {
         Ok(())
     }
 
-    fn req_slot(&self, id: RequestId) -> Result<ReqSlot> {
+    fn request_index(&self, id: RequestId) -> Result<RequestIndex> {
         self.index
             .get(&id)
             .copied()
             .ok_or(CoreError::UnknownRequest(id))
     }
 
-    fn set_state(&mut self, req: ReqSlot, state: RequestState) {
+    fn set_state(&mut self, req: RequestIndex, state: RequestState) {
         let request = &mut self.requests[req as usize];
         self.state_counts[request.state.index()] -= 1;
         self.state_counts[state.index()] += 1;
@@ -298,12 +306,12 @@ impl Scheduler {
 
     /// The state of a live request.
     pub fn request_state(&self, id: RequestId) -> Result<RequestState> {
-        Ok(self.requests[self.req_slot(id)? as usize].state)
+        Ok(self.requests[self.request_index(id)? as usize].state)
     }
 
     /// Prompt (with any folded tokens) plus generated tokens of a live request.
     pub fn tokens(&self, id: RequestId) -> Result<&[i32]> {
-        Ok(&self.requests[self.req_slot(id)? as usize].tokens)
+        Ok(&self.requests[self.request_index(id)? as usize].tokens)
     }
 
     /// The output of a finished request: its generated tokens, why it finished and its
@@ -431,7 +439,7 @@ impl Scheduler {
 
     /// A fingerprint of everything that drives decisions: the configuration
     /// ([`SchedulerConfig::fingerprint`]), the ledger, the queue and every live request's
-    /// progress, slots and counters. Equal on every rank of a group that was built from
+    /// progress, batch slots and counters. Equal on every rank of a group that was built from
     /// one configuration and fed the same calls (`cp_rank` is left out), and unchanged by
     /// a `schedule()` + `revert()` that preempted nothing (step numbers are left out).
     pub fn state_digest(&self) -> u64 {
@@ -449,7 +457,7 @@ impl Scheduler {
             h.u64(r.computed);
             h.u64(r.tokens.len() as u64);
             for &token in &r.tokens {
-                h.word(u64::from(token as u32));
+                h.word(bits(token));
             }
             h.u64(r.batch_slot.get().map_or(u64::MAX, u64::from));
             h.u64(u64::from(r.preemptions));

@@ -10,7 +10,7 @@
 
 use std::fmt::Write as _;
 
-use crate::digest::LaneDigest;
+use crate::digest::{bits, LaneDigest};
 use crate::error::{CoreError, Result};
 use crate::RequestId;
 
@@ -170,7 +170,7 @@ schedule_output_fields!(define_schedule_output! {});
 
 /// Two 32-bit values in one digest word.
 fn pack(low: i32, high: i32) -> u64 {
-    u64::from(low as u32) | (u64::from(high as u32) << 32)
+    bits(low) | (bits(high) << 32)
 }
 
 impl ScheduleOutput {
@@ -264,7 +264,7 @@ impl ScheduleOutput {
         h.words(context_starts);
         h.words(context_lens);
         h.flags(context_completes);
-        h.stream(context_batch_slots.iter().map(|&v| u64::from(v as u32)));
+        h.stream(context_batch_slots.iter().map(|&v| bits(v)));
         let tokens = context_token_ids
             .chunks(2)
             .map(|pair| pack(pair[0], pair.get(1).copied().unwrap_or(0)));
@@ -287,7 +287,7 @@ impl ScheduleOutput {
         ] {
             h.words(ids);
         }
-        h.stream(suspended_block_ids.iter().map(|&v| u64::from(v as u32)));
+        h.stream(suspended_block_ids.iter().map(|&v| bits(v)));
         h.word(sample_ids.len() as u64);
         h.finish()
     }

@@ -76,6 +76,10 @@ impl Placement {
     pub fn decode(self, position: u64, rank: u32) -> DecodePlacement {
         let full = self.per_superblock.div(position);
         let into_superblock = position - full * self.per_superblock.value;
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "`into_superblock < tpb * cp`, so the block inside the superblock is below cp, a u32"
+        )]
         let owner = self.per_block.div(into_superblock) as u32;
         let before_rank = u64::from(rank) * self.tokens_per_block;
         let past_seen_len = full * self.tokens_per_block

@@ -39,6 +39,10 @@ impl BatchSlots {
             self.used.push(0);
         }
         let bit = self.used[word].trailing_ones();
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "the bitset never spans a word past the limit, a u32"
+        )]
         let slot = word as u32 * 64 + bit;
         debug_assert!(slot < self.limit);
         self.used[word] |= 1 << bit;
@@ -68,6 +72,16 @@ impl BatchSlots {
         self.in_use -= 1;
         self.first_maybe_free_word = self.first_maybe_free_word.min(word);
     }
+}
+
+/// A batch slot as the int32 a schedule reports (where -1 marks "none yet").
+#[expect(
+    clippy::cast_possible_wrap,
+    reason = "slots are below max_batch_size, at most i32::MAX (`SchedulerConfig::validate`)"
+)]
+pub(super) fn slot_id(slot: u32) -> i32 {
+    debug_assert!(i32::try_from(slot).is_ok());
+    slot as i32
 }
 
 #[cfg(test)]

@@ -2,11 +2,13 @@
 //! and the output arrays.
 
 use super::request::NO_STEP;
+use super::slots::slot_id;
 use super::victim::VictimKey;
 use super::{
-    CapacityPolicy, ContextEntry, CoreError, JournalEntry, ReqSlot, RequestId, RequestState,
+    CapacityPolicy, ContextEntry, CoreError, JournalEntry, RequestId, RequestIndex, RequestState,
     Result, ScheduleOutput, Scheduler, ServingMode, VictimPolicy,
 };
+use crate::ledger::{page_id, superblock_count};
 
 impl Scheduler {
     /// Decides the next step. Fails with `InvalidState` while the previous step awaits
@@ -76,13 +78,13 @@ impl Scheduler {
     }
 
     fn generation_phase(&mut self, step: u64) -> Result<()> {
-        for pos in 0..self.queue.len() {
-            let req = self.queue[pos];
+        for queue_pos in 0..self.queue.len() {
+            let req = self.queue[queue_pos];
             let request = &self.requests[req as usize];
             match request.state {
-                RequestState::Decoding => self.schedule_decode(step, pos, req)?,
+                RequestState::Decoding => self.schedule_decode(step, queue_pos, req)?,
                 RequestState::Suspended if request.victim_step != step => {
-                    self.try_resume(step, pos, req)?;
+                    self.try_resume(step, queue_pos, req)?;
                 }
                 _ => {}
             }
@@ -90,23 +92,23 @@ impl Scheduler {
         Ok(())
     }
 
-    fn schedule_decode(&mut self, step: u64, pos: usize, req: ReqSlot) -> Result<()> {
+    fn schedule_decode(&mut self, step: u64, queue_pos: usize, req: RequestIndex) -> Result<()> {
         let request = &self.requests[req as usize];
         let needs_slot = request.batch_slot.is_none();
         if self.step_tokens >= u64::from(self.config.max_num_tokens)
             || (needs_slot && self.free_slots_now() == 0)
         {
-            // Out of budget: not scheduled, keeps its slot; not a sit-out.
+            // Out of budget: not scheduled, keeps its batch slot; not a sit-out.
             return Ok(());
         }
         let id = request.id;
         let mut preempted = false;
         loop {
-            // The request's slot is its ledger position (see `add_request`).
+            // The request's index is also its ledger entry (see `add_request`).
             if let Some(position) = self.ledger.allocate_decode_at(req as usize, id, step)? {
                 self.push_generation_entry(step, req, position);
                 if preempted {
-                    self.mark_served_by_preempting(step, pos, req);
+                    self.mark_served_by_preempting(step, queue_pos, req);
                 }
                 return Ok(());
             }
@@ -117,12 +119,12 @@ impl Scheduler {
             }
             let kv = self.ledger.request(id)?;
             let new_len = kv.len().max(kv.next_decode_position() + 1);
-            if !self.preempt_for(step, pos, id, new_len)? {
+            if !self.preempt_for(step, queue_pos, id, new_len)? {
                 break;
             }
             preempted = true;
         }
-        // Neither pages nor a victim: sit out, and give the slot up so a one-step-ahead
+        // Neither pages nor a victim: sit out, and give the batch slot up so a one-step-ahead
         // executor cannot read it as still belonging to this request.
         let request = &mut self.requests[req as usize];
         request.sat_out_slot = request.batch_slot.take();
@@ -137,16 +139,16 @@ impl Scheduler {
     /// Records a scheduled decode straight into the output being built (the common case
     /// touches each request once per step); a victim's entry is dropped in
     /// `finish_step`, a missing batch slot and the placement fields are filled in there.
-    fn push_generation_entry(&mut self, step: u64, req: ReqSlot, position: u64) {
+    fn push_generation_entry(&mut self, step: u64, req: RequestIndex, position: u64) {
         let request = &mut self.requests[req as usize];
         debug_assert_eq!(position, request.computed);
         let entry = self.building.generation_ids.len();
         request.scheduled_step = step;
         let slot = if let Some(slot) = request.batch_slot.get() {
-            slot as i32
+            slot_id(slot)
         } else {
             self.step_new_slots += 1;
-            self.generation_needing_slots.push(entry as u32);
+            self.generation_needing_slots.push(entry);
             -1
         };
         let out = &mut self.building;
@@ -162,12 +164,12 @@ impl Scheduler {
     /// Brings a suspended request back when the pool has room for it. The queue head
     /// does not wait for room: like any other head it may take pages from requests
     /// behind it (see `preempt_for`), so a small preemption bound cannot stall it.
-    fn try_resume(&mut self, step: u64, pos: usize, req: ReqSlot) -> Result<()> {
+    fn try_resume(&mut self, step: u64, queue_pos: usize, req: RequestIndex) -> Result<()> {
         let id = self.requests[req as usize].id;
         let mut resumed = self.ledger.resume(id)?;
-        if !resumed && pos == 0 {
+        if !resumed && queue_pos == 0 {
             let len = self.ledger.request(id)?.suspended_len().unwrap_or_default();
-            resumed = self.preempt_for(step, pos, id, len)? && self.ledger.resume(id)?;
+            resumed = self.preempt_for(step, queue_pos, id, len)? && self.ledger.resume(id)?;
         }
         if resumed {
             let request = &mut self.requests[req as usize];
@@ -190,8 +192,8 @@ impl Scheduler {
         }
         let unit = u64::from(self.config.effective_chunk_unit());
         let max_tokens = u64::from(self.config.max_num_tokens);
-        for pos in 0..self.queue.len() {
-            let req = self.queue[pos];
+        for queue_pos in 0..self.queue.len() {
+            let req = self.queue[queue_pos];
             let request = &self.requests[req as usize];
             let admitting = match request.state {
                 RequestState::Waiting => true,
@@ -217,7 +219,7 @@ impl Scheduler {
             } else {
                 0
             };
-            if chunk == 0 || !self.reserve_prefill(step, pos, req, start + chunk)? {
+            if chunk == 0 || !self.reserve_prefill(step, queue_pos, req, start + chunk)? {
                 // Head of line: nothing behind may take budget or pages this one could not.
                 break;
             }
@@ -227,7 +229,7 @@ impl Scheduler {
         Ok(())
     }
 
-    fn push_context_entry(&mut self, step: u64, req: ReqSlot, start: u64, len: u64) {
+    fn push_context_entry(&mut self, step: u64, req: RequestIndex, start: u64, len: u64) {
         let request = &mut self.requests[req as usize];
         request.scheduled_step = step;
         let end = start + len;
@@ -237,7 +239,11 @@ impl Scheduler {
         out.context_lens.push(len);
         out.context_completes.push(end == request.prefill_len());
         out.context_batch_slots
-            .push(request.batch_slot.get().map_or(-1, |slot| slot as i32));
+            .push(request.batch_slot.get().map_or(-1, slot_id));
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "a chunk lies inside `tokens`: `end <= prefill_len() == tokens.len()`"
+        )]
         out.context_token_ids
             .extend_from_slice(&request.tokens[start as usize..end as usize]);
         self.context.push(ContextEntry {
@@ -254,8 +260,8 @@ impl Scheduler {
     fn reserve_prefill(
         &mut self,
         step: u64,
-        pos: usize,
-        req: ReqSlot,
+        queue_pos: usize,
+        req: RequestIndex,
         target: u64,
     ) -> Result<bool> {
         let request = &self.requests[req as usize];
@@ -277,7 +283,7 @@ impl Scheduler {
                 self.journal.push(JournalEntry::Reserve { req, len_before });
                 return Ok(true);
             }
-            if !self.preempt_for(step, pos, id, reserve_to)? {
+            if !self.preempt_for(step, queue_pos, id, reserve_to)? {
                 return Ok(false);
             }
         }
@@ -286,10 +292,10 @@ impl Scheduler {
     /// A decode request that got its page by preempting is no victim for the rest of the
     /// step: an older context request taking its pages would make the preemption it
     /// paid for futile.
-    fn mark_served_by_preempting(&mut self, step: u64, pos: usize, req: ReqSlot) {
+    fn mark_served_by_preempting(&mut self, step: u64, queue_pos: usize, req: RequestIndex) {
         self.requests[req as usize].rescued_step = step;
-        self.victims.remove(pos);
-        self.head_victims.remove(pos);
+        self.victims.remove(queue_pos);
+        self.head_victims.remove(queue_pos);
     }
 
     /// The ladder for the requester at queue position `requester_pos`, which needs its KV
@@ -328,8 +334,8 @@ impl Scheduler {
         };
         'tiers: for &at_bound in tiers {
             let (requests, queue) = (&self.requests, &self.queue);
-            let key = |pos: usize| -> VictimKey {
-                let r = &requests[queue[pos] as usize];
+            let key = |queue_pos: usize| -> VictimKey {
+                let r = &requests[queue[queue_pos] as usize];
                 let holds_pages =
                     matches!(r.state, RequestState::Prefilling | RequestState::Decoding);
                 if !holds_pages
@@ -343,7 +349,8 @@ impl Scheduler {
                 Some(match policy {
                     VictimPolicy::NewestFirst => 0,
                     VictimPolicy::LeastComputedFirst => r.computed,
-                    VictimPolicy::Priority => (i64::from(r.priority) - i64::from(i32::MIN)) as u64,
+                    // The priority shifted to `0..2^32`, order kept.
+                    VictimPolicy::Priority => i64::from(r.priority).abs_diff(i64::from(i32::MIN)),
                 })
             };
             let finder = if at_bound {
@@ -352,13 +359,13 @@ impl Scheduler {
                 &mut self.victims
             };
             while covered < need {
-                let Some(pos) = finder.find(requester_pos, key) else {
+                let Some(queue_pos) = finder.find(requester_pos, key) else {
                     continue 'tiers;
                 };
-                finder.remove(pos);
-                let id = self.requests[self.queue[pos] as usize].id;
+                finder.remove(queue_pos);
+                let id = self.requests[self.queue[queue_pos] as usize].id;
                 covered += self.ledger.request(id)?.table().len() as u64;
-                self.plan.push(pos);
+                self.plan.push(queue_pos);
             }
             break;
         }
@@ -374,7 +381,7 @@ impl Scheduler {
         Ok(true)
     }
 
-    fn preempt(&mut self, step: u64, victim: ReqSlot, requester: RequestId) -> Result<()> {
+    fn preempt(&mut self, step: u64, victim: RequestIndex, requester: RequestId) -> Result<()> {
         let request = &self.requests[victim as usize];
         let id = request.id;
         if request.state == RequestState::Decoding && request.scheduled_step == step {
@@ -385,7 +392,7 @@ impl Scheduler {
             self.step_new_slots -= u32::from(request.batch_slot.is_none());
             self.generation_removed = true;
         }
-        let held = self.ledger.request(id)?.table().len() as u32;
+        let held = superblock_count(self.ledger.request(id)?.table().len());
         let suspend = self.config.serving_mode == ServingMode::NonHelix
             && self.config.host_tier_superblocks > 0
             && self.host_used_superblocks + held <= self.config.host_tier_superblocks;
@@ -402,7 +409,7 @@ impl Scheduler {
             let table = self.ledger.request(id)?.table();
             let out = &mut self.building;
             out.suspended_block_ids
-                .extend(table.iter().map(|&page| page as i32));
+                .extend(table.iter().copied().map(page_id));
             out.suspended_block_counts.push(table.len() as u64);
             out.suspended_ids.push(id);
             out.suspended_requester_ids.push(requester);
@@ -434,7 +441,7 @@ impl Scheduler {
     /// they were scheduled, and digests it.
     fn finish_step(&mut self, step: u64) {
         for &entry in &self.generation_needing_slots {
-            let req = self.generation_reqs[entry as usize];
+            let req = self.generation_reqs[entry];
             let request = &mut self.requests[req as usize];
             if request.scheduled_step != step {
                 continue; // preempted after it was scheduled
@@ -445,7 +452,7 @@ impl Scheduler {
                 .expect("a free batch slot was counted for this entry");
             request.batch_slot.set(slot);
             self.new_slot_reqs.push(req);
-            self.building.generation_batch_slots[entry as usize] = slot as i32;
+            self.building.generation_batch_slots[entry] = slot_id(slot);
         }
         for (i, entry) in self.context.iter().enumerate() {
             let request = &mut self.requests[entry.req as usize];
@@ -456,7 +463,7 @@ impl Scheduler {
                     .expect("a free batch slot was counted for this entry");
                 request.batch_slot.set(slot);
                 self.new_slot_reqs.push(entry.req);
-                self.building.context_batch_slots[i] = slot as i32;
+                self.building.context_batch_slots[i] = slot_id(slot);
             }
         }
         if self.generation_removed {

@@ -160,6 +160,10 @@ impl VictimFinder {
             lo /= 2;
             hi /= 2;
         }
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "a key's low half is `u64::MAX - pos` for a queue position (see `build`)"
+        )]
         (best != NOT_A_CANDIDATE).then(|| (u64::MAX - best as u64) as usize)
     }
 }

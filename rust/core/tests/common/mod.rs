@@ -11,7 +11,10 @@
 //! that preempted for it); preemption bound (past it only for the queue head); replay
 //! (re-prefill tokens == prompt + tokens generated so far; decode positions continue
 //! from the new prompt end).
-#![allow(dead_code)]
+#![allow(
+    dead_code,
+    reason = "each test crate uses its own part of these shared helpers"
+)]
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -67,8 +70,8 @@ pub struct AbortAt {
 
 impl Spec {
     pub fn new(id: RequestId, prompt_len: usize, max_new_tokens: u32) -> Self {
-        let prompt = (0..prompt_len)
-            .map(|i| ((id as usize * 7919 + i * 31) % 997) as i32)
+        let prompt = (0..prompt_len as u64)
+            .map(|i| i32::try_from((id * 7919 + i * 31) % 997).unwrap())
             .collect();
         Self {
             id,
@@ -139,10 +142,12 @@ impl Model {
     pub fn next_token(&self, id: RequestId, context: &[i32]) -> i32 {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ id;
         for &t in context {
-            h = (h ^ u64::from(t as u32)).wrapping_mul(0x0100_0000_01b3);
+            #[expect(clippy::cast_sign_loss, reason = "hashes the token's bits")]
+            let bits = u64::from(t as u32);
+            h = (h ^ bits).wrapping_mul(0x0100_0000_01b3);
             h ^= h >> 29;
         }
-        (h % self.vocab) as i32
+        i32::try_from(h % self.vocab).unwrap()
     }
 }
 
@@ -357,7 +362,7 @@ impl Group {
                 .collect();
             assert_eq!(
                 active,
-                vec![owner as usize],
+                vec![usize::try_from(owner).unwrap()],
                 "exactly the owner is active for position {pos}"
             );
             let after: u64 = outs.iter().map(|o| o.generation_local_lens[i]).sum();
@@ -395,7 +400,7 @@ impl Group {
                 "batch slot {slot} used twice in step {}",
                 gen.step
             );
-            assert!(*slot >= 0 && (*slot as u32) < self.config.max_batch_size);
+            assert!(u32::try_from(*slot).is_ok_and(|slot| slot < self.config.max_batch_size));
         }
         assert!(seen.len() <= self.config.max_batch_size as usize);
         assert!(gen.num_tokens <= u64::from(self.config.max_num_tokens));
@@ -448,7 +453,7 @@ impl Group {
         let tpb = self.config.tokens_per_block as usize;
         let mut offset = 0;
         for (i, id) in out.suspended_ids.iter().enumerate() {
-            let count = out.suspended_block_counts[i] as usize;
+            let count = usize::try_from(out.suspended_block_counts[i]).unwrap();
             let pages = &out.suspended_block_ids[offset..offset + count];
             offset += count;
             let saved = self
@@ -457,7 +462,10 @@ impl Group {
                 .map(|pool| {
                     pages
                         .iter()
-                        .flat_map(|&p| pool[p as usize * tpb..(p as usize + 1) * tpb].to_vec())
+                        .flat_map(|&p| {
+                            let p = usize::try_from(p).unwrap();
+                            pool[p * tpb..(p + 1) * tpb].to_vec()
+                        })
                         .collect()
                 })
                 .collect();
@@ -480,7 +488,7 @@ impl Group {
                 let restored = cells.len() / tpb;
                 assert!(restored <= table.len(), "resume restores every page");
                 for (k, &page) in table.iter().take(restored).enumerate() {
-                    let dst = page as usize * tpb;
+                    let dst = usize::try_from(page).unwrap() * tpb;
                     pool[dst..dst + tpb].copy_from_slice(&cells[k * tpb..(k + 1) * tpb]);
                 }
             }
@@ -499,18 +507,18 @@ impl Group {
         for i in 0..out.context_ids.len() {
             let id = out.context_ids[i];
             let (start, len) = (out.context_starts[i], out.context_lens[i]);
-            let tokens = &out.context_token_ids[offset..offset + len as usize];
-            offset += len as usize;
+            let (from, to) = (
+                usize::try_from(start).unwrap(),
+                usize::try_from(start + len).unwrap(),
+            );
+            let tokens = &out.context_token_ids[offset..offset + (to - from)];
+            offset += to - from;
             let known = &self.known[&id];
             assert_eq!(
                 start, self.prefill_progress[&id],
                 "chunk of {id} does not continue its prefill"
             );
-            assert_eq!(
-                tokens,
-                &known[start as usize..(start + len) as usize],
-                "re-prefill tokens of {id}"
-            );
+            assert_eq!(tokens, &known[from..to], "re-prefill tokens of {id}");
             let end = start + len;
             assert_eq!(out.context_completes[i], end == known.len() as u64);
         }
@@ -543,7 +551,7 @@ impl Group {
             let mut k = 0;
             for i in 0..ids.len() {
                 for pos in starts[i]..starts[i] + counts[i] {
-                    let owner = ((pos / tpb) % cp as u64) as usize;
+                    let owner = usize::try_from(pos / tpb).unwrap() % cp;
                     assert_eq!(
                         slots[k] >= 0,
                         owner == rank,
@@ -551,7 +559,8 @@ impl Group {
                         ids[i]
                     );
                     if slots[k] >= 0 {
-                        self.pools[rank][slots[k] as usize] = Some((ids[i], pos, values[k]));
+                        let slot = usize::try_from(slots[k]).unwrap();
+                        self.pools[rank][slot] = Some((ids[i], pos, values[k]));
                     }
                     k += 1;
                 }
@@ -573,10 +582,10 @@ impl Group {
         }
         (0..=last)
             .map(|pos| {
-                let owner = ((pos / tpb) % cp) as usize;
-                let page = table[(pos / (tpb * cp)) as usize];
-                let slot = page as u64 * tpb + pos % tpb;
-                let cell = self.pools[owner][slot as usize];
+                let owner = usize::try_from((pos / tpb) % cp).unwrap();
+                let page = table[usize::try_from(pos / (tpb * cp)).unwrap()];
+                let slot = u64::try_from(page).unwrap() * tpb + pos % tpb;
+                let cell = self.pools[owner][usize::try_from(slot).unwrap()];
                 match cell {
                     Some((who, at, token)) if who == id && at == pos => token,
                     other => {
@@ -608,7 +617,7 @@ impl Group {
             let context = self.read_context(*id, last);
             assert_eq!(
                 context,
-                self.known[id][..=last as usize],
+                self.known[id][..=usize::try_from(last).unwrap()],
                 "KV read back for {id} differs from its tokens"
             );
             let token = self.model.next_token(*id, &context);
@@ -932,10 +941,11 @@ pub fn reference_outputs(specs: &[Spec], model: Model) -> BTreeMap<RequestId, Ve
         .iter()
         .map(|s| s.prompt.len() as u64 + u64::from(s.max_new_tokens))
         .sum();
-    let mut config = SchedulerConfig::new((total / 4 + specs.len() as u64 + 1) as u32);
+    let mut config =
+        SchedulerConfig::new(u32::try_from(total / 4 + specs.len() as u64 + 1).unwrap());
     config.tokens_per_block = 4;
-    config.max_batch_size = specs.len() as u32 + 1;
-    config.max_num_tokens = (total + 1).max(4) as u32;
+    config.max_batch_size = u32::try_from(specs.len() + 1).unwrap();
+    config.max_num_tokens = u32::try_from((total + 1).max(4)).unwrap();
     let mut group = Group::new(&config, model);
     let at_once: Vec<Spec> = specs
         .iter()
