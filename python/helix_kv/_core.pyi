@@ -369,6 +369,7 @@ class SchedulerMetrics:
         steps: int,
         preemptions: int,
         suspensions: int,
+        resumes: int,
         recomputed_tokens: int,
         computed_tokens: int,
         sat_out: int,
@@ -386,6 +387,8 @@ class SchedulerMetrics:
     def preemptions(self) -> int: ...
     @property
     def suspensions(self) -> int: ...
+    @property
+    def resumes(self) -> int: ...
     @property
     def recomputed_tokens(self) -> int: ...
     @property

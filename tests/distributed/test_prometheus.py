@@ -69,7 +69,7 @@ def expected_values(rank: HelixKVRank) -> dict[str, float]:
         "helix_kv:num_recomputed_tokens_total": totals.recomputed_tokens,
         "helix_kv:num_sat_out_total": totals.sat_out,
         "helix_kv:num_suspensions_total": totals.suspensions,
-        "helix_kv:num_resumes_total": rank.resumes,
+        "helix_kv:num_resumes_total": rank.scheduler.metrics().resumes,
         "helix_kv:num_aborts_total": totals.aborts,
         "helix_kv:num_deadlocks_total": rank.deadlocks,
         "helix_kv:schedule_check_seconds_count": 0 if checker is None else checker.checks,
@@ -303,7 +303,7 @@ class _BusyScheduler:
 def _fake_rank(scheduler: Any, cp_rank: int = 3) -> Any:
     return SimpleNamespace(
         scheduler=scheduler, cp_rank=cp_rank, host_tier_superblocks=0, checker=None,
-        resumes=0, deadlocks=0,
+        deadlocks=0,
     )  # fmt: skip
 
 

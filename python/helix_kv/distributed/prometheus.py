@@ -3,7 +3,7 @@
 :func:`register_rank_metrics` registers a :class:`RankCollector` for one rank on a
 ``prometheus_client`` registry. The collector reads the rank's counters when the registry is
 scraped, never per step: the scheduler already keeps its totals (``Scheduler.metrics()``), and
-the few counters the core does not keep (resumes, deadlocks, schedule-check time) are plain
+the few counters the core cannot keep (deadlocks, schedule-check time) are plain
 attribute increments in :class:`~helix_kv.distributed.HelixKVRank` and
 :class:`~helix_kv.distributed.ScheduleChecker`.
 
@@ -220,7 +220,7 @@ class RankCollector(Collector):
             "num_recomputed_tokens_total": totals.recomputed_tokens,
             "num_sat_out_total": totals.sat_out,
             "num_suspensions_total": totals.suspensions,
-            "num_resumes_total": rank.resumes,
+            "num_resumes_total": totals.resumes,
             "num_aborts_total": totals.aborts,
             "num_deadlocks_total": rank.deadlocks,
         }

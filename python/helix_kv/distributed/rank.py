@@ -45,8 +45,6 @@ class HelixKVRank:
         host_tier_superblocks: host tier given to the scheduler (``non_helix`` only).
         checker: the :class:`ScheduleChecker`, or ``None`` when the check is off.
         kv_storage: whatever ``allocate`` returned (``None`` without ``allocate``).
-        resumes: requests resumed from the host tier by steps that were updated (a reverted
-            step's resumes are undone, so not counted); only grows.
         deadlocks: :class:`helix_kv.DeadlockError` raised by :meth:`schedule`; only grows.
     """
 
@@ -70,10 +68,9 @@ class HelixKVRank:
         self.checker = checker
         self.kv_storage: Any = None
         self._sample_ids: npt.NDArray[np.uint64] | None = None
-        # For metrics (helix_kv.distributed.prometheus); the core does not count these.
-        self.resumes = 0
+        # For metrics (helix_kv.distributed.prometheus): an error raised out of the core
+        # is not something the core can count.
         self.deadlocks = 0
-        self._pending_resumes = 0
 
     @classmethod
     def create(
@@ -205,8 +202,6 @@ class HelixKVRank:
         except helix_kv.DeadlockError:
             self.deadlocks += 1
             raise
-        # Only a host tier lets a request suspend, so only then can a step resume one.
-        self._pending_resumes = len(output.resumed_ids) if self.host_tier_superblocks else 0
         if self.checker is not None:
             self.checker.check(output)
         self._sample_ids = output.sample_ids
@@ -217,8 +212,6 @@ class HelixKVRank:
         that finished. With the check on, the tokens are compared at the next ``schedule``
         (recorded once the update has succeeded: a rejected update changed nothing)."""
         finished = self.scheduler.update(tokens, eos)
-        self.resumes += self._pending_resumes
-        self._pending_resumes = 0
         if self.checker is not None and self._sample_ids is not None:
             self.checker.record_update(self._sample_ids, tokens, eos)
         return finished
@@ -226,7 +219,6 @@ class HelixKVRank:
     def revert(self) -> npt.NDArray[np.uint64]:
         """Undoes the scheduled step that was not run; returns the ids of requests whose
         abort was requested while it was pending (aborted now)."""
-        self._pending_resumes = 0  # the step's resumes are undone
         return self.scheduler.revert()
 
     def abort(self, request_id: int) -> None:

@@ -322,6 +322,39 @@ fn non_helix_suspends_to_the_host_tier_first_then_recomputes() {
 }
 
 #[test]
+fn resumes_are_counted_in_steps_that_ran_only() {
+    let specs: Vec<Spec> = (0..8).map(|i| Spec::new(i, 10, 30)).collect();
+    let mut config = config(1, 4, 40);
+    config.serving_mode = ServingMode::NonHelix;
+    config.host_tier_superblocks = 6;
+    let mut s = Scheduler::new(config).unwrap();
+    for spec in &specs {
+        s.add_request(spec.id, &spec.prompt, spec.max_new_tokens, 0)
+            .unwrap();
+    }
+    let (mut resumed_in_updates, mut resumed_in_reverts) = (0u64, 0u64);
+    let mut n = 0u64;
+    while s.has_unfinished() {
+        let out = s.schedule().unwrap().clone();
+        let resumed = out.resumed_ids.len() as u64;
+        n += 1;
+        // Revert every other step that resumed something: its resumes are undone.
+        if resumed > 0 && n % 2 == 0 {
+            s.revert().unwrap();
+            resumed_in_reverts += resumed;
+        } else {
+            s.update(&vec![1; out.sample_ids.len()], None).unwrap();
+            resumed_in_updates += resumed;
+        }
+        assert_eq!(s.metrics().resumes, resumed_in_updates);
+    }
+    assert!(
+        resumed_in_updates > 0 && resumed_in_reverts > 0,
+        "{resumed_in_updates} resumed in updated steps, {resumed_in_reverts} in reverted ones"
+    );
+}
+
+#[test]
 fn no_admission_in_a_step_that_preempted_unless_configured() {
     for admit in [false, true] {
         let mut config = config(1, 4, 3);

@@ -1,8 +1,8 @@
 //! Closing a step: `update` (it ran) or `revert` (it did not).
 
 use super::{
-    CoreError, FinishReason, RequestId, RequestIndex, RequestMetrics, RequestOutput, RequestState,
-    Result, Scheduler,
+    CoreError, FinishReason, JournalEntry, RequestId, RequestIndex, RequestMetrics, RequestOutput,
+    RequestState, Result, Scheduler,
 };
 
 impl Scheduler {
@@ -121,6 +121,11 @@ impl Scheduler {
         self.metrics.computed_tokens += computed_tokens;
         self.metrics.steps += 1;
         self.metrics.sat_out += self.sat_out_reqs.len() as u64;
+        self.metrics.resumes += self
+            .journal
+            .iter()
+            .filter(|entry| matches!(entry, JournalEntry::Resume(_)))
+            .count() as u64;
     }
 
     /// Frees a finished (or aborted) request's KV, host-tier share and batch slot, and keeps

@@ -19,6 +19,9 @@ macro_rules! scheduler_metrics_fields {
             preemptions: u64,
             /// Suspends to the host tier.
             suspensions: u64,
+            /// Resumes from the host tier (in steps that ran; a reverted step's resumes are
+            /// undone and not counted).
+            resumes: u64,
             /// KV tokens thrown away by recompute-pauses (they are computed again).
             recomputed_tokens: u64,
             /// Context and decode tokens run, recomputation included.
