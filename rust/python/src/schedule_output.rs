@@ -378,8 +378,8 @@ impl PyScheduleOutput {
         let args = PyTuple::new(py, [slf.get().field_dict(py)?])?;
         PyTuple::new(py, [rebuild, args.into_any()])
     }
-    /// Rebuilds a pickled output from its fields (arrays of the fields' dtypes; the array
-    /// lengths must fit together).
+    /// Rebuilds a pickled output from its fields (arrays of the fields' dtypes, no negative
+    /// length, position, count or rank; the array lengths must fit together).
     #[classmethod]
     fn _from_fields(_cls: &Bound<'_, PyType>, fields: &Bound<'_, PyAny>) -> PyResult<Self> {
         let fields = fields
