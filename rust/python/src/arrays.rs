@@ -325,28 +325,15 @@ fn array_ints<'py>(array: &Bound<'py, PyUntypedArray>, what: &str) -> PyResult<I
     }
 }
 
-/// A contiguous read-only `int64` view of `obj` (an integer array or sequence, see
-/// [`integers`]); converts only when `obj` is not already a contiguous `int64` array.
-/// Values outside int64 are an `InvalidArgumentError`. (Part of this module's conversion
-/// API for binding code that wants a borrowed int64 view; unused by the classes here.)
-#[allow(dead_code)]
-pub fn int64_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<PyReadonlyArray1<'py, i64>> {
-    let ints = integers(obj, "values")?;
-    if let Ints::Signed(array) = ints {
-        return Ok(array);
-    }
-    let values = ints.map(
-        |v| i64::try_from(v).ok(),
-        |v| InvalidArgumentError::new_err(format!("values must fit int64, got {}", show(v))),
-    )?;
-    Ok(PyArray1::from_vec(obj.py(), values).readonly())
-}
-
 /// Copies `values` into a `u64` vector, refusing negatives (`what` names them in the error).
 pub fn non_negative(values: &[i64], what: &str, length: bool) -> PyResult<Vec<u64>> {
     // One branch-free pass finds out whether any value is negative; then a plain
     // (vectorised) copy of the right size. The slow search only names the culprit.
     if values.iter().fold(0, |acc, &v| acc | v) >= 0 {
+        #[expect(
+            clippy::cast_sign_loss,
+            reason = "the fold above found no negative value, and a non-negative i64 fits u64"
+        )]
         return Ok(values.iter().map(|&v| v as u64).collect());
     }
     let v = values.iter().copied().find(|&v| v < 0).unwrap_or_default();

@@ -1,6 +1,8 @@
 //! `Layout`: the Helix token placement, scalar and batch (numpy) forms.
-// PyO3 methods receive `&self`; the class is a small `Copy` value, so the lint does not apply.
-#![allow(clippy::trivially_copy_pass_by_ref)]
+#![expect(
+    clippy::trivially_copy_pass_by_ref,
+    reason = "PyO3 methods receive `&self`; the class is a small `Copy` value"
+)]
 
 use helix_kv_core::Layout;
 use numpy::PyArray1;
@@ -8,7 +10,7 @@ use pyo3::prelude::*;
 
 use pyo3::types::PyTuple;
 
-use crate::arrays::{int_arg, length_arg, rank_arg, table_arg, u64_vec, MAX_LENGTH};
+use crate::arrays::{int_arg, length_arg, rank_arg, table_arg, u64_vec};
 use crate::errors::{ConfigError, IntoPyResult, InvalidLengthError};
 
 /// Token placement for `cp` ranks with pages of `tokens_per_block` tokens (frozen, hashable,
@@ -80,7 +82,7 @@ impl PyLayout {
         &self,
         rank: &Bound<'_, PyAny>,
         local_index: &Bound<'_, PyAny>,
-    ) -> PyResult<u64> {
+    ) -> PyResult<i64> {
         let rank = self.rank(rank)?;
         let index = length_arg(local_index, "local index")?;
         global_position(self.inner, rank, index)
@@ -92,7 +94,9 @@ impl PyLayout {
         positions: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let layout = self.inner;
-        map_array(positions, "positions", |p| Ok(layout.owner_rank(p) as i32))
+        map_array(positions, "positions", |p| {
+            Ok(rank_int32(layout.owner_rank(p)))
+        })
     }
 
     /// Batch `local_len` for one rank (int64 out).
@@ -103,7 +107,9 @@ impl PyLayout {
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let rank = self.rank(rank)?;
         let layout = self.inner;
-        map_array(lengths, "lengths", |n| Ok(layout.local_len(n, rank) as i64))
+        map_array(lengths, "lengths", |n| {
+            Ok(result_int64(layout.local_len(n, rank)))
+        })
     }
 
     /// Batch `superblocks_for` (int64 out).
@@ -112,7 +118,9 @@ impl PyLayout {
         lengths: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let layout = self.inner;
-        map_array(lengths, "lengths", |n| Ok(layout.superblocks_for(n) as i64))
+        map_array(lengths, "lengths", |n| {
+            Ok(result_int64(layout.superblocks_for(n)))
+        })
     }
 
     /// Batch `global_position` for one rank (int64 out); a position past `2**63 - 1` is
@@ -125,7 +133,7 @@ impl PyLayout {
         let rank = self.rank(rank)?;
         let layout = self.inner;
         map_array(local_indices, "local indices", |i| {
-            global_position(layout, rank, i).map(|p| p as i64)
+            global_position(layout, rank, i)
         })
     }
 
@@ -181,15 +189,35 @@ impl PyLayout {
 
 /// `layout.global_position`, refused where it would not fit int64 (every length and
 /// position crosses the Python edge as int64).
-fn global_position(layout: Layout, rank: u32, local_index: u64) -> PyResult<u64> {
+fn global_position(layout: Layout, rank: u32, local_index: u64) -> PyResult<i64> {
     layout
         .checked_global_position(rank, local_index)
-        .filter(|&pos| pos <= MAX_LENGTH)
+        .and_then(|pos| i64::try_from(pos).ok())
         .ok_or_else(|| {
             InvalidLengthError::new_err(format!(
                 "local index {local_index} on rank {rank} is past the largest position (2**63-1)"
             ))
         })
+}
+
+/// A rank as numpy's int32 (`owner_ranks`, `ScheduleOutput.generation_owner_ranks`).
+#[expect(
+    clippy::cast_possible_wrap,
+    reason = "ranks are below cp, and `Layout::new` caps cp * tokens_per_block at 2**24"
+)]
+pub fn rank_int32(rank: u32) -> i32 {
+    debug_assert!(i32::try_from(rank).is_ok());
+    rank as i32
+}
+
+/// A `local_len` or `superblocks_for` result as numpy's int64.
+#[expect(
+    clippy::cast_possible_wrap,
+    reason = "at most the length it was computed from, which `u64_vec` kept in 0..=2**63-1"
+)]
+fn result_int64(value: u64) -> i64 {
+    debug_assert!(i64::try_from(value).is_ok());
+    value as i64
 }
 
 /// Applies `f` to every element of an array-like of lengths or positions

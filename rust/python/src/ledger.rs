@@ -49,10 +49,30 @@ impl From<&RequestKv> for PyRequestHoldings {
             length: r.len(),
             prompt_len: r.prompt_len(),
             decode_count: r.decode_count(),
-            superblocks: r.table().len() as u32,
+            superblocks: superblock_count(r.table().len()),
             suspended: r.is_suspended(),
         }
     }
+}
+
+/// The number of superblocks in a page table.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "a table holds at most the pool's capacity, a u32"
+)]
+fn superblock_count(len: usize) -> u32 {
+    debug_assert!(u32::try_from(len).is_ok());
+    len as u32
+}
+
+/// A superblock id or count as numpy's int32 (the page ids of block tables).
+#[expect(
+    clippy::cast_possible_wrap,
+    reason = "ids are below, and counts at most, the pool's capacity, which `Ledger::new` caps at i32::MAX"
+)]
+fn superblock_int32(superblock: u32) -> i32 {
+    debug_assert!(i32::try_from(superblock).is_ok());
+    superblock as i32
 }
 
 /// Shared by `Ledger` and `Scheduler`: the padded block table of `ids`; `width` is
@@ -293,7 +313,11 @@ impl PyLedger {
         let request = self.inner.request(id_arg(request_id)?).py()?;
         Ok(PyArray1::from_vec(
             py,
-            request.table().iter().map(|&p| p as i32).collect(),
+            request
+                .table()
+                .iter()
+                .map(|&p| superblock_int32(p))
+                .collect(),
         ))
     }
     /// `(request_ids uint64, superblocks int32)`, sorted by id.
@@ -305,7 +329,7 @@ impl PyLedger {
             .inner
             .holdings()
             .into_iter()
-            .map(|(id, n)| (id, n as i32))
+            .map(|(id, n)| (id, superblock_int32(n)))
             .unzip();
         (PyArray1::from_vec(py, ids), PyArray1::from_vec(py, counts))
     }

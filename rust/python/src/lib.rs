@@ -1,13 +1,6 @@
 //! `helix_kv._core`: the thin `PyO3` layer over `helix_kv_core`. One file per area of the
 //! Python surface; the module below is the one export list: every class and exception is
 //! registered flat on `_core` and re-exported by `helix_kv/__init__.py`.
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_possible_wrap,
-    clippy::cast_sign_loss,
-    clippy::allow_attributes_without_reason,
-    reason = "binding casts and allows are converted to per-site expects in a follow-up once the record rewrite lands"
-)]
 
 #[macro_use]
 mod records;

@@ -61,14 +61,15 @@ macro_rules! value_record {
             /// Builds the record from its fields, given by keyword (what unpickling calls).
             #[new]
             #[pyo3(signature = $signature)]
-            #[allow(clippy::too_many_arguments)] // one keyword per field
+            // An `allow`: only the records of more than seven fields trip the lint.
+            #[allow(clippy::too_many_arguments, reason = "one keyword per field")]
             fn py_new($($field: $ty),*) -> Self {
                 Self { $($field),* }
             }
 
             /// The field names, in order.
             #[classattr]
-            #[allow(non_snake_case)] // a class constant
+            #[expect(non_snake_case, reason = "a Python class constant")]
             fn FIELDS(py: pyo3::Python<'_>) -> pyo3::PyResult<pyo3::Bound<'_, pyo3::types::PyTuple>> {
                 pyo3::types::PyTuple::new(py, [$(stringify!($field)),*])
             }

@@ -15,13 +15,19 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
 use crate::arrays::{invalid_type_of, make_read_only, u64_arg};
-use crate::errors::{IntoPyResult, InvalidArgumentError};
+use crate::errors::{IntoPyResult, InvalidArgumentError, InvalidLengthError};
+use crate::layout::rank_int32;
 
 /// A core element type exposed as numpy dtype `N` (ids as uint64, lengths and positions
 /// as int64, ranks as int32), with the exact conversions both ways.
 pub trait Exposed<N: Element + Copy>: Sized + Copy + Send + Clone {
+    /// Whether a value out of range is an `InvalidLengthError` (a length, position or
+    /// count) rather than an `InvalidArgumentError`, as for every argument.
+    const LENGTH: bool = false;
     fn to_numpy(self) -> N;
-    fn from_numpy(value: N) -> Self;
+    /// `None` where `value` does not fit (a negative length or rank: only `_from_fields`
+    /// reads arrays the binding did not make).
+    fn from_numpy(value: N) -> Option<Self>;
 }
 
 /// Request ids: the whole `u64` range, as uint64.
@@ -29,27 +35,36 @@ impl Exposed<u64> for u64 {
     fn to_numpy(self) -> u64 {
         self
     }
-    fn from_numpy(value: u64) -> Self {
-        value
+    fn from_numpy(value: u64) -> Option<Self> {
+        Some(value)
     }
 }
 
-/// Lengths and positions (below `2**63` by the ledger's bounds), as int64.
+/// Lengths, positions and counts, as int64.
 impl Exposed<i64> for u64 {
+    const LENGTH: bool = true;
+    #[expect(
+        clippy::cast_possible_wrap,
+        reason = "a schedule's lengths, positions and counts lie within the ledger's pool (at most \
+                  i32::MAX superblocks of at most 2**24 tokens: below 2**55), or came from int64 \
+                  (`_from_fields`)"
+    )]
     fn to_numpy(self) -> i64 {
+        debug_assert!(i64::try_from(self).is_ok());
         self as i64
     }
-    fn from_numpy(value: i64) -> Self {
-        value as u64
+    fn from_numpy(value: i64) -> Option<Self> {
+        u64::try_from(value).ok()
     }
 }
 
+/// Owner ranks (the one `u32` field), as int32.
 impl Exposed<i32> for u32 {
     fn to_numpy(self) -> i32 {
-        self as i32
+        rank_int32(self)
     }
-    fn from_numpy(value: i32) -> Self {
-        value as u32
+    fn from_numpy(value: i32) -> Option<Self> {
+        u32::try_from(value).ok()
     }
 }
 
@@ -57,8 +72,8 @@ impl Exposed<i32> for i32 {
     fn to_numpy(self) -> i32 {
         self
     }
-    fn from_numpy(value: i32) -> Self {
-        value
+    fn from_numpy(value: i32) -> Option<Self> {
+        Some(value)
     }
 }
 
@@ -66,8 +81,8 @@ impl Exposed<bool> for bool {
     fn to_numpy(self) -> bool {
         self
     }
-    fn from_numpy(value: bool) -> Self {
-        value
+    fn from_numpy(value: bool) -> Option<Self> {
+        Some(value)
     }
 }
 
@@ -87,13 +102,27 @@ impl<T: Exposed<N>, N: Element + Copy> LazyArray<T, N> {
         }
     }
 
-    /// The values of a 1-D numpy array of dtype `N` (copied: the caller keeps its array).
+    /// The values of a 1-D numpy array of dtype `N` (copied: the caller keeps its array);
+    /// a value out of the field's range is refused, as for every argument.
     fn from_object(value: &Bound<'_, PyAny>, field: &str) -> PyResult<Self> {
         let array = value
             .cast::<PyArray1<N>>()
             .map_err(|_| invalid_type_of(field, "a 1-D numpy array of the field's dtype", value))?;
-        let values = array.to_owned_array().into_iter().map(T::from_numpy);
-        Ok(Self::new(values.collect()))
+        let values = array
+            .to_owned_array()
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| {
+                T::from_numpy(v).ok_or_else(|| {
+                    let message = format!("ScheduleOutput field {field}[{i}] must be non-negative");
+                    if T::LENGTH {
+                        InvalidLengthError::new_err(message)
+                    } else {
+                        InvalidArgumentError::new_err(message)
+                    }
+                })
+            });
+        Ok(Self::new(values.collect::<PyResult<_>>()?))
     }
 
     fn take_vector(&self) -> Vec<T> {
@@ -120,13 +149,15 @@ impl<T: Exposed<N>, N: Element + Copy> LazyArray<T, N> {
     /// The values, wherever they live now.
     fn values(&self, py: Python<'_>) -> Vec<T> {
         if let Some(array) = self.array.get(py) {
+            // The binding's own read-only array of `to_numpy` values: every one converts back.
             return array
                 .bind(py)
                 .to_vec()
                 .unwrap_or_default()
                 .into_iter()
                 .map(T::from_numpy)
-                .collect();
+                .collect::<Option<_>>()
+                .unwrap_or_default();
         }
         self.vector
             .lock()
@@ -283,13 +314,13 @@ fn names(
 impl PyScheduleOutput {
     /// Every field name, in order.
     #[classattr]
-    #[allow(non_snake_case)] // class constants
+    #[expect(non_snake_case, reason = "a Python class constant")]
     fn FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
         names(py, ScheduleOutput::FIELDS.iter().map(|(name, _)| *name))
     }
     /// The fields identical on every rank that scheduled alike (`digest` among them).
     #[classattr]
-    #[allow(non_snake_case)]
+    #[expect(non_snake_case, reason = "a Python class constant")]
     fn RANK_INVARIANT_FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
         names(
             py,
@@ -298,13 +329,13 @@ impl PyScheduleOutput {
     }
     /// The fields that differ by rank by design (this rank's share of the KV).
     #[classattr]
-    #[allow(non_snake_case)]
+    #[expect(non_snake_case, reason = "a Python class constant")]
     fn PER_RANK_FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
         names(py, ScheduleOutput::fields_with_scope(FieldScope::PerRank))
     }
     /// The entries of `summary_fields()`, in order, each with the fields its value shows.
     #[classattr]
-    #[allow(non_snake_case)]
+    #[expect(non_snake_case, reason = "a Python class constant")]
     fn SUMMARY_ENTRIES(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
         let entries = ScheduleOutput::SUMMARY_ENTRIES
             .iter()
@@ -347,8 +378,8 @@ impl PyScheduleOutput {
         let args = PyTuple::new(py, [slf.get().field_dict(py)?])?;
         PyTuple::new(py, [rebuild, args.into_any()])
     }
-    /// Rebuilds a pickled output from its fields (arrays of the fields' dtypes; the array
-    /// lengths must fit together).
+    /// Rebuilds a pickled output from its fields (arrays of the fields' dtypes, no negative
+    /// length, position, count or rank; the array lengths must fit together).
     #[classmethod]
     fn _from_fields(_cls: &Bound<'_, PyType>, fields: &Bound<'_, PyAny>) -> PyResult<Self> {
         let fields = fields

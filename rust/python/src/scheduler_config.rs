@@ -106,7 +106,10 @@ impl PySchedulerConfig {
         serving_mode=\"aggregated_helix\", host_tier_superblocks=0, \
         victim_policy=\"newest_first\", max_preemptions_per_request=8, \
         admit_after_preemption=False, deadlock_steps=64)")]
-    #[allow(clippy::too_many_arguments)] // the Python keyword surface, one per field
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the Python keyword surface, one per field"
+    )]
     fn new(
         cp_size: Given<'_>,
         cp_rank: Given<'_>,
@@ -213,7 +216,7 @@ impl PySchedulerConfig {
     /// The default of every keyword argument but the KV pool (`kv_superblocks` or
     /// `kv_tokens`, which has none): the core's defaults, read-only.
     #[classattr]
-    #[allow(non_snake_case)] // class constants
+    #[expect(non_snake_case, reason = "a Python class constant")]
     fn DEFAULTS(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
         let defaults = keywords(py, &SchedulerConfig::new(1))?;
         defaults.del_item("kv_superblocks")?;
@@ -225,19 +228,19 @@ impl PySchedulerConfig {
     }
     /// The accepted `victim_policy` names, in declaration order.
     #[classattr]
-    #[allow(non_snake_case)]
+    #[expect(non_snake_case, reason = "a Python class constant")]
     fn VICTIM_POLICIES(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
         PyTuple::new(py, VictimPolicy::NAMES)
     }
     /// The accepted `serving_mode` names, in declaration order.
     #[classattr]
-    #[allow(non_snake_case)]
+    #[expect(non_snake_case, reason = "a Python class constant")]
     fn SERVING_MODES(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
         PyTuple::new(py, ServingMode::NAMES)
     }
     /// The accepted `capacity_policy` names, in declaration order.
     #[classattr]
-    #[allow(non_snake_case)]
+    #[expect(non_snake_case, reason = "a Python class constant")]
     fn CAPACITY_POLICIES(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
         PyTuple::new(py, CapacityPolicy::NAMES)
     }
