@@ -4,6 +4,7 @@ modelled ms, the report with and without a model, and its flags' errors (real su
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -337,3 +338,16 @@ def test_bad_step_time_flags_are_one_usage_line(
     assert message in line
     if "--step-time-profile" in argv and "--step-time" not in argv:
         assert line.startswith(f"helix-kv simulate: error: --step-time-profile {argv[-1]}: ")
+
+
+@needs_scheduler
+def test_user_guide_modelled_sample_is_what_the_command_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "user-guide.md").read_text("utf-8")
+    section = guide[guide.index("### Modelled step time") :]
+    samples = re.findall(r"^```text\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
+    sample = samples[1]  # the first is the formula
+    assert main(["simulate", "--step-time", "default"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.endswith(sample)
