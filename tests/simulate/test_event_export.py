@@ -416,3 +416,15 @@ def test_writer_on_an_open_file_leaves_it_open() -> None:
     assert meta["step_time_model"] is None
     assert request["type"] == "request"
     assert request["first_token_step"] is None
+
+
+def test_events_onto_the_trace_file_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    text = '{"id": 0, "arrival_step": 0, "prompt_len": 8, "output_len": 4}\n'
+    trace.write_text(text, encoding="utf-8")
+    assert main(["simulate", "--trace", str(trace), "--events", str(trace)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"helix-kv simulate: error: --events {trace} is the --trace file; give another"
+    assert trace.read_text(encoding="utf-8") == text  # left alone

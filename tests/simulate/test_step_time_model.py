@@ -302,6 +302,7 @@ def _write(path: Path, text: str) -> str:
         (["--step-time-profile", "{missing_key}"], "missing key 'per_kv_token_ms'"),
         (["--step-time-profile", "{negative}"], "per_token_ms must be a finite number >= 0"),
         (["--step-time-profile", "{string}"], "fixed_ms must be a number, got '5'"),
+        (["--step-time-profile", "{huge}"], "per_kv_token_ms must be a finite number >= 0"),
     ],
 )
 def test_bad_step_time_flags_are_one_usage_line(
@@ -318,6 +319,10 @@ def test_bad_step_time_flags_are_one_usage_line(
         "missing_key": _write(tmp_path / "partial.json", '{"fixed_ms": 1, "per_token_ms": 0}'),
         "negative": _write(
             tmp_path / "neg.json", '{"fixed_ms": 1, "per_token_ms": -2, "per_kv_token_ms": 0}'
+        ),
+        "huge": _write(
+            tmp_path / "huge.json",
+            '{"fixed_ms": 1, "per_token_ms": 0, "per_kv_token_ms": 1' + "0" * 400 + "}",
         ),
         "string": _write(
             tmp_path / "str.json", '{"fixed_ms": "5", "per_token_ms": 0, "per_kv_token_ms": 0}'

@@ -430,9 +430,12 @@ def check_combinations(args: argparse.Namespace) -> None:
 def check_output_combinations(args: argparse.Namespace) -> None:
     """Reject ``--events`` into a missing folder, and two step-time models."""
     if args.events is not None:
-        parent = Path(args.events).expanduser().resolve().parent
+        target = Path(args.events).expanduser().resolve()
+        parent = target.parent
         if not parent.is_dir():
             raise UsageError(f"--events {args.events}: folder {parent} does not exist")
+        if args.trace is not None and Path(args.trace).resolve() == target:
+            raise UsageError(f"--events {args.events} is the --trace file; give another")
     if args.step_time is not None and args.step_time_profile is not None:
         raise UsageError(
             "--step-time and --step-time-profile each give a step-time model; give one"

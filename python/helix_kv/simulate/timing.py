@@ -57,7 +57,10 @@ def _coefficient(name: str, value: Any) -> float:
     """``value`` as a coefficient: a finite real number in ``[0, MAX_COEFFICIENT_MS]``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SimulationSetupError(f"{name} must be a number, got {value!r}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past float's range (a profile may hold one)
+        number = math.inf if value > 0 else -math.inf
     if not math.isfinite(number) or number < 0:
         raise SimulationSetupError(f"{name} must be a finite number >= 0, got {value!r}")
     if number > MAX_COEFFICIENT_MS:
