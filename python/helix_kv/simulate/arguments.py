@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from helix_kv._core import Layout, SchedulerConfig
-from helix_kv.errors import ConfigError
+from helix_kv.errors import ConfigError, SimulationSetupError
 from helix_kv.errors import UsageError as UsageError  # also importable from here
 from helix_kv.simulate.options import (
     CAPACITY_POLICIES,
@@ -30,6 +30,7 @@ from helix_kv.simulate.options import (
     VICTIM_POLICIES,
     SimulationOptions,
 )
+from helix_kv.simulate.timing import DEFAULT_STEP_TIME, PROFILE_KEYS, StepTimeModel, load_profile
 from helix_kv.simulate.workload import LengthDistribution, WorkloadSpec
 
 #: Defaults of the embedded workload: under the default KV budget it preempts.
@@ -100,6 +101,28 @@ def _fraction(text: str) -> float:
     if not 0.0 <= value <= 1.0:  # also rejects NaN
         raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
     return value
+
+
+def _step_time(text: str) -> StepTimeModel:
+    """``--step-time``: ``default``, or the three coefficients in ms, comma-separated."""
+    if text == "default":
+        return DEFAULT_STEP_TIME
+    parts = text.split(",")
+    if len(parts) != len(PROFILE_KEYS):
+        raise argparse.ArgumentTypeError(
+            f"expected 'default' or FIXED_MS,PER_TOKEN_MS,PER_KV_TOKEN_MS, got {text!r}"
+        )
+    try:
+        values = [float(part) for part in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected three numbers FIXED_MS,PER_TOKEN_MS,PER_KV_TOKEN_MS, got {text!r}"
+        ) from None
+    try:
+        fixed, per_token, per_kv_token = values
+        return StepTimeModel(fixed, per_token, per_kv_token, source="--step-time")
+    except SimulationSetupError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -309,6 +332,26 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="stop after this many scheduler steps",
     )
+    group.add_argument(
+        "--events",
+        metavar="FILE",
+        help="write the per-step timeline and per-request outcomes as JSON Lines; with "
+        "--compare-policies one file per policy (FILE.<policy>.jsonl)",
+    )
+    group.add_argument(
+        "--step-time",
+        type=_step_time,
+        metavar="MODEL",
+        help="model step times to report latencies in ms: 'default' (illustrative "
+        f"coefficients: {DEFAULT_STEP_TIME.describe()}) or FIXED_MS,PER_TOKEN_MS,"
+        "PER_KV_TOKEN_MS; a model, not a measurement (default: off)",
+    )
+    group.add_argument(
+        "--step-time-profile",
+        metavar="FILE",
+        help="the step-time model from a JSON object with fixed_ms, per_token_ms, "
+        "per_kv_token_ms and an optional description",
+    )
 
 
 def _scheduler_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -381,6 +424,34 @@ def check_combinations(args: argparse.Namespace) -> None:
         parent = Path(args.plot).expanduser().resolve().parent
         if not parent.is_dir():
             raise UsageError(f"--plot {args.plot}: folder {parent} does not exist")
+    check_output_combinations(args)
+
+
+def check_output_combinations(args: argparse.Namespace) -> None:
+    """Reject ``--events`` into a missing folder, and two step-time models."""
+    if args.events is not None:
+        target = Path(args.events).expanduser().resolve()
+        parent = target.parent
+        if not parent.is_dir():
+            raise UsageError(f"--events {args.events}: folder {parent} does not exist")
+        if args.trace is not None and Path(args.trace).resolve() == target:
+            raise UsageError(f"--events {args.events} is the --trace file; give another")
+    if args.step_time is not None and args.step_time_profile is not None:
+        raise UsageError(
+            "--step-time and --step-time-profile each give a step-time model; give one"
+        )
+
+
+def step_time_model(args: argparse.Namespace) -> StepTimeModel | None:
+    """The step-time model the flags ask for (``None``: off); a bad profile is a
+    :class:`UsageError` naming the flag and the file."""
+    if args.step_time_profile is None:
+        model: StepTimeModel | None = args.step_time
+        return model
+    try:
+        return load_profile(args.step_time_profile)
+    except SimulationSetupError as err:
+        raise UsageError(f"--step-time-profile {args.step_time_profile}: {err}") from None
 
 
 def simulation_options(args: argparse.Namespace) -> SimulationOptions:
@@ -392,6 +463,7 @@ def simulation_options(args: argparse.Namespace) -> SimulationOptions:
         scheduler=_scheduler_kwargs(args),
         max_steps=args.max_steps,
         procs=args.procs,
+        step_time=step_time_model(args),
     )
 
 

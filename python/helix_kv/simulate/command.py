@@ -26,6 +26,7 @@ from helix_kv.errors import (
     UsageError,
 )
 from helix_kv.simulate.arguments import simulation_options, workload_spec
+from helix_kv.simulate.events import JsonlEventWriter
 from helix_kv.simulate.interrupt import InterruptGuard
 from helix_kv.simulate.options import (
     VICTIM_POLICIES,
@@ -69,14 +70,22 @@ def run_once(
     show_progress: bool,
     label: str = "",
     should_stop: Callable[[], bool] | None = None,
+    events_path: Path | None = None,
 ) -> SimulationResult:
-    """One run, in this process or (``options.procs``) one process per rank."""
+    """One run, in this process or (``options.procs``) one process per rank; with
+    ``events_path``, its events are written there (by rank 0's process under ``procs``)."""
     config = options.resolved(workload_info)
     if options.procs:
         return run_in_processes(
-            options, workload, config, show_progress=show_progress, should_stop=should_stop
+            options,
+            workload,
+            config,
+            show_progress=show_progress,
+            should_stop=should_stop,
+            events_path=events_path,
         )
     progress = ProgressLine(label=label) if show_progress else None
+    events = JsonlEventWriter(events_path, config) if events_path is not None else None
     try:
         return run_simulation(
             SimulatedCPGroup(options.scheduler_config()),
@@ -85,10 +94,15 @@ def run_once(
             progress=progress,
             max_steps=options.max_steps,
             should_stop=should_stop,
+            events=events,
+            step_time=options.step_time,
+            cp=options.cp,
         )
     finally:
         if progress is not None:
             progress.close()
+        if events is not None:
+            events.close()
 
 
 def _plot_path(path: str, policy: str | None) -> Path:
@@ -96,6 +110,26 @@ def _plot_path(path: str, policy: str | None) -> Path:
     if policy is None:
         return target
     return target.with_name(f"{target.stem}.{policy}{target.suffix}")
+
+
+def events_paths(path: str | None, policies: list[VictimPolicy | None]) -> dict[str | None, Path]:
+    """Where each run's ``--events`` go: the file itself, or with ``--compare-policies`` one
+    file per policy (``run.jsonl`` -> ``run.newest_first.jsonl``, as ``--plot`` names them)."""
+    if path is None:
+        return {}
+    target = Path(path).expanduser()
+    return {policy: _plot_path(str(target), policy) for policy in policies}
+
+
+def check_events_targets(paths: dict[str | None, Path]) -> None:
+    """Open each events file for writing once (creating it), so that a file that cannot be
+    written stops the command before the run (a usage error naming ``--events``)."""
+    for path in paths.values():
+        try:
+            with open(path, "a", encoding="utf-8"):
+                pass
+        except OSError as err:
+            raise UsageError(f"--events {path}: cannot write it ({err.strerror or err})") from None
 
 
 def run_simulate(
@@ -123,6 +157,11 @@ def run_simulate(
         if options.procs:
             check_procs_available()
         preflight(options, workload)
+        policies: list[VictimPolicy | None] = (
+            list(VICTIM_POLICIES) if args.compare_policies else [None]
+        )
+        events_at = events_paths(args.events, policies)
+        check_events_targets(events_at)
     except (
         UsageError,
         SimulationSetupError,
@@ -132,7 +171,6 @@ def run_simulate(
     ) as err:
         return fail(EXIT_USAGE, str(err), "UsageError")
 
-    policies: list[VictimPolicy | None] = list(VICTIM_POLICIES) if args.compare_policies else [None]
     show_progress = progress_wanted(args.json, args.progress, stderr)
     results: dict[str, SimulationResult] = {}
     with InterruptGuard() as interrupted:
@@ -143,8 +181,18 @@ def run_simulate(
             label = policy or ""
             try:
                 result = run_once(
-                    run_options, workload, workload_info, show_progress, label, interrupted
+                    run_options,
+                    workload,
+                    workload_info,
+                    show_progress,
+                    label,
+                    interrupted,
+                    events_at.get(policy),
                 )
+            except OSError as err:  # the events file, written as the run goes
+                path = events_at.get(policy)
+                message = f"cannot write the events file {path}: {err.strerror or err}"
+                return fail(EXIT_RUN_FAILED, message, "OSError")
             except HelixKVError as err:
                 prefix = f"[{policy}] " if policy else ""
                 name = type(err).__name__

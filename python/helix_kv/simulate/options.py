@@ -16,6 +16,7 @@ from typing import Any
 from helix_kv._core import Scheduler, SchedulerConfig
 from helix_kv.errors import ConfigError, HelixKVError
 from helix_kv.errors import SimulationSetupError as SimulationSetupError  # also from here
+from helix_kv.simulate.timing import StepTimeModel
 from helix_kv.simulate.tokens import prompt_tokens
 from helix_kv.simulate.workload import RequestSpec
 from helix_kv.types import CapacityPolicy, ServingMode, VictimPolicy
@@ -83,6 +84,8 @@ class SimulationOptions:
     scheduler: dict[str, Any] = field(default_factory=dict)
     max_steps: int | None = None
     procs: bool = False
+    step_time: StepTimeModel | None = None
+    """The step-time model turning steps into modelled milliseconds (``None``: off)."""
 
     def scheduler_config(self, rank: int = 0) -> SchedulerConfig:
         """The ``helix_kv.SchedulerConfig`` of ``rank``; raises ``helix_kv.ConfigError``."""
@@ -97,7 +100,7 @@ class SimulationOptions:
     def resolved(self, workload_info: dict[str, Any]) -> dict[str, Any]:
         """The configuration as run: the report's ``config`` object."""
         config = self.scheduler_config()
-        return {
+        resolved: dict[str, Any] = {
             "cp": self.cp,
             "kv_tokens": self.kv_tokens,
             # what the pool holds: kv_tokens rounded down to whole superblocks, by the core
@@ -107,6 +110,9 @@ class SimulationOptions:
             "scheduler": dict(config.to_dict()),
             "workload": workload_info,
         }
+        if self.step_time is not None:  # only then: the report without a model is unchanged
+            resolved["step_time_model"] = self.step_time.to_dict()
+        return resolved
 
 
 def in_flag_terms(message: str) -> str:

@@ -19,9 +19,11 @@ ends the ranks with SIGTERM.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from helix_kv.errors import ProcsUnavailableError, RankFailedError
+from helix_kv.simulate.events import JsonlEventWriter
 from helix_kv.simulate.options import SimulationOptions
 from helix_kv.simulate.progress import ProgressLine
 from helix_kv.simulate.step_loop import SimulationResult, run_simulation
@@ -114,10 +116,15 @@ def _rank_worker(
     workload: Sequence[RequestSpec],
     config: dict[str, Any],
     show_progress: bool,
+    events_path: Path | None = None,
 ) -> SimulationResult | None:
     """One rank process (run by ``spawn_group``): the step loop over this rank; rank 0's
-    result goes back to the parent."""
+    result goes back to the parent, and rank 0 writes the events (every rank's are the same:
+    they are rank-invariant)."""
     progress = ProgressLine(label=f"rank {rank}") if show_progress and rank == 0 else None
+    events = (
+        JsonlEventWriter(events_path, config) if events_path is not None and rank == 0 else None
+    )
     try:
         result = run_simulation(
             _rank_scheduler(options, rank),
@@ -126,10 +133,15 @@ def _rank_worker(
             progress=progress,
             max_steps=options.max_steps,
             should_stop=_AgreedStop(),
+            events=events,
+            step_time=options.step_time,
+            cp=options.cp,
         )
     finally:
         if progress is not None:
             progress.close()
+        if events is not None:
+            events.close()
     return result if rank == 0 else None
 
 
@@ -139,13 +151,15 @@ def run_in_processes(
     config: dict[str, Any] | None = None,
     show_progress: bool = False,
     should_stop: Callable[[], bool] | None = None,
+    events_path: Path | None = None,
 ) -> SimulationResult:
     """Run the simulation with one process per rank; return rank 0's result.
 
     Raises the rank's ``helix_kv`` error if the schedulers raised one (they raise together:
     every decision is rank-invariant), :class:`RankFailedError` if a process died otherwise.
     Once ``should_stop()`` (polled while the ranks run) says so, the ranks stop together on a
-    step boundary and the result covers the steps so far (``interrupted=True``).
+    step boundary and the result covers the steps so far (``interrupted=True``). With
+    ``events_path``, rank 0's process writes the run's events there.
     """
     check_procs_available()
     from helix_kv.distributed.launch import spawn_group  # imports torch
@@ -153,7 +167,7 @@ def run_in_processes(
     results = spawn_group(
         _rank_worker,
         options.cp,
-        args=(options, list(workload), dict(config or {}), show_progress),
+        args=(options, list(workload), dict(config or {}), show_progress, events_path),
         timeout_s=RANK_TIMEOUT_S,
         should_stop=should_stop,
     )

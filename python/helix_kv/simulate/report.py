@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from helix_kv.simulate.step_loop import SimulationResult
+from helix_kv.simulate.step_loop import RequestOutcome, SimulationResult
+from helix_kv.simulate.timing import StepTimeModel
 
 Summary = dict[str, Any]
 
@@ -22,6 +23,59 @@ def _percentile(values: Sequence[int], q: float) -> int | None:
     if len(values) == 0:
         return None
     return int(np.percentile(np.asarray(values), q, method="inverted_cdf"))
+
+
+def _percentile_float(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile of real values (an observed value), ``None`` for no values."""
+    if len(values) == 0:
+        return None
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q, method="inverted_cdf"))
+
+
+def ttft_ms(outcome: RequestOutcome) -> float | None:
+    """Modelled time to first token: from its arrival to the end of the step that sampled its
+    first token (``None`` without a model or a first token)."""
+    if outcome.first_token_ms is None or outcome.arrival_ms is None:
+        return None
+    return outcome.first_token_ms - outcome.arrival_ms
+
+
+def tpot_ms(outcome: RequestOutcome) -> float | None:
+    """Modelled time per output token after the first: ``(finish - first token) /
+    (generated - 1)``, for a request with at least two tokens (``None`` otherwise)."""
+    if outcome.first_token_ms is None or outcome.finish_ms is None:
+        return None
+    if outcome.generated_tokens < 2:
+        return None
+    return (outcome.finish_ms - outcome.first_token_ms) / (outcome.generated_tokens - 1)
+
+
+def tpot_steps(outcome: RequestOutcome) -> float | None:
+    """:func:`tpot_ms` in steps: ``(finish_step - first_token_step) / (generated - 1)``."""
+    if outcome.first_token_step is None or outcome.generated_tokens < 2:
+        return None
+    return (outcome.finish_step - outcome.first_token_step) / (outcome.generated_tokens - 1)
+
+
+def modelled_figures(result: SimulationResult) -> Summary:
+    """The latencies in modelled milliseconds, over the requests that finished (empty without
+    a step-time model): TTFT and TPOT p50/p99 in ms, TPOT in steps too (TTFT in steps is
+    ``first_token_steps``), and the modelled length of the run."""
+    if result.modelled_time_ms is None:
+        return {}
+    completed = [o for o in result.outcomes if not o.aborted]
+    ttft = [t for t in map(ttft_ms, completed) if t is not None]
+    tpot = [t for t in map(tpot_ms, completed) if t is not None]
+    tpot_in_steps = [t for t in map(tpot_steps, completed) if t is not None]
+    return {
+        "modelled_time_ms": result.modelled_time_ms,
+        "ttft_ms_p50": _percentile_float(ttft, 50),
+        "ttft_ms_p99": _percentile_float(ttft, 99),
+        "tpot_ms_p50": _percentile_float(tpot, 50),
+        "tpot_ms_p99": _percentile_float(tpot, 99),
+        "tpot_steps_p50": _percentile_float(tpot_in_steps, 50),
+        "tpot_steps_p99": _percentile_float(tpot_in_steps, 99),
+    }
 
 
 def _share(part: float, whole: float) -> float:
@@ -70,6 +124,7 @@ def summarize(result: SimulationResult) -> Summary:
         "first_token_steps_p99": _percentile(first_token, 99),
         "completion_steps_p50": _percentile(completion, 50),
         "completion_steps_p99": _percentile(completion, 99),
+        **modelled_figures(result),
         "rank_agreement": result.rank_agreement,
         "outputs_exact": result.outputs_exact,
         "config": result.config,
@@ -147,6 +202,54 @@ ROWS: list[tuple[str, Callable[[Summary], str]]] = [
 ]
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _steps(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+#: Rows added when a step-time model is on (after "completion p50 / p99"): modelled figures.
+MODELLED_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
+    ("modelled run time", lambda s: f"{s['modelled_time_ms'] / 1000.0:.2f} s"),
+    (
+        "TTFT p50 / p99 (modelled)",
+        lambda s: f"{_ms(s['ttft_ms_p50'])} / {_ms(s['ttft_ms_p99'])} ms",
+    ),
+    (
+        "TPOT p50 / p99 (modelled)",
+        lambda s: (
+            f"{_ms(s['tpot_ms_p50'])} / {_ms(s['tpot_ms_p99'])} ms "
+            f"({_steps(s['tpot_steps_p50'])} / {_steps(s['tpot_steps_p99'])} steps)"
+        ),
+    ),
+]
+
+
+def table_rows(summary: Summary) -> list[tuple[str, Callable[[Summary], str]]]:
+    """The table's rows for ``summary``: :data:`ROWS`, with :data:`MODELLED_ROWS` after the
+    latencies in steps when a step-time model was on."""
+    if "modelled_time_ms" not in summary:
+        return ROWS
+    at = next(i for i, (label, _) in enumerate(ROWS) if label.startswith("completion")) + 1
+    return [*ROWS[:at], *MODELLED_ROWS, *ROWS[at:]]
+
+
+def model_note(summary: Summary) -> str | None:
+    """The line saying the ms figures are modelled, and by what (``None`` without a model)."""
+    model = summary["config"].get("step_time_model")
+    if model is None:
+        return None
+    step = StepTimeModel(
+        model["fixed_ms"], model["per_token_ms"], model["per_kv_token_ms"]
+    ).describe()
+    return (
+        f"  ms figures are modelled, not measured: step = {step} ({model['source']} model"
+        f"{', illustrative' if model['source'] == 'default' else ''})"
+    )
+
+
 def _kv_tokens(config: Mapping[str, Any]) -> str:
     """The pool's capacity in tokens; the asked-for budget too when rounding cut it."""
     usable = config.get("kv_tokens_effective")
@@ -178,9 +281,13 @@ def describe_config(config: Mapping[str, Any], *, include_policy: bool = True) -
 
 def format_table(summary: Summary) -> str:
     """The end-of-run table."""
-    width = max(len(label) for label, _ in ROWS)
+    rows = table_rows(summary)
+    width = max(len(label) for label, _ in rows)
     lines = [f"helix-kv simulate: {describe_config(summary['config'])}"]
-    lines += [f"  {label:<{width}}  {show(summary)}" for label, show in ROWS]
+    lines += [f"  {label:<{width}}  {show(summary)}" for label, show in rows]
+    note = model_note(summary)
+    if note is not None:
+        lines.append(note)
     if "mismatch" in summary:
         lines.append(f"  mismatch: {summary['mismatch']}")
     if summary.get("interrupted"):
@@ -191,21 +298,25 @@ def format_table(summary: Summary) -> str:
 def format_comparison(summaries: Mapping[str, Summary]) -> str:
     """The same rows for several runs (one per victim policy), side by side."""
     names = list(summaries)
-    cells = [[show(summaries[name]) for name in names] for _, show in ROWS]
-    label_width = max(len(label) for label, _ in ROWS)
+    first = next(iter(summaries.values()))
+    rows = table_rows(first)  # every policy ran with the same step-time model, or none
+    cells = [[show(summaries[name]) for name in names] for _, show in rows]
+    label_width = max(len(label) for label, _ in rows)
     widths = [
         max(len(name), *(len(row[column]) for row in cells)) for column, name in enumerate(names)
     ]
-    first = next(iter(summaries.values()))
     header = "  ".join(f"{name:>{width}}" for name, width in zip(names, widths))
     setting = describe_config(first["config"], include_policy=False)
     lines = [
         f"helix-kv simulate --compare-policies: {setting}",
         f"  {'victim policy':<{label_width}}  {header}",
     ]
-    for (label, _), row in zip(ROWS, cells):
+    for (label, _), row in zip(rows, cells):
         values = "  ".join(f"{cell:>{width}}" for cell, width in zip(row, widths))
         lines.append(f"  {label:<{label_width}}  {values}")
+    note = model_note(first)
+    if note is not None:
+        lines.append(note)
     for name, summary in summaries.items():
         if summary.get("interrupted"):
             lines.append(

@@ -16,6 +16,12 @@ step:
 
 Aborts are applied between steps only, never while a step is pending, so no sampled token
 is dropped and every rank sees the same calls in the same order.
+
+Two optional additions, both off by default and costing nothing then: ``events=`` receives a
+:class:`~helix_kv.simulate.events.StepEvent` after every step and a
+:class:`~helix_kv.simulate.events.RequestEvent` per request outcome (see :mod:`.events`), and
+``step_time=`` (a :class:`~helix_kv.simulate.timing.StepTimeModel`) gives every step a modelled
+duration, so outcomes also carry modelled milliseconds.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from helix_kv._core import SchedulerMetrics
+from helix_kv._core import ScheduleOutput, SchedulerMetrics
 from helix_kv.contract import SchedulerProtocol
-from helix_kv.errors import ScheduleMismatchError
+from helix_kv.errors import ScheduleMismatchError, SimulationSetupError
+from helix_kv.simulate.events import EventSink, RequestEvent, StepEvent
+from helix_kv.simulate.timing import StepTimeModel, kv_tokens_read
 from helix_kv.simulate.tokens import expected_output, prompt_tokens, sampled_tokens
 from helix_kv.simulate.workload import RequestSpec
 from helix_kv.types import FinishReason
@@ -70,6 +78,10 @@ class RequestOutcome:
     steps_waited: int
     output_exact: bool
     finish_reason: FinishReason = "length"
+    # modelled times (a step-time model is on), in ms: see RequestEvent for their meaning
+    arrival_ms: float | None = None
+    first_token_ms: float | None = None
+    finish_ms: float | None = None
 
     @property
     def aborted(self) -> bool:
@@ -104,6 +116,8 @@ class SimulationResult:
     config: dict[str, Any] = field(default_factory=dict)
     interrupted: bool = False
     """The run was stopped early on request (``should_stop``); the figures cover its steps."""
+    modelled_time_ms: float | None = None
+    """The modelled time at the end of the run (a step-time model is on), in ms."""
 
     @property
     def requests_finished(self) -> int:
@@ -128,7 +142,14 @@ def _sample_indices(ids: np.ndarray, generated: dict[int, int]) -> np.ndarray:
 class _StepLoop:
     """The state of one run: what has arrived, what each request has generated, the record."""
 
-    def __init__(self, group: SchedulerProtocol, workload: Sequence[RequestSpec]) -> None:
+    def __init__(
+        self,
+        group: SchedulerProtocol,
+        workload: Sequence[RequestSpec],
+        events: EventSink | None = None,
+        step_time: StepTimeModel | None = None,
+        cp: int = 1,
+    ) -> None:
         self.group = group
         self.workload = workload
         self.by_id = {request.request_id: request for request in workload}
@@ -141,6 +162,16 @@ class _StepLoop:
         self.total_generated = 0
         self.next_arrival = 0
         self.clock = 0
+        self.events = events
+        self.step_time = step_time
+        self.cp = cp
+        #: Modelled time at the start of the current clock step (stays 0 without a model).
+        self.now_ms = 0.0
+        self.arrival_ms: dict[int, float] = {}
+        self.first_token_ms: dict[int, float] = {}
+        #: For the events only: requests suspended now, and aborts since the last step.
+        self.suspended: set[int] = set()
+        self.aborted_since_step = 0
 
     def admit_arrivals(self) -> bool:
         """Add the requests that have arrived; jump over idle time. False when all is done."""
@@ -157,6 +188,8 @@ class _StepLoop:
                     request.priority,
                 )
                 self.generated[request.request_id] = 0
+                if self.step_time is not None:
+                    self.arrival_ms[request.request_id] = self.now_ms
                 if request.abort_step is not None:
                     self.abort_steps[request.request_id] = request.abort_step
                 self.next_arrival += 1
@@ -165,7 +198,10 @@ class _StepLoop:
                 return True
             if self.next_arrival >= len(self.workload):
                 return False
-            self.clock = self.workload[self.next_arrival].arrival_step  # idle: jump ahead
+            idle_steps = self.workload[self.next_arrival].arrival_step - self.clock
+            if self.step_time is not None:
+                self.now_ms += idle_steps * self.step_time.idle_step_ms
+            self.clock += idle_steps  # idle: jump ahead
 
     def apply_aborts(self) -> None:
         """Abort the live requests whose abort step has come (one call, queue order)."""
@@ -173,6 +209,7 @@ class _StepLoop:
         if not due:
             return
         self.group.abort_many(np.asarray(due, dtype=np.int64))
+        self.aborted_since_step += len(due)
         for request_id in due:
             self.collect(request_id)
 
@@ -188,6 +225,12 @@ class _StepLoop:
         series.preempted.append(len(output.preempted_ids))
         series.sat_out.append(len(output.sat_out_ids))
         series.num_tokens.append(int(output.num_tokens))
+        start_ms = self.now_ms
+        kv_read = 0
+        if self.step_time is not None or self.events is not None:
+            kv_read = kv_tokens_read(output)
+        if self.step_time is not None:
+            self.now_ms += self.step_time.step_ms(int(output.num_tokens), kv_read, self.cp)
 
         sample_ids = np.asarray(output.sample_ids, dtype=np.int64)
         tokens = sampled_tokens(sample_ids, _sample_indices(sample_ids, self.generated))
@@ -195,8 +238,12 @@ class _StepLoop:
         for request_id in sample_ids.tolist():
             if self.generated[request_id] == 0:
                 self.first_token_step[request_id] = self.clock
+                if self.step_time is not None:
+                    self.first_token_ms[request_id] = self.now_ms  # the end of this step
             self.generated[request_id] += 1
         self.total_generated += len(sample_ids)
+        if self.events is not None:
+            self.emit_step(output, metrics, kv_read, len(finished), start_ms)
         for request_id in np.asarray(finished).tolist():
             self.collect(request_id)
         self.clock += 1
@@ -229,6 +276,74 @@ class _StepLoop:
         )
         del self.generated[request_id]
         self.abort_steps.pop(request_id, None)
+        if self.step_time is not None:
+            outcome = self.outcomes[-1]
+            outcome.arrival_ms = self.arrival_ms.pop(request_id)
+            outcome.first_token_ms = self.first_token_ms.pop(request_id, None)
+            outcome.finish_ms = self.now_ms  # the end of its last step, or its abort
+        if self.events is not None:
+            self.suspended.discard(request_id)
+            self.events.on_request(_request_event(self.outcomes[-1], request.prompt_len))
+
+    def emit_step(
+        self,
+        output: ScheduleOutput,
+        metrics: SchedulerMetrics,
+        kv_read: int,
+        finished: int,
+        start_ms: float,
+    ) -> None:
+        """Send the step just run to the event sink."""
+        assert self.events is not None
+        self.suspended.update(output.suspended_ids.tolist())
+        self.suspended.difference_update(output.resumed_ids.tolist())
+        context_tokens = int(output.context_lens.sum(dtype=np.int64))
+        timed = self.step_time is not None
+        series = self.series
+        self.events.on_step(
+            StepEvent(
+                step=len(series) - 1,
+                clock=self.clock,
+                running=int(self.group.num_running),  # after the update: the step's end
+                waiting=int(self.group.num_waiting),
+                suspended=len(self.suspended),
+                kv_used_superblocks=int(metrics.kv_used_superblocks),
+                kv_utilization=series.kv_utilization[-1],
+                scheduled_tokens=int(output.num_tokens),
+                context_tokens=context_tokens,
+                decode_tokens=int(output.generation_ids.size),
+                kv_tokens_read=kv_read,
+                samples=int(output.sample_ids.size),
+                preemptions=series.preempted[-1],
+                suspensions=int(output.suspended_ids.size),
+                resumes=int(output.resumed_ids.size),
+                sat_out=series.sat_out[-1],
+                aborted=self.aborted_since_step,
+                finished=finished,
+                start_ms=start_ms if timed else None,
+                duration_ms=self.now_ms - start_ms if timed else None,
+            )
+        )
+        self.aborted_since_step = 0
+
+
+def _request_event(outcome: RequestOutcome, prompt_tokens: int) -> RequestEvent:
+    return RequestEvent(
+        request_id=outcome.request_id,
+        prompt_tokens=prompt_tokens,
+        finish_reason=outcome.finish_reason,
+        arrival_step=outcome.arrival_step,
+        first_token_step=outcome.first_token_step,
+        finish_step=outcome.finish_step,
+        generated_tokens=outcome.generated_tokens,
+        preemptions=outcome.preemptions,
+        recomputed_tokens=outcome.recomputed_tokens,
+        steps_waited=outcome.steps_waited,
+        output_exact=outcome.output_exact,
+        arrival_ms=outcome.arrival_ms,
+        first_token_ms=outcome.first_token_ms,
+        finish_ms=outcome.finish_ms,
+    )
 
 
 def run_simulation(
@@ -239,6 +354,9 @@ def run_simulation(
     progress: ProgressCallback | None = None,
     max_steps: int | None = None,
     should_stop: Callable[[], bool] | None = None,
+    events: EventSink | None = None,
+    step_time: StepTimeModel | None = None,
+    cp: int | None = None,
 ) -> SimulationResult:
     """Run ``workload`` to completion on ``group`` and return what happened.
 
@@ -246,8 +364,20 @@ def run_simulation(
     disagree on any call, or after ``max_steps`` scheduler steps, or (``interrupted=True``)
     when ``should_stop()``, asked before every step, says so: a step is never cut in half.
     Other scheduler errors (deadlock, preemption disabled) propagate.
+
+    ``events``: an :class:`~helix_kv.simulate.events.EventSink` called after every step and
+    for every request outcome. ``step_time``: a
+    :class:`~helix_kv.simulate.timing.StepTimeModel`; its per-KV-token term divides by ``cp``,
+    the group's CP size (default: ``config["cp"]``; one of them is needed with a model, else
+    :class:`SimulationSetupError`).
     """
-    loop = _StepLoop(group, workload)
+    if cp is None and config is not None and "cp" in config:
+        cp = int(config["cp"])
+    if step_time is not None and (cp is None or cp < 1):
+        raise SimulationSetupError(
+            "run_simulation: a step-time model needs the group's CP size: pass cp=N (N >= 1)"
+        )
+    loop = _StepLoop(group, workload, events, step_time, cp or 1)
     mismatch: str | None = None
     interrupted = False
     steps_limit = math.inf if max_steps is None else max_steps
@@ -273,4 +403,5 @@ def run_simulation(
         mismatch=mismatch,
         config=dict(config or {}),
         interrupted=interrupted,
+        modelled_time_ms=loop.now_ms if step_time is not None else None,
     )
