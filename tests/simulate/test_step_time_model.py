@@ -146,6 +146,7 @@ def test_percentiles_are_nearest_rank_over_finished_requests() -> None:
             steps=0,
             preemptions=0,
             suspensions=0,
+            resumes=0,
             recomputed_tokens=0,
             computed_tokens=0,
             sat_out=0,
