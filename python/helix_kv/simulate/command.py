@@ -79,7 +79,7 @@ def run_once(
     progress = ProgressLine(label=label) if show_progress else None
     try:
         return run_simulation(
-            SimulatedCPGroup(options.scheduler_config()),
+            SimulatedCPGroup(options.scheduler_config(), ranks=options.verified_ranks()),
             workload,
             config=config,
             progress=progress,
