@@ -46,11 +46,13 @@ def _short(values: npt.NDArray[Any], limit: int = 12) -> str:
 
 
 class SimulatedCPGroup:
-    """``config.cp_size`` schedulers, one per rank, driven with identical calls.
+    """``config.cp_size`` schedulers, one per rank (or one per rank of ``ranks``), driven with
+    identical calls.
 
     It satisfies :class:`helix_kv.contract.SchedulerProtocol` like one rank's
-    :class:`helix_kv.Scheduler`: each call goes to every rank, as given (each rank applies the
-    argument rules itself), and returns rank 0's result once the ranks are seen to agree.
+    :class:`helix_kv.Scheduler`: each call goes to every rank run, as given (each rank applies
+    the argument rules itself), and returns the first rank's result (rank 0's unless ``ranks``
+    leaves it out) once the ranks are seen to agree.
 
     Args:
         config: the configuration of any rank; each rank gets ``config.with_rank(r)``.
