@@ -8,6 +8,12 @@ each decode token; the per-rank lengths add up to the global length). A divergen
 :class:`helix_kv.ScheduleMismatchError` naming the ranks and the fields (with the differing
 summary entries), built by :func:`helix_kv.mismatch.schedule_mismatch` like the error a real
 group raises through its schedule check.
+
+A group may also run a subset of the ranks (``ranks=``): every scheduler holds every request's
+tokens, so memory and time grow with the ranks run, and a capacity-planning run at a large
+``cp`` need not pay for all of them. The ranks run are then compared with each other every
+step, and each one's per-rank fields are checked against the layout's own lengths for that
+rank (the sums over all ranks need them all); the ranks left out are not verified.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from helix_kv._core import (
     SchedulerConfig,
     SchedulerMetrics,
 )
-from helix_kv.errors import ScheduleMismatchError
+from helix_kv.errors import ConfigError, ScheduleMismatchError
 from helix_kv.mismatch import schedule_mismatch
 from helix_kv.types import FlagArray, IntArray, TokenArray
 
@@ -40,28 +46,49 @@ def _short(values: npt.NDArray[Any], limit: int = 12) -> str:
 
 
 class SimulatedCPGroup:
-    """``config.cp_size`` schedulers, one per rank, driven with identical calls.
+    """``config.cp_size`` schedulers, one per rank (or one per rank of ``ranks``), driven with
+    identical calls.
 
     It satisfies :class:`helix_kv.contract.SchedulerProtocol` like one rank's
-    :class:`helix_kv.Scheduler`: each call goes to every rank, as given (each rank applies the
-    argument rules itself), and returns rank 0's result once the ranks are seen to agree.
+    :class:`helix_kv.Scheduler`: each call goes to every rank run, as given (each rank applies
+    the argument rules itself), and returns the first rank's result (rank 0's unless ``ranks``
+    leaves it out) once the ranks are seen to agree.
 
     Args:
         config: the configuration of any rank; each rank gets ``config.with_rank(r)``.
         check_rank_fields: also check the per-rank fields against the Helix layout.
+        ranks: the ranks to run, in increasing order (default: all ``cp`` of them). Only
+            these get a scheduler and are compared; ``schedulers``, :meth:`schedule_per_rank`
+            and :meth:`state_digests` follow this order. An empty, unordered or out-of-range
+            list raises :class:`helix_kv.ConfigError`.
     """
 
-    def __init__(self, config: SchedulerConfig, *, check_rank_fields: bool = True) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        check_rank_fields: bool = True,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
         self.config = config
         self.cp = int(config.cp_size)
         self.check_rank_fields = check_rank_fields
-        self.schedulers: list[Scheduler] = [Scheduler(config.with_rank(r)) for r in range(self.cp)]
+        self.ranks: tuple[int, ...] = (
+            tuple(range(self.cp)) if ranks is None else _checked_ranks(ranks, self.cp)
+        )
+        self.schedulers: list[Scheduler] = [Scheduler(config.with_rank(r)) for r in self.ranks]
+
+    @property
+    def runs_every_rank(self) -> bool:
+        """Whether every rank of the group has a scheduler here (not a subset)."""
+        return len(self.ranks) == self.cp
 
     def __len__(self) -> int:
         return self.cp
 
     def __repr__(self) -> str:
-        return f"SimulatedCPGroup(cp={self.cp}, schedulers={self.schedulers!r})"
+        ranks = "" if self.runs_every_rank else f", ranks={list(self.ranks)}"
+        return f"SimulatedCPGroup(cp={self.cp}{ranks}, schedulers={self.schedulers!r})"
 
     # -- calls fed to every rank --------------------------------------------------------
 
@@ -83,9 +110,9 @@ class SimulatedCPGroup:
             return results
         described = "; ".join(
             f"rank {rank}: " + ("ok" if e is None else f"{type(e).__name__}: {e}")
-            for rank, e in enumerate(errors)
+            for rank, e in zip(self.ranks, errors)
         )
-        ranks = [r for r, outcome in enumerate(outcomes) if outcome != outcomes[0]]
+        ranks = [r for r, outcome in zip(self.ranks, outcomes) if outcome != outcomes[0]]
         raise self._mismatch(
             f"{call}() ended differently on the CP ranks: {described}", None, ranks, [call], {}
         )
@@ -111,7 +138,7 @@ class SimulatedCPGroup:
 
     def schedule_per_rank(self) -> list[ScheduleOutput]:
         """Schedules a step on every rank, checks agreement, returns the per-rank outputs
-        (in rank order)."""
+        (those of :attr:`ranks`, in rank order)."""
         outputs: list[ScheduleOutput] = self._on_every_rank("schedule", Scheduler.schedule)
         self._check(outputs)
         return outputs
@@ -153,7 +180,7 @@ class SimulatedCPGroup:
         output: RequestOutput = outputs[0]
         return output
 
-    # -- views (rank 0; the state digests agree after every call) -----------------------
+    # -- views (the first rank run; the state digests agree after every call) ------------
 
     def has_unfinished(self) -> bool:
         """Whether any request is still live."""
@@ -174,7 +201,8 @@ class SimulatedCPGroup:
         return self.schedulers[0].num_waiting
 
     def state_digests(self) -> list[int]:
-        """Every rank's ``state_digest()`` (equal unless something diverged)."""
+        """Every rank's ``state_digest()`` (those of :attr:`ranks`; equal unless something
+        diverged)."""
         return [s.state_digest() for s in self.schedulers]
 
     # -- checks -------------------------------------------------------------------------
@@ -192,11 +220,14 @@ class SimulatedCPGroup:
         )
 
     def _agree(self, call: str, values: Sequence[npt.NDArray[Any]], what: str) -> None:
-        ranks = [r for r, v in enumerate(values) if not np.array_equal(v, values[0])]
-        if ranks:
-            detail = "; ".join(f"rank {r}: {_short(values[r])}" for r in [0, *ranks])
+        differing = [i for i, v in enumerate(values) if not _same(v, values[0])]
+        if differing:
+            first = self.ranks[0]
+            ranks = [self.ranks[i] for i in differing]
+            shown = [0, *differing]
+            detail = "; ".join(f"rank {self.ranks[i]}: {_short(values[i])}" for i in shown)
             raise self._mismatch(
-                f"{call}(): ranks {ranks} differ from rank 0 in {what}: {detail}",
+                f"{call}(): ranks {ranks} differ from rank {first} in {what}: {detail}",
                 None,
                 ranks,
                 [what],
@@ -208,7 +239,7 @@ class SimulatedCPGroup:
         # field-by-field comparison (and any array) is only built on a mismatch.
         digest = outputs[0].digest
         if any(output.digest != digest for output in outputs[1:]):
-            raise schedule_mismatch(outputs)
+            raise schedule_mismatch(outputs, ranks=self.ranks)
         if self.check_rank_fields:
             self._check_rank_fields(outputs)
 
@@ -219,14 +250,36 @@ class SimulatedCPGroup:
             return
         layout: Layout = self.config.layout
         owners = layout.owner_ranks(positions).astype(np.int64)
-        active = np.stack([np.asarray(o.generation_active, dtype=bool) for o in outputs])
-        after = np.stack([np.asarray(o.generation_local_lens, dtype=np.int64) for o in outputs])
-        before = np.stack(
-            [np.asarray(o.generation_past_seen_lens, dtype=np.int64) for o in outputs]
-        )
-        problems = []
-        if not all(np.array_equal(o.generation_owner_ranks, owners) for o in outputs):
+        problems: list[str] = []
+        # rank-invariant, so covered by the digests already compared: one rank's will do
+        if not np.array_equal(reference.generation_owner_ranks, owners):
             problems.append("generation_owner_ranks is not the layout's owner of the position")
+        if self.runs_every_rank:
+            problems += self._every_rank_problems(outputs, positions, owners)
+        else:
+            problems += self._subset_problems(outputs, positions, owners)
+        if problems:
+            step = int(reference.step)
+            raise self._mismatch(
+                f"step {step}: per-rank fields are inconsistent: " + "; ".join(problems),
+                step,
+                list(self.ranks),
+                list(ScheduleOutput.PER_RANK_FIELDS),
+                {rank: output.summary() for rank, output in zip(self.ranks, outputs)},
+            )
+
+    def _every_rank_problems(
+        self,
+        outputs: Sequence[ScheduleOutput],
+        positions: npt.NDArray[np.int64],
+        owners: npt.NDArray[np.int64],
+    ) -> list[str]:
+        """Every rank is here: the lengths must add up over the ranks."""
+        # np.array builds the (ranks, requests) arrays in C; np.stack loops in Python
+        active = np.array([o.generation_active for o in outputs], dtype=bool)
+        after = np.array([o.generation_local_lens for o in outputs], dtype=np.int64)
+        before = np.array([o.generation_past_seen_lens for o in outputs], dtype=np.int64)
+        problems: list[str] = []
         expected_active = owners[None, :] == np.arange(self.cp)[:, None]
         if not np.array_equal(active, expected_active):
             problems.append("generation_active is not exactly the owner rank")
@@ -236,12 +289,52 @@ class SimulatedCPGroup:
             problems.append("generation_past_seen_lens do not add up to the position")
         if not np.array_equal(after - before, expected_active.astype(np.int64)):
             problems.append("only the owner rank's length may grow by the decode token")
-        if problems:
-            step = int(reference.step)
-            raise self._mismatch(
-                f"step {step}: per-rank fields are inconsistent: " + "; ".join(problems),
-                step,
-                list(range(self.cp)),
-                list(ScheduleOutput.PER_RANK_FIELDS),
-                {rank: output.summary() for rank, output in enumerate(outputs)},
-            )
+        return problems
+
+    def _subset_problems(
+        self,
+        outputs: Sequence[ScheduleOutput],
+        positions: npt.NDArray[np.int64],
+        owners: npt.NDArray[np.int64],
+    ) -> list[str]:
+        """Some ranks are missing, so nothing adds up over the group: each rank run must hold
+        exactly what the layout gives that rank, before and after the decode token."""
+        layout: Layout = self.config.layout
+        problems: list[str] = []
+        for rank, output in zip(self.ranks, outputs):
+            active = np.asarray(output.generation_active, dtype=bool)
+            if not np.array_equal(active, owners == rank):
+                problems.append(f"rank {rank}: generation_active is not exactly the owner rank")
+            if not np.array_equal(
+                output.generation_local_lens, layout.local_lens(positions + 1, rank)
+            ):
+                problems.append(
+                    f"rank {rank}: generation_local_lens are not the layout's lengths of "
+                    "position + 1 tokens"
+                )
+            if not np.array_equal(
+                output.generation_past_seen_lens, layout.local_lens(positions, rank)
+            ):
+                problems.append(
+                    f"rank {rank}: generation_past_seen_lens are not the layout's lengths of "
+                    "position tokens"
+                )
+        return problems
+
+
+def _same(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
+    """``np.array_equal`` for the core's arrays (one dtype per field), without its overhead:
+    it runs once per rank per call."""
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _checked_ranks(ranks: Sequence[int], cp: int) -> tuple[int, ...]:
+    """``ranks`` as a tuple, if it is a non-empty increasing list of ranks of the group."""
+    chosen = tuple(int(rank) for rank in ranks)
+    if not chosen:
+        raise ConfigError("ranks must name at least one rank")
+    if any(not 0 <= rank < cp for rank in chosen):
+        raise ConfigError(f"ranks must be in [0, {cp}) for cp_size = {cp}, got {list(chosen)}")
+    if any(a >= b for a, b in zip(chosen, chosen[1:])):
+        raise ConfigError(f"ranks must be strictly increasing, got {list(chosen)}")
+    return chosen

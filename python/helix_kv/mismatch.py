@@ -30,6 +30,7 @@ SHOWN_VALUES = 12
 def schedule_mismatch(
     outputs: Sequence[ScheduleOutput],
     extra: Sequence[Mapping[str, str]] | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> ScheduleMismatchError:
     """The :class:`~helix_kv.ScheduleMismatchError` for one step whose schedules differ.
 
@@ -37,6 +38,8 @@ def schedule_mismatch(
         outputs: every rank's output of the step, in rank order.
         extra: per rank, more ``{field: text}`` the ranks must agree on (e.g. the tokens fed
             to the previous ``update``); compared like fields and shown after them.
+        ranks: the rank of each output, when they are not ranks ``0 .. len(outputs) - 1``
+            (a group that runs a subset of its ranks).
 
     The divergent ranks are those outside the largest set that agrees on the digest and the
     extra fields (ties: the set holding the lowest rank); the error names them, the fields in
@@ -48,15 +51,19 @@ def schedule_mismatch(
     extras = [dict(e) for e in extra] if extra is not None else [{} for _ in outputs]
     if len(extras) != len(outputs):
         raise ValueError(f"{len(outputs)} outputs but {len(extras)} extra records")
+    labels = list(range(len(outputs))) if ranks is None else [int(r) for r in ranks]
+    if len(labels) != len(outputs):
+        raise ValueError(f"{len(outputs)} outputs but {len(labels)} ranks")
     groups: dict[tuple[int, tuple[tuple[str, str], ...]], list[int]] = {}
     for rank, (output, more) in enumerate(zip(outputs, extras)):
         groups.setdefault((int(output.digest), tuple(sorted(more.items()))), []).append(rank)
     majority = max(groups.values(), key=lambda ranks: (len(ranks), -min(ranks)))
     reference = min(majority)
-    ranks = [rank for rank in range(len(outputs)) if rank not in majority]
+    # indices into outputs from here on; labels[i] is the rank of outputs[i]
+    divergent = [i for i in range(len(outputs)) if i not in majority]
 
     fields: list[str] = []
-    for rank in ranks:
+    for rank in divergent:
         names = outputs[reference].differing_fields(outputs[rank])
         more = {**extras[reference], **extras[rank]}
         names += [n for n in more if extras[rank].get(n) != extras[reference].get(n)]
@@ -65,13 +72,15 @@ def schedule_mismatch(
     steps = sorted({int(output.step) for output in outputs})
     step = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
     lines = [
-        f"CP ranks disagree on the schedule of {step}: rank(s) {_ranks(ranks)} differ from "
-        f"rank(s) {_ranks(majority)} in {', '.join(fields) or 'nothing the outputs show'}"
+        f"CP ranks disagree on the schedule of {step}: rank(s) {_ranks(labels, divergent)} differ "
+        f"from rank(s) {_ranks(labels, majority)} in "
+        f"{', '.join(fields) or 'nothing the outputs show'}"
     ]
-    shown = [reference, *ranks]
-    lines += _value_lines(outputs, extras, shown, fields)
+    shown = [reference, *divergent]
+    lines += _value_lines(outputs, extras, shown, fields, labels)
     lines.append(
-        "  digests: " + ", ".join(f"rank {r} {int(o.digest):016x}" for r, o in enumerate(outputs))
+        "  digests: "
+        + ", ".join(f"rank {labels[i]} {int(o.digest):016x}" for i, o in enumerate(outputs))
     )
     lines.append(
         "Every decision must read only rank-invariant inputs; the requests, sampled tokens and "
@@ -81,9 +90,9 @@ def schedule_mismatch(
     return ScheduleMismatchError(
         "\n".join(lines),
         step=int(outputs[reference].step),
-        ranks=ranks,
+        ranks=[labels[i] for i in divergent],
         fields=fields,
-        summaries={rank: output.summary() for rank, output in enumerate(outputs)},
+        summaries={labels[i]: output.summary() for i, output in enumerate(outputs)},
     )
 
 
@@ -92,6 +101,7 @@ def _value_lines(
     extras: Sequence[Mapping[str, str]],
     shown: Sequence[int],
     fields: Sequence[str],
+    labels: Sequence[int],
 ) -> list[str]:
     """``  name: rank A: value | rank B: value`` for each differing field, in order: the
     summary entries that show it (each once), else the field's own values."""
@@ -102,6 +112,7 @@ def _value_lines(
             showing.setdefault(name, []).append(entry)
     lines: list[str] = []
     done: set[str] = set()
+    named = [labels[rank] for rank in shown]
     for name in fields:
         if name == "digest":
             continue  # its own line
@@ -110,12 +121,12 @@ def _value_lines(
                 values = [entries[rank][entry] for rank in shown]
                 if entry not in done and len(set(values)) > 1:
                     done.add(entry)
-                    lines.append(_line(entry, shown, values))
+                    lines.append(_line(entry, named, values))
             continue
         if any(name in extras[rank] for rank in shown):
-            lines.append(_line(name, shown, [extras[rank].get(name) for rank in shown]))
+            lines.append(_line(name, named, [extras[rank].get(name) for rank in shown]))
             continue
-        lines.append(_line(name, shown, [_array_text(getattr(outputs[r], name)) for r in shown]))
+        lines.append(_line(name, named, [_array_text(getattr(outputs[r], name)) for r in shown]))
     return lines
 
 
@@ -129,8 +140,8 @@ def _array_text(values: Any) -> str:
     return text + (f" ... ({array.size} values)" if array.size > SHOWN_VALUES else "")
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    return ", ".join(str(rank) for rank in ranks)
+def _ranks(labels: Sequence[int], indices: Sequence[int]) -> str:
+    return ", ".join(str(labels[i]) for i in indices)
 
 
 def _quote(value: str | None) -> str:

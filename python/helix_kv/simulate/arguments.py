@@ -27,6 +27,8 @@ from helix_kv.simulate.options import (
     SERVING_MODES,
     U32_MAX,
     U64_MAX,
+    VERIFY_ALL_UP_TO_CP,
+    VERIFY_RANKS_MODES,
     VICTIM_POLICIES,
     SimulationOptions,
 )
@@ -303,6 +305,13 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the ranks as real processes over gloo (needs torch)",
     )
     group.add_argument(
+        "--verify-ranks",
+        choices=VERIFY_RANKS_MODES,
+        help="ranks that run a real scheduler, compared every step: all of them, a sample "
+        "(the first and the last) or none (rank 0 alone); the figures are the same "
+        f"(default: all up to --cp {VERIFY_ALL_UP_TO_CP}, sample above; --procs: all)",
+    )
+    group.add_argument(
         "--compare-policies",
         action="store_true",
         help="run the workload under every victim policy and show them side by side",
@@ -418,6 +427,11 @@ def check_combinations(args: argparse.Namespace) -> None:
             f"--procs runs at most {MAX_PROCS_CP} (drop --procs to simulate up to {MAX_CP} "
             "ranks in one process)"
         )
+    if args.procs and args.verify_ranks not in (None, "all"):
+        raise UsageError(
+            f"--verify-ranks {args.verify_ranks} runs some ranks in one process; --procs runs "
+            "every rank as its own process and checks them all"
+        )
     if args.compare_policies and args.policy is not None:
         raise UsageError("--compare-policies runs every victim policy; drop --policy")
     if args.plot is not None:
@@ -464,6 +478,7 @@ def simulation_options(args: argparse.Namespace) -> SimulationOptions:
         max_steps=args.max_steps,
         procs=args.procs,
         step_time=step_time_model(args),
+        verify_ranks=args.verify_ranks,
     )
 
 

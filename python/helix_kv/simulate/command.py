@@ -88,7 +88,7 @@ def run_once(
     events = JsonlEventWriter(events_path, config) if events_path is not None else None
     try:
         return run_simulation(
-            SimulatedCPGroup(options.scheduler_config()),
+            SimulatedCPGroup(options.scheduler_config(), ranks=options.verified_ranks()),
             workload,
             config=config,
             progress=progress,

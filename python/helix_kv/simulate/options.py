@@ -11,7 +11,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from helix_kv._core import Scheduler, SchedulerConfig
 from helix_kv.errors import ConfigError, HelixKVError
@@ -28,6 +28,13 @@ CAPACITY_POLICIES: tuple[CapacityPolicy, ...] = SchedulerConfig.CAPACITY_POLICIE
 SERVING_MODES: tuple[ServingMode, ...] = SchedulerConfig.SERVING_MODES
 
 _PREFLIGHT_BATCH = 256
+
+VerifyRanks = Literal["all", "sample", "none"]
+#: ``--verify-ranks`` modes: which ranks of the group get a real scheduler, compared every step.
+VERIFY_RANKS_MODES: tuple[VerifyRanks, ...] = ("all", "sample", "none")
+VERIFY_ALL_UP_TO_CP = 8
+"""Groups of at most this many ranks verify every rank by default; larger ones ``sample``
+(every scheduler holds every request's tokens, so time and memory grow with the ranks run)."""
 
 # Limits of the simulator, checked before anything is allocated (the flags in
 # :mod:`.arguments`, the pool and the trace's lengths here). An upper bound is either the width
@@ -86,6 +93,20 @@ class SimulationOptions:
     procs: bool = False
     step_time: StepTimeModel | None = None
     """The step-time model turning steps into modelled milliseconds (``None``: off)."""
+    verify_ranks: VerifyRanks | None = None
+    """Which ranks run a real scheduler (:func:`verified_ranks`); ``None``: ``all`` up to
+    :data:`VERIFY_ALL_UP_TO_CP` ranks (and always with ``procs``), ``sample`` above."""
+
+    @property
+    def verify_mode(self) -> VerifyRanks:
+        """``verify_ranks`` with the default applied."""
+        if self.verify_ranks is not None:
+            return self.verify_ranks
+        return "all" if self.procs or self.cp <= VERIFY_ALL_UP_TO_CP else "sample"
+
+    def verified_ranks(self) -> tuple[int, ...]:
+        """The ranks run and compared every step, in order (see :func:`verified_ranks`)."""
+        return verified_ranks(self.verify_mode, self.cp)
 
     def scheduler_config(self, rank: int = 0) -> SchedulerConfig:
         """The ``helix_kv.SchedulerConfig`` of ``rank``; raises ``helix_kv.ConfigError``."""
@@ -106,6 +127,8 @@ class SimulationOptions:
             # what the pool holds: kv_tokens rounded down to whole superblocks, by the core
             "kv_tokens_effective": int(config.kv_tokens),
             "procs": self.procs,
+            "verify_ranks": self.verify_mode,
+            "verified_ranks": list(self.verified_ranks()),
             "max_steps": self.max_steps,
             "scheduler": dict(config.to_dict()),
             "workload": workload_info,
@@ -113,6 +136,23 @@ class SimulationOptions:
         if self.step_time is not None:  # only then: the report without a model is unchanged
             resolved["step_time_model"] = self.step_time.to_dict()
         return resolved
+
+
+def verified_ranks(mode: VerifyRanks, cp: int) -> tuple[int, ...]:
+    """The ranks a ``mode`` runs (one real scheduler each) and compares every step.
+
+    ``all``: every rank. ``sample``: the first and the last rank, the two ends of every
+    per-rank length (the layout deals each superblock's pages out from rank 0, so rank 0 holds
+    the most tokens of a request and the last rank the fewest). ``none``: rank 0 alone,
+    nothing compared.
+    """
+    if mode == "all":
+        return tuple(range(cp))
+    if mode == "sample":
+        return (0, cp - 1) if cp > 1 else (0,)
+    if mode == "none":
+        return (0,)
+    raise ValueError(f"verify_ranks must be one of {VERIFY_RANKS_MODES}, got {mode!r}")
 
 
 def in_flag_terms(message: str) -> str:

@@ -152,15 +152,28 @@ def _percent(value: float) -> str:
     return f"{100.0 * value:.1f}%"
 
 
+def _rank_list(ranks: Sequence[int]) -> str:
+    """``0 and 63``, ``0, 5 and 63``."""
+    names = [str(rank) for rank in ranks]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def _agreement(summary: Summary) -> str:
-    ranks = summary["config"].get("cp", "?")
-    kind = "rank process" if summary["config"].get("procs") else "rank"
+    config = summary["config"]
+    ranks = config.get("cp", "?")
+    kind = "rank process" if config.get("procs") else "rank"
     if ranks == 1:
         return f"n/a (1 {kind}: nothing to compare)"
-    if summary["rank_agreement"]:
-        kinds = "rank processes" if summary["config"].get("procs") else "ranks"
-        return f"yes ({ranks} {kinds}, every step)"
-    return f"NO (stopped at step {summary['steps']})"
+    # the ranks that ran a scheduler and were compared (all of them unless --verify-ranks)
+    verified = config.get("verified_ranks")
+    if not summary["rank_agreement"]:
+        return f"NO (stopped at step {summary['steps']})"
+    if verified is not None and len(verified) == 1:
+        return f"not checked (rank {verified[0]} of {ranks} run alone: --verify-ranks none)"
+    if verified is not None and len(verified) != ranks:
+        return f"yes (ranks {_rank_list(verified)} of {ranks}, every step)"
+    kinds = "rank processes" if config.get("procs") else "ranks"
+    return f"yes ({ranks} {kinds}, every step)"
 
 
 #: Table rows: label and how to show the value from a summary.
