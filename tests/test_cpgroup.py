@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import helix_kv
-from scheduler_harness import (
+
+from .helpers.harness import (
     Executor,
     Model,
     Spec,

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import helix_kv
-from scheduler_harness import Executor, Spec, assert_matches_reference
+
+from .helpers.harness import Executor, Spec, assert_matches_reference
 
 
 @st.composite

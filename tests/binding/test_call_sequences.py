@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import helix_kv
-from scheduler_harness import (
+
+from ..helpers.harness import (
     Executor,
     Model,
     Spec,

@@ -15,8 +15,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import dist_scenarios as sc  # noqa: E402  (after the torch skip: they import torch)
-from dist_harness import GroupRun, cuda_ranks_available, run_group  # noqa: E402  (same)
+# after the torch skip: both import torch
+from ..helpers.process_group import GroupRun, cuda_ranks_available, run_group  # noqa: E402
+from . import dist_scenarios as sc  # noqa: E402
 
 GROUP_TIMEOUT_S = 20.0
 

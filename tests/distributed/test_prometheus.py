@@ -16,13 +16,14 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("prometheus_client")
 
-import dist_scenarios as sc
 from prometheus_client import CollectorRegistry
-from prometheus_scenarios import Samples, scrape
 
 import helix_kv
 from helix_kv.distributed import HelixKVRank
 from helix_kv.distributed import prometheus as prom
+
+from . import dist_scenarios as sc
+from .prometheus_scenarios import Samples, scrape
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -356,8 +357,8 @@ def test_each_rank_of_a_gloo_group_serves_its_own_labelled_metrics() -> None:
     """Two gloo ranks with the schedule check on: each scrape is labelled with its rank, the
     scheduler's values are equal on both ranks at every scrape (they are rank-invariant), and
     ``schedule_check_seconds`` counts every step's check on each rank."""
-    from dist_harness import run_group
-    from prometheus_scenarios import scenario_scraped_run
+    from ..helpers.process_group import run_group
+    from .prometheus_scenarios import scenario_scraped_run
 
     run = run_group([scenario_scraped_run], 2, "gloo", deadline_s=100.0, group_timeout_s=20.0)
     reports = run.scenario("scenario_scraped_run")
