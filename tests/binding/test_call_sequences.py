@@ -1,113 +1,16 @@
-"""Hypothesis: random configurations and workloads through a simulated CP group keep every
-invariant (with random aborts too), and random call sequences (bad calls and aborts included)
-keep two ranks identical."""
+"""Hypothesis: random call sequences through the binding (bad calls, aborts in any state and
+unknown ids included) keep two ranks identical, and a call that fails changes nothing.
+
+Random configurations and workloads through a simulated CP group (every invariant, with random
+aborts too) are the Rust property tests ``rust/core/tests/scheduler_props.rs``."""
 
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import helix_kv
-
-from ..helpers.harness import (
-    Executor,
-    Model,
-    Spec,
-    assert_matches_reference,
-    assert_matches_reference_with_aborts,
-)
-
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@st.composite
-def cases(draw) -> tuple:
-    mode = draw(
-        st.sampled_from(["aggregated_helix"] * 4 + ["non_helix"] * 2 + ["disaggregated_generation"])
-    )
-    cp = 1 if mode == "non_helix" else draw(st.sampled_from([1, 2, 4]))
-    tpb = draw(st.integers(1, 4))
-    specs = [
-        Spec(
-            i + 1,
-            draw(st.integers(1, 30)),
-            draw(st.integers(1, 20)),
-            draw(st.integers(-3, 3)),
-            draw(st.integers(0, 2)),
-        )
-        for i in range(draw(st.integers(2, 10)))
-    ]
-    sizes = [s.prompt_len + s.max_new_tokens for s in specs]
-    spare = draw(st.integers(0, 40))
-    pool_tokens = max(sizes) + (sum(sizes) - max(sizes)) * spare // 100
-    unit = draw(st.integers(1, 8))
-    bound = draw(st.integers(0, 8))
-    kwargs = {
-        "cp_size": cp,
-        "tokens_per_block": tpb,
-        "kv_superblocks": -(-pool_tokens // (cp * tpb)),
-        "serving_mode": mode,
-        "host_tier_superblocks": draw(st.integers(0, 6)) if mode == "non_helix" else 0,
-        "capacity_policy": draw(st.sampled_from(["max_utilization"] * 4 + ["guaranteed_no_evict"])),
-        "victim_policy": draw(
-            st.sampled_from(["newest_first", "least_computed_first", "priority"])
-        ),
-        "max_batch_size": draw(st.integers(2, 12)),
-        "enable_chunked_prefill": draw(st.booleans()),
-        "chunk_unit": unit,
-        "max_num_tokens": max(unit, draw(st.integers(8, 64))),
-        "max_preemptions_per_request": 1000 if bound > 5 else bound,
-        "admit_after_preemption": draw(st.booleans()),
-        "deadlock_steps": 12,
-    }
-    model = Model(vocab=24, eos=5) if draw(st.booleans()) else Model()
-    return kwargs, specs, model, draw(st.sampled_from([0, 0, 3, 7]))
-
-
-def accepted(config: helix_kv.SchedulerConfig, specs: list) -> list:
-    """The requests the configuration accepts; refusals change nothing."""
-    probe = helix_kv.Scheduler(config)
-    kept = []
-    for spec in specs:
-        before = probe.state_digest()
-        try:
-            probe.add_request(spec.request_id, spec.prompt(), spec.max_new_tokens, spec.priority)
-            kept.append(spec)
-        except helix_kv.RequestTooLargeError:
-            assert probe.state_digest() == before
-    return kept
-
-
-@FAST
-@given(cases())
-def test_random_configs_and_workloads_keep_every_invariant(case: tuple) -> None:
-    kwargs, specs, model, revert_every = case
-    config = helix_kv.SchedulerConfig(**kwargs)
-    specs = accepted(config, specs)
-    if not specs:
-        return
-    executor = Executor(config, model)
-    stopped: helix_kv.HelixKVError | None = None
-    try:
-        result = executor.run(specs, revert_every=revert_every)
-    except (helix_kv.DeadlockError, helix_kv.PreemptionDisabledError) as error:
-        stopped = error
-    if isinstance(stopped, helix_kv.DeadlockError):
-        # only a preemption bound that ran out, or a server that may not preempt, can wedge
-        # a group whose every request fits the pool
-        bound_hit = executor.result.max_request_preemptions >= config.max_preemptions_per_request
-        assert bound_hit or config.serving_mode == "disaggregated_generation", str(stopped)
-        if config.serving_mode == "aggregated_helix":
-            assert "host" not in str(stopped)
-        return
-    if stopped is not None:
-        assert config.serving_mode == "disaggregated_generation", str(stopped)
-        return
-    assert_matches_reference(specs, result, model)
-    assert result.metrics.preemptions == 0 or config.capacity_policy == "max_utilization"
-    assert result.metrics.suspensions == 0 or config.host_tier_superblocks > 0
-
 
 CALL = st.one_of(
     st.tuples(st.just("add"), st.integers(0, 6), st.integers(0, 12), st.integers(-1, 6)),
@@ -173,56 +76,6 @@ def run_calls(calls: list, seed: int) -> list:
 @given(CALLS, st.integers(0, 2**32 - 1))
 def test_random_call_sequences_keep_two_ranks_identical(calls: list, seed: int) -> None:
     run_calls(calls, seed)
-
-
-def check_early_stop(config: helix_kv.SchedulerConfig, executor: Executor, error) -> None:
-    """The only documented ways a run may stop early (see the test above)."""
-    if isinstance(error, helix_kv.DeadlockError):
-        bound_hit = executor.result.max_request_preemptions == config.max_preemptions_per_request
-        assert bound_hit or config.serving_mode == "disaggregated_generation", str(error)
-    else:
-        assert config.serving_mode == "disaggregated_generation", str(error)
-
-
-@FAST
-@given(cases(), st.lists(st.tuples(st.integers(0, 30), st.booleans()), min_size=10, max_size=10),
-       st.lists(st.booleans(), min_size=10, max_size=10))  # fmt: skip
-def test_random_aborts_keep_every_invariant(case: tuple, aborts: list, chosen: list) -> None:
-    """Aborts between steps and while a step is pending (reverts mixed in): ranks agree,
-    nothing leaks (the harness checks pages and the host tier), aborted outputs are the start
-    of the full ones, and the survivors generate what they would without the aborted ones."""
-    kwargs, specs, model, revert_every = case
-    config = helix_kv.SchedulerConfig(**kwargs)
-    specs = [
-        Spec(s.request_id, s.prompt_len, s.max_new_tokens, s.priority, s.arrival_step,
-             abort_step=s.arrival_step + after, abort_pending=pending)
-        if abort else s
-        for s, (after, pending), abort in zip(specs, aborts, chosen)
-    ]  # fmt: skip
-    specs = accepted(config, specs)
-    if not specs:
-        return
-    executor = Executor(config, model)
-    try:
-        result = executor.run(specs, revert_every=revert_every)
-    except (helix_kv.DeadlockError, helix_kv.PreemptionDisabledError) as error:
-        check_early_stop(config, executor, error)
-        return
-    assert_matches_reference_with_aborts(specs, result, model)
-    survivors = [
-        Spec(s.request_id, s.prompt_len, s.max_new_tokens, s.priority, s.arrival_step)
-        for s in specs
-        if s.request_id not in result.aborted
-    ]
-    if not survivors:
-        return
-    alone = Executor(config, model)
-    try:
-        without = alone.run(survivors, revert_every=revert_every)
-    except (helix_kv.DeadlockError, helix_kv.PreemptionDisabledError) as error:
-        check_early_stop(config, alone, error)  # the pressure changed, so may its outcome
-        return
-    assert without.outputs == result.outputs
 
 
 CALLS_WITH_ABORTS = st.lists(

@@ -77,6 +77,8 @@ class HarnessResult:
     abort_states: set[str] = field(default_factory=set)
     steps: int = 0
     reverted: int = 0
+    #: Suspended requests copied back in from the host tier (in steps that ran).
+    resumed: int = 0
     victims: list[tuple[int, int]] = field(default_factory=list)
     max_request_preemptions: int = 0
     # preemptions that took a request past the bound (each for the queue head)
@@ -209,6 +211,7 @@ class Executor:
             return
         self._check_replay(out)
         self._copy_in_resumed(out)
+        self.result.resumed += out.resumed_ids.size
         self._write_kv(out)
         tokens, eos = self._sample(out)
         finished = self.group.update(tokens, eos if self.model.eos is not None else None)
