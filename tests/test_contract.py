@@ -15,6 +15,8 @@ import pytest
 import helix_kv
 from helix_kv.contract import SchedulerProtocol
 
+from .helpers.scheduler import prompt
+
 CONTRACT = (
     "add_request",
     "abort",
@@ -84,8 +86,8 @@ def drive(scheduler: SchedulerProtocol) -> list[Any]:
     """A run through every call of the contract; what it saw, step by step."""
     seen: list[Any] = []
     for request_id in range(6):
-        prompt = (np.arange(10 + 3 * request_id) * (request_id + 1)) % 101
-        scheduler.add_request(request_id, prompt.astype(np.int32), 8, priority=request_id % 2)
+        tokens = prompt(10 + 3 * request_id, request_id)
+        scheduler.add_request(request_id, tokens, 8, priority=request_id % 2)
     step = 0
     while scheduler.has_unfinished():
         out = scheduler.schedule()

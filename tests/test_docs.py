@@ -78,6 +78,31 @@ def test_python_block_runs_as_written(page: str, line: int, code: str, tmp_path:
     assert done.returncode == 0, f"{page}:{line}\n{done.stderr}"
 
 
+@needs_scheduler
+def test_the_readme_example_without_torch_runs_where_torch_cannot_be_imported(
+    tmp_path: Path,
+) -> None:
+    """The README's torch-free example (``import helix_kv`` never imports torch): it runs with
+    every import of torch made to fail, and finishes its request."""
+    (code,) = [
+        code
+        for page, _, code in PROGRAMS
+        if page == "README.md" and not re.search(r"^(import|from) (torch|helix_kv\.)", code, re.M)
+    ]
+    assert "helix_kv.Scheduler(" in code
+    no_torch = "import sys\nsys.modules['torch'] = None  # an import of torch raises\n"
+    done = subprocess.run(
+        [sys.executable, "-c", no_torch + code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "finish_reason='length'" in done.stdout
+
+
 def test_the_engine_loop_uses_no_placeholder_names() -> None:
     """The README's and executor.md's loop is a whole program; the names an engine supplies
     appear only in labelled fragments."""

@@ -19,6 +19,9 @@ import numpy as np
 
 import helix_kv
 from helix_kv.distributed import EngineConfig, HelixKVRank
+from helix_kv.simulate.tokens import prompt_tokens
+
+from ..helpers.scheduler import sample
 
 TOKENS_PER_BLOCK = 4
 #: Pool of the pressured runs, in global tokens (the superblock count depends on cp).
@@ -366,24 +369,6 @@ def scenario_guards(rank: int, world: int, backend: str) -> dict[str, Any]:
 # --- schedule check -------------------------------------------------------------------------
 
 
-def sampled_tokens(out: Any) -> np.ndarray:
-    """A deterministic "sampled" token per ``sample_ids`` entry: a hash of id and position."""
-    positions = np.concatenate(
-        [
-            np.asarray(out.generation_positions, dtype=np.int64) + 1,
-            (np.asarray(out.context_starts) + np.asarray(out.context_lens))[
-                np.asarray(out.context_completes, dtype=bool)
-            ],
-        ]
-    )
-    ids = np.asarray(out.sample_ids, dtype=np.int64)
-    return ((ids * 7919 + positions * 104729) % 32000).astype(np.int32)
-
-
-def prompt(request_id: int, length: int) -> np.ndarray:
-    return ((np.arange(length, dtype=np.int64) * 31 + request_id * 17) % 32000).astype(np.int32)
-
-
 def pressured_rank(world: int, **changes: Any) -> HelixKVRank:
     superblocks = PRESSURE_KV_TOKENS // (TOKENS_PER_BLOCK * world)
     return HelixKVRank.create(
@@ -397,7 +382,7 @@ def add_workload(built: HelixKVRank, count: int = 16, priorities: dict[int, int]
         length = 6 + (rid * 5) % 23
         new_tokens = 12 + (rid * 7) % 25
         built.scheduler.add_request(
-            rid, prompt(rid, length), new_tokens, (priorities or {}).get(rid, 0)
+            rid, prompt_tokens(rid, length), new_tokens, (priorities or {}).get(rid, 0)
         )
 
 
@@ -408,7 +393,7 @@ def drive(built: HelixKVRank, max_steps: int = 5000) -> Iterator[Any]:
         if not built.scheduler.has_unfinished():
             return
         out = built.schedule()
-        tokens = sampled_tokens(out)
+        tokens = sample(built.scheduler, out)
         replaced = yield out
         built.update(tokens if replaced is None else replaced)
     raise AssertionError(f"workload did not finish in {max_steps} steps")
@@ -484,7 +469,7 @@ def scenario_diverge_token(rank: int, world: int, backend: str) -> dict[str, Any
         if int(out.step) != INJECT_STEP or len(out.sample_ids) == 0:
             return None
         injected["request"] = int(out.sample_ids[0])
-        tokens = sampled_tokens(out)
+        tokens = sample(built.scheduler, out)
         if rank == world - 1:
             tokens[0] += 1
         return tokens
@@ -502,7 +487,7 @@ def scenario_diverge_request(rank: int, world: int, backend: str) -> dict[str, A
     def inject(out: Any) -> None:
         if int(out.step) == INJECT_STEP:
             length = 30 if rank == world - 1 else 10
-            built.scheduler.add_request(100, prompt(100, length), 4, 0)
+            built.scheduler.add_request(100, prompt_tokens(100, length), 4, 0)
             injected["added_after_step"] = INJECT_STEP
 
     result = run_until_mismatch(drive(built), inject)
@@ -593,7 +578,7 @@ def run_with_aborts(built: HelixKVRank, plan: dict[int, tuple]) -> dict[str, Any
         if scheduled % REVERT_EVERY == 0:
             collect(built.revert())
         else:
-            collect(built.update(sampled_tokens(out)))
+            collect(built.update(sample(scheduler, out)))
     metrics = scheduler.metrics()
     return {
         "outputs": outputs,
@@ -618,7 +603,7 @@ def scenario_abort(rank: int, world: int, backend: str) -> dict[str, Any]:
     for rid in range(16):
         if rid not in aborted:
             length, new_tokens = 6 + (rid * 5) % 23, 12 + (rid * 7) % 25
-            alone.scheduler.add_request(rid, prompt(rid, length), new_tokens, 0)
+            alone.scheduler.add_request(rid, prompt_tokens(rid, length), new_tokens, 0)
     return {**with_aborts, "alone": run_with_aborts(alone, {})["outputs"]}
 
 

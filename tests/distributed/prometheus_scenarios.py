@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import dist_scenarios as sc
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helix_kv.distributed.prometheus import register_rank_metrics
+
+from . import dist_scenarios as sc
 
 Samples = dict[str, tuple[str, dict[str, str], float]]
 

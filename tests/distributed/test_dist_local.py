@@ -14,8 +14,6 @@ import pytest
 
 pytest.importorskip("torch")
 
-import dist_scenarios as sc
-
 import helix_kv
 from helix_kv.distributed import (
     CHECK_SCHEDULE_ENV,
@@ -31,6 +29,8 @@ from helix_kv.distributed import (
 from helix_kv.distributed.check import sampled_fields, to_int64
 from helix_kv.distributed.config import SCHEDULER_FIELDS
 from helix_kv.distributed.sync import ConfigIdentity, config_mismatch
+
+from . import dist_scenarios as sc
 
 
 def test_budget_becomes_whole_pages() -> None:

@@ -16,13 +16,16 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("prometheus_client")
 
-import dist_scenarios as sc
 from prometheus_client import CollectorRegistry
-from prometheus_scenarios import Samples, scrape
 
 import helix_kv
 from helix_kv.distributed import HelixKVRank
 from helix_kv.distributed import prometheus as prom
+from helix_kv.simulate.tokens import prompt_tokens
+
+from ..helpers.scheduler import sample
+from . import dist_scenarios as sc
+from .prometheus_scenarios import Samples, scrape
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,7 +123,7 @@ def test_scrape_parses_and_matches_the_scheduler_on_every_step() -> None:
             rank.revert()  # its resumes are undone and must not be counted
             resumed_in_reverted_steps += out.resumed_ids.size
         else:
-            rank.update(sc.sampled_tokens(out))
+            rank.update(sample(rank.scheduler, out))
             resumed_in_updated_steps += out.resumed_ids.size
         if step == 20:
             rank.abort(15)  # between steps: takes effect now
@@ -177,7 +180,7 @@ def test_deadlocks_are_counted_per_raise() -> None:
     registry = CollectorRegistry()
     prom.register_rank_metrics(rank, registry)
     for rid in range(2):
-        rank.scheduler.add_request(rid, sc.prompt(rid, 8), 12)
+        rank.scheduler.add_request(rid, prompt_tokens(rid, 8), 12)
     raised = 0
     for _ in range(100):
         try:
@@ -187,7 +190,7 @@ def test_deadlocks_are_counted_per_raise() -> None:
             if raised == 3:
                 break
             continue
-        rank.update(sc.sampled_tokens(out))
+        rank.update(sample(rank.scheduler, out))
     assert raised == 3
     samples = scrape(registry)
     assert samples["helix_kv:num_deadlocks_total"][2] == rank.deadlocks == 3
@@ -256,7 +259,7 @@ def test_scrapes_from_another_thread_never_fail() -> None:
     registry = CollectorRegistry()
     prom.register_rank_metrics(rank, registry)
     for rid in range(2000):
-        rank.scheduler.add_request(rid, sc.prompt(rid, 40 + rid % 50), 30)
+        rank.scheduler.add_request(rid, prompt_tokens(rid, 40 + rid % 50), 30)
     errors: list[BaseException] = []
     scrapes: list[Samples] = []
     stop = threading.Event()
@@ -356,8 +359,8 @@ def test_each_rank_of_a_gloo_group_serves_its_own_labelled_metrics() -> None:
     """Two gloo ranks with the schedule check on: each scrape is labelled with its rank, the
     scheduler's values are equal on both ranks at every scrape (they are rank-invariant), and
     ``schedule_check_seconds`` counts every step's check on each rank."""
-    from dist_harness import run_group
-    from prometheus_scenarios import scenario_scraped_run
+    from ..helpers.process_group import run_group
+    from .prometheus_scenarios import scenario_scraped_run
 
     run = run_group([scenario_scraped_run], 2, "gloo", deadline_s=100.0, group_timeout_s=20.0)
     reports = run.scenario("scenario_scraped_run")

@@ -13,6 +13,12 @@ that a victim goes past ``max_preemptions_per_request`` only for the queue head.
 Requests may be aborted (:attr:`Spec.abort_step`): between steps or while a step is pending,
 optionally only once seen in a given state. Aborted outputs must be the start of the output
 the request would have had, and nothing may be left behind (pages, host tier, slots).
+
+The scheduler's rules are tested once, in Rust, by the same kind of group
+(``rust/core/tests/common/mod.rs``); this executor is the Python side's integration test: a
+pressured :class:`helix_kv.SimulatedCPGroup` run through every array the binding hands out
+(``tests/test_cpgroup.py``). Prompts are the simulator's
+(:func:`helix_kv.simulate.tokens.prompt_tokens`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import helix_kv
+from helix_kv.simulate.tokens import prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -43,8 +50,7 @@ class Spec:
     abort_state: str | None = None
 
     def prompt(self) -> np.ndarray:
-        ids = (self.request_id * 7919 + np.arange(self.prompt_len) * 31) % 997
-        return ids.astype(np.int32)
+        return prompt_tokens(self.request_id, self.prompt_len)
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,8 @@ class HarnessResult:
     abort_states: set[str] = field(default_factory=set)
     steps: int = 0
     reverted: int = 0
+    #: Suspended requests copied back in from the host tier (in steps that ran).
+    resumed: int = 0
     victims: list[tuple[int, int]] = field(default_factory=list)
     max_request_preemptions: int = 0
     # preemptions that took a request past the bound (each for the queue head)
@@ -203,6 +211,7 @@ class Executor:
             return
         self._check_replay(out)
         self._copy_in_resumed(out)
+        self.result.resumed += out.resumed_ids.size
         self._write_kv(out)
         tokens, eos = self._sample(out)
         finished = self.group.update(tokens, eos if self.model.eos is not None else None)

@@ -15,7 +15,7 @@ import pytest
 import helix_kv
 from helix_kv.simulate.arguments import add_simulate_arguments
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULTS = helix_kv.SchedulerConfig.DEFAULTS
 
 

@@ -1,0 +1,1 @@
+"""Tests of :mod:`helix_kv.distributed`: in one process and over real process groups."""

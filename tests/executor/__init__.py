@@ -1,0 +1,1 @@
+"""Tests of :mod:`helix_kv.executor`, the reference executor (torch)."""
