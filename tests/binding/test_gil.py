@@ -73,7 +73,23 @@ def scheduler_slot_mapping(tokens: int) -> Callable[[], object]:
     return lambda: scheduler.slot_mapping([0], [0], [tokens])
 
 
+def layout_owner_ranks(tokens: int) -> Callable[[], object]:
+    layout = helix_kv.Layout(4, 16)
+    positions = np.arange(tokens, dtype=np.int64)
+    return lambda: layout.owner_ranks(positions)
+
+
+def ledger_block_table(tokens: int) -> Callable[[], object]:
+    """A wide, mostly padded table: filling it is the work."""
+    ledger = helix_kv.Ledger(helix_kv.Layout(1, 1), REQUESTS)
+    ids = np.arange(REQUESTS, dtype=np.uint64)
+    ledger.add_many(ids, np.ones(REQUESTS, dtype=np.int64))
+    return lambda: ledger.block_table(ids, tokens // 4)
+
+
 CALLS = {
+    "Layout.owner_ranks": layout_owner_ranks,
+    "Ledger.block_table": ledger_block_table,
     "Ledger.slot_mapping": ledger_slot_mapping,
     "Ledger.grow_many": ledger_grow_many,
     "Scheduler.slot_mapping": scheduler_slot_mapping,

@@ -153,6 +153,15 @@ def test_an_inconsistent_pickle_is_refused() -> None:
         rebuild({**fields, "context_ids": fields["context_ids"].astype(np.int64)})
     with pytest.raises(helix_kv.InvalidArgumentError, match="digest is missing"):
         rebuild({k: v for k, v in fields.items() if k != "digest"})
+    # Negative lengths or ranks in a pickle are refused, not wrapped into huge unsigned ones.
+    negative_len = np.array([-1] * len(fields["context_lens"]), dtype=np.int64)
+    with pytest.raises(helix_kv.InvalidLengthError, match="context_lens"):
+        rebuild({**fields, "context_lens": negative_len})
+    generating = next(o for o in outputs if len(o.generation_ids))
+    gen_fields = generating.__reduce__()[1][0]
+    negative_rank = np.full(len(gen_fields["generation_owner_ranks"]), -2, dtype=np.int32)
+    with pytest.raises(helix_kv.InvalidArgumentError, match="generation_owner_ranks"):
+        rebuild({**gen_fields, "generation_owner_ranks": negative_rank})
 
 
 def test_config_capacity_and_layout_are_the_cores() -> None:

@@ -484,20 +484,15 @@ pub fn flags<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Flags<'py>> {
     }
 }
 
-/// An output vector of `len` entries (`None`: the size overflowed), or an
-/// `InvalidLengthError` naming `what()` for a size that cannot be allocated (never an
-/// allocation abort).
-pub fn try_vec<T: Clone>(
-    len: Option<usize>,
-    fill: T,
-    what: impl Fn() -> String,
-) -> PyResult<Vec<T>> {
+/// An empty vector with room for `len` values (`None`: a size past what can be described),
+/// and `len`; `InvalidLengthError` naming `what` when it cannot be allocated. Filling it is
+/// left to the caller, e.g. with the GIL released.
+pub fn try_capacity<T>(len: Option<usize>, what: impl Fn() -> String) -> PyResult<(Vec<T>, usize)> {
     let too_large = || InvalidLengthError::new_err(format!("{} is too large to allocate", what()));
     let len = len.ok_or_else(too_large)?;
     let mut out = Vec::new();
     out.try_reserve_exact(len).map_err(|_| too_large())?;
-    out.resize(len, fill);
-    Ok(out)
+    Ok((out, len))
 }
 
 /// A block table: a two-dimensional numpy integer array, or a list/tuple of equally long

@@ -222,13 +222,14 @@ fn result_int64(value: u64) -> i64 {
 
 /// Applies `f` to every element of an array-like of lengths or positions
 /// (`0..=2**63-1`).
-fn map_array<'py, T: numpy::Element>(
+fn map_array<'py, T: numpy::Element + Send>(
     values: &Bound<'py, PyAny>,
     what: &str,
-    f: impl Fn(u64) -> PyResult<T>,
+    f: impl Fn(u64) -> PyResult<T> + Send,
 ) -> PyResult<Bound<'py, PyArray1<T>>> {
     let py = values.py();
     let values = u64_vec(values, what, true)?;
-    let out = values.into_iter().map(f).collect::<PyResult<Vec<T>>>()?;
+    // The per-element work runs with the GIL released (large batches are the point).
+    let out = py.detach(|| values.into_iter().map(f).collect::<PyResult<Vec<T>>>())?;
     Ok(PyArray1::from_vec(py, out))
 }

@@ -6,7 +6,7 @@ use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::prelude::*;
 
 use crate::arrays::{
-    id_arg, int_arg, invalid_type_of, length_arg, rank_arg, try_vec, u64_arg, u64_vec,
+    id_arg, int_arg, invalid_type_of, length_arg, rank_arg, try_capacity, u64_arg, u64_vec,
 };
 use crate::errors::{ConfigError, IntoPyResult, InvalidArgumentError};
 use crate::layout::PyLayout;
@@ -98,11 +98,15 @@ pub fn block_table<'py>(
         .checked_mul(width)
         .filter(|&n| n <= isize::MAX as usize / std::mem::size_of::<i32>())
         .map(|_| ids.len() * width);
-    let mut out = try_vec(entries, 0i32, || {
+    let (mut out, len) = try_capacity(entries, || {
         format!("a block table of {} x {width} entries", ids.len())
     })?;
-    py.detach(|| ledger.block_table_into(&ids, width, &mut out))
-        .py()?;
+    // Filling a large table is the long part: do it with the GIL released too.
+    py.detach(|| {
+        out.resize(len, 0i32);
+        ledger.block_table_into(&ids, width, &mut out)
+    })
+    .py()?;
     let table = Array2::from_shape_vec((ids.len(), width), out)
         .map_err(|e| InvalidArgumentError::new_err(e.to_string()))?;
     Ok(table.into_pyarray(py))
