@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{assert_matches_reference, Group, Model, RunOptions, Spec};
+use common::{assert_matches_reference, Group, Model, Rng, RunOptions, Spec};
 use helix_kv_core::{
     CapacityPolicy, CoreError, RequestState, ScheduleOutput, Scheduler, SchedulerConfig,
     ServingMode, VictimPolicy,
@@ -352,6 +352,159 @@ fn resumes_are_counted_in_steps_that_ran_only() {
         resumed_in_updates > 0 && resumed_in_reverts > 0,
         "{resumed_in_updates} resumed in updated steps, {resumed_in_reverts} in reverted ones"
     );
+}
+
+/// Request 1 is suspended for request 0 at step 1 and resumed at step 2, when request 0
+/// has finished and two newer requests wait for batch slots (`max_batch_size` 2).
+fn resumed_request_and_two_newer_ones_waiting() -> Scheduler {
+    // cp 1, tpb 2: prompt 8 -> 4 superblocks, prompt 3 -> 2, prompt 2 -> 1; pool of 6.
+    let mut config = config(1, 2, 6);
+    config.serving_mode = ServingMode::NonHelix;
+    config.host_tier_superblocks = 8;
+    config.max_batch_size = 2;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(0, &prompt(8), 2, 0).unwrap();
+    s.add_request(1, &prompt(3), 5, 0).unwrap();
+    s.add_request(2, &prompt(2), 3, 0).unwrap();
+    s.add_request(3, &prompt(2), 3, 0).unwrap();
+    let first = step(&mut s, 1);
+    assert_eq!(first.context_ids, vec![0, 1], "2 and 3 wait for a slot");
+    let second = step(&mut s, 1);
+    assert_eq!(second.suspended_ids, vec![1], "0's decode page suspends 1");
+    assert_eq!(second.generation_ids, vec![0]);
+    assert_eq!(s.request_state(0), Err(CoreError::UnknownRequest(0)));
+    s
+}
+
+#[test]
+fn a_resumed_request_keeps_its_queue_place_for_a_batch_slot() {
+    let mut s = resumed_request_and_two_newer_ones_waiting();
+    let resume = step(&mut s, 1);
+    let next = step(&mut s, 1);
+    assert_eq!(resume.resumed_ids, vec![1]);
+    // The step after its resume, 1 decodes ahead of the newer 2 (token budget is plenty).
+    assert_eq!(
+        s.request_state(1).unwrap(),
+        RequestState::Decoding,
+        "1 holds its KV"
+    );
+    assert_eq!(next.generation_ids, vec![1, 2], "{}", next.summary());
+    // Because 1 resumed ahead of 2 and 3, its slot was taken before the context phase
+    // admitted: only one of the two slots was left for them, and 3 still waits.
+    assert_eq!(resume.context_ids, vec![2]);
+    assert_eq!(resume.context_batch_slots, vec![1]);
+    assert_eq!(next.generation_batch_slots, vec![0, 1]);
+    assert!(next.context_ids.is_empty());
+    run_to_end(&mut s);
+}
+
+#[test]
+fn revert_of_a_resuming_step_gives_the_resumed_request_slot_back() {
+    let mut s = resumed_request_and_two_newer_ones_waiting();
+    let before = (s.state_digest(), s.ledger().state_digest());
+    let resume = s.schedule().unwrap().clone();
+    assert_eq!(resume.resumed_ids, vec![1]);
+    s.revert().unwrap();
+    assert_eq!(s.request_state(1).unwrap(), RequestState::Suspended);
+    // The slot handed out at the resume is free again (the state digest covers slots).
+    assert_eq!((s.state_digest(), s.ledger().state_digest()), before);
+    let again = step(&mut s, 1);
+    assert_eq!(
+        (again.resumed_ids.clone(), again.context_ids.clone()),
+        (vec![1], vec![2])
+    );
+    assert_eq!(again.context_batch_slots, vec![1]);
+    assert_eq!(step(&mut s, 1).generation_ids, vec![1, 2]);
+}
+
+/// The workload shape of the report: `non_helix` at cp 1, `tokens_per_block` 2, 4 batch
+/// slots, 7 tokens a step, a host tier of 8 superblocks. Before resumes claimed their
+/// batch slot, most of these seeds had a request resume into a step whose context phase
+/// gave every free slot to newer requests; `Group::check_slot_order` fails on that.
+#[test]
+fn resumed_requests_keep_their_queue_place_in_random_non_helix_workloads() {
+    let mut config = config(1, 2, 10);
+    config.serving_mode = ServingMode::NonHelix;
+    config.host_tier_superblocks = 8;
+    config.max_batch_size = 4;
+    config.max_num_tokens = 7;
+    let mut resumes = 0;
+    for seed in 0..32 {
+        let mut rng = Rng::new(seed);
+        let specs: Vec<Spec> = (0..rng.range(6, 16))
+            .map(|id| {
+                let (prompt, max_new) = (rng.range(1, 8), rng.range(1, 10));
+                Spec::new(
+                    id,
+                    usize::try_from(prompt).unwrap(),
+                    u32::try_from(max_new).unwrap(),
+                )
+                .at(rng.range(0, 12))
+            })
+            .collect();
+        for revert_per_mille in [0, 200] {
+            let mut group = Group::new(&config, Model::default());
+            let options = RunOptions {
+                revert_per_mille,
+                seed,
+                max_steps: 0,
+            };
+            let result = group.run(&specs, options).unwrap();
+            assert_matches_reference(&specs, Model::default(), &result);
+            resumes += group.ranks[0].metrics().resumes;
+        }
+    }
+    assert!(resumes > 0, "the workloads resume requests");
+}
+
+/// A decoding request without a batch slot that finds none free at its turn claims the
+/// next one freed later in the step, so nobody behind it can take that one first.
+#[test]
+fn a_decoding_request_without_a_slot_claims_the_next_one_freed() {
+    // A relay of suspends (found by a search over random workloads): 3 suspends 5 and 6
+    // in turn, 4 is admitted behind them, 3 finishes, and 5 and 6 resume together.
+    let mut config = config(1, 2, 7);
+    config.serving_mode = ServingMode::NonHelix;
+    config.host_tier_superblocks = 8;
+    config.max_batch_size = 2;
+    config.max_num_tokens = 4;
+    let mut s = Scheduler::new(config).unwrap();
+    // (id, prompt length, max_new_tokens, added before step)
+    let specs = [
+        (1, 1, 10, 2),
+        (3, 4, 9, 2),
+        (5, 2, 6, 2),
+        (6, 3, 5, 2),
+        (4, 4, 3, 5),
+    ];
+    let mut out = ScheduleOutput::default();
+    for at in 0..=17 {
+        for &(id, len, max_new, _) in specs.iter().filter(|spec| spec.3 == at) {
+            s.add_request(id, &prompt(len), max_new, 0).unwrap();
+        }
+        out = step(&mut s, 7);
+    }
+    // Step 17: one slot free (4 holds the other); 5 takes it, 6 is left without.
+    assert_eq!(out.resumed_ids, vec![5, 6]);
+    assert_eq!(s.queue_ids(), vec![5, 6, 4]);
+    let slots = |s: &Scheduler| [5, 6, 4].map(|id| s.batch_slot(id).unwrap());
+    assert_eq!(slots(&s), [Some(0), None, Some(1)]);
+    // Step 18: no slot is free at 6's turn; 4, behind it, then sits out and frees one,
+    // which goes to 6 (it decodes from the next step) and to nobody behind it. A revert
+    // gives the claimed slot back and 4 its own.
+    let digest = s.state_digest();
+    s.schedule().unwrap();
+    s.revert().unwrap();
+    assert_eq!(s.state_digest(), digest);
+    assert_eq!(slots(&s), [Some(0), None, Some(1)]);
+    let out = step(&mut s, 7);
+    assert_eq!(
+        (out.generation_ids.clone(), out.sat_out_ids.clone()),
+        (vec![5], vec![4])
+    );
+    assert_eq!(slots(&s), [Some(0), Some(1), None]);
+    assert!(step(&mut s, 7).generation_ids.contains(&6));
+    run_to_end(&mut s);
 }
 
 #[test]

@@ -123,6 +123,10 @@ pub struct Scheduler {
     step_tokens: u64,
     /// Entries of this step that still need a new batch slot (assigned at the end).
     step_new_slots: u32,
+    /// `Decoding` requests without a batch slot that get no decode entry in this step
+    /// (resumed in it, or not scheduled), in queue order: each claims a slot ahead of
+    /// everything after it in the step (handed out at the end, see `finish_step`).
+    slot_claims: Vec<RequestIndex>,
     step_preempted: bool,
 }
 
@@ -171,6 +175,7 @@ impl Scheduler {
             plan: Vec::new(),
             step_tokens: 0,
             step_new_slots: 0,
+            slot_claims: Vec::new(),
             step_preempted: false,
             fingerprint: config.fingerprint(),
             config,
@@ -307,6 +312,15 @@ impl Scheduler {
     /// The state of a live request.
     pub fn request_state(&self, id: RequestId) -> Result<RequestState> {
         Ok(self.requests[self.request_index(id)? as usize].state)
+    }
+
+    /// The batch slot a live request holds, if any. A request may hold one without an
+    /// entry in the last schedule: out of token budget, or claimed for its next decode
+    /// (after a resume, or when none was free at its turn).
+    pub fn batch_slot(&self, id: RequestId) -> Result<Option<u32>> {
+        Ok(self.requests[self.request_index(id)? as usize]
+            .batch_slot
+            .get())
     }
 
     /// Prompt (with any folded tokens) plus generated tokens of a live request.

@@ -69,12 +69,21 @@ impl Scheduler {
         self.head_victims.begin_step(self.queue.len());
         self.step_tokens = 0;
         self.step_new_slots = 0;
+        self.slot_claims.clear();
         self.step_preempted = false;
     }
 
-    /// Batch slots still free for entries of this step.
+    /// Batch slots still free for entries of this step: what is free less what this
+    /// step's entries and slot claims have counted. A claim counts even when no slot is
+    /// free (the next one a victim or a sit-out frees later in the step is its), so the
+    /// claims may exceed the free slots.
     fn free_slots_now(&self) -> u32 {
-        self.batch_slots.free_count() - self.step_new_slots
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "claims are live requests, whose indices are u32"
+        )]
+        let claims = self.slot_claims.len() as u32;
+        (self.batch_slots.free_count() - self.step_new_slots).saturating_sub(claims)
     }
 
     fn generation_phase(&mut self, step: u64) -> Result<()> {
@@ -98,7 +107,11 @@ impl Scheduler {
         if self.step_tokens >= u64::from(self.config.max_num_tokens)
             || (needs_slot && self.free_slots_now() == 0)
         {
-            // Out of budget: not scheduled, keeps its batch slot; not a sit-out.
+            // Out of budget: not scheduled, keeps its batch slot; not a sit-out. One
+            // without a slot claims one, so nothing behind it takes the next one freed.
+            if needs_slot {
+                self.slot_claims.push(req);
+            }
             return Ok(());
         }
         let id = request.id;
@@ -177,6 +190,12 @@ impl Scheduler {
             request.host_superblocks = 0;
             request.resumed_step = step;
             let back_to = request.suspended_from;
+            if back_to == RequestState::Decoding {
+                // It decodes from the next step: claim its batch slot now, at its place
+                // in queue order, before the context phase admits newer requests into
+                // the free ones (a resumed prefill gets one in that phase, in order).
+                self.slot_claims.push(req);
+            }
             self.set_state(req, back_to);
             self.journal.push(JournalEntry::Resume(req));
             self.building.resumed_ids.push(id);
@@ -436,9 +455,9 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Completes the output being built: hands out batch slots (generation entries, then
-    /// context entries, lowest free first), drops entries of requests preempted after
-    /// they were scheduled, and digests it.
+    /// Completes the output being built: hands out batch slots (generation entries, slot
+    /// claims, then context entries, lowest free first), drops entries of requests
+    /// preempted after they were scheduled, and digests it.
     fn finish_step(&mut self, step: u64) {
         for &entry in &self.generation_needing_slots {
             let req = self.generation_reqs[entry];
@@ -453,6 +472,24 @@ impl Scheduler {
             request.batch_slot.set(slot);
             self.new_slot_reqs.push(req);
             self.building.generation_batch_slots[entry] = slot_id(slot);
+        }
+        // Slot claims, in queue order, between generation and context entries: every
+        // generation entry was counted with room left after the claims made before it,
+        // every context entry with room after all claims, so the claims take only what
+        // no entry counted on. A claim that found no slot free and none freed later in
+        // the step goes without, and claims again at its place in the next step.
+        for &req in &self.slot_claims {
+            let request = &mut self.requests[req as usize];
+            if request.state != RequestState::Decoding {
+                // Preempted later in the step (a resumed request never is): its claim
+                // kept a slot free for the rest of the step, which only delays others.
+                continue;
+            }
+            let Some(slot) = self.batch_slots.take_lowest() else {
+                break;
+            };
+            request.batch_slot.set(slot);
+            self.new_slot_reqs.push(req);
         }
         for (i, entry) in self.context.iter().enumerate() {
             let request = &mut self.requests[entry.req as usize];

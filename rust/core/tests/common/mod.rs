@@ -8,9 +8,10 @@
 //! Every step it checks: identical rank-invariant outputs, digests and state digests on
 //! every rank; per-rank fields consistent with the Helix layout; victims strictly
 //! behind their requesters; no futile preemption (each requester is served in the step
-//! that preempted for it); preemption bound (past it only for the queue head); replay
-//! (re-prefill tokens == prompt + tokens generated so far; decode positions continue
-//! from the new prompt end).
+//! that preempted for it); preemption bound (past it only for the queue head); batch
+//! slots in queue order (persistent, and nobody takes a new one while a decoding request
+//! ahead of it is left without); replay (re-prefill tokens == prompt + tokens generated
+//! so far; decode positions continue from the new prompt end).
 #![allow(
     dead_code,
     reason = "each test crate uses its own part of these shared helpers"
@@ -255,6 +256,7 @@ impl Group {
 
     /// Schedules on every rank and checks agreement; all ranks must fail alike.
     pub fn schedule(&mut self) -> Result<Vec<ScheduleOutput>, CoreError> {
+        let slots_before = self.batch_slots();
         let outs: Vec<Result<ScheduleOutput, CoreError>> = self
             .ranks
             .iter_mut()
@@ -270,7 +272,67 @@ impl Group {
         let outs: Vec<ScheduleOutput> = outs.into_iter().map(Result::unwrap).collect();
         self.check_agreement(&outs);
         self.check_ladder(&outs[0]);
+        self.check_slot_order(&slots_before, &outs[0]);
         Ok(outs)
+    }
+
+    /// The batch slot of every live request (rank 0; `check_agreement` compares the
+    /// ranks' state digests, which cover the slots).
+    fn batch_slots(&self) -> BTreeMap<RequestId, Option<u32>> {
+        let s = &self.ranks[0];
+        s.queue_ids()
+            .into_iter()
+            .map(|id| (id, s.batch_slot(id).unwrap()))
+            .collect()
+    }
+
+    /// Batch slots are persistent, entries use the one their request holds, and they go
+    /// in queue order: a `Decoding` request the step leaves without a slot (one that
+    /// neither decodes nor sits out, e.g. resumed while every slot was taken) is passed
+    /// over by nobody behind it: no request behind it got a new slot in the step.
+    fn check_slot_order(&self, before: &BTreeMap<RequestId, Option<u32>>, out: &ScheduleOutput) {
+        let s = &self.ranks[0];
+        let entries = out
+            .context_ids
+            .iter()
+            .zip(&out.context_batch_slots)
+            .chain(out.generation_ids.iter().zip(&out.generation_batch_slots));
+        for (id, &slot) in entries {
+            assert_eq!(
+                s.batch_slot(*id).unwrap(),
+                Some(u32::try_from(slot).unwrap()),
+                "step {}: the entry of {id} is not in the slot it holds",
+                out.step
+            );
+        }
+        let mut left_without: Option<RequestId> = None;
+        for id in s.queue_ids() {
+            let (was, now) = (
+                before.get(&id).copied().flatten(),
+                s.batch_slot(id).unwrap(),
+            );
+            if let (Some(was), Some(now)) = (was, now) {
+                assert_eq!(
+                    was, now,
+                    "step {}: request {id} changed batch slot",
+                    out.step
+                );
+            }
+            if let (Some(older), None, Some(now)) = (left_without, was, now) {
+                panic!(
+                    "step {}: request {id} took batch slot {now} while {older}, ahead of it, \
+                     decodes without one\n{}",
+                    out.step,
+                    out.summary()
+                );
+            }
+            if now.is_none()
+                && s.request_state(id).unwrap() == RequestState::Decoding
+                && !out.sat_out_ids.contains(&id)
+            {
+                left_without.get_or_insert(id);
+            }
+        }
     }
 
     /// No futile preemption: every request that preempted or suspended a victim in this
