@@ -15,14 +15,10 @@ from pathlib import Path
 
 import pytest
 
-import helix_kv
 from helix_kv.cli import main
 
+from .helpers.scheduler import needs_scheduler
 from .helpers.summary import SUMMARY_KEYS
-
-needs_scheduler = pytest.mark.skipif(
-    not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler is not built yet"
-)
 
 #: A small workload: 24 requests at once, prompts ~96 and outputs ~48 tokens.
 SMALL = [
