@@ -15,12 +15,10 @@ from pathlib import Path
 
 import pytest
 
-import helix_kv
 from helix_kv.cli import main
 
-needs_scheduler = pytest.mark.skipif(
-    not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler is not built yet"
-)
+from .helpers.scheduler import needs_scheduler
+from .helpers.summary import SUMMARY_KEYS
 
 #: A small workload: 24 requests at once, prompts ~96 and outputs ~48 tokens.
 SMALL = [
@@ -29,26 +27,6 @@ SMALL = [
 ]  # fmt: skip
 TIGHT = [*SMALL, "--kv-tokens", "1024"]
 ROOMY = [*SMALL, "--kv-tokens", "65536"]
-
-JSON_KEYS = {
-    "requests_total",
-    "requests_finished",
-    "requests_aborted",
-    "steps",
-    "generated_tokens",
-    "preemptions",
-    "recomputed_tokens",
-    "recomputed_share",
-    "kv_utilization_peak",
-    "kv_utilization_mean",
-    "waiting_steps_p50",
-    "waiting_steps_p99",
-    "completion_steps_p50",
-    "completion_steps_p99",
-    "rank_agreement",
-    "outputs_exact",
-    "config",
-}
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -139,7 +117,7 @@ def test_tight_budget_preempts_and_everything_finishes(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     report = run_json(capsys, *TIGHT)
-    assert not JSON_KEYS - set(report)
+    assert not SUMMARY_KEYS - set(report)
     assert report["requests_finished"] == report["requests_total"] == 24
     assert report["preemptions"] > 0
     assert report["recomputed_tokens"] > 0

@@ -16,9 +16,7 @@ import pytest
 import helix_kv
 from helix_kv.cli import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED
 
-needs_scheduler = pytest.mark.skipif(
-    not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler is not built yet"
-)
+from .helpers.scheduler import needs_scheduler
 
 #: ``python -m helix_kv``: the same entry point as the console script, found without PATH.
 HELIX_KV = [sys.executable, "-m", "helix_kv"]

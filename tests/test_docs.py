@@ -15,19 +15,16 @@ from pathlib import Path
 
 import pytest
 
-import helix_kv
 from helix_kv import cli
 from helix_kv.simulate import command
+
+from .helpers.scheduler import needs_scheduler
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FRAGMENT_LABEL = "# Fragment:"
-
-needs_scheduler = pytest.mark.skipif(
-    not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler is not built yet"
-)
 
 
 def code_blocks(info: str) -> list[tuple[str, int, str]]:

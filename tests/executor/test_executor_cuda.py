@@ -19,18 +19,19 @@ import numpy as np
 import pytest
 import torch
 
-import helix_kv
 from helix_kv.executor.agreement import compare_runs
 from helix_kv.executor.bench import BenchSpec, format_figures, measure
 from helix_kv.executor.model import TinyConfig
 from helix_kv.executor.runner import ExecutorConfig, RunResult, run_group, run_rank
+
+from ..helpers.scheduler import needs_scheduler
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(not hasattr(helix_kv, "Scheduler"), reason="needs helix_kv.Scheduler"),
+    needs_scheduler,
 ]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 

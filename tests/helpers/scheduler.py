@@ -12,9 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 
 import helix_kv
 from helix_kv.simulate.tokens import prompt_tokens, sampled_tokens
+
+#: Skips a test (or, as ``pytestmark``, a module) when the extension has no ``Scheduler``.
+needs_scheduler = pytest.mark.skipif(
+    not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler is not built yet"
+)
 
 
 def config(

@@ -33,9 +33,8 @@ from helix_kv.simulate.step_loop import run_simulation
 from helix_kv.simulate.timing import DEFAULT_STEP_TIME
 from helix_kv.simulate.workload import WorkloadSpec, synthetic_workload
 
-needs_scheduler = pytest.mark.skipif(
-    not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler is not built yet"
-)
+from ..helpers.scheduler import needs_scheduler
+
 pytestmark = needs_scheduler
 
 #: 24 requests at once under a tight budget: preemptions, and with --abort-rate, aborts.

@@ -17,9 +17,9 @@ from helix_kv.simulate.options import (
 )
 from helix_kv.simulate.workload import RequestSpec
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler is not built yet"
-)
+from ..helpers.scheduler import needs_scheduler
+
+pytestmark = needs_scheduler
 
 
 @pytest.mark.parametrize(

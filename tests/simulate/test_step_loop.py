@@ -22,6 +22,8 @@ from helix_kv.simulate.step_loop import SimulationResult, run_simulation
 from helix_kv.simulate.tokens import prompt_tokens
 from helix_kv.simulate.workload import RequestSpec
 
+from ..helpers.summary import SUMMARY_KEYS
+
 
 class FakeGroup:
     """Unlimited KV, no preemption; optionally corrupts tokens or raises a mismatch."""
@@ -194,25 +196,7 @@ def test_should_stop_ends_the_run_on_a_step_boundary() -> None:
 
 def test_summary_keys_table_and_comparison() -> None:
     summary = summarize(run(FakeGroup()))
-    for key in (
-        "requests_total",
-        "requests_finished",
-        "requests_aborted",
-        "steps",
-        "generated_tokens",
-        "preemptions",
-        "recomputed_tokens",
-        "recomputed_share",
-        "kv_utilization_peak",
-        "kv_utilization_mean",
-        "waiting_steps_p50",
-        "waiting_steps_p99",
-        "completion_steps_p50",
-        "completion_steps_p99",
-        "rank_agreement",
-        "config",
-    ):
-        assert key in summary
+    assert not SUMMARY_KEYS - set(summary)
     assert summary["kv_utilization_mean"] == pytest.approx(0.25)
     assert summary["completion_steps_p50"] == 3
     assert summary["completion_steps_p99"] == 4

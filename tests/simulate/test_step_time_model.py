@@ -26,9 +26,7 @@ from helix_kv.simulate.timing import (
 )
 from helix_kv.simulate.workload import RequestSpec
 
-needs_scheduler = pytest.mark.skipif(
-    not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler is not built yet"
-)
+from ..helpers.scheduler import needs_scheduler
 
 SMALL = [
     "--cp", "2", "--tokens-per-block", "8", "--requests", "24", "--arrival-rate", "0",

@@ -83,11 +83,15 @@ def _integer(minimum: int, maximum: int) -> Any:
     return parse
 
 
-def _arrival_rate(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _arrival_rate(text: str) -> float:
+    value = _number(text)
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     if 0 < value < MIN_ARRIVAL_RATE:
@@ -96,10 +100,7 @@ def _arrival_rate(text: str) -> float:
 
 
 def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text)
     if not 0.0 <= value <= 1.0:  # also rejects NaN
         raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
     return value
@@ -127,27 +128,33 @@ def _step_time(text: str) -> StepTimeModel:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _integer_flag(
+    group: argparse._ArgumentGroup, flag: str, minimum: int, maximum: int, **kwargs: Any
+) -> None:
+    """Declare an integer flag in ``[minimum, maximum]`` (metavar ``N``), the shape of most
+    flags here; ``kwargs`` (help, default, ...) go to ``add_argument`` unchanged."""
+    group.add_argument(flag, type=_integer(minimum, maximum), metavar="N", **kwargs)
+
+
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare every flag of ``helix-kv simulate`` on ``parser``."""
     group = parser.add_argument_group("CP group and KV budget")
-    group.add_argument(
-        "--cp",
-        type=_integer(1, MAX_CP),
-        metavar="N",
-        default=DEFAULT_CP,
-        help="CP ranks (default: %(default)s)",
+    _integer_flag(
+        group, "--cp", 1, MAX_CP, default=DEFAULT_CP, help="CP ranks (default: %(default)s)"
     )
-    group.add_argument(
+    _integer_flag(
+        group,
         "--tokens-per-block",
-        type=_integer(1, U32_MAX),
-        metavar="N",
+        1,
+        U32_MAX,
         default=DEFAULT_TOKENS_PER_BLOCK,
         help="tokens in one KV page on one rank (default: %(default)s)",
     )
-    group.add_argument(
+    _integer_flag(
+        group,
         "--kv-tokens",
-        type=_integer(1, I64_MAX),
-        metavar="N",
+        1,
+        I64_MAX,
         default=DEFAULT_KV_TOKENS,
         help="ledger capacity in global tokens, rounded down to whole superblocks of "
         "tokens_per_block*cp tokens (default: %(default)s)",
@@ -155,22 +162,25 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("scheduler (unset flags take the scheduler's defaults)")
     defaults = SCHEDULER_DEFAULTS
-    group.add_argument(
+    _integer_flag(
+        group,
         "--max-batch-size",
-        type=_integer(1, I32_MAX),
-        metavar="N",
+        1,
+        I32_MAX,
         help=f"batch slots (default {defaults['max_batch_size']})",
     )
-    group.add_argument(
+    _integer_flag(
+        group,
         "--max-num-tokens",
-        type=_integer(1, U32_MAX),
-        metavar="N",
+        1,
+        U32_MAX,
         help=f"token budget per step (default {defaults['max_num_tokens']})",
     )
-    group.add_argument(
+    _integer_flag(
+        group,
         "--chunk-unit",
-        type=_integer(1, U32_MAX),
-        metavar="N",
+        1,
+        U32_MAX,
         help="a prefill chunk that does not finish its prompt is a multiple of this "
         "(default: tokens_per_block)",
     )
@@ -180,10 +190,11 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="prefill each prompt in one piece",
     )
-    group.add_argument(
+    _integer_flag(
+        group,
         "--max-seq-len",
-        type=_integer(1, I64_MAX),
-        metavar="N",
+        1,
+        I64_MAX,
         help=f"longest request (default {defaults['max_seq_len']})",
     )
     group.add_argument(
@@ -196,10 +207,11 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         choices=SERVING_MODES,
         help=f"serving mode (default {defaults['serving_mode']})",
     )
-    group.add_argument(
+    _integer_flag(
+        group,
         "--host-tier-tokens",
-        type=_integer(0, I64_MAX),
-        metavar="N",
+        0,
+        I64_MAX,
         help="host tier for suspends, in global tokens (non_helix mode only)",
     )
     group.add_argument(
@@ -207,10 +219,11 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         choices=VICTIM_POLICIES,
         help=f"victim policy (default {defaults['victim_policy']})",
     )
-    group.add_argument(
+    _integer_flag(
+        group,
         "--max-preemptions",
-        type=_integer(0, U32_MAX),
-        metavar="N",
+        0,
+        U32_MAX,
         help="a request preempted this often is a victim again only for the oldest live "
         f"request; 0: never (default {defaults['max_preemptions_per_request']})",
     )
@@ -220,10 +233,11 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="let a step that preempted start new requests",
     )
-    group.add_argument(
+    _integer_flag(
+        group,
         "--deadlock-steps",
-        type=_integer(1, U32_MAX),
-        metavar="N",
+        1,
+        U32_MAX,
         help=f"steps without progress before DeadlockError (default {defaults['deadlock_steps']})",
     )
 
@@ -234,18 +248,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help='JSONL trace, one {"id", "arrival_step", "prompt_len", "output_len"} per line',
     )
     workload = DEFAULT_WORKLOAD
-    group.add_argument(
-        "--requests",
-        type=_integer(1, MAX_REQUESTS),
-        metavar="N",
-        help=f"requests (default {workload.num_requests})",
+    _integer_flag(
+        group, "--requests", 1, MAX_REQUESTS, help=f"requests (default {workload.num_requests})"
     )
-    group.add_argument(
-        "--seed",
-        type=_integer(0, U64_MAX),
-        metavar="N",
-        help=f"workload seed (default {workload.seed})",
-    )
+    _integer_flag(group, "--seed", 0, U64_MAX, help=f"workload seed (default {workload.seed})")
     group.add_argument(
         "--arrival-rate",
         type=_arrival_rate,
@@ -253,29 +259,33 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="mean arrivals per step (Poisson); 0 puts every request at step 0 "
         f"(default {workload.arrival_rate})",
     )
-    group.add_argument(
+    _integer_flag(
+        group,
         "--prompt-len",
-        type=_integer(1, MAX_REQUEST_TOKENS),
-        metavar="N",
+        1,
+        MAX_REQUEST_TOKENS,
         help=f"mean prompt length (default {workload.prompt_len_mean})",
     )
-    group.add_argument(
+    _integer_flag(
+        group,
         "--prompt-len-max",
-        type=_integer(1, MAX_REQUEST_TOKENS),
-        metavar="N",
+        1,
+        MAX_REQUEST_TOKENS,
         help=f"longest prompt (default: the larger of {workload.prompt_len_max} and 4 x mean, "
         f"at most {MAX_REQUEST_TOKENS})",
     )
-    group.add_argument(
+    _integer_flag(
+        group,
         "--output-len",
-        type=_integer(1, MAX_REQUEST_TOKENS),
-        metavar="N",
+        1,
+        MAX_REQUEST_TOKENS,
         help=f"mean output length (default {workload.output_len_mean})",
     )
-    group.add_argument(
+    _integer_flag(
+        group,
         "--output-len-max",
-        type=_integer(1, MAX_REQUEST_TOKENS),
-        metavar="N",
+        1,
+        MAX_REQUEST_TOKENS,
         help=f"longest output (default: the larger of {workload.output_len_max} and 4 x mean, "
         f"at most {MAX_REQUEST_TOKENS})",
     )
@@ -284,10 +294,11 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[d.value for d in LengthDistribution],
         help=f"length distribution (default {workload.length_distribution.value})",
     )
-    group.add_argument(
+    _integer_flag(
+        group,
         "--priority-levels",
-        type=_integer(1, I32_MAX),
-        metavar="N",
+        1,
+        I32_MAX,
         help=f"priorities drawn from 0..N-1 (default {workload.priority_levels})",
     )
     group.add_argument(
@@ -335,12 +346,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--no-progress", dest="progress", action="store_false", help="never show progress"
     )
-    group.add_argument(
-        "--max-steps",
-        type=_integer(1, I64_MAX),
-        metavar="N",
-        help="stop after this many scheduler steps",
-    )
+    _integer_flag(group, "--max-steps", 1, I64_MAX, help="stop after this many scheduler steps")
     group.add_argument(
         "--events",
         metavar="FILE",

@@ -26,7 +26,6 @@ from helix_kv.errors import (
     UsageError,
 )
 from helix_kv.simulate.arguments import simulation_options, workload_spec
-from helix_kv.simulate.events import JsonlEventWriter
 from helix_kv.simulate.interrupt import InterruptGuard
 from helix_kv.simulate.options import (
     VICTIM_POLICIES,
@@ -35,10 +34,10 @@ from helix_kv.simulate.options import (
     preflight,
 )
 from helix_kv.simulate.plot import check_plot_target, plot_run
-from helix_kv.simulate.procs import check_procs_available, run_in_processes
-from helix_kv.simulate.progress import ProgressLine, progress_wanted
+from helix_kv.simulate.procs import check_procs_available, run_in_processes, run_with_options
+from helix_kv.simulate.progress import progress_wanted
 from helix_kv.simulate.report import format_comparison, format_table, summarize, to_json
-from helix_kv.simulate.step_loop import SimulationResult, run_simulation
+from helix_kv.simulate.step_loop import SimulationResult
 from helix_kv.simulate.workload import RequestSpec, read_trace, synthetic_workload
 from helix_kv.types import VictimPolicy
 
@@ -84,25 +83,15 @@ def run_once(
             should_stop=should_stop,
             events_path=events_path,
         )
-    progress = ProgressLine(label=label) if show_progress else None
-    events = JsonlEventWriter(events_path, config) if events_path is not None else None
-    try:
-        return run_simulation(
-            SimulatedCPGroup(options.scheduler_config(), ranks=options.verified_ranks()),
-            workload,
-            config=config,
-            progress=progress,
-            max_steps=options.max_steps,
-            should_stop=should_stop,
-            events=events,
-            step_time=options.step_time,
-            cp=options.cp,
-        )
-    finally:
-        if progress is not None:
-            progress.close()
-        if events is not None:
-            events.close()
+    return run_with_options(
+        lambda: SimulatedCPGroup(options.scheduler_config(), ranks=options.verified_ranks()),
+        workload,
+        options,
+        config,
+        progress_label=label if show_progress else None,
+        events_path=events_path,
+        should_stop=should_stop,
+    )
 
 
 def _plot_path(path: str, policy: str | None) -> Path:

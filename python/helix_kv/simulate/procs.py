@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from helix_kv.contract import SchedulerProtocol
 from helix_kv.errors import ProcsUnavailableError, RankFailedError
 from helix_kv.simulate.events import JsonlEventWriter
 from helix_kv.simulate.options import SimulationOptions
@@ -38,6 +39,7 @@ __all__ = [
     "RankFailedError",
     "check_procs_available",
     "run_in_processes",
+    "run_with_options",
 ]
 
 MISSING_TORCH = (
@@ -109,6 +111,42 @@ def _rank_scheduler(options: SimulationOptions, rank: int) -> HelixKVRank:
     return HelixKVRank(engine, config, None, config.kv_superblocks, checker)
 
 
+def run_with_options(
+    build_scheduler: Callable[[], SchedulerProtocol],
+    workload: Sequence[RequestSpec],
+    options: SimulationOptions,
+    config: dict[str, Any],
+    *,
+    progress_label: str | None,
+    events_path: Path | None,
+    should_stop: Callable[[], bool] | None,
+) -> SimulationResult:
+    """The step loop, in this process, over the scheduler ``build_scheduler()`` makes (once the
+    progress line and the events file are open), with the run's options: a progress line
+    labelled ``progress_label`` (none for ``None``) and the events written to ``events_path``
+    (none for ``None``), both closed however the run ends. The in-process run and every
+    ``--procs`` rank go through here."""
+    progress = ProgressLine(label=progress_label) if progress_label is not None else None
+    events = JsonlEventWriter(events_path, config) if events_path is not None else None
+    try:
+        return run_simulation(
+            build_scheduler(),
+            workload,
+            config=config,
+            progress=progress,
+            max_steps=options.max_steps,
+            should_stop=should_stop,
+            events=events,
+            step_time=options.step_time,
+            cp=options.cp,
+        )
+    finally:
+        if progress is not None:
+            progress.close()
+        if events is not None:
+            events.close()
+
+
 def _rank_worker(
     rank: int,
     world_size: int,
@@ -121,27 +159,15 @@ def _rank_worker(
     """One rank process (run by ``spawn_group``): the step loop over this rank; rank 0's
     result goes back to the parent, and rank 0 writes the events (every rank's are the same:
     they are rank-invariant)."""
-    progress = ProgressLine(label=f"rank {rank}") if show_progress and rank == 0 else None
-    events = (
-        JsonlEventWriter(events_path, config) if events_path is not None and rank == 0 else None
+    result = run_with_options(
+        lambda: _rank_scheduler(options, rank),
+        workload,
+        options,
+        config,
+        progress_label=f"rank {rank}" if show_progress and rank == 0 else None,
+        events_path=events_path if rank == 0 else None,
+        should_stop=_AgreedStop(),
     )
-    try:
-        result = run_simulation(
-            _rank_scheduler(options, rank),
-            workload,
-            config=config,
-            progress=progress,
-            max_steps=options.max_steps,
-            should_stop=_AgreedStop(),
-            events=events,
-            step_time=options.step_time,
-            cp=options.cp,
-        )
-    finally:
-        if progress is not None:
-            progress.close()
-        if events is not None:
-            events.close()
     return result if rank == 0 else None
 
 
