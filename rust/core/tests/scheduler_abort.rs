@@ -5,29 +5,11 @@
 
 mod common;
 
+use common::{config, prompt, step};
+
 use helix_kv_core::{
-    CoreError, FinishReason, RequestId, RequestState, ScheduleOutput, Scheduler, SchedulerConfig,
-    ServingMode, VictimPolicy,
+    CoreError, FinishReason, RequestId, RequestState, Scheduler, ServingMode, VictimPolicy,
 };
-
-fn config(cp: u32, tpb: u32, superblocks: u32) -> SchedulerConfig {
-    let mut config = SchedulerConfig::new(superblocks);
-    config.cp_size = cp;
-    config.tokens_per_block = tpb;
-    config
-}
-
-fn prompt(len: usize) -> Vec<i32> {
-    (0..i32::try_from(len).unwrap()).map(|t| t + 100).collect()
-}
-
-/// Runs one step, feeding `token` for every sample; returns the schedule.
-fn step(s: &mut Scheduler, token: i32) -> ScheduleOutput {
-    let out = s.schedule().unwrap().clone();
-    let tokens = vec![token; out.sample_ids.len()];
-    s.update(&tokens, None).unwrap();
-    out
-}
 
 /// Every superblock is either free or held by a live request, and the host tier holds
 /// exactly the suspended requests' superblocks.

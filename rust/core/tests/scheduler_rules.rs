@@ -3,30 +3,10 @@
 
 mod common;
 
-use common::{assert_matches_reference, Group, Model, Rng, RunOptions, Spec};
+use common::{assert_matches_reference, config, prompt, step, Group, Model, Rng, RunOptions, Spec};
 use helix_kv_core::{
-    CapacityPolicy, CoreError, RequestState, ScheduleOutput, Scheduler, SchedulerConfig,
-    ServingMode, VictimPolicy,
+    CapacityPolicy, CoreError, RequestState, ScheduleOutput, Scheduler, ServingMode, VictimPolicy,
 };
-
-fn config(cp: u32, tpb: u32, superblocks: u32) -> SchedulerConfig {
-    let mut config = SchedulerConfig::new(superblocks);
-    config.cp_size = cp;
-    config.tokens_per_block = tpb;
-    config
-}
-
-fn prompt(len: usize) -> Vec<i32> {
-    (0..i32::try_from(len).unwrap()).map(|t| t + 100).collect()
-}
-
-/// Runs one step, feeding `token` for every sample.
-fn step(s: &mut Scheduler, token: i32) -> ScheduleOutput {
-    let out = s.schedule().unwrap().clone();
-    let tokens = vec![token; out.sample_ids.len()];
-    s.update(&tokens, None).unwrap();
-    out
-}
 
 /// Requests 0..=4 all prefilled and decoding in a pool that is then exactly full, so the
 /// next decode of request 0 must preempt one of 1..=4.

@@ -1072,3 +1072,26 @@ pub fn assert_matches_reference(specs: &[Spec], model: Model, result: &RunResult
         );
     }
 }
+
+/// The default configuration with `cp` ranks, `tpb` tokens per block and a pool of
+/// `superblocks` superblocks (rank 0).
+pub fn config(cp: u32, tpb: u32, superblocks: u32) -> SchedulerConfig {
+    let mut config = SchedulerConfig::new(superblocks);
+    config.cp_size = cp;
+    config.tokens_per_block = tpb;
+    config
+}
+
+/// A prompt of `len` distinct tokens (100, 101, ...).
+pub fn prompt(len: usize) -> Vec<i32> {
+    (0..i32::try_from(len).unwrap()).map(|t| t + 100).collect()
+}
+
+/// Runs one step of a single scheduler, feeding `token` for every sample; returns the
+/// schedule.
+pub fn step(s: &mut Scheduler, token: i32) -> ScheduleOutput {
+    let out = s.schedule().unwrap().clone();
+    let tokens = vec![token; out.sample_ids.len()];
+    s.update(&tokens, None).unwrap();
+    out
+}
