@@ -15,14 +15,18 @@ from helix_kv.distributed.launch import spawn_group, stop_requested
 
 
 def _mismatch_worker(rank: int, world_size: int, step: int) -> None:
+    # Every rank is past its process-group set-up before rank 0 leaves (else rank 1 can still
+    # be connecting to it); then one rank fails, so which rank is reported is not a race.
+    dist.barrier()
     if rank == 0:
-        return  # one failing rank: which rank is reported is then not a race
+        return
     raise errors.ScheduleMismatchError(
         f"ranks differ at step {step}", step=step, ranks=[1], fields=["digest"], summaries={}
     )
 
 
 def _crash_worker(rank: int, world_size: int) -> int:
+    dist.barrier()  # as above: nobody leaves while a peer may still be connecting
     if rank == 1:
         raise ValueError("not a helix_kv error")
     return rank
