@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{config, prompt, step};
+use common::{config, observable, prompt, step};
 
 use helix_kv_core::{
     CoreError, FinishReason, RequestId, RequestState, Scheduler, ServingMode, VictimPolicy,
@@ -202,25 +202,12 @@ fn unknown_ids_reject_the_whole_batch_and_change_nothing() {
     s.add_request(1, &prompt(5), 4, 0).unwrap();
     s.add_request(2, &prompt(5), 4, 0).unwrap();
     step(&mut s, 3);
-    let before = (
-        s.state_digest(),
-        s.ledger().state_digest(),
-        s.queue_ids(),
-        s.metrics(),
-    );
+    let before = observable(&s);
     for ids in [&[9][..], &[1, 9], &[2, 1, 7]] {
         let err = s.abort_many(ids).unwrap_err();
         assert_eq!(err, CoreError::UnknownRequest(ids[ids.len() - 1]));
         assert!(err.to_string().contains("unknown request"), "{err}");
-        assert_eq!(
-            (
-                s.state_digest(),
-                s.ledger().state_digest(),
-                s.queue_ids(),
-                s.metrics()
-            ),
-            before
-        );
+        assert_eq!(observable(&s), before);
     }
     assert_eq!(s.abort(9), Err(CoreError::UnknownRequest(9)));
     // A repeated id is a no-op the second time.

@@ -3,7 +3,9 @@
 
 mod common;
 
-use common::{assert_matches_reference, config, prompt, step, Group, Model, Rng, RunOptions, Spec};
+use common::{
+    assert_matches_reference, config, observable, prompt, step, Group, Model, Rng, RunOptions, Spec,
+};
 use helix_kv_core::{
     CapacityPolicy, CoreError, RequestState, ScheduleOutput, Scheduler, ServingMode, VictimPolicy,
 };
@@ -626,26 +628,13 @@ fn assert_unchanged(
     call: impl FnOnce(&mut Scheduler) -> CoreError,
     needle: &str,
 ) {
-    let before = (
-        s.state_digest(),
-        s.ledger().state_digest(),
-        s.queue_ids(),
-        s.metrics(),
-    );
+    let before = observable(s);
     let err = call(s);
     assert!(
         err.to_string().contains(needle),
         "{err} should mention {needle}"
     );
-    assert_eq!(
-        (
-            s.state_digest(),
-            s.ledger().state_digest(),
-            s.queue_ids(),
-            s.metrics()
-        ),
-        before
-    );
+    assert_eq!(observable(s), before);
 }
 
 #[test]

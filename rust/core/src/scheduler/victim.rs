@@ -182,15 +182,19 @@ mod tests {
         }
     }
 
-    #[test]
-    fn matches_a_brute_force_scan_as_candidates_disappear() {
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
+    /// A small deterministic generator (xorshift64) for the randomised tests below.
+    fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+        move || {
             seed ^= seed << 13;
             seed ^= seed >> 7;
             seed ^= seed << 17;
             seed
-        };
+        }
+    }
+
+    #[test]
+    fn matches_a_brute_force_scan_as_candidates_disappear() {
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         for policy in [
             VictimPolicy::NewestFirst,
             VictimPolicy::LeastComputedFirst,
@@ -226,13 +230,7 @@ mod tests {
 
     #[test]
     fn rollback_makes_tentatively_removed_candidates_candidates_again() {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
         for policy in [
             VictimPolicy::NewestFirst,
             VictimPolicy::LeastComputedFirst,

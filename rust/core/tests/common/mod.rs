@@ -1095,3 +1095,14 @@ pub fn step(s: &mut Scheduler, token: i32) -> ScheduleOutput {
     s.update(&tokens, None).unwrap();
     out
 }
+
+/// What a failed call must leave unchanged: the state and ledger digests, the queue and the
+/// metrics.
+pub fn observable(s: &Scheduler) -> (u64, u64, Vec<RequestId>, helix_kv_core::SchedulerMetrics) {
+    (
+        s.state_digest(),
+        s.ledger().state_digest(),
+        s.queue_ids(),
+        s.metrics(),
+    )
+}
