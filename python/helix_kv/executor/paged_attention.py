@@ -1,3 +1,5 @@
+# Triton ships no type information and its kernels are written in its untyped DSL:
+# mypy: disable-error-code="import-untyped,untyped-decorator,no-untyped-def"
 """Triton kernels of the decode fast path: paged partial attention with LSE, and the KV write.
 
 :func:`paged_decode_attention` is one rank's partial attention for decode entries (one query
@@ -88,7 +90,9 @@ def _decode_attention_kernel(
     for start in range(0, length, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_mask = j < length
-        page = tl.load(table_ptr + row * stride_table_row + j // tokens_per_block, mask=j_mask, other=0)
+        page = tl.load(
+            table_ptr + row * stride_table_row + j // tokens_per_block, mask=j_mask, other=0
+        )
         slot = page.to(tl.int64) * tokens_per_block + (j % tokens_per_block)
         kv_mask = j_mask[:, None] & d_mask[None, :]
         k = tl.load(
@@ -147,7 +151,8 @@ def _write_kv_kernel(
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     slot = tl.load(slots_ptr + row * stride_slots).to(tl.int64)
-    mask = (h[:, None] < kv_heads) & (d[None, :] < head_dim) & (slot >= 0)
+    owned = (tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot) >= 0  # a block-shaped mask
+    mask = (h[:, None] < kv_heads) & (d[None, :] < head_dim) & owned
     key = tl.load(
         key_ptr + row * stride_key_row + h[:, None] * stride_key_head + d[None, :],
         mask=mask,
