@@ -280,3 +280,32 @@ def test_fast_path_greedy_tokens_equal_reference_path(cp):
     assert roomy_ref.fast_path_steps == 0
     assert roomy_fast.fast_path_steps == roomy_fast.decode_steps > 0
     assert tight_fast.fast_path_steps > 0
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+def test_graphed_decode_steps_allocate_nothing():
+    model, pool, decode = prefilled()
+    metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
+    step = DecodeStep(model, pool, lambda part: part, metadata, cuda_graphs=True)
+    assert step.graphed
+    columns = (
+        decode.token_ids,
+        decode.positions(),
+        decode.slot_mapping,
+        decode.local_lens,
+        decode.past_seen_lens,
+        decode.block_table,
+    )
+
+    def one_step() -> np.ndarray:
+        rows = metadata.fill(*columns)
+        step.run(metadata.upload(rows))
+        return step.read_tokens(rows)
+
+    first = one_step()
+    torch.cuda.synchronize()
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]  # cumulative count
+    for _ in range(5):
+        assert np.array_equal(one_step(), first)  # the same step again: the same tokens
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations

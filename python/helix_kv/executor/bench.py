@@ -42,6 +42,8 @@ class BenchSpec:
     device: str = "cuda"
     model: TinyConfig = BENCH_MODEL
     seed: int = 0
+    decode_kernel: bool = False  # Triton paged decode kernel + persistent-buffer fast path
+    cuda_graphs: bool = False  # replay decode-only steps from CUDA graphs (implies the kernel)
 
 
 def synthetic_prompts(count: int, length: int, vocab_size: int, seed: int) -> dict[int, list[int]]:
@@ -68,6 +70,8 @@ def executor_config(spec: BenchSpec, time_table_build: bool) -> ExecutorConfig:
         dtype=spec.dtype,
         device=spec.device,
         time_table_build=time_table_build,
+        decode_kernel=spec.decode_kernel,
+        cuda_graphs=spec.cuda_graphs,
     )
 
 
@@ -100,6 +104,7 @@ def figures(timed: RunResult, untimed: RunResult) -> dict[str, float]:
         "table_build_us_p90": float(np.percentile(build, 90)),
         "schedule_us_median": float(np.median(untimed.schedule_us)),
         "steps": float(len(untimed.digests)),
+        "fast_path_steps": float(untimed.fast_path_steps),
         "preemptions": float(untimed.preemptions),
         "capacity_superblocks": float(untimed.capacity_superblocks),
     }
@@ -114,7 +119,9 @@ def format_figures(spec: BenchSpec, numbers: dict[str, float]) -> str:
     )
     head = (
         f"helix_kv executor: cp={spec.cp} {spec.dtype} on {device}, {spec.requests} requests "
-        f"x {spec.prompt_len} prompt + {spec.new_tokens} new, tpb={spec.tokens_per_block}"
+        f"x {spec.prompt_len} prompt + {spec.new_tokens} new, tpb={spec.tokens_per_block}, "
+        f"decode kernel {'on' if spec.decode_kernel or spec.cuda_graphs else 'off'}, "
+        f"CUDA graphs {'on' if spec.cuda_graphs else 'off'}"
     )
     lines = [head] + [f"  {name}: {value:,.1f}" for name, value in numbers.items()]
     return "\n".join(lines)
