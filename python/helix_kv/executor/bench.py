@@ -102,6 +102,7 @@ def figures(timed: RunResult, untimed: RunResult) -> dict[str, float]:
         "tokens_per_s_overall": untimed.tokens_run / untimed.total_s,
         "table_build_us_median": float(np.median(build)),
         "table_build_us_p90": float(np.percentile(build, 90)),
+        "metadata_host_us_median": float(np.median(timed.metadata_host_us or [0.0])),
         "schedule_us_median": float(np.median(untimed.schedule_us)),
         "steps": float(len(untimed.digests)),
         "fast_path_steps": float(untimed.fast_path_steps),

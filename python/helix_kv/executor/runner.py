@@ -94,6 +94,9 @@ class RunResult:
     """What one rank saw: outputs, scheduler metrics, per-step trace and timings.
 
     ``fast_path_steps``: decode-only steps run on the decode fast path (``decode_kernel``).
+    ``table_build_us`` (with ``time_table_build``): per step, from ``schedule()`` returning
+    to the step's device tables being ready (a device sync); ``metadata_host_us``: on the
+    fast path, the host part of it (fill the pinned rows, enqueue the one H2D copy).
     """
 
     rank: int
@@ -113,6 +116,7 @@ class RunResult:
     fast_path_steps: int = 0
     schedule_us: list[float] = field(default_factory=list)
     table_build_us: list[float] = field(default_factory=list)
+    metadata_host_us: list[float] = field(default_factory=list)
 
     @property
     def preemptions(self) -> int:
@@ -271,6 +275,7 @@ def _run_decode_step(
         return None
     bucket = step.metadata.upload(rows)
     if config.time_table_build:
+        result.metadata_host_us.append((time.perf_counter() - build_start) * 1e6)
         _synchronize(step.metadata.device)
         result.table_build_us.append((time.perf_counter() - build_start) * 1e6)
     step.run(bucket)
