@@ -191,6 +191,12 @@ class DecodeMetadata:
             self._copied.record()
         return bucket
 
+    def wait_uploaded(self) -> None:
+        """Block until the last :meth:`upload` has landed on the device (for timing; a step
+        never needs it: the copy and the step are ordered on one stream)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
     def rows(self, bucket: int) -> DecodeRows:
         """Device views of rows ``[0, bucket)``, column by column."""
         buf = self.device_buffer[:bucket]

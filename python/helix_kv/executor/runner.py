@@ -95,7 +95,8 @@ class RunResult:
 
     ``fast_path_steps``: decode-only steps run on the decode fast path (``decode_kernel``).
     ``table_build_us`` (with ``time_table_build``): per step, from ``schedule()`` returning
-    to the step's device tables being ready (a device sync); ``metadata_host_us``: on the
+    to the step's device tables being ready (a device sync; on the fast path, waiting for its
+    one copy); ``metadata_host_us``: on the
     fast path, the host part of it (fill the pinned rows, enqueue the one H2D copy).
     """
 
@@ -276,7 +277,7 @@ def _run_decode_step(
     bucket = step.metadata.upload(rows)
     if config.time_table_build:
         result.metadata_host_us.append((time.perf_counter() - build_start) * 1e6)
-        _synchronize(step.metadata.device)
+        step.metadata.wait_uploaded()
         result.table_build_us.append((time.perf_counter() - build_start) * 1e6)
     step.run(bucket)
     if config.record_logits:
