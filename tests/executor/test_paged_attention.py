@@ -25,6 +25,7 @@ from helix_kv.executor.placement import RankPlacement
 from helix_kv.executor.runner import ExecutorConfig, run_group, run_rank
 from helix_kv.executor.step_plan import StepPlan
 
+pytest.importorskip("triton", reason="the paged kernels need triton")
 if torch.cuda.is_available():
     DEVICE = torch.device("cuda")
     DTYPES = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
