@@ -56,6 +56,11 @@ def main() -> None:
     parser.add_argument(
         "--cuda-graphs", action="store_true", help="replay decode-only steps from CUDA graphs"
     )
+    parser.add_argument(
+        "--single-run",
+        action="store_true",
+        help="one run (tables timed with a sync per step) instead of a timed and an untimed one",
+    )
     args = parser.parse_args()
     spec = BenchSpec(
         cp=args.cp,
@@ -72,7 +77,7 @@ def main() -> None:
         decode_kernel=args.decode_kernel,
         cuda_graphs=args.cuda_graphs,
     )
-    print(format_figures(spec, measure(spec)))
+    print(format_figures(spec, measure(spec, single_run=args.single_run)))
 
 
 if __name__ == "__main__":

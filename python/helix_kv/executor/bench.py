@@ -75,21 +75,22 @@ def executor_config(spec: BenchSpec, time_table_build: bool) -> ExecutorConfig:
     )
 
 
-def measure(spec: BenchSpec, timeout_s: float = 300.0) -> dict[str, float]:
+def measure(
+    spec: BenchSpec, timeout_s: float = 300.0, single_run: bool = False
+) -> dict[str, float]:
     """Run the workload twice on one group: once timing the table build (a device sync per
-    step), once untimed for throughput. Returns rank 0's figures."""
+    step), once untimed for throughput (``single_run``: only the timed run, which gives both).
+    Returns rank 0's figures."""
     prompts = synthetic_prompts(spec.requests, spec.prompt_len, spec.model.vocab_size, spec.seed)
-    jobs = [
-        (prompts, spec.new_tokens, executor_config(spec, time_table_build=True)),
-        (prompts, spec.new_tokens, executor_config(spec, time_table_build=False)),
-    ]
+    jobs = [(prompts, spec.new_tokens, executor_config(spec, time_table_build=True))]
+    if not single_run:
+        jobs.append((prompts, spec.new_tokens, executor_config(spec, time_table_build=False)))
     if spec.cp == 1:
-        timed, untimed = (run_rank(*job) for job in jobs)
+        results = [run_rank(*job) for job in jobs]
     else:
         backend = "nccl" if spec.device == "cuda" else "gloo"
-        per_job = run_group(jobs, spec.cp, backend=backend, timeout_s=timeout_s)
-        timed, untimed = per_job[0][0], per_job[1][0]
-    return figures(timed, untimed)
+        results = [ranks[0] for ranks in run_group(jobs, spec.cp, backend, timeout_s)]
+    return figures(results[0], results[-1])
 
 
 def figures(timed: RunResult, untimed: RunResult) -> dict[str, float]:
