@@ -310,3 +310,14 @@ def test_graphed_decode_steps_allocate_nothing():
         assert np.array_equal(one_step(), first)  # the same step again: the same tokens
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
+
+
+@needs_scheduler
+def test_steps_wider_than_the_layout_take_the_general_path():
+    """A request that outgrows ``max_pages_per_request`` sends its steps to the general path."""
+    reference = run_rank(e2e_prompts(), 8, executor_config(1, 1024))
+    narrow = run_rank(
+        e2e_prompts(), 8, executor_config(1, 1024, decode_kernel=True, max_pages_per_request=9)
+    )
+    assert narrow.outputs == reference.outputs
+    assert 0 < narrow.fast_path_steps < narrow.decode_steps
