@@ -3,12 +3,17 @@
     python benches/gpu_executor.py                      # cp = 2 over NCCL, bf16, 2 GPUs
     python benches/gpu_executor.py --cp 1 --dtype float32
     python benches/gpu_executor.py --kv-tokens 20000     # a tight pool: preemptions
+    python benches/gpu_executor.py --decode-kernel       # Triton paged decode, eager
+    python benches/gpu_executor.py --cuda-graphs         # ... and CUDA-graph decode steps
+    python benches/gpu_executor.py --cuda-graphs --requests 256 --prompt-len 4096 \
+        --max-batch-size 256
     python benches/gpu_executor.py --device cpu --cp 2 --requests 8 --prompt-len 64 \
         --new-tokens 16 --small                         # CPU/gloo smoke run
 
 Prints decode tokens/s (steps that only decode), the median / p90 µs per step to build the
 step's device tables (plan from the scheduler's arrays, pinned staging, async copy, device
-expansion; measured with a device sync), and the preemptions the run needed.
+expansion; measured with a device sync; on the decode fast path: filling the pinned metadata
+rows, one H2D copy, sync), and the preemptions the run needed.
 """
 
 from __future__ import annotations
@@ -43,6 +48,19 @@ def main() -> None:
     )
     parser.add_argument("--device", default=defaults.device, choices=["cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="use the tiny test model")
+    parser.add_argument(
+        "--decode-kernel",
+        action="store_true",
+        help="Triton paged decode attention; decode-only steps on the persistent-buffer path",
+    )
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="replay decode-only steps from CUDA graphs"
+    )
+    parser.add_argument(
+        "--single-run",
+        action="store_true",
+        help="one run (tables timed with a sync per step) instead of a timed and an untimed one",
+    )
     args = parser.parse_args()
     spec = BenchSpec(
         cp=args.cp,
@@ -56,8 +74,10 @@ def main() -> None:
         dtype=args.dtype,
         device=args.device,
         model=TinyConfig() if args.small else defaults.model,
+        decode_kernel=args.decode_kernel,
+        cuda_graphs=args.cuda_graphs,
     )
-    print(format_figures(spec, measure(spec)))
+    print(format_figures(spec, measure(spec, single_run=args.single_run)))
 
 
 if __name__ == "__main__":

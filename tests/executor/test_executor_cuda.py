@@ -59,7 +59,9 @@ def prompts() -> dict[int, list[int]]:
     }
 
 
-def config(cp: int, dtype: str, kv_tokens: int, device: str = "cuda") -> ExecutorConfig:
+def config(
+    cp: int, dtype: str, kv_tokens: int, device: str = "cuda", **options: object
+) -> ExecutorConfig:
     return ExecutorConfig(
         cp=cp,
         tokens_per_block=TPB,
@@ -70,6 +72,7 @@ def config(cp: int, dtype: str, kv_tokens: int, device: str = "cuda") -> Executo
         dtype=dtype,
         device=device,
         record_logits=True,
+        **options,  # type: ignore[arg-type]
     )
 
 
@@ -117,6 +120,42 @@ def test_two_gpu_nccl_matches_single_gpu_with_and_without_preemption(
     check(single_gpu[dtype], roomy, TOLERANCE[dtype], f"2 GPUs {dtype} vs 1 GPU")
     check(single_gpu[dtype], tight, TOLERANCE[dtype], f"2 GPUs {dtype} tight vs 1 GPU")
     check(cpu_float64, tight, TOLERANCE[dtype], f"2 GPUs {dtype} tight vs CPU float64")
+
+
+@pytest.fixture(scope="module")
+def single_gpu_fast() -> dict[str, dict[str, RunResult]]:
+    """{dtype: {"kernel": eager fast path, "graphs": CUDA-graph fast path}}, tight pool."""
+    return {
+        dtype: {
+            "kernel": run_rank(prompts(), MAX_NEW, config(1, dtype, TIGHT, decode_kernel=True)),
+            "graphs": run_rank(prompts(), MAX_NEW, config(1, dtype, TIGHT, cuda_graphs=True)),
+        }
+        for dtype in DTYPES
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_single_gpu_fast_path_matches_cpu_float64(cpu_float64, single_gpu_fast, dtype):
+    runs = single_gpu_fast[dtype]
+    for name, run in runs.items():
+        assert run.preemptions >= 1
+        assert run.fast_path_steps > 0
+        check(cpu_float64, run, TOLERANCE[dtype], f"1 GPU {dtype} {name} (tight) vs CPU float64")
+    # same kernels on the same padded shapes: graphs change nothing, bit for bit
+    assert runs["graphs"].outputs == runs["kernel"].outputs
+    for request_id, rows in runs["kernel"].logits.items():
+        assert np.array_equal(runs["graphs"].logits[request_id], rows)
+
+
+@two_gpus
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_gpu_fast_path_matches_single_gpu(single_gpu, single_gpu_fast, dtype):
+    jobs = [(prompts(), MAX_NEW, config(2, dtype, kv, cuda_graphs=True)) for kv in (ROOMY, TIGHT)]
+    (roomy, *_), (tight, *_) = run_group(jobs, cp=2, backend="nccl", timeout_s=300)
+    assert roomy.fast_path_steps > 0
+    assert tight.preemptions >= 1
+    check(single_gpu[dtype], roomy, TOLERANCE[dtype], f"2 GPUs {dtype} graphs vs 1 GPU")
+    check(single_gpu[dtype], tight, TOLERANCE[dtype], f"2 GPUs {dtype} graphs tight vs 1 GPU")
 
 
 @two_gpus

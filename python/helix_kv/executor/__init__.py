@@ -16,8 +16,10 @@ from helix_kv.executor.attention import (
     partial_attention,
     reference_attention,
 )
+from helix_kv.executor.decode_step import DecodeLayout, DecodeMetadata, DecodeStep
 from helix_kv.executor.kv_pool import AttentionGroup, KVPool, StepBatch
-from helix_kv.executor.model import TinyConfig, TinyTransformer, group_combine
+from helix_kv.executor.model import DecodeRows, TinyConfig, TinyTransformer, group_combine
+from helix_kv.executor.paged_attention import paged_decode_attention, write_paged_kv
 from helix_kv.executor.placement import RankPlacement
 from helix_kv.executor.step_plan import StepPlan
 
@@ -25,6 +27,10 @@ __all__ = [
     "PAD_KEY_POSITION",
     "PAD_QUERY_POSITION",
     "AttentionGroup",
+    "DecodeLayout",
+    "DecodeMetadata",
+    "DecodeRows",
+    "DecodeStep",
     "KVPool",
     "PartialAttention",
     "RankPlacement",
@@ -36,6 +42,8 @@ __all__ = [
     "combine_partial_list",
     "combine_partials",
     "group_combine",
+    "paged_decode_attention",
     "partial_attention",
     "reference_attention",
+    "write_paged_kv",
 ]

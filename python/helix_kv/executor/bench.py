@@ -42,6 +42,8 @@ class BenchSpec:
     device: str = "cuda"
     model: TinyConfig = BENCH_MODEL
     seed: int = 0
+    decode_kernel: bool = False  # Triton paged decode kernel + persistent-buffer fast path
+    cuda_graphs: bool = False  # replay decode-only steps from CUDA graphs (implies the kernel)
 
 
 def synthetic_prompts(count: int, length: int, vocab_size: int, seed: int) -> dict[int, list[int]]:
@@ -68,24 +70,27 @@ def executor_config(spec: BenchSpec, time_table_build: bool) -> ExecutorConfig:
         dtype=spec.dtype,
         device=spec.device,
         time_table_build=time_table_build,
+        decode_kernel=spec.decode_kernel,
+        cuda_graphs=spec.cuda_graphs,
     )
 
 
-def measure(spec: BenchSpec, timeout_s: float = 300.0) -> dict[str, float]:
+def measure(
+    spec: BenchSpec, timeout_s: float = 300.0, single_run: bool = False
+) -> dict[str, float]:
     """Run the workload twice on one group: once timing the table build (a device sync per
-    step), once untimed for throughput. Returns rank 0's figures."""
+    step), once untimed for throughput (``single_run``: only the timed run, which gives both).
+    Returns rank 0's figures."""
     prompts = synthetic_prompts(spec.requests, spec.prompt_len, spec.model.vocab_size, spec.seed)
-    jobs = [
-        (prompts, spec.new_tokens, executor_config(spec, time_table_build=True)),
-        (prompts, spec.new_tokens, executor_config(spec, time_table_build=False)),
-    ]
+    jobs = [(prompts, spec.new_tokens, executor_config(spec, time_table_build=True))]
+    if not single_run:
+        jobs.append((prompts, spec.new_tokens, executor_config(spec, time_table_build=False)))
     if spec.cp == 1:
-        timed, untimed = (run_rank(*job) for job in jobs)
+        results = [run_rank(*job) for job in jobs]
     else:
         backend = "nccl" if spec.device == "cuda" else "gloo"
-        per_job = run_group(jobs, spec.cp, backend=backend, timeout_s=timeout_s)
-        timed, untimed = per_job[0][0], per_job[1][0]
-    return figures(timed, untimed)
+        results = [ranks[0] for ranks in run_group(jobs, spec.cp, backend, timeout_s)]
+    return figures(results[0], results[-1])
 
 
 def figures(timed: RunResult, untimed: RunResult) -> dict[str, float]:
@@ -98,8 +103,10 @@ def figures(timed: RunResult, untimed: RunResult) -> dict[str, float]:
         "tokens_per_s_overall": untimed.tokens_run / untimed.total_s,
         "table_build_us_median": float(np.median(build)),
         "table_build_us_p90": float(np.percentile(build, 90)),
+        "metadata_host_us_median": float(np.median(timed.metadata_host_us or [0.0])),
         "schedule_us_median": float(np.median(untimed.schedule_us)),
         "steps": float(len(untimed.digests)),
+        "fast_path_steps": float(untimed.fast_path_steps),
         "preemptions": float(untimed.preemptions),
         "capacity_superblocks": float(untimed.capacity_superblocks),
     }
@@ -114,7 +121,9 @@ def format_figures(spec: BenchSpec, numbers: dict[str, float]) -> str:
     )
     head = (
         f"helix_kv executor: cp={spec.cp} {spec.dtype} on {device}, {spec.requests} requests "
-        f"x {spec.prompt_len} prompt + {spec.new_tokens} new, tpb={spec.tokens_per_block}"
+        f"x {spec.prompt_len} prompt + {spec.new_tokens} new, tpb={spec.tokens_per_block}, "
+        f"decode kernel {'on' if spec.decode_kernel or spec.cuda_graphs else 'off'}, "
+        f"CUDA graphs {'on' if spec.cuda_graphs else 'off'}"
     )
     lines = [head] + [f"  {name}: {value:,.1f}" for name, value in numbers.items()]
     return "\n".join(lines)

@@ -10,7 +10,7 @@ layer, see :func:`~helix_kv.executor.attention.all_gather_combine`).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,10 +21,26 @@ from helix_kv.executor.attention import (
     partial_attention,
 )
 from helix_kv.executor.kv_pool import KVPool, StepBatch
+from helix_kv.executor.paged_attention import paged_decode_attention, write_paged_kv
 from helix_kv.executor.placement import RankPlacement
 
 #: Turns this rank's partial attention into the CP group's combined attention.
 Combine = Callable[[PartialAttention], PartialAttention]
+
+
+class DecodeRows(NamedTuple):
+    """Device inputs of a decode-only step, one row per request (views of persistent buffers).
+
+    ``token_ids``, ``positions``, ``slots`` (``-1``: another rank owns the token, or a padding
+    row), ``local_lens`` (``0`` for a padding row): ``[rows]``; ``block_table``:
+    ``[rows, max_pages]``. Any int dtype and row stride.
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    local_lens: torch.Tensor
+    block_table: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -67,8 +83,13 @@ class TinyTransformer:
         config: TinyConfig,
         dtype: torch.dtype = torch.float64,
         device: torch.device | str = "cpu",
+        decode_kernel: bool = False,
     ) -> None:
         self.config = config
+        #: :meth:`forward` attends decode entries with the Triton paged kernel
+        #: (:func:`~helix_kv.executor.paged_attention.paged_decode_attention`) instead of the
+        #: reference gather + dense masked attention; context chunks always take the reference.
+        self.decode_kernel = decode_kernel
         self.dtype = dtype
         self.device = torch.device(device)
         generator = torch.Generator().manual_seed(config.seed)
@@ -150,9 +171,58 @@ class TinyTransformer:
             hidden = hidden + (gate * (mlp_in @ weights["w_up"])) @ weights["w_down"]
         return _rms_norm(hidden, self.final_norm, self.config.rms_eps)
 
+    @torch.no_grad()
+    def forward_decode(
+        self, rows: DecodeRows, pool: KVPool, combine: Combine | None = None
+    ) -> torch.Tensor:
+        """One decode token per row, through the Triton paged kernels; hidden states ``[rows, H]``.
+
+        The fast path of a decode-only step: no host work, no sync and no shape that depends on
+        the data, so it can be captured in a CUDA graph (padding rows carry slot ``-1`` and
+        local length ``0``: they write nothing and attend to nothing). Numerically the same
+        step as :meth:`forward` with ``decode_kernel=True``.
+        """
+        combine = combine or all_gather_combine
+        c = self.config
+        tpb = pool.placement.tokens_per_block
+        hidden = self.embedding[rows.token_ids]
+        cos, sin = self._rope_tables(rows.positions)
+        for layer, weights in enumerate(self.layers):
+            attn_in = _rms_norm(hidden, weights["attn_norm"], c.rms_eps)
+            query, key, value = self._qkv(weights, attn_in, cos, sin)
+            key_cache, value_cache = pool.key_cache[layer], pool.value_cache[layer]
+            write_paged_kv(key, value, rows.slots, key_cache, value_cache)
+            part = paged_decode_attention(
+                query, key_cache, value_cache, rows.block_table, rows.local_lens, tpb
+            )
+            combined = combine(part)
+            hidden = (
+                hidden
+                + combined.output.to(hidden.dtype).reshape(hidden.shape[0], -1) @ weights["wo"]
+            )
+            mlp_in = _rms_norm(hidden, weights["mlp_norm"], c.rms_eps)
+            gate = torch.nn.functional.silu(mlp_in @ weights["w_gate"])
+            hidden = hidden + (gate * (mlp_in @ weights["w_up"])) @ weights["w_down"]
+        return _rms_norm(hidden, self.final_norm, c.rms_eps)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits of the given hidden rows."""
         return hidden @ self.lm_head
+
+    def _qkv(
+        self,
+        weights: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query ``[tokens, heads, dim]``, key / value ``[tokens, kv_heads, dim]``; RoPE applied."""
+        c = self.config
+        tokens = x.shape[0]
+        qkv = (x @ weights["wqkv"]).view(tokens, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        rotated = _apply_rope(qkv[:, : c.num_heads + c.num_kv_heads], cos, sin)
+        query, key = rotated[:, : c.num_heads], rotated[:, c.num_heads :]
+        return query, key, qkv[:, c.num_heads + c.num_kv_heads :]
 
     def _attention(
         self,
@@ -167,13 +237,23 @@ class TinyTransformer:
     ) -> torch.Tensor:
         c = self.config
         tokens = x.shape[0]
-        qkv = (x @ weights["wqkv"]).view(tokens, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
-        rotated = _apply_rope(qkv[:, : c.num_heads + c.num_kv_heads], cos, sin)
-        query, key = rotated[:, : c.num_heads], rotated[:, c.num_heads :]
-        value = qkv[:, c.num_heads + c.num_kv_heads :]
+        query, key, value = self._qkv(weights, x, cos, sin)
         pool.write(layer, batch, key, value)
         outputs, lses = [], []
-        for group in batch.groups:
+        for index, group in enumerate(batch.groups):
+            if self.decode_kernel and index == 0 and batch.plan.num_generation:
+                # the decode group (entries [0, num_generation), one query each): paged kernel
+                part = paged_decode_attention(
+                    query[group.query_index[:, 0]],
+                    pool.key_cache[layer],
+                    pool.value_cache[layer],
+                    group.pages,
+                    batch.local_lens,
+                    pool.placement.tokens_per_block,
+                )
+                outputs.append(part.output)
+                lses.append(part.lse)
+                continue
             keys, values = pool.gather(layer, group)
             part = partial_attention(
                 query[group.query_index],
@@ -215,4 +295,4 @@ def group_combine(group: dist.ProcessGroup | None) -> Combine:
     return lambda partial: all_gather_combine(partial, group)
 
 
-__all__ = ["Combine", "TinyConfig", "TinyTransformer", "group_combine"]
+__all__ = ["Combine", "DecodeRows", "TinyConfig", "TinyTransformer", "group_combine"]

@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from helix_kv.distributed import EngineConfig, HelixKVRank
 from helix_kv.distributed.launch import spawn_group
+from helix_kv.errors import HelixKVError
+from helix_kv.executor.decode_step import DecodeLayout, DecodeMetadata, DecodeStep
 from helix_kv.executor.kv_pool import KVPool
 from helix_kv.executor.model import TinyConfig, TinyTransformer, group_combine
 from helix_kv.executor.placement import RankPlacement
@@ -49,6 +51,13 @@ class ExecutorConfig:
     ``max_preemptions_per_request``).
     ``check_schedule``: compare every step's schedule across the ranks (``None``: read
     ``HELIX_KV_CHECK_SCHEDULE``).
+    ``decode_kernel``: attend decode entries with the Triton paged kernel, and run decode-only
+    steps on the fast path (:mod:`helix_kv.executor.decode_step`: persistent buffers, one H2D
+    copy). ``cuda_graphs`` (implies ``decode_kernel``, CUDA only): replay those steps from
+    CUDA graphs captured for ``graph_batch_sizes`` (default: powers of two up to
+    ``max_batch_size``). ``max_pages_per_request``: block-table columns of the fast path
+    (default: enough for the longest prompt plus its new tokens); a step with a wider request
+    takes the general path.
     """
 
     cp: int = 1
@@ -62,6 +71,10 @@ class ExecutorConfig:
     device: str = "cpu"
     record_logits: bool = False
     check_schedule: bool | None = None
+    decode_kernel: bool = False
+    cuda_graphs: bool = False
+    graph_batch_sizes: tuple[int, ...] | None = None
+    max_pages_per_request: int | None = None
     time_table_build: bool = False
     max_steps: int = 100_000
     scheduler_options: Mapping[str, Any] = field(default_factory=dict)
@@ -78,7 +91,14 @@ Job = tuple[Prompts, Union[int, Mapping[int, int]], ExecutorConfig]
 
 @dataclass
 class RunResult:
-    """What one rank saw: outputs, scheduler metrics, per-step trace and timings."""
+    """What one rank saw: outputs, scheduler metrics, per-step trace and timings.
+
+    ``fast_path_steps``: decode-only steps run on the decode fast path (``decode_kernel``).
+    ``table_build_us`` (with ``time_table_build``): per step, from ``schedule()`` returning
+    to the step's device tables being ready (a device sync; on the fast path, waiting for its
+    one copy); ``metadata_host_us``: on the
+    fast path, the host part of it (fill the pinned rows, enqueue the one H2D copy).
+    """
 
     rank: int
     outputs: dict[int, list[int]]
@@ -94,8 +114,10 @@ class RunResult:
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_s: float = 0.0
+    fast_path_steps: int = 0
     schedule_us: list[float] = field(default_factory=list)
     table_build_us: list[float] = field(default_factory=list)
+    metadata_host_us: list[float] = field(default_factory=list)
 
     @property
     def preemptions(self) -> int:
@@ -127,7 +149,8 @@ def run_rank(
     device = _device(config.device)
     dtype = getattr(torch, config.dtype)
     kv_dtype = getattr(torch, config.kv_dtype) if config.kv_dtype else dtype
-    model = TinyTransformer(config.model, dtype=dtype, device=device)
+    fast_path = config.decode_kernel or config.cuda_graphs
+    model = TinyTransformer(config.model, dtype=dtype, device=device, decode_kernel=fast_path)
     engine = EngineConfig(
         num_layers=config.model.num_layers,
         num_kv_heads=config.model.num_kv_heads,
@@ -162,6 +185,16 @@ def run_rank(
         helix.add_request(int(request_id), np.asarray(prompt, dtype=np.int32), budget)
 
     combine = group_combine(group)
+    decode_step = None
+    if fast_path:
+        budgets = [max_new_tokens] if isinstance(max_new_tokens, int) else max_new_tokens.values()
+        longest = max((len(p) for p in prompts.values()), default=1) + max(budgets, default=1)
+        max_pages = config.max_pages_per_request or -(-longest // placement.tokens_per_superblock)
+        metadata = DecodeMetadata(
+            DecodeLayout(config.max_batch_size, max_pages), device, config.graph_batch_sizes
+        )
+        # collective when graphed: every rank captures the same buckets in the same order
+        decode_step = DecodeStep(model, pool, combine, metadata, config.cuda_graphs)
     result = RunResult(rank, {}, {}, {}, [], [], helix.capacity_superblocks)
     logits_rows: dict[int, list[np.ndarray]] = {}
     decoding: set[int] = set()  # requests that decoded since their last (re-)admission
@@ -173,6 +206,24 @@ def run_rank(
         out = helix.schedule()
         build_start = time.perf_counter()
         result.schedule_us.append((build_start - step_start) * 1e6)
+        if decode_step is not None:
+            tokens_run = _run_decode_step(
+                decode_step, helix, out, config, result, logits_rows, build_start, group
+            )
+            if tokens_run is not None:
+                finished, num_rows = tokens_run
+                result.fast_path_steps += 1
+                _account_step(
+                    result,
+                    out,
+                    num_rows,
+                    num_rows,
+                    num_rows,
+                    time.perf_counter() - step_start,
+                    decoding,
+                )
+                _take_finished(helix, result, finished)
+                continue
         plan = StepPlan.from_schedule(helix.scheduler, out, placement)
         batch = pool.prepare(plan)
         if config.time_table_build:
@@ -189,15 +240,61 @@ def run_rank(
             # ranks compute identical logits; broadcasting makes identical tokens a guarantee
             dist.broadcast(tokens, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         finished = helix.update(tokens.cpu().numpy().astype(np.int32))
-        _account_step(result, out, plan, time.perf_counter() - step_start, decoding)
-        for request_id in np.asarray(finished, dtype=np.int64).tolist():
-            output = helix.take_output(request_id)
-            result.request_metrics[request_id] = dict(output.metrics.to_dict())
-            result.outputs[request_id] = output.token_ids.tolist()
+        _account_step(
+            result,
+            out,
+            plan.num_tokens,
+            plan.num_generation,
+            plan.num_entries,
+            time.perf_counter() - step_start,
+            decoding,
+        )
+        _take_finished(helix, result, finished)
     result.total_s = time.perf_counter() - started
     result.metrics = dict(helix.metrics().to_dict())
     result.logits = {rid: np.stack(rows) for rid, rows in logits_rows.items()}
     return result
+
+
+def _run_decode_step(
+    step: DecodeStep,
+    helix: HelixKVRank,
+    out: Any,
+    config: ExecutorConfig,
+    result: RunResult,
+    logits_rows: dict[int, list[np.ndarray]],
+    build_start: float,
+    group: dist.ProcessGroup | None,
+) -> tuple[Any, int] | None:
+    """A decode-only step on the fast path: ``(finished ids, rows)``, or ``None`` (nothing
+    run) when the step has context chunks or a request wider than the layout."""
+    if len(out.context_ids) or not len(out.generation_ids):
+        return None
+    try:
+        rows = step.metadata.fill_from_schedule(helix.scheduler, out)
+    except (ValueError, HelixKVError):
+        return None
+    bucket = step.metadata.upload(rows)
+    if config.time_table_build:
+        result.metadata_host_us.append((time.perf_counter() - build_start) * 1e6)
+        step.metadata.wait_uploaded()
+        result.table_build_us.append((time.perf_counter() - build_start) * 1e6)
+    step.run(bucket)
+    if config.record_logits:
+        _record_logits(logits_rows, np.asarray(out.sample_ids, dtype=np.int64), step.logits[:rows])
+    if config.cp > 1:
+        # ranks compute identical logits; broadcasting makes identical tokens a guarantee
+        src = dist.get_global_rank(group, 0) if group else 0
+        dist.broadcast(step.tokens[:rows], src=src, group=group)
+    finished = helix.update(step.read_tokens(rows).astype(np.int32))
+    return finished, rows
+
+
+def _take_finished(helix: HelixKVRank, result: RunResult, finished: Any) -> None:
+    for request_id in np.asarray(finished, dtype=np.int64).tolist():
+        output = helix.take_output(request_id)
+        result.request_metrics[request_id] = dict(output.metrics.to_dict())
+        result.outputs[request_id] = output.token_ids.tolist()
 
 
 def run_group(
@@ -263,7 +360,13 @@ def _record_logits(
 
 
 def _account_step(
-    result: RunResult, out: Any, plan: StepPlan, seconds: float, decoding: set[int]
+    result: RunResult,
+    out: Any,
+    num_tokens: int,
+    num_generation: int,
+    num_entries: int,
+    seconds: float,
+    decoding: set[int],
 ) -> None:
     result.digests.append(int(out.digest))
     preempted = np.asarray(out.preempted_ids, dtype=np.int64).tolist()
@@ -271,8 +374,8 @@ def _account_step(
     result.preempted_while_decoding += len(decoding.intersection(preempted))
     decoding.difference_update(preempted)
     decoding.update(np.asarray(out.generation_ids, dtype=np.int64).tolist())
-    result.tokens_run += plan.num_tokens
-    if plan.num_generation and plan.num_generation == plan.num_entries:
+    result.tokens_run += num_tokens
+    if num_generation and num_generation == num_entries:
         result.decode_steps += 1
-        result.decode_tokens += plan.num_generation
+        result.decode_tokens += num_generation
         result.decode_s += seconds

@@ -1,0 +1,142 @@
+# Triton ships no type information and its kernels are written in its untyped DSL:
+# mypy: disable-error-code="import-untyped,untyped-decorator,no-untyped-def"
+"""The Triton kernels of :mod:`helix_kv.executor.paged_attention` (imported on first use, so
+that importing the executor never needs triton)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decode_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    lens_ptr,
+    out_ptr,
+    lse_ptr,
+    scale,
+    tokens_per_block,
+    group,
+    head_dim,
+    stride_q_row,
+    stride_q_head,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    stride_table_row,
+    stride_lens,
+    stride_out_row,
+    stride_out_head,
+    stride_lse_row,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC_FP64: tl.constexpr,
+):
+    """One program: one request (axis 0) x one kv head (axis 1), all its query heads.
+
+    Online softmax over the request's local keys in blocks of ``BLOCK_N`` (any block size:
+    each key's page is looked up on its own, so a block may span pages).
+    """
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    acc_type = tl.float64 if ACC_FP64 else tl.float32
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < group
+    d_mask = d < head_dim
+    heads = kv_head * group + g
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + d[None, :],
+        mask=q_mask,
+        other=0.0,
+    ).to(acc_type)
+    q = q * scale
+    length = tl.load(lens_ptr + row * stride_lens).to(tl.int32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=acc_type)
+    l_i = tl.zeros([BLOCK_G], dtype=acc_type)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=acc_type)
+    for start in range(0, length, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        j_mask = j < length
+        page = tl.load(
+            table_ptr + row * stride_table_row + j // tokens_per_block, mask=j_mask, other=0
+        )
+        slot = page.to(tl.int64) * tokens_per_block + (j % tokens_per_block)
+        kv_mask = j_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_cache_ptr + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(acc_type)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, N]
+        scores = tl.where(j_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: the block has a visible key
+        alpha = tl.exp(m_i - m_new)  # exp(-inf) = 0 on the first block
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_cache_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(acc_type)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    seen = l_i > 0
+    safe_l = tl.where(seen, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    lse = tl.where(seen, m_i + tl.log(safe_l), float("-inf"))
+    tl.store(
+        out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + d[None, :],
+        out,
+        mask=q_mask,
+    )
+    tl.store(lse_ptr + row * stride_lse_row + heads, lse, mask=g_mask)
+
+
+@triton.jit
+def write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    slots_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_heads,
+    head_dim,
+    stride_key_row,
+    stride_key_head,
+    stride_value_row,
+    stride_value_head,
+    stride_slots,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per token: store its KV at its slot, or nothing where the slot is < 0."""
+    row = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    slot = tl.load(slots_ptr + row * stride_slots).to(tl.int64)
+    owned = (tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot) >= 0  # a block-shaped mask
+    mask = (h[:, None] < kv_heads) & (d[None, :] < head_dim) & owned
+    key = tl.load(
+        key_ptr + row * stride_key_row + h[:, None] * stride_key_head + d[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    value = tl.load(
+        value_ptr + row * stride_value_row + h[:, None] * stride_value_head + d[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    k_dst = k_cache_ptr + slot * stride_k_slot + h[:, None] * stride_k_head + d[None, :]
+    v_dst = v_cache_ptr + slot * stride_v_slot + h[:, None] * stride_v_head + d[None, :]
+    tl.store(k_dst, key.to(k_dst.dtype.element_ty), mask=mask)
+    tl.store(v_dst, value.to(v_dst.dtype.element_ty), mask=mask)

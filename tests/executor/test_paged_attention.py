@@ -1,0 +1,323 @@
+"""The Triton decode fast path against the readable reference (CPU: Triton's interpreter).
+
+Without a GPU these run the kernels in Triton's CPU interpreter (``conftest.py`` sets
+``TRITON_INTERPRET=1``), in float64 and float32; on a GPU machine they run the compiled kernels
+on CUDA tensors (float32, and bf16 against float64 at a looser tolerance).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import helix_kv
+from helix_kv.executor.attention import PAD_KEY_POSITION, partial_attention
+from helix_kv.executor.decode_step import (
+    DecodeLayout,
+    DecodeMetadata,
+    DecodeStep,
+    default_buckets,
+)
+from helix_kv.executor.model import TinyConfig, TinyTransformer
+from helix_kv.executor.paged_attention import interpreted, paged_decode_attention, write_paged_kv
+from helix_kv.executor.placement import RankPlacement
+from helix_kv.executor.runner import ExecutorConfig, run_group, run_rank
+from helix_kv.executor.step_plan import StepPlan
+
+pytest.importorskip("triton", reason="the paged kernels need triton")
+if torch.cuda.is_available():
+    DEVICE = torch.device("cuda")
+    DTYPES = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+elif interpreted():
+    DEVICE = torch.device("cpu")
+    DTYPES = {torch.float64: 1e-12, torch.float32: 1e-5}
+else:  # a CPU-only process that imported triton before conftest could switch the interpreter on
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+needs_scheduler = pytest.mark.skipif(
+    not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler binding not built yet"
+)
+
+
+def paged_problem(
+    seed: int,
+    local_lens: list[int],
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    tpb: int,
+    dtype: torch.dtype,
+) -> dict:
+    """Random caches, a scattered block table (padding -1 past each request's pages)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(1, max(-(-n // tpb) for n in local_lens))
+    pages = width * len(local_lens) + 3
+    table = torch.randperm(pages, generator=gen)[: width * len(local_lens)].view(-1, width)
+    for row, n in enumerate(local_lens):
+        table[row, -(-n // tpb) :] = -1
+    shape = (pages * tpb, kv_heads, head_dim)
+    return {
+        "query": torch.randn(len(local_lens), kv_heads * group, head_dim, generator=gen),
+        "key_cache": torch.randn(shape, generator=gen, dtype=torch.float64),
+        "value_cache": torch.randn(shape, generator=gen, dtype=torch.float64),
+        "block_table": table,
+        "local_lens": torch.tensor(local_lens),
+        "tpb": tpb,
+        "dtype": dtype,
+    }
+
+
+def reference_partial(p: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The readable path in float64: gather whole pages, dense masked attention."""
+    table, lens, tpb = p["block_table"], p["local_lens"], p["tpb"]
+    slots = (table.clamp(min=0)[:, :, None] * tpb + torch.arange(tpb)).view(len(lens), -1)
+    local = torch.arange(slots.shape[1]).expand(len(lens), -1)
+    key_positions = torch.where(local < lens[:, None], local, PAD_KEY_POSITION)
+    query_positions = torch.full((len(lens), 1), 1 << 40)
+    cast = p["dtype"]  # the inputs the kernel sees, rounded to its dtype
+    part = partial_attention(
+        p["query"].to(cast).double()[:, None],
+        p["key_cache"].to(cast).double()[slots],
+        p["value_cache"].to(cast).double()[slots],
+        query_positions,
+        key_positions,
+    )
+    return part.output[:, 0], part.lse[:, 0]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(
+    ("local_lens", "kv_heads", "group", "head_dim", "tpb"),
+    [
+        ([1, 7, 33, 12], 2, 2, 16, 4),  # several pages, partial pages
+        ([0, 5, 0, 64], 1, 3, 24, 8),  # empty shards; group and head_dim not powers of two
+        ([70, 31, 32, 33], 4, 1, 8, 32),  # blocks of keys spanning page boundaries
+        ([3], 2, 4, 16, 3),  # odd tokens per block
+    ],
+)
+def test_kernel_matches_reference(dtype, local_lens, kv_heads, group, head_dim, tpb):
+    p = paged_problem(1, local_lens, kv_heads, group, head_dim, tpb, dtype)
+    expected_out, expected_lse = reference_partial(p)
+    part = paged_decode_attention(
+        p["query"].to(DEVICE, dtype),
+        p["key_cache"].to(DEVICE, dtype),
+        p["value_cache"].to(DEVICE, dtype),
+        p["block_table"].to(DEVICE, torch.int32),
+        p["local_lens"].to(DEVICE),
+        tpb,
+    )
+    atol = DTYPES[dtype]
+    empty = torch.tensor(local_lens) == 0
+    assert torch.equal(
+        part.lse.cpu()[empty].isneginf(), torch.ones_like(part.lse.cpu()[empty], dtype=torch.bool)
+    )
+    assert not part.output.cpu()[empty].any()
+    torch.testing.assert_close(part.output.cpu().double(), expected_out, atol=atol, rtol=0)
+    torch.testing.assert_close(part.lse.cpu().double(), expected_lse, atol=atol, rtol=0)
+
+
+def test_kernel_reads_strided_metadata_columns():
+    """The fast path hands the kernel columns of one packed int32 buffer (row stride > 1)."""
+    dtype = next(iter(DTYPES))
+    p = paged_problem(2, [9, 4, 17], 2, 2, 16, 4, dtype)
+    packed = torch.zeros(3, 1 + p["block_table"].shape[1], dtype=torch.int32)
+    packed[:, 0] = p["local_lens"]
+    packed[:, 1:] = p["block_table"]
+    packed = packed.to(DEVICE)
+    args = [p["query"].to(DEVICE, dtype)] + [
+        p[k].to(DEVICE, dtype) for k in ("key_cache", "value_cache")
+    ]
+    strided = paged_decode_attention(*args, packed[:, 1:], packed[:, 0], 4)
+    dense = paged_decode_attention(
+        *args, p["block_table"].to(DEVICE), p["local_lens"].to(DEVICE), 4
+    )
+    assert torch.equal(strided.output, dense.output)
+    assert torch.equal(strided.lse, dense.lse)
+
+
+def test_write_stores_owned_tokens_only():
+    dtype = next(iter(DTYPES))
+    gen = torch.Generator().manual_seed(3)
+    key = torch.randn(5, 2, 8, generator=gen).to(DEVICE, dtype)
+    value = torch.randn(5, 2, 8, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([3, -1, 0, 7, -1], device=DEVICE, dtype=torch.int32)
+    key_cache = torch.zeros(8, 2, 8, device=DEVICE, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    write_paged_kv(key, value, slots, key_cache, value_cache)
+    expected_k, expected_v = torch.zeros_like(key_cache), torch.zeros_like(value_cache)
+    owned = slots >= 0
+    expected_k[slots[owned].long()] = key[owned]
+    expected_v[slots[owned].long()] = value[owned]
+    assert torch.equal(key_cache, expected_k)
+    assert torch.equal(value_cache, expected_v)
+
+
+def test_default_buckets():
+    assert default_buckets(1) == (1,)
+    assert default_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert default_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+
+
+def test_metadata_pads_rows_up_to_the_bucket():
+    metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=3), DEVICE)
+    rows = metadata.fill(
+        [5, 6, 7], [10, 11, 12], [1, -1, 9], [3, 4, 5], [2, 4, 4], [[0, 1], [2, -1], [4, 5]]
+    )
+    assert rows == 3
+    assert metadata.upload(rows) == 4
+    on_device = metadata.device_buffer[:4].cpu().numpy()
+    assert on_device[:3, :5].tolist() == [[5, 10, 1, 3, 2], [6, 11, -1, 4, 4], [7, 12, 9, 5, 4]]
+    assert on_device[3, :5].tolist() == list(metadata.layout.padding_row)
+    assert on_device[:3, 5:7].tolist() == [[0, 1], [2, -1], [4, 5]]
+    with pytest.raises(ValueError, match="do not fit"):
+        metadata.fill([0] * 9, [0] * 9, [0] * 9, [0] * 9, [0] * 9, np.zeros((9, 1)))
+    with pytest.raises(ValueError, match="do not fit"):
+        metadata.fill([0], [0], [0], [0], [0], np.zeros((1, 4)))
+
+
+MODEL = TinyConfig(num_layers=2, seed=7)
+TPB = 4
+
+
+def model_dtype() -> torch.dtype:
+    return torch.float64 if DEVICE.type == "cpu" else torch.float32
+
+
+def prefilled(cp_rank: int = 0, cp: int = 1) -> tuple[TinyTransformer, object, StepPlan]:
+    """A model and a pool holding three prompts, plus the plan of their next decode token."""
+    model = TinyTransformer(MODEL, dtype=model_dtype(), device=DEVICE)
+    placement = RankPlacement(cp, TPB, cp_rank)
+    pool = model.new_kv_pool(placement, capacity_superblocks=16)
+    rng = np.random.default_rng(0)
+    lengths = [9, 4, 14]
+    table = np.array([[0, 1, 2, 3], [4, 5, -1, -1], [6, 7, 8, 9]])
+    prompts = [rng.integers(0, MODEL.vocab_size, size=n) for n in lengths]
+    prefill = StepPlan.from_arrays(placement, [0, 1, 2], [0, 0, 0], prompts, table)
+    model.forward(pool.prepare(prefill), pool)
+    decode = StepPlan.from_arrays(
+        placement, [0, 1, 2], lengths, [[1], [2], [3]], table, num_generation=3
+    )
+    return model, pool, decode
+
+
+def test_model_decode_kernel_matches_reference_forward():
+    model, pool, decode = prefilled()
+    reference = model.logits(model.forward(pool.prepare(decode), pool))
+    model.decode_kernel = True
+    kernel = model.logits(model.forward(pool.prepare(decode), pool))
+    torch.testing.assert_close(kernel, reference, atol=DTYPES[model_dtype()] * 10, rtol=0)
+
+
+def test_decode_step_with_padding_rows_matches_reference_forward():
+    model, pool, decode = prefilled()
+    reference = model.logits(model.forward(pool.prepare(decode), pool))
+    model2, pool2, _ = prefilled()
+    metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
+    rows = metadata.fill(
+        decode.token_ids,
+        decode.positions(),
+        decode.slot_mapping,
+        decode.local_lens,
+        decode.past_seen_lens,
+        decode.block_table,
+    )
+    step = DecodeStep(model2, pool2, lambda part: part, metadata)
+    bucket = metadata.upload(rows)
+    assert bucket == 4  # one padding row, which must write no KV
+    step.run(bucket)
+    torch.testing.assert_close(
+        step.logits[:rows], reference, atol=DTYPES[model_dtype()] * 10, rtol=0
+    )
+    assert torch.equal(step.tokens[:rows], reference.argmax(-1))
+    # same KV where the reference wrote (layer 1 to rounding), none where it did not
+    for fast, ref in ((pool2.key_cache, pool.key_cache), (pool2.value_cache, pool.value_cache)):
+        torch.testing.assert_close(fast, ref, atol=DTYPES[model_dtype()] * 10, rtol=0)
+        assert torch.equal(fast == 0, ref == 0)
+
+
+def executor_config(cp: int, kv_tokens: int, **options: object) -> ExecutorConfig:
+    return ExecutorConfig(
+        cp=cp,
+        tokens_per_block=TPB,
+        kv_superblocks=kv_tokens // (TPB * cp),
+        max_batch_size=8,
+        max_num_tokens=24,
+        model=MODEL,
+        device=DEVICE.type,
+        dtype="float64" if DEVICE.type == "cpu" else "float32",
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def e2e_prompts() -> dict[int, list[int]]:
+    rng = np.random.default_rng(2024)
+    return {
+        100 + i: rng.integers(0, MODEL.vocab_size, size=n).tolist()
+        for i, n in enumerate([27, 9, 30, 5])
+    }
+
+
+@needs_scheduler
+@pytest.mark.parametrize("cp", [1, 2])
+def test_fast_path_greedy_tokens_equal_reference_path(cp):
+    """Roomy and tight (recompute-pausing) pools: every decode-only step on the fast path,
+    the other steps on the general path with the kernel for their decode entries."""
+    if cp > 1 and DEVICE.type == "cuda" and torch.cuda.device_count() < cp:
+        pytest.skip("needs 2 GPUs")
+    jobs = []
+    for kv_tokens in (1024, 48):
+        for fast in (False, True):
+            jobs.append((e2e_prompts(), 8, executor_config(cp, kv_tokens, decode_kernel=fast)))
+    if cp == 1:
+        results = [run_rank(*job) for job in jobs]
+    else:
+        backend = "nccl" if DEVICE.type == "cuda" else "gloo"
+        results = [ranks[0] for ranks in run_group(jobs, cp, backend=backend, timeout_s=240)]
+    roomy_ref, roomy_fast, tight_ref, tight_fast = results
+    assert roomy_fast.outputs == roomy_ref.outputs
+    assert tight_fast.outputs == tight_ref.outputs
+    assert tight_fast.preemptions >= 1
+    assert roomy_ref.fast_path_steps == 0
+    assert roomy_fast.fast_path_steps == roomy_fast.decode_steps > 0
+    assert tight_fast.fast_path_steps > 0
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+def test_graphed_decode_steps_allocate_nothing():
+    model, pool, decode = prefilled()
+    metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
+    step = DecodeStep(model, pool, lambda part: part, metadata, cuda_graphs=True)
+    assert step.graphed
+    columns = (
+        decode.token_ids,
+        decode.positions(),
+        decode.slot_mapping,
+        decode.local_lens,
+        decode.past_seen_lens,
+        decode.block_table,
+    )
+
+    def one_step() -> np.ndarray:
+        rows = metadata.fill(*columns)
+        step.run(metadata.upload(rows))
+        return step.read_tokens(rows)
+
+    first = one_step()
+    torch.cuda.synchronize()
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]  # cumulative count
+    for _ in range(5):
+        assert np.array_equal(one_step(), first)  # the same step again: the same tokens
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
+
+
+@needs_scheduler
+def test_steps_wider_than_the_layout_take_the_general_path():
+    """A request that outgrows ``max_pages_per_request`` sends its steps to the general path."""
+    reference = run_rank(e2e_prompts(), 8, executor_config(1, 1024))
+    narrow = run_rank(
+        e2e_prompts(), 8, executor_config(1, 1024, decode_kernel=True, max_pages_per_request=9)
+    )
+    assert narrow.outputs == reference.outputs
+    assert 0 < narrow.fast_path_steps < narrow.decode_steps
