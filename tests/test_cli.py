@@ -260,8 +260,10 @@ def test_bad_scheduler_config_is_a_usage_error(capsys: pytest.CaptureFixture[str
     )
     line = usage_error(capsys, *SMALL, "--max-num-tokens", "8", "--chunk-unit", "16")
     assert "--max-num-tokens 8 is below --chunk-unit 16" in line
-    line = usage_error(capsys, *SMALL, "--host-tier-tokens", "64")
-    assert "--host-tier-tokens (4 superblocks) is rejected under aggregated Helix" in line
+    line = usage_error(
+        capsys, *SMALL, "--mode", "disaggregated_generation", "--host-tier-tokens", "64"
+    )
+    assert "--host-tier-tokens (4 superblocks) is rejected for a disaggregated generation" in line
     assert "set --host-tier-tokens 0" in line
 
 
