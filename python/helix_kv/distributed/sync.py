@@ -118,8 +118,16 @@ class GroupSync:
         flag = int(check)
         fp = 0 if identity is None else identity.fingerprint
         values = self._all_reduce_min(
-            [offered, host_offered, -int(failure is not None), flag, -flag, fp, ~fp]
-            + [-int(misplaced)],
+            [
+                offered,
+                host_offered,
+                -int(failure is not None),
+                flag,
+                -flag,
+                fp,
+                ~fp,
+                -int(misplaced),
+            ],
             failure,
         )
         (
