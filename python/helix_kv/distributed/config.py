@@ -192,7 +192,8 @@ def check_config_guards(config: EngineConfig, cp_size: int) -> None:
 
     Under aggregated Helix the superblock ledger must look the same on every rank, so foreign
     host/disk tiers, KV connectors and KV-pool rebalance are rejected; helix_kv's own host tier
-    (a mirrored host ledger) is accepted when ``aggregated_host_tier`` is on. Any CP group (``cp_size > 1``) rejects rebalance. Every violated guard is
+    (a mirrored host ledger) is accepted when ``aggregated_host_tier`` is on. Any CP group
+    (``cp_size > 1``) rejects rebalance. Every violated guard is
     listed in one :class:`~helix_kv.ConfigGuardError`, each with why and what to do instead.
     Non-Helix and disaggregated configurations keep the tiers and connectors.
     """
