@@ -355,10 +355,20 @@ def scenario_guards(rank: int, world: int, backend: str) -> dict[str, Any]:
         **disagg, host_cache_bytes=1 << 20, disk_cache_bytes=1 << 30, kv_connector="nixl"
     )
     out["allow/disagg_tiers_connector"] = attempt(lambda: HelixKVRank.create(allowed, budget))
+    # helix_kv's own host tier under aggregated Helix: each rank's host bytes become host
+    # pages and the group takes the smallest.
+    own = engine_config(aggregated_host_tier=True, host_cache_bytes=8 * (rank + 1) * PAGE_BYTES)
+    out["allow/aggregated_host_tier"] = attempt(lambda: HelixKVRank.create(own, budget))
+    built = out["allow/aggregated_host_tier"].get("built")
+    out["aggregated_host_tier_superblocks"] = built and built.host_tier_superblocks
     with LogCapture() as logs:
         out["allow/aggregated_default"] = attempt(
             lambda: HelixKVRank.create(engine_config(), budget)
         )
+        auto = attempt(lambda: HelixKVRank.create(engine_config(aggregated_host_tier=True), budget))
+    out["aggregated_auto_host_tier_superblocks"] = auto.get("built") and (
+        auto["built"].host_tier_superblocks
+    )
     out["auto_host_tier_logs"] = logs.messages
     for value in out.values():
         if isinstance(value, dict) and value.pop("built", None) is not None:

@@ -215,7 +215,7 @@ def test_a_retry_after_a_failed_init_does_not_hold_two_pools(group: GroupRun) ->
 @pytest.mark.parametrize("guard", sorted(sc.GUARDS))
 def test_guard_rejects_on_every_rank(group: GroupRun, guard: str) -> None:
     needle = {
-        "host_tier": "a host KV tier is rejected under aggregated Helix",
+        "host_tier": "an engine host KV tier is rejected under aggregated Helix",
         "disk_tier": "a disk KV tier is rejected under aggregated Helix",
         "kv_connector": "KV connectors are rejected under aggregated Helix",
         "kv_pool_rebalance": "KV-pool rebalance is rejected under aggregated Helix",
@@ -244,6 +244,17 @@ def test_allowed_configurations_construct(group: GroupRun) -> None:
         assert report["allow/disagg_tiers_connector"]["ok"], report["allow/disagg_tiers_connector"]
         assert report["allow/aggregated_default"]["ok"]
         assert any("automatic host KV tier skipped" in m for m in report["auto_host_tier_logs"])
+
+
+def test_aggregated_host_tier_takes_the_smallest_ranks_host_pages(group: GroupRun) -> None:
+    for report in group.scenario("scenario_guards"):
+        got = report["allow/aggregated_host_tier"]
+        assert got["ok"], got
+        # rank r offers 8 * (r + 1) host pages; the group takes rank 0's 8
+        assert report["aggregated_host_tier_superblocks"] == 8
+        automatic = report["aggregated_auto_host_tier_superblocks"]
+        assert automatic == 64  # as large as the GPU budget (64 pages on every rank)
+        assert any("automatic host KV tier of" in m for m in report["auto_host_tier_logs"])
 
 
 def test_divergent_sampled_token_is_caught_at_the_next_step(group: GroupRun) -> None:

@@ -155,15 +155,20 @@ def group_fields(config: EngineConfig, scheduler_config: Any) -> tuple[tuple[str
     every :class:`EngineConfig` field that is not handed to the scheduler: the KV geometry
     (``num_layers``, ``num_kv_heads``, ``head_dim``, ``dtype_bytes``, ``kv_factor``: the shape
     of each rank's KV pool) and the tier, connector and rebalance options.
-    ``host_tier_superblocks`` is left out too: the quota sync agrees on it as the minimum
-    of the ranks' host budgets.
+    ``host_tier_superblocks`` is left out too, and so is ``host_cache_bytes`` when it sizes
+    helix_kv's own host tier (aggregated Helix with ``aggregated_host_tier``): like the KV
+    budget, each rank's host budget may differ, and the quota sync agrees on the minimum of
+    the host pages they hold. A disaggregated server's host tier is the engine's and must
+    match.
     """
+    own_host_tier = config.serving_mode == "aggregated_helix" and config.aggregated_host_tier
+    per_rank = ("host_cache_bytes",) if own_host_tier else ()
     agreed_by_quota = ("capacity_superblocks", "host_tier_superblocks")
     fields = [pair for pair in scheduler_config.decision_fields() if pair[0] not in agreed_by_quota]
     fields += [
         (field.name, getattr(config, field.name))
         for field in dataclasses.fields(config)
-        if field.name not in SCHEDULER_FIELDS
+        if field.name not in SCHEDULER_FIELDS and field.name not in per_rank
     ]
     return tuple(fields)
 
