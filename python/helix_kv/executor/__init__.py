@@ -16,6 +16,7 @@ from helix_kv.executor.attention import (
     partial_attention,
     reference_attention,
 )
+from helix_kv.executor.host_pool import HostKVPool
 from helix_kv.executor.kv_pool import AttentionGroup, KVPool, StepBatch
 from helix_kv.executor.model import TinyConfig, TinyTransformer, group_combine
 from helix_kv.executor.placement import RankPlacement
@@ -25,6 +26,7 @@ __all__ = [
     "PAD_KEY_POSITION",
     "PAD_QUERY_POSITION",
     "AttentionGroup",
+    "HostKVPool",
     "KVPool",
     "PartialAttention",
     "RankPlacement",
