@@ -39,6 +39,7 @@ SCENARIOS = [
     sc.scenario_long_run,
     sc.scenario_check_cost,
     sc.scenario_abort,
+    sc.scenario_host_tier,
     sc.scenario_diverge_abort,
 ]
 
@@ -316,6 +317,24 @@ def test_aborts_in_every_state_keep_ranks_identical_and_survivors_unchanged(
     for rid in aborted:  # what an aborted request generated is the start of its full output
         got = report["outputs"][rid]
         assert got == expected_output(rid, len(got)).tolist()
+
+
+def test_aggregated_host_tier_suspends_identically_on_every_rank(group: GroupRun) -> None:
+    reports = group.scenario("scenario_host_tier")
+    for report in reports[1:]:
+        assert report == reports[0]  # outputs, states, metrics, agreed host tier: every rank
+    report = reports[0]
+    assert report["host_tier_superblocks"] == 24  # the smallest rank's host pages
+    assert report["suspensions"] > 0
+    assert report["resumes"] > 0
+    assert (report["kv_used"], report["host_used"], report["live"]) == (0, 0, 0)
+    aborted = {rid for rid, reason in report["reasons"].items() if reason == "aborted"}
+    assert aborted, report["states"]
+    assert set(report["states"]) <= {"suspended", "suspended while pending"}
+    for rid, got in report["outputs"].items():  # finished ones whole, aborted ones a prefix
+        assert got == expected_output(rid, len(got)).tolist()
+        if rid not in aborted:
+            assert len(got) == 12 + (rid * 7) % 25
 
 
 def test_an_abort_on_one_rank_only_is_caught_at_the_next_step(group: GroupRun) -> None:
