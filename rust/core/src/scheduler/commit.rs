@@ -138,7 +138,7 @@ impl Scheduler {
             self.batch_slots.release(slot);
         }
         // Only a suspended (or just resumed) request holds host-tier superblocks.
-        self.host.release(req);
+        self.release_host_pages(req);
         let request = &mut self.requests[req as usize];
         let metrics = RequestMetrics {
             preemptions: request.preemptions,

@@ -100,17 +100,23 @@ impl HostTier {
 
 impl Scheduler {
     /// Gives back the host pages of the requests the updated step resumed (their KV was
-    /// copied in while the step ran) and counts them as copied in.
+    /// copied in while the step ran).
     pub(super) fn release_resumed_host_pages(&mut self) {
-        for &entry in &self.journal {
-            if let JournalEntry::Resume(req) = entry {
-                // A request retired by this update already gave its pages back.
-                if self.requests[req as usize].state != RequestState::Suspended {
-                    self.metrics.resumed_superblocks += self.host.pages(req).len() as u64;
-                    self.host.release(req);
-                }
+        for i in 0..self.journal.len() {
+            if let JournalEntry::Resume(req) = self.journal[i] {
+                self.release_host_pages(req);
             }
         }
+    }
+
+    /// Gives back the host pages `req` holds (none: nothing happens). A request that is not
+    /// `Suspended` and still holds some was resumed by the step being updated: its pages were
+    /// copied in, and count as such (also when the update retires it).
+    pub(super) fn release_host_pages(&mut self, req: RequestIndex) {
+        if self.requests[req as usize].state != RequestState::Suspended {
+            self.metrics.resumed_superblocks += self.host.pages(req).len() as u64;
+        }
+        self.host.release(req);
     }
 }
 

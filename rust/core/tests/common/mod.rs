@@ -1031,6 +1031,19 @@ impl Group {
         self.result.preemptions = metrics[0].preemptions;
         self.result.suspensions = metrics[0].suspensions;
         self.result.resumes = metrics[0].resumes;
+        // Every page copied out came back in, but those of requests aborted while suspended.
+        assert!(metrics[0].resumed_superblocks <= metrics[0].suspended_superblocks);
+        if self
+            .result
+            .abort_states
+            .iter()
+            .all(|s| !s.starts_with("suspended"))
+        {
+            assert_eq!(
+                metrics[0].resumed_superblocks, metrics[0].suspended_superblocks,
+                "host pages copied out and in"
+            );
+        }
         self.result.recomputed_tokens = metrics[0].recomputed_tokens;
         self.result.sat_out = metrics[0].sat_out;
         assert_eq!(metrics[0].aborts, self.result.aborted.len() as u64);
