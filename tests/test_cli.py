@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import helix_kv
 from helix_kv.cli import main
 
 from .helpers.scheduler import needs_scheduler
@@ -260,8 +261,10 @@ def test_bad_scheduler_config_is_a_usage_error(capsys: pytest.CaptureFixture[str
     )
     line = usage_error(capsys, *SMALL, "--max-num-tokens", "8", "--chunk-unit", "16")
     assert "--max-num-tokens 8 is below --chunk-unit 16" in line
-    line = usage_error(capsys, *SMALL, "--host-tier-tokens", "64")
-    assert "--host-tier-tokens (4 superblocks) is rejected under aggregated Helix" in line
+    line = usage_error(
+        capsys, *SMALL, "--mode", "disaggregated_generation", "--host-tier-tokens", "64"
+    )
+    assert "--host-tier-tokens (4 superblocks) is rejected for a disaggregated generation" in line
     assert "set --host-tier-tokens 0" in line
 
 
@@ -368,3 +371,35 @@ def test_missing_optional_dependency_is_a_clear_usage_error(
     line = usage_error(capsys, *TIGHT, *flag)
     assert message in line
     assert "pip install" in line
+
+
+@needs_scheduler
+def test_aggregated_host_tier_reports_suspends_copies_and_recompute_avoided(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    report = run_json(capsys, *TIGHT, "--host-tier-tokens", "4096")
+    assert report["config"]["scheduler"]["serving_mode"] == "aggregated_helix"
+    assert report["suspensions"] > 0
+    assert report["resumes"] == report["suspensions"]
+    assert report["host_pages_out_per_rank"] == report["host_pages_in_per_rank"] > 0
+    tokens_per_superblock = (
+        report["config"]["cp"] * report["config"]["scheduler"]["tokens_per_block"]
+    )
+    assert (
+        report["host_tokens_moved"] == 2 * report["host_pages_out_per_rank"] * tokens_per_superblock
+    )
+    # the same workload without the host tier ran too: what the suspends saved
+    assert report["recompute_only_recomputed_tokens"] > report["recomputed_tokens"]
+    assert report["recomputed_tokens_avoided"] == (
+        report["recompute_only_recomputed_tokens"] - report["recomputed_tokens"]
+    )
+    assert report["outputs_exact"]
+    assert report["rank_agreement"]
+    compared = run_json(capsys, *TIGHT, "--host-tier-tokens", "4096", "--compare-policies")
+    names = [*helix_kv.SchedulerConfig.VICTIM_POLICIES, *helix_kv.SchedulerConfig.SUSPEND_POLICIES]
+    assert list(compared["policies"]) == [*names, "no_host_tier"]
+    assert compared["policies"]["no_host_tier"]["suspensions"] == 0
+    for policy in helix_kv.SchedulerConfig.SUSPEND_POLICIES:
+        summary = compared["policies"][policy]
+        assert summary["config"]["scheduler"]["suspend_policy"] == policy
+        assert summary["recomputed_tokens_avoided"] >= 0

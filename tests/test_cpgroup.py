@@ -101,6 +101,40 @@ def test_a_host_tier_group_suspends_resumes_and_aborts_suspended_requests() -> N
     assert {"suspended", "suspended while pending"} <= result.abort_states
 
 
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("policy", helix_kv.SchedulerConfig.SUSPEND_POLICIES)
+def test_aggregated_helix_with_a_host_tier_suspends_and_resumes_by_host_page(
+    cp: int, policy: str
+) -> None:
+    # Decode pressure, then chunked-prefill pressure; aborts of suspended requests and
+    # reverted steps mixed in. The harness copies each rank's share of every page through
+    # its own host pool by the schedules' host page ids.
+    decode = [Spec(i, 10, 30) for i in range(8)]
+    decode[6] = aborting(decode[6], "suspended", True)
+    chunked = [Spec(i, 30 + 9 * i, 12, 0, i // 2) for i in range(6)]
+    for specs, extra in ((decode, {}), (chunked, {"max_num_tokens": 32, "chunk_unit": 8})):
+        cfg = config(
+            cp, 4, kv_tokens=160, host_tier_superblocks=48 // cp, suspend_policy=policy, **extra
+        )
+        result = run_with_aborts(cfg, specs, revert_every=5)
+        metrics = result.metrics
+        assert metrics.suspensions + metrics.preemptions > 0, (cp, policy)
+        if specs is decode or policy != "recompute_first":  # it suspends decoding victims only
+            assert metrics.suspensions > 0, (cp, policy)
+            assert metrics.suspended_superblocks > 0, (cp, policy)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_a_full_aggregated_host_tier_falls_back_to_recompute(cp: int) -> None:
+    specs = [Spec(i, 10, 30) for i in range(10)]
+    cfg = config(cp, 4, kv_tokens=160, host_tier_superblocks=12 // cp)
+    result = Executor(cfg).run(specs, revert_every=6)
+    assert_matches_reference_with_aborts(specs, result)
+    assert result.metrics.suspensions > 0
+    assert result.metrics.preemptions > 0
+    assert result.resumed > 0
+
+
 def test_schedule_returns_one_output_per_rank_with_rank_fields() -> None:
     group = helix_kv.SimulatedCPGroup(config(4, 2, kv_tokens=64))
     group.add_request(1, np.arange(5, dtype=np.int32), 3)

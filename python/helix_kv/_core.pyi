@@ -14,6 +14,7 @@ from helix_kv.types import (
     IntArray,
     RequestState,
     ServingMode,
+    SuspendPolicy,
     TokenArray,
     VictimPolicy,
 )
@@ -218,6 +219,7 @@ class SchedulerConfig:
     VICTIM_POLICIES: ClassVar[tuple[VictimPolicy, ...]]
     SERVING_MODES: ClassVar[tuple[ServingMode, ...]]
     CAPACITY_POLICIES: ClassVar[tuple[CapacityPolicy, ...]]
+    SUSPEND_POLICIES: ClassVar[tuple[SuspendPolicy, ...]]
     def __new__(
         cls,
         *,
@@ -234,6 +236,9 @@ class SchedulerConfig:
         capacity_policy: CapacityPolicy = "max_utilization",
         serving_mode: ServingMode = "aggregated_helix",
         host_tier_superblocks: int = 0,
+        suspend_policy: SuspendPolicy = "suspend_first",
+        suspend_cost_per_token: int = 1,
+        recompute_cost_per_token: int = 4,
         victim_policy: VictimPolicy = "newest_first",
         max_preemptions_per_request: int = 8,
         admit_after_preemption: bool = False,
@@ -276,6 +281,12 @@ class SchedulerConfig:
     def serving_mode(self) -> ServingMode: ...
     @property
     def host_tier_superblocks(self) -> int: ...
+    @property
+    def suspend_policy(self) -> SuspendPolicy: ...
+    @property
+    def suspend_cost_per_token(self) -> int: ...
+    @property
+    def recompute_cost_per_token(self) -> int: ...
     @property
     def victim_policy(self) -> VictimPolicy: ...
     @property
@@ -346,7 +357,15 @@ class ScheduleOutput:
     @property
     def suspended_block_counts(self) -> npt.NDArray[np.int64]: ...
     @property
+    def suspended_host_block_ids(self) -> npt.NDArray[np.int32]: ...
+    @property
     def resumed_ids(self) -> npt.NDArray[np.uint64]: ...
+    @property
+    def resumed_block_ids(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def resumed_host_block_ids(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def resumed_block_counts(self) -> npt.NDArray[np.int64]: ...
     @property
     def sat_out_ids(self) -> npt.NDArray[np.uint64]: ...
     @property
@@ -370,6 +389,9 @@ class SchedulerMetrics:
         preemptions: int,
         suspensions: int,
         resumes: int,
+        suspended_superblocks: int,
+        resumed_superblocks: int,
+        suspended_tokens: int,
         recomputed_tokens: int,
         computed_tokens: int,
         sat_out: int,
@@ -389,6 +411,12 @@ class SchedulerMetrics:
     def suspensions(self) -> int: ...
     @property
     def resumes(self) -> int: ...
+    @property
+    def suspended_superblocks(self) -> int: ...
+    @property
+    def resumed_superblocks(self) -> int: ...
+    @property
+    def suspended_tokens(self) -> int: ...
     @property
     def recomputed_tokens(self) -> int: ...
     @property

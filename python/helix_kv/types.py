@@ -25,6 +25,7 @@ __all__ = [
     "IntArray",
     "RequestState",
     "ServingMode",
+    "SuspendPolicy",
     "TokenArray",
     "VictimPolicy",
 ]
@@ -33,6 +34,9 @@ __all__ = [
 
 #: Which running request a KV-starved request preempts (``SchedulerConfig.victim_policy``).
 VictimPolicy = Literal["newest_first", "least_computed_first", "priority"]
+#: Whether a victim the host tier has room for is suspended or recompute-paused
+#: (``SchedulerConfig.suspend_policy``).
+SuspendPolicy = Literal["suspend_first", "recompute_first", "cost"]
 #: How admission reserves KV (``SchedulerConfig.capacity_policy``).
 CapacityPolicy = Literal["max_utilization", "guaranteed_no_evict"]
 #: The serving mode (``SchedulerConfig.serving_mode``).

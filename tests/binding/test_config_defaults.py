@@ -53,6 +53,7 @@ def test_defaults_are_the_constructors_and_read_only() -> None:
         ("victim_policy", helix_kv.SchedulerConfig.VICTIM_POLICIES),
         ("serving_mode", helix_kv.SchedulerConfig.SERVING_MODES),
         ("capacity_policy", helix_kv.SchedulerConfig.CAPACITY_POLICIES),
+        ("suspend_policy", helix_kv.SchedulerConfig.SUSPEND_POLICIES),
     ],
 )
 def test_option_names_are_exactly_the_accepted_ones(keyword: str, names: tuple) -> None:
@@ -143,3 +144,4 @@ def test_option_literal_aliases_are_the_core_names() -> None:
     assert get_args(types.VictimPolicy) == helix_kv.SchedulerConfig.VICTIM_POLICIES
     assert get_args(types.ServingMode) == helix_kv.SchedulerConfig.SERVING_MODES
     assert get_args(types.CapacityPolicy) == helix_kv.SchedulerConfig.CAPACITY_POLICIES
+    assert get_args(types.SuspendPolicy) == helix_kv.SchedulerConfig.SUSPEND_POLICIES

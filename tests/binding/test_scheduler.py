@@ -86,7 +86,14 @@ def test_kv_tokens_round_down_to_superblocks() -> None:
         ({"kv_superblocks": 4, "victim_policy": "oldest"}, "newest_first, least_computed_first"),
         ({"kv_superblocks": 4, "serving_mode": "x"}, "aggregated_helix, non_helix"),
         ({"kv_superblocks": 4, "capacity_policy": "x"}, "guaranteed_no_evict"),
-        ({"kv_superblocks": 4, "host_tier_superblocks": 2}, "raise the GPU KV budget"),
+        (
+            {
+                "kv_superblocks": 4,
+                "serving_mode": "disaggregated_generation",
+                "host_tier_superblocks": 2,
+            },
+            "disaggregated generation server",
+        ),
         ({"kv_superblocks": 4, "serving_mode": "non_helix", "cp_size": 2}, "cp_size == 1"),
         ({"kv_superblocks": 4, "deadlock_steps": 0}, "deadlock_steps"),
     ],

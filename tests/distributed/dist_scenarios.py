@@ -355,10 +355,20 @@ def scenario_guards(rank: int, world: int, backend: str) -> dict[str, Any]:
         **disagg, host_cache_bytes=1 << 20, disk_cache_bytes=1 << 30, kv_connector="nixl"
     )
     out["allow/disagg_tiers_connector"] = attempt(lambda: HelixKVRank.create(allowed, budget))
+    # helix_kv's own host tier under aggregated Helix: each rank's host bytes become host
+    # pages and the group takes the smallest.
+    own = engine_config(aggregated_host_tier=True, host_cache_bytes=8 * (rank + 1) * PAGE_BYTES)
+    out["allow/aggregated_host_tier"] = attempt(lambda: HelixKVRank.create(own, budget))
+    built = out["allow/aggregated_host_tier"].get("built")
+    out["aggregated_host_tier_superblocks"] = built and built.host_tier_superblocks
     with LogCapture() as logs:
         out["allow/aggregated_default"] = attempt(
             lambda: HelixKVRank.create(engine_config(), budget)
         )
+        auto = attempt(lambda: HelixKVRank.create(engine_config(aggregated_host_tier=True), budget))
+    out["aggregated_auto_host_tier_superblocks"] = auto.get("built") and (
+        auto["built"].host_tier_superblocks
+    )
     out["auto_host_tier_logs"] = logs.messages
     for value in out.values():
         if isinstance(value, dict) and value.pop("built", None) is not None:
@@ -586,7 +596,10 @@ def run_with_aborts(built: HelixKVRank, plan: dict[int, tuple]) -> dict[str, Any
         "states": sorted(set(states)),
         "aborts": int(metrics.aborts),
         "preemptions": int(metrics.preemptions),
+        "suspensions": int(metrics.suspensions),
+        "resumes": int(metrics.resumes),
         "kv_used": int(metrics.kv_used_superblocks),
+        "host_used": int(scheduler.host_used_superblocks),
         "live": int(scheduler.num_live),
     }
 
@@ -605,6 +618,26 @@ def scenario_abort(rank: int, world: int, backend: str) -> dict[str, Any]:
             length, new_tokens = 6 + (rid * 5) % 23, 12 + (rid * 7) % 25
             alone.scheduler.add_request(rid, prompt_tokens(rid, length), new_tokens, 0)
     return {**with_aborts, "alone": run_with_aborts(alone, {})["outputs"]}
+
+
+#: Aborts of suspended requests in the host-tier scenario (between steps, while pending).
+HOST_TIER_ABORT_PLAN = {3: ("suspended", False), 9: ("suspended", True), 12: ("suspended", True)}
+
+
+def scenario_host_tier(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """Aggregated Helix with helix_kv's host tier, the schedule check on every step: each
+    rank offers a different host budget (the group takes the smallest), requests are
+    suspended and resumed, some aborted while suspended, steps reverted now and then."""
+    host_pages = 24 + 8 * rank  # rank 0's 24 host pages are the group's
+    built = pressured_rank(
+        world,
+        max_num_tokens=ABORT_STEP_TOKENS,
+        aggregated_host_tier=True,
+        host_cache_bytes=host_pages * PAGE_BYTES,
+    )
+    add_workload(built, count=16)
+    report = run_with_aborts(built, HOST_TIER_ABORT_PLAN)
+    return {**report, "host_tier_superblocks": built.host_tier_superblocks}
 
 
 def scenario_diverge_abort(rank: int, world: int, backend: str) -> dict[str, Any]:

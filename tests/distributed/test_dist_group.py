@@ -39,6 +39,7 @@ SCENARIOS = [
     sc.scenario_long_run,
     sc.scenario_check_cost,
     sc.scenario_abort,
+    sc.scenario_host_tier,
     sc.scenario_diverge_abort,
 ]
 
@@ -215,7 +216,7 @@ def test_a_retry_after_a_failed_init_does_not_hold_two_pools(group: GroupRun) ->
 @pytest.mark.parametrize("guard", sorted(sc.GUARDS))
 def test_guard_rejects_on_every_rank(group: GroupRun, guard: str) -> None:
     needle = {
-        "host_tier": "a host KV tier is rejected under aggregated Helix",
+        "host_tier": "an engine host KV tier is rejected under aggregated Helix",
         "disk_tier": "a disk KV tier is rejected under aggregated Helix",
         "kv_connector": "KV connectors are rejected under aggregated Helix",
         "kv_pool_rebalance": "KV-pool rebalance is rejected under aggregated Helix",
@@ -244,6 +245,17 @@ def test_allowed_configurations_construct(group: GroupRun) -> None:
         assert report["allow/disagg_tiers_connector"]["ok"], report["allow/disagg_tiers_connector"]
         assert report["allow/aggregated_default"]["ok"]
         assert any("automatic host KV tier skipped" in m for m in report["auto_host_tier_logs"])
+
+
+def test_aggregated_host_tier_takes_the_smallest_ranks_host_pages(group: GroupRun) -> None:
+    for report in group.scenario("scenario_guards"):
+        got = report["allow/aggregated_host_tier"]
+        assert got["ok"], got
+        # rank r offers 8 * (r + 1) host pages; the group takes rank 0's 8
+        assert report["aggregated_host_tier_superblocks"] == 8
+        automatic = report["aggregated_auto_host_tier_superblocks"]
+        assert automatic == 64  # as large as the GPU budget (64 pages on every rank)
+        assert any("automatic host KV tier of" in m for m in report["auto_host_tier_logs"])
 
 
 def test_divergent_sampled_token_is_caught_at_the_next_step(group: GroupRun) -> None:
@@ -305,6 +317,24 @@ def test_aborts_in_every_state_keep_ranks_identical_and_survivors_unchanged(
     for rid in aborted:  # what an aborted request generated is the start of its full output
         got = report["outputs"][rid]
         assert got == expected_output(rid, len(got)).tolist()
+
+
+def test_aggregated_host_tier_suspends_identically_on_every_rank(group: GroupRun) -> None:
+    reports = group.scenario("scenario_host_tier")
+    for report in reports[1:]:
+        assert report == reports[0]  # outputs, states, metrics, agreed host tier: every rank
+    report = reports[0]
+    assert report["host_tier_superblocks"] == 24  # the smallest rank's host pages
+    assert report["suspensions"] > 0
+    assert report["resumes"] > 0
+    assert (report["kv_used"], report["host_used"], report["live"]) == (0, 0, 0)
+    aborted = {rid for rid, reason in report["reasons"].items() if reason == "aborted"}
+    assert aborted, report["states"]
+    assert set(report["states"]) <= {"suspended", "suspended while pending"}
+    for rid, got in report["outputs"].items():  # finished ones whole, aborted ones a prefix
+        assert got == expected_output(rid, len(got)).tolist()
+        if rid not in aborted:
+            assert len(got) == 12 + (rid * 7) % 25
 
 
 def test_an_abort_on_one_rank_only_is_caught_at_the_next_step(group: GroupRun) -> None:

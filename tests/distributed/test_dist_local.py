@@ -69,10 +69,10 @@ def test_engine_config_from_dict_names_unknown_keys() -> None:
     [
         (
             "host_tier",
-            "suspending a request to host memory frees nothing",
-            "serving_mode='non_helix'",
+            "per-rank free counts and utilisation",
+            "aggregated_host_tier = True",
         ),
-        ("disk_tier", "offloading frees nothing", "raise the GPU KV budget"),
+        ("disk_tier", "per-rank state the mirrored ledger does not see", "disk_cache_bytes = 0"),
         ("kv_connector", "changes one rank's capacity", "serving_mode='disaggregated_generation'"),
         ("kv_pool_rebalance", "needs the same capacity on every rank", "size the pool with"),
     ],
@@ -130,6 +130,15 @@ def test_non_helix_gets_a_host_tier_aggregated_helix_skips_it(
         helix = HelixKVRank.create(sc.engine_config(), budget)
     assert helix.host_tier_superblocks == 0
     assert "automatic host KV tier skipped" in caplog.text
+    # helix_kv's own host tier under aggregated Helix: given, or as large as the GPU budget
+    own = HelixKVRank.create(
+        sc.engine_config(aggregated_host_tier=True, host_cache_bytes=4 * sc.PAGE_BYTES), budget
+    )
+    assert own.host_tier_superblocks == own.scheduler_config.host_tier_superblocks == 4
+    with caplog.at_level(logging.INFO, logger="helix_kv"):
+        auto = HelixKVRank.create(sc.engine_config(aggregated_host_tier=True), budget)
+    assert auto.host_tier_superblocks == 16
+    assert "automatic host KV tier of" in caplog.text
     disagg = HelixKVRank.create(
         sc.engine_config(serving_mode="disaggregated_generation", host_cache_bytes=1 << 20), budget
     )
@@ -201,10 +210,12 @@ def test_group_fields_are_the_decision_fields_and_the_rest_of_the_engine_config(
     scheduler_config = helix_kv.SchedulerConfig(**config.scheduler_kwargs(), kv_superblocks=9)
     fields = dict(group_fields(config, scheduler_config))
     decisions = dict(scheduler_config.decision_fields())
-    assert "capacity_superblocks" not in fields  # agreed by the quota sync (its minimum)
+    # agreed by the quota sync (the minimum over the ranks)
+    assert "capacity_superblocks" not in fields
+    assert "host_tier_superblocks" not in fields
     assert "cp_rank" not in fields
     for name, value in decisions.items():
-        assert name == "capacity_superblocks" or fields[name] == value
+        assert name in ("capacity_superblocks", "host_tier_superblocks") or fields[name] == value
     engine_only = {f.name for f in dataclasses.fields(EngineConfig)} - set(SCHEDULER_FIELDS)
     assert engine_only <= set(fields)
     assert {"num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "kv_factor"} <= engine_only
@@ -214,6 +225,11 @@ def test_group_fields_are_the_decision_fields_and_the_rest_of_the_engine_config(
     assert ConfigIdentity(0, 2, group_fields(config, scheduler_config)).fingerprint != (
         ConfigIdentity(0, 2, group_fields(other, scheduler_config)).fingerprint
     )
+    # helix_kv's own host tier is sized per rank (the group takes the minimum): its bytes may
+    # differ between ranks; an engine's (disaggregated) host tier must match
+    own = sc.engine_config(aggregated_host_tier=True, host_cache_bytes=1 << 20)
+    assert "host_cache_bytes" not in dict(group_fields(own, scheduler_config))
+    assert "host_cache_bytes" in fields
 
 
 def _config_report(rank: int, size: int, **changes: Any) -> dict[str, Any]:

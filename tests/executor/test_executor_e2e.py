@@ -1,8 +1,10 @@
 """End to end on CPU (gloo, float64): the scheduler drives the model across cp ranks.
 
-Greedy tokens must be identical for cp = 1, 2 and 4, with a roomy pool and with a pool small
-enough that requests are recompute-paused, and equal to a dense scheduler-free reference.
-Each CP size runs its two pools in one spawned process group to keep CI time down.
+Greedy tokens must be identical for cp = 1, 2 and 4, with a roomy pool, with a pool small
+enough that requests are recompute-paused, and with that pool plus a host tier (aggregated
+Helix suspends requests to it and resumes them, copying each rank's pages through its
+:class:`~helix_kv.executor.HostKVPool`), and equal to a dense scheduler-free reference.
+Each CP size runs its pools in one spawned process group to keep CI time down.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ TPB = 4
 MAX_NEW = 12
 ROOMY_TOKENS = 1024  # global KV tokens: every request fits at once
 TIGHT_TOKENS = 48  # global KV tokens: about one request at a time, forces recompute-pause
+HOST_PAGES = 64  # each rank's host tier with the tight pool: room for every victim
 # Recompute-pauses the tight pool needs per cp (deterministic: the scheduler's decisions depend
 # only on the config and the requests). A change means the scheduler's choices changed.
 EXPECTED_PREEMPTIONS = {1: 7, 2: 4, 4: 3}
@@ -56,12 +59,16 @@ def runs() -> dict[int, dict[str, RunResult]]:
     by_cp = {}
     for cp in CP_SIZES:
         jobs = [(prompts(), MAX_NEW, config(cp, kv)) for kv in (ROOMY_TOKENS, TIGHT_TOKENS)]
+        jobs.append(
+            (prompts(), MAX_NEW, config(cp, TIGHT_TOKENS).with_(host_tier_pages=HOST_PAGES))
+        )
         if cp == 1:
             per_job = [[run_rank(*job)] for job in jobs]
         else:
             per_job = run_group(jobs, cp, backend="gloo", timeout_s=90)
-        by_cp[cp] = {"roomy": per_job[0][0], "tight": per_job[1][0]}
-        for name, results in zip(("roomy", "tight"), per_job):
+        names = ("roomy", "tight", "host_tier")
+        by_cp[cp] = {name: results[0] for name, results in zip(names, per_job)}
+        for name, results in zip(names, per_job):
             r = results[0]
             print(
                 f"\ncp={cp} {name}: capacity {r.capacity_superblocks} superblocks, "
@@ -117,3 +124,18 @@ def test_preemption_counts_are_consistent(runs, cp):
     assert per_request == tight.preemptions
     assert tight.metrics["recomputed_tokens"] > 0
     assert tight.capacity_superblocks == TIGHT_TOKENS // (TPB * cp)
+
+
+@pytest.mark.parametrize("cp", CP_SIZES)
+def test_suspend_and_resume_through_the_host_tier_change_no_output(runs, cp):
+    suspended, roomy = runs[cp]["host_tier"], runs[cp]["roomy"]
+    metrics = suspended.metrics
+    assert metrics["suspensions"] >= 1, "the tight pool with a host tier must suspend"
+    assert metrics["resumes"] == metrics["suspensions"]
+    assert suspended.outputs == roomy.outputs
+    # each rank copied every suspended page out and back in, one page per superblock
+    assert suspended.host_tier_superblocks == HOST_PAGES
+    page_bytes = suspended.host_bytes_out // metrics["suspended_superblocks"]
+    assert suspended.host_bytes_out == metrics["suspended_superblocks"] * page_bytes > 0
+    assert suspended.host_bytes_in == metrics["resumed_superblocks"] * page_bytes
+    assert metrics["recomputed_tokens"] < runs[cp]["tight"].metrics["recomputed_tokens"]

@@ -100,7 +100,17 @@ class Executor:
         self.token = np.full((self.cp, slots), -1, dtype=np.int64)
         self.owner = np.full((self.cp, slots), -1, dtype=np.int64)
         self.position = np.full((self.cp, slots), -1, dtype=np.int64)
-        self.host: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        host_slots = int(config.host_tier_superblocks) * self.tpb
+        # Each rank's host KV pool, written and read only through the schedules' host page ids.
+        self.host_token = np.full((self.cp, host_slots), -1, dtype=np.int64)
+        self.host_owner = np.full((self.cp, host_slots), -1, dtype=np.int64)
+        self.host_position = np.full((self.cp, host_slots), -1, dtype=np.int64)
+        #: Host pages each suspended (or just resumed) request holds, in table order.
+        self.host: dict[int, list[int]] = {}
+        #: Which request holds each host page: a copy-out onto a held page is a race.
+        self.host_holder: dict[int, int] = {}
+        #: Requests resumed by the pending step (its update frees their host pages).
+        self.resumed_pending: list[int] = []
         self.arrival: dict[int, int] = {}
         self.known: dict[int, list[int]] = {}
         self.prefilled: dict[int, int] = {}
@@ -168,7 +178,7 @@ class Executor:
         known = self.known.pop(request_id)
         assert known[len(known) - len(generated) :] == generated
         self.prefilled.pop(request_id, None)
-        self.host.pop(request_id, None)
+        self._release_host(request_id)
         if output.finish_reason == "aborted":
             self.result.aborted[request_id] = generated
             self.aborting.discard(request_id)
@@ -178,10 +188,13 @@ class Executor:
             assert output.finish_reason == ("eos" if at_eos else "length")
             self.result.outputs[request_id] = generated
 
+    def _release_host(self, request_id: int) -> None:
+        for page in self.host.pop(request_id, []):
+            assert self.host_holder.pop(page) == request_id
+
     def _check_host_tier(self) -> None:
-        held = sum(token.shape[1] // self.tpb for token, _, _ in self.host.values())
         for scheduler in self.group.schedulers:
-            assert scheduler.host_used_superblocks == held, "host tier leaked"
+            assert scheduler.host_used_superblocks == len(self.host_holder), "host tier leaked"
 
     def step(self, revert: bool = False, index: int = 0) -> None:
         before = [
@@ -224,6 +237,9 @@ class Executor:
             out.context_ids.tolist(), ends, out.context_completes.tolist()
         ):
             self.prefilled[request_id] = 0 if completes else end
+        for request_id in self.resumed_pending:
+            self._release_host(request_id)  # the update frees the host pages a resume read
+        self.resumed_pending = []
         for request_id in finished.tolist():
             self._collect(request_id)
         assert not self.aborting, "every requested abort took effect at update"
@@ -312,28 +328,41 @@ class Executor:
         return (table[:, None] * self.tpb + np.arange(self.tpb)).ravel()
 
     def _copy_out_suspended(self, out: helix_kv.ScheduleOutput) -> None:
+        """Each rank copies its share of every suspended page to the page's host page."""
+        assert out.suspended_host_block_ids.size == out.suspended_block_ids.size
         offset = 0
         for request_id, count in zip(
             out.suspended_ids.tolist(), out.suspended_block_counts.tolist()
         ):
-            slots = self._pages(out.suspended_block_ids[offset : offset + count].astype(np.int64))
+            pages = out.suspended_block_ids[offset : offset + count].astype(np.int64)
+            host_pages = out.suspended_host_block_ids[offset : offset + count].astype(np.int64)
             offset += count
-            self.host[request_id] = (
-                self.token[:, slots].copy(),
-                self.owner[:, slots].copy(),
-                self.position[:, slots].copy(),
-            )
+            for page in host_pages.tolist():
+                holder = self.host_holder.setdefault(page, request_id)
+                assert holder == request_id, f"host page {page} of {holder} overwritten"
+            assert request_id not in self.host
+            self.host[request_id] = host_pages.tolist()
+            src, dst = self._pages(pages), self._pages(host_pages)
+            self.host_token[:, dst] = self.token[:, src]
+            self.host_owner[:, dst] = self.owner[:, src]
+            self.host_position[:, dst] = self.position[:, src]
 
     def _copy_in_resumed(self, out: helix_kv.ScheduleOutput) -> None:
-        for request_id in out.resumed_ids.tolist():
-            token, owner, position = self.host.pop(request_id)
+        """Each rank copies its share of every resumed page back from its host page."""
+        assert out.resumed_host_block_ids.size == out.resumed_block_ids.size
+        offset = 0
+        for request_id, count in zip(out.resumed_ids.tolist(), out.resumed_block_counts.tolist()):
+            pages = out.resumed_block_ids[offset : offset + count].astype(np.int64)
+            host_pages = out.resumed_host_block_ids[offset : offset + count].astype(np.int64)
+            offset += count
+            assert self.host[request_id] == host_pages.tolist(), "resumes from its host pages"
             table = self.group.schedulers[0].block_table([request_id])[0]
-            slots = self._pages(table[table >= 0].astype(np.int64))[: token.shape[1]]
-            self.token[:, slots], self.owner[:, slots], self.position[:, slots] = (
-                token,
-                owner,
-                position,
-            )
+            assert table[:count].tolist() == pages.tolist(), "resumes into its first pages"
+            src, dst = self._pages(host_pages), self._pages(pages)
+            self.token[:, dst] = self.host_token[:, src]
+            self.owner[:, dst] = self.host_owner[:, src]
+            self.position[:, dst] = self.host_position[:, src]
+            self.resumed_pending.append(request_id)
 
     def _write_kv(self, out: helix_kv.ScheduleOutput) -> None:
         ids = np.concatenate([out.context_ids, out.generation_ids])

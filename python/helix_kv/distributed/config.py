@@ -15,7 +15,7 @@ from typing import Any
 
 from helix_kv._core import SchedulerConfig
 from helix_kv.errors import ConfigError, ConfigGuardError
-from helix_kv.types import CapacityPolicy, ServingMode, VictimPolicy
+from helix_kv.types import CapacityPolicy, ServingMode, SuspendPolicy, VictimPolicy
 
 logger = logging.getLogger("helix_kv")
 
@@ -54,8 +54,12 @@ class EngineConfig:
 
     Serving options the guards look at:
         host_cache_bytes: a host-memory KV tier. ``None`` (not configured) lets the engine
-            default apply: a host tier as large as the GPU budget for ``non_helix``, none under
-            aggregated Helix (skipped, logged at info) or for disaggregated generation.
+            default apply: a host tier as large as the GPU budget for ``non_helix`` (and for
+            aggregated Helix with ``aggregated_host_tier``), none under aggregated Helix
+            otherwise (skipped, logged at info) or for disaggregated generation.
+        aggregated_host_tier: accept helix_kv's own host tier under aggregated Helix (a
+            mirrored host ledger: each rank's host bytes become whole host pages and the group
+            takes the minimum). Off: the old behaviour (a host tier is rejected there).
         disk_cache_bytes: a disk KV tier (the engine's; ``0`` = none).
         kv_connector: name of a KV connector that loads/offloads pages outside the scheduler.
         kv_pool_rebalance: whether the engine may resize the KV pool at run time.
@@ -75,12 +79,16 @@ class EngineConfig:
     max_seq_len: int = _DEFAULTS["max_seq_len"]
     capacity_policy: CapacityPolicy = _DEFAULTS["capacity_policy"]
     serving_mode: ServingMode = _DEFAULTS["serving_mode"]
+    suspend_policy: SuspendPolicy = _DEFAULTS["suspend_policy"]
+    suspend_cost_per_token: int = _DEFAULTS["suspend_cost_per_token"]
+    recompute_cost_per_token: int = _DEFAULTS["recompute_cost_per_token"]
     victim_policy: VictimPolicy = _DEFAULTS["victim_policy"]
     max_preemptions_per_request: int = _DEFAULTS["max_preemptions_per_request"]
     admit_after_preemption: bool = _DEFAULTS["admit_after_preemption"]
     deadlock_steps: int = _DEFAULTS["deadlock_steps"]
 
     host_cache_bytes: int | None = None
+    aggregated_host_tier: bool = False
     disk_cache_bytes: int = 0
     kv_connector: str | None = None
     kv_pool_rebalance: bool = False
@@ -147,14 +155,20 @@ def group_fields(config: EngineConfig, scheduler_config: Any) -> tuple[tuple[str
     every :class:`EngineConfig` field that is not handed to the scheduler: the KV geometry
     (``num_layers``, ``num_kv_heads``, ``head_dim``, ``dtype_bytes``, ``kv_factor``: the shape
     of each rank's KV pool) and the tier, connector and rebalance options.
+    ``host_tier_superblocks`` is left out too, and so is ``host_cache_bytes`` when it sizes
+    helix_kv's own host tier (aggregated Helix with ``aggregated_host_tier``): like the KV
+    budget, each rank's host budget may differ, and the quota sync agrees on the minimum of
+    the host pages they hold. A disaggregated server's host tier is the engine's and must
+    match.
     """
-    fields = [
-        pair for pair in scheduler_config.decision_fields() if pair[0] != "capacity_superblocks"
-    ]
+    own_host_tier = config.serving_mode == "aggregated_helix" and config.aggregated_host_tier
+    per_rank = ("host_cache_bytes",) if own_host_tier else ()
+    agreed_by_quota = ("capacity_superblocks", "host_tier_superblocks")
+    fields = [pair for pair in scheduler_config.decision_fields() if pair[0] not in agreed_by_quota]
     fields += [
         (field.name, getattr(config, field.name))
         for field in dataclasses.fields(config)
-        if field.name not in SCHEDULER_FIELDS
+        if field.name not in SCHEDULER_FIELDS and field.name not in per_rank
     ]
     return tuple(fields)
 
@@ -181,30 +195,31 @@ def superblocks_for_budget(config: EngineConfig, kv_budget_bytes: int) -> int:
 def check_config_guards(config: EngineConfig, cp_size: int) -> None:
     """Rejects serving options that would break rank invariance.
 
-    Under aggregated Helix the KV pool is a single GPU pool per rank and the superblock ledger
-    must look the same on every rank, so host/disk tiers, KV connectors and KV-pool rebalance
-    are rejected. Any CP group (``cp_size > 1``) rejects rebalance. Every violated guard is
+    Under aggregated Helix the superblock ledger must look the same on every rank, so foreign
+    host/disk tiers, KV connectors and KV-pool rebalance are rejected; helix_kv's own host tier
+    (a mirrored host ledger) is accepted when ``aggregated_host_tier`` is on. Any CP group
+    (``cp_size > 1``) rejects rebalance. Every violated guard is
     listed in one :class:`~helix_kv.ConfigGuardError`, each with why and what to do instead.
     Non-Helix and disaggregated configurations keep the tiers and connectors.
     """
     aggregated = config.serving_mode == "aggregated_helix"
     problems = []
-    if aggregated and config.host_cache_bytes:
+    if aggregated and config.host_cache_bytes and not config.aggregated_host_tier:
         problems.append(
-            f"host_cache_bytes = {config.host_cache_bytes}: a host KV tier is rejected under "
-            "aggregated Helix. Each rank's KV pool is a single GPU pool, so suspending a request "
-            "to host memory frees nothing the scheduler can use, and resuming it would have to "
-            "read per-rank utilisation, which differs between ranks and breaks rank-invariant "
+            f"host_cache_bytes = {config.host_cache_bytes}: an engine host KV tier is rejected "
+            "under aggregated Helix. An engine's own tier offloads and restores pages by per-rank "
+            "free counts and utilisation, which differ between ranks and break rank-invariant "
             "scheduling; under KV pressure helix_kv recompute-pauses instead. Set "
-            "host_cache_bytes to None or 0 and give the GPU pool more KV budget (or fewer batch "
-            "slots); for a host tier, serve on one rank with serving_mode='non_helix'."
+            "aggregated_host_tier = True to use helix_kv's host tier (a mirrored host ledger "
+            "every rank decides from alike), or set host_cache_bytes to None or 0."
         )
     if aggregated and config.disk_cache_bytes:
         problems.append(
             f"disk_cache_bytes = {config.disk_cache_bytes}: a disk KV tier is rejected under "
-            "aggregated Helix for the same reason as a host tier: offloading frees nothing in "
-            "the single GPU pool and bringing pages back would read per-rank state. Set "
-            "disk_cache_bytes = 0 and raise the GPU KV budget instead."
+            "aggregated Helix: the engine's disk tier offloads and brings pages back by per-rank "
+            "state the mirrored ledger does not see (helix_kv's mirrored tier is host memory "
+            "only). Set disk_cache_bytes = 0; use aggregated_host_tier with host_cache_bytes, "
+            "or raise the GPU KV budget."
         )
     if aggregated and config.kv_connector is not None:
         problems.append(
@@ -227,20 +242,32 @@ def check_config_guards(config: EngineConfig, cp_size: int) -> None:
 
 
 def host_tier_superblocks(config: EngineConfig, kv_budget_bytes: int) -> int:
-    """Host-tier superblocks to give the scheduler (after :func:`check_config_guards`).
+    """This rank's host-tier superblocks: its host byte budget in whole host pages (after
+    :func:`check_config_guards`). A CP group takes the minimum over its ranks
+    (:meth:`helix_kv.distributed.sync.GroupSync.agree_quota`).
 
-    Only ``non_helix`` suspends to a host tier. An unset ``host_cache_bytes`` provisions one as
-    large as the GPU budget there; under aggregated Helix the automatic tier is skipped (logged
-    at info). A disaggregated generation server never suspends: a host tier it configures is
-    left to the engine and the scheduler gets none.
+    ``non_helix`` suspends to a host tier; so does aggregated Helix with
+    ``aggregated_host_tier`` (helix_kv's mirrored host ledger). An unset ``host_cache_bytes``
+    provisions one as large as the GPU budget there (logged at info under aggregated Helix);
+    without ``aggregated_host_tier`` the automatic tier is skipped under aggregated Helix
+    (logged at info). A disaggregated generation server never suspends: a host tier it
+    configures is left to the engine and the scheduler gets none.
     """
-    if config.serving_mode == "non_helix":
+    aggregated = config.serving_mode == "aggregated_helix"
+    if config.serving_mode == "non_helix" or (aggregated and config.aggregated_host_tier):
         host_bytes = kv_budget_bytes if config.host_cache_bytes is None else config.host_cache_bytes
-        return min(host_bytes // config.page_bytes, 2**32 - 1)
-    if config.serving_mode == "aggregated_helix" and config.host_cache_bytes is None:
+        pages = min(host_bytes // config.page_bytes, 2**31 - 1)
+        if aggregated and config.host_cache_bytes is None:
+            logger.info(
+                "aggregated Helix: automatic host KV tier of %d bytes = %d host pages per rank "
+                "(as large as the GPU budget; the group takes the smallest rank's)",
+                host_bytes, pages,
+            )  # fmt: skip
+        return pages
+    if aggregated and config.host_cache_bytes is None:
         logger.info(
-            "aggregated Helix: automatic host KV tier skipped (the KV pool is GPU-only; under "
-            "KV pressure requests are recompute-paused, not suspended)"
+            "aggregated Helix: automatic host KV tier skipped (aggregated_host_tier is off; "
+            "under KV pressure requests are recompute-paused, not suspended)"
         )
     return 0
 

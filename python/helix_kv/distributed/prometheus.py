@@ -67,7 +67,7 @@ METRICS: tuple[MetricInfo, ...] = (
     MetricInfo(
         PREFIX + "num_requests_swapped",
         "gauge",
-        "Live requests suspended to the host KV tier (non_helix only).",
+        "Live requests suspended to the host KV tier.",
     ),
     MetricInfo(
         PREFIX + "kv_cache_usage_perc",

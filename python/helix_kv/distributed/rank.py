@@ -42,7 +42,8 @@ class HelixKVRank:
         cp_rank, cp_size: this rank and the group size.
         capacity_superblocks: the KV pool size the group agreed on (its smallest budget).
         local_superblocks: what this rank's own budget would have held.
-        host_tier_superblocks: host tier given to the scheduler (``non_helix`` only).
+        host_tier_superblocks: host tier given to the scheduler, in superblocks (one host page
+            per rank each; the group's minimum).
         checker: the :class:`ScheduleChecker`, or ``None`` when the check is off.
         kv_storage: whatever ``allocate`` returned (``None`` without ``allocate``).
         deadlocks: :class:`helix_kv.DeadlockError` raised by :meth:`schedule`; only grows.
@@ -118,6 +119,8 @@ class HelixKVRank:
         sync = GroupSync(group)
 
         local_superblocks: int | None = None
+        host_superblocks = 0
+        scheduler_kwargs: dict[str, Any] = {}
         identity: ConfigIdentity | None = None
         check = False
         failure: BaseException | None = None
@@ -136,8 +139,11 @@ class HelixKVRank:
             identity = ConfigIdentity(rank, size, group_fields(config, local_config))
         except Exception as exc:
             failure = exc
-        capacity, check = sync.agree_quota(local_superblocks, check, failure, identity)
+        capacity, check, host_superblocks = sync.agree_quota(
+            local_superblocks, check, failure, identity, local_host_superblocks=host_superblocks
+        )
         assert local_superblocks is not None  # agree_quota raised otherwise
+        scheduler_kwargs["host_tier_superblocks"] = host_superblocks
 
         built: HelixKVRank | None = None
         checker: ScheduleChecker | None = None
@@ -147,9 +153,10 @@ class HelixKVRank:
                 logger.info(
                     "KV quota agreed by %d CP ranks: %d superblocks = %d global tokens "
                     "(tokens_per_block %d x cp_size %d per superblock); rank %d offered %d; "
+                    "host tier %d superblocks (the group's minimum); "
                     "configuration fingerprint %016x",
                     size, capacity, scheduler_config.kv_tokens, scheduler_config.tokens_per_block,
-                    size, rank, local_superblocks, scheduler_config.fingerprint,
+                    size, rank, local_superblocks, host_superblocks, scheduler_config.fingerprint,
                 )  # fmt: skip
             # Inside the sync, so its failure on one rank reaches every rank; its collective
             # part (NCCL) waits until every rank is known to have got this far.

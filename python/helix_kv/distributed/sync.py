@@ -88,12 +88,15 @@ class GroupSync:
         check: bool,
         failure: BaseException | None,
         identity: ConfigIdentity | None = None,
-    ) -> tuple[int, bool]:
-        """The group's minimum KV superblocks and its (verified identical) configuration and
-        schedule-check setting, after the configuration phase; raises on every rank if any
-        rank failed or the ranks' configurations differ.
+        local_host_superblocks: int = 0,
+    ) -> tuple[int, bool, int]:
+        """The group's minimum KV superblocks, its (verified identical) configuration and
+        schedule-check setting, and its minimum host-tier superblocks, after the configuration
+        phase; raises on every rank if any rank failed or the ranks' configurations differ.
 
-        One all-reduce MIN of seven int64: ``superblocks``; ``-status`` (so MIN yields the
+        One all-reduce MIN of eight int64: ``superblocks``; ``host superblocks`` (each rank's
+        host byte budget in whole host pages: a host superblock is one host page on every
+        rank, so the group takes the smallest); ``-status`` (so MIN yields the
         highest status); ``check`` and ``-check`` (MIN and MAX of the setting);
         ``fingerprint`` and ``~fingerprint`` of ``identity`` (MIN and, complemented, MAX:
         equal on every rank iff they agree); ``-misplaced`` (whether this rank's ``cp_rank``
@@ -109,16 +112,34 @@ class GroupSync:
             if misplaced:
                 assert identity is not None
                 raise config_mismatch([self._report(identity)])
-            return local_superblocks, check
+            return local_superblocks, check, local_host_superblocks
         offered = _INT64_MAX if local_superblocks is None else local_superblocks
+        host_offered = _INT64_MAX if failure is not None else local_host_superblocks
         flag = int(check)
         fp = 0 if identity is None else identity.fingerprint
         values = self._all_reduce_min(
-            [offered, -int(failure is not None), flag, -flag, fp, ~fp, -int(misplaced)], failure
+            [
+                offered,
+                host_offered,
+                -int(failure is not None),
+                flag,
+                -flag,
+                fp,
+                ~fp,
+                -int(misplaced),
+            ],
+            failure,
         )
-        superblocks, neg_status, check_min, neg_check_max, fp_min, not_fp_max, neg_misplaced = (
-            values
-        )
+        (
+            superblocks,
+            host_superblocks,
+            neg_status,
+            check_min,
+            neg_check_max,
+            fp_min,
+            not_fp_max,
+            neg_misplaced,
+        ) = values
         if neg_status < 0:
             self._raise_failures(failure, "configuration")
         if fp_min != ~not_fp_max or neg_misplaced < 0:
@@ -126,7 +147,7 @@ class GroupSync:
             self._raise_config_mismatch(identity)
         if check_min != -neg_check_max:
             self._raise_check_disagreement(check)
-        return superblocks, bool(check_min)
+        return superblocks, bool(check_min), host_superblocks
 
     def agree_status(self, failure: BaseException | None, phase: str) -> None:
         """All-reduce MAX of a status code (0 = ok) after ``phase``; raises on every rank if

@@ -17,6 +17,7 @@ from helix_kv.executor.attention import (
     reference_attention,
 )
 from helix_kv.executor.decode_step import DecodeLayout, DecodeMetadata, DecodeStep
+from helix_kv.executor.host_pool import HostKVPool
 from helix_kv.executor.kv_pool import AttentionGroup, KVPool, StepBatch
 from helix_kv.executor.model import DecodeRows, TinyConfig, TinyTransformer, group_combine
 from helix_kv.executor.paged_attention import paged_decode_attention, write_paged_kv
@@ -31,6 +32,7 @@ __all__ = [
     "DecodeMetadata",
     "DecodeRows",
     "DecodeStep",
+    "HostKVPool",
     "KVPool",
     "PartialAttention",
     "RankPlacement",

@@ -20,6 +20,7 @@ and checks that they agree.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,7 @@ from helix_kv.distributed import EngineConfig, HelixKVRank
 from helix_kv.distributed.launch import spawn_group
 from helix_kv.errors import HelixKVError
 from helix_kv.executor.decode_step import DecodeLayout, DecodeMetadata, DecodeStep
+from helix_kv.executor.host_pool import HostKVPool
 from helix_kv.executor.kv_pool import KVPool
 from helix_kv.executor.model import TinyConfig, TinyTransformer, group_combine
 from helix_kv.executor.placement import RankPlacement
@@ -58,6 +60,9 @@ class ExecutorConfig:
     ``max_batch_size``). ``max_pages_per_request``: block-table columns of the fast path
     (default: enough for the longest prompt plus its new tokens); a step with a wider request
     takes the general path.
+    ``host_tier_pages``: this rank's host KV tier in pages (0: none). Under aggregated Helix it
+    turns on helix_kv's own host tier (``EngineConfig.aggregated_host_tier``); the group
+    agrees on the minimum, and suspended pages are copied through a :class:`HostKVPool`.
     """
 
     cp: int = 1
@@ -78,6 +83,7 @@ class ExecutorConfig:
     time_table_build: bool = False
     max_steps: int = 100_000
     scheduler_options: Mapping[str, Any] = field(default_factory=dict)
+    host_tier_pages: int = 0
 
     def with_(self, **changes: Any) -> ExecutorConfig:
         """A copy with some fields changed."""
@@ -108,6 +114,9 @@ class RunResult:
     preempted: list[list[int]]
     capacity_superblocks: int
     logits: dict[int, np.ndarray] = field(default_factory=dict)
+    host_tier_superblocks: int = 0
+    host_bytes_out: int = 0
+    host_bytes_in: int = 0
     total_s: float = 0.0
     tokens_run: int = 0
     preempted_while_decoding: int = 0
@@ -161,6 +170,12 @@ def run_rank(
         max_num_tokens=config.max_num_tokens,
         **dict(config.scheduler_options),
     )
+    if config.host_tier_pages:
+        engine = dataclasses.replace(
+            engine,
+            aggregated_host_tier=True,
+            host_cache_bytes=config.host_tier_pages * engine.page_bytes,
+        )
 
     def allocate_pool(built: HelixKVRank) -> KVPool:
         placement = RankPlacement(built.cp_size, config.tokens_per_block, built.cp_rank)
@@ -178,6 +193,9 @@ def run_rank(
         raise ValueError(f"cp = {config.cp} but the process group has {helix.cp_size} ranks")
     rank, pool = helix.cp_rank, helix.kv_storage
     placement = pool.placement
+    host_pool = (
+        HostKVPool(pool, helix.host_tier_superblocks) if helix.host_tier_superblocks else None
+    )
     # The loop drives the scheduler contract (helix_kv.contract.SchedulerProtocol) through
     # ``helix``; only the step plan reads this rank's block tables from its scheduler.
     for request_id, prompt in prompts.items():
@@ -206,6 +224,8 @@ def run_rank(
         out = helix.schedule()
         build_start = time.perf_counter()
         result.schedule_us.append((build_start - step_start) * 1e6)
+        if host_pool is not None:
+            host_pool.copy_step(out)  # queued before anything of the step writes KV
         if decode_step is not None:
             tokens_run = _run_decode_step(
                 decode_step, helix, out, config, result, logits_rows, build_start, group
@@ -252,6 +272,9 @@ def run_rank(
         _take_finished(helix, result, finished)
     result.total_s = time.perf_counter() - started
     result.metrics = dict(helix.metrics().to_dict())
+    if host_pool is not None:
+        result.host_tier_superblocks = host_pool.num_pages
+        result.host_bytes_out, result.host_bytes_in = host_pool.bytes_out, host_pool.bytes_in
     result.logits = {rid: np.stack(rows) for rid, rows in logits_rows.items()}
     return result
 

@@ -25,6 +25,7 @@ from helix_kv.simulate.options import (
     MAX_REQUESTS,
     MIN_ARRIVAL_RATE,
     SERVING_MODES,
+    SUSPEND_POLICIES,
     U32_MAX,
     U64_MAX,
     VERIFY_ALL_UP_TO_CP,
@@ -212,7 +213,30 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-tier-tokens",
         0,
         I64_MAX,
-        help="host tier for suspends, in global tokens (non_helix mode only)",
+        help="host tier for suspends, in global tokens (rounded down to superblocks; "
+        "non_helix and aggregated_helix)",
+    )
+    group.add_argument(
+        "--suspend-policy",
+        choices=SUSPEND_POLICIES,
+        help="with a host tier: which victims are suspended rather than recompute-paused "
+        f"(default {defaults['suspend_policy']})",
+    )
+    _integer_flag(
+        group,
+        "--suspend-cost-per-token",
+        0,
+        U32_MAX,
+        help="cost policy: copying one token's KV to host and back "
+        f"(default {defaults['suspend_cost_per_token']})",
+    )
+    _integer_flag(
+        group,
+        "--recompute-cost-per-token",
+        0,
+        U32_MAX,
+        help="cost policy: computing one token again "
+        f"(default {defaults['recompute_cost_per_token']})",
     )
     group.add_argument(
         "--policy",
@@ -325,7 +349,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--compare-policies",
         action="store_true",
-        help="run the workload under every victim policy and show them side by side",
+        help="run the workload under every victim policy and show them side by side; with "
+        "--host-tier-tokens also under every suspend policy and without the host tier",
     )
     group.add_argument(
         "--json", action="store_true", help="print one JSON object instead of the table"
@@ -379,6 +404,9 @@ def _scheduler_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "capacity_policy": args.capacity_policy,
         "serving_mode": args.mode,
         "victim_policy": args.policy,
+        "suspend_policy": args.suspend_policy,
+        "suspend_cost_per_token": args.suspend_cost_per_token,
+        "recompute_cost_per_token": args.recompute_cost_per_token,
         "max_preemptions_per_request": args.max_preemptions,
         "admit_after_preemption": args.admit_after_preemption,
         "deadlock_steps": args.deadlock_steps,
@@ -440,6 +468,11 @@ def check_combinations(args: argparse.Namespace) -> None:
         )
     if args.compare_policies and args.policy is not None:
         raise UsageError("--compare-policies runs every victim policy; drop --policy")
+    if args.compare_policies and args.suspend_policy is not None:
+        raise UsageError(
+            "--compare-policies runs every suspend policy (with --host-tier-tokens); "
+            "drop --suspend-policy"
+        )
     if args.plot is not None:
         parent = Path(args.plot).expanduser().resolve().parent
         if not parent.is_dir():

@@ -28,6 +28,8 @@ from helix_kv.errors import (
 from helix_kv.simulate.arguments import simulation_options, workload_spec
 from helix_kv.simulate.interrupt import InterruptGuard
 from helix_kv.simulate.options import (
+    RECOMPUTE_ONLY,
+    SUSPEND_POLICIES,
     VICTIM_POLICIES,
     SimulationOptions,
     check_config,
@@ -36,10 +38,15 @@ from helix_kv.simulate.options import (
 from helix_kv.simulate.plot import check_plot_target, plot_run
 from helix_kv.simulate.procs import check_procs_available, run_in_processes, run_with_options
 from helix_kv.simulate.progress import progress_wanted
-from helix_kv.simulate.report import format_comparison, format_table, summarize, to_json
+from helix_kv.simulate.report import (
+    add_recompute_only,
+    format_comparison,
+    format_table,
+    summarize,
+    to_json,
+)
 from helix_kv.simulate.step_loop import SimulationResult
 from helix_kv.simulate.workload import RequestSpec, read_trace, synthetic_workload
-from helix_kv.types import VictimPolicy
 
 PROG = "helix-kv simulate"
 EXIT_OK = 0
@@ -101,7 +108,25 @@ def _plot_path(path: str, policy: str | None) -> Path:
     return target.with_name(f"{target.stem}.{policy}{target.suffix}")
 
 
-def events_paths(path: str | None, policies: list[VictimPolicy | None]) -> dict[str | None, Path]:
+def planned_runs(
+    options: SimulationOptions, compare: bool
+) -> list[tuple[str | None, SimulationOptions]]:
+    """The runs of one command, each with its ``--compare-policies`` column name (``None``
+    for a single run). With a host tier: ``--compare-policies`` adds a run per suspend policy
+    (under the default victim policy) and one without the host tier; a single run is followed
+    by a run without the host tier, the baseline of ``recomputed_tokens_avoided``."""
+    if not compare:
+        runs: list[tuple[str | None, SimulationOptions]] = [(None, options)]
+    else:
+        runs = [(policy, options.with_victim_policy(policy)) for policy in VICTIM_POLICIES]
+        if options.has_host_tier:
+            runs += [(policy, options.with_suspend_policy(policy)) for policy in SUSPEND_POLICIES]
+    if options.has_host_tier:
+        runs.append((RECOMPUTE_ONLY, options.without_host_tier()))
+    return runs
+
+
+def events_paths(path: str | None, policies: list[str | None]) -> dict[str | None, Path]:
     """Where each run's ``--events`` go: the file itself, or with ``--compare-policies`` one
     file per policy (``run.jsonl`` -> ``run.newest_first.jsonl``, as ``--plot`` names them)."""
     if path is None:
@@ -146,10 +171,8 @@ def run_simulate(
         if options.procs:
             check_procs_available()
         preflight(options, workload)
-        policies: list[VictimPolicy | None] = (
-            list(VICTIM_POLICIES) if args.compare_policies else [None]
-        )
-        events_at = events_paths(args.events, policies)
+        runs = planned_runs(options, args.compare_policies)
+        events_at = events_paths(args.events, [name for name, _ in runs if name != RECOMPUTE_ONLY])
         check_events_targets(events_at)
     except (
         UsageError,
@@ -163,10 +186,9 @@ def run_simulate(
     show_progress = progress_wanted(args.json, args.progress, stderr)
     results: dict[str, SimulationResult] = {}
     with InterruptGuard() as interrupted:
-        for policy in policies:
+        for policy, run_options in runs:
             if interrupted():
                 break
-            run_options = options if policy is None else options.with_victim_policy(policy)
             label = policy or ""
             try:
                 result = run_once(
@@ -191,6 +213,14 @@ def run_simulate(
             results[policy or str(result.config["scheduler"].get("victim_policy"))] = result
 
     summaries = {name: summarize(result) for name, result in results.items()}
+    baseline = summaries.get(RECOMPUTE_ONLY)
+    if baseline is not None:
+        for name, summary in summaries.items():
+            if name != RECOMPUTE_ONLY:
+                add_recompute_only(summary, baseline)
+        if not args.compare_policies:
+            del summaries[RECOMPUTE_ONLY]  # a single run reports it inside its own figures
+            del results[RECOMPUTE_ONLY]
     if args.compare_policies:
         if args.json:
             print(to_json({"policies": summaries}), file=stdout)

@@ -19,12 +19,16 @@ from helix_kv.errors import SimulationSetupError as SimulationSetupError  # also
 from helix_kv.simulate.timing import StepTimeModel
 from helix_kv.simulate.tokens import prompt_tokens
 from helix_kv.simulate.workload import RequestSpec
-from helix_kv.types import CapacityPolicy, ServingMode, VictimPolicy
+from helix_kv.types import CapacityPolicy, ServingMode, SuspendPolicy, VictimPolicy
 
 #: Victim policies, in the order ``--compare-policies`` runs them (the core's names; the
 #: ``Literal`` aliases of :mod:`helix_kv.types` are checked against them by a test).
 VICTIM_POLICIES: tuple[VictimPolicy, ...] = SchedulerConfig.VICTIM_POLICIES
 CAPACITY_POLICIES: tuple[CapacityPolicy, ...] = SchedulerConfig.CAPACITY_POLICIES
+#: Suspend policies, in the order ``--compare-policies`` runs them with a host tier.
+SUSPEND_POLICIES: tuple[SuspendPolicy, ...] = SchedulerConfig.SUSPEND_POLICIES
+#: The ``--compare-policies`` column of the run without the host tier (recompute only).
+RECOMPUTE_ONLY = "no_host_tier"
 SERVING_MODES: tuple[ServingMode, ...] = SchedulerConfig.SERVING_MODES
 
 _PREFLIGHT_BATCH = 256
@@ -71,6 +75,9 @@ FLAG_OF_FIELD = {
     "capacity_policy": "--capacity-policy",
     "serving_mode": "--mode",
     "victim_policy": "--policy",
+    "suspend_policy": "--suspend-policy",
+    "suspend_cost_per_token": "--suspend-cost-per-token",
+    "recompute_cost_per_token": "--recompute-cost-per-token",
     "max_preemptions_per_request": "--max-preemptions",
     "deadlock_steps": "--deadlock-steps",
 }
@@ -117,6 +124,19 @@ class SimulationOptions:
     def with_victim_policy(self, policy: VictimPolicy) -> SimulationOptions:
         """The same options under another victim policy."""
         return dataclasses.replace(self, scheduler={**self.scheduler, "victim_policy": policy})
+
+    def with_suspend_policy(self, policy: SuspendPolicy) -> SimulationOptions:
+        """The same options under another suspend policy."""
+        return dataclasses.replace(self, scheduler={**self.scheduler, "suspend_policy": policy})
+
+    def without_host_tier(self) -> SimulationOptions:
+        """The same options with no host tier: every victim is recompute-paused."""
+        return dataclasses.replace(self, scheduler={**self.scheduler, "host_tier_superblocks": 0})
+
+    @property
+    def has_host_tier(self) -> bool:
+        """Whether the scheduler gets a host tier to suspend to."""
+        return int(self.scheduler.get("host_tier_superblocks", 0)) > 0
 
     def resolved(self, workload_info: dict[str, Any]) -> dict[str, Any]:
         """The configuration as run: the report's ``config`` object."""

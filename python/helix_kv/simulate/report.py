@@ -100,6 +100,11 @@ def summarize(result: SimulationResult) -> Summary:
     utilization = result.series.kv_utilization
     computed = int(metrics.computed_tokens)
     recomputed = int(metrics.recomputed_tokens)
+    scheduler = result.config.get("scheduler", {})
+    tokens_per_superblock = int(scheduler.get("tokens_per_block", 0)) * int(
+        result.config.get("cp", 0)
+    )
+    moved = int(metrics.suspended_superblocks) + int(metrics.resumed_superblocks)
     summary: Summary = {
         "requests_total": result.requests_total,
         "requests_finished": result.requests_finished,
@@ -110,6 +115,13 @@ def summarize(result: SimulationResult) -> Summary:
         "computed_tokens": computed,
         "preemptions": int(metrics.preemptions),
         "suspensions": int(metrics.suspensions),
+        "resumes": int(metrics.resumes),
+        # The simulator has no model size: copies are counted in host pages per rank (one
+        # superblock = one page on every rank) and in the global tokens those pages hold.
+        "host_pages_out_per_rank": int(metrics.suspended_superblocks),
+        "host_pages_in_per_rank": int(metrics.resumed_superblocks),
+        "host_tokens_moved": moved * tokens_per_superblock,
+        "suspended_tokens": int(metrics.suspended_tokens),
         "preempted_requests": sum(1 for o in outcomes if o.preemptions > 0),
         "max_preemptions_of_a_request": max((o.preemptions for o in outcomes), default=0),
         "recomputed_tokens": recomputed,
@@ -134,6 +146,16 @@ def summarize(result: SimulationResult) -> Summary:
     if result.interrupted:
         summary["interrupted"] = True
     return summary
+
+
+def add_recompute_only(summary: Summary, baseline: Summary) -> None:
+    """Adds what the same workload did without the host tier (every victim recompute-paused):
+    its recomputed tokens and steps, and the recomputed tokens the host tier avoided."""
+    summary["recompute_only_recomputed_tokens"] = baseline["recomputed_tokens"]
+    summary["recompute_only_steps"] = baseline["steps"]
+    summary["recomputed_tokens_avoided"] = (
+        baseline["recomputed_tokens"] - summary["recomputed_tokens"]
+    )
 
 
 def to_json(summary: Mapping[str, Any]) -> str:
@@ -240,13 +262,44 @@ MODELLED_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
 ]
 
 
+#: Rows added after "recomputed tokens" when the run had a host tier (and so a baseline run
+#: without it).
+HOST_TIER_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
+    (
+        "recomputed w/o host tier",
+        lambda s: (
+            f"{s['recompute_only_recomputed_tokens']} in {s['recompute_only_steps']} steps "
+            f"({s['recomputed_tokens_avoided']} avoided)"
+        ),
+    ),
+    ("suspends / resumes", lambda s: _pair(s["suspensions"], s["resumes"])),
+    (
+        "host pages out / in",
+        lambda s: _pair(s["host_pages_out_per_rank"], s["host_pages_in_per_rank"], " per rank"),
+    ),
+    ("host tokens moved", lambda s: str(s["host_tokens_moved"])),
+]
+
+
 def table_rows(summary: Summary) -> list[tuple[str, Callable[[Summary], str]]]:
-    """The table's rows for ``summary``: :data:`ROWS`, with :data:`MODELLED_ROWS` after the
-    latencies in steps when a step-time model was on."""
-    if "modelled_time_ms" not in summary:
-        return ROWS
-    at = next(i for i, (label, _) in enumerate(ROWS) if label.startswith("completion")) + 1
-    return [*ROWS[:at], *MODELLED_ROWS, *ROWS[at:]]
+    """The table's rows for ``summary``: :data:`ROWS`, with :data:`HOST_TIER_ROWS` after the
+    recomputed tokens when a baseline without the host tier ran, and :data:`MODELLED_ROWS`
+    after the latencies in steps when a step-time model was on."""
+    rows = list(ROWS)
+    if "recomputed_tokens_avoided" in summary:
+        at = next(i for i, (label, _) in enumerate(rows) if label == "recomputed tokens") + 1
+        rows[at:at] = HOST_TIER_ROWS
+    if "modelled_time_ms" in summary:
+        at = next(i for i, (label, _) in enumerate(rows) if label.startswith("completion")) + 1
+        rows[at:at] = MODELLED_ROWS
+    return rows
+
+
+#: The line under a report with host-tier copies: what the page counts mean in bytes.
+BYTES_NOTE = (
+    "  host copies are counted in pages: the simulator has no model size; bytes = pages x "
+    "tokens_per_block x KV bytes per token (per rank)"
+)
 
 
 def model_note(summary: Summary) -> str | None:
@@ -284,6 +337,11 @@ def describe_config(config: Mapping[str, Any], *, include_policy: bool = True) -
     ]
     if include_policy:
         parts.append(f"policy={scheduler.get('victim_policy', '?')}")
+    host_tier = int(scheduler.get("host_tier_superblocks", 0))
+    if host_tier:
+        parts.append(f"host_tier_superblocks={host_tier}")
+        if include_policy:
+            parts.append(f"suspend_policy={scheduler.get('suspend_policy', '?')}")
     source = config.get("workload", {})
     if source.get("source") == "trace":
         parts.append(f"trace={source.get('path')}")
@@ -301,6 +359,8 @@ def format_table(summary: Summary) -> str:
     note = model_note(summary)
     if note is not None:
         lines.append(note)
+    if summary.get("host_tokens_moved"):
+        lines.append(BYTES_NOTE)
     if "mismatch" in summary:
         lines.append(f"  mismatch: {summary['mismatch']}")
     if summary.get("interrupted"):
@@ -308,12 +368,22 @@ def format_table(summary: Summary) -> str:
     return "\n".join(lines)
 
 
+def _cell(show: Callable[[Summary], str], summary: Summary) -> str:
+    """A row's value, ``-`` where the run has no such figure (the baseline's host-tier row)."""
+    try:
+        return show(summary)
+    except KeyError:
+        return "-"
+
+
 def format_comparison(summaries: Mapping[str, Summary]) -> str:
     """The same rows for several runs (one per victim policy), side by side."""
     names = list(summaries)
     first = next(iter(summaries.values()))
-    rows = table_rows(first)  # every policy ran with the same step-time model, or none
-    cells = [[show(summaries[name]) for name in names] for _, show in rows]
+    # every policy ran with the same step-time model, or none; the baseline column (if any)
+    # has no host-tier rows, so they come from a column that has them
+    rows = table_rows(max(summaries.values(), key=lambda s: len(table_rows(s))))
+    cells = [[_cell(show, summaries[name]) for name in names] for _, show in rows]
     label_width = max(len(label) for label, _ in rows)
     widths = [
         max(len(name), *(len(row[column]) for row in cells)) for column, name in enumerate(names)
@@ -322,7 +392,7 @@ def format_comparison(summaries: Mapping[str, Summary]) -> str:
     setting = describe_config(first["config"], include_policy=False)
     lines = [
         f"helix-kv simulate --compare-policies: {setting}",
-        f"  {'victim policy':<{label_width}}  {header}",
+        f"  {'policy':<{label_width}}  {header}",
     ]
     for (label, _), row in zip(rows, cells):
         values = "  ".join(f"{cell:>{width}}" for cell, width in zip(row, widths))
@@ -330,6 +400,8 @@ def format_comparison(summaries: Mapping[str, Summary]) -> str:
     note = model_note(first)
     if note is not None:
         lines.append(note)
+    if any(summary.get("host_tokens_moved") for summary in summaries.values()):
+        lines.append(BYTES_NOTE)
     for name, summary in summaries.items():
         if summary.get("interrupted"):
             lines.append(

@@ -2,7 +2,8 @@
 //! every step from the first and the scheduler's state digest; `cp_rank` does not.
 
 use helix_kv_core::{
-    CapacityPolicy, FieldValue, Scheduler, SchedulerConfig, ServingMode, VictimPolicy,
+    CapacityPolicy, FieldValue, Scheduler, SchedulerConfig, ServingMode, SuspendPolicy,
+    VictimPolicy,
 };
 
 /// A small CP-2 group configuration every single-field change below keeps valid.
@@ -87,6 +88,21 @@ fn single_field_changes() -> Vec<(&'static str, SchedulerConfig, SchedulerConfig
             "host_tier_superblocks",
             non_helix.clone(),
             changed(&non_helix, |c| c.host_tier_superblocks = 2),
+        ),
+        (
+            "suspend_policy",
+            b.clone(),
+            changed(&b, |c| c.suspend_policy = SuspendPolicy::Cost),
+        ),
+        (
+            "suspend_cost_per_token",
+            b.clone(),
+            changed(&b, |c| c.suspend_cost_per_token = 3),
+        ),
+        (
+            "recompute_cost_per_token",
+            b.clone(),
+            changed(&b, |c| c.recompute_cost_per_token = 7),
         ),
         (
             "victim_policy",

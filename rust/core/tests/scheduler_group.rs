@@ -6,7 +6,7 @@ mod common;
 use common::{
     assert_matches_reference, assert_matches_reference_with_aborts, Group, Model, RunOptions, Spec,
 };
-use helix_kv_core::{SchedulerConfig, ServingMode, VictimPolicy};
+use helix_kv_core::{SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy};
 
 const CPS: [u32; 3] = [1, 2, 4];
 
@@ -292,6 +292,128 @@ fn aborts_of_suspended_requests_release_the_host_tier() {
                 "no abort of a {state} request: {:?}",
                 result.abort_states
             );
+        }
+    }
+}
+
+/// Aggregated Helix with a host tier of `host` superblocks and `policy`.
+fn with_host_tier(
+    mut config: SchedulerConfig,
+    host: u32,
+    policy: SuspendPolicy,
+) -> SchedulerConfig {
+    config.host_tier_superblocks = host;
+    config.suspend_policy = policy;
+    config
+}
+
+const SUSPEND_POLICIES: [SuspendPolicy; 3] = [
+    SuspendPolicy::SuspendFirst,
+    SuspendPolicy::RecomputeFirst,
+    SuspendPolicy::Cost,
+];
+
+#[test]
+fn aggregated_helix_suspends_to_the_host_tier_under_decode_pressure() {
+    let specs: Vec<Spec> = (0..8).map(|i| Spec::new(i, 10, 30)).collect();
+    for cp in CPS {
+        let recompute_only = run(
+            &config(cp, 4, 160),
+            &specs,
+            Model::default(),
+            RunOptions::default(),
+        );
+        for policy in SUSPEND_POLICIES {
+            let config = with_host_tier(config(cp, 4, 160), 64, policy);
+            let result = run(&config, &specs, Model::default(), RunOptions::default());
+            // Every victim decodes here, so each policy suspends (cost: a decoding victim
+            // of 10+ computed tokens costs more to recompute than its pages to copy).
+            assert!(
+                result.suspensions > 0 && result.resumes > 0,
+                "{policy:?} cp={cp}: the workload must suspend and resume"
+            );
+            assert!(
+                result.recomputed_tokens < recompute_only.recomputed_tokens,
+                "{policy:?} cp={cp}: suspends must save recomputation ({} vs {})",
+                result.recomputed_tokens,
+                recompute_only.recomputed_tokens
+            );
+        }
+    }
+}
+
+#[test]
+fn aggregated_helix_suspends_under_chunked_prefill_pressure() {
+    let specs: Vec<Spec> = (0..6usize)
+        .map(|i| Spec::new(i as u64, 40 + 9 * i, 12))
+        .collect();
+    for cp in CPS {
+        for policy in SUSPEND_POLICIES {
+            let mut config = with_host_tier(config(cp, 4, 192), 48, policy);
+            config.max_num_tokens = 32;
+            config.chunk_unit = Some(8);
+            let result = run(&config, &specs, Model::default(), RunOptions::default());
+            assert!(
+                result.preemptions + result.suspensions > 0,
+                "{policy:?} cp={cp}: the workload must preempt"
+            );
+            if policy != SuspendPolicy::RecomputeFirst {
+                assert!(result.suspensions > 0, "{policy:?} cp={cp}: must suspend");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_full_host_tier_falls_back_to_recompute() {
+    let specs: Vec<Spec> = (0..10).map(|i| Spec::new(i, 10, 30)).collect();
+    for cp in CPS {
+        // Room for a victim or two: the others are recompute-paused.
+        let config = with_host_tier(config(cp, 4, 160), 12 / cp, SuspendPolicy::SuspendFirst);
+        let result = run(&config, &specs, Model::default(), RunOptions::default());
+        assert!(
+            result.suspensions > 0 && result.preemptions > 0,
+            "cp={cp}: both suspends and recompute-pauses ({} / {})",
+            result.suspensions,
+            result.preemptions
+        );
+    }
+}
+
+#[test]
+fn aggregated_host_tier_with_reverts_staggered_arrivals_and_aborts() {
+    let specs: Vec<Spec> = (0..14)
+        .map(|i| {
+            let spec = Spec::new(i, 6 + usize::try_from(i * 11 % 30).unwrap(), 24).at(i / 2);
+            match i {
+                4 | 9 => spec.abort_in_state("suspended", false),
+                6 | 11 => spec.abort_in_state("suspended", true),
+                13 => spec.abort_at(30),
+                _ => spec,
+            }
+        })
+        .collect();
+    for cp in CPS {
+        for policy in SUSPEND_POLICIES {
+            let mut config = with_host_tier(config(cp, 4, 160), 24, policy);
+            config.max_num_tokens = 40;
+            config.chunk_unit = Some(8);
+            for revert_per_mille in [0, 250] {
+                let options = RunOptions {
+                    revert_per_mille,
+                    seed: u64::from(cp) + 7,
+                    max_steps: 0,
+                };
+                let result = run_with_aborts(&config, &specs, options);
+                assert!(result.suspensions > 0, "{policy:?} cp={cp}: must suspend");
+                if policy == SuspendPolicy::SuspendFirst {
+                    assert!(
+                        result.abort_states.contains("suspended"),
+                        "cp={cp}: {:?}",
+                        result.abort_states
+                    );
+                }
+            }
         }
     }
 }

@@ -9,7 +9,7 @@ use common::{
     assert_matches_reference, assert_matches_reference_with_aborts, Group, Model, RunOptions, Spec,
 };
 use helix_kv_core::{
-    CapacityPolicy, CoreError, Scheduler, SchedulerConfig, ServingMode, VictimPolicy,
+    CapacityPolicy, CoreError, Scheduler, SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy,
 };
 use proptest::prelude::*;
 
@@ -23,7 +23,8 @@ struct Case {
 
 fn mode() -> impl Strategy<Value = (ServingMode, u32)> {
     prop_oneof![
-        4 => Just((ServingMode::AggregatedHelix, 0)),
+        3 => Just((ServingMode::AggregatedHelix, 0)),
+        2 => (1u32..10).prop_map(|host| (ServingMode::AggregatedHelix, host)),
         2 => (0u32..8).prop_map(|host| (ServingMode::NonHelix, host)),
         1 => Just((ServingMode::DisaggregatedGeneration, 0)),
     ]
@@ -43,13 +44,13 @@ fn case() -> impl Strategy<Value = Case> {
             0u32..4,
         ),
         (0u64..60, 1u32..16, 8u32..64, any::<bool>(), 1u32..9),
-        (0u32..12, any::<bool>(), any::<bool>(), 0u64..3),
+        (0u32..12, any::<bool>(), any::<bool>(), 0u64..3, 0usize..3),
         prop::collection::vec(spec(), 1..10),
     )
         .prop_map(|(shape, budget, rules, requests)| {
             let (cp, tpb, (serving_mode, host_tier), no_evict, policy) = shape;
             let (spare_percent, max_batch_size, max_num_tokens, chunked, chunk_unit) = budget;
-            let (bound, admit_after_preemption, eos, revert) = rules;
+            let (bound, admit_after_preemption, eos, revert, suspend_policy) = rules;
             let cp = if serving_mode == ServingMode::NonHelix {
                 1
             } else {
@@ -78,6 +79,11 @@ fn case() -> impl Strategy<Value = Case> {
             config.tokens_per_block = tpb;
             config.serving_mode = serving_mode;
             config.host_tier_superblocks = host_tier;
+            config.suspend_policy = [
+                SuspendPolicy::SuspendFirst,
+                SuspendPolicy::RecomputeFirst,
+                SuspendPolicy::Cost,
+            ][suspend_policy];
             config.capacity_policy = if no_evict {
                 CapacityPolicy::GuaranteedNoEvict
             } else {

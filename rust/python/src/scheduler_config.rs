@@ -1,7 +1,9 @@
 //! `SchedulerConfig`: the scheduler's configuration, built from keyword arguments and
 //! validated once (every rule error is a `ConfigError` naming the field).
 
-use helix_kv_core::{CapacityPolicy, FieldValue, SchedulerConfig, ServingMode, VictimPolicy};
+use helix_kv_core::{
+    CapacityPolicy, FieldValue, SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
 
@@ -96,6 +98,9 @@ impl PySchedulerConfig {
         capacity_policy = Given::Absent,
         serving_mode = Given::Absent,
         host_tier_superblocks = Given::Absent,
+        suspend_policy = Given::Absent,
+        suspend_cost_per_token = Given::Absent,
+        recompute_cost_per_token = Given::Absent,
         victim_policy = Given::Absent,
         max_preemptions_per_request = Given::Absent,
         admit_after_preemption = Given::Absent,
@@ -104,6 +109,7 @@ impl PySchedulerConfig {
         kv_tokens=None, max_batch_size=256, max_num_tokens=8192, enable_chunked_prefill=True, \
         chunk_unit=None, max_seq_len=131072, capacity_policy=\"max_utilization\", \
         serving_mode=\"aggregated_helix\", host_tier_superblocks=0, \
+        suspend_policy=\"suspend_first\", suspend_cost_per_token=1, recompute_cost_per_token=4, \
         victim_policy=\"newest_first\", max_preemptions_per_request=8, \
         admit_after_preemption=False, deadlock_steps=64)")]
     #[expect(
@@ -124,6 +130,9 @@ impl PySchedulerConfig {
         capacity_policy: Given<'_>,
         serving_mode: Given<'_>,
         host_tier_superblocks: Given<'_>,
+        suspend_policy: Given<'_>,
+        suspend_cost_per_token: Given<'_>,
+        recompute_cost_per_token: Given<'_>,
         victim_policy: Given<'_>,
         max_preemptions_per_request: Given<'_>,
         admit_after_preemption: Given<'_>,
@@ -182,6 +191,19 @@ impl PySchedulerConfig {
             "host_tier_superblocks",
             config.host_tier_superblocks,
         )?;
+        config.suspend_policy = suspend_policy.map_or(Ok(config.suspend_policy), |v| {
+            str_arg(v, "suspend_policy")?.parse::<SuspendPolicy>().py()
+        })?;
+        config.suspend_cost_per_token = setting_u32(
+            suspend_cost_per_token,
+            "suspend_cost_per_token",
+            config.suspend_cost_per_token,
+        )?;
+        config.recompute_cost_per_token = setting_u32(
+            recompute_cost_per_token,
+            "recompute_cost_per_token",
+            config.recompute_cost_per_token,
+        )?;
         config.victim_policy = victim_policy.map_or(Ok(config.victim_policy), |v| {
             str_arg(v, "victim_policy")?.parse::<VictimPolicy>().py()
         })?;
@@ -231,6 +253,12 @@ impl PySchedulerConfig {
     #[expect(non_snake_case, reason = "a Python class constant")]
     fn VICTIM_POLICIES(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
         PyTuple::new(py, VictimPolicy::NAMES)
+    }
+    /// The accepted `suspend_policy` names, in declaration order.
+    #[classattr]
+    #[expect(non_snake_case, reason = "a Python class constant")]
+    fn SUSPEND_POLICIES(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+        PyTuple::new(py, SuspendPolicy::NAMES)
     }
     /// The accepted `serving_mode` names, in declaration order.
     #[classattr]
@@ -332,10 +360,26 @@ impl PySchedulerConfig {
     fn serving_mode(&self) -> &'static str {
         self.inner.serving_mode.as_str()
     }
-    /// Host-tier superblocks (`non_helix` only).
+    /// Host-tier superblocks (`non_helix` and `aggregated_helix`): one host page per rank
+    /// each.
     #[getter]
     fn host_tier_superblocks(&self) -> u32 {
         self.inner.host_tier_superblocks
+    }
+    /// `"suspend_first"`, `"recompute_first"` or `"cost"`.
+    #[getter]
+    fn suspend_policy(&self) -> &'static str {
+        self.inner.suspend_policy.as_str()
+    }
+    /// Cost of copying one token's KV to the host tier and back (`suspend_policy="cost"`).
+    #[getter]
+    fn suspend_cost_per_token(&self) -> u32 {
+        self.inner.suspend_cost_per_token
+    }
+    /// Cost of computing one token again after a recompute-pause, in the same unit.
+    #[getter]
+    fn recompute_cost_per_token(&self) -> u32 {
+        self.inner.recompute_cost_per_token
     }
     /// `"newest_first"`, `"least_computed_first"` or `"priority"`.
     #[getter]
@@ -405,6 +449,9 @@ fn keywords<'py>(py: Python<'py>, config: &SchedulerConfig) -> PyResult<Bound<'p
     d.set_item("capacity_policy", c.capacity_policy.as_str())?;
     d.set_item("serving_mode", c.serving_mode.as_str())?;
     d.set_item("host_tier_superblocks", c.host_tier_superblocks)?;
+    d.set_item("suspend_policy", c.suspend_policy.as_str())?;
+    d.set_item("suspend_cost_per_token", c.suspend_cost_per_token)?;
+    d.set_item("recompute_cost_per_token", c.recompute_cost_per_token)?;
     d.set_item("victim_policy", c.victim_policy.as_str())?;
     d.set_item("max_preemptions_per_request", c.max_preemptions_per_request)?;
     d.set_item("admit_after_preemption", c.admit_after_preemption)?;

@@ -126,6 +126,7 @@ impl Scheduler {
             .iter()
             .filter(|entry| matches!(entry, JournalEntry::Resume(_)))
             .count() as u64;
+        self.release_resumed_host_pages();
     }
 
     /// Frees a finished (or aborted) request's KV, host-tier share and batch slot, and keeps
@@ -136,8 +137,9 @@ impl Scheduler {
         if let Some(slot) = request.batch_slot.take() {
             self.batch_slots.release(slot);
         }
-        // Only a suspended request holds host-tier superblocks.
-        self.host_used_superblocks -= std::mem::take(&mut request.host_superblocks);
+        // Only a suspended (or just resumed) request holds host-tier superblocks.
+        self.release_host_pages(req);
+        let request = &mut self.requests[req as usize];
         let metrics = RequestMetrics {
             preemptions: request.preemptions,
             recomputed_tokens: request.recomputed_tokens,

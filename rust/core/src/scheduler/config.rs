@@ -45,6 +45,25 @@ pub enum VictimPolicy {
     Priority,
 }
 
+/// Whether a victim with room in the host tier is suspended (its KV copied to host and
+/// back) or recompute-paused (its KV thrown away and prefilled again). Every input is
+/// rank-invariant: the victim's state, its global token count and superblocks, and the
+/// configuration's cost coefficients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum SuspendPolicy {
+    /// Suspend every victim the host tier has room for; recompute-pause the rest.
+    #[default]
+    SuspendFirst,
+    /// Recompute-pause a victim that is still prefilling (nothing generated is lost and
+    /// its prompt prefix is cheap to redo); suspend a decoding one when the host tier
+    /// has room.
+    RecomputeFirst,
+    /// Suspend when the copy costs less than the recompute: the victim's superblocks x
+    /// `tokens_per_block x cp_size` x `suspend_cost_per_token` (the copy out and back in
+    /// of every page it holds) against its computed tokens x `recompute_cost_per_token`.
+    Cost,
+}
+
 macro_rules! snake_case_names {
     ($ty:ty, $what:literal, $($variant:ident => $name:literal),+ $(,)?) => {
         impl $ty {
@@ -96,6 +115,11 @@ snake_case_names!(VictimPolicy, "victim_policy",
     LeastComputedFirst => "least_computed_first",
     Priority => "priority",
 );
+snake_case_names!(SuspendPolicy, "suspend_policy",
+    SuspendFirst => "suspend_first",
+    RecomputeFirst => "recompute_first",
+    Cost => "cost",
+);
 
 /// The value of one field in [`SchedulerConfig::decision_fields`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -109,7 +133,7 @@ pub enum FieldValue {
 }
 
 /// Fields in [`SchedulerConfig::decision_fields`]: every field but `cp_rank`.
-pub const DECISION_FIELDS: usize = 15;
+pub const DECISION_FIELDS: usize = 18;
 
 /// Everything a [`super::Scheduler`] is built from. Every field except `cp_rank` is the
 /// same on every rank of a CP group; `cp_rank` only selects which per-rank fields a
@@ -139,8 +163,16 @@ pub struct SchedulerConfig {
     pub capacity_policy: CapacityPolicy,
     /// Where the scheduler runs.
     pub serving_mode: ServingMode,
-    /// Superblocks of host memory to suspend to (`NonHelix` only).
+    /// Superblocks of host memory to suspend to (`NonHelix` and `AggregatedHelix`): one
+    /// host page on every rank per superblock, the group's minimum.
     pub host_tier_superblocks: u32,
+    /// Suspend or recompute-pause a victim when the host tier has room.
+    pub suspend_policy: SuspendPolicy,
+    /// Cost of copying one global token's KV to the host tier and back (any unit; only the
+    /// ratio to `recompute_cost_per_token` matters), for `SuspendPolicy::Cost`.
+    pub suspend_cost_per_token: u32,
+    /// Cost of computing one token again after a recompute-pause, in the same unit.
+    pub recompute_cost_per_token: u32,
     /// Who gives up pages under pressure.
     pub victim_policy: VictimPolicy,
     /// A request chosen as a victim this many times is no longer chosen, except by the
@@ -170,6 +202,9 @@ impl SchedulerConfig {
             capacity_policy: CapacityPolicy::default(),
             serving_mode: ServingMode::default(),
             host_tier_superblocks: 0,
+            suspend_policy: SuspendPolicy::default(),
+            suspend_cost_per_token: 1,
+            recompute_cost_per_token: 4,
             victim_policy: VictimPolicy::default(),
             max_preemptions_per_request: 8,
             admit_after_preemption: false,
@@ -254,6 +289,9 @@ impl SchedulerConfig {
             capacity_policy,
             serving_mode,
             host_tier_superblocks,
+            suspend_policy,
+            suspend_cost_per_token,
+            recompute_cost_per_token,
             victim_policy,
             max_preemptions_per_request,
             admit_after_preemption,
@@ -271,6 +309,12 @@ impl SchedulerConfig {
             ("capacity_policy", Name(capacity_policy.as_str())),
             ("serving_mode", Name(serving_mode.as_str())),
             ("host_tier_superblocks", Int(host_tier_superblocks.into())),
+            ("suspend_policy", Name(suspend_policy.as_str())),
+            ("suspend_cost_per_token", Int(suspend_cost_per_token.into())),
+            (
+                "recompute_cost_per_token",
+                Int(recompute_cost_per_token.into()),
+            ),
             ("victim_policy", Name(victim_policy.as_str())),
             (
                 "max_preemptions_per_request",
@@ -362,19 +406,18 @@ impl SchedulerConfig {
         if self.deadlock_steps == 0 {
             return fail("deadlock_steps must be at least 1".into());
         }
+        if self.host_tier_superblocks > MAX_CAPACITY {
+            return fail(format!(
+                "host_tier_superblocks = {} is more than {MAX_CAPACITY}, the most superblocks int32 host page \
+                 ids can name; lower the host KV budget",
+                self.host_tier_superblocks
+            ));
+        }
         match self.serving_mode {
             ServingMode::NonHelix if self.cp_size != 1 => {
                 return fail(format!(
                     "serving_mode non_helix needs cp_size == 1 (got {}); use aggregated_helix or disaggregated_generation for a CP group",
                     self.cp_size
-                ));
-            }
-            ServingMode::AggregatedHelix if self.host_tier_superblocks > 0 => {
-                return fail(format!(
-                    "host_tier_superblocks = {} is rejected under aggregated Helix: its KV pool is GPU-only, so suspending \
-                     to a host tier frees nothing useful and resuming would read per-rank utilisation, which breaks \
-                     rank invariance; set host_tier_superblocks = 0 and raise the GPU KV budget instead",
-                    self.host_tier_superblocks
                 ));
             }
             ServingMode::DisaggregatedGeneration if self.host_tier_superblocks > 0 => {
@@ -404,6 +447,9 @@ mod tests {
         }
         for name in CapacityPolicy::NAMES {
             assert_eq!(name.parse::<CapacityPolicy>().unwrap().as_str(), *name);
+        }
+        for name in SuspendPolicy::NAMES {
+            assert_eq!(name.parse::<SuspendPolicy>().unwrap().as_str(), *name);
         }
         let err = "oldest".parse::<VictimPolicy>().unwrap_err().to_string();
         assert!(err.contains("newest_first"), "{err}");
@@ -448,8 +494,8 @@ mod tests {
                 "non_helix needs cp_size == 1",
             ),
             (
-                changed(|c| c.host_tier_superblocks = 2),
-                "raise the GPU KV budget",
+                changed(|c| c.host_tier_superblocks = MAX_CAPACITY + 1),
+                "host_tier_superblocks",
             ),
             (
                 changed(|c| {
@@ -494,6 +540,12 @@ mod tests {
     fn host_tier_and_unchunked_configs_are_accepted() {
         changed(|c| {
             c.serving_mode = ServingMode::NonHelix;
+            c.host_tier_superblocks = 2;
+        })
+        .validate()
+        .unwrap();
+        changed(|c| {
+            c.cp_size = 4;
             c.host_tier_superblocks = 2;
         })
         .validate()

@@ -22,6 +22,13 @@ macro_rules! scheduler_metrics_fields {
             /// Resumes from the host tier (in steps that ran; a reverted step's resumes are
             /// undone and not counted).
             resumes: u64,
+            /// Superblocks copied out to the host tier by suspends (one page per rank each).
+            suspended_superblocks: u64,
+            /// Superblocks copied back in by resumes (in steps that ran).
+            resumed_superblocks: u64,
+            /// Computed KV tokens that suspends kept (a recompute-pause would have thrown
+            /// them away and computed them again).
+            suspended_tokens: u64,
             /// KV tokens thrown away by recompute-pauses (they are computed again).
             recomputed_tokens: u64,
             /// Context and decode tokens run, recomputation included.

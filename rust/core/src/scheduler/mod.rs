@@ -13,6 +13,7 @@
 mod abort;
 mod commit;
 mod config;
+mod host;
 mod metrics;
 mod output;
 mod placement;
@@ -24,7 +25,8 @@ mod victim;
 use rustc_hash::FxHashMap;
 
 pub use config::{
-    CapacityPolicy, FieldValue, SchedulerConfig, ServingMode, VictimPolicy, DECISION_FIELDS,
+    CapacityPolicy, FieldValue, SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy,
+    DECISION_FIELDS,
 };
 pub use metrics::{RequestMetrics, SchedulerMetrics};
 pub use output::{FieldScope, ScheduleOutput};
@@ -35,6 +37,7 @@ use crate::error::{CoreError, Result};
 use crate::layout::Layout;
 use crate::ledger::Ledger;
 use crate::RequestId;
+use host::HostTier;
 use placement::Placement;
 use request::Request;
 use slots::BatchSlots;
@@ -84,7 +87,8 @@ pub struct Scheduler {
     /// Live requests whose abort waits for the pending step to close.
     abort_requests: usize,
     batch_slots: BatchSlots,
-    host_used_superblocks: u32,
+    /// The mirrored host-tier ledger (empty without a host tier).
+    host: HostTier,
     /// Number the next `schedule()` takes.
     next_step: u64,
     /// Whether the last schedule is waiting for `update` or `revert`.
@@ -149,7 +153,7 @@ impl Scheduler {
             finished: FxHashMap::default(),
             abort_requests: 0,
             batch_slots: BatchSlots::new(config.max_batch_size),
-            host_used_superblocks: 0,
+            host: HostTier::new(config.host_tier_superblocks),
             next_step: 0,
             pending: false,
             pending_step: 0,
@@ -367,7 +371,12 @@ impl Scheduler {
     }
     /// Host-tier superblocks held by suspended requests.
     pub fn host_used_superblocks(&self) -> u32 {
-        self.host_used_superblocks
+        self.host.used()
+    }
+    /// Host-tier superblocks held by a live request: its host pages while suspended, and
+    /// until the step that resumed it is updated (empty otherwise).
+    pub fn host_pages(&self, id: RequestId) -> Result<&[u32]> {
+        Ok(self.host.pages(self.request_index(id)?))
     }
     /// Whether any request is live.
     pub fn has_unfinished(&self) -> bool {
@@ -462,7 +471,7 @@ impl Scheduler {
         h.u64(self.ledger.state_digest());
         h.u64(u64::from(self.pending));
         h.u64(u64::from(self.stalled_steps));
-        h.u64(u64::from(self.host_used_superblocks));
+        self.host.digest_into(&mut h, &self.queue);
         h.u64(self.queue.len() as u64);
         for &req in &self.queue {
             let r = &self.requests[req as usize];
@@ -475,7 +484,6 @@ impl Scheduler {
             }
             h.u64(r.batch_slot.get().map_or(u64::MAX, u64::from));
             h.u64(u64::from(r.preemptions));
-            h.u64(u64::from(r.host_superblocks));
             h.u64(u64::from(r.abort_requested));
         }
         h.u64(self.finished.len() as u64);

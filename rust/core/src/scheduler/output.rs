@@ -75,11 +75,23 @@ macro_rules! schedule_output_fields {
             invariant suspended_block_ids: [i32],
             /// How many of `suspended_block_ids` belong to each suspended request.
             invariant suspended_block_counts: [u64],
+            /// The host page (host superblock id, the same on every rank) each page of
+            /// `suspended_block_ids` is copied to, in the same order.
+            invariant suspended_host_block_ids: [i32],
             /// Requests brought back from the host tier this step (they decode from the
-            /// next). Their new pages are in their block tables; the executor copies their KV
-            /// back in after copying this step's suspended pages out (a resume may reuse
-            /// those pages).
+            /// next). The executor copies their KV back in after copying this step's
+            /// suspended pages out (a resume may reuse those pages) and before the step's
+            /// attention reads them.
             invariant resumed_ids: [RequestId],
+            /// The new pages (superblock ids) of each resumed request, concatenated in
+            /// `resumed_ids` order: where its KV is copied back in.
+            invariant resumed_block_ids: [i32],
+            /// The host page each page of `resumed_block_ids` is copied from, in the same
+            /// order. These host pages stay taken until the step is updated, so no suspend of
+            /// the same step can overwrite them before the copy-in read them.
+            invariant resumed_host_block_ids: [i32],
+            /// How many of `resumed_block_ids` belong to each resumed request.
+            invariant resumed_block_counts: [u64],
             /// Generation requests that found neither pages nor a victim; their batch slots
             /// were released. A request that sat out may later in the same step be preempted
             /// by an older context request and then also appears in `preempted_ids`.
@@ -250,7 +262,11 @@ impl ScheduleOutput {
             suspended_requester_ids,
             suspended_block_ids,
             suspended_block_counts,
+            suspended_host_block_ids,
             resumed_ids,
+            resumed_block_ids,
+            resumed_host_block_ids,
+            resumed_block_counts,
             sat_out_ids,
             sample_ids,
             num_tokens,
@@ -283,11 +299,19 @@ impl ScheduleOutput {
             suspended_requester_ids,
             suspended_block_counts,
             resumed_ids,
+            resumed_block_counts,
             sat_out_ids,
         ] {
             h.words(ids);
         }
-        h.stream(suspended_block_ids.iter().map(|&v| bits(v)));
+        for pages in [
+            suspended_block_ids,
+            suspended_host_block_ids,
+            resumed_block_ids,
+            resumed_host_block_ids,
+        ] {
+            h.stream(pages.iter().map(|&v| bits(v)));
+        }
         h.word(sample_ids.len() as u64);
         h.finish()
     }
@@ -299,7 +323,7 @@ impl ScheduleOutput {
     /// completing chunk. [`Self::summary`] relies on it; the binding checks an output
     /// rebuilt from Python (unpickled) with it.
     pub fn check_lengths(&self) -> Result<()> {
-        let groups: [(&str, &[usize]); 4] = [
+        let groups: [(&str, &[usize]); 6] = [
             (
                 "context",
                 &[
@@ -335,6 +359,17 @@ impl ScheduleOutput {
                     self.suspended_block_counts.len(),
                 ],
             ),
+            (
+                "resumed",
+                &[self.resumed_ids.len(), self.resumed_block_counts.len()],
+            ),
+            (
+                "copied page",
+                &[
+                    self.suspended_block_ids.len(),
+                    self.suspended_host_block_ids.len(),
+                ],
+            ),
         ];
         for (group, lengths) in groups {
             if lengths.iter().any(|&len| len != lengths[0]) {
@@ -350,6 +385,18 @@ impl ScheduleOutput {
                 total(&self.suspended_block_counts),
                 "suspended_block_ids",
                 self.suspended_block_ids.len(),
+            ),
+            (
+                "resumed_block_counts",
+                total(&self.resumed_block_counts),
+                "resumed_block_ids",
+                self.resumed_block_ids.len(),
+            ),
+            (
+                "resumed_block_counts",
+                total(&self.resumed_block_counts),
+                "resumed_host_block_ids",
+                self.resumed_host_block_ids.len(),
             ),
             (
                 "context_lens",

@@ -13,7 +13,7 @@ pub enum RequestState {
     Prefilling,
     /// Prompt computed; decodes one token per step.
     Decoding,
-    /// KV moved to the host tier (`NonHelix` only); holds no superblocks.
+    /// KV moved to the host tier; holds no GPU superblocks.
     Suspended,
 }
 
@@ -145,8 +145,6 @@ pub(super) struct Request {
     pub priority: i32,
     /// Times chosen as a victim (recompute-pause or suspend).
     pub preemptions: u32,
-    /// Host-tier superblocks held while suspended.
-    pub host_superblocks: u32,
 
     pub recomputed_tokens: u64,
     /// The batch slot it gave up by sitting out, restored if that step is reverted.
@@ -178,7 +176,6 @@ impl Request {
             remaining_tokens: max_new_tokens,
             priority,
             batch_slot: BatchSlot::none(),
-            host_superblocks: 0,
             suspended_from: RequestState::Waiting,
             preemptions: 0,
             recomputed_tokens: 0,

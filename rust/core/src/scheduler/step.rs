@@ -6,7 +6,7 @@ use super::slots::slot_id;
 use super::victim::VictimKey;
 use super::{
     CapacityPolicy, ContextEntry, CoreError, JournalEntry, RequestId, RequestIndex, RequestState,
-    Result, ScheduleOutput, Scheduler, ServingMode, VictimPolicy,
+    Result, ScheduleOutput, Scheduler, ServingMode, SuspendPolicy, VictimPolicy,
 };
 use crate::ledger::{page_id, superblock_count};
 
@@ -186,8 +186,6 @@ impl Scheduler {
         }
         if resumed {
             let request = &mut self.requests[req as usize];
-            self.host_used_superblocks -= request.host_superblocks;
-            request.host_superblocks = 0;
             request.resumed_step = step;
             let back_to = request.suspended_from;
             if back_to == RequestState::Decoding {
@@ -198,7 +196,17 @@ impl Scheduler {
             }
             self.set_state(req, back_to);
             self.journal.push(JournalEntry::Resume(req));
-            self.building.resumed_ids.push(id);
+            // Its host pages stay taken until this step is updated (see `host.rs`).
+            let table = self.ledger.request(id)?.table();
+            let host_pages = self.host.pages(req);
+            debug_assert_eq!(table.len(), host_pages.len());
+            let out = &mut self.building;
+            out.resumed_ids.push(id);
+            out.resumed_block_ids
+                .extend(table.iter().copied().map(page_id));
+            out.resumed_host_block_ids
+                .extend(host_pages.iter().copied().map(page_id));
+            out.resumed_block_counts.push(table.len() as u64);
         }
         Ok(())
     }
@@ -324,7 +332,8 @@ impl Scheduler {
     /// the requester lacks, and only then suspends or recompute-pauses them. If they
     /// cannot, nothing is preempted and it returns `false`: the requester sits out or
     /// waits. A suspend frees the same pages as a recompute-pause (the host tier is not
-    /// part of the pool), so the count is the same either way.
+    /// part of the pool), so the count is the same either way; whether each victim is
+    /// suspended or recompute-paused is decided when it is preempted (`suspends`).
     fn preempt_for(
         &mut self,
         step: u64,
@@ -412,9 +421,7 @@ impl Scheduler {
             self.generation_removed = true;
         }
         let held = superblock_count(self.ledger.request(id)?.table().len());
-        let suspend = self.config.serving_mode == ServingMode::NonHelix
-            && self.config.host_tier_superblocks > 0
-            && self.host_used_superblocks + held <= self.config.host_tier_superblocks;
+        let suspend = self.suspends(victim, held);
         let request = &mut self.requests[victim as usize];
         request.scheduled_step = NO_STEP;
         request.victim_step = step;
@@ -426,18 +433,21 @@ impl Scheduler {
         self.step_preempted = true;
         if suspend {
             let table = self.ledger.request(id)?.table();
+            let host_pages = self.host.take(victim, held);
             let out = &mut self.building;
             out.suspended_block_ids
                 .extend(table.iter().copied().map(page_id));
+            out.suspended_host_block_ids
+                .extend(host_pages.iter().copied().map(page_id));
             out.suspended_block_counts.push(table.len() as u64);
             out.suspended_ids.push(id);
             out.suspended_requester_ids.push(requester);
-            let held = self.ledger.suspend(id)?;
+            self.ledger.suspend(id)?;
             let request = &mut self.requests[victim as usize];
-            request.host_superblocks = held;
             request.suspended_from = request.state;
-            self.host_used_superblocks += held;
             self.metrics.suspensions += 1;
+            self.metrics.suspended_superblocks += u64::from(held);
+            self.metrics.suspended_tokens += request.computed;
             self.set_state(victim, RequestState::Suspended);
         } else {
             let folded = self.requests[victim as usize].tokens.len() as u64
@@ -453,6 +463,34 @@ impl Scheduler {
             self.building.preempted_requester_ids.push(requester);
         }
         Ok(())
+    }
+
+    /// Whether a victim holding `held` superblocks is suspended rather than
+    /// recompute-paused: the host tier has room for it and the configured policy picks
+    /// it. Every input is mirrored state (the host ledger, the victim's state and global
+    /// sizes, the configuration).
+    fn suspends(&self, victim: RequestIndex, held: u32) -> bool {
+        let config = &self.config;
+        if !matches!(
+            config.serving_mode,
+            ServingMode::NonHelix | ServingMode::AggregatedHelix
+        ) || held == 0
+            || held > self.host.free_count()
+        {
+            return false;
+        }
+        let request = &self.requests[victim as usize];
+        match config.suspend_policy {
+            SuspendPolicy::SuspendFirst => true,
+            SuspendPolicy::RecomputeFirst => request.state == RequestState::Decoding,
+            SuspendPolicy::Cost => {
+                let copied = u64::from(held) * self.layout.tokens_per_superblock();
+                copied.saturating_mul(u64::from(config.suspend_cost_per_token))
+                    < request
+                        .computed
+                        .saturating_mul(u64::from(config.recompute_cost_per_token))
+            }
+        }
     }
 
     /// Completes the output being built: hands out batch slots (generation entries, slot
@@ -601,9 +639,8 @@ impl Scheduler {
             let undone = match entry {
                 JournalEntry::Decode(_) => self.ledger.revert_decode(id, step).map(|_| ()),
                 JournalEntry::Reserve { len_before, .. } => self.ledger.shrink(id, len_before),
-                JournalEntry::Resume(_) => self.ledger.suspend(id).map(|held| {
-                    self.host_used_superblocks += held;
-                    self.requests[req as usize].host_superblocks = held;
+                // Its host pages were kept (they are released when a step is updated).
+                JournalEntry::Resume(_) => self.ledger.suspend(id).map(|_| {
                     self.set_state(req, RequestState::Suspended);
                 }),
             };

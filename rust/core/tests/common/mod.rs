@@ -165,6 +165,9 @@ pub struct RunResult {
     pub steps: u64,
     pub preemptions: u64,
     pub suspensions: u64,
+    pub resumes: u64,
+    /// Tokens recomputed after recompute-pauses.
+    pub recomputed_tokens: u64,
     pub sat_out: u64,
     pub reverted_steps: u64,
     /// Every victim seen, `(victim, requester)`.
@@ -201,8 +204,15 @@ pub struct Group {
     pub config: SchedulerConfig,
     pub model: Model,
     pools: Vec<Vec<KvCell>>,
-    /// The host tier: per suspended request, per rank, the cells of its pages in order.
-    host: BTreeMap<RequestId, Vec<Vec<KvCell>>>,
+    /// Each rank's host KV pool (`host_tier_superblocks` pages), written and read only
+    /// through the host page ids of the schedules.
+    host_pools: Vec<Vec<KvCell>>,
+    /// The host pages each suspended (or just resumed) request holds, in table order.
+    host: BTreeMap<RequestId, Vec<i32>>,
+    /// Which request holds each host page: a copy-out onto a held page is a race.
+    host_owner: BTreeMap<i32, RequestId>,
+    /// Requests resumed by the pending step (their host pages are freed by its update).
+    resumed_pending: Vec<RequestId>,
     /// Arrival order (queue order) of every request ever added.
     arrival: BTreeMap<RequestId, usize>,
     /// What the harness knows each live request holds: prompt + tokens it sampled.
@@ -226,7 +236,17 @@ impl Group {
             config: config.clone(),
             model,
             pools: vec![vec![None; slots]; cp as usize],
+            host_pools: vec![
+                vec![
+                    None;
+                    config.host_tier_superblocks as usize
+                        * config.tokens_per_block as usize
+                ];
+                cp as usize
+            ],
             host: BTreeMap::new(),
+            host_owner: BTreeMap::new(),
+            resumed_pending: Vec::new(),
             arrival: BTreeMap::new(),
             known: BTreeMap::new(),
             prefill_progress: BTreeMap::new(),
@@ -509,51 +529,83 @@ impl Group {
         }
     }
 
-    /// Copies suspended requests' pages to the host tier, as an executor must before
-    /// anything else writes KV.
+    /// Copies suspended requests' pages to their host pages, as an executor must before
+    /// anything else writes KV (each rank its own share of every page). A host page still
+    /// held by another request (e.g. one a resume of this step reads) is a race.
     fn copy_out_suspended(&mut self, out: &ScheduleOutput) {
         let tpb = self.config.tokens_per_block as usize;
+        assert_eq!(
+            out.suspended_block_ids.len(),
+            out.suspended_host_block_ids.len()
+        );
         let mut offset = 0;
         for (i, id) in out.suspended_ids.iter().enumerate() {
             let count = usize::try_from(out.suspended_block_counts[i]).unwrap();
             let pages = &out.suspended_block_ids[offset..offset + count];
+            let host_pages = &out.suspended_host_block_ids[offset..offset + count];
             offset += count;
-            let saved = self
-                .pools
-                .iter()
-                .map(|pool| {
-                    pages
-                        .iter()
-                        .flat_map(|&p| {
-                            let p = usize::try_from(p).unwrap();
-                            pool[p * tpb..(p + 1) * tpb].to_vec()
-                        })
-                        .collect()
-                })
-                .collect();
-            self.host.insert(*id, saved);
+            for (&page, &host_page) in pages.iter().zip(host_pages) {
+                if let Some(holder) = self.host_owner.insert(host_page, *id) {
+                    panic!(
+                        "step {}: {id} is copied out onto host page {host_page}, held by {holder}",
+                        out.step
+                    );
+                }
+                let (src, dst) = (
+                    usize::try_from(page).unwrap() * tpb,
+                    usize::try_from(host_page).unwrap() * tpb,
+                );
+                for (pool, host_pool) in self.pools.iter().zip(&mut self.host_pools) {
+                    host_pool[dst..dst + tpb].copy_from_slice(&pool[src..src + tpb]);
+                }
+            }
+            assert!(
+                self.host.insert(*id, host_pages.to_vec()).is_none(),
+                "{id} suspended twice"
+            );
         }
         assert_eq!(offset, out.suspended_block_ids.len());
     }
 
-    /// Copies resumed requests' KV back from the host tier into their new pages.
+    /// Copies resumed requests' KV back from their host pages into their new pages.
     fn copy_in_resumed(&mut self, out: &ScheduleOutput) {
         let tpb = self.config.tokens_per_block as usize;
-        for id in &out.resumed_ids {
+        assert_eq!(
+            out.resumed_block_ids.len(),
+            out.resumed_host_block_ids.len()
+        );
+        let mut offset = 0;
+        for (i, id) in out.resumed_ids.iter().enumerate() {
+            let count = usize::try_from(out.resumed_block_counts[i]).unwrap();
+            let pages = &out.resumed_block_ids[offset..offset + count];
+            let host_pages = &out.resumed_host_block_ids[offset..offset + count];
+            offset += count;
+            assert_eq!(
+                self.host.get(id).map(Vec::as_slice),
+                Some(host_pages),
+                "{id} resumes from the host pages it was suspended to"
+            );
+            // A resumed prefill may also take a chunk (and more pages) in this step.
             let (table, _) = self.ranks[0].block_table(&[*id], None).unwrap();
-            let saved = self
-                .host
-                .remove(id)
-                .expect("a resumed request was suspended");
-            for (pool, cells) in self.pools.iter_mut().zip(saved) {
-                // A resumed prefill may also take a chunk (and more pages) in this step.
-                let restored = cells.len() / tpb;
-                assert!(restored <= table.len(), "resume restores every page");
-                for (k, &page) in table.iter().take(restored).enumerate() {
-                    let dst = usize::try_from(page).unwrap() * tpb;
-                    pool[dst..dst + tpb].copy_from_slice(&cells[k * tpb..(k + 1) * tpb]);
+            assert_eq!(&table[..count], pages, "{id} resumes into its first pages");
+            for (&page, &host_page) in pages.iter().zip(host_pages) {
+                let (src, dst) = (
+                    usize::try_from(host_page).unwrap() * tpb,
+                    usize::try_from(page).unwrap() * tpb,
+                );
+                for (pool, host_pool) in self.pools.iter_mut().zip(&self.host_pools) {
+                    pool[dst..dst + tpb].copy_from_slice(&host_pool[src..src + tpb]);
                 }
             }
+            self.resumed_pending.push(*id);
+        }
+        assert_eq!(offset, out.resumed_block_ids.len());
+    }
+
+    /// Forgets the host pages of `id` (the scheduler freed them).
+    fn release_host(&mut self, id: RequestId) {
+        for page in self.host.remove(&id).unwrap_or_default() {
+            assert_eq!(self.host_owner.remove(&page), Some(id));
         }
     }
 
@@ -722,6 +774,9 @@ impl Group {
         for (victim, requester) in out.suspended_ids.iter().zip(&out.suspended_requester_ids) {
             self.result.victims.push((*victim, *requester));
         }
+        for id in std::mem::take(&mut self.resumed_pending) {
+            self.release_host(id); // the update frees the host pages a resume read
+        }
         for id in &finished[0] {
             self.collect(*id);
         }
@@ -765,7 +820,7 @@ impl Group {
             }
         }
         self.prefill_progress.remove(&id);
-        self.host.remove(&id);
+        self.release_host(id);
     }
 
     /// Aborts `ids` on every rank (all must agree); between steps their outputs are
@@ -820,16 +875,25 @@ impl Group {
         })
     }
 
-    /// The scheduler's host-tier use equals the pages the harness holds there.
+    /// The scheduler's host-tier use equals the pages the harness holds there, request
+    /// by request.
     fn check_host_tier(&self) {
-        let tpb = self.config.tokens_per_block as usize;
-        let pages: usize = self.host.values().map(|ranks| ranks[0].len() / tpb).sum();
         for s in &self.ranks {
             assert_eq!(
                 s.host_used_superblocks() as usize,
-                pages,
+                self.host_owner.len(),
                 "host tier leaked"
             );
+            assert!(s.host_used_superblocks() <= self.config.host_tier_superblocks);
+            for (id, pages) in &self.host {
+                let held: Vec<i32> = s
+                    .host_pages(*id)
+                    .unwrap()
+                    .iter()
+                    .map(|&p| i32::try_from(p).unwrap())
+                    .collect();
+                assert_eq!(&held, pages, "host pages of {id}");
+            }
         }
     }
 
@@ -953,6 +1017,11 @@ impl Group {
                 "superblocks leaked at the end"
             );
             assert_eq!(s.num_live(), 0);
+            assert_eq!(
+                s.host_used_superblocks(),
+                0,
+                "host superblocks leaked at the end"
+            );
         }
         let metrics: Vec<_> = self.ranks.iter().map(Scheduler::metrics).collect();
         assert!(
@@ -961,6 +1030,21 @@ impl Group {
         );
         self.result.preemptions = metrics[0].preemptions;
         self.result.suspensions = metrics[0].suspensions;
+        self.result.resumes = metrics[0].resumes;
+        // Every page copied out came back in, but those of requests aborted while suspended.
+        assert!(metrics[0].resumed_superblocks <= metrics[0].suspended_superblocks);
+        if self
+            .result
+            .abort_states
+            .iter()
+            .all(|s| !s.starts_with("suspended"))
+        {
+            assert_eq!(
+                metrics[0].resumed_superblocks, metrics[0].suspended_superblocks,
+                "host pages copied out and in"
+            );
+        }
+        self.result.recomputed_tokens = metrics[0].recomputed_tokens;
         self.result.sat_out = metrics[0].sat_out;
         assert_eq!(metrics[0].aborts, self.result.aborted.len() as u64);
         assert_eq!(metrics[0].finished, self.result.outputs.len() as u64);
