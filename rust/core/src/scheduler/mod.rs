@@ -13,6 +13,7 @@
 mod abort;
 mod commit;
 mod config;
+mod metadata;
 mod metrics;
 mod output;
 mod placement;
@@ -26,6 +27,7 @@ use rustc_hash::FxHashMap;
 pub use config::{
     CapacityPolicy, FieldValue, SchedulerConfig, ServingMode, VictimPolicy, DECISION_FIELDS,
 };
+pub use metadata::{StepMetadata, StepMetadataLayout, StepMetadataSection, StepSource};
 pub use metrics::{RequestMetrics, SchedulerMetrics};
 pub use output::{FieldScope, ScheduleOutput};
 pub use request::{FinishReason, RequestOutput, RequestState};
