@@ -226,6 +226,21 @@ impl Ledger {
             .ok_or(CoreError::UnknownRequest(id))
     }
 
+    /// The holdings of `id`, looked for at `entry` first (a hint: the scheduler's own index
+    /// of the request, which is its ledger entry). The hint is taken only where that entry
+    /// holds `id` with tokens reserved (a vacant entry holds none, whatever its id says);
+    /// otherwise `id` is looked up, so a stale or wrong hint costs a lookup, never a wrong
+    /// answer.
+    pub(crate) fn request_hinted(&self, entry: EntryIndex, id: RequestId) -> Result<&RequestKv> {
+        match self.requests.get(entry) {
+            Some(request) if request.id == id && request.len > 0 => {
+                debug_assert_eq!(self.index.get(&id), Some(&entry));
+                Ok(request)
+            }
+            _ => self.request(id),
+        }
+    }
+
     fn active_entry_of(&self, id: RequestId) -> Result<EntryIndex> {
         let entry = self.entry_of(id)?;
         if self.requests[entry].is_suspended() {

@@ -15,8 +15,8 @@
 use super::{Result, ScheduleOutput, Scheduler};
 use crate::error::CoreError;
 use crate::layout::Layout;
-use crate::ledger::{page_id, RequestKv};
-use crate::RequestId;
+use crate::ledger::page_id;
+use crate::{RequestId, SuperblockId};
 
 /// How many elements a section holds, in terms of the capacities.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -285,6 +285,13 @@ fn check_word(value: u64, what: &str) -> Result<()> {
     Ok(())
 }
 
+#[cold]
+fn unreserved(id: RequestId, start: u64, end: u64, len: u64) -> CoreError {
+    CoreError::InvalidLength(format!(
+        "tokens {start}..{end} of request {id} are not all reserved (it holds {len})"
+    ))
+}
+
 fn mismatch(group: &str) -> CoreError {
     CoreError::InvalidArgument(format!(
         "the {group} arrays of the schedule output differ in length"
@@ -330,16 +337,16 @@ impl Scheduler {
         layout: &StepMetadataLayout,
         buffer: &mut [i32],
     ) -> Result<StepMetadata> {
-        let requests = self.check_step_source(&source, layout, buffer.len())?;
+        let tables = self.check_step_source(&source, layout, buffer.len())?;
         let num_generation = source.generation_ids.len();
         let num_tokens = num_generation + source.context_token_ids.len();
-        let table_width_used = requests.iter().map(|r| r.table().len()).max().unwrap_or(0);
+        let table_width_used = tables.iter().map(|table| table.len()).max().unwrap_or(0);
         let num_samples =
             num_generation + source.context_completes.iter().filter(|&&c| c).count();
         let metadata = StepMetadata {
             step: source.step,
             num_tokens,
-            num_entries: requests.len(),
+            num_entries: tables.len(),
             num_generation,
             num_samples,
             table_width_used,
@@ -353,19 +360,19 @@ impl Scheduler {
         writer.header(&metadata);
         writer.tokens(&source);
         writer.entries(&source);
-        writer.slot_mapping(&source, &requests);
-        writer.block_table(&requests);
+        writer.slot_mapping(&source, &tables);
+        writer.block_table(&tables);
         Ok(metadata)
     }
 
-    /// Every check of [`Self::write_step_metadata`]; the holdings of each entry, in entry
-    /// order.
+    /// Every check of [`Self::write_step_metadata`]; the superblock table of each entry, in
+    /// entry order.
     fn check_step_source<'s>(
         &'s self,
         source: &StepSource<'_>,
         layout: &StepMetadataLayout,
         buffer_words: usize,
-    ) -> Result<Vec<&'s RequestKv>> {
+    ) -> Result<Vec<&'s [SuperblockId]>> {
         if !self.pending || source.step != self.pending_step {
             return Err(CoreError::InvalidState(format!(
                 "the metadata of step {} was asked for, but {}",
@@ -428,47 +435,60 @@ impl Scheduler {
                 layout.max_entries
             )));
         }
+        // Each entry's holdings, found through the scheduler's own index of the request
+        // (its ledger entry) where that still names it: no id lookup on the common path.
+        let generation_hints = self.generation_reqs.iter().map(|&r| r as usize);
+        let context_hints = self.context.iter().map(|c| c.req as usize);
         let mut requests = Vec::with_capacity(g + c);
-        let mut check = |id: RequestId, start: u64, count: u64| -> Result<()> {
-            let request = self.ledger.request(id)?;
+        let mut furthest = 0u64;
+        let mut widest = 0usize;
+        let entries = source
+            .generation_ids
+            .iter()
+            .zip(source.generation_positions)
+            .zip(generation_hints.chain(std::iter::repeat(usize::MAX)))
+            .map(|((&id, &pos), hint)| (id, pos, 1, hint))
+            .chain(
+                source
+                    .context_ids
+                    .iter()
+                    .zip(source.context_starts)
+                    .zip(source.context_lens)
+                    .zip(context_hints.chain(std::iter::repeat(usize::MAX)))
+                    .map(|(((&id, &start), &len), hint)| (id, start, len, hint)),
+            );
+        for (id, start, count, hint) in entries {
+            let request = self.ledger.request_hinted(hint, id)?;
             let end = start.saturating_add(count);
             if end > request.len() {
-                return Err(CoreError::InvalidLength(format!(
-                    "tokens {start}..{end} of request {id} are not all reserved (it holds {})",
-                    request.len()
-                )));
+                return Err(unreserved(id, start, end, request.len()));
             }
-            check_word(end, "position")?;
-            if request.table().len() > layout.table_width {
-                return Err(CoreError::InvalidLength(format!(
-                    "request {id} holds {} superblocks, wider than the layout's {} columns",
-                    request.table().len(),
-                    layout.table_width
-                )));
-            }
-            requests.push(request);
-            Ok(())
-        };
-        for (&id, &pos) in source.generation_ids.iter().zip(source.generation_positions) {
-            check(id, pos, 1)?;
+            furthest = furthest.max(end);
+            widest = widest.max(request.table().len());
+            requests.push(request.table());
         }
-        for ((&id, &start), &len) in source
-            .context_ids
-            .iter()
-            .zip(source.context_starts)
-            .zip(source.context_lens)
-        {
-            check(id, start, len)?;
+        check_word(furthest, "position")?;
+        if widest > layout.table_width {
+            let id = source
+                .generation_ids
+                .iter()
+                .chain(source.context_ids)
+                .zip(&requests)
+                .find(|(_, table)| table.len() == widest)
+                .map_or(0, |(&id, _)| id);
+            return Err(CoreError::InvalidLength(format!(
+                "request {id} holds {widest} superblocks, wider than the layout's {} columns",
+                layout.table_width
+            )));
         }
         // Local lengths are at most the positions checked above; these come from the
         // output and are checked on their own.
-        for &len in source
+        let longest = source
             .generation_local_lens
             .iter()
             .chain(source.generation_past_seen_lens)
-        {
-            check_word(len, "local length")?;
-        }
+            .fold(0, |acc, &len| acc.max(len));
+        check_word(longest, "local length")?;
         Ok(requests)
     }
 }
@@ -576,7 +596,7 @@ impl Writer<'_> {
     }
 
     /// This rank's KV slot of every token (int64), -1 where another rank owns it.
-    fn slot_mapping(&mut self, s: &StepSource<'_>, requests: &[&RequestKv]) {
+    fn slot_mapping(&mut self, s: &StepSource<'_>, tables: &[&[SuperblockId]]) {
         let placement = self.placement;
         let rank = self.rank;
         let tpb = u64::from(placement.tokens_per_block());
@@ -593,27 +613,26 @@ impl Writer<'_> {
                 + i64::from(word(per_block.rem(pos)))
         };
         let (gen_out, ctx_out) = out.split_at_mut(2 * g);
-        for (((dst, &pos), &owner), request) in gen_out
+        for (((dst, &pos), &owner), table) in gen_out
             .chunks_exact_mut(2)
             .zip(s.generation_positions)
             .zip(s.generation_owner_ranks)
-            .zip(requests)
+            .zip(tables)
         {
             let value = if owner == rank {
-                slot(request.table(), pos)
+                slot(table, pos)
             } else {
                 -1
             };
             dst.copy_from_slice(&wide_words(value));
         }
         let mut rest = ctx_out.chunks_exact_mut(2);
-        for ((&start, &len), request) in s
+        for ((&start, &len), &table) in s
             .context_starts
             .iter()
             .zip(s.context_lens)
-            .zip(&requests[g..])
+            .zip(&tables[g..])
         {
-            let table = request.table();
             let mut pos = start;
             let end = start + len;
             // Block by block: one owner test per page, not per token.
@@ -632,18 +651,19 @@ impl Writer<'_> {
     }
 
     /// One row per entry: its superblocks (= page ids), -1 padded to the layout's width.
-    fn block_table(&mut self, requests: &[&RequestKv]) {
+    fn block_table(&mut self, tables: &[&[SuperblockId]]) {
         let width = self.layout.table_width;
-        let table = self.section(BLOCK_TABLE, requests.len() * width);
+        let table = self.section(BLOCK_TABLE, tables.len() * width);
         if width == 0 {
             return;
         }
-        for (row, request) in table.chunks_exact_mut(width).zip(requests) {
-            let held = request.table();
+        // One fill of the whole table, then each row's pages over it: a fill per row is a
+        // `memset` call per row, which cost more than the rows themselves.
+        table.fill(-1);
+        for (row, &held) in table.chunks_exact_mut(width).zip(tables) {
             for (dst, &page) in row.iter_mut().zip(held) {
                 *dst = page_id(page);
             }
-            row[held.len()..].fill(-1);
         }
     }
 }
