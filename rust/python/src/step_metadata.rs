@@ -192,9 +192,9 @@ pub fn write(
             "buffer must be writeable and not borrowed elsewhere (a read-only array or view is refused)",
         )
     })?;
-    let words = writable.as_slice_mut().map_err(|_| {
-        InvalidArgumentError::new_err("buffer must be C-contiguous")
-    })?;
+    let words = writable
+        .as_slice_mut()
+        .map_err(|_| InvalidArgumentError::new_err("buffer must be C-contiguous"))?;
     // The GIL stays held: the output's arrays are lent in place (see `Lent`), and the call
     // is a few microseconds, about what handing the GIL over and back costs.
     let lent = output.get().lend_step(py);

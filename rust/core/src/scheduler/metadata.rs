@@ -259,11 +259,10 @@ impl Divisor {
 /// `value` as an int32 word; callers checked the bound (`< 2**31`).
 #[expect(
     clippy::cast_possible_truncation,
-    clippy::cast_possible_wrap,
     reason = "every value written is checked against i32::MAX first (`check_word`)"
 )]
 fn word(value: u64) -> i32 {
-    debug_assert!(value <= i32::MAX as u64);
+    debug_assert!(i32::try_from(value).is_ok());
     value as i32
 }
 
@@ -298,21 +297,83 @@ fn mismatch(group: &str) -> CoreError {
     ))
 }
 
+/// Fails unless the arrays of `source` fit together and the step fits `layout` and a
+/// buffer of `buffer_words` words.
+fn check_shapes(
+    source: &StepSource<'_>,
+    layout: &StepMetadataLayout,
+    buffer_words: usize,
+) -> Result<()> {
+    if buffer_words < layout.total_words {
+        return Err(CoreError::InvalidLength(format!(
+            "the buffer holds {buffer_words} words; the layout needs {}",
+            layout.total_words
+        )));
+    }
+    let g = source.generation_ids.len();
+    if [
+        source.generation_positions.len(),
+        source.generation_owner_ranks.len(),
+        source.generation_input_tokens.len(),
+        source.generation_batch_slots.len(),
+        source.generation_local_lens.len(),
+        source.generation_past_seen_lens.len(),
+    ]
+    .iter()
+    .any(|&n| n != g)
+    {
+        return Err(mismatch("generation"));
+    }
+    let c = source.context_ids.len();
+    if [
+        source.context_starts.len(),
+        source.context_lens.len(),
+        source.context_completes.len(),
+        source.context_batch_slots.len(),
+    ]
+    .iter()
+    .any(|&n| n != c)
+    {
+        return Err(mismatch("context"));
+    }
+    let context_tokens = source
+        .context_lens
+        .iter()
+        .try_fold(0u64, |acc, &n| acc.checked_add(n));
+    if context_tokens != Some(source.context_token_ids.len() as u64) {
+        return Err(CoreError::InvalidArgument(
+            "the context lengths do not add up to the context tokens".into(),
+        ));
+    }
+    let num_tokens = g + source.context_token_ids.len();
+    if num_tokens > layout.max_tokens || g + c > layout.max_entries {
+        return Err(CoreError::InvalidLength(format!(
+            "step {} has {num_tokens} tokens in {} entries; the layout holds {} tokens in {} entries",
+            source.step,
+            g + c,
+            layout.max_tokens,
+            layout.max_entries
+        )));
+    }
+    Ok(())
+}
+
 impl Scheduler {
     /// The metadata layout for this scheduler's capacities: `max_num_tokens` tokens and
     /// `max_batch_size` entries a step, and rows of `table_width` superblocks (default: the
     /// superblocks of a `max_seq_len` request, capped by the pool).
     pub fn step_metadata_layout(&self, table_width: Option<u32>) -> Result<StepMetadataLayout> {
-        let width = match table_width {
-            Some(width) => width,
-            None => {
-                let needed = self.layout.superblocks_for(self.config.max_seq_len);
-                u32::try_from(needed)
-                    .unwrap_or(u32::MAX)
-                    .min(self.config.capacity_superblocks)
-            }
-        };
-        StepMetadataLayout::new(self.config.max_num_tokens, self.config.max_batch_size, width)
+        let width = table_width.unwrap_or_else(|| {
+            let needed = self.layout.superblocks_for(self.config.max_seq_len);
+            u32::try_from(needed)
+                .unwrap_or(u32::MAX)
+                .min(self.config.capacity_superblocks)
+        });
+        StepMetadataLayout::new(
+            self.config.max_num_tokens,
+            self.config.max_batch_size,
+            width,
+        )
     }
 
     /// [`Scheduler::write_step_metadata`] for the output the scheduler still holds (one not
@@ -341,8 +402,7 @@ impl Scheduler {
         let num_generation = source.generation_ids.len();
         let num_tokens = num_generation + source.context_token_ids.len();
         let table_width_used = tables.iter().map(|table| table.len()).max().unwrap_or(0);
-        let num_samples =
-            num_generation + source.context_completes.iter().filter(|&&c| c).count();
+        let num_samples = num_generation + source.context_completes.iter().filter(|&&c| c).count();
         let metadata = StepMetadata {
             step: source.step,
             num_tokens,
@@ -373,68 +433,9 @@ impl Scheduler {
         layout: &StepMetadataLayout,
         buffer_words: usize,
     ) -> Result<Vec<&'s [SuperblockId]>> {
-        if !self.pending || source.step != self.pending_step {
-            return Err(CoreError::InvalidState(format!(
-                "the metadata of step {} was asked for, but {}",
-                source.step,
-                if self.pending {
-                    format!("step {} is the pending one", self.pending_step)
-                } else {
-                    "no step is pending".to_string()
-                }
-            )));
-        }
-        if buffer_words < layout.total_words {
-            return Err(CoreError::InvalidLength(format!(
-                "the buffer holds {buffer_words} words; the layout needs {}",
-                layout.total_words
-            )));
-        }
-        let g = source.generation_ids.len();
-        if [
-            source.generation_positions.len(),
-            source.generation_owner_ranks.len(),
-            source.generation_input_tokens.len(),
-            source.generation_batch_slots.len(),
-            source.generation_local_lens.len(),
-            source.generation_past_seen_lens.len(),
-        ]
-        .iter()
-        .any(|&n| n != g)
-        {
-            return Err(mismatch("generation"));
-        }
-        let c = source.context_ids.len();
-        if [
-            source.context_starts.len(),
-            source.context_lens.len(),
-            source.context_completes.len(),
-            source.context_batch_slots.len(),
-        ]
-        .iter()
-        .any(|&n| n != c)
-        {
-            return Err(mismatch("context"));
-        }
-        let context_tokens = source
-            .context_lens
-            .iter()
-            .try_fold(0u64, |acc, &n| acc.checked_add(n));
-        if context_tokens != Some(source.context_token_ids.len() as u64) {
-            return Err(CoreError::InvalidArgument(
-                "the context lengths do not add up to the context tokens".into(),
-            ));
-        }
-        let num_tokens = g + source.context_token_ids.len();
-        if num_tokens > layout.max_tokens || g + c > layout.max_entries {
-            return Err(CoreError::InvalidLength(format!(
-                "step {} has {num_tokens} tokens in {} entries; the layout holds {} tokens in {} entries",
-                source.step,
-                g + c,
-                layout.max_tokens,
-                layout.max_entries
-            )));
-        }
+        self.check_pending(source.step)?;
+        check_shapes(source, layout, buffer_words)?;
+        let (g, c) = (source.generation_ids.len(), source.context_ids.len());
         // Each entry's holdings, found through the scheduler's own index of the request
         // (its ledger entry) where that still names it: no id lookup on the common path.
         let generation_hints = self.generation_reqs.iter().map(|&r| r as usize);
@@ -490,6 +491,22 @@ impl Scheduler {
             .fold(0, |acc, &len| acc.max(len));
         check_word(longest, "local length")?;
         Ok(requests)
+    }
+
+    /// Fails unless `step` is the pending step.
+    fn check_pending(&self, step: u64) -> Result<()> {
+        if !self.pending || step != self.pending_step {
+            return Err(CoreError::InvalidState(format!(
+                "the metadata of step {} was asked for, but {}",
+                step,
+                if self.pending {
+                    format!("step {} is the pending one", self.pending_step)
+                } else {
+                    "no step is pending".to_string()
+                }
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -565,7 +582,10 @@ impl Writer<'_> {
         for (dst, &len) in local.iter_mut().zip(s.generation_local_lens) {
             *dst = word(len);
         }
-        for ((dst, &start), &len) in local[g..].iter_mut().zip(s.context_starts).zip(s.context_lens)
+        for ((dst, &start), &len) in local[g..]
+            .iter_mut()
+            .zip(s.context_starts)
+            .zip(s.context_lens)
         {
             *dst = word(placement.local_len(start + len, rank));
         }
@@ -619,11 +639,7 @@ impl Writer<'_> {
             .zip(s.generation_owner_ranks)
             .zip(tables)
         {
-            let value = if owner == rank {
-                slot(table, pos)
-            } else {
-                -1
-            };
+            let value = if owner == rank { slot(table, pos) } else { -1 };
             dst.copy_from_slice(&wide_words(value));
         }
         let mut rest = ctx_out.chunks_exact_mut(2);
@@ -640,10 +656,12 @@ impl Writer<'_> {
                 let block_end = (per_block.div(pos) + 1) * tpb;
                 let run = block_end.min(end) - pos;
                 let owned = cp.rem(per_block.div(pos)) == u64::from(rank);
-                let first = if owned { slot(table, pos) } else { -1 };
-                for (i, dst) in rest.by_ref().take(to_usize(run)).enumerate() {
-                    let value = if owned { first + i as i64 } else { -1 };
-                    dst.copy_from_slice(&wide_words(value));
+                let mut next = if owned { slot(table, pos) } else { -1 };
+                for dst in rest.by_ref().take(to_usize(run)) {
+                    dst.copy_from_slice(&wide_words(next));
+                    if owned {
+                        next += 1;
+                    }
                 }
                 pos += run;
             }
