@@ -526,19 +526,9 @@ impl Ledger {
                 new_lens.len()
             )));
         }
-        // One pass validates the whole batch (each id held once, each length allowed)
-        // before anything is applied; it leaves every entry it read in cache for the next.
-        let mut seen = vec![false; self.requests.len()];
-        let mut entries = Vec::with_capacity(ids.len());
-        for (&id, &len) in ids.iter().zip(new_lens) {
-            let entry = self.entry_of(id)?;
-            if std::mem::replace(&mut seen[entry], true) {
-                return Err(CoreError::InvalidArgument(format!(
-                    "request {id} appears twice in one batch"
-                )));
-            }
+        let entries = self.unique_entries(ids)?;
+        for (&entry, &len) in entries.iter().zip(new_lens) {
             self.check_grow_entry(entry, len)?;
-            entries.push(entry);
         }
         ok.clear();
         ok.extend(
