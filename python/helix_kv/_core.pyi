@@ -44,6 +44,8 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerMetrics",
+    "StepMetadata",
+    "StepMetadataLayout",
     "UnknownRequestError",
     "__version__",
 ]

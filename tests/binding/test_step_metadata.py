@@ -224,7 +224,13 @@ def test_hostile_buffers_are_refused_and_nothing_changes() -> None:
         helix_kv.StepMetadataLayout(64, 2, layout.table_width),
         helix_kv.StepMetadataLayout(64, 4, 1),
     ]:
-        refused(s, out, np.full(small.total_words, SENTINEL, dtype=np.int32), small, helix_kv.InvalidLengthError)
+        refused(
+            s,
+            out,
+            np.full(small.total_words, SENTINEL, dtype=np.int32),
+            small,
+            helix_kv.InvalidLengthError,
+        )
     # The buffer is still usable after every refusal.
     check_step(s, out, layout)
 

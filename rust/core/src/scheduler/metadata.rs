@@ -398,10 +398,9 @@ impl Scheduler {
         layout: &StepMetadataLayout,
         buffer: &mut [i32],
     ) -> Result<StepMetadata> {
-        let tables = self.check_step_source(&source, layout, buffer.len())?;
+        let (tables, table_width_used) = self.check_step_source(&source, layout, buffer.len())?;
         let num_generation = source.generation_ids.len();
         let num_tokens = num_generation + source.context_token_ids.len();
-        let table_width_used = tables.iter().map(|table| table.len()).max().unwrap_or(0);
         let num_samples = num_generation + source.context_completes.iter().filter(|&&c| c).count();
         let metadata = StepMetadata {
             step: source.step,
@@ -426,13 +425,13 @@ impl Scheduler {
     }
 
     /// Every check of [`Self::write_step_metadata`]; the superblock table of each entry, in
-    /// entry order.
+    /// entry order, and the widest one's length.
     fn check_step_source<'s>(
         &'s self,
         source: &StepSource<'_>,
         layout: &StepMetadataLayout,
         buffer_words: usize,
-    ) -> Result<Vec<&'s [SuperblockId]>> {
+    ) -> Result<(Vec<&'s [SuperblockId]>, usize)> {
         self.check_pending(source.step)?;
         check_shapes(source, layout, buffer_words)?;
         let (g, c) = (source.generation_ids.len(), source.context_ids.len());
@@ -490,7 +489,7 @@ impl Scheduler {
             .chain(source.generation_past_seen_lens)
             .fold(0, |acc, &len| acc.max(len));
         check_word(longest, "local length")?;
-        Ok(requests)
+        Ok((requests, widest))
     }
 
     /// Fails unless `step` is the pending step.
