@@ -265,3 +265,15 @@ def test_forged_output_is_refused() -> None:
         forged = helix_kv.ScheduleOutput._from_fields({**fields, **changed})
         refused(s, forged, buffer, layout, error)
     check_step(s, out, layout)
+
+
+def test_a_long_step_is_written_alike() -> None:
+    """A step past the size the call keeps the GIL for (its fields are copied out and the
+    GIL let go) writes the same sections."""
+    cfg = config(2, 16, superblocks=1200, max_batch_size=4, max_num_tokens=40_000)
+    s = helix_kv.Scheduler(cfg.with_rank(1))
+    s.add_request(0, prompt(18_000, 0), 4)
+    s.add_request(1, prompt(3_000, 1), 4)
+    out = s.schedule()
+    assert out.num_tokens == 21_000
+    check_step(s, out, s.step_metadata_layout())

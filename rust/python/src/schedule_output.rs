@@ -414,12 +414,16 @@ pub enum Lent<'a, T> {
     Copied(Vec<T>),
 }
 
-impl<T> Lent<'_, T> {
+impl<T: Clone> Lent<'_, T> {
     pub fn as_slice(&self) -> &[T] {
         match self {
             Self::Locked(guard) => guard.as_deref().unwrap_or(&[]),
             Self::Copied(values) => values,
         }
+    }
+    /// The values copied out, so the lock is not held.
+    fn copied(&self) -> Lent<'static, T> {
+        Lent::Copied(self.as_slice().to_vec())
     }
 }
 
@@ -455,6 +459,27 @@ pub struct LentStep<'a> {
 }
 
 impl LentStep<'_> {
+    /// The fields copied out of the output's locks (then the GIL may be released while
+    /// they are read).
+    pub fn copied(&self) -> LentStep<'static> {
+        LentStep {
+            step: self.step,
+            context_ids: self.context_ids.copied(),
+            context_starts: self.context_starts.copied(),
+            context_lens: self.context_lens.copied(),
+            context_completes: self.context_completes.copied(),
+            context_batch_slots: self.context_batch_slots.copied(),
+            context_token_ids: self.context_token_ids.copied(),
+            generation_ids: self.generation_ids.copied(),
+            generation_positions: self.generation_positions.copied(),
+            generation_owner_ranks: self.generation_owner_ranks.copied(),
+            generation_input_tokens: self.generation_input_tokens.copied(),
+            generation_batch_slots: self.generation_batch_slots.copied(),
+            generation_local_lens: self.generation_local_lens.copied(),
+            generation_past_seen_lens: self.generation_past_seen_lens.copied(),
+        }
+    }
+
     /// The core's borrowed view of the lent fields.
     pub fn source(&self) -> helix_kv_core::StepSource<'_> {
         helix_kv_core::StepSource {

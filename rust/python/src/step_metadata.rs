@@ -172,6 +172,9 @@ fn int32_buffer<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i3
     Ok(array.clone())
 }
 
+/// Tokens plus entries up to which `write_step_metadata` keeps the GIL (about 50 us of work).
+const KEEP_GIL_UP_TO: usize = 1 << 14;
+
 /// `Scheduler.write_step_metadata`.
 pub fn write(
     py: Python<'_>,
@@ -195,11 +198,21 @@ pub fn write(
     let words = writable
         .as_slice_mut()
         .map_err(|_| InvalidArgumentError::new_err("buffer must be C-contiguous"))?;
-    // The GIL stays held: the output's arrays are lent in place (see `Lent`), and the call
-    // is a few microseconds, about what handing the GIL over and back costs.
+    let layout = &layout.get().inner;
     let lent = output.get().lend_step(py);
-    let metadata = scheduler
-        .write_step_metadata(lent.source(), &layout.get().inner, words)
-        .py()?;
+    let source = lent.source();
+    let tokens = source.generation_ids.len() + source.context_token_ids.len();
+    let metadata = if tokens + source.context_ids.len() <= KEEP_GIL_UP_TO {
+        // A decode-sized step keeps the GIL: the output's arrays are lent in place (see
+        // `Lent`: their locks cannot be held while the GIL is let go), and the call takes a
+        // few microseconds, about what handing the GIL over and back costs.
+        scheduler.write_step_metadata(source, layout, words)
+    } else {
+        // A long step copies the fields out (a fraction of the writing) and lets the GIL go.
+        let copied = lent.copied();
+        drop(lent);
+        py.detach(|| scheduler.write_step_metadata(copied.source(), layout, words))
+    }
+    .py()?;
     Ok(metadata.into())
 }
