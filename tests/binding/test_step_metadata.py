@@ -166,6 +166,14 @@ def test_layout_is_fixed_by_capacities_and_picklable() -> None:
         end = offset + length * (2 if dtype == "int64" else 1)
     assert layout.total_words == end
     assert pickle.loads(pickle.dumps(layout)) == layout
+    for huge in [(2**32 - 1, 2**32 - 1, 2**32 - 1), (2**31, 1, 1), (1, 2**16, 2**16)]:
+        with pytest.raises(helix_kv.InvalidLengthError):
+            helix_kv.StepMetadataLayout(*huge)
+    for hostile in [(-1, 1, 1), (1, 2**32, 1)]:
+        with pytest.raises(helix_kv.InvalidLengthError):
+            helix_kv.StepMetadataLayout(*hostile)
+    with pytest.raises(helix_kv.InvalidTypeError):
+        helix_kv.StepMetadataLayout(1.0, 1, 1)  # type: ignore[arg-type]
     meta = helix_kv.StepMetadata(
         step=1, num_tokens=2, num_entries=1, num_generation=1, num_samples=1, table_width_used=1
     )

@@ -112,19 +112,20 @@ impl StepMetadataLayout {
                 Per::Token => tokens,
                 Per::Entry => entries,
                 Per::EntryBoundary => entries + 1,
-                Per::TableCell => entries * width,
+                Per::TableCell => entries.saturating_mul(width),
             };
             if int64 {
-                offset += offset % 2;
+                offset = offset.saturating_add(offset % 2);
             }
-            let words = if int64 { 2 * len } else { len };
+            // Saturating: a sum past `i32::MAX` words is refused below anyway.
+            let words = if int64 { len.saturating_mul(2) } else { len };
             *section = StepMetadataSection {
                 name,
                 offset_words: to_usize(offset),
                 len: to_usize(len),
                 int64,
             };
-            offset += words;
+            offset = offset.saturating_add(words);
         }
         if offset > i32::MAX as u64 {
             return Err(CoreError::InvalidLength(format!(
