@@ -21,6 +21,8 @@ from helix_kv._core import (
     Scheduler,
     SchedulerConfig,
     SchedulerMetrics,
+    StepMetadata,
+    StepMetadataLayout,
     __version__,
 )
 from helix_kv.cpgroup import SimulatedCPGroup
@@ -41,6 +43,7 @@ from helix_kv.errors import (
     ScheduleMismatchError,
     UnknownRequestError,
 )
+from helix_kv.step_metadata import StepMetadataViews, new_step_metadata_buffer, step_metadata_views
 
 __all__ = [
     "ConfigError",
@@ -68,6 +71,11 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerMetrics",
     "SimulatedCPGroup",
+    "StepMetadata",
+    "StepMetadataLayout",
+    "StepMetadataViews",
     "UnknownRequestError",
     "__version__",
+    "new_step_metadata_buffer",
+    "step_metadata_views",
 ]

@@ -73,6 +73,24 @@ def scheduler_slot_mapping(tokens: int) -> Callable[[], object]:
     return lambda: scheduler.slot_mapping([0], [0], [tokens])
 
 
+def scheduler_write_step_metadata(tokens: int) -> Callable[[], object]:
+    """A prefill of ``tokens`` tokens in one step, packed (past the size the call keeps
+    the GIL for)."""
+    config = helix_kv.SchedulerConfig(
+        cp_size=2,
+        tokens_per_block=16,
+        kv_superblocks=tokens // 32 + 1,
+        max_num_tokens=tokens,
+        max_seq_len=tokens + 1,
+    )
+    scheduler = helix_kv.Scheduler(config)
+    scheduler.add_request(0, np.zeros(tokens, dtype=np.int32), 1)
+    out = scheduler.schedule()
+    layout = scheduler.step_metadata_layout()
+    buffer = helix_kv.new_step_metadata_buffer(layout)
+    return lambda: scheduler.write_step_metadata(out, buffer, layout)
+
+
 def layout_owner_ranks(tokens: int) -> Callable[[], object]:
     layout = helix_kv.Layout(4, 16)
     positions = np.arange(tokens, dtype=np.int64)
@@ -93,6 +111,7 @@ CALLS = {
     "Ledger.slot_mapping": ledger_slot_mapping,
     "Ledger.grow_many": ledger_grow_many,
     "Scheduler.slot_mapping": scheduler_slot_mapping,
+    "Scheduler.write_step_metadata": scheduler_write_step_metadata,
 }
 
 

@@ -248,6 +248,40 @@ def make_scheduler(pending: bool) -> helix_kv.Scheduler:
     return scheduler
 
 
+def pending_output() -> helix_kv.ScheduleOutput:
+    """The output of the step a `make_scheduler(pending=True)` scheduler has pending (the
+    scheduler is deterministic: a twin schedules the same step)."""
+    twin = make_scheduler(False)
+    return twin.schedule()
+
+
+STEP_LAYOUT = make_scheduler(False).step_metadata_layout(4)
+_BUFFER_WORDS = STEP_LAYOUT.total_words
+_READ_ONLY = np.zeros(_BUFFER_WORDS, np.int32)
+_READ_ONLY.setflags(write=False)
+OUTPUT = _kind("schedule output", ["x", None, 3, object(), STEP_LAYOUT], [], InvalidTypeError)
+BUFFER = Kind(
+    "buffer",
+    tuple(
+        [(v, InvalidTypeError) for v in ([0] * _BUFFER_WORDS, None, "x", 3, object())]
+        + [(np.zeros(_BUFFER_WORDS, t), InvalidTypeError) for t in (np.int64, np.float32, ">i4")]
+        + [(np.zeros(_BUFFER_WORDS, np.uint32), InvalidTypeError)]
+        + [(np.zeros((2, _BUFFER_WORDS), np.int32), InvalidArgumentError)]
+        + [(np.zeros(2 * _BUFFER_WORDS, np.int32)[::2], InvalidArgumentError)]
+        + [(np.zeros(_BUFFER_WORDS + 1, np.int32)[1:], InvalidArgumentError)]  # misaligned
+        + [(_READ_ONLY, InvalidArgumentError)]
+        + [(np.zeros(_BUFFER_WORDS - 1, np.int32), InvalidLengthError)]
+    ),
+)
+STEP_LAYOUT_ARG = Kind(
+    "step metadata layout",
+    tuple(
+        [(v, InvalidTypeError) for v in ("x", None, 3, (8, 8, 4), helix_kv.Layout(2, 4))]
+        + [(helix_kv.StepMetadataLayout(1, 1, 4), InvalidLengthError)]  # smaller than the step
+    ),
+)
+
+
 @dataclass(frozen=True)
 class Call:
     """A valid call; `kinds[i]` says how argument `i` may be corrupted (None: left alone)."""
@@ -320,6 +354,13 @@ SCHEDULER_CALLS = [
     Call("idle", "abort", (1,), (ID,)),
     Call("idle", "abort_many", ([1, 2],), (IDS,)),
     Call("pending", "is_abort_requested", (1,), (ID,)),
+    Call("idle", "step_metadata_layout", (4,), (WIDTH,)),
+    Call(
+        "pending",
+        "write_step_metadata",
+        (pending_output(), np.zeros(_BUFFER_WORDS, np.int32), STEP_LAYOUT),
+        (OUTPUT, BUFFER, STEP_LAYOUT_ARG),
+    ),
 ]
 CONFIG_CALLS = [Call("config", "with_rank", (1,), (CONFIG_INT,))]
 CONSTRUCTOR_CALLS = [

@@ -226,6 +226,21 @@ impl Ledger {
             .ok_or(CoreError::UnknownRequest(id))
     }
 
+    /// The holdings of `id`, looked for at `entry` first (a hint: the scheduler's own index
+    /// of the request, which is its ledger entry). The hint is taken only where that entry
+    /// holds `id` with tokens reserved (a vacant entry holds none, whatever its id says);
+    /// otherwise `id` is looked up, so a stale or wrong hint costs a lookup, never a wrong
+    /// answer.
+    pub(crate) fn request_hinted(&self, entry: EntryIndex, id: RequestId) -> Result<&RequestKv> {
+        match self.requests.get(entry) {
+            Some(request) if request.id == id && request.len > 0 => {
+                debug_assert_eq!(self.index.get(&id), Some(&entry));
+                Ok(request)
+            }
+            _ => self.request(id),
+        }
+    }
+
     fn active_entry_of(&self, id: RequestId) -> Result<EntryIndex> {
         let entry = self.entry_of(id)?;
         if self.requests[entry].is_suspended() {
@@ -344,6 +359,11 @@ impl Ledger {
         Ok(entry)
     }
 
+    #[expect(
+        clippy::inline_always,
+        reason = "measured: inlined into `grow_many`'s validation pass it saves ~1 ns a request"
+    )]
+    #[inline(always)]
     fn check_grow_entry(&self, entry: EntryIndex, new_len: u64) -> Result<()> {
         let request = &self.requests[entry];
         if request.is_suspended() {
@@ -363,6 +383,11 @@ impl Ledger {
     }
 
     /// Applies a validated grow; `false` (and no change) if the pool is short.
+    #[expect(
+        clippy::inline_always,
+        reason = "measured: inlined into `grow_many` it saves ~1 ns a request"
+    )]
+    #[inline(always)]
     fn grow_entry(&mut self, entry: EntryIndex, new_len: u64) -> bool {
         let request = &mut self.requests[entry];
         // Most grows (every decode token but one per superblock) stay inside the last
@@ -381,8 +406,13 @@ impl Ledger {
             return false;
         }
         let split = self.free.len() - extra;
-        // The top of the stack, last first (a slice copy: no drain machinery).
-        request.table.extend(self.free[split..].iter().rev());
+        // The top of the stack, last first (a slice copy: no drain machinery); one
+        // superblock, the usual grow, is a plain move.
+        if extra == 1 {
+            request.table.push(self.free[split]);
+        } else {
+            request.table.extend(self.free[split..].iter().rev());
+        }
         self.free.truncate(split);
         request.len = new_len;
         true
@@ -395,6 +425,7 @@ impl Ledger {
         Ok(self.grow_entry(entry, new_len))
     }
 
+    #[inline]
     fn shrink_entry(&mut self, entry: EntryIndex, new_len: u64) {
         #[expect(
             clippy::cast_possible_truncation,
@@ -407,7 +438,11 @@ impl Ledger {
         };
         let request = &mut self.requests[entry];
         if let Some(released) = request.table.get(keep..) {
-            self.free.extend(released.iter().rev());
+            if let [only] = released {
+                self.free.push(*only);
+            } else {
+                self.free.extend(released.iter().rev());
+            }
             request.table.truncate(keep);
         }
         request.len = new_len;
@@ -433,6 +468,7 @@ impl Ledger {
     }
 
     /// Makes an emptied slab entry reusable (its table keeps its capacity).
+    #[inline]
     fn vacate(&mut self, entry: EntryIndex) {
         let kv = &mut self.requests[entry];
         let mut table = std::mem::take(&mut kv.table);

@@ -37,7 +37,7 @@ pub use ledger::{DecodeView, Ledger, RequestKv};
 pub use scheduler::{
     CapacityPolicy, FieldScope, FieldValue, FinishReason, RequestMetrics, RequestOutput,
     RequestState, ScheduleOutput, Scheduler, SchedulerConfig, SchedulerMetrics, ServingMode,
-    SuspendPolicy, VictimPolicy,
+    StepMetadata, StepMetadataLayout, StepMetadataSection, StepSource, SuspendPolicy, VictimPolicy,
 };
 
 /// A request's id, chosen by the caller; unique among live requests.

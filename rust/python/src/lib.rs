@@ -13,6 +13,7 @@ mod request_output;
 mod schedule_output;
 mod scheduler;
 mod scheduler_config;
+mod step_metadata;
 
 #[pyo3::pymodule]
 mod _core {
@@ -36,6 +37,8 @@ mod _core {
     use crate::scheduler::{PyRequestMetrics, PyScheduler, PySchedulerMetrics};
     #[pymodule_export]
     use crate::scheduler_config::PySchedulerConfig;
+    #[pymodule_export]
+    use crate::step_metadata::{PyStepMetadata, PyStepMetadataLayout};
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {

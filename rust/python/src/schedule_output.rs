@@ -404,3 +404,121 @@ impl PyScheduleOutput {
         )
     }
 }
+
+/// A field's values lent where they lie: under the field's lock while they are still the
+/// core's vector (no copy: the fast path, for fields Python never read), or converted back
+/// from the numpy array Python read. Held with the GIL: a first read of the same field by
+/// another thread takes that lock while holding the GIL.
+pub enum Lent<'a, T> {
+    Locked(std::sync::MutexGuard<'a, Option<Vec<T>>>),
+    Copied(Vec<T>),
+}
+
+impl<T: Clone> Lent<'_, T> {
+    pub fn as_slice(&self) -> &[T] {
+        match self {
+            Self::Locked(guard) => guard.as_deref().unwrap_or(&[]),
+            Self::Copied(values) => values,
+        }
+    }
+    /// The values copied out, so the lock is not held.
+    fn copied(&self) -> Lent<'static, T> {
+        Lent::Copied(self.as_slice().to_vec())
+    }
+}
+
+impl<T: Exposed<N>, N: Element + Copy> LazyArray<T, N> {
+    fn lend(&self, py: Python<'_>) -> Lent<'_, T> {
+        if self.array.get(py).is_some() {
+            return Lent::Copied(self.values(py));
+        }
+        Lent::Locked(
+            self.vector
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+}
+
+/// The fields the step metadata is made of, lent by a [`PyScheduleOutput`].
+pub struct LentStep<'a> {
+    step: u64,
+    context_ids: Lent<'a, RequestId>,
+    context_starts: Lent<'a, u64>,
+    context_lens: Lent<'a, u64>,
+    context_completes: Lent<'a, bool>,
+    context_batch_slots: Lent<'a, i32>,
+    context_token_ids: Lent<'a, i32>,
+    generation_ids: Lent<'a, RequestId>,
+    generation_positions: Lent<'a, u64>,
+    generation_owner_ranks: Lent<'a, u32>,
+    generation_input_tokens: Lent<'a, i32>,
+    generation_batch_slots: Lent<'a, i32>,
+    generation_local_lens: Lent<'a, u64>,
+    generation_past_seen_lens: Lent<'a, u64>,
+}
+
+impl LentStep<'_> {
+    /// The fields copied out of the output's locks (then the GIL may be released while
+    /// they are read).
+    pub fn copied(&self) -> LentStep<'static> {
+        LentStep {
+            step: self.step,
+            context_ids: self.context_ids.copied(),
+            context_starts: self.context_starts.copied(),
+            context_lens: self.context_lens.copied(),
+            context_completes: self.context_completes.copied(),
+            context_batch_slots: self.context_batch_slots.copied(),
+            context_token_ids: self.context_token_ids.copied(),
+            generation_ids: self.generation_ids.copied(),
+            generation_positions: self.generation_positions.copied(),
+            generation_owner_ranks: self.generation_owner_ranks.copied(),
+            generation_input_tokens: self.generation_input_tokens.copied(),
+            generation_batch_slots: self.generation_batch_slots.copied(),
+            generation_local_lens: self.generation_local_lens.copied(),
+            generation_past_seen_lens: self.generation_past_seen_lens.copied(),
+        }
+    }
+
+    /// The core's borrowed view of the lent fields.
+    pub fn source(&self) -> helix_kv_core::StepSource<'_> {
+        helix_kv_core::StepSource {
+            step: self.step,
+            context_ids: self.context_ids.as_slice(),
+            context_starts: self.context_starts.as_slice(),
+            context_lens: self.context_lens.as_slice(),
+            context_completes: self.context_completes.as_slice(),
+            context_batch_slots: self.context_batch_slots.as_slice(),
+            context_token_ids: self.context_token_ids.as_slice(),
+            generation_ids: self.generation_ids.as_slice(),
+            generation_positions: self.generation_positions.as_slice(),
+            generation_owner_ranks: self.generation_owner_ranks.as_slice(),
+            generation_input_tokens: self.generation_input_tokens.as_slice(),
+            generation_batch_slots: self.generation_batch_slots.as_slice(),
+            generation_local_lens: self.generation_local_lens.as_slice(),
+            generation_past_seen_lens: self.generation_past_seen_lens.as_slice(),
+        }
+    }
+}
+
+impl PyScheduleOutput {
+    /// Lends the fields the step metadata is made of (see [`Lent`]).
+    pub fn lend_step(&self, py: Python<'_>) -> LentStep<'_> {
+        LentStep {
+            step: self.step,
+            context_ids: self.context_ids.lend(py),
+            context_starts: self.context_starts.lend(py),
+            context_lens: self.context_lens.lend(py),
+            context_completes: self.context_completes.lend(py),
+            context_batch_slots: self.context_batch_slots.lend(py),
+            context_token_ids: self.context_token_ids.lend(py),
+            generation_ids: self.generation_ids.lend(py),
+            generation_positions: self.generation_positions.lend(py),
+            generation_owner_ranks: self.generation_owner_ranks.lend(py),
+            generation_input_tokens: self.generation_input_tokens.lend(py),
+            generation_batch_slots: self.generation_batch_slots.lend(py),
+            generation_local_lens: self.generation_local_lens.lend(py),
+            generation_past_seen_lens: self.generation_past_seen_lens.lend(py),
+        }
+    }
+}

@@ -11,6 +11,7 @@ use crate::ledger::{block_table, slot_mapping};
 use crate::request_output::PyRequestOutput;
 use crate::schedule_output::PyScheduleOutput;
 use crate::scheduler_config::PySchedulerConfig;
+use crate::step_metadata::{self, PyStepMetadata, PyStepMetadataLayout};
 
 helix_kv_core::scheduler_metrics_fields!(value_record! {
     /// Scheduler totals (frozen; equal on every rank; picklable).
@@ -205,6 +206,32 @@ impl PyScheduler {
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let rank = self.inner.config().cp_rank;
         slot_mapping(py, self.inner.ledger(), request_ids, starts, counts, rank)
+    }
+
+    /// The layout of the packed step metadata for this scheduler's capacities
+    /// (`max_num_tokens` tokens and `max_batch_size` entries a step) and block-table rows
+    /// of `table_width` superblocks (default: a `max_seq_len` request's, capped by the pool).
+    #[pyo3(signature = (table_width = None))]
+    fn step_metadata_layout(
+        &self,
+        table_width: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyStepMetadataLayout> {
+        step_metadata::layout(&self.inner, table_width)
+    }
+
+    /// Writes this rank's metadata of the pending step (`schedule_output`, the last
+    /// `schedule()`'s) into `buffer` (a writeable, C-contiguous, 8-byte aligned int32 array
+    /// of at least `layout.total_words` words), cut as `layout` says. Everything is checked
+    /// before a word is written: an error leaves the buffer and the scheduler unchanged.
+    /// A decode-sized step keeps the GIL (microseconds); a long one releases it.
+    fn write_step_metadata(
+        &self,
+        py: Python<'_>,
+        schedule_output: &Bound<'_, PyAny>,
+        buffer: &Bound<'_, PyAny>,
+        layout: &Bound<'_, PyAny>,
+    ) -> PyResult<PyStepMetadata> {
+        step_metadata::write(py, &self.inner, schedule_output, buffer, layout)
     }
 
     /// Totals, with KV use as of now.

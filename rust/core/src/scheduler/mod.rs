@@ -14,6 +14,7 @@ mod abort;
 mod commit;
 mod config;
 mod host;
+mod metadata;
 mod metrics;
 mod output;
 mod placement;
@@ -28,6 +29,7 @@ pub use config::{
     CapacityPolicy, FieldValue, SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy,
     DECISION_FIELDS,
 };
+pub use metadata::{StepMetadata, StepMetadataLayout, StepMetadataSection, StepSource};
 pub use metrics::{RequestMetrics, SchedulerMetrics};
 pub use output::{FieldScope, ScheduleOutput};
 pub use request::{FinishReason, RequestOutput, RequestState};

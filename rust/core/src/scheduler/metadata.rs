@@ -1,0 +1,687 @@
+//! Step metadata written once, by Rust: everything an attention kernel needs for this rank's
+//! share of a scheduled step, packed into one caller-owned buffer of int32 words (pinned host
+//! memory, copied to the device in one transfer).
+//!
+//! The buffer is cut into sections at fixed offsets that depend only on the capacities
+//! (tokens and entries per step, table width), never on the step: a caller views each
+//! section once and reuses the views (and their device twins) every step. Each step fills
+//! the front of each section and reports the counts in the header; what lies past the
+//! counts is left as the buffer held it.
+//!
+//! Entries are ordered generation entries first, then context chunks (the order of
+//! `sample_ids`: the sampled rows are `0..num_generation`, then the last token of each chunk
+//! that completes its prompt), and the flat token order follows the entries.
+
+use super::{Result, ScheduleOutput, Scheduler};
+use crate::error::CoreError;
+use crate::layout::Layout;
+use crate::ledger::page_id;
+use crate::{RequestId, SuperblockId};
+
+/// How many elements a section holds, in terms of the capacities.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Per {
+    /// [`HEADER_WORDS`] words.
+    Header,
+    /// One element per token of the step.
+    Token,
+    /// One element per entry (request) of the step.
+    Entry,
+    /// One element per entry, plus one (offsets).
+    EntryBoundary,
+    /// `table_width` elements per entry (row-major rows).
+    TableCell,
+}
+
+/// The sections in buffer order: name, whether an element is an int64 (two words, at an
+/// even word offset) and what it holds one element per. Adding a section is one line here
+/// plus its index constant and the code that fills it.
+const SECTIONS: [(&str, bool, Per); SECTION_COUNT] = [
+    ("header", false, Per::Header),
+    ("token_ids", false, Per::Token),
+    ("positions", false, Per::Token),
+    ("slot_mapping", true, Per::Token),
+    ("query_start", false, Per::EntryBoundary),
+    ("local_lens", false, Per::Entry),
+    ("past_seen_lens", false, Per::Entry),
+    ("batch_slots", false, Per::Entry),
+    ("sample_rows", false, Per::Entry),
+    ("block_table", false, Per::TableCell),
+];
+const SECTION_COUNT: usize = 10;
+const HEADER: usize = 0;
+const TOKEN_IDS: usize = 1;
+const POSITIONS: usize = 2;
+const SLOT_MAPPING: usize = 3;
+const QUERY_START: usize = 4;
+const LOCAL_LENS: usize = 5;
+const PAST_SEEN_LENS: usize = 6;
+const BATCH_SLOTS: usize = 7;
+const SAMPLE_ROWS: usize = 8;
+const BLOCK_TABLE: usize = 9;
+
+/// Words of the header: `step` (an int64, words 0-1), then `num_tokens`, `num_entries`,
+/// `num_generation`, `num_samples`, `table_width_used` and one word reserved (0).
+pub const HEADER_WORDS: usize = 8;
+
+/// One section of the packed buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepMetadataSection {
+    /// The section's name (`"token_ids"`, `"slot_mapping"`, ...).
+    pub name: &'static str,
+    /// Offset of its first element, in int32 words from the start of the buffer (even for
+    /// an int64 section).
+    pub offset_words: usize,
+    /// Elements it holds (its capacity).
+    pub len: usize,
+    /// Whether an element is an int64 (two words) rather than an int32.
+    pub int64: bool,
+}
+
+/// Where each section of the packed step metadata lies, for given capacities. It depends
+/// on the capacities only, so one layout (and one buffer) serves every step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepMetadataLayout {
+    max_tokens: usize,
+    max_entries: usize,
+    table_width: usize,
+    sections: [StepMetadataSection; SECTION_COUNT],
+    total_words: usize,
+}
+
+impl StepMetadataLayout {
+    /// The layout for steps of at most `max_tokens` tokens and `max_entries` entries, with
+    /// block-table rows of `table_width` superblocks. Fails (`InvalidLength`) when the
+    /// buffer would not be addressable (more than `2**31 - 1` words).
+    pub fn new(max_tokens: u32, max_entries: u32, table_width: u32) -> Result<Self> {
+        let (tokens, entries, width) = (
+            u64::from(max_tokens),
+            u64::from(max_entries),
+            u64::from(table_width),
+        );
+        let mut offset = 0u64;
+        let mut sections = [StepMetadataSection {
+            name: "",
+            offset_words: 0,
+            len: 0,
+            int64: false,
+        }; SECTION_COUNT];
+        for (section, &(name, int64, per)) in sections.iter_mut().zip(&SECTIONS) {
+            let len = match per {
+                Per::Header => HEADER_WORDS as u64,
+                Per::Token => tokens,
+                Per::Entry => entries,
+                Per::EntryBoundary => entries + 1,
+                Per::TableCell => entries.saturating_mul(width),
+            };
+            if int64 {
+                offset = offset.saturating_add(offset % 2);
+            }
+            // Saturating: a sum past `i32::MAX` words is refused below anyway.
+            let words = if int64 { len.saturating_mul(2) } else { len };
+            *section = StepMetadataSection {
+                name,
+                offset_words: to_usize(offset),
+                len: to_usize(len),
+                int64,
+            };
+            offset = offset.saturating_add(words);
+        }
+        if offset > i32::MAX as u64 {
+            return Err(CoreError::InvalidLength(format!(
+                "step metadata for {max_tokens} tokens, {max_entries} entries and a table width of \
+                 {table_width} needs {offset} words, more than 2**31 - 1"
+            )));
+        }
+        Ok(Self {
+            max_tokens: to_usize(tokens),
+            max_entries: to_usize(entries),
+            table_width: to_usize(width),
+            sections,
+            total_words: to_usize(offset),
+        })
+    }
+
+    /// Tokens one step may hold.
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+    /// Entries one step may hold.
+    pub fn max_entries(&self) -> usize {
+        self.max_entries
+    }
+    /// Superblocks per block-table row.
+    pub fn table_width(&self) -> usize {
+        self.table_width
+    }
+    /// Words the buffer must hold at least.
+    pub fn total_words(&self) -> usize {
+        self.total_words
+    }
+    /// Every section, in buffer order.
+    pub fn sections(&self) -> &[StepMetadataSection] {
+        &self.sections
+    }
+}
+
+/// Converts a count that fits the platform (checked against `i32::MAX` words before it is
+/// used to index anything).
+fn to_usize(value: u64) -> usize {
+    usize::try_from(value).unwrap_or(usize::MAX)
+}
+
+/// The counts of one written step (also in the header section).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepMetadata {
+    /// The step written.
+    pub step: u64,
+    /// Tokens written (generation inputs, then context tokens).
+    pub num_tokens: usize,
+    /// Entries written (generation entries, then context chunks).
+    pub num_entries: usize,
+    /// Generation entries: entries `0..num_generation`, tokens `0..num_generation`.
+    pub num_generation: usize,
+    /// Rows of `sample_rows` written (the length of `sample_ids`).
+    pub num_samples: usize,
+    /// The widest table among the entries, in superblocks (columns past it are -1).
+    pub table_width_used: usize,
+}
+
+/// The fields of a [`ScheduleOutput`] that the metadata is made of, borrowed (the Python
+/// binding lends them without copying the arrays it holds).
+#[derive(Debug, Clone, Copy)]
+pub struct StepSource<'a> {
+    pub step: u64,
+    pub context_ids: &'a [RequestId],
+    pub context_starts: &'a [u64],
+    pub context_lens: &'a [u64],
+    pub context_completes: &'a [bool],
+    pub context_batch_slots: &'a [i32],
+    pub context_token_ids: &'a [i32],
+    pub generation_ids: &'a [RequestId],
+    pub generation_positions: &'a [u64],
+    pub generation_owner_ranks: &'a [u32],
+    pub generation_input_tokens: &'a [i32],
+    pub generation_batch_slots: &'a [i32],
+    pub generation_local_lens: &'a [u64],
+    pub generation_past_seen_lens: &'a [u64],
+}
+
+impl<'a> From<&'a ScheduleOutput> for StepSource<'a> {
+    fn from(out: &'a ScheduleOutput) -> Self {
+        Self {
+            step: out.step,
+            context_ids: &out.context_ids,
+            context_starts: &out.context_starts,
+            context_lens: &out.context_lens,
+            context_completes: &out.context_completes,
+            context_batch_slots: &out.context_batch_slots,
+            context_token_ids: &out.context_token_ids,
+            generation_ids: &out.generation_ids,
+            generation_positions: &out.generation_positions,
+            generation_owner_ranks: &out.generation_owner_ranks,
+            generation_input_tokens: &out.generation_input_tokens,
+            generation_batch_slots: &out.generation_batch_slots,
+            generation_local_lens: &out.generation_local_lens,
+            generation_past_seen_lens: &out.generation_past_seen_lens,
+        }
+    }
+}
+
+/// `n / d` and `n % d` for a divisor fixed per call: a shift and a mask when `d` is a power of
+/// two (the usual layouts), a division otherwise.
+#[derive(Debug, Clone, Copy)]
+struct Divisor {
+    d: u64,
+    shift: Option<u32>,
+}
+
+impl Divisor {
+    fn new(d: u64) -> Self {
+        Self {
+            d,
+            shift: d.is_power_of_two().then(|| d.trailing_zeros()),
+        }
+    }
+    fn div(self, n: u64) -> u64 {
+        match self.shift {
+            Some(shift) => n >> shift,
+            None => n / self.d,
+        }
+    }
+    fn rem(self, n: u64) -> u64 {
+        match self.shift {
+            Some(_) => n & (self.d - 1),
+            None => n % self.d,
+        }
+    }
+}
+
+/// `value` as an int32 word; callers checked the bound (`< 2**31`).
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "every value written is checked against i32::MAX first (`check_word`)"
+)]
+fn word(value: u64) -> i32 {
+    debug_assert!(i32::try_from(value).is_ok());
+    value as i32
+}
+
+/// An int64 written as two native-endian int32 words, so an int64 view of them reads `value`.
+fn wide_words(value: i64) -> [i32; 2] {
+    let b = value.to_ne_bytes();
+    [
+        i32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
+        i32::from_ne_bytes([b[4], b[5], b[6], b[7]]),
+    ]
+}
+
+fn check_word(value: u64, what: &str) -> Result<()> {
+    if value > i32::MAX as u64 {
+        return Err(CoreError::InvalidLength(format!(
+            "{what} {value} does not fit the int32 words of the step metadata"
+        )));
+    }
+    Ok(())
+}
+
+#[cold]
+fn unreserved(id: RequestId, start: u64, end: u64, len: u64) -> CoreError {
+    CoreError::InvalidLength(format!(
+        "tokens {start}..{end} of request {id} are not all reserved (it holds {len})"
+    ))
+}
+
+fn mismatch(group: &str) -> CoreError {
+    CoreError::InvalidArgument(format!(
+        "the {group} arrays of the schedule output differ in length"
+    ))
+}
+
+/// Fails unless the arrays of `source` fit together and the step fits `layout` and a
+/// buffer of `buffer_words` words.
+fn check_shapes(
+    source: &StepSource<'_>,
+    layout: &StepMetadataLayout,
+    buffer_words: usize,
+) -> Result<()> {
+    if buffer_words < layout.total_words {
+        return Err(CoreError::InvalidLength(format!(
+            "the buffer holds {buffer_words} words; the layout needs {}",
+            layout.total_words
+        )));
+    }
+    let g = source.generation_ids.len();
+    if [
+        source.generation_positions.len(),
+        source.generation_owner_ranks.len(),
+        source.generation_input_tokens.len(),
+        source.generation_batch_slots.len(),
+        source.generation_local_lens.len(),
+        source.generation_past_seen_lens.len(),
+    ]
+    .iter()
+    .any(|&n| n != g)
+    {
+        return Err(mismatch("generation"));
+    }
+    let c = source.context_ids.len();
+    if [
+        source.context_starts.len(),
+        source.context_lens.len(),
+        source.context_completes.len(),
+        source.context_batch_slots.len(),
+    ]
+    .iter()
+    .any(|&n| n != c)
+    {
+        return Err(mismatch("context"));
+    }
+    let context_tokens = source
+        .context_lens
+        .iter()
+        .try_fold(0u64, |acc, &n| acc.checked_add(n));
+    if context_tokens != Some(source.context_token_ids.len() as u64) {
+        return Err(CoreError::InvalidArgument(
+            "the context lengths do not add up to the context tokens".into(),
+        ));
+    }
+    let num_tokens = g + source.context_token_ids.len();
+    if num_tokens > layout.max_tokens || g + c > layout.max_entries {
+        return Err(CoreError::InvalidLength(format!(
+            "step {} has {num_tokens} tokens in {} entries; the layout holds {} tokens in {} entries",
+            source.step,
+            g + c,
+            layout.max_tokens,
+            layout.max_entries
+        )));
+    }
+    Ok(())
+}
+
+impl Scheduler {
+    /// The metadata layout for this scheduler's capacities: `max_num_tokens` tokens and
+    /// `max_batch_size` entries a step, and rows of `table_width` superblocks (default: the
+    /// superblocks of a `max_seq_len` request, capped by the pool).
+    pub fn step_metadata_layout(&self, table_width: Option<u32>) -> Result<StepMetadataLayout> {
+        let width = table_width.unwrap_or_else(|| {
+            let needed = self.layout.superblocks_for(self.config.max_seq_len);
+            u32::try_from(needed)
+                .unwrap_or(u32::MAX)
+                .min(self.config.capacity_superblocks)
+        });
+        StepMetadataLayout::new(
+            self.config.max_num_tokens,
+            self.config.max_batch_size,
+            width,
+        )
+    }
+
+    /// [`Scheduler::write_step_metadata`] for the output the scheduler still holds (one not
+    /// moved out with `take_last_output`).
+    pub fn write_last_step_metadata(
+        &self,
+        layout: &StepMetadataLayout,
+        buffer: &mut [i32],
+    ) -> Result<StepMetadata> {
+        self.write_step_metadata(StepSource::from(&self.output), layout, buffer)
+    }
+
+    /// Writes this rank's metadata of the pending step `source` (the fields of its
+    /// [`ScheduleOutput`]) into `buffer`, cut as `layout` says. Everything is checked before
+    /// the first word is written, so an error (`InvalidState` for an output that is not the
+    /// pending step's, `InvalidLength` for a step or table past the layout's capacities or a
+    /// buffer shorter than it, `InvalidArgument` for arrays that do not fit together,
+    /// `UnknownRequest`) leaves the buffer as it was. The scheduler is only read.
+    pub fn write_step_metadata(
+        &self,
+        source: StepSource<'_>,
+        layout: &StepMetadataLayout,
+        buffer: &mut [i32],
+    ) -> Result<StepMetadata> {
+        let (tables, table_width_used) = self.check_step_source(&source, layout, buffer.len())?;
+        let num_generation = source.generation_ids.len();
+        let num_tokens = num_generation + source.context_token_ids.len();
+        let num_samples = num_generation + source.context_completes.iter().filter(|&&c| c).count();
+        let metadata = StepMetadata {
+            step: source.step,
+            num_tokens,
+            num_entries: tables.len(),
+            num_generation,
+            num_samples,
+            table_width_used,
+        };
+        let mut writer = Writer {
+            layout,
+            buffer,
+            placement: self.layout,
+            rank: self.config.cp_rank,
+        };
+        writer.header(&metadata);
+        writer.tokens(&source);
+        writer.entries(&source);
+        writer.slot_mapping(&source, &tables);
+        writer.block_table(&tables);
+        Ok(metadata)
+    }
+
+    /// Every check of [`Self::write_step_metadata`]; the superblock table of each entry, in
+    /// entry order, and the widest one's length.
+    fn check_step_source<'s>(
+        &'s self,
+        source: &StepSource<'_>,
+        layout: &StepMetadataLayout,
+        buffer_words: usize,
+    ) -> Result<(Vec<&'s [SuperblockId]>, usize)> {
+        self.check_pending(source.step)?;
+        check_shapes(source, layout, buffer_words)?;
+        let (g, c) = (source.generation_ids.len(), source.context_ids.len());
+        // Each entry's holdings, found through the scheduler's own index of the request
+        // (its ledger entry) where that still names it: no id lookup on the common path.
+        let generation_hints = self.generation_reqs.iter().map(|&r| r as usize);
+        let context_hints = self.context.iter().map(|c| c.req as usize);
+        let mut requests = Vec::with_capacity(g + c);
+        let mut furthest = 0u64;
+        let mut widest = 0usize;
+        let entries = source
+            .generation_ids
+            .iter()
+            .zip(source.generation_positions)
+            .zip(generation_hints.chain(std::iter::repeat(usize::MAX)))
+            .map(|((&id, &pos), hint)| (id, pos, 1, hint))
+            .chain(
+                source
+                    .context_ids
+                    .iter()
+                    .zip(source.context_starts)
+                    .zip(source.context_lens)
+                    .zip(context_hints.chain(std::iter::repeat(usize::MAX)))
+                    .map(|(((&id, &start), &len), hint)| (id, start, len, hint)),
+            );
+        for (id, start, count, hint) in entries {
+            let request = self.ledger.request_hinted(hint, id)?;
+            let end = start.saturating_add(count);
+            if end > request.len() {
+                return Err(unreserved(id, start, end, request.len()));
+            }
+            furthest = furthest.max(end);
+            widest = widest.max(request.table().len());
+            requests.push(request.table());
+        }
+        check_word(furthest, "position")?;
+        if widest > layout.table_width {
+            let id = source
+                .generation_ids
+                .iter()
+                .chain(source.context_ids)
+                .zip(&requests)
+                .find(|(_, table)| table.len() == widest)
+                .map_or(0, |(&id, _)| id);
+            return Err(CoreError::InvalidLength(format!(
+                "request {id} holds {widest} superblocks, wider than the layout's {} columns",
+                layout.table_width
+            )));
+        }
+        // Local lengths are at most the positions checked above; these come from the
+        // output and are checked on their own.
+        let longest = source
+            .generation_local_lens
+            .iter()
+            .chain(source.generation_past_seen_lens)
+            .fold(0, |acc, &len| acc.max(len));
+        check_word(longest, "local length")?;
+        Ok((requests, widest))
+    }
+
+    /// Fails unless `step` is the pending step.
+    fn check_pending(&self, step: u64) -> Result<()> {
+        if !self.pending || step != self.pending_step {
+            return Err(CoreError::InvalidState(format!(
+                "the metadata of step {} was asked for, but {}",
+                step,
+                if self.pending {
+                    format!("step {} is the pending one", self.pending_step)
+                } else {
+                    "no step is pending".to_string()
+                }
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Writes the sections of one step (everything checked before).
+struct Writer<'a> {
+    layout: &'a StepMetadataLayout,
+    buffer: &'a mut [i32],
+    placement: Layout,
+    rank: u32,
+}
+
+impl Writer<'_> {
+    /// The first `len` words of int32 section `index`.
+    fn section(&mut self, index: usize, len: usize) -> &mut [i32] {
+        let offset = self.layout.sections[index].offset_words;
+        &mut self.buffer[offset..offset + len]
+    }
+
+    fn header(&mut self, m: &StepMetadata) {
+        let [low, high] = wide_words(i64::from_ne_bytes(m.step.to_ne_bytes()));
+        let counts = [
+            m.num_tokens,
+            m.num_entries,
+            m.num_generation,
+            m.num_samples,
+            m.table_width_used,
+        ];
+        let header = self.section(HEADER, HEADER_WORDS);
+        header[0] = low;
+        header[1] = high;
+        for (dst, &count) in header[2..].iter_mut().zip(&counts) {
+            *dst = word(count as u64);
+        }
+        header[HEADER_WORDS - 1] = 0;
+    }
+
+    /// Token ids and positions: generation inputs, then the context chunks.
+    fn tokens(&mut self, s: &StepSource<'_>) {
+        let g = s.generation_ids.len();
+        let n = g + s.context_token_ids.len();
+        let ids = self.section(TOKEN_IDS, n);
+        ids[..g].copy_from_slice(s.generation_input_tokens);
+        ids[g..].copy_from_slice(s.context_token_ids);
+        let positions = self.section(POSITIONS, n);
+        for (dst, &pos) in positions.iter_mut().zip(s.generation_positions) {
+            *dst = word(pos);
+        }
+        let mut rest = positions[g..].iter_mut();
+        for (&start, &len) in s.context_starts.iter().zip(s.context_lens) {
+            // The range first: `zip` stops on it without taking one more from `rest`.
+            for (pos, dst) in (start..start + len).zip(rest.by_ref()) {
+                *dst = word(pos);
+            }
+        }
+    }
+
+    /// Query starts, local and past-seen lengths, batch slots and sample rows.
+    fn entries(&mut self, s: &StepSource<'_>) {
+        let g = s.generation_ids.len();
+        let e = g + s.context_ids.len();
+        let placement = self.placement;
+        let rank = self.rank;
+        let starts = self.section(QUERY_START, e + 1);
+        for (i, dst) in starts[..=g].iter_mut().enumerate() {
+            *dst = word(i as u64);
+        }
+        let mut offset = g as u64;
+        for (dst, &len) in starts[g + 1..].iter_mut().zip(s.context_lens) {
+            offset += len;
+            *dst = word(offset);
+        }
+        let local = self.section(LOCAL_LENS, e);
+        for (dst, &len) in local.iter_mut().zip(s.generation_local_lens) {
+            *dst = word(len);
+        }
+        for ((dst, &start), &len) in local[g..]
+            .iter_mut()
+            .zip(s.context_starts)
+            .zip(s.context_lens)
+        {
+            *dst = word(placement.local_len(start + len, rank));
+        }
+        let past = self.section(PAST_SEEN_LENS, e);
+        for (dst, &len) in past.iter_mut().zip(s.generation_past_seen_lens) {
+            *dst = word(len);
+        }
+        for (dst, &start) in past[g..].iter_mut().zip(s.context_starts) {
+            *dst = word(placement.local_len(start, rank));
+        }
+        let slots = self.section(BATCH_SLOTS, e);
+        slots[..g].copy_from_slice(s.generation_batch_slots);
+        slots[g..].copy_from_slice(s.context_batch_slots);
+        let samples = self.section(SAMPLE_ROWS, e);
+        for (i, dst) in samples[..g].iter_mut().enumerate() {
+            *dst = word(i as u64);
+        }
+        let mut row = g as u64;
+        let mut next = samples[g..].iter_mut();
+        for (&len, &completes) in s.context_lens.iter().zip(s.context_completes) {
+            row += len;
+            if completes {
+                if let Some(dst) = next.next() {
+                    *dst = word(row - 1);
+                }
+            }
+        }
+    }
+
+    /// This rank's KV slot of every token (int64), -1 where another rank owns it.
+    fn slot_mapping(&mut self, s: &StepSource<'_>, tables: &[&[SuperblockId]]) {
+        let placement = self.placement;
+        let rank = self.rank;
+        let tpb = u64::from(placement.tokens_per_block());
+        let per_block = Divisor::new(tpb);
+        let per_superblock = Divisor::new(placement.tokens_per_superblock());
+        let cp = Divisor::new(u64::from(placement.cp()));
+        let g = s.generation_ids.len();
+        let n = g + s.context_token_ids.len();
+        let offset = self.layout.sections[SLOT_MAPPING].offset_words;
+        let out = &mut self.buffer[offset..offset + 2 * n];
+        let slot = |table: &[u32], pos: u64| -> i64 {
+            let page = page_id(table[to_usize(per_superblock.div(pos))]);
+            i64::from(page) * i64::from(placement.tokens_per_block())
+                + i64::from(word(per_block.rem(pos)))
+        };
+        let (gen_out, ctx_out) = out.split_at_mut(2 * g);
+        for (((dst, &pos), &owner), table) in gen_out
+            .chunks_exact_mut(2)
+            .zip(s.generation_positions)
+            .zip(s.generation_owner_ranks)
+            .zip(tables)
+        {
+            let value = if owner == rank { slot(table, pos) } else { -1 };
+            dst.copy_from_slice(&wide_words(value));
+        }
+        let mut rest = ctx_out.chunks_exact_mut(2);
+        for ((&start, &len), &table) in s
+            .context_starts
+            .iter()
+            .zip(s.context_lens)
+            .zip(&tables[g..])
+        {
+            let mut pos = start;
+            let end = start + len;
+            // Block by block: one owner test per page, not per token.
+            while pos < end {
+                let block_end = (per_block.div(pos) + 1) * tpb;
+                let run = block_end.min(end) - pos;
+                let owned = cp.rem(per_block.div(pos)) == u64::from(rank);
+                let mut next = if owned { slot(table, pos) } else { -1 };
+                for dst in rest.by_ref().take(to_usize(run)) {
+                    dst.copy_from_slice(&wide_words(next));
+                    if owned {
+                        next += 1;
+                    }
+                }
+                pos += run;
+            }
+        }
+    }
+
+    /// One row per entry: its superblocks (= page ids), -1 padded to the layout's width.
+    fn block_table(&mut self, tables: &[&[SuperblockId]]) {
+        let width = self.layout.table_width;
+        let table = self.section(BLOCK_TABLE, tables.len() * width);
+        if width == 0 {
+            return;
+        }
+        // One fill of the whole table, then each row's pages over it: a fill per row is a
+        // `memset` call per row, which cost more than the rows themselves.
+        table.fill(-1);
+        for (row, &held) in table.chunks_exact_mut(width).zip(tables) {
+            for (dst, &page) in row.iter_mut().zip(held) {
+                *dst = page_id(page);
+            }
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! Packed step metadata against the calls it replaces: over random runs under KV pressure,
+//! one scheduler per rank, every section written by `write_last_step_metadata` equals what
+//! `block_table`, `slot_mapping`, the output and the layout give; refused calls leave the
+//! buffer as it was.
+
+mod common;
+
+use common::{config, prompt, Rng};
+use helix_kv_core::{CoreError, ScheduleOutput, Scheduler, StepMetadataLayout};
+
+const SENTINEL: i32 = -7777;
+
+/// The section named `name` of `buffer`, as (words, int64?).
+fn section<'a>(layout: &StepMetadataLayout, buffer: &'a [i32], name: &str) -> (&'a [i32], bool) {
+    let s = layout.sections().iter().find(|s| s.name == name).unwrap();
+    let words = if s.int64 { 2 * s.len } else { s.len };
+    (&buffer[s.offset_words..s.offset_words + words], s.int64)
+}
+
+fn int64s(words: &[i32]) -> Vec<i64> {
+    words
+        .chunks_exact(2)
+        .map(|w| {
+            let (low, high) = (w[0].to_ne_bytes(), w[1].to_ne_bytes());
+            i64::from_ne_bytes([
+                low[0], low[1], low[2], low[3], high[0], high[1], high[2], high[3],
+            ])
+        })
+        .collect()
+}
+
+fn to_i32(values: impl IntoIterator<Item = u64>) -> Vec<i32> {
+    values
+        .into_iter()
+        .map(|v| i32::try_from(v).unwrap())
+        .collect()
+}
+
+/// Each section's written front, from the calls the packed buffer replaces.
+fn expected_sections(
+    s: &Scheduler,
+    out: &ScheduleOutput,
+    layout: &StepMetadataLayout,
+) -> [(&'static str, Vec<i64>); 9] {
+    let g = out.generation_ids.len();
+    let ids: Vec<u64> = out
+        .generation_ids
+        .iter()
+        .chain(&out.context_ids)
+        .copied()
+        .collect();
+    let starts: Vec<u64> = out
+        .generation_positions
+        .iter()
+        .chain(&out.context_starts)
+        .copied()
+        .collect();
+    let counts: Vec<u64> = std::iter::repeat_n(1, g)
+        .chain(out.context_lens.iter().copied())
+        .collect();
+    let layout_of = s.layout();
+    let rank = s.config().cp_rank;
+    let (table, width) = s.block_table(&ids, Some(layout.table_width())).unwrap();
+    assert_eq!(width, layout.table_width());
+    let slots = s.slot_mapping(&ids, &starts, &counts).unwrap();
+    let positions: Vec<u64> = starts
+        .iter()
+        .zip(&counts)
+        .flat_map(|(&start, &count)| start..start + count)
+        .collect();
+    let mut query_start = vec![0u64];
+    for &count in &counts {
+        query_start.push(query_start.last().unwrap() + count);
+    }
+    let ctx_local = out
+        .context_starts
+        .iter()
+        .zip(&out.context_lens)
+        .map(|(&start, &len)| layout_of.local_len(start + len, rank));
+    let ctx_past = out
+        .context_starts
+        .iter()
+        .map(|&start| layout_of.local_len(start, rank));
+    let mut samples: Vec<u64> = (0..g as u64).collect();
+    let mut end = g as u64;
+    for (&len, &completes) in out.context_lens.iter().zip(&out.context_completes) {
+        end += len;
+        if completes {
+            samples.push(end - 1);
+        }
+    }
+    let tokens: Vec<i32> = out
+        .generation_input_tokens
+        .iter()
+        .chain(&out.context_token_ids)
+        .copied()
+        .collect();
+    let slots_in: Vec<i32> = out
+        .generation_batch_slots
+        .iter()
+        .chain(&out.context_batch_slots)
+        .copied()
+        .collect();
+    [
+        ("token_ids", tokens.iter().map(|&t| i64::from(t)).collect()),
+        ("positions", to_i64(positions)),
+        ("slot_mapping", slots),
+        ("query_start", to_i64(query_start)),
+        (
+            "local_lens",
+            to_i64(out.generation_local_lens.iter().copied().chain(ctx_local)),
+        ),
+        (
+            "past_seen_lens",
+            to_i64(
+                out.generation_past_seen_lens
+                    .iter()
+                    .copied()
+                    .chain(ctx_past),
+            ),
+        ),
+        (
+            "batch_slots",
+            slots_in.iter().map(|&v| i64::from(v)).collect(),
+        ),
+        ("sample_rows", to_i64(samples)),
+        ("block_table", table.iter().map(|&v| i64::from(v)).collect()),
+    ]
+}
+
+/// Checks every section of one written step against the separate calls.
+fn check(s: &Scheduler, out: &ScheduleOutput, layout: &StepMetadataLayout) {
+    let mut buffer = vec![SENTINEL; layout.total_words()];
+    let meta = s.write_last_step_metadata(layout, &mut buffer).unwrap();
+    let g = out.generation_ids.len();
+    let entries = g + out.context_ids.len();
+    let n = g + out.context_token_ids.len();
+    assert_eq!((meta.num_tokens, meta.num_entries), (n, entries));
+    for (name, want) in expected_sections(s, out, layout) {
+        let (words, int64) = section(layout, &buffer, name);
+        let got: Vec<i64> = if int64 {
+            int64s(words)
+        } else {
+            words.iter().map(|&w| i64::from(w)).collect()
+        };
+        assert_eq!(&got[..want.len()], &want[..], "{name}");
+        let rest = if int64 {
+            &words[2 * want.len()..]
+        } else {
+            &words[want.len()..]
+        };
+        assert!(
+            rest.iter().all(|&w| w == SENTINEL),
+            "{name} written past its end"
+        );
+    }
+    let header = section(layout, &buffer, "header").0;
+    assert_eq!(int64s(&header[..2]), vec![i64::try_from(out.step).unwrap()]);
+    assert_eq!(
+        header[2..7].to_vec(),
+        to_i32([
+            n as u64,
+            entries as u64,
+            g as u64,
+            out.sample_ids.len() as u64,
+            meta.table_width_used as u64
+        ])
+    );
+}
+
+fn to_i64(values: impl IntoIterator<Item = u64>) -> Vec<i64> {
+    values
+        .into_iter()
+        .map(|v| i64::try_from(v).unwrap())
+        .collect()
+}
+
+#[test]
+fn packed_sections_equal_the_separate_calls_under_pressure() {
+    for cp in [1u32, 2, 4] {
+        for seed in 0..3u64 {
+            let mut rng = Rng::new(seed * 10 + u64::from(cp));
+            let tpb = u32::try_from(rng.range(2, 4)).unwrap();
+            let superblocks = u32::try_from(rng.range(6, 12)).unwrap();
+            let mut base = config(cp, tpb, superblocks);
+            base.max_batch_size = 8;
+            base.max_num_tokens = u32::try_from(rng.range(16, 40)).unwrap();
+            base.max_seq_len = 100;
+            base.chunk_unit = Some(tpb);
+            let longest = 100.min(u64::from(superblocks * cp * tpb));
+            let mut ranks: Vec<Scheduler> = (0..cp)
+                .map(|r| {
+                    let mut c = base.clone();
+                    c.cp_rank = r;
+                    Scheduler::new(c).unwrap()
+                })
+                .collect();
+            let layout = ranks[0].step_metadata_layout(None).unwrap();
+            let (mut next_id, mut pressured) = (0u64, 0);
+            for _ in 0..50 {
+                for _ in 0..rng.below(3) {
+                    let len = rng.range(1, longest / 2);
+                    let max_new = u32::try_from(rng.range(1, longest - len)).unwrap();
+                    for s in &mut ranks {
+                        s.add_request(next_id, &prompt(usize::try_from(len).unwrap()), max_new, 0)
+                            .unwrap();
+                    }
+                    next_id += 1;
+                }
+                let outs: Vec<ScheduleOutput> = ranks
+                    .iter_mut()
+                    .map(|s| s.schedule().unwrap().clone())
+                    .collect();
+                pressured += usize::from(!outs[0].preempted_ids.is_empty());
+                for (s, out) in ranks.iter().zip(&outs) {
+                    check(s, out, &layout);
+                }
+                let tokens: Vec<i32> = (0..outs[0].sample_ids.len())
+                    .map(|_| i32::try_from(rng.below(1000)).unwrap())
+                    .collect();
+                for s in &mut ranks {
+                    let finished = s.update(&tokens, None).unwrap().to_vec();
+                    for id in finished {
+                        s.take_output(id).unwrap();
+                    }
+                }
+            }
+            assert!(pressured > 0, "cp {cp} seed {seed}: no preemption");
+        }
+    }
+}
+
+#[test]
+fn refused_calls_leave_the_buffer_as_it_was() {
+    let mut s = Scheduler::new(config(2, 4, 16)).unwrap();
+    for id in 0..3 {
+        s.add_request(id, &prompt(9), 5, 0).unwrap();
+    }
+    let layout = s.step_metadata_layout(None).unwrap();
+    let mut buffer = vec![SENTINEL; layout.total_words()];
+    // No pending step yet.
+    let err = s
+        .write_last_step_metadata(&layout, &mut buffer)
+        .unwrap_err();
+    assert!(matches!(err, CoreError::InvalidState(_)), "{err}");
+    s.schedule().unwrap();
+    let too_small = [
+        StepMetadataLayout::new(26, 8, u32::try_from(layout.table_width()).unwrap()).unwrap(), // 27 tokens
+        StepMetadataLayout::new(64, 2, u32::try_from(layout.table_width()).unwrap()).unwrap(), // 3 entries
+        StepMetadataLayout::new(64, 8, 1).unwrap(), // 2-wide tables
+    ];
+    for small in &too_small {
+        let mut words = vec![SENTINEL; small.total_words()];
+        let err = s.write_last_step_metadata(small, &mut words).unwrap_err();
+        assert!(matches!(err, CoreError::InvalidLength(_)), "{err}");
+        assert!(words.iter().all(|&w| w == SENTINEL));
+    }
+    let mut short = vec![SENTINEL; layout.total_words() - 1];
+    let err = s.write_last_step_metadata(&layout, &mut short).unwrap_err();
+    assert!(matches!(err, CoreError::InvalidLength(_)), "{err}");
+    assert!(short.iter().all(|&w| w == SENTINEL));
+    // A forged output naming a request the ledger does not hold.
+    let mut forged = s.last_output().clone();
+    forged.context_ids[2] = 99;
+    let err = s
+        .write_step_metadata((&forged).into(), &layout, &mut buffer)
+        .unwrap_err();
+    assert_eq!(err, CoreError::UnknownRequest(99));
+    assert!(buffer.iter().all(|&w| w == SENTINEL));
+    s.write_last_step_metadata(&layout, &mut buffer).unwrap();
+}

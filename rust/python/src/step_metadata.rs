@@ -1,0 +1,218 @@
+//! Packed step metadata: `StepMetadataLayout` (where each section of the caller's int32
+//! buffer lies), `StepMetadata` (the counts of one written step) and the two `Scheduler`
+//! methods behind them (`step_metadata_layout`, `write_step_metadata`).
+
+use helix_kv_core::{Scheduler, StepMetadataLayout};
+use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::arrays::{int_arg, invalid_type_of};
+use crate::errors::{invalid_type, IntoPyResult, InvalidArgumentError, InvalidLengthError};
+use crate::schedule_output::PyScheduleOutput;
+
+value_record! {
+    {
+    /// The counts of one step written by `Scheduler.write_step_metadata` (frozen; also in the
+    /// buffer's header section).
+    PyStepMetadata as "StepMetadata" from helix_kv_core::StepMetadata
+    }
+    /// The step written.
+    step: u64,
+    /// Tokens written: generation inputs, then context tokens.
+    num_tokens: usize,
+    /// Entries written: generation entries, then context chunks.
+    num_entries: usize,
+    /// Generation entries (entries and tokens `0..num_generation`).
+    num_generation: usize,
+    /// Rows of `sample_rows` written (the length of `sample_ids`).
+    num_samples: usize,
+    /// The widest table among the entries, in superblocks (columns past it are -1).
+    table_width_used: usize,
+}
+
+/// Where each section of the packed step metadata lies in the caller's int32 buffer
+/// (frozen; picklable). It depends on the capacities only, so one buffer and one set of
+/// views serve every step.
+#[pyclass(frozen, eq, module = "helix_kv._core", name = "StepMetadataLayout")]
+#[derive(Clone, PartialEq)]
+pub struct PyStepMetadataLayout {
+    pub inner: StepMetadataLayout,
+}
+
+fn capacity(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
+    int_arg::<u32>(obj, what, "0..=2**32-1", InvalidLengthError::new_err)
+}
+
+#[pymethods]
+impl PyStepMetadataLayout {
+    /// The layout for steps of at most `max_tokens` tokens and `max_entries` entries, with
+    /// block-table rows of `table_width` superblocks.
+    #[new]
+    fn new(
+        max_tokens: &Bound<'_, PyAny>,
+        max_entries: &Bound<'_, PyAny>,
+        table_width: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let inner = StepMetadataLayout::new(
+            capacity(max_tokens, "max_tokens")?,
+            capacity(max_entries, "max_entries")?,
+            capacity(table_width, "table_width")?,
+        )
+        .py()?;
+        Ok(Self { inner })
+    }
+    /// Tokens one step may hold.
+    #[getter]
+    fn max_tokens(&self) -> usize {
+        self.inner.max_tokens()
+    }
+    /// Entries one step may hold.
+    #[getter]
+    fn max_entries(&self) -> usize {
+        self.inner.max_entries()
+    }
+    /// Superblocks per block-table row.
+    #[getter]
+    fn table_width(&self) -> usize {
+        self.inner.table_width()
+    }
+    /// Words (int32) the buffer must hold at least.
+    #[getter]
+    fn total_words(&self) -> usize {
+        self.inner.total_words()
+    }
+    /// Every section in buffer order, as `(name, offset_words, length, dtype)`: its first
+    /// element is word `offset_words` of the buffer, it holds `length` elements and `dtype`
+    /// is `"int32"` or `"int64"` (two words an element, at an even offset).
+    #[getter]
+    fn sections<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let items = self
+            .inner
+            .sections()
+            .iter()
+            .map(|s| {
+                (
+                    s.name,
+                    s.offset_words,
+                    s.len,
+                    if s.int64 { "int64" } else { "int32" },
+                )
+            })
+            .collect::<Vec<_>>();
+        PyTuple::new(py, items)
+    }
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let inner = &slf.get().inner;
+        let args = (inner.max_tokens(), inner.max_entries(), inner.table_width());
+        PyTuple::new(
+            slf.py(),
+            [
+                slf.get_type().into_any(),
+                args.into_pyobject(slf.py())?.into_any(),
+            ],
+        )
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "StepMetadataLayout(max_tokens={}, max_entries={}, table_width={})",
+            self.inner.max_tokens(),
+            self.inner.max_entries(),
+            self.inner.table_width()
+        )
+    }
+}
+
+/// `Scheduler.step_metadata_layout`.
+pub fn layout(
+    scheduler: &Scheduler,
+    table_width: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyStepMetadataLayout> {
+    let width = table_width
+        .map(|w| capacity(w, "table_width"))
+        .transpose()?;
+    Ok(PyStepMetadataLayout {
+        inner: scheduler.step_metadata_layout(width).py()?,
+    })
+}
+
+/// The caller's buffer, refused unless it is a one-dimensional, C-contiguous, writeable
+/// numpy array of native int32 whose start is 8-byte aligned (so the int64 sections can be
+/// viewed in place). A wrong type or dtype is an `InvalidTypeError`; a wrong shape,
+/// layout, alignment or a read-only array an `InvalidArgumentError`.
+fn int32_buffer<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    let untyped = obj
+        .cast::<PyUntypedArray>()
+        .map_err(|_| invalid_type_of("buffer", "a numpy int32 array", obj))?;
+    if untyped.ndim() != 1 {
+        return Err(InvalidArgumentError::new_err(format!(
+            "buffer must be one-dimensional, got an array of shape {:?}",
+            untyped.shape()
+        )));
+    }
+    let array = untyped.cast::<PyArray1<i32>>().map_err(|_| {
+        invalid_type(format!(
+            "buffer must have dtype int32 (native byte order), got {}",
+            untyped
+                .dtype()
+                .str()
+                .map_or_else(|_| "?".to_string(), |s| s.to_string())
+        ))
+    })?;
+    if !array.is_c_contiguous() {
+        return Err(InvalidArgumentError::new_err(
+            "buffer must be C-contiguous (a strided view cannot be filled in place)",
+        ));
+    }
+    if (array.data() as usize) % 8 != 0 {
+        return Err(InvalidArgumentError::new_err(
+            "buffer must start at an 8-byte aligned address (its int64 sections are viewed in place)",
+        ));
+    }
+    Ok(array.clone())
+}
+
+/// Tokens plus entries up to which `write_step_metadata` keeps the GIL (about 50 us of work).
+const KEEP_GIL_UP_TO: usize = 1 << 14;
+
+/// `Scheduler.write_step_metadata`.
+pub fn write(
+    py: Python<'_>,
+    scheduler: &Scheduler,
+    schedule_output: &Bound<'_, PyAny>,
+    buffer: &Bound<'_, PyAny>,
+    layout: &Bound<'_, PyAny>,
+) -> PyResult<PyStepMetadata> {
+    let output = schedule_output
+        .cast::<PyScheduleOutput>()
+        .map_err(|_| invalid_type_of("schedule_output", "a ScheduleOutput", schedule_output))?;
+    let layout = layout
+        .cast::<PyStepMetadataLayout>()
+        .map_err(|_| invalid_type_of("layout", "a StepMetadataLayout", layout))?;
+    let array = int32_buffer(buffer)?;
+    let mut writable = array.try_readwrite().map_err(|_| {
+        InvalidArgumentError::new_err(
+            "buffer must be writeable and not borrowed elsewhere (a read-only array or view is refused)",
+        )
+    })?;
+    let words = writable
+        .as_slice_mut()
+        .map_err(|_| InvalidArgumentError::new_err("buffer must be C-contiguous"))?;
+    let layout = &layout.get().inner;
+    let lent = output.get().lend_step(py);
+    let source = lent.source();
+    let tokens = source.generation_ids.len() + source.context_token_ids.len();
+    let metadata = if tokens + source.context_ids.len() <= KEEP_GIL_UP_TO {
+        // A decode-sized step keeps the GIL: the output's arrays are lent in place (see
+        // `Lent`: their locks cannot be held while the GIL is let go), and the call takes a
+        // few microseconds, about what handing the GIL over and back costs.
+        scheduler.write_step_metadata(source, layout, words)
+    } else {
+        // A long step copies the fields out (a fraction of the writing) and lets the GIL go.
+        let copied = lent.copied();
+        drop(lent);
+        py.detach(|| scheduler.write_step_metadata(copied.source(), layout, words))
+    }
+    .py()?;
+    Ok(metadata.into())
+}

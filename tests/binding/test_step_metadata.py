@@ -1,0 +1,287 @@
+"""Packed step metadata (``Scheduler.write_step_metadata``) against the calls it replaces.
+
+Every section of the buffer is compared, step after step, with what ``block_table``,
+``slot_mapping``, the ``ScheduleOutput`` fields and ``Layout.local_lens`` give, on random runs
+under KV pressure at cp = 1, 2 and 4 (one scheduler per rank, every rank checked). Hostile
+buffers and stale outputs are refused with the buffer and the scheduler unchanged.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+import helix_kv
+from tests.helpers.scheduler import config, needs_scheduler, prompt, snapshot
+
+pytestmark = needs_scheduler
+
+SENTINEL = -7777
+
+
+def expected_sections(
+    s: helix_kv.Scheduler, out: helix_kv.ScheduleOutput, layout: helix_kv.StepMetadataLayout
+) -> dict[str, np.ndarray]:
+    """Each section's written front, from the calls the packed buffer replaces."""
+    cfg = s.config
+    rank = cfg.cp_rank
+    gen_ids = np.asarray(out.generation_ids, dtype=np.uint64)
+    ctx_ids = np.asarray(out.context_ids, dtype=np.uint64)
+    g = gen_ids.size
+    ctx_starts = np.asarray(out.context_starts, dtype=np.int64)
+    ctx_lens = np.asarray(out.context_lens, dtype=np.int64)
+    ids = np.concatenate([gen_ids, ctx_ids])
+    starts = np.concatenate([np.asarray(out.generation_positions, dtype=np.int64), ctx_starts])
+    counts = np.concatenate([np.ones(g, dtype=np.int64), ctx_lens])
+    n = int(counts.sum())
+    within = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
+    positions = np.repeat(starts, counts) + within
+    if ids.size:
+        table = s.block_table(ids, layout.table_width)
+        slots = s.slot_mapping(ids, starts, counts)
+    else:
+        table = np.zeros((0, layout.table_width), dtype=np.int32)
+        slots = np.zeros(0, dtype=np.int64)
+    local = cfg.layout.local_lens(ctx_starts + ctx_lens, rank)
+    past = cfg.layout.local_lens(ctx_starts, rank)
+    completes = np.asarray(out.context_completes, dtype=bool)
+    samples = np.concatenate([np.arange(g), (g + np.cumsum(ctx_lens) - 1)[completes]])
+    e = ids.size
+    width_used = max((len(s.block_table([i])[0]) for i in ids.tolist()), default=0)
+    step = np.array([out.step], dtype=np.int64).view(np.int32)
+    return {
+        "header": np.array([*step, n, e, g, samples.size, width_used, 0]),
+        "token_ids": np.concatenate([out.generation_input_tokens, out.context_token_ids]),
+        "positions": positions,
+        "slot_mapping": slots,
+        "query_start": np.concatenate([[0], np.cumsum(counts)]),
+        "local_lens": np.concatenate([out.generation_local_lens, local]),
+        "past_seen_lens": np.concatenate([out.generation_past_seen_lens, past]),
+        "batch_slots": np.concatenate([out.generation_batch_slots, out.context_batch_slots]),
+        "sample_rows": samples,
+        "block_table": table.ravel(),
+    }
+
+
+def check_step(
+    s: helix_kv.Scheduler, out: helix_kv.ScheduleOutput, layout: helix_kv.StepMetadataLayout
+) -> helix_kv.StepMetadata:
+    """Writes the step into a sentinel-filled buffer and compares every section: its front
+    with the reference, the rest untouched."""
+    buffer = np.full(layout.total_words, SENTINEL, dtype=np.int32)
+    meta = s.write_step_metadata(out, buffer, layout)
+    views = helix_kv.step_metadata_views(buffer, layout)
+    expected = expected_sections(s, out, layout)
+    assert meta.num_tokens == expected["positions"].size == out.num_tokens
+    assert meta.num_entries == out.generation_ids.size + out.context_ids.size
+    assert meta.num_generation == out.generation_ids.size
+    assert meta.num_samples == out.sample_ids.size
+    written = 0
+    for name, _offset, length, dtype in layout.sections:
+        view = getattr(views, name).ravel()
+        assert view.size == length
+        want = expected[name]
+        np.testing.assert_array_equal(view[: want.size], want.astype(dtype), err_msg=name)
+        rest = view[want.size :].view(np.int32)
+        assert (rest == SENTINEL).all(), f"{name}: written past its {want.size} elements"
+        written += want.size * (2 if dtype == "int64" else 1)
+    # Nothing outside the sections (alignment padding) is written either.
+    assert int((buffer != SENTINEL).sum()) <= written
+    return meta
+
+
+def random_run(cp: int, seed: int, steps: int, read_fields: bool) -> int:
+    """A random workload under KV pressure, one scheduler per rank, every step checked on
+    every rank. Returns the steps that preempted or suspended (so pressure is real)."""
+    rng = np.random.default_rng(seed)
+    tpb = int(rng.choice([2, 4, 3]))
+    superblocks = int(rng.integers(6, 14))
+    cfg = config(
+        cp,
+        tpb,
+        superblocks=superblocks,
+        max_batch_size=8,
+        max_num_tokens=int(rng.integers(16, 48)),
+        max_seq_len=120,
+        chunk_unit=tpb,
+    )
+    ranks = [helix_kv.Scheduler(cfg.with_rank(r)) for r in range(cp)]
+    layouts = [s.step_metadata_layout() for s in ranks]
+    assert layouts[0].table_width == min(-(-120 // (cp * tpb)), superblocks)
+    longest = min(120, superblocks * cp * tpb)
+    next_id, pressured = 0, 0
+    for _ in range(steps):
+        for _ in range(int(rng.integers(0, 3))):
+            length = int(rng.integers(1, longest // 2 + 1))
+            max_new = int(rng.integers(1, longest - length + 1))
+            for s in ranks:
+                s.add_request(next_id, prompt(length, next_id), max_new)
+            next_id += 1
+        outs = [s.schedule() for s in ranks]
+        if outs[0].preempted_ids.size or outs[0].suspended_ids.size:
+            pressured += 1
+        if read_fields:  # fields Python read are lent from its numpy arrays instead
+            for out in outs:
+                for name in helix_kv.ScheduleOutput.FIELDS:
+                    getattr(out, name)
+        metas = [check_step(s, out, lay) for s, out, lay in zip(ranks, outs, layouts)]
+        assert len({(m.num_tokens, m.num_entries, m.num_samples) for m in metas}) == 1
+        tokens = np.asarray(rng.integers(0, 1000, outs[0].sample_ids.size), dtype=np.int32)
+        eos = rng.random(outs[0].sample_ids.size) < 0.05
+        for s in ranks:
+            for finished in s.update(tokens, eos).tolist():
+                s.take_output(finished)
+    return pressured
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_buffer_equals_the_separate_calls(cp: int, seed: int) -> None:
+    pressured = random_run(cp, seed, steps=60, read_fields=seed % 2 == 1)
+    assert pressured > 0, "the run never came under KV pressure"
+
+
+def test_layout_is_fixed_by_capacities_and_picklable() -> None:
+    layout = helix_kv.StepMetadataLayout(10, 3, 5)
+    names = [name for name, *_ in layout.sections]
+    assert names == [
+        "header",
+        "token_ids",
+        "positions",
+        "slot_mapping",
+        "query_start",
+        "local_lens",
+        "past_seen_lens",
+        "batch_slots",
+        "sample_rows",
+        "block_table",
+    ]
+    end = 0
+    for _name, offset, length, dtype in layout.sections:
+        assert offset >= end
+        if dtype == "int64":
+            assert offset % 2 == 0
+        end = offset + length * (2 if dtype == "int64" else 1)
+    assert layout.total_words == end
+    assert pickle.loads(pickle.dumps(layout)) == layout
+    for huge in [(2**32 - 1, 2**32 - 1, 2**32 - 1), (2**31, 1, 1), (1, 2**16, 2**16)]:
+        with pytest.raises(helix_kv.InvalidLengthError):
+            helix_kv.StepMetadataLayout(*huge)
+    for hostile in [(-1, 1, 1), (1, 2**32, 1)]:
+        with pytest.raises(helix_kv.InvalidLengthError):
+            helix_kv.StepMetadataLayout(*hostile)
+    with pytest.raises(helix_kv.InvalidTypeError):
+        helix_kv.StepMetadataLayout(1.0, 1, 1)  # type: ignore[arg-type]
+    meta = helix_kv.StepMetadata(
+        step=1, num_tokens=2, num_entries=1, num_generation=1, num_samples=1, table_width_used=1
+    )
+    assert pickle.loads(pickle.dumps(meta)) == meta
+
+
+def pending(cp: int = 2) -> tuple[helix_kv.Scheduler, helix_kv.ScheduleOutput]:
+    s = helix_kv.Scheduler(config(cp, 4, superblocks=16, max_batch_size=4, max_num_tokens=64))
+    for i in range(3):
+        s.add_request(i, prompt(9, i), 5)
+    return s, s.schedule()
+
+
+def refused(
+    s: helix_kv.Scheduler,
+    out: object,
+    buffer: object,
+    layout: object,
+    error: type[Exception],
+) -> None:
+    before = snapshot(s)
+    copy = np.array(buffer, copy=True) if isinstance(buffer, np.ndarray) else None
+    with pytest.raises(error):
+        s.write_step_metadata(out, buffer, layout)  # type: ignore[arg-type]
+    assert snapshot(s) == before
+    if copy is not None:
+        np.testing.assert_array_equal(buffer, copy)
+
+
+def test_hostile_buffers_are_refused_and_nothing_changes() -> None:
+    s, out = pending()
+    layout = s.step_metadata_layout()
+    words = layout.total_words
+    good = np.full(words + 2, SENTINEL, dtype=np.int32)
+    read_only = good.copy()
+    read_only.setflags(write=False)
+    cases: list[tuple[object, type[Exception]]] = [
+        (good.tolist(), helix_kv.InvalidTypeError),
+        (good.astype(np.float32), helix_kv.InvalidTypeError),
+        (good.astype(np.int64), helix_kv.InvalidTypeError),
+        (good.astype(np.uint32), helix_kv.InvalidTypeError),
+        (good.astype(">i4"), helix_kv.InvalidTypeError),
+        (good[: words - 1], helix_kv.InvalidLengthError),
+        (good[1:], helix_kv.InvalidArgumentError),  # 4-byte aligned only
+        (np.full((2, words), SENTINEL, dtype=np.int32), helix_kv.InvalidArgumentError),
+        (np.full(2 * words, SENTINEL, dtype=np.int32)[::2], helix_kv.InvalidArgumentError),
+        (read_only, helix_kv.InvalidArgumentError),
+    ]
+    for buffer, error in cases:
+        refused(s, out, buffer, layout, error)
+    refused(s, out, good, "layout", helix_kv.InvalidTypeError)
+    refused(s, "out", good, layout, helix_kv.InvalidTypeError)
+    # Capacities smaller than the step: too few tokens, too few entries, narrow rows.
+    for small in [
+        helix_kv.StepMetadataLayout(out.num_tokens - 1, 4, layout.table_width),
+        helix_kv.StepMetadataLayout(64, 2, layout.table_width),
+        helix_kv.StepMetadataLayout(64, 4, 1),
+    ]:
+        refused(
+            s,
+            out,
+            np.full(small.total_words, SENTINEL, dtype=np.int32),
+            small,
+            helix_kv.InvalidLengthError,
+        )
+    # The buffer is still usable after every refusal.
+    check_step(s, out, layout)
+
+
+def test_only_the_pending_steps_output_is_accepted() -> None:
+    s, out = pending()
+    layout = s.step_metadata_layout()
+    buffer = np.full(layout.total_words, SENTINEL, dtype=np.int32)
+    s.update(np.full(out.num_samples, 7, dtype=np.int32))
+    refused(s, out, buffer, layout, helix_kv.InvalidStateError)  # closed
+    new = s.schedule()
+    refused(s, out, buffer, layout, helix_kv.InvalidStateError)  # an older step
+    check_step(s, new, layout)
+    s.revert()
+    refused(s, new, buffer, layout, helix_kv.InvalidStateError)
+
+
+def test_forged_output_is_refused() -> None:
+    """An output rebuilt with the pending step's number but other contents is checked
+    against the ledger: tokens it does not reserve, requests it does not hold."""
+    s, out = pending()
+    layout = s.step_metadata_layout()
+    buffer = np.full(layout.total_words, SENTINEL, dtype=np.int32)
+    fields = {name: getattr(out, name) for name in helix_kv.ScheduleOutput.FIELDS}
+    starts = fields["context_starts"] + 1000
+    ids = fields["context_ids"].copy()
+    ids[-1] = 999
+    for changed, error in [
+        ({"context_starts": starts}, helix_kv.InvalidLengthError),
+        ({"context_ids": ids}, helix_kv.UnknownRequestError),
+    ]:
+        forged = helix_kv.ScheduleOutput._from_fields({**fields, **changed})
+        refused(s, forged, buffer, layout, error)
+    check_step(s, out, layout)
+
+
+def test_a_long_step_is_written_alike() -> None:
+    """A step past the size the call keeps the GIL for (its fields are copied out and the
+    GIL let go) writes the same sections."""
+    cfg = config(2, 16, superblocks=1200, max_batch_size=4, max_num_tokens=40_000)
+    s = helix_kv.Scheduler(cfg.with_rank(1))
+    s.add_request(0, prompt(18_000, 0), 4)
+    s.add_request(1, prompt(3_000, 1), 4)
+    out = s.schedule()
+    assert out.num_tokens == 21_000
+    check_step(s, out, s.step_metadata_layout())
