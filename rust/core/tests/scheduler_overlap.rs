@@ -447,7 +447,11 @@ fn the_group_runs_one_step_ahead_at_every_cp_with_identical_outputs() {
         config.max_num_tokens = 16;
         config.max_batch_size = 6;
         let specs: Vec<Spec> = (0..14)
-            .map(|id| Spec::new(id, 3 + (id as usize * 5) % 17, 4 + (id as u32 * 3) % 9).at(id / 3))
+            .map(|id: u64| {
+                let prompt_len = usize::try_from(3 + (id * 5) % 17).unwrap();
+                let max_new = u32::try_from(4 + (id * 3) % 9).unwrap();
+                Spec::new(id, prompt_len, max_new).at(id / 3)
+            })
             .collect();
         let model = Model {
             eos: Some(7),

@@ -327,20 +327,17 @@ impl Group {
             if slot >= self.device_slots.len() {
                 self.device_slots.resize(slot + 1, None);
             }
-            match self.slot_of.get(id) {
-                Some(&held) => {
-                    assert_eq!(held, slot, "step {}: {id} moved batch slots", out.step);
-                    assert_eq!(
-                        self.device_slots[slot],
-                        Some(*id),
-                        "step {}: the decode of {id} reads batch slot {slot}, which was freed or given away",
-                        out.step
-                    );
-                }
-                None => {
-                    self.slot_of.insert(*id, slot);
-                    self.device_slots[slot] = Some(*id);
-                }
+            if let Some(&held) = self.slot_of.get(id) {
+                assert_eq!(held, slot, "step {}: {id} moved batch slots", out.step);
+                assert_eq!(
+                    self.device_slots[slot],
+                    Some(*id),
+                    "step {}: the decode of {id} reads batch slot {slot}, which was freed or given away",
+                    out.step
+                );
+            } else {
+                self.slot_of.insert(*id, slot);
+                self.device_slots[slot] = Some(*id);
             }
         }
     }
@@ -705,24 +702,21 @@ impl Group {
                 known.len() as u64 - 1,
                 "decode position of {id}"
             );
-            let input = match usize::try_from(out.generation_input_refs[i]) {
-                Ok(row) => {
-                    let flight = self
-                        .in_flight
-                        .as_ref()
-                        .expect("an input token in flight needs a step in flight");
-                    assert_eq!(flight.out.sample_ids[row], id, "input row of {id}");
-                    assert_eq!(
-                        out.generation_input_tokens[i], -1,
-                        "an input in flight is not given as a value"
-                    );
-                    self.result.inputs_in_flight += 1;
-                    flight.tokens[row]
-                }
-                Err(_) => {
-                    assert_eq!(out.generation_input_refs[i], -1);
-                    out.generation_input_tokens[i]
-                }
+            let input = if let Ok(row) = usize::try_from(out.generation_input_refs[i]) {
+                let flight = self
+                    .in_flight
+                    .as_ref()
+                    .expect("an input token in flight needs a step in flight");
+                assert_eq!(flight.out.sample_ids[row], id, "input row of {id}");
+                assert_eq!(
+                    out.generation_input_tokens[i], -1,
+                    "an input in flight is not given as a value"
+                );
+                self.result.inputs_in_flight += 1;
+                flight.tokens[row]
+            } else {
+                assert_eq!(out.generation_input_refs[i], -1);
+                out.generation_input_tokens[i]
             };
             assert_eq!(input, *known.last().unwrap(), "decode input of {id}");
             inputs.push(input);
