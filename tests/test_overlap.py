@@ -66,7 +66,8 @@ def test_a_pressured_group_one_step_ahead_gives_the_plain_outputs(cp: int) -> No
     overlap = Executor(cfg, model, overlap=True).run(specs, revert_every=6)
     assert overlap.inputs_in_flight > 0
     assert overlap.reverted > 0
-    assert overlap.metrics is not None and overlap.metrics.preemptions > 0
+    assert overlap.metrics is not None
+    assert overlap.metrics.preemptions > 0
     assert any(tokens[-1:] == [3] for tokens in overlap.outputs.values()), "no eos"
     assert overlap.outputs == plain.outputs
     assert_matches_reference(specs, overlap, model)
