@@ -286,10 +286,7 @@ class _StepLoop:
 
         sample_ids = np.asarray(output.sample_ids, dtype=np.int64)
         tokens = sampled_tokens(sample_ids, _sample_indices(sample_ids, self.generated))
-        if self.overlap:
-            finished = self.run_ahead(output, tokens)
-        else:
-            finished = self.group.update(tokens)
+        finished = self.run_ahead(output, tokens) if self.overlap else self.group.update(tokens)
         for request_id in sample_ids.tolist():
             if self.generated[request_id] == 0:
                 self.first_token_step[request_id] = self.clock
