@@ -208,7 +208,14 @@ impl Scheduler {
         let mut preempted = false;
         loop {
             // The request's index is also its ledger entry (see `add_request`).
-            if let Some(position) = self.ledger.allocate_decode_at(req as usize, id, step)? {
+            // A decode on a token in flight keeps the undo of the pending step's decode
+            // (reverting this step, then that one, stays exact).
+            let allocated = if input_row < 0 {
+                self.ledger.allocate_decode_at(req as usize, id, step)?
+            } else {
+                self.ledger.allocate_decode_ahead_at(req as usize, id, step)?
+            };
+            if let Some(position) = allocated {
                 self.push_generation_entry(step, req, position, input_row);
                 if preempted {
                     self.mark_served_by_preempting(step, queue_pos, req);
