@@ -656,10 +656,7 @@ impl Ledger {
         };
         request.decode_count -= 1;
         request.decode_step = undo.step;
-        request.decode_undo = self
-            .older_decode_undo
-            .get_mut(entry)
-            .and_then(Option::take);
+        request.decode_undo = self.older_decode_undo.get_mut(entry).and_then(Option::take);
         if request.len == undo.len_after {
             // `undo.len <= undo.len_after`: this only ever shrinks.
             self.shrink_entry(entry, undo.len);

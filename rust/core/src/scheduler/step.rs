@@ -173,7 +173,9 @@ impl Scheduler {
             let req = self.queue[queue_pos];
             let request = &self.requests[req as usize];
             match request.state {
-                RequestState::Decoding => self.schedule_decode::<false>(step, queue_pos, req, -1)?,
+                RequestState::Decoding => {
+                    self.schedule_decode::<false>(step, queue_pos, req, -1)?;
+                }
                 RequestState::Suspended if request.victim_step != step => {
                     self.try_resume(step, queue_pos, req)?;
                 }
@@ -213,7 +215,8 @@ impl Scheduler {
             // A decode on a token in flight keeps the undo of the pending step's decode
             // (reverting this step, then that one, stays exact).
             let allocated = if AHEAD && input_row >= 0 {
-                self.ledger.allocate_decode_ahead_at(req as usize, id, step)?
+                self.ledger
+                    .allocate_decode_ahead_at(req as usize, id, step)?
             } else {
                 self.ledger.allocate_decode_at(req as usize, id, step)?
             };
