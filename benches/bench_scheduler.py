@@ -4,8 +4,8 @@ requests at cp = 4, without and with steady KV pressure.
 Target: <= 25 ns per request per step + 15 us fixed at N = 256..4096, cp = 4; at most 2x that
 under steady pressure; doubling N at most doubles the time. The fixed part is measured on
 its own (one request). One step ahead (overlap: each ``schedule()`` runs while the previous
-step is pending, then that step is updated) is measured at N = 1024 against the plain step. Run with ``python -m pytest benches/bench_scheduler.py
---benchmark-enable -s``.
+step is pending, then that step is updated) is measured at N = 1024 against the plain step.
+Run with ``python -m pytest benches/bench_scheduler.py --benchmark-enable -s``.
 """
 
 from __future__ import annotations
