@@ -117,6 +117,8 @@ pub struct Scheduler {
     /// them, with that step: their output is taken already possible, but their KV, batch
     /// slot and index stay held until that step is updated or reverted.
     zombies: Vec<(RequestIndex, u64)>,
+    /// By request index: its work in the older pending step, for a step planned ahead.
+    ahead_marks: Vec<request::AheadMark>,
     metrics: SchedulerMetrics,
 
     // Per-step scratch, kept to reuse the allocations.
@@ -175,6 +177,7 @@ impl Scheduler {
             pending_steps: 0,
             older: StepRecord::default(),
             zombies: Vec::new(),
+            ahead_marks: Vec::new(),
             pending_step: 0,
             pending_samples: 0,
             stalled_steps: 0,

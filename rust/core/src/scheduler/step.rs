@@ -1,7 +1,7 @@
 //! Building one step: the generation phase, the context phase, the preemption ladder
 //! and the output arrays.
 
-use super::request::NO_STEP;
+use super::request::{AheadMark, NO_STEP};
 use super::slots::{row_id, slot_id};
 use super::victim::VictimKey;
 use super::{
@@ -65,24 +65,38 @@ impl Scheduler {
     /// pending step with where that work leaves it (its sampled token's row, its prompt's
     /// progress), which the phases read instead of progress not yet recorded.
     fn mark_older_step_work(&mut self, step: u64) {
+        if self.ahead_marks.len() < self.requests.len() {
+            self.ahead_marks.resize(self.requests.len(), AheadMark::NONE);
+        }
         for (row, &req) in self.older.generation_reqs.iter().enumerate() {
-            let request = &mut self.requests[req as usize];
-            request.ahead_step = step;
-            request.ahead_row = row_id(row);
-            request.ahead_computed = request.computed + 1;
+            self.ahead_marks[req as usize] = AheadMark {
+                step,
+                computed: 0, // a decode: not read
+                row: row_id(row),
+            };
         }
         let mut row = self.older.generation_reqs.len();
         for entry in &self.older.context {
-            let request = &mut self.requests[entry.req as usize];
-            request.ahead_step = step;
-            request.ahead_computed = entry.start + entry.len;
-            request.ahead_row = if entry.completes {
+            let sampled = if entry.completes {
                 row += 1;
                 row_id(row - 1)
             } else {
                 -1
             };
+            self.ahead_marks[entry.req as usize] = AheadMark {
+                step,
+                computed: entry.start + entry.len,
+                row: sampled,
+            };
         }
+    }
+
+    /// The mark of `req` if it has work in the older pending step (while planning `step`).
+    fn ahead_mark(&self, step: u64, req: RequestIndex) -> Option<AheadMark> {
+        self.ahead_marks
+            .get(req as usize)
+            .filter(|mark| mark.step == step)
+            .copied()
     }
 
     /// Whether a request marked by [`Self::mark_older_step_work`] was preempted or
@@ -104,15 +118,17 @@ impl Scheduler {
             if request.abort_requested {
                 continue; // retired when the older step closes
             }
-            if request.ahead_step == step {
-                if self.preempted_after_older_step(req) {
+            if let Some(mark) = self.ahead_mark(step, req) {
+                // A decode of the older step is still `Decoding` unless a step planned ahead
+                // (since reverted) preempted it; a completing prompt is not yet.
+                if request.state != RequestState::Decoding && self.preempted_after_older_step(req)
+                {
                     continue;
                 }
-                let (row, remaining) = (request.ahead_row, request.remaining_tokens);
                 // A chunk that does not complete the prompt continues in the context
                 // phase; a token that is the request's last finishes it.
-                if row >= 0 && remaining > 1 {
-                    self.schedule_decode::<true>(step, queue_pos, req, row)?;
+                if mark.row >= 0 && request.remaining_tokens > 1 {
+                    self.schedule_decode::<true>(step, queue_pos, req, mark.row)?;
                 }
                 continue;
             }
@@ -345,13 +361,13 @@ impl Scheduler {
                 if request.abort_requested {
                     continue;
                 }
-                if request.ahead_step == step {
+                if let Some(mark) = self.ahead_mark(step, req) {
                     // Completing in the older step (it decodes), or preempted after it
                     // with its work in flight: nothing to prefill now.
-                    if request.ahead_row >= 0 || self.preempted_after_older_step(req) {
+                    if mark.row >= 0 || self.preempted_after_older_step(req) {
                         continue;
                     }
-                    start = request.ahead_computed;
+                    start = mark.computed;
                     admitting = false;
                 }
             }
