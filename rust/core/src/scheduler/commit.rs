@@ -12,6 +12,11 @@ impl Scheduler {
     /// that finished, in queue order; their outputs wait for `take_output`. The input is
     /// validated whole before anything changes.
     ///
+    /// With two steps pending (the newer scheduled one step ahead) it closes the older one:
+    /// `tokens` follow that step's `sample_ids`. A request that finishes there while the
+    /// newer step refers to it loses its work in the newer step and is held (its KV and
+    /// batch slot) until that step closes.
+    ///
     /// A request whose abort was requested while this step was pending finishes here
     /// with [`FinishReason::Aborted`]: its token of this step is dropped (the client is
     /// gone), its KV and batch slot are freed, and its id is among those returned.
@@ -345,6 +350,9 @@ impl Scheduler {
     /// resumes, new batch slots and sit-outs, so the ledger is as before `schedule()`.
     /// Preemptions and suspends made by the step stay applied (every rank applied the
     /// same ones; the victims re-prefill or resume later). The step number stays used.
+    ///
+    /// With two steps pending it undoes the newer one only; the older one stays pending
+    /// (and may then be updated or reverted), and requested aborts wait for its close.
     ///
     /// Requests whose abort was requested while the step was pending are aborted right
     /// after the undo (in queue order); their ids are returned, as `update` would.

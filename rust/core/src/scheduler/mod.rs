@@ -225,7 +225,9 @@ impl Scheduler {
 
     /// Queues a request behind every live one. Rejected (nothing changed) for a
     /// duplicate id, an empty prompt, `max_new_tokens == 0`, or a request that could
-    /// never be scheduled (the error names the limit).
+    /// never be scheduled (the error names the limit). An id that finished while a step
+    /// planned ahead still refers to it is held until that step closes: adding it again
+    /// before then is `DuplicateRequest`, even once its output was taken.
     pub fn add_request(
         &mut self,
         id: RequestId,

@@ -11,8 +11,10 @@ use super::{
 use crate::ledger::{page_id, superblock_count};
 
 impl Scheduler {
-    /// Decides the next step. Fails with `InvalidState` while the previous step awaits
-    /// `update`/`revert`, with `Deadlock` after `deadlock_steps` steps without progress,
+    /// Decides the next step. It may run while one step is pending (one step ahead: the
+    /// new step assumes every decode of the pending one yields a token and refers to the
+    /// tokens still in flight through `generation_input_refs`). Fails with `InvalidState`
+    /// while two steps are pending, with `Deadlock` after `deadlock_steps` steps without progress,
     /// and with `PreemptionDisabled` when a disaggregated generation server runs out of
     /// pages for a decode token; each failure leaves the scheduler unchanged.
     ///
@@ -66,7 +68,8 @@ impl Scheduler {
     /// progress), which the phases read instead of progress not yet recorded.
     fn mark_older_step_work(&mut self, step: u64) {
         if self.ahead_marks.len() < self.requests.len() {
-            self.ahead_marks.resize(self.requests.len(), AheadMark::NONE);
+            self.ahead_marks
+                .resize(self.requests.len(), AheadMark::NONE);
         }
         for (row, &req) in self.older.generation_reqs.iter().enumerate() {
             self.ahead_marks[req as usize] = AheadMark {
@@ -121,8 +124,7 @@ impl Scheduler {
             if let Some(mark) = self.ahead_mark(step, req) {
                 // A decode of the older step is still `Decoding` unless a step planned ahead
                 // (since reverted) preempted it; a completing prompt is not yet.
-                if request.state != RequestState::Decoding && self.preempted_after_older_step(req)
-                {
+                if request.state != RequestState::Decoding && self.preempted_after_older_step(req) {
                     continue;
                 }
                 // A chunk that does not complete the prompt continues in the context
