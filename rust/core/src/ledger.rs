@@ -150,6 +150,11 @@ pub struct Ledger {
     vacant: Vec<EntryIndex>,
     /// Id -> entry; used for lookups only, never iterated.
     index: FxHashMap<RequestId, EntryIndex>,
+    /// Per entry, the undo of the decode allocation before the last one, kept only by
+    /// [`Ledger::allocate_decode_ahead_at`] (a step planned while the previous one is
+    /// pending), so its newest step can be reverted and then the older one too. Apart from
+    /// the entries, so the plain decode path writes nothing more.
+    older_decode_undo: Vec<Option<DecodeUndo>>,
 }
 
 impl Ledger {
@@ -181,6 +186,7 @@ impl Ledger {
             requests: Vec::new(),
             vacant: Vec::new(),
             index: FxHashMap::default(),
+            older_decode_undo: Vec::new(),
         })
     }
 
@@ -470,6 +476,7 @@ impl Ledger {
     /// Makes an emptied slab entry reusable (its table keeps its capacity).
     #[inline]
     fn vacate(&mut self, entry: EntryIndex) {
+        self.forget_older_decode_undo(entry);
         let kv = &mut self.requests[entry];
         let mut table = std::mem::take(&mut kv.table);
         table.clear();
@@ -589,6 +596,38 @@ impl Ledger {
         }
     }
 
+    /// [`Ledger::allocate_decode_at`] for a step planned while the request's previous
+    /// decode allocation belongs to a step still pending: that allocation's undo is kept,
+    /// so after `revert_decode` of this one it can be undone too.
+    pub(crate) fn allocate_decode_ahead_at(
+        &mut self,
+        entry: EntryIndex,
+        id: RequestId,
+        step: u64,
+    ) -> Result<Option<u64>> {
+        let entry = match self.requests.get(entry) {
+            Some(request) if request.id == id => entry,
+            _ => self.active_entry_of(id)?,
+        };
+        let undo = self.requests[entry].decode_undo;
+        let position = self.allocate_decode_in(entry, step)?;
+        if position.is_some() && self.requests[entry].decode_step == Some(step) {
+            if self.older_decode_undo.len() <= entry {
+                self.older_decode_undo.resize(entry + 1, None);
+            }
+            if self.requests[entry].decode_undo != undo {
+                self.older_decode_undo[entry] = undo;
+            }
+        }
+        Ok(position)
+    }
+
+    fn forget_older_decode_undo(&mut self, entry: EntryIndex) {
+        if let Some(undo) = self.older_decode_undo.get_mut(entry) {
+            *undo = None;
+        }
+    }
+
     fn allocate_decode_in(&mut self, entry: EntryIndex, step: u64) -> Result<Option<u64>> {
         let request = &self.requests[entry];
         let id = request.id;
@@ -636,7 +675,8 @@ impl Ledger {
     /// Undoes the decode allocation that `id` made in `step`, if any (a step that was
     /// scheduled but not run). Returns whether there was one. It is an exact undo: the
     /// length and the step marker return to what they were before the allocation (so
-    /// `state_digest` does too), and only the latest allocation can be undone.
+    /// `state_digest` does too). The latest two allocations can be undone, newest first
+    /// (a one-step-ahead scheduler reverts its newest step, then possibly the older one).
     ///
     /// If a `grow` or `shrink` changed the length since the allocation, that call owns
     /// the length and it is kept (only the counters go back): restoring the old length
@@ -652,6 +692,7 @@ impl Ledger {
         };
         request.decode_count -= 1;
         request.decode_step = undo.step;
+        request.decode_undo = self.older_decode_undo.get_mut(entry).and_then(Option::take);
         if request.len == undo.len_after {
             // `undo.len <= undo.len_after`: this only ever shrinks.
             self.shrink_entry(entry, undo.len);
@@ -681,6 +722,7 @@ impl Ledger {
         request.decode_step = None;
         request.decode_undo = None;
         request.suspended_len = None;
+        self.forget_older_decode_undo(entry);
         Ok(())
     }
 
@@ -695,6 +737,7 @@ impl Ledger {
         request.suspended_len = Some(len);
         request.decode_step = None;
         request.decode_undo = None;
+        self.forget_older_decode_undo(entry);
         Ok(held)
     }
 

@@ -227,6 +227,7 @@ fn guaranteed_no_evict_reserves_at_admission_and_never_preempts() {
             revert_per_mille: 150,
             seed: 9,
             max_steps: 0,
+            ..RunOptions::default()
         };
         let result = group.run(&specs, options).unwrap();
         assert_matches_reference(&specs, Model::default(), &result);
@@ -272,6 +273,7 @@ fn non_helix_suspends_to_the_host_tier_first_then_recomputes() {
             revert_per_mille,
             seed: 3,
             max_steps: 0,
+            ..RunOptions::default()
         };
         let result = group.run(&specs, options).unwrap();
         assert_matches_reference(&specs, Model::default(), &result);
@@ -430,6 +432,7 @@ fn resumed_requests_keep_their_queue_place_in_random_non_helix_workloads() {
                 revert_per_mille,
                 seed,
                 max_steps: 0,
+                ..RunOptions::default()
             };
             let result = group.run(&specs, options).unwrap();
             assert_matches_reference(&specs, Model::default(), &result);
@@ -696,11 +699,16 @@ fn bad_input_is_refused_with_a_typed_error_and_changes_nothing() {
     assert_unchanged(&mut s, |s| s.revert().unwrap_err(), "call schedule() first");
     let out = s.schedule().unwrap().clone();
     assert_eq!(out.sample_ids, vec![1]);
+    // One step ahead is allowed; a third pending step is not.
+    s.schedule().unwrap();
+    assert_eq!(s.pending_steps(), 2);
     assert_unchanged(
         &mut s,
         |s| s.schedule().unwrap_err(),
-        "neither updated nor reverted",
+        "scheduled at most one ahead",
     );
+    s.revert().unwrap();
+    assert_eq!(s.pending_steps(), 1);
     assert_unchanged(
         &mut s,
         |s| s.update(&[1, 2], None).unwrap_err(),

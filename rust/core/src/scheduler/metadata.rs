@@ -495,11 +495,11 @@ impl Scheduler {
 
     /// Fails unless `step` is the pending step.
     fn check_pending(&self, step: u64) -> Result<()> {
-        if !self.pending || step != self.pending_step {
+        if self.pending_steps == 0 || step != self.pending_step {
             return Err(CoreError::InvalidState(format!(
                 "the metadata of step {} was asked for, but {}",
                 step,
-                if self.pending {
+                if self.pending_steps > 0 {
                     format!("step {} is the pending one", self.pending_step)
                 } else {
                     "no step is pending".to_string()

@@ -72,6 +72,28 @@ pub struct RequestOutput {
     pub metrics: RequestMetrics,
 }
 
+/// What a step planned one ahead knows of a request's work in the older pending step
+/// (`Scheduler::ahead_marks`, by request index: dense, so the decode path does not touch
+/// the request's cold line).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct AheadMark {
+    /// The step being planned when this was marked (the rest is meaningful only then).
+    pub step: u64,
+    /// Where its prompt stands once the older step's chunk has run.
+    pub computed: u64,
+    /// Row of its sampled token in the older step, or -1 if it samples nothing there (a
+    /// chunk that does not complete the prompt).
+    pub row: i32,
+}
+
+impl AheadMark {
+    pub const NONE: Self = Self {
+        step: NO_STEP,
+        computed: 0,
+        row: -1,
+    };
+}
+
 /// Marks "not in any step"; steps are numbered from 0.
 pub(super) const NO_STEP: u64 = u64::MAX;
 
@@ -151,6 +173,13 @@ pub(super) struct Request {
     pub sat_out_slot: Option<u32>,
     /// The state to return to on resume.
     pub suspended_from: RequestState,
+
+    /// Last step in which it sat out or claimed a batch slot (with `scheduled_step`,
+    /// `resumed_step` and `victim_step`: whether a step's records refer to it).
+    pub touched_step: u64,
+    /// Finished while a newer pending step still refers to it: out of the queue and the
+    /// index, its KV and batch slot held until that step closes.
+    pub zombie: bool,
 }
 
 impl Request {
@@ -186,6 +215,8 @@ impl Request {
             resumed_step: NO_STEP,
             rescued_step: NO_STEP,
             sat_out_slot: None,
+            touched_step: NO_STEP,
+            zombie: false,
         }
     }
 

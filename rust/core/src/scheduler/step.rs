@@ -1,8 +1,8 @@
 //! Building one step: the generation phase, the context phase, the preemption ladder
 //! and the output arrays.
 
-use super::request::NO_STEP;
-use super::slots::slot_id;
+use super::request::{AheadMark, NO_STEP};
+use super::slots::{row_id, slot_id};
 use super::victim::VictimKey;
 use super::{
     CapacityPolicy, ContextEntry, CoreError, JournalEntry, RequestId, RequestIndex, RequestState,
@@ -11,8 +11,10 @@ use super::{
 use crate::ledger::{page_id, superblock_count};
 
 impl Scheduler {
-    /// Decides the next step. Fails with `InvalidState` while the previous step awaits
-    /// `update`/`revert`, with `Deadlock` after `deadlock_steps` steps without progress,
+    /// Decides the next step. It may run while one step is pending (one step ahead: the
+    /// new step assumes every decode of the pending one yields a token and refers to the
+    /// tokens still in flight through `generation_input_refs`). Fails with `InvalidState`
+    /// while two steps are pending, with `Deadlock` after `deadlock_steps` steps without progress,
     /// and with `PreemptionDisabled` when a disaggregated generation server runs out of
     /// pages for a decode token; each failure leaves the scheduler unchanged.
     ///
@@ -20,22 +22,36 @@ impl Scheduler {
     /// per-step allocation); clone it to keep it. It is built in a spare buffer that
     /// becomes the current output only on success, so a failure leaves the previous one.
     pub fn schedule(&mut self) -> Result<&ScheduleOutput> {
-        if self.pending {
+        if self.pending_steps >= 2 {
             return Err(CoreError::InvalidState(format!(
-                "step {} was scheduled and neither updated nor reverted; call update() or revert() first",
-                self.pending_step
+                "steps {} and {} are pending; a step may be scheduled at most one ahead: update() the older \
+                 one (or revert() the newer) first",
+                self.older.step, self.pending_step
             )));
         }
         if self.stalled_steps >= self.config.deadlock_steps {
             return Err(CoreError::Deadlock(self.deadlock_message()));
         }
         let step = self.next_step;
+        let ahead = self.pending_steps == 1;
+        if ahead {
+            // The pending step becomes the older one; this one is built in the fields.
+            self.swap_step_records();
+        }
         self.begin_step();
-        if let Err(err) = self
-            .generation_phase(step)
-            .and_then(|()| self.context_phase(step))
-        {
+        let planned = if ahead {
+            self.mark_older_step_work(step);
+            self.generation_phase_ahead(step)
+                .and_then(|()| self.context_phase(step, true))
+        } else {
+            self.generation_phase(step)
+                .and_then(|()| self.context_phase(step, false))
+        };
+        if let Err(err) = planned {
             self.undo_step(step);
+            if ahead {
+                self.swap_step_records();
+            }
             return Err(err);
         }
         self.finish_step(step);
@@ -43,8 +59,92 @@ impl Scheduler {
         self.pending_samples = self.building.sample_ids.len();
         std::mem::swap(&mut self.output, &mut self.building);
         self.next_step += 1;
-        self.pending = true;
+        self.pending_steps += 1;
         Ok(&self.output)
+    }
+
+    /// Before planning `step` one ahead: marks every request with work in the older
+    /// pending step with where that work leaves it (its sampled token's row, its prompt's
+    /// progress), which the phases read instead of progress not yet recorded.
+    fn mark_older_step_work(&mut self, step: u64) {
+        if self.ahead_marks.len() < self.requests.len() {
+            self.ahead_marks
+                .resize(self.requests.len(), AheadMark::NONE);
+        }
+        for (row, &req) in self.older.generation_reqs.iter().enumerate() {
+            self.ahead_marks[req as usize] = AheadMark {
+                step,
+                computed: 0, // a decode: not read
+                row: row_id(row),
+            };
+        }
+        let mut row = self.older.generation_reqs.len();
+        for entry in &self.older.context {
+            let sampled = if entry.completes {
+                row += 1;
+                row_id(row - 1)
+            } else {
+                -1
+            };
+            self.ahead_marks[entry.req as usize] = AheadMark {
+                step,
+                computed: entry.start + entry.len,
+                row: sampled,
+            };
+        }
+    }
+
+    /// The mark of `req` if it has work in the older pending step (while planning `step`).
+    fn ahead_mark(&self, step: u64, req: RequestIndex) -> Option<AheadMark> {
+        self.ahead_marks
+            .get(req as usize)
+            .filter(|mark| mark.step == step)
+            .copied()
+    }
+
+    /// Whether a request marked by [`Self::mark_older_step_work`] was preempted or
+    /// suspended after the older step (by a newer step, since reverted): its work there
+    /// is in flight and it waits for that step's update before anything else.
+    fn preempted_after_older_step(&self, req: RequestIndex) -> bool {
+        let victim_step = self.requests[req as usize].victim_step;
+        victim_step != NO_STEP && victim_step > self.older.step
+    }
+
+    /// The generation phase of a step planned while the older step is pending: a request
+    /// decoding there (or completing its prompt there) decodes here on the token it is
+    /// sampling, given as that token's row, unless it is known to finish there
+    /// (`max_new_tokens`) or its abort is pending.
+    fn generation_phase_ahead(&mut self, step: u64) -> Result<()> {
+        for queue_pos in 0..self.queue.len() {
+            let req = self.queue[queue_pos];
+            let request = &self.requests[req as usize];
+            if request.abort_requested {
+                continue; // retired when the older step closes
+            }
+            if let Some(mark) = self.ahead_mark(step, req) {
+                // A decode of the older step is still `Decoding` unless a step planned ahead
+                // (since reverted) preempted it; a completing prompt is not yet.
+                if request.state != RequestState::Decoding && self.preempted_after_older_step(req) {
+                    continue;
+                }
+                // A chunk that does not complete the prompt continues in the context
+                // phase; a token that is the request's last finishes it.
+                if mark.row >= 0 && request.remaining_tokens > 1 {
+                    self.schedule_decode::<true>(step, queue_pos, req, mark.row)?;
+                }
+                continue;
+            }
+            match request.state {
+                RequestState::Decoding => {
+                    self.schedule_decode::<true>(step, queue_pos, req, -1)?;
+                }
+                RequestState::Suspended if request.victim_step != step => {
+                    self.try_resume(step, queue_pos, req)?;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     fn begin_step(&mut self) {
@@ -91,7 +191,9 @@ impl Scheduler {
             let req = self.queue[queue_pos];
             let request = &self.requests[req as usize];
             match request.state {
-                RequestState::Decoding => self.schedule_decode(step, queue_pos, req)?,
+                RequestState::Decoding => {
+                    self.schedule_decode::<false>(step, queue_pos, req, -1)?;
+                }
                 RequestState::Suspended if request.victim_step != step => {
                     self.try_resume(step, queue_pos, req)?;
                 }
@@ -101,7 +203,16 @@ impl Scheduler {
         Ok(())
     }
 
-    fn schedule_decode(&mut self, step: u64, queue_pos: usize, req: RequestIndex) -> Result<()> {
+    /// `input_row` is the row of the older pending step's sampled tokens that holds the
+    /// input token, or -1 when the token is known (the request's last token). `AHEAD`: the
+    /// step is planned while the older one is pending (the plain path is compiled apart).
+    fn schedule_decode<const AHEAD: bool>(
+        &mut self,
+        step: u64,
+        queue_pos: usize,
+        req: RequestIndex,
+        input_row: i32,
+    ) -> Result<()> {
         let request = &self.requests[req as usize];
         let needs_slot = request.batch_slot.is_none();
         if self.step_tokens >= u64::from(self.config.max_num_tokens)
@@ -110,6 +221,7 @@ impl Scheduler {
             // Out of budget: not scheduled, keeps its batch slot; not a sit-out. One
             // without a slot claims one, so nothing behind it takes the next one freed.
             if needs_slot {
+                self.requests[req as usize].touched_step = step;
                 self.slot_claims.push(req);
             }
             return Ok(());
@@ -118,8 +230,16 @@ impl Scheduler {
         let mut preempted = false;
         loop {
             // The request's index is also its ledger entry (see `add_request`).
-            if let Some(position) = self.ledger.allocate_decode_at(req as usize, id, step)? {
-                self.push_generation_entry(step, req, position);
+            // A decode on a token in flight keeps the undo of the pending step's decode
+            // (reverting this step, then that one, stays exact).
+            let allocated = if AHEAD && input_row >= 0 {
+                self.ledger
+                    .allocate_decode_ahead_at(req as usize, id, step)?
+            } else {
+                self.ledger.allocate_decode_at(req as usize, id, step)?
+            };
+            if let Some(position) = allocated {
+                self.push_generation_entry::<AHEAD>(step, req, position, input_row);
                 if preempted {
                     self.mark_served_by_preempting(step, queue_pos, req);
                 }
@@ -140,6 +260,7 @@ impl Scheduler {
         // Neither pages nor a victim: sit out, and give the batch slot up so a one-step-ahead
         // executor cannot read it as still belonging to this request.
         let request = &mut self.requests[req as usize];
+        request.touched_step = step;
         request.sat_out_slot = request.batch_slot.take();
         if let Some(slot) = request.sat_out_slot {
             self.batch_slots.release(slot);
@@ -151,10 +272,17 @@ impl Scheduler {
 
     /// Records a scheduled decode straight into the output being built (the common case
     /// touches each request once per step); a victim's entry is dropped in
-    /// `finish_step`, a missing batch slot and the placement fields are filled in there.
-    fn push_generation_entry(&mut self, step: u64, req: RequestIndex, position: u64) {
+    /// `finish_step`, a missing batch slot and the placement fields are filled in there
+    /// (and, for a plain step, the input refs: all -1).
+    fn push_generation_entry<const AHEAD: bool>(
+        &mut self,
+        step: u64,
+        req: RequestIndex,
+        position: u64,
+        input_row: i32,
+    ) {
         let request = &mut self.requests[req as usize];
-        debug_assert_eq!(position, request.computed);
+        debug_assert!(input_row >= 0 || position == request.computed);
         let entry = self.building.generation_ids.len();
         request.scheduled_step = step;
         let slot = if let Some(slot) = request.batch_slot.get() {
@@ -167,7 +295,15 @@ impl Scheduler {
         let out = &mut self.building;
         out.generation_ids.push(request.id);
         out.generation_positions.push(position);
-        out.generation_input_tokens.push(request.last_token);
+        if AHEAD {
+            // A token still in flight is never given as a (stale) value.
+            let known = input_row < 0;
+            out.generation_input_tokens
+                .push(if known { request.last_token } else { -1 });
+            out.generation_input_refs.push(input_row);
+        } else {
+            out.generation_input_tokens.push(request.last_token);
+        }
         out.generation_batch_slots.push(slot);
         self.generation_reqs.push(req);
         self.journal.push(JournalEntry::Decode(req));
@@ -192,6 +328,7 @@ impl Scheduler {
                 // It decodes from the next step: claim its batch slot now, at its place
                 // in queue order, before the context phase admits newer requests into
                 // the free ones (a resumed prefill gets one in that phase, in order).
+                request.touched_step = step;
                 self.slot_claims.push(req);
             }
             self.set_state(req, back_to);
@@ -211,7 +348,9 @@ impl Scheduler {
         Ok(())
     }
 
-    fn context_phase(&mut self, step: u64) -> Result<()> {
+    /// `ahead`: the step is planned while the older one is pending, whose chunks and
+    /// completions (marked by `mark_older_step_work`) count as done.
+    fn context_phase(&mut self, step: u64, ahead: bool) -> Result<()> {
         let candidates = self.state_counts[RequestState::Waiting.index()]
             + self.state_counts[RequestState::Prefilling.index()];
         if candidates == 0 {
@@ -222,11 +361,26 @@ impl Scheduler {
         for queue_pos in 0..self.queue.len() {
             let req = self.queue[queue_pos];
             let request = &self.requests[req as usize];
-            let admitting = match request.state {
+            let mut admitting = match request.state {
                 RequestState::Waiting => true,
                 RequestState::Prefilling => false,
                 RequestState::Decoding | RequestState::Suspended => continue,
             };
+            let mut start = request.computed;
+            if ahead {
+                if request.abort_requested {
+                    continue;
+                }
+                if let Some(mark) = self.ahead_mark(step, req) {
+                    // Completing in the older step (it decodes), or preempted after it
+                    // with its work in flight: nothing to prefill now.
+                    if mark.row >= 0 || self.preempted_after_older_step(req) {
+                        continue;
+                    }
+                    start = mark.computed;
+                    admitting = false;
+                }
+            }
             if request.victim_step == step
                 || (admitting && self.step_preempted && !self.config.admit_after_preemption)
             {
@@ -236,7 +390,6 @@ impl Scheduler {
             if needs_slot && self.free_slots_now() == 0 {
                 continue;
             }
-            let start = request.computed;
             let remaining = request.prefill_len() - start;
             let budget = max_tokens - self.step_tokens;
             let chunk = if remaining <= budget {
@@ -246,7 +399,7 @@ impl Scheduler {
             } else {
                 0
             };
-            if chunk == 0 || !self.reserve_prefill(step, queue_pos, req, start + chunk)? {
+            if chunk == 0 || !self.reserve_prefill(step, queue_pos, req, start, start + chunk)? {
                 // Head of line: nothing behind may take budget or pages this one could not.
                 break;
             }
@@ -289,12 +442,13 @@ impl Scheduler {
         step: u64,
         queue_pos: usize,
         req: RequestIndex,
+        start: u64,
         target: u64,
     ) -> Result<bool> {
         let request = &self.requests[req as usize];
         let id = request.id;
         let (reserve_to, len_before) = match self.config.capacity_policy {
-            CapacityPolicy::MaxUtilization => (target, request.computed),
+            CapacityPolicy::MaxUtilization => (target, start),
             CapacityPolicy::GuaranteedNoEvict => {
                 let held = self.ledger.request(id)?.len();
                 if held >= target {
@@ -412,7 +566,10 @@ impl Scheduler {
     fn preempt(&mut self, step: u64, victim: RequestIndex, requester: RequestId) -> Result<()> {
         let request = &self.requests[victim as usize];
         let id = request.id;
-        if request.state == RequestState::Decoding && request.scheduled_step == step {
+        // Victims are behind their requester, so one scheduled in this step has a
+        // generation entry (its context turn is yet to come); one planned ahead may
+        // still be `Prefilling`, completing its prompt in the older pending step.
+        if request.scheduled_step == step {
             // Scheduled earlier in this step: undo its decode token and give its budget
             // back; its entry is dropped when the output is built.
             self.ledger.revert_decode(id, step)?;
@@ -544,6 +701,9 @@ impl Scheduler {
         if self.generation_removed {
             self.drop_preempted_generation_entries(step);
         }
+        // A plain step's inputs are all known: its refs are filled in one go.
+        let entries = self.building.generation_ids.len();
+        self.building.generation_input_refs.resize(entries, -1);
         self.fill_placement();
         let out = &mut self.building;
         out.sample_ids.extend_from_slice(&out.generation_ids);
@@ -556,9 +716,14 @@ impl Scheduler {
         out.num_tokens = self.step_tokens;
         out.digest = out.compute_digest(self.fingerprint);
 
+        // A step planned ahead of one with entries is no stall: requests waiting on that
+        // step's tokens (known to finish, or preempted with a token in flight) move on
+        // when it closes.
         let progress = !out.generation_ids.is_empty()
             || !out.context_ids.is_empty()
-            || !out.resumed_ids.is_empty();
+            || !out.resumed_ids.is_empty()
+            || (self.pending_steps == 1
+                && !(self.older.generation_reqs.is_empty() && self.older.context.is_empty()));
         self.stalled_steps_before = self.stalled_steps;
         self.stalled_steps = if progress || self.queue.is_empty() {
             0
@@ -574,6 +739,8 @@ impl Scheduler {
     /// request was not preempted after being scheduled.
     fn drop_preempted_generation_entries(&mut self, step: u64) {
         let out = &mut self.building;
+        // Only a step planned ahead has its refs yet (a plain one fills them in after).
+        let refs = !out.generation_input_refs.is_empty();
         let mut kept = 0;
         for i in 0..self.generation_reqs.len() {
             let req = self.generation_reqs[i];
@@ -584,6 +751,9 @@ impl Scheduler {
             out.generation_ids[kept] = out.generation_ids[i];
             out.generation_positions[kept] = out.generation_positions[i];
             out.generation_input_tokens[kept] = out.generation_input_tokens[i];
+            if refs {
+                out.generation_input_refs[kept] = out.generation_input_refs[i];
+            }
             out.generation_batch_slots[kept] = out.generation_batch_slots[i];
             kept += 1;
         }
@@ -591,6 +761,9 @@ impl Scheduler {
         out.generation_ids.truncate(kept);
         out.generation_positions.truncate(kept);
         out.generation_input_tokens.truncate(kept);
+        if refs {
+            out.generation_input_refs.truncate(kept);
+        }
         out.generation_batch_slots.truncate(kept);
     }
 
@@ -632,8 +805,20 @@ impl Scheduler {
                 | JournalEntry::Resume(req) => req,
             };
             let request = &self.requests[req as usize];
-            if request.victim_step == step {
-                continue; // its reservations went with the preemption
+            if request.zombie {
+                continue; // finished meanwhile: everything it holds is freed with the step
+            }
+            if request.victim_step != NO_STEP && request.victim_step >= step {
+                // Its reservations went with the preemption. One suspended by a step
+                // planned ahead (since reverted) took this step's work to the host tier:
+                // that work never ran, so it re-prefills what it has instead.
+                if request.victim_step > step
+                    && request.state == RequestState::Suspended
+                    && !matches!(entry, JournalEntry::Resume(_))
+                {
+                    self.recompute_instead_of_resume(req);
+                }
+                continue;
             }
             let id = request.id;
             let undone = match entry {
@@ -655,11 +840,35 @@ impl Scheduler {
         self.new_slot_reqs.clear();
         for &req in &self.sat_out_reqs {
             let request = &mut self.requests[req as usize];
+            if request.zombie {
+                continue;
+            }
             if let Some(slot) = request.sat_out_slot.take() {
                 self.batch_slots.take(slot);
                 request.batch_slot.set(slot);
             }
         }
+    }
+
+    /// A request suspended by a later step whose work in the step being reverted went
+    /// to the host tier with it: it is recompute-paused instead (its host share freed,
+    /// every known token folded into its prompt), so no KV of a step that never ran is
+    /// ever resumed.
+    fn recompute_instead_of_resume(&mut self, req: RequestIndex) {
+        self.release_host_pages(req);
+        let request = &mut self.requests[req as usize];
+        request.computed = 0;
+        let (id, known) = (request.id, request.tokens.len() as u64);
+        let folded = known
+            - self
+                .ledger
+                .request(id)
+                .expect("a live request is held by the ledger")
+                .prompt_len();
+        self.ledger
+            .reset_for_recompute(id, folded)
+            .expect("a suspended request folds its known tokens");
+        self.set_state(req, RequestState::Waiting);
     }
 
     fn decode_pressure_message(&self, id: RequestId) -> String {
