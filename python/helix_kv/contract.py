@@ -15,7 +15,9 @@ else of the scheduler (the executor also reads block tables and slot mappings, w
 per-rank and outside the contract).
 
 One step: ``schedule()``, run the model on what it scheduled, then either ``update()`` with
-one sampled token per ``sample_ids`` entry or ``revert()`` to drop the step. Requests are
+one sampled token per ``sample_ids`` entry or ``revert()`` to drop the step. An overlapping
+executor schedules the next step while one is pending (``pending_steps()`` is then 2);
+``update()`` closes the oldest pending step and ``revert()`` the newest. Requests are
 added and aborted between steps (an abort while a step is pending completes when the step
 closes); a finished request's output is taken once with ``take_output()``. Every call that
 raises has changed nothing. Modelled on vLLM's ``SchedulerInterface``
@@ -59,17 +61,24 @@ class SchedulerProtocol(Protocol):
         ...
 
     def schedule(self) -> ScheduleOutput:
-        """Schedules the next step (``InvalidStateError`` while one is pending)."""
+        """Schedules the next step. Allowed while one step is pending (one step ahead: the
+        new step assumes every decode of the pending one yields a token, and refers to
+        tokens still in flight through ``generation_input_refs``); ``InvalidStateError``
+        while two are."""
+        ...
+
+    def pending_steps(self) -> int:
+        """How many scheduled steps await ``update()`` or ``revert()``: 0, 1 or 2."""
         ...
 
     def update(self, tokens: TokenArray, eos: FlagArray | None = None) -> npt.NDArray[np.uint64]:
-        """Closes the pending step with one sampled token (and optionally an end-of-sequence
+        """Closes the oldest pending step with one sampled token (and optionally an end-of-sequence
         flag) per ``sample_ids`` entry; returns the ids that finished, whose outputs are now
         ready for :meth:`take_output`."""
         ...
 
     def revert(self) -> npt.NDArray[np.uint64]:
-        """Undoes the pending step the executor did not run (its preemptions stay applied:
+        """Undoes the newest pending step the executor did not run (its preemptions stay applied:
         the victims re-prefill); returns the ids of requests whose abort was requested while
         it was pending, aborted now."""
         ...

@@ -186,6 +186,13 @@ class SimulatedCPGroup:
         """Whether any request is still live."""
         return self.schedulers[0].has_unfinished()
 
+    def pending_steps(self) -> int:
+        """How many scheduled steps await ``update()`` or ``revert()`` (0, 1 or 2; equal on
+        every rank)."""
+        counts = [np.asarray([s.pending_steps()]) for s in self.schedulers]
+        self._agree("pending_steps", counts, "pending_steps")
+        return int(counts[0][0])
+
     def metrics(self) -> SchedulerMetrics:
         """The scheduler's totals (equal on every rank)."""
         return self.schedulers[0].metrics()

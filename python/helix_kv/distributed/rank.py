@@ -264,6 +264,10 @@ class HelixKVRank:
         """Whether any request is still live."""
         return self.scheduler.has_unfinished()
 
+    def pending_steps(self) -> int:
+        """How many scheduled steps await ``update()`` or ``revert()`` (0, 1 or 2)."""
+        return self.scheduler.pending_steps()
+
     @property
     def num_running(self) -> int:
         """Requests holding KV (prefilling or decoding)."""

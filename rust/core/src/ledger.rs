@@ -50,6 +50,9 @@ pub struct RequestKv {
     /// (a reservation longer than the decode token, e.g. a whole-output admission,
     /// survives it, and the step marker returns to its previous value).
     decode_undo: Option<DecodeUndo>,
+    /// The allocation before the last one, so a one-step-ahead scheduler can undo its
+    /// newest step's decode and then, that step gone, the older step's too.
+    decode_undo_older: Option<DecodeUndo>,
     /// Length to restore on resume while the KV sits in a lower (host) tier.
     suspended_len: Option<u64>,
 }
@@ -298,6 +301,7 @@ impl Ledger {
             decode_count: 0,
             decode_step: None,
             decode_undo: None,
+            decode_undo_older: None,
             suspended_len: None,
         };
         let entry = if let Some(entry) = self.vacant.pop() {
@@ -446,6 +450,7 @@ impl Ledger {
             decode_count: 0,
             decode_step: None,
             decode_undo: None,
+            decode_undo_older: None,
             suspended_len: None,
         };
         self.vacant.push(entry);
@@ -587,6 +592,7 @@ impl Ledger {
         }
         let request = &mut self.requests[entry];
         request.len = new_len;
+        request.decode_undo_older = request.decode_undo.take();
         request.decode_undo = Some(DecodeUndo {
             step: request.decode_step,
             len: len_before,
@@ -600,7 +606,8 @@ impl Ledger {
     /// Undoes the decode allocation that `id` made in `step`, if any (a step that was
     /// scheduled but not run). Returns whether there was one. It is an exact undo: the
     /// length and the step marker return to what they were before the allocation (so
-    /// `state_digest` does too), and only the latest allocation can be undone.
+    /// `state_digest` does too). The latest two allocations can be undone, newest first
+    /// (a one-step-ahead scheduler reverts its newest step, then possibly the older one).
     ///
     /// If a `grow` or `shrink` changed the length since the allocation, that call owns
     /// the length and it is kept (only the counters go back): restoring the old length
@@ -616,6 +623,7 @@ impl Ledger {
         };
         request.decode_count -= 1;
         request.decode_step = undo.step;
+        request.decode_undo = request.decode_undo_older.take();
         if request.len == undo.len_after {
             // `undo.len <= undo.len_after`: this only ever shrinks.
             self.shrink_entry(entry, undo.len);
@@ -644,6 +652,7 @@ impl Ledger {
         request.decode_count = 0;
         request.decode_step = None;
         request.decode_undo = None;
+        request.decode_undo_older = None;
         request.suspended_len = None;
         Ok(())
     }
@@ -659,6 +668,7 @@ impl Ledger {
         request.suspended_len = Some(len);
         request.decode_step = None;
         request.decode_undo = None;
+        request.decode_undo_older = None;
         Ok(held)
     }
 

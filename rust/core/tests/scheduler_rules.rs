@@ -696,11 +696,16 @@ fn bad_input_is_refused_with_a_typed_error_and_changes_nothing() {
     assert_unchanged(&mut s, |s| s.revert().unwrap_err(), "call schedule() first");
     let out = s.schedule().unwrap().clone();
     assert_eq!(out.sample_ids, vec![1]);
+    // One step ahead is allowed; a third pending step is not.
+    s.schedule().unwrap();
+    assert_eq!(s.pending_steps(), 2);
     assert_unchanged(
         &mut s,
         |s| s.schedule().unwrap_err(),
-        "neither updated nor reverted",
+        "scheduled at most one ahead",
     );
+    s.revert().unwrap();
+    assert_eq!(s.pending_steps(), 1);
     assert_unchanged(
         &mut s,
         |s| s.update(&[1, 2], None).unwrap_err(),

@@ -100,7 +100,7 @@ impl PyScheduler {
             .py()
     }
 
-    /// Decides the next step.
+    /// Decides the next step; allowed while one step is pending (one step ahead), not two.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyScheduleOutput> {
         let inner = &mut self.inner;
         let output = py
@@ -246,6 +246,11 @@ impl PyScheduler {
     #[getter]
     fn step_pending(&self) -> bool {
         self.inner.is_step_pending()
+    }
+    /// How many schedules await `update` or `revert`: 0, 1, or 2 (one step scheduled
+    /// ahead of the pending one).
+    fn pending_steps(&self) -> u32 {
+        self.inner.pending_steps()
     }
     /// Whether any request is live.
     fn has_unfinished(&self) -> bool {

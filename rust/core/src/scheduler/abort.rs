@@ -48,10 +48,10 @@ impl Scheduler {
                 continue; // already pending
             }
             request.abort_requested = true;
-            if self.pending {
+            if self.pending_steps > 0 {
                 self.abort_requests += 1;
             } else {
-                self.retire(req, FinishReason::Aborted);
+                self.retire(req, FinishReason::Aborted, None);
                 retired = true;
             }
         }
@@ -79,7 +79,7 @@ impl Scheduler {
         for read in 0..self.queue.len() {
             let req = self.queue[read];
             if self.requests[req as usize].abort_requested {
-                self.retire(req, FinishReason::Aborted);
+                self.retire(req, FinishReason::Aborted, None);
                 self.finished_ids.push(self.requests[req as usize].id);
             } else {
                 self.queue[kept] = req;

@@ -1,8 +1,9 @@
 //! Closing a step: `update` (it ran) or `revert` (it did not).
 
+use super::request::NO_STEP;
 use super::{
-    CoreError, FinishReason, JournalEntry, RequestId, RequestIndex, RequestMetrics, RequestOutput,
-    RequestState, Result, Scheduler,
+    ContextEntry, CoreError, FinishReason, JournalEntry, RequestId, RequestIndex, RequestMetrics,
+    RequestOutput, RequestState, Result, Scheduler,
 };
 
 impl Scheduler {
@@ -15,37 +16,50 @@ impl Scheduler {
     /// with [`FinishReason::Aborted`]: its token of this step is dropped (the client is
     /// gone), its KV and batch slot are freed, and its id is among those returned.
     pub fn update(&mut self, tokens: &[i32], eos: Option<&[bool]>) -> Result<&[RequestId]> {
-        if !self.pending {
+        if self.pending_steps == 0 {
             return Err(CoreError::InvalidState(
                 "update() without a pending step: call schedule() first (and update or revert each step once)".into(),
             ));
         }
-        let samples = self.pending_samples;
+        // The oldest pending step closes: the older record while two are pending.
+        let two = self.pending_steps == 2;
+        let (step, samples) = if two {
+            (self.older.step, self.older.samples)
+        } else {
+            (self.pending_step, self.pending_samples)
+        };
         if tokens.len() != samples {
             return Err(CoreError::InvalidArgument(format!(
-                "update() got {} tokens for the {samples} entries of sample_ids of step {}",
+                "update() got {} tokens for the {samples} entries of sample_ids of step {step}",
                 tokens.len(),
-                self.pending_step
             )));
         }
         if let Some(eos) = eos {
             if eos.len() != samples {
                 return Err(CoreError::InvalidArgument(format!(
-                    "update() got {} eos flags for the {samples} entries of sample_ids of step {}",
+                    "update() got {} eos flags for the {samples} entries of sample_ids of step {step}",
                     eos.len(),
-                    self.pending_step
                 )));
             }
         }
-        self.apply_step(tokens, eos);
-        self.pending = false;
+        if two {
+            self.swap_step_records();
+            let newer = self.older.step;
+            self.apply_step(tokens, eos, Some(newer));
+            self.swap_step_records();
+        } else {
+            self.apply_step(tokens, eos, None);
+        }
+        self.pending_steps -= 1;
         Ok(&self.finished_ids)
     }
 
     /// One order-preserving pass over the queue (generation and context entries are in
     /// queue order too): appends sampled tokens, advances progress, counts waited steps,
     /// and retires finished and abort-requested requests, freeing their KV and batch slots.
-    fn apply_step(&mut self, tokens: &[i32], eos: Option<&[bool]>) {
+    /// `newer`: the step scheduled one ahead of this one and still pending; a request it
+    /// refers to that finishes here is held until it closes (see `retire`).
+    fn apply_step(&mut self, tokens: &[i32], eos: Option<&[bool]>, newer: Option<u64>) {
         let step = self.pending_step;
         let ends = |sample: usize| eos.is_some_and(|flags| flags[sample]);
         // Taken for the pass (retiring needs `self`), put back to keep the allocation.
@@ -53,18 +67,46 @@ impl Scheduler {
         let (mut next_generation, mut next_context) = (0, 0);
         let mut next_context_sample = generation.len();
         let mut computed_tokens = generation.len() as u64;
+        let has_zombies = !self.zombies.is_empty();
         self.finished_ids.clear();
         let mut kept = 0;
-        for read in 0..self.queue.len() {
-            let req = self.queue[read];
+        for read in 0..=self.queue.len() {
+            if has_zombies {
+                // Entries of requests that finished while this step was pending: their
+                // work ran and is discarded (they left the queue).
+                while generation
+                    .get(next_generation)
+                    .is_some_and(|&g| self.requests[g as usize].zombie)
+                {
+                    next_generation += 1;
+                }
+                while let Some(entry) = self
+                    .context
+                    .get(next_context)
+                    .filter(|e| self.requests[e.req as usize].zombie)
+                {
+                    computed_tokens += entry.len;
+                    next_context_sample += usize::from(entry.completes);
+                    next_context += 1;
+                }
+            }
+            let Some(&req) = self.queue.get(read) else {
+                break;
+            };
             let request = &mut self.requests[req as usize];
             // Read from the hot line; an aborted request's token is dropped below.
             let aborted = request.abort_requested;
             let mut finished = None;
             if generation.get(next_generation) == Some(&req) {
                 if !aborted {
-                    request.push_token(tokens[next_generation]);
-                    request.computed += 1;
+                    let token = tokens[next_generation];
+                    if request.state == RequestState::Decoding {
+                        request.push_token(token);
+                        request.computed += 1;
+                    } else {
+                        self.record_after_preemption(req, 1, Some(token), true);
+                    }
+                    let request = &self.requests[req as usize];
                     finished = finish_reason(request.is_complete(), ends(next_generation));
                 }
                 next_generation += 1;
@@ -80,29 +122,42 @@ impl Scheduler {
                 .get(next_context)
                 .is_some_and(|entry| entry.req == req)
             {
-                let len = self.context[next_context].len;
-                request.computed += len;
+                let ContextEntry { len, completes, .. } = self.context[next_context];
                 computed_tokens += len;
-                let new_state = if self.context[next_context].completes {
-                    request.push_token(tokens[next_context_sample]);
-                    finished = finish_reason(request.is_complete(), ends(next_context_sample));
-                    next_context_sample += 1;
-                    RequestState::Decoding
+                let token = completes.then(|| tokens[next_context_sample]);
+                if request.victim_step != NO_STEP && request.victim_step > step {
+                    // Preempted by the step planned ahead while this chunk ran.
+                    self.record_after_preemption(req, len, token, false);
+                    let request = &self.requests[req as usize];
+                    if completes {
+                        finished = finish_reason(request.is_complete(), ends(next_context_sample));
+                    }
                 } else {
-                    RequestState::Prefilling
-                };
-                let old_state = std::mem::replace(&mut request.state, new_state);
-                self.state_counts[old_state.index()] -= 1;
-                self.state_counts[new_state.index()] += 1;
+                    request.computed += len;
+                    let new_state = if let Some(token) = token {
+                        request.push_token(token);
+                        finished = finish_reason(request.is_complete(), ends(next_context_sample));
+                        RequestState::Decoding
+                    } else {
+                        RequestState::Prefilling
+                    };
+                    let old_state = std::mem::replace(&mut request.state, new_state);
+                    self.state_counts[old_state.index()] -= 1;
+                    self.state_counts[new_state.index()] += 1;
+                }
+                next_context_sample += usize::from(completes);
                 next_context += 1;
             } else if request.first_step <= step {
                 request.steps_waited += 1;
             }
-            if aborted {
-                self.retire(req, FinishReason::Aborted);
-                self.finished_ids.push(self.requests[req as usize].id);
-            } else if let Some(reason) = finished {
-                self.retire(req, reason);
+            let reason = if aborted {
+                Some(FinishReason::Aborted)
+            } else {
+                finished
+            };
+            if let Some(reason) = reason {
+                let hold = newer.filter(|&newer| self.refers_to(newer, req));
+                self.retire(req, reason, hold);
                 self.finished_ids.push(self.requests[req as usize].id);
             } else {
                 self.queue[kept] = req;
@@ -118,6 +173,9 @@ impl Scheduler {
         if std::mem::take(&mut self.abort_requests) > 0 {
             self.stalled_steps = 0; // freed pages may unblock the queue
         }
+        if has_zombies {
+            self.release_zombies(step);
+        }
         self.metrics.computed_tokens += computed_tokens;
         self.metrics.steps += 1;
         self.metrics.sat_out += self.sat_out_reqs.len() as u64;
@@ -128,13 +186,89 @@ impl Scheduler {
             .count() as u64;
     }
 
+    /// Records work of the step being closed for a request that the step planned one
+    /// ahead preempted meanwhile (`len` tokens computed, `token` sampled if any).
+    /// Suspended: its KV went to the host tier with this work in it, so its progress
+    /// counts. Recompute-paused: the work is lost, and a sampled token joins the prompt
+    /// it re-prefills (it was not scheduled again before this token was known).
+    fn record_after_preemption(
+        &mut self,
+        req: RequestIndex,
+        len: u64,
+        token: Option<i32>,
+        decode: bool,
+    ) {
+        let request = &mut self.requests[req as usize];
+        if request.state == RequestState::Suspended {
+            request.computed += len;
+            if !decode {
+                request.suspended_from = if token.is_some() {
+                    RequestState::Decoding
+                } else {
+                    RequestState::Prefilling
+                };
+            }
+            if let Some(token) = token {
+                request.push_token(token);
+            }
+        } else if let Some(token) = token {
+            debug_assert_eq!(request.state, RequestState::Waiting);
+            request.push_token(token);
+            let id = request.id;
+            self.ledger
+                .reset_for_recompute(id, 1)
+                .expect("a recompute-paused request holds nothing and folds its one new token");
+        }
+    }
+
+    /// Whether the records of pending step `step` refer to the request: an entry, a
+    /// resume, a preemption, a sit-out or a slot claim.
+    fn refers_to(&self, step: u64, req: RequestIndex) -> bool {
+        let r = &self.requests[req as usize];
+        r.scheduled_step == step
+            || r.resumed_step == step
+            || r.victim_step == step
+            || r.touched_step == step
+    }
+
+    /// Frees what the requests held until `step` closed (see `retire`), in the order
+    /// they finished.
+    fn release_zombies(&mut self, step: u64) {
+        let mut zombies = std::mem::take(&mut self.zombies);
+        zombies.retain(|&(req, hold)| {
+            if hold != step {
+                return true;
+            }
+            let request = &mut self.requests[req as usize];
+            request.zombie = false;
+            request.sat_out_slot = None;
+            if let Some(slot) = request.batch_slot.take() {
+                self.batch_slots.release(slot);
+            }
+            let id = request.id;
+            self.ledger
+                .free(id)
+                .expect("a held request is held by the ledger");
+            self.vacant.push(req);
+            false
+        });
+        self.zombies = zombies;
+    }
+
     /// Frees a finished (or aborted) request's KV, host-tier share and batch slot, and keeps
     /// its output for `take_output`. The caller removes it from the queue.
-    pub(super) fn retire(&mut self, req: RequestIndex, reason: FinishReason) {
+    ///
+    /// `hold`: a pending step (scheduled one ahead) still refers to the request. Then its
+    /// output is ready now but its KV, batch slot and index stay held until that step is
+    /// updated or reverted (`release_zombies`), so nothing reuses them while the executor
+    /// may still run its entries; its id cannot be added again until then.
+    pub(super) fn retire(&mut self, req: RequestIndex, reason: FinishReason, hold: Option<u64>) {
         let request = &mut self.requests[req as usize];
         let id = request.id;
-        if let Some(slot) = request.batch_slot.take() {
-            self.batch_slots.release(slot);
+        if hold.is_none() {
+            if let Some(slot) = request.batch_slot.take() {
+                self.batch_slots.release(slot);
+            }
         }
         // Only a suspended request holds host-tier superblocks.
         self.host_used_superblocks -= std::mem::take(&mut request.host_superblocks);
@@ -152,11 +286,16 @@ impl Scheduler {
             .tokens
             .split_off(request.original_prompt_len as usize);
         self.state_counts[request.state.index()] -= 1;
-        self.ledger
-            .free(id)
-            .expect("a live request is held by the ledger");
         self.index.remove(&id);
-        self.vacant.push(req);
+        if let Some(step) = hold {
+            request.zombie = true;
+            self.zombies.push((req, step));
+        } else {
+            self.ledger
+                .free(id)
+                .expect("a live request is held by the ledger");
+            self.vacant.push(req);
+        }
         self.finished.insert(
             id,
             RequestOutput {
@@ -181,16 +320,21 @@ impl Scheduler {
     /// Requests whose abort was requested while the step was pending are aborted right
     /// after the undo (in queue order); their ids are returned, as `update` would.
     pub fn revert(&mut self) -> Result<&[RequestId]> {
-        if !self.pending {
+        if self.pending_steps == 0 {
             return Err(CoreError::InvalidState(
                 "revert() without a pending step: call schedule() first (and update or revert each step once)".into(),
             ));
         }
-        self.undo_step(self.pending_step);
+        let step = self.pending_step;
+        self.undo_step(step);
         self.stalled_steps = self.stalled_steps_before;
-        self.pending = false;
         self.finished_ids.clear();
-        if self.abort_requests > 0 {
+        self.release_zombies(step);
+        self.pending_steps -= 1;
+        if self.pending_steps == 1 {
+            // The older step is the newest again; aborts wait for its close.
+            self.swap_step_records();
+        } else if self.abort_requests > 0 {
             self.apply_requested_aborts();
         }
         Ok(&self.finished_ids)

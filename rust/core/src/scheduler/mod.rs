@@ -62,6 +62,21 @@ enum JournalEntry {
     Resume(RequestIndex),
 }
 
+/// What `update` and `revert` need of a pending step (kept apart from the output, which
+/// may have been moved out). The scheduler keeps the newest pending step in its own
+/// fields and, while a second one is pending, the older one here (swapped in to close it).
+#[derive(Debug, Clone, Default)]
+struct StepRecord {
+    step: u64,
+    samples: usize,
+    stalled_steps_before: u32,
+    context: Vec<ContextEntry>,
+    generation_reqs: Vec<RequestIndex>,
+    journal: Vec<JournalEntry>,
+    new_slot_reqs: Vec<RequestIndex>,
+    sat_out_reqs: Vec<RequestIndex>,
+}
+
 /// The scheduler of one rank. See the module docs.
 #[derive(Debug, Clone)]
 pub struct Scheduler {
@@ -87,15 +102,21 @@ pub struct Scheduler {
     host_used_superblocks: u32,
     /// Number the next `schedule()` takes.
     next_step: u64,
-    /// Whether the last schedule is waiting for `update` or `revert`.
-    pending: bool,
-    /// Step number and sample count of the last schedule (kept apart from the output,
+    /// Steps scheduled and not yet updated or reverted: 0, 1, or 2 (one-step-ahead).
+    pending_steps: u8,
+    /// Step number and sample count of the newest schedule (kept apart from the output,
     /// which may have been moved out).
     pending_step: u64,
     pending_samples: usize,
     /// Consecutive scheduled steps that had live requests and made no progress.
     stalled_steps: u32,
     stalled_steps_before: u32,
+    /// The older pending step while two are pending (see [`StepRecord`]).
+    older: StepRecord,
+    /// Requests that finished (or were aborted) while a newer pending step still holds
+    /// them, with that step: their output is taken already possible, but their KV, batch
+    /// slot and index stay held until that step is updated or reverted.
+    zombies: Vec<(RequestIndex, u64)>,
     metrics: SchedulerMetrics,
 
     // Per-step scratch, kept to reuse the allocations.
@@ -151,7 +172,9 @@ impl Scheduler {
             batch_slots: BatchSlots::new(config.max_batch_size),
             host_used_superblocks: 0,
             next_step: 0,
-            pending: false,
+            pending_steps: 0,
+            older: StepRecord::default(),
+            zombies: Vec::new(),
             pending_step: 0,
             pending_samples: 0,
             stalled_steps: 0,
@@ -309,6 +332,23 @@ impl Scheduler {
         request.state = state;
     }
 
+    /// Exchanges the newest pending step's record (the scheduler's own fields) with the
+    /// older one's: to build a step one ahead, and to close the older step.
+    fn swap_step_records(&mut self) {
+        let older = &mut self.older;
+        std::mem::swap(&mut self.pending_step, &mut older.step);
+        std::mem::swap(&mut self.pending_samples, &mut older.samples);
+        std::mem::swap(
+            &mut self.stalled_steps_before,
+            &mut older.stalled_steps_before,
+        );
+        std::mem::swap(&mut self.context, &mut older.context);
+        std::mem::swap(&mut self.generation_reqs, &mut older.generation_reqs);
+        std::mem::swap(&mut self.journal, &mut older.journal);
+        std::mem::swap(&mut self.new_slot_reqs, &mut older.new_slot_reqs);
+        std::mem::swap(&mut self.sat_out_reqs, &mut older.sat_out_reqs);
+    }
+
     /// The state of a live request.
     pub fn request_state(&self, id: RequestId) -> Result<RequestState> {
         Ok(self.requests[self.request_index(id)? as usize].state)
@@ -391,7 +431,13 @@ impl Scheduler {
     }
     /// Whether a schedule awaits `update` or `revert`.
     pub fn is_step_pending(&self) -> bool {
-        self.pending
+        self.pending_steps > 0
+    }
+
+    /// How many schedules await `update` or `revert`: 0, 1, or 2 (a step scheduled one
+    /// step ahead while the previous one was still pending).
+    pub fn pending_steps(&self) -> u32 {
+        u32::from(self.pending_steps)
     }
 
     /// Totals, with KV use as of now.
@@ -460,7 +506,11 @@ impl Scheduler {
         let mut h = Fnv64::new();
         h.u64(self.fingerprint);
         h.u64(self.ledger.state_digest());
-        h.u64(u64::from(self.pending));
+        h.u64(u64::from(self.pending_steps));
+        h.u64(self.zombies.len() as u64);
+        for &(req, _) in &self.zombies {
+            h.u64(self.requests[req as usize].id);
+        }
         h.u64(u64::from(self.stalled_steps));
         h.u64(u64::from(self.host_used_superblocks));
         h.u64(self.queue.len() as u64);

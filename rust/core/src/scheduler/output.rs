@@ -49,8 +49,15 @@ macro_rules! schedule_output_fields {
             invariant generation_positions: [u64],
             /// Rank that appends that token: `(pos // tokens_per_block) % cp_size`.
             invariant generation_owner_ranks: [u32],
-            /// The token fed at that position (the request's last token).
+            /// The token fed at that position (the request's last token), or -1 while that
+            /// token is still in flight (see `generation_input_refs`).
             invariant generation_input_tokens: [i32],
+            /// Where each entry's input token is: -1 when it is known and given in
+            /// `generation_input_tokens`; `r >= 0` when it is still being sampled by the
+            /// previous step (this step was scheduled one step ahead): row `r` of that
+            /// step's sampled tokens (its `sample_ids` order), which the executor gathers
+            /// on the device.
+            invariant generation_input_refs: [i32],
             /// Batch slot of each generation entry.
             invariant generation_batch_slots: [i32],
             /// Per rank: whether this rank is the owner (appends the token's KV).
@@ -240,6 +247,7 @@ impl ScheduleOutput {
             generation_positions,
             generation_owner_ranks: _, // a function of the positions
             generation_input_tokens,
+            generation_input_refs,
             generation_batch_slots,
             generation_active: _, // per rank
             generation_local_lens: _,
@@ -276,6 +284,11 @@ impl ScheduleOutput {
         );
         let token_slots = generation_input_tokens.iter().zip(generation_batch_slots);
         h.stream(token_slots.map(|(&token, &slot)| pack(token, slot)));
+        // Two rows a word; the count is the generation entries', hashed above.
+        let rows = generation_input_refs
+            .chunks(2)
+            .map(|pair| pack(pair[0], pair.get(1).copied().unwrap_or(0)));
+        h.stream(rows);
         for ids in [
             preempted_ids,
             preempted_requester_ids,
@@ -317,6 +330,7 @@ impl ScheduleOutput {
                     self.generation_positions.len(),
                     self.generation_owner_ranks.len(),
                     self.generation_input_tokens.len(),
+                    self.generation_input_refs.len(),
                     self.generation_batch_slots.len(),
                     self.generation_active.len(),
                     self.generation_local_lens.len(),
@@ -494,6 +508,7 @@ mod tests {
             generation_positions: vec![9],
             generation_owner_ranks: vec![0],
             generation_input_tokens: vec![7],
+            generation_input_refs: vec![-1],
             generation_batch_slots: vec![2],
             generation_active: vec![true],
             generation_local_lens: vec![6],

@@ -153,6 +153,21 @@ pub(super) struct Request {
     pub sat_out_slot: Option<u32>,
     /// The state to return to on resume.
     pub suspended_from: RequestState,
+
+    /// Step planned one ahead in which this request's work in the older pending step
+    /// was marked (`ahead_*` are meaningful only while this equals that step).
+    pub ahead_step: u64,
+    /// Row of its sampled token in the older pending step, or -1 if it samples nothing
+    /// there (a chunk that does not complete the prompt).
+    pub ahead_row: i32,
+    /// Where its prompt stands once the older pending step's chunk has run.
+    pub ahead_computed: u64,
+    /// Last step in which it sat out or claimed a batch slot (with `scheduled_step`,
+    /// `resumed_step` and `victim_step`: whether a step's records refer to it).
+    pub touched_step: u64,
+    /// Finished while a newer pending step still refers to it: out of the queue and the
+    /// index, its KV and batch slot held until that step closes.
+    pub zombie: bool,
 }
 
 impl Request {
@@ -189,6 +204,11 @@ impl Request {
             resumed_step: NO_STEP,
             rescued_step: NO_STEP,
             sat_out_slot: None,
+            ahead_step: NO_STEP,
+            ahead_row: -1,
+            ahead_computed: 0,
+            touched_step: NO_STEP,
+            zombie: false,
         }
     }
 

@@ -84,6 +84,17 @@ pub(super) fn slot_id(slot: u32) -> i32 {
     slot as i32
 }
 
+/// A row of a step's sampled tokens as the int32 a schedule reports.
+#[expect(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    reason = "each sampled row is an entry holding a batch slot, so rows are below max_batch_size <= i32::MAX"
+)]
+pub(super) fn row_id(row: usize) -> i32 {
+    debug_assert!(i32::try_from(row).is_ok());
+    row as i32
+}
+
 #[cfg(test)]
 mod tests {
     use super::BatchSlots;

@@ -2,7 +2,7 @@
 //! and the output arrays.
 
 use super::request::NO_STEP;
-use super::slots::slot_id;
+use super::slots::{row_id, slot_id};
 use super::victim::VictimKey;
 use super::{
     CapacityPolicy, ContextEntry, CoreError, JournalEntry, RequestId, RequestIndex, RequestState,
@@ -20,22 +20,36 @@ impl Scheduler {
     /// per-step allocation); clone it to keep it. It is built in a spare buffer that
     /// becomes the current output only on success, so a failure leaves the previous one.
     pub fn schedule(&mut self) -> Result<&ScheduleOutput> {
-        if self.pending {
+        if self.pending_steps >= 2 {
             return Err(CoreError::InvalidState(format!(
-                "step {} was scheduled and neither updated nor reverted; call update() or revert() first",
-                self.pending_step
+                "steps {} and {} are pending; a step may be scheduled at most one ahead: update() the older \
+                 one (or revert() the newer) first",
+                self.older.step, self.pending_step
             )));
         }
         if self.stalled_steps >= self.config.deadlock_steps {
             return Err(CoreError::Deadlock(self.deadlock_message()));
         }
         let step = self.next_step;
+        let ahead = self.pending_steps == 1;
+        if ahead {
+            // The pending step becomes the older one; this one is built in the fields.
+            self.swap_step_records();
+        }
         self.begin_step();
-        if let Err(err) = self
-            .generation_phase(step)
-            .and_then(|()| self.context_phase(step))
-        {
+        let planned = if ahead {
+            self.mark_older_step_work(step);
+            self.generation_phase_ahead(step)
+                .and_then(|()| self.context_phase(step, true))
+        } else {
+            self.generation_phase(step)
+                .and_then(|()| self.context_phase(step, false))
+        };
+        if let Err(err) = planned {
             self.undo_step(step);
+            if ahead {
+                self.swap_step_records();
+            }
             return Err(err);
         }
         self.finish_step(step);
@@ -43,8 +57,74 @@ impl Scheduler {
         self.pending_samples = self.building.sample_ids.len();
         std::mem::swap(&mut self.output, &mut self.building);
         self.next_step += 1;
-        self.pending = true;
+        self.pending_steps += 1;
         Ok(&self.output)
+    }
+
+    /// Before planning `step` one ahead: marks every request with work in the older
+    /// pending step with where that work leaves it (its sampled token's row, its prompt's
+    /// progress), which the phases read instead of progress not yet recorded.
+    fn mark_older_step_work(&mut self, step: u64) {
+        for (row, &req) in self.older.generation_reqs.iter().enumerate() {
+            let request = &mut self.requests[req as usize];
+            request.ahead_step = step;
+            request.ahead_row = row_id(row);
+            request.ahead_computed = request.computed + 1;
+        }
+        let mut row = self.older.generation_reqs.len();
+        for entry in &self.older.context {
+            let request = &mut self.requests[entry.req as usize];
+            request.ahead_step = step;
+            request.ahead_computed = entry.start + entry.len;
+            request.ahead_row = if entry.completes {
+                row += 1;
+                row_id(row - 1)
+            } else {
+                -1
+            };
+        }
+    }
+
+    /// Whether a request marked by [`Self::mark_older_step_work`] was preempted or
+    /// suspended after the older step (by a newer step, since reverted): its work there
+    /// is in flight and it waits for that step's update before anything else.
+    fn preempted_after_older_step(&self, req: RequestIndex) -> bool {
+        let victim_step = self.requests[req as usize].victim_step;
+        victim_step != NO_STEP && victim_step > self.older.step
+    }
+
+    /// The generation phase of a step planned while the older step is pending: a request
+    /// decoding there (or completing its prompt there) decodes here on the token it is
+    /// sampling, given as that token's row, unless it is known to finish there
+    /// (`max_new_tokens`) or its abort is pending.
+    fn generation_phase_ahead(&mut self, step: u64) -> Result<()> {
+        for queue_pos in 0..self.queue.len() {
+            let req = self.queue[queue_pos];
+            let request = &self.requests[req as usize];
+            if request.abort_requested {
+                continue; // retired when the older step closes
+            }
+            if request.ahead_step == step {
+                if self.preempted_after_older_step(req) {
+                    continue;
+                }
+                let (row, remaining) = (request.ahead_row, request.remaining_tokens);
+                // A chunk that does not complete the prompt continues in the context
+                // phase; a token that is the request's last finishes it.
+                if row >= 0 && remaining > 1 {
+                    self.schedule_decode(step, queue_pos, req, row)?;
+                }
+                continue;
+            }
+            match request.state {
+                RequestState::Decoding => self.schedule_decode(step, queue_pos, req, -1)?,
+                RequestState::Suspended if request.victim_step != step => {
+                    self.try_resume(step, queue_pos, req)?;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     fn begin_step(&mut self) {
@@ -56,6 +136,7 @@ impl Scheduler {
         out.generation_ids.reserve(decoding);
         out.generation_positions.reserve(decoding);
         out.generation_input_tokens.reserve(decoding);
+        out.generation_input_refs.reserve(decoding);
         out.generation_batch_slots.reserve(decoding);
         out.sample_ids.reserve(decoding);
         self.generation_reqs.clear();
@@ -91,7 +172,7 @@ impl Scheduler {
             let req = self.queue[queue_pos];
             let request = &self.requests[req as usize];
             match request.state {
-                RequestState::Decoding => self.schedule_decode(step, queue_pos, req)?,
+                RequestState::Decoding => self.schedule_decode(step, queue_pos, req, -1)?,
                 RequestState::Suspended if request.victim_step != step => {
                     self.try_resume(step, queue_pos, req)?;
                 }
@@ -101,7 +182,15 @@ impl Scheduler {
         Ok(())
     }
 
-    fn schedule_decode(&mut self, step: u64, queue_pos: usize, req: RequestIndex) -> Result<()> {
+    /// `input_row` is the row of the older pending step's sampled tokens that holds the
+    /// input token, or -1 when the token is known (the request's last token).
+    fn schedule_decode(
+        &mut self,
+        step: u64,
+        queue_pos: usize,
+        req: RequestIndex,
+        input_row: i32,
+    ) -> Result<()> {
         let request = &self.requests[req as usize];
         let needs_slot = request.batch_slot.is_none();
         if self.step_tokens >= u64::from(self.config.max_num_tokens)
@@ -110,6 +199,7 @@ impl Scheduler {
             // Out of budget: not scheduled, keeps its batch slot; not a sit-out. One
             // without a slot claims one, so nothing behind it takes the next one freed.
             if needs_slot {
+                self.requests[req as usize].touched_step = step;
                 self.slot_claims.push(req);
             }
             return Ok(());
@@ -119,7 +209,7 @@ impl Scheduler {
         loop {
             // The request's index is also its ledger entry (see `add_request`).
             if let Some(position) = self.ledger.allocate_decode_at(req as usize, id, step)? {
-                self.push_generation_entry(step, req, position);
+                self.push_generation_entry(step, req, position, input_row);
                 if preempted {
                     self.mark_served_by_preempting(step, queue_pos, req);
                 }
@@ -140,6 +230,7 @@ impl Scheduler {
         // Neither pages nor a victim: sit out, and give the batch slot up so a one-step-ahead
         // executor cannot read it as still belonging to this request.
         let request = &mut self.requests[req as usize];
+        request.touched_step = step;
         request.sat_out_slot = request.batch_slot.take();
         if let Some(slot) = request.sat_out_slot {
             self.batch_slots.release(slot);
@@ -152,9 +243,15 @@ impl Scheduler {
     /// Records a scheduled decode straight into the output being built (the common case
     /// touches each request once per step); a victim's entry is dropped in
     /// `finish_step`, a missing batch slot and the placement fields are filled in there.
-    fn push_generation_entry(&mut self, step: u64, req: RequestIndex, position: u64) {
+    fn push_generation_entry(
+        &mut self,
+        step: u64,
+        req: RequestIndex,
+        position: u64,
+        input_row: i32,
+    ) {
         let request = &mut self.requests[req as usize];
-        debug_assert_eq!(position, request.computed);
+        debug_assert!(input_row >= 0 || position == request.computed);
         let entry = self.building.generation_ids.len();
         request.scheduled_step = step;
         let slot = if let Some(slot) = request.batch_slot.get() {
@@ -167,7 +264,13 @@ impl Scheduler {
         let out = &mut self.building;
         out.generation_ids.push(request.id);
         out.generation_positions.push(position);
-        out.generation_input_tokens.push(request.last_token);
+        // A token still in flight is never given as a (stale) value.
+        out.generation_input_tokens.push(if input_row < 0 {
+            request.last_token
+        } else {
+            -1
+        });
+        out.generation_input_refs.push(input_row);
         out.generation_batch_slots.push(slot);
         self.generation_reqs.push(req);
         self.journal.push(JournalEntry::Decode(req));
@@ -194,6 +297,7 @@ impl Scheduler {
                 // It decodes from the next step: claim its batch slot now, at its place
                 // in queue order, before the context phase admits newer requests into
                 // the free ones (a resumed prefill gets one in that phase, in order).
+                request.touched_step = step;
                 self.slot_claims.push(req);
             }
             self.set_state(req, back_to);
@@ -203,7 +307,9 @@ impl Scheduler {
         Ok(())
     }
 
-    fn context_phase(&mut self, step: u64) -> Result<()> {
+    /// `ahead`: the step is planned while the older one is pending, whose chunks and
+    /// completions (marked by `mark_older_step_work`) count as done.
+    fn context_phase(&mut self, step: u64, ahead: bool) -> Result<()> {
         let candidates = self.state_counts[RequestState::Waiting.index()]
             + self.state_counts[RequestState::Prefilling.index()];
         if candidates == 0 {
@@ -214,11 +320,26 @@ impl Scheduler {
         for queue_pos in 0..self.queue.len() {
             let req = self.queue[queue_pos];
             let request = &self.requests[req as usize];
-            let admitting = match request.state {
+            let mut admitting = match request.state {
                 RequestState::Waiting => true,
                 RequestState::Prefilling => false,
                 RequestState::Decoding | RequestState::Suspended => continue,
             };
+            let mut start = request.computed;
+            if ahead {
+                if request.abort_requested {
+                    continue;
+                }
+                if request.ahead_step == step {
+                    // Completing in the older step (it decodes), or preempted after it
+                    // with its work in flight: nothing to prefill now.
+                    if request.ahead_row >= 0 || self.preempted_after_older_step(req) {
+                        continue;
+                    }
+                    start = request.ahead_computed;
+                    admitting = false;
+                }
+            }
             if request.victim_step == step
                 || (admitting && self.step_preempted && !self.config.admit_after_preemption)
             {
@@ -228,7 +349,6 @@ impl Scheduler {
             if needs_slot && self.free_slots_now() == 0 {
                 continue;
             }
-            let start = request.computed;
             let remaining = request.prefill_len() - start;
             let budget = max_tokens - self.step_tokens;
             let chunk = if remaining <= budget {
@@ -238,7 +358,7 @@ impl Scheduler {
             } else {
                 0
             };
-            if chunk == 0 || !self.reserve_prefill(step, queue_pos, req, start + chunk)? {
+            if chunk == 0 || !self.reserve_prefill(step, queue_pos, req, start, start + chunk)? {
                 // Head of line: nothing behind may take budget or pages this one could not.
                 break;
             }
@@ -281,12 +401,13 @@ impl Scheduler {
         step: u64,
         queue_pos: usize,
         req: RequestIndex,
+        start: u64,
         target: u64,
     ) -> Result<bool> {
         let request = &self.requests[req as usize];
         let id = request.id;
         let (reserve_to, len_before) = match self.config.capacity_policy {
-            CapacityPolicy::MaxUtilization => (target, request.computed),
+            CapacityPolicy::MaxUtilization => (target, start),
             CapacityPolicy::GuaranteedNoEvict => {
                 let held = self.ledger.request(id)?.len();
                 if held >= target {
@@ -403,7 +524,10 @@ impl Scheduler {
     fn preempt(&mut self, step: u64, victim: RequestIndex, requester: RequestId) -> Result<()> {
         let request = &self.requests[victim as usize];
         let id = request.id;
-        if request.state == RequestState::Decoding && request.scheduled_step == step {
+        // Victims are behind their requester, so one scheduled in this step has a
+        // generation entry (its context turn is yet to come); one planned ahead may
+        // still be `Prefilling`, completing its prompt in the older pending step.
+        if request.scheduled_step == step {
             // Scheduled earlier in this step: undo its decode token and give its budget
             // back; its entry is dropped when the output is built.
             self.ledger.revert_decode(id, step)?;
@@ -546,6 +670,7 @@ impl Scheduler {
             out.generation_ids[kept] = out.generation_ids[i];
             out.generation_positions[kept] = out.generation_positions[i];
             out.generation_input_tokens[kept] = out.generation_input_tokens[i];
+            out.generation_input_refs[kept] = out.generation_input_refs[i];
             out.generation_batch_slots[kept] = out.generation_batch_slots[i];
             kept += 1;
         }
@@ -553,6 +678,7 @@ impl Scheduler {
         out.generation_ids.truncate(kept);
         out.generation_positions.truncate(kept);
         out.generation_input_tokens.truncate(kept);
+        out.generation_input_refs.truncate(kept);
         out.generation_batch_slots.truncate(kept);
     }
 
@@ -594,8 +720,20 @@ impl Scheduler {
                 | JournalEntry::Resume(req) => req,
             };
             let request = &self.requests[req as usize];
-            if request.victim_step == step {
-                continue; // its reservations went with the preemption
+            if request.zombie {
+                continue; // finished meanwhile: everything it holds is freed with the step
+            }
+            if request.victim_step != NO_STEP && request.victim_step >= step {
+                // Its reservations went with the preemption. One suspended by a step
+                // planned ahead (since reverted) took this step's work to the host tier:
+                // that work never ran, so it re-prefills what it has instead.
+                if request.victim_step > step
+                    && request.state == RequestState::Suspended
+                    && !matches!(entry, JournalEntry::Resume(_))
+                {
+                    self.recompute_instead_of_resume(req);
+                }
+                continue;
             }
             let id = request.id;
             let undone = match entry {
@@ -618,11 +756,35 @@ impl Scheduler {
         self.new_slot_reqs.clear();
         for &req in &self.sat_out_reqs {
             let request = &mut self.requests[req as usize];
+            if request.zombie {
+                continue;
+            }
             if let Some(slot) = request.sat_out_slot.take() {
                 self.batch_slots.take(slot);
                 request.batch_slot.set(slot);
             }
         }
+    }
+
+    /// A request suspended by a later step whose work in the step being reverted went
+    /// to the host tier with it: it is recompute-paused instead (its host share freed,
+    /// every known token folded into its prompt), so no KV of a step that never ran is
+    /// ever resumed.
+    fn recompute_instead_of_resume(&mut self, req: RequestIndex) {
+        let request = &mut self.requests[req as usize];
+        self.host_used_superblocks -= std::mem::take(&mut request.host_superblocks);
+        request.computed = 0;
+        let (id, known) = (request.id, request.tokens.len() as u64);
+        let folded = known
+            - self
+                .ledger
+                .request(id)
+                .expect("a live request is held by the ledger")
+                .prompt_len();
+        self.ledger
+            .reset_for_recompute(id, folded)
+            .expect("a suspended request folds its known tokens");
+        self.set_state(req, RequestState::Waiting);
     }
 
     fn decode_pressure_message(&self, id: RequestId) -> String {
