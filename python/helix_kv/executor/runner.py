@@ -9,6 +9,18 @@ The loop every rank runs (the embedding pattern for a real executor)::
     tokens = greedy(model.logits(hidden[batch.sample_index]))  # sample_ids order
     finished = helix.update(tokens)
 
+With ``ExecutorConfig(overlap=True)`` the loop runs one step ahead: step ``t + 1`` is
+scheduled, planned and queued while step ``t`` runs on the device; its decode inputs still in
+flight are gathered on the device from step ``t``'s sampled tokens
+(``out.generation_input_refs``, :mod:`helix_kv.executor.overlap`); only then does the host
+wait for step ``t``'s tokens (an async copy to pinned memory) and call ``update`` for it::
+
+    out = helix.schedule()                          # step t + 1, step t still pending
+    batch = pool.prepare(StepPlan.from_schedule(helix.scheduler, out, placement))
+    gather.apply(batch.token_ids, out.generation_input_refs, tokens_t)  # on the device
+    tokens_t1 = greedy(model.logits(...)); host_t1 = readback.start(tokens_t1)
+    finished = helix.update(host_t.wait())          # closes step t
+
 ``helix`` is the rank's :class:`helix_kv.distributed.HelixKVRank`; the loop makes only the
 calls of the scheduler contract (:class:`helix_kv.contract.SchedulerProtocol`) on it, plus the
 block tables the step plan reads from its scheduler.
@@ -21,6 +33,7 @@ and checks that they agree.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
@@ -33,6 +46,7 @@ from helix_kv.distributed import EngineConfig, HelixKVRank
 from helix_kv.distributed.launch import spawn_group
 from helix_kv.executor.kv_pool import KVPool
 from helix_kv.executor.model import TinyConfig, TinyTransformer, group_combine
+from helix_kv.executor.overlap import DecodeInputGather, HostTokens, StepTimeline, TokenReadback
 from helix_kv.executor.placement import RankPlacement
 from helix_kv.executor.step_plan import StepPlan
 
@@ -49,6 +63,9 @@ class ExecutorConfig:
     ``max_preemptions_per_request``).
     ``check_schedule``: compare every step's schedule across the ranks (``None``: read
     ``HELIX_KV_CHECK_SCHEDULE``).
+    ``overlap``: schedule step ``t + 1`` while step ``t`` runs (one step ahead; see the
+    module docs). ``eos_token_id``: a sampled token equal to it ends its request (``None``:
+    requests run to their ``max_new_tokens``).
     """
 
     cp: int = 1
@@ -65,6 +82,8 @@ class ExecutorConfig:
     time_table_build: bool = False
     max_steps: int = 100_000
     scheduler_options: Mapping[str, Any] = field(default_factory=dict)
+    overlap: bool = False
+    eos_token_id: int | None = None
 
     def with_(self, **changes: Any) -> ExecutorConfig:
         """A copy with some fields changed."""
@@ -96,6 +115,7 @@ class RunResult:
     decode_s: float = 0.0
     schedule_us: list[float] = field(default_factory=list)
     table_build_us: list[float] = field(default_factory=list)
+    host_gap_us: list[float] = field(default_factory=list)
 
     @property
     def preemptions(self) -> int:
@@ -106,6 +126,11 @@ class RunResult:
     def decode_tokens_per_s(self) -> float:
         """Generated tokens per second over steps that ran decode entries only."""
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def host_gap_us_median(self) -> float:
+        """Median µs the device idled between consecutive steps (CUDA only; 0 otherwise)."""
+        return float(np.median(self.host_gap_us)) if self.host_gap_us else 0.0
 
     @property
     def table_build_us_median(self) -> float:
@@ -165,39 +190,86 @@ def run_rank(
     result = RunResult(rank, {}, {}, {}, [], [], helix.capacity_superblocks)
     logits_rows: dict[int, list[np.ndarray]] = {}
     decoding: set[int] = set()  # requests that decoded since their last (re-)admission
-    started = time.perf_counter()
-    while helix.has_unfinished():
-        if len(result.digests) >= config.max_steps:
-            raise RuntimeError(f"no completion after {config.max_steps} steps")
+    gather, readback, timeline = (
+        DecodeInputGather(device),
+        TokenReadback(device),
+        StepTimeline(device),
+    )
+    broadcast_src = dist.get_global_rank(group, 0) if group else 0
+
+    def launch(previous: _LaunchedStep | None) -> _LaunchedStep:
+        """Schedules the next step and queues its device work, after ``previous``'s (still
+        pending in overlap mode: its sampled tokens are read on the device)."""
         step_start = time.perf_counter()
         out = helix.schedule()
         build_start = time.perf_counter()
         result.schedule_us.append((build_start - step_start) * 1e6)
         plan = StepPlan.from_schedule(helix.scheduler, out, placement)
+        timeline.start()
         batch = pool.prepare(plan)
+        gather.apply(
+            batch.token_ids, out.generation_input_refs, previous.tokens if previous else None
+        )
         if config.time_table_build:
             _synchronize(device)
             result.table_build_us.append((time.perf_counter() - build_start) * 1e6)
-        sample_ids = np.asarray(out.sample_ids, dtype=np.int64)
-        tokens = torch.zeros(len(sample_ids), dtype=torch.int64, device=device)
+        tokens = torch.zeros(len(out.sample_ids), dtype=torch.int64, device=device)
+        logits = None
         if plan.num_tokens:
             logits = model.logits(model.forward(batch, pool, combine)[batch.sample_index])
             tokens = logits.argmax(dim=-1)
-            if config.record_logits:
-                _record_logits(logits_rows, sample_ids, logits)
-        if config.cp > 1 and len(sample_ids):
+        if config.cp > 1 and len(out.sample_ids):
             # ranks compute identical logits; broadcasting makes identical tokens a guarantee
-            dist.broadcast(tokens, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        finished = helix.update(tokens.cpu().numpy().astype(np.int32))
-        _account_step(result, out, plan, time.perf_counter() - step_start, decoding)
+            dist.broadcast(tokens, src=broadcast_src, group=group)
+        host_tokens = readback.start(tokens)
+        timeline.end()
+        kept_logits = logits if config.record_logits else None
+        return _LaunchedStep(out, plan, tokens, host_tokens, kept_logits, step_start)
+
+    def close(step: _LaunchedStep, last_close: float) -> float:
+        """Feeds the oldest pending step its sampled tokens; returns when it closed."""
+        tokens = step.host_tokens.wait()
+        eos = None if config.eos_token_id is None else tokens == config.eos_token_id
+        finished = helix.update(tokens, eos)
+        closed = time.perf_counter()
+        if step.logits is not None:
+            _record_logits(logits_rows, np.asarray(step.out.sample_ids, np.int64), step.logits)
+        # One step ahead, a step's host work overlaps the previous one's: its time is what
+        # it added after the previous step closed.
+        _account_step(result, step.out, step.plan, closed - max(step.started, last_close), decoding)
         for request_id in np.asarray(finished, dtype=np.int64).tolist():
             output = helix.take_output(request_id)
             result.request_metrics[request_id] = dict(output.metrics.to_dict())
             result.outputs[request_id] = output.token_ids.tolist()
+        return closed
+
+    ahead = 1 if config.overlap else 0  # steps left in flight while the next one is queued
+    in_flight: deque[_LaunchedStep] = deque()
+    started = last_close = time.perf_counter()
+    while helix.has_unfinished() or in_flight:
+        if helix.has_unfinished():
+            if len(result.digests) + len(in_flight) >= config.max_steps:
+                raise RuntimeError(f"no completion after {config.max_steps} steps")
+            in_flight.append(launch(in_flight[-1] if in_flight else None))
+        if len(in_flight) > ahead or not helix.has_unfinished():
+            last_close = close(in_flight.popleft(), last_close)
     result.total_s = time.perf_counter() - started
+    result.host_gap_us = timeline.gaps_us()
     result.metrics = dict(helix.metrics().to_dict())
     result.logits = {rid: np.stack(rows) for rid, rows in logits_rows.items()}
     return result
+
+
+@dataclass
+class _LaunchedStep:
+    """A step whose device work is queued and whose ``update`` has not happened yet."""
+
+    out: Any
+    plan: StepPlan
+    tokens: torch.Tensor  # sampled tokens on the device, sample_ids order
+    host_tokens: HostTokens  # their copy to the host
+    logits: torch.Tensor | None  # kept for record_logits
+    started: float  # perf_counter when its schedule() began
 
 
 def run_group(
