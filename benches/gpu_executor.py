@@ -1,6 +1,8 @@
-"""Decode throughput and per-step block-table build time of the reference Helix executor.
+"""Decode throughput, per-step block-table build time and host gap of the reference Helix
+executor, plain and (with ``--overlap``) one step ahead.
 
     python benches/gpu_executor.py                      # cp = 2 over NCCL, bf16, 2 GPUs
+    python benches/gpu_executor.py --overlap            # the same, plain and overlap
     python benches/gpu_executor.py --cp 1 --dtype float32
     python benches/gpu_executor.py --kv-tokens 20000     # a tight pool: preemptions
     python benches/gpu_executor.py --device cpu --cp 2 --requests 8 --prompt-len 64 \
@@ -8,7 +10,11 @@
 
 Prints decode tokens/s (steps that only decode), the median / p90 µs per step to build the
 step's device tables (plan from the scheduler's arrays, pinned staging, async copy, device
-expansion; measured with a device sync), and the preemptions the run needed.
+expansion; measured with a device sync), the host gap between GPU steps (CUDA events: from
+the end of step t's last kernel to the start of step t + 1's first; ``nan`` on the CPU) and the
+preemptions the run needed. ``--overlap`` runs the workload once more one step ahead (step
+t + 1 scheduled and queued while step t runs) and adds its ``overlap_*`` figures: decode
+tokens/s, host gap, speedup, and whether its tokens equal the plain run's.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ def main() -> None:
     )
     parser.add_argument("--device", default=defaults.device, choices=["cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="use the tiny test model")
+    parser.add_argument(
+        "--overlap", action="store_true", help="also run one step ahead and report both"
+    )
     args = parser.parse_args()
     spec = BenchSpec(
         cp=args.cp,
@@ -56,6 +65,7 @@ def main() -> None:
         dtype=args.dtype,
         device=args.device,
         model=TinyConfig() if args.small else defaults.model,
+        overlap=args.overlap,
     )
     print(format_figures(spec, measure(spec)))
 

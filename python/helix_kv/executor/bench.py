@@ -1,6 +1,9 @@
-"""Decode throughput and table-build time of the reference executor (CPU/gloo or GPU/NCCL).
+"""Decode throughput, table-build time and host gap of the reference executor (CPU/gloo or
+GPU/NCCL), plain and one step ahead (overlap).
 
-Used by ``benches/gpu_executor.py`` and by the CUDA tests, which print the figures.
+Used by ``benches/gpu_executor.py`` and by the CUDA tests, which print the figures. The host
+gap is the device time between the end of one step's last kernel and the start of the next
+step's first (CUDA events; not measured on the CPU, reported as ``nan``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class BenchSpec:
     device: str = "cuda"
     model: TinyConfig = BENCH_MODEL
     seed: int = 0
+    overlap: bool = False  # also run the workload one step ahead and report both
 
 
 def synthetic_prompts(count: int, length: int, vocab_size: int, seed: int) -> dict[int, list[int]]:
@@ -50,7 +54,9 @@ def synthetic_prompts(count: int, length: int, vocab_size: int, seed: int) -> di
     return {i: rng.integers(0, vocab_size, size=length).tolist() for i in range(count)}
 
 
-def executor_config(spec: BenchSpec, time_table_build: bool) -> ExecutorConfig:
+def executor_config(
+    spec: BenchSpec, time_table_build: bool, overlap: bool = False
+) -> ExecutorConfig:
     """The executor configuration of a workload."""
     superblock = spec.tokens_per_block * spec.cp
     if spec.kv_tokens is None:  # every request's whole sequence at once
@@ -68,24 +74,31 @@ def executor_config(spec: BenchSpec, time_table_build: bool) -> ExecutorConfig:
         dtype=spec.dtype,
         device=spec.device,
         time_table_build=time_table_build,
+        overlap=overlap,
     )
 
 
 def measure(spec: BenchSpec, timeout_s: float = 300.0) -> dict[str, float]:
-    """Run the workload twice on one group: once timing the table build (a device sync per
-    step), once untimed for throughput. Returns rank 0's figures."""
+    """Run the workload on one group: once timing the table build (a device sync per step),
+    once untimed for throughput and host gap, and with ``spec.overlap`` once more, untimed,
+    one step ahead. Returns rank 0's figures (``overlap_*`` for the overlap run)."""
     prompts = synthetic_prompts(spec.requests, spec.prompt_len, spec.model.vocab_size, spec.seed)
     jobs = [
         (prompts, spec.new_tokens, executor_config(spec, time_table_build=True)),
         (prompts, spec.new_tokens, executor_config(spec, time_table_build=False)),
     ]
+    if spec.overlap:
+        jobs.append((prompts, spec.new_tokens, executor_config(spec, False, overlap=True)))
     if spec.cp == 1:
-        timed, untimed = (run_rank(*job) for job in jobs)
+        results = [run_rank(*job) for job in jobs]
     else:
         backend = "nccl" if spec.device == "cuda" else "gloo"
         per_job = run_group(jobs, spec.cp, backend=backend, timeout_s=timeout_s)
-        timed, untimed = per_job[0][0], per_job[1][0]
-    return figures(timed, untimed)
+        results = [ranks[0] for ranks in per_job]
+    numbers = figures(results[0], results[1])
+    if spec.overlap:
+        numbers.update(overlap_figures(results[1], results[2]))
+    return numbers
 
 
 def figures(timed: RunResult, untimed: RunResult) -> dict[str, float]:
@@ -99,9 +112,34 @@ def figures(timed: RunResult, untimed: RunResult) -> dict[str, float]:
         "table_build_us_median": float(np.median(build)),
         "table_build_us_p90": float(np.percentile(build, 90)),
         "schedule_us_median": float(np.median(untimed.schedule_us)),
+        **host_gap_figures(untimed),
         "steps": float(len(untimed.digests)),
         "preemptions": float(untimed.preemptions),
         "capacity_superblocks": float(untimed.capacity_superblocks),
+    }
+
+
+def host_gap_figures(run: RunResult, prefix: str = "") -> dict[str, float]:
+    """Median and p90 µs the device idled between steps (``nan`` without CUDA events)."""
+    gaps = np.asarray(run.host_gap_us[1:] or run.host_gap_us)  # drop the warm-up
+    median = float(np.median(gaps)) if gaps.size else float("nan")
+    p90 = float(np.percentile(gaps, 90)) if gaps.size else float("nan")
+    return {f"{prefix}host_gap_us_median": median, f"{prefix}host_gap_us_p90": p90}
+
+
+def overlap_figures(plain: RunResult, overlap: RunResult) -> dict[str, float]:
+    """The overlap run's figures next to the plain run's; ``overlap_outputs_equal`` is 1.0
+    when both generated the same tokens (greedy; on a GPU a different batch composition may
+    move a near-tie, see :mod:`helix_kv.executor.agreement`)."""
+    return {
+        "overlap_decode_tokens_per_s": overlap.decode_tokens_per_s,
+        "overlap_decode_step_ms": 1e3 * overlap.decode_s / max(overlap.decode_steps, 1),
+        "overlap_tokens_per_s_overall": overlap.tokens_run / overlap.total_s,
+        **host_gap_figures(overlap, "overlap_"),
+        "overlap_speedup": overlap.decode_tokens_per_s / max(plain.decode_tokens_per_s, 1e-9),
+        "overlap_steps": float(len(overlap.digests)),
+        "overlap_preemptions": float(overlap.preemptions),
+        "overlap_outputs_equal": float(overlap.outputs == plain.outputs),
     }
 
 
@@ -115,6 +153,7 @@ def format_figures(spec: BenchSpec, numbers: dict[str, float]) -> str:
     head = (
         f"helix_kv executor: cp={spec.cp} {spec.dtype} on {device}, {spec.requests} requests "
         f"x {spec.prompt_len} prompt + {spec.new_tokens} new, tpb={spec.tokens_per_block}"
+        + (", plain and overlap" if spec.overlap else "")
     )
     lines = [head] + [f"  {name}: {value:,.1f}" for name, value in numbers.items()]
     return "\n".join(lines)

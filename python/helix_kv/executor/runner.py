@@ -233,7 +233,12 @@ def run_rank(
         finished = helix.update(tokens, eos)
         closed = time.perf_counter()
         if step.logits is not None:
-            _record_logits(logits_rows, np.asarray(step.out.sample_ids, np.int64), step.logits)
+            # A request that finished (EOS) while this step was pending ran in it anyway;
+            # the scheduler dropped that token, so its row is not kept either.
+            ran = np.asarray(step.out.sample_ids, np.int64).tolist()
+            _record_logits(
+                logits_rows, [rid for rid in ran if rid not in result.outputs], ran, step.logits
+            )
         # One step ahead, a step's host work overlaps the previous one's: its time is what
         # it added after the previous step closed.
         _account_step(result, step.out, step.plan, closed - max(step.started, last_close), decoding)
@@ -327,11 +332,17 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _record_logits(
-    rows: dict[int, list[np.ndarray]], sample_ids: np.ndarray, logits: torch.Tensor
+    rows: dict[int, list[np.ndarray]],
+    kept: Sequence[int],
+    sample_ids: Sequence[int],
+    logits: torch.Tensor,
 ) -> None:
+    """Appends the logits rows of the requests in ``kept`` (rows in ``sample_ids`` order)."""
     host = logits.float().cpu().numpy() if logits.dtype == torch.bfloat16 else logits.cpu().numpy()
-    for request_id, row in zip(sample_ids.tolist(), host):
-        rows.setdefault(request_id, []).append(row)
+    keep = set(kept)
+    for request_id, row in zip(sample_ids, host):
+        if request_id in keep:
+            rows.setdefault(request_id, []).append(row)
 
 
 def _account_step(
