@@ -339,6 +339,7 @@ NO_ARGUMENTS = {
         "has_unfinished",
         "queue_ids",
         "state_digest",
+        "pending_steps",
     },
     "SchedulerConfig": {"to_dict", "decision_fields"},
     "Layout": set(),

@@ -240,12 +240,15 @@ def test_each_core_error_raises_its_own_class_and_changes_nothing() -> None:
         refused(s, error, needle, call)
     s.schedule()
     pending = [
-        (helix_kv.InvalidStateError, "neither updated nor reverted", lambda: s.schedule()),
         (helix_kv.InvalidArgumentError, "got 2 tokens for the 1 entries", lambda: s.update([1, 2])),
         (helix_kv.InvalidArgumentError, "got 0 eos flags", lambda: s.update([1], [])),
     ]
     for error, needle, call in pending:
         refused(s, error, needle, call)
+    s.schedule()  # one step ahead is allowed, a third pending step is not
+    refused(s, helix_kv.InvalidStateError, "at most one ahead", lambda: s.schedule())
+    # update checks the oldest pending step's samples
+    refused(s, helix_kv.InvalidArgumentError, "for the 1 entries", lambda: s.update([1, 2]))
 
 
 def test_arguments_the_core_never_sees_are_refused_by_the_binding() -> None:

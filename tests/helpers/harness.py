@@ -10,6 +10,11 @@ new prompt end), that victims are strictly behind the request that needed their 
 each such request is served in the step that preempted for it (no futile preemption), and
 that a victim goes past ``max_preemptions_per_request`` only for the queue head.
 
+With ``overlap=True`` the executor runs one step ahead, as an overlapping engine does: step t+1
+is scheduled and run before step t is updated, its decode inputs still in flight resolved from
+step t's sampled tokens through ``generation_input_refs``; the outputs must be those of the
+plain run.
+
 Requests may be aborted (:attr:`Spec.abort_step`): between steps or while a step is pending,
 optionally only once seen in a given state. Aborted outputs must be the start of the output
 the request would have had, and nothing may be left behind (pages, host tier, slots).
@@ -83,14 +88,21 @@ class HarnessResult:
     max_request_preemptions: int = 0
     # preemptions that took a request past the bound (each for the queue head)
     preemptions_past_bound: int = 0
+    #: Decode inputs given as a row of the step in flight (overlap mode).
+    inputs_in_flight: int = 0
     metrics: helix_kv.SchedulerMetrics | None = None
 
 
 class Executor:
     """A simulated executor over a :class:`helix_kv.SimulatedCPGroup`."""
 
-    def __init__(self, config: helix_kv.SchedulerConfig, model: Model = Model()) -> None:
+    def __init__(
+        self, config: helix_kv.SchedulerConfig, model: Model = Model(), overlap: bool = False
+    ) -> None:
         self.group = helix_kv.SimulatedCPGroup(config)
+        self.overlap = overlap
+        #: Overlap mode: the step that ran and awaits its update, with its sampled tokens.
+        self.in_flight: tuple[helix_kv.ScheduleOutput, np.ndarray, np.ndarray] | None = None
         self.config = config
         self.model = model
         self.cp = int(config.cp_size)
@@ -110,6 +122,17 @@ class Executor:
         self.result = HarnessResult()
 
     # -- calls --------------------------------------------------------------------------
+
+    def view(self, request_id: int) -> list[int]:
+        """What the device knows of a request's tokens: the known ones plus its token of the
+        step in flight, if any."""
+        tokens = list(self.known[request_id])
+        if self.in_flight is not None:
+            out, sampled, _ = self.in_flight
+            rows = np.flatnonzero(out.sample_ids == request_id)
+            if rows.size:
+                tokens.append(int(sampled[rows[0]]))
+        return tokens
 
     def add(self, spec: Spec) -> None:
         self.group.add_request(spec.request_id, spec.prompt(), spec.max_new_tokens, spec.priority)
@@ -196,12 +219,21 @@ class Executor:
             self.prefilled[victim] = 0
         if revert:
             aborted = self.group.revert().tolist()
-            queue_order = sorted(self.aborting, key=self.arrival.__getitem__)
+            # with an older step still pending, requested aborts wait for its close
+            still_pending = self.group.pending_steps() > 0
+            queue_order = (
+                [] if still_pending else sorted(self.aborting, key=self.arrival.__getitem__)
+            )
             assert aborted == queue_order, "revert aborts the requested ones, in queue order"
             for request_id in aborted:
                 self._collect(request_id)
             self._check_host_tier()
-            if not aborted and out.preempted_ids.size == 0 and out.suspended_ids.size == 0:
+            if (
+                not self.aborting
+                and not aborted
+                and out.preempted_ids.size == 0
+                and out.suspended_ids.size == 0
+            ):
                 after = [
                     (s.state_digest(), s.metrics().kv_used_superblocks)
                     for s in self.group.schedulers
@@ -209,21 +241,32 @@ class Executor:
                 assert after == before, "revert must restore the scheduler and ledger"
             self.result.reverted += 1
             return
-        self._check_replay(out)
+        inputs = self._check_replay(out)
         self._copy_in_resumed(out)
         self.result.resumed += out.resumed_ids.size
-        self._write_kv(out)
+        self._write_kv(out, inputs)
         tokens, eos = self._sample(out)
-        finished = self.group.update(tokens, eos if self.model.eos is not None else None)
-        assert finished.dtype == np.uint64  # the ids dtype of every contract implementation
-        for request_id, token in zip(out.sample_ids.tolist(), tokens.tolist()):
-            if request_id not in self.aborting:  # an aborted request's token is dropped
-                self.known[request_id].append(token)
         ends = (out.context_starts + out.context_lens).tolist()
         for request_id, end, completes in zip(
             out.context_ids.tolist(), ends, out.context_completes.tolist()
         ):
             self.prefilled[request_id] = 0 if completes else end
+        if not self.overlap:
+            self._commit(out, tokens, eos)
+            return
+        # One step ahead: this step ran before the one in flight is updated.
+        older, self.in_flight = self.in_flight, (out, tokens, eos)
+        if older is not None:
+            self._commit(*older)
+
+    def _commit(self, out: helix_kv.ScheduleOutput, tokens: np.ndarray, eos: np.ndarray) -> None:
+        """Updates the group with a step's sampled tokens (the oldest pending step)."""
+        finished = self.group.update(tokens, eos if self.model.eos is not None else None)
+        assert finished.dtype == np.uint64  # the ids dtype of every contract implementation
+        for request_id, token in zip(out.sample_ids.tolist(), tokens.tolist()):
+            # an aborted request's token is dropped; one finished meanwhile is gone
+            if request_id not in self.aborting and request_id in self.known:
+                self.known[request_id].append(token)
         for request_id in finished.tolist():
             self._collect(request_id)
         assert not self.aborting, "every requested abort took effect at update"
@@ -247,6 +290,10 @@ class Executor:
                 next_spec += 1
             self.abort(self._due_aborts(step, pending=False))
             if next_spec == len(pending) and not self.group.has_unfinished():
+                if self.in_flight is not None:
+                    self._commit(*self.in_flight)
+                    self.in_flight = None
+                    continue
                 break
             assert step < max_steps, f"no completion in {max_steps} steps"
             scheduled += 1
@@ -260,6 +307,7 @@ class Executor:
             assert metrics.kv_used_superblocks == 0, "superblocks leaked"
             assert scheduler.host_used_superblocks == 0, "host tier leaked"
             assert scheduler.num_live == 0
+            assert scheduler.pending_steps() == 0
             assert metrics.aborts == len(self.result.aborted)
             assert metrics.finished == len(self.result.outputs)
         self.result.metrics = self.group.metrics()
@@ -285,7 +333,9 @@ class Executor:
                 self.result.preemptions_past_bound += 1
         self.result.victims.extend(pairs)
 
-    def _check_replay(self, out: helix_kv.ScheduleOutput) -> None:
+    def _check_replay(self, out: helix_kv.ScheduleOutput) -> np.ndarray:
+        """Checks chunks and decode inputs against the tokens; returns the decode inputs, those
+        still in flight gathered from the step in flight's sampled tokens."""
         offset = 0
         for request_id, start, length, completes in zip(
             out.context_ids.tolist(),
@@ -295,18 +345,28 @@ class Executor:
         ):
             chunk = out.context_token_ids[offset : offset + length].tolist()
             offset += length
-            known = self.known[request_id]
+            known = self.view(request_id)
             assert start == self.prefilled[request_id], "a chunk continues its prefill"
             assert chunk == known[start : start + length], "re-prefill tokens are the context"
             assert completes == (start + length == len(known))
+        refs = out.generation_input_refs
+        inputs = out.generation_input_tokens.copy()
+        in_flight = refs >= 0
+        if in_flight.any():
+            assert self.in_flight is not None, "inputs in flight need a step in flight"
+            older, sampled, _ = self.in_flight
+            assert np.all(inputs[in_flight] == -1), "an input in flight is given as a row only"
+            assert np.array_equal(older.sample_ids[refs[in_flight]], out.generation_ids[in_flight])
+            inputs[in_flight] = sampled[refs[in_flight]]
+            self.result.inputs_in_flight += int(in_flight.sum())
+        assert np.all(refs[~in_flight] == -1)
         for request_id, position, token in zip(
-            out.generation_ids.tolist(),
-            out.generation_positions.tolist(),
-            out.generation_input_tokens.tolist(),
+            out.generation_ids.tolist(), out.generation_positions.tolist(), inputs.tolist()
         ):
-            known = self.known[request_id]
+            known = self.view(request_id)
             assert position == len(known) - 1, "decode continues from the prompt end"
             assert token == known[-1]
+        return inputs
 
     def _pages(self, table: np.ndarray) -> np.ndarray:
         return (table[:, None] * self.tpb + np.arange(self.tpb)).ravel()
@@ -335,11 +395,11 @@ class Executor:
                 position,
             )
 
-    def _write_kv(self, out: helix_kv.ScheduleOutput) -> None:
+    def _write_kv(self, out: helix_kv.ScheduleOutput, inputs: np.ndarray) -> None:
         ids = np.concatenate([out.context_ids, out.generation_ids])
         starts = np.concatenate([out.context_starts, out.generation_positions])
         counts = np.concatenate([out.context_lens, np.ones(out.generation_ids.size, np.int64)])
-        values = np.concatenate([out.context_token_ids, out.generation_input_tokens])
+        values = np.concatenate([out.context_token_ids, inputs])
         total = int(counts.sum())
         first = np.repeat(np.cumsum(counts) - counts, counts)
         positions = np.repeat(starts, counts) + np.arange(total) - first
@@ -378,7 +438,7 @@ class Executor:
         tokens, eos = [], []
         for request_id in out.sample_ids.tolist():
             context = self._read_context(request_id, last[request_id])
-            assert context.tolist() == self.known[request_id][: last[request_id] + 1]
+            assert context.tolist() == self.view(request_id)[: last[request_id] + 1]
             token = self.model.next_token(request_id, context)
             tokens.append(token)
             eos.append(token == self.model.eos)

@@ -328,6 +328,13 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the workload under every victim policy and show them side by side",
     )
     group.add_argument(
+        "--overlap",
+        action="store_true",
+        help="schedule one step ahead, as an overlapping executor does (step t+1 is planned "
+        "while step t is pending); the workload also runs without overlap and 'outputs "
+        "exact' needs every output to equal that run's",
+    )
+    group.add_argument(
         "--json", action="store_true", help="print one JSON object instead of the table"
     )
     group.add_argument(
@@ -438,6 +445,11 @@ def check_combinations(args: argparse.Namespace) -> None:
             f"--verify-ranks {args.verify_ranks} runs some ranks in one process; --procs runs "
             "every rank as its own process and checks them all"
         )
+    if args.overlap and args.procs:
+        raise UsageError(
+            "--overlap runs the ranks in one process (and the workload twice, to compare); "
+            "drop --procs"
+        )
     if args.compare_policies and args.policy is not None:
         raise UsageError("--compare-policies runs every victim policy; drop --policy")
     if args.plot is not None:
@@ -485,6 +497,7 @@ def simulation_options(args: argparse.Namespace) -> SimulationOptions:
         procs=args.procs,
         step_time=step_time_model(args),
         verify_ranks=args.verify_ranks,
+        overlap=args.overlap,
     )
 
 

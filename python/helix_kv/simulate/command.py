@@ -1,7 +1,8 @@
 """``helix-kv simulate`` from parsed arguments to printed figures and an exit status.
 
 Exit status (also in docs/user-guide.md): 0 when the run finished with the ranks in agreement
-and every output exact; 1 when a run failed (a scheduler error such as ``DeadlockError`` or
+and every output exact (with ``--overlap``: also equal to the outputs of the same workload run
+without it); 1 when a run failed (a scheduler error such as ``DeadlockError`` or
 ``PreemptionDisabledError``, a rank mismatch, a wrong output); 2 when the arguments, the trace
 or the environment do not allow the run to start; 130 when Ctrl-C stopped the run (the report
 of the steps so far is printed first). Errors are one line on stderr; with ``--json`` stdout
@@ -11,6 +12,7 @@ carries one JSON object whatever happens: the report, or ``{"error": {...}}``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -37,7 +39,7 @@ from helix_kv.simulate.plot import check_plot_target, plot_run
 from helix_kv.simulate.procs import check_procs_available, run_in_processes, run_with_options
 from helix_kv.simulate.progress import progress_wanted
 from helix_kv.simulate.report import format_comparison, format_table, summarize, to_json
-from helix_kv.simulate.step_loop import SimulationResult
+from helix_kv.simulate.step_loop import SimulationResult, outputs_match
 from helix_kv.simulate.workload import RequestSpec, read_trace, synthetic_workload
 from helix_kv.types import VictimPolicy
 
@@ -188,6 +190,23 @@ def run_simulate(
                 return fail(EXIT_RUN_FAILED, f"{prefix}{name}: {err}", name, f"{prefix}{err}")
             except RankFailedError as err:
                 return fail(EXIT_RUN_FAILED, str(err), type(err).__name__)
+            if run_options.overlap and not result.interrupted:
+                # the same workload without overlap: its outputs are the reference
+                try:
+                    plain = run_once(
+                        dataclasses.replace(run_options, overlap=False),
+                        workload,
+                        workload_info,
+                        False,
+                        should_stop=interrupted,
+                    )
+                except HelixKVError as err:
+                    prefix = f"[{policy}] " if policy else ""
+                    name = type(err).__name__
+                    message = f"{prefix}the run without --overlap failed: {name}: {err}"
+                    return fail(EXIT_RUN_FAILED, message, name, f"{prefix}{err}")
+                if not plain.interrupted:
+                    result.outputs_match_plain = outputs_match(result, plain)
             results[policy or str(result.config["scheduler"].get("victim_policy"))] = result
 
     summaries = {name: summarize(result) for name, result in results.items()}

@@ -93,6 +93,8 @@ class SimulationOptions:
     procs: bool = False
     step_time: StepTimeModel | None = None
     """The step-time model turning steps into modelled milliseconds (``None``: off)."""
+    overlap: bool = False
+    """Schedule one step ahead (step t+1 planned while step t is pending)."""
     verify_ranks: VerifyRanks | None = None
     """Which ranks run a real scheduler (:func:`verified_ranks`); ``None``: ``all`` up to
     :data:`VERIFY_ALL_UP_TO_CP` ranks (and always with ``procs``), ``sample`` above."""
@@ -135,6 +137,8 @@ class SimulationOptions:
         }
         if self.step_time is not None:  # only then: the report without a model is unchanged
             resolved["step_time_model"] = self.step_time.to_dict()
+        if self.overlap:  # likewise
+            resolved["overlap"] = True
         return resolved
 
 

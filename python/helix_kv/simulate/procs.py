@@ -139,6 +139,7 @@ def run_with_options(
             events=events,
             step_time=options.step_time,
             cp=options.cp,
+            overlap=options.overlap,
         )
     finally:
         if progress is not None:

@@ -129,6 +129,8 @@ def summarize(result: SimulationResult) -> Summary:
         "outputs_exact": result.outputs_exact,
         "config": result.config,
     }
+    if result.overlap:  # only then: the report without --overlap is unchanged
+        summary["outputs_match_plain"] = result.outputs_match_plain
     if result.mismatch is not None:
         summary["mismatch"] = result.mismatch
     if result.interrupted:
@@ -211,8 +213,16 @@ ROWS: list[tuple[str, Callable[[Summary], str]]] = [
         lambda s: _pair(s["completion_steps_p50"], s["completion_steps_p99"], " steps"),
     ),
     ("rank agreement", _agreement),
-    ("outputs exact", lambda s: "yes" if s["outputs_exact"] else "NO"),
+    ("outputs exact", lambda s: _exact(s)),
 ]
+
+
+def _exact(summary: Summary) -> str:
+    if summary["outputs_exact"]:
+        return "yes"
+    if summary.get("outputs_match_plain") is False:
+        return "NO (the outputs differ from the run without --overlap)"
+    return "NO"
 
 
 def _ms(value: float | None) -> str:
@@ -284,6 +294,8 @@ def describe_config(config: Mapping[str, Any], *, include_policy: bool = True) -
     ]
     if include_policy:
         parts.append(f"policy={scheduler.get('victim_policy', '?')}")
+    if config.get("overlap"):
+        parts.append("overlap")
     source = config.get("workload", {})
     if source.get("source") == "trace":
         parts.append(f"trace={source.get('path')}")

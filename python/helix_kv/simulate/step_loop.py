@@ -17,6 +17,13 @@ step:
 Aborts are applied between steps only, never while a step is pending, so no sampled token
 is dropped and every rank sees the same calls in the same order.
 
+With ``overlap=True`` the loop runs one step ahead, as an overlapping executor does: step t+1
+is scheduled while step t is pending (its tokens "in flight"), the inputs it gives as rows of
+step t's sampled tokens (``generation_input_refs``) are resolved from them, and only then is
+step t updated. The aborts due at a clock step are then applied right after that update, while
+step t+1 is pending: a request aborted then keeps the tokens of the steps before t+1, as in the
+plain loop, and finishes when step t+1 closes. The outputs must be those of the plain loop.
+
 Two optional additions, both off by default and costing nothing then: ``events=`` receives a
 :class:`~helix_kv.simulate.events.StepEvent` after every step and a
 :class:`~helix_kv.simulate.events.RequestEvent` per request outcome (see :mod:`.events`), and
@@ -27,6 +34,7 @@ duration, so outcomes also carry modelled milliseconds.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -78,6 +86,8 @@ class RequestOutcome:
     steps_waited: int
     output_exact: bool
     finish_reason: FinishReason = "length"
+    #: CRC-32 of the generated tokens (int32 bytes), to compare runs without keeping them.
+    output_crc: int = 0
     # modelled times (a step-time model is on), in ms: see RequestEvent for their meaning
     arrival_ms: float | None = None
     first_token_ms: float | None = None
@@ -118,6 +128,11 @@ class SimulationResult:
     """The run was stopped early on request (``should_stop``); the figures cover its steps."""
     modelled_time_ms: float | None = None
     """The modelled time at the end of the run (a step-time model is on), in ms."""
+    overlap: bool = False
+    """The run scheduled one step ahead (``overlap=True``)."""
+    outputs_match_plain: bool | None = None
+    """For an overlap run, whether every request's output equals that of the plain run of the
+    same workload (set by the caller that ran both, see :func:`outputs_match`)."""
 
     @property
     def requests_finished(self) -> int:
@@ -131,8 +146,35 @@ class SimulationResult:
     @property
     def outputs_exact(self) -> bool:
         """Every finished request produced exactly the tokens it would have without pressure
-        (an aborted one: exactly their start)."""
+        (an aborted one: exactly their start), and an overlap run's outputs equal the plain
+        run's (when that comparison was made)."""
+        if self.outputs_match_plain is False:
+            return False
         return all(outcome.output_exact for outcome in self.outcomes)
+
+
+def outputs_match(overlap: SimulationResult, plain: SimulationResult) -> bool:
+    """Whether two runs of one workload gave every request the same output: the same
+    requests, and each request that finished (not aborted) in both with the same finish
+    reason and tokens. An abort lands at a clock step, and how far a request got by then
+    depends on the schedule, which one step ahead differs under pressure: a request aborted
+    in either run is compared through ``output_exact`` (each output the start of its full
+    output), not token for token."""
+
+    def outputs(result: SimulationResult) -> dict[int, tuple[str, int, int]]:
+        return {
+            o.request_id: (o.finish_reason, o.generated_tokens, o.output_crc)
+            for o in result.outcomes
+        }
+
+    first, second = outputs(overlap), outputs(plain)
+    if first.keys() != second.keys():
+        return False
+    return all(
+        first[request_id] == second[request_id]
+        for request_id in first
+        if "aborted" not in (first[request_id][0], second[request_id][0])
+    )
 
 
 def _sample_indices(ids: np.ndarray, generated: dict[int, int]) -> np.ndarray:
@@ -149,8 +191,12 @@ class _StepLoop:
         events: EventSink | None = None,
         step_time: StepTimeModel | None = None,
         cp: int = 1,
+        overlap: bool = False,
     ) -> None:
         self.group = group
+        self.overlap = overlap
+        #: Overlap: the step scheduled and "run" but not updated yet, with its tokens.
+        self.in_flight: tuple[ScheduleOutput, np.ndarray] | None = None
         self.workload = workload
         self.by_id = {request.request_id: request for request in workload}
         self.generated: dict[int, int] = {}
@@ -193,7 +239,8 @@ class _StepLoop:
                 if request.abort_step is not None:
                     self.abort_steps[request.request_id] = request.abort_step
                 self.next_arrival += 1
-            self.apply_aborts()
+            if not self.overlap:
+                self.apply_aborts()
             if self.group.has_unfinished():
                 return True
             if self.next_arrival >= len(self.workload):
@@ -210,6 +257,11 @@ class _StepLoop:
             return
         self.group.abort_many(np.asarray(due, dtype=np.int64))
         self.aborted_since_step += len(due)
+        if self.overlap and self.group.pending_steps() > 0:
+            # one step ahead: they finish when the pending step closes (update's ids)
+            for request_id in due:
+                del self.abort_steps[request_id]
+            return
         for request_id in due:
             self.collect(request_id)
 
@@ -234,7 +286,7 @@ class _StepLoop:
 
         sample_ids = np.asarray(output.sample_ids, dtype=np.int64)
         tokens = sampled_tokens(sample_ids, _sample_indices(sample_ids, self.generated))
-        finished = self.group.update(tokens)
+        finished = self.run_ahead(output, tokens) if self.overlap else self.group.update(tokens)
         for request_id in sample_ids.tolist():
             if self.generated[request_id] == 0:
                 self.first_token_step[request_id] = self.clock
@@ -247,6 +299,35 @@ class _StepLoop:
         for request_id in np.asarray(finished).tolist():
             self.collect(request_id)
         self.clock += 1
+
+    def run_ahead(self, output: ScheduleOutput, tokens: np.ndarray) -> np.ndarray:
+        """Overlap: ``output`` was scheduled while the step in flight was pending. Resolves
+        its inputs in flight (rows of that step's tokens), then updates that step; this one
+        is in flight now. Returns the ids that finished."""
+        refs = np.asarray(output.generation_input_refs)
+        in_flight = refs >= 0
+        older, self.in_flight = self.in_flight, (output, tokens)
+        if older is None:
+            if in_flight.any():
+                raise SimulationSetupError("an input in flight without a step in flight")
+            return np.zeros(0, dtype=np.uint64)
+        older_output, older_tokens = older
+        rows = refs[in_flight]
+        ids = np.asarray(output.generation_ids)[in_flight]
+        if not np.array_equal(np.asarray(older_output.sample_ids)[rows], ids):
+            raise SimulationSetupError("an input in flight names another request's row")
+        finished = self.group.update(older_tokens)
+        self.apply_aborts()
+        return np.asarray(finished)
+
+    def flush(self) -> None:
+        """Overlap: updates the step still in flight at the end of the run."""
+        if self.in_flight is None:
+            return
+        _, tokens = self.in_flight
+        self.in_flight = None
+        for request_id in np.asarray(self.group.update(tokens)).tolist():
+            self.collect(request_id)
 
     def collect(self, request_id: int) -> None:
         """Read a finished or aborted request's output and metrics, and check the output."""
@@ -272,6 +353,7 @@ class _StepLoop:
                 steps_waited=int(request_metrics.steps_waited),
                 output_exact=bool(exact),
                 finish_reason=output.finish_reason,
+                output_crc=zlib.crc32(tokens.astype(np.int32).tobytes()),
             )
         )
         del self.generated[request_id]
@@ -357,6 +439,7 @@ def run_simulation(
     events: EventSink | None = None,
     step_time: StepTimeModel | None = None,
     cp: int | None = None,
+    overlap: bool = False,
 ) -> SimulationResult:
     """Run ``workload`` to completion on ``group`` and return what happened.
 
@@ -369,7 +452,8 @@ def run_simulation(
     for every request outcome. ``step_time``: a
     :class:`~helix_kv.simulate.timing.StepTimeModel`; its per-KV-token term divides by ``cp``,
     the group's CP size (default: ``config["cp"]``; one of them is needed with a model, else
-    :class:`SimulationSetupError`).
+    :class:`SimulationSetupError`). ``overlap``: schedule one step ahead (see the module
+    docs); compare the outputs with a plain run's through :func:`outputs_match`.
     """
     if cp is None and config is not None and "cp" in config:
         cp = int(config["cp"])
@@ -377,7 +461,7 @@ def run_simulation(
         raise SimulationSetupError(
             "run_simulation: a step-time model needs the group's CP size: pass cp=N (N >= 1)"
         )
-    loop = _StepLoop(group, workload, events, step_time, cp or 1)
+    loop = _StepLoop(group, workload, events, step_time, cp or 1, overlap)
     mismatch: str | None = None
     interrupted = False
     steps_limit = math.inf if max_steps is None else max_steps
@@ -389,6 +473,8 @@ def run_simulation(
             loop.run_step()
             if progress is not None:
                 progress(loop.clock, len(loop.outcomes), len(workload), len(loop.series))
+        if not interrupted:
+            loop.flush()
     except ScheduleMismatchError as err:
         mismatch = str(err)
 
@@ -404,4 +490,5 @@ def run_simulation(
         config=dict(config or {}),
         interrupted=interrupted,
         modelled_time_ms=loop.now_ms if step_time is not None else None,
+        overlap=overlap,
     )

@@ -134,6 +134,7 @@ fn reverted_steps_restore_state_and_change_no_output() {
             revert_per_mille: 250,
             seed: u64::from(cp),
             max_steps: 0,
+            ..RunOptions::default()
         };
         let result = run(&config, &specs, Model::default(), options);
         assert!(
@@ -241,6 +242,7 @@ fn aborts_in_every_state_leave_the_survivors_unchanged() {
                 revert_per_mille,
                 seed: u64::from(cp),
                 max_steps: 0,
+                ..RunOptions::default()
             };
             let result = run_with_aborts(&config, &specs, options);
             assert!(result.preemptions > 0, "cp={cp}: the workload must preempt");
@@ -283,6 +285,7 @@ fn aborts_of_suspended_requests_release_the_host_tier() {
             revert_per_mille,
             seed: 5,
             max_steps: 0,
+            ..RunOptions::default()
         };
         let result = run_with_aborts(&config, &specs, options);
         assert!(result.suspensions > 0);

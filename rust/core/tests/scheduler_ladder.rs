@@ -94,6 +94,7 @@ fn run_to_the_end(case: &Case) -> Result<(), TestCaseError> {
         revert_per_mille: case.revert_per_mille,
         seed: case.specs.len() as u64,
         max_steps: 20_000,
+        ..RunOptions::default()
     };
     match group.run(&case.specs, options) {
         Ok(result) => assert_matches_reference(&case.specs, Model::default(), &result),

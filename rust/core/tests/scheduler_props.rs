@@ -143,7 +143,7 @@ proptest! {
         let specs = accepted(config, &case.specs);
         prop_assume!(!specs.is_empty());
         let mut group = Group::new(config, case.model);
-        let options = RunOptions { revert_per_mille: case.revert_per_mille, seed: specs.len() as u64, max_steps: 5_000 };
+        let options = RunOptions { revert_per_mille: case.revert_per_mille, seed: specs.len() as u64, max_steps: 5_000, ..RunOptions::default() };
         match group.run(&specs, options) {
             Ok(result) => {
                 assert_matches_reference(&specs, case.model, &result);
@@ -235,7 +235,7 @@ proptest! {
         let specs = accepted(config, &case.specs);
         prop_assume!(!specs.is_empty());
         let mut group = Group::new(config, case.model);
-        let options = RunOptions { revert_per_mille: case.revert_per_mille, seed: specs.len() as u64, max_steps: 5_000 };
+        let options = RunOptions { revert_per_mille: case.revert_per_mille, seed: specs.len() as u64, max_steps: 5_000, ..RunOptions::default() };
         let result = match group.run(&specs, options) {
             Ok(result) => result,
             Err(err) => return check_early_stop(config, &group, &err),

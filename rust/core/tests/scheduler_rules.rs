@@ -227,6 +227,7 @@ fn guaranteed_no_evict_reserves_at_admission_and_never_preempts() {
             revert_per_mille: 150,
             seed: 9,
             max_steps: 0,
+            ..RunOptions::default()
         };
         let result = group.run(&specs, options).unwrap();
         assert_matches_reference(&specs, Model::default(), &result);
@@ -272,6 +273,7 @@ fn non_helix_suspends_to_the_host_tier_first_then_recomputes() {
             revert_per_mille,
             seed: 3,
             max_steps: 0,
+            ..RunOptions::default()
         };
         let result = group.run(&specs, options).unwrap();
         assert_matches_reference(&specs, Model::default(), &result);
@@ -430,6 +432,7 @@ fn resumed_requests_keep_their_queue_place_in_random_non_helix_workloads() {
                 revert_per_mille,
                 seed,
                 max_steps: 0,
+                ..RunOptions::default()
             };
             let result = group.run(&specs, options).unwrap();
             assert_matches_reference(&specs, Model::default(), &result);

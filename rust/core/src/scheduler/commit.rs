@@ -72,23 +72,13 @@ impl Scheduler {
         let mut kept = 0;
         for read in 0..=self.queue.len() {
             if has_zombies {
-                // Entries of requests that finished while this step was pending: their
-                // work ran and is discarded (they left the queue).
-                while generation
-                    .get(next_generation)
-                    .is_some_and(|&g| self.requests[g as usize].zombie)
-                {
-                    next_generation += 1;
-                }
-                while let Some(entry) = self
-                    .context
-                    .get(next_context)
-                    .filter(|e| self.requests[e.req as usize].zombie)
-                {
-                    computed_tokens += entry.len;
-                    next_context_sample += usize::from(entry.completes);
-                    next_context += 1;
-                }
+                self.skip_held_entries(
+                    &generation,
+                    &mut next_generation,
+                    &mut next_context,
+                    &mut next_context_sample,
+                    &mut computed_tokens,
+                );
             }
             let Some(&req) = self.queue.get(read) else {
                 break;
@@ -103,11 +93,11 @@ impl Scheduler {
                     if request.state == RequestState::Decoding {
                         request.push_token(token);
                         request.computed += 1;
+                        finished = finish_reason(request.is_complete(), ends(next_generation));
                     } else {
-                        self.record_after_preemption(req, 1, Some(token), true);
+                        let complete = self.record_after_preemption(req, 1, Some(token), true);
+                        finished = finish_reason(complete, ends(next_generation));
                     }
-                    let request = &self.requests[req as usize];
-                    finished = finish_reason(request.is_complete(), ends(next_generation));
                 }
                 next_generation += 1;
             } else if aborted {
@@ -127,10 +117,9 @@ impl Scheduler {
                 let token = completes.then(|| tokens[next_context_sample]);
                 if request.victim_step != NO_STEP && request.victim_step > step {
                     // Preempted by the step planned ahead while this chunk ran.
-                    self.record_after_preemption(req, len, token, false);
-                    let request = &self.requests[req as usize];
+                    let complete = self.record_after_preemption(req, len, token, false);
                     if completes {
-                        finished = finish_reason(request.is_complete(), ends(next_context_sample));
+                        finished = finish_reason(complete, ends(next_context_sample));
                     }
                 } else {
                     request.computed += len;
@@ -150,12 +139,7 @@ impl Scheduler {
             } else if request.first_step <= step {
                 request.steps_waited += 1;
             }
-            let reason = if aborted {
-                Some(FinishReason::Aborted)
-            } else {
-                finished
-            };
-            if let Some(reason) = reason {
+            if let Some(reason) = aborted.then_some(FinishReason::Aborted).or(finished) {
                 let hold = newer.filter(|&newer| self.refers_to(newer, req));
                 self.retire(req, reason, hold);
                 self.finished_ids.push(self.requests[req as usize].id);
@@ -176,6 +160,38 @@ impl Scheduler {
         if has_zombies {
             self.release_zombies(step);
         }
+        self.count_step(computed_tokens);
+    }
+
+    /// Entries of requests that finished while this step was pending (held for it, out
+    /// of the queue): their work ran and is discarded. Moves the cursors past them.
+    fn skip_held_entries(
+        &self,
+        generation: &[RequestIndex],
+        next_generation: &mut usize,
+        next_context: &mut usize,
+        next_context_sample: &mut usize,
+        computed_tokens: &mut u64,
+    ) {
+        while generation
+            .get(*next_generation)
+            .is_some_and(|&g| self.requests[g as usize].zombie)
+        {
+            *next_generation += 1;
+        }
+        while let Some(entry) = self
+            .context
+            .get(*next_context)
+            .filter(|e| self.requests[e.req as usize].zombie)
+        {
+            *computed_tokens += entry.len;
+            *next_context_sample += usize::from(entry.completes);
+            *next_context += 1;
+        }
+    }
+
+    /// Adds the closed step to the totals.
+    fn count_step(&mut self, computed_tokens: u64) {
         self.metrics.computed_tokens += computed_tokens;
         self.metrics.steps += 1;
         self.metrics.sat_out += self.sat_out_reqs.len() as u64;
@@ -190,14 +206,15 @@ impl Scheduler {
     /// ahead preempted meanwhile (`len` tokens computed, `token` sampled if any).
     /// Suspended: its KV went to the host tier with this work in it, so its progress
     /// counts. Recompute-paused: the work is lost, and a sampled token joins the prompt
-    /// it re-prefills (it was not scheduled again before this token was known).
+    /// it re-prefills (it was not scheduled again before this token was known). Returns
+    /// whether it has generated all its tokens.
     fn record_after_preemption(
         &mut self,
         req: RequestIndex,
         len: u64,
         token: Option<i32>,
         decode: bool,
-    ) {
+    ) -> bool {
         let request = &mut self.requests[req as usize];
         if request.state == RequestState::Suspended {
             request.computed += len;
@@ -219,6 +236,7 @@ impl Scheduler {
                 .reset_for_recompute(id, 1)
                 .expect("a recompute-paused request holds nothing and folds its one new token");
         }
+        self.requests[req as usize].is_complete()
     }
 
     /// Whether the records of pending step `step` refer to the request: an entry, a

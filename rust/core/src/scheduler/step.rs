@@ -642,9 +642,14 @@ impl Scheduler {
         out.num_tokens = self.step_tokens;
         out.digest = out.compute_digest(self.fingerprint);
 
+        // A step planned ahead of one with entries is no stall: requests waiting on that
+        // step's tokens (known to finish, or preempted with a token in flight) move on
+        // when it closes.
         let progress = !out.generation_ids.is_empty()
             || !out.context_ids.is_empty()
-            || !out.resumed_ids.is_empty();
+            || !out.resumed_ids.is_empty()
+            || (self.pending_steps == 1
+                && !(self.older.generation_reqs.is_empty() && self.older.context.is_empty()));
         self.stalled_steps_before = self.stalled_steps;
         self.stalled_steps = if progress || self.queue.is_empty() {
             0

@@ -12,6 +12,14 @@
 //! slots in queue order (persistent, and nobody takes a new one while a decoding request
 //! ahead of it is left without); replay (re-prefill tokens == prompt + tokens generated
 //! so far; decode positions continue from the new prompt end).
+//!
+//! `Group::run` runs every workload in both modes: plain (schedule, run, update) and
+//! one-step-ahead (overlap: step t+1 is scheduled and run before step t is updated), and
+//! checks that they produce the same outputs token for token. In overlap mode the harness
+//! acts as the executor: it resolves `generation_input_refs` from the previous step's
+//! sampled tokens. In both modes it keeps a per-batch-slot "device" array, poisoned when a
+//! slot is freed (sit-out, victim, finish, abort), and checks no decode reads a slot that
+//! is poisoned or holds another request.
 #![allow(
     dead_code,
     reason = "each test crate uses its own part of these shared helpers"
@@ -173,15 +181,33 @@ pub struct RunResult {
     /// Preemptions that took a request past `max_preemptions_per_request` (each one for
     /// the oldest live request, which the harness checks).
     pub preemptions_past_bound: u64,
+    /// Decode inputs given as a row of the step in flight (overlap mode).
+    pub inputs_in_flight: u64,
 }
 
 /// Options of a run beyond the configuration.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RunOptions {
-    /// Revert a step (and schedule again) with this probability in 1/1000.
+    /// Revert a step (and schedule again) with this probability in 1/1000. In overlap
+    /// mode the newest step is reverted while the older one stays pending.
     pub revert_per_mille: u64,
     pub seed: u64,
     pub max_steps: u64,
+    pub mode: RunMode,
+}
+
+/// How `Group::run` drives the schedulers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RunMode {
+    /// Plain, then overlap on a fresh group; the outputs must agree (the plain result is
+    /// returned).
+    #[default]
+    Both,
+    /// schedule, run, update: one step pending at a time.
+    Plain,
+    /// One step ahead: step t+1 is scheduled and run while step t is pending, then step t
+    /// is updated.
+    Overlap,
 }
 
 /// One rank's state before a `schedule()`, to compare after a `revert()`.
@@ -211,7 +237,23 @@ pub struct Group {
     prefill_progress: BTreeMap<RequestId, u64>,
     /// Requests aborted while the pending step runs: their token of it is dropped.
     aborting: BTreeSet<RequestId>,
+    /// Overlap mode: the step that ran on the "device" and is not updated yet, and its
+    /// sampled tokens (which the next step's `generation_input_refs` point into).
+    in_flight: Option<Flight>,
+    /// The device's per-batch-slot state: the request whose state it holds, or `None`
+    /// (poisoned) once the slot was freed.
+    device_slots: Vec<Option<RequestId>>,
+    /// The batch slot each request's state was last written to on the device.
+    slot_of: BTreeMap<RequestId, usize>,
     pub result: RunResult,
+}
+
+/// A step that ran and awaits its update (overlap mode).
+#[derive(Debug, Clone)]
+struct Flight {
+    out: ScheduleOutput,
+    tokens: Vec<i32>,
+    eos: Vec<bool>,
 }
 
 impl Group {
@@ -231,7 +273,72 @@ impl Group {
             known: BTreeMap::new(),
             prefill_progress: BTreeMap::new(),
             aborting: BTreeSet::new(),
+            in_flight: None,
+            device_slots: Vec::new(),
+            slot_of: BTreeMap::new(),
             result: RunResult::default(),
+        }
+    }
+
+    /// What the device knows of a request's tokens: what the harness knows plus its token
+    /// of the step in flight, if any.
+    fn view(&self, id: RequestId) -> Vec<i32> {
+        let mut tokens = self.known[&id].clone();
+        if let Some(flight) = &self.in_flight {
+            if let Some(row) = flight.out.sample_ids.iter().position(|&s| s == id) {
+                tokens.push(flight.tokens[row]);
+            }
+        }
+        tokens
+    }
+
+    /// Frees a request's batch slot on the device: whatever it held is poison now.
+    fn poison_slot(&mut self, id: RequestId) {
+        if let Some(slot) = self.slot_of.remove(&id) {
+            self.device_slots[slot] = None;
+        }
+    }
+
+    /// The device side of the batch slots: freed slots are poisoned, a context entry (or a
+    /// decode in a slot new to its request) writes the request's state into its slot, and
+    /// a decode in the slot its request already had reads it, which must still be that
+    /// request's.
+    fn check_device_slots(&mut self, out: &ScheduleOutput) {
+        for id in out
+            .sat_out_ids
+            .iter()
+            .chain(&out.preempted_ids)
+            .chain(&out.suspended_ids)
+        {
+            self.poison_slot(*id);
+        }
+        for (id, &slot) in out.context_ids.iter().zip(&out.context_batch_slots) {
+            let slot = usize::try_from(slot).unwrap();
+            if slot >= self.device_slots.len() {
+                self.device_slots.resize(slot + 1, None);
+            }
+            if let Some(old) = self.slot_of.insert(*id, slot) {
+                assert_eq!(old, slot, "step {}: {id} moved batch slots", out.step);
+            }
+            self.device_slots[slot] = Some(*id);
+        }
+        for (id, &slot) in out.generation_ids.iter().zip(&out.generation_batch_slots) {
+            let slot = usize::try_from(slot).unwrap();
+            if slot >= self.device_slots.len() {
+                self.device_slots.resize(slot + 1, None);
+            }
+            if let Some(&held) = self.slot_of.get(id) {
+                assert_eq!(held, slot, "step {}: {id} moved batch slots", out.step);
+                assert_eq!(
+                    self.device_slots[slot],
+                    Some(*id),
+                    "step {}: the decode of {id} reads batch slot {slot}, which was freed or given away",
+                    out.step
+                );
+            } else {
+                self.slot_of.insert(*id, slot);
+                self.device_slots[slot] = Some(*id);
+            }
         }
     }
 
@@ -557,11 +664,13 @@ impl Group {
         }
     }
 
-    /// Writes the step's KV into each rank's pool, as the owner rank would.
+    /// Writes the step's KV into each rank's pool, as the owner rank would. Decode inputs
+    /// still in flight are gathered from the step in flight's sampled tokens.
     fn execute(&mut self, outs: &[ScheduleOutput]) {
         let out = &outs[0];
         self.copy_out_suspended(out);
         self.copy_in_resumed(out);
+        self.check_device_slots(out);
         let cp = self.config.cp_size as usize;
         let tpb = u64::from(self.config.tokens_per_block);
         // Replay checks against what the harness knows.
@@ -575,7 +684,7 @@ impl Group {
             );
             let tokens = &out.context_token_ids[offset..offset + (to - from)];
             offset += to - from;
-            let known = &self.known[&id];
+            let known = self.view(id);
             assert_eq!(
                 start, self.prefill_progress[&id],
                 "chunk of {id} does not continue its prefill"
@@ -584,19 +693,33 @@ impl Group {
             let end = start + len;
             assert_eq!(out.context_completes[i], end == known.len() as u64);
         }
+        let mut inputs = Vec::with_capacity(out.generation_ids.len());
         for i in 0..out.generation_ids.len() {
             let id = out.generation_ids[i];
-            let known = &self.known[&id];
+            let known = self.view(id);
             assert_eq!(
                 out.generation_positions[i],
                 known.len() as u64 - 1,
                 "decode position of {id}"
             );
-            assert_eq!(
-                out.generation_input_tokens[i],
-                *known.last().unwrap(),
-                "decode input of {id}"
-            );
+            let input = if let Ok(row) = usize::try_from(out.generation_input_refs[i]) {
+                let flight = self
+                    .in_flight
+                    .as_ref()
+                    .expect("an input token in flight needs a step in flight");
+                assert_eq!(flight.out.sample_ids[row], id, "input row of {id}");
+                assert_eq!(
+                    out.generation_input_tokens[i], -1,
+                    "an input in flight is not given as a value"
+                );
+                self.result.inputs_in_flight += 1;
+                flight.tokens[row]
+            } else {
+                assert_eq!(out.generation_input_refs[i], -1);
+                out.generation_input_tokens[i]
+            };
+            assert_eq!(input, *known.last().unwrap(), "decode input of {id}");
+            inputs.push(input);
         }
         for (rank, sched) in self.ranks.iter().enumerate() {
             let mut ids = out.context_ids.clone();
@@ -606,7 +729,7 @@ impl Group {
             ids.extend(&out.generation_ids);
             starts.extend(&out.generation_positions);
             counts.extend(std::iter::repeat_n(1, out.generation_ids.len()));
-            values.extend(&out.generation_input_tokens);
+            values.extend(&inputs);
             let slots = sched
                 .slot_mapping(&ids, &starts, &counts)
                 .expect("slot mapping");
@@ -679,7 +802,7 @@ impl Group {
             let context = self.read_context(*id, last);
             assert_eq!(
                 context,
-                self.known[id][..=usize::try_from(last).unwrap()],
+                self.view(*id)[..=usize::try_from(last).unwrap()],
                 "KV read back for {id} differs from its tokens"
             );
             let token = self.model.next_token(*id, &context);
@@ -689,26 +812,13 @@ impl Group {
         (tokens, eos)
     }
 
-    /// Runs the step that was scheduled: executes, samples and updates every rank.
-    pub fn run_step(&mut self, outs: &[ScheduleOutput]) -> Vec<RequestId> {
+    /// Runs the step that was scheduled on the "device": executes and samples it (its
+    /// prefill progress and victims are mirrored now: the next step may be planned before
+    /// this one is updated).
+    fn run_on_device(&mut self, outs: &[ScheduleOutput]) -> Flight {
         self.execute(outs);
         let out = &outs[0];
         let (tokens, eos) = self.sample(out);
-        let finished: Vec<Vec<RequestId>> = self
-            .ranks
-            .iter_mut()
-            .map(|s| s.update(&tokens, Some(&eos)).expect("update").to_vec())
-            .collect();
-        assert!(
-            finished.windows(2).all(|w| w[0] == w[1]),
-            "ranks finish different requests"
-        );
-        // Mirror the step in what the harness knows (an aborted request's token is dropped).
-        for (i, id) in out.sample_ids.iter().enumerate() {
-            if !self.aborting.contains(id) {
-                self.known.get_mut(id).unwrap().push(tokens[i]);
-            }
-        }
         for i in 0..out.context_ids.len() {
             let id = out.context_ids[i];
             let end = out.context_starts[i] + out.context_lens[i];
@@ -722,7 +832,41 @@ impl Group {
         for (victim, requester) in out.suspended_ids.iter().zip(&out.suspended_requester_ids) {
             self.result.victims.push((*victim, *requester));
         }
+        Flight {
+            out: out.clone(),
+            tokens,
+            eos,
+        }
+    }
+
+    /// Updates every rank with a step's sampled tokens (the oldest pending step).
+    fn commit(&mut self, flight: &Flight) -> Vec<RequestId> {
+        let Flight { out, tokens, eos } = flight;
+        let finished: Vec<Vec<RequestId>> = self
+            .ranks
+            .iter_mut()
+            .map(|s| s.update(tokens, Some(eos)).expect("update").to_vec())
+            .collect();
+        assert!(
+            finished.windows(2).all(|w| w[0] == w[1]),
+            "ranks finish different requests"
+        );
+        let digests: Vec<u64> = self.ranks.iter().map(Scheduler::state_digest).collect();
+        assert!(
+            digests.windows(2).all(|w| w[0] == w[1]),
+            "scheduler states differ after update: {digests:x?}"
+        );
+        // Mirror the step in what the harness knows (an aborted request's token is
+        // dropped; one that finished while this step was pending is gone already).
+        for (i, id) in out.sample_ids.iter().enumerate() {
+            if !self.aborting.contains(id) {
+                if let Some(known) = self.known.get_mut(id) {
+                    known.push(tokens[i]);
+                }
+            }
+        }
         for id in &finished[0] {
+            self.poison_slot(*id);
             self.collect(*id);
         }
         assert!(
@@ -796,6 +940,7 @@ impl Group {
                 assert!(self.ranks[0].is_abort_requested(id).unwrap());
                 self.aborting.insert(id);
             } else {
+                self.poison_slot(id);
                 self.collect(id);
             }
         }
@@ -836,6 +981,9 @@ impl Group {
     /// Preempted victims of a step that is being reverted still restart their prefill.
     fn note_reverted_victims(&mut self, out: &ScheduleOutput) {
         self.copy_out_suspended(out);
+        for id in out.preempted_ids.iter().chain(&out.suspended_ids) {
+            self.poison_slot(*id);
+        }
         for (victim, requester) in out.preempted_ids.iter().zip(&out.preempted_requester_ids) {
             self.prefill_progress.insert(*victim, 0);
             self.result.victims.push((*victim, *requester));
@@ -849,6 +997,8 @@ impl Group {
     /// was (`before`: per-rank ledger digests and holdings before `schedule`).
     pub fn revert_step(&mut self, out: &ScheduleOutput, before: &[RankSnapshot]) {
         let mut aborted = Vec::new();
+        // Abort marks (deferred while an older step stays pending) are state too.
+        let marked = !self.aborting.is_empty();
         for (rank, s) in self.ranks.iter_mut().enumerate() {
             let closed = s.revert().expect("revert").to_vec();
             assert!(
@@ -861,7 +1011,11 @@ impl Group {
                 ledger_digest,
                 holdings,
             } = &before[rank];
-            if aborted.is_empty() && out.preempted_ids.is_empty() && out.suspended_ids.is_empty() {
+            if !marked
+                && aborted.is_empty()
+                && out.preempted_ids.is_empty()
+                && out.suspended_ids.is_empty()
+            {
                 assert_eq!(
                     s.ledger().state_digest(),
                     *ledger_digest,
@@ -889,13 +1043,19 @@ impl Group {
             }
         }
         self.note_reverted_victims(out);
-        let mut expected: Vec<RequestId> = self.aborting.iter().copied().collect();
+        // With an older step still pending, requested aborts wait for its close.
+        let mut expected: Vec<RequestId> = if self.ranks[0].is_step_pending() {
+            Vec::new()
+        } else {
+            self.aborting.iter().copied().collect()
+        };
         expected.sort_by_key(|id| self.arrival[id]);
         assert_eq!(
             aborted, expected,
             "revert aborts the requested ones, in queue order"
         );
         for id in aborted {
+            self.poison_slot(id);
             self.collect(id);
         }
         self.result.reverted_steps += 1;
@@ -913,8 +1073,46 @@ impl Group {
             .collect()
     }
 
-    /// Runs a workload to the end, adding each request at its arrival step.
+    /// Runs a workload to the end, adding each request at its arrival step. By default
+    /// (`RunMode::Both`) it runs plain, then in overlap mode on a fresh group of the same
+    /// configuration, and checks both give the same outputs (see `assert_same_outputs`);
+    /// it returns the plain run's result.
     pub fn run(&mut self, specs: &[Spec], options: RunOptions) -> Result<RunResult, CoreError> {
+        match options.mode {
+            RunMode::Plain => self.run_mode(specs, options, false),
+            RunMode::Overlap => self.run_mode(specs, options, true),
+            RunMode::Both => {
+                let plain = self.run_mode(specs, options, false)?;
+                let mut group = Group::new(&self.config, self.model);
+                match group.run_mode(specs, options, true) {
+                    Ok(overlap) => assert_same_outputs(&plain, &overlap),
+                    // Planning a step ahead sees the pool one step staler (pages of
+                    // requests finishing in the step in flight are not free yet, a request
+                    // that may stop on EOS decodes speculatively), so a pool that plain
+                    // mode just fits can stop a disaggregated server or stall: what
+                    // finished by then must still match.
+                    Err(CoreError::PreemptionDisabled(_)) => {
+                        for (id, got) in &group.result.outputs {
+                            assert_eq!(
+                                Some(got),
+                                plain.outputs.get(id),
+                                "output of {id} differs between plain and overlap runs"
+                            );
+                        }
+                    }
+                    Err(err) => panic!("overlap run failed where plain ran: {err}"),
+                }
+                Ok(plain)
+            }
+        }
+    }
+
+    fn run_mode(
+        &mut self,
+        specs: &[Spec],
+        options: RunOptions,
+        overlap: bool,
+    ) -> Result<RunResult, CoreError> {
         let mut rng = Rng::new(options.seed);
         let max_steps = if options.max_steps == 0 {
             20_000
@@ -932,17 +1130,34 @@ impl Group {
             }
             self.abort(&self.due_aborts(specs, step, false))?;
             if next == pending.len() && !self.ranks[0].has_unfinished() {
+                if let Some(flight) = self.in_flight.take() {
+                    self.commit(&flight);
+                    continue;
+                }
                 break;
             }
             assert!(step < max_steps, "run did not finish in {max_steps} steps");
             let before = self.snapshot();
             let outs = self.schedule()?;
+            assert_eq!(
+                self.ranks[0].pending_steps(),
+                1 + u32::from(self.in_flight.is_some())
+            );
             self.abort(&self.due_aborts(specs, step, true))?;
             if options.revert_per_mille > 0 && rng.below(1000) < options.revert_per_mille {
                 self.revert_step(&outs[0], &before);
                 continue;
             }
-            self.run_step(&outs);
+            let flight = self.run_on_device(&outs);
+            if overlap {
+                // This step ran before the one in flight is updated (its inputs in flight
+                // were gathered from that step's tokens); it is in flight now.
+                if let Some(older) = self.in_flight.replace(flight) {
+                    self.commit(&older);
+                }
+            } else {
+                self.commit(&flight);
+            }
             step += 1;
             self.check_bound();
         }
@@ -953,7 +1168,9 @@ impl Group {
                 "superblocks leaked at the end"
             );
             assert_eq!(s.num_live(), 0);
+            assert_eq!(s.pending_steps(), 0);
         }
+        assert!(self.slot_of.is_empty(), "batch slots left on the device");
         let metrics: Vec<_> = self.ranks.iter().map(Scheduler::metrics).collect();
         assert!(
             metrics.windows(2).all(|w| w[0] == w[1]),
@@ -992,6 +1209,40 @@ impl Group {
         for id in self.ranks[0].queue_ids() {
             let p = self.ranks[0].request_metrics(id).unwrap().preemptions;
             self.result.max_request_preemptions = self.result.max_request_preemptions.max(p);
+        }
+    }
+}
+
+/// Plain and overlap runs of one workload agree: a request that finished in both has the
+/// same tokens and finished the same way; one aborted in either (an abort lands one step
+/// earlier or later relative to the tokens in overlap mode) has a prefix of the other's.
+pub fn assert_same_outputs(plain: &RunResult, overlap: &RunResult) {
+    let all = |r: &RunResult| -> BTreeMap<RequestId, Vec<i32>> {
+        r.outputs
+            .iter()
+            .chain(&r.aborted)
+            .map(|(id, t)| (*id, t.clone()))
+            .collect()
+    };
+    let (a, b) = (all(plain), all(overlap));
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "plain and overlap runs finished different requests"
+    );
+    for (id, got) in &a {
+        let other = &b[id];
+        let aborted = plain.aborted.contains_key(id) || overlap.aborted.contains_key(id);
+        if aborted {
+            assert!(
+                got.starts_with(other) || other.starts_with(got),
+                "aborted {id}: plain {got:?} vs overlap {other:?}"
+            );
+        } else {
+            assert_eq!(
+                got, other,
+                "output of {id} differs between plain and overlap runs"
+            );
         }
     }
 }

@@ -1,0 +1,485 @@
+//! One-step-ahead (overlap) scheduling: `schedule()` while one step is pending plans the
+//! next step on the assumption that every decode of the pending step yields a token. The
+//! group harness (`common::Group::run`) runs every workload in both modes and compares
+//! outputs; these are the rules, one scheduler at a time.
+
+mod common;
+
+use common::{config, observable, prompt, Group, Model, RunMode, RunOptions, Spec};
+use helix_kv_core::{CoreError, FinishReason, RequestId, RequestState, ScheduleOutput, Scheduler};
+
+/// The token every test samples for `id` in `step`: distinct per request and step.
+fn token(id: RequestId, step: u64) -> i32 {
+    i32::try_from(id * 1000 + step % 1000).unwrap()
+}
+
+fn tokens(out: &ScheduleOutput) -> Vec<i32> {
+    out.sample_ids
+        .iter()
+        .map(|&id| token(id, out.step))
+        .collect()
+}
+
+/// Checks a step planned ahead of `older` against what the scheduler knows: inputs in
+/// flight are rows of `older`'s samples (never a value), known inputs are the request's
+/// last token, chunks are the request's tokens.
+fn check_inputs(s: &Scheduler, older: Option<&ScheduleOutput>, out: &ScheduleOutput) {
+    for i in 0..out.generation_ids.len() {
+        let id = out.generation_ids[i];
+        let row = out.generation_input_refs[i];
+        if let Ok(row) = usize::try_from(row) {
+            let older = older.expect("an input in flight needs a pending step");
+            assert_eq!(
+                older.sample_ids[row], id,
+                "row {row} of step {}",
+                older.step
+            );
+            assert_eq!(out.generation_input_tokens[i], -1);
+        } else {
+            assert_eq!(row, -1);
+            assert_eq!(
+                out.generation_input_tokens[i],
+                *s.tokens(id).unwrap().last().unwrap()
+            );
+        }
+    }
+    let mut offset = 0;
+    for i in 0..out.context_ids.len() {
+        let (start, len) = (
+            usize::try_from(out.context_starts[i]).unwrap(),
+            usize::try_from(out.context_lens[i]).unwrap(),
+        );
+        assert_eq!(
+            out.context_token_ids[offset..offset + len],
+            s.tokens(out.context_ids[i]).unwrap()[start..start + len],
+            "chunk of {}",
+            out.context_ids[i]
+        );
+        offset += len;
+    }
+}
+
+/// Every superblock and batch slot back, nothing pending, nothing live.
+fn assert_no_leak(s: &Scheduler) {
+    assert_eq!(s.pending_steps(), 0);
+    assert_eq!(s.num_live(), 0);
+    assert_eq!(s.ledger().free_superblocks(), s.ledger().capacity());
+    assert!(
+        s.ledger().holdings().is_empty(),
+        "{:?}",
+        s.ledger().holdings()
+    );
+}
+
+#[test]
+fn a_third_pending_step_is_refused_and_changes_nothing() {
+    let mut s = Scheduler::new(config(1, 4, 16)).unwrap();
+    s.add_request(1, &prompt(5), 4, 0).unwrap();
+    assert_eq!(s.pending_steps(), 0);
+    s.schedule().unwrap();
+    assert_eq!(s.pending_steps(), 1);
+    s.schedule().unwrap();
+    assert_eq!(s.pending_steps(), 2);
+    assert!(s.is_step_pending());
+    let before = observable(&s);
+    let err = s.schedule().unwrap_err();
+    assert!(
+        matches!(&err, CoreError::InvalidState(m) if m.contains("at most one ahead")),
+        "{err}"
+    );
+    assert_eq!(observable(&s), before);
+    assert_eq!(s.pending_steps(), 2);
+}
+
+#[test]
+fn a_step_planned_ahead_decodes_on_the_token_in_flight() {
+    let mut s = Scheduler::new(config(2, 4, 16)).unwrap();
+    s.add_request(1, &prompt(5), 4, 0).unwrap();
+    s.add_request(2, &prompt(3), 4, 0).unwrap();
+    let t0 = s.schedule().unwrap().clone();
+    assert_eq!(t0.sample_ids, vec![1, 2]);
+    // Both prompts complete in step 0: both decode in step 1 on their sampled token.
+    let t1 = s.schedule().unwrap().clone();
+    assert_eq!(t1.generation_ids, vec![1, 2]);
+    assert_eq!(t1.generation_positions, vec![5, 3]);
+    assert_eq!(t1.generation_input_refs, vec![0, 1]);
+    assert_eq!(t1.generation_input_tokens, vec![-1, -1]);
+    assert_eq!(
+        t1.generation_batch_slots, t0.context_batch_slots,
+        "a decode keeps the batch slot of its prompt"
+    );
+    // The states still say what ran: step 0 is not updated yet.
+    assert_eq!(s.request_state(1).unwrap(), RequestState::Waiting);
+    s.update(&tokens(&t0), None).unwrap();
+    assert_eq!(s.request_state(1).unwrap(), RequestState::Decoding);
+    // Step 2 is planned ahead of step 1: inputs are rows of step 1's samples again.
+    let t2 = s.schedule().unwrap().clone();
+    assert_eq!(t2.generation_input_refs, vec![0, 1]);
+    assert_eq!(t2.generation_positions, vec![6, 4]);
+    s.update(&tokens(&t1), None).unwrap();
+    // Nothing ahead: inputs are known values again.
+    s.update(&tokens(&t2), None).unwrap();
+    let t3 = s.schedule().unwrap().clone();
+    assert_eq!(t3.generation_input_refs, vec![-1, -1]);
+    assert_eq!(t3.generation_input_tokens, vec![token(1, 2), token(2, 2)]);
+    s.update(&tokens(&t3), None).unwrap();
+    let outputs = [1, 2].map(|id| s.take_output(id).unwrap().token_ids);
+    assert_eq!(
+        outputs,
+        [1, 2].map(|id| (0..4).map(|step| token(id, step)).collect::<Vec<_>>())
+    );
+    assert_no_leak(&s);
+}
+
+#[test]
+fn a_request_known_to_finish_in_flight_is_not_scheduled_again() {
+    let mut s = Scheduler::new(config(1, 4, 16)).unwrap();
+    s.add_request(1, &prompt(4), 1, 0).unwrap(); // its prompt's token is its last
+    s.add_request(2, &prompt(4), 2, 0).unwrap();
+    let t0 = s.schedule().unwrap().clone();
+    let t1 = s.schedule().unwrap().clone();
+    assert_eq!(t1.generation_ids, vec![2], "1 finishes in step 0 by length");
+    let t2_refused = s.schedule();
+    assert!(t2_refused.is_err());
+    assert_eq!(s.update(&tokens(&t0), None).unwrap(), [1]);
+    // 2's token of step 1 is its last: step 2 has nothing for it.
+    let t2 = s.schedule().unwrap().clone();
+    assert!(t2.generation_ids.is_empty());
+    assert_eq!(s.update(&tokens(&t1), None).unwrap(), [2]);
+    s.update(&tokens(&t2), None).unwrap();
+    assert_no_leak(&s);
+}
+
+#[test]
+fn a_request_ended_by_eos_while_its_next_step_was_scheduled_discards_that_step() {
+    let mut s = Scheduler::new(config(1, 4, 16)).unwrap();
+    s.add_request(1, &prompt(4), 10, 0).unwrap();
+    s.add_request(2, &prompt(4), 10, 0).unwrap();
+    let t0 = s.schedule().unwrap().clone();
+    let t1 = s.schedule().unwrap().clone();
+    assert_eq!(t1.generation_ids, vec![1, 2], "EOS is not known ahead");
+    let slot = s.batch_slot(1).unwrap().unwrap();
+    // Request 1 samples EOS in step 0.
+    let finished = s
+        .update(&tokens(&t0), Some(&[true, false]))
+        .unwrap()
+        .to_vec();
+    assert_eq!(finished, [1]);
+    let output = s.take_output(1).unwrap();
+    assert_eq!(output.token_ids, vec![token(1, 0)]);
+    assert_eq!(output.finish_reason, FinishReason::Eos);
+    // Step 1 may still run its decode: its KV and batch slot stay held, and so does its id.
+    assert!(s.ledger().holdings().iter().any(|&(id, _)| id == 1));
+    assert!(matches!(
+        s.request_state(1),
+        Err(CoreError::UnknownRequest(1))
+    ));
+    assert!(matches!(
+        s.add_request(1, &prompt(4), 3, 0),
+        Err(CoreError::DuplicateRequest(1))
+    ));
+    // Step 2 is planned ahead of step 1 without it, and does not take its slot.
+    let t2 = s.schedule().unwrap().clone();
+    assert_eq!(t2.generation_ids, vec![2]);
+    assert!(!t2
+        .generation_batch_slots
+        .contains(&i32::try_from(slot).unwrap()));
+    // Its token of step 1 is discarded; it is freed when step 1 closes.
+    assert!(s.update(&tokens(&t1), None).unwrap().is_empty());
+    assert!(s.ledger().holdings().iter().all(|&(id, _)| id != 1));
+    s.add_request(1, &prompt(4), 1, 0).unwrap();
+    s.update(&tokens(&t2), None).unwrap();
+    while s.has_unfinished() {
+        let out = s.schedule().unwrap().clone();
+        s.update(&tokens(&out), None).unwrap();
+    }
+    assert_eq!(s.take_output(1).unwrap().token_ids.len(), 1);
+    assert_eq!(s.take_output(2).unwrap().token_ids.len(), 10);
+    assert_no_leak(&s);
+}
+
+#[test]
+fn a_finished_request_held_by_a_reverted_step_is_freed_by_the_revert() {
+    let mut s = Scheduler::new(config(1, 4, 16)).unwrap();
+    s.add_request(1, &prompt(4), 10, 0).unwrap();
+    let t0 = s.schedule().unwrap().clone();
+    s.schedule().unwrap();
+    assert_eq!(s.update(&tokens(&t0), Some(&[true])).unwrap(), [1]);
+    assert_eq!(s.ledger().holdings().len(), 1, "held for step 1");
+    assert!(s.revert().unwrap().is_empty());
+    assert_no_leak(&s);
+    assert_eq!(s.take_output(1).unwrap().token_ids, vec![token(1, 0)]);
+}
+
+#[test]
+fn a_prompt_completing_in_flight_decodes_speculatively_and_chunks_continue() {
+    let mut config = config(1, 4, 16);
+    config.enable_chunked_prefill = true;
+    config.max_num_tokens = 4;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(1, &prompt(10), 3, 0).unwrap();
+    let t0 = s.schedule().unwrap().clone();
+    assert_eq!(
+        (t0.context_starts.clone(), t0.context_lens.clone()),
+        (vec![0], vec![4])
+    );
+    // Step 1 continues from step 0's scheduled progress.
+    let t1 = s.schedule().unwrap().clone();
+    assert_eq!(
+        (t1.context_starts.clone(), t1.context_lens.clone()),
+        (vec![4], vec![4])
+    );
+    s.update(&tokens(&t0), None).unwrap();
+    let t2 = s.schedule().unwrap().clone();
+    assert_eq!(
+        (t2.context_starts.clone(), t2.context_lens.clone()),
+        (vec![8], vec![2])
+    );
+    assert!(t2.context_completes[0]);
+    s.update(&tokens(&t1), None).unwrap();
+    // The prompt completes in step 2 (pending): step 3 decodes on its sampled token.
+    let t3 = s.schedule().unwrap().clone();
+    assert!(t3.context_ids.is_empty());
+    assert_eq!(t3.generation_ids, vec![1]);
+    assert_eq!(t3.generation_positions, vec![10]);
+    assert_eq!(t3.generation_input_refs, vec![0]);
+    assert_eq!(t3.generation_input_tokens, vec![-1]);
+    assert_eq!(s.request_state(1).unwrap(), RequestState::Prefilling);
+    s.update(&tokens(&t2), None).unwrap();
+    assert_eq!(s.request_state(1).unwrap(), RequestState::Decoding);
+    let t4 = s.schedule().unwrap().clone();
+    s.update(&tokens(&t3), None).unwrap();
+    s.update(&tokens(&t4), None).unwrap();
+    assert_eq!(
+        s.take_output(1).unwrap().token_ids,
+        vec![token(1, 2), token(1, 3), token(1, 4)]
+    );
+    assert_no_leak(&s);
+}
+
+/// Drives `s` one step ahead until nothing is live: schedule, then update the older
+/// step. Calls `seen(s, older, out)` after each schedule, before the update. Returns
+/// every schedule.
+fn run_ahead(
+    s: &mut Scheduler,
+    mut seen: impl FnMut(&Scheduler, Option<&ScheduleOutput>, &ScheduleOutput),
+) -> Vec<ScheduleOutput> {
+    let mut older: Option<ScheduleOutput> = None;
+    let mut log = Vec::new();
+    while s.has_unfinished() || older.is_some() {
+        assert!(log.len() < 500, "did not finish");
+        let out = s.schedule().unwrap().clone();
+        check_inputs(s, older.as_ref(), &out);
+        seen(s, older.as_ref(), &out);
+        if let Some(older) = older.take() {
+            s.update(&tokens(&older), None).unwrap();
+        }
+        older = Some(out.clone());
+        log.push(out);
+        if !s.has_unfinished() {
+            s.update(&tokens(older.as_ref().unwrap()), None).unwrap();
+            older = None;
+        }
+    }
+    log
+}
+
+#[test]
+fn a_victim_whose_last_token_was_in_flight_folds_it_into_its_re_prefill() {
+    // tpb 4, cp 1, 4 superblocks: two requests of 7 prompt tokens each take 2; their
+    // decodes soon need a third each, so the younger is preempted while decoding, its
+    // token of the pending step still in flight.
+    let mut s = Scheduler::new(config(1, 4, 4)).unwrap();
+    s.add_request(1, &prompt(7), 6, 0).unwrap();
+    s.add_request(2, &prompt(7), 6, 0).unwrap();
+    let mut folded = Vec::new();
+    run_ahead(&mut s, |s, older, out| {
+        for &victim in &out.preempted_ids {
+            let older = older.unwrap();
+            if let Some(row) = older.sample_ids.iter().position(|&id| id == victim) {
+                // Recompute-paused with its token of the older step in flight: the
+                // token is not known yet and it is not re-prefilled in this step.
+                assert_eq!(s.request_state(victim).unwrap(), RequestState::Waiting);
+                assert!(!out.context_ids.contains(&victim));
+                assert_ne!(s.tokens(victim).unwrap().last(), Some(&tokens(older)[row]));
+                folded.push((victim, tokens(older)[row]));
+            }
+        }
+    });
+    assert!(!folded.is_empty(), "no victim had a token in flight");
+    // Replay stayed exact (check_inputs compared every re-prefill chunk with the request's
+    // tokens): each output is the request's own tokens, the folded one among them.
+    let outputs = [1, 2].map(|id| s.take_output(id).unwrap());
+    for output in &outputs {
+        assert_eq!(output.token_ids.len(), 6);
+        let id = i32::try_from(output.request_id).unwrap();
+        assert!(output.token_ids.iter().all(|&t| t / 1000 == id));
+    }
+    for (victim, token) in folded {
+        let output = &outputs[usize::try_from(victim - 1).unwrap()];
+        assert!(output.metrics.preemptions > 0);
+        assert!(
+            output.token_ids.contains(&token),
+            "folded {token} of {victim} lost"
+        );
+    }
+    assert_no_leak(&s);
+}
+
+#[test]
+fn a_sit_out_clears_its_slot_even_with_its_token_in_flight() {
+    // tpb 4, cp 1, 4 superblocks, no preemption (bound 0). Both prompts (7 tokens) take 2
+    // superblocks. Request 2's token of step 1 is its last, but step 2 is planned before
+    // step 1 is updated: its pages are not free yet, so request 1, whose decode at
+    // position 8 needs a third superblock, sits out with its token of step 1 in flight.
+    let mut config = config(1, 4, 4);
+    config.max_preemptions_per_request = 0;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(1, &prompt(7), 6, 0).unwrap();
+    s.add_request(2, &prompt(7), 2, 0).unwrap();
+    let mut sat_out = Vec::new();
+    let log = run_ahead(&mut s, |s, older, out| {
+        for &id in &out.sat_out_ids {
+            assert_eq!(s.batch_slot(id).unwrap(), None, "a sit-out holds no slot");
+            assert!(!out.generation_ids.contains(&id));
+            let older = older.unwrap();
+            let row = older.generation_ids.iter().position(|&x| x == id).unwrap();
+            sat_out.push((out.step, older.generation_batch_slots[row]));
+        }
+    });
+    assert_eq!(sat_out.len(), 1, "request 1 sits out once: {sat_out:?}");
+    // Its next decode gets a slot anew (the lowest free), never one it merely remembers.
+    let (step, _) = sat_out[0];
+    let next = &log[usize::try_from(step).unwrap() + 1];
+    assert_eq!(next.generation_ids, vec![1]);
+    assert_eq!(
+        next.generation_input_refs,
+        vec![-1],
+        "it sat out: its token is known"
+    );
+    for id in [1, 2] {
+        assert!(!s.take_output(id).unwrap().token_ids.is_empty());
+    }
+    assert_eq!(s.metrics().sat_out, 1);
+    assert_no_leak(&s);
+}
+
+#[test]
+fn revert_undoes_the_newest_step_only_then_the_older_one() {
+    let mut config = config(2, 4, 16);
+    config.enable_chunked_prefill = true;
+    config.max_num_tokens = 8;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(1, &prompt(6), 5, 0).unwrap();
+    s.add_request(2, &prompt(12), 5, 0).unwrap();
+    let initial = observable(&s);
+    let t0 = s.schedule().unwrap().clone();
+    let after_t0 = observable(&s);
+    let t1 = s.schedule().unwrap().clone();
+    assert_eq!(t1.generation_ids, vec![1]);
+    assert!(s.revert().unwrap().is_empty());
+    assert_eq!(s.pending_steps(), 1);
+    assert_eq!(observable(&s).0, after_t0.0, "the state is as after step 0");
+    assert_eq!(
+        observable(&s).1,
+        after_t0.1,
+        "the ledger is as after step 0"
+    );
+    // Planned again ahead of step 0, with a new number.
+    let t2 = s.schedule().unwrap().clone();
+    assert_eq!(t2.step, t1.step + 1);
+    assert_eq!(t2.generation_ids, t1.generation_ids);
+    assert!(s.revert().unwrap().is_empty());
+    // Then the older step itself.
+    assert!(s.revert().unwrap().is_empty());
+    assert_eq!(s.pending_steps(), 0);
+    assert_eq!(observable(&s).0, initial.0);
+    assert_eq!(observable(&s).1, initial.1);
+    let _ = t0;
+    while s.has_unfinished() {
+        let out = s.schedule().unwrap().clone();
+        s.update(&tokens(&out), None).unwrap();
+    }
+    assert_no_leak(&s);
+}
+
+#[test]
+fn an_abort_while_two_steps_are_pending_takes_effect_at_the_older_update() {
+    let mut s = Scheduler::new(config(1, 4, 16)).unwrap();
+    s.add_request(1, &prompt(4), 10, 0).unwrap();
+    s.add_request(2, &prompt(4), 10, 0).unwrap();
+    let t0 = s.schedule().unwrap().clone();
+    let t1 = s.schedule().unwrap().clone();
+    s.abort(1).unwrap();
+    assert!(s.is_abort_requested(1).unwrap());
+    // A revert of the newer step leaves it marked: the older step is still pending.
+    assert!(s.revert().unwrap().is_empty());
+    assert!(s.is_abort_requested(1).unwrap());
+    let t2 = s.schedule().unwrap().clone();
+    assert_eq!(
+        t2.generation_ids,
+        vec![2],
+        "an aborting request is not planned ahead"
+    );
+    let _ = t1;
+    assert_eq!(s.update(&tokens(&t0), None).unwrap(), [1]);
+    let output = s.take_output(1).unwrap();
+    assert_eq!(output.finish_reason, FinishReason::Aborted);
+    assert!(
+        output.token_ids.is_empty(),
+        "its token of step 0 is dropped"
+    );
+    assert!(s.ledger().holdings().iter().all(|&(id, _)| id != 1));
+    s.update(&tokens(&t2), None).unwrap();
+    while s.has_unfinished() {
+        let out = s.schedule().unwrap().clone();
+        s.update(&tokens(&out), None).unwrap();
+    }
+    assert_eq!(s.take_output(2).unwrap().token_ids.len(), 10);
+    assert_no_leak(&s);
+}
+
+#[test]
+fn the_group_runs_one_step_ahead_at_every_cp_with_identical_outputs() {
+    for cp in [1, 2, 4] {
+        let mut config = config(cp, 2, 32 / cp);
+        config.enable_chunked_prefill = true;
+        config.max_num_tokens = 16;
+        config.max_batch_size = 6;
+        let specs: Vec<Spec> = (0..14)
+            .map(|id: u64| {
+                let prompt_len = usize::try_from(3 + (id * 5) % 17).unwrap();
+                let max_new = u32::try_from(4 + (id * 3) % 9).unwrap();
+                Spec::new(id, prompt_len, max_new).at(id / 3)
+            })
+            .collect();
+        let model = Model {
+            eos: Some(7),
+            vocab: 40,
+        };
+        let options = RunOptions {
+            revert_per_mille: 100,
+            seed: u64::from(cp),
+            mode: RunMode::Overlap,
+            ..RunOptions::default()
+        };
+        let overlap = Group::new(&config, model).run(&specs, options).unwrap();
+        assert!(overlap.inputs_in_flight > 0);
+        assert!(overlap.preemptions > 0, "cp {cp}: no pressure");
+        let plain = Group::new(&config, model)
+            .run(
+                &specs,
+                RunOptions {
+                    mode: RunMode::Plain,
+                    ..options
+                },
+            )
+            .unwrap();
+        assert!(
+            overlap.outputs.values().any(|t| t.last() == Some(&7)),
+            "no eos"
+        );
+        assert_eq!(overlap.outputs, plain.outputs, "cp {cp}");
+        common::assert_matches_reference(&specs, model, &overlap);
+    }
+}
