@@ -58,6 +58,7 @@ def test_timeline_is_off_on_the_cpu() -> None:
     assert timeline.gaps_us() == []
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_timeline_measures_the_device_idle_between_steps() -> None:
     timeline = StepTimeline(torch.device("cuda"))
