@@ -50,9 +50,6 @@ pub struct RequestKv {
     /// (a reservation longer than the decode token, e.g. a whole-output admission,
     /// survives it, and the step marker returns to its previous value).
     decode_undo: Option<DecodeUndo>,
-    /// The allocation before the last one, so a one-step-ahead scheduler can undo its
-    /// newest step's decode and then, that step gone, the older step's too.
-    decode_undo_older: Option<DecodeUndo>,
     /// Length to restore on resume while the KV sits in a lower (host) tier.
     suspended_len: Option<u64>,
 }
@@ -153,6 +150,11 @@ pub struct Ledger {
     vacant: Vec<EntryIndex>,
     /// Id -> entry; used for lookups only, never iterated.
     index: FxHashMap<RequestId, EntryIndex>,
+    /// Per entry, the undo of the decode allocation before the last one, kept only by
+    /// [`Ledger::allocate_decode_ahead_at`] (a step planned while the previous one is
+    /// pending), so its newest step can be reverted and then the older one too. Apart from
+    /// the entries, so the plain decode path writes nothing more.
+    older_decode_undo: Vec<Option<DecodeUndo>>,
 }
 
 impl Ledger {
@@ -184,6 +186,7 @@ impl Ledger {
             requests: Vec::new(),
             vacant: Vec::new(),
             index: FxHashMap::default(),
+            older_decode_undo: Vec::new(),
         })
     }
 
@@ -301,7 +304,6 @@ impl Ledger {
             decode_count: 0,
             decode_step: None,
             decode_undo: None,
-            decode_undo_older: None,
             suspended_len: None,
         };
         let entry = if let Some(entry) = self.vacant.pop() {
@@ -438,6 +440,7 @@ impl Ledger {
 
     /// Makes an emptied slab entry reusable (its table keeps its capacity).
     fn vacate(&mut self, entry: EntryIndex) {
+        self.forget_older_decode_undo(entry);
         let kv = &mut self.requests[entry];
         let mut table = std::mem::take(&mut kv.table);
         table.clear();
@@ -450,7 +453,6 @@ impl Ledger {
             decode_count: 0,
             decode_step: None,
             decode_undo: None,
-            decode_undo_older: None,
             suspended_len: None,
         };
         self.vacant.push(entry);
@@ -558,6 +560,38 @@ impl Ledger {
         }
     }
 
+    /// [`Ledger::allocate_decode_at`] for a step planned while the request's previous
+    /// decode allocation belongs to a step still pending: that allocation's undo is kept,
+    /// so after `revert_decode` of this one it can be undone too.
+    pub(crate) fn allocate_decode_ahead_at(
+        &mut self,
+        entry: EntryIndex,
+        id: RequestId,
+        step: u64,
+    ) -> Result<Option<u64>> {
+        let entry = match self.requests.get(entry) {
+            Some(request) if request.id == id => entry,
+            _ => self.active_entry_of(id)?,
+        };
+        let undo = self.requests[entry].decode_undo;
+        let position = self.allocate_decode_in(entry, step)?;
+        if position.is_some() && self.requests[entry].decode_step == Some(step) {
+            if self.older_decode_undo.len() <= entry {
+                self.older_decode_undo.resize(entry + 1, None);
+            }
+            if self.requests[entry].decode_undo != undo {
+                self.older_decode_undo[entry] = undo;
+            }
+        }
+        Ok(position)
+    }
+
+    fn forget_older_decode_undo(&mut self, entry: EntryIndex) {
+        if let Some(undo) = self.older_decode_undo.get_mut(entry) {
+            *undo = None;
+        }
+    }
+
     fn allocate_decode_in(&mut self, entry: EntryIndex, step: u64) -> Result<Option<u64>> {
         let request = &self.requests[entry];
         let id = request.id;
@@ -592,7 +626,6 @@ impl Ledger {
         }
         let request = &mut self.requests[entry];
         request.len = new_len;
-        request.decode_undo_older = request.decode_undo.take();
         request.decode_undo = Some(DecodeUndo {
             step: request.decode_step,
             len: len_before,
@@ -623,7 +656,7 @@ impl Ledger {
         };
         request.decode_count -= 1;
         request.decode_step = undo.step;
-        request.decode_undo = request.decode_undo_older.take();
+        request.decode_undo = self.older_decode_undo.get_mut(entry).and_then(Option::take);
         if request.len == undo.len_after {
             // `undo.len <= undo.len_after`: this only ever shrinks.
             self.shrink_entry(entry, undo.len);
@@ -652,8 +685,8 @@ impl Ledger {
         request.decode_count = 0;
         request.decode_step = None;
         request.decode_undo = None;
-        request.decode_undo_older = None;
         request.suspended_len = None;
+        self.forget_older_decode_undo(entry);
         Ok(())
     }
 
@@ -668,7 +701,7 @@ impl Ledger {
         request.suspended_len = Some(len);
         request.decode_step = None;
         request.decode_undo = None;
-        request.decode_undo_older = None;
+        self.forget_older_decode_undo(entry);
         Ok(held)
     }
 

@@ -59,6 +59,10 @@ impl Scheduler {
     /// and retires finished and abort-requested requests, freeing their KV and batch slots.
     /// `newer`: the step scheduled one ahead of this one and still pending; a request it
     /// refers to that finishes here is held until it closes (see `retire`).
+    #[expect(
+        clippy::too_many_lines,
+        reason = "one pass that reads each request's hot line once; its rare cases are helpers already"
+    )]
     fn apply_step(&mut self, tokens: &[i32], eos: Option<&[bool]>, newer: Option<u64>) {
         let step = self.pending_step;
         let ends = |sample: usize| eos.is_some_and(|flags| flags[sample]);
@@ -70,7 +74,7 @@ impl Scheduler {
         let has_zombies = !self.zombies.is_empty();
         self.finished_ids.clear();
         let mut kept = 0;
-        for read in 0..=self.queue.len() {
+        for read in 0..self.queue.len() {
             if has_zombies {
                 self.skip_held_entries(
                     &generation,
@@ -80,9 +84,7 @@ impl Scheduler {
                     &mut computed_tokens,
                 );
             }
-            let Some(&req) = self.queue.get(read) else {
-                break;
-            };
+            let req = self.queue[read];
             let request = &mut self.requests[req as usize];
             // Read from the hot line; an aborted request's token is dropped below.
             let aborted = request.abort_requested;
@@ -147,6 +149,15 @@ impl Scheduler {
                 self.queue[kept] = req;
                 kept += 1;
             }
+        }
+        if has_zombies {
+            self.skip_held_entries(
+                &generation,
+                &mut next_generation,
+                &mut next_context,
+                &mut next_context_sample,
+                &mut computed_tokens,
+            );
         }
         debug_assert_eq!(
             (next_generation, next_context),

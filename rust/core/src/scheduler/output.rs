@@ -284,11 +284,16 @@ impl ScheduleOutput {
         );
         let token_slots = generation_input_tokens.iter().zip(generation_batch_slots);
         h.stream(token_slots.map(|(&token, &slot)| pack(token, slot)));
-        // Two rows a word; the count is the generation entries', hashed above.
-        let rows = generation_input_refs
-            .chunks(2)
-            .map(|pair| pack(pair[0], pair.get(1).copied().unwrap_or(0)));
-        h.stream(rows);
+        // Without a step planned ahead every row is -1: one word says so (the count is the
+        // generation entries', hashed above). Otherwise two rows a word.
+        if generation_input_refs.iter().all(|&row| row == -1) {
+            h.word(0);
+        } else {
+            let rows = generation_input_refs
+                .chunks(2)
+                .map(|pair| pack(pair[0], pair.get(1).copied().unwrap_or(0)));
+            h.stream(rows);
+        }
         for ids in [
             preempted_ids,
             preempted_requester_ids,

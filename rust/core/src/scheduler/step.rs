@@ -112,12 +112,14 @@ impl Scheduler {
                 // A chunk that does not complete the prompt continues in the context
                 // phase; a token that is the request's last finishes it.
                 if row >= 0 && remaining > 1 {
-                    self.schedule_decode(step, queue_pos, req, row)?;
+                    self.schedule_decode::<true>(step, queue_pos, req, row)?;
                 }
                 continue;
             }
             match request.state {
-                RequestState::Decoding => self.schedule_decode(step, queue_pos, req, -1)?,
+                RequestState::Decoding => {
+                    self.schedule_decode::<true>(step, queue_pos, req, -1)?;
+                }
                 RequestState::Suspended if request.victim_step != step => {
                     self.try_resume(step, queue_pos, req)?;
                 }
@@ -136,7 +138,6 @@ impl Scheduler {
         out.generation_ids.reserve(decoding);
         out.generation_positions.reserve(decoding);
         out.generation_input_tokens.reserve(decoding);
-        out.generation_input_refs.reserve(decoding);
         out.generation_batch_slots.reserve(decoding);
         out.sample_ids.reserve(decoding);
         self.generation_reqs.clear();
@@ -172,7 +173,9 @@ impl Scheduler {
             let req = self.queue[queue_pos];
             let request = &self.requests[req as usize];
             match request.state {
-                RequestState::Decoding => self.schedule_decode(step, queue_pos, req, -1)?,
+                RequestState::Decoding => {
+                    self.schedule_decode::<false>(step, queue_pos, req, -1)?;
+                }
                 RequestState::Suspended if request.victim_step != step => {
                     self.try_resume(step, queue_pos, req)?;
                 }
@@ -183,8 +186,9 @@ impl Scheduler {
     }
 
     /// `input_row` is the row of the older pending step's sampled tokens that holds the
-    /// input token, or -1 when the token is known (the request's last token).
-    fn schedule_decode(
+    /// input token, or -1 when the token is known (the request's last token). `AHEAD`: the
+    /// step is planned while the older one is pending (the plain path is compiled apart).
+    fn schedule_decode<const AHEAD: bool>(
         &mut self,
         step: u64,
         queue_pos: usize,
@@ -208,8 +212,16 @@ impl Scheduler {
         let mut preempted = false;
         loop {
             // The request's index is also its ledger entry (see `add_request`).
-            if let Some(position) = self.ledger.allocate_decode_at(req as usize, id, step)? {
-                self.push_generation_entry(step, req, position, input_row);
+            // A decode on a token in flight keeps the undo of the pending step's decode
+            // (reverting this step, then that one, stays exact).
+            let allocated = if AHEAD && input_row >= 0 {
+                self.ledger
+                    .allocate_decode_ahead_at(req as usize, id, step)?
+            } else {
+                self.ledger.allocate_decode_at(req as usize, id, step)?
+            };
+            if let Some(position) = allocated {
+                self.push_generation_entry::<AHEAD>(step, req, position, input_row);
                 if preempted {
                     self.mark_served_by_preempting(step, queue_pos, req);
                 }
@@ -242,8 +254,9 @@ impl Scheduler {
 
     /// Records a scheduled decode straight into the output being built (the common case
     /// touches each request once per step); a victim's entry is dropped in
-    /// `finish_step`, a missing batch slot and the placement fields are filled in there.
-    fn push_generation_entry(
+    /// `finish_step`, a missing batch slot and the placement fields are filled in there
+    /// (and, for a plain step, the input refs: all -1).
+    fn push_generation_entry<const AHEAD: bool>(
         &mut self,
         step: u64,
         req: RequestIndex,
@@ -264,13 +277,15 @@ impl Scheduler {
         let out = &mut self.building;
         out.generation_ids.push(request.id);
         out.generation_positions.push(position);
-        // A token still in flight is never given as a (stale) value.
-        out.generation_input_tokens.push(if input_row < 0 {
-            request.last_token
+        if AHEAD {
+            // A token still in flight is never given as a (stale) value.
+            let known = input_row < 0;
+            out.generation_input_tokens
+                .push(if known { request.last_token } else { -1 });
+            out.generation_input_refs.push(input_row);
         } else {
-            -1
-        });
-        out.generation_input_refs.push(input_row);
+            out.generation_input_tokens.push(request.last_token);
+        }
         out.generation_batch_slots.push(slot);
         self.generation_reqs.push(req);
         self.journal.push(JournalEntry::Decode(req));
@@ -630,6 +645,9 @@ impl Scheduler {
         if self.generation_removed {
             self.drop_preempted_generation_entries(step);
         }
+        // A plain step's inputs are all known: its refs are filled in one go.
+        let entries = self.building.generation_ids.len();
+        self.building.generation_input_refs.resize(entries, -1);
         self.fill_placement();
         let out = &mut self.building;
         out.sample_ids.extend_from_slice(&out.generation_ids);
@@ -665,6 +683,8 @@ impl Scheduler {
     /// request was not preempted after being scheduled.
     fn drop_preempted_generation_entries(&mut self, step: u64) {
         let out = &mut self.building;
+        // Only a step planned ahead has its refs yet (a plain one fills them in after).
+        let refs = !out.generation_input_refs.is_empty();
         let mut kept = 0;
         for i in 0..self.generation_reqs.len() {
             let req = self.generation_reqs[i];
@@ -675,7 +695,9 @@ impl Scheduler {
             out.generation_ids[kept] = out.generation_ids[i];
             out.generation_positions[kept] = out.generation_positions[i];
             out.generation_input_tokens[kept] = out.generation_input_tokens[i];
-            out.generation_input_refs[kept] = out.generation_input_refs[i];
+            if refs {
+                out.generation_input_refs[kept] = out.generation_input_refs[i];
+            }
             out.generation_batch_slots[kept] = out.generation_batch_slots[i];
             kept += 1;
         }
@@ -683,7 +705,9 @@ impl Scheduler {
         out.generation_ids.truncate(kept);
         out.generation_positions.truncate(kept);
         out.generation_input_tokens.truncate(kept);
-        out.generation_input_refs.truncate(kept);
+        if refs {
+            out.generation_input_refs.truncate(kept);
+        }
         out.generation_batch_slots.truncate(kept);
     }
 
