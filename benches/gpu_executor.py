@@ -1,8 +1,11 @@
-"""Decode throughput and per-step block-table build time of the reference Helix executor.
+"""Decode throughput, per-step block-table build time and host gap of the reference Helix
+executor, plain and (with ``--overlap``) one step ahead.
 
     python benches/gpu_executor.py                      # cp = 2 over NCCL, bf16, 2 GPUs
+    python benches/gpu_executor.py --overlap            # the same, plain and overlap
     python benches/gpu_executor.py --cp 1 --dtype float32
     python benches/gpu_executor.py --kv-tokens 20000     # a tight pool: preemptions
+    python benches/gpu_executor.py --kv-tokens 20000 --host-tier-pages 512  # ... suspended
     python benches/gpu_executor.py --decode-kernel       # Triton paged decode, eager
     python benches/gpu_executor.py --cuda-graphs         # ... and CUDA-graph decode steps
     python benches/gpu_executor.py --cuda-graphs --requests 256 --prompt-len 4096 \
@@ -13,7 +16,11 @@
 Prints decode tokens/s (steps that only decode), the median / p90 µs per step to build the
 step's device tables (plan from the scheduler's arrays, pinned staging, async copy, device
 expansion; measured with a device sync; on the decode fast path: filling the pinned metadata
-rows, one H2D copy, sync), and the preemptions the run needed.
+rows, one H2D copy, sync), the host gap between GPU steps (CUDA events: from the end of step
+t's last kernel to the start of step t + 1's first; ``nan`` on the CPU) and the preemptions the
+run needed. ``--overlap`` runs the workload once more one step ahead (step t + 1 scheduled and
+queued while step t runs) and adds its ``overlap_*`` figures: decode tokens/s, host gap,
+speedup, and whether its tokens equal the plain run's.
 """
 
 from __future__ import annotations
@@ -61,6 +68,15 @@ def main() -> None:
         action="store_true",
         help="one run (tables timed with a sync per step) instead of a timed and an untimed one",
     )
+    parser.add_argument(
+        "--overlap", action="store_true", help="also run one step ahead and report both"
+    )
+    parser.add_argument(
+        "--host-tier-pages",
+        type=int,
+        default=0,
+        help="each rank's host KV tier in pages: suspend to host instead of recomputing",
+    )
     args = parser.parse_args()
     spec = BenchSpec(
         cp=args.cp,
@@ -76,6 +92,8 @@ def main() -> None:
         model=TinyConfig() if args.small else defaults.model,
         decode_kernel=args.decode_kernel,
         cuda_graphs=args.cuda_graphs,
+        overlap=args.overlap,
+        host_tier_pages=args.host_tier_pages,
     )
     print(format_figures(spec, measure(spec, single_run=args.single_run)))
 

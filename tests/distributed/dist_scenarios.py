@@ -12,6 +12,7 @@ import os
 import time
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, NamedTuple
 
@@ -19,9 +20,7 @@ import numpy as np
 
 import helix_kv
 from helix_kv.distributed import EngineConfig, HelixKVRank
-from helix_kv.simulate.tokens import prompt_tokens
-
-from ..helpers.scheduler import sample
+from helix_kv.simulate.tokens import prompt_tokens, sampled_tokens
 
 TOKENS_PER_BLOCK = 4
 #: Pool of the pressured runs, in global tokens (the superblock count depends on cp).
@@ -396,33 +395,161 @@ def add_workload(built: HelixKVRank, count: int = 16, priorities: dict[int, int]
         )
 
 
-def drive(built: HelixKVRank, max_steps: int = 5000) -> Iterator[Any]:
-    """Schedule/update until every request finished; yields each step's output first (the
-    caller may inject a divergence by sending replacement tokens back)."""
-    for _ in range(max_steps):
-        if not built.scheduler.has_unfinished():
-            return
-        out = built.schedule()
-        tokens = sample(built.scheduler, out)
-        replaced = yield out
-        built.update(tokens if replaced is None else replaced)
+#: Edits one step's sampled tokens before they are fed to ``update`` (a divergence).
+Edit = Callable[[np.ndarray], np.ndarray]
+#: End-of-sequence flags of one step: ``eos(sample_ids, tokens)``.
+EosRule = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def sample_at_close(scheduler: Any, out: Any) -> np.ndarray:
+    """The tokens of ``out``, the oldest pending step, sampled as it closes (the simulator's
+    formula, :func:`tests.helpers.scheduler.sample`): every older step is closed by then, so
+    a request's output index is the tokens it has generated. In overlap mode a request may
+    have finished (by EOS) or been aborted while this step was pending; its entry here is
+    dropped by the scheduler, so its token is a placeholder."""
+    ids = np.asarray(out.sample_ids, dtype=np.uint64)
+    generated = []
+    for rid in ids.tolist():
+        try:
+            generated.append(scheduler.request_metrics(rid).generated_tokens)
+        except helix_kv.UnknownRequestError:
+            generated.append(0)  # retired while pending: the scheduler drops this token
+    return sampled_tokens(ids, np.asarray(generated, dtype=np.uint64))
+
+
+def eos_every_fifth(ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """End of sequence for even request ids whose token is a multiple of 5 (a function of
+    the request and its output index, so both modes end the same requests at the same
+    token)."""
+    return (np.asarray(tokens) % 5 == 0) & (np.asarray(ids, dtype=np.int64) % 2 == 0)
+
+
+def close_oldest(
+    built: HelixKVRank, out: Any, edit: Edit | None = None, eos: EosRule | None = None
+) -> np.ndarray:
+    """Feeds the oldest pending step (``out``) its sampled tokens; returns the finished ids."""
+    tokens = sample_at_close(built.scheduler, out)
+    if edit is not None:
+        tokens = edit(tokens)
+    flags = None if eos is None else eos(np.asarray(out.sample_ids), tokens)
+    return built.update(tokens, flags)
+
+
+def drive(
+    built: HelixKVRank,
+    max_steps: int = 5000,
+    *,
+    overlap: bool = False,
+    eos: EosRule | None = None,
+    revert_every: int = 0,
+) -> Iterator[Any]:
+    """Schedule/update until every request finished; yields each step's output right after
+    its ``schedule()`` (the caller may send back an :data:`Edit` of that step's tokens,
+    applied when the step is updated, or add and abort requests).
+
+    ``overlap``: schedule step ``t + 1`` while step ``t`` is pending, then update ``t``
+    (one step ahead, as an overlapping executor does). ``revert_every``: every n-th
+    scheduled step is reverted right after it is scheduled (the newest pending step)."""
+    pending: deque[tuple[Any, Edit | None]] = deque()
+    full = 2 if overlap else 1
+    for scheduled in range(1, max_steps + 1):
+        if built.has_unfinished():
+            out = built.schedule()
+            edit = yield out
+            if revert_every and scheduled % revert_every == 0:
+                built.revert()
+            else:
+                pending.append((out, edit))
+        if not pending:
+            if not built.has_unfinished():
+                return
+            continue  # the step was reverted
+        if len(pending) == full or not built.has_unfinished():
+            close_oldest(built, *pending.popleft(), eos=eos)
     raise AssertionError(f"workload did not finish in {max_steps} steps")
 
 
-def scenario_long_run(rank: int, world: int, backend: str) -> dict[str, Any]:
+def take_outputs(built: HelixKVRank, ids: Iterator[int] | range) -> dict[str, Any]:
+    """Every request's tokens and finish reason, and the run's totals."""
+    outputs, reasons = {}, {}
+    for rid in ids:
+        output = built.take_output(rid)
+        outputs[rid], reasons[rid] = output.token_ids.tolist(), output.finish_reason
+    metrics = built.metrics()
+    return {
+        "outputs": outputs,
+        "reasons": reasons,
+        "preemptions": int(metrics.preemptions),
+        "recomputed_tokens": int(metrics.recomputed_tokens),
+        "kv_used": int(metrics.kv_used_superblocks),
+        "live": int(built.scheduler.num_live),
+    }
+
+
+def scenario_long_run(rank: int, world: int, backend: str, overlap: bool = False) -> dict[str, Any]:
     """A pressured run to completion with the check on every step: no false positive."""
     built = pressured_rank(world)
     add_workload(built, count=24)
     steps = 0
-    for _ in drive(built):
+    for _ in drive(built, overlap=overlap):
         steps += 1
-    metrics = built.scheduler.metrics()
-    outputs = {rid: built.scheduler.take_output(rid).token_ids.tolist() for rid in range(24)}
+    return {"steps": steps, **take_outputs(built, range(24))}
+
+
+def scenario_long_run_overlap(rank: int, world: int, backend: str) -> dict[str, Any]:
+    return scenario_long_run(rank, world, backend, overlap=True)
+
+
+# --- overlap mode: the same outputs as plain mode ---------------------------------------------
+
+#: Requests of the equivalence workloads.
+EQUIVALENCE_REQUESTS = 20
+
+
+def run_workload(world: int, name: str, overlap: bool) -> dict[str, Any]:
+    """One pressured workload to completion (schedule check on), plain or one step ahead."""
+    count = EQUIVALENCE_REQUESTS
+    options: dict[str, Any] = {}
+    eos: EosRule | None = None
+    revert_every = 0
+    arrivals: dict[int, list[int]] = {}
+    if name == "chunked_prefill":
+        options["max_num_tokens"] = 8  # prompts of up to 28 tokens take several chunks
+    elif name == "eos":
+        eos = eos_every_fifth
+    elif name == "reverts":
+        revert_every = 4
+    built = pressured_rank(world, **options)
+    if name == "staggered":
+        for rid in range(count):  # two requests at the start, then one every third step
+            arrivals.setdefault(max(0, 3 * (rid - 1)), []).append(rid)
+        add_arrivals(built, arrivals.pop(0))
+    else:
+        add_workload(built, count=count)
+    steps = 0
+    gen = drive(built, overlap=overlap, eos=eos, revert_every=revert_every)
+    for out in gen:
+        steps += 1
+        add_arrivals(built, arrivals.pop(int(out.step), []))
+    assert not arrivals, f"steps {sorted(arrivals)} never came"
+    return {"steps": steps, **take_outputs(built, range(count))}
+
+
+def add_arrivals(built: HelixKVRank, ids: list[int]) -> None:
+    for rid in ids:
+        length, new_tokens = 6 + (rid * 5) % 23, 12 + (rid * 7) % 25
+        built.add_request(rid, prompt_tokens(rid, length), new_tokens)
+
+
+#: Workloads run in both modes by scenario_overlap_equivalence.
+EQUIVALENCE_WORKLOADS = ("decode_pressure", "chunked_prefill", "staggered", "eos", "reverts")
+
+
+def scenario_overlap_equivalence(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """Every workload in plain mode and one step ahead: the outputs must be equal."""
     return {
-        "steps": steps,
-        "preemptions": int(metrics.preemptions),
-        "recomputed_tokens": int(metrics.recomputed_tokens),
-        "outputs": outputs,
+        name: {mode: run_workload(world, name, mode == "overlap") for mode in ("plain", "overlap")}
+        for name in EQUIVALENCE_WORKLOADS
     }
 
 
@@ -450,9 +577,9 @@ def scenario_check_cost(rank: int, world: int, backend: str) -> dict[str, Any]:
     }
 
 
-def run_until_mismatch(gen: Iterator[Any], inject: Callable[[Any], np.ndarray | None]):
-    """Drives ``gen``; ``inject(out)`` may return replacement tokens. Returns (steps run,
-    step of the last successful schedule, what the error was)."""
+def run_until_mismatch(gen: Iterator[Any], inject: Callable[[Any], Edit | None]):
+    """Drives ``gen``; ``inject(out)`` may return an edit of that step's tokens. Returns
+    (steps run, step of the last successful schedule, what the error was)."""
     started = time.monotonic()
     last_step = None
     try:
@@ -469,26 +596,30 @@ def run_until_mismatch(gen: Iterator[Any], inject: Callable[[Any], np.ndarray | 
 INJECT_STEP = 12
 
 
-def scenario_diverge_token(rank: int, world: int, backend: str) -> dict[str, Any]:
+def scenario_diverge_token(
+    rank: int, world: int, backend: str, overlap: bool = False
+) -> dict[str, Any]:
     """At step INJECT_STEP the last rank samples a different token for its first entry."""
     built = pressured_rank(world)
     add_workload(built)
     injected: dict[str, Any] = {}
 
-    def inject(out: Any) -> np.ndarray | None:
+    def inject(out: Any) -> Edit | None:
         if int(out.step) != INJECT_STEP or len(out.sample_ids) == 0:
             return None
         injected["request"] = int(out.sample_ids[0])
-        tokens = sample(built.scheduler, out)
+        bump = np.zeros(len(out.sample_ids), dtype=np.int32)
         if rank == world - 1:
-            tokens[0] += 1
-        return tokens
+            bump[0] = 1
+        return lambda tokens: tokens + bump
 
-    result = run_until_mismatch(drive(built), inject)
+    result = run_until_mismatch(drive(built, overlap=overlap), inject)
     return {**result, **injected}
 
 
-def scenario_diverge_request(rank: int, world: int, backend: str) -> dict[str, Any]:
+def scenario_diverge_request(
+    rank: int, world: int, backend: str, overlap: bool = False
+) -> dict[str, Any]:
     """At step INJECT_STEP a request arrives; the last rank sees a longer prompt."""
     built = pressured_rank(world, admit_after_preemption=True)
     add_workload(built, count=2)
@@ -500,11 +631,13 @@ def scenario_diverge_request(rank: int, world: int, backend: str) -> dict[str, A
             built.scheduler.add_request(100, prompt_tokens(100, length), 4, 0)
             injected["added_after_step"] = INJECT_STEP
 
-    result = run_until_mismatch(drive(built), inject)
+    result = run_until_mismatch(drive(built, overlap=overlap), inject)
     return {**result, **injected}
 
 
-def scenario_diverge_victim(rank: int, world: int, backend: str) -> dict[str, Any]:
+def scenario_diverge_victim(
+    rank: int, world: int, backend: str, overlap: bool = False
+) -> dict[str, Any]:
     """Priority victims; the last rank gives the newest request a higher priority, so the
     first preemption picks a different victim there."""
     built = pressured_rank(world, victim_policy="priority")
@@ -516,7 +649,19 @@ def scenario_diverge_victim(rank: int, world: int, backend: str) -> dict[str, An
         if len(out.preempted_ids) and "first_preemption_step" not in first:
             first["first_preemption_step"] = int(out.step)
 
-    return {**run_until_mismatch(drive(built), inject), **first}
+    return {**run_until_mismatch(drive(built, overlap=overlap), inject), **first}
+
+
+def scenario_diverge_token_overlap(rank: int, world: int, backend: str) -> dict[str, Any]:
+    return scenario_diverge_token(rank, world, backend, overlap=True)
+
+
+def scenario_diverge_request_overlap(rank: int, world: int, backend: str) -> dict[str, Any]:
+    return scenario_diverge_request(rank, world, backend, overlap=True)
+
+
+def scenario_diverge_victim_overlap(rank: int, world: int, backend: str) -> dict[str, Any]:
+    return scenario_diverge_victim(rank, world, backend, overlap=True)
 
 
 # --- abort ----------------------------------------------------------------------------------
@@ -550,21 +695,29 @@ def state_label(scheduler: Any, rid: int) -> str:
     return state
 
 
-def run_with_aborts(built: HelixKVRank, plan: dict[int, tuple]) -> dict[str, Any]:
+def run_with_aborts(
+    built: HelixKVRank, plan: dict[int, tuple], overlap: bool = False
+) -> dict[str, Any]:
     """Drives ``built`` to the end, aborting per ``plan`` and reverting now and then; returns
-    what every request produced and in which states the aborts landed."""
+    what every request produced and in which states the aborts landed.
+
+    "While pending" means right after a ``schedule()``: one step pending in plain mode, two
+    in overlap mode (where "between steps" still has one pending, so every abort there waits
+    for a step to close too)."""
     scheduler = built.scheduler
     outputs: dict[int, list[int]] = {}
     reasons: dict[int, str] = {}
     states: list[str] = []
     requested: set = set()
+    full = 2 if overlap else 1
 
     def collect(rids: Any) -> None:
         for rid in np.asarray(rids, dtype=np.int64).tolist():
             output = scheduler.take_output(rid)
             outputs[rid], reasons[rid] = output.token_ids.tolist(), output.finish_reason
 
-    def abort_due(pending: bool) -> None:
+    def abort_due() -> None:
+        pending = built.pending_steps() >= full
         live = scheduler.queue_ids().tolist()
         due = [
             rid
@@ -576,19 +729,25 @@ def run_with_aborts(built: HelixKVRank, plan: dict[int, tuple]) -> dict[str, Any
         states.extend(plan[rid][0] + (" while pending" if pending else "") for rid in due)
         requested.update(due)
         built.abort_many(np.asarray(due, dtype=np.int64))  # every rank: same calls, same order
-        if not pending:
+        if built.pending_steps() == 0:  # aborted at once; otherwise when a step closes
             collect(due)
 
+    pending: deque[Any] = deque()
     for scheduled in range(1, 5000):
-        abort_due(pending=False)
-        if not scheduler.has_unfinished():
-            break
-        out = built.schedule()
-        abort_due(pending=True)
-        if scheduled % REVERT_EVERY == 0:
-            collect(built.revert())
-        else:
-            collect(built.update(sample(scheduler, out)))
+        abort_due()
+        if scheduler.has_unfinished():
+            out = built.schedule()
+            abort_due()
+            if scheduled % REVERT_EVERY == 0:
+                collect(built.revert())
+            else:
+                pending.append(out)
+        if not pending:
+            if not scheduler.has_unfinished():
+                break
+            continue
+        if len(pending) == full or not scheduler.has_unfinished():
+            collect(close_oldest(built, pending.popleft()))
     metrics = scheduler.metrics()
     return {
         "outputs": outputs,
@@ -604,27 +763,29 @@ def run_with_aborts(built: HelixKVRank, plan: dict[int, tuple]) -> dict[str, Any
     }
 
 
-def scenario_abort(rank: int, world: int, backend: str) -> dict[str, Any]:
+def scenario_abort(rank: int, world: int, backend: str, overlap: bool = False) -> dict[str, Any]:
     """Aborts in every state a CP group has (waiting, part-prefilled, decoding,
     recompute-paused), between steps and while a step is pending, with the schedule check on;
     then the survivors alone in a fresh group: they must generate the same tokens."""
     built = pressured_rank(world, max_num_tokens=ABORT_STEP_TOKENS)
     add_workload(built, count=16)
-    with_aborts = run_with_aborts(built, ABORT_PLAN)
+    with_aborts = run_with_aborts(built, ABORT_PLAN, overlap)
     aborted = {rid for rid, reason in with_aborts["reasons"].items() if reason == "aborted"}
     alone = pressured_rank(world, max_num_tokens=ABORT_STEP_TOKENS)
     for rid in range(16):
         if rid not in aborted:
             length, new_tokens = 6 + (rid * 5) % 23, 12 + (rid * 7) % 25
             alone.scheduler.add_request(rid, prompt_tokens(rid, length), new_tokens, 0)
-    return {**with_aborts, "alone": run_with_aborts(alone, {})["outputs"]}
+    return {**with_aborts, "alone": run_with_aborts(alone, {}, overlap)["outputs"]}
 
 
 #: Aborts of suspended requests in the host-tier scenario (between steps, while pending).
 HOST_TIER_ABORT_PLAN = {3: ("suspended", False), 9: ("suspended", True), 12: ("suspended", True)}
 
 
-def scenario_host_tier(rank: int, world: int, backend: str) -> dict[str, Any]:
+def scenario_host_tier(
+    rank: int, world: int, backend: str, overlap: bool = False
+) -> dict[str, Any]:
     """Aggregated Helix with helix_kv's host tier, the schedule check on every step: each
     rank offers a different host budget (the group takes the smallest), requests are
     suspended and resumed, some aborted while suspended, steps reverted now and then."""
@@ -636,11 +797,21 @@ def scenario_host_tier(rank: int, world: int, backend: str) -> dict[str, Any]:
         host_cache_bytes=host_pages * PAGE_BYTES,
     )
     add_workload(built, count=16)
-    report = run_with_aborts(built, HOST_TIER_ABORT_PLAN)
+    report = run_with_aborts(built, HOST_TIER_ABORT_PLAN, overlap)
     return {**report, "host_tier_superblocks": built.host_tier_superblocks}
 
 
-def scenario_diverge_abort(rank: int, world: int, backend: str) -> dict[str, Any]:
+def scenario_host_tier_overlap(rank: int, world: int, backend: str) -> dict[str, Any]:
+    return scenario_host_tier(rank, world, backend, overlap=True)
+
+
+def scenario_abort_overlap(rank: int, world: int, backend: str) -> dict[str, Any]:
+    return scenario_abort(rank, world, backend, overlap=True)
+
+
+def scenario_diverge_abort(
+    rank: int, world: int, backend: str, overlap: bool = False
+) -> dict[str, Any]:
     """After step INJECT_STEP the last rank alone aborts a decoding request: the schedule
     check catches it at the next step."""
     built = pressured_rank(world)
@@ -649,12 +820,16 @@ def scenario_diverge_abort(rank: int, world: int, backend: str) -> dict[str, Any
 
     def inject(out: Any) -> None:
         if int(out.step) == INJECT_STEP + 1 and len(out.generation_ids):
-            # this step is pending: the abort takes effect when it is updated
+            # this step is pending: the abort takes effect when a step is updated
             injected["request"] = int(out.generation_ids[0])
             if rank == world - 1:
                 built.abort(injected["request"])
 
-    return {**run_until_mismatch(drive(built), inject), **injected}
+    return {**run_until_mismatch(drive(built, overlap=overlap), inject), **injected}
+
+
+def scenario_diverge_abort_overlap(rank: int, world: int, backend: str) -> dict[str, Any]:
+    return scenario_diverge_abort(rank, world, backend, overlap=True)
 
 
 class env_var:

@@ -1,6 +1,10 @@
 """Multi-process tests over a real torch.distributed group: gloo on CPU (2 and 4 ranks), and
 NCCL on two GPUs (four with four GPUs) when CUDA is present.
 
+Every scenario that drives steps runs in both modes: plain (schedule, update) and overlap
+(step ``t + 1`` scheduled while step ``t`` is pending, as an overlapping executor does), and
+the overlap outputs must equal the plain ones token for token.
+
 One group per (backend, ranks) runs every cooperative scenario in turn (``dist_scenarios``),
 so the spawn and rendezvous are paid once; each test below asserts on its scenario's reports.
 A rank that dies or hangs fails the tests (deadline), never the run.
@@ -40,8 +44,22 @@ SCENARIOS = [
     sc.scenario_check_cost,
     sc.scenario_abort,
     sc.scenario_host_tier,
+    sc.scenario_host_tier_overlap,
     sc.scenario_diverge_abort,
+    sc.scenario_diverge_token_overlap,
+    sc.scenario_diverge_request_overlap,
+    sc.scenario_diverge_victim_overlap,
+    sc.scenario_long_run_overlap,
+    sc.scenario_abort_overlap,
+    sc.scenario_diverge_abort_overlap,
+    sc.scenario_overlap_equivalence,
 ]
+
+#: Scenario name suffix of each mode.
+MODES = {"plain": "", "overlap": "_overlap"}
+#: Steps between a step and the first check that compares its tokens: the next schedule in
+#: plain mode; in overlap mode the update of step t follows the schedule of t + 1.
+TOKEN_CHECK_DELAY = {"plain": 1, "overlap": 2}
 
 
 def _needs(backend: str, world: int) -> list[Any]:
@@ -65,7 +83,7 @@ def group(request: pytest.FixtureRequest) -> GroupRun:
     if key not in _RUNS:
         backend, world = key
         _RUNS[key] = run_group(
-            SCENARIOS, world, backend, deadline_s=100.0, group_timeout_s=GROUP_TIMEOUT_S
+            SCENARIOS, world, backend, deadline_s=150.0, group_timeout_s=GROUP_TIMEOUT_S
         )
     return _RUNS[key]
 
@@ -258,21 +276,28 @@ def test_aggregated_host_tier_takes_the_smallest_ranks_host_pages(group: GroupRu
         assert any("automatic host KV tier of" in m for m in report["auto_host_tier_logs"])
 
 
-def test_divergent_sampled_token_is_caught_at_the_next_step(group: GroupRun) -> None:
-    reports = group.scenario("scenario_diverge_token")
+@pytest.mark.parametrize("mode", MODES)
+def test_divergent_sampled_token_is_caught_at_the_next_check(group: GroupRun, mode: str) -> None:
+    reports = group.scenario("scenario_diverge_token" + MODES[mode])
+    caught_at = sc.INJECT_STEP + TOKEN_CHECK_DELAY[mode]
     for report in reports:
         assert report["caught"], report
-        assert report["last_step"] == sc.INJECT_STEP
-        assert report["step"] == sc.INJECT_STEP + 1
+        assert report["last_step"] == caught_at - 1
+        assert report["step"] == caught_at
         assert report["ranks"] == [group.world - 1]
         assert "sampled_tokens" in report["fields"]
-        assert f"rank(s) {group.world - 1} differ" in report["message"]
-        assert "sampled_tokens: rank 0:" in report["message"]
+        last = group.world - 1
+        assert f"schedule of step {caught_at}: rank(s) {last} differ" in report["message"]
+        # the tokens are named with the step they were sampled in
+        assert f"sampled_tokens: rank 0: step {sc.INJECT_STEP}: " in report["message"]
     assert len({r["message"] for r in reports}) == 1  # the same error on every rank
 
 
-def test_divergent_request_is_caught_on_the_step_it_is_scheduled(group: GroupRun) -> None:
-    for report in group.scenario("scenario_diverge_request"):
+@pytest.mark.parametrize("mode", MODES)
+def test_divergent_request_is_caught_on_the_step_it_is_scheduled(
+    group: GroupRun, mode: str
+) -> None:
+    for report in group.scenario("scenario_diverge_request" + MODES[mode]):
         assert report["caught"], report
         assert report["step"] == sc.INJECT_STEP + 1
         assert report["ranks"] == [group.world - 1]
@@ -281,25 +306,61 @@ def test_divergent_request_is_caught_on_the_step_it_is_scheduled(group: GroupRun
         assert "100:0+30" in report["message"]
 
 
-def test_divergent_victim_is_named(group: GroupRun) -> None:
-    for report in group.scenario("scenario_diverge_victim"):
+@pytest.mark.parametrize("mode", MODES)
+def test_divergent_victim_is_named(group: GroupRun, mode: str) -> None:
+    for report in group.scenario("scenario_diverge_victim" + MODES[mode]):
         assert report["caught"], report
         assert report["ranks"] == [group.world - 1]
         assert "preempted_ids" in report["fields"], report["fields"]
+        assert f"schedule of step {report['step']}:" in report["message"]
 
 
-def test_long_pressured_run_has_no_false_positive(group: GroupRun) -> None:
-    reports = group.scenario("scenario_long_run")
+@pytest.mark.parametrize("mode", MODES)
+def test_long_pressured_run_has_no_false_positive(group: GroupRun, mode: str) -> None:
+    reports = group.scenario("scenario_long_run" + MODES[mode])
     assert all(r["preemptions"] > 0 for r in reports), [r["preemptions"] for r in reports]
     for report in reports[1:]:
         assert report == reports[0]
     assert all(len(tokens) > 0 for tokens in reports[0]["outputs"].values())
+    assert (reports[0]["kv_used"], reports[0]["live"]) == (0, 0)
 
 
+def test_long_pressured_run_overlap_outputs_equal_plain(group: GroupRun) -> None:
+    plain = group.scenario("scenario_long_run")[0]
+    overlap = group.scenario("scenario_long_run_overlap")[0]
+    assert overlap["outputs"] == plain["outputs"]
+    for rid, tokens in plain["outputs"].items():
+        assert tokens == expected_output(rid, len(tokens)).tolist()
+
+
+@pytest.mark.parametrize("workload", sc.EQUIVALENCE_WORKLOADS)
+def test_overlap_outputs_equal_plain_outputs(group: GroupRun, workload: str) -> None:
+    reports = group.scenario("scenario_overlap_equivalence")
+    for report in reports[1:]:
+        assert report[workload] == reports[0][workload]  # every rank, both modes
+    plain, overlap = reports[0][workload]["plain"], reports[0][workload]["overlap"]
+    assert overlap["outputs"] == plain["outputs"]  # token for token
+    assert overlap["reasons"] == plain["reasons"]
+    for run in (plain, overlap):
+        assert run["preemptions"] > 0, workload  # every workload is pressured
+        assert (run["kv_used"], run["live"]) == (0, 0)  # nothing leaked
+    assert len(plain["outputs"]) == sc.EQUIVALENCE_REQUESTS
+    for rid, tokens in plain["outputs"].items():
+        assert tokens == expected_output(rid, len(tokens)).tolist()
+    if workload == "eos":  # some requests stop early on EOS, at the same token in both modes
+        stopped = [rid for rid, reason in plain["reasons"].items() if reason == "eos"]
+        assert len(stopped) >= 3, plain["reasons"]
+        for rid in stopped:
+            last = plain["outputs"][rid][-1]
+            assert rid % 2 == 0, rid
+            assert last % 5 == 0, (rid, last)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_aborts_in_every_state_keep_ranks_identical_and_survivors_unchanged(
-    group: GroupRun,
+    group: GroupRun, mode: str
 ) -> None:
-    reports = group.scenario("scenario_abort")
+    reports = group.scenario("scenario_abort" + MODES[mode])
     for report in reports[1:]:
         assert report == reports[0]  # outputs, finish reasons, states, metrics: every rank
     report = reports[0]
@@ -319,8 +380,11 @@ def test_aborts_in_every_state_keep_ranks_identical_and_survivors_unchanged(
         assert got == expected_output(rid, len(got)).tolist()
 
 
-def test_aggregated_host_tier_suspends_identically_on_every_rank(group: GroupRun) -> None:
-    reports = group.scenario("scenario_host_tier")
+@pytest.mark.parametrize("mode", MODES)
+def test_aggregated_host_tier_suspends_identically_on_every_rank(
+    group: GroupRun, mode: str
+) -> None:
+    reports = group.scenario("scenario_host_tier" + MODES[mode])
     for report in reports[1:]:
         assert report == reports[0]  # outputs, states, metrics, agreed host tier: every rank
     report = reports[0]
@@ -337,8 +401,9 @@ def test_aggregated_host_tier_suspends_identically_on_every_rank(group: GroupRun
             assert len(got) == 12 + (rid * 7) % 25
 
 
-def test_an_abort_on_one_rank_only_is_caught_at_the_next_step(group: GroupRun) -> None:
-    for report in group.scenario("scenario_diverge_abort"):
+@pytest.mark.parametrize("mode", MODES)
+def test_an_abort_on_one_rank_only_is_caught_at_the_next_step(group: GroupRun, mode: str) -> None:
+    for report in group.scenario("scenario_diverge_abort" + MODES[mode]):
         assert report["caught"], report
         assert report["step"] == sc.INJECT_STEP + 2
         assert report["ranks"] == [group.world - 1]

@@ -26,7 +26,12 @@ from helix_kv.distributed import (
     schedule_check_requested,
     superblocks_for_budget,
 )
-from helix_kv.distributed.check import sampled_fields, to_int64
+from helix_kv.distributed.check import (
+    sampled_fields,
+    to_int64,
+    updates_fields,
+    updates_fingerprint,
+)
 from helix_kv.distributed.config import SCHEDULER_FIELDS
 from helix_kv.distributed.sync import ConfigIdentity, config_mismatch
 
@@ -203,6 +208,58 @@ def test_sampled_tokens_become_one_field_to_compare() -> None:
     assert sampled_fields((ids, tokens, None)) == {"sampled_tokens": "3:17 5:22"}
     eos = np.array([False, True])
     assert sampled_fields((ids, tokens, eos)) == {"sampled_tokens": "3:17 5:22 (eos: 5)"}
+    assert sampled_fields((ids, tokens, None), step=12) == {"sampled_tokens": "step 12: 3:17 5:22"}
+
+
+def test_updates_between_two_checks_are_all_compared_in_order() -> None:
+    """One step ahead, two updates can close between two schedules (the end of a run):
+    both reach the next check, each named with its step, and their order counts."""
+    ids = np.array([3, 5], dtype=np.uint64)
+    first = (12, (ids, np.array([17, 22], dtype=np.int32), None))
+    second = (13, (ids, np.array([22, 17], dtype=np.int32), np.array([False, True])))
+    assert updates_fields([]) == {}
+    assert updates_fingerprint([]) == 0
+    assert updates_fields([first, second]) == {
+        "sampled_tokens": "step 12: 3:17 5:22; step 13: 3:22 5:17 (eos: 5)"
+    }
+    both = updates_fingerprint([first, second])
+    assert both not in (updates_fingerprint([first]), updates_fingerprint([second]))
+    assert both != updates_fingerprint([second, first])
+
+
+def test_rank_records_each_update_with_the_step_it_closed() -> None:
+    """HelixKVRank one step ahead: update closes the oldest pending step, revert drops the
+    newest; the checker is handed each update with its step."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        built = HelixKVRank.create(sc.engine_config(), 64 * sc.PAGE_BYTES)
+    recorded: list[tuple[int | None, list[int]]] = []
+
+    class Recorder:
+        def check(self, output: Any) -> None:
+            pass
+
+        def record_update(
+            self, sample_ids: Any, tokens: Any, eos: Any = None, *, step: Any = None
+        ) -> None:
+            recorded.append((step, np.asarray(sample_ids).tolist()))
+
+    built.checker = Recorder()  # type: ignore[assignment]
+    built.add_request(1, sc.prompt_tokens(1, 6), 8)
+    first = built.schedule()
+    second = built.schedule()  # one step ahead
+    assert built.pending_steps() == 2
+    built.revert()  # drops the newest (second)
+    assert built.pending_steps() == 1
+    built.update(np.zeros(len(first.sample_ids), dtype=np.int32))
+    third = built.schedule()
+    fourth = built.schedule()
+    built.update(np.zeros(len(third.sample_ids), dtype=np.int32))
+    built.update(np.zeros(len(fourth.sample_ids), dtype=np.int32))
+    assert built.pending_steps() == 0
+    assert [step for step, _ in recorded] == [int(first.step), int(third.step), int(fourth.step)]
+    assert int(second.step) not in [step for step, _ in recorded]
+    assert recorded[1][1] == np.asarray(third.sample_ids).tolist()
 
 
 def test_group_fields_are_the_decision_fields_and_the_rest_of_the_engine_config() -> None:

@@ -1,4 +1,6 @@
-"""CUDA: the executor at float32 / bf16 on one GPU and over NCCL on two, plus its figures.
+"""CUDA: the executor at float32 / bf16 on one GPU and over NCCL on two, plus its figures, in
+both modes: plain and overlap (step t + 1 queued while step t runs, its decode inputs gathered
+on the device from step t's sampled tokens).
 
 Run on a GPU machine with ``python -m pytest tests/executor -m cuda -s`` (``-s`` shows the
 throughput and table-build figures). Skips cleanly without CUDA; the two-GPU tests skip with
@@ -37,6 +39,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPU
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}
 DTYPES = list(TOLERANCE)
+MODES = ("plain", "overlap")
 TPB = 8
 MAX_NEW = 24
 MODEL = TinyConfig(
@@ -60,7 +63,12 @@ def prompts() -> dict[int, list[int]]:
 
 
 def config(
-    cp: int, dtype: str, kv_tokens: int, device: str = "cuda", **options: object
+    cp: int,
+    dtype: str,
+    kv_tokens: int,
+    device: str = "cuda",
+    overlap: bool = False,
+    **options: object,
 ) -> ExecutorConfig:
     return ExecutorConfig(
         cp=cp,
@@ -72,6 +80,7 @@ def config(
         dtype=dtype,
         device=device,
         record_logits=True,
+        overlap=overlap,
         **options,  # type: ignore[arg-type]
     )
 
@@ -89,6 +98,14 @@ def single_gpu() -> dict[str, RunResult]:
     return {dtype: run_rank(prompts(), MAX_NEW, config(1, dtype, ROOMY)) for dtype in DTYPES}
 
 
+@pytest.fixture(scope="module")
+def single_gpu_overlap() -> dict[str, RunResult]:
+    return {
+        dtype: run_rank(prompts(), MAX_NEW, config(1, dtype, ROOMY, overlap=True))
+        for dtype in DTYPES
+    }
+
+
 def check(reference: RunResult, other: RunResult, atol: float, label: str) -> None:
     agreement = compare_runs(reference, other, atol)
     print(
@@ -103,23 +120,42 @@ def test_single_gpu_matches_cpu_float64(cpu_float64, single_gpu, dtype):
     check(cpu_float64, single_gpu[dtype], TOLERANCE[dtype], f"1 GPU {dtype} vs CPU float64")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_single_gpu_overlap_matches_plain_and_cpu_float64(
+    cpu_float64, single_gpu, single_gpu_overlap, dtype
+):
+    overlap = single_gpu_overlap[dtype]
+    check(cpu_float64, overlap, TOLERANCE[dtype], f"1 GPU {dtype} overlap vs CPU float64")
+    check(single_gpu[dtype], overlap, TOLERANCE[dtype], f"1 GPU {dtype} overlap vs plain")
+    # the host gap was measured (CUDA events) in both modes
+    assert overlap.host_gap_us
+    assert single_gpu[dtype].host_gap_us
+
+
 @two_gpus
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_two_gpu_nccl_matches_single_gpu_with_and_without_preemption(
     single_gpu, cpu_float64, dtype
 ):
-    jobs = [(prompts(), MAX_NEW, config(2, dtype, kv)) for kv in (ROOMY, TIGHT)]
-    (roomy, *_), (tight, *_) = run_group(jobs, cp=2, backend="nccl", timeout_s=300)
-    print(
-        f"\ncp=2 {dtype}: roomy {roomy.preemptions} preemptions, tight {tight.preemptions} "
-        f"preemptions ({tight.preempted_while_decoding} while decoding), "
-        f"recomputed {tight.metrics.get('recomputed_tokens')} tokens"
-    )
-    assert roomy.preemptions == 0
-    assert tight.preemptions >= 1
-    check(single_gpu[dtype], roomy, TOLERANCE[dtype], f"2 GPUs {dtype} vs 1 GPU")
-    check(single_gpu[dtype], tight, TOLERANCE[dtype], f"2 GPUs {dtype} tight vs 1 GPU")
-    check(cpu_float64, tight, TOLERANCE[dtype], f"2 GPUs {dtype} tight vs CPU float64")
+    jobs = [
+        (prompts(), MAX_NEW, config(2, dtype, kv, overlap=mode == "overlap"))
+        for mode in MODES
+        for kv in (ROOMY, TIGHT)
+    ]
+    results = run_group(jobs, cp=2, backend="nccl", timeout_s=300)
+    for index, mode in enumerate(MODES):
+        (roomy, *_), (tight, *_) = results[2 * index], results[2 * index + 1]
+        print(
+            f"\ncp=2 {dtype} {mode}: roomy {roomy.preemptions} preemptions, tight "
+            f"{tight.preemptions} preemptions ({tight.preempted_while_decoding} while decoding), "
+            f"recomputed {tight.metrics.get('recomputed_tokens')} tokens"
+        )
+        assert roomy.preemptions == 0
+        assert tight.preemptions >= 1
+        label = f"2 GPUs {dtype} {mode}"
+        check(single_gpu[dtype], roomy, TOLERANCE[dtype], f"{label} vs 1 GPU")
+        check(single_gpu[dtype], tight, TOLERANCE[dtype], f"{label} tight vs 1 GPU")
+        check(cpu_float64, tight, TOLERANCE[dtype], f"{label} tight vs CPU float64")
 
 
 @pytest.fixture(scope="module")
@@ -159,16 +195,20 @@ def test_two_gpu_fast_path_matches_single_gpu(single_gpu, single_gpu_fast, dtype
 
 
 @two_gpus
-def test_two_gpu_throughput_and_table_build_figures():
-    spec = BenchSpec(cp=2)
+def test_two_gpu_throughput_table_build_and_host_gap_figures():
+    spec = BenchSpec(cp=2, overlap=True)
     numbers = measure(spec)
     print("\n" + format_figures(spec, numbers))
     assert numbers["decode_tokens_per_s"] > 0
+    assert numbers["overlap_decode_tokens_per_s"] > 0
     assert numbers["table_build_us_median"] > 0
+    assert numbers["host_gap_us_median"] >= 0  # measured (not nan)
+    assert numbers["overlap_host_gap_us_median"] >= 0
 
 
 def test_single_gpu_figures():
-    spec = BenchSpec(cp=1, requests=32)
+    spec = BenchSpec(cp=1, requests=32, overlap=True)
     numbers = measure(spec)
     print("\n" + format_figures(spec, numbers))
     assert numbers["decode_tokens_per_s"] > 0
+    assert numbers["overlap_decode_tokens_per_s"] > 0

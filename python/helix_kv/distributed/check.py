@@ -27,6 +27,9 @@ from helix_kv.mismatch import schedule_mismatch
 #: What ``record_update`` keeps of an update: sample ids, tokens and eos flags (or ``None``).
 SampledTokens = tuple[npt.NDArray[Any], npt.NDArray[np.int32], Optional[npt.NDArray[np.bool_]]]
 
+#: One recorded update: the step it closed (``None``: not given) and what it fed.
+RecordedUpdate = tuple[Optional[int], SampledTokens]
+
 
 def to_int64(value: int) -> int:
     """An unsigned 64-bit value as the signed int64 with the same bits."""
@@ -58,7 +61,9 @@ class ScheduleChecker:
     ) -> None:
         self.group, self.rank, self.size = resolve_group(group)
         self.enabled = self.size > 1
-        self._pending_update: tuple[int, SampledTokens] | None = None
+        #: Updates recorded since the last check, oldest first (usually one; an executor
+        #: that scheduled one step ahead may close two steps before its next schedule).
+        self._pending_updates: list[RecordedUpdate] = []
         #: Comparisons done and their wall time in seconds, for metrics (the clock never reaches
         #: a decision). Both only grow; a mismatch's gather is not timed.
         self.checks = 0
@@ -85,21 +90,23 @@ class ScheduleChecker:
         if self.enabled:
             self._reduce.connect()
 
-    def record_update(self, sample_ids: Any, tokens: Any, eos: Any | None = None) -> None:
+    def record_update(
+        self, sample_ids: Any, tokens: Any, eos: Any | None = None, *, step: int | None = None
+    ) -> None:
         """Folds the tokens fed to ``update`` (one per ``sample_ids`` entry) into the next
-        ``check``.
+        ``check``; ``step``: the step that update closed, named in a mismatch report.
 
         A sampled token that differs between ranks is then caught at the very next check, even
-        when the request finishes in that update and never reaches another schedule.
+        when the request finishes in that update and never reaches another schedule. In
+        overlap mode (one step scheduled ahead) the update of step ``t`` follows the schedule
+        of step ``t + 1``, so its tokens are compared at step ``t + 2``; every update recorded
+        between two checks is compared, in order.
         """
         if not self.enabled:
             return
         tokens = np.array(tokens, dtype=np.int32)
         flags = None if eos is None else np.array(eos, dtype=np.bool_)
-        fingerprint = zlib.crc32(tokens.tobytes()) << 32
-        if flags is not None:
-            fingerprint |= zlib.crc32(flags.tobytes())
-        self._pending_update = (fingerprint, (np.array(sample_ids), tokens, flags))
+        self._pending_updates.append((step, (np.array(sample_ids), tokens, flags)))
 
     def check(self, output: Any) -> None:
         """Raises :class:`~helix_kv.ScheduleMismatchError` on every rank if any two ranks'
@@ -107,36 +114,43 @@ class ScheduleChecker:
         if not self.enabled:
             return
         started = time.perf_counter()
-        value = output.digest
-        if self._pending_update is not None:
-            value ^= self._pending_update[0]
-        value = to_int64(value)
+        value = to_int64(output.digest ^ updates_fingerprint(self._pending_updates))
         values = self._reduce.values
         values[0] = value
         values[1] = ~value
         self._reduce()
         agreed = values[0] == value and ~values[1] == value
-        pending, self._pending_update = self._pending_update, None
+        pending, self._pending_updates = self._pending_updates, []
         self.check_seconds += time.perf_counter() - started
         self.checks += 1
         if not agreed:
             self._raise_mismatch(output, pending)
 
-    def _raise_mismatch(self, output: Any, pending: tuple[int, SampledTokens] | None) -> None:
+    def _raise_mismatch(self, output: Any, pending: list[RecordedUpdate]) -> None:
         # Every rank's whole output (pickled) and the tokens it fed: the same description as
         # the in-process group's, from the core's own comparison.
-        record = {
-            "output": output,
-            "extra": sampled_fields(None if pending is None else pending[1]),
-        }
+        record = {"output": output, "extra": updates_fields(pending)}
         records: list[Any] = [None] * self.size
         dist.all_gather_object(records, record, group=self.group)
         raise schedule_mismatch([r["output"] for r in records], [r["extra"] for r in records])
 
 
-def sampled_fields(sampled: SampledTokens | None) -> dict[str, str]:
+def updates_fingerprint(updates: list[RecordedUpdate]) -> int:
+    """A 64-bit fingerprint of the recorded updates, in order (0 for none): a CRC chained over
+    the tokens (high half) and over the eos flags (low half). The step numbers are left out:
+    they follow from the schedules, which the digest compares."""
+    tokens_crc = flags_crc = 0
+    for _, (_, tokens, flags) in updates:
+        tokens_crc = zlib.crc32(tokens.tobytes(), tokens_crc)
+        if flags is not None:
+            flags_crc = zlib.crc32(flags.tobytes(), flags_crc)
+    return (tokens_crc << 32) | flags_crc
+
+
+def sampled_fields(sampled: SampledTokens | None, step: int | None = None) -> dict[str, str]:
     """The tokens (and eos flags) fed to the previous ``update`` as the ``sampled_tokens``
-    field the ranks must agree on; nothing when none were recorded."""
+    field the ranks must agree on, prefixed with the step they were sampled in when
+    ``step`` is given; nothing when none were recorded."""
     if sampled is None:
         return {}
     ids, tokens, flags = sampled
@@ -144,4 +158,11 @@ def sampled_fields(sampled: SampledTokens | None) -> dict[str, str]:
     if flags is not None:
         ended = [str(rid) for rid, flag in zip(ids.tolist(), flags.tolist()) if flag]
         text += f" (eos: {' '.join(ended) or '-'})"
-    return {"sampled_tokens": text}
+    return {"sampled_tokens": text if step is None else f"step {step}: {text}"}
+
+
+def updates_fields(updates: list[RecordedUpdate]) -> dict[str, str]:
+    """:func:`sampled_fields` of every update recorded since the last check, joined with
+    ``"; "`` (two when one step was scheduled ahead and two closed before the check)."""
+    texts = [sampled_fields(sampled, step)["sampled_tokens"] for step, sampled in updates]
+    return {"sampled_tokens": "; ".join(texts)} if texts else {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+from collections import deque
 from typing import Any, Callable
 
 import numpy as np
@@ -32,7 +33,14 @@ class HelixKVRank:
 
     Build it with :meth:`create`. It satisfies :class:`helix_kv.contract.SchedulerProtocol`:
     the calls forward to the scheduler and, when the schedule check is on, ``schedule()``
-    compares every step across the group (with the tokens fed to the previous ``update()``).
+    compares every step across the group (with the tokens fed to the ``update()`` calls since
+    the previous ``schedule()``).
+
+    Overlap mode (one step ahead) works as on the scheduler: ``schedule()`` may be called
+    while one step is pending, ``update()`` closes the oldest pending step, ``revert()``
+    drops the newest, and :meth:`pending_steps` says how many are open. The check still
+    compares every step; the tokens of step ``t`` are compared at step ``t + 2`` there (their
+    update follows the schedule of ``t + 1``), and a mismatch names both steps.
 
     Attributes:
         config: the engine configuration.
@@ -68,7 +76,9 @@ class HelixKVRank:
         self.local_superblocks = local_superblocks
         self.checker = checker
         self.kv_storage: Any = None
-        self._sample_ids: npt.NDArray[np.uint64] | None = None
+        # (step, sample_ids) of each pending step, oldest first: what the checker records
+        # when ``update`` closes the oldest (two entries in overlap mode).
+        self._pending: deque[tuple[int, npt.NDArray[np.uint64]]] = deque()
         # For metrics (helix_kv.distributed.prometheus): an error raised out of the core
         # is not something the core can count.
         self.deadlocks = 0
@@ -203,30 +213,40 @@ class HelixKVRank:
 
     def schedule(self) -> ScheduleOutput:
         """The next step's :class:`helix_kv.ScheduleOutput`, checked across the group when
-        the schedule check is on (raises :class:`helix_kv.ScheduleMismatchError`)."""
+        the schedule check is on (raises :class:`helix_kv.ScheduleMismatchError` naming the
+        step). Callable while one step is pending (overlap mode: see
+        :meth:`helix_kv.Scheduler.schedule`)."""
         try:
             output = self.scheduler.schedule()
         except helix_kv.DeadlockError:
             self.deadlocks += 1
             raise
+        # Recorded before the check: the step is pending in the scheduler even when the
+        # check raises, and a later revert() must drop this entry, not an older one.
+        self._pending.append((int(output.step), output.sample_ids))
         if self.checker is not None:
             self.checker.check(output)
-        self._sample_ids = output.sample_ids
         return output
 
     def update(self, tokens: TokenArray, eos: FlagArray | None = None) -> npt.NDArray[np.uint64]:
-        """Feeds the step's sampled tokens (one per ``sample_ids`` entry); returns the ids
-        that finished. With the check on, the tokens are compared at the next ``schedule``
-        (recorded once the update has succeeded: a rejected update changed nothing)."""
+        """Feeds the oldest pending step's sampled tokens (one per its ``sample_ids`` entry);
+        returns the ids that finished. With the check on, the tokens are compared at the next
+        ``schedule`` (recorded once the update has succeeded: a rejected update changed
+        nothing)."""
         finished = self.scheduler.update(tokens, eos)
-        if self.checker is not None and self._sample_ids is not None:
-            self.checker.record_update(self._sample_ids, tokens, eos)
+        if self._pending:
+            step, sample_ids = self._pending.popleft()
+            if self.checker is not None:
+                self.checker.record_update(sample_ids, tokens, eos, step=step)
         return finished
 
     def revert(self) -> npt.NDArray[np.uint64]:
-        """Undoes the scheduled step that was not run; returns the ids of requests whose
-        abort was requested while it was pending (aborted now)."""
-        return self.scheduler.revert()
+        """Undoes the newest pending step (the one the executor did not run); returns the ids
+        of requests whose abort was requested while it was pending (aborted now)."""
+        reverted = self.scheduler.revert()
+        if self._pending:
+            self._pending.pop()
+        return reverted
 
     def abort(self, request_id: int) -> None:
         """Aborts a request (see :meth:`helix_kv.Scheduler.abort`). Every rank must make

@@ -1,6 +1,9 @@
-"""Decode throughput and table-build time of the reference executor (CPU/gloo or GPU/NCCL).
+"""Decode throughput, table-build time and host gap of the reference executor (CPU/gloo or
+GPU/NCCL), plain and one step ahead (overlap).
 
-Used by ``benches/gpu_executor.py`` and by the CUDA tests, which print the figures.
+Used by ``benches/gpu_executor.py`` and by the CUDA tests, which print the figures. The host
+gap is the device time between the end of one step's last kernel and the start of the next
+step's first (CUDA events; not measured on the CPU, reported as ``nan``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class BenchSpec:
     seed: int = 0
     decode_kernel: bool = False  # Triton paged decode kernel + persistent-buffer fast path
     cuda_graphs: bool = False  # replay decode-only steps from CUDA graphs (implies the kernel)
+    overlap: bool = False  # also run the workload one step ahead and report both
+    host_tier_pages: int = 0  # each rank's host KV tier (suspend to host under pressure)
 
 
 def synthetic_prompts(count: int, length: int, vocab_size: int, seed: int) -> dict[int, list[int]]:
@@ -52,7 +57,9 @@ def synthetic_prompts(count: int, length: int, vocab_size: int, seed: int) -> di
     return {i: rng.integers(0, vocab_size, size=length).tolist() for i in range(count)}
 
 
-def executor_config(spec: BenchSpec, time_table_build: bool) -> ExecutorConfig:
+def executor_config(
+    spec: BenchSpec, time_table_build: bool, overlap: bool = False
+) -> ExecutorConfig:
     """The executor configuration of a workload."""
     superblock = spec.tokens_per_block * spec.cp
     if spec.kv_tokens is None:  # every request's whole sequence at once
@@ -72,25 +79,35 @@ def executor_config(spec: BenchSpec, time_table_build: bool) -> ExecutorConfig:
         time_table_build=time_table_build,
         decode_kernel=spec.decode_kernel,
         cuda_graphs=spec.cuda_graphs,
+        overlap=overlap,
+        host_tier_pages=spec.host_tier_pages,
     )
 
 
 def measure(
     spec: BenchSpec, timeout_s: float = 300.0, single_run: bool = False
 ) -> dict[str, float]:
-    """Run the workload twice on one group: once timing the table build (a device sync per
-    step), once untimed for throughput (``single_run``: only the timed run, which gives both).
-    Returns rank 0's figures."""
+    """Run the workload on one group: once timing the table build (a device sync per step),
+    once untimed for throughput and host gap (``single_run``: only the timed run, which gives
+    both), and with ``spec.overlap`` once more, untimed, one step ahead. Returns rank 0's
+    figures (``overlap_*`` for the overlap run)."""
     prompts = synthetic_prompts(spec.requests, spec.prompt_len, spec.model.vocab_size, spec.seed)
     jobs = [(prompts, spec.new_tokens, executor_config(spec, time_table_build=True))]
     if not single_run:
         jobs.append((prompts, spec.new_tokens, executor_config(spec, time_table_build=False)))
+    if spec.overlap:
+        jobs.append((prompts, spec.new_tokens, executor_config(spec, False, overlap=True)))
     if spec.cp == 1:
         results = [run_rank(*job) for job in jobs]
     else:
         backend = "nccl" if spec.device == "cuda" else "gloo"
-        results = [ranks[0] for ranks in run_group(jobs, spec.cp, backend, timeout_s)]
-    return figures(results[0], results[-1])
+        per_job = run_group(jobs, spec.cp, backend=backend, timeout_s=timeout_s)
+        results = [ranks[0] for ranks in per_job]
+    plain = results[-2] if spec.overlap else results[-1]
+    numbers = figures(results[0], plain)
+    if spec.overlap:
+        numbers.update(overlap_figures(plain, results[-1]))
+    return numbers
 
 
 def figures(timed: RunResult, untimed: RunResult) -> dict[str, float]:
@@ -105,10 +122,37 @@ def figures(timed: RunResult, untimed: RunResult) -> dict[str, float]:
         "table_build_us_p90": float(np.percentile(build, 90)),
         "metadata_host_us_median": float(np.median(timed.metadata_host_us or [0.0])),
         "schedule_us_median": float(np.median(untimed.schedule_us)),
+        **host_gap_figures(untimed),
         "steps": float(len(untimed.digests)),
         "fast_path_steps": float(untimed.fast_path_steps),
         "preemptions": float(untimed.preemptions),
+        "suspensions": float(untimed.metrics.get("suspensions", 0)),
+        "recomputed_tokens": float(untimed.metrics.get("recomputed_tokens", 0)),
         "capacity_superblocks": float(untimed.capacity_superblocks),
+    }
+
+
+def host_gap_figures(run: RunResult, prefix: str = "") -> dict[str, float]:
+    """Median and p90 µs the device idled between steps (``nan`` without CUDA events)."""
+    gaps = np.asarray(run.host_gap_us[1:] or run.host_gap_us)  # drop the warm-up
+    median = float(np.median(gaps)) if gaps.size else float("nan")
+    p90 = float(np.percentile(gaps, 90)) if gaps.size else float("nan")
+    return {f"{prefix}host_gap_us_median": median, f"{prefix}host_gap_us_p90": p90}
+
+
+def overlap_figures(plain: RunResult, overlap: RunResult) -> dict[str, float]:
+    """The overlap run's figures next to the plain run's; ``overlap_outputs_equal`` is 1.0
+    when both generated the same tokens (greedy; on a GPU a different batch composition may
+    move a near-tie, see :mod:`helix_kv.executor.agreement`)."""
+    return {
+        "overlap_decode_tokens_per_s": overlap.decode_tokens_per_s,
+        "overlap_decode_step_ms": 1e3 * overlap.decode_s / max(overlap.decode_steps, 1),
+        "overlap_tokens_per_s_overall": overlap.tokens_run / overlap.total_s,
+        **host_gap_figures(overlap, "overlap_"),
+        "overlap_speedup": overlap.decode_tokens_per_s / max(plain.decode_tokens_per_s, 1e-9),
+        "overlap_steps": float(len(overlap.digests)),
+        "overlap_preemptions": float(overlap.preemptions),
+        "overlap_outputs_equal": float(overlap.outputs == plain.outputs),
     }
 
 
@@ -124,6 +168,7 @@ def format_figures(spec: BenchSpec, numbers: dict[str, float]) -> str:
         f"x {spec.prompt_len} prompt + {spec.new_tokens} new, tpb={spec.tokens_per_block}, "
         f"decode kernel {'on' if spec.decode_kernel or spec.cuda_graphs else 'off'}, "
         f"CUDA graphs {'on' if spec.cuda_graphs else 'off'}"
+        + (", plain and overlap" if spec.overlap else "")
     )
     lines = [head] + [f"  {name}: {value:,.1f}" for name, value in numbers.items()]
     return "\n".join(lines)

@@ -9,6 +9,18 @@ The loop every rank runs (the embedding pattern for a real executor)::
     tokens = greedy(model.logits(hidden[batch.sample_index]))  # sample_ids order
     finished = helix.update(tokens)
 
+With ``ExecutorConfig(overlap=True)`` the loop runs one step ahead: step ``t + 1`` is
+scheduled, planned and queued while step ``t`` runs on the device; its decode inputs still in
+flight are gathered on the device from step ``t``'s sampled tokens
+(``out.generation_input_refs``, :mod:`helix_kv.executor.overlap`); only then does the host
+wait for step ``t``'s tokens (an async copy to pinned memory) and call ``update`` for it::
+
+    out = helix.schedule()                          # step t + 1, step t still pending
+    batch = pool.prepare(StepPlan.from_schedule(helix.scheduler, out, placement))
+    gather.apply(batch.token_ids, out.generation_input_refs, tokens_t)  # on the device
+    tokens_t1 = greedy(model.logits(...)); host_t1 = readback.start(tokens_t1)
+    finished = helix.update(host_t.wait())          # closes step t
+
 ``helix`` is the rank's :class:`helix_kv.distributed.HelixKVRank`; the loop makes only the
 calls of the scheduler contract (:class:`helix_kv.contract.SchedulerProtocol`) on it, plus the
 block tables the step plan reads from its scheduler.
@@ -22,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
@@ -37,6 +50,7 @@ from helix_kv.executor.decode_step import DecodeLayout, DecodeMetadata, DecodeSt
 from helix_kv.executor.host_pool import HostKVPool
 from helix_kv.executor.kv_pool import KVPool
 from helix_kv.executor.model import TinyConfig, TinyTransformer, group_combine
+from helix_kv.executor.overlap import DecodeInputGather, HostTokens, StepTimeline, TokenReadback
 from helix_kv.executor.placement import RankPlacement
 from helix_kv.executor.step_plan import StepPlan
 
@@ -63,6 +77,12 @@ class ExecutorConfig:
     ``host_tier_pages``: this rank's host KV tier in pages (0: none). Under aggregated Helix it
     turns on helix_kv's own host tier (``EngineConfig.aggregated_host_tier``); the group
     agrees on the minimum, and suspended pages are copied through a :class:`HostKVPool`.
+    ``overlap``: schedule step ``t + 1`` while step ``t`` runs (one step ahead; see the
+    module docs). ``eos_token_id``: a sampled token equal to it ends its request (``None``:
+    requests run to their ``max_new_tokens``). The fast path
+    (``decode_kernel`` / ``cuda_graphs``) runs a step to its update: with ``overlap`` it takes
+    only the decode steps launched with nothing in flight (wiring its buffers to the
+    in-flight gather is future work).
     """
 
     cp: int = 1
@@ -84,6 +104,8 @@ class ExecutorConfig:
     max_steps: int = 100_000
     scheduler_options: Mapping[str, Any] = field(default_factory=dict)
     host_tier_pages: int = 0
+    overlap: bool = False
+    eos_token_id: int | None = None
 
     def with_(self, **changes: Any) -> ExecutorConfig:
         """A copy with some fields changed."""
@@ -127,6 +149,7 @@ class RunResult:
     schedule_us: list[float] = field(default_factory=list)
     table_build_us: list[float] = field(default_factory=list)
     metadata_host_us: list[float] = field(default_factory=list)
+    host_gap_us: list[float] = field(default_factory=list)
 
     @property
     def preemptions(self) -> int:
@@ -137,6 +160,11 @@ class RunResult:
     def decode_tokens_per_s(self) -> float:
         """Generated tokens per second over steps that ran decode entries only."""
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def host_gap_us_median(self) -> float:
+        """Median µs the device idled between consecutive steps (CUDA only; 0 otherwise)."""
+        return float(np.median(self.host_gap_us)) if self.host_gap_us else 0.0
 
     @property
     def table_build_us_median(self) -> float:
@@ -216,10 +244,16 @@ def run_rank(
     result = RunResult(rank, {}, {}, {}, [], [], helix.capacity_superblocks)
     logits_rows: dict[int, list[np.ndarray]] = {}
     decoding: set[int] = set()  # requests that decoded since their last (re-)admission
-    started = time.perf_counter()
-    while helix.has_unfinished():
-        if len(result.digests) >= config.max_steps:
-            raise RuntimeError(f"no completion after {config.max_steps} steps")
+    gather, readback, timeline = (
+        DecodeInputGather(device),
+        TokenReadback(device),
+        StepTimeline(device),
+    )
+    broadcast_src = dist.get_global_rank(group, 0) if group else 0
+
+    def launch(previous: _LaunchedStep | None) -> _LaunchedStep | None:
+        """Schedules the next step and queues its device work, after ``previous``'s (still
+        pending in overlap mode: its sampled tokens are read on the device)."""
         step_start = time.perf_counter()
         out = helix.schedule()
         build_start = time.perf_counter()
@@ -245,32 +279,70 @@ def run_rank(
                 _take_finished(helix, result, finished)
                 continue
         plan = StepPlan.from_schedule(helix.scheduler, out, placement)
+        timeline.start()
         batch = pool.prepare(plan)
+        gather.apply(
+            batch.token_ids, out.generation_input_refs, previous.tokens if previous else None
+        )
         if config.time_table_build:
             _synchronize(device)
             result.table_build_us.append((time.perf_counter() - build_start) * 1e6)
-        sample_ids = np.asarray(out.sample_ids, dtype=np.int64)
-        tokens = torch.zeros(len(sample_ids), dtype=torch.int64, device=device)
+        tokens = torch.zeros(len(out.sample_ids), dtype=torch.int64, device=device)
+        logits = None
         if plan.num_tokens:
             logits = model.logits(model.forward(batch, pool, combine)[batch.sample_index])
             tokens = logits.argmax(dim=-1)
-            if config.record_logits:
-                _record_logits(logits_rows, sample_ids, logits)
-        if config.cp > 1 and len(sample_ids):
+        if config.cp > 1 and len(out.sample_ids):
             # ranks compute identical logits; broadcasting makes identical tokens a guarantee
-            dist.broadcast(tokens, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        finished = helix.update(tokens.cpu().numpy().astype(np.int32))
+            dist.broadcast(tokens, src=broadcast_src, group=group)
+        host_tokens = readback.start(tokens)
+        timeline.end()
+        kept_logits = logits if config.record_logits else None
+        return _LaunchedStep(out, plan, tokens, host_tokens, kept_logits, step_start)
+
+    def close(step: _LaunchedStep, last_close: float) -> float:
+        """Feeds the oldest pending step its sampled tokens; returns when it closed."""
+        tokens = step.host_tokens.wait()
+        eos = None if config.eos_token_id is None else tokens == config.eos_token_id
+        finished = helix.update(tokens, eos)
+        closed = time.perf_counter()
+        if step.logits is not None:
+            # A request that finished (EOS) while this step was pending ran in it anyway;
+            # the scheduler dropped that token, so its row is not kept either.
+            ran = np.asarray(step.out.sample_ids, np.int64).tolist()
+            _record_logits(
+                logits_rows, [rid for rid in ran if rid not in result.outputs], ran, step.logits
+            )
+        # One step ahead, a step's host work overlaps the previous one's: its time is what
+        # it added after the previous step closed.
         _account_step(
             result,
-            out,
-            plan.num_tokens,
-            plan.num_generation,
-            plan.num_entries,
-            time.perf_counter() - step_start,
+            step.out,
+            step.plan.num_tokens,
+            step.plan.num_generation,
+            step.plan.num_entries,
+            closed - max(step.started, last_close),
             decoding,
         )
         _take_finished(helix, result, finished)
+        return closed
+
+    ahead = 1 if config.overlap else 0  # steps left in flight while the next one is queued
+    in_flight: deque[_LaunchedStep] = deque()
+    started = last_close = time.perf_counter()
+    while helix.has_unfinished() or in_flight:
+        if helix.has_unfinished():
+            if len(result.digests) + len(in_flight) >= config.max_steps:
+                raise RuntimeError(f"no completion after {config.max_steps} steps")
+            launched = launch(in_flight[-1] if in_flight else None)
+            if launched is None:  # the fast path ran it to its update
+                last_close = time.perf_counter()
+                continue
+            in_flight.append(launched)
+        if len(in_flight) > ahead or not helix.has_unfinished():
+            last_close = close(in_flight.popleft(), last_close)
     result.total_s = time.perf_counter() - started
+    result.host_gap_us = timeline.gaps_us()
     result.metrics = dict(helix.metrics().to_dict())
     if host_pool is not None:
         result.host_tier_superblocks = host_pool.num_pages
@@ -304,12 +376,15 @@ def _run_decode_step(
         result.table_build_us.append((time.perf_counter() - build_start) * 1e6)
     step.run(bucket)
     if config.record_logits:
-        _record_logits(logits_rows, np.asarray(out.sample_ids, dtype=np.int64), step.logits[:rows])
+        ran = np.asarray(out.sample_ids, dtype=np.int64).tolist()
+        _record_logits(logits_rows, ran, ran, step.logits[:rows])
     if config.cp > 1:
         # ranks compute identical logits; broadcasting makes identical tokens a guarantee
         src = dist.get_global_rank(group, 0) if group else 0
         dist.broadcast(step.tokens[:rows], src=src, group=group)
-    finished = helix.update(step.read_tokens(rows).astype(np.int32))
+    tokens = step.read_tokens(rows).astype(np.int32)
+    eos = None if config.eos_token_id is None else tokens == config.eos_token_id
+    finished = helix.update(tokens, eos)
     return finished, rows
 
 
@@ -318,6 +393,18 @@ def _take_finished(helix: HelixKVRank, result: RunResult, finished: Any) -> None
         output = helix.take_output(request_id)
         result.request_metrics[request_id] = dict(output.metrics.to_dict())
         result.outputs[request_id] = output.token_ids.tolist()
+
+
+@dataclass
+class _LaunchedStep:
+    """A step whose device work is queued and whose ``update`` has not happened yet."""
+
+    out: Any
+    plan: StepPlan
+    tokens: torch.Tensor  # sampled tokens on the device, sample_ids order
+    host_tokens: HostTokens  # their copy to the host
+    logits: torch.Tensor | None  # kept for record_logits
+    started: float  # perf_counter when its schedule() began
 
 
 def run_group(
@@ -375,11 +462,17 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _record_logits(
-    rows: dict[int, list[np.ndarray]], sample_ids: np.ndarray, logits: torch.Tensor
+    rows: dict[int, list[np.ndarray]],
+    kept: Sequence[int],
+    sample_ids: Sequence[int],
+    logits: torch.Tensor,
 ) -> None:
+    """Appends the logits rows of the requests in ``kept`` (rows in ``sample_ids`` order)."""
     host = logits.float().cpu().numpy() if logits.dtype == torch.bfloat16 else logits.cpu().numpy()
-    for request_id, row in zip(sample_ids.tolist(), host):
-        rows.setdefault(request_id, []).append(row)
+    keep = set(kept)
+    for request_id, row in zip(sample_ids, host):
+        if request_id in keep:
+            rows.setdefault(request_id, []).append(row)
 
 
 def _account_step(

@@ -406,6 +406,7 @@ fn aggregated_host_tier_with_reverts_staggered_arrivals_and_aborts() {
                     revert_per_mille,
                     seed: u64::from(cp) + 7,
                     max_steps: 0,
+                    ..RunOptions::default()
                 };
                 let result = run_with_aborts(&config, &specs, options);
                 assert!(result.suspensions > 0, "{policy:?} cp={cp}: must suspend");

@@ -263,6 +263,7 @@ fn suspends_never_overwrite_host_pages_a_resume_of_the_same_step_reads() {
                 revert_per_mille: 150,
                 seed,
                 max_steps: 0,
+                ..RunOptions::default()
             };
             let result = group.run(&specs_sorted, options).unwrap();
             assert_matches_reference(&specs_sorted, Model::default(), &result);

@@ -633,6 +633,10 @@ impl Scheduler {
             ServingMode::NonHelix | ServingMode::AggregatedHelix
         ) || held == 0
             || held > self.host.free_count()
+            // Resumed by the older pending step (one step ahead): its host pages are still
+            // read by that step's copy-in until its update, so it cannot go back to the host
+            // now; it is recompute-paused instead.
+            || !self.host.pages(victim).is_empty()
         {
             return false;
         }
