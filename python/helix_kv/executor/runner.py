@@ -260,7 +260,8 @@ def run_rank(
         result.schedule_us.append((build_start - step_start) * 1e6)
         if host_pool is not None:
             host_pool.copy_step(out)  # queued before anything of the step writes KV
-        if decode_step is not None:
+        if decode_step is not None and previous is None:
+            # The fast path runs a step to its update (one step ahead it is not wired yet).
             tokens_run = _run_decode_step(
                 decode_step, helix, out, config, result, logits_rows, build_start, group
             )
@@ -277,7 +278,7 @@ def run_rank(
                     decoding,
                 )
                 _take_finished(helix, result, finished)
-                continue
+                return None
         plan = StepPlan.from_schedule(helix.scheduler, out, placement)
         timeline.start()
         batch = pool.prepare(plan)
