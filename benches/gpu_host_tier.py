@@ -75,11 +75,14 @@ def main() -> None:
     before = pool.key_cache.clone()
     out_s, in_s = _timed(copy_out, side), _timed(copy_in, side)
     # the copy-in wrote pages 2P.. from the host copy of pages 0..: check one layer's bytes
-    paged = pool.key_cache.view(pool.key_cache.shape[0], -1, args.tokens_per_block,
-                                *pool.key_cache.shape[2:])
+    paged = pool.key_cache.view(
+        pool.key_cache.shape[0], -1, args.tokens_per_block, *pool.key_cache.shape[2:]
+    )
     old = before.view_as(paged)
-    assert torch.equal(paged[:, torch.from_numpy(gpu_pages + 2 * args.pages).cuda()],
-                       old[:, torch.from_numpy(gpu_pages).cuda()])
+    assert torch.equal(
+        paged[:, torch.from_numpy(gpu_pages + 2 * args.pages).cuda()],
+        old[:, torch.from_numpy(gpu_pages).cuda()],
+    )
     device_bytes = torch.empty(moved, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(moved, dtype=torch.uint8, pin_memory=True)
     d2h = _timed(lambda: pinned.copy_(device_bytes, non_blocking=True))
@@ -89,10 +92,13 @@ def main() -> None:
         f"helix_kv host tier: {torch.cuda.get_device_name(0)}, {args.dtype}, {args.pages} pages "
         f"x {host.page_bytes / 2**20:.2f} MiB ({'scattered' if args.scattered else 'contiguous'})"
     )
-    print(f"  copy_out_GB_per_s: {gb / out_s:.1f}  (plain pinned D2H of the same bytes: "
-          f"{gb / d2h:.1f})")
-    print(f"  copy_in_GB_per_s: {gb / in_s:.1f}  (plain pinned H2D of the same bytes: "
-          f"{gb / h2d:.1f})")
+    print(
+        f"  copy_out_GB_per_s: {gb / out_s:.1f}  (plain pinned D2H of the same bytes: "
+        f"{gb / d2h:.1f})"
+    )
+    print(
+        f"  copy_in_GB_per_s: {gb / in_s:.1f}  (plain pinned H2D of the same bytes: {gb / h2d:.1f})"
+    )
     print(f"  copy_out_ms: {out_s * 1e3:.2f}  copy_in_ms: {in_s * 1e3:.2f}")
 
 
