@@ -212,3 +212,25 @@ def test_single_gpu_figures():
     print("\n" + format_figures(spec, numbers))
     assert numbers["decode_tokens_per_s"] > 0
     assert numbers["overlap_decode_tokens_per_s"] > 0
+
+
+HOST_PAGES = 256  # each rank's host tier with the tight pool: room for every victim
+
+
+@two_gpus
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_gpu_host_tier_matches_single_gpu_in_both_modes(single_gpu, cpu_float64, dtype):
+    """Aggregated Helix with the host tier on 2 GPUs (NCCL): victims are suspended to pinned host
+    pages and copied back on a side stream; logits stay within tolerance of the 1-GPU roomy run
+    and of CPU float64, plain and one step ahead."""
+    jobs = [
+        (prompts(), MAX_NEW, config(2, dtype, TIGHT, overlap=overlap, host_tier_pages=HOST_PAGES))
+        for overlap in (False, True)
+    ]
+    for (run, *_), mode in zip(run_group(jobs, cp=2, backend="nccl", timeout_s=300), MODES):
+        assert run.metrics["suspensions"] >= 1, f"{mode}: the tight pool must suspend"
+        assert run.metrics["resumes"] == run.metrics["suspensions"]
+        assert run.host_bytes_out == run.host_bytes_in > 0
+        label = f"2 GPUs {dtype} {mode} host tier"
+        check(single_gpu[dtype], run, TOLERANCE[dtype], f"{label} vs 1 GPU")
+        check(cpu_float64, run, TOLERANCE[dtype], f"{label} vs CPU float64")
