@@ -223,7 +223,9 @@ impl PyScheduler {
     /// `schedule()`'s) into `buffer` (a writeable, C-contiguous, 8-byte aligned int32 array
     /// of at least `layout.total_words` words), cut as `layout` says. Everything is checked
     /// before a word is written: an error leaves the buffer and the scheduler unchanged.
-    /// A decode-sized step keeps the GIL (microseconds); a long one releases it.
+    /// A decode-sized step keeps the GIL (microseconds); a long one releases it. A decode
+    /// input still in flight (a step planned one ahead) is written as token -1: gather it from
+    /// `generation_input_refs`.
     fn write_step_metadata(
         &self,
         py: Python<'_>,

@@ -392,7 +392,9 @@ impl Scheduler {
     /// the first word is written, so an error (`InvalidState` for an output that is not the
     /// pending step's, `InvalidLength` for a step or table past the layout's capacities or a
     /// buffer shorter than it, `InvalidArgument` for arrays that do not fit together,
-    /// `UnknownRequest`) leaves the buffer as it was. The scheduler is only read.
+    /// `UnknownRequest`) leaves the buffer as it was. The scheduler is only read. A decode
+    /// input still in flight (a step planned one ahead) is written as token -1: the layout has
+    /// no section for `generation_input_refs` yet.
     pub fn write_step_metadata(
         &self,
         source: StepSource<'_>,
