@@ -1,0 +1,177 @@
+"""Side by side: vLLM v1's scheduler and helix_kv's, one decode step each, on the host.
+
+Per step, with N requests all decoding: vLLM ``Scheduler.schedule()`` +
+``update_from_output()`` (one sampled token per request) against helix_kv ``schedule()`` +
+``update()`` at cp = 4 (the loop of ``bench_scheduler.py``), and helix_kv plus the one call that
+writes the step's kernel metadata. Both run in this one process, one after the other, so they
+share the machine's state.
+
+vLLM is not a dependency of helix_kv: install it in a separate environment together with
+helix_kv (``pip install vllm`` then ``pip install --no-deps <helix_kv wheel>``) and run
+``python benches/vllm_compare.py [N ...]``. vLLM's ``ModelConfig`` reads a Hugging Face
+config; a small OPT-shaped ``config.json`` is written to a temporary directory, so nothing is
+downloaded. vLLM's scheduler touches no model weights and no GPU here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT = 100
+ROUNDS = 200
+BLOCK_SIZE = 16
+
+OPT_CONFIG = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 768,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "ffn_dim": 3072,
+    "vocab_size": 50272,
+    "max_position_embeddings": 8192,
+    "word_embed_proj_dim": 768,
+    "do_layer_norm_before": True,
+    "torch_dtype": "float16",
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+    "pad_token_id": 1,
+}
+
+
+def vllm_scheduler(n: int, model_dir: str) -> Any:
+    import torch
+    from vllm import SamplingParams
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", seed=0)
+    sched = SchedulerConfig(
+        max_num_seqs=n,
+        max_num_batched_tokens=max(8192, n * PROMPT),
+        max_model_len=8192,
+        is_encoder_decoder=False,
+    )
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    config = VllmConfig(
+        scheduler_config=sched,
+        model_config=model,
+        cache_config=cache,
+        device_config=DeviceConfig("cpu"),
+    )
+    blocks = n * (PROMPT + ROUNDS + 64) // BLOCK_SIZE + n + 16
+    cache.num_gpu_blocks = blocks
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float16
+    )
+    kv = KVCacheConfig(
+        num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+    )
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK_SIZE,
+        log_stats=False,
+    )
+    for i in range(n):
+        params = SamplingParams(max_tokens=1_000_000, ignore_eos=True)
+        scheduler.add_request(
+            Request(
+                request_id=str(i),
+                prompt_token_ids=list(range(PROMPT)),
+                sampling_params=params,
+                pooling_params=None,
+            )
+        )
+    return scheduler
+
+
+def vllm_step(scheduler: Any) -> int:
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    out = scheduler.schedule()
+    ids = list(out.num_scheduled_tokens)
+    runner_output = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={rid: i for i, rid in enumerate(ids)},
+        sampled_token_ids=[[7]] * len(ids),
+    )
+    scheduler.update_from_output(out, runner_output)
+    return len(ids)
+
+
+def timed(step: Any, rounds: int) -> list[float]:
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def measure_vllm(n: int, model_dir: str) -> float:
+    scheduler = vllm_scheduler(n, model_dir)
+    while vllm_step(scheduler) and any(r.num_computed_tokens < PROMPT for r in scheduler.running):
+        pass
+    assert len(scheduler.running) == n, "every request must be decoding"
+    timed(lambda: vllm_step(scheduler), 5)
+    return statistics.median(timed(lambda: vllm_step(scheduler), ROUNDS // 4))
+
+
+def measure_helix(n: int, with_metadata: bool) -> float:
+    spec = importlib.util.spec_from_file_location(
+        "bench_scheduler", Path(__file__).with_name("bench_scheduler.py")
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    loop = bench.Loop(n, superblocks=n * 16, max_new=100_000)
+    loop.prefill()
+    if not with_metadata:
+        timed(loop.step, 20)
+        return statistics.median(timed(loop.step, ROUNDS))
+    from helix_kv.step_metadata import new_step_metadata_buffer
+
+    layout = loop.s.step_metadata_layout(16)  # pages per request: ample for the run
+    buffer = new_step_metadata_buffer(layout)
+
+    def step() -> None:
+        out = loop.s.schedule()
+        loop.s.write_step_metadata(out, buffer, layout)
+        loop.s.update(loop.tokens[: out.num_samples])
+
+    timed(step, 20)
+    return statistics.median(timed(step, ROUNDS))
+
+
+def main(argv: list[str]) -> None:
+    sizes = [int(a) for a in argv] or [1024, 4096]
+    with tempfile.TemporaryDirectory() as model_dir:
+        Path(model_dir, "config.json").write_text(json.dumps(OPT_CONFIG))
+        print("| N decodes | vLLM v1 | helix_kv | ratio | helix_kv + step metadata | ratio |")
+        print("|---|---|---|---|---|---|")
+        for n in sizes:
+            v = measure_vllm(n, model_dir)
+            h = measure_helix(n, with_metadata=False)
+            m = measure_helix(n, with_metadata=True)
+            print(
+                f"| {n} | {v * 1e6:,.0f} us | {h * 1e6:.1f} us | {v / h:,.0f}x "
+                f"| {m * 1e6:.1f} us | {v / m:,.0f}x |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
