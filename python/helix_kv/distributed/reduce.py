@@ -8,6 +8,10 @@
   two operations of one communicator in flight on different streams, and the caller's group
   may be busy with the model's collectives on its own stream. A replayed graph is not watched
   by torch's NCCL watchdog, so the wait polls its completion event against the timeout.
+
+:meth:`HostMinAllReduce.start` queues the reduction and returns; :meth:`HostMinAllReduce.wait`
+waits for it (calling the object does both), so the round trip can run while the caller
+queues other work.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class HostMinAllReduce:
         self.graphed = False
         self._parent = group
         self._group: ProcessGroup | None = group  # NCCL: the own communicator, from connect()
+        self._work: dist.Work | None = None  # gloo: the reduction in flight
         if device.type != "cuda":
             self._stream: torch.cuda.Stream | None = None
             return
@@ -88,8 +93,21 @@ class HostMinAllReduce:
             logger.info("schedule check: CUDA graph capture failed (%s); using eager NCCL", exc)
 
     def __call__(self) -> None:
+        """The whole reduction: :meth:`start`, then :meth:`wait`."""
+        self.start()
+        self.wait()
+
+    def start(self) -> None:
+        """Queues the reduction of ``values`` and returns without waiting for it; ``values``
+        must not be written until :meth:`wait` returned (it holds the result then). One
+        reduction at a time: call :meth:`wait` before the next ``start``.
+
+        gloo: an asynchronous ``all_reduce`` on the host tensor. NCCL: the graph replayed on
+        the side stream (nothing on the current stream waits for it, nor it for them)."""
         if self._stream is None:
-            dist.all_reduce(self._host, op=dist.ReduceOp.MIN, group=self._group)
+            self._work = dist.all_reduce(
+                self._host, op=dist.ReduceOp.MIN, group=self._group, async_op=True
+            )
             return
         if self._group is None:  # never on the default group by mistake
             raise HelixKVError("helix_kv schedule check used before connect()")
@@ -99,6 +117,17 @@ class HostMinAllReduce:
             else:
                 self._enqueue()
             self._done.record(self._stream)
+
+    def wait(self) -> None:
+        """Waits until the reduction queued by :meth:`start` has landed in ``values`` (at
+        once when it already has). Raises :class:`helix_kv.HelixKVError` when a peer did not
+        join it within the timeout (NCCL; gloo raises its own error). Does nothing when no
+        reduction is pending on gloo; on NCCL it returns at once once the last one is done."""
+        if self._stream is None:
+            work, self._work = self._work, None
+            if work is not None:
+                work.wait()
+            return
         self._wait()
 
     def _enqueue(self) -> None:
