@@ -338,7 +338,8 @@ def test_split_check_halves(group: GroupRun) -> None:
         assert report["after_second_start"] == [1, second]
         assert report["after_finishes"] == [2, None]
         mismatch = report["mismatch"]
-        assert mismatch is not None and mismatch["is_mismatch"], report
+        assert mismatch is not None, report
+        assert mismatch["is_mismatch"], report
         assert mismatch["step"] == report["third"]
         assert mismatch["ranks"] == [group.world - 1]
         assert "sampled_tokens" in mismatch["fields"]

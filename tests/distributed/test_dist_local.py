@@ -313,7 +313,8 @@ def test_checker_fingerprint_folds_updates_as_they_come() -> None:
     buffer[:] = -1  # reused by the caller: what was recorded must not change
     kept = checker._pending_updates
     assert [step for step, _ in kept] == [4, 5]
-    assert kept[0][1][1].dtype == np.int32 and kept[0][1][1][0] != -1
+    assert kept[0][1][1].dtype == np.int32
+    assert kept[0][1][1][0] != -1
     folded = (checker._tokens_crc << 32) | checker._flags_crc
     assert folded == updates_fingerprint(kept)
     for _ in range(200):

@@ -23,7 +23,6 @@ from typing import Any, Optional
 
 import numpy as np
 import numpy.typing as npt
-import torch.distributed as dist
 
 from helix_kv.distributed.group import ProcessGroup, resolve_group
 from helix_kv.distributed.reduce import HostMinAllReduce
@@ -133,11 +132,11 @@ class ScheduleChecker:
         if not self.enabled:
             return
         tokens = np.array(tokens, dtype=np.int32, order="C")
-        self._tokens_crc = zlib.crc32(tokens, self._tokens_crc)
+        self._tokens_crc = zlib.crc32(tokens.data, self._tokens_crc)
         flags = None
         if eos is not None:
             flags = np.array(eos, dtype=np.bool_, order="C")
-            self._flags_crc = zlib.crc32(flags, self._flags_crc)
+            self._flags_crc = zlib.crc32(flags.data, self._flags_crc)
         self._pending_updates.append((step, (np.asarray(sample_ids), tokens, flags)))
 
     @property
@@ -198,9 +197,11 @@ class ScheduleChecker:
     def _raise_mismatch(self, output: Any, pending: list[RecordedUpdate]) -> None:
         # Every rank's whole output (pickled) and the tokens it fed: the same description as
         # the in-process group's, from the core's own comparison.
-        record = {"output": output, "extra": updates_fields(pending)}
-        records: list[Any] = [None] * self.size
-        dist.all_gather_object(records, record, group=self.group)
+        # Gathered over the check's own communicator (NCCL): the step's model work, queued
+        # on the caller's streams and group with a schedule that differs, may never finish.
+        records = self._reduce.all_gather_object(
+            {"output": output, "extra": updates_fields(pending)}
+        )
         raise schedule_mismatch([r["output"] for r in records], [r["extra"] for r in records])
 
 
@@ -219,9 +220,9 @@ def updates_fingerprint(updates: list[RecordedUpdate]) -> int:
     token (or any one flag) always have different fingerprints."""
     tokens_crc = flags_crc = 0
     for _, (_, tokens, flags) in updates:
-        tokens_crc = zlib.crc32(np.ascontiguousarray(tokens, dtype=np.int32), tokens_crc)
+        tokens_crc = zlib.crc32(np.ascontiguousarray(tokens, dtype=np.int32).data, tokens_crc)
         if flags is not None:
-            flags_crc = zlib.crc32(np.ascontiguousarray(flags, dtype=np.bool_), flags_crc)
+            flags_crc = zlib.crc32(np.ascontiguousarray(flags, dtype=np.bool_).data, flags_crc)
     return (tokens_crc << 32) | flags_crc
 
 

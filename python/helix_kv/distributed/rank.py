@@ -45,7 +45,8 @@ class HelixKVRank:
     that schedule finishes the check in flight before starting its own), always before
     step ``t``'s tokens are committed and before ``schedule()`` returns a step that would
     read step ``t``'s KV; the step stays pending in the scheduler. ``revert()`` finishes
-    the check of the step it drops.
+    the check of the step it drops; :meth:`finish_check` finishes the check in flight
+    earlier, for an executor about to wait for a step's tokens.
 
     Overlap mode (one step ahead) works as on the scheduler: ``schedule()`` may be called
     while one step is pending, ``update()`` closes the oldest pending step, ``revert()``
@@ -260,15 +261,29 @@ class HelixKVRank:
                 self.checker.record_update(sample_ids, tokens, eos, step=step)
         return finished
 
+    def finish_check(self) -> None:
+        """Finishes the schedule check in flight, if any (raising
+        :class:`helix_kv.ScheduleMismatchError` on every rank when it failed); a no-op when
+        the check is off or nothing is in flight. Optional: ``update`` finishes a step's check
+        anyway. An executor calls it right before the host blocks on the step's device work
+        (its sampled tokens): the check does not depend on that work, so a mismatch is raised
+        even when a forward queued on a schedule that differs between ranks never completes.
+        Every rank must call it at the same point of the step."""
+        if self.checker is not None:
+            self.checker.finish()
+
     def revert(self) -> npt.NDArray[np.uint64]:
         """Undoes the newest pending step (the one the executor did not run); returns the ids
         of requests whose abort was requested while it was pending (aborted now). With the
         check on, that step's comparison is finished first (a step that diverged is still
         reported)."""
         checker = self.checker
-        if checker is not None and self._pending:
-            if checker.in_flight_step == self._pending[-1][0]:
-                checker.finish()
+        if (
+            checker is not None
+            and self._pending
+            and (checker.in_flight_step == self._pending[-1][0])
+        ):
+            checker.finish()
         reverted = self.scheduler.revert()
         if self._pending:
             self._pending.pop()

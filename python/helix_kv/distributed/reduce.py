@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -129,6 +130,20 @@ class HostMinAllReduce:
                 work.wait()
             return
         self._wait()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (collective; call it after :meth:`wait`).
+
+        NCCL: over the own communicator, from the side stream, so it depends on nothing
+        queued on the caller's streams or group (a step's model work queued on a schedule
+        that turned out to differ between ranks may never complete). gloo: on the group."""
+        gathered: list[Any] = [None] * dist.get_world_size(self._parent)
+        if self._stream is None:
+            dist.all_gather_object(gathered, obj, group=self._group)
+            return gathered
+        with torch.cuda.stream(self._stream):
+            dist.all_gather_object(gathered, obj, group=self._group)
+        return gathered
 
     def _enqueue(self) -> None:
         self._device_buf.copy_(self._host, non_blocking=True)
