@@ -35,6 +35,10 @@ from typing import Any
 import numpy as np
 
 ISOLATED_ROUNDS = 2000
+#: The loops run under a stand-in forward: the blocking check() (as before the split), the
+#: split check finished right before the tokens are waited for (as the executor does), the
+#: same finished at update(), and the executor's one-step-ahead loop.
+OVERLAPPED_MODES = ("blocking", "plain", "plain_at_update", "overlap")
 WARMUP = 100
 
 
@@ -81,6 +85,8 @@ class _Forward:
             self.device = torch.device("cuda", torch.cuda.current_device())
             self.cycles_per_us = _calibrate_sleep()
             self.value = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self.hosts = [torch.empty(1, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self.launched = 0
         else:
             self.value = torch.zeros(1, dtype=torch.int64)
 
@@ -97,7 +103,8 @@ class _Forward:
             return None
         torch.cuda._sleep(int(self.us * self.cycles_per_us))
         dist.all_reduce(self.value)
-        host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        host = self.hosts[self.launched % 2]  # two steps in flight at most
+        self.launched += 1
         host.copy_(self.value, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
@@ -130,10 +137,14 @@ def _add_requests(built: Any, requests: int, first_id: int) -> None:
         built.scheduler.add_request(first_id + rid, prompt, int(rng.integers(16, 200)), 0)
 
 
-def _overlapped_run(built: Any, forward: _Forward, overlap: bool) -> dict[str, Any]:
+def _overlapped_run(
+    built: Any, forward: _Forward, overlap: bool, early_finish: bool = True
+) -> dict[str, Any]:
     """A pressured run through ``built`` (HelixKVRank: check started by ``schedule()``,
     finished by the step's ``update()``) with ``forward`` between them; per step, the host
-    time of the check (start + finish) and of ``record_update``."""
+    time of the check (start + finish) and of ``record_update``. ``early_finish``: finish the
+    check right before waiting for the step's tokens (``finish_check()``, as the executor
+    does); else at ``update`` (where the forward has covered it)."""
     checker = built.checker
     recorded = checker.record_update
     record_s: list[float] = []
@@ -155,6 +166,8 @@ def _overlapped_run(built: Any, forward: _Forward, overlap: bool) -> dict[str, A
                 pending.append((out, forward.launch()))
             if len(pending) > (1 if overlap else 0) or not built.has_unfinished():
                 out, handle = pending.pop(0)
+                if early_finish:
+                    built.finish_check()
                 forward.wait(handle)
                 built.update(_tokens(out))
             spent = checker.check_seconds - before
@@ -176,8 +189,9 @@ def _blocking_run(built: Any, forward: _Forward) -> dict[str, Any]:
     """The same loop with the blocking ``check()`` right after ``schedule()`` (the check
     before this split): its host time per step."""
     checker = built.checker
-    check_s = []
+    check_s, step_s = [], []
     while built.scheduler.has_unfinished():
+        scheduled = time.perf_counter()
         out = built.scheduler.schedule()
         started = time.perf_counter()
         checker.check(out)
@@ -186,7 +200,12 @@ def _blocking_run(built: Any, forward: _Forward) -> dict[str, Any]:
         tokens = _tokens(out)
         built.scheduler.update(tokens)
         checker.record_update(out.sample_ids, tokens, step=int(out.step))
-    return {"check": _stats(check_s[WARMUP // 10 :]), "steps": len(check_s)}
+        step_s.append(time.perf_counter() - scheduled)
+    return {
+        "check": _stats(check_s[WARMUP // 10 :]),
+        "step": _stats(step_s[WARMUP // 10 :]),
+        "steps": len(check_s),
+    }
 
 
 def rank_worker(rank: int, world: int, requests: int, forward_us: float = 0.0) -> dict[str, Any]:
@@ -238,12 +257,13 @@ def rank_worker(rank: int, world: int, requests: int, forward_us: float = 0.0) -
     overlapped: dict[str, Any] = {}
     if forward_us > 0:
         forward = _Forward(forward_us, nccl)
-        for index, mode in enumerate(("blocking", "plain", "overlap")):
+        for index, mode in enumerate(OVERLAPPED_MODES):
             _add_requests(built, requests, (index + 1) * requests)
             if mode == "blocking":
                 overlapped[mode] = _blocking_run(built, forward)
             else:
-                overlapped[mode] = _overlapped_run(built, forward, mode == "overlap")
+                early = mode != "plain_at_update"
+                overlapped[mode] = _overlapped_run(built, forward, mode == "overlap", early)
     return {
         "isolated": _stats(isolated),
         "in_run": _stats(check_s),
@@ -313,8 +333,13 @@ def _print_overlapped(backend: str, world: int, forward_us: float, results: list
         f"time per step p50 (p90): blocking check() {median('blocking', 'check'):.1f} "
         f"({median('blocking', 'check', 'p90_us'):.1f}) us"
     )
-    for mode in ("plain", "overlap"):
-        label = "start+finish" if mode == "plain" else "one step ahead"
+    labels = {
+        "plain": "start+finish (finish before the token wait)",
+        "plain_at_update": "finish at update",
+        "overlap": "one step ahead",
+    }
+    line += f", step {median('blocking', 'step'):.1f} us"
+    for mode, label in labels.items():
         line += (
             f"; {label} {median(mode, 'check'):.1f} ({median(mode, 'check', 'p90_us'):.1f}) us, "
             f"+ record_update {median(mode, 'with_record'):.1f} us, step "
