@@ -273,13 +273,18 @@ def test_rank_records_each_update_with_the_step_it_closed() -> None:
     built.update(np.zeros(len(fourth.sample_ids), dtype=np.int32))
     fifth = built.schedule()  # plain: its update finishes its check
     built.update(np.zeros(len(fifth.sample_ids), dtype=np.int32))
+    sixth = built.schedule()
+    built.finish_check()  # the executor, before it waits for the step's tokens
+    built.finish_check()  # nothing in flight: nothing
+    calls.append(("tokens", None, built.pending_steps()))
+    built.update(np.zeros(len(sixth.sample_ids), dtype=np.int32))
     assert built.pending_steps() == 0
     assert [step for step, _ in recorded] == [
-        int(first.step), int(third.step), int(fourth.step), int(fifth.step)
+        int(first.step), int(third.step), int(fourth.step), int(fifth.step), int(sixth.step)
     ]  # fmt: skip
     assert int(second.step) not in [step for step, _ in recorded]
     assert recorded[1][1] == np.asarray(third.sample_ids).tolist()
-    s1, s2, s3, s4, s5 = (int(o.step) for o in (first, second, third, fourth, fifth))
+    s1, s2, s3, s4, s5, s6 = (int(o.step) for o in (first, second, third, fourth, fifth, sixth))
     assert calls == [
         ("start", s1, 1),
         ("finish", s1, 2),  # by the next start, one step ahead
@@ -295,6 +300,10 @@ def test_rank_records_each_update_with_the_step_it_closed() -> None:
         ("start", s5, 1),
         ("finish", s5, 1),
         ("record", s5, 0),
+        ("start", s6, 1),
+        ("finish", s6, 1),
+        ("tokens", None, 1),
+        ("record", s6, 0),
     ]
 
 
