@@ -59,6 +59,8 @@ class HostMinAllReduce:
         self._group = None
         self._device_buf = torch.zeros(2, dtype=torch.int64, device=device)
         self._stream = torch.cuda.Stream(device)
+        #: The side stream as torch.cuda.set_stream passes it (see :meth:`start`).
+        self._side = (self._stream.stream_id, self._stream.device_index, self._stream.device_type)
         self._done = torch.cuda.Event()
         if connect:
             self.connect()
@@ -112,6 +114,18 @@ class HostMinAllReduce:
             return
         if self._group is None:  # never on the default group by mistake
             raise HelixKVError("helix_kv schedule check used before connect()")
+        graph = self._graph
+        if graph is not None and torch._C._cuda_getDevice() == self._side[1]:
+            # What torch.cuda.stream(side) does, without its several us of Python per step:
+            # on the graph's own device (the usual case) only the current stream changes.
+            caller = torch._C._cuda_getCurrentStream(self._side[1])
+            _set_stream(self._side)
+            try:
+                graph.replay()
+                self._done.record(self._stream)
+            finally:
+                _set_stream(caller)
+            return
         with torch.cuda.stream(self._stream):
             if self._graph is not None:
                 self._graph.replay()
@@ -168,6 +182,12 @@ class HostMinAllReduce:
                     "the group"
                 )
             time.sleep(0.0001)
+
+
+def _set_stream(stream: tuple[int, int, int]) -> None:
+    """Makes ``(stream_id, device_index, device_type)`` (as ``_cuda_getCurrentStream``
+    returns it) the current stream, as :func:`torch.cuda.set_stream` does."""
+    torch._C._cuda_setStream(stream_id=stream[0], device_index=stream[1], device_type=stream[2])
 
 
 def _one_channel_options(timeout: timedelta) -> object | None:
