@@ -246,9 +246,9 @@ class HelixKVRank:
         """Feeds the oldest pending step's sampled tokens (one per its ``sample_ids`` entry);
         returns the ids that finished. With the check on, the comparison of the step closed
         here is finished first (raising :class:`helix_kv.ScheduleMismatchError`, with
-        nothing committed, when the ranks differed), and the tokens are compared at the next
-        ``schedule`` (recorded once the update has succeeded: a rejected update changed
-        nothing)."""
+        nothing committed, when the ranks differed), and the tokens go into the check the next
+        ``schedule`` starts (recorded once the update has succeeded: a rejected update
+        changed nothing)."""
         checker = self.checker
         if checker is not None and self._pending:
             in_flight = checker.in_flight_step
