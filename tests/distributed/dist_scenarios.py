@@ -577,9 +577,69 @@ def scenario_check_cost(rank: int, world: int, backend: str) -> dict[str, Any]:
     }
 
 
-def run_until_mismatch(gen: Iterator[Any], inject: Callable[[Any], Edit | None]):
+def scenario_check_split(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """ScheduleChecker's two halves directly: finish with nothing in flight does nothing; a
+    collective on the caller's group may run between start and finish; a second start
+    finishes the first check (both are compared); a mismatch in the first of two started
+    checks is raised by the second start on every rank, naming the first step."""
+    import torch
+    import torch.distributed as dist
+
+    from helix_kv.distributed import ScheduleChecker
+
+    built = HelixKVRank.create(engine_config(), 64 * PAGE_BYTES, check_schedule=False)
+    add_workload(built, count=4)
+    checker = ScheduleChecker()
+    report: dict[str, Any] = {}
+    checker.finish()  # nothing in flight
+    report["finish_without_start"] = [checker.checks, checker.in_flight_step]
+    first = built.scheduler.schedule()
+    second = built.scheduler.schedule()  # one step ahead: two steps pending
+    checker.start(first)
+    report["in_flight"] = checker.in_flight_step
+    # the step's own work on the same group while the check is in flight
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    mine = torch.full((1,), float(rank), device=device)
+    everyone = [torch.zeros(1, device=device) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    report["gathered"] = [float(t.item()) for t in everyone]
+    checker.start(second)  # finishes the first check before starting this one
+    report["after_second_start"] = [checker.checks, checker.in_flight_step]
+    checker.finish()
+    checker.finish()  # already finished: nothing
+    report["after_finishes"] = [checker.checks, checker.in_flight_step]
+    report["steps"] = [int(first.step), int(second.step)]
+
+    for out in (first, second):  # the last rank feeds a different token for the first step
+        tokens = sample_at_close(built.scheduler, out)
+        built.scheduler.update(tokens)
+        if out is first and rank == world - 1:
+            tokens = tokens.copy()
+            tokens[0] += 1
+        checker.record_update(out.sample_ids, tokens, step=int(out.step))
+    third = built.scheduler.schedule()
+    fourth = built.scheduler.schedule()
+    checker.start(third)  # compares the diverged tokens
+    started = time.monotonic()
+    try:
+        checker.start(fourth)
+        report["mismatch"] = None
+    except helix_kv.ScheduleMismatchError as exc:
+        report["mismatch"] = describe(exc, started)
+    report["after_mismatch"] = [checker.checks, checker.in_flight_step]
+    report["third"] = int(third.step)
+    checker.check(fourth)  # nothing left over: the next comparison agrees
+    report["after_recovery"] = [checker.checks, checker.in_flight_step]
+    return report
+
+
+def run_until_mismatch(
+    gen: Iterator[Any], inject: Callable[[Any], Edit | None], built: HelixKVRank | None = None
+):
     """Drives ``gen``; ``inject(out)`` may return an edit of that step's tokens. Returns
-    (steps run, step of the last successful schedule, what the error was)."""
+    (steps run, step of the last successful schedule, what the error was) and, given
+    ``built``, the steps its scheduler still holds pending after the error (the caught step
+    among them: nothing of it was committed) and the check left in flight."""
     started = time.monotonic()
     last_step = None
     try:
@@ -590,7 +650,13 @@ def run_until_mismatch(gen: Iterator[Any], inject: Callable[[Any], Edit | None])
     except StopIteration:
         return {"caught": False, "last_step": last_step}
     except helix_kv.ScheduleMismatchError as exc:
-        return {"caught": True, "last_step": last_step, **describe(exc, started)}
+        after = {}
+        if built is not None:
+            after = {
+                "pending_after": built.pending_steps(),
+                "check_in_flight": built.checker.in_flight_step if built.checker else None,
+            }
+        return {"caught": True, "last_step": last_step, **describe(exc, started), **after}
 
 
 INJECT_STEP = 12
@@ -613,7 +679,7 @@ def scenario_diverge_token(
             bump[0] = 1
         return lambda tokens: tokens + bump
 
-    result = run_until_mismatch(drive(built, overlap=overlap), inject)
+    result = run_until_mismatch(drive(built, overlap=overlap), inject, built)
     return {**result, **injected}
 
 
@@ -631,7 +697,7 @@ def scenario_diverge_request(
             built.scheduler.add_request(100, prompt_tokens(100, length), 4, 0)
             injected["added_after_step"] = INJECT_STEP
 
-    result = run_until_mismatch(drive(built, overlap=overlap), inject)
+    result = run_until_mismatch(drive(built, overlap=overlap), inject, built)
     return {**result, **injected}
 
 
@@ -649,7 +715,7 @@ def scenario_diverge_victim(
         if len(out.preempted_ids) and "first_preemption_step" not in first:
             first["first_preemption_step"] = int(out.step)
 
-    return {**run_until_mismatch(drive(built, overlap=overlap), inject), **first}
+    return {**run_until_mismatch(drive(built, overlap=overlap), inject, built), **first}
 
 
 def scenario_diverge_token_overlap(rank: int, world: int, backend: str) -> dict[str, Any]:

@@ -42,6 +42,7 @@ SCENARIOS = [
     sc.scenario_diverge_victim,
     sc.scenario_long_run,
     sc.scenario_check_cost,
+    sc.scenario_check_split,
     sc.scenario_abort,
     sc.scenario_host_tier,
     sc.scenario_host_tier_overlap,
@@ -282,8 +283,13 @@ def test_divergent_sampled_token_is_caught_at_the_next_check(group: GroupRun, mo
     caught_at = sc.INJECT_STEP + TOKEN_CHECK_DELAY[mode]
     for report in reports:
         assert report["caught"], report
-        assert report["last_step"] == caught_at - 1
+        # raised after the schedule of the caught step returned and before the next one did:
+        # by the step's update (plain) or the next schedule (one step ahead) ...
+        assert report["last_step"] == caught_at
         assert report["step"] == caught_at
+        # ... with the caught step still pending: nothing of it was committed
+        assert report["pending_after"] == (1 if mode == "plain" else 2)
+        assert report["check_in_flight"] is None
         assert report["ranks"] == [group.world - 1]
         assert "sampled_tokens" in report["fields"]
         last = group.world - 1
@@ -304,6 +310,43 @@ def test_divergent_request_is_caught_on_the_step_it_is_scheduled(
         assert "context_lens" in report["fields"], report["fields"]
         assert "100:0+10" in report["message"]
         assert "100:0+30" in report["message"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_divergent_schedule_is_raised_before_the_step_is_committed(
+    group: GroupRun, mode: str
+) -> None:
+    """The schedule check runs under the step's work (started by schedule(), finished by the
+    step's update()): a divergent schedule is still raised on every rank, at its own step,
+    before the next schedule returns and with the step still pending."""
+    for name in ("scenario_diverge_request", "scenario_diverge_victim"):
+        reports = group.scenario(name + MODES[mode])
+        for report in reports:
+            assert report["caught"], report
+            assert report["last_step"] == report["step"], report
+            assert report["pending_after"] == (1 if mode == "plain" else 2), report
+        assert len({(r["step"], r["message"]) for r in reports}) == 1
+
+
+def test_split_check_halves(group: GroupRun) -> None:
+    reports = group.scenario("scenario_check_split")
+    for report in reports:
+        first, second = report["steps"]
+        assert report["finish_without_start"] == [0, None]
+        assert report["in_flight"] == first
+        assert report["gathered"] == [float(r) for r in range(group.world)]
+        assert report["after_second_start"] == [1, second]
+        assert report["after_finishes"] == [2, None]
+        mismatch = report["mismatch"]
+        assert mismatch is not None, report
+        assert mismatch["is_mismatch"], report
+        assert mismatch["step"] == report["third"]
+        assert mismatch["ranks"] == [group.world - 1]
+        assert "sampled_tokens" in mismatch["fields"]
+        assert f"step {first}: " in mismatch["message"]
+        assert report["after_mismatch"] == [3, None]
+        assert report["after_recovery"] == [4, None]
+    assert len({r["mismatch"]["message"] for r in reports}) == 1
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -229,20 +229,35 @@ def test_updates_between_two_checks_are_all_compared_in_order() -> None:
 
 def test_rank_records_each_update_with_the_step_it_closed() -> None:
     """HelixKVRank one step ahead: update closes the oldest pending step, revert drops the
-    newest; the checker is handed each update with its step."""
+    newest; the checker is handed each update with its step, and each step's check is
+    started by its schedule and finished before its update (or its revert) changes the
+    scheduler, never later."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         built = HelixKVRank.create(sc.engine_config(), 64 * sc.PAGE_BYTES)
     recorded: list[tuple[int | None, list[int]]] = []
+    calls: list[tuple[str, int | None, int]] = []  # (call, step, scheduler's pending steps)
 
     class Recorder:
-        def check(self, output: Any) -> None:
-            pass
+        """The real checker's call rules (one check in flight; a start finishes it first)."""
+
+        in_flight_step: int | None = None
+
+        def start(self, output: Any) -> None:
+            self.finish()
+            calls.append(("start", int(output.step), built.pending_steps()))
+            self.in_flight_step = int(output.step)
+
+        def finish(self) -> None:
+            if self.in_flight_step is not None:
+                calls.append(("finish", self.in_flight_step, built.pending_steps()))
+            self.in_flight_step = None
 
         def record_update(
             self, sample_ids: Any, tokens: Any, eos: Any = None, *, step: Any = None
         ) -> None:
             recorded.append((step, np.asarray(sample_ids).tolist()))
+            calls.append(("record", step, built.pending_steps()))
 
     built.checker = Recorder()  # type: ignore[assignment]
     built.add_request(1, sc.prompt_tokens(1, 6), 8)
@@ -256,10 +271,85 @@ def test_rank_records_each_update_with_the_step_it_closed() -> None:
     fourth = built.schedule()
     built.update(np.zeros(len(third.sample_ids), dtype=np.int32))
     built.update(np.zeros(len(fourth.sample_ids), dtype=np.int32))
+    fifth = built.schedule()  # plain: its update finishes its check
+    built.update(np.zeros(len(fifth.sample_ids), dtype=np.int32))
+    sixth = built.schedule()
+    built.finish_check()  # the executor, before it waits for the step's tokens
+    built.finish_check()  # nothing in flight: nothing
+    calls.append(("tokens", None, built.pending_steps()))
+    built.update(np.zeros(len(sixth.sample_ids), dtype=np.int32))
     assert built.pending_steps() == 0
-    assert [step for step, _ in recorded] == [int(first.step), int(third.step), int(fourth.step)]
+    assert [step for step, _ in recorded] == [
+        int(first.step), int(third.step), int(fourth.step), int(fifth.step), int(sixth.step)
+    ]  # fmt: skip
     assert int(second.step) not in [step for step, _ in recorded]
     assert recorded[1][1] == np.asarray(third.sample_ids).tolist()
+    s1, s2, s3, s4, s5, s6 = (int(o.step) for o in (first, second, third, fourth, fifth, sixth))
+    assert calls == [
+        ("start", s1, 1),
+        ("finish", s1, 2),  # by the next start, one step ahead
+        ("start", s2, 2),
+        ("finish", s2, 2),  # by revert, before the scheduler drops the step
+        ("record", s1, 0),
+        ("start", s3, 1),
+        ("finish", s3, 2),
+        ("start", s4, 2),
+        ("record", s3, 1),  # update(third) leaves the newer step's check in flight
+        ("finish", s4, 1),  # update(fourth): before the scheduler commits it
+        ("record", s4, 0),
+        ("start", s5, 1),
+        ("finish", s5, 1),
+        ("record", s5, 0),
+        ("start", s6, 1),
+        ("finish", s6, 1),
+        ("tokens", None, 1),
+        ("record", s6, 0),
+    ]
+
+
+def test_checker_fingerprint_folds_updates_as_they_come() -> None:
+    """record_update folds the same fingerprint as updates_fingerprint over what it kept,
+    copies the caller's buffers, and any one differing token or flag changes it."""
+    checker = ScheduleChecker.__new__(ScheduleChecker)  # the local part only: no group
+    checker.enabled = True
+    checker._pending_updates, checker._tokens_crc, checker._flags_crc = [], 0, 0
+    rng = np.random.default_rng(3)
+    ids = np.arange(40, dtype=np.uint64)
+    buffer = rng.integers(0, 32000, size=40).astype(np.int64)
+    flags = buffer % 7 == 0
+    checker.record_update(ids, buffer, flags, step=4)
+    checker.record_update(ids[:9], buffer[:9], None, step=5)
+    buffer[:] = -1  # reused by the caller: what was recorded must not change
+    kept = checker._pending_updates
+    assert [step for step, _ in kept] == [4, 5]
+    assert kept[0][1][1].dtype == np.int32
+    assert kept[0][1][1][0] != -1
+    folded = (checker._tokens_crc << 32) | checker._flags_crc
+    assert folded == updates_fingerprint(kept)
+    for _ in range(200):
+        position = int(rng.integers(0, 40))
+        tokens = kept[0][1][1].copy()
+        tokens[position] += int(rng.integers(1, 2**31 - 32000))
+        changed = [(4, (ids, tokens, kept[0][1][2])), kept[1]]
+        assert updates_fingerprint(changed) != folded
+        other = kept[0][1][2].copy()
+        other[position] = not other[position]
+        assert updates_fingerprint([(4, (ids, kept[0][1][1], other)), kept[1]]) != folded
+
+
+def test_finish_without_start_does_nothing() -> None:
+    """finish() with no check in flight (never started, or already finished) is a no-op,
+    so a caller may finish at every update; a disabled checker ignores start too."""
+    checker = ScheduleChecker.__new__(ScheduleChecker)
+    checker.enabled = True
+    checker._in_flight, checker.checks, checker.check_seconds = None, 0, 0.0
+    checker.finish()
+    assert (checker.checks, checker.in_flight_step) == (0, None)
+    with pytest.warns(RuntimeWarning, match="cannot apply"):
+        disabled = ScheduleChecker()
+    disabled.start(None)
+    disabled.finish()
+    assert (disabled.checks, disabled.in_flight_step) == (0, None)
 
 
 def test_group_fields_are_the_decision_fields_and_the_rest_of_the_engine_config() -> None:

@@ -122,7 +122,7 @@ METRICS: tuple[MetricInfo, ...] = (
     MetricInfo(
         PREFIX + "schedule_check_seconds",
         "summary",
-        "Wall time of the per-step schedule check (0 samples when the check is off).",
+        "Host time of the per-step schedule check, start plus finish (none when it is off).",
     ),
 )
 

@@ -32,9 +32,21 @@ class HelixKVRank:
     """A rank's scheduler (with its superblock ledger) and, optionally, its KV storage.
 
     Build it with :meth:`create`. It satisfies :class:`helix_kv.contract.SchedulerProtocol`:
-    the calls forward to the scheduler and, when the schedule check is on, ``schedule()``
-    compares every step across the group (with the tokens fed to the ``update()`` calls since
-    the previous ``schedule()``).
+    the calls forward to the scheduler and, when the schedule check is on, every step is
+    compared across the group (its schedule, with the tokens fed to the ``update()`` calls
+    since the previous ``schedule()``).
+
+    The comparison of step ``t`` runs while the executor works on it: ``schedule()`` starts
+    it (:meth:`ScheduleChecker.start`, after the scheduler decided, before the output is
+    returned, so before any of the step's model work is queued) and ``update()`` of step
+    ``t`` finishes it (:meth:`ScheduleChecker.finish`) before the scheduler commits anything
+    of the step. A mismatch in step ``t`` is therefore raised, on every rank, by ``update()``
+    of step ``t`` (plain mode) or by the ``schedule()`` of step ``t + 1`` (one step ahead:
+    that schedule finishes the check in flight before starting its own), always before
+    step ``t``'s tokens are committed and before ``schedule()`` returns a step that would
+    read step ``t``'s KV; the step stays pending in the scheduler. ``revert()`` finishes
+    the check of the step it drops; :meth:`finish_check` finishes the check in flight
+    earlier, for an executor about to wait for a step's tokens.
 
     Overlap mode (one step ahead) works as on the scheduler: ``schedule()`` may be called
     while one step is pending, ``update()`` closes the oldest pending step, ``revert()``
@@ -212,9 +224,11 @@ class HelixKVRank:
         self.scheduler.add_request(request_id, prompt, max_new_tokens, priority)
 
     def schedule(self) -> ScheduleOutput:
-        """The next step's :class:`helix_kv.ScheduleOutput`, checked across the group when
-        the schedule check is on (raises :class:`helix_kv.ScheduleMismatchError` naming the
-        step). Callable while one step is pending (overlap mode: see
+        """The next step's :class:`helix_kv.ScheduleOutput`. With the schedule check on, its
+        comparison across the group is started here and finished by the step's ``update()``
+        (or ``revert()``); a comparison still in flight (one step ahead: the previous
+        step's) is finished first, so this raises :class:`helix_kv.ScheduleMismatchError`
+        when that step differed. Callable while one step is pending (overlap mode: see
         :meth:`helix_kv.Scheduler.schedule`)."""
         try:
             output = self.scheduler.schedule()
@@ -225,14 +239,21 @@ class HelixKVRank:
         # check raises, and a later revert() must drop this entry, not an older one.
         self._pending.append((int(output.step), output.sample_ids))
         if self.checker is not None:
-            self.checker.check(output)
+            self.checker.start(output)
         return output
 
     def update(self, tokens: TokenArray, eos: FlagArray | None = None) -> npt.NDArray[np.uint64]:
         """Feeds the oldest pending step's sampled tokens (one per its ``sample_ids`` entry);
-        returns the ids that finished. With the check on, the tokens are compared at the next
-        ``schedule`` (recorded once the update has succeeded: a rejected update changed
-        nothing)."""
+        returns the ids that finished. With the check on, the comparison of the step closed
+        here is finished first (raising :class:`helix_kv.ScheduleMismatchError`, with
+        nothing committed, when the ranks differed), and the tokens go into the check the next
+        ``schedule`` starts (recorded once the update has succeeded: a rejected update
+        changed nothing)."""
+        checker = self.checker
+        if checker is not None and self._pending:
+            in_flight = checker.in_flight_step
+            if in_flight is not None and in_flight <= self._pending[0][0]:
+                checker.finish()
         finished = self.scheduler.update(tokens, eos)
         if self._pending:
             step, sample_ids = self._pending.popleft()
@@ -240,9 +261,29 @@ class HelixKVRank:
                 self.checker.record_update(sample_ids, tokens, eos, step=step)
         return finished
 
+    def finish_check(self) -> None:
+        """Finishes the schedule check in flight, if any (raising
+        :class:`helix_kv.ScheduleMismatchError` on every rank when it failed); a no-op when
+        the check is off or nothing is in flight. Optional: ``update`` finishes a step's check
+        anyway. An executor calls it right before the host blocks on the step's device work
+        (its sampled tokens): the check does not depend on that work, so a mismatch is raised
+        even when a forward queued on a schedule that differs between ranks never completes.
+        Every rank must call it at the same point of the step."""
+        if self.checker is not None:
+            self.checker.finish()
+
     def revert(self) -> npt.NDArray[np.uint64]:
         """Undoes the newest pending step (the one the executor did not run); returns the ids
-        of requests whose abort was requested while it was pending (aborted now)."""
+        of requests whose abort was requested while it was pending (aborted now). With the
+        check on, that step's comparison is finished first (a step that diverged is still
+        reported)."""
+        checker = self.checker
+        if (
+            checker is not None
+            and self._pending
+            and (checker.in_flight_step == self._pending[-1][0])
+        ):
+            checker.finish()
         reverted = self.scheduler.revert()
         if self._pending:
             self._pending.pop()

@@ -8,6 +8,10 @@
   two operations of one communicator in flight on different streams, and the caller's group
   may be busy with the model's collectives on its own stream. A replayed graph is not watched
   by torch's NCCL watchdog, so the wait polls its completion event against the timeout.
+
+:meth:`HostMinAllReduce.start` queues the reduction and returns; :meth:`HostMinAllReduce.wait`
+waits for it (calling the object does both), so the round trip can run while the caller
+queues other work.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +51,7 @@ class HostMinAllReduce:
         self.graphed = False
         self._parent = group
         self._group: ProcessGroup | None = group  # NCCL: the own communicator, from connect()
+        self._work: dist.Work | None = None  # gloo: the reduction in flight
         if device.type != "cuda":
             self._stream: torch.cuda.Stream | None = None
             return
@@ -53,6 +59,8 @@ class HostMinAllReduce:
         self._group = None
         self._device_buf = torch.zeros(2, dtype=torch.int64, device=device)
         self._stream = torch.cuda.Stream(device)
+        #: The side stream as torch.cuda.set_stream passes it (see :meth:`start`).
+        self._side = (self._stream.stream_id, self._stream.device_index, self._stream.device_type)
         self._done = torch.cuda.Event()
         if connect:
             self.connect()
@@ -88,18 +96,68 @@ class HostMinAllReduce:
             logger.info("schedule check: CUDA graph capture failed (%s); using eager NCCL", exc)
 
     def __call__(self) -> None:
+        """The whole reduction: :meth:`start`, then :meth:`wait`."""
+        self.start()
+        self.wait()
+
+    def start(self) -> None:
+        """Queues the reduction of ``values`` and returns without waiting for it; ``values``
+        must not be written until :meth:`wait` returned (it holds the result then). One
+        reduction at a time: call :meth:`wait` before the next ``start``.
+
+        gloo: an asynchronous ``all_reduce`` on the host tensor. NCCL: the graph replayed on
+        the side stream (nothing on the current stream waits for it, nor it for them)."""
         if self._stream is None:
-            dist.all_reduce(self._host, op=dist.ReduceOp.MIN, group=self._group)
+            self._work = dist.all_reduce(
+                self._host, op=dist.ReduceOp.MIN, group=self._group, async_op=True
+            )
             return
         if self._group is None:  # never on the default group by mistake
             raise HelixKVError("helix_kv schedule check used before connect()")
+        graph = self._graph
+        if graph is not None and torch._C._cuda_getDevice() == self._side[1]:
+            # What torch.cuda.stream(side) does, without its several us of Python per step:
+            # on the graph's own device (the usual case) only the current stream changes.
+            caller = torch._C._cuda_getCurrentStream(self._side[1])
+            _set_stream(self._side)
+            try:
+                graph.replay()
+                self._done.record(self._stream)
+            finally:
+                _set_stream(caller)
+            return
         with torch.cuda.stream(self._stream):
             if self._graph is not None:
                 self._graph.replay()
             else:
                 self._enqueue()
             self._done.record(self._stream)
+
+    def wait(self) -> None:
+        """Waits until the reduction queued by :meth:`start` has landed in ``values`` (at
+        once when it already has). Raises :class:`helix_kv.HelixKVError` when a peer did not
+        join it within the timeout (NCCL; gloo raises its own error). Does nothing when no
+        reduction is pending on gloo; on NCCL it returns at once once the last one is done."""
+        if self._stream is None:
+            work, self._work = self._work, None
+            if work is not None:
+                work.wait()
+            return
         self._wait()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (collective; call it after :meth:`wait`).
+
+        NCCL: over the own communicator, from the side stream, so it depends on nothing
+        queued on the caller's streams or group (a step's model work queued on a schedule
+        that turned out to differ between ranks may never complete). gloo: on the group."""
+        gathered: list[Any] = [None] * dist.get_world_size(self._parent)
+        if self._stream is None:
+            dist.all_gather_object(gathered, obj, group=self._group)
+            return gathered
+        with torch.cuda.stream(self._stream):
+            dist.all_gather_object(gathered, obj, group=self._group)
+        return gathered
 
     def _enqueue(self) -> None:
         self._device_buf.copy_(self._host, non_blocking=True)
@@ -124,6 +182,12 @@ class HostMinAllReduce:
                     "the group"
                 )
             time.sleep(0.0001)
+
+
+def _set_stream(stream: tuple[int, int, int]) -> None:
+    """Makes ``(stream_id, device_index, device_type)`` (as ``_cuda_getCurrentStream``
+    returns it) the current stream, as :func:`torch.cuda.set_stream` does."""
+    torch._C._cuda_setStream(stream_id=stream[0], device_index=stream[1], device_type=stream[2])
 
 
 def _one_channel_options(timeout: timedelta) -> object | None:

@@ -23,7 +23,8 @@ wait for step ``t``'s tokens (an async copy to pinned memory) and call ``update`
 
 ``helix`` is the rank's :class:`helix_kv.distributed.HelixKVRank`; the loop makes only the
 calls of the scheduler contract (:class:`helix_kv.contract.SchedulerProtocol`) on it, plus the
-block tables the step plan reads from its scheduler.
+block tables the step plan reads from its scheduler and ``finish_check()`` before it waits for a
+step's tokens (the schedule check runs under the step's work).
 
 :func:`run_rank` runs that loop to completion in the calling process (cp = 1, or inside an
 initialised process group); :func:`run_group` spawns the ranks (gloo on CPU, NCCL on GPUs)
@@ -303,6 +304,7 @@ def run_rank(
 
     def close(step: _LaunchedStep, last_close: float) -> float:
         """Feeds the oldest pending step its sampled tokens; returns when it closed."""
+        helix.finish_check()  # before blocking on the step's device work (see finish_check)
         tokens = step.host_tokens.wait()
         eos = None if config.eos_token_id is None else tokens == config.eos_token_id
         finished = helix.update(tokens, eos)
@@ -383,6 +385,7 @@ def _run_decode_step(
         # ranks compute identical logits; broadcasting makes identical tokens a guarantee
         src = dist.get_global_rank(group, 0) if group else 0
         dist.broadcast(step.tokens[:rows], src=src, group=group)
+    helix.finish_check()  # before blocking on the step's device work (see finish_check)
     tokens = step.read_tokens(rows).astype(np.int32)
     eos = None if config.eos_token_id is None else tokens == config.eos_token_id
     finished = helix.update(tokens, eos)
