@@ -5,6 +5,7 @@ against split-K (flash-decoding), at the executor bench's geometry (16 query / 4
     python benches/gpu_paged_attention.py                  # 64 x 640 and 256 x 4224 tokens
     python benches/gpu_paged_attention.py --cp 2           # each rank's half of those keys
     python benches/gpu_paged_attention.py --shapes 8x32768 --splits off auto 4 16
+    python benches/gpu_paged_attention.py --block-keys 64 --num-warps 8   # kernel tuning
 
 Each shape is ``requests x tokens`` (every request ``tokens`` long; a rank holds
 ``tokens / cp`` of them, pages scattered over the pool). Each split setting (``off``: one
@@ -22,6 +23,7 @@ import sys
 
 import torch
 
+from helix_kv.executor import paged_attention
 from helix_kv.executor.bench import BENCH_MODEL
 from helix_kv.executor.paged_attention import (
     DecodeWorkspace,
@@ -107,13 +109,20 @@ def main() -> None:
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--splits", nargs="+", default=["off", "auto", "2", "4", "8", "16"])
     parser.add_argument("--calls", type=int, default=20, help="calls per captured graph")
+    parser.add_argument("--block-keys", type=int, default=paged_attention.DECODE_BLOCK_KEYS)
+    parser.add_argument("--num-warps", type=int, default=paged_attention.DECODE_NUM_WARPS)
+    parser.add_argument("--num-stages", type=int, default=paged_attention.DECODE_NUM_STAGES)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_paged_attention.py needs a CUDA device")
+    paged_attention.DECODE_BLOCK_KEYS = args.block_keys
+    paged_attention.DECODE_NUM_WARPS = args.num_warps
+    paged_attention.DECODE_NUM_STAGES = args.num_stages
     c = BENCH_MODEL
     print(
         f"# {torch.cuda.get_device_name()}; q/kv heads {c.num_heads}/{c.num_kv_heads}, "
-        f"head_dim {c.head_dim}, {TOKENS_PER_BLOCK} tokens per page, bf16"
+        f"head_dim {c.head_dim}, {TOKENS_PER_BLOCK} tokens per page, bf16; "
+        f"{args.block_keys} keys per block, {args.num_warps} warps, {args.num_stages} stages"
     )
     print(f"{'shape':>10} {'cp':>3} {'local':>6} {'splits':>6} {'us':>9} {'GB/s':>8} {'max|d|':>9}")
     for shape in args.shapes:

@@ -39,6 +39,7 @@ def decode_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ACC_FP64: tl.constexpr,
+    USE_DOT: tl.constexpr,
 ):
     """One program: one request (axis 0) x one kv head (axis 1) x one split (axis 2) of the
     request's local keys, all the kv head's query heads.
@@ -51,7 +52,10 @@ def decode_attention_kernel(
     into the result; with more, :func:`combine_splits_kernel` merges the partials.
 
     Online softmax over the range in blocks of ``BLOCK_N`` keys (any block size: each key's
-    page is looked up on its own, so a block may span pages).
+    page is looked up on its own, so a block may span pages). ``USE_DOT``: scores and values
+    through ``tl.dot`` (tensor cores; ``BLOCK_G``, ``BLOCK_N`` and ``BLOCK_D`` at least 16,
+    the probabilities rounded to the cache dtype before ``p @ v`` as flash attention does);
+    otherwise broadcast products in the accumulation dtype (float64 on a GPU).
     """
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -67,8 +71,9 @@ def decode_attention_kernel(
         q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + d[None, :],
         mask=q_mask,
         other=0.0,
-    ).to(acc_type)
-    q = q * scale
+    )
+    if not USE_DOT:
+        q = q.to(acc_type) * scale
     length = tl.load(lens_ptr + row * stride_lens).to(tl.int32)
     first = split * keys_per_split
     end = tl.minimum(length, first + keys_per_split)
@@ -87,19 +92,29 @@ def decode_attention_kernel(
             k_cache_ptr + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
             mask=kv_mask,
             other=0.0,
-        ).to(acc_type)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, N]
+        )
+        v = tl.load(
+            v_cache_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if USE_DOT:
+            scores = (
+                tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee", out_dtype=acc_type)
+                * scale
+            )
+        else:
+            scores = tl.sum(q[:, None, :] * k.to(acc_type)[None, :, :], axis=2)  # [G, N]
         scores = tl.where(j_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: the block has a visible key
         alpha = tl.exp(m_i - m_new)  # exp(-inf) = 0 on the first block
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_cache_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(acc_type)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee", out_dtype=acc_type)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(acc_type)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     seen = l_i > 0
     safe_l = tl.where(seen, l_i, 1.0)

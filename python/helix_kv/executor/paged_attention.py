@@ -36,6 +36,11 @@ from helix_kv.executor.attention import PartialAttention, accumulation_dtype
 
 #: Keys per block of the decode kernel's online softmax.
 DECODE_BLOCK_KEYS = 32
+#: Warps and pipeline stages of the decode kernel.
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
+#: Smallest dot operand side Triton takes (query heads, keys and head dim are padded to it).
+_DOT_MIN = 16
 #: Programs (request x kv head x split) the split rule aims for: a few per SM of an H200
 #: (132 SMs), so that short batches of long requests still fill the device.
 DECODE_TARGET_PROGRAMS = 4 * 132
@@ -244,6 +249,8 @@ def paged_decode_attention(
     pages_per_split = _split_pages(width, num_splits)
     splits = max(1, -(-width // pages_per_split))  # no split wholly past the width
     acc_fp64 = compute_dtype == torch.float64
+    # tensor-core dots, except float64 on a GPU (the interpreter runs float64 dots exactly)
+    use_dot = not (acc_fp64 and query.device.type == "cuda")
     if splits == 1:
         # one pass: keys_per_split covers every key the table can hold, results stored directly
         part_out, part_lse = output, lse
@@ -291,10 +298,15 @@ def paged_decode_attention(
         part_lse.stride(0),
         part_lse.stride(1),
         split_lse_stride,
-        BLOCK_G=_next_power_of_2(group),
-        BLOCK_N=DECODE_BLOCK_KEYS,
-        BLOCK_D=_next_power_of_2(head_dim),
+        BLOCK_G=max(_DOT_MIN, _next_power_of_2(group)) if use_dot else _next_power_of_2(group),
+        BLOCK_N=max(_DOT_MIN, DECODE_BLOCK_KEYS) if use_dot else DECODE_BLOCK_KEYS,
+        BLOCK_D=max(_DOT_MIN, _next_power_of_2(head_dim))
+        if use_dot
+        else _next_power_of_2(head_dim),
         ACC_FP64=acc_fp64,
+        USE_DOT=use_dot,
+        num_warps=DECODE_NUM_WARPS,
+        num_stages=DECODE_NUM_STAGES,
     )
     if splits > 1:
         kernels.combine_splits_kernel[(requests, q_heads)](
