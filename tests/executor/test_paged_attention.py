@@ -21,6 +21,7 @@ from helix_kv.executor.decode_step import (
 )
 from helix_kv.executor.model import TinyConfig, TinyTransformer
 from helix_kv.executor.paged_attention import (
+    DECODE_MAX_SPLITS,
     DECODE_MIN_SPLIT_KEYS,
     DECODE_TARGET_PROGRAMS,
     DecodeWorkspace,
@@ -171,23 +172,24 @@ def test_split_kernel_overwrites_reused_scratch():
     reads is written by this call (empty splits too: LSE -inf, output 0), nothing past it."""
     dtype = next(iter(DTYPES))
     workspace = DecodeWorkspace.allocate(6, 4, 16, 8, dtype, DEVICE)
-    workspace.partial_output.fill_(float("nan"))
-    workspace.partial_lse.fill_(float("nan"))
+    workspace.output_scratch.fill_(float("nan"))
+    workspace.lse_scratch.fill_(float("nan"))
     for seed, lens in ((5, [0, 13, 2]), (6, [16, 0, 1])):
         p = paged_problem(seed, lens, 2, 2, 16, 4, dtype)  # width 4 pages: 4 splits of one
         expected_out, expected_lse = reference_partial(p)
         out, lse = run_kernel(p, num_splits=4, workspace=workspace)
         torch.testing.assert_close(out, expected_out, atol=DTYPES[dtype], rtol=0)
         torch.testing.assert_close(lse, expected_lse, atol=DTYPES[dtype], rtol=0)
-        used = workspace.partial_lse[: len(lens), :, :4].cpu()
-        lens_t = torch.tensor(lens)
+        part_out, part_lse = (t.cpu() for t in workspace.views(len(lens), 4))
         # split s of a request holds keys [4 s, 4 s + 4): empty past its length
-        empty = (torch.arange(4)[None, :] * 4 >= lens_t[:, None])[:, None, :].expand_as(used)
-        assert used[empty].isneginf().all()
-        assert used[~empty].isfinite().all()
-        assert not workspace.partial_output[: len(lens), :, :4].cpu()[empty].any()
-    assert workspace.partial_lse[3:].isnan().all()  # rows past the call untouched
-    assert workspace.partial_lse[:, :, 4:].isnan().all()  # splits past the call untouched
+        lens_t = torch.tensor(lens)
+        empty = (torch.arange(4)[None, :] * 4 >= lens_t[:, None])[:, None, :].expand_as(part_lse)
+        assert part_lse[empty].isneginf().all()
+        assert part_lse[~empty].isfinite().all()
+        assert not part_out[empty].any()
+    used = 3 * 4  # (request, split) pairs
+    assert workspace.lse_scratch[used * 4 :].isnan().all()  # nothing past the call's pairs
+    assert workspace.output_scratch[used * 4 * 16 :].isnan().all()
 
 
 def test_split_workspace_must_fit():
@@ -200,10 +202,31 @@ def test_split_workspace_must_fit():
         run_kernel(p, num_splits=0)
     with pytest.raises(ValueError, match="positive"):
         DecodeWorkspace.allocate(0, 4, 16, 2, dtype, DEVICE)
-    wrong_heads = DecodeWorkspace.allocate(2, 8, 16, 4, dtype, DEVICE)
-    assert not wrong_heads.fits(2, 4, 16, 3, dtype)
     assert small.fits(2, 4, 16, 2, dtype)
+    assert small.fits(4, 4, 16, 1, dtype)  # the same pairs: more rows, fewer splits
     assert not small.fits(3, 4, 16, 2, dtype)
+    assert not small.fits(1, 8, 16, 1, dtype)
+    assert not small.fits(1, 4, 8, 1, dtype)
+    other = torch.float32 if dtype == torch.float64 else torch.float64
+    assert not small.fits(1, 4, 16, 1, other)
+
+
+def test_workspace_for_decode_fits_every_bucket():
+    """Sized once for an executor, it serves every default call up to its max rows."""
+    from helix_kv.executor.paged_attention import _resolve_splits
+
+    dtype = next(iter(DTYPES))
+    for kv_heads, width, tpb in ((4, 66, 32), (1, 512, 32), (2, 3, 16)):
+        workspace = DecodeWorkspace.for_decode(
+            64, 4 * kv_heads, kv_heads, 8, width, tpb, dtype, "cpu"
+        )
+        needed = [
+            rows * _resolve_splits(rows, kv_heads, width, tpb, None)[0] for rows in range(1, 65)
+        ]
+        assert workspace.row_splits == max(needed)
+        for rows in range(1, 65):
+            splits = _resolve_splits(rows, kv_heads, width, tpb, None)[0]
+            assert workspace.fits(rows, 4 * kv_heads, 8, splits, dtype)
 
 
 def test_split_rule():
@@ -215,7 +238,7 @@ def test_split_rule():
     assert decode_splits(8, 2, 64, 4) == 1  # 256 keys: shorter than two minimum splits
     by_length = -(-(66 * 32) // DECODE_MIN_SPLIT_KEYS)
     assert decode_splits(64, 4, 66, 32) == min(by_length, -(-DECODE_TARGET_PROGRAMS // 256))
-    assert decode_splits(1, 1, 100_000, 32) == 32  # capped at DECODE_MAX_SPLITS
+    assert decode_splits(1, 1, 100_000, 32) == DECODE_MAX_SPLITS
     assert decode_splits(1, 1, 100_000, 32, max_splits=4) == 4
     for requests in (1, 3, 16, 64):
         for width in (2, 5, 10, 33, 130):
@@ -249,6 +272,7 @@ def test_split_kernel_with_workspace_allocates_only_its_results():
     args = [p[k].to(DEVICE, torch.float32) for k in ("query", "key_cache", "value_cache")]
     table, lens = p["block_table"].to(DEVICE, torch.int32), p["local_lens"].to(DEVICE)
     workspace = DecodeWorkspace.allocate(4, 8, 64, 8, torch.float32, DEVICE)
+    workspace.lse_scratch.fill_(float("nan"))
     paged_decode_attention(*args, table, lens, 16, num_splits=8, workspace=workspace)
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]

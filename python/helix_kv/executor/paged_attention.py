@@ -35,7 +35,7 @@ import torch
 from helix_kv.executor.attention import PartialAttention, accumulation_dtype
 
 #: Keys per block of the decode kernel's online softmax.
-DECODE_BLOCK_KEYS = 32
+DECODE_BLOCK_KEYS = 64
 #: Warps and pipeline stages of the decode kernel.
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 2
@@ -48,7 +48,7 @@ DECODE_TARGET_PROGRAMS = 4 * 132
 #: they save.
 DECODE_MIN_SPLIT_KEYS = 256
 #: Most splits per request the rule picks.
-DECODE_MAX_SPLITS = 32
+DECODE_MAX_SPLITS = 128
 
 
 def _kernels() -> ModuleType:
@@ -104,9 +104,17 @@ def decode_splits(
     return -(-width_pages // pages_per_split)
 
 
-def _split_pages(width_pages: int, splits: int) -> int:
-    """Pages per split: ``splits`` splits of whole pages cover the table's width."""
-    return max(1, -(-width_pages // splits))
+def _resolve_splits(
+    requests: int, kv_heads: int, width_pages: int, tokens_per_block: int, asked: int | None
+) -> tuple[int, int]:
+    """The splits a call runs and the pages of each: ``asked``, else the environment's
+    override, else :func:`decode_splits`; then whole pages, none wholly past the width."""
+    if asked is None:
+        asked = _splits_override() or decode_splits(
+            requests, kv_heads, width_pages, tokens_per_block
+        )
+    pages_per_split = max(1, -(-width_pages // asked))
+    return max(1, -(-width_pages // pages_per_split)), pages_per_split
 
 
 @dataclass(frozen=True)
@@ -115,13 +123,17 @@ class DecodeWorkspace:
     every layer: calls on one stream run in order), so that a captured step allocates
     nothing.
 
-    ``partial_output``: ``[rows, q_heads, splits, head_dim]``; ``partial_lse``:
-    ``[rows, q_heads, splits]``, both in the accumulation dtype of the queries they serve.
-    A call may use any leading part of them (fewer rows, fewer splits).
+    Two flat buffers, in the accumulation dtype of the queries they serve, of room for
+    ``row_splits`` (request, split) pairs: a call of ``rows`` requests in ``splits`` splits
+    uses their first ``rows * splits`` pairs (:meth:`views`), so one workspace serves every
+    bucket of a CUDA-graph set (few rows in many splits, many rows in few).
     """
 
-    partial_output: torch.Tensor
-    partial_lse: torch.Tensor
+    output_scratch: torch.Tensor  # [row_splits * q_heads * head_dim]
+    lse_scratch: torch.Tensor  # [row_splits * q_heads]
+    q_heads: int
+    head_dim: int
+    row_splits: int
 
     @classmethod
     def allocate(
@@ -133,7 +145,7 @@ class DecodeWorkspace:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> DecodeWorkspace:
-        """Scratch for up to ``max_rows`` requests and ``max_splits`` splits of queries of
+        """Scratch for ``max_rows * max_splits`` (request, split) pairs of queries of
         ``dtype`` (stored in its :func:`~helix_kv.executor.attention.accumulation_dtype`)."""
         if min(max_rows, q_heads, head_dim, max_splits) < 1:
             raise ValueError(
@@ -141,20 +153,54 @@ class DecodeWorkspace:
                 f"head_dim {head_dim}, splits {max_splits}"
             )
         acc = accumulation_dtype(dtype)
+        pairs = max_rows * max_splits
         return cls(
-            torch.empty(max_rows, q_heads, max_splits, head_dim, dtype=acc, device=device),
-            torch.empty(max_rows, q_heads, max_splits, dtype=acc, device=device),
+            torch.empty(pairs * q_heads * head_dim, dtype=acc, device=device),
+            torch.empty(pairs * q_heads, dtype=acc, device=device),
+            q_heads,
+            head_dim,
+            pairs,
         )
+
+    @classmethod
+    def for_decode(
+        cls,
+        max_rows: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        width_pages: int,
+        tokens_per_block: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> DecodeWorkspace:
+        """Scratch for every call :func:`paged_decode_attention` makes with the default split
+        count on up to ``max_rows`` requests and a block table ``width_pages`` wide (e.g. one
+        per executor: its max batch and max pages per request)."""
+        pairs = max(
+            rows * _resolve_splits(rows, kv_heads, width_pages, tokens_per_block, None)[0]
+            for rows in range(1, max(1, max_rows) + 1)
+        )
+        return cls.allocate(pairs, q_heads, head_dim, 1, dtype, device)
 
     def fits(self, rows: int, q_heads: int, head_dim: int, splits: int, dtype: torch.dtype) -> bool:
         """Whether a call of that shape (queries of ``dtype``) can use this scratch."""
-        cap_rows, cap_heads, cap_splits, cap_dim = self.partial_output.shape
         return (
-            rows <= cap_rows
-            and q_heads == cap_heads
-            and head_dim == cap_dim
-            and splits <= cap_splits
-            and self.partial_output.dtype == accumulation_dtype(dtype)
+            rows * splits <= self.row_splits
+            and q_heads == self.q_heads
+            and head_dim == self.head_dim
+            and self.output_scratch.dtype == accumulation_dtype(dtype)
+        )
+
+    def views(self, rows: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The partial outputs ``[rows, q_heads, splits, head_dim]`` and LSEs
+        ``[rows, q_heads, splits]`` of a call (views of the scratch's first pairs)."""
+        pairs = rows * splits
+        return (
+            self.output_scratch[: pairs * self.q_heads * self.head_dim].view(
+                rows, self.q_heads, splits, self.head_dim
+            ),
+            self.lse_scratch[: pairs * self.q_heads].view(rows, self.q_heads, splits),
         )
 
 
@@ -242,12 +288,9 @@ def paged_decode_attention(
         return PartialAttention(output, lse)
     _check_device(query.device)
     width = block_table.shape[1]
-    if num_splits is None:
-        num_splits = _splits_override() or decode_splits(
-            requests, kv_heads, width, tokens_per_block
-        )
-    pages_per_split = _split_pages(width, num_splits)
-    splits = max(1, -(-width // pages_per_split))  # no split wholly past the width
+    splits, pages_per_split = _resolve_splits(
+        requests, kv_heads, width, tokens_per_block, num_splits
+    )
     acc_fp64 = compute_dtype == torch.float64
     # tensor-core dots, except float64 on a GPU (the interpreter runs float64 dots exactly)
     use_dot = not (acc_fp64 and query.device.type == "cuda")
@@ -263,11 +306,12 @@ def paged_decode_attention(
             )
         elif not workspace.fits(requests, q_heads, head_dim, splits, query.dtype):
             raise ValueError(
-                f"workspace {tuple(workspace.partial_output.shape)} "
-                f"{workspace.partial_output.dtype} does not fit {requests} requests x "
-                f"{q_heads} heads x {splits} splits x {head_dim} of {query.dtype}"
+                f"workspace of {workspace.row_splits} (request, split) pairs x "
+                f"{workspace.q_heads} heads x {workspace.head_dim} "
+                f"{workspace.output_scratch.dtype} does not fit {requests} requests x "
+                f"{splits} splits x {q_heads} heads x {head_dim} of {query.dtype}"
             )
-        part_out, part_lse = workspace.partial_output, workspace.partial_lse
+        part_out, part_lse = workspace.views(requests, splits)
         split_out_stride, split_lse_stride = part_out.stride(2), part_lse.stride(2)
         keys_per_split = pages_per_split * tokens_per_block
     kernels = _kernels()
