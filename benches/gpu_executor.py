@@ -8,6 +8,7 @@ executor, plain and (with ``--overlap``) one step ahead.
     python benches/gpu_executor.py --kv-tokens 20000 --host-tier-pages 512  # ... suspended
     python benches/gpu_executor.py --decode-kernel       # Triton paged decode, eager
     python benches/gpu_executor.py --cuda-graphs         # ... and CUDA-graph decode steps
+    python benches/gpu_executor.py --cuda-graphs --split-k off   # ... one split per request
     python benches/gpu_executor.py --cuda-graphs --requests 256 --prompt-len 4096 \
         --max-batch-size 256
     python benches/gpu_executor.py --device cpu --cp 2 --requests 8 --prompt-len 64 \
@@ -77,7 +78,14 @@ def main() -> None:
         default=0,
         help="each rank's host KV tier in pages: suspend to host instead of recomputing",
     )
+    parser.add_argument(
+        "--split-k",
+        default="auto",
+        help="splits of the paged decode kernel: auto (the static rule), off (one) or N; "
+        "sets HELIX_KV_DECODE_SPLITS for the ranks",
+    )
     args = parser.parse_args()
+    os.environ["HELIX_KV_DECODE_SPLITS"] = args.split_k
     spec = BenchSpec(
         cp=args.cp,
         requests=args.requests,

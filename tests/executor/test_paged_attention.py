@@ -20,7 +20,16 @@ from helix_kv.executor.decode_step import (
     default_buckets,
 )
 from helix_kv.executor.model import TinyConfig, TinyTransformer
-from helix_kv.executor.paged_attention import interpreted, paged_decode_attention, write_paged_kv
+from helix_kv.executor.paged_attention import (
+    DECODE_MAX_SPLITS,
+    DECODE_MIN_SPLIT_KEYS,
+    DECODE_TARGET_PROGRAMS,
+    DecodeWorkspace,
+    decode_splits,
+    interpreted,
+    paged_decode_attention,
+    write_paged_kv,
+)
 from helix_kv.executor.placement import RankPlacement
 from helix_kv.executor.runner import ExecutorConfig, run_group, run_rank
 from helix_kv.executor.step_plan import StepPlan
@@ -115,6 +124,161 @@ def test_kernel_matches_reference(dtype, local_lens, kv_heads, group, head_dim, 
     assert not part.output.cpu()[empty].any()
     torch.testing.assert_close(part.output.cpu().double(), expected_out, atol=atol, rtol=0)
     torch.testing.assert_close(part.lse.cpu().double(), expected_lse, atol=atol, rtol=0)
+
+
+def run_kernel(p: dict, **options: object) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = p["dtype"]
+    part = paged_decode_attention(
+        p["query"].to(DEVICE, dtype),
+        p["key_cache"].to(DEVICE, dtype),
+        p["value_cache"].to(DEVICE, dtype),
+        p["block_table"].to(DEVICE, torch.int32),
+        p["local_lens"].to(DEVICE),
+        p["tpb"],
+        **options,  # type: ignore[arg-type]
+    )
+    return part.output.cpu().double(), part.lse.cpu().double()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(
+    ("local_lens", "kv_heads", "group", "head_dim", "tpb", "splits"),
+    [
+        ([1, 7, 33, 12], 2, 2, 16, 4, 2),  # short requests: their later splits are empty
+        ([0, 5, 0, 64], 1, 3, 24, 8, 3),  # empty rows; odd group and head_dim
+        ([70, 31, 32, 33], 4, 1, 8, 32, 3),  # a split per page, blocks spanning pages
+        ([45, 3], 2, 4, 16, 3, 5),  # odd page size, splits ending mid-block
+        ([40, 17], 1, 2, 16, 4, 10),  # one page per split (the width: 10 pages)
+        ([40, 17], 1, 2, 16, 4, 64),  # more splits asked than pages: capped at the width
+    ],
+)
+def test_split_kernel_matches_reference(dtype, local_lens, kv_heads, group, head_dim, tpb, splits):
+    """Split-K (partials in scratch, then the LSE combine kernel) against the dense path."""
+    p = paged_problem(4, local_lens, kv_heads, group, head_dim, tpb, dtype)
+    expected_out, expected_lse = reference_partial(p)
+    out, lse = run_kernel(p, num_splits=splits)
+    empty = torch.tensor(local_lens) == 0
+    assert lse[empty].isneginf().all()
+    assert not out[empty].any()
+    torch.testing.assert_close(out, expected_out, atol=DTYPES[dtype], rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=DTYPES[dtype], rtol=0)
+    one_out, one_lse = run_kernel(p, num_splits=1)
+    torch.testing.assert_close(out, one_out, atol=DTYPES[dtype], rtol=0)
+    torch.testing.assert_close(lse, one_lse, atol=DTYPES[dtype], rtol=0)
+
+
+def test_split_kernel_overwrites_reused_scratch():
+    """A workspace larger than the call and full of NaN, used twice: every split the combine
+    reads is written by this call (empty splits too: LSE -inf, output 0), nothing past it."""
+    dtype = next(iter(DTYPES))
+    workspace = DecodeWorkspace.allocate(6, 4, 16, 8, dtype, DEVICE)
+    workspace.output_scratch.fill_(float("nan"))
+    workspace.lse_scratch.fill_(float("nan"))
+    for seed, lens in ((5, [0, 13, 2]), (6, [16, 0, 1])):
+        p = paged_problem(seed, lens, 2, 2, 16, 4, dtype)  # width 4 pages: 4 splits of one
+        expected_out, expected_lse = reference_partial(p)
+        out, lse = run_kernel(p, num_splits=4, workspace=workspace)
+        torch.testing.assert_close(out, expected_out, atol=DTYPES[dtype], rtol=0)
+        torch.testing.assert_close(lse, expected_lse, atol=DTYPES[dtype], rtol=0)
+        part_out, part_lse = (t.cpu() for t in workspace.views(len(lens), 4))
+        # split s of a request holds keys [4 s, 4 s + 4): empty past its length
+        lens_t = torch.tensor(lens)
+        empty = (torch.arange(4)[None, :] * 4 >= lens_t[:, None])[:, None, :].expand_as(part_lse)
+        assert part_lse[empty].isneginf().all()
+        assert part_lse[~empty].isfinite().all()
+        assert not part_out[empty].any()
+    used = 3 * 4  # (request, split) pairs
+    assert workspace.lse_scratch[used * 4 :].isnan().all()  # nothing past the call's pairs
+    assert workspace.output_scratch[used * 4 * 16 :].isnan().all()
+
+
+def test_split_workspace_must_fit():
+    dtype = next(iter(DTYPES))
+    p = paged_problem(7, [9, 4], 2, 2, 16, 4, dtype)
+    small = DecodeWorkspace.allocate(2, 4, 16, 2, dtype, DEVICE)
+    with pytest.raises(ValueError, match="does not fit"):
+        run_kernel(p, num_splits=3, workspace=small)
+    with pytest.raises(ValueError, match="at least 1"):
+        run_kernel(p, num_splits=0)
+    with pytest.raises(ValueError, match="positive"):
+        DecodeWorkspace.allocate(0, 4, 16, 2, dtype, DEVICE)
+    assert small.fits(2, 4, 16, 2, dtype)
+    assert small.fits(4, 4, 16, 1, dtype)  # the same pairs: more rows, fewer splits
+    assert not small.fits(3, 4, 16, 2, dtype)
+    assert not small.fits(1, 8, 16, 1, dtype)
+    assert not small.fits(1, 4, 8, 1, dtype)
+    other = torch.float32 if dtype == torch.float64 else torch.float64
+    assert not small.fits(1, 4, 16, 1, other)
+
+
+def test_workspace_for_decode_fits_every_bucket():
+    """Sized once for an executor, it serves every default call up to its max rows."""
+    from helix_kv.executor.paged_attention import _resolve_splits
+
+    dtype = next(iter(DTYPES))
+    for kv_heads, width, tpb in ((4, 66, 32), (1, 512, 32), (2, 3, 16)):
+        workspace = DecodeWorkspace.for_decode(
+            64, 4 * kv_heads, kv_heads, 8, width, tpb, dtype, "cpu"
+        )
+        needed = [
+            rows * _resolve_splits(rows, kv_heads, width, tpb, None)[0] for rows in range(1, 65)
+        ]
+        assert workspace.row_splits == max(needed)
+        for rows in range(1, 65):
+            splits = _resolve_splits(rows, kv_heads, width, tpb, None)[0]
+            assert workspace.fits(rows, 4 * kv_heads, 8, splits, dtype)
+
+
+def test_split_rule():
+    """Deterministic, from static sizes: one split once the grid is full or the table short;
+    otherwise enough to reach the target, of whole pages, none wholly past the width."""
+    assert decode_splits(256, 4, 66, 32) == 1  # 1024 programs: full already
+    assert decode_splits(DECODE_TARGET_PROGRAMS, 1, 1000, 32) == 1
+    assert decode_splits(1, 1, 1, 4096) == 1  # one page: nothing to split
+    assert decode_splits(8, 2, 64, 4) == 1  # 256 keys: shorter than two minimum splits
+    by_length = -(-(66 * 32) // DECODE_MIN_SPLIT_KEYS)
+    assert decode_splits(64, 4, 66, 32) == min(by_length, -(-DECODE_TARGET_PROGRAMS // 256))
+    assert decode_splits(1, 1, 100_000, 32) == DECODE_MAX_SPLITS
+    assert decode_splits(1, 1, 100_000, 32, max_splits=4) == 4
+    for requests in (1, 3, 16, 64):
+        for width in (2, 5, 10, 33, 130):
+            splits = decode_splits(requests, 4, width, 32)
+            per = -(-width // splits)
+            assert 1 <= splits <= width
+            assert (splits - 1) * per < width <= splits * per  # whole pages, none empty
+            assert decode_splits(requests, 4, width, 32) == splits
+
+
+def test_split_count_from_environment(monkeypatch):
+    from helix_kv.executor import paged_attention
+
+    try:
+        for raw, expected in (("auto", None), ("", None), ("off", 1), ("3", 3)):
+            monkeypatch.setenv("HELIX_KV_DECODE_SPLITS", raw)
+            paged_attention._splits_override.cache_clear()
+            assert paged_attention._splits_override() == expected
+        monkeypatch.setenv("HELIX_KV_DECODE_SPLITS", "0")
+        paged_attention._splits_override.cache_clear()
+        with pytest.raises(ValueError, match="HELIX_KV_DECODE_SPLITS"):
+            paged_attention._splits_override()
+    finally:
+        monkeypatch.undo()
+        paged_attention._splits_override.cache_clear()
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="allocation counts need a CUDA device")
+def test_split_kernel_with_workspace_allocates_only_its_results():
+    p = paged_problem(8, [300, 17, 0, 256], 2, 4, 64, 16, torch.float32)
+    args = [p[k].to(DEVICE, torch.float32) for k in ("query", "key_cache", "value_cache")]
+    table, lens = p["block_table"].to(DEVICE, torch.int32), p["local_lens"].to(DEVICE)
+    workspace = DecodeWorkspace.allocate(4, 8, 64, 8, torch.float32, DEVICE)
+    workspace.lse_scratch.fill_(float("nan"))
+    paged_decode_attention(*args, table, lens, 16, num_splits=8, workspace=workspace)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    paged_decode_attention(*args, table, lens, 16, num_splits=8, workspace=workspace)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] - before == 2  # output, lse
 
 
 def test_kernel_reads_strided_metadata_columns():

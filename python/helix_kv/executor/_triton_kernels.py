@@ -18,6 +18,7 @@ def decode_attention_kernel(
     lse_ptr,
     scale,
     tokens_per_block,
+    keys_per_split,
     group,
     head_dim,
     stride_q_row,
@@ -30,19 +31,35 @@ def decode_attention_kernel(
     stride_lens,
     stride_out_row,
     stride_out_head,
+    stride_out_split,
     stride_lse_row,
+    stride_lse_head,
+    stride_lse_split,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ACC_FP64: tl.constexpr,
+    USE_DOT: tl.constexpr,
 ):
-    """One program: one request (axis 0) x one kv head (axis 1), all its query heads.
+    """One program: one request (axis 0) x one kv head (axis 1) x one split (axis 2) of the
+    request's local keys, all the kv head's query heads.
 
-    Online softmax over the request's local keys in blocks of ``BLOCK_N`` (any block size:
-    each key's page is looked up on its own, so a block may span pages).
+    Split ``s`` attends to local keys ``[s * keys_per_split, (s + 1) * keys_per_split)`` that
+    are below the request's length (an empty range, e.g. past a short request's end, gives
+    output 0 and LSE ``-inf``) and stores its output, normalised over those keys, and their
+    LSE at ``split * stride_*_split``. With one split (``keys_per_split`` at least the
+    longest length, split strides 0) this is the whole single-pass attention, stored straight
+    into the result; with more, :func:`combine_splits_kernel` merges the partials.
+
+    Online softmax over the range in blocks of ``BLOCK_N`` keys (any block size: each key's
+    page is looked up on its own, so a block may span pages). ``USE_DOT``: scores and values
+    through ``tl.dot`` (tensor cores; ``BLOCK_G``, ``BLOCK_N`` and ``BLOCK_D`` at least 16,
+    the probabilities rounded to the cache dtype before ``p @ v`` as flash attention does);
+    otherwise broadcast products in the accumulation dtype (float64 on a GPU).
     """
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     acc_type = tl.float64 if ACC_FP64 else tl.float32
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -54,15 +71,18 @@ def decode_attention_kernel(
         q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + d[None, :],
         mask=q_mask,
         other=0.0,
-    ).to(acc_type)
-    q = q * scale
+    )
+    if not USE_DOT:
+        q = q.to(acc_type) * scale
     length = tl.load(lens_ptr + row * stride_lens).to(tl.int32)
+    first = split * keys_per_split
+    end = tl.minimum(length, first + keys_per_split)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=acc_type)
     l_i = tl.zeros([BLOCK_G], dtype=acc_type)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=acc_type)
-    for start in range(0, length, BLOCK_N):
+    for start in range(first, end, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
-        j_mask = j < length
+        j_mask = j < end
         page = tl.load(
             table_ptr + row * stride_table_row + j // tokens_per_block, mask=j_mask, other=0
         )
@@ -72,30 +92,111 @@ def decode_attention_kernel(
             k_cache_ptr + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
             mask=kv_mask,
             other=0.0,
-        ).to(acc_type)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, N]
+        )
+        v = tl.load(
+            v_cache_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if USE_DOT:
+            scores = (
+                tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee", out_dtype=acc_type)
+                * scale
+            )
+        else:
+            scores = tl.sum(q[:, None, :] * k.to(acc_type)[None, :, :], axis=2)  # [G, N]
         scores = tl.where(j_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: the block has a visible key
         alpha = tl.exp(m_i - m_new)  # exp(-inf) = 0 on the first block
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_cache_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(acc_type)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee", out_dtype=acc_type)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(acc_type)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     seen = l_i > 0
     safe_l = tl.where(seen, l_i, 1.0)
     out = acc / safe_l[:, None]
     lse = tl.where(seen, m_i + tl.log(safe_l), float("-inf"))
     tl.store(
-        out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + d[None, :],
+        out_ptr
+        + row * stride_out_row
+        + split * stride_out_split
+        + heads[:, None] * stride_out_head
+        + d[None, :],
         out,
         mask=q_mask,
     )
-    tl.store(lse_ptr + row * stride_lse_row + heads, lse, mask=g_mask)
+    tl.store(
+        lse_ptr + row * stride_lse_row + split * stride_lse_split + heads * stride_lse_head,
+        lse,
+        mask=g_mask,
+    )
+
+
+@triton.jit
+def combine_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    num_splits,
+    head_dim,
+    stride_part_out_row,
+    stride_part_out_head,
+    stride_part_out_split,
+    stride_part_lse_row,
+    stride_part_lse_head,
+    stride_part_lse_split,
+    stride_out_row,
+    stride_out_head,
+    stride_lse_row,
+    stride_lse_head,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC_FP64: tl.constexpr,
+):
+    """One program per (request, query head): the exact LSE combine of its split partials.
+
+    ``lse = log(sum_s exp(lse_s))`` and ``out = sum_s exp(lse_s - lse) * out_s``; splits with
+    LSE ``-inf`` (no key) weigh 0, and a request no split saw gives output 0 and LSE ``-inf``.
+    """
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    acc_type = tl.float64 if ACC_FP64 else tl.float32
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    d_mask = d < head_dim
+    lses = tl.load(
+        part_lse_ptr
+        + row * stride_part_lse_row
+        + head * stride_part_lse_head
+        + s * stride_part_lse_split,
+        mask=s_mask,
+        other=float("-inf"),
+    ).to(acc_type)
+    m = tl.max(lses, axis=0)
+    seen = m > float("-inf")
+    m_safe = tl.where(seen, m, 0.0)
+    weights = tl.exp(lses - m_safe)  # exp(-inf) = 0 for an empty split
+    total = tl.sum(weights, axis=0)
+    safe_total = tl.where(seen, total, 1.0)
+    parts = tl.load(
+        part_out_ptr
+        + row * stride_part_out_row
+        + head * stride_part_out_head
+        + s[:, None] * stride_part_out_split
+        + d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(acc_type)
+    out = tl.sum(weights[:, None] * parts, axis=0) / safe_total
+    lse = tl.where(seen, m_safe + tl.log(safe_total), float("-inf"))
+    tl.store(out_ptr + row * stride_out_row + head * stride_out_head + d, out, mask=d_mask)
+    tl.store(lse_ptr + row * stride_lse_row + head * stride_lse_head, lse)
 
 
 @triton.jit

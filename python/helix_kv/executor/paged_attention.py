@@ -16,14 +16,18 @@ The kernels run on CUDA tensors, compiled by Triton. They also run on CPU tensor
 Triton's interpreter (slow; the CI tests without a GPU use it), which Triton switches on for a
 whole process: ``TRITON_INTERPRET=1`` must be in the environment before triton is first
 imported (``tests/executor/conftest.py`` does that when there is no CUDA device). They
-allocate nothing but their outputs, take no host sync and are safe to capture in a CUDA graph.
+allocate nothing but their outputs (and, with several splits and no
+:class:`DecodeWorkspace` given, the splits' scratch), take no host sync and are safe to
+capture in a CUDA graph: the split count comes from static sizes only (:func:`decode_splits`).
 They are written for Triton 3.6 and later.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -31,7 +35,20 @@ import torch
 from helix_kv.executor.attention import PartialAttention, accumulation_dtype
 
 #: Keys per block of the decode kernel's online softmax.
-DECODE_BLOCK_KEYS = 32
+DECODE_BLOCK_KEYS = 64
+#: Warps and pipeline stages of the decode kernel.
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
+#: Smallest dot operand side Triton takes (query heads, keys and head dim are padded to it).
+_DOT_MIN = 16
+#: Programs (request x kv head x split) the split rule aims for: a few per SM of an H200
+#: (132 SMs), so that short batches of long requests still fill the device.
+DECODE_TARGET_PROGRAMS = 4 * 132
+#: Fewest keys (of the widest request) per split: shorter splits cost more to combine than
+#: they save.
+DECODE_MIN_SPLIT_KEYS = 256
+#: Most splits per request the rule picks.
+DECODE_MAX_SPLITS = 128
 
 
 def _kernels() -> ModuleType:
@@ -61,6 +78,147 @@ def _check_device(device: torch.device) -> None:
     )
 
 
+def decode_splits(
+    requests: int,
+    kv_heads: int,
+    width_pages: int,
+    tokens_per_block: int,
+    max_splits: int = DECODE_MAX_SPLITS,
+) -> int:
+    """How many splits (flash-decoding) :func:`paged_decode_attention` cuts each request into.
+
+    A deterministic rule on static sizes only (the rows, the kv heads, the block table's width
+    in pages: a CUDA graph bucket's capacities), so the count of a captured bucket is fixed and
+    the same on every rank. One split while ``requests * kv_heads`` programs already reach
+    :data:`DECODE_TARGET_PROGRAMS`; otherwise enough splits to reach it, no more than
+    ``max_splits``, none shorter than :data:`DECODE_MIN_SPLIT_KEYS` keys of the widest
+    request, and every split a whole number of pages with no split wholly past the width.
+    """
+    programs = max(1, requests * kv_heads)
+    if width_pages <= 1 or programs >= DECODE_TARGET_PROGRAMS or max_splits <= 1:
+        return 1
+    wanted = -(-DECODE_TARGET_PROGRAMS // programs)
+    by_length = -(-(width_pages * tokens_per_block) // DECODE_MIN_SPLIT_KEYS)
+    splits = max(1, min(wanted, by_length, max_splits, width_pages))
+    pages_per_split = -(-width_pages // splits)
+    return -(-width_pages // pages_per_split)
+
+
+def _resolve_splits(
+    requests: int, kv_heads: int, width_pages: int, tokens_per_block: int, asked: int | None
+) -> tuple[int, int]:
+    """The splits a call runs and the pages of each: ``asked``, else the environment's
+    override, else :func:`decode_splits`; then whole pages, none wholly past the width."""
+    if asked is None:
+        asked = _splits_override() or decode_splits(
+            requests, kv_heads, width_pages, tokens_per_block
+        )
+    pages_per_split = max(1, -(-width_pages // asked))
+    return max(1, -(-width_pages // pages_per_split)), pages_per_split
+
+
+@dataclass(frozen=True)
+class DecodeWorkspace:
+    """Scratch of split-K decode attention, allocated once and reused by every call (and
+    every layer: calls on one stream run in order), so that a captured step allocates
+    nothing.
+
+    Two flat buffers, in the accumulation dtype of the queries they serve, of room for
+    ``row_splits`` (request, split) pairs: a call of ``rows`` requests in ``splits`` splits
+    uses their first ``rows * splits`` pairs (:meth:`views`), so one workspace serves every
+    bucket of a CUDA-graph set (few rows in many splits, many rows in few).
+    """
+
+    output_scratch: torch.Tensor  # [row_splits * q_heads * head_dim]
+    lse_scratch: torch.Tensor  # [row_splits * q_heads]
+    q_heads: int
+    head_dim: int
+    row_splits: int
+
+    @classmethod
+    def allocate(
+        cls,
+        max_rows: int,
+        q_heads: int,
+        head_dim: int,
+        max_splits: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> DecodeWorkspace:
+        """Scratch for ``max_rows * max_splits`` (request, split) pairs of queries of
+        ``dtype`` (stored in its :func:`~helix_kv.executor.attention.accumulation_dtype`)."""
+        if min(max_rows, q_heads, head_dim, max_splits) < 1:
+            raise ValueError(
+                f"workspace sizes must be positive: rows {max_rows}, q_heads {q_heads}, "
+                f"head_dim {head_dim}, splits {max_splits}"
+            )
+        acc = accumulation_dtype(dtype)
+        pairs = max_rows * max_splits
+        return cls(
+            torch.empty(pairs * q_heads * head_dim, dtype=acc, device=device),
+            torch.empty(pairs * q_heads, dtype=acc, device=device),
+            q_heads,
+            head_dim,
+            pairs,
+        )
+
+    @classmethod
+    def for_decode(
+        cls,
+        max_rows: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        width_pages: int,
+        tokens_per_block: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> DecodeWorkspace:
+        """Scratch for every call :func:`paged_decode_attention` makes with the default split
+        count on up to ``max_rows`` requests and a block table ``width_pages`` wide (e.g. one
+        per executor: its max batch and max pages per request)."""
+        pairs = max(
+            rows * _resolve_splits(rows, kv_heads, width_pages, tokens_per_block, None)[0]
+            for rows in range(1, max(1, max_rows) + 1)
+        )
+        return cls.allocate(pairs, q_heads, head_dim, 1, dtype, device)
+
+    def fits(self, rows: int, q_heads: int, head_dim: int, splits: int, dtype: torch.dtype) -> bool:
+        """Whether a call of that shape (queries of ``dtype``) can use this scratch."""
+        return (
+            rows * splits <= self.row_splits
+            and q_heads == self.q_heads
+            and head_dim == self.head_dim
+            and self.output_scratch.dtype == accumulation_dtype(dtype)
+        )
+
+    def views(self, rows: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The partial outputs ``[rows, q_heads, splits, head_dim]`` and LSEs
+        ``[rows, q_heads, splits]`` of a call (views of the scratch's first pairs)."""
+        pairs = rows * splits
+        return (
+            self.output_scratch[: pairs * self.q_heads * self.head_dim].view(
+                rows, self.q_heads, splits, self.head_dim
+            ),
+            self.lse_scratch[: pairs * self.q_heads].view(rows, self.q_heads, splits),
+        )
+
+
+@functools.cache
+def _splits_override() -> int | None:
+    """``HELIX_KV_DECODE_SPLITS``: ``auto`` (or unset) for the rule, ``off`` for one split,
+    ``N`` for N splits (benches compare them; read once per process, and spawned ranks
+    inherit the environment)."""
+    raw = os.environ.get("HELIX_KV_DECODE_SPLITS", "auto").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw == "off":
+        return 1
+    if raw.isdigit() and int(raw) >= 1:
+        return int(raw)
+    raise ValueError(f"HELIX_KV_DECODE_SPLITS must be auto, off or N >= 1; got {raw!r}")
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -69,8 +227,15 @@ def paged_decode_attention(
     local_lens: torch.Tensor,
     tokens_per_block: int,
     scale: float | None = None,
+    num_splits: int | None = None,
+    workspace: DecodeWorkspace | None = None,
 ) -> PartialAttention:
     """Partial attention of one decode query per request over this rank's paged KV.
+
+    With one split, one program per (request, kv head) walks the request's local keys. With
+    more (flash-decoding), the keys are cut into ``num_splits`` ranges of whole pages, one
+    program per (request, kv head, split) stores a partial output and LSE in scratch, and a
+    second kernel merges them with the exact LSE combine: the same result to rounding.
 
     Args:
         query: ``[requests, q_heads, head_dim]`` (last dim contiguous).
@@ -78,11 +243,16 @@ def paged_decode_attention(
             dim contiguous); ``q_heads`` a multiple of ``kv_heads`` (query head ``h`` reads kv
             head ``h // (q_heads // kv_heads)``).
         block_table: ``[requests, width]`` page ids (any int dtype, any row stride, column
-            stride 1); only the first ``ceil(local_len / tokens_per_block)`` are read.
+            stride 1); only the first ``ceil(local_len / tokens_per_block)`` are read, so
+            every ``local_len`` must be at most ``width * tokens_per_block``.
         local_lens: ``[requests]`` keys this rank holds of each request (any int dtype,
             any stride); ``0`` gives output 0 and LSE ``-inf`` (e.g. a padding row).
         tokens_per_block: slots per page.
         scale: score scale, ``1 / sqrt(head_dim)`` by default.
+        num_splits: splits per request; ``None``: :func:`decode_splits` of the static sizes
+            (or ``HELIX_KV_DECODE_SPLITS`` where set); capped at the table's width in pages.
+        workspace: scratch for the splits (:class:`DecodeWorkspace`, e.g. one per executor,
+            so that captured steps allocate nothing); ``None``: allocated per call.
 
     Returns:
         :class:`~helix_kv.executor.attention.PartialAttention`: ``output``
@@ -108,6 +278,8 @@ def paged_decode_attention(
             raise ValueError(f"{name} must have a contiguous last dim")
     if block_table.shape[1] and block_table.stride(1) != 1:
         raise ValueError("block_table must have contiguous rows")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     group = q_heads // kv_heads
     compute_dtype = accumulation_dtype(query.dtype)
     output = query.new_empty(query.shape, dtype=compute_dtype)
@@ -115,16 +287,45 @@ def paged_decode_attention(
     if requests == 0:
         return PartialAttention(output, lse)
     _check_device(query.device)
-    _kernels().decode_attention_kernel[(requests, kv_heads)](
+    width = block_table.shape[1]
+    splits, pages_per_split = _resolve_splits(
+        requests, kv_heads, width, tokens_per_block, num_splits
+    )
+    acc_fp64 = compute_dtype == torch.float64
+    # tensor-core dots, except float64 on a GPU (the interpreter runs float64 dots exactly)
+    use_dot = not (acc_fp64 and query.device.type == "cuda")
+    if splits == 1:
+        # one pass: keys_per_split covers every key the table can hold, results stored directly
+        part_out, part_lse = output, lse
+        split_out_stride = split_lse_stride = 0
+        keys_per_split = max(1, width * tokens_per_block)
+    else:
+        if workspace is None:
+            workspace = DecodeWorkspace.allocate(
+                requests, q_heads, head_dim, splits, query.dtype, query.device
+            )
+        elif not workspace.fits(requests, q_heads, head_dim, splits, query.dtype):
+            raise ValueError(
+                f"workspace of {workspace.row_splits} (request, split) pairs x "
+                f"{workspace.q_heads} heads x {workspace.head_dim} "
+                f"{workspace.output_scratch.dtype} does not fit {requests} requests x "
+                f"{splits} splits x {q_heads} heads x {head_dim} of {query.dtype}"
+            )
+        part_out, part_lse = workspace.views(requests, splits)
+        split_out_stride, split_lse_stride = part_out.stride(2), part_lse.stride(2)
+        keys_per_split = pages_per_split * tokens_per_block
+    kernels = _kernels()
+    kernels.decode_attention_kernel[(requests, kv_heads, splits)](
         query,
         key_cache,
         value_cache,
         block_table,
         local_lens,
-        output,
-        lse,
+        part_out,
+        part_lse,
         1.0 / math.sqrt(head_dim) if scale is None else scale,
         tokens_per_block,
+        keys_per_split,
         group,
         head_dim,
         query.stride(0),
@@ -135,14 +336,44 @@ def paged_decode_attention(
         value_cache.stride(1),
         block_table.stride(0),
         local_lens.stride(0),
-        output.stride(0),
-        output.stride(1),
-        lse.stride(0),
-        BLOCK_G=_next_power_of_2(group),
-        BLOCK_N=DECODE_BLOCK_KEYS,
-        BLOCK_D=_next_power_of_2(head_dim),
-        ACC_FP64=compute_dtype == torch.float64,
+        part_out.stride(0),
+        part_out.stride(1),
+        split_out_stride,
+        part_lse.stride(0),
+        part_lse.stride(1),
+        split_lse_stride,
+        BLOCK_G=max(_DOT_MIN, _next_power_of_2(group)) if use_dot else _next_power_of_2(group),
+        BLOCK_N=max(_DOT_MIN, DECODE_BLOCK_KEYS) if use_dot else DECODE_BLOCK_KEYS,
+        BLOCK_D=max(_DOT_MIN, _next_power_of_2(head_dim))
+        if use_dot
+        else _next_power_of_2(head_dim),
+        ACC_FP64=acc_fp64,
+        USE_DOT=use_dot,
+        num_warps=DECODE_NUM_WARPS,
+        num_stages=DECODE_NUM_STAGES,
     )
+    if splits > 1:
+        kernels.combine_splits_kernel[(requests, q_heads)](
+            part_out,
+            part_lse,
+            output,
+            lse,
+            splits,
+            head_dim,
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            part_lse.stride(2),
+            output.stride(0),
+            output.stride(1),
+            lse.stride(0),
+            lse.stride(1),
+            BLOCK_S=_next_power_of_2(splits),
+            BLOCK_D=_next_power_of_2(head_dim),
+            ACC_FP64=acc_fp64,
+        )
     return PartialAttention(output, lse)
 
 
@@ -192,4 +423,14 @@ def write_paged_kv(
     )
 
 
-__all__ = ["DECODE_BLOCK_KEYS", "interpreted", "paged_decode_attention", "write_paged_kv"]
+__all__ = [
+    "DECODE_BLOCK_KEYS",
+    "DECODE_MAX_SPLITS",
+    "DECODE_MIN_SPLIT_KEYS",
+    "DECODE_TARGET_PROGRAMS",
+    "DecodeWorkspace",
+    "decode_splits",
+    "interpreted",
+    "paged_decode_attention",
+    "write_paged_kv",
+]
