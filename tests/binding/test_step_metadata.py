@@ -390,7 +390,8 @@ def test_decode_rows_equal_the_separate_calls(cp: int, ahead: bool) -> None:
                 for s in ranks:
                     for finished in s.update(tokens).tolist():
                         s.take_output(finished)
-    assert decode_steps > 0 and pressured > 0
+    assert decode_steps > 0
+    assert pressured > 0
     assert (in_flight > 0) == ahead
 
 
@@ -401,7 +402,8 @@ def decode_pending(cp: int = 2) -> tuple[helix_kv.Scheduler, helix_kv.ScheduleOu
         s.add_request(i, prompt(9, i), 5)
     s.update(np.full(s.schedule().num_samples, 7, dtype=np.int32))
     out = s.schedule()
-    assert out.generation_ids.size == 3 and not out.context_ids.size
+    assert out.generation_ids.size == 3
+    assert not out.context_ids.size
     return s, out
 
 
