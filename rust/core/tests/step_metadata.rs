@@ -453,7 +453,7 @@ fn refused_decode_rows_leave_the_buffer_as_it_was() {
     // Forged outputs: an unknown request, an input reference below -1, a position past
     // what the request reserved, arrays of different lengths.
     let good = s.last_output().clone();
-    let mut forged = vec![good.clone(), good.clone(), good.clone(), good.clone()];
+    let mut forged = [good.clone(), good.clone(), good.clone(), good.clone()];
     forged[0].generation_ids[1] = 99;
     forged[1].generation_input_refs[0] = -2;
     forged[2].generation_positions[2] += 100;

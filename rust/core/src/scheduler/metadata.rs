@@ -749,6 +749,68 @@ pub struct DecodeRowCounts {
     pub table_width_used: usize,
 }
 
+/// The checks of [`Scheduler::write_decode_rows`] that need no ledger: a decode-only step
+/// whose arrays fit together, rows with the fixed columns, a buffer of whole rows holding
+/// the step and its padding, input references of -1 or more. Returns the inputs in flight.
+fn check_decode_shapes(
+    source: &StepSource<'_>,
+    buffer_words: usize,
+    width: usize,
+    pad_to: usize,
+) -> Result<usize> {
+    if !source.context_ids.is_empty() {
+        return Err(CoreError::InvalidArgument(format!(
+            "step {} has {} context chunks: decode rows take decode-only steps",
+            source.step,
+            source.context_ids.len()
+        )));
+    }
+    if width < decode_row::BLOCK_TABLE {
+        return Err(CoreError::InvalidArgument(format!(
+            "a decode row of {width} columns lacks the {} fixed ones",
+            decode_row::BLOCK_TABLE
+        )));
+    }
+    if buffer_words % width != 0 {
+        return Err(CoreError::InvalidLength(format!(
+            "a buffer of {buffer_words} words is not whole rows of {width}"
+        )));
+    }
+    let g = source.generation_ids.len();
+    if [
+        source.generation_positions.len(),
+        source.generation_owner_ranks.len(),
+        source.generation_input_tokens.len(),
+        source.generation_input_refs.len(),
+        source.generation_local_lens.len(),
+        source.generation_past_seen_lens.len(),
+    ]
+    .iter()
+    .any(|&n| n != g)
+    {
+        return Err(mismatch("generation"));
+    }
+    let capacity = buffer_words / width;
+    if g.max(pad_to) > capacity {
+        return Err(CoreError::InvalidLength(format!(
+            "step {} has {g} decode rows (padded to {pad_to}); the buffer holds {capacity}",
+            source.step
+        )));
+    }
+    let (lowest_ref, in_flight) = source
+        .generation_input_refs
+        .iter()
+        .fold((-1, 0), |(low, n), &r| {
+            (low.min(r), n + usize::from(r >= 0))
+        });
+    if lowest_ref < -1 {
+        return Err(CoreError::InvalidArgument(format!(
+            "input reference {lowest_ref} is neither a sample row nor -1"
+        )));
+    }
+    Ok(in_flight)
+}
+
 /// What [`Scheduler::write_decode_rows`] checked: each row's superblock table and KV slot.
 struct CheckedRows<'s> {
     rows: Vec<(&'s [SuperblockId], i32)>,
@@ -840,56 +902,8 @@ impl Scheduler {
         pad_to: usize,
     ) -> Result<CheckedRows<'s>> {
         self.check_pending(source.step)?;
-        if !source.context_ids.is_empty() {
-            return Err(CoreError::InvalidArgument(format!(
-                "step {} has {} context chunks: decode rows take decode-only steps",
-                source.step,
-                source.context_ids.len()
-            )));
-        }
-        if width < decode_row::BLOCK_TABLE {
-            return Err(CoreError::InvalidArgument(format!(
-                "a decode row of {width} columns lacks the {} fixed ones",
-                decode_row::BLOCK_TABLE
-            )));
-        }
-        if buffer_words % width != 0 {
-            return Err(CoreError::InvalidLength(format!(
-                "a buffer of {buffer_words} words is not whole rows of {width}"
-            )));
-        }
+        let in_flight = check_decode_shapes(source, buffer_words, width, pad_to)?;
         let g = source.generation_ids.len();
-        if [
-            source.generation_positions.len(),
-            source.generation_owner_ranks.len(),
-            source.generation_input_tokens.len(),
-            source.generation_input_refs.len(),
-            source.generation_local_lens.len(),
-            source.generation_past_seen_lens.len(),
-        ]
-        .iter()
-        .any(|&n| n != g)
-        {
-            return Err(mismatch("generation"));
-        }
-        let capacity = buffer_words / width;
-        if g.max(pad_to) > capacity {
-            return Err(CoreError::InvalidLength(format!(
-                "step {} has {g} decode rows (padded to {pad_to}); the buffer holds {capacity}",
-                source.step
-            )));
-        }
-        let (lowest_ref, in_flight) = source
-            .generation_input_refs
-            .iter()
-            .fold((-1, 0), |(low, n), &r| {
-                (low.min(r), n + usize::from(r >= 0))
-            });
-        if lowest_ref < -1 {
-            return Err(CoreError::InvalidArgument(format!(
-                "input reference {lowest_ref} is neither a sample row nor -1"
-            )));
-        }
         let columns = width - decode_row::BLOCK_TABLE;
         let tpb = self.layout.tokens_per_block();
         let per_block = Divisor::new(u64::from(tpb));
