@@ -811,9 +811,28 @@ fn check_decode_shapes(
     Ok(in_flight)
 }
 
-/// What [`Scheduler::write_decode_rows`] checked: each row's superblock table and KV slot.
+/// `dst[i] = page_id(table[i])` for tables of the same length, inline: a decode row holds a
+/// few superblocks, and a `memcpy` call per row (what a plain loop becomes) costs more than
+/// the copy.
+fn copy_pages(dst: &mut [i32], table: &[SuperblockId]) {
+    let mut from = table.chunks_exact(4);
+    let mut to = dst.chunks_exact_mut(4);
+    for (d, s) in (&mut to).zip(&mut from) {
+        d.copy_from_slice(&[page_id(s[0]), page_id(s[1]), page_id(s[2]), page_id(s[3])]);
+    }
+    match (to.into_remainder(), from.remainder()) {
+        ([d0], [s0]) => *d0 = page_id(*s0),
+        ([d0, d1], [s0, s1]) => [*d0, *d1] = [page_id(*s0), page_id(*s1)],
+        ([d0, d1, d2], [s0, s1, s2]) => {
+            [*d0, *d1, *d2] = [page_id(*s0), page_id(*s1), page_id(*s2)];
+        }
+        _ => {}
+    }
+}
+
+/// What [`Scheduler::write_decode_rows`] checked: each row's superblock table.
 struct CheckedRows<'s> {
-    rows: Vec<(&'s [SuperblockId], i32)>,
+    rows: Vec<&'s [SuperblockId]>,
     in_flight: usize,
     table_width_used: usize,
 }
@@ -852,6 +871,10 @@ impl Scheduler {
     ) -> Result<DecodeRowCounts> {
         let checked = self.check_decode_source(&source, buffer.len(), width, pad_to)?;
         let rows = checked.rows.len();
+        let tpb = self.layout.tokens_per_block();
+        let per_block = Divisor::new(u64::from(tpb));
+        let per_superblock = Divisor::new(self.layout.tokens_per_superblock());
+        let rank = self.config.cp_rank;
         let (written, padding) = buffer.split_at_mut(rows * width);
         // One fill of every cell (the fixed columns are overwritten below): a fill of each
         // row's unused block-table columns is a `memset` call per row, which costs more.
@@ -862,12 +885,20 @@ impl Scheduler {
             .zip(source.generation_positions)
             .zip(source.generation_local_lens)
             .zip(source.generation_past_seen_lens)
-            .zip(source.generation_input_refs);
-        for ((row, &(table, slot)), ((((&token, &pos), &local), &past), &input_ref)) in written
+            .zip(source.generation_input_refs)
+            .zip(source.generation_owner_ranks);
+        for ((row, &table), (((((&token, &pos), &local), &past), &input_ref), &owner)) in written
             .chunks_exact_mut(width)
             .zip(&checked.rows)
             .zip(inputs)
         {
+            let slot = if owner == rank {
+                // Checked: the superblock is held and every slot of the pool fits.
+                let page = page_id(table[to_usize(per_superblock.div(pos))]);
+                page * word(u64::from(tpb)) + word(per_block.rem(pos))
+            } else {
+                -1
+            };
             let (fixed, cells) = row.split_at_mut(decode_row::BLOCK_TABLE);
             fixed[decode_row::TOKEN_ID] = token;
             fixed[decode_row::POSITION] = word(pos);
@@ -875,9 +906,7 @@ impl Scheduler {
             fixed[decode_row::LOCAL_LEN] = word(local);
             fixed[decode_row::PAST_SEEN_LEN] = word(past);
             fixed[decode_row::INPUT_REF] = input_ref;
-            for (dst, &superblock) in cells.iter_mut().zip(table) {
-                *dst = page_id(superblock);
-            }
+            copy_pages(&mut cells[..table.len()], table);
         }
         let padded_to = pad_to.max(rows);
         for row in padding[..(padded_to - rows) * width].chunks_exact_mut(width) {
@@ -892,8 +921,8 @@ impl Scheduler {
         })
     }
 
-    /// Every check of [`Self::write_decode_rows`]; the superblock table and KV slot of each
-    /// row, and the counts.
+    /// Every check of [`Self::write_decode_rows`]; the superblock table of each row, and the
+    /// counts.
     fn check_decode_source<'s>(
         &'s self,
         source: &StepSource<'_>,
@@ -905,8 +934,9 @@ impl Scheduler {
         let in_flight = check_decode_shapes(source, buffer_words, width, pad_to)?;
         let g = source.generation_ids.len();
         let columns = width - decode_row::BLOCK_TABLE;
-        let tpb = self.layout.tokens_per_block();
-        let per_block = Divisor::new(u64::from(tpb));
+        // Every slot of the pool fits an int32 word, or none is written.
+        let slots = u64::from(self.ledger.capacity()) * u64::from(self.layout.tokens_per_block());
+        check_word(slots.saturating_sub(1), "KV slot")?;
         let per_superblock = Divisor::new(self.layout.tokens_per_superblock());
         let rank = self.config.cp_rank;
         // Each row's holdings, found through the scheduler's own index of the request (its
@@ -936,23 +966,14 @@ impl Scheduler {
                     table.len()
                 )));
             }
-            let slot = if owner == rank {
-                let Some(&superblock) = table.get(to_usize(per_superblock.div(pos))) else {
-                    return Err(unreserved(id, pos, pos + 1, request.len()));
-                };
-                let slot = i64::from(page_id(superblock)) * i64::from(tpb)
-                    + i64::from(word(per_block.rem(pos)));
-                i32::try_from(slot).map_err(|_| {
-                    CoreError::InvalidLength(format!(
-                        "KV slot {slot} of request {id} does not fit the int32 decode rows"
-                    ))
-                })?
-            } else {
-                -1
-            };
+            // The slot is computed while the row is written (where the table is read for
+            // its cells anyway); here only that its superblock is held.
+            if owner == rank && to_usize(per_superblock.div(pos)) >= table.len() {
+                return Err(unreserved(id, pos, pos + 1, request.len()));
+            }
             longest = longest.max(pos);
             widest = widest.max(table.len());
-            rows.push((table, slot));
+            rows.push(table);
         }
         // Two plain folds (a chained one is not vectorized).
         let local = source
