@@ -484,8 +484,8 @@ def test_decode_row_columns_come_from_the_core() -> None:
     assert pickle.loads(pickle.dumps(counts)) == counts
 
 
-def test_decode_rows_of_a_long_step_release_the_gil_and_match() -> None:
-    """Many rows (the call lets the GIL go): the same rows as the separate calls."""
+def test_decode_rows_of_a_thousand_requests_match() -> None:
+    """A batch of 1024 decodes (the fast path's N): the same rows as the separate calls."""
     cfg = config(2, 4, superblocks=2048, max_batch_size=1024, max_num_tokens=16384)
     s = helix_kv.Scheduler(cfg)
     for i in range(1024):
