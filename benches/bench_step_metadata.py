@@ -1,5 +1,7 @@
 """Packed step metadata from Python: ``write_step_metadata`` after ``schedule()`` with N
-decoding requests at cp = 4, against the separate calls it replaces.
+decoding requests at cp = 4, against the separate calls it replaces; and the decode rows the
+fast path uploads (``write_decode_rows`` into the ``[max_batch, width]`` staging rows, padded
+to the bucket), at N = 64 ... 4096, against the numpy column fill it replaced.
 
 Target (issue 13): <= 10 us on the host at N = 1024 decodes. Run with
 ``python -m pytest benches/bench_step_metadata.py --benchmark-enable -s``.
@@ -63,6 +65,50 @@ def test_bench_write_step_metadata(benchmark, report_figure, n: int) -> None:
     report_figure(
         benchmark, f"write_step_metadata, {n} decoding, cp={CP}", 1, "call", "<= 10 us at N = 1024"
     )
+
+
+@pytest.mark.parametrize("n", [64, 256, 1024, 4096])
+def test_bench_write_decode_rows(benchmark, report_figure, n: int) -> None:
+    """One call fills the rows of the fast path's staging buffer (padded to ``n``)."""
+    d = Decoding(n)
+    columns = helix_kv.DECODE_ROW_COLUMNS
+    rows = np.zeros((n, columns.index("block_table") + WIDTH), dtype=np.int32)
+
+    def write() -> None:
+        d.s.write_decode_rows(d.out, rows, n)
+
+    benchmark.pedantic(write, setup=d.next_step, rounds=ROUNDS, warmup_rounds=WARMUP)
+    np.testing.assert_array_equal(rows[:, columns.index("position")], d.out.generation_positions)
+    report_figure(
+        benchmark, f"write_decode_rows, {n} decoding, cp={CP}", 1, "call", "<= 10 us at N = 1024"
+    )
+
+
+@pytest.mark.parametrize("n", [64, 1024])
+def test_bench_decode_rows_by_columns(benchmark, report_figure, n: int) -> None:
+    """What the row writer replaces: the fast path's former fill, ``block_table`` +
+    ``slot_mapping`` and one numpy write per column."""
+    d = Decoding(n)
+    fixed = helix_kv.DECODE_ROW_COLUMNS.index("block_table")
+    rows = np.zeros((n, fixed + WIDTH), dtype=np.int32)
+    ones = np.ones(n, dtype=np.int64)
+
+    def by_columns() -> None:
+        out = d.out
+        ids = np.asarray(out.generation_ids, dtype=np.int64)
+        positions = np.asarray(out.generation_positions, dtype=np.int64)
+        table = d.s.block_table(ids, WIDTH)
+        slots = d.s.slot_mapping(ids, positions, ones[: ids.size])
+        rows[:n, 0] = out.generation_input_tokens
+        rows[:n, 1] = positions
+        rows[:n, 2] = slots
+        rows[:n, 3] = out.generation_local_lens
+        rows[:n, 4] = out.generation_past_seen_lens
+        rows[:n, 5] = out.generation_input_refs
+        rows[:n, fixed:] = table
+
+    benchmark.pedantic(by_columns, setup=d.next_step, rounds=ROUNDS, warmup_rounds=WARMUP)
+    report_figure(benchmark, f"decode rows by numpy columns, {n} decoding", 1, "call", "n/a")
 
 
 def test_bench_separate_calls(benchmark, report_figure) -> None:

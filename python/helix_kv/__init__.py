@@ -11,6 +11,9 @@ demand.
 """
 
 from helix_kv._core import (
+    DECODE_ROW_COLUMNS,
+    DECODE_ROW_PADDING,
+    DecodeRowCounts,
     DecodeView,
     Layout,
     Ledger,
@@ -46,10 +49,13 @@ from helix_kv.errors import (
 from helix_kv.step_metadata import StepMetadataViews, new_step_metadata_buffer, step_metadata_views
 
 __all__ = [
+    "DECODE_ROW_COLUMNS",
+    "DECODE_ROW_PADDING",
     "ConfigError",
     "ConfigGuardError",
     "ConfigMismatchError",
     "DeadlockError",
+    "DecodeRowCounts",
     "DecodeView",
     "DuplicateRequestError",
     "HelixKVError",

@@ -20,11 +20,19 @@ from helix_kv.types import (
 )
 
 __version__: str
+#: The fixed columns of a decode row in order, then ``"block_table"`` (its first column): the
+#: index of a name is its column (``Scheduler.write_decode_rows``).
+DECODE_ROW_COLUMNS: tuple[str, ...]
+#: A padding row's fixed columns: no token, no KV write, nothing to attend to or gather.
+DECODE_ROW_PADDING: tuple[int, ...]
 __all__ = [
+    "DECODE_ROW_COLUMNS",
+    "DECODE_ROW_PADDING",
     "ConfigError",
     "ConfigGuardError",
     "ConfigMismatchError",
     "DeadlockError",
+    "DecodeRowCounts",
     "DecodeView",
     "DuplicateRequestError",
     "HelixKVError",
@@ -522,6 +530,28 @@ class StepMetadata:
     def __eq__(self, other: object, /) -> bool: ...
 
 @final
+class DecodeRowCounts:
+    """The counts of one decode-only step written by ``Scheduler.write_decode_rows``."""
+
+    FIELDS: ClassVar[tuple[str, ...]]
+    def __new__(
+        cls, *, step: int, rows: int, padded_to: int, in_flight: int, table_width_used: int
+    ) -> DecodeRowCounts: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def padded_to(self) -> int: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def table_width_used(self) -> int: ...
+    def to_dict(self) -> dict[str, int]: ...
+    def __reduce__(self) -> tuple[Any, ...]: ...
+    def __eq__(self, other: object, /) -> bool: ...
+
+@final
 class StepMetadataLayout:
     """Where each section of the packed step metadata lies in an int32 buffer."""
 
@@ -573,6 +603,12 @@ class Scheduler:
         buffer: npt.NDArray[np.int32],
         layout: StepMetadataLayout,
     ) -> StepMetadata: ...
+    def write_decode_rows(
+        self,
+        schedule_output: ScheduleOutput,
+        buffer: npt.NDArray[np.int32],
+        pad_to: int | None = None,
+    ) -> DecodeRowCounts: ...
     def metrics(self) -> SchedulerMetrics: ...
     def request_metrics(self, request_id: int) -> RequestMetrics: ...
     @property

@@ -6,6 +6,12 @@ lies at an offset fixed by the :class:`~helix_kv.StepMetadataLayout`, so the sam
 device tensors of the same shape) serve every step. Each step fills the front of each section;
 the :class:`~helix_kv.StepMetadata` it returns (and the header section) gives the counts.
 Offsets come from the layout: nothing here computes one.
+
+A decode-only step can also be written as the rows a decode kernel reads, one int32 row per
+generation entry (``Scheduler.write_decode_rows`` into a caller-owned ``[rows, width]`` array):
+the columns are ``helix_kv.DECODE_ROW_COLUMNS`` in order (their index is their column; the
+block table starts at ``DECODE_ROW_COLUMNS.index("block_table")``), padding rows hold
+``helix_kv.DECODE_ROW_PADDING``. :mod:`helix_kv.executor.decode_step` stages those rows.
 """
 
 from __future__ import annotations

@@ -381,6 +381,7 @@ NO_ARGUMENTS = {
         "queue_ids",
         "state_digest",
         "pending_steps",
+        "write_decode_rows",  # needs a decode-only step: tests/binding/test_step_metadata.py
     },
     "SchedulerConfig": {"to_dict", "decision_fields"},
     "Layout": set(),

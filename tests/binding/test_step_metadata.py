@@ -285,3 +285,212 @@ def test_a_long_step_is_written_alike() -> None:
     out = s.schedule()
     assert out.num_tokens == 21_000
     check_step(s, out, s.step_metadata_layout())
+
+
+# -- decode rows (Scheduler.write_decode_rows) ----------------------------------------------
+
+COLUMNS = helix_kv.DECODE_ROW_COLUMNS
+FIXED = COLUMNS.index("block_table")
+
+
+def check_rows(
+    s: helix_kv.Scheduler, out: helix_kv.ScheduleOutput, pages: int, capacity: int = 8
+) -> helix_kv.DecodeRowCounts | None:
+    """Writes the step's decode rows into a sentinel-filled buffer and compares them with
+    the separate calls; a step with context chunks must be refused with nothing written."""
+    buffer = np.full((capacity, FIXED + pages), SENTINEL, dtype=np.int32)
+    g = out.generation_ids.size
+    pad_to = min(g + 2, capacity)
+    if out.context_ids.size:
+        refused_rows(s, out, buffer, pad_to, helix_kv.InvalidArgumentError)
+        return None
+    counts = s.write_decode_rows(out, buffer, pad_to)
+    assert (counts.step, counts.rows, counts.padded_to) == (out.step, g, max(g, pad_to))
+    refs = np.asarray(out.generation_input_refs)
+    assert counts.in_flight == int((refs >= 0).sum())
+    ids = np.asarray(out.generation_ids, dtype=np.uint64)
+    positions = np.asarray(out.generation_positions, dtype=np.int64)
+    expected = {
+        "token_id": out.generation_input_tokens,
+        "position": positions,
+        "local_len": out.generation_local_lens,
+        "past_seen_len": out.generation_past_seen_lens,
+        "input_ref": refs,
+    }
+    if g:
+        expected["slot"] = s.slot_mapping(ids, positions, np.ones(g, dtype=np.int64))
+        np.testing.assert_array_equal(buffer[:g, FIXED:], s.block_table(ids, pages))
+    for name, want in expected.items():
+        np.testing.assert_array_equal(buffer[:g, COLUMNS.index(name)], want, err_msg=name)
+    padding = buffer[g : counts.padded_to]
+    assert (padding[:, :FIXED] == helix_kv.DECODE_ROW_PADDING).all()
+    assert (padding[:, FIXED:] == SENTINEL).all()  # a padding row's table is left alone
+    assert (buffer[counts.padded_to :] == SENTINEL).all()
+    return counts
+
+
+def refused_rows(
+    s: helix_kv.Scheduler, out: object, buffer: object, pad_to: object, error: type[Exception]
+) -> None:
+    before = snapshot(s)
+    copy = np.array(buffer, copy=True) if isinstance(buffer, np.ndarray) else None
+    with pytest.raises(error):
+        s.write_decode_rows(out, buffer, pad_to)  # type: ignore[arg-type]
+    assert snapshot(s) == before
+    if copy is not None:
+        np.testing.assert_array_equal(buffer, copy)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("ahead", [False, True], ids=["plain", "one_step_ahead"])
+def test_decode_rows_equal_the_separate_calls(cp: int, ahead: bool) -> None:
+    """Random workloads under KV pressure, every rank checked every step, plain and one
+    step ahead (``schedule()`` while the previous step is pending: inputs in flight)."""
+    decode_steps = in_flight = pressured = 0
+    for seed in range(3):
+        rng = np.random.default_rng(1000 + seed)
+        tpb = int(rng.choice([2, 4, 3]))
+        superblocks = int(rng.integers(6, 14))
+        cfg = config(
+            cp,
+            tpb,
+            superblocks=superblocks,
+            max_batch_size=8,
+            max_num_tokens=int(rng.integers(16, 48)),
+            max_seq_len=120,
+            chunk_unit=tpb,
+        )
+        ranks = [helix_kv.Scheduler(cfg.with_rank(r)) for r in range(cp)]
+        pages = ranks[0].step_metadata_layout().table_width
+        longest = min(120, superblocks * cp * tpb)
+        next_id = 0
+        pending: helix_kv.ScheduleOutput | None = None
+        for step in range(60):
+            if step % 4 == 0:
+                for _ in range(int(rng.integers(0, 3))):
+                    length = int(rng.integers(1, longest // 2 + 1))
+                    max_new = int(rng.integers(1, longest - length + 1))
+                    for s in ranks:
+                        s.add_request(next_id, prompt(length, next_id), max_new)
+                    next_id += 1
+            out = None
+            if ranks[0].has_unfinished():
+                outs = [s.schedule() for s in ranks]
+                pressured += bool(outs[0].preempted_ids.size)
+                for s, o in zip(ranks, outs):
+                    counts = check_rows(s, o, pages)
+                    if counts is not None:
+                        decode_steps += 1
+                        in_flight += counts.in_flight
+                out = outs[0]
+            closing = pending if ahead else out
+            pending = out if ahead else None
+            if closing is not None:
+                tokens = np.asarray(rng.integers(0, 1000, closing.num_samples), dtype=np.int32)
+                for s in ranks:
+                    for finished in s.update(tokens).tolist():
+                        s.take_output(finished)
+    assert decode_steps > 0
+    assert pressured > 0
+    assert (in_flight > 0) == ahead
+
+
+def decode_pending(cp: int = 2) -> tuple[helix_kv.Scheduler, helix_kv.ScheduleOutput]:
+    """A scheduler whose pending step decodes three requests (nothing else)."""
+    s = helix_kv.Scheduler(config(cp, 4, superblocks=16, max_batch_size=4, max_num_tokens=64))
+    for i in range(3):
+        s.add_request(i, prompt(9, i), 5)
+    s.update(np.full(s.schedule().num_samples, 7, dtype=np.int32))
+    out = s.schedule()
+    assert out.generation_ids.size == 3
+    assert not out.context_ids.size
+    return s, out
+
+
+def test_hostile_row_buffers_are_refused_and_nothing_changes() -> None:
+    s, out = decode_pending()
+    pages = s.step_metadata_layout().table_width
+    good = np.full((4, FIXED + pages), SENTINEL, dtype=np.int32)
+    read_only = good.copy()
+    read_only.setflags(write=False)
+    cases: list[tuple[object, object, type[Exception]]] = [
+        (good.tolist(), None, helix_kv.InvalidTypeError),
+        (good.astype(np.float32), None, helix_kv.InvalidTypeError),
+        (good.astype(np.int64), None, helix_kv.InvalidTypeError),
+        (good.astype(np.uint32), None, helix_kv.InvalidTypeError),
+        (good.astype(">i4"), None, helix_kv.InvalidTypeError),
+        (good.ravel(), None, helix_kv.InvalidArgumentError),  # one-dimensional
+        (good[:, ::2], None, helix_kv.InvalidArgumentError),  # not C-contiguous
+        (np.asfortranarray(good), None, helix_kv.InvalidArgumentError),
+        (read_only, None, helix_kv.InvalidArgumentError),
+        (good[:2], None, helix_kv.InvalidLengthError),  # 3 rows, 2 fit
+        (good, 5, helix_kv.InvalidLengthError),  # padded past the buffer
+        (good, -1, helix_kv.InvalidLengthError),
+        (good, 1.0, helix_kv.InvalidTypeError),
+        (good, "4", helix_kv.InvalidTypeError),
+        (good[:, : FIXED + 1].copy(), None, helix_kv.InvalidLengthError),  # narrower than a table
+        (good[:, :FIXED].copy(), None, helix_kv.InvalidLengthError),  # no table column
+        (good[:, : FIXED - 1].copy(), None, helix_kv.InvalidArgumentError),  # no fixed columns
+    ]
+    assert s.block_table(out.generation_ids).shape[1] > 1
+    for buffer, pad_to, error in cases:
+        refused_rows(s, out, buffer, pad_to, error)
+    refused_rows(s, "out", good, None, helix_kv.InvalidTypeError)
+    # The buffer is still usable after every refusal.
+    check_rows(s, out, pages, capacity=4)
+
+
+def test_decode_rows_of_a_stale_or_forged_output_are_refused() -> None:
+    s, out = decode_pending()
+    pages = s.step_metadata_layout().table_width
+    buffer = np.full((4, FIXED + pages), SENTINEL, dtype=np.int32)
+    fields = {name: getattr(out, name) for name in helix_kv.ScheduleOutput.FIELDS}
+    ids = fields["generation_ids"].copy()
+    ids[0] = 999
+    refs = fields["generation_input_refs"].copy()
+    refs[1] = -2
+    for changed, error in [
+        ({"generation_ids": ids}, helix_kv.UnknownRequestError),
+        (
+            {"generation_positions": fields["generation_positions"] + 100},
+            helix_kv.InvalidLengthError,
+        ),
+        ({"generation_input_refs": refs}, helix_kv.InvalidArgumentError),
+    ]:
+        forged = helix_kv.ScheduleOutput._from_fields({**fields, **changed})
+        refused_rows(s, forged, buffer, None, error)
+    check_rows(s, out, pages, capacity=4)
+    s.update(np.full(out.num_samples, 7, dtype=np.int32))
+    refused_rows(s, out, buffer, None, helix_kv.InvalidStateError)  # closed
+
+
+def test_decode_row_columns_come_from_the_core() -> None:
+    from helix_kv.executor.decode_step import DecodeLayout
+
+    assert COLUMNS == (
+        "token_id",
+        "position",
+        "slot",
+        "local_len",
+        "past_seen_len",
+        "input_ref",
+        "block_table",
+    )
+    assert len(helix_kv.DECODE_ROW_PADDING) == FIXED
+    layout = DecodeLayout(max_batch=4, max_pages=3)
+    assert layout.width == FIXED + 3
+    assert [layout.TOKEN_ID, layout.INPUT_REF, layout.BLOCK_TABLE] == [0, 5, 6]
+    counts = helix_kv.DecodeRowCounts(step=1, rows=2, padded_to=4, in_flight=1, table_width_used=1)
+    assert pickle.loads(pickle.dumps(counts)) == counts
+
+
+def test_decode_rows_of_a_thousand_requests_match() -> None:
+    """A batch of 1024 decodes (the fast path's N): the same rows as the separate calls."""
+    cfg = config(2, 4, superblocks=2048, max_batch_size=1024, max_num_tokens=16384)
+    s = helix_kv.Scheduler(cfg)
+    for i in range(1024):
+        s.add_request(i, prompt(9, i), 4)
+    s.update(np.full(s.schedule().num_samples, 7, dtype=np.int32))
+    out = s.schedule()
+    assert out.generation_ids.size == 1024
+    check_rows(s, out, 4, capacity=1024)

@@ -331,9 +331,17 @@ def test_metadata_pads_rows_up_to_the_bucket():
     assert rows == 3
     assert metadata.upload(rows) == 4
     on_device = metadata.device_buffer[:4].cpu().numpy()
-    assert on_device[:3, :5].tolist() == [[5, 10, 1, 3, 2], [6, 11, -1, 4, 4], [7, 12, 9, 5, 4]]
-    assert on_device[3, :5].tolist() == list(metadata.layout.padding_row)
-    assert on_device[:3, 5:7].tolist() == [[0, 1], [2, -1], [4, 5]]
+    lay = metadata.layout
+    fixed = [lay.TOKEN_ID, lay.POSITION, lay.SLOT, lay.LOCAL_LEN, lay.PAST_SEEN_LEN]
+    assert on_device[:3, fixed].tolist() == [
+        [5, 10, 1, 3, 2],
+        [6, 11, -1, 4, 4],
+        [7, 12, 9, 5, 4],
+    ]
+    assert on_device[:3, lay.INPUT_REF].tolist() == [-1, -1, -1]  # nothing in flight
+    assert on_device[3, : lay.BLOCK_TABLE].tolist() == list(lay.padding_row)
+    table = on_device[:3, lay.BLOCK_TABLE :]
+    assert table.tolist() == [[0, 1, -1], [2, -1, -1], [4, 5, -1]]
     with pytest.raises(ValueError, match="do not fit"):
         metadata.fill([0] * 9, [0] * 9, [0] * 9, [0] * 9, [0] * 9, np.zeros((9, 1)))
     with pytest.raises(ValueError, match="do not fit"):
@@ -445,6 +453,108 @@ def test_fast_path_greedy_tokens_equal_reference_path(cp):
     assert roomy_ref.fast_path_steps == 0
     assert roomy_fast.fast_path_steps == roomy_fast.decode_steps > 0
     assert tight_fast.fast_path_steps > 0
+
+
+@needs_scheduler
+@pytest.mark.parametrize("cp", [1, 2])
+def test_fast_path_one_step_ahead_equals_reference_path(cp, monkeypatch):
+    """Overlap mode on the fast path: decode-only steps scheduled one step ahead run there,
+    their inputs in flight gathered on the device from the previous step's samples (a fast
+    step's own buffer, or a general step's tokens copied in); the greedy tokens equal the
+    plain reference path's, roomy and tight (recompute-pausing) pools."""
+    if cp > 1 and DEVICE.type == "cuda" and torch.cuda.device_count() < cp:
+        pytest.skip("needs 2 GPUs")
+    taken = []
+    original = DecodeStep.take_previous
+
+    def counting(self, tokens):
+        taken.append(int(tokens.shape[0]))
+        original(self, tokens)
+
+    monkeypatch.setattr(DecodeStep, "take_previous", counting)
+    jobs = []
+    for kv_tokens in (1024, 48):
+        jobs.append((e2e_prompts(), 8, executor_config(cp, kv_tokens)))
+        jobs.append(
+            (e2e_prompts(), 8, executor_config(cp, kv_tokens, decode_kernel=True, overlap=True))
+        )
+    if cp == 1:
+        results = [run_rank(*job) for job in jobs]
+    else:
+        backend = "nccl" if DEVICE.type == "cuda" else "gloo"
+        results = [ranks[0] for ranks in run_group(jobs, cp, backend=backend, timeout_s=240)]
+    roomy_ref, roomy_fast, tight_ref, tight_fast = results
+    assert roomy_fast.outputs == roomy_ref.outputs
+    assert tight_fast.outputs == tight_ref.outputs
+    assert tight_fast.preemptions >= 1
+    assert roomy_fast.fast_path_steps == roomy_fast.decode_steps > 0
+    assert tight_fast.fast_path_steps > 0
+    # One step ahead the fast path gathered inputs in flight.
+    assert roomy_fast.fast_path_inputs_in_flight > 0
+    assert tight_fast.fast_path_inputs_in_flight > 0
+    if cp == 1:  # the spawned ranks do not see this process's patch
+        assert taken, "no fast step followed a general step with inputs in flight"
+
+
+def test_decode_step_gathers_inputs_in_flight_from_the_previous_samples():
+    """A row with ``input_ref r >= 0`` runs on token ``r`` of :attr:`DecodeStep.tokens`,
+    whatever its ``token_id`` column holds; a row with -1 runs on its own token."""
+    model, pool, decode = prefilled()
+    reference = model.logits(model.forward(pool.prepare(decode), pool))
+    model2, pool2, _ = prefilled()
+    metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
+    step = DecodeStep(model2, pool2, lambda part: part, metadata)
+    # The previous step's samples: the decode tokens in another order (rows 2, 0, 1).
+    step.take_previous(torch.as_tensor(decode.token_ids[[1, 2, 0]], device=DEVICE))
+    rows = metadata.fill(
+        [-1, decode.token_ids[1], -1],  # rows 0 and 2 in flight
+        decode.positions(),
+        decode.slot_mapping,
+        decode.local_lens,
+        decode.past_seen_lens,
+        decode.block_table,
+        input_refs=[2, -1, 1],
+    )
+    step.run(metadata.upload(rows))
+    torch.testing.assert_close(
+        step.logits[:rows], reference, atol=DTYPES[model_dtype()] * 10, rtol=0
+    )
+    assert step.start_readback(rows).wait().tolist() == reference.argmax(-1).tolist()
+    with pytest.raises(ValueError, match="exceed"):
+        step.take_previous(torch.zeros(9, dtype=torch.int64, device=DEVICE))
+
+
+@needs_scheduler
+def test_fill_from_schedule_is_one_core_call_with_padding_and_refs():
+    """The staging rows of a step equal the core's rows; a refused step leaves the current
+    staging buffer and its rows as they were."""
+    import helix_kv
+
+    cfg = helix_kv.SchedulerConfig(
+        cp_size=1, tokens_per_block=TPB, kv_superblocks=32, max_batch_size=8, max_num_tokens=64
+    )
+    s = helix_kv.Scheduler(cfg)
+    for i in range(3):
+        s.add_request(i, np.arange(1, 10, dtype=np.int32), 6)
+    metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
+    prefill = s.schedule()
+    with pytest.raises(helix_kv.InvalidArgumentError, match="context chunks"):
+        metadata.fill_from_schedule(s, prefill)
+    before = metadata.host.clone()
+    decode = s.schedule()  # one step ahead: every input in flight
+    s.update(np.full(prefill.num_samples, 5, dtype=np.int32))
+    counts = metadata.fill_from_schedule(s, decode)
+    assert (counts.rows, counts.padded_to, counts.in_flight) == (3, 4, 3)
+    host = metadata.host.numpy()
+    lay = metadata.layout
+    assert host[:3, lay.INPUT_REF].tolist() == decode.generation_input_refs.tolist()
+    assert host[:3, lay.TOKEN_ID].tolist() == [-1, -1, -1]
+    assert host[3, : lay.BLOCK_TABLE].tolist() == list(lay.padding_row)
+    expected = np.full((4, lay.width), -99, dtype=np.int32)
+    s.write_decode_rows(decode, expected, 4)
+    np.testing.assert_array_equal(host[:3], expected[:3])
+    assert torch.equal(metadata._staging[0], before)  # the other buffer: untouched
+    assert metadata.upload(counts.rows) == 4
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")

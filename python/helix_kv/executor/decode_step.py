@@ -4,38 +4,50 @@ A decode-only step (every entry one generation token) has a fixed shape once its
 to a bucket, so it is run from buffers allocated once:
 
 * :class:`DecodeLayout`: the packed metadata of a step, one int32 row per batch slot,
-  ``[token_id, position, slot, local_len, past_seen_len, block_table[max_pages]]``. Row ``i``
+  ``[token_id, position, slot, local_len, past_seen_len, input_ref, block_table[max_pages]]``.
+  The column order is the core's (``helix_kv.DECODE_ROW_COLUMNS``, written once in
+  ``rust/core/src/scheduler/metadata.rs``); this module reads the indices from there. Row ``i``
   is the ``i``-th generation entry of the step (the entry order of ``ScheduleOutput``), which
   is also its sample row, so sample rows and batch slots need no columns of their own.
-* :class:`DecodeMetadata`: a pinned host staging buffer and a device buffer of
-  ``[max_batch, width]`` int32, filled on the host (today from the ``ScheduleOutput`` and the
-  scheduler's ``block_table`` / ``slot_mapping``; any writer of the same rows, such as one Rust
-  call filling a packed buffer, can fill :attr:`DecodeMetadata.host` instead) and copied to the
-  device with **one** ``non_blocking`` copy of the bucket's rows. Padding rows (``slot -1``,
-  ``local_len 0``) write no KV and attend to nothing.
+* :class:`DecodeMetadata`: two pinned host staging buffers (used in turn, so filling one never
+  waits for the copy of the other) and a device buffer of ``[max_batch, width]`` int32. One Rust
+  call fills a step's rows (``Scheduler.write_decode_rows``: block tables, KV slots, lengths
+  and the in-flight references, padding rows up to the bucket) and **one** ``non_blocking``
+  copy moves the bucket's rows to the device. Padding rows (``slot -1``, ``local_len 0``)
+  write no KV and attend to nothing.
 * :class:`DecodeStep`: runs :meth:`~helix_kv.executor.model.TinyTransformer.forward_decode`
   on those buffers into persistent logits / token buffers, eagerly or by replaying a CUDA graph
   captured per bucket (batch sizes padded up to the next bucket, as vLLM and TensorRT-LLM do).
   A graphed step allocates nothing and takes no host sync until its tokens are read.
+
+One step ahead (overlap mode) a step's decode inputs may still be in flight: being sampled by
+the previous step. Their rows carry ``token_id -1`` and ``input_ref r >= 0`` (row ``r`` of the
+previous step's samples), and the step gathers them on the device, inside the graph, from
+:attr:`DecodeStep.tokens`: the persistent buffer the previous fast-path step sampled into (a
+previous general-path step's tokens are copied there first, :meth:`DecodeStep.take_previous`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from helix_kv._core import DECODE_ROW_COLUMNS, DECODE_ROW_PADDING, DecodeRowCounts
 from helix_kv.executor.kv_pool import KVPool
 from helix_kv.executor.model import Combine, DecodeRows, TinyTransformer
+from helix_kv.executor.overlap import HostTokens
 
 
 @dataclass(frozen=True)
 class DecodeLayout:
     """Column layout and capacity of the packed decode metadata (int32, one row per slot).
+
+    The column indices are the core's (``helix_kv.DECODE_ROW_COLUMNS``), not restated here.
 
     Attributes:
         max_batch: rows (decode entries) a step may have.
@@ -45,12 +57,13 @@ class DecodeLayout:
     max_batch: int
     max_pages: int
 
-    TOKEN_ID = 0
-    POSITION = 1
-    SLOT = 2
-    LOCAL_LEN = 3
-    PAST_SEEN_LEN = 4
-    BLOCK_TABLE = 5
+    TOKEN_ID: ClassVar[int] = DECODE_ROW_COLUMNS.index("token_id")
+    POSITION: ClassVar[int] = DECODE_ROW_COLUMNS.index("position")
+    SLOT: ClassVar[int] = DECODE_ROW_COLUMNS.index("slot")
+    LOCAL_LEN: ClassVar[int] = DECODE_ROW_COLUMNS.index("local_len")
+    PAST_SEEN_LEN: ClassVar[int] = DECODE_ROW_COLUMNS.index("past_seen_len")
+    INPUT_REF: ClassVar[int] = DECODE_ROW_COLUMNS.index("input_ref")
+    BLOCK_TABLE: ClassVar[int] = DECODE_ROW_COLUMNS.index("block_table")
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_pages < 1:
@@ -63,8 +76,9 @@ class DecodeLayout:
 
     @property
     def padding_row(self) -> tuple[int, ...]:
-        """The leading columns of a padding row: no token, no KV write, nothing to attend to."""
-        return (0, 0, -1, 0, 0)
+        """The leading columns of a padding row: no token, no KV write, nothing to attend to,
+        nothing to gather."""
+        return DECODE_ROW_PADDING
 
 
 def default_buckets(max_batch: int) -> tuple[int, ...]:
@@ -103,17 +117,26 @@ class DecodeMetadata:
             )
         shape = (layout.max_batch, layout.width)
         pinned = self.device.type == "cuda"
-        #: Pinned host staging buffer ``[max_batch, width]`` int32; rows ``[0, n)`` are a step.
-        self.host = torch.zeros(shape, dtype=torch.int32, pin_memory=pinned)
-        self._host = self.host.numpy()
-        self._host[:, : layout.BLOCK_TABLE] = layout.padding_row
+        # Two staging buffers used in turn: a step fills one while the copy of the other may
+        # still be in flight, so the event it waits on is the copy of two steps ago.
+        self._staging = [torch.zeros(shape, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        self._staging_np = [buffer.numpy() for buffer in self._staging]
+        for host in self._staging_np:
+            host[:, : layout.BLOCK_TABLE] = layout.padding_row
+        self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        self._current = 0
+        self._padded_to = 0  # rows of the current staging buffer that hold the step or padding
         #: Device copy of :attr:`host`; the graphs read their rows from here.
         self.device_buffer = torch.zeros(shape, dtype=torch.int32, device=self.device)
         self.device_buffer[:, : layout.BLOCK_TABLE] = torch.tensor(
             layout.padding_row, dtype=torch.int32
         )
-        self._copied = torch.cuda.Event() if pinned else None
-        self._ones = np.ones(layout.max_batch, dtype=np.int64)
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The current pinned host staging buffer ``[max_batch, width]`` int32 (rows
+        ``[0, n)`` are the step being filled or last filled)."""
+        return self._staging[self._current]
 
     def bucket(self, rows: int) -> int:
         """The smallest bucket holding ``rows`` rows."""
@@ -123,11 +146,17 @@ class DecodeMetadata:
         raise ValueError(f"{rows} decode rows exceed the capacity {self.layout.max_batch}")
 
     def staging(self) -> npt.NDArray[np.int32]:
-        """The host staging buffer as numpy, safe to write: waits for its last copy to finish
-        (already done in a loop that reads each step's tokens)."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        return self._host
+        """The current host staging buffer as numpy, safe to write: waits for its last copy
+        to finish (long done: the other buffer was copied since)."""
+        event = self._copied[self._current]
+        if event is not None:
+            event.synchronize()
+        return self._staging_np[self._current]
+
+    def _next_staging(self) -> npt.NDArray[np.int32]:
+        """Turns to the other staging buffer and returns it, safe to write."""
+        self._current ^= 1
+        return self.staging()
 
     def fill(
         self,
@@ -137,65 +166,69 @@ class DecodeMetadata:
         local_lens: npt.ArrayLike,
         past_seen_lens: npt.ArrayLike,
         block_table: npt.ArrayLike,
+        input_refs: npt.ArrayLike | None = None,
     ) -> int:
         """Write a step's rows from arrays, one per column (``block_table``:
-        ``[rows, <= max_pages]``, -1 padded). Returns the number of rows."""
+        ``[rows, <= max_pages]``, -1 padded; ``input_refs``: default all -1, nothing in
+        flight). Returns the number of rows. For tests and callers without a scheduler; a
+        step from ``schedule()`` is written by :meth:`fill_from_schedule`."""
         table = np.asarray(block_table)
         rows = int(table.shape[0])
         self._check_rows(rows, int(table.shape[1]) if table.ndim == 2 else -1)
-        host = self.staging()
+        host = self._next_staging()
         lay = self.layout
         host[:rows, lay.TOKEN_ID] = token_ids
         host[:rows, lay.POSITION] = positions
         host[:rows, lay.SLOT] = slots
         host[:rows, lay.LOCAL_LEN] = local_lens
         host[:rows, lay.PAST_SEEN_LEN] = past_seen_lens
+        host[:rows, lay.INPUT_REF] = -1 if input_refs is None else input_refs
         host[:rows, lay.BLOCK_TABLE : lay.BLOCK_TABLE + table.shape[1]] = table
+        host[:rows, lay.BLOCK_TABLE + table.shape[1] :] = -1
+        self._padded_to = rows
         return rows
 
-    def fill_from_schedule(self, scheduler: Any, out: Any) -> int:
-        """Write the rows of a decode-only ``ScheduleOutput`` (generation entries, in order),
-        with the block tables and slot mapping from ``scheduler``. Returns the number of rows.
+    def fill_from_schedule(self, scheduler: Any, out: Any) -> DecodeRowCounts:
+        """Write the rows of a decode-only ``ScheduleOutput`` (generation entries, in order)
+        and the padding rows up to its bucket, with one call into the core
+        (``scheduler.write_decode_rows``). Returns its counts (``rows``, ``in_flight``, ...).
 
-        Raises ``ValueError`` for a step with context chunks or more rows than fit, and the
-        scheduler's error when a request holds more than ``max_pages`` pages; in both cases
-        the caller runs the step on the general path.
+        Raises ``ValueError`` for more rows than fit, and the core's error (a
+        ``HelixKVError``) for a step with context chunks or a request holding more than
+        ``max_pages`` pages; in every case nothing is written and the caller runs the step
+        on the general path.
         """
-        if len(out.context_ids):
-            raise ValueError("the decode fast path takes decode-only steps")
-        ids = np.asarray(out.generation_ids, dtype=np.int64)
-        rows = int(ids.shape[0])
-        self._check_rows(rows, 0)
-        positions = np.asarray(out.generation_positions, dtype=np.int64)
-        table = scheduler.block_table(ids, self.layout.max_pages)  # raises if a row is wider
-        slots = scheduler.slot_mapping(ids, positions, self._ones[:rows])
-        host = self.staging()
-        lay = self.layout
-        host[:rows, lay.TOKEN_ID] = out.generation_input_tokens
-        host[:rows, lay.POSITION] = positions
-        host[:rows, lay.SLOT] = slots
-        host[:rows, lay.LOCAL_LEN] = out.generation_local_lens
-        host[:rows, lay.PAST_SEEN_LEN] = out.generation_past_seen_lens
-        host[:rows, lay.BLOCK_TABLE :] = table
-        return rows
+        bucket = self.bucket(out.num_samples)  # decode-only: one sample per entry
+        host = self._next_staging()
+        try:
+            counts: DecodeRowCounts = scheduler.write_decode_rows(out, host, bucket)
+        except Exception:
+            self._current ^= 1  # nothing written: the other buffer stays the current one
+            raise
+        self._padded_to = counts.padded_to
+        return counts
 
     def upload(self, rows: int) -> int:
-        """Pad rows ``[rows, bucket)`` and copy rows ``[0, bucket)`` to the device in one
-        ``non_blocking`` copy on the current stream. Returns the bucket."""
+        """Pad rows ``[rows, bucket)`` (unless the fill did) and copy rows ``[0, bucket)`` to
+        the device in one ``non_blocking`` copy on the current stream. Returns the bucket."""
         bucket = self.bucket(rows)
+        host = self._staging_np[self._current]
         lay = self.layout
-        if bucket > rows:
-            self._host[rows:bucket, : lay.BLOCK_TABLE] = lay.padding_row
-        self.device_buffer[:bucket].copy_(self.host[:bucket], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        if bucket > max(rows, self._padded_to):
+            host[max(rows, self._padded_to) : bucket, : lay.BLOCK_TABLE] = lay.padding_row
+            self._padded_to = bucket
+        self.device_buffer[:bucket].copy_(self._staging[self._current][:bucket], non_blocking=True)
+        event = self._copied[self._current]
+        if event is not None:
+            event.record()
         return bucket
 
     def wait_uploaded(self) -> None:
         """Block until the last :meth:`upload` has landed on the device (for timing; a step
         never needs it: the copy and the step are ordered on one stream)."""
-        if self._copied is not None:
-            self._copied.synchronize()
+        event = self._copied[self._current]
+        if event is not None:
+            event.synchronize()
 
     def rows(self, bucket: int) -> DecodeRows:
         """Device views of rows ``[0, bucket)``, column by column."""
@@ -208,6 +241,10 @@ class DecodeMetadata:
             local_lens=buf[:, lay.LOCAL_LEN],
             block_table=buf[:, lay.BLOCK_TABLE :],
         )
+
+    def input_refs(self, bucket: int) -> torch.Tensor:
+        """Device view of the ``input_ref`` column of rows ``[0, bucket)``."""
+        return self.device_buffer[:bucket, self.layout.INPUT_REF]
 
     def _check_rows(self, rows: int, width: int) -> None:
         if rows > self.layout.max_batch or width > self.layout.max_pages:
@@ -245,9 +282,16 @@ class DecodeStep:
         self.logits = torch.zeros(
             (batch, model.config.vocab_size), dtype=model.dtype, device=device
         )
-        #: ``[max_batch]`` greedy tokens of the last step.
+        #: ``[max_batch]`` greedy tokens of the last step (persistent: the next step gathers
+        #: its inputs still in flight from here).
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)
-        self._host_tokens = torch.zeros(batch, dtype=torch.int64, pin_memory=device.type == "cuda")
+        cuda = device.type == "cuda"
+        self._host_tokens = torch.zeros(batch, dtype=torch.int64, pin_memory=cuda)
+        # Readbacks used in turn (one step ahead, step t + 1's copy is queued before the host
+        # reads step t's), each with the event recorded after its copy.
+        self._readback = [torch.zeros(batch, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._readback_ready = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._readback_next = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if cuda_graphs:
             if device.type != "cuda":
@@ -278,8 +322,38 @@ class DecodeStep:
         torch.cuda.current_stream(self.tokens.device).synchronize()
         return self._host_tokens[:rows].numpy().copy()
 
+    def take_previous(self, tokens: torch.Tensor) -> None:
+        """Makes ``tokens`` (a previous general-path step's samples, on the device, in
+        ``sample_ids`` order) the ones the next step gathers its inputs in flight from: a
+        device copy into :attr:`tokens`, queued on the current stream. Not needed after a
+        fast-path step (it sampled into :attr:`tokens`)."""
+        rows = int(tokens.shape[0])
+        if rows > self.tokens.shape[0]:
+            raise ValueError(f"{rows} previous samples exceed the {self.tokens.shape[0]} rows")
+        self.tokens[:rows].copy_(tokens)
+
+    def start_readback(self, rows: int) -> HostTokens:
+        """Starts the copy of the first ``rows`` tokens to the host without blocking (into
+        one of two persistent pinned buffers, used in turn: the caller reads a readback
+        before it starts the one after next, as a loop one step ahead does)."""
+        if self.tokens.device.type != "cuda":
+            return HostTokens(self.tokens[:rows].clone(), None)
+        index = self._readback_next
+        self._readback_next ^= 1
+        host = self._readback[index][:rows]
+        host.copy_(self.tokens[:rows], non_blocking=True)
+        ready = self._readback_ready[index]
+        assert ready is not None
+        ready.record()
+        return HostTokens(host, ready)
+
     def _forward(self, bucket: int) -> None:
         rows = self.metadata.rows(bucket)
+        # Inputs still in flight, gathered from the previous step's samples (a gather and a
+        # select: part of the captured graph, no host work).
+        refs = self.metadata.input_refs(bucket)
+        gathered = self.tokens.index_select(0, refs.clamp(min=0))
+        rows = rows._replace(token_ids=torch.where(refs >= 0, gathered, rows.token_ids))
         logits = self.model.logits(self.model.forward_decode(rows, self.pool, self.combine))
         self.logits[:bucket].copy_(logits)
         torch.argmax(logits, dim=-1, out=self.tokens[:bucket])

@@ -81,9 +81,9 @@ class ExecutorConfig:
     ``overlap``: schedule step ``t + 1`` while step ``t`` runs (one step ahead; see the
     module docs). ``eos_token_id``: a sampled token equal to it ends its request (``None``:
     requests run to their ``max_new_tokens``). The fast path
-    (``decode_kernel`` / ``cuda_graphs``) runs a step to its update: with ``overlap`` it takes
-    only the decode steps launched with nothing in flight (wiring its buffers to the
-    in-flight gather is future work).
+    (``decode_kernel`` / ``cuda_graphs``) takes every decode-only step, with ``overlap`` too:
+    its rows carry the in-flight references and its graph gathers those inputs from the
+    previous step's samples on the device.
     """
 
     cp: int = 1
@@ -122,7 +122,9 @@ Job = tuple[Prompts, Union[int, Mapping[int, int]], ExecutorConfig]
 class RunResult:
     """What one rank saw: outputs, scheduler metrics, per-step trace and timings.
 
-    ``fast_path_steps``: decode-only steps run on the decode fast path (``decode_kernel``).
+    ``fast_path_steps``: decode-only steps run on the decode fast path (``decode_kernel``);
+    ``fast_path_inputs_in_flight``: their inputs gathered on the device from the previous
+    step's samples (one step ahead).
     ``table_build_us`` (with ``time_table_build``): per step, from ``schedule()`` returning
     to the step's device tables being ready (a device sync; on the fast path, waiting for its
     one copy); ``metadata_host_us``: on the
@@ -147,6 +149,7 @@ class RunResult:
     decode_tokens: int = 0
     decode_s: float = 0.0
     fast_path_steps: int = 0
+    fast_path_inputs_in_flight: int = 0
     schedule_us: list[float] = field(default_factory=list)
     table_build_us: list[float] = field(default_factory=list)
     metadata_host_us: list[float] = field(default_factory=list)
@@ -252,7 +255,7 @@ def run_rank(
     )
     broadcast_src = dist.get_global_rank(group, 0) if group else 0
 
-    def launch(previous: _LaunchedStep | None) -> _LaunchedStep | None:
+    def launch(previous: _LaunchedStep | None) -> _LaunchedStep:
         """Schedules the next step and queues its device work, after ``previous``'s (still
         pending in overlap mode: its sampled tokens are read on the device)."""
         step_start = time.perf_counter()
@@ -261,25 +264,22 @@ def run_rank(
         result.schedule_us.append((build_start - step_start) * 1e6)
         if host_pool is not None:
             host_pool.copy_step(out)  # queued before anything of the step writes KV
-        if decode_step is not None and previous is None:
-            # The fast path runs a step to its update (one step ahead it is not wired yet).
-            tokens_run = _run_decode_step(
-                decode_step, helix, out, config, result, logits_rows, build_start, group
+        if decode_step is not None:
+            # The fast path, also one step ahead (inputs in flight gathered in its graph).
+            launched = _launch_decode_step(
+                decode_step,
+                helix.scheduler,
+                out,
+                config,
+                result,
+                previous,
+                timeline,
+                (step_start, build_start),
+                group,
             )
-            if tokens_run is not None:
-                finished, num_rows = tokens_run
+            if launched is not None:
                 result.fast_path_steps += 1
-                _account_step(
-                    result,
-                    out,
-                    num_rows,
-                    num_rows,
-                    num_rows,
-                    time.perf_counter() - step_start,
-                    decoding,
-                )
-                _take_finished(helix, result, finished)
-                return None
+                return launched
         plan = StepPlan.from_schedule(helix.scheduler, out, placement)
         timeline.start()
         batch = pool.prepare(plan)
@@ -300,7 +300,16 @@ def run_rank(
         host_tokens = readback.start(tokens)
         timeline.end()
         kept_logits = logits if config.record_logits else None
-        return _LaunchedStep(out, plan, tokens, host_tokens, kept_logits, step_start)
+        return _LaunchedStep(
+            out,
+            plan.num_tokens,
+            plan.num_generation,
+            plan.num_entries,
+            tokens,
+            host_tokens,
+            kept_logits,
+            step_start,
+        )
 
     def close(step: _LaunchedStep, last_close: float) -> float:
         """Feeds the oldest pending step its sampled tokens; returns when it closed."""
@@ -321,9 +330,9 @@ def run_rank(
         _account_step(
             result,
             step.out,
-            step.plan.num_tokens,
-            step.plan.num_generation,
-            step.plan.num_entries,
+            step.num_tokens,
+            step.num_generation,
+            step.num_entries,
             closed - max(step.started, last_close),
             decoding,
         )
@@ -337,11 +346,7 @@ def run_rank(
         if helix.has_unfinished():
             if len(result.digests) + len(in_flight) >= config.max_steps:
                 raise RuntimeError(f"no completion after {config.max_steps} steps")
-            launched = launch(in_flight[-1] if in_flight else None)
-            if launched is None:  # the fast path ran it to its update
-                last_close = time.perf_counter()
-                continue
-            in_flight.append(launched)
+            in_flight.append(launch(in_flight[-1] if in_flight else None))
         if len(in_flight) > ahead or not helix.has_unfinished():
             last_close = close(in_flight.popleft(), last_close)
     result.total_s = time.perf_counter() - started
@@ -354,42 +359,54 @@ def run_rank(
     return result
 
 
-def _run_decode_step(
+def _launch_decode_step(
     step: DecodeStep,
-    helix: HelixKVRank,
+    scheduler: Any,
     out: Any,
     config: ExecutorConfig,
     result: RunResult,
-    logits_rows: dict[int, list[np.ndarray]],
-    build_start: float,
+    previous: _LaunchedStep | None,
+    timeline: StepTimeline,
+    started: tuple[float, float],
     group: dist.ProcessGroup | None,
-) -> tuple[Any, int] | None:
-    """A decode-only step on the fast path: ``(finished ids, rows)``, or ``None`` (nothing
-    run) when the step has context chunks or a request wider than the layout."""
+) -> _LaunchedStep | None:
+    """Queues a decode-only step on the fast path (its rows written by one core call, one
+    H2D copy, a graph replay); ``None`` (nothing queued) when the step has context chunks
+    or a request wider than the layout. Inputs still in flight (``previous`` pending, one
+    step ahead) are gathered on the device from the previous step's samples."""
     if len(out.context_ids) or not len(out.generation_ids):
         return None
     try:
-        rows = step.metadata.fill_from_schedule(helix.scheduler, out)
+        counts = step.metadata.fill_from_schedule(scheduler, out)
     except (ValueError, HelixKVError):
         return None
+    rows = counts.rows
+    result.fast_path_inputs_in_flight += counts.in_flight
+    step_start, build_start = started
+    timeline.start()
+    if counts.in_flight:
+        if previous is None:
+            raise RuntimeError(
+                "the step reads sampled tokens of a previous step, but none is in flight"
+            )
+        if not previous.fast:  # a fast-path step sampled into step.tokens already
+            step.take_previous(previous.tokens)
     bucket = step.metadata.upload(rows)
     if config.time_table_build:
         result.metadata_host_us.append((time.perf_counter() - build_start) * 1e6)
         step.metadata.wait_uploaded()
         result.table_build_us.append((time.perf_counter() - build_start) * 1e6)
     step.run(bucket)
-    if config.record_logits:
-        ran = np.asarray(out.sample_ids, dtype=np.int64).tolist()
-        _record_logits(logits_rows, ran, ran, step.logits[:rows])
+    tokens = step.tokens[:rows]
     if config.cp > 1:
         # ranks compute identical logits; broadcasting makes identical tokens a guarantee
         src = dist.get_global_rank(group, 0) if group else 0
-        dist.broadcast(step.tokens[:rows], src=src, group=group)
-    helix.finish_check()  # before blocking on the step's device work (see finish_check)
-    tokens = step.read_tokens(rows).astype(np.int32)
-    eos = None if config.eos_token_id is None else tokens == config.eos_token_id
-    finished = helix.update(tokens, eos)
-    return finished, rows
+        dist.broadcast(tokens, src=src, group=group)
+    host_tokens = step.start_readback(rows)
+    timeline.end()
+    # The logits buffer is overwritten by the next step: kept ones are copied.
+    logits = step.logits[:rows].clone() if config.record_logits else None
+    return _LaunchedStep(out, rows, rows, rows, tokens, host_tokens, logits, step_start, True)
 
 
 def _take_finished(helix: HelixKVRank, result: RunResult, finished: Any) -> None:
@@ -404,11 +421,14 @@ class _LaunchedStep:
     """A step whose device work is queued and whose ``update`` has not happened yet."""
 
     out: Any
-    plan: StepPlan
+    num_tokens: int
+    num_generation: int
+    num_entries: int
     tokens: torch.Tensor  # sampled tokens on the device, sample_ids order
     host_tokens: HostTokens  # their copy to the host
     logits: torch.Tensor | None  # kept for record_logits
     started: float  # perf_counter when its schedule() began
+    fast: bool = False  # run on the decode fast path (its tokens are DecodeStep.tokens)
 
 
 def run_group(

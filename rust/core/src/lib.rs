@@ -35,9 +35,10 @@ pub use error::{CoreError, Result};
 pub use layout::Layout;
 pub use ledger::{DecodeView, Ledger, RequestKv};
 pub use scheduler::{
-    CapacityPolicy, FieldScope, FieldValue, FinishReason, RequestMetrics, RequestOutput,
-    RequestState, ScheduleOutput, Scheduler, SchedulerConfig, SchedulerMetrics, ServingMode,
-    StepMetadata, StepMetadataLayout, StepMetadataSection, StepSource, SuspendPolicy, VictimPolicy,
+    decode_row, CapacityPolicy, DecodeRowCounts, FieldScope, FieldValue, FinishReason,
+    RequestMetrics, RequestOutput, RequestState, ScheduleOutput, Scheduler, SchedulerConfig,
+    SchedulerMetrics, ServingMode, StepMetadata, StepMetadataLayout, StepMetadataSection,
+    StepSource, SuspendPolicy, VictimPolicy,
 };
 
 /// A request's id, chosen by the caller; unique among live requests.

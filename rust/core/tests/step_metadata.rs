@@ -5,8 +5,8 @@
 
 mod common;
 
-use common::{config, prompt, Rng};
-use helix_kv_core::{CoreError, ScheduleOutput, Scheduler, StepMetadataLayout};
+use common::{config, observable, prompt, Rng};
+use helix_kv_core::{decode_row, CoreError, ScheduleOutput, Scheduler, StepMetadataLayout};
 
 const SENTINEL: i32 = -7777;
 
@@ -268,4 +268,230 @@ fn refused_calls_leave_the_buffer_as_it_was() {
     assert_eq!(err, CoreError::UnknownRequest(99));
     assert!(buffer.iter().all(|&w| w == SENTINEL));
     s.write_last_step_metadata(&layout, &mut buffer).unwrap();
+}
+
+/// Checks the decode rows of one step against the separate calls, or (a step with context
+/// chunks) that they are refused with the buffer as it was. Returns whether rows were
+/// written and how many inputs were in flight.
+fn check_rows(s: &Scheduler, out: &ScheduleOutput, columns: usize) -> Option<usize> {
+    let width = decode_row::BLOCK_TABLE + columns;
+    let capacity = 8;
+    let mut buffer = vec![SENTINEL; capacity * width];
+    let g = out.generation_ids.len();
+    let pad_to = (g + 2).min(capacity);
+    if !out.context_ids.is_empty() {
+        let err = s
+            .write_last_decode_rows(&mut buffer, width, pad_to)
+            .unwrap_err();
+        assert!(matches!(err, CoreError::InvalidArgument(_)), "{err}");
+        assert!(buffer.iter().all(|&w| w == SENTINEL));
+        return None;
+    }
+    let counts = s
+        .write_last_decode_rows(&mut buffer, width, pad_to)
+        .unwrap();
+    assert_eq!((counts.rows, counts.padded_to), (g, pad_to.max(g)));
+    let ones = vec![1u64; g];
+    let (table, table_width) = s.block_table(&out.generation_ids, Some(columns)).unwrap();
+    assert_eq!(table_width, columns);
+    let slots = s
+        .slot_mapping(&out.generation_ids, &out.generation_positions, &ones)
+        .unwrap();
+    for (i, row) in buffer.chunks_exact(width).enumerate() {
+        if i < g {
+            let mut want = [0i32; decode_row::BLOCK_TABLE];
+            want[decode_row::TOKEN_ID] = out.generation_input_tokens[i];
+            want[decode_row::POSITION] = i32::try_from(out.generation_positions[i]).unwrap();
+            want[decode_row::SLOT] = i32::try_from(slots[i]).unwrap();
+            want[decode_row::LOCAL_LEN] = i32::try_from(out.generation_local_lens[i]).unwrap();
+            want[decode_row::PAST_SEEN_LEN] =
+                i32::try_from(out.generation_past_seen_lens[i]).unwrap();
+            want[decode_row::INPUT_REF] = out.generation_input_refs[i];
+            assert_eq!(row[..decode_row::BLOCK_TABLE], want, "row {i}");
+            assert_eq!(
+                row[decode_row::BLOCK_TABLE..],
+                table[i * columns..(i + 1) * columns],
+                "row {i}"
+            );
+        } else if i < counts.padded_to {
+            assert_eq!(row[..decode_row::BLOCK_TABLE], decode_row::PADDING);
+            assert!(row[decode_row::BLOCK_TABLE..]
+                .iter()
+                .all(|&w| w == SENTINEL));
+        } else {
+            assert!(row.iter().all(|&w| w == SENTINEL), "row {i} written");
+        }
+    }
+    let in_flight = out
+        .generation_input_refs
+        .iter()
+        .filter(|&&r| r >= 0)
+        .count();
+    assert_eq!(counts.in_flight, in_flight);
+    Some(in_flight)
+}
+
+#[test]
+fn decode_rows_equal_the_separate_calls_under_pressure_plain_and_one_step_ahead() {
+    for ahead in [false, true] {
+        for cp in [1u32, 2, 4] {
+            let (mut decode_steps, mut in_flight, mut pressured) = (0, 0, 0);
+            for seed in 0..3u64 {
+                let mut rng = Rng::new(seed * 10 + u64::from(cp) + 100);
+                let tpb = u32::try_from(rng.range(2, 4)).unwrap();
+                let superblocks = u32::try_from(rng.range(6, 12)).unwrap();
+                let mut base = config(cp, tpb, superblocks);
+                base.max_batch_size = 8;
+                base.max_num_tokens = u32::try_from(rng.range(16, 40)).unwrap();
+                base.max_seq_len = 100;
+                base.chunk_unit = Some(tpb);
+                let longest = 100.min(u64::from(superblocks * cp * tpb));
+                let mut ranks: Vec<Scheduler> = (0..cp)
+                    .map(|r| {
+                        let mut c = base.clone();
+                        c.cp_rank = r;
+                        Scheduler::new(c).unwrap()
+                    })
+                    .collect();
+                let columns = ranks[0].step_metadata_layout(None).unwrap().table_width();
+                let mut next_id = 0u64;
+                let mut pending: Option<ScheduleOutput> = None;
+                for round in 0..60 {
+                    if round % 4 == 0 {
+                        for _ in 0..rng.below(3) {
+                            let len = rng.range(1, longest / 2);
+                            let max_new = u32::try_from(rng.range(1, longest - len)).unwrap();
+                            for s in &mut ranks {
+                                let p = prompt(usize::try_from(len).unwrap());
+                                s.add_request(next_id, &p, max_new, 0).unwrap();
+                            }
+                            next_id += 1;
+                        }
+                    }
+                    if !ranks[0].has_unfinished() && pending.is_none() {
+                        continue;
+                    }
+                    let out = if ranks[0].has_unfinished() {
+                        let outs: Vec<ScheduleOutput> = ranks
+                            .iter_mut()
+                            .map(|s| s.schedule().unwrap().clone())
+                            .collect();
+                        pressured += usize::from(!outs[0].preempted_ids.is_empty());
+                        for (s, out) in ranks.iter().zip(&outs) {
+                            if let Some(n) = check_rows(s, out, columns) {
+                                decode_steps += 1;
+                                in_flight += n;
+                            }
+                        }
+                        Some(outs[0].clone())
+                    } else {
+                        None
+                    };
+                    // Plain: close the step now; one step ahead: close the older one.
+                    let closing = if ahead {
+                        std::mem::replace(&mut pending, out)
+                    } else {
+                        out
+                    };
+                    if let Some(closing) = closing {
+                        let tokens: Vec<i32> = (0..closing.sample_ids.len())
+                            .map(|_| i32::try_from(rng.below(1000)).unwrap())
+                            .collect();
+                        for s in &mut ranks {
+                            let finished = s.update(&tokens, None).unwrap().to_vec();
+                            for id in finished {
+                                s.take_output(id).unwrap();
+                            }
+                        }
+                    }
+                }
+            }
+            assert!(decode_steps > 0, "cp {cp}: no decode-only step");
+            assert!(pressured > 0, "cp {cp}: no preemption");
+            assert_eq!(in_flight > 0, ahead, "cp {cp}: inputs in flight");
+        }
+    }
+}
+
+#[test]
+fn refused_decode_rows_leave_the_buffer_as_it_was() {
+    let mut s = Scheduler::new(config(2, 4, 16)).unwrap();
+    for id in 0..3 {
+        s.add_request(id, &prompt(9), 5, 0).unwrap();
+    }
+    let width = decode_row::BLOCK_TABLE + 4;
+    let mut buffer = vec![SENTINEL; 8 * width];
+    let err = s.write_last_decode_rows(&mut buffer, width, 0).unwrap_err();
+    assert!(matches!(err, CoreError::InvalidState(_)), "{err}");
+    let prefill = s.schedule().unwrap().clone();
+    // A step with context chunks.
+    let err = s.write_last_decode_rows(&mut buffer, width, 0).unwrap_err();
+    assert!(matches!(err, CoreError::InvalidArgument(_)), "{err}");
+    s.update(&vec![7; prefill.sample_ids.len()], None).unwrap();
+    s.schedule().unwrap();
+    let before = observable(&s);
+    let refusals: [(usize, usize, usize); 6] = [
+        (2 * width, width, 0),                                     // 3 rows, 2 fit
+        (8 * width, width, 9),                                     // padded past the buffer
+        (8 * width - 1, width, 0),                                 // not whole rows
+        (8 * 5, 5, 0),                                             // no room for the fixed columns
+        (8 * decode_row::BLOCK_TABLE, decode_row::BLOCK_TABLE, 0), // no table column
+        (8 * width, width, usize::MAX),                            // absurd padding
+    ];
+    for (words, w, pad_to) in refusals {
+        let mut small = vec![SENTINEL; words];
+        let err = s.write_last_decode_rows(&mut small, w, pad_to).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CoreError::InvalidLength(_) | CoreError::InvalidArgument(_)
+            ),
+            "{err}"
+        );
+        assert!(small.iter().all(|&w| w == SENTINEL));
+    }
+    // Forged outputs: an unknown request, an input reference below -1, a position past
+    // what the request reserved, arrays of different lengths.
+    let good = s.last_output().clone();
+    let mut forged = [good.clone(), good.clone(), good.clone(), good.clone()];
+    forged[0].generation_ids[1] = 99;
+    forged[1].generation_input_refs[0] = -2;
+    forged[2].generation_positions[2] += 100;
+    forged[3].generation_input_refs.pop();
+    let errors = [
+        CoreError::UnknownRequest(99),
+        CoreError::InvalidArgument(String::new()),
+        CoreError::InvalidLength(String::new()),
+        CoreError::InvalidArgument(String::new()),
+    ];
+    for (out, want) in forged.iter().zip(errors) {
+        let err = s
+            .write_decode_rows(out.into(), &mut buffer, width, 0)
+            .unwrap_err();
+        assert_eq!(
+            std::mem::discriminant(&err),
+            std::mem::discriminant(&want),
+            "{err}"
+        );
+        assert!(buffer.iter().all(|&w| w == SENTINEL));
+    }
+    assert_eq!(observable(&s), before);
+    let counts = s.write_last_decode_rows(&mut buffer, width, 0).unwrap();
+    assert_eq!((counts.rows, counts.padded_to, counts.in_flight), (3, 3, 0));
+}
+
+#[test]
+fn decode_row_columns_are_named_in_order() {
+    let named = [
+        (decode_row::TOKEN_ID, "token_id"),
+        (decode_row::POSITION, "position"),
+        (decode_row::SLOT, "slot"),
+        (decode_row::LOCAL_LEN, "local_len"),
+        (decode_row::PAST_SEEN_LEN, "past_seen_len"),
+        (decode_row::INPUT_REF, "input_ref"),
+    ];
+    for (column, name) in named {
+        assert_eq!(decode_row::NAMES[column], name);
+    }
+    assert_eq!(decode_row::NAMES.len(), decode_row::BLOCK_TABLE);
 }

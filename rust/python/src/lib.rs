@@ -38,11 +38,19 @@ mod _core {
     #[pymodule_export]
     use crate::scheduler_config::PySchedulerConfig;
     #[pymodule_export]
-    use crate::step_metadata::{PyStepMetadata, PyStepMetadataLayout};
+    use crate::step_metadata::{PyDecodeRowCounts, PyStepMetadata, PyStepMetadataLayout};
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        m.add(
+            "DECODE_ROW_COLUMNS",
+            pyo3::types::PyTuple::new(m.py(), crate::step_metadata::decode_row_columns())?,
+        )?;
+        m.add(
+            "DECODE_ROW_PADDING",
+            pyo3::types::PyTuple::new(m.py(), helix_kv_core::decode_row::PADDING)?,
+        )?;
         crate::errors::add_invalid_type_error(m)
     }
 }

@@ -425,6 +425,13 @@ impl<T: Clone> Lent<'_, T> {
     fn copied(&self) -> Lent<'static, T> {
         Lent::Copied(self.as_slice().to_vec())
     }
+    /// The values owned, so the lock is not held: copied out of a lock, moved otherwise.
+    fn into_owned(self) -> Lent<'static, T> {
+        match self {
+            Self::Locked(guard) => Lent::Copied(guard.as_deref().unwrap_or(&[]).to_vec()),
+            Self::Copied(values) => Lent::Copied(values),
+        }
+    }
 }
 
 impl<T: Exposed<N>, N: Element + Copy> LazyArray<T, N> {
@@ -453,6 +460,7 @@ pub struct LentStep<'a> {
     generation_positions: Lent<'a, u64>,
     generation_owner_ranks: Lent<'a, u32>,
     generation_input_tokens: Lent<'a, i32>,
+    generation_input_refs: Lent<'a, i32>,
     generation_batch_slots: Lent<'a, i32>,
     generation_local_lens: Lent<'a, u64>,
     generation_past_seen_lens: Lent<'a, u64>,
@@ -474,9 +482,32 @@ impl LentStep<'_> {
             generation_positions: self.generation_positions.copied(),
             generation_owner_ranks: self.generation_owner_ranks.copied(),
             generation_input_tokens: self.generation_input_tokens.copied(),
+            generation_input_refs: self.generation_input_refs.copied(),
             generation_batch_slots: self.generation_batch_slots.copied(),
             generation_local_lens: self.generation_local_lens.copied(),
             generation_past_seen_lens: self.generation_past_seen_lens.copied(),
+        }
+    }
+
+    /// The fields owned (moved where they were copies already, copied out of the output's
+    /// locks otherwise), so the GIL may be released while they are read.
+    pub fn into_owned(self) -> LentStep<'static> {
+        LentStep {
+            step: self.step,
+            context_ids: self.context_ids.into_owned(),
+            context_starts: self.context_starts.into_owned(),
+            context_lens: self.context_lens.into_owned(),
+            context_completes: self.context_completes.into_owned(),
+            context_batch_slots: self.context_batch_slots.into_owned(),
+            context_token_ids: self.context_token_ids.into_owned(),
+            generation_ids: self.generation_ids.into_owned(),
+            generation_positions: self.generation_positions.into_owned(),
+            generation_owner_ranks: self.generation_owner_ranks.into_owned(),
+            generation_input_tokens: self.generation_input_tokens.into_owned(),
+            generation_input_refs: self.generation_input_refs.into_owned(),
+            generation_batch_slots: self.generation_batch_slots.into_owned(),
+            generation_local_lens: self.generation_local_lens.into_owned(),
+            generation_past_seen_lens: self.generation_past_seen_lens.into_owned(),
         }
     }
 
@@ -494,6 +525,7 @@ impl LentStep<'_> {
             generation_positions: self.generation_positions.as_slice(),
             generation_owner_ranks: self.generation_owner_ranks.as_slice(),
             generation_input_tokens: self.generation_input_tokens.as_slice(),
+            generation_input_refs: self.generation_input_refs.as_slice(),
             generation_batch_slots: self.generation_batch_slots.as_slice(),
             generation_local_lens: self.generation_local_lens.as_slice(),
             generation_past_seen_lens: self.generation_past_seen_lens.as_slice(),
@@ -516,6 +548,7 @@ impl PyScheduleOutput {
             generation_positions: self.generation_positions.lend(py),
             generation_owner_ranks: self.generation_owner_ranks.lend(py),
             generation_input_tokens: self.generation_input_tokens.lend(py),
+            generation_input_refs: self.generation_input_refs.lend(py),
             generation_batch_slots: self.generation_batch_slots.lend(py),
             generation_local_lens: self.generation_local_lens.lend(py),
             generation_past_seen_lens: self.generation_past_seen_lens.lend(py),

@@ -11,7 +11,7 @@ use crate::ledger::{block_table, slot_mapping};
 use crate::request_output::PyRequestOutput;
 use crate::schedule_output::PyScheduleOutput;
 use crate::scheduler_config::PySchedulerConfig;
-use crate::step_metadata::{self, PyStepMetadata, PyStepMetadataLayout};
+use crate::step_metadata::{self, PyDecodeRowCounts, PyStepMetadata, PyStepMetadataLayout};
 
 helix_kv_core::scheduler_metrics_fields!(value_record! {
     /// Scheduler totals (frozen; equal on every rank; picklable).
@@ -234,6 +234,28 @@ impl PyScheduler {
         layout: &Bound<'_, PyAny>,
     ) -> PyResult<PyStepMetadata> {
         step_metadata::write(py, &self.inner, schedule_output, buffer, layout)
+    }
+
+    /// Writes this rank's metadata of the pending decode-only step (`schedule_output`, the
+    /// last `schedule()`'s) as the rows a decode kernel reads: `buffer` is a writeable,
+    /// C-contiguous int32 array `[rows, width]`, and row `i` becomes generation entry `i`,
+    /// its columns as `DECODE_ROW_COLUMNS` names them (`token_id`, `position`, `slot`,
+    /// `local_len`, `past_seen_len`, `input_ref`, then the block table, -1 padded to
+    /// `width`). `input_ref` is `generation_input_refs`: a token still in flight (a step
+    /// planned one ahead) is written as -1 and gathered on the device from that row of the
+    /// previous step's samples. Rows `[rows, pad_to)` get `DECODE_ROW_PADDING` in their
+    /// fixed columns. Everything is checked before a word is written: an error (a step with
+    /// context chunks, a buffer too small, a request wider than the row, ...) leaves the
+    /// buffer and the scheduler unchanged. The GIL is released while the rows are written.
+    #[pyo3(signature = (schedule_output, buffer, pad_to = None))]
+    fn write_decode_rows(
+        &self,
+        py: Python<'_>,
+        schedule_output: &Bound<'_, PyAny>,
+        buffer: &Bound<'_, PyAny>,
+        pad_to: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyDecodeRowCounts> {
+        step_metadata::write_rows(py, &self.inner, schedule_output, buffer, pad_to)
     }
 
     /// Totals, with KV use as of now.

@@ -1,9 +1,10 @@
 //! Packed step metadata: `StepMetadataLayout` (where each section of the caller's int32
 //! buffer lies), `StepMetadata` (the counts of one written step) and the two `Scheduler`
-//! methods behind them (`step_metadata_layout`, `write_step_metadata`).
+//! methods behind them (`step_metadata_layout`, `write_step_metadata`); the decode rows
+//! (`DECODE_ROW_COLUMNS`, `DecodeRowCounts`, `write_decode_rows`).
 
 use helix_kv_core::{Scheduler, StepMetadataLayout};
-use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
@@ -215,4 +216,93 @@ pub fn write(
     }
     .py()?;
     Ok(metadata.into())
+}
+
+value_record! {
+    {
+    /// The counts of one decode-only step written by `Scheduler.write_decode_rows` (frozen).
+    PyDecodeRowCounts as "DecodeRowCounts" from helix_kv_core::DecodeRowCounts
+    }
+    /// The step written.
+    step: u64,
+    /// Rows written: the generation entries, rows `0..rows`.
+    rows: usize,
+    /// Rows written up to: `rows..padded_to` are padding rows.
+    padded_to: usize,
+    /// Rows whose input token is still in flight (their `input_ref` column is `>= 0`).
+    in_flight: usize,
+    /// The widest table among the rows, in superblocks (block-table columns past it are -1).
+    table_width_used: usize,
+}
+
+/// `DECODE_ROW_COLUMNS`: the fixed columns of a decode row in order, then `"block_table"`
+/// (its first column): the index of a name is its column.
+pub fn decode_row_columns() -> Vec<&'static str> {
+    let mut names = helix_kv_core::decode_row::NAMES.to_vec();
+    names.push("block_table");
+    names
+}
+
+/// The caller's row buffer, refused unless it is a two-dimensional, C-contiguous numpy
+/// array of native int32 (a wrong type or dtype is an `InvalidTypeError`, a wrong shape or
+/// layout an `InvalidArgumentError`).
+fn int32_rows<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    let untyped = obj
+        .cast::<PyUntypedArray>()
+        .map_err(|_| invalid_type_of("buffer", "a numpy int32 array", obj))?;
+    if untyped.ndim() != 2 {
+        return Err(InvalidArgumentError::new_err(format!(
+            "buffer must be two-dimensional ([rows, width]), got an array of shape {:?}",
+            untyped.shape()
+        )));
+    }
+    let array = untyped.cast::<PyArray2<i32>>().map_err(|_| {
+        invalid_type(format!(
+            "buffer must have dtype int32 (native byte order), got {}",
+            untyped
+                .dtype()
+                .str()
+                .map_or_else(|_| "?".to_string(), |s| s.to_string())
+        ))
+    })?;
+    if !array.is_c_contiguous() {
+        return Err(InvalidArgumentError::new_err(
+            "buffer must be C-contiguous (a strided view cannot be filled in place)",
+        ));
+    }
+    Ok(array.clone())
+}
+
+/// `Scheduler.write_decode_rows`.
+pub fn write_rows(
+    py: Python<'_>,
+    scheduler: &Scheduler,
+    schedule_output: &Bound<'_, PyAny>,
+    buffer: &Bound<'_, PyAny>,
+    pad_to: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PyDecodeRowCounts> {
+    let output = schedule_output
+        .cast::<PyScheduleOutput>()
+        .map_err(|_| invalid_type_of("schedule_output", "a ScheduleOutput", schedule_output))?;
+    let pad_to = pad_to
+        .map(|p| int_arg::<usize>(p, "pad_to", "0..", InvalidLengthError::new_err))
+        .transpose()?
+        .unwrap_or(0);
+    let array = int32_rows(buffer)?;
+    let width = array.shape()[1];
+    let mut writable = array.try_readwrite().map_err(|_| {
+        InvalidArgumentError::new_err(
+            "buffer must be writeable and not borrowed elsewhere (a read-only array or view is refused)",
+        )
+    })?;
+    let words = writable
+        .as_slice_mut()
+        .map_err(|_| InvalidArgumentError::new_err("buffer must be C-contiguous"))?;
+    // The output's fields owned (its locks cannot be held while the GIL is let go: see
+    // `Lent`), then the rows are written without the GIL.
+    let owned = output.get().lend_step(py).into_owned();
+    let counts = py
+        .detach(|| scheduler.write_decode_rows(owned.source(), words, width, pad_to))
+        .py()?;
+    Ok(counts.into())
 }

@@ -11,6 +11,11 @@
 //! Entries are ordered generation entries first, then context chunks (the order of
 //! `sample_ids`: the sampled rows are `0..num_generation`, then the last token of each chunk
 //! that completes its prompt), and the flat token order follows the entries.
+//!
+//! A decode-only step can also be written as the rows a decode kernel reads
+//! ([`Scheduler::write_decode_rows`]): one int32 row per generation entry, its columns fixed
+//! by [`decode_row`] (`token_id, position, slot, local_len, past_seen_len, input_ref`, then
+//! the block table), in a caller-owned `[rows, width]` buffer.
 
 use super::{Result, ScheduleOutput, Scheduler};
 use crate::error::CoreError;
@@ -202,6 +207,7 @@ pub struct StepSource<'a> {
     pub generation_positions: &'a [u64],
     pub generation_owner_ranks: &'a [u32],
     pub generation_input_tokens: &'a [i32],
+    pub generation_input_refs: &'a [i32],
     pub generation_batch_slots: &'a [i32],
     pub generation_local_lens: &'a [u64],
     pub generation_past_seen_lens: &'a [u64],
@@ -221,6 +227,7 @@ impl<'a> From<&'a ScheduleOutput> for StepSource<'a> {
             generation_positions: &out.generation_positions,
             generation_owner_ranks: &out.generation_owner_ranks,
             generation_input_tokens: &out.generation_input_tokens,
+            generation_input_refs: &out.generation_input_refs,
             generation_batch_slots: &out.generation_batch_slots,
             generation_local_lens: &out.generation_local_lens,
             generation_past_seen_lens: &out.generation_past_seen_lens,
@@ -316,6 +323,7 @@ fn check_shapes(
         source.generation_positions.len(),
         source.generation_owner_ranks.len(),
         source.generation_input_tokens.len(),
+        source.generation_input_refs.len(),
         source.generation_batch_slots.len(),
         source.generation_local_lens.len(),
         source.generation_past_seen_lens.len(),
@@ -394,7 +402,8 @@ impl Scheduler {
     /// buffer shorter than it, `InvalidArgument` for arrays that do not fit together,
     /// `UnknownRequest`) leaves the buffer as it was. The scheduler is only read. A decode
     /// input still in flight (a step planned one ahead) is written as token -1: the layout has
-    /// no section for `generation_input_refs` yet.
+    /// no section for `generation_input_refs` (the decode rows of
+    /// [`Scheduler::write_decode_rows`] have a column for it).
     pub fn write_step_metadata(
         &self,
         source: StepSource<'_>,
@@ -685,5 +694,301 @@ impl Writer<'_> {
                 *dst = page_id(page);
             }
         }
+    }
+}
+
+/// The per-row layout of decode-only step metadata ([`Scheduler::write_decode_rows`]): one
+/// int32 row per generation entry, the columns below in this order, then the block table
+/// (superblock = page ids, -1 padded to the row's width). Row `i` is the `i`-th generation
+/// entry of the step, which is also its sample row. The column order is written here once;
+/// the Python binding exposes it (`helix_kv._core.DECODE_ROW_COLUMNS`) and the executor's
+/// `DecodeLayout` reads its column indices from there.
+pub mod decode_row {
+    /// The input token, or -1 while it is still in flight (then `INPUT_REF` says where).
+    pub const TOKEN_ID: usize = 0;
+    /// The global position of the token.
+    pub const POSITION: usize = 1;
+    /// This rank's KV slot of the token (`page * tokens_per_block + offset`), -1 where
+    /// another rank owns it.
+    pub const SLOT: usize = 2;
+    /// Tokens this rank holds of the request after the step.
+    pub const LOCAL_LEN: usize = 3;
+    /// Tokens this rank held before the step.
+    pub const PAST_SEEN_LEN: usize = 4;
+    /// `generation_input_refs`: the previous step's sample row whose token is this row's
+    /// input (a step planned one step ahead), -1 when the token is known.
+    pub const INPUT_REF: usize = 5;
+    /// The first block-table column (the columns before it are the fixed ones).
+    pub const BLOCK_TABLE: usize = 6;
+    /// The fixed columns' names, in column order (the block table follows them).
+    pub const NAMES: [&str; BLOCK_TABLE] = [
+        "token_id",
+        "position",
+        "slot",
+        "local_len",
+        "past_seen_len",
+        "input_ref",
+    ];
+    /// A padding row's fixed columns: no token, no KV write, nothing to attend to, nothing
+    /// in flight.
+    pub const PADDING: [i32; BLOCK_TABLE] = [0, 0, -1, 0, 0, -1];
+}
+
+/// The counts of one decode-only step written by [`Scheduler::write_decode_rows`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeRowCounts {
+    /// The step written.
+    pub step: u64,
+    /// Rows written: the generation entries, `0..rows`.
+    pub rows: usize,
+    /// Rows written up to: `rows..padded_to` are padding rows ([`decode_row::PADDING`]).
+    pub padded_to: usize,
+    /// Rows whose input token is still in flight (`INPUT_REF >= 0`).
+    pub in_flight: usize,
+    /// The widest table among the rows, in superblocks (block-table columns past it are -1).
+    pub table_width_used: usize,
+}
+
+/// The checks of [`Scheduler::write_decode_rows`] that need no ledger: a decode-only step
+/// whose arrays fit together, rows with the fixed columns, a buffer of whole rows holding
+/// the step and its padding, input references of -1 or more. Returns the inputs in flight.
+fn check_decode_shapes(
+    source: &StepSource<'_>,
+    buffer_words: usize,
+    width: usize,
+    pad_to: usize,
+) -> Result<usize> {
+    if !source.context_ids.is_empty() {
+        return Err(CoreError::InvalidArgument(format!(
+            "step {} has {} context chunks: decode rows take decode-only steps",
+            source.step,
+            source.context_ids.len()
+        )));
+    }
+    if width < decode_row::BLOCK_TABLE {
+        return Err(CoreError::InvalidArgument(format!(
+            "a decode row of {width} columns lacks the {} fixed ones",
+            decode_row::BLOCK_TABLE
+        )));
+    }
+    if buffer_words % width != 0 {
+        return Err(CoreError::InvalidLength(format!(
+            "a buffer of {buffer_words} words is not whole rows of {width}"
+        )));
+    }
+    let g = source.generation_ids.len();
+    if [
+        source.generation_positions.len(),
+        source.generation_owner_ranks.len(),
+        source.generation_input_tokens.len(),
+        source.generation_input_refs.len(),
+        source.generation_local_lens.len(),
+        source.generation_past_seen_lens.len(),
+    ]
+    .iter()
+    .any(|&n| n != g)
+    {
+        return Err(mismatch("generation"));
+    }
+    let capacity = buffer_words / width;
+    if g.max(pad_to) > capacity {
+        return Err(CoreError::InvalidLength(format!(
+            "step {} has {g} decode rows (padded to {pad_to}); the buffer holds {capacity}",
+            source.step
+        )));
+    }
+    let (lowest_ref, in_flight) = source
+        .generation_input_refs
+        .iter()
+        .fold((-1, 0), |(low, n), &r| {
+            (low.min(r), n + usize::from(r >= 0))
+        });
+    if lowest_ref < -1 {
+        return Err(CoreError::InvalidArgument(format!(
+            "input reference {lowest_ref} is neither a sample row nor -1"
+        )));
+    }
+    Ok(in_flight)
+}
+
+/// `dst[i] = page_id(table[i])` for tables of the same length, inline: a decode row holds a
+/// few superblocks, and a `memcpy` call per row (what a plain loop becomes) costs more than
+/// the copy.
+fn copy_pages(dst: &mut [i32], table: &[SuperblockId]) {
+    let mut from = table.chunks_exact(4);
+    let mut to = dst.chunks_exact_mut(4);
+    for (d, s) in (&mut to).zip(&mut from) {
+        d.copy_from_slice(&[page_id(s[0]), page_id(s[1]), page_id(s[2]), page_id(s[3])]);
+    }
+    match (to.into_remainder(), from.remainder()) {
+        ([d0], [s0]) => *d0 = page_id(*s0),
+        ([d0, d1], [s0, s1]) => [*d0, *d1] = [page_id(*s0), page_id(*s1)],
+        ([d0, d1, d2], [s0, s1, s2]) => {
+            [*d0, *d1, *d2] = [page_id(*s0), page_id(*s1), page_id(*s2)];
+        }
+        _ => {}
+    }
+}
+
+/// What [`Scheduler::write_decode_rows`] checked: each row's superblock table.
+struct CheckedRows<'s> {
+    rows: Vec<&'s [SuperblockId]>,
+    in_flight: usize,
+    table_width_used: usize,
+}
+
+impl Scheduler {
+    /// [`Scheduler::write_decode_rows`] for the output the scheduler still holds.
+    pub fn write_last_decode_rows(
+        &self,
+        buffer: &mut [i32],
+        width: usize,
+        pad_to: usize,
+    ) -> Result<DecodeRowCounts> {
+        self.write_decode_rows(StepSource::from(&self.output), buffer, width, pad_to)
+    }
+
+    /// Writes this rank's metadata of the pending decode-only step `source` as rows of
+    /// `width` int32 words (`buffer` holds `buffer.len() / width` rows, row-major), laid out
+    /// as [`decode_row`] says: row `i` is generation entry `i`, its block table -1 padded to
+    /// `width - decode_row::BLOCK_TABLE` columns. Rows `rows..pad_to` get the padding
+    /// columns ([`decode_row::PADDING`]; their block-table cells are left as they were, a
+    /// padding row attends to nothing); rows past `max(rows, pad_to)` are left as they were.
+    ///
+    /// Everything is checked before the first word is written, so an error leaves the buffer
+    /// as it was: `InvalidState` for an output that is not the pending step's;
+    /// `InvalidArgument` for a step with context chunks, arrays that do not fit together,
+    /// a width without the fixed columns or an input reference below -1; `InvalidLength` for
+    /// a buffer that is not whole rows, more rows (or `pad_to`) than it holds, a request
+    /// holding more superblocks than the row has columns, a value past `i32::MAX` or a
+    /// position not reserved; `UnknownRequest`. The scheduler is only read.
+    pub fn write_decode_rows(
+        &self,
+        source: StepSource<'_>,
+        buffer: &mut [i32],
+        width: usize,
+        pad_to: usize,
+    ) -> Result<DecodeRowCounts> {
+        let checked = self.check_decode_source(&source, buffer.len(), width, pad_to)?;
+        let rows = checked.rows.len();
+        let tpb = self.layout.tokens_per_block();
+        let per_block = Divisor::new(u64::from(tpb));
+        let per_superblock = Divisor::new(self.layout.tokens_per_superblock());
+        let rank = self.config.cp_rank;
+        let (written, padding) = buffer.split_at_mut(rows * width);
+        // One fill of every cell (the fixed columns are overwritten below): a fill of each
+        // row's unused block-table columns is a `memset` call per row, which costs more.
+        written.fill(-1);
+        let inputs = source
+            .generation_input_tokens
+            .iter()
+            .zip(source.generation_positions)
+            .zip(source.generation_local_lens)
+            .zip(source.generation_past_seen_lens)
+            .zip(source.generation_input_refs)
+            .zip(source.generation_owner_ranks);
+        for ((row, &table), (((((&token, &pos), &local), &past), &input_ref), &owner)) in written
+            .chunks_exact_mut(width)
+            .zip(&checked.rows)
+            .zip(inputs)
+        {
+            let slot = if owner == rank {
+                // Checked: the superblock is held and every slot of the pool fits.
+                let page = page_id(table[to_usize(per_superblock.div(pos))]);
+                page * word(u64::from(tpb)) + word(per_block.rem(pos))
+            } else {
+                -1
+            };
+            let (fixed, cells) = row.split_at_mut(decode_row::BLOCK_TABLE);
+            fixed[decode_row::TOKEN_ID] = token;
+            fixed[decode_row::POSITION] = word(pos);
+            fixed[decode_row::SLOT] = slot;
+            fixed[decode_row::LOCAL_LEN] = word(local);
+            fixed[decode_row::PAST_SEEN_LEN] = word(past);
+            fixed[decode_row::INPUT_REF] = input_ref;
+            copy_pages(&mut cells[..table.len()], table);
+        }
+        let padded_to = pad_to.max(rows);
+        for row in padding[..(padded_to - rows) * width].chunks_exact_mut(width) {
+            row[..decode_row::BLOCK_TABLE].copy_from_slice(&decode_row::PADDING);
+        }
+        Ok(DecodeRowCounts {
+            step: source.step,
+            rows,
+            padded_to,
+            in_flight: checked.in_flight,
+            table_width_used: checked.table_width_used,
+        })
+    }
+
+    /// Every check of [`Self::write_decode_rows`]; the superblock table of each row, and the
+    /// counts.
+    fn check_decode_source<'s>(
+        &'s self,
+        source: &StepSource<'_>,
+        buffer_words: usize,
+        width: usize,
+        pad_to: usize,
+    ) -> Result<CheckedRows<'s>> {
+        self.check_pending(source.step)?;
+        let in_flight = check_decode_shapes(source, buffer_words, width, pad_to)?;
+        let g = source.generation_ids.len();
+        let columns = width - decode_row::BLOCK_TABLE;
+        // Every slot of the pool fits an int32 word, or none is written.
+        let slots = u64::from(self.ledger.capacity()) * u64::from(self.layout.tokens_per_block());
+        check_word(slots.saturating_sub(1), "KV slot")?;
+        let per_superblock = Divisor::new(self.layout.tokens_per_superblock());
+        let rank = self.config.cp_rank;
+        // Each row's holdings, found through the scheduler's own index of the request (its
+        // ledger entry) where that still names it: no id lookup on the common path.
+        let hints = self
+            .generation_reqs
+            .iter()
+            .map(|&r| r as usize)
+            .chain(std::iter::repeat(usize::MAX));
+        let mut rows = Vec::with_capacity(g);
+        let (mut longest, mut widest) = (0u64, 0usize);
+        let entries = source
+            .generation_ids
+            .iter()
+            .zip(hints)
+            .zip(source.generation_positions)
+            .zip(source.generation_owner_ranks);
+        for (((&id, hint), &pos), &owner) in entries {
+            let request = self.ledger.request_hinted(hint, id)?;
+            if pos >= request.len() {
+                return Err(unreserved(id, pos, pos + 1, request.len()));
+            }
+            let table = request.table();
+            if table.len() > columns {
+                return Err(CoreError::InvalidLength(format!(
+                    "request {id} holds {} superblocks, wider than the row's {columns} columns",
+                    table.len()
+                )));
+            }
+            // The slot is computed while the row is written (where the table is read for
+            // its cells anyway); here only that its superblock is held.
+            if owner == rank && to_usize(per_superblock.div(pos)) >= table.len() {
+                return Err(unreserved(id, pos, pos + 1, request.len()));
+            }
+            longest = longest.max(pos);
+            widest = widest.max(table.len());
+            rows.push(table);
+        }
+        // Two plain folds (a chained one is not vectorized).
+        let local = source
+            .generation_local_lens
+            .iter()
+            .fold(0, |acc, &n| acc.max(n));
+        let past = source
+            .generation_past_seen_lens
+            .iter()
+            .fold(0, |acc, &n| acc.max(n));
+        check_word(longest.max(local).max(past), "position or local length")?;
+        Ok(CheckedRows {
+            rows,
+            in_flight,
+            table_width_used: widest,
+        })
     }
 }

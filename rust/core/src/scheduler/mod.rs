@@ -29,7 +29,9 @@ pub use config::{
     CapacityPolicy, FieldValue, SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy,
     DECISION_FIELDS,
 };
-pub use metadata::{StepMetadata, StepMetadataLayout, StepMetadataSection, StepSource};
+pub use metadata::{
+    decode_row, DecodeRowCounts, StepMetadata, StepMetadataLayout, StepMetadataSection, StepSource,
+};
 pub use metrics::{RequestMetrics, SchedulerMetrics};
 pub use output::{FieldScope, ScheduleOutput};
 pub use request::{FinishReason, RequestOutput, RequestState};
