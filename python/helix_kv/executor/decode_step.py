@@ -41,6 +41,7 @@ from helix_kv._core import DECODE_ROW_COLUMNS, DECODE_ROW_PADDING, DecodeRowCoun
 from helix_kv.executor.kv_pool import KVPool
 from helix_kv.executor.model import Combine, DecodeRows, TinyTransformer
 from helix_kv.executor.overlap import HostTokens
+from helix_kv.executor.paged_attention import DecodeWorkspace
 
 
 @dataclass(frozen=True)
@@ -292,6 +293,19 @@ class DecodeStep:
         self._readback = [torch.zeros(batch, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._readback_ready = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._readback_next = 0
+        c = model.config
+        #: Split-K scratch of the decode kernel, shared by every layer and bucket, so that a
+        #: step (graphed or eager) allocates nothing for its splits.
+        self.workspace = DecodeWorkspace.for_decode(
+            batch,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            metadata.layout.max_pages,
+            pool.placement.tokens_per_block,
+            model.dtype,
+            device,
+        )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if cuda_graphs:
             if device.type != "cuda":
@@ -354,7 +368,8 @@ class DecodeStep:
         refs = self.metadata.input_refs(bucket)
         gathered = self.tokens.index_select(0, refs.clamp(min=0))
         rows = rows._replace(token_ids=torch.where(refs >= 0, gathered, rows.token_ids))
-        logits = self.model.logits(self.model.forward_decode(rows, self.pool, self.combine))
+        hidden = self.model.forward_decode(rows, self.pool, self.combine, self.workspace)
+        logits = self.model.logits(hidden)
         self.logits[:bucket].copy_(logits)
         torch.argmax(logits, dim=-1, out=self.tokens[:bucket])
 

@@ -21,7 +21,11 @@ from helix_kv.executor.attention import (
     partial_attention,
 )
 from helix_kv.executor.kv_pool import KVPool, StepBatch
-from helix_kv.executor.paged_attention import paged_decode_attention, write_paged_kv
+from helix_kv.executor.paged_attention import (
+    DecodeWorkspace,
+    paged_decode_attention,
+    write_paged_kv,
+)
 from helix_kv.executor.placement import RankPlacement
 
 #: Turns this rank's partial attention into the CP group's combined attention.
@@ -173,14 +177,19 @@ class TinyTransformer:
 
     @torch.no_grad()
     def forward_decode(
-        self, rows: DecodeRows, pool: KVPool, combine: Combine | None = None
+        self,
+        rows: DecodeRows,
+        pool: KVPool,
+        combine: Combine | None = None,
+        workspace: DecodeWorkspace | None = None,
     ) -> torch.Tensor:
         """One decode token per row, through the Triton paged kernels; hidden states ``[rows, H]``.
 
         The fast path of a decode-only step: no host work, no sync and no shape that depends on
         the data, so it can be captured in a CUDA graph (padding rows carry slot ``-1`` and
         local length ``0``: they write nothing and attend to nothing). Numerically the same
-        step as :meth:`forward` with ``decode_kernel=True``.
+        step as :meth:`forward` with ``decode_kernel=True``. ``workspace``: the split-K scratch
+        every layer reuses (without one, a step that splits allocates its scratch).
         """
         combine = combine or all_gather_combine
         c = self.config
@@ -193,7 +202,13 @@ class TinyTransformer:
             key_cache, value_cache = pool.key_cache[layer], pool.value_cache[layer]
             write_paged_kv(key, value, rows.slots, key_cache, value_cache)
             part = paged_decode_attention(
-                query, key_cache, value_cache, rows.block_table, rows.local_lens, tpb
+                query,
+                key_cache,
+                value_cache,
+                rows.block_table,
+                rows.local_lens,
+                tpb,
+                workspace=workspace,
             )
             combined = combine(part)
             hidden = (
