@@ -98,7 +98,7 @@ impl Scheduler {
                 if !aborted {
                     let token = tokens[next_generation];
                     if request.state == RequestState::Decoding {
-                        request.push_token(token);
+                        self.token_log.push(req, request, token);
                         request.computed += 1;
                         finished = finish_reason(request.is_complete(), ends(next_generation));
                     } else {
@@ -131,7 +131,7 @@ impl Scheduler {
                 } else {
                     request.computed += len;
                     let new_state = if let Some(token) = token {
-                        request.push_token(token);
+                        self.token_log.push(req, request, token);
                         finished = finish_reason(request.is_complete(), ends(next_context_sample));
                         RequestState::Decoding
                     } else {
@@ -243,11 +243,12 @@ impl Scheduler {
                 };
             }
             if let Some(token) = token {
-                request.push_token(token);
+                self.token_log.push(req, request, token);
             }
         } else if let Some(token) = token {
             debug_assert_eq!(request.state, RequestState::Waiting);
-            request.push_token(token);
+            // Flushed when it was preempted: it re-prefills from its token vector.
+            request.push_token_unlogged(token);
             let id = request.id;
             self.ledger
                 .reset_for_recompute(id, 1)
@@ -308,6 +309,7 @@ impl Scheduler {
         // Only a suspended (or just resumed) request holds host-tier superblocks.
         self.release_host_pages(req);
         let request = &mut self.requests[req as usize];
+        self.token_log.flush(req, request);
         let metrics = RequestMetrics {
             preemptions: request.preemptions,
             recomputed_tokens: request.recomputed_tokens,

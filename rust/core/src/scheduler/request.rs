@@ -2,6 +2,7 @@
 //! holds the tokens, progress and bookkeeping that decide what to schedule.
 
 use super::metrics::RequestMetrics;
+use super::RequestIndex;
 use crate::RequestId;
 
 /// Where a live request stands.
@@ -124,53 +125,58 @@ impl BatchSlot {
 }
 
 /// Fields in declaration order (`repr(C)`): everything a step reads or writes for a
-/// decoding request (`schedule` and `update` alike, the finish check included) comes
-/// first and shares one 64-byte line; the rest (prefill, preemption, metrics) follow.
+/// decoding request (`schedule` and `update` alike, the finish check and the token append
+/// included) comes first and shares one 64-byte line with a few cold fields; the rest (the
+/// token vector, prefill, preemption, metrics) follow on the next line.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[repr(C, align(64))]
 pub(super) struct Request {
-    /// Prompt, then every sampled token; folded tokens stay here, so a re-prefill reads
-    /// its chunks straight from this vector.
-    pub tokens: Vec<i32>,
     pub id: RequestId,
     /// Tokens whose KV has been written since the last (re-)prefill began. For a
-    /// `Decoding` request `tokens.len() == computed + 1`: the last token is the next input.
+    /// `Decoding` request `known_len() == computed + 1`: the last token is the next input.
     pub computed: u64,
     /// Last step that gave it a context or generation entry.
     pub scheduled_step: u64,
     /// Persistent batch slot, if held.
     pub batch_slot: BatchSlot,
-    /// `tokens.last()`, kept here so the per-step decode path does not touch the token
-    /// buffer (a cache miss per request).
+    /// The last known token (the next decode input), kept here so the per-step decode
+    /// path reads neither the token vector nor the token log.
     pub last_token: i32,
     /// `max_new_tokens - generated()`: the finish check without reading the cold line.
     pub remaining_tokens: u32,
+    /// Sampled tokens held in its row of the [`TokenLog`] and not yet appended to
+    /// `tokens` (fewer than [`LOG_ROW`]). Zero unless it is `Decoding` or `Suspended`.
+    pub logged: u32,
     pub state: RequestState,
     /// `abort()` was called while a step was pending; it takes effect when that step is
     /// updated or reverted. On the hot line because `update` reads it for every request.
     pub abort_requested: bool,
+    // Cold fields that fill the rest of the first line.
+    pub max_new_tokens: u32,
+    pub priority: i32,
+    /// Times chosen as a victim (recompute-pause or suspend).
+    pub preemptions: u32,
+    /// The batch slot it gave up by sitting out, restored if that step is reverted.
+    pub sat_out_slot: Option<u32>,
 
+    /// Prompt, then every sampled token up to the last `logged` ones (those wait in the
+    /// [`TokenLog`]); folded tokens stay here, so a re-prefill reads its chunks straight
+    /// from this vector (a request that re-prefills has nothing in the log).
+    pub tokens: Vec<i32>,
     /// Last step that preempted or suspended it.
     pub victim_step: u64,
     /// Last step that resumed it from the host tier.
     pub resumed_step: u64,
     /// Last step in which it got its decode page by preempting (no victim in that step).
     pub rescued_step: u64,
-    /// Length of the prompt as added; `tokens.len() - original_prompt_len` is the number
+    /// Length of the prompt as added; `known_len() - original_prompt_len` is the number
     /// of tokens generated so far, across preemptions.
     pub original_prompt_len: u64,
     /// First step this request could take part in (steps scheduled before its add do
     /// not count as waiting).
     pub first_step: u64,
     pub steps_waited: u64,
-    pub max_new_tokens: u32,
-    pub priority: i32,
-    /// Times chosen as a victim (recompute-pause or suspend).
-    pub preemptions: u32,
-
     pub recomputed_tokens: u64,
-    /// The batch slot it gave up by sitting out, restored if that step is reverted.
-    pub sat_out_slot: Option<u32>,
     /// The state to return to on resume.
     pub suspended_from: RequestState,
 
@@ -199,6 +205,7 @@ impl Request {
             abort_requested: false,
             last_token: prompt.last().copied().unwrap_or_default(),
             tokens,
+            logged: 0,
             original_prompt_len: prompt.len() as u64,
             computed: 0,
             max_new_tokens,
@@ -220,9 +227,16 @@ impl Request {
         }
     }
 
-    /// Appends a sampled token.
-    pub fn push_token(&mut self, token: i32) {
+    /// Appends a sampled token straight to `tokens` (for a request that re-prefills, whose
+    /// tokens must all be there; it has nothing in the log).
+    pub fn push_token_unlogged(&mut self, token: i32) {
+        debug_assert_eq!(self.logged, 0);
         self.tokens.push(token);
+        self.note_token(token);
+    }
+
+    /// The hot-line part of taking a sampled token.
+    fn note_token(&mut self, token: i32) {
         self.last_token = token;
         self.remaining_tokens = self.remaining_tokens.saturating_sub(1);
     }
@@ -232,19 +246,88 @@ impl Request {
         self.remaining_tokens == 0
     }
 
+    /// Prompt (with folded tokens) plus every token sampled since, logged ones included.
+    pub fn known_len(&self) -> u64 {
+        self.tokens.len() as u64 + u64::from(self.logged)
+    }
+
     /// Tokens sampled so far, across preemptions.
     pub fn generated(&self) -> u64 {
-        self.tokens.len() as u64 - self.original_prompt_len
+        self.known_len() - self.original_prompt_len
     }
 
     /// Tokens the current (re-)prefill must cover: the prompt plus any folded tokens.
-    /// Only meaningful while `Waiting` or `Prefilling`.
+    /// Only meaningful while `Waiting` or `Prefilling` (then nothing is in the log).
     pub fn prefill_len(&self) -> u64 {
+        debug_assert_eq!(
+            self.logged, 0,
+            "a request that prefills has nothing in the log"
+        );
         self.tokens.len() as u64
     }
 }
 
-// The decode path's fields must stay on the first line.
+/// Tokens per request row of the [`TokenLog`]: a row fills in this many decode steps,
+/// then moves to the request's token vector in one append.
+pub(super) const LOG_ROW: usize = 32;
+
+/// The scheduler-wide log of sampled tokens, one fixed row of [`LOG_ROW`] tokens per
+/// request index (dense, like `Scheduler::requests`). `update` writes each sampled token
+/// into its request's row instead of appending it to the request's own vector: a store
+/// into one small dense array (a few pages for thousands of requests) where the append
+/// touched a scattered heap line, and often a page, per request per step. A full row is
+/// appended to the vector in one go (once per [`LOG_ROW`] steps); whoever reads a request's
+/// tokens (its output, a re-prefill, the digest, `tokens()`) first moves what its row
+/// holds (`flush`) or reads both parts (`logged`). The log never holds more than one row
+/// per request index, so it needs no compaction, and every rule here is a pure function
+/// of the request's own counters (rank-invariant).
+#[derive(Debug, Clone, Default)]
+pub(super) struct TokenLog {
+    rows: Vec<i32>,
+}
+
+impl TokenLog {
+    /// Gives every request index below `requests` a row.
+    pub fn reserve_rows(&mut self, requests: usize) {
+        if self.rows.len() < requests * LOG_ROW {
+            self.rows.resize(requests * LOG_ROW, 0);
+        }
+    }
+
+    /// Takes a sampled token of the request at index `req`.
+    #[inline]
+    pub fn push(&mut self, req: RequestIndex, request: &mut Request, token: i32) {
+        let start = req as usize * LOG_ROW;
+        let at = request.logged as usize;
+        self.rows[start + at] = token;
+        request.note_token(token);
+        if at + 1 == LOG_ROW {
+            request
+                .tokens
+                .extend_from_slice(&self.rows[start..start + LOG_ROW]);
+            request.logged = 0;
+        } else {
+            request.logged += 1;
+        }
+    }
+
+    /// The tokens of the request at index `req` that wait in its row, oldest first.
+    pub fn logged(&self, req: RequestIndex, request: &Request) -> &[i32] {
+        let start = req as usize * LOG_ROW;
+        &self.rows[start..start + request.logged as usize]
+    }
+
+    /// Moves what its row holds to the request's token vector.
+    pub fn flush(&self, req: RequestIndex, request: &mut Request) {
+        if request.logged > 0 {
+            request.tokens.extend_from_slice(self.logged(req, request));
+            request.logged = 0;
+        }
+    }
+}
+
+// The decode path's fields must stay on the first line, the token vector off it.
 const _: () = assert!(std::mem::offset_of!(Request, state) < 64);
 const _: () = assert!(std::mem::offset_of!(Request, abort_requested) < 64);
-const _: () = assert!(std::mem::offset_of!(Request, victim_step) == 64);
+const _: () = assert!(std::mem::offset_of!(Request, logged) < 64);
+const _: () = assert!(std::mem::offset_of!(Request, tokens) == 64);
