@@ -309,7 +309,6 @@ impl Scheduler {
         // Only a suspended (or just resumed) request holds host-tier superblocks.
         self.release_host_pages(req);
         let request = &mut self.requests[req as usize];
-        self.token_log.flush(req, request);
         let metrics = RequestMetrics {
             preemptions: request.preemptions,
             recomputed_tokens: request.recomputed_tokens,
@@ -320,9 +319,10 @@ impl Scheduler {
             clippy::cast_possible_truncation,
             reason = "the original prompt length was a slice length"
         )]
-        let generated = request
+        let mut generated = request
             .tokens
             .split_off(request.original_prompt_len as usize);
+        self.token_log.drain_into(req, request, &mut generated);
         self.state_counts[request.state.index()] -= 1;
         self.index.remove(&id);
         if let Some(step) = hold {

@@ -384,10 +384,8 @@ impl Scheduler {
     pub fn tokens(&self, id: RequestId) -> Result<Vec<i32>> {
         let req = self.request_index(id)?;
         let request = &self.requests[req as usize];
-        let logged = self.token_log.logged(req, request);
-        let mut tokens = Vec::with_capacity(request.tokens.len() + logged.len());
-        tokens.extend_from_slice(&request.tokens);
-        tokens.extend_from_slice(logged);
+        let mut tokens = request.tokens.clone();
+        self.token_log.append_to(req, request, &mut tokens);
         Ok(tokens)
     }
 
@@ -554,7 +552,9 @@ impl Scheduler {
             h.u64(r.state.index() as u64);
             h.u64(r.computed);
             h.u64(r.known_len());
-            for &token in r.tokens.iter().chain(self.token_log.logged(req, r)) {
+            let mut logged = Vec::new();
+            self.token_log.append_to(req, r, &mut logged);
+            for &token in r.tokens.iter().chain(&logged) {
                 h.word(bits(token));
             }
             h.u64(r.batch_slot.get().map_or(u64::MAX, u64::from));

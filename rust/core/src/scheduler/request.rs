@@ -144,25 +144,29 @@ pub(super) struct Request {
     pub last_token: i32,
     /// `max_new_tokens - generated()`: the finish check without reading the cold line.
     pub remaining_tokens: u32,
-    /// Sampled tokens held in its row of the [`TokenLog`] and not yet appended to
-    /// `tokens` (fewer than [`LOG_ROW`]). Zero unless it is `Decoding` or `Suspended`.
+    /// Sampled tokens in its row of the [`TokenLog`] (fewer than [`LOG_ROW`]).
     pub logged: u32,
     pub state: RequestState,
     /// `abort()` was called while a step was pending; it takes effect when that step is
     /// updated or reverted. On the hot line because `update` reads it for every request.
     pub abort_requested: bool,
+    /// Its newest full chunk in the [`TokenLog`] ([`NO_CHUNK`] if none), and how many it
+    /// has there (each links to the one before).
+    pub last_chunk: u32,
+    pub chunks: u32,
     // Cold fields that fill the rest of the first line.
     pub max_new_tokens: u32,
     pub priority: i32,
     /// Times chosen as a victim (recompute-pause or suspend).
     pub preemptions: u32,
+
+    /// Prompt (with folded tokens), then the tokens sampled before the log last moved
+    /// them here; the newer ones wait in the [`TokenLog`] (its chunks, then its row).
+    /// A re-prefill reads its chunks straight from this vector (a request that re-prefills
+    /// has nothing in the log: it is flushed when recompute-paused).
+    pub tokens: Vec<i32>,
     /// The batch slot it gave up by sitting out, restored if that step is reverted.
     pub sat_out_slot: Option<u32>,
-
-    /// Prompt, then every sampled token up to the last `logged` ones (those wait in the
-    /// [`TokenLog`]); folded tokens stay here, so a re-prefill reads its chunks straight
-    /// from this vector (a request that re-prefills has nothing in the log).
-    pub tokens: Vec<i32>,
     /// Last step that preempted or suspended it.
     pub victim_step: u64,
     /// Last step that resumed it from the host tier.
@@ -206,6 +210,8 @@ impl Request {
             last_token: prompt.last().copied().unwrap_or_default(),
             tokens,
             logged: 0,
+            last_chunk: NO_CHUNK,
+            chunks: 0,
             original_prompt_len: prompt.len() as u64,
             computed: 0,
             max_new_tokens,
@@ -230,7 +236,7 @@ impl Request {
     /// Appends a sampled token straight to `tokens` (for a request that re-prefills, whose
     /// tokens must all be there; it has nothing in the log).
     pub fn push_token_unlogged(&mut self, token: i32) {
-        debug_assert_eq!(self.logged, 0);
+        debug_assert_eq!((self.logged, self.chunks), (0, 0));
         self.tokens.push(token);
         self.note_token(token);
     }
@@ -246,9 +252,14 @@ impl Request {
         self.remaining_tokens == 0
     }
 
+    /// Tokens of it in the [`TokenLog`].
+    pub fn logged_len(&self) -> u64 {
+        u64::from(self.chunks) * LOG_ROW as u64 + u64::from(self.logged)
+    }
+
     /// Prompt (with folded tokens) plus every token sampled since, logged ones included.
     pub fn known_len(&self) -> u64 {
-        self.tokens.len() as u64 + u64::from(self.logged)
+        self.tokens.len() as u64 + self.logged_len()
     }
 
     /// Tokens sampled so far, across preemptions.
@@ -260,30 +271,47 @@ impl Request {
     /// Only meaningful while `Waiting` or `Prefilling` (then nothing is in the log).
     pub fn prefill_len(&self) -> u64 {
         debug_assert_eq!(
-            self.logged, 0,
+            self.logged_len(),
+            0,
             "a request that prefills has nothing in the log"
         );
         self.tokens.len() as u64
     }
 }
 
-/// Tokens per request row of the [`TokenLog`]: a row fills in this many decode steps,
-/// then moves to the request's token vector in one append.
+/// Tokens per request row, and per chunk, of the [`TokenLog`].
 pub(super) const LOG_ROW: usize = 32;
 
-/// The scheduler-wide log of sampled tokens, one fixed row of [`LOG_ROW`] tokens per
-/// request index (dense, like `Scheduler::requests`). `update` writes each sampled token
-/// into its request's row instead of appending it to the request's own vector: a store
-/// into one small dense array (a few pages for thousands of requests) where the append
-/// touched a scattered heap line, and often a page, per request per step. A full row is
-/// appended to the vector in one go (once per [`LOG_ROW`] steps); whoever reads a request's
-/// tokens (its output, a re-prefill, the digest, `tokens()`) first moves what its row
-/// holds (`flush`) or reads both parts (`logged`). The log never holds more than one row
-/// per request index, so it needs no compaction, and every rule here is a pure function
-/// of the request's own counters (rank-invariant).
+/// Marks "no chunk" in [`Request::last_chunk`] and the chunk links.
+pub(super) const NO_CHUNK: u32 = u32::MAX;
+
+/// The scheduler-wide log of sampled tokens. `update` never appends a token to its
+/// request's own vector (a scattered heap line, and often a page, per request per step):
+///
+/// - each token goes into its request's row, one fixed row of [`LOG_ROW`] tokens per
+///   request index (dense like `Scheduler::requests`: a few pages for thousands of
+///   requests, so the store stays in cache);
+/// - a full row becomes a chunk: copied to the end of the chunk store (sequential writes,
+///   step-major: the rows that fill in one step land one after another), or into a chunk
+///   freed earlier, linked to the request's previous chunk;
+/// - whoever reads a request's tokens (its output when it retires, a recompute-pause that
+///   folds them into the prompt, the state digest, `tokens()`) walks its chunks, then its
+///   row; retiring and folding free its chunks for reuse.
+///
+/// So the log holds only live requests' tokens: its memory is bounded by what live
+/// requests generated (as their vectors were before), freed chunks are reused before the
+/// store grows, and no compaction pass is needed. Every rule is a pure function of the
+/// sequence of calls (rank-invariant; chunk numbers never reach an output or a digest).
 #[derive(Debug, Clone, Default)]
 pub(super) struct TokenLog {
+    /// `LOG_ROW` tokens per request index.
     rows: Vec<i32>,
+    /// `LOG_ROW` tokens per chunk.
+    chunks: Vec<i32>,
+    /// Per chunk: the previous chunk of the same request, or [`NO_CHUNK`].
+    links: Vec<u32>,
+    /// Chunks freed by retired or folded requests, reused last-freed first.
+    free: Vec<u32>,
 }
 
 impl TokenLog {
@@ -302,27 +330,84 @@ impl TokenLog {
         self.rows[start + at] = token;
         request.note_token(token);
         if at + 1 == LOG_ROW {
-            request
-                .tokens
-                .extend_from_slice(&self.rows[start..start + LOG_ROW]);
-            request.logged = 0;
+            self.seal_row(start, request);
         } else {
             request.logged += 1;
         }
     }
 
-    /// The tokens of the request at index `req` that wait in its row, oldest first.
-    pub fn logged(&self, req: RequestIndex, request: &Request) -> &[i32] {
-        let start = req as usize * LOG_ROW;
-        &self.rows[start..start + request.logged as usize]
+    /// Turns the full row at `start` into the request's newest chunk (once per
+    /// [`LOG_ROW`] tokens: kept out of line so `push` stays small enough to inline).
+    #[inline(never)]
+    fn seal_row(&mut self, start: usize, request: &mut Request) {
+        let row = &self.rows[start..start + LOG_ROW];
+        let chunk = if let Some(chunk) = self.free.pop() {
+            let at = chunk as usize * LOG_ROW;
+            self.chunks[at..at + LOG_ROW].copy_from_slice(row);
+            self.links[chunk as usize] = request.last_chunk;
+            chunk
+        } else {
+            self.chunks.extend_from_slice(row);
+            self.links.push(request.last_chunk);
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "2^32 chunks would hold 2^37 live tokens (512 GiB) first"
+            )]
+            let chunk = (self.links.len() - 1) as u32;
+            chunk
+        };
+        request.last_chunk = chunk;
+        request.chunks += 1;
+        request.logged = 0;
     }
 
-    /// Moves what its row holds to the request's token vector.
-    pub fn flush(&self, req: RequestIndex, request: &mut Request) {
-        if request.logged > 0 {
-            request.tokens.extend_from_slice(self.logged(req, request));
-            request.logged = 0;
+    /// The request's chunks, oldest first.
+    fn chunk_ids(&self, request: &Request) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(request.chunks as usize);
+        let mut chunk = request.last_chunk;
+        while chunk != NO_CHUNK {
+            ids.push(chunk);
+            chunk = self.links[chunk as usize];
         }
+        debug_assert_eq!(ids.len(), request.chunks as usize);
+        ids.reverse();
+        ids
+    }
+
+    /// Appends the tokens of the request at index `req` that wait in the log, oldest
+    /// first, to `out`.
+    pub fn append_to(&self, req: RequestIndex, request: &Request, out: &mut Vec<i32>) {
+        out.reserve(usize::try_from(request.logged_len()).unwrap_or(0));
+        for chunk in self.chunk_ids(request) {
+            let at = chunk as usize * LOG_ROW;
+            out.extend_from_slice(&self.chunks[at..at + LOG_ROW]);
+        }
+        let start = req as usize * LOG_ROW;
+        out.extend_from_slice(&self.rows[start..start + request.logged as usize]);
+    }
+
+    /// Moves what the log holds of the request at index `req` to `out` (its token vector
+    /// or its output) and frees its chunks.
+    pub fn drain_into(&mut self, req: RequestIndex, request: &mut Request, out: &mut Vec<i32>) {
+        if request.logged_len() == 0 {
+            return;
+        }
+        self.append_to(req, request, out);
+        let mut chunk = request.last_chunk;
+        while chunk != NO_CHUNK {
+            self.free.push(chunk);
+            chunk = self.links[chunk as usize];
+        }
+        request.last_chunk = NO_CHUNK;
+        request.chunks = 0;
+        request.logged = 0;
+    }
+
+    /// Moves what the log holds of the request at index `req` to its token vector.
+    pub fn flush(&mut self, req: RequestIndex, request: &mut Request) {
+        let mut tokens = std::mem::take(&mut request.tokens);
+        self.drain_into(req, request, &mut tokens);
+        request.tokens = tokens;
     }
 }
 
@@ -330,4 +415,58 @@ impl TokenLog {
 const _: () = assert!(std::mem::offset_of!(Request, state) < 64);
 const _: () = assert!(std::mem::offset_of!(Request, abort_requested) < 64);
 const _: () = assert!(std::mem::offset_of!(Request, logged) < 64);
+const _: () = assert!(std::mem::offset_of!(Request, chunks) < 64);
 const _: () = assert!(std::mem::offset_of!(Request, tokens) == 64);
+
+#[cfg(test)]
+mod tests {
+    use super::{Request, RequestIndex, TokenLog, LOG_ROW};
+
+    fn index(req: usize) -> RequestIndex {
+        RequestIndex::try_from(req).unwrap()
+    }
+
+    /// Requests whose tokens interleave step by step; one is drained (retired) each
+    /// round: every read equals a per-request vector, and drained chunks are reused, so
+    /// the chunk store stays at what the live requests hold.
+    #[test]
+    fn drained_chunks_are_reused_and_reads_equal_a_per_request_vector() {
+        const REQUESTS: usize = 4;
+        let mut log = TokenLog::default();
+        log.reserve_rows(REQUESTS);
+        let mut requests: Vec<Request> = (0..REQUESTS as u64)
+            .map(|id| Request::new(id, &[1, 2], 1_000_000, 0, 0))
+            .collect();
+        let mut oracle = vec![Vec::new(); REQUESTS];
+        let mut token = 0;
+        for round in 0..60 {
+            for _ in 0..100 {
+                for (req, request) in requests.iter_mut().enumerate() {
+                    log.push(index(req), request, token);
+                    oracle[req].push(token);
+                    token += 1;
+                }
+            }
+            for (req, request) in requests.iter().enumerate() {
+                let mut read = Vec::new();
+                log.append_to(index(req), request, &mut read);
+                assert_eq!(read, oracle[req]);
+                assert_eq!(request.logged_len(), oracle[req].len() as u64);
+            }
+            let req = round % REQUESTS;
+            let mut out = Vec::new();
+            log.drain_into(index(req), &mut requests[req], &mut out);
+            assert_eq!(out, std::mem::take(&mut oracle[req]));
+            assert_eq!(requests[req].logged_len(), 0);
+        }
+        // At most 400 live tokens per request (drained every fourth round), against
+        // 24,000 tokens logged in all.
+        let live_chunks = REQUESTS * 400 / LOG_ROW;
+        assert!(
+            log.links.len() <= live_chunks + REQUESTS,
+            "{} chunks",
+            log.links.len()
+        );
+        assert_eq!(log.chunks.len(), log.links.len() * LOG_ROW);
+    }
+}
