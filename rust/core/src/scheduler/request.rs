@@ -282,6 +282,9 @@ impl Request {
 /// Tokens per request row, and per chunk, of the [`TokenLog`].
 pub(super) const LOG_ROW: usize = 32;
 
+/// Chunks per page of the [`TokenLog`]'s chunk store (128 KiB pages).
+const CHUNKS_PER_PAGE: usize = 1024;
+
 /// Marks "no chunk" in [`Request::last_chunk`] and the chunk links.
 pub(super) const NO_CHUNK: u32 = u32::MAX;
 
@@ -306,8 +309,10 @@ pub(super) const NO_CHUNK: u32 = u32::MAX;
 pub(super) struct TokenLog {
     /// `LOG_ROW` tokens per request index.
     rows: Vec<i32>,
-    /// `LOG_ROW` tokens per chunk.
-    chunks: Vec<i32>,
+    /// `LOG_ROW` tokens per chunk, [`CHUNKS_PER_PAGE`] chunks per page: the store grows
+    /// a page at a time and never moves what it holds (no copy of every live token when
+    /// it grows, which a single vector's doubling would be).
+    pages: Vec<Box<[i32]>>,
     /// Per chunk: the previous chunk of the same request, or [`NO_CHUNK`].
     links: Vec<u32>,
     /// Chunks freed by retired or folded requests, reused last-freed first.
@@ -342,12 +347,13 @@ impl TokenLog {
     fn seal_row(&mut self, start: usize, request: &mut Request) {
         let row = &self.rows[start..start + LOG_ROW];
         let chunk = if let Some(chunk) = self.free.pop() {
-            let at = chunk as usize * LOG_ROW;
-            self.chunks[at..at + LOG_ROW].copy_from_slice(row);
             self.links[chunk as usize] = request.last_chunk;
             chunk
         } else {
-            self.chunks.extend_from_slice(row);
+            if self.links.len() % CHUNKS_PER_PAGE == 0 {
+                self.pages
+                    .push(vec![0; CHUNKS_PER_PAGE * LOG_ROW].into_boxed_slice());
+            }
             self.links.push(request.last_chunk);
             #[expect(
                 clippy::cast_possible_truncation,
@@ -356,9 +362,17 @@ impl TokenLog {
             let chunk = (self.links.len() - 1) as u32;
             chunk
         };
+        let (page, at) = Self::place(chunk);
+        self.pages[page][at..at + LOG_ROW].copy_from_slice(row);
         request.last_chunk = chunk;
         request.chunks += 1;
         request.logged = 0;
+    }
+
+    /// The page of a chunk and where in it the chunk starts.
+    fn place(chunk: u32) -> (usize, usize) {
+        let chunk = chunk as usize;
+        (chunk / CHUNKS_PER_PAGE, chunk % CHUNKS_PER_PAGE * LOG_ROW)
     }
 
     /// The request's chunks, oldest first.
@@ -379,8 +393,8 @@ impl TokenLog {
     pub fn append_to(&self, req: RequestIndex, request: &Request, out: &mut Vec<i32>) {
         out.reserve(usize::try_from(request.logged_len()).unwrap_or(0));
         for chunk in self.chunk_ids(request) {
-            let at = chunk as usize * LOG_ROW;
-            out.extend_from_slice(&self.chunks[at..at + LOG_ROW]);
+            let (page, at) = Self::place(chunk);
+            out.extend_from_slice(&self.pages[page][at..at + LOG_ROW]);
         }
         let start = req as usize * LOG_ROW;
         out.extend_from_slice(&self.rows[start..start + request.logged as usize]);
@@ -420,7 +434,7 @@ const _: () = assert!(std::mem::offset_of!(Request, tokens) == 64);
 
 #[cfg(test)]
 mod tests {
-    use super::{Request, RequestIndex, TokenLog, LOG_ROW};
+    use super::{Request, RequestIndex, TokenLog, CHUNKS_PER_PAGE, LOG_ROW};
 
     fn index(req: usize) -> RequestIndex {
         RequestIndex::try_from(req).unwrap()
@@ -467,6 +481,29 @@ mod tests {
             "{} chunks",
             log.links.len()
         );
-        assert_eq!(log.chunks.len(), log.links.len() * LOG_ROW);
+        assert_eq!(log.pages.len(), log.links.len().div_ceil(CHUNKS_PER_PAGE));
+    }
+
+    /// More chunks than a page holds: reads cross pages in order.
+    #[test]
+    fn reads_cross_pages_of_the_chunk_store_in_order() {
+        let mut log = TokenLog::default();
+        log.reserve_rows(3);
+        let mut requests: Vec<Request> = (0..3)
+            .map(|id| Request::new(id, &[1], 1_000_000, 0, 0))
+            .collect();
+        let mut oracle = vec![Vec::new(); 3];
+        for token in 0..40_000 {
+            for (req, request) in requests.iter_mut().enumerate() {
+                log.push(index(req), request, token * 3 + index(req).cast_signed());
+                oracle[req].push(token * 3 + index(req).cast_signed());
+            }
+        }
+        assert!(log.pages.len() > 3, "{} pages", log.pages.len());
+        for (req, request) in requests.iter_mut().enumerate() {
+            let mut out = vec![1];
+            log.drain_into(index(req), request, &mut out);
+            assert_eq!(out[1..], oracle[req]);
+        }
     }
 }
