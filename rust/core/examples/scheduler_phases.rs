@@ -1,8 +1,9 @@
 //! Cost of `schedule()` and of `update()` apart, per running decode request, plain and one
 //! step ahead (two steps pending). Run with
 //! `cargo run --release -p helix-kv-core --example scheduler_phases [N ...]`
-//! (env `WORK=` request-steps per run, `MAX_NEW=` tokens per request; default: nobody
-//! finishes).
+//! (env `WORK=` request-steps per run, `MAX_NEW=` tokens per request, default: nobody
+//! finishes; `PRESSURE=1`: a pool of 2 superblocks per request, steady preemption, e.g.
+//! with `MAX_NEW=300`).
 #![expect(clippy::cast_precision_loss, reason = "timings for printing")]
 #![expect(
     clippy::disallowed_methods,
