@@ -177,7 +177,7 @@ impl PyScheduler {
         request_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let tokens = self.inner.tokens(id_arg(request_id)?).py()?;
-        Ok(PyArray1::from_slice(py, tokens))
+        Ok(PyArray1::from_vec(py, tokens))
     }
 
     /// `"waiting"`, `"prefilling"`, `"decoding"` or `"suspended"`.

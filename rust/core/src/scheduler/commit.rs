@@ -98,7 +98,7 @@ impl Scheduler {
                 if !aborted {
                     let token = tokens[next_generation];
                     if request.state == RequestState::Decoding {
-                        request.push_token(token);
+                        self.token_log.push(req, request, token);
                         request.computed += 1;
                         finished = finish_reason(request.is_complete(), ends(next_generation));
                     } else {
@@ -131,7 +131,7 @@ impl Scheduler {
                 } else {
                     request.computed += len;
                     let new_state = if let Some(token) = token {
-                        request.push_token(token);
+                        self.token_log.push(req, request, token);
                         finished = finish_reason(request.is_complete(), ends(next_context_sample));
                         RequestState::Decoding
                     } else {
@@ -243,11 +243,12 @@ impl Scheduler {
                 };
             }
             if let Some(token) = token {
-                request.push_token(token);
+                self.token_log.push(req, request, token);
             }
         } else if let Some(token) = token {
             debug_assert_eq!(request.state, RequestState::Waiting);
-            request.push_token(token);
+            // Flushed when it was preempted: it re-prefills from its token vector.
+            request.push_token_unlogged(token);
             let id = request.id;
             self.ledger
                 .reset_for_recompute(id, 1)
@@ -318,9 +319,10 @@ impl Scheduler {
             clippy::cast_possible_truncation,
             reason = "the original prompt length was a slice length"
         )]
-        let generated = request
+        let mut generated = request
             .tokens
             .split_off(request.original_prompt_len as usize);
+        self.token_log.drain_into(req, request, &mut generated);
         self.state_counts[request.state.index()] -= 1;
         self.index.remove(&id);
         if let Some(step) = hold {

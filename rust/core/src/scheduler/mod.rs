@@ -43,7 +43,7 @@ use crate::ledger::Ledger;
 use crate::RequestId;
 use host::HostTier;
 use placement::Placement;
-use request::Request;
+use request::{Request, TokenLog};
 use slots::BatchSlots;
 use victim::VictimFinder;
 
@@ -95,6 +95,9 @@ pub struct Scheduler {
     ledger: Ledger,
     /// Dense request storage; `index` maps ids to their indices here (lookups only).
     requests: Vec<Request>,
+    /// Sampled tokens not yet appended to their request's vector, a row per request
+    /// index (see [`TokenLog`]).
+    token_log: TokenLog,
     /// Stack of vacant indices in `requests`, in step with the ledger's vacant entries.
     vacant: Vec<RequestIndex>,
     index: FxHashMap<RequestId, RequestIndex>,
@@ -173,6 +176,7 @@ impl Scheduler {
             placement: Placement::new(layout),
             ledger,
             requests: Vec::new(),
+            token_log: TokenLog::default(),
             vacant: Vec::new(),
             index: FxHashMap::default(),
             queue: Vec::new(),
@@ -270,6 +274,7 @@ impl Scheduler {
             req
         } else {
             self.requests.push(request);
+            self.token_log.reserve_rows(self.requests.len());
             #[expect(
                 clippy::cast_possible_truncation,
                 reason = "2^32 live requests would take at least 256 GiB of request records (64 bytes each) first"
@@ -376,9 +381,20 @@ impl Scheduler {
             .get())
     }
 
-    /// Prompt (with any folded tokens) plus generated tokens of a live request.
-    pub fn tokens(&self, id: RequestId) -> Result<&[i32]> {
-        Ok(&self.requests[self.request_index(id)? as usize].tokens)
+    /// Prompt (with any folded tokens) plus generated tokens of a live request (a copy:
+    /// the latest ones are gathered from the token log).
+    pub fn tokens(&self, id: RequestId) -> Result<Vec<i32>> {
+        let req = self.request_index(id)?;
+        let request = &self.requests[req as usize];
+        let mut tokens = request.tokens.clone();
+        self.token_log.append_to(req, request, &mut tokens);
+        Ok(tokens)
+    }
+
+    /// Moves the tokens waiting in the log for the request at `req` to its token vector
+    /// (before it re-prefills from that vector).
+    fn flush_tokens(&mut self, req: RequestIndex) {
+        self.token_log.flush(req, &mut self.requests[req as usize]);
     }
 
     /// The output of a finished request: its generated tokens, why it finished and its
@@ -537,8 +553,10 @@ impl Scheduler {
             h.u64(r.id);
             h.u64(r.state.index() as u64);
             h.u64(r.computed);
-            h.u64(r.tokens.len() as u64);
-            for &token in &r.tokens {
+            h.u64(r.known_len());
+            let mut logged = Vec::new();
+            self.token_log.append_to(req, r, &mut logged);
+            for &token in r.tokens.iter().chain(&logged) {
                 h.word(bits(token));
             }
             h.u64(r.batch_slot.get().map_or(u64::MAX, u64::from));

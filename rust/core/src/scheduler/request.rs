@@ -2,6 +2,7 @@
 //! holds the tokens, progress and bookkeeping that decide what to schedule.
 
 use super::metrics::RequestMetrics;
+use super::RequestIndex;
 use crate::RequestId;
 
 /// Where a live request stands.
@@ -124,53 +125,62 @@ impl BatchSlot {
 }
 
 /// Fields in declaration order (`repr(C)`): everything a step reads or writes for a
-/// decoding request (`schedule` and `update` alike, the finish check included) comes
-/// first and shares one 64-byte line; the rest (prefill, preemption, metrics) follow.
+/// decoding request (`schedule` and `update` alike, the finish check and the token append
+/// included) comes first and shares one 64-byte line with a few cold fields; the rest (the
+/// token vector, prefill, preemption, metrics) follow on the next line.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[repr(C, align(64))]
 pub(super) struct Request {
-    /// Prompt, then every sampled token; folded tokens stay here, so a re-prefill reads
-    /// its chunks straight from this vector.
-    pub tokens: Vec<i32>,
     pub id: RequestId,
     /// Tokens whose KV has been written since the last (re-)prefill began. For a
-    /// `Decoding` request `tokens.len() == computed + 1`: the last token is the next input.
+    /// `Decoding` request `known_len() == computed + 1`: the last token is the next input.
     pub computed: u64,
     /// Last step that gave it a context or generation entry.
     pub scheduled_step: u64,
     /// Persistent batch slot, if held.
     pub batch_slot: BatchSlot,
-    /// `tokens.last()`, kept here so the per-step decode path does not touch the token
-    /// buffer (a cache miss per request).
+    /// The last known token (the next decode input), kept here so the per-step decode
+    /// path reads neither the token vector nor the token log.
     pub last_token: i32,
     /// `max_new_tokens - generated()`: the finish check without reading the cold line.
     pub remaining_tokens: u32,
+    /// Sampled tokens in its row of the [`TokenLog`] (fewer than [`LOG_ROW`]).
+    pub logged: u32,
     pub state: RequestState,
     /// `abort()` was called while a step was pending; it takes effect when that step is
     /// updated or reverted. On the hot line because `update` reads it for every request.
     pub abort_requested: bool,
+    /// Its newest full chunk in the [`TokenLog`] ([`NO_CHUNK`] if none), and how many it
+    /// has there (each links to the one before).
+    pub last_chunk: u32,
+    pub chunks: u32,
+    // Cold fields that fill the rest of the first line.
+    pub max_new_tokens: u32,
+    pub priority: i32,
+    /// Times chosen as a victim (recompute-pause or suspend).
+    pub preemptions: u32,
 
+    /// Prompt (with folded tokens), then the tokens sampled before the log last moved
+    /// them here; the newer ones wait in the [`TokenLog`] (its chunks, then its row).
+    /// A re-prefill reads its chunks straight from this vector (a request that re-prefills
+    /// has nothing in the log: it is flushed when recompute-paused).
+    pub tokens: Vec<i32>,
+    /// The batch slot it gave up by sitting out, restored if that step is reverted.
+    pub sat_out_slot: Option<u32>,
     /// Last step that preempted or suspended it.
     pub victim_step: u64,
     /// Last step that resumed it from the host tier.
     pub resumed_step: u64,
     /// Last step in which it got its decode page by preempting (no victim in that step).
     pub rescued_step: u64,
-    /// Length of the prompt as added; `tokens.len() - original_prompt_len` is the number
+    /// Length of the prompt as added; `known_len() - original_prompt_len` is the number
     /// of tokens generated so far, across preemptions.
     pub original_prompt_len: u64,
     /// First step this request could take part in (steps scheduled before its add do
     /// not count as waiting).
     pub first_step: u64,
     pub steps_waited: u64,
-    pub max_new_tokens: u32,
-    pub priority: i32,
-    /// Times chosen as a victim (recompute-pause or suspend).
-    pub preemptions: u32,
-
     pub recomputed_tokens: u64,
-    /// The batch slot it gave up by sitting out, restored if that step is reverted.
-    pub sat_out_slot: Option<u32>,
     /// The state to return to on resume.
     pub suspended_from: RequestState,
 
@@ -199,6 +209,9 @@ impl Request {
             abort_requested: false,
             last_token: prompt.last().copied().unwrap_or_default(),
             tokens,
+            logged: 0,
+            last_chunk: NO_CHUNK,
+            chunks: 0,
             original_prompt_len: prompt.len() as u64,
             computed: 0,
             max_new_tokens,
@@ -220,9 +233,16 @@ impl Request {
         }
     }
 
-    /// Appends a sampled token.
-    pub fn push_token(&mut self, token: i32) {
+    /// Appends a sampled token straight to `tokens` (for a request that re-prefills, whose
+    /// tokens must all be there; it has nothing in the log).
+    pub fn push_token_unlogged(&mut self, token: i32) {
+        debug_assert_eq!((self.logged, self.chunks), (0, 0));
         self.tokens.push(token);
+        self.note_token(token);
+    }
+
+    /// The hot-line part of taking a sampled token.
+    fn note_token(&mut self, token: i32) {
         self.last_token = token;
         self.remaining_tokens = self.remaining_tokens.saturating_sub(1);
     }
@@ -232,19 +252,258 @@ impl Request {
         self.remaining_tokens == 0
     }
 
+    /// Tokens of it in the [`TokenLog`].
+    pub fn logged_len(&self) -> u64 {
+        u64::from(self.chunks) * LOG_ROW as u64 + u64::from(self.logged)
+    }
+
+    /// Prompt (with folded tokens) plus every token sampled since, logged ones included.
+    pub fn known_len(&self) -> u64 {
+        self.tokens.len() as u64 + self.logged_len()
+    }
+
     /// Tokens sampled so far, across preemptions.
     pub fn generated(&self) -> u64 {
-        self.tokens.len() as u64 - self.original_prompt_len
+        self.known_len() - self.original_prompt_len
     }
 
     /// Tokens the current (re-)prefill must cover: the prompt plus any folded tokens.
-    /// Only meaningful while `Waiting` or `Prefilling`.
+    /// Only meaningful while `Waiting` or `Prefilling` (then nothing is in the log).
     pub fn prefill_len(&self) -> u64 {
+        debug_assert_eq!(
+            self.logged_len(),
+            0,
+            "a request that prefills has nothing in the log"
+        );
         self.tokens.len() as u64
     }
 }
 
-// The decode path's fields must stay on the first line.
+/// Tokens per request row, and per chunk, of the [`TokenLog`].
+pub(super) const LOG_ROW: usize = 32;
+
+/// Chunks per page of the [`TokenLog`]'s chunk store (128 KiB pages).
+const CHUNKS_PER_PAGE: usize = 1024;
+
+/// Marks "no chunk" in [`Request::last_chunk`] and the chunk links.
+pub(super) const NO_CHUNK: u32 = u32::MAX;
+
+/// The scheduler-wide log of sampled tokens. `update` never appends a token to its
+/// request's own vector (a scattered heap line, and often a page, per request per step):
+///
+/// - each token goes into its request's row, one fixed row of [`LOG_ROW`] tokens per
+///   request index (dense like `Scheduler::requests`: a few pages for thousands of
+///   requests, so the store stays in cache);
+/// - a full row becomes a chunk: copied to the end of the chunk store (sequential writes,
+///   step-major: the rows that fill in one step land one after another), or into a chunk
+///   freed earlier, linked to the request's previous chunk;
+/// - whoever reads a request's tokens (its output when it retires, a recompute-pause that
+///   folds them into the prompt, the state digest, `tokens()`) walks its chunks, then its
+///   row; retiring and folding free its chunks for reuse.
+///
+/// So the log holds only live requests' tokens: its memory is bounded by what live
+/// requests generated (as their vectors were before), freed chunks are reused before the
+/// store grows, and no compaction pass is needed. Every rule is a pure function of the
+/// sequence of calls (rank-invariant; chunk numbers never reach an output or a digest).
+#[derive(Debug, Clone, Default)]
+pub(super) struct TokenLog {
+    /// `LOG_ROW` tokens per request index.
+    rows: Vec<i32>,
+    /// `LOG_ROW` tokens per chunk, [`CHUNKS_PER_PAGE`] chunks per page: the store grows
+    /// a page at a time and never moves what it holds (no copy of every live token when
+    /// it grows, which a single vector's doubling would be).
+    pages: Vec<Box<[i32]>>,
+    /// Per chunk: the previous chunk of the same request, or [`NO_CHUNK`].
+    links: Vec<u32>,
+    /// Chunks freed by retired or folded requests, reused last-freed first.
+    free: Vec<u32>,
+}
+
+impl TokenLog {
+    /// Gives every request index below `requests` a row.
+    pub fn reserve_rows(&mut self, requests: usize) {
+        if self.rows.len() < requests * LOG_ROW {
+            self.rows.resize(requests * LOG_ROW, 0);
+        }
+    }
+
+    /// Takes a sampled token of the request at index `req`.
+    #[inline]
+    pub fn push(&mut self, req: RequestIndex, request: &mut Request, token: i32) {
+        let start = req as usize * LOG_ROW;
+        let at = request.logged as usize;
+        self.rows[start + at] = token;
+        request.note_token(token);
+        if at + 1 == LOG_ROW {
+            self.seal_row(start, request);
+        } else {
+            request.logged += 1;
+        }
+    }
+
+    /// Turns the full row at `start` into the request's newest chunk (once per
+    /// [`LOG_ROW`] tokens: kept out of line so `push` stays small enough to inline).
+    #[inline(never)]
+    fn seal_row(&mut self, start: usize, request: &mut Request) {
+        let row = &self.rows[start..start + LOG_ROW];
+        let chunk = if let Some(chunk) = self.free.pop() {
+            self.links[chunk as usize] = request.last_chunk;
+            chunk
+        } else {
+            if self.links.len() % CHUNKS_PER_PAGE == 0 {
+                self.pages
+                    .push(vec![0; CHUNKS_PER_PAGE * LOG_ROW].into_boxed_slice());
+            }
+            self.links.push(request.last_chunk);
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "2^32 chunks would hold 2^37 live tokens (512 GiB) first"
+            )]
+            let chunk = (self.links.len() - 1) as u32;
+            chunk
+        };
+        let (page, at) = Self::place(chunk);
+        self.pages[page][at..at + LOG_ROW].copy_from_slice(row);
+        request.last_chunk = chunk;
+        request.chunks += 1;
+        request.logged = 0;
+    }
+
+    /// The page of a chunk and where in it the chunk starts.
+    fn place(chunk: u32) -> (usize, usize) {
+        let chunk = chunk as usize;
+        (chunk / CHUNKS_PER_PAGE, chunk % CHUNKS_PER_PAGE * LOG_ROW)
+    }
+
+    /// The request's chunks, oldest first.
+    fn chunk_ids(&self, request: &Request) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(request.chunks as usize);
+        let mut chunk = request.last_chunk;
+        while chunk != NO_CHUNK {
+            ids.push(chunk);
+            chunk = self.links[chunk as usize];
+        }
+        debug_assert_eq!(ids.len(), request.chunks as usize);
+        ids.reverse();
+        ids
+    }
+
+    /// Appends the tokens of the request at index `req` that wait in the log, oldest
+    /// first, to `out`.
+    pub fn append_to(&self, req: RequestIndex, request: &Request, out: &mut Vec<i32>) {
+        out.reserve(usize::try_from(request.logged_len()).unwrap_or(0));
+        for chunk in self.chunk_ids(request) {
+            let (page, at) = Self::place(chunk);
+            out.extend_from_slice(&self.pages[page][at..at + LOG_ROW]);
+        }
+        let start = req as usize * LOG_ROW;
+        out.extend_from_slice(&self.rows[start..start + request.logged as usize]);
+    }
+
+    /// Moves what the log holds of the request at index `req` to `out` (its token vector
+    /// or its output) and frees its chunks.
+    pub fn drain_into(&mut self, req: RequestIndex, request: &mut Request, out: &mut Vec<i32>) {
+        if request.logged_len() == 0 {
+            return;
+        }
+        self.append_to(req, request, out);
+        let mut chunk = request.last_chunk;
+        while chunk != NO_CHUNK {
+            self.free.push(chunk);
+            chunk = self.links[chunk as usize];
+        }
+        request.last_chunk = NO_CHUNK;
+        request.chunks = 0;
+        request.logged = 0;
+    }
+
+    /// Moves what the log holds of the request at index `req` to its token vector.
+    pub fn flush(&mut self, req: RequestIndex, request: &mut Request) {
+        let mut tokens = std::mem::take(&mut request.tokens);
+        self.drain_into(req, request, &mut tokens);
+        request.tokens = tokens;
+    }
+}
+
+// The decode path's fields must stay on the first line, the token vector off it.
 const _: () = assert!(std::mem::offset_of!(Request, state) < 64);
 const _: () = assert!(std::mem::offset_of!(Request, abort_requested) < 64);
-const _: () = assert!(std::mem::offset_of!(Request, victim_step) == 64);
+const _: () = assert!(std::mem::offset_of!(Request, logged) < 64);
+const _: () = assert!(std::mem::offset_of!(Request, chunks) < 64);
+const _: () = assert!(std::mem::offset_of!(Request, tokens) == 64);
+
+#[cfg(test)]
+mod tests {
+    use super::{Request, RequestIndex, TokenLog, CHUNKS_PER_PAGE, LOG_ROW};
+
+    fn index(req: usize) -> RequestIndex {
+        RequestIndex::try_from(req).unwrap()
+    }
+
+    /// Requests whose tokens interleave step by step; one is drained (retired) each
+    /// round: every read equals a per-request vector, and drained chunks are reused, so
+    /// the chunk store stays at what the live requests hold.
+    #[test]
+    fn drained_chunks_are_reused_and_reads_equal_a_per_request_vector() {
+        const REQUESTS: usize = 4;
+        let mut log = TokenLog::default();
+        log.reserve_rows(REQUESTS);
+        let mut requests: Vec<Request> = (0..REQUESTS as u64)
+            .map(|id| Request::new(id, &[1, 2], 1_000_000, 0, 0))
+            .collect();
+        let mut oracle = vec![Vec::new(); REQUESTS];
+        let mut token = 0;
+        for round in 0..60 {
+            for _ in 0..100 {
+                for (req, request) in requests.iter_mut().enumerate() {
+                    log.push(index(req), request, token);
+                    oracle[req].push(token);
+                    token += 1;
+                }
+            }
+            for (req, request) in requests.iter().enumerate() {
+                let mut read = Vec::new();
+                log.append_to(index(req), request, &mut read);
+                assert_eq!(read, oracle[req]);
+                assert_eq!(request.logged_len(), oracle[req].len() as u64);
+            }
+            let req = round % REQUESTS;
+            let mut out = Vec::new();
+            log.drain_into(index(req), &mut requests[req], &mut out);
+            assert_eq!(out, std::mem::take(&mut oracle[req]));
+            assert_eq!(requests[req].logged_len(), 0);
+        }
+        // At most 400 live tokens per request (drained every fourth round), against
+        // 24,000 tokens logged in all.
+        let live_chunks = REQUESTS * 400 / LOG_ROW;
+        assert!(
+            log.links.len() <= live_chunks + REQUESTS,
+            "{} chunks",
+            log.links.len()
+        );
+        assert_eq!(log.pages.len(), log.links.len().div_ceil(CHUNKS_PER_PAGE));
+    }
+
+    /// More chunks than a page holds: reads cross pages in order.
+    #[test]
+    fn reads_cross_pages_of_the_chunk_store_in_order() {
+        let mut log = TokenLog::default();
+        log.reserve_rows(3);
+        let mut requests: Vec<Request> = (0..3)
+            .map(|id| Request::new(id, &[1], 1_000_000, 0, 0))
+            .collect();
+        let mut oracle = vec![Vec::new(); 3];
+        for token in 0..40_000 {
+            for (req, request) in requests.iter_mut().enumerate() {
+                log.push(index(req), request, token * 3 + index(req).cast_signed());
+                oracle[req].push(token * 3 + index(req).cast_signed());
+            }
+        }
+        assert!(log.pages.len() > 3, "{} pages", log.pages.len());
+        for (req, request) in requests.iter_mut().enumerate() {
+            let mut out = vec![1];
+            log.drain_into(index(req), request, &mut out);
+            assert_eq!(out[1..], oracle[req]);
+        }
+    }
+}

@@ -607,6 +607,7 @@ impl Scheduler {
             self.metrics.suspended_tokens += request.computed;
             self.set_state(victim, RequestState::Suspended);
         } else {
+            self.flush_tokens(victim);
             let folded = self.requests[victim as usize].tokens.len() as u64
                 - self.ledger.request(id)?.prompt_len();
             self.ledger.reset_for_recompute(id, folded)?;
@@ -860,6 +861,7 @@ impl Scheduler {
     /// ever resumed.
     fn recompute_instead_of_resume(&mut self, req: RequestIndex) {
         self.release_host_pages(req);
+        self.flush_tokens(req);
         let request = &mut self.requests[req as usize];
         request.computed = 0;
         let (id, known) = (request.id, request.tokens.len() as u64);

@@ -924,6 +924,13 @@ impl Group {
             self.aborting.is_empty(),
             "an abort requested in the step did not finish"
         );
+        // Every live request's tokens (the latest ones gathered from the token log) equal
+        // a plain per-request vector.
+        for (id, known) in &self.known {
+            for s in &self.ranks {
+                assert_eq!(&s.tokens(*id).unwrap(), known, "tokens of {id}");
+            }
+        }
         self.result.steps += 1;
         self.check_host_tier();
         finished[0].clone()
