@@ -321,7 +321,7 @@ pub struct Ledger {
     /// Stack of vacant entries.
     vacant: Vec<EntryIndex>,
     /// Id -> entry; used for lookups only, never iterated.
-    index: FxHashMap<RequestId, EntryIndex>,
+    index: IdIndex,
     /// Per entry, the undo of the decode allocation before the last one, kept only by
     /// [`Ledger::allocate_decode_ahead_at`] (a step planned while the previous one is
     /// pending), so its newest step can be reverted and then the older one too. Apart from
@@ -357,7 +357,7 @@ impl Ledger {
             free,
             requests: Vec::new(),
             vacant: Vec::new(),
-            index: FxHashMap::default(),
+            index: IdIndex::default(),
             older_decode_undo: Vec::new(),
         })
     }
@@ -388,7 +388,7 @@ impl Ledger {
     }
     /// Whether `id` is held.
     pub fn contains(&self, id: RequestId) -> bool {
-        self.index.contains_key(&id)
+        self.index.get(id).is_some()
     }
     /// Whether `n` more superblocks could be handed out now.
     pub fn can_allocate(&self, n: u64) -> bool {
@@ -398,10 +398,7 @@ impl Ledger {
     /// The entry that holds `id`; stable while the request is held. The scheduler keeps
     /// it to skip the id lookup on its per-step decode path.
     pub(crate) fn entry_of(&self, id: RequestId) -> Result<EntryIndex> {
-        self.index
-            .get(&id)
-            .copied()
-            .ok_or(CoreError::UnknownRequest(id))
+        self.index.get(id).ok_or(CoreError::UnknownRequest(id))
     }
 
     /// The holdings of `id`, looked for at `entry` first (a hint: the scheduler's own index
@@ -412,7 +409,7 @@ impl Ledger {
     pub(crate) fn request_hinted(&self, entry: EntryIndex, id: RequestId) -> Result<&RequestKv> {
         match self.requests.get(entry) {
             Some(request) if request.id == id && request.len > 0 => {
-                debug_assert_eq!(self.index.get(&id), Some(&entry));
+                debug_assert_eq!(self.index.get(id), Some(entry));
                 Ok(request)
             }
             _ => self.request(id),
@@ -438,8 +435,8 @@ impl Ledger {
     pub fn holdings(&self) -> Vec<(RequestId, u32)> {
         let mut out: Vec<_> = self
             .index
-            .values()
-            .map(|&entry| (self.requests[entry].id, self.requests[entry].held))
+            .entries()
+            .map(|entry| (self.requests[entry].id, self.requests[entry].held))
             .collect();
         out.sort_unstable();
         out
@@ -628,7 +625,7 @@ impl Ledger {
 
     fn remove_entry(&mut self, entry: EntryIndex) {
         self.shrink_entry(entry, 0);
-        self.index.remove(&self.requests[entry].id);
+        self.index.remove(self.requests[entry].id);
         self.vacate(entry);
     }
 
@@ -637,9 +634,16 @@ impl Ledger {
     fn vacate(&mut self, entry: EntryIndex) {
         self.forget_older_decode_undo(entry);
         let kv = &mut self.requests[entry];
-        // Canonical contents, so equality never depends on what a vacant entry once held.
-        let spill = std::mem::take(&mut kv.spill);
-        *kv = RequestKv::fresh(0, 0, spill);
+        debug_assert!(
+            kv.held == 0 && kv.spill.is_empty() && kv.len == 0,
+            "emptied first"
+        );
+        // Canonical contents, so equality never depends on what a vacant entry once held
+        // (what the cleared flags and `held` mask is never read).
+        kv.id = 0;
+        kv.prompt_len = 0;
+        kv.decode_count = 0;
+        kv.flags = 0;
         self.vacant.push(entry);
     }
 
@@ -703,7 +707,7 @@ impl Ledger {
         // never iterated, so that leaves no trace) and reports what validation finds.
         let mut entries = Vec::with_capacity(ids.len());
         for &id in ids {
-            let Some(entry) = self.index.remove(&id) else {
+            let Some(entry) = self.index.remove(id) else {
                 for (&id, &entry) in ids.iter().zip(&entries) {
                     self.index.insert(id, entry);
                 }
@@ -738,7 +742,7 @@ impl Ledger {
     ) -> Result<Option<u64>> {
         match self.requests.get(entry) {
             Some(request) if request.id == id && !request.is_suspended() => {
-                debug_assert_eq!(self.index.get(&id), Some(&entry));
+                debug_assert_eq!(self.index.get(id), Some(entry));
                 self.allocate_decode_in(entry, step)
             }
             _ => self.allocate_decode(id, step),
@@ -1071,7 +1075,7 @@ impl Ledger {
         let mut h = crate::digest::Fnv64::new();
         h.u64(u64::from(self.capacity));
         h.u32s(&self.free);
-        let mut order: Vec<EntryIndex> = self.index.values().copied().collect();
+        let mut order: Vec<EntryIndex> = self.index.entries().collect();
         order.sort_unstable_by_key(|&i| self.requests[i].id);
         for i in order {
             let r = &self.requests[i];
@@ -1086,6 +1090,99 @@ impl Ledger {
         h.finish()
     }
 }
+
+/// Request id -> ledger entry; looked up, never iterated for a decision (its entries come
+/// out in an order the callers sort away). Ids below a bound that grows with the number of
+/// requests held (the usual small, dense ids) sit in a plain vector, where a lookup is one
+/// load; others in a hash map. Which ids go where depends only on the calls made, and
+/// equality is that of the mappings, whatever their storage.
+#[derive(Debug, Clone, Default)]
+struct IdIndex {
+    /// Entry of id `i` at `i`, or `NO_ENTRY`.
+    dense: Vec<EntryIndex>,
+    /// Ids not in `dense` (also ids that were mapped here before `dense` grew past them).
+    sparse: FxHashMap<RequestId, EntryIndex>,
+    len: usize,
+}
+
+const NO_ENTRY: EntryIndex = EntryIndex::MAX;
+
+impl IdIndex {
+    /// `dense` covers ids below this many per id held (and at least `DENSE_MIN`), so its
+    /// memory stays within a small multiple of the requests held.
+    const DENSE_PER_ID: usize = 4;
+    const DENSE_MIN: usize = 4096;
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    #[inline]
+    fn dense_slot(&self, id: RequestId) -> Option<usize> {
+        usize::try_from(id).ok().filter(|&i| i < self.dense.len())
+    }
+
+    #[inline]
+    fn get(&self, id: RequestId) -> Option<EntryIndex> {
+        if let Some(i) = self.dense_slot(id) {
+            if self.dense[i] != NO_ENTRY {
+                return Some(self.dense[i]);
+            }
+        }
+        if self.sparse.is_empty() {
+            return None;
+        }
+        self.sparse.get(&id).copied()
+    }
+
+    /// Maps `id`, which must not be mapped.
+    fn insert(&mut self, id: RequestId, entry: EntryIndex) {
+        debug_assert!(self.get(id).is_none() && entry != NO_ENTRY);
+        self.len += 1;
+        let bound = (self.len * Self::DENSE_PER_ID).max(Self::DENSE_MIN);
+        match usize::try_from(id) {
+            Ok(i) if i < bound => {
+                if i >= self.dense.len() {
+                    self.dense
+                        .resize((i + 1).next_power_of_two().min(bound), NO_ENTRY);
+                }
+                self.dense[i] = entry;
+            }
+            _ => {
+                self.sparse.insert(id, entry);
+            }
+        }
+    }
+
+    #[inline]
+    fn remove(&mut self, id: RequestId) -> Option<EntryIndex> {
+        let entry = match self.dense_slot(id) {
+            Some(i) if self.dense[i] != NO_ENTRY => std::mem::replace(&mut self.dense[i], NO_ENTRY),
+            _ => self.sparse.remove(&id)?,
+        };
+        self.len -= 1;
+        Some(entry)
+    }
+
+    /// Every mapped entry, in no particular order.
+    fn entries(&self) -> impl Iterator<Item = EntryIndex> + '_ {
+        let dense = self.dense.iter().copied().filter(|&e| e != NO_ENTRY);
+        dense.chain(self.sparse.values().copied())
+    }
+}
+
+impl PartialEq for IdIndex {
+    fn eq(&self, other: &Self) -> bool {
+        let mapped_alike = |a: &Self, b: &Self| {
+            let mut dense = a.dense.iter().enumerate().filter(|(_, &e)| e != NO_ENTRY);
+            dense.all(|(i, &e)| b.get(i as RequestId) == Some(e))
+                && a.sparse.iter().all(|(&id, &e)| b.get(id) == Some(e))
+        };
+        self.len == other.len && mapped_alike(self, other)
+    }
+}
+
+impl Eq for IdIndex {}
 
 /// Makes room for `additional` more entries in `out`, or a clear `InvalidLength` error
 /// (never an allocation abort) for a size that cannot be served.
@@ -1105,4 +1202,99 @@ fn first_repeat(ids: &[RequestId]) -> Option<RequestId> {
     let mut seen = rustc_hash::FxHashSet::default();
     seen.reserve(ids.len());
     ids.iter().copied().find(|&id| !seen.insert(id))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Small, large and huge ids, ids mapped sparse before the dense part grows past them,
+    /// removals from both parts: every lookup agrees with a plain map, and two indexes with
+    /// the same mapping are equal whatever storage their histories left.
+    #[test]
+    fn id_index_maps_like_a_hash_map() {
+        let mut index = IdIndex::default();
+        let mut reference = std::collections::BTreeMap::new();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let ids: Vec<RequestId> = (0..64)
+            .chain([4095, 4096, 5000, 20_000, 1 << 40, u64::MAX, u64::MAX - 1])
+            .chain((0..3000).map(|i| 8000 + i))
+            .collect();
+        for round in 0..40_000usize {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let id = ids[usize::try_from(seed % ids.len() as u64).unwrap()];
+            if let std::collections::btree_map::Entry::Vacant(vacant) = reference.entry(id) {
+                index.insert(id, round);
+                vacant.insert(round);
+            } else if seed & 0x100 == 0 {
+                assert_eq!(index.remove(id), reference.remove(&id));
+            }
+            assert_eq!(index.len(), reference.len());
+            assert_eq!(index.get(id), reference.get(&id).copied());
+        }
+        for &id in &ids {
+            assert_eq!(index.get(id), reference.get(&id).copied(), "id {id}");
+        }
+        let mut entries: Vec<_> = index.entries().collect();
+        entries.sort_unstable();
+        let mut expected: Vec<_> = reference.values().copied().collect();
+        expected.sort_unstable();
+        assert_eq!(entries, expected);
+        // The same mapping built fresh (other storage) is equal; one entry off is not.
+        let mut fresh = IdIndex::default();
+        for (&id, &entry) in &reference {
+            fresh.insert(id, entry);
+        }
+        assert_eq!(index, fresh);
+        let (&id, &entry) = reference.iter().next().unwrap();
+        fresh.remove(id);
+        assert_ne!(index, fresh);
+        fresh.insert(id, entry + 1);
+        assert_ne!(index, fresh);
+    }
+
+    /// The record keeps its table in place up to `INLINE_SUPERBLOCKS` and on the heap past
+    /// it, moving both ways, with the same table and free list as plain vectors would give.
+    #[test]
+    fn tables_move_between_the_record_and_the_heap() {
+        let layout = Layout::new(2, 4).unwrap();
+        let tps = layout.tokens_per_superblock();
+        let mut ledger = Ledger::new(layout, 40).unwrap();
+        ledger.add(7, 1).unwrap();
+        let mut expected_free: Vec<u32> = (0..40).rev().collect();
+        let mut expected_table: Vec<u32> = Vec::new();
+        for superblocks in [1u64, 8, 9, 20, 8, 3, 12, 0, 9] {
+            let held = expected_table.len() as u64;
+            if superblocks >= held {
+                assert!(ledger.grow(7, superblocks * tps).unwrap());
+                for _ in held..superblocks {
+                    expected_table.push(expected_free.pop().unwrap());
+                }
+            } else {
+                ledger.shrink(7, superblocks * tps).unwrap();
+                while expected_table.len() as u64 > superblocks {
+                    expected_free.push(expected_table.pop().unwrap());
+                }
+            }
+            assert_eq!(ledger.request(7).unwrap().table(), expected_table);
+            assert_eq!(ledger.free_superblocks() as usize, expected_free.len());
+        }
+        ledger.free(7).unwrap();
+        let mut fresh = Ledger::new(layout, 40).unwrap();
+        // Same free list order as the same calls on a fresh ledger.
+        for superblocks in [1u64, 8, 9, 20, 8, 3, 12, 0, 9] {
+            fresh.add(7, 1).ok();
+            let len = fresh.request(7).unwrap().len();
+            if superblocks * tps >= len {
+                assert!(fresh.grow(7, superblocks * tps).unwrap());
+            } else {
+                fresh.shrink(7, superblocks * tps).unwrap();
+            }
+        }
+        fresh.free(7).unwrap();
+        assert_eq!(ledger, fresh);
+        assert_eq!(ledger.state_digest(), fresh.state_digest());
+    }
 }
