@@ -417,12 +417,16 @@ impl Scheduler {
             out.generation_input_tokens.push(request.last_token);
         }
         out.generation_batch_slots.push(slot);
-        let rank = self.config.cp_rank;
-        let placed = self.placement.decode(position, rank);
-        out.generation_owner_ranks.push(placed.owner);
-        out.generation_active.push(placed.owner == rank);
-        out.generation_past_seen_lens.push(placed.past_seen_len);
-        out.generation_local_lens.push(placed.local_len);
+        if !AHEAD {
+            // A plain step's entries are placed as they are made (most in `decode_run`);
+            // a step planned ahead places all of them in one pass (`finish_step`).
+            let rank = self.config.cp_rank;
+            let placed = self.placement.decode(position, rank);
+            out.generation_owner_ranks.push(placed.owner);
+            out.generation_active.push(placed.owner == rank);
+            out.generation_past_seen_lens.push(placed.past_seen_len);
+            out.generation_local_lens.push(placed.local_len);
+        }
         self.generation_reqs.push(req);
         self.journal.push(JournalEntry::Decode(req));
         self.step_tokens += 1;
@@ -826,6 +830,11 @@ impl Scheduler {
         // A plain step's inputs are all known: its refs are filled in one go.
         let entries = self.building.generation_ids.len();
         self.building.generation_input_refs.resize(entries, -1);
+        if self.building.generation_owner_ranks.len() != entries {
+            // Planned ahead: no entry is placed yet.
+            debug_assert!(self.building.generation_owner_ranks.is_empty());
+            self.place_all_generation_entries();
+        }
         let out = &mut self.building;
         out.sample_ids.extend_from_slice(&out.generation_ids);
         let completing = out.context_ids.iter().zip(&out.context_completes);
@@ -862,6 +871,8 @@ impl Scheduler {
         let out = &mut self.building;
         // Only a step planned ahead has its refs yet (a plain one fills them in after).
         let refs = !out.generation_input_refs.is_empty();
+        // Only a plain step's entries are placed yet (one planned ahead is placed after).
+        let placed = !out.generation_owner_ranks.is_empty();
         let mut kept = 0;
         for i in 0..self.generation_reqs.len() {
             let req = self.generation_reqs[i];
@@ -876,10 +887,12 @@ impl Scheduler {
                 out.generation_input_refs[kept] = out.generation_input_refs[i];
             }
             out.generation_batch_slots[kept] = out.generation_batch_slots[i];
-            out.generation_owner_ranks[kept] = out.generation_owner_ranks[i];
-            out.generation_active[kept] = out.generation_active[i];
-            out.generation_past_seen_lens[kept] = out.generation_past_seen_lens[i];
-            out.generation_local_lens[kept] = out.generation_local_lens[i];
+            if placed {
+                out.generation_owner_ranks[kept] = out.generation_owner_ranks[i];
+                out.generation_active[kept] = out.generation_active[i];
+                out.generation_past_seen_lens[kept] = out.generation_past_seen_lens[i];
+                out.generation_local_lens[kept] = out.generation_local_lens[i];
+            }
             kept += 1;
         }
         self.generation_reqs.truncate(kept);
@@ -894,6 +907,23 @@ impl Scheduler {
         out.generation_active.truncate(kept);
         out.generation_past_seen_lens.truncate(kept);
         out.generation_local_lens.truncate(kept);
+    }
+
+    /// Owner ranks and this rank's lengths for every generation entry of a step planned
+    /// ahead, one plain pass per array over the positions.
+    fn place_all_generation_entries(&mut self) {
+        let (placement, rank) = (self.placement, self.config.cp_rank);
+        let out = &mut self.building;
+        let positions = &out.generation_positions;
+        let placed = |&position: &u64| placement.decode(position, rank);
+        out.generation_owner_ranks
+            .extend(positions.iter().map(|p| placed(p).owner));
+        out.generation_active
+            .extend(positions.iter().map(|p| placed(p).owner == rank));
+        out.generation_past_seen_lens
+            .extend(positions.iter().map(|p| placed(p).past_seen_len));
+        out.generation_local_lens
+            .extend(positions.iter().map(|p| placed(p).local_len));
     }
 
     /// Undoes the step's reservations (newest first), resumes, new batch slots and
