@@ -37,31 +37,123 @@ pub(crate) fn superblock_count(len: usize) -> u32 {
 /// for other things.)
 pub(crate) type EntryIndex = usize;
 
+/// Superblocks a [`RequestKv`] holds in its own record before its table moves to the heap:
+/// the first ones a request takes cost no allocation and no cache line beyond the record's.
+const INLINE_SUPERBLOCKS: usize = 8;
+
+/// Flag bits of [`RequestKv::flags`].
+const HAS_DECODE_STEP: u8 = 1;
+const HAS_UNDO: u8 = 1 << 1;
+const UNDO_HAS_STEP: u8 = 1 << 2;
+/// The undone allocation grew the length by one token (else it kept it).
+const UNDO_GREW: u8 = 1 << 3;
+const SUSPENDED: u8 = 1 << 4;
+
 /// One request's KV holdings and the counters that decide where its tokens go.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// Two cache lines (`repr(C)`, in declaration order): the first holds everything a decode
+/// allocation reads and writes (ids, lengths, counters, the undo of the last decode and
+/// the table's length), so the per-step decode path touches one line per request; the
+/// second holds the page table (its first superblocks in place, the rest on the heap) and
+/// the length kept while suspended.
+#[derive(Clone)]
+#[repr(C, align(64))]
 pub struct RequestKv {
     id: RequestId,
-    table: Vec<SuperblockId>,
     len: u64,
     prompt_len: u64,
     decode_count: u64,
-    decode_step: Option<u64>,
-    /// What the last decode allocation replaced, so `revert_decode` is an exact undo
-    /// (a reservation longer than the decode token, e.g. a whole-output admission,
-    /// survives it, and the step marker returns to its previous value).
-    decode_undo: Option<DecodeUndo>,
-    /// Length to restore on resume while the KV sits in a lower (host) tier.
-    suspended_len: Option<u64>,
+    /// The step of the last decode allocation, if `flags` has `HAS_DECODE_STEP`.
+    decode_step: u64,
+    /// What the last decode allocation replaced, so `revert_decode` is an exact undo (a
+    /// reservation longer than the decode token, e.g. a whole-output admission, survives
+    /// it, and the step marker returns to its previous value); present with `HAS_UNDO`.
+    /// The step it replaced (with `UNDO_HAS_STEP`), and the length right after it: the
+    /// length before is one less with `UNDO_GREW`, the same without (an allocation grows
+    /// the length by at most its one token).
+    undo_step: u64,
+    undo_len_after: u64,
+    /// Superblocks held: the table's length.
+    held: u32,
+    flags: u8,
+    /// The table while it holds at most `INLINE_SUPERBLOCKS` superblocks; stale past `held`.
+    inline: [SuperblockId; INLINE_SUPERBLOCKS],
+    /// The table once it holds more (empty, capacity kept, otherwise).
+    spill: Vec<SuperblockId>,
+    /// Length to restore on resume while the KV sits in a lower (host) tier (`SUSPENDED`).
+    suspended_len: u64,
+}
+
+// The decode path's fields share the first line; the table and the suspended length the second.
+const _: () = assert!(std::mem::offset_of!(RequestKv, flags) < 64);
+const _: () = assert!(std::mem::offset_of!(RequestKv, inline) == 64);
+const _: () = assert!(std::mem::size_of::<RequestKv>() == 128);
+
+impl PartialEq for RequestKv {
+    /// Equal holdings and counters (whatever stale values the unused storage keeps).
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+            && self.len == other.len
+            && self.prompt_len == other.prompt_len
+            && self.decode_count == other.decode_count
+            && self.decode_step() == other.decode_step()
+            && self.decode_undo() == other.decode_undo()
+            && self.suspended_len() == other.suspended_len()
+            && self.table() == other.table()
+    }
+}
+
+impl Eq for RequestKv {}
+
+/// The holdings and counters as [`PartialEq`] compares them (not the storage behind them).
+impl std::fmt::Debug for RequestKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestKv")
+            .field("id", &self.id)
+            .field("table", &self.table())
+            .field("len", &self.len)
+            .field("prompt_len", &self.prompt_len)
+            .field("decode_count", &self.decode_count)
+            .field("decode_step", &self.decode_step())
+            .field("decode_undo", &self.decode_undo())
+            .field("suspended_len", &self.suspended_len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl RequestKv {
+    /// A record holding nothing: `id` with a prompt of `prompt_len` tokens, its table
+    /// storage taken from `spill` (emptied, capacity kept).
+    fn fresh(id: RequestId, prompt_len: u64, mut spill: Vec<SuperblockId>) -> Self {
+        spill.clear();
+        Self {
+            id,
+            len: 0,
+            prompt_len,
+            decode_count: 0,
+            decode_step: 0,
+            undo_step: 0,
+            undo_len_after: 0,
+            held: 0,
+            flags: 0,
+            inline: [0; INLINE_SUPERBLOCKS],
+            spill,
+            suspended_len: 0,
+        }
+    }
+
     /// The request's id.
     pub fn id(&self) -> RequestId {
         self.id
     }
     /// Superblock ids held, in sequence order (also the page ids on every rank).
     pub fn table(&self) -> &[SuperblockId] {
-        &self.table
+        let held = self.held as usize;
+        if held <= INLINE_SUPERBLOCKS {
+            &self.inline[..held]
+        } else {
+            &self.spill
+        }
     }
     /// Global tokens reserved.
     pub fn len(&self) -> u64 {
@@ -81,15 +173,95 @@ impl RequestKv {
     }
     /// Whether the KV is suspended to a lower tier (holds no superblocks meanwhile).
     pub fn is_suspended(&self) -> bool {
-        self.suspended_len.is_some()
+        self.flags & SUSPENDED != 0
     }
     /// Global tokens to restore on resume, if suspended.
     pub fn suspended_len(&self) -> Option<u64> {
-        self.suspended_len
+        self.is_suspended().then_some(self.suspended_len)
     }
     /// Global position the next decode allocation will take.
     pub fn next_decode_position(&self) -> u64 {
         self.prompt_len + self.decode_count
+    }
+
+    fn decode_step(&self) -> Option<u64> {
+        (self.flags & HAS_DECODE_STEP != 0).then_some(self.decode_step)
+    }
+    fn set_decode_step(&mut self, step: Option<u64>) {
+        match step {
+            Some(step) => {
+                self.decode_step = step;
+                self.flags |= HAS_DECODE_STEP;
+            }
+            None => self.flags &= !HAS_DECODE_STEP,
+        }
+    }
+    fn decode_undo(&self) -> Option<DecodeUndo> {
+        (self.flags & HAS_UNDO != 0).then(|| DecodeUndo {
+            step: (self.flags & UNDO_HAS_STEP != 0).then_some(self.undo_step),
+            len: self.undo_len_after - u64::from(self.flags & UNDO_GREW != 0),
+            len_after: self.undo_len_after,
+        })
+    }
+    fn set_decode_undo(&mut self, undo: Option<DecodeUndo>) {
+        self.flags &= !(HAS_UNDO | UNDO_HAS_STEP | UNDO_GREW);
+        if let Some(undo) = undo {
+            debug_assert!(undo.len_after - undo.len <= 1);
+            self.flags |= HAS_UNDO;
+            if let Some(step) = undo.step {
+                self.undo_step = step;
+                self.flags |= UNDO_HAS_STEP;
+            }
+            if undo.len_after != undo.len {
+                self.flags |= UNDO_GREW;
+            }
+            self.undo_len_after = undo.len_after;
+        }
+    }
+    fn set_suspended_len(&mut self, len: Option<u64>) {
+        match len {
+            Some(len) => {
+                self.suspended_len = len;
+                self.flags |= SUSPENDED;
+            }
+            None => self.flags &= !SUSPENDED,
+        }
+    }
+
+    /// Appends `pages` to the table (at most the pool's capacity in all).
+    #[inline]
+    fn push_pages(&mut self, pages: impl ExactSizeIterator<Item = SuperblockId>) {
+        let held = self.held as usize;
+        let new_held = held + pages.len();
+        if new_held <= INLINE_SUPERBLOCKS {
+            for (slot, page) in self.inline[held..new_held].iter_mut().zip(pages) {
+                *slot = page;
+            }
+        } else {
+            if held <= INLINE_SUPERBLOCKS {
+                // Moving to the heap: the table there starts with what is held in place.
+                self.spill.clear();
+                self.spill.extend_from_slice(&self.inline[..held]);
+            }
+            self.spill.extend(pages);
+        }
+        self.held = superblock_count(new_held);
+    }
+
+    /// Drops the table past its first `keep` superblocks (`keep <= held`).
+    #[inline]
+    fn truncate_pages(&mut self, keep: usize) {
+        let held = self.held as usize;
+        debug_assert!(keep <= held);
+        if held > INLINE_SUPERBLOCKS {
+            if keep <= INLINE_SUPERBLOCKS {
+                self.inline[..keep].copy_from_slice(&self.spill[..keep]);
+                self.spill.clear();
+            } else {
+                self.spill.truncate(keep);
+            }
+        }
+        self.held = superblock_count(keep);
     }
 }
 
@@ -149,7 +321,7 @@ pub struct Ledger {
     /// Stack of vacant entries.
     vacant: Vec<EntryIndex>,
     /// Id -> entry; used for lookups only, never iterated.
-    index: FxHashMap<RequestId, EntryIndex>,
+    index: IdIndex,
     /// Per entry, the undo of the decode allocation before the last one, kept only by
     /// [`Ledger::allocate_decode_ahead_at`] (a step planned while the previous one is
     /// pending), so its newest step can be reverted and then the older one too. Apart from
@@ -185,7 +357,7 @@ impl Ledger {
             free,
             requests: Vec::new(),
             vacant: Vec::new(),
-            index: FxHashMap::default(),
+            index: IdIndex::default(),
             older_decode_undo: Vec::new(),
         })
     }
@@ -216,7 +388,7 @@ impl Ledger {
     }
     /// Whether `id` is held.
     pub fn contains(&self, id: RequestId) -> bool {
-        self.index.contains_key(&id)
+        self.index.get(id).is_some()
     }
     /// Whether `n` more superblocks could be handed out now.
     pub fn can_allocate(&self, n: u64) -> bool {
@@ -226,10 +398,7 @@ impl Ledger {
     /// The entry that holds `id`; stable while the request is held. The scheduler keeps
     /// it to skip the id lookup on its per-step decode path.
     pub(crate) fn entry_of(&self, id: RequestId) -> Result<EntryIndex> {
-        self.index
-            .get(&id)
-            .copied()
-            .ok_or(CoreError::UnknownRequest(id))
+        self.index.get(id).ok_or(CoreError::UnknownRequest(id))
     }
 
     /// The holdings of `id`, looked for at `entry` first (a hint: the scheduler's own index
@@ -240,7 +409,7 @@ impl Ledger {
     pub(crate) fn request_hinted(&self, entry: EntryIndex, id: RequestId) -> Result<&RequestKv> {
         match self.requests.get(entry) {
             Some(request) if request.id == id && request.len > 0 => {
-                debug_assert_eq!(self.index.get(&id), Some(&entry));
+                debug_assert_eq!(self.index.get(id), Some(entry));
                 Ok(request)
             }
             _ => self.request(id),
@@ -266,13 +435,8 @@ impl Ledger {
     pub fn holdings(&self) -> Vec<(RequestId, u32)> {
         let mut out: Vec<_> = self
             .index
-            .values()
-            .map(|&entry| {
-                (
-                    self.requests[entry].id,
-                    superblock_count(self.requests[entry].table.len()),
-                )
-            })
+            .entries()
+            .map(|entry| (self.requests[entry].id, self.requests[entry].held))
             .collect();
         out.sort_unstable();
         out
@@ -311,23 +475,15 @@ impl Ledger {
 
     /// Inserts a request whose id and length were validated.
     fn insert_checked(&mut self, id: RequestId, prompt_len: u64) {
-        let fresh = RequestKv {
-            id,
-            table: Vec::new(),
-            len: 0,
-            prompt_len,
-            decode_count: 0,
-            decode_step: None,
-            decode_undo: None,
-            suspended_len: None,
-        };
         let entry = if let Some(entry) = self.vacant.pop() {
             let kv = &mut self.requests[entry];
-            let table = std::mem::take(&mut kv.table);
-            *kv = RequestKv { table, ..fresh };
+            // A vacant entry is canonical (see `vacate`) but for its id and prompt.
+            kv.id = id;
+            kv.prompt_len = prompt_len;
             entry
         } else {
-            self.requests.push(fresh);
+            self.requests
+                .push(RequestKv::fresh(id, prompt_len, Vec::new()));
             self.requests.len() - 1
         };
         self.index.insert(id, entry);
@@ -398,7 +554,7 @@ impl Ledger {
         let request = &mut self.requests[entry];
         // Most grows (every decode token but one per superblock) stay inside the last
         // superblock: settle those with a multiply instead of a division.
-        if new_len <= request.table.len() as u64 * self.layout.tokens_per_superblock() {
+        if new_len <= u64::from(request.held) * self.layout.tokens_per_superblock() {
             request.len = new_len;
             return true;
         }
@@ -407,7 +563,7 @@ impl Ledger {
             reason = "`new_len` is within the pool (checked by the caller), so this is at most its capacity, a u32"
         )]
         let needed = self.layout.superblocks_for(new_len) as usize;
-        let extra = needed.saturating_sub(request.table.len());
+        let extra = needed.saturating_sub(request.held as usize);
         if extra > self.free.len() {
             return false;
         }
@@ -415,9 +571,9 @@ impl Ledger {
         // The top of the stack, last first (a slice copy: no drain machinery); one
         // superblock, the usual grow, is a plain move.
         if extra == 1 {
-            request.table.push(self.free[split]);
+            request.push_pages(std::iter::once(self.free[split]));
         } else {
-            request.table.extend(self.free[split..].iter().rev());
+            request.push_pages(self.free[split..].iter().rev().copied());
         }
         self.free.truncate(split);
         request.len = new_len;
@@ -443,13 +599,13 @@ impl Ledger {
             self.layout.superblocks_for(new_len) as usize
         };
         let request = &mut self.requests[entry];
-        if let Some(released) = request.table.get(keep..) {
+        if let Some(released) = request.table().get(keep..) {
             if let [only] = released {
                 self.free.push(*only);
             } else {
                 self.free.extend(released.iter().rev());
             }
-            request.table.truncate(keep);
+            request.truncate_pages(keep);
         }
         request.len = new_len;
     }
@@ -469,7 +625,7 @@ impl Ledger {
 
     fn remove_entry(&mut self, entry: EntryIndex) {
         self.shrink_entry(entry, 0);
-        self.index.remove(&self.requests[entry].id);
+        self.index.remove(self.requests[entry].id);
         self.vacate(entry);
     }
 
@@ -478,19 +634,16 @@ impl Ledger {
     fn vacate(&mut self, entry: EntryIndex) {
         self.forget_older_decode_undo(entry);
         let kv = &mut self.requests[entry];
-        let mut table = std::mem::take(&mut kv.table);
-        table.clear();
-        // Canonical contents, so equality never depends on what a vacant entry once held.
-        *kv = RequestKv {
-            id: 0,
-            table,
-            len: 0,
-            prompt_len: 0,
-            decode_count: 0,
-            decode_step: None,
-            decode_undo: None,
-            suspended_len: None,
-        };
+        debug_assert!(
+            kv.held == 0 && kv.spill.is_empty() && kv.len == 0,
+            "emptied first"
+        );
+        // Canonical contents, so equality never depends on what a vacant entry once held
+        // (what the cleared flags and `held` mask is never read).
+        kv.id = 0;
+        kv.prompt_len = 0;
+        kv.decode_count = 0;
+        kv.flags = 0;
         self.vacant.push(entry);
     }
 
@@ -554,7 +707,7 @@ impl Ledger {
         // never iterated, so that leaves no trace) and reports what validation finds.
         let mut entries = Vec::with_capacity(ids.len());
         for &id in ids {
-            let Some(entry) = self.index.remove(&id) else {
+            let Some(entry) = self.index.remove(id) else {
                 for (&id, &entry) in ids.iter().zip(&entries) {
                     self.index.insert(id, entry);
                 }
@@ -589,7 +742,7 @@ impl Ledger {
     ) -> Result<Option<u64>> {
         match self.requests.get(entry) {
             Some(request) if request.id == id && !request.is_suspended() => {
-                debug_assert_eq!(self.index.get(&id), Some(&entry));
+                debug_assert_eq!(self.index.get(id), Some(entry));
                 self.allocate_decode_in(entry, step)
             }
             _ => self.allocate_decode(id, step),
@@ -609,13 +762,13 @@ impl Ledger {
             Some(request) if request.id == id => entry,
             _ => self.active_entry_of(id)?,
         };
-        let undo = self.requests[entry].decode_undo;
+        let undo = self.requests[entry].decode_undo();
         let position = self.allocate_decode_in(entry, step)?;
-        if position.is_some() && self.requests[entry].decode_step == Some(step) {
+        if position.is_some() && self.requests[entry].decode_step() == Some(step) {
             if self.older_decode_undo.len() <= entry {
                 self.older_decode_undo.resize(entry + 1, None);
             }
-            if self.requests[entry].decode_undo != undo {
+            if self.requests[entry].decode_undo() != undo {
                 self.older_decode_undo[entry] = undo;
             }
         }
@@ -628,10 +781,58 @@ impl Ledger {
         }
     }
 
+    /// The common decode allocation of the per-step path, all in the entry's first line:
+    /// `entry` holds `id`, active, not yet allocated in `step`, with its prompt reserved and
+    /// room for the token in the superblocks it holds. Then it is
+    /// [`Ledger::allocate_decode_at`] exactly (same position, same state after); otherwise
+    /// it returns `None` and changes nothing, and the caller takes the general path.
+    #[expect(
+        clippy::inline_always,
+        reason = "the per-request body of the scheduler's decode loop"
+    )]
+    #[inline(always)]
+    pub(crate) fn try_allocate_decode_in_place(
+        &mut self,
+        entry: EntryIndex,
+        id: RequestId,
+        step: u64,
+    ) -> Option<u64> {
+        let tokens_per_superblock = self.layout.tokens_per_superblock();
+        let request = self.requests.get_mut(entry)?;
+        let stepped = request.flags & HAS_DECODE_STEP != 0 && request.decode_step == step;
+        if request.id != id || request.flags & SUSPENDED != 0 || stepped {
+            return None;
+        }
+        let pos = request.prompt_len + request.decode_count;
+        let len_before = request.len;
+        if len_before < pos {
+            return None;
+        }
+        let new_len = len_before.max(pos + 1);
+        if new_len > u64::from(request.held) * tokens_per_superblock {
+            return None;
+        }
+        // `set_decode_undo` and `set_decode_step` in one write of the flags.
+        let mut flags = (request.flags & !(UNDO_HAS_STEP | UNDO_GREW)) | HAS_UNDO | HAS_DECODE_STEP;
+        if request.flags & HAS_DECODE_STEP != 0 {
+            flags |= UNDO_HAS_STEP;
+        }
+        if new_len != len_before {
+            flags |= UNDO_GREW;
+        }
+        request.undo_step = request.decode_step;
+        request.undo_len_after = new_len;
+        request.flags = flags;
+        request.len = new_len;
+        request.decode_count += 1;
+        request.decode_step = step;
+        Some(pos)
+    }
+
     fn allocate_decode_in(&mut self, entry: EntryIndex, step: u64) -> Result<Option<u64>> {
         let request = &self.requests[entry];
         let id = request.id;
-        if request.decode_step == Some(step) {
+        if request.decode_step() == Some(step) {
             let pos = request.next_decode_position() - 1;
             if pos >= request.len {
                 // A shrink since the allocation gave the token back: the retry cannot
@@ -653,7 +854,7 @@ impl Ledger {
         let new_len = len_before.max(pos + 1);
         // The common case, every decode token but one per superblock: the token fits
         // the superblocks already held (so also the pool), nothing to hand out.
-        let held_tokens = request.table.len() as u64 * self.layout.tokens_per_superblock();
+        let held_tokens = u64::from(request.held) * self.layout.tokens_per_superblock();
         if new_len > held_tokens {
             self.check_len(pos + 1)?;
             if !self.grow_entry(entry, new_len) {
@@ -662,13 +863,13 @@ impl Ledger {
         }
         let request = &mut self.requests[entry];
         request.len = new_len;
-        request.decode_undo = Some(DecodeUndo {
-            step: request.decode_step,
+        request.set_decode_undo(Some(DecodeUndo {
+            step: request.decode_step(),
             len: len_before,
             len_after: new_len,
-        });
+        }));
         request.decode_count += 1;
-        request.decode_step = Some(step);
+        request.set_decode_step(Some(step));
         Ok(Some(pos))
     }
 
@@ -684,15 +885,15 @@ impl Ledger {
     pub fn revert_decode(&mut self, id: RequestId, step: u64) -> Result<bool> {
         let entry = self.active_entry_of(id)?;
         let request = &mut self.requests[entry];
-        if request.decode_step != Some(step) {
+        if request.decode_step() != Some(step) {
             return Ok(false);
         }
-        let Some(undo) = request.decode_undo.take() else {
+        let Some(undo) = request.decode_undo() else {
             return Ok(false);
         };
         request.decode_count -= 1;
-        request.decode_step = undo.step;
-        request.decode_undo = self.older_decode_undo.get_mut(entry).and_then(Option::take);
+        request.set_decode_step(undo.step);
+        request.set_decode_undo(self.older_decode_undo.get_mut(entry).and_then(Option::take));
         if request.len == undo.len_after {
             // `undo.len <= undo.len_after`: this only ever shrinks.
             self.shrink_entry(entry, undo.len);
@@ -719,9 +920,9 @@ impl Ledger {
         let request = &mut self.requests[entry];
         request.prompt_len = new_prompt;
         request.decode_count = 0;
-        request.decode_step = None;
-        request.decode_undo = None;
-        request.suspended_len = None;
+        request.set_decode_step(None);
+        request.set_decode_undo(None);
+        request.set_suspended_len(None);
         self.forget_older_decode_undo(entry);
         Ok(())
     }
@@ -731,12 +932,12 @@ impl Ledger {
     pub fn suspend(&mut self, id: RequestId) -> Result<u32> {
         let entry = self.active_entry_of(id)?;
         let request = &self.requests[entry];
-        let (len, held) = (request.len, superblock_count(request.table.len()));
+        let (len, held) = (request.len, request.held);
         self.shrink_entry(entry, 0);
         let request = &mut self.requests[entry];
-        request.suspended_len = Some(len);
-        request.decode_step = None;
-        request.decode_undo = None;
+        request.set_suspended_len(Some(len));
+        request.set_decode_step(None);
+        request.set_decode_undo(None);
         self.forget_older_decode_undo(entry);
         Ok(held)
     }
@@ -745,7 +946,7 @@ impl Ledger {
     /// suspended) if the pool is short.
     pub fn resume(&mut self, id: RequestId) -> Result<bool> {
         let entry = self.entry_of(id)?;
-        let Some(len) = self.requests[entry].suspended_len else {
+        let Some(len) = self.requests[entry].suspended_len() else {
             return Err(CoreError::InvalidState(format!(
                 "request {id} is not suspended"
             )));
@@ -753,7 +954,7 @@ impl Ledger {
         if !self.grow_entry(entry, len) {
             return Ok(false);
         }
-        self.requests[entry].suspended_len = None;
+        self.requests[entry].set_suspended_len(None);
         Ok(true)
     }
 
@@ -776,7 +977,7 @@ impl Ledger {
     /// Widest table among `ids`.
     pub fn max_table_len(&self, ids: &[RequestId]) -> Result<usize> {
         ids.iter()
-            .try_fold(0, |acc, &id| Ok(acc.max(self.request(id)?.table.len())))
+            .try_fold(0, |acc, &id| Ok(acc.max(self.request(id)?.held as usize)))
     }
 
     /// Fills `out` (row-major, `ids.len() x width`) with the page tables of `ids`, padded
@@ -795,7 +996,7 @@ impl Ledger {
             .collect::<Result<Vec<_>>>()?;
         for (i, entry) in entries.into_iter().enumerate() {
             let row = &mut out[i * width..(i + 1) * width];
-            let table = &self.requests[entry].table;
+            let table = self.requests[entry].table();
             if table.len() > width {
                 return Err(CoreError::InvalidArgument(format!(
                     "request {} holds {} superblocks, wider than the {width} columns asked for",
@@ -849,7 +1050,7 @@ impl Ledger {
         let layout = self.layout;
         let tpb = u64::from(layout.tokens_per_block());
         for ((entry, &start), &count) in entries.into_iter().zip(starts).zip(counts) {
-            let table = &self.requests[entry].table;
+            let table = self.requests[entry].table();
             #[expect(
                 clippy::cast_possible_truncation,
                 clippy::cast_possible_wrap,
@@ -874,7 +1075,7 @@ impl Ledger {
         let mut h = crate::digest::Fnv64::new();
         h.u64(u64::from(self.capacity));
         h.u32s(&self.free);
-        let mut order: Vec<EntryIndex> = self.index.values().copied().collect();
+        let mut order: Vec<EntryIndex> = self.index.entries().collect();
         order.sort_unstable_by_key(|&i| self.requests[i].id);
         for i in order {
             let r = &self.requests[i];
@@ -882,13 +1083,106 @@ impl Ledger {
             h.u64(r.len);
             h.u64(r.prompt_len);
             h.u64(r.decode_count);
-            h.u64(r.decode_step.map_or(u64::MAX, |s| s));
-            h.u64(r.suspended_len.map_or(u64::MAX, |s| s));
-            h.u32s(&r.table);
+            h.u64(r.decode_step().map_or(u64::MAX, |s| s));
+            h.u64(r.suspended_len().map_or(u64::MAX, |s| s));
+            h.u32s(r.table());
         }
         h.finish()
     }
 }
+
+/// Request id -> ledger entry; looked up, never iterated for a decision (its entries come
+/// out in an order the callers sort away). Ids below a bound that grows with the number of
+/// requests held (the usual small, dense ids) sit in a plain vector, where a lookup is one
+/// load; others in a hash map. Which ids go where depends only on the calls made, and
+/// equality is that of the mappings, whatever their storage.
+#[derive(Debug, Clone, Default)]
+struct IdIndex {
+    /// Entry of id `i` at `i`, or `NO_ENTRY`.
+    dense: Vec<EntryIndex>,
+    /// Ids not in `dense` (also ids that were mapped here before `dense` grew past them).
+    sparse: FxHashMap<RequestId, EntryIndex>,
+    len: usize,
+}
+
+const NO_ENTRY: EntryIndex = EntryIndex::MAX;
+
+impl IdIndex {
+    /// `dense` covers ids below this many per id held (and at least `DENSE_MIN`), so its
+    /// memory stays within a small multiple of the requests held.
+    const DENSE_PER_ID: usize = 4;
+    const DENSE_MIN: usize = 4096;
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    #[inline]
+    fn dense_slot(&self, id: RequestId) -> Option<usize> {
+        usize::try_from(id).ok().filter(|&i| i < self.dense.len())
+    }
+
+    #[inline]
+    fn get(&self, id: RequestId) -> Option<EntryIndex> {
+        if let Some(i) = self.dense_slot(id) {
+            if self.dense[i] != NO_ENTRY {
+                return Some(self.dense[i]);
+            }
+        }
+        if self.sparse.is_empty() {
+            return None;
+        }
+        self.sparse.get(&id).copied()
+    }
+
+    /// Maps `id`, which must not be mapped.
+    fn insert(&mut self, id: RequestId, entry: EntryIndex) {
+        debug_assert!(self.get(id).is_none() && entry != NO_ENTRY);
+        self.len += 1;
+        let bound = (self.len * Self::DENSE_PER_ID).max(Self::DENSE_MIN);
+        match usize::try_from(id) {
+            Ok(i) if i < bound => {
+                if i >= self.dense.len() {
+                    self.dense
+                        .resize((i + 1).next_power_of_two().min(bound), NO_ENTRY);
+                }
+                self.dense[i] = entry;
+            }
+            _ => {
+                self.sparse.insert(id, entry);
+            }
+        }
+    }
+
+    #[inline]
+    fn remove(&mut self, id: RequestId) -> Option<EntryIndex> {
+        let entry = match self.dense_slot(id) {
+            Some(i) if self.dense[i] != NO_ENTRY => std::mem::replace(&mut self.dense[i], NO_ENTRY),
+            _ => self.sparse.remove(&id)?,
+        };
+        self.len -= 1;
+        Some(entry)
+    }
+
+    /// Every mapped entry, in no particular order.
+    fn entries(&self) -> impl Iterator<Item = EntryIndex> + '_ {
+        let dense = self.dense.iter().copied().filter(|&e| e != NO_ENTRY);
+        dense.chain(self.sparse.values().copied())
+    }
+}
+
+impl PartialEq for IdIndex {
+    fn eq(&self, other: &Self) -> bool {
+        let mapped_alike = |a: &Self, b: &Self| {
+            let mut dense = a.dense.iter().enumerate().filter(|(_, &e)| e != NO_ENTRY);
+            dense.all(|(i, &e)| b.get(i as RequestId) == Some(e))
+                && a.sparse.iter().all(|(&id, &e)| b.get(id) == Some(e))
+        };
+        self.len == other.len && mapped_alike(self, other)
+    }
+}
+
+impl Eq for IdIndex {}
 
 /// Makes room for `additional` more entries in `out`, or a clear `InvalidLength` error
 /// (never an allocation abort) for a size that cannot be served.
@@ -908,4 +1202,99 @@ fn first_repeat(ids: &[RequestId]) -> Option<RequestId> {
     let mut seen = rustc_hash::FxHashSet::default();
     seen.reserve(ids.len());
     ids.iter().copied().find(|&id| !seen.insert(id))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Small, large and huge ids, ids mapped sparse before the dense part grows past them,
+    /// removals from both parts: every lookup agrees with a plain map, and two indexes with
+    /// the same mapping are equal whatever storage their histories left.
+    #[test]
+    fn id_index_maps_like_a_hash_map() {
+        let mut index = IdIndex::default();
+        let mut reference = std::collections::BTreeMap::new();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let ids: Vec<RequestId> = (0..64)
+            .chain([4095, 4096, 5000, 20_000, 1 << 40, u64::MAX, u64::MAX - 1])
+            .chain((0..3000).map(|i| 8000 + i))
+            .collect();
+        for round in 0..40_000usize {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let id = ids[usize::try_from(seed % ids.len() as u64).unwrap()];
+            if let std::collections::btree_map::Entry::Vacant(vacant) = reference.entry(id) {
+                index.insert(id, round);
+                vacant.insert(round);
+            } else if seed & 0x100 == 0 {
+                assert_eq!(index.remove(id), reference.remove(&id));
+            }
+            assert_eq!(index.len(), reference.len());
+            assert_eq!(index.get(id), reference.get(&id).copied());
+        }
+        for &id in &ids {
+            assert_eq!(index.get(id), reference.get(&id).copied(), "id {id}");
+        }
+        let mut entries: Vec<_> = index.entries().collect();
+        entries.sort_unstable();
+        let mut expected: Vec<_> = reference.values().copied().collect();
+        expected.sort_unstable();
+        assert_eq!(entries, expected);
+        // The same mapping built fresh (other storage) is equal; one entry off is not.
+        let mut fresh = IdIndex::default();
+        for (&id, &entry) in &reference {
+            fresh.insert(id, entry);
+        }
+        assert_eq!(index, fresh);
+        let (&id, &entry) = reference.iter().next().unwrap();
+        fresh.remove(id);
+        assert_ne!(index, fresh);
+        fresh.insert(id, entry + 1);
+        assert_ne!(index, fresh);
+    }
+
+    /// The record keeps its table in place up to `INLINE_SUPERBLOCKS` and on the heap past
+    /// it, moving both ways, with the same table and free list as plain vectors would give.
+    #[test]
+    fn tables_move_between_the_record_and_the_heap() {
+        let layout = Layout::new(2, 4).unwrap();
+        let tps = layout.tokens_per_superblock();
+        let mut ledger = Ledger::new(layout, 40).unwrap();
+        ledger.add(7, 1).unwrap();
+        let mut expected_free: Vec<u32> = (0..40).rev().collect();
+        let mut expected_table: Vec<u32> = Vec::new();
+        for superblocks in [1u64, 8, 9, 20, 8, 3, 12, 0, 9] {
+            let held = expected_table.len() as u64;
+            if superblocks >= held {
+                assert!(ledger.grow(7, superblocks * tps).unwrap());
+                for _ in held..superblocks {
+                    expected_table.push(expected_free.pop().unwrap());
+                }
+            } else {
+                ledger.shrink(7, superblocks * tps).unwrap();
+                while expected_table.len() as u64 > superblocks {
+                    expected_free.push(expected_table.pop().unwrap());
+                }
+            }
+            assert_eq!(ledger.request(7).unwrap().table(), expected_table);
+            assert_eq!(ledger.free_superblocks() as usize, expected_free.len());
+        }
+        ledger.free(7).unwrap();
+        let mut fresh = Ledger::new(layout, 40).unwrap();
+        // Same free list order as the same calls on a fresh ledger.
+        for superblocks in [1u64, 8, 9, 20, 8, 3, 12, 0, 9] {
+            fresh.add(7, 1).ok();
+            let len = fresh.request(7).unwrap().len();
+            if superblocks * tps >= len {
+                assert!(fresh.grow(7, superblocks * tps).unwrap());
+            } else {
+                fresh.shrink(7, superblocks * tps).unwrap();
+            }
+        }
+        fresh.free(7).unwrap();
+        assert_eq!(ledger, fresh);
+        assert_eq!(ledger.state_digest(), fresh.state_digest());
+    }
 }

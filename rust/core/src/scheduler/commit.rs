@@ -211,11 +211,13 @@ impl Scheduler {
         self.metrics.computed_tokens += computed_tokens;
         self.metrics.steps += 1;
         self.metrics.sat_out += self.sat_out_reqs.len() as u64;
-        self.metrics.resumes += self
-            .journal
-            .iter()
-            .filter(|entry| matches!(entry, JournalEntry::Resume(_)))
-            .count() as u64;
+        if self.has_host_tier() {
+            self.metrics.resumes += self
+                .journal
+                .iter()
+                .filter(|entry| matches!(entry, JournalEntry::Resume(_)))
+                .count() as u64;
+        }
         self.release_resumed_host_pages();
     }
 

@@ -102,11 +102,20 @@ impl Scheduler {
     /// Gives back the host pages of the requests the updated step resumed (their KV was
     /// copied in while the step ran).
     pub(super) fn release_resumed_host_pages(&mut self) {
+        if !self.has_host_tier() {
+            return; // nothing was ever suspended, so nothing resumed
+        }
         for i in 0..self.journal.len() {
             if let JournalEntry::Resume(req) = self.journal[i] {
                 self.release_host_pages(req);
             }
         }
+    }
+
+    /// Whether requests can be suspended at all (and so resumed): without a host tier a
+    /// step's journal holds no resume, and the per-step scans for them are skipped.
+    pub(super) fn has_host_tier(&self) -> bool {
+        self.config.host_tier_superblocks > 0
     }
 
     /// Gives back the host pages `req` holds (none: nothing happens). A request that is not

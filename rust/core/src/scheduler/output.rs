@@ -294,12 +294,22 @@ impl ScheduleOutput {
             .map(|pair| pack(pair[0], pair.get(1).copied().unwrap_or(0)));
         h.word(context_token_ids.len() as u64);
         h.stream(tokens);
-        let id_positions = generation_ids.iter().zip(generation_positions);
-        h.stream(
-            id_positions.map(|(&id, &position)| id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ position),
+        // The generation arrays have one value per entry (as `check_lengths` requires);
+        // an output that breaks that is digested over the shortest, as before.
+        let entries = generation_ids.len().min(generation_positions.len());
+        h.stream_pairs(
+            &generation_ids[..entries],
+            &generation_positions[..entries],
+            |id, position| id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ position,
         );
-        let token_slots = generation_input_tokens.iter().zip(generation_batch_slots);
-        h.stream(token_slots.map(|(&token, &slot)| pack(token, slot)));
+        let entries = generation_input_tokens
+            .len()
+            .min(generation_batch_slots.len());
+        h.stream_pairs(
+            &generation_input_tokens[..entries],
+            &generation_batch_slots[..entries],
+            pack,
+        );
         // Without a step planned ahead every row is -1: one word says so (the count is the
         // generation entries', hashed above). Otherwise two rows a word.
         if generation_input_refs.iter().all(|&row| row == -1) {

@@ -73,7 +73,39 @@ impl Placement {
     }
 
     /// The decode token at global position `position`, seen from `rank`.
+    #[inline]
     pub fn decode(self, position: u64, rank: u32) -> DecodePlacement {
+        if let (Some(block), Some(superblock)) = (self.per_block.shift, self.per_superblock.shift) {
+            return Self::decode_shifted(block, superblock, position, rank);
+        }
+        self.decode_general(position, rank)
+    }
+
+    /// [`Self::decode`] where `tokens_per_block` is `2^block` and `tokens_per_superblock`
+    /// is `2^superblock` (the usual layouts): shifts and masks alone.
+    #[inline]
+    fn decode_shifted(block: u32, superblock: u32, position: u64, rank: u32) -> DecodePlacement {
+        let tokens_per_block = 1u64 << block;
+        let full = position >> superblock;
+        let into_superblock = position & ((1u64 << superblock) - 1);
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "`into_superblock < tpb * cp`, so the block inside the superblock is below cp, a u32"
+        )]
+        let owner = (into_superblock >> block) as u32;
+        let before_rank = u64::from(rank) << block;
+        let past_seen_len = (full << block)
+            + into_superblock
+                .saturating_sub(before_rank)
+                .min(tokens_per_block);
+        DecodePlacement {
+            owner,
+            past_seen_len,
+            local_len: past_seen_len + u64::from(owner == rank),
+        }
+    }
+
+    fn decode_general(self, position: u64, rank: u32) -> DecodePlacement {
         let full = self.per_superblock.div(position);
         let into_superblock = position - full * self.per_superblock.value;
         #[expect(

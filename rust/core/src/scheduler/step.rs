@@ -157,6 +157,10 @@ impl Scheduler {
         out.generation_positions.reserve(decoding);
         out.generation_input_tokens.reserve(decoding);
         out.generation_batch_slots.reserve(decoding);
+        out.generation_owner_ranks.reserve(decoding);
+        out.generation_active.reserve(decoding);
+        out.generation_past_seen_lens.reserve(decoding);
+        out.generation_local_lens.reserve(decoding);
         out.sample_ids.reserve(decoding);
         self.generation_reqs.clear();
         self.generation_needing_slots.clear();
@@ -187,8 +191,12 @@ impl Scheduler {
     }
 
     fn generation_phase(&mut self, step: u64) -> Result<()> {
-        for queue_pos in 0..self.queue.len() {
-            let req = self.queue[queue_pos];
+        let mut queue_pos = 0;
+        loop {
+            queue_pos = self.decode_run(step, queue_pos);
+            let Some(&req) = self.queue.get(queue_pos) else {
+                return Ok(());
+            };
             let request = &self.requests[req as usize];
             match request.state {
                 RequestState::Decoding => {
@@ -199,8 +207,112 @@ impl Scheduler {
                 }
                 _ => {}
             }
+            queue_pos += 1;
         }
-        Ok(())
+    }
+
+    /// The plain generation phase's common case, from queue position `from` on: requests
+    /// that decode with the batch slot they hold, within the token budget, on a token that
+    /// fits the superblocks they hold, and those with nothing to do in this phase
+    /// (`Waiting`, `Prefilling`). Each decode is exactly what [`Self::schedule_decode`]
+    /// would make of it. Stops at the first request that needs more (a slot, a superblock,
+    /// a resume, a preemption, the budget's end) and returns its position, untouched, for
+    /// the general path; the queue's length when none is left.
+    ///
+    /// Entries are gathered a chunk at a time in local arrays (which nothing else can
+    /// alias, so the loop keeps its state in registers) and appended to the output in
+    /// bulk. Kept out of line: its chunk arrays would weigh on every caller's frame.
+    #[inline(never)]
+    fn decode_run(&mut self, step: u64, from: usize) -> usize {
+        const CHUNK: usize = 64;
+        let mut ids = [0; CHUNK];
+        let mut positions = [0; CHUNK];
+        let mut tokens = [0; CHUNK];
+        let mut slots = [0; CHUNK];
+        let mut reqs = [0; CHUNK];
+        let mut owners = [0; CHUNK];
+        let mut active = [false; CHUNK];
+        let mut past_seen = [0; CHUNK];
+        let mut local = [0; CHUNK];
+        let budget = u64::from(self.config.max_num_tokens).saturating_sub(self.step_tokens);
+        let (placement, rank) = (self.placement, self.config.cp_rank);
+        let mut queue_pos = from;
+        let mut scheduled = 0u64;
+        loop {
+            let (count, end) = {
+                let queue = &self.queue[..];
+                let requests = &mut self.requests[..];
+                let ledger = &mut self.ledger;
+                let room = usize::try_from(budget - scheduled)
+                    .unwrap_or(usize::MAX)
+                    .min(CHUNK);
+                let mut count = 0;
+                let mut pos = queue_pos;
+                while count < room {
+                    let Some(&req) = queue.get(pos) else {
+                        break;
+                    };
+                    let request = &mut requests[req as usize];
+                    match request.state {
+                        RequestState::Decoding => {}
+                        RequestState::Waiting | RequestState::Prefilling => {
+                            pos += 1;
+                            continue;
+                        }
+                        RequestState::Suspended => break,
+                    }
+                    let Some(slot) = request.batch_slot.get() else {
+                        break;
+                    };
+                    // The request's index is also its ledger entry (see `add_request`).
+                    let Some(position) =
+                        ledger.try_allocate_decode_in_place(req as usize, request.id, step)
+                    else {
+                        break;
+                    };
+                    request.scheduled_step = step;
+                    ids[count] = request.id;
+                    positions[count] = position;
+                    tokens[count] = request.last_token;
+                    slots[count] = slot_id(slot);
+                    reqs[count] = req;
+                    let placed = placement.decode(position, rank);
+                    owners[count] = placed.owner;
+                    active[count] = placed.owner == rank;
+                    past_seen[count] = placed.past_seen_len;
+                    local[count] = placed.local_len;
+                    count += 1;
+                    pos += 1;
+                }
+                (count, pos)
+            };
+            let out = &mut self.building;
+            out.generation_ids.extend_from_slice(&ids[..count]);
+            out.generation_positions
+                .extend_from_slice(&positions[..count]);
+            out.generation_input_tokens
+                .extend_from_slice(&tokens[..count]);
+            out.generation_batch_slots
+                .extend_from_slice(&slots[..count]);
+            out.generation_owner_ranks
+                .extend_from_slice(&owners[..count]);
+            out.generation_active.extend_from_slice(&active[..count]);
+            out.generation_past_seen_lens
+                .extend_from_slice(&past_seen[..count]);
+            out.generation_local_lens.extend_from_slice(&local[..count]);
+            self.generation_reqs.extend_from_slice(&reqs[..count]);
+            self.journal
+                .extend(reqs[..count].iter().map(|&req| JournalEntry::Decode(req)));
+            scheduled += count as u64;
+            queue_pos = end;
+            // Only a full chunk may go on: a shorter one stopped at the queue's end, the
+            // budget's end or a request for the general path.
+            if count < CHUNK {
+                break;
+            }
+        }
+        self.step_tokens += scheduled;
+        queue_pos
     }
 
     /// `input_row` is the row of the older pending step's sampled tokens that holds the
@@ -305,6 +417,16 @@ impl Scheduler {
             out.generation_input_tokens.push(request.last_token);
         }
         out.generation_batch_slots.push(slot);
+        if !AHEAD {
+            // A plain step's entries are placed as they are made (most in `decode_run`);
+            // a step planned ahead places all of them in one pass (`finish_step`).
+            let rank = self.config.cp_rank;
+            let placed = self.placement.decode(position, rank);
+            out.generation_owner_ranks.push(placed.owner);
+            out.generation_active.push(placed.owner == rank);
+            out.generation_past_seen_lens.push(placed.past_seen_len);
+            out.generation_local_lens.push(placed.local_len);
+        }
         self.generation_reqs.push(req);
         self.journal.push(JournalEntry::Decode(req));
         self.step_tokens += 1;
@@ -709,7 +831,11 @@ impl Scheduler {
         // A plain step's inputs are all known: its refs are filled in one go.
         let entries = self.building.generation_ids.len();
         self.building.generation_input_refs.resize(entries, -1);
-        self.fill_placement();
+        if self.building.generation_owner_ranks.len() != entries {
+            // Planned ahead: no entry is placed yet.
+            debug_assert!(self.building.generation_owner_ranks.is_empty());
+            self.place_all_generation_entries();
+        }
         let out = &mut self.building;
         out.sample_ids.extend_from_slice(&out.generation_ids);
         let completing = out.context_ids.iter().zip(&out.context_completes);
@@ -746,6 +872,8 @@ impl Scheduler {
         let out = &mut self.building;
         // Only a step planned ahead has its refs yet (a plain one fills them in after).
         let refs = !out.generation_input_refs.is_empty();
+        // Only a plain step's entries are placed yet (one planned ahead is placed after).
+        let placed = !out.generation_owner_ranks.is_empty();
         let mut kept = 0;
         for i in 0..self.generation_reqs.len() {
             let req = self.generation_reqs[i];
@@ -760,6 +888,12 @@ impl Scheduler {
                 out.generation_input_refs[kept] = out.generation_input_refs[i];
             }
             out.generation_batch_slots[kept] = out.generation_batch_slots[i];
+            if placed {
+                out.generation_owner_ranks[kept] = out.generation_owner_ranks[i];
+                out.generation_active[kept] = out.generation_active[i];
+                out.generation_past_seen_lens[kept] = out.generation_past_seen_lens[i];
+                out.generation_local_lens[kept] = out.generation_local_lens[i];
+            }
             kept += 1;
         }
         self.generation_reqs.truncate(kept);
@@ -770,32 +904,27 @@ impl Scheduler {
             out.generation_input_refs.truncate(kept);
         }
         out.generation_batch_slots.truncate(kept);
+        out.generation_owner_ranks.truncate(kept);
+        out.generation_active.truncate(kept);
+        out.generation_past_seen_lens.truncate(kept);
+        out.generation_local_lens.truncate(kept);
     }
 
-    /// Owner ranks and this rank's lengths for every generation entry, in one tight
-    /// pass over the positions.
-    fn fill_placement(&mut self) {
+    /// Owner ranks and this rank's lengths for every generation entry of a step planned
+    /// ahead, one plain pass per array over the positions.
+    fn place_all_generation_entries(&mut self) {
         let (placement, rank) = (self.placement, self.config.cp_rank);
         let out = &mut self.building;
-        let entries = out.generation_positions.len();
-        out.generation_owner_ranks.resize(entries, 0);
-        out.generation_active.resize(entries, false);
-        out.generation_past_seen_lens.resize(entries, 0);
-        out.generation_local_lens.resize(entries, 0);
-        let rows = out
-            .generation_positions
-            .iter()
-            .zip(&mut out.generation_owner_ranks)
-            .zip(&mut out.generation_active)
-            .zip(&mut out.generation_past_seen_lens)
-            .zip(&mut out.generation_local_lens);
-        for ((((&position, owner), active), past_seen_len), local_len) in rows {
-            let placed = placement.decode(position, rank);
-            *owner = placed.owner;
-            *active = placed.owner == rank;
-            *past_seen_len = placed.past_seen_len;
-            *local_len = placed.local_len;
-        }
+        let positions = &out.generation_positions;
+        let placed = |&position: &u64| placement.decode(position, rank);
+        out.generation_owner_ranks
+            .extend(positions.iter().map(|p| placed(p).owner));
+        out.generation_active
+            .extend(positions.iter().map(|p| placed(p).owner == rank));
+        out.generation_past_seen_lens
+            .extend(positions.iter().map(|p| placed(p).past_seen_len));
+        out.generation_local_lens
+            .extend(positions.iter().map(|p| placed(p).local_len));
     }
 
     /// Undoes the step's reservations (newest first), resumes, new batch slots and
