@@ -58,6 +58,61 @@ def test_timeline_is_off_on_the_cpu() -> None:
     assert timeline.gaps_us() == []
 
 
+class FakeEvent:
+    """A CUDA event stand-in whose time is the order of its last record (the clock)."""
+
+    clock = 0
+    created = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        FakeEvent.created += 1
+        self.time: int | None = None
+
+    def record(self) -> None:
+        FakeEvent.clock += 1
+        self.time = FakeEvent.clock
+
+    def synchronize(self) -> None:
+        assert self.time is not None
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        assert self.time is not None
+        assert other.time is not None
+        return (other.time - self.time) / 1e3  # ms
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3, 8, 9, 23])
+def test_timeline_reuses_its_events_and_keeps_every_gap(monkeypatch, steps):
+    """A ring of 4 pairs: no event is created per step, and the gaps over many wraps are
+    those of fresh events per step (step ``s`` starts at clock ``2 s + 1 + idle``)."""
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.clock, FakeEvent.created = 0, 0
+    timeline = StepTimeline(torch.device("cuda"), capacity=4)
+    assert timeline.enabled
+    assert FakeEvent.created == 8
+    expected = []
+    for step in range(steps):
+        idle = step % 3  # the host's time between steps
+        if step:
+            expected.append(1.0 + idle)  # clock ticks between the last end and this start
+        FakeEvent.clock += idle
+        timeline.start()
+        timeline.end()
+    assert FakeEvent.created == 8
+    assert timeline.gaps_us() == pytest.approx(expected)
+
+
+def test_a_disabled_timeline_records_nothing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.created = 0
+    timeline = StepTimeline(torch.device("cuda"), enabled=False)
+    timeline.start()
+    timeline.end()
+    assert not timeline.enabled
+    assert FakeEvent.created == 0
+    assert timeline.gaps_us() == []
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_timeline_measures_the_device_idle_between_steps() -> None:

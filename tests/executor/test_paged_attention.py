@@ -17,6 +17,7 @@ from helix_kv.executor.decode_step import (
     DecodeLayout,
     DecodeMetadata,
     DecodeStep,
+    StagingBufferBusy,
     default_buckets,
 )
 from helix_kv.executor.model import TinyConfig, TinyTransformer
@@ -557,13 +558,8 @@ def test_fill_from_schedule_is_one_core_call_with_padding_and_refs():
     assert metadata.upload(counts.rows) == 4
 
 
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
-def test_graphed_decode_steps_allocate_nothing():
-    model, pool, decode = prefilled()
-    metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
-    step = DecodeStep(model, pool, lambda part: part, metadata, cuda_graphs=True)
-    assert step.graphed
-    columns = (
+def decode_columns(decode: StepPlan) -> tuple:
+    return (
         decode.token_ids,
         decode.positions(),
         decode.slot_mapping,
@@ -572,10 +568,103 @@ def test_graphed_decode_steps_allocate_nothing():
         decode.block_table,
     )
 
-    def one_step() -> np.ndarray:
+
+def test_a_fill_never_overwrites_a_staging_buffer_a_launched_copy_may_read():
+    """Graphed steps record no event: a staging buffer read by a launched step's copy is
+    written again only after that step is released (its readback waited); a fill that would
+    overwrite it raises and changes nothing."""
+    metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=3), "cpu")
+    row = ([5], [10], [1], [3], [2], [[0, 1]])
+    metadata.fill(*row)
+    assert metadata.launched() == 0  # step 0 reads buffer 1
+    metadata.fill(*row)
+    assert metadata.launched() == 1  # step 1 reads buffer 0
+    current, before = metadata.current, metadata.host.clone()
+    with pytest.raises(StagingBufferBusy, match="launched step 0"):
+        metadata.fill([7], [11], [2], [4], [3], [[2, -1]])
+    assert metadata.current == current  # nothing turned, nothing written
+    assert metadata._staging[current ^ 1][0, metadata.layout.TOKEN_ID] == 5  # step 0's row
+    assert torch.equal(metadata.host, before)
+    metadata.release(0)
+    metadata.fill([7], [11], [2], [4], [3], [[2, -1]])  # step 0 finished: its buffer is free
+    assert metadata.host[0, metadata.layout.TOKEN_ID] == 7
+    metadata.launched()  # step 2
+    with pytest.raises(StagingBufferBusy, match="launched step 1"):
+        metadata.fill(*row)
+    metadata.release_all()
+    metadata.fill(*row)
+    metadata.fill(*row)  # nothing launched since: both buffers free
+
+
+def test_waiting_a_readback_releases_the_steps_staging_buffer():
+    """The runner's rule, checked: step t's readback is waited before step t + 2 fills the
+    buffer step t's copy read (one step ahead), and waiting it is what releases it."""
+    model, pool, decode = prefilled()
+    metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
+    step = DecodeStep(model, pool, lambda part: part, metadata)
+    columns = decode_columns(decode)
+    launched = []
+    for _ in range(2):  # steps 0 and 1 in flight, as graphed steps leave them
         rows = metadata.fill(*columns)
         step.run(metadata.upload(rows))
-        return step.read_tokens(rows)
+        metadata.launched()
+        launched.append(step.start_readback(rows))
+    with pytest.raises(StagingBufferBusy):
+        metadata.fill(*columns)
+    first = launched[0].wait()  # close step 0
+    rows = metadata.fill(*columns)  # step 2 reuses step 0's buffer
+    assert launched[1].wait().tolist() == first.tolist()
+
+
+def test_eager_launch_uploads_then_runs():
+    model, pool, decode = prefilled()
+    reference = model.logits(model.forward(pool.prepare(decode), pool))
+    model2, pool2, _ = prefilled()
+    metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
+    step = DecodeStep(model2, pool2, lambda part: part, metadata)
+    rows = metadata.fill(*decode_columns(decode))
+    assert step.launch(rows) == 4
+    assert step.read_tokens(rows).tolist() == reference.argmax(-1).tolist()
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+def test_graphed_steps_with_the_copy_inside_equal_eager_steps():
+    """Each graph copies its staging buffer's rows first: steps launched one after another
+    (alternating buffers, nothing uploaded outside the graph) give the eager tokens."""
+    model, pool, decode = prefilled()
+    eager_model, eager_pool, _ = prefilled()
+    metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
+    step = DecodeStep(model, pool, lambda part: part, metadata, cuda_graphs=True)
+    eager_metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
+    eager = DecodeStep(eager_model, eager_pool, lambda part: part, eager_metadata)
+    columns = decode_columns(decode)
+    pending = []
+    for index in range(4):
+        # one step ahead: step index + 1 is launched before step index is read back
+        rows = metadata.fill(*columns)
+        assert step.launch(rows) == 4
+        pending.append(step.start_readback(rows))
+        if len(pending) == 2:
+            graphed = pending.pop(0).wait()
+            eager_rows = eager_metadata.fill(*columns)
+            eager.launch(eager_rows)
+            assert graphed.tolist() == eager.read_tokens(eager_rows).tolist(), index
+    torch.testing.assert_close(step.logits[:3], eager.logits[:3])
+    assert metadata.launches == 4
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+def test_graphed_decode_steps_allocate_nothing():
+    model, pool, decode = prefilled()
+    metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
+    step = DecodeStep(model, pool, lambda part: part, metadata, cuda_graphs=True)
+    assert step.graphed
+    columns = decode_columns(decode)
+
+    def one_step() -> np.ndarray:
+        rows = metadata.fill(*columns)
+        step.launch(rows)  # one replay: the copy of the rows is its first node
+        return step.start_readback(rows).wait()
 
     first = one_step()
     torch.cuda.synchronize()
@@ -584,6 +673,28 @@ def test_graphed_decode_steps_allocate_nothing():
         assert np.array_equal(one_step(), first)  # the same step again: the same tokens
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
+
+
+@needs_scheduler
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_graphed_fast_path_equals_reference_path(overlap):
+    jobs = []
+    for kv_tokens in (1024, 48):
+        jobs.append((e2e_prompts(), 8, executor_config(1, kv_tokens)))
+        jobs.append(
+            (
+                e2e_prompts(),
+                8,
+                executor_config(
+                    1, kv_tokens, cuda_graphs=True, decode_kernel=True, overlap=overlap
+                ),
+            )
+        )
+    roomy_ref, roomy_graphs, tight_ref, tight_graphs = [run_rank(*job) for job in jobs]
+    assert roomy_graphs.outputs == roomy_ref.outputs
+    assert tight_graphs.outputs == tight_ref.outputs
+    assert roomy_graphs.fast_path_steps == roomy_graphs.decode_steps > 0
 
 
 @needs_scheduler

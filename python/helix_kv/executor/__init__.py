@@ -16,7 +16,12 @@ from helix_kv.executor.attention import (
     partial_attention,
     reference_attention,
 )
-from helix_kv.executor.decode_step import DecodeLayout, DecodeMetadata, DecodeStep
+from helix_kv.executor.decode_step import (
+    DecodeLayout,
+    DecodeMetadata,
+    DecodeStep,
+    StagingBufferBusy,
+)
 from helix_kv.executor.host_pool import HostKVPool
 from helix_kv.executor.kv_pool import AttentionGroup, KVPool, StepBatch
 from helix_kv.executor.model import DecodeRows, TinyConfig, TinyTransformer, group_combine
@@ -36,6 +41,7 @@ __all__ = [
     "KVPool",
     "PartialAttention",
     "RankPlacement",
+    "StagingBufferBusy",
     "StepBatch",
     "StepPlan",
     "TinyConfig",

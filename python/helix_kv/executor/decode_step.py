@@ -20,6 +20,18 @@ to a bucket, so it is run from buffers allocated once:
   captured per bucket (batch sizes padded up to the next bucket, as vLLM and TensorRT-LLM do).
   A graphed step allocates nothing and takes no host sync until its tokens are read.
 
+A graphed step is **one** CUDA call: the graph of its bucket and staging buffer (two per
+bucket, one per staging buffer) starts with the H2D copy of the staging rows, so a step costs
+one fill (Rust) and one ``graph.replay()`` (:meth:`DecodeStep.launch`), and no event is
+recorded for the staging buffers. Instead the host keeps the rule that makes the event
+unneeded, and checks it: a staging buffer read by a launched copy is written again only once
+that step is known finished (:meth:`DecodeMetadata.release`, called when the step's readback
+was waited, :meth:`HostTokens.wait`); a fill that would overwrite a buffer whose copy may still
+be pending raises :class:`StagingBufferBusy`. The executor loop reads step ``t``'s tokens
+before it launches step ``t + 2`` (the next user of step ``t``'s buffer), so it never trips it.
+The eager :meth:`DecodeMetadata.upload` (non-graphed steps, tests) still records an event after
+its copy, and a later fill of that buffer waits on it.
+
 One step ahead (overlap mode) a step's decode inputs may still be in flight: being sampled by
 the previous step. Their rows carry ``token_id -1`` and ``input_ref r >= 0`` (row ``r`` of the
 previous step's samples), and the step gathers them on the device, inside the graph, from
@@ -31,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -82,6 +95,11 @@ class DecodeLayout:
         return DECODE_ROW_PADDING
 
 
+class StagingBufferBusy(RuntimeError):
+    """A fill would overwrite a staging buffer whose launched copy may still be pending (its
+    step was not released: its readback not waited, nor the device synchronized)."""
+
+
 def default_buckets(max_batch: int) -> tuple[int, ...]:
     """Batch sizes a graph is captured for: powers of two below ``max_batch``, then it."""
     buckets = []
@@ -124,7 +142,15 @@ class DecodeMetadata:
         self._staging_np = [buffer.numpy() for buffer in self._staging]
         for host in self._staging_np:
             host[:, : layout.BLOCK_TABLE] = layout.padding_row
+        # Eager uploads record an event after their copy; a later fill of the buffer waits on
+        # it. Graphed steps copy inside the graph and record nothing: see _pending.
         self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        self._uploaded = [False, False]  # an eager upload's event guards the buffer
+        # Per staging buffer, the number of the last launched step whose (in-graph) copy
+        # reads it and that is not known finished; written again only once released.
+        self._pending: list[int | None] = [None, None]
+        self._launches = 0  # steps launched so far (step numbers count from 0)
+        self._released = -1  # every step numbered <= this is known finished
         self._current = 0
         self._padded_to = 0  # rows of the current staging buffer that hold the step or padding
         #: Device copy of :attr:`host`; the graphs read their rows from here.
@@ -147,17 +173,79 @@ class DecodeMetadata:
         raise ValueError(f"{rows} decode rows exceed the capacity {self.layout.max_batch}")
 
     def staging(self) -> npt.NDArray[np.int32]:
-        """The current host staging buffer as numpy, safe to write: waits for its last copy
-        to finish (long done: the other buffer was copied since)."""
-        event = self._copied[self._current]
-        if event is not None:
-            event.synchronize()
+        """The current host staging buffer as numpy, safe to write: waits for its last eager
+        copy to finish (long done: the other buffer was copied since). Raises
+        :class:`StagingBufferBusy` if a launched step still reads it (not released)."""
+        self._check_free(self._current)
+        if self._uploaded[self._current]:
+            event = self._copied[self._current]
+            if event is not None:
+                event.synchronize()
         return self._staging_np[self._current]
 
     def _next_staging(self) -> npt.NDArray[np.int32]:
-        """Turns to the other staging buffer and returns it, safe to write."""
+        """Turns to the other staging buffer and returns it, safe to write (state unchanged
+        when it is not)."""
+        self._check_free(self._current ^ 1)
         self._current ^= 1
         return self.staging()
+
+    def _check_free(self, index: int) -> None:
+        pending = self._pending[index]
+        if pending is not None and pending > self._released:
+            raise StagingBufferBusy(
+                f"staging buffer {index} is still read by the copy of launched step {pending} "
+                f"(released through step {self._released}): wait for that step's readback "
+                "(or synchronize and call release_all) before filling it again"
+            )
+
+    @property
+    def launches(self) -> int:
+        """Steps launched so far (:meth:`launched`); the last one is ``launches - 1``."""
+        return self._launches
+
+    def launched(self) -> int:
+        """Records that a step whose copy reads the current staging buffer was queued (a
+        graph replay: no event is recorded). Returns the step's number; the buffer is not
+        written again until :meth:`release` of a number >= it."""
+        step = self._launches
+        self._launches += 1
+        self._pending[self._current] = step
+        self._uploaded[self._current] = False
+        return step
+
+    def release(self, step: int) -> None:
+        """Step ``step`` (and, the stream being in order, every step before it) has finished
+        on the device: its staging buffer may be written again."""
+        self._released = max(self._released, step)
+
+    def release_all(self) -> None:
+        """Every launched step has finished (the caller synchronized the stream)."""
+        self._released = self._launches - 1
+
+    def pad(self, rows: int) -> int:
+        """Pad rows ``[rows, bucket)`` of the current staging buffer (unless the fill did);
+        returns the bucket."""
+        bucket = self.bucket(rows)
+        if bucket > max(rows, self._padded_to):
+            host = self._staging_np[self._current]
+            host[max(rows, self._padded_to) : bucket, : self.layout.BLOCK_TABLE] = (
+                self.layout.padding_row
+            )
+            self._padded_to = bucket
+        return bucket
+
+    @property
+    def current(self) -> int:
+        """Index (0 or 1) of the current staging buffer."""
+        return self._current
+
+    def copy_to_device(self, bucket: int, index: int | None = None) -> None:
+        """Queues the copy of rows ``[0, bucket)`` of staging buffer ``index`` (default the
+        current) to :attr:`device_buffer` on the current stream (``non_blocking``: from
+        pinned memory, capturable in a CUDA graph); records nothing."""
+        staging = self._staging[self._current if index is None else index]
+        self.device_buffer[:bucket].copy_(staging[:bucket], non_blocking=True)
 
     def fill(
         self,
@@ -211,24 +299,22 @@ class DecodeMetadata:
 
     def upload(self, rows: int) -> int:
         """Pad rows ``[rows, bucket)`` (unless the fill did) and copy rows ``[0, bucket)`` to
-        the device in one ``non_blocking`` copy on the current stream. Returns the bucket."""
-        bucket = self.bucket(rows)
-        host = self._staging_np[self._current]
-        lay = self.layout
-        if bucket > max(rows, self._padded_to):
-            host[max(rows, self._padded_to) : bucket, : lay.BLOCK_TABLE] = lay.padding_row
-            self._padded_to = bucket
-        self.device_buffer[:bucket].copy_(self._staging[self._current][:bucket], non_blocking=True)
+        the device in one ``non_blocking`` copy on the current stream, then record an event
+        that the next fill of this buffer waits on (the eager path; a graphed step copies
+        inside its graph, :meth:`DecodeStep.launch`). Returns the bucket."""
+        bucket = self.pad(rows)
+        self.copy_to_device(bucket)
         event = self._copied[self._current]
         if event is not None:
             event.record()
+            self._uploaded[self._current] = True
         return bucket
 
     def wait_uploaded(self) -> None:
         """Block until the last :meth:`upload` has landed on the device (for timing; a step
         never needs it: the copy and the step are ordered on one stream)."""
         event = self._copied[self._current]
-        if event is not None:
+        if event is not None and self._uploaded[self._current]:
             event.synchronize()
 
     def rows(self, bucket: int) -> DecodeRows:
@@ -306,7 +392,8 @@ class DecodeStep:
             model.dtype,
             device,
         )
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # One graph per (bucket, staging buffer): its first node copies that buffer's rows.
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         if cuda_graphs:
             if device.type != "cuda":
                 raise ValueError("CUDA graphs need a CUDA device")
@@ -317,16 +404,36 @@ class DecodeStep:
         """Whether steps replay captured graphs."""
         return bool(self._graphs)
 
+    def launch(self, rows: int) -> int:
+        """Queues the step whose ``rows`` rows were filled into the current staging buffer
+        (padding rows up to its bucket included). Graphed: one ``graph.replay()`` whose first
+        node is the H2D copy of the rows, and no event (the buffer stays unwritable until
+        the step is released, :meth:`DecodeMetadata.release`). Eager:
+        :meth:`DecodeMetadata.upload` then the forward. Returns the bucket."""
+        metadata = self.metadata
+        if not self._graphs:
+            bucket = metadata.upload(rows)
+            self._forward(bucket)
+            return bucket
+        bucket = metadata.pad(rows)
+        self._replay(bucket)
+        return bucket
+
     def run(self, bucket: int) -> None:
         """Run the step whose rows :meth:`DecodeMetadata.upload` staged (``bucket`` rows,
-        padding included) into :attr:`logits` and :attr:`tokens`."""
-        graph = self._graphs.get(bucket)
-        if graph is not None:
-            graph.replay()
-        elif self._graphs:
-            raise ValueError(f"no graph captured for bucket {bucket}")
+        padding included) into :attr:`logits` and :attr:`tokens`. Graphed, the graph copies
+        the staging rows again (the same rows) and the buffer is held as in :meth:`launch`."""
+        if self._graphs:
+            self._replay(bucket)
         else:
             self._forward(bucket)
+
+    def _replay(self, bucket: int) -> None:
+        graph = self._graphs.get((bucket, self.metadata.current))
+        if graph is None:
+            raise ValueError(f"no graph captured for bucket {bucket}")
+        graph.replay()
+        self.metadata.launched()
 
     def read_tokens(self, rows: int) -> npt.NDArray[np.int64]:
         """The first ``rows`` tokens on the host (waits for the step)."""
@@ -334,6 +441,7 @@ class DecodeStep:
             return self.tokens[:rows].numpy().copy()
         self._host_tokens[:rows].copy_(self.tokens[:rows], non_blocking=True)
         torch.cuda.current_stream(self.tokens.device).synchronize()
+        self.metadata.release_all()
         return self._host_tokens[:rows].numpy().copy()
 
     def take_previous(self, tokens: torch.Tensor) -> None:
@@ -349,9 +457,12 @@ class DecodeStep:
     def start_readback(self, rows: int) -> HostTokens:
         """Starts the copy of the first ``rows`` tokens to the host without blocking (into
         one of two persistent pinned buffers, used in turn: the caller reads a readback
-        before it starts the one after next, as a loop one step ahead does)."""
+        before it starts the one after next, as a loop one step ahead does). Waiting for it
+        releases every step launched so far (:meth:`DecodeMetadata.release`): their staging
+        buffers may be filled again."""
+        release = partial(self.metadata.release, self.metadata.launches - 1)
         if self.tokens.device.type != "cuda":
-            return HostTokens(self.tokens[:rows].clone(), None)
+            return HostTokens(self.tokens[:rows].clone(), None, release)
         index = self._readback_next
         self._readback_next ^= 1
         host = self._readback[index][:rows]
@@ -359,9 +470,11 @@ class DecodeStep:
         ready = self._readback_ready[index]
         assert ready is not None
         ready.record()
-        return HostTokens(host, ready)
+        return HostTokens(host, ready, release)
 
-    def _forward(self, bucket: int) -> None:
+    def _forward(self, bucket: int, copy_from: int | None = None) -> None:
+        if copy_from is not None:  # the graphed step: the copy is the graph's first node
+            self.metadata.copy_to_device(bucket, copy_from)
         rows = self.metadata.rows(bucket)
         # Inputs still in flight, gathered from the previous step's samples (a gather and a
         # select: part of the captured graph, no host work).
@@ -374,25 +487,36 @@ class DecodeStep:
         torch.argmax(logits, dim=-1, out=self.tokens[:bucket])
 
     def _capture(self) -> None:
-        # Every row padding: warm-up and capture write no KV and read none.
-        layout = self.metadata.layout
-        self.metadata.staging()[:, : layout.BLOCK_TABLE] = layout.padding_row
-        self.metadata.upload(layout.max_batch)
-        torch.cuda.synchronize(self.metadata.device)
-        side = torch.cuda.Stream(self.metadata.device)
-        side.wait_stream(torch.cuda.current_stream(self.metadata.device))
+        # Every row padding, in both staging buffers: warm-up and capture write no KV and
+        # read none.
+        metadata = self.metadata
+        layout = metadata.layout
+        for index in (0, 1):
+            metadata._staging_np[index][:, : layout.BLOCK_TABLE] = layout.padding_row
+        device = metadata.device
+        torch.cuda.synchronize(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # compiles the kernels, sets up cuBLAS and NCCL
-            for bucket in self.metadata.buckets:
-                self._forward(bucket)
-        torch.cuda.current_stream(self.metadata.device).wait_stream(side)
-        torch.cuda.synchronize(self.metadata.device)
+            for bucket in metadata.buckets:
+                for index in (0, 1):
+                    self._forward(bucket, copy_from=index)
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
         memory_pool = torch.cuda.graph_pool_handle()
-        for bucket in sorted(self.metadata.buckets, reverse=True):  # largest first: one pool
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=memory_pool, capture_error_mode="thread_local"):
-                self._forward(bucket)
-            self._graphs[bucket] = graph
-        torch.cuda.synchronize(self.metadata.device)
+        for bucket in sorted(metadata.buckets, reverse=True):  # largest first: one pool
+            for index in (0, 1):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=memory_pool, capture_error_mode="thread_local"):
+                    self._forward(bucket, copy_from=index)
+                self._graphs[bucket, index] = graph
+        torch.cuda.synchronize(device)
 
 
-__all__ = ["DecodeLayout", "DecodeMetadata", "DecodeStep", "default_buckets"]
+__all__ = [
+    "DecodeLayout",
+    "DecodeMetadata",
+    "DecodeStep",
+    "StagingBufferBusy",
+    "default_buckets",
+]

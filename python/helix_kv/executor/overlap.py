@@ -20,6 +20,7 @@ of step ``t + 1``'s first one: the device idles while the host updates, schedule
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,15 +73,19 @@ class DecodeInputGather:
 
 @dataclass
 class HostTokens:
-    """A step's sampled tokens on their way to the host."""
+    """A step's sampled tokens on their way to the host (``_on_ready``: called once they
+    landed, e.g. to release the step's staging buffer)."""
 
     _host: torch.Tensor
     _ready: torch.cuda.Event | None
+    _on_ready: Callable[[], None] | None = None
 
     def wait(self) -> npt.NDArray[np.int32]:
         """Blocks until the copy has landed; the tokens as int32 (what ``update`` takes)."""
         if self._ready is not None:
             self._ready.synchronize()
+        if self._on_ready is not None:
+            self._on_ready()
         return self._host.numpy().astype(np.int32)
 
 
@@ -108,40 +113,73 @@ class TokenReadback:
 
 
 class StepTimeline:
-    """CUDA events where each step's device work starts and ends (nothing on the CPU).
+    """CUDA events where each step's device work starts and ends (nothing on the CPU, nor
+    when ``enabled`` is false: then :meth:`start` and :meth:`end` return at once).
 
     :meth:`start` is called before a step's first device operation is queued, :meth:`end`
     after its last one; :meth:`gaps_us` (after the run) gives, between consecutive steps,
     the device time from the end of one to the start of the next.
+
+    The events are a ring of ``capacity`` (start, end) pairs allocated once and reused: a
+    step records two events and creates none. Every ``capacity // 2`` steps :meth:`end`
+    turns the gaps of the older half of the ring into numbers (``capacity // 2`` steps old:
+    long finished) before those pairs are recorded again.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.enabled = torch.device(device).type == "cuda"
-        self._steps: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._open: torch.cuda.Event | None = None
+    def __init__(self, device: torch.device, enabled: bool = True, capacity: int = 256) -> None:
+        if capacity < 4 or capacity % 2:
+            raise ValueError(f"a step timeline needs an even capacity >= 4, got {capacity}")
+        self.enabled = enabled and torch.device(device).type == "cuda"
+        self._ring: list[tuple[torch.cuda.Event, torch.cuda.Event]] = (
+            [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(capacity)
+            ]
+            if self.enabled
+            else []
+        )
+        self._started = 0  # steps started
+        self._ended = 0  # steps ended
+        self._harvested = 0  # gaps after steps [0, _harvested) are in _gaps
+        self._gaps: list[float] = []
 
     def start(self) -> None:
         """Marks the start of the next step's device work."""
         if self.enabled:
-            self._open = torch.cuda.Event(enable_timing=True)
-            self._open.record()
+            self._ring[self._started % len(self._ring)][0].record()
+            self._started += 1
 
     def end(self) -> None:
         """Marks the end of the step started last."""
-        if self.enabled and self._open is not None:
-            closing = torch.cuda.Event(enable_timing=True)
-            closing.record()
-            self._steps.append((self._open, closing))
-            self._open = None
+        if self.enabled and self._ended < self._started:
+            self._ring[self._ended % len(self._ring)][1].record()
+            self._ended += 1
+            half = len(self._ring) // 2
+            if self._ended % half == 0 and self._ended >= 2 * half:
+                # steps [ended - 2 half, ended - half) are recorded again over the next half
+                self._harvest(self._ended - half)
+
+    def _harvest(self, upto: int) -> None:
+        """Gaps after steps ``[_harvested, upto)``: each needs the end of its step and the
+        start of the next, the latest being step ``upto``'s start (all still in the ring)."""
+        if upto <= self._harvested:
+            return
+        ring = self._ring
+        ring[upto % len(ring)][0].synchronize()  # every earlier event finished too
+        for step in range(self._harvested, upto):
+            ended = ring[step % len(ring)][1]
+            started = ring[(step + 1) % len(ring)][0]
+            self._gaps.append(1e3 * ended.elapsed_time(started))
+        self._harvested = upto
 
     def gaps_us(self) -> list[float]:
         """µs the device waited between the end of each step and the start of the next
         (synchronizes with the last recorded event)."""
-        if not self._steps:
+        if not self._ended:
             return []
-        self._steps[-1][1].synchronize()
-        pairs = zip(self._steps, self._steps[1:])
-        return [1e3 * ended.elapsed_time(started) for (_, ended), (started, _) in pairs]
+        self._ring[(self._ended - 1) % len(self._ring)][1].synchronize()
+        self._harvest(self._ended - 1)
+        return list(self._gaps)
 
 
 __all__ = ["DecodeInputGather", "HostTokens", "StepTimeline", "TokenReadback"]

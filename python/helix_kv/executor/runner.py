@@ -83,7 +83,10 @@ class ExecutorConfig:
     requests run to their ``max_new_tokens``). The fast path
     (``decode_kernel`` / ``cuda_graphs``) takes every decode-only step, with ``overlap`` too:
     its rows carry the in-flight references and its graph gathers those inputs from the
-    previous step's samples on the device.
+    previous step's samples on the device. A graphed fast-path step is one fill (Rust) and
+    one graph replay whose first node is the H2D copy of its rows.
+    ``step_timeline``: record the device start and end of each step (two CUDA events per
+    step, from a ring allocated once; ``RunResult.host_gap_us``); off, a step records none.
     """
 
     cp: int = 1
@@ -107,6 +110,7 @@ class ExecutorConfig:
     host_tier_pages: int = 0
     overlap: bool = False
     eos_token_id: int | None = None
+    step_timeline: bool = True
 
     def with_(self, **changes: Any) -> ExecutorConfig:
         """A copy with some fields changed."""
@@ -126,9 +130,11 @@ class RunResult:
     ``fast_path_inputs_in_flight``: their inputs gathered on the device from the previous
     step's samples (one step ahead).
     ``table_build_us`` (with ``time_table_build``): per step, from ``schedule()`` returning
-    to the step's device tables being ready (a device sync; on the fast path, waiting for its
-    one copy); ``metadata_host_us``: on the
-    fast path, the host part of it (fill the pinned rows, enqueue the one H2D copy).
+    to the step's device tables being ready (a device sync; on the eager fast path, waiting
+    for its one copy); ``metadata_host_us``: on the fast path, the host part of it (fill the
+    pinned rows, enqueue the one H2D copy). On the graphed fast path the copy is the first
+    node of the step's graph: both are the host time up to the replay (fill, and the
+    timeline's start event when ``step_timeline``).
     """
 
     rank: int
@@ -251,7 +257,7 @@ def run_rank(
     gather, readback, timeline = (
         DecodeInputGather(device),
         TokenReadback(device),
-        StepTimeline(device),
+        StepTimeline(device, enabled=config.step_timeline),
     )
     broadcast_src = dist.get_global_rank(group, 0) if group else 0
 
@@ -391,12 +397,21 @@ def _launch_decode_step(
             )
         if not previous.fast:  # a fast-path step sampled into step.tokens already
             step.take_previous(previous.tokens)
-    bucket = step.metadata.upload(rows)
-    if config.time_table_build:
+    if config.time_table_build and not step.graphed:
+        bucket = step.metadata.upload(rows)
         result.metadata_host_us.append((time.perf_counter() - build_start) * 1e6)
         step.metadata.wait_uploaded()
         result.table_build_us.append((time.perf_counter() - build_start) * 1e6)
-    step.run(bucket)
+        step.run(bucket)
+    else:
+        if config.time_table_build:  # graphed: the copy is the graph's first node
+            ready_us = (time.perf_counter() - build_start) * 1e6
+            result.metadata_host_us.append(ready_us)
+            result.table_build_us.append(ready_us)
+        # Graphed: one replay (the H2D copy of the rows, then the forward), no event; the
+        # staging buffer is released when this step's readback is waited (close), before
+        # the step after next fills it (checked: StagingBufferBusy).
+        step.launch(rows)
     tokens = step.tokens[:rows]
     if config.cp > 1:
         # ranks compute identical logits; broadcasting makes identical tokens a guarantee
