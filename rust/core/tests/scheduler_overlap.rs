@@ -6,7 +6,10 @@
 mod common;
 
 use common::{config, observable, prompt, Group, Model, RunMode, RunOptions, Spec};
-use helix_kv_core::{CoreError, FinishReason, RequestId, RequestState, ScheduleOutput, Scheduler};
+use helix_kv_core::{
+    CoreError, FinishReason, RequestId, RequestState, ScheduleOutput, Scheduler, ServingMode,
+    SuspendPolicy,
+};
 
 /// The token every test samples for `id` in `step`: distinct per request and step.
 fn token(id: RequestId, step: u64) -> i32 {
@@ -482,4 +485,136 @@ fn the_group_runs_one_step_ahead_at_every_cp_with_identical_outputs() {
         assert_eq!(overlap.outputs, plain.outputs, "cp {cp}");
         common::assert_matches_reference(&specs, model, &overlap);
     }
+}
+
+#[test]
+fn a_request_whose_abort_is_pending_holds_back_no_newer_admission() {
+    // tpb 4, cp 1, 4 superblocks, no preemption (bound 0); both prompts (7 tokens) take
+    // 2 superblocks. Step 2 is planned before step 1 (request 2's last token) is
+    // updated, so request 1, whose decode at position 8 needs a third superblock, sits
+    // out of step 2 and gives up its batch slot: it is `Decoding` without one.
+    let mut config = config(1, 4, 4);
+    config.max_preemptions_per_request = 0;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(1, &prompt(7), 6, 0).unwrap();
+    s.add_request(2, &prompt(7), 2, 0).unwrap();
+    let t0 = s.schedule().unwrap().clone();
+    let t1 = s.schedule().unwrap().clone();
+    s.update(&tokens(&t0), None).unwrap();
+    let t2 = s.schedule().unwrap().clone();
+    assert_eq!(t2.sat_out_ids, vec![1]);
+    assert_eq!(s.update(&tokens(&t1), None).unwrap(), [2]);
+    assert_eq!(s.request_state(1).unwrap(), RequestState::Decoding);
+    assert_eq!(s.batch_slot(1).unwrap(), None);
+    // Its client goes while step 2 is pending: it finishes when step 2 closes and never
+    // decodes again, so a step planned ahead of step 2 gives it no slot claim, and the
+    // newer request takes the lowest free slot and the pages request 2 left.
+    s.abort(1).unwrap();
+    s.add_request(3, &prompt(7), 3, 0).unwrap();
+    let t3 = s.schedule().unwrap().clone();
+    assert!(t3.generation_ids.is_empty());
+    assert_eq!(t3.context_ids, vec![3]);
+    assert_eq!(t3.context_batch_slots, vec![0]);
+    assert_eq!(s.batch_slot(1).unwrap(), None, "no slot claimed for it");
+    assert_eq!(s.update(&tokens(&t2), None).unwrap(), [1]);
+    let output = s.take_output(1).unwrap();
+    assert_eq!(output.finish_reason, FinishReason::Aborted);
+    assert_eq!(output.token_ids, vec![token(1, 0), token(1, 1)]);
+    s.update(&tokens(&t3), None).unwrap();
+    run_ahead(&mut s, |_, _, _| {});
+    assert_eq!(s.take_output(3).unwrap().token_ids.len(), 3);
+    assert_no_leak(&s);
+}
+
+#[test]
+fn the_group_lets_newer_requests_pass_a_slotless_decode_whose_abort_is_pending() {
+    // The shrunk proptest case (`scheduler_props.proptest-regressions`, non_helix with a
+    // host tier, reverts): request 5 sits out of step 30 (planned ahead), its abort
+    // comes while that step is pending, and step 31, planned ahead of it, admits
+    // request 7 into a free slot. Request 5 will never decode again, so the harness's
+    // slot-order check must not count it as a decode left without a slot.
+    let mut config = config(1, 4, 16);
+    config.max_batch_size = 3;
+    config.max_num_tokens = 41;
+    config.enable_chunked_prefill = false;
+    config.chunk_unit = Some(1);
+    config.serving_mode = ServingMode::NonHelix;
+    config.host_tier_superblocks = 7;
+    config.suspend_policy = SuspendPolicy::SuspendFirst;
+    config.max_preemptions_per_request = 1;
+    config.deadlock_steps = 12;
+    let specs = [
+        Spec::new(1, 1, 1).at(1),
+        Spec::new(2, 17, 12).at(1),
+        Spec::new(3, 4, 18).at(1).abort_at(1),
+        Spec::new(4, 29, 1).at(3),
+        Spec::new(5, 14, 23).at(2).abort_at(20),
+        Spec::new(6, 23, 15),
+        Spec::new(7, 39, 3).at(2),
+        Spec::new(8, 17, 16).at(1).abort_while_pending(18),
+        Spec::new(9, 18, 3),
+    ];
+    let options = RunOptions {
+        revert_per_mille: 240,
+        seed: 9,
+        max_steps: 5_000,
+        mode: RunMode::Overlap,
+    };
+    let result = Group::new(&config, Model::default())
+        .run(&specs, options)
+        .unwrap();
+    assert!(
+        result.abort_states.contains("decoding while pending"),
+        "{:?}",
+        result.abort_states
+    );
+    assert!(result.reverted_steps > 0 && result.suspensions > 0);
+    common::assert_matches_reference_with_aborts(&specs, Model::default(), &result);
+}
+
+#[test]
+fn without_preemption_a_step_planned_ahead_may_wedge_a_pool_a_plain_run_fits() {
+    // The shrunk proptest case (aggregated, bound 0, EOS model): a step planned ahead
+    // admits request 3 next to a decoding request 5 with the pages of request 2 (aborted
+    // while its step was pending); both then need pages nobody may give up. The plain
+    // run of the same workload, whose pool is one step fresher, finishes. A bound of 0
+    // may deadlock in either mode, so `Group::run` accepts the overlap deadlock as long
+    // as what finished matches the plain run.
+    let mut config = config(1, 1, 43);
+    config.max_batch_size = 3;
+    config.max_num_tokens = 43;
+    config.chunk_unit = Some(1);
+    config.max_preemptions_per_request = 0;
+    config.deadlock_steps = 12;
+    let specs = [
+        Spec::new(1, 3, 9).at(1),
+        Spec::new(2, 2, 16).abort_while_pending(9),
+        Spec::new(3, 8, 12).at(2),
+        Spec::new(4, 34, 6).at(2).abort_at(2),
+        Spec::new(5, 31, 7).at(1),
+        Spec::new(6, 1, 1),
+        Spec::new(7, 1, 1),
+        Spec::new(8, 1, 7).abort_at(0),
+    ];
+    let model = Model {
+        vocab: 24,
+        eos: Some(5),
+    };
+    let options = RunOptions {
+        seed: 8,
+        max_steps: 5_000,
+        mode: RunMode::Overlap,
+        ..RunOptions::default()
+    };
+    let overlap = Group::new(&config, model).run(&specs, options);
+    assert!(
+        matches!(overlap, Err(CoreError::Deadlock(_))),
+        "{overlap:?}"
+    );
+    let both = RunOptions {
+        mode: RunMode::Both,
+        ..options
+    };
+    let plain = Group::new(&config, model).run(&specs, both).unwrap();
+    common::assert_matches_reference_with_aborts(&specs, model, &plain);
 }
