@@ -3,8 +3,8 @@
 Per step, with N requests all decoding: vLLM ``Scheduler.schedule()`` +
 ``update_from_output()`` (one sampled token per request) against helix_kv ``schedule()`` +
 ``update()`` at cp = 4 (the loop of ``bench_scheduler.py``), and helix_kv plus the one call that
-writes the step's kernel metadata. Both run in this one process, one after the other, so they
-share the machine's state.
+writes the step's decode rows for the kernel (``write_decode_rows``). Both run in this one
+process, one after the other, so they share the machine's state.
 
 vLLM is not a dependency of helix_kv: install it in a separate environment together with
 helix_kv (``pip install vllm`` then ``pip install --no-deps <helix_kv wheel>``) and run
@@ -142,14 +142,17 @@ def measure_helix(n: int, with_metadata: bool) -> float:
     if not with_metadata:
         timed(loop.step, 20)
         return statistics.median(timed(loop.step, ROUNDS))
-    from helix_kv.step_metadata import new_step_metadata_buffer
+    import numpy as np
 
-    layout = loop.s.step_metadata_layout(16)  # pages per request: ample for the run
-    buffer = new_step_metadata_buffer(layout)
+    import helix_kv
+
+    # The fast path's rows: the fixed columns, then a block table wide enough for the run.
+    width = len(helix_kv.DECODE_ROW_COLUMNS) - 1 + 16
+    buffer = np.zeros((n, width), dtype=np.int32)
 
     def step() -> None:
         out = loop.s.schedule()
-        loop.s.write_step_metadata(out, buffer, layout)
+        loop.s.write_decode_rows(out, buffer)
         loop.s.update(loop.tokens[: out.num_samples])
 
     timed(step, 20)
@@ -160,7 +163,7 @@ def main(argv: list[str]) -> None:
     sizes = [int(a) for a in argv] or [1024, 4096]
     with tempfile.TemporaryDirectory() as model_dir:
         Path(model_dir, "config.json").write_text(json.dumps(OPT_CONFIG))
-        print("| N decodes | vLLM v1 | helix_kv | ratio | helix_kv + step metadata | ratio |")
+        print("| N decodes | vLLM v1 | helix_kv | ratio | helix_kv + decode rows | ratio |")
         print("|---|---|---|---|---|---|")
         for n in sizes:
             v = measure_vllm(n, model_dir)
