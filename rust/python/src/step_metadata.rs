@@ -137,6 +137,17 @@ pub fn layout(
     })
 }
 
+/// The error for a buffer whose dtype is not native int32.
+fn not_int32(untyped: &Bound<'_, PyUntypedArray>) -> PyErr {
+    invalid_type(format!(
+        "buffer must have dtype int32 (native byte order), got {}",
+        untyped
+            .dtype()
+            .str()
+            .map_or_else(|_| "?".to_string(), |s| s.to_string())
+    ))
+}
+
 /// The caller's buffer, refused unless it is a one-dimensional, C-contiguous, writeable
 /// numpy array of native int32 whose start is 8-byte aligned (so the int64 sections can be
 /// viewed in place). A wrong type or dtype is an `InvalidTypeError`; a wrong shape,
@@ -151,15 +162,9 @@ fn int32_buffer<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i3
             untyped.shape()
         )));
     }
-    let array = untyped.cast::<PyArray1<i32>>().map_err(|_| {
-        invalid_type(format!(
-            "buffer must have dtype int32 (native byte order), got {}",
-            untyped
-                .dtype()
-                .str()
-                .map_or_else(|_| "?".to_string(), |s| s.to_string())
-        ))
-    })?;
+    let array = untyped
+        .cast::<PyArray1<i32>>()
+        .map_err(|_| not_int32(untyped))?;
     if !array.is_c_contiguous() {
         return Err(InvalidArgumentError::new_err(
             "buffer must be C-contiguous (a strided view cannot be filled in place)",
@@ -256,15 +261,9 @@ fn int32_rows<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i32>
             untyped.shape()
         )));
     }
-    let array = untyped.cast::<PyArray2<i32>>().map_err(|_| {
-        invalid_type(format!(
-            "buffer must have dtype int32 (native byte order), got {}",
-            untyped
-                .dtype()
-                .str()
-                .map_or_else(|_| "?".to_string(), |s| s.to_string())
-        ))
-    })?;
+    let array = untyped
+        .cast::<PyArray2<i32>>()
+        .map_err(|_| not_int32(untyped))?;
     if !array.is_c_contiguous() {
         return Err(InvalidArgumentError::new_err(
             "buffer must be C-contiguous (a strided view cannot be filled in place)",
