@@ -829,6 +829,31 @@ impl Ledger {
         Some(pos)
     }
 
+    /// [`Ledger::try_allocate_decode_in_place`] for a step planned ahead: when it gives a
+    /// position it is [`Ledger::allocate_decode_ahead_at`] exactly (the previous decode's
+    /// undo kept); otherwise it changes nothing.
+    #[expect(
+        clippy::inline_always,
+        reason = "the per-request body of the scheduler's decode loop planned ahead"
+    )]
+    #[inline(always)]
+    pub(crate) fn try_allocate_decode_ahead_in_place(
+        &mut self,
+        entry: EntryIndex,
+        id: RequestId,
+        step: u64,
+    ) -> Option<u64> {
+        let undo = self.requests.get(entry)?.decode_undo();
+        let position = self.try_allocate_decode_in_place(entry, id, step)?;
+        if self.older_decode_undo.len() <= entry {
+            self.older_decode_undo.resize(entry + 1, None);
+        }
+        if self.requests[entry].decode_undo() != undo {
+            self.older_decode_undo[entry] = undo;
+        }
+        Some(position)
+    }
+
     fn allocate_decode_in(&mut self, entry: EntryIndex, step: u64) -> Result<Option<u64>> {
         let request = &self.requests[entry];
         let id = request.id;

@@ -115,36 +115,126 @@ impl Scheduler {
     /// sampling, given as that token's row, unless it is known to finish there
     /// (`max_new_tokens`) or its abort is pending.
     fn generation_phase_ahead(&mut self, step: u64) -> Result<()> {
-        for queue_pos in 0..self.queue.len() {
-            let req = self.queue[queue_pos];
-            let request = &self.requests[req as usize];
-            if request.abort_requested {
-                continue; // retired when the older step closes
+        let mut queue_pos = 0;
+        loop {
+            queue_pos = self.decode_run_ahead(step, queue_pos);
+            let Some(&req) = self.queue.get(queue_pos) else {
+                return Ok(());
+            };
+            self.generation_ahead_one(step, queue_pos, req)?;
+            queue_pos += 1;
+        }
+    }
+
+    /// The step planned ahead's generation work for the request at `queue_pos` (the
+    /// general path of [`Self::generation_phase_ahead`]).
+    fn generation_ahead_one(
+        &mut self,
+        step: u64,
+        queue_pos: usize,
+        req: RequestIndex,
+    ) -> Result<()> {
+        let request = &self.requests[req as usize];
+        if request.abort_requested {
+            return Ok(()); // retired when the older step closes
+        }
+        if let Some(mark) = self.ahead_mark(step, req) {
+            // A decode of the older step is still `Decoding` unless a step planned ahead
+            // (since reverted) preempted it; a completing prompt is not yet.
+            if request.state != RequestState::Decoding && self.preempted_after_older_step(req) {
+                return Ok(());
             }
-            if let Some(mark) = self.ahead_mark(step, req) {
-                // A decode of the older step is still `Decoding` unless a step planned ahead
-                // (since reverted) preempted it; a completing prompt is not yet.
-                if request.state != RequestState::Decoding && self.preempted_after_older_step(req) {
-                    continue;
-                }
-                // A chunk that does not complete the prompt continues in the context
-                // phase; a token that is the request's last finishes it.
-                if mark.row >= 0 && request.remaining_tokens > 1 {
-                    self.schedule_decode::<true>(step, queue_pos, req, mark.row)?;
-                }
-                continue;
+            // A chunk that does not complete the prompt continues in the context
+            // phase; a token that is the request's last finishes it.
+            if mark.row >= 0 && request.remaining_tokens > 1 {
+                self.schedule_decode::<true>(step, queue_pos, req, mark.row)?;
             }
-            match request.state {
-                RequestState::Decoding => {
-                    self.schedule_decode::<true>(step, queue_pos, req, -1)?;
-                }
-                RequestState::Suspended if request.victim_step != step => {
-                    self.try_resume(step, queue_pos, req)?;
-                }
-                _ => {}
+            return Ok(());
+        }
+        match request.state {
+            RequestState::Decoding => {
+                self.schedule_decode::<true>(step, queue_pos, req, -1)?;
             }
+            RequestState::Suspended if request.victim_step != step => {
+                self.try_resume(step, queue_pos, req)?;
+            }
+            _ => {}
         }
         Ok(())
+    }
+
+    /// [`Self::decode_run`] for a step planned ahead, from queue position `from` on: the
+    /// requests decoding in the older step that decode again here on the token they are
+    /// sampling there (given as its row), with the batch slot they hold, within the token
+    /// budget, on a token that fits the superblocks they hold, and those with nothing to
+    /// do in this phase (an abort pending, `Waiting` or `Prefilling` with no work in the
+    /// older step, `Decoding` with its last token sampled there). Each decode is exactly
+    /// what [`Self::schedule_decode`] would make of it (the placement is filled in by
+    /// `finish_step`). Stops at the first request that needs more and returns its
+    /// position, untouched, for the general path; the queue's length when none is left.
+    #[inline(never)]
+    fn decode_run_ahead(&mut self, step: u64, from: usize) -> usize {
+        let budget = u64::from(self.config.max_num_tokens).saturating_sub(self.step_tokens);
+        let queue = &self.queue[..];
+        let requests = &mut self.requests[..];
+        let ledger = &mut self.ledger;
+        let marks = &self.ahead_marks[..];
+        let out = &mut self.building;
+        let generation_reqs = &mut self.generation_reqs;
+        let journal = &mut self.journal;
+        let mut pos = from;
+        let mut scheduled = 0u64;
+        while let Some(&req) = queue.get(pos) {
+            let request = &mut requests[req as usize];
+            if request.abort_requested {
+                pos += 1;
+                continue;
+            }
+            let row = match marks.get(req as usize) {
+                Some(mark) if mark.step == step => {
+                    if request.state != RequestState::Decoding {
+                        break;
+                    }
+                    if mark.row < 0 || request.remaining_tokens <= 1 {
+                        pos += 1;
+                        continue;
+                    }
+                    mark.row
+                }
+                _ => match request.state {
+                    RequestState::Waiting | RequestState::Prefilling => {
+                        pos += 1;
+                        continue;
+                    }
+                    RequestState::Decoding | RequestState::Suspended => break,
+                },
+            };
+            if scheduled >= budget {
+                break;
+            }
+            let Some(slot) = request.batch_slot.get() else {
+                break;
+            };
+            // The request's index is also its ledger entry (see `add_request`).
+            let Some(position) =
+                ledger.try_allocate_decode_ahead_in_place(req as usize, request.id, step)
+            else {
+                break;
+            };
+            request.scheduled_step = step;
+            out.generation_ids.push(request.id);
+            out.generation_positions.push(position);
+            // A token still in flight is never given as a (stale) value.
+            out.generation_input_tokens.push(-1);
+            out.generation_input_refs.push(row);
+            out.generation_batch_slots.push(slot_id(slot));
+            generation_reqs.push(req);
+            journal.push(JournalEntry::Decode(req));
+            scheduled += 1;
+            pos += 1;
+        }
+        self.step_tokens += scheduled;
+        pos
     }
 
     fn begin_step(&mut self) {
