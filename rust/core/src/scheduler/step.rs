@@ -174,67 +174,97 @@ impl Scheduler {
     /// position, untouched, for the general path; the queue's length when none is left.
     #[inline(never)]
     fn decode_run_ahead(&mut self, step: u64, from: usize) -> usize {
+        const CHUNK: usize = 64;
+        let mut ids = [0; CHUNK];
+        let mut positions = [0; CHUNK];
+        let mut rows = [0; CHUNK];
+        let mut slots = [0; CHUNK];
+        let mut reqs = [0; CHUNK];
         let budget = u64::from(self.config.max_num_tokens).saturating_sub(self.step_tokens);
-        let queue = &self.queue[..];
-        let requests = &mut self.requests[..];
-        let ledger = &mut self.ledger;
-        let marks = &self.ahead_marks[..];
-        let out = &mut self.building;
-        let generation_reqs = &mut self.generation_reqs;
-        let journal = &mut self.journal;
-        let mut pos = from;
+        let mut queue_pos = from;
         let mut scheduled = 0u64;
-        while let Some(&req) = queue.get(pos) {
-            let request = &mut requests[req as usize];
-            if request.abort_requested {
-                pos += 1;
-                continue;
-            }
-            let row = match marks.get(req as usize) {
-                Some(mark) if mark.step == step => {
-                    if request.state != RequestState::Decoding {
+        loop {
+            let (count, end) = {
+                let queue = &self.queue[..];
+                let requests = &mut self.requests[..];
+                let ledger = &mut self.ledger;
+                let marks = &self.ahead_marks[..];
+                let room = usize::try_from(budget - scheduled)
+                    .unwrap_or(usize::MAX)
+                    .min(CHUNK);
+                let mut count = 0;
+                let mut pos = queue_pos;
+                while count < room {
+                    let Some(&req) = queue.get(pos) else {
                         break;
-                    }
-                    if mark.row < 0 || request.remaining_tokens <= 1 {
+                    };
+                    let request = &mut requests[req as usize];
+                    if request.abort_requested {
                         pos += 1;
                         continue;
                     }
-                    mark.row
+                    let row = match marks.get(req as usize) {
+                        Some(mark) if mark.step == step => {
+                            if request.state != RequestState::Decoding {
+                                break;
+                            }
+                            if mark.row < 0 || request.remaining_tokens <= 1 {
+                                pos += 1;
+                                continue;
+                            }
+                            mark.row
+                        }
+                        _ => match request.state {
+                            RequestState::Waiting | RequestState::Prefilling => {
+                                pos += 1;
+                                continue;
+                            }
+                            RequestState::Decoding | RequestState::Suspended => break,
+                        },
+                    };
+                    let Some(slot) = request.batch_slot.get() else {
+                        break;
+                    };
+                    // The request's index is also its ledger entry (see `add_request`).
+                    let Some(position) =
+                        ledger.try_allocate_decode_ahead_in_place(req as usize, request.id, step)
+                    else {
+                        break;
+                    };
+                    request.scheduled_step = step;
+                    ids[count] = request.id;
+                    positions[count] = position;
+                    rows[count] = row;
+                    slots[count] = slot_id(slot);
+                    reqs[count] = req;
+                    count += 1;
+                    pos += 1;
                 }
-                _ => match request.state {
-                    RequestState::Waiting | RequestState::Prefilling => {
-                        pos += 1;
-                        continue;
-                    }
-                    RequestState::Decoding | RequestState::Suspended => break,
-                },
+                (count, pos)
             };
-            if scheduled >= budget {
+            let out = &mut self.building;
+            out.generation_ids.extend_from_slice(&ids[..count]);
+            out.generation_positions
+                .extend_from_slice(&positions[..count]);
+            // A token still in flight is never given as a (stale) value.
+            out.generation_input_tokens
+                .resize(out.generation_input_tokens.len() + count, -1);
+            out.generation_input_refs.extend_from_slice(&rows[..count]);
+            out.generation_batch_slots
+                .extend_from_slice(&slots[..count]);
+            self.generation_reqs.extend_from_slice(&reqs[..count]);
+            self.journal
+                .extend(reqs[..count].iter().map(|&req| JournalEntry::Decode(req)));
+            scheduled += count as u64;
+            queue_pos = end;
+            // Only a full chunk may go on: a shorter one stopped at the queue's end, the
+            // budget's end or a request for the general path.
+            if count < CHUNK {
                 break;
             }
-            let Some(slot) = request.batch_slot.get() else {
-                break;
-            };
-            // The request's index is also its ledger entry (see `add_request`).
-            let Some(position) =
-                ledger.try_allocate_decode_ahead_in_place(req as usize, request.id, step)
-            else {
-                break;
-            };
-            request.scheduled_step = step;
-            out.generation_ids.push(request.id);
-            out.generation_positions.push(position);
-            // A token still in flight is never given as a (stale) value.
-            out.generation_input_tokens.push(-1);
-            out.generation_input_refs.push(row);
-            out.generation_batch_slots.push(slot_id(slot));
-            generation_reqs.push(req);
-            journal.push(JournalEntry::Decode(req));
-            scheduled += 1;
-            pos += 1;
         }
         self.step_tokens += scheduled;
-        pos
+        queue_pos
     }
 
     fn begin_step(&mut self) {
