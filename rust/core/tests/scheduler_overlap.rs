@@ -618,3 +618,56 @@ fn without_preemption_a_step_planned_ahead_may_wedge_a_pool_a_plain_run_fits() {
     let plain = Group::new(&config, model).run(&specs, both).unwrap();
     common::assert_matches_reference_with_aborts(&specs, model, &plain);
 }
+
+#[test]
+fn a_long_run_planned_ahead_skips_a_pending_abort_and_stops_at_the_budget() {
+    // 150 one-token prompts, a budget of 130 tokens: 130 decode (more than two of the
+    // fast path's chunks), 20 wait. Planned ahead with request 70's abort pending: the
+    // others decode again on their rows in flight, in queue order, and the token left
+    // admits the first waiting prompt.
+    let mut config = config(2, 4, 600);
+    config.max_batch_size = 256;
+    config.max_num_tokens = 130;
+    let mut s = Scheduler::new(config).unwrap();
+    for id in 1..=150 {
+        s.add_request(id, &prompt(1), 50, 0).unwrap();
+    }
+    let t0 = s.schedule().unwrap().clone();
+    assert_eq!(t0.context_ids, (1..=130).collect::<Vec<_>>());
+    s.update(&tokens(&t0), None).unwrap();
+    let t1 = s.schedule().unwrap().clone();
+    assert_eq!(t1.generation_ids, (1..=130).collect::<Vec<_>>());
+    s.abort(70).unwrap();
+    let after_t1 = observable(&s);
+    let t2 = s.schedule().unwrap().clone();
+    check_inputs(&s, Some(&t1), &t2);
+    let expected: Vec<RequestId> = (1..=130).filter(|&id| id != 70).collect();
+    assert_eq!(t2.generation_ids, expected);
+    assert_eq!(t2.context_ids, vec![131]);
+    for (i, &id) in t2.generation_ids.iter().enumerate() {
+        let row = usize::try_from(t2.generation_input_refs[i]).unwrap();
+        assert_eq!(t1.sample_ids[row], id);
+        assert_eq!(
+            t2.generation_positions[i], 2,
+            "prompt, then one token in flight"
+        );
+    }
+    // Reverted, the step planned again is the same, and the run finishes.
+    assert!(s.revert().unwrap().is_empty());
+    assert_eq!(observable(&s).0, after_t1.0, "the state is as after step 1");
+    assert_eq!(
+        observable(&s).1,
+        after_t1.1,
+        "the ledger is as after step 1"
+    );
+    let t3 = s.schedule().unwrap().clone();
+    assert_eq!(t3.generation_ids, t2.generation_ids);
+    assert_eq!(t3.generation_input_refs, t2.generation_input_refs);
+    assert_eq!(s.update(&tokens(&t1), None).unwrap(), [70]);
+    s.update(&tokens(&t3), None).unwrap();
+    while s.has_unfinished() {
+        let out = s.schedule().unwrap().clone();
+        s.update(&tokens(&out), None).unwrap();
+    }
+    assert_no_leak(&s);
+}
