@@ -254,7 +254,9 @@ impl PyLedger {
         let ledger = &mut self.inner;
         py.detach(|| ledger.add_many(&ids, &lens)).py()
     }
-    /// Batch grow: a bool per request. Validated whole before anything is applied.
+    /// Batch grow: a bool per request. Validated whole before anything is applied. A
+    /// small batch (ids plus superblocks it can take up to 4096, a few microseconds)
+    /// keeps the GIL; a larger one releases it.
     fn grow_many<'py>(
         &mut self,
         py: Python<'py>,
@@ -277,7 +279,8 @@ impl PyLedger {
         .py()?;
         Ok(PyArray1::from_slice(py, &ok))
     }
-    /// Batch free. Validated whole before anything is freed.
+    /// Batch free. Validated whole before anything is freed. A small batch (ids plus
+    /// superblocks held up to 4096) keeps the GIL; a larger one releases it.
     fn free_many(&mut self, py: Python<'_>, request_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = u64_vec(request_ids, "request ids", false)?;
         let ledger = &mut self.inner;
