@@ -327,6 +327,56 @@ pub struct Ledger {
     /// pending), so its newest step can be reverted and then the older one too. Apart from
     /// the entries, so the plain decode path writes nothing more.
     older_decode_undo: Vec<Option<DecodeUndo>>,
+    /// Working space of the batch calls, kept so they allocate nothing in steady state.
+    scratch: Scratch,
+}
+
+/// Working space of the batch calls. Not part of the ledger's state: every call empties
+/// what it uses first, two are always equal, and a clone starts empty.
+#[derive(Default)]
+struct Scratch {
+    /// The entries a batch call has looked up so far.
+    entries: Vec<EntryIndex>,
+    /// Per entry, the stamp of the last call that named it (a repeat within a call is
+    /// an entry that already bears the call's stamp).
+    stamps: Vec<u32>,
+    stamp: u32,
+}
+
+impl Scratch {
+    /// A stamp that none of the first `entries` entries bears yet.
+    #[inline]
+    fn next_stamp(&mut self, entries: usize) -> u32 {
+        if self.stamps.len() < entries {
+            self.stamps.resize(entries, 0);
+        }
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.stamps.fill(0);
+            self.stamp = 1;
+        }
+        self.stamp
+    }
+}
+
+impl Clone for Scratch {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+impl PartialEq for Scratch {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for Scratch {}
+
+impl std::fmt::Debug for Scratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Scratch")
+    }
 }
 
 impl Ledger {
@@ -359,6 +409,7 @@ impl Ledger {
             vacant: Vec::new(),
             index: IdIndex::default(),
             older_decode_undo: Vec::new(),
+            scratch: Scratch::default(),
         })
     }
 
@@ -647,6 +698,29 @@ impl Ledger {
         self.vacant.push(entry);
     }
 
+    /// `shrink_entry(entry, 0)` and `vacate(entry)` in one: the table goes back to the
+    /// free list, last superblock first.
+    #[expect(
+        clippy::inline_always,
+        reason = "the per-request body of `free_many`; left to itself the compiler calls `shrink_entry`"
+    )]
+    #[inline(always)]
+    fn release_entry(&mut self, entry: EntryIndex) {
+        let request = &mut self.requests[entry];
+        let held = request.held as usize;
+        if held == 1 {
+            self.free.push(request.inline[0]);
+        } else if held <= INLINE_SUPERBLOCKS {
+            self.free.extend(request.inline[..held].iter().rev());
+        } else {
+            self.free.extend(request.spill.iter().rev());
+            request.spill.clear();
+        }
+        request.held = 0;
+        request.len = 0;
+        self.vacate(entry);
+    }
+
     /// Frees every superblock of `id` and forgets it.
     pub fn free(&mut self, id: RequestId) -> Result<()> {
         let entry = self.entry_of(id)?;
@@ -686,18 +760,57 @@ impl Ledger {
                 new_lens.len()
             )));
         }
-        let entries = self.unique_entries(ids)?;
-        for (&entry, &len) in entries.iter().zip(new_lens) {
-            self.check_grow_entry(entry, len)?;
+        // One validation pass (lookup, repeat, suspension, range) that keeps the entries,
+        // then the grows. A refused batch reports what the plain checks, in their order,
+        // find first.
+        let mut entries = std::mem::take(&mut self.scratch.entries);
+        entries.clear();
+        let stamp = self.scratch.next_stamp(self.requests.len());
+        let capacity_tokens = self.capacity_tokens();
+        let mut valid = true;
+        for (&id, &len) in ids.iter().zip(new_lens) {
+            let Some(entry) = self.index.get(id) else {
+                valid = false;
+                break;
+            };
+            let request = &self.requests[entry];
+            if request.flags & SUSPENDED != 0
+                || len < request.len
+                || len > capacity_tokens
+                || std::mem::replace(&mut self.scratch.stamps[entry], stamp) == stamp
+            {
+                valid = false;
+                break;
+            }
+            entries.push(entry);
+        }
+        if !valid {
+            self.scratch.entries = entries;
+            return Err(self.grow_many_error(ids, new_lens));
         }
         ok.clear();
         ok.extend(
             entries
+                .iter()
+                .zip(new_lens)
+                .map(|(&entry, &len)| self.grow_entry(entry, len)),
+        );
+        self.scratch.entries = entries;
+        Ok(())
+    }
+
+    /// The error of a `grow_many` batch that failed validation: the first unknown or
+    /// repeated id, else the first refused grow.
+    #[cold]
+    fn grow_many_error(&self, ids: &[RequestId], new_lens: &[u64]) -> CoreError {
+        match self.unique_entries(ids) {
+            Err(err) => err,
+            Ok(entries) => entries
                 .into_iter()
                 .zip(new_lens)
-                .map(|(entry, &len)| self.grow_entry(entry, len)),
-        );
-        Ok(())
+                .find_map(|(entry, &len)| self.check_grow_entry(entry, len).err())
+                .expect("a batch that failed validation has an id or a grow to refuse"),
+        }
     }
 
     /// Batch free; validated whole before anything is freed.
@@ -718,8 +831,7 @@ impl Ledger {
             entries.push(entry);
         }
         for entry in entries {
-            self.shrink_entry(entry, 0);
-            self.vacate(entry);
+            self.release_entry(entry);
         }
         Ok(())
     }
@@ -1278,6 +1390,86 @@ mod tests {
         assert_ne!(index, fresh);
         fresh.insert(id, entry + 1);
         assert_ne!(index, fresh);
+    }
+
+    /// The batch calls as they were written first (validate whole, then apply), from the
+    /// unchanged single-request steps: `grow_many` gives the same answers, errors and
+    /// state, and `free_many` leaves what `free` of each id in turn leaves.
+    #[test]
+    fn batch_calls_match_their_plain_form() {
+        fn plain_grow_many(ledger: &mut Ledger, ids: &[u64], lens: &[u64]) -> Result<Vec<bool>> {
+            let entries = ledger.unique_entries(ids)?;
+            for (&entry, &len) in entries.iter().zip(lens) {
+                ledger.check_grow_entry(entry, len)?;
+            }
+            Ok(entries
+                .into_iter()
+                .zip(lens)
+                .map(|(entry, &len)| ledger.grow_entry(entry, len))
+                .collect())
+        }
+        let layout = Layout::new(2, 4).unwrap();
+        let tps = layout.tokens_per_superblock();
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let mut ledger = Ledger::new(layout, 48).unwrap();
+        let mut ok = vec![true; 3];
+        for round in 0..4000 {
+            // Ids 0..12: some held, some suspended, some unknown; lengths around what
+            // they hold, past the pool now and then.
+            let id = next(12);
+            match next(6) {
+                0 => drop(ledger.add(id, 1 + next(3))),
+                1 => drop(ledger.suspend(id)),
+                2 => drop(ledger.resume(id)),
+                3 => drop(ledger.shrink(id, next(2 * tps))),
+                _ => {}
+            }
+            let n = usize::try_from(next(6)).unwrap();
+            let ids: Vec<u64> = (0..n).map(|_| next(12)).collect();
+            let lens: Vec<u64> = (0..n)
+                .map(|_| {
+                    if next(40) == 0 {
+                        49 * tps
+                    } else {
+                        next(12 * tps)
+                    }
+                })
+                .collect();
+            let mut plain = ledger.clone();
+            let expected = plain_grow_many(&mut plain, &ids, &lens).map_err(|e| e.to_string());
+            let got = ledger
+                .grow_many(&ids, &lens, &mut ok)
+                .map(|()| ok.clone())
+                .map_err(|e| e.to_string());
+            assert_eq!(
+                got, expected,
+                "round {round}: grow_many {ids:?} to {lens:?}"
+            );
+            assert_eq!(ledger, plain);
+            assert_eq!(ledger.state_digest(), plain.state_digest());
+            if next(4) == 0 {
+                let mut plain = ledger.clone();
+                let expected = plain
+                    .unique_entries(&ids)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string());
+                if expected.is_ok() {
+                    for &id in &ids {
+                        plain.free(id).unwrap();
+                    }
+                }
+                let got = ledger.free_many(&ids).map_err(|e| e.to_string());
+                assert_eq!(got, expected, "round {round}: free_many {ids:?}");
+                assert_eq!(ledger, plain);
+                assert_eq!(ledger.state_digest(), plain.state_digest());
+            }
+        }
     }
 
     /// The record keeps its table in place up to `INLINE_SUPERBLOCKS` and on the heap past

@@ -3,6 +3,7 @@
 use helix_kv_core::{DecodeView, Ledger, RequestKv};
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
+use pyo3::marker::Ungil;
 use pyo3::prelude::*;
 
 use crate::arrays::{
@@ -16,6 +17,21 @@ use crate::layout::PyLayout;
 #[pyclass(module = "helix_kv._core", name = "Ledger")]
 pub struct PyLedger {
     pub inner: Ledger,
+}
+
+/// Units of work (ids plus superblocks moved, each some nanoseconds) up to which a batch
+/// call keeps the GIL: a few microseconds, about what handing it over and back costs. A
+/// larger call releases it, so other Python threads run meanwhile.
+const KEEP_GIL_UP_TO: u64 = 1 << 12;
+
+/// Runs `work` with the GIL held when `units` (an upper bound on its work) is small,
+/// released otherwise.
+fn run_sized<T: Send>(py: Python<'_>, units: u64, work: impl Ungil + FnOnce() -> T) -> T {
+    if units <= KEEP_GIL_UP_TO {
+        work()
+    } else {
+        py.detach(work)
+    }
 }
 
 helix_kv_core::decode_view_fields!(value_record! {
@@ -238,7 +254,9 @@ impl PyLedger {
         let ledger = &mut self.inner;
         py.detach(|| ledger.add_many(&ids, &lens)).py()
     }
-    /// Batch grow: a bool per request. Validated whole before anything is applied.
+    /// Batch grow: a bool per request. Validated whole before anything is applied. A
+    /// small batch (ids plus superblocks it can take up to 4096, a few microseconds)
+    /// keeps the GIL; a larger one releases it.
     fn grow_many<'py>(
         &mut self,
         py: Python<'py>,
@@ -249,14 +267,28 @@ impl PyLedger {
         let lens = u64_vec(new_lens, "lengths", true)?;
         let mut ok = Vec::with_capacity(ids.len());
         let ledger = &mut self.inner;
-        py.detach(|| ledger.grow_many(&ids, &lens, &mut ok)).py()?;
-        Ok(PyArray1::from_vec(py, ok))
+        // At most every id's widest length's superblocks, and never more than the pool has.
+        // The lengths or'ed together bound the widest (below twice it) in a pass that,
+        // unlike `max`, vectorises.
+        let widest = lens.iter().fold(0, |acc, &len| acc | len);
+        let superblocks = ledger.layout().superblocks_for(widest);
+        let moved = superblocks
+            .saturating_mul(ids.len() as u64)
+            .min(u64::from(ledger.free_superblocks()));
+        run_sized(py, ids.len() as u64 + moved, || {
+            ledger.grow_many(&ids, &lens, &mut ok)
+        })
+        .py()?;
+        Ok(PyArray1::from_slice(py, &ok))
     }
-    /// Batch free. Validated whole before anything is freed.
+    /// Batch free. Validated whole before anything is freed. A small batch (ids plus
+    /// superblocks held up to 4096) keeps the GIL; a larger one releases it.
     fn free_many(&mut self, py: Python<'_>, request_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = u64_vec(request_ids, "request ids", false)?;
         let ledger = &mut self.inner;
-        py.detach(|| ledger.free_many(&ids)).py()
+        // At most every id plus every superblock held.
+        let units = ids.len() as u64 + u64::from(ledger.used_superblocks());
+        run_sized(py, units, || ledger.free_many(&ids)).py()
     }
     /// Reserves the next decode token in `step`; its global position, or None if the pool is short.
     fn allocate_decode(
