@@ -305,6 +305,26 @@ fn mismatch(group: &str) -> CoreError {
     ))
 }
 
+/// The number of decode entries of `source`; fails unless the generation arrays that
+/// both metadata forms read (all but the batch slots) have that length.
+fn generation_len(source: &StepSource<'_>) -> Result<usize> {
+    let g = source.generation_ids.len();
+    if [
+        source.generation_positions.len(),
+        source.generation_owner_ranks.len(),
+        source.generation_input_tokens.len(),
+        source.generation_input_refs.len(),
+        source.generation_local_lens.len(),
+        source.generation_past_seen_lens.len(),
+    ]
+    .iter()
+    .any(|&n| n != g)
+    {
+        return Err(mismatch("generation"));
+    }
+    Ok(g)
+}
+
 /// Fails unless the arrays of `source` fit together and the step fits `layout` and a
 /// buffer of `buffer_words` words.
 fn check_shapes(
@@ -318,19 +338,8 @@ fn check_shapes(
             layout.total_words
         )));
     }
-    let g = source.generation_ids.len();
-    if [
-        source.generation_positions.len(),
-        source.generation_owner_ranks.len(),
-        source.generation_input_tokens.len(),
-        source.generation_input_refs.len(),
-        source.generation_batch_slots.len(),
-        source.generation_local_lens.len(),
-        source.generation_past_seen_lens.len(),
-    ]
-    .iter()
-    .any(|&n| n != g)
-    {
+    let g = generation_len(source)?;
+    if source.generation_batch_slots.len() != g {
         return Err(mismatch("generation"));
     }
     let c = source.context_ids.len();
@@ -776,20 +785,7 @@ fn check_decode_shapes(
             "a buffer of {buffer_words} words is not whole rows of {width}"
         )));
     }
-    let g = source.generation_ids.len();
-    if [
-        source.generation_positions.len(),
-        source.generation_owner_ranks.len(),
-        source.generation_input_tokens.len(),
-        source.generation_input_refs.len(),
-        source.generation_local_lens.len(),
-        source.generation_past_seen_lens.len(),
-    ]
-    .iter()
-    .any(|&n| n != g)
-    {
-        return Err(mismatch("generation"));
-    }
+    let g = generation_len(source)?;
     let capacity = buffer_words / width;
     if g.max(pad_to) > capacity {
         return Err(CoreError::InvalidLength(format!(

@@ -242,19 +242,17 @@ impl Scheduler {
                 }
                 (count, pos)
             };
+            self.append_decode_chunk(
+                &ids[..count],
+                &positions[..count],
+                &slots[..count],
+                &reqs[..count],
+            );
             let out = &mut self.building;
-            out.generation_ids.extend_from_slice(&ids[..count]);
-            out.generation_positions
-                .extend_from_slice(&positions[..count]);
             // A token still in flight is never given as a (stale) value.
             out.generation_input_tokens
                 .resize(out.generation_input_tokens.len() + count, -1);
             out.generation_input_refs.extend_from_slice(&rows[..count]);
-            out.generation_batch_slots
-                .extend_from_slice(&slots[..count]);
-            self.generation_reqs.extend_from_slice(&reqs[..count]);
-            self.journal
-                .extend(reqs[..count].iter().map(|&req| JournalEntry::Decode(req)));
             scheduled += count as u64;
             queue_pos = end;
             // Only a full chunk may go on: a shorter one stopped at the queue's end, the
@@ -265,6 +263,26 @@ impl Scheduler {
         }
         self.step_tokens += scheduled;
         queue_pos
+    }
+
+    /// Appends a chunk of decodes gathered by [`Self::decode_run`] or
+    /// [`Self::decode_run_ahead`]: the output columns both fill alike, the requests and
+    /// their journal entries.
+    #[inline]
+    fn append_decode_chunk(
+        &mut self,
+        ids: &[RequestId],
+        positions: &[u64],
+        slots: &[i32],
+        reqs: &[RequestIndex],
+    ) {
+        let out = &mut self.building;
+        out.generation_ids.extend_from_slice(ids);
+        out.generation_positions.extend_from_slice(positions);
+        out.generation_batch_slots.extend_from_slice(slots);
+        self.generation_reqs.extend_from_slice(reqs);
+        self.journal
+            .extend(reqs.iter().map(|&req| JournalEntry::Decode(req)));
     }
 
     fn begin_step(&mut self) {
@@ -406,23 +424,21 @@ impl Scheduler {
                 }
                 (count, pos)
             };
+            self.append_decode_chunk(
+                &ids[..count],
+                &positions[..count],
+                &slots[..count],
+                &reqs[..count],
+            );
             let out = &mut self.building;
-            out.generation_ids.extend_from_slice(&ids[..count]);
-            out.generation_positions
-                .extend_from_slice(&positions[..count]);
             out.generation_input_tokens
                 .extend_from_slice(&tokens[..count]);
-            out.generation_batch_slots
-                .extend_from_slice(&slots[..count]);
             out.generation_owner_ranks
                 .extend_from_slice(&owners[..count]);
             out.generation_active.extend_from_slice(&active[..count]);
             out.generation_past_seen_lens
                 .extend_from_slice(&past_seen[..count]);
             out.generation_local_lens.extend_from_slice(&local[..count]);
-            self.generation_reqs.extend_from_slice(&reqs[..count]);
-            self.journal
-                .extend(reqs[..count].iter().map(|&req| JournalEntry::Decode(req)));
             scheduled += count as u64;
             queue_pos = end;
             // Only a full chunk may go on: a shorter one stopped at the queue's end, the
