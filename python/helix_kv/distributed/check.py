@@ -35,9 +35,15 @@ SampledTokens = tuple[npt.NDArray[Any], npt.NDArray[np.int32], Optional[npt.NDAr
 RecordedUpdate = tuple[Optional[int], SampledTokens]
 
 
+#: int64 wrap-around of a 64-bit value (see :func:`to_int64`; :meth:`ScheduleChecker.start`
+#: inlines it).
+_SIGN = 1 << 63
+_WRAP = 1 << 64
+
+
 def to_int64(value: int) -> int:
     """An unsigned 64-bit value as the signed int64 with the same bits."""
-    return value - (1 << 64) if value >= 1 << 63 else value
+    return value - _WRAP if value >= _SIGN else value
 
 
 class ScheduleChecker:
@@ -203,11 +209,6 @@ class ScheduleChecker:
             {"output": output, "extra": updates_fields(pending)}
         )
         raise schedule_mismatch([r["output"] for r in records], [r["extra"] for r in records])
-
-
-#: int64 wrap-around of a 64-bit value (see :func:`to_int64`).
-_SIGN = 1 << 63
-_WRAP = 1 << 64
 
 
 def updates_fingerprint(updates: list[RecordedUpdate]) -> int:

@@ -245,7 +245,7 @@ def run_rank(
     if fast_path:
         budgets = [max_new_tokens] if isinstance(max_new_tokens, int) else max_new_tokens.values()
         longest = max((len(p) for p in prompts.values()), default=1) + max(budgets, default=1)
-        max_pages = config.max_pages_per_request or -(-longest // placement.tokens_per_superblock)
+        max_pages = config.max_pages_per_request or placement.layout.superblocks_for(longest)
         metadata = DecodeMetadata(
             DecodeLayout(config.max_batch_size, max_pages), device, config.graph_batch_sizes
         )

@@ -4,7 +4,8 @@
 //! (`DECODE_ROW_COLUMNS`, `DecodeRowCounts`, `write_decode_rows`).
 
 use helix_kv_core::{Scheduler, StepMetadataLayout};
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::ndarray::{Dimension, Ix1, Ix2};
+use numpy::{PyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
@@ -148,34 +149,45 @@ fn not_int32(untyped: &Bound<'_, PyUntypedArray>) -> PyErr {
     ))
 }
 
-/// The caller's buffer, refused unless it is a one-dimensional, C-contiguous, writeable
-/// numpy array of native int32 whose start is 8-byte aligned (so the int64 sections can be
-/// viewed in place). A wrong type or dtype is an `InvalidTypeError`; a wrong shape,
-/// layout, alignment or a read-only array an `InvalidArgumentError`.
-fn int32_buffer<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+/// The caller's `obj` as a C-contiguous numpy int32 array of `D`'s rank (`shape` names
+/// that rank in the error): a wrong type or dtype is an `InvalidTypeError`, a wrong rank or
+/// a strided array an `InvalidArgumentError`.
+fn int32_array<'py, D: Dimension>(
+    obj: &Bound<'py, PyAny>,
+    shape: &str,
+) -> PyResult<Bound<'py, PyArray<i32, D>>> {
     let untyped = obj
         .cast::<PyUntypedArray>()
         .map_err(|_| invalid_type_of("buffer", "a numpy int32 array", obj))?;
-    if untyped.ndim() != 1 {
+    if D::NDIM.is_some_and(|ndim| untyped.ndim() != ndim) {
         return Err(InvalidArgumentError::new_err(format!(
-            "buffer must be one-dimensional, got an array of shape {:?}",
+            "buffer must be {shape}, got an array of shape {:?}",
             untyped.shape()
         )));
     }
     let array = untyped
-        .cast::<PyArray1<i32>>()
+        .cast::<PyArray<i32, D>>()
         .map_err(|_| not_int32(untyped))?;
     if !array.is_c_contiguous() {
         return Err(InvalidArgumentError::new_err(
             "buffer must be C-contiguous (a strided view cannot be filled in place)",
         ));
     }
+    Ok(array.clone())
+}
+
+/// The caller's buffer, refused unless it is a one-dimensional, C-contiguous, writeable
+/// numpy array of native int32 whose start is 8-byte aligned (so the int64 sections can be
+/// viewed in place). A wrong type or dtype is an `InvalidTypeError`; a wrong shape,
+/// layout, alignment or a read-only array an `InvalidArgumentError`.
+fn int32_buffer<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    let array = int32_array::<Ix1>(obj, "one-dimensional")?;
     if (array.data() as usize) % 8 != 0 {
         return Err(InvalidArgumentError::new_err(
             "buffer must start at an 8-byte aligned address (its int64 sections are viewed in place)",
         ));
     }
-    Ok(array.clone())
+    Ok(array)
 }
 
 /// Tokens plus entries up to which `write_step_metadata` keeps the GIL (about 50 us of work).
@@ -252,24 +264,7 @@ pub fn decode_row_columns() -> Vec<&'static str> {
 /// array of native int32 (a wrong type or dtype is an `InvalidTypeError`, a wrong shape or
 /// layout an `InvalidArgumentError`).
 fn int32_rows<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i32>>> {
-    let untyped = obj
-        .cast::<PyUntypedArray>()
-        .map_err(|_| invalid_type_of("buffer", "a numpy int32 array", obj))?;
-    if untyped.ndim() != 2 {
-        return Err(InvalidArgumentError::new_err(format!(
-            "buffer must be two-dimensional ([rows, width]), got an array of shape {:?}",
-            untyped.shape()
-        )));
-    }
-    let array = untyped
-        .cast::<PyArray2<i32>>()
-        .map_err(|_| not_int32(untyped))?;
-    if !array.is_c_contiguous() {
-        return Err(InvalidArgumentError::new_err(
-            "buffer must be C-contiguous (a strided view cannot be filled in place)",
-        ));
-    }
-    Ok(array.clone())
+    int32_array::<Ix2>(obj, "two-dimensional ([rows, width])")
 }
 
 /// `Scheduler.write_decode_rows`.
