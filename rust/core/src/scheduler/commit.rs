@@ -79,7 +79,20 @@ impl Scheduler {
         let has_zombies = !self.zombies.is_empty();
         self.finished_ids.clear();
         let mut kept = 0;
-        for read in 0..self.queue.len() {
+        let mut read = 0;
+        while read < self.queue.len() {
+            if !has_zombies {
+                // The steady state first: a run of plain decodes that neither finish
+                // nor were aborted (the general body below, minus its cases).
+                let run =
+                    self.apply_decode_run(&generation, tokens, eos, read, next_generation, kept);
+                read += run;
+                next_generation += run;
+                kept += run;
+                if read == self.queue.len() {
+                    break;
+                }
+            }
             if has_zombies {
                 self.skip_held_entries(
                     &generation,
@@ -154,6 +167,7 @@ impl Scheduler {
                 self.queue[kept] = req;
                 kept += 1;
             }
+            read += 1;
         }
         if has_zombies {
             self.skip_held_entries(
@@ -177,6 +191,47 @@ impl Scheduler {
             self.release_zombies(step);
         }
         self.count_step(computed_tokens);
+    }
+
+    /// The common case of [`Self::apply_step`] for the queue from position `read` on: each
+    /// request is the next generation entry (`next_generation`), `Decoding`, not aborted,
+    /// and its token is neither end-of-sequence nor its last (`remaining_tokens > 1`), so
+    /// it takes the token and stays. Stops, untouched, at the first request that needs
+    /// more and returns how many it took (moved down to `kept` on, as the general path
+    /// would). Only without held (zombie) entries, which the general path skips.
+    #[inline(never)]
+    fn apply_decode_run(
+        &mut self,
+        generation: &[RequestIndex],
+        tokens: &[i32],
+        eos: Option<&[bool]>,
+        read: usize,
+        next_generation: usize,
+        kept: usize,
+    ) -> usize {
+        let queue = &mut self.queue[..];
+        let requests = &mut self.requests[..];
+        let token_log = &mut self.token_log;
+        let pending = generation.get(next_generation..).unwrap_or_default();
+        let mut run = 0;
+        while let (Some(&entry), Some(&queued)) = (pending.get(run), queue.get(read + run)) {
+            let request = &mut requests[queued as usize];
+            if entry != queued
+                || request.abort_requested
+                || request.state != RequestState::Decoding
+                || request.remaining_tokens <= 1
+                || eos.is_some_and(|flags| flags[next_generation + run])
+            {
+                break;
+            }
+            token_log.push(queued, request, tokens[next_generation + run]);
+            request.computed += 1;
+            if kept != read {
+                queue[kept + run] = queued;
+            }
+            run += 1;
+        }
+        run
     }
 
     /// Entries of requests that finished while this step was pending (held for it, out

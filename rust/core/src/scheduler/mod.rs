@@ -65,7 +65,18 @@ struct ContextEntry {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum JournalEntry {
     Decode(RequestIndex),
-    Reserve { req: RequestIndex, len_before: u64 },
+    /// The decodes of generation entries `from..to` (positions in `generation_reqs`), as
+    /// one `Decode` each in that order: the decode loops record a run of entries at once
+    /// instead of an entry per request. Dropping generation entries (preempted after they
+    /// were made) would move the positions, so it first turns these back into `Decode`s.
+    Decodes {
+        from: u32,
+        to: u32,
+    },
+    Reserve {
+        req: RequestIndex,
+        len_before: u64,
+    },
     Resume(RequestIndex),
 }
 

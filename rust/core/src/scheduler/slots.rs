@@ -95,6 +95,16 @@ pub(super) fn row_id(row: usize) -> i32 {
     row as i32
 }
 
+/// A generation entry's position as a journal records it (see `JournalEntry::Decodes`).
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "each generation entry holds a batch slot, so entries are below max_batch_size <= i32::MAX"
+)]
+pub(super) fn entry_id(entry: usize) -> u32 {
+    debug_assert!(u32::try_from(entry).is_ok());
+    entry as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::BatchSlots;

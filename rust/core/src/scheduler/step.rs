@@ -2,7 +2,7 @@
 //! and the output arrays.
 
 use super::request::{AheadMark, NO_STEP};
-use super::slots::{row_id, slot_id};
+use super::slots::{entry_id, row_id, slot_id};
 use super::victim::VictimKey;
 use super::{
     CapacityPolicy, ContextEntry, CoreError, JournalEntry, RequestId, RequestIndex, RequestState,
@@ -280,9 +280,18 @@ impl Scheduler {
         out.generation_ids.extend_from_slice(ids);
         out.generation_positions.extend_from_slice(positions);
         out.generation_batch_slots.extend_from_slice(slots);
+        let from = entry_id(self.generation_reqs.len());
         self.generation_reqs.extend_from_slice(reqs);
-        self.journal
-            .extend(reqs.iter().map(|&req| JournalEntry::Decode(req)));
+        let to = entry_id(self.generation_reqs.len());
+        if from == to {
+            return;
+        }
+        // One journal entry for the run: the chunk before it, if it was the last change,
+        // extends to cover this one.
+        match self.journal.last_mut() {
+            Some(JournalEntry::Decodes { to: end, .. }) if *end == from => *end = to,
+            _ => self.journal.push(JournalEntry::Decodes { from, to }),
+        }
     }
 
     fn begin_step(&mut self) {
@@ -1005,6 +1014,26 @@ impl Scheduler {
     /// One order-preserving pass over the generation entries, keeping those whose
     /// request was not preempted after being scheduled.
     fn drop_preempted_generation_entries(&mut self, step: u64) {
+        // The runs of decodes name entries by position, which the drop moves: each
+        // becomes its `Decode`s again (the journal then reads as it always did).
+        if self
+            .journal
+            .iter()
+            .any(|entry| matches!(entry, JournalEntry::Decodes { .. }))
+        {
+            let mut journal = Vec::with_capacity(self.journal.len() + self.generation_reqs.len());
+            for &entry in &self.journal {
+                match entry {
+                    JournalEntry::Decodes { from, to } => journal.extend(
+                        self.generation_reqs[from as usize..to as usize]
+                            .iter()
+                            .map(|&req| JournalEntry::Decode(req)),
+                    ),
+                    _ => journal.push(entry),
+                }
+            }
+            self.journal = journal;
+        }
         let out = &mut self.building;
         // Only a step planned ahead has its refs yet (a plain one fills them in after).
         let refs = !out.generation_input_refs.is_empty();
@@ -1068,39 +1097,20 @@ impl Scheduler {
     /// rank, and their victims simply re-prefill or resume later.
     pub(super) fn undo_step(&mut self, step: u64) {
         let journal = std::mem::take(&mut self.journal);
+        let generation = std::mem::take(&mut self.generation_reqs);
         for &entry in journal.iter().rev() {
-            let req = match entry {
+            match entry {
+                JournalEntry::Decodes { from, to } => {
+                    for &req in generation[from as usize..to as usize].iter().rev() {
+                        self.undo_change(step, req, entry);
+                    }
+                }
                 JournalEntry::Decode(req)
                 | JournalEntry::Reserve { req, .. }
-                | JournalEntry::Resume(req) => req,
-            };
-            let request = &self.requests[req as usize];
-            if request.zombie {
-                continue; // finished meanwhile: everything it holds is freed with the step
+                | JournalEntry::Resume(req) => self.undo_change(step, req, entry),
             }
-            if request.victim_step != NO_STEP && request.victim_step >= step {
-                // Its reservations went with the preemption. One suspended by a step
-                // planned ahead (since reverted) took this step's work to the host tier:
-                // that work never ran, so it re-prefills what it has instead.
-                if request.victim_step > step
-                    && request.state == RequestState::Suspended
-                    && !matches!(entry, JournalEntry::Resume(_))
-                {
-                    self.recompute_instead_of_resume(req);
-                }
-                continue;
-            }
-            let id = request.id;
-            let undone = match entry {
-                JournalEntry::Decode(_) => self.ledger.revert_decode(id, step).map(|_| ()),
-                JournalEntry::Reserve { len_before, .. } => self.ledger.shrink(id, len_before),
-                // Its host pages were kept (they are released when a step is updated).
-                JournalEntry::Resume(_) => self.ledger.suspend(id).map(|_| {
-                    self.set_state(req, RequestState::Suspended);
-                }),
-            };
-            undone.expect("the ledger accepts undoing a change it made in this step");
         }
+        self.generation_reqs = generation;
         self.journal = journal;
         for &req in &self.new_slot_reqs {
             if let Some(slot) = self.requests[req as usize].batch_slot.take() {
@@ -1118,6 +1128,39 @@ impl Scheduler {
                 request.batch_slot.set(slot);
             }
         }
+    }
+
+    /// Undoes one change of the step, the request `req`'s (`entry` is its journal entry;
+    /// a decode of a `Decodes` run is undone as its own `Decode`).
+    fn undo_change(&mut self, step: u64, req: RequestIndex, entry: JournalEntry) {
+        let request = &self.requests[req as usize];
+        if request.zombie {
+            return; // finished meanwhile: everything it holds is freed with the step
+        }
+        if request.victim_step != NO_STEP && request.victim_step >= step {
+            // Its reservations went with the preemption. One suspended by a step
+            // planned ahead (since reverted) took this step's work to the host tier:
+            // that work never ran, so it re-prefills what it has instead.
+            if request.victim_step > step
+                && request.state == RequestState::Suspended
+                && !matches!(entry, JournalEntry::Resume(_))
+            {
+                self.recompute_instead_of_resume(req);
+            }
+            return;
+        }
+        let id = request.id;
+        let undone = match entry {
+            JournalEntry::Decode(_) | JournalEntry::Decodes { .. } => {
+                self.ledger.revert_decode(id, step).map(|_| ())
+            }
+            JournalEntry::Reserve { len_before, .. } => self.ledger.shrink(id, len_before),
+            // Its host pages were kept (they are released when a step is updated).
+            JournalEntry::Resume(_) => self.ledger.suspend(id).map(|_| {
+                self.set_state(req, RequestState::Suspended);
+            }),
+        };
+        undone.expect("the ledger accepts undoing a change it made in this step");
     }
 
     /// A request suspended by a later step whose work in the step being reverted went
