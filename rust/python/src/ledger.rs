@@ -47,45 +47,53 @@ impl Buffers {
     }
 }
 
-/// [`u64_vec`] into `out`, whose storage is reused: a contiguous int64 or uint64 array
-/// whose values are all in range (the usual argument) is copied straight in; anything
-/// else goes through `u64_vec`, with its errors.
+/// [`u64_vec`] into `out`, whose storage is reused; returns the values or'ed together
+/// (at least the largest, below twice it). A contiguous int64 or uint64 array whose
+/// values are all in range (the usual argument) is copied straight in, its range checked
+/// on the copy's bits in the same pass; anything else goes through `u64_vec`, with its
+/// errors.
 fn u64_vec_into(
     obj: &Bound<'_, PyAny>,
     what: &str,
     length: bool,
     out: &mut Vec<u64>,
-) -> PyResult<()> {
+) -> PyResult<u64> {
+    let max = if length { MAX_LENGTH } else { u64::MAX };
+    let mut bits = 0;
     if let Ok(array) = obj.cast::<PyArray1<i64>>() {
         if array.is_contiguous() {
             let array = array.readonly();
-            let values = array.as_slice()?;
-            // One branch-free pass finds out whether any value is negative.
-            if values.iter().fold(0, |acc, &v| acc | v) >= 0 {
-                out.clear();
+            out.clear();
+            out.extend(array.as_slice()?.iter().map(|&v| {
                 #[expect(
                     clippy::cast_sign_loss,
-                    reason = "the fold above found no negative value, and a non-negative i64 fits u64"
+                    reason = "the bits are kept: a negative value sets the top one, refused below"
                 )]
-                out.extend(values.iter().map(|&v| v as u64));
-                return Ok(());
+                let v = v as u64;
+                bits |= v;
+                v
+            }));
+            // Non-negative, so also within `MAX_LENGTH` (= i64::MAX).
+            if bits <= MAX_LENGTH {
+                return Ok(bits);
             }
         }
     } else if let Ok(array) = obj.cast::<PyArray1<u64>>() {
         if array.is_contiguous() {
             let array = array.readonly();
-            let values = array.as_slice()?;
-            let max = if length { MAX_LENGTH } else { u64::MAX };
+            out.clear();
+            out.extend(array.as_slice()?.iter().map(|&v| {
+                bits |= v;
+                v
+            }));
             // Every value fits when their bits or'ed together do (`max` is all ones).
-            if values.iter().fold(0, |acc, &v| acc | v) <= max {
-                out.clear();
-                out.extend_from_slice(values);
-                return Ok(());
+            if bits <= max {
+                return Ok(bits);
             }
         }
     }
     *out = u64_vec(obj, what, length)?;
-    Ok(())
+    Ok(out.iter().fold(0, |acc, &v| acc | v))
 }
 
 /// Units of work (ids plus superblocks moved, each some nanoseconds) up to which a batch
@@ -334,17 +342,18 @@ impl PyLedger {
         new_lens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<bool>>> {
         let Buffers { ids, lens, ok } = &mut self.buffers;
+        // The lengths or'ed together bound the widest (below twice it).
         let converted = u64_vec_into(request_ids, "request ids", false, ids)
-            .and_then(|()| u64_vec_into(new_lens, "lengths", true, lens));
-        if let Err(err) = converted {
-            self.buffers.trim();
-            return Err(err);
-        }
+            .and_then(|_| u64_vec_into(new_lens, "lengths", true, lens));
+        let widest = match converted {
+            Ok(widest) => widest,
+            Err(err) => {
+                self.buffers.trim();
+                return Err(err);
+            }
+        };
         let ledger = &mut self.inner;
         // At most every id's widest length's superblocks, and never more than the pool has.
-        // The lengths or'ed together bound the widest (below twice it) in a pass that,
-        // unlike `max`, vectorises.
-        let widest = lens.iter().fold(0, |acc, &len| acc | len);
         let superblocks = ledger.layout().superblocks_for(widest);
         let moved = superblocks
             .saturating_mul(ids.len() as u64)
@@ -361,7 +370,10 @@ impl PyLedger {
     /// superblocks held up to 4096) keeps the GIL; a larger one releases it.
     fn free_many(&mut self, py: Python<'_>, request_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = &mut self.buffers.ids;
-        u64_vec_into(request_ids, "request ids", false, ids)?;
+        if let Err(err) = u64_vec_into(request_ids, "request ids", false, ids) {
+            self.buffers.trim();
+            return Err(err);
+        }
         let ledger = &mut self.inner;
         // At most every id plus every superblock held.
         let units = ids.len() as u64 + u64::from(ledger.used_superblocks());
