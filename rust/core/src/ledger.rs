@@ -750,8 +750,8 @@ impl Ledger {
             return Err(self.grow_many_error(ids, new_lens));
         }
         // The grows, with the free list in a local (its length stays in a register). The
-        // usual ones (within what is held, or one superblock more kept in the record)
-        // are settled here; `grow_record` takes the rest, with the same result.
+        // usual ones (within what is held, or a table that stays in the record) are
+        // settled here; `grow_record` takes the rest, with the same result.
         let (layout, requests) = (self.layout, &mut self.requests);
         let tokens_per_superblock = layout.tokens_per_superblock();
         let mut free = std::mem::take(&mut self.free);
@@ -764,13 +764,32 @@ impl Ledger {
                 request.len = len;
                 return true;
             }
-            if len - room <= tokens_per_superblock && held < INLINE_SUPERBLOCKS {
-                if let Some(page) = free.pop() {
-                    request.inline[held] = page;
-                    request.held += 1;
-                    request.len = len;
-                    return true;
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "`len` is within the pool (validated), so this is at most its capacity, a u32"
+            )]
+            let needed = layout.superblocks_for(len) as usize;
+            if needed <= INLINE_SUPERBLOCKS {
+                // `len` is past what is held, so `needed > held`.
+                let Some(split) = free.len().checked_sub(needed - held) else {
+                    return false;
+                };
+                // The top of the stack, last first; one superblock, the usual grow, is a
+                // plain move.
+                if needed - held == 1 {
+                    request.inline[held] = free[split];
+                } else {
+                    for (slot, &page) in request.inline[held..needed]
+                        .iter_mut()
+                        .zip(free[split..].iter().rev())
+                    {
+                        *slot = page;
+                    }
                 }
+                free.truncate(split);
+                request.held = superblock_count(needed);
+                request.len = len;
+                return true;
             }
             grow_record_cold(request, &mut free, layout, len)
         }));
