@@ -197,3 +197,43 @@ def test_reset_for_recompute_folds_generated_tokens_and_frees_pages() -> None:
     assert view.next_position == 9
     with pytest.raises(helix_kv.InvalidStateError, match="prefill must be allocated"):
         ledger.allocate_decode(3, 7)
+
+
+def test_batch_calls_reuse_no_argument_between_calls() -> None:
+    """grow_many/free_many keep their converted arguments between calls: batches of
+    changing sizes and array kinds (int64, uint64, lists, a batch past what is kept), and
+    refused ones in between, answer and leave the state as a twin fed lists does."""
+    layout = helix_kv.Layout(2, 4)
+    big = (1 << 16) + 3
+    ledger, twin = helix_kv.Ledger(layout, big + 64), helix_kv.Ledger(layout, big + 64)
+    kinds = [
+        lambda v: np.array(v, dtype=np.int64),
+        lambda v: np.array(v, dtype=np.uint64),
+        lambda v: np.array(v, dtype=np.int64)[::-1][::-1].copy(),
+        list,
+    ]
+    batches = [list(range(5)), [3], [], list(range(2, 9)), list(range(big)), [1, 4]]
+    for round_, ids in enumerate(batches):
+        as_kind = kinds[round_ % len(kinds)]
+        lens = [8 * (1 + (i + round_) % 3) for i in ids]
+        for led in (ledger, twin):
+            led.add_many(ids, [1] * len(ids))
+        ok = ledger.grow_many(as_kind(ids), as_kind(lens))
+        assert ok.tolist() == twin.grow_many(ids, lens).tolist()
+        assert len(ok) == len(ids)
+        # A refused batch (a repeated id, a length past the pool) changes nothing.
+        before = snapshot(ledger)
+        if ids:
+            with pytest.raises(helix_kv.InvalidArgumentError, match="appears twice"):
+                ledger.grow_many(as_kind([*ids, ids[0]]), as_kind([*lens, 8]))
+            with pytest.raises(helix_kv.InvalidLengthError):
+                ledger.grow_many(as_kind(ids), as_kind([*lens[:-1], 1 << 62]))
+        with pytest.raises(helix_kv.UnknownRequestError):
+            ledger.free_many(as_kind([*ids, big + 7]))
+        assert snapshot(ledger) == before
+        assert snapshot(ledger) == snapshot(twin)
+        ledger.free_many(as_kind(ids))
+        twin.free_many(ids)
+        assert snapshot(ledger) == snapshot(twin)
+    assert len(ledger) == 0
+    assert ledger.free_superblocks == ledger.capacity

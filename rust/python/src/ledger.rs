@@ -2,12 +2,13 @@
 
 use helix_kv_core::{DecodeView, Ledger, RequestKv};
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1, PyArray2};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::marker::Ungil;
 use pyo3::prelude::*;
 
 use crate::arrays::{
     id_arg, int_arg, invalid_type_of, length_arg, rank_arg, try_capacity, u64_arg, u64_vec,
+    MAX_LENGTH,
 };
 use crate::errors::{ConfigError, IntoPyResult, InvalidArgumentError};
 use crate::layout::PyLayout;
@@ -17,6 +18,82 @@ use crate::layout::PyLayout;
 #[pyclass(module = "helix_kv._core", name = "Ledger")]
 pub struct PyLedger {
     pub inner: Ledger,
+    /// The batch calls' converted arguments and results, kept between calls so a call
+    /// allocates none of them in steady state (no part of the ledger's state).
+    buffers: Buffers,
+}
+
+#[derive(Default)]
+struct Buffers {
+    ids: Vec<u64>,
+    lens: Vec<u64>,
+    ok: Vec<bool>,
+}
+
+impl Buffers {
+    /// Entries a buffer keeps between calls (512 KiB of ids): a larger batch's storage
+    /// is given back after its call rather than held for the ledger's lifetime.
+    const KEEP_UP_TO: usize = 1 << 16;
+
+    fn trim(&mut self) {
+        fn trim<T>(buffer: &mut Vec<T>) {
+            if buffer.capacity() > Buffers::KEEP_UP_TO {
+                *buffer = Vec::new();
+            }
+        }
+        trim(&mut self.ids);
+        trim(&mut self.lens);
+        trim(&mut self.ok);
+    }
+}
+
+/// [`u64_vec`] into `out`, whose storage is reused; returns the values or'ed together
+/// (at least the largest, below twice it). A contiguous int64 or uint64 array whose
+/// values are all in range (the usual argument) is copied straight in, its range checked
+/// on the copy's bits in the same pass; anything else goes through `u64_vec`, with its
+/// errors.
+fn u64_vec_into(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    length: bool,
+    out: &mut Vec<u64>,
+) -> PyResult<u64> {
+    let max = if length { MAX_LENGTH } else { u64::MAX };
+    let mut bits = 0;
+    if let Ok(array) = obj.cast::<PyArray1<i64>>() {
+        if array.is_contiguous() {
+            let array = array.readonly();
+            out.clear();
+            out.extend(array.as_slice()?.iter().map(|&v| {
+                #[expect(
+                    clippy::cast_sign_loss,
+                    reason = "the bits are kept: a negative value sets the top one, refused below"
+                )]
+                let v = v as u64;
+                bits |= v;
+                v
+            }));
+            // Non-negative, so also within `MAX_LENGTH` (= i64::MAX).
+            if bits <= MAX_LENGTH {
+                return Ok(bits);
+            }
+        }
+    } else if let Ok(array) = obj.cast::<PyArray1<u64>>() {
+        if array.is_contiguous() {
+            let array = array.readonly();
+            out.clear();
+            out.extend(array.as_slice()?.iter().map(|&v| {
+                bits |= v;
+                v
+            }));
+            // Every value fits when their bits or'ed together do (`max` is all ones).
+            if bits <= max {
+                return Ok(bits);
+            }
+        }
+    }
+    *out = u64_vec(obj, what, length)?;
+    Ok(out.iter().fold(0, |acc, &v| acc | v))
 }
 
 /// Units of work (ids plus superblocks moved, each some nanoseconds) up to which a batch
@@ -164,6 +241,7 @@ impl PyLedger {
         )?;
         Ok(Self {
             inner: Ledger::new(layout, capacity).py()?,
+            buffers: Buffers::default(),
         })
     }
 
@@ -263,32 +341,45 @@ impl PyLedger {
         request_ids: &Bound<'py, PyAny>,
         new_lens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<bool>>> {
-        let ids = u64_vec(request_ids, "request ids", false)?;
-        let lens = u64_vec(new_lens, "lengths", true)?;
-        let mut ok = Vec::with_capacity(ids.len());
+        let Buffers { ids, lens, ok } = &mut self.buffers;
+        // The lengths or'ed together bound the widest (below twice it).
+        let converted = u64_vec_into(request_ids, "request ids", false, ids)
+            .and_then(|_| u64_vec_into(new_lens, "lengths", true, lens));
+        let widest = match converted {
+            Ok(widest) => widest,
+            Err(err) => {
+                self.buffers.trim();
+                return Err(err);
+            }
+        };
         let ledger = &mut self.inner;
         // At most every id's widest length's superblocks, and never more than the pool has.
-        // The lengths or'ed together bound the widest (below twice it) in a pass that,
-        // unlike `max`, vectorises.
-        let widest = lens.iter().fold(0, |acc, &len| acc | len);
         let superblocks = ledger.layout().superblocks_for(widest);
         let moved = superblocks
             .saturating_mul(ids.len() as u64)
             .min(u64::from(ledger.free_superblocks()));
-        run_sized(py, ids.len() as u64 + moved, || {
-            ledger.grow_many(&ids, &lens, &mut ok)
+        let grown = run_sized(py, ids.len() as u64 + moved, || {
+            ledger.grow_many(ids, lens, ok)
         })
-        .py()?;
-        Ok(PyArray1::from_slice(py, &ok))
+        .py()
+        .map(|()| PyArray1::from_slice(py, ok));
+        self.buffers.trim();
+        grown
     }
     /// Batch free. Validated whole before anything is freed. A small batch (ids plus
     /// superblocks held up to 4096) keeps the GIL; a larger one releases it.
     fn free_many(&mut self, py: Python<'_>, request_ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        let ids = u64_vec(request_ids, "request ids", false)?;
+        let ids = &mut self.buffers.ids;
+        if let Err(err) = u64_vec_into(request_ids, "request ids", false, ids) {
+            self.buffers.trim();
+            return Err(err);
+        }
         let ledger = &mut self.inner;
         // At most every id plus every superblock held.
         let units = ids.len() as u64 + u64::from(ledger.used_superblocks());
-        run_sized(py, units, || ledger.free_many(&ids)).py()
+        let freed = run_sized(py, units, || ledger.free_many(ids)).py();
+        self.buffers.trim();
+        freed
     }
     /// Reserves the next decode token in `step`; its global position, or None if the pool is short.
     fn allocate_decode(
