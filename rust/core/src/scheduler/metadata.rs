@@ -826,11 +826,68 @@ fn copy_pages(dst: &mut [i32], table: &[SuperblockId]) {
     }
 }
 
-/// What [`Scheduler::write_decode_rows`] checked: each row's superblock table.
+/// What [`Scheduler::write_decode_rows`] checked: each row's superblock table, and the
+/// counts.
 struct CheckedRows<'s> {
     rows: Vec<&'s [SuperblockId]>,
     in_flight: usize,
     table_width_used: usize,
+}
+
+/// The superblock tables of the rows of a decode step (checked as
+/// [`Scheduler::write_decode_rows`] says), the widest one's length, and the bits of every
+/// position (`or`-ed, to test them against `i32::MAX` at once).
+struct RowTables<'s> {
+    tables: Vec<&'s [SuperblockId]>,
+    widest: usize,
+    position_bits: u64,
+}
+
+/// What the row checks read besides the rows: the row's columns for superblocks, tokens
+/// per superblock, and this rank.
+#[derive(Clone, Copy)]
+struct RowBounds {
+    columns: usize,
+    tokens_per_superblock: u64,
+    rank: u32,
+}
+
+/// [`RowTables`] of the rows `ids` (positions `positions`, owned by `owners`) taken at the
+/// ledger entries `hints` (the scheduler's own index of each request), every row's checks
+/// folded into one flag rather than a branch each. `None` where a hint is missing or does
+/// not hold its request, or a row fails a check: [`Scheduler::row_tables_in_order`] then
+/// looks the requests up and names the first failure. Kept out of line, so the loop holds
+/// its values in registers.
+#[inline(never)]
+fn hinted_row_tables<'s>(
+    ledger: &'s crate::ledger::Ledger,
+    ids: &[RequestId],
+    hints: &[u32],
+    positions: &[u64],
+    owners: &[u32],
+    bounds: RowBounds,
+) -> Option<RowTables<'s>> {
+    let g = ids.len();
+    let (hints, positions, owners) = (hints.get(..g)?, positions.get(..g)?, owners.get(..g)?);
+    let mut tables = Vec::with_capacity(g);
+    let (mut failed, mut position_bits, mut widest) = (false, 0u64, 0usize);
+    for i in 0..g {
+        let request = ledger.request_at(hints[i] as usize, ids[i])?;
+        let (pos, table) = (positions[i], request.table());
+        // `pos / tokens_per_superblock >= held`, as a product (no division).
+        let held_tokens = (table.len() as u64).saturating_mul(bounds.tokens_per_superblock);
+        failed |= (pos >= request.len())
+            | (table.len() > bounds.columns)
+            | ((owners[i] == bounds.rank) & (pos >= held_tokens));
+        position_bits |= pos;
+        widest = widest.max(table.len());
+        tables.push(table);
+    }
+    (!failed).then_some(RowTables {
+        tables,
+        widest,
+        position_bits,
+    })
 }
 
 impl Scheduler {
@@ -867,41 +924,45 @@ impl Scheduler {
     ) -> Result<DecodeRowCounts> {
         let checked = self.check_decode_source(&source, buffer.len(), width, pad_to)?;
         let rows = checked.rows.len();
-        let tpb = self.layout.tokens_per_block();
-        let per_block = Divisor::new(u64::from(tpb));
+        let tpb = word(u64::from(self.layout.tokens_per_block()));
+        let per_block = Divisor::new(u64::from(self.layout.tokens_per_block()));
         let per_superblock = Divisor::new(self.layout.tokens_per_superblock());
         let rank = self.config.cp_rank;
         let (written, padding) = buffer.split_at_mut(rows * width);
         // One fill of every cell (the fixed columns are overwritten below): a fill of each
         // row's unused block-table columns is a `memset` call per row, which costs more.
         written.fill(-1);
-        let inputs = source
-            .generation_input_tokens
-            .iter()
-            .zip(source.generation_positions)
-            .zip(source.generation_local_lens)
-            .zip(source.generation_past_seen_lens)
-            .zip(source.generation_input_refs)
-            .zip(source.generation_owner_ranks);
-        for ((row, &table), (((((&token, &pos), &local), &past), &input_ref), &owner)) in written
+        // Every generation array has `rows` elements (checked): cut to it, the loop below
+        // indexes them without a bound check each.
+        let tokens = &source.generation_input_tokens[..rows];
+        let positions = &source.generation_positions[..rows];
+        let local_lens = &source.generation_local_lens[..rows];
+        let past_lens = &source.generation_past_seen_lens[..rows];
+        let input_refs = &source.generation_input_refs[..rows];
+        let owners = &source.generation_owner_ranks[..rows];
+        for (i, (row, &table)) in written
             .chunks_exact_mut(width)
             .zip(&checked.rows)
-            .zip(inputs)
+            .enumerate()
         {
-            let slot = if owner == rank {
-                // Checked: the superblock is held and every slot of the pool fits.
-                let page = page_id(table[to_usize(per_superblock.div(pos))]);
-                page * word(u64::from(tpb)) + word(per_block.rem(pos))
-            } else {
-                -1
+            let pos = positions[i];
+            // Checked: a row this rank owns holds the superblock of its position, and every
+            // slot of the pool fits an int32 word.
+            let slot = match table.get(to_usize(per_superblock.div(pos))) {
+                Some(&superblock) if owners[i] == rank => {
+                    page_id(superblock) * tpb + word(per_block.rem(pos))
+                }
+                _ => -1,
             };
             let (fixed, cells) = row.split_at_mut(decode_row::BLOCK_TABLE);
-            fixed[decode_row::TOKEN_ID] = token;
-            fixed[decode_row::POSITION] = word(pos);
-            fixed[decode_row::SLOT] = slot;
-            fixed[decode_row::LOCAL_LEN] = word(local);
-            fixed[decode_row::PAST_SEEN_LEN] = word(past);
-            fixed[decode_row::INPUT_REF] = input_ref;
+            fixed.copy_from_slice(&[
+                tokens[i],
+                word(pos),
+                slot,
+                word(local_lens[i]),
+                word(past_lens[i]),
+                input_refs[i],
+            ]);
             copy_pages(&mut cells[..table.len()], table);
         }
         let padded_to = pad_to.max(rows);
@@ -928,22 +989,72 @@ impl Scheduler {
     ) -> Result<CheckedRows<'s>> {
         self.check_pending(source.step)?;
         let in_flight = check_decode_shapes(source, buffer_words, width, pad_to)?;
-        let g = source.generation_ids.len();
-        let columns = width - decode_row::BLOCK_TABLE;
         // Every slot of the pool fits an int32 word, or none is written.
         let slots = u64::from(self.ledger.capacity()) * u64::from(self.layout.tokens_per_block());
         check_word(slots.saturating_sub(1), "KV slot")?;
-        let per_superblock = Divisor::new(self.layout.tokens_per_superblock());
-        let rank = self.config.cp_rank;
+        let bounds = RowBounds {
+            columns: width - decode_row::BLOCK_TABLE,
+            tokens_per_superblock: self.layout.tokens_per_superblock(),
+            rank: self.config.cp_rank,
+        };
         // Each row's holdings, found through the scheduler's own index of the request (its
         // ledger entry) where that still names it: no id lookup on the common path.
+        let rows = match hinted_row_tables(
+            &self.ledger,
+            source.generation_ids,
+            &self.generation_reqs,
+            source.generation_positions,
+            source.generation_owner_ranks,
+            bounds,
+        ) {
+            Some(rows) => rows,
+            None => self.row_tables_in_order(source, bounds)?,
+        };
+        // Whether every value fits an int32 word, from the bits they hold (an `or` is
+        // vectorized; an unsigned 64-bit `max` is not on the baseline x86-64), in two
+        // plain folds (a chained one is not vectorized); the error names the largest.
+        let local = source
+            .generation_local_lens
+            .iter()
+            .fold(0, |acc, &n| acc | n);
+        let past = source
+            .generation_past_seen_lens
+            .iter()
+            .fold(0, |acc, &n| acc | n);
+        if rows.position_bits | local | past > i32::MAX as u64 {
+            let longest = source
+                .generation_positions
+                .iter()
+                .chain(source.generation_local_lens)
+                .chain(source.generation_past_seen_lens)
+                .fold(0, |acc, &n| acc.max(n));
+            check_word(longest, "position or local length")?;
+        }
+        Ok(CheckedRows {
+            rows: rows.tables,
+            in_flight,
+            table_width_used: rows.widest,
+        })
+    }
+
+    /// [`RowTables`] of the rows of `source`, checked one by one in row order: the first
+    /// failure is the error (an unknown request, a position not reserved, a table wider than
+    /// the row's columns, or the superblock of an owned position not held). For rows whose
+    /// hints do not all hold their requests, or that failed [`hinted_row_tables`].
+    #[cold]
+    fn row_tables_in_order(
+        &self,
+        source: &StepSource<'_>,
+        bounds: RowBounds,
+    ) -> Result<RowTables<'_>> {
+        let per_superblock = Divisor::new(bounds.tokens_per_superblock);
         let hints = self
             .generation_reqs
             .iter()
             .map(|&r| r as usize)
             .chain(std::iter::repeat(usize::MAX));
-        let mut rows = Vec::with_capacity(g);
-        let (mut longest, mut widest) = (0u64, 0usize);
+        let mut tables = Vec::with_capacity(source.generation_ids.len());
+        let (mut position_bits, mut widest) = (0u64, 0usize);
         let entries = source
             .generation_ids
             .iter()
@@ -956,35 +1067,26 @@ impl Scheduler {
                 return Err(unreserved(id, pos, pos + 1, request.len()));
             }
             let table = request.table();
-            if table.len() > columns {
+            if table.len() > bounds.columns {
                 return Err(CoreError::InvalidLength(format!(
-                    "request {id} holds {} superblocks, wider than the row's {columns} columns",
-                    table.len()
+                    "request {id} holds {} superblocks, wider than the row's {} columns",
+                    table.len(),
+                    bounds.columns
                 )));
             }
             // The slot is computed while the row is written (where the table is read for
             // its cells anyway); here only that its superblock is held.
-            if owner == rank && to_usize(per_superblock.div(pos)) >= table.len() {
+            if owner == bounds.rank && to_usize(per_superblock.div(pos)) >= table.len() {
                 return Err(unreserved(id, pos, pos + 1, request.len()));
             }
-            longest = longest.max(pos);
+            position_bits |= pos;
             widest = widest.max(table.len());
-            rows.push(table);
+            tables.push(table);
         }
-        // Two plain folds (a chained one is not vectorized).
-        let local = source
-            .generation_local_lens
-            .iter()
-            .fold(0, |acc, &n| acc.max(n));
-        let past = source
-            .generation_past_seen_lens
-            .iter()
-            .fold(0, |acc, &n| acc.max(n));
-        check_word(longest.max(local).max(past), "position or local length")?;
-        Ok(CheckedRows {
-            rows,
-            in_flight,
-            table_width_used: widest,
+        Ok(RowTables {
+            tables,
+            widest,
+            position_bits,
         })
     }
 }
