@@ -861,18 +861,16 @@ fn check_decode_shapes(
             source.step
         )));
     }
-    let (lowest_ref, in_flight) = source
-        .generation_input_refs
-        .iter()
-        .fold((-1, 0), |(low, n), &r| {
-            (low.min(r), n + usize::from(r >= 0))
-        });
-    if lowest_ref < -1 {
+    // Two plain folds, vectorized on the baseline x86-64 (a 32-bit `min` is not): whether
+    // any reference is below -1 (the error names the lowest), and those in flight.
+    let refs = source.generation_input_refs;
+    if refs.iter().fold(false, |acc, &r| acc | (r < -1)) {
+        let lowest = refs.iter().fold(-1, |low, &r| low.min(r));
         return Err(CoreError::InvalidArgument(format!(
-            "input reference {lowest_ref} is neither a sample row nor -1"
+            "input reference {lowest} is neither a sample row nor -1"
         )));
     }
-    Ok(in_flight)
+    Ok(refs.iter().filter(|&&r| r >= 0).count())
 }
 
 /// `dst[i] = page_id(table[i])` for tables of the same length, inline: a decode row holds a
