@@ -864,7 +864,7 @@ fn check_decode_shapes(
     // Two plain folds, vectorized on the baseline x86-64 (a 32-bit `min` is not): whether
     // any reference is below -1 (the error names the lowest), and those in flight.
     let refs = source.generation_input_refs;
-    if refs.iter().fold(false, |acc, &r| acc | (r < -1)) {
+    if refs.iter().fold(0u32, |acc, &r| acc | u32::from(r < -1)) != 0 {
         let lowest = refs.iter().fold(-1, |low, &r| low.min(r));
         return Err(CoreError::InvalidArgument(format!(
             "input reference {lowest} is neither a sample row nor -1"
