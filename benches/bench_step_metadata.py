@@ -52,7 +52,7 @@ class Decoding:
         return (), {}
 
 
-@pytest.mark.parametrize("n", [1024, 4096])
+@pytest.mark.parametrize("n", [64, 256, 1024, 4096])
 def test_bench_write_step_metadata(benchmark, report_figure, n: int) -> None:
     d = Decoding(n)
 

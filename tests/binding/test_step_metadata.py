@@ -494,3 +494,28 @@ def test_decode_rows_of_a_thousand_requests_match() -> None:
     out = s.schedule()
     assert out.generation_ids.size == 1024
     check_rows(s, out, 4, capacity=1024)
+
+
+def test_decode_rows_holding_or_releasing_the_gil_match() -> None:
+    """Rows up to 2**16 words are written holding the GIL, more (many or wide rows) with it
+    released: both match the separate calls, and the same step gives the same bytes."""
+    cfg = config(2, 4, superblocks=2048, max_batch_size=1024, max_num_tokens=16384)
+    s = helix_kv.Scheduler(cfg)
+    for i in range(1024):
+        s.add_request(i, prompt(9, i), 4)
+    s.update(np.full(s.schedule().num_samples, 7, dtype=np.int32))
+    out = s.schedule()
+    held = np.full((1024, FIXED + 4), SENTINEL, dtype=np.int32)  # 10 240 words: held
+    s.write_decode_rows(out, held, 1024)
+    check_rows(s, out, 4, capacity=1024)
+    wide = np.full((1024, FIXED + 64), SENTINEL, dtype=np.int32)  # 71 680 words: released
+    s.write_decode_rows(out, wide, 1024)
+    check_rows(s, out, 64, capacity=1024)
+    np.testing.assert_array_equal(wide[:, : FIXED + 4], held)
+    assert (wide[:, FIXED + 4 :] == -1).all()
+    padded = np.full((8192, FIXED + 4), SENTINEL, dtype=np.int32)  # 81 920 words: released
+    counts = s.write_decode_rows(out, padded, 8192)
+    assert (counts.rows, counts.padded_to) == (1024, 8192)
+    np.testing.assert_array_equal(padded[:1024], held)
+    assert (padded[1024:, :FIXED] == helix_kv.DECODE_ROW_PADDING).all()
+    assert (padded[1024:, FIXED:] == SENTINEL).all()

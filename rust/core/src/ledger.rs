@@ -467,6 +467,15 @@ impl Ledger {
         }
     }
 
+    /// The holdings of `id` where the hint `entry` holds it with tokens reserved (the case
+    /// [`Self::request_hinted`] takes without a lookup), else `None`: for a caller whose
+    /// loop keeps the lookup out of line.
+    pub(crate) fn request_at(&self, entry: EntryIndex, id: RequestId) -> Option<&RequestKv> {
+        self.requests
+            .get(entry)
+            .filter(|request| request.id == id && request.len > 0)
+    }
+
     fn active_entry_of(&self, id: RequestId) -> Result<EntryIndex> {
         let entry = self.entry_of(id)?;
         if self.requests[entry].is_suspended() {

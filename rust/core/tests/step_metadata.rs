@@ -130,8 +130,19 @@ fn expected_sections(
 
 /// Checks every section of one written step against the separate calls.
 fn check(s: &Scheduler, out: &ScheduleOutput, layout: &StepMetadataLayout) {
+    check_source(s, out, layout, false);
+}
+
+/// [`check`], written from `out` itself (`from_out`; else from the output the scheduler
+/// holds, which `out` is then a copy of).
+fn check_source(s: &Scheduler, out: &ScheduleOutput, layout: &StepMetadataLayout, from_out: bool) {
     let mut buffer = vec![SENTINEL; layout.total_words()];
-    let meta = s.write_last_step_metadata(layout, &mut buffer).unwrap();
+    let meta = if from_out {
+        s.write_step_metadata(out.into(), layout, &mut buffer)
+    } else {
+        s.write_last_step_metadata(layout, &mut buffer)
+    }
+    .unwrap();
     let g = out.generation_ids.len();
     let entries = g + out.context_ids.len();
     let n = g + out.context_token_ids.len();
@@ -274,22 +285,36 @@ fn refused_calls_leave_the_buffer_as_it_was() {
 /// chunks) that they are refused with the buffer as it was. Returns whether rows were
 /// written and how many inputs were in flight.
 fn check_rows(s: &Scheduler, out: &ScheduleOutput, columns: usize) -> Option<usize> {
+    check_rows_source(s, out, columns, false)
+}
+
+/// [`check_rows`], written from `out` itself (`from_out`; else from the output the
+/// scheduler holds, which `out` is then a copy of).
+fn check_rows_source(
+    s: &Scheduler,
+    out: &ScheduleOutput,
+    columns: usize,
+    from_out: bool,
+) -> Option<usize> {
+    let write = |buffer: &mut [i32], width: usize, pad_to: usize| {
+        if from_out {
+            s.write_decode_rows(out.into(), buffer, width, pad_to)
+        } else {
+            s.write_last_decode_rows(buffer, width, pad_to)
+        }
+    };
     let width = decode_row::BLOCK_TABLE + columns;
     let capacity = 8;
     let mut buffer = vec![SENTINEL; capacity * width];
     let g = out.generation_ids.len();
     let pad_to = (g + 2).min(capacity);
     if !out.context_ids.is_empty() {
-        let err = s
-            .write_last_decode_rows(&mut buffer, width, pad_to)
-            .unwrap_err();
+        let err = write(&mut buffer, width, pad_to).unwrap_err();
         assert!(matches!(err, CoreError::InvalidArgument(_)), "{err}");
         assert!(buffer.iter().all(|&w| w == SENTINEL));
         return None;
     }
-    let counts = s
-        .write_last_decode_rows(&mut buffer, width, pad_to)
-        .unwrap();
+    let counts = write(&mut buffer, width, pad_to).unwrap();
     assert_eq!((counts.rows, counts.padded_to), (g, pad_to.max(g)));
     let ones = vec![1u64; g];
     let (table, table_width) = s.block_table(&out.generation_ids, Some(columns)).unwrap();
@@ -410,6 +435,113 @@ fn decode_rows_equal_the_separate_calls_under_pressure_plain_and_one_step_ahead(
             assert!(pressured > 0, "cp {cp}: no preemption");
             assert_eq!(in_flight > 0, ahead, "cp {cp}: inputs in flight");
         }
+    }
+}
+
+/// `out` with its generation entries in reverse order: each row's hint (the scheduler's
+/// index of the request of that row) then misses, so the requests are looked up.
+fn reversed(out: &ScheduleOutput) -> ScheduleOutput {
+    let mut r = out.clone();
+    r.generation_ids.reverse();
+    r.generation_positions.reverse();
+    r.generation_owner_ranks.reverse();
+    r.generation_input_tokens.reverse();
+    r.generation_input_refs.reverse();
+    r.generation_batch_slots.reverse();
+    r.generation_local_lens.reverse();
+    r.generation_past_seen_lens.reverse();
+    r
+}
+
+#[test]
+fn steps_whose_hints_miss_are_written_through_lookups_alike() {
+    for cp in [1u32, 2, 4] {
+        for tpb in [2u32, 3] {
+            let mut base = config(cp, tpb, 200);
+            base.max_batch_size = 8;
+            base.max_num_tokens = 32;
+            base.max_seq_len = 100;
+            let mut ranks: Vec<Scheduler> = (0..cp)
+                .map(|r| {
+                    let mut c = base.clone();
+                    c.cp_rank = r;
+                    Scheduler::new(c).unwrap()
+                })
+                .collect();
+            for s in &mut ranks {
+                for id in 0..5u64 {
+                    let len = 1 + usize::try_from(id * 7).unwrap();
+                    s.add_request(id, &prompt(len), 30, 0).unwrap();
+                }
+            }
+            let layout = ranks[0].step_metadata_layout(None).unwrap();
+            let columns = layout.table_width();
+            let mut reversed_steps = 0;
+            for _ in 0..25 {
+                let outs: Vec<ScheduleOutput> = ranks
+                    .iter_mut()
+                    .map(|s| s.schedule().unwrap().clone())
+                    .collect();
+                for (s, out) in ranks.iter().zip(&outs) {
+                    if out.generation_ids.len() >= 2 {
+                        let back = reversed(out);
+                        check_source(s, &back, &layout, true);
+                        check_rows_source(s, &back, columns, true);
+                        reversed_steps += 1;
+                    }
+                }
+                let tokens = vec![7; outs[0].sample_ids.len()];
+                for s in &mut ranks {
+                    let finished = s.update(&tokens, None).unwrap().to_vec();
+                    for id in finished {
+                        s.take_output(id).unwrap();
+                    }
+                }
+            }
+            assert!(reversed_steps > 0, "cp {cp} tpb {tpb}: no step reversed");
+        }
+    }
+}
+
+#[test]
+fn a_refused_decode_step_names_its_first_failing_row() {
+    let mut s = Scheduler::new(config(2, 4, 16)).unwrap();
+    for id in 0..3 {
+        s.add_request(id, &prompt(9), 5, 0).unwrap();
+    }
+    let prefill = s.schedule().unwrap().clone();
+    s.update(&vec![7; prefill.sample_ids.len()], None).unwrap();
+    s.schedule().unwrap();
+    let layout = s.step_metadata_layout(None).unwrap();
+    let width = decode_row::BLOCK_TABLE + layout.table_width();
+    let good = s.last_output().clone();
+    // Row 0 past what it reserved and row 1 unknown: row 0 is named, whichever check
+    // comes first in a row; row 1 alone: the unknown request.
+    let mut both = good.clone();
+    both.generation_positions[0] += 100;
+    both.generation_ids[1] = 99;
+    let mut second = good.clone();
+    second.generation_ids[1] = 99;
+    let mut wide = good.clone();
+    wide.generation_positions[2] = u64::from(u32::MAX);
+    for (out, unknown) in [(&both, false), (&second, true), (&wide, false)] {
+        let mut rows = vec![SENTINEL; 8 * width];
+        let err = s
+            .write_decode_rows(out.into(), &mut rows, width, 0)
+            .unwrap_err();
+        let mut words = vec![SENTINEL; layout.total_words()];
+        let packed_err = s
+            .write_step_metadata(out.into(), &layout, &mut words)
+            .unwrap_err();
+        for err in [err, packed_err] {
+            if unknown {
+                assert_eq!(err, CoreError::UnknownRequest(99));
+            } else {
+                assert!(matches!(err, CoreError::InvalidLength(_)), "{err}");
+            }
+        }
+        assert!(rows.iter().all(|&w| w == SENTINEL));
+        assert!(words.iter().all(|&w| w == SENTINEL));
     }
 }
 

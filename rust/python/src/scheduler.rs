@@ -246,7 +246,8 @@ impl PyScheduler {
     /// previous step's samples. Rows `[rows, pad_to)` get `DECODE_ROW_PADDING` in their
     /// fixed columns. Everything is checked before a word is written: an error (a step with
     /// context chunks, a buffer too small, a request wider than the row, ...) leaves the
-    /// buffer and the scheduler unchanged. The GIL is released while the rows are written.
+    /// buffer and the scheduler unchanged. Decode-sized rows keep the GIL (microseconds);
+    /// many or wide rows (past 2**16 words) release it.
     #[pyo3(signature = (schedule_output, buffer, pad_to = None))]
     fn write_decode_rows(
         &self,

@@ -267,6 +267,10 @@ fn int32_rows<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i32>
     int32_array::<Ix2>(obj, "two-dimensional ([rows, width])")
 }
 
+/// Words of decode rows (written and padding rows) up to which `write_decode_rows` keeps
+/// the GIL: 256 KiB of rows, tens of microseconds of work.
+const KEEP_GIL_UP_TO_WORDS: usize = 1 << 16;
+
 /// `Scheduler.write_decode_rows`.
 pub fn write_rows(
     py: Python<'_>,
@@ -292,11 +296,19 @@ pub fn write_rows(
     let words = writable
         .as_slice_mut()
         .map_err(|_| InvalidArgumentError::new_err("buffer must be C-contiguous"))?;
-    // The output's fields owned (its locks cannot be held while the GIL is let go: see
-    // `Lent`), then the rows are written without the GIL.
-    let owned = output.get().lend_step(py).into_owned();
-    let counts = py
-        .detach(|| scheduler.write_decode_rows(owned.source(), words, width, pad_to))
-        .py()?;
+    let lent = output.get().lend_step(py);
+    let rows = lent.source().generation_ids.len().max(pad_to);
+    let counts = if rows.saturating_mul(width) <= KEEP_GIL_UP_TO_WORDS {
+        // Rows of a decode-sized step keep the GIL: the output's arrays are lent in place
+        // (see `Lent`: their locks cannot be held while the GIL is let go), and the call
+        // takes about what copying them out and handing the GIL over and back would.
+        scheduler.write_decode_rows(lent.source(), words, width, pad_to)
+    } else {
+        // Many or wide rows: the output's fields owned (copied out of their locks, a
+        // fraction of the writing), then the rows are written without the GIL.
+        let owned = lent.into_owned();
+        py.detach(|| scheduler.write_decode_rows(owned.source(), words, width, pad_to))
+    }
+    .py()?;
     Ok(counts.into())
 }

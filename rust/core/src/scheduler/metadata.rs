@@ -458,15 +458,38 @@ impl Scheduler {
         let (g, c) = (source.generation_ids.len(), source.context_ids.len());
         // Each entry's holdings, found through the scheduler's own index of the request
         // (its ledger entry) where that still names it: no id lookup on the common path.
-        let generation_hints = self.generation_reqs.iter().map(|&r| r as usize);
+        // The generation entries at once, their checks folded into one flag; where one
+        // fails (or a hint misses), every entry is checked in order below, which names it.
+        let bounds = RowBounds {
+            columns: layout.table_width,
+            tokens_per_superblock: self.layout.tokens_per_superblock(),
+            rank: self.config.cp_rank,
+        };
+        let hinted = hinted_row_tables(
+            &self.ledger,
+            source.generation_ids,
+            &self.generation_reqs,
+            source.generation_positions,
+            source.generation_owner_ranks,
+            bounds,
+        );
+        let (mut requests, mut furthest, mut widest, checked) = match hinted {
+            Some(rows) => {
+                let mut tables = rows.tables;
+                tables.reserve_exact(c);
+                // `furthest` is an end: one past the furthest position.
+                let end = if g > 0 { rows.furthest + 1 } else { 0 };
+                (tables, end, rows.widest, g)
+            }
+            None => (Vec::with_capacity(g + c), 0, 0, 0),
+        };
+        // The entries not checked yet (the rest of the generation entries, then the chunks).
+        let generation_hints = self.generation_reqs.get(checked..).unwrap_or_default();
+        let generation_hints = generation_hints.iter().map(|&r| r as usize);
         let context_hints = self.context.iter().map(|c| c.req as usize);
-        let mut requests = Vec::with_capacity(g + c);
-        let mut furthest = 0u64;
-        let mut widest = 0usize;
-        let entries = source
-            .generation_ids
+        let entries = source.generation_ids[checked..]
             .iter()
-            .zip(source.generation_positions)
+            .zip(&source.generation_positions[checked..])
             .zip(generation_hints.chain(std::iter::repeat(usize::MAX)))
             .map(|((&id, &pos), hint)| (id, pos, 1, hint))
             .chain(
@@ -503,13 +526,25 @@ impl Scheduler {
             )));
         }
         // Local lengths are at most the positions checked above; these come from the
-        // output and are checked on their own.
-        let longest = source
+        // output and are checked on their own, by the bits they hold (an `or` is vectorized;
+        // an unsigned 64-bit `max` is not on the baseline x86-64), in two plain folds (a
+        // chained one is not vectorized); the error names the largest.
+        let local = source
             .generation_local_lens
             .iter()
-            .chain(source.generation_past_seen_lens)
-            .fold(0, |acc, &len| acc.max(len));
-        check_word(longest, "local length")?;
+            .fold(0, |acc, &n| acc | n);
+        let past = source
+            .generation_past_seen_lens
+            .iter()
+            .fold(0, |acc, &n| acc | n);
+        if local | past > i32::MAX as u64 {
+            let longest = source
+                .generation_local_lens
+                .iter()
+                .chain(source.generation_past_seen_lens)
+                .fold(0, |acc, &len| acc.max(len));
+            check_word(longest, "local length")?;
+        }
         Ok((requests, widest))
     }
 
@@ -653,14 +688,20 @@ impl Writer<'_> {
                 + i64::from(word(per_block.rem(pos)))
         };
         let (gen_out, ctx_out) = out.split_at_mut(2 * g);
-        for (((dst, &pos), &owner), table) in gen_out
-            .chunks_exact_mut(2)
-            .zip(s.generation_positions)
-            .zip(s.generation_owner_ranks)
-            .zip(tables)
-        {
-            let value = if owner == rank { slot(table, pos) } else { -1 };
-            dst.copy_from_slice(&wide_words(value));
+        let (positions, owners) = (s.generation_positions, s.generation_owner_ranks);
+        let tps = placement.tokens_per_superblock();
+        if tpb.is_power_of_two() && tps.is_power_of_two() {
+            let split = SplitByShifts {
+                superblock_shift: tps.trailing_zeros(),
+                block_mask: tpb - 1,
+            };
+            generation_slots(gen_out, positions, owners, tables, tpb, split, rank);
+        } else {
+            let split = SplitByDivisions {
+                tokens_per_superblock: tps,
+                tokens_per_block: tpb,
+            };
+            generation_slots(gen_out, positions, owners, tables, tpb, split, rank);
         }
         let mut rest = ctx_out.chunks_exact_mut(2);
         for ((&start, &len), &table) in s
@@ -699,10 +740,37 @@ impl Writer<'_> {
         // `memset` call per row, which cost more than the rows themselves.
         table.fill(-1);
         for (row, &held) in table.chunks_exact_mut(width).zip(tables) {
-            for (dst, &page) in row.iter_mut().zip(held) {
-                *dst = page_id(page);
-            }
+            copy_pages(&mut row[..held.len()], held);
         }
+    }
+}
+
+/// The int64 KV slots (two words each) of the generation entries at `positions`, owned by
+/// `owners`, whose superblock tables are `tables`: -1 where another rank than `rank` owns
+/// the token (everything checked).
+fn generation_slots<S: PositionSplit>(
+    out: &mut [i32],
+    positions: &[u64],
+    owners: &[u32],
+    tables: &[&[SuperblockId]],
+    tokens_per_block: u64,
+    split: S,
+    rank: u32,
+) {
+    let tpb = i64::from(word(tokens_per_block));
+    for (((dst, &pos), &owner), table) in out
+        .chunks_exact_mut(2)
+        .zip(positions)
+        .zip(owners)
+        .zip(tables)
+    {
+        let value = if owner == rank {
+            i64::from(page_id(table[split.superblock(pos)])) * tpb
+                + i64::from(split.block_offset(pos))
+        } else {
+            -1
+        };
+        dst.copy_from_slice(&wide_words(value));
     }
 }
 
@@ -793,18 +861,16 @@ fn check_decode_shapes(
             source.step
         )));
     }
-    let (lowest_ref, in_flight) = source
-        .generation_input_refs
-        .iter()
-        .fold((-1, 0), |(low, n), &r| {
-            (low.min(r), n + usize::from(r >= 0))
-        });
-    if lowest_ref < -1 {
+    // Two plain folds, vectorized on the baseline x86-64 (a 32-bit `min` is not): whether
+    // any reference is below -1 (the error names the lowest), and those in flight.
+    let refs = source.generation_input_refs;
+    if refs.iter().fold(0u32, |acc, &r| acc | u32::from(r < -1)) != 0 {
+        let lowest = refs.iter().fold(-1, |low, &r| low.min(r));
         return Err(CoreError::InvalidArgument(format!(
-            "input reference {lowest_ref} is neither a sample row nor -1"
+            "input reference {lowest} is neither a sample row nor -1"
         )));
     }
-    Ok(in_flight)
+    Ok(refs.iter().filter(|&&r| r >= 0).count())
 }
 
 /// `dst[i] = page_id(table[i])` for tables of the same length, inline: a decode row holds a
@@ -826,11 +892,165 @@ fn copy_pages(dst: &mut [i32], table: &[SuperblockId]) {
     }
 }
 
-/// What [`Scheduler::write_decode_rows`] checked: each row's superblock table.
+/// What [`Scheduler::write_decode_rows`] checked: each row's superblock table, and the
+/// counts.
 struct CheckedRows<'s> {
     rows: Vec<&'s [SuperblockId]>,
     in_flight: usize,
     table_width_used: usize,
+}
+
+/// The superblock tables of the rows of a decode step (checked as
+/// [`Scheduler::write_decode_rows`] says), the widest one's length, and the furthest
+/// position.
+struct RowTables<'s> {
+    tables: Vec<&'s [SuperblockId]>,
+    widest: usize,
+    furthest: u64,
+}
+
+/// What the row checks read besides the rows: the row's columns for superblocks, tokens
+/// per superblock, and this rank.
+#[derive(Clone, Copy)]
+struct RowBounds {
+    columns: usize,
+    tokens_per_superblock: u64,
+    rank: u32,
+}
+
+/// [`RowTables`] of the rows `ids` (positions `positions`, owned by `owners`) taken at the
+/// ledger entries `hints` (the scheduler's own index of each request), every row's checks
+/// folded into one flag rather than a branch each. `None` where a hint is missing or does
+/// not hold its request, or a row fails a check: [`Scheduler::row_tables_in_order`] then
+/// looks the requests up and names the first failure. Kept out of line, so the loop holds
+/// its values in registers.
+#[inline(never)]
+fn hinted_row_tables<'s>(
+    ledger: &'s crate::ledger::Ledger,
+    ids: &[RequestId],
+    hints: &[u32],
+    positions: &[u64],
+    owners: &[u32],
+    bounds: RowBounds,
+) -> Option<RowTables<'s>> {
+    let g = ids.len();
+    let (hints, positions, owners) = (hints.get(..g)?, positions.get(..g)?, owners.get(..g)?);
+    let (mut failed, mut furthest, mut widest) = (false, 0u64, 0usize);
+    // One element per row from an iterator of known length: no capacity test per row.
+    let mut tables = Vec::with_capacity(g);
+    tables.extend((0..g).map(|i| {
+        // A hint that does not hold its request counts as no tokens reserved: it fails.
+        let (reserved, table) = ledger
+            .request_at(hints[i] as usize, ids[i])
+            .map_or((0, &[][..]), |request| (request.len(), request.table()));
+        let pos = positions[i];
+        // `pos / tokens_per_superblock >= held`, as a product (no division).
+        let held_tokens = (table.len() as u64).saturating_mul(bounds.tokens_per_superblock);
+        #[expect(
+            clippy::needless_bitwise_bool,
+            reason = "every check of the row, without a branch each"
+        )]
+        let row_failed = (pos >= reserved)
+            | (table.len() > bounds.columns)
+            | ((owners[i] == bounds.rank) & (pos >= held_tokens));
+        failed |= row_failed;
+        furthest = furthest.max(pos);
+        widest = widest.max(table.len());
+        table
+    }));
+    (!failed).then_some(RowTables {
+        tables,
+        widest,
+        furthest,
+    })
+}
+
+/// Where a position lies: its superblock (index in the request's table) and its offset
+/// in its block.
+trait PositionSplit: Copy {
+    fn superblock(self, pos: u64) -> usize;
+    fn block_offset(self, pos: u64) -> i32;
+}
+
+/// [`PositionSplit`] by shifts and a mask: tokens per block and per superblock powers of
+/// two (the usual layouts).
+#[derive(Clone, Copy)]
+struct SplitByShifts {
+    superblock_shift: u32,
+    block_mask: u64,
+}
+
+impl PositionSplit for SplitByShifts {
+    fn superblock(self, pos: u64) -> usize {
+        to_usize(pos >> self.superblock_shift)
+    }
+    fn block_offset(self, pos: u64) -> i32 {
+        word(pos & self.block_mask)
+    }
+}
+
+/// [`PositionSplit`] by divisions, for any layout.
+#[derive(Clone, Copy)]
+struct SplitByDivisions {
+    tokens_per_superblock: u64,
+    tokens_per_block: u64,
+}
+
+impl PositionSplit for SplitByDivisions {
+    fn superblock(self, pos: u64) -> usize {
+        to_usize(pos / self.tokens_per_superblock)
+    }
+    fn block_offset(self, pos: u64) -> i32 {
+        word(pos % self.tokens_per_block)
+    }
+}
+
+/// Writes the decode rows `written` (`width` words each) of the generation entries of
+/// `source`, whose superblock tables are `tables` (everything checked), this rank being
+/// `rank`. Kept out of line, so the loop holds its values in registers.
+#[inline(never)]
+fn write_rows<S: PositionSplit>(
+    written: &mut [i32],
+    width: usize,
+    tables: &[&[SuperblockId]],
+    source: &StepSource<'_>,
+    tokens_per_block: i32,
+    split: S,
+    rank: u32,
+) {
+    let rows = tables.len();
+    // One fill of every cell (the fixed columns are overwritten below): a fill of each
+    // row's unused block-table columns is a `memset` call per row, which costs more.
+    written.fill(-1);
+    // Every generation array has `rows` elements (checked): cut to it, the loop below
+    // indexes them without a bound check each.
+    let tokens = &source.generation_input_tokens[..rows];
+    let positions = &source.generation_positions[..rows];
+    let local_lens = &source.generation_local_lens[..rows];
+    let past_lens = &source.generation_past_seen_lens[..rows];
+    let input_refs = &source.generation_input_refs[..rows];
+    let owners = &source.generation_owner_ranks[..rows];
+    for (i, row) in written.chunks_exact_mut(width).enumerate() {
+        let (pos, table) = (positions[i], tables[i]);
+        // Checked: a row this rank owns holds the superblock of its position, and every
+        // slot of the pool fits an int32 word.
+        let slot = match table.get(split.superblock(pos)) {
+            Some(&superblock) if owners[i] == rank => {
+                page_id(superblock) * tokens_per_block + split.block_offset(pos)
+            }
+            _ => -1,
+        };
+        let (fixed, cells) = row.split_at_mut(decode_row::BLOCK_TABLE);
+        fixed.copy_from_slice(&[
+            tokens[i],
+            word(pos),
+            slot,
+            word(local_lens[i]),
+            word(past_lens[i]),
+            input_refs[i],
+        ]);
+        copy_pages(&mut cells[..table.len()], table);
+    }
 }
 
 impl Scheduler {
@@ -867,42 +1087,40 @@ impl Scheduler {
     ) -> Result<DecodeRowCounts> {
         let checked = self.check_decode_source(&source, buffer.len(), width, pad_to)?;
         let rows = checked.rows.len();
-        let tpb = self.layout.tokens_per_block();
-        let per_block = Divisor::new(u64::from(tpb));
-        let per_superblock = Divisor::new(self.layout.tokens_per_superblock());
-        let rank = self.config.cp_rank;
         let (written, padding) = buffer.split_at_mut(rows * width);
-        // One fill of every cell (the fixed columns are overwritten below): a fill of each
-        // row's unused block-table columns is a `memset` call per row, which costs more.
-        written.fill(-1);
-        let inputs = source
-            .generation_input_tokens
-            .iter()
-            .zip(source.generation_positions)
-            .zip(source.generation_local_lens)
-            .zip(source.generation_past_seen_lens)
-            .zip(source.generation_input_refs)
-            .zip(source.generation_owner_ranks);
-        for ((row, &table), (((((&token, &pos), &local), &past), &input_ref), &owner)) in written
-            .chunks_exact_mut(width)
-            .zip(&checked.rows)
-            .zip(inputs)
-        {
-            let slot = if owner == rank {
-                // Checked: the superblock is held and every slot of the pool fits.
-                let page = page_id(table[to_usize(per_superblock.div(pos))]);
-                page * word(u64::from(tpb)) + word(per_block.rem(pos))
-            } else {
-                -1
+        let (tpb, tps) = (
+            self.layout.tokens_per_block(),
+            self.layout.tokens_per_superblock(),
+        );
+        let (rank, tables) = (self.config.cp_rank, &checked.rows[..]);
+        if tpb.is_power_of_two() && tps.is_power_of_two() {
+            let split = SplitByShifts {
+                superblock_shift: tps.trailing_zeros(),
+                block_mask: u64::from(tpb - 1),
             };
-            let (fixed, cells) = row.split_at_mut(decode_row::BLOCK_TABLE);
-            fixed[decode_row::TOKEN_ID] = token;
-            fixed[decode_row::POSITION] = word(pos);
-            fixed[decode_row::SLOT] = slot;
-            fixed[decode_row::LOCAL_LEN] = word(local);
-            fixed[decode_row::PAST_SEEN_LEN] = word(past);
-            fixed[decode_row::INPUT_REF] = input_ref;
-            copy_pages(&mut cells[..table.len()], table);
+            write_rows(
+                written,
+                width,
+                tables,
+                &source,
+                word(tpb.into()),
+                split,
+                rank,
+            );
+        } else {
+            let split = SplitByDivisions {
+                tokens_per_superblock: tps,
+                tokens_per_block: tpb.into(),
+            };
+            write_rows(
+                written,
+                width,
+                tables,
+                &source,
+                word(tpb.into()),
+                split,
+                rank,
+            );
         }
         let padded_to = pad_to.max(rows);
         for row in padding[..(padded_to - rows) * width].chunks_exact_mut(width) {
@@ -928,22 +1146,71 @@ impl Scheduler {
     ) -> Result<CheckedRows<'s>> {
         self.check_pending(source.step)?;
         let in_flight = check_decode_shapes(source, buffer_words, width, pad_to)?;
-        let g = source.generation_ids.len();
-        let columns = width - decode_row::BLOCK_TABLE;
         // Every slot of the pool fits an int32 word, or none is written.
         let slots = u64::from(self.ledger.capacity()) * u64::from(self.layout.tokens_per_block());
         check_word(slots.saturating_sub(1), "KV slot")?;
-        let per_superblock = Divisor::new(self.layout.tokens_per_superblock());
-        let rank = self.config.cp_rank;
+        let bounds = RowBounds {
+            columns: width - decode_row::BLOCK_TABLE,
+            tokens_per_superblock: self.layout.tokens_per_superblock(),
+            rank: self.config.cp_rank,
+        };
         // Each row's holdings, found through the scheduler's own index of the request (its
         // ledger entry) where that still names it: no id lookup on the common path.
+        let rows = match hinted_row_tables(
+            &self.ledger,
+            source.generation_ids,
+            &self.generation_reqs,
+            source.generation_positions,
+            source.generation_owner_ranks,
+            bounds,
+        ) {
+            Some(rows) => rows,
+            None => self.row_tables_in_order(source, bounds)?,
+        };
+        // Whether every length fits an int32 word, from the bits they hold (an `or` is
+        // vectorized; an unsigned 64-bit `max` is not on the baseline x86-64), in two
+        // plain folds (a chained one is not vectorized); the error names the largest.
+        let local = source
+            .generation_local_lens
+            .iter()
+            .fold(0, |acc, &n| acc | n);
+        let past = source
+            .generation_past_seen_lens
+            .iter()
+            .fold(0, |acc, &n| acc | n);
+        if rows.furthest.max(local).max(past) > i32::MAX as u64 {
+            let longest = source
+                .generation_local_lens
+                .iter()
+                .chain(source.generation_past_seen_lens)
+                .fold(rows.furthest, |acc, &n| acc.max(n));
+            check_word(longest, "position or local length")?;
+        }
+        Ok(CheckedRows {
+            rows: rows.tables,
+            in_flight,
+            table_width_used: rows.widest,
+        })
+    }
+
+    /// [`RowTables`] of the rows of `source`, checked one by one in row order: the first
+    /// failure is the error (an unknown request, a position not reserved, a table wider than
+    /// the row's columns, or the superblock of an owned position not held). For rows whose
+    /// hints do not all hold their requests, or that failed [`hinted_row_tables`].
+    #[cold]
+    fn row_tables_in_order(
+        &self,
+        source: &StepSource<'_>,
+        bounds: RowBounds,
+    ) -> Result<RowTables<'_>> {
+        let per_superblock = Divisor::new(bounds.tokens_per_superblock);
         let hints = self
             .generation_reqs
             .iter()
             .map(|&r| r as usize)
             .chain(std::iter::repeat(usize::MAX));
-        let mut rows = Vec::with_capacity(g);
-        let (mut longest, mut widest) = (0u64, 0usize);
+        let mut tables = Vec::with_capacity(source.generation_ids.len());
+        let (mut furthest, mut widest) = (0u64, 0usize);
         let entries = source
             .generation_ids
             .iter()
@@ -956,35 +1223,26 @@ impl Scheduler {
                 return Err(unreserved(id, pos, pos + 1, request.len()));
             }
             let table = request.table();
-            if table.len() > columns {
+            if table.len() > bounds.columns {
                 return Err(CoreError::InvalidLength(format!(
-                    "request {id} holds {} superblocks, wider than the row's {columns} columns",
-                    table.len()
+                    "request {id} holds {} superblocks, wider than the row's {} columns",
+                    table.len(),
+                    bounds.columns
                 )));
             }
             // The slot is computed while the row is written (where the table is read for
             // its cells anyway); here only that its superblock is held.
-            if owner == rank && to_usize(per_superblock.div(pos)) >= table.len() {
+            if owner == bounds.rank && to_usize(per_superblock.div(pos)) >= table.len() {
                 return Err(unreserved(id, pos, pos + 1, request.len()));
             }
-            longest = longest.max(pos);
+            furthest = furthest.max(pos);
             widest = widest.max(table.len());
-            rows.push(table);
+            tables.push(table);
         }
-        // Two plain folds (a chained one is not vectorized).
-        let local = source
-            .generation_local_lens
-            .iter()
-            .fold(0, |acc, &n| acc.max(n));
-        let past = source
-            .generation_past_seen_lens
-            .iter()
-            .fold(0, |acc, &n| acc.max(n));
-        check_word(longest.max(local).max(past), "position or local length")?;
-        Ok(CheckedRows {
-            rows,
-            in_flight,
-            table_width_used: widest,
+        Ok(RowTables {
+            tables,
+            widest,
+            furthest,
         })
     }
 }
