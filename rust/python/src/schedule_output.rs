@@ -421,10 +421,6 @@ impl<T: Clone> Lent<'_, T> {
             Self::Copied(values) => values,
         }
     }
-    /// The values copied out, so the lock is not held.
-    fn copied(&self) -> Lent<'static, T> {
-        Lent::Copied(self.as_slice().to_vec())
-    }
     /// The values owned, so the lock is not held: copied out of a lock, moved otherwise.
     fn into_owned(self) -> Lent<'static, T> {
         match self {
@@ -467,28 +463,6 @@ pub struct LentStep<'a> {
 }
 
 impl LentStep<'_> {
-    /// The fields copied out of the output's locks (then the GIL may be released while
-    /// they are read).
-    pub fn copied(&self) -> LentStep<'static> {
-        LentStep {
-            step: self.step,
-            context_ids: self.context_ids.copied(),
-            context_starts: self.context_starts.copied(),
-            context_lens: self.context_lens.copied(),
-            context_completes: self.context_completes.copied(),
-            context_batch_slots: self.context_batch_slots.copied(),
-            context_token_ids: self.context_token_ids.copied(),
-            generation_ids: self.generation_ids.copied(),
-            generation_positions: self.generation_positions.copied(),
-            generation_owner_ranks: self.generation_owner_ranks.copied(),
-            generation_input_tokens: self.generation_input_tokens.copied(),
-            generation_input_refs: self.generation_input_refs.copied(),
-            generation_batch_slots: self.generation_batch_slots.copied(),
-            generation_local_lens: self.generation_local_lens.copied(),
-            generation_past_seen_lens: self.generation_past_seen_lens.copied(),
-        }
-    }
-
     /// The fields owned (moved where they were copies already, copied out of the output's
     /// locks otherwise), so the GIL may be released while they are read.
     pub fn into_owned(self) -> LentStep<'static> {

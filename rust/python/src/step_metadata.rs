@@ -227,9 +227,8 @@ pub fn write(
         scheduler.write_step_metadata(source, layout, words)
     } else {
         // A long step copies the fields out (a fraction of the writing) and lets the GIL go.
-        let copied = lent.copied();
-        drop(lent);
-        py.detach(|| scheduler.write_step_metadata(copied.source(), layout, words))
+        let owned = lent.into_owned();
+        py.detach(|| scheduler.write_step_metadata(owned.source(), layout, words))
     }
     .py()?;
     Ok(metadata.into())
