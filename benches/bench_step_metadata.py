@@ -89,7 +89,8 @@ def test_bench_decode_rows_by_columns(benchmark, report_figure, n: int) -> None:
     """What the row writer replaces: the fast path's former fill, ``block_table`` +
     ``slot_mapping`` and one numpy write per column."""
     d = Decoding(n)
-    fixed = helix_kv.DECODE_ROW_COLUMNS.index("block_table")
+    column = {name: i for i, name in enumerate(helix_kv.DECODE_ROW_COLUMNS)}
+    fixed = column["block_table"]
     rows = np.zeros((n, fixed + WIDTH), dtype=np.int32)
     ones = np.ones(n, dtype=np.int64)
 
@@ -99,12 +100,12 @@ def test_bench_decode_rows_by_columns(benchmark, report_figure, n: int) -> None:
         positions = np.asarray(out.generation_positions, dtype=np.int64)
         table = d.s.block_table(ids, WIDTH)
         slots = d.s.slot_mapping(ids, positions, ones[: ids.size])
-        rows[:n, 0] = out.generation_input_tokens
-        rows[:n, 1] = positions
-        rows[:n, 2] = slots
-        rows[:n, 3] = out.generation_local_lens
-        rows[:n, 4] = out.generation_past_seen_lens
-        rows[:n, 5] = out.generation_input_refs
+        rows[:n, column["token_id"]] = out.generation_input_tokens
+        rows[:n, column["position"]] = positions
+        rows[:n, column["slot"]] = slots
+        rows[:n, column["local_len"]] = out.generation_local_lens
+        rows[:n, column["past_seen_len"]] = out.generation_past_seen_lens
+        rows[:n, column["input_ref"]] = out.generation_input_refs
         rows[:n, fixed:] = table
 
     benchmark.pedantic(by_columns, setup=d.next_step, rounds=ROUNDS, warmup_rounds=WARMUP)

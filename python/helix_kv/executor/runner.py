@@ -283,14 +283,13 @@ def run_rank(
                 timeline,
                 (step_start, build_start),
                 group,
+                broadcast_src,
             )
             if launched is not None:
                 result.fast_path_steps += 1
                 return launched
         plan = StepPlan.from_schedule(helix.scheduler, out, placement)
-        mark = time.perf_counter()
-        timeline.start()
-        build_start += time.perf_counter() - mark  # instrumentation, not table building
+        build_start += _start_timeline(timeline)  # instrumentation, not table building
         batch = pool.prepare(plan)
         gather.apply(
             batch.token_ids, out.generation_input_refs, previous.tokens if previous else None
@@ -378,6 +377,7 @@ def _launch_decode_step(
     timeline: StepTimeline,
     started: tuple[float, float],
     group: dist.ProcessGroup | None,
+    broadcast_src: int,
 ) -> _LaunchedStep | None:
     """Queues a decode-only step on the fast path (its rows written by one core call, one
     H2D copy, a graph replay); ``None`` (nothing queued) when the step has context chunks
@@ -392,12 +392,7 @@ def _launch_decode_step(
     rows = counts.rows
     result.fast_path_inputs_in_flight += counts.in_flight
     step_start, build_start = started
-    # The timeline's start event is instrumentation, not metadata work: a CUDA event record
-    # costs 14-58 us on the H200 host measured (docs/gpu-results.md), which would otherwise
-    # dominate metadata_host_us. Its time is taken out of the timed interval.
-    mark = time.perf_counter()
-    timeline.start()
-    build_start += time.perf_counter() - mark
+    build_start += _start_timeline(timeline)  # instrumentation, not metadata work
     if counts.in_flight:
         if previous is None:
             raise RuntimeError(
@@ -423,13 +418,21 @@ def _launch_decode_step(
     tokens = step.tokens[:rows]
     if config.cp > 1:
         # ranks compute identical logits; broadcasting makes identical tokens a guarantee
-        src = dist.get_global_rank(group, 0) if group else 0
-        dist.broadcast(tokens, src=src, group=group)
+        dist.broadcast(tokens, src=broadcast_src, group=group)
     host_tokens = step.start_readback(rows)
     timeline.end()
     # The logits buffer is overwritten by the next step: kept ones are copied.
     logits = step.logits[:rows].clone() if config.record_logits else None
     return _LaunchedStep(out, rows, rows, rows, tokens, host_tokens, logits, step_start, True)
+
+
+def _start_timeline(timeline: StepTimeline) -> float:
+    """Records the step's start on the timeline; returns the seconds that took, which the
+    table-build and metadata timings leave out: the event is instrumentation, and one CUDA
+    event record costs tens of microseconds on the GPU host measured (docs/gpu-results.md)."""
+    mark = time.perf_counter()
+    timeline.start()
+    return time.perf_counter() - mark
 
 
 def _take_finished(helix: HelixKVRank, result: RunResult, finished: Any) -> None:
