@@ -908,12 +908,7 @@ impl Ledger {
         let undo = self.requests[entry].decode_undo();
         let position = self.allocate_decode_in(entry, step)?;
         if position.is_some() && self.requests[entry].decode_step() == Some(step) {
-            if self.older_decode_undo.len() <= entry {
-                self.older_decode_undo.resize(entry + 1, None);
-            }
-            if self.requests[entry].decode_undo() != undo {
-                self.older_decode_undo[entry] = undo;
-            }
+            self.keep_older_decode_undo(entry, undo);
         }
         Ok(position)
     }
@@ -988,13 +983,20 @@ impl Ledger {
     ) -> Option<u64> {
         let undo = self.requests.get(entry)?.decode_undo();
         let position = self.try_allocate_decode_in_place(entry, id, step)?;
+        self.keep_older_decode_undo(entry, undo);
+        Some(position)
+    }
+
+    /// After a decode planned ahead replaced `entry`'s decode undo, keeps the one it
+    /// replaced (`before`: the older pending step's) for that step's own undo.
+    #[inline]
+    fn keep_older_decode_undo(&mut self, entry: EntryIndex, before: Option<DecodeUndo>) {
         if self.older_decode_undo.len() <= entry {
             self.older_decode_undo.resize(entry + 1, None);
         }
-        if self.requests[entry].decode_undo() != undo {
-            self.older_decode_undo[entry] = undo;
+        if self.requests[entry].decode_undo() != before {
+            self.older_decode_undo[entry] = before;
         }
-        Some(position)
     }
 
     fn allocate_decode_in(&mut self, entry: EntryIndex, step: u64) -> Result<Option<u64>> {

@@ -305,8 +305,9 @@ fn mismatch(group: &str) -> CoreError {
     ))
 }
 
-/// The number of decode entries of `source`; fails unless the generation arrays that
-/// both metadata forms read (all but the batch slots) have that length.
+/// The number of decode entries of `source`; fails unless its generation arrays other than
+/// the batch slots have that length (the input references too: `write_step_metadata` does
+/// not read them, but an output whose arrays disagree is refused by both forms alike).
 fn generation_len(source: &StepSource<'_>) -> Result<usize> {
     let g = source.generation_ids.len();
     if [
