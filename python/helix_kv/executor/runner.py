@@ -151,6 +151,8 @@ class RunResult:
     host_bytes_in: int = 0
     total_s: float = 0.0
     tokens_run: int = 0
+    #: Victims that had sampled at least one token when chosen (their KV held generated
+    #: tokens, or they had moved on to decode).
     preempted_while_decoding: int = 0
     decode_steps: int = 0
     decode_tokens: int = 0
@@ -254,7 +256,6 @@ def run_rank(
         decode_step = DecodeStep(model, pool, combine, metadata, config.cuda_graphs)
     result = RunResult(rank, {}, {}, {}, [], [], helix.capacity_superblocks)
     logits_rows: dict[int, list[np.ndarray]] = {}
-    decoding: set[int] = set()  # requests that decoded since their last (re-)admission
     gather, readback, timeline = (
         DecodeInputGather(device),
         TokenReadback(device),
@@ -269,6 +270,7 @@ def run_rank(
         out = helix.schedule()
         build_start = time.perf_counter()
         result.schedule_us.append((build_start - step_start) * 1e6)
+        _count_victims_that_generated(helix, out, result)
         if host_pool is not None:
             host_pool.copy_step(out)  # queued before anything of the step writes KV
         if decode_step is not None:
@@ -342,7 +344,6 @@ def run_rank(
             step.num_generation,
             step.num_entries,
             closed - max(step.started, last_close),
-            decoding,
         )
         _take_finished(helix, result, finished)
         return closed
@@ -433,6 +434,20 @@ def _start_timeline(timeline: StepTimeline) -> float:
     mark = time.perf_counter()
     timeline.start()
     return time.perf_counter() - mark
+
+
+def _count_victims_that_generated(helix: HelixKVRank, out: Any, result: RunResult) -> None:
+    """Adds the step's victims that had sampled a token to ``preempted_while_decoding``.
+
+    Asked right after ``schedule()``, while every victim is live (one step ahead, a victim
+    may finish when the older step closes), and of the victims only: no per-step pass over
+    the batch. One step ahead, a token still in flight for a victim is not counted yet.
+    """
+    if len(out.preempted_ids):
+        result.preempted_while_decoding += sum(
+            helix.scheduler.request_metrics(rid).generated_tokens > 0
+            for rid in np.asarray(out.preempted_ids, dtype=np.int64).tolist()
+        )
 
 
 def _take_finished(helix: HelixKVRank, result: RunResult, finished: Any) -> None:
@@ -532,14 +547,9 @@ def _account_step(
     num_generation: int,
     num_entries: int,
     seconds: float,
-    decoding: set[int],
 ) -> None:
     result.digests.append(int(out.digest))
-    preempted = np.asarray(out.preempted_ids, dtype=np.int64).tolist()
-    result.preempted.append(preempted)
-    result.preempted_while_decoding += len(decoding.intersection(preempted))
-    decoding.difference_update(preempted)
-    decoding.update(np.asarray(out.generation_ids, dtype=np.int64).tolist())
+    result.preempted.append(np.asarray(out.preempted_ids, dtype=np.int64).tolist())
     result.tokens_run += num_tokens
     if num_generation and num_generation == num_entries:
         result.decode_steps += 1
