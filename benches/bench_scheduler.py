@@ -11,55 +11,12 @@ Run with ``python -m pytest benches/bench_scheduler.py --benchmark-enable -s``.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-import helix_kv
+from scheduler_loops import CP, PROMPT, TPB, AheadLoop, Loop
 
-CP, TPB, PROMPT = 4, 32, 100
 ROUNDS = 300
 WARMUP = 20
-
-
-def scheduler(n: int, superblocks: int, max_new: int) -> helix_kv.Scheduler:
-    config = helix_kv.SchedulerConfig(
-        cp_size=CP,
-        tokens_per_block=TPB,
-        kv_superblocks=superblocks,
-        max_batch_size=max(n, 1),
-        max_num_tokens=n + 4096,
-        max_preemptions_per_request=1_000_000,
-    )
-    return helix_kv.Scheduler(config)
-
-
-class Loop:
-    """``n`` live requests; finished ones are replaced so ``n`` stay live."""
-
-    def __init__(self, n: int, superblocks: int, max_new: int) -> None:
-        self.s = scheduler(n, superblocks, max_new)
-        self.prompt = np.arange(PROMPT, dtype=np.int32)
-        self.max_new = max_new
-        self.tokens = np.full(n + 4096, 7, dtype=np.int32)
-        self.next_id = 0
-        for _ in range(n):
-            self.add()
-
-    def add(self) -> None:
-        self.s.add_request(self.next_id, self.prompt, self.max_new)
-        self.next_id += 1
-
-    def step(self) -> helix_kv.ScheduleOutput:
-        out = self.s.schedule()
-        for request_id in self.s.update(self.tokens[: out.num_samples]).tolist():
-            self.s.take_output(request_id)
-            self.add()
-        return out
-
-    def prefill(self) -> None:
-        """Steps until every live request is decoding."""
-        while self.step().context_ids.size or self.s.num_waiting:
-            pass
 
 
 def steps_needed() -> int:
@@ -96,24 +53,6 @@ def test_bench_decode_step_under_steady_pressure(benchmark, report_figure, n: in
         benchmark, f"schedule+update under steady pressure, {n} live, cp={CP}", n, "request",
         f"<= 2x the decode step, i.e. <= {2 * (12 * n / 1000 + 5):.0f} us/step",
     )  # fmt: skip
-
-
-class AheadLoop(Loop):
-    """:class:`Loop` one step ahead: each step schedules while the previous one is pending,
-    then updates that one (its tokens in flight until then)."""
-
-    def __init__(self, n: int, superblocks: int, max_new: int) -> None:
-        super().__init__(n, superblocks, max_new)
-        self.in_flight: helix_kv.ScheduleOutput | None = None
-
-    def step(self) -> helix_kv.ScheduleOutput:
-        out = self.s.schedule()
-        older, self.in_flight = self.in_flight, out
-        if older is not None:
-            for request_id in self.s.update(self.tokens[: older.num_samples]).tolist():
-                self.s.take_output(request_id)
-                self.add()
-        return out
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["plain", "one_step_ahead"])

@@ -2,9 +2,10 @@
 
 Per step, with N requests all decoding: vLLM ``Scheduler.schedule()`` +
 ``update_from_output()`` (one sampled token per request) against helix_kv ``schedule()`` +
-``update()`` at cp = 4 (the loop of ``bench_scheduler.py``), and helix_kv plus the one call that
-writes the step's decode rows for the kernel (``write_decode_rows``). Both run in this one
-process, one after the other, so they share the machine's state.
+``update()`` at cp = 4 (the loop of ``bench_scheduler.py``, kept in ``scheduler_loops.py``), and
+helix_kv plus the one call that writes the step's decode rows for the kernel
+(``write_decode_rows``). Both run in this one process, one after the other, so they share the
+machine's state.
 
 vLLM is not a dependency of helix_kv: install it in a separate environment together with
 helix_kv (``pip install vllm`` then ``pip install --no-deps <helix_kv wheel>``) and run
@@ -131,7 +132,7 @@ def measure_vllm(n: int, model_dir: str) -> float:
 
 def measure_helix(n: int, with_metadata: bool) -> float:
     spec = importlib.util.spec_from_file_location(
-        "bench_scheduler", Path(__file__).with_name("bench_scheduler.py")
+        "scheduler_loops", Path(__file__).with_name("scheduler_loops.py")
     )
     assert spec is not None
     assert spec.loader is not None
