@@ -66,7 +66,7 @@ impl Scheduler {
     /// refers to that finishes here is held until it closes (see `retire`).
     #[expect(
         clippy::too_many_lines,
-        reason = "one pass that reads each request's hot line once; its rare cases are helpers already"
+        reason = "one pass that reads each request's hot record once; its rare cases are helpers already"
     )]
     fn apply_step(&mut self, tokens: &[i32], eos: Option<&[bool]>, newer: Option<u64>) {
         let step = self.pending_step;
@@ -104,7 +104,7 @@ impl Scheduler {
             }
             let req = self.queue[read];
             let request = &mut self.requests[req as usize];
-            // Read from the hot line; an aborted request's token is dropped below.
+            // Read from the hot record; an aborted request's token is dropped below.
             let aborted = request.abort_requested;
             let mut finished = None;
             if generation.get(next_generation) == Some(&req) {

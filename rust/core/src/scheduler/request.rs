@@ -75,7 +75,7 @@ pub struct RequestOutput {
 
 /// What a step planned one ahead knows of a request's work in the older pending step
 /// (`Scheduler::ahead_marks`, by request index: dense, so the decode path does not touch
-/// the request's cold line).
+/// the request's cold record).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) struct AheadMark {
     /// The step being planned when this was marked (the rest is meaningful only then).
@@ -255,7 +255,7 @@ impl Request {
         self.remaining_tokens = self.remaining_tokens.saturating_sub(1);
     }
 
-    /// Whether it has generated `max_new_tokens` (reads only the hot line).
+    /// Whether it has generated `max_new_tokens` (reads only the hot record).
     pub fn is_complete(&self) -> bool {
         self.remaining_tokens == 0
     }
