@@ -66,7 +66,7 @@ impl Scheduler {
     /// refers to that finishes here is held until it closes (see `retire`).
     #[expect(
         clippy::too_many_lines,
-        reason = "one pass that reads each request's hot line once; its rare cases are helpers already"
+        reason = "one pass that reads each request's hot record once; its rare cases are helpers already"
     )]
     fn apply_step(&mut self, tokens: &[i32], eos: Option<&[bool]>, newer: Option<u64>) {
         let step = self.pending_step;
@@ -104,7 +104,7 @@ impl Scheduler {
             }
             let req = self.queue[read];
             let request = &mut self.requests[req as usize];
-            // Read from the hot line; an aborted request's token is dropped below.
+            // Read from the hot record; an aborted request's token is dropped below.
             let aborted = request.abort_requested;
             let mut finished = None;
             if generation.get(next_generation) == Some(&req) {
@@ -135,7 +135,7 @@ impl Scheduler {
                 let ContextEntry { len, completes, .. } = self.context[next_context];
                 computed_tokens += len;
                 let token = completes.then(|| tokens[next_context_sample]);
-                if request.victim_step != NO_STEP && request.victim_step > step {
+                if request.cold.victim_step != NO_STEP && request.cold.victim_step > step {
                     // Preempted by the step planned ahead while this chunk ran.
                     let complete = self.record_after_preemption(req, len, token, false);
                     if completes {
@@ -156,8 +156,8 @@ impl Scheduler {
                 }
                 next_context_sample += usize::from(completes);
                 next_context += 1;
-            } else if request.first_step <= step {
-                request.steps_waited += 1;
+            } else if request.cold.first_step <= step {
+                request.cold.steps_waited += 1;
             }
             if let Some(reason) = aborted.then_some(FinishReason::Aborted).or(finished) {
                 let hold = newer.filter(|&newer| self.refers_to(newer, req));
@@ -246,14 +246,14 @@ impl Scheduler {
     ) {
         while generation
             .get(*next_generation)
-            .is_some_and(|&g| self.requests[g as usize].zombie)
+            .is_some_and(|&g| self.requests[g as usize].cold.zombie)
         {
             *next_generation += 1;
         }
         while let Some(entry) = self
             .context
             .get(*next_context)
-            .filter(|e| self.requests[e.req as usize].zombie)
+            .filter(|e| self.requests[e.req as usize].cold.zombie)
         {
             *computed_tokens += entry.len;
             *next_context_sample += usize::from(entry.completes);
@@ -293,7 +293,7 @@ impl Scheduler {
         if request.state == RequestState::Suspended {
             request.computed += len;
             if !decode {
-                request.suspended_from = if token.is_some() {
+                request.cold.suspended_from = if token.is_some() {
                     RequestState::Decoding
                 } else {
                     RequestState::Prefilling
@@ -319,9 +319,9 @@ impl Scheduler {
     fn refers_to(&self, step: u64, req: RequestIndex) -> bool {
         let r = &self.requests[req as usize];
         r.scheduled_step == step
-            || r.resumed_step == step
-            || r.victim_step == step
-            || r.touched_step == step
+            || r.cold.resumed_step == step
+            || r.cold.victim_step == step
+            || r.cold.touched_step == step
     }
 
     /// Frees what the requests held until `step` closed (see `retire`), in the order
@@ -333,8 +333,8 @@ impl Scheduler {
                 return true;
             }
             let request = &mut self.requests[req as usize];
-            request.zombie = false;
-            request.sat_out_slot = None;
+            request.cold.zombie = false;
+            request.cold.sat_out_slot = None;
             if let Some(slot) = request.batch_slot.take() {
                 self.batch_slots.release(slot);
             }
@@ -367,9 +367,9 @@ impl Scheduler {
         self.release_host_pages(req);
         let request = &mut self.requests[req as usize];
         let metrics = RequestMetrics {
-            preemptions: request.preemptions,
-            recomputed_tokens: request.recomputed_tokens,
-            steps_waited: request.steps_waited,
+            preemptions: request.cold.preemptions,
+            recomputed_tokens: request.cold.recomputed_tokens,
+            steps_waited: request.cold.steps_waited,
             generated_tokens: request.generated(),
         };
         #[expect(
@@ -377,13 +377,14 @@ impl Scheduler {
             reason = "the original prompt length was a slice length"
         )]
         let mut generated = request
+            .cold
             .tokens
-            .split_off(request.original_prompt_len as usize);
+            .split_off(request.cold.original_prompt_len as usize);
         self.token_log.drain_into(req, request, &mut generated);
         self.state_counts[request.state.index()] -= 1;
         self.index.remove(&id);
         if let Some(step) = hold {
-            request.zombie = true;
+            request.cold.zombie = true;
             self.zombies.push((req, step));
         } else {
             self.ledger

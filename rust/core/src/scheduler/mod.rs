@@ -397,7 +397,7 @@ impl Scheduler {
     pub fn tokens(&self, id: RequestId) -> Result<Vec<i32>> {
         let req = self.request_index(id)?;
         let request = &self.requests[req as usize];
-        let mut tokens = request.tokens.clone();
+        let mut tokens = request.cold.tokens.clone();
         self.token_log.append_to(req, request, &mut tokens);
         Ok(tokens)
     }
@@ -500,9 +500,9 @@ impl Scheduler {
         if let Some(&req) = self.index.get(&id) {
             let r = &self.requests[req as usize];
             return Ok(RequestMetrics {
-                preemptions: r.preemptions,
-                recomputed_tokens: r.recomputed_tokens,
-                steps_waited: r.steps_waited,
+                preemptions: r.cold.preemptions,
+                recomputed_tokens: r.cold.recomputed_tokens,
+                steps_waited: r.cold.steps_waited,
                 generated_tokens: r.generated(),
             });
         }
@@ -567,11 +567,11 @@ impl Scheduler {
             h.u64(r.known_len());
             let mut logged = Vec::new();
             self.token_log.append_to(req, r, &mut logged);
-            for &token in r.tokens.iter().chain(&logged) {
+            for &token in r.cold.tokens.iter().chain(&logged) {
                 h.word(bits(token));
             }
             h.u64(r.batch_slot.get().map_or(u64::MAX, u64::from));
-            h.u64(u64::from(r.preemptions));
+            h.u64(u64::from(r.cold.preemptions));
             h.u64(u64::from(r.abort_requested));
         }
         h.u64(self.finished.len() as u64);

@@ -75,7 +75,7 @@ pub struct RequestOutput {
 
 /// What a step planned one ahead knows of a request's work in the older pending step
 /// (`Scheduler::ahead_marks`, by request index: dense, so the decode path does not touch
-/// the request's cold line).
+/// the request's cold record).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) struct AheadMark {
     /// The step being planned when this was marked (the rest is meaningful only then).
@@ -124,10 +124,12 @@ impl BatchSlot {
     }
 }
 
-/// Fields in declaration order (`repr(C)`): everything a step reads or writes for a
-/// decoding request (`schedule` and `update` alike, the finish check and the token append
-/// included) comes first and shares one 64-byte line with a few cold fields; the rest (the
-/// token vector, prefill, preemption, metrics) follow on the next line.
+/// Everything a step reads or writes for a decoding request (`schedule` and `update`
+/// alike, the finish check and the token append included), in one 64-byte record; the rest
+/// (the token vector, prefill, preemption, metrics) is in [`RequestCold`], behind a
+/// pointer. So `Scheduler::requests` is dense in what the decode path touches: a request
+/// costs the per-step path one line, and the line next to it (which adjacent-line
+/// prefetch brings along) is another request's, not this one's cold fields.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[repr(C, align(64))]
 pub(super) struct Request {
@@ -142,24 +144,29 @@ pub(super) struct Request {
     /// The last known token (the next decode input), kept here so the per-step decode
     /// path reads neither the token vector nor the token log.
     pub last_token: i32,
-    /// `max_new_tokens - generated()`: the finish check without reading the cold line.
+    /// `max_new_tokens - generated()`: the finish check without reading the cold record.
     pub remaining_tokens: u32,
     /// Sampled tokens in its row of the [`TokenLog`] (fewer than [`LOG_ROW`]).
     pub logged: u32,
     pub state: RequestState,
     /// `abort()` was called while a step was pending; it takes effect when that step is
-    /// updated or reverted. On the hot line because `update` reads it for every request.
+    /// updated or reverted. Here because `update` reads it for every request.
     pub abort_requested: bool,
     /// Its newest full chunk in the [`TokenLog`] ([`NO_CHUNK`] if none), and how many it
     /// has there (each links to the one before).
     pub last_chunk: u32,
     pub chunks: u32,
-    // Cold fields that fill the rest of the first line.
+    /// The fields the per-step decode path does not touch.
+    pub cold: Box<RequestCold>,
+}
+
+/// The fields of a [`Request`] off the per-step decode path.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(super) struct RequestCold {
     pub max_new_tokens: u32,
     pub priority: i32,
     /// Times chosen as a victim (recompute-pause or suspend).
     pub preemptions: u32,
-
     /// Prompt (with folded tokens), then the tokens sampled before the log last moved
     /// them here; the newer ones wait in the [`TokenLog`] (its chunks, then its row).
     /// A re-prefill reads its chunks straight from this vector (a request that re-prefills
@@ -183,7 +190,6 @@ pub(super) struct Request {
     pub recomputed_tokens: u64,
     /// The state to return to on resume.
     pub suspended_from: RequestState,
-
     /// Last step in which it sat out or claimed a batch slot (with `scheduled_step`,
     /// `resumed_step` and `victim_step`: whether a step's records refer to it).
     pub touched_step: u64,
@@ -208,28 +214,30 @@ impl Request {
             state: RequestState::Waiting,
             abort_requested: false,
             last_token: prompt.last().copied().unwrap_or_default(),
-            tokens,
             logged: 0,
             last_chunk: NO_CHUNK,
             chunks: 0,
-            original_prompt_len: prompt.len() as u64,
             computed: 0,
-            max_new_tokens,
             remaining_tokens: max_new_tokens,
-            priority,
             batch_slot: BatchSlot::none(),
-            suspended_from: RequestState::Waiting,
-            preemptions: 0,
-            recomputed_tokens: 0,
-            steps_waited: 0,
-            first_step,
             scheduled_step: NO_STEP,
-            victim_step: NO_STEP,
-            resumed_step: NO_STEP,
-            rescued_step: NO_STEP,
-            sat_out_slot: None,
-            touched_step: NO_STEP,
-            zombie: false,
+            cold: Box::new(RequestCold {
+                max_new_tokens,
+                priority,
+                preemptions: 0,
+                tokens,
+                original_prompt_len: prompt.len() as u64,
+                suspended_from: RequestState::Waiting,
+                recomputed_tokens: 0,
+                steps_waited: 0,
+                first_step,
+                victim_step: NO_STEP,
+                resumed_step: NO_STEP,
+                rescued_step: NO_STEP,
+                sat_out_slot: None,
+                touched_step: NO_STEP,
+                zombie: false,
+            }),
         }
     }
 
@@ -237,7 +245,7 @@ impl Request {
     /// tokens must all be there; it has nothing in the log).
     pub fn push_token_unlogged(&mut self, token: i32) {
         debug_assert_eq!((self.logged, self.chunks), (0, 0));
-        self.tokens.push(token);
+        self.cold.tokens.push(token);
         self.note_token(token);
     }
 
@@ -247,7 +255,7 @@ impl Request {
         self.remaining_tokens = self.remaining_tokens.saturating_sub(1);
     }
 
-    /// Whether it has generated `max_new_tokens` (reads only the hot line).
+    /// Whether it has generated `max_new_tokens` (reads only the hot record).
     pub fn is_complete(&self) -> bool {
         self.remaining_tokens == 0
     }
@@ -259,12 +267,12 @@ impl Request {
 
     /// Prompt (with folded tokens) plus every token sampled since, logged ones included.
     pub fn known_len(&self) -> u64 {
-        self.tokens.len() as u64 + self.logged_len()
+        self.cold.tokens.len() as u64 + self.logged_len()
     }
 
     /// Tokens sampled so far, across preemptions.
     pub fn generated(&self) -> u64 {
-        self.known_len() - self.original_prompt_len
+        self.known_len() - self.cold.original_prompt_len
     }
 
     /// Tokens the current (re-)prefill must cover: the prompt plus any folded tokens.
@@ -275,7 +283,7 @@ impl Request {
             0,
             "a request that prefills has nothing in the log"
         );
-        self.tokens.len() as u64
+        self.cold.tokens.len() as u64
     }
 }
 
@@ -419,18 +427,14 @@ impl TokenLog {
 
     /// Moves what the log holds of the request at index `req` to its token vector.
     pub fn flush(&mut self, req: RequestIndex, request: &mut Request) {
-        let mut tokens = std::mem::take(&mut request.tokens);
+        let mut tokens = std::mem::take(&mut request.cold.tokens);
         self.drain_into(req, request, &mut tokens);
-        request.tokens = tokens;
+        request.cold.tokens = tokens;
     }
 }
 
-// The decode path's fields must stay on the first line, the token vector off it.
-const _: () = assert!(std::mem::offset_of!(Request, state) < 64);
-const _: () = assert!(std::mem::offset_of!(Request, abort_requested) < 64);
-const _: () = assert!(std::mem::offset_of!(Request, logged) < 64);
-const _: () = assert!(std::mem::offset_of!(Request, chunks) < 64);
-const _: () = assert!(std::mem::offset_of!(Request, tokens) == 64);
+// The decode path's record is one line.
+const _: () = assert!(std::mem::size_of::<Request>() == 64);
 
 #[cfg(test)]
 mod tests {

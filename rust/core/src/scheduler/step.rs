@@ -106,7 +106,7 @@ impl Scheduler {
     /// suspended after the older step (by a newer step, since reverted): its work there
     /// is in flight and it waits for that step's update before anything else.
     fn preempted_after_older_step(&self, req: RequestIndex) -> bool {
-        let victim_step = self.requests[req as usize].victim_step;
+        let victim_step = self.requests[req as usize].cold.victim_step;
         victim_step != NO_STEP && victim_step > self.older.step
     }
 
@@ -155,7 +155,7 @@ impl Scheduler {
             RequestState::Decoding => {
                 self.schedule_decode::<true>(step, queue_pos, req, -1)?;
             }
-            RequestState::Suspended if request.victim_step != step => {
+            RequestState::Suspended if request.cold.victim_step != step => {
                 self.try_resume(step, queue_pos, req)?;
             }
             _ => {}
@@ -349,7 +349,7 @@ impl Scheduler {
                 RequestState::Decoding => {
                     self.schedule_decode::<false>(step, queue_pos, req, -1)?;
                 }
-                RequestState::Suspended if request.victim_step != step => {
+                RequestState::Suspended if request.cold.victim_step != step => {
                     self.try_resume(step, queue_pos, req)?;
                 }
                 _ => {}
@@ -478,7 +478,7 @@ impl Scheduler {
             // Out of budget: not scheduled, keeps its batch slot; not a sit-out. One
             // without a slot claims one, so nothing behind it takes the next one freed.
             if needs_slot {
-                self.requests[req as usize].touched_step = step;
+                self.requests[req as usize].cold.touched_step = step;
                 self.slot_claims.push(req);
             }
             return Ok(());
@@ -517,9 +517,9 @@ impl Scheduler {
         // Neither pages nor a victim: sit out, and give the batch slot up so a one-step-ahead
         // executor cannot read it as still belonging to this request.
         let request = &mut self.requests[req as usize];
-        request.touched_step = step;
-        request.sat_out_slot = request.batch_slot.take();
-        if let Some(slot) = request.sat_out_slot {
+        request.cold.touched_step = step;
+        request.cold.sat_out_slot = request.batch_slot.take();
+        if let Some(slot) = request.cold.sat_out_slot {
             self.batch_slots.release(slot);
         }
         self.sat_out_reqs.push(req);
@@ -589,13 +589,13 @@ impl Scheduler {
         }
         if resumed {
             let request = &mut self.requests[req as usize];
-            request.resumed_step = step;
-            let back_to = request.suspended_from;
+            request.cold.resumed_step = step;
+            let back_to = request.cold.suspended_from;
             if back_to == RequestState::Decoding {
                 // It decodes from the next step: claim its batch slot now, at its place
                 // in queue order, before the context phase admits newer requests into
                 // the free ones (a resumed prefill gets one in that phase, in order).
-                request.touched_step = step;
+                request.cold.touched_step = step;
                 self.slot_claims.push(req);
             }
             self.set_state(req, back_to);
@@ -648,7 +648,7 @@ impl Scheduler {
                     admitting = false;
                 }
             }
-            if request.victim_step == step
+            if request.cold.victim_step == step
                 || (admitting && self.step_preempted && !self.config.admit_after_preemption)
             {
                 continue;
@@ -692,7 +692,7 @@ impl Scheduler {
             reason = "a chunk lies inside `tokens`: `end <= prefill_len() == tokens.len()`"
         )]
         out.context_token_ids
-            .extend_from_slice(&request.tokens[start as usize..end as usize]);
+            .extend_from_slice(&request.cold.tokens[start as usize..end as usize]);
         self.context.push(ContextEntry {
             req,
             start,
@@ -722,7 +722,7 @@ impl Scheduler {
                     return Ok(true);
                 }
                 // Admission: the whole remaining output at once, so decode never fails.
-                let remaining_output = u64::from(request.max_new_tokens) - request.generated();
+                let remaining_output = u64::from(request.cold.max_new_tokens) - request.generated();
                 (request.prefill_len() + remaining_output, held)
             }
         };
@@ -741,7 +741,7 @@ impl Scheduler {
     /// step: an older context request taking its pages would make the preemption it
     /// paid for futile.
     fn mark_served_by_preempting(&mut self, step: u64, queue_pos: usize, req: RequestIndex) {
-        self.requests[req as usize].rescued_step = step;
+        self.requests[req as usize].cold.rescued_step = step;
         self.victims.remove(queue_pos);
         self.head_victims.remove(queue_pos);
     }
@@ -788,10 +788,10 @@ impl Scheduler {
                 let holds_pages =
                     matches!(r.state, RequestState::Prefilling | RequestState::Decoding);
                 if !holds_pages
-                    || (r.preemptions >= bound) != at_bound
-                    || r.resumed_step == step
-                    || r.victim_step == step
-                    || r.rescued_step == step
+                    || (r.cold.preemptions >= bound) != at_bound
+                    || r.cold.resumed_step == step
+                    || r.cold.victim_step == step
+                    || r.cold.rescued_step == step
                 {
                     return None;
                 }
@@ -799,7 +799,9 @@ impl Scheduler {
                     VictimPolicy::NewestFirst => 0,
                     VictimPolicy::LeastComputedFirst => r.computed,
                     // The priority shifted to `0..2^32`, order kept.
-                    VictimPolicy::Priority => i64::from(r.priority).abs_diff(i64::from(i32::MIN)),
+                    VictimPolicy::Priority => {
+                        i64::from(r.cold.priority).abs_diff(i64::from(i32::MIN))
+                    }
                 })
             };
             let finder = if at_bound {
@@ -848,9 +850,9 @@ impl Scheduler {
         let suspend = self.suspends(victim, held);
         let request = &mut self.requests[victim as usize];
         request.scheduled_step = NO_STEP;
-        request.victim_step = step;
-        request.preemptions += 1;
-        request.sat_out_slot = None;
+        request.cold.victim_step = step;
+        request.cold.preemptions += 1;
+        request.cold.sat_out_slot = None;
         if let Some(slot) = request.batch_slot.take() {
             self.batch_slots.release(slot);
         }
@@ -868,19 +870,19 @@ impl Scheduler {
             out.suspended_requester_ids.push(requester);
             self.ledger.suspend(id)?;
             let request = &mut self.requests[victim as usize];
-            request.suspended_from = request.state;
+            request.cold.suspended_from = request.state;
             self.metrics.suspensions += 1;
             self.metrics.suspended_superblocks += u64::from(held);
             self.metrics.suspended_tokens += request.computed;
             self.set_state(victim, RequestState::Suspended);
         } else {
             self.flush_tokens(victim);
-            let folded = self.requests[victim as usize].tokens.len() as u64
+            let folded = self.requests[victim as usize].cold.tokens.len() as u64
                 - self.ledger.request(id)?.prompt_len();
             self.ledger.reset_for_recompute(id, folded)?;
             let request = &mut self.requests[victim as usize];
             let lost = std::mem::take(&mut request.computed);
-            request.recomputed_tokens += lost;
+            request.cold.recomputed_tokens += lost;
             self.metrics.recomputed_tokens += lost;
             self.metrics.preemptions += 1;
             self.set_state(victim, RequestState::Waiting);
@@ -1120,10 +1122,10 @@ impl Scheduler {
         self.new_slot_reqs.clear();
         for &req in &self.sat_out_reqs {
             let request = &mut self.requests[req as usize];
-            if request.zombie {
+            if request.cold.zombie {
                 continue;
             }
-            if let Some(slot) = request.sat_out_slot.take() {
+            if let Some(slot) = request.cold.sat_out_slot.take() {
                 self.batch_slots.take(slot);
                 request.batch_slot.set(slot);
             }
@@ -1134,14 +1136,14 @@ impl Scheduler {
     /// a decode of a `Decodes` run is undone as its own `Decode`).
     fn undo_change(&mut self, step: u64, req: RequestIndex, entry: JournalEntry) {
         let request = &self.requests[req as usize];
-        if request.zombie {
+        if request.cold.zombie {
             return; // finished meanwhile: everything it holds is freed with the step
         }
-        if request.victim_step != NO_STEP && request.victim_step >= step {
+        if request.cold.victim_step != NO_STEP && request.cold.victim_step >= step {
             // Its reservations went with the preemption. One suspended by a step
             // planned ahead (since reverted) took this step's work to the host tier:
             // that work never ran, so it re-prefills what it has instead.
-            if request.victim_step > step
+            if request.cold.victim_step > step
                 && request.state == RequestState::Suspended
                 && !matches!(entry, JournalEntry::Resume(_))
             {
@@ -1172,7 +1174,7 @@ impl Scheduler {
         self.flush_tokens(req);
         let request = &mut self.requests[req as usize];
         request.computed = 0;
-        let (id, known) = (request.id, request.tokens.len() as u64);
+        let (id, known) = (request.id, request.cold.tokens.len() as u64);
         let folded = known
             - self
                 .ledger
