@@ -275,6 +275,60 @@ struct DecodeUndo {
     len_after: u64,
 }
 
+/// Flag bits of [`RequestKv::flags`] that describe its decode undo.
+const UNDO_BITS: u8 = HAS_UNDO | UNDO_HAS_STEP | UNDO_GREW;
+
+/// An `Option<DecodeUndo>` as [`RequestKv`] keeps it (its undo fields and flag bits), so
+/// the one planned ahead copies it with three stores. Compared and printed as the
+/// `Option<DecodeUndo>` it stands for (what the unused fields keep does not count).
+#[derive(Clone, Copy)]
+struct OlderUndo {
+    step: u64,
+    len_after: u64,
+    /// `UNDO_BITS` of the flags: none of them for no undo.
+    flags: u8,
+}
+
+impl OlderUndo {
+    const NONE: Self = Self {
+        step: 0,
+        len_after: 0,
+        flags: 0,
+    };
+
+    fn get(self) -> Option<DecodeUndo> {
+        (self.flags & HAS_UNDO != 0).then(|| DecodeUndo {
+            step: (self.flags & UNDO_HAS_STEP != 0).then_some(self.step),
+            len: self.len_after - u64::from(self.flags & UNDO_GREW != 0),
+            len_after: self.len_after,
+        })
+    }
+
+    /// The undo `request` holds now.
+    #[inline]
+    fn of(request: &RequestKv) -> Self {
+        Self {
+            step: request.undo_step,
+            len_after: request.undo_len_after,
+            flags: request.flags & UNDO_BITS,
+        }
+    }
+}
+
+impl PartialEq for OlderUndo {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
+}
+
+impl Eq for OlderUndo {}
+
+impl std::fmt::Debug for OlderUndo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.get().fmt(f)
+    }
+}
+
 /// Hands the field list of [`DecodeView`] to another macro:
 /// `decode_view_fields!(callback! { args })` expands to `callback! { { args } fields... }`.
 #[macro_export]
@@ -326,7 +380,7 @@ pub struct Ledger {
     /// [`Ledger::allocate_decode_ahead_at`] (a step planned while the previous one is
     /// pending), so its newest step can be reverted and then the older one too. Apart from
     /// the entries, so the plain decode path writes nothing more.
-    older_decode_undo: Vec<Option<DecodeUndo>>,
+    older_decode_undo: Vec<OlderUndo>,
     /// Working space of the batch calls, kept so they allocate nothing in steady state.
     scratch: Scratch,
 }
@@ -905,7 +959,7 @@ impl Ledger {
             Some(request) if request.id == id => entry,
             _ => self.active_entry_of(id)?,
         };
-        let undo = self.requests[entry].decode_undo();
+        let undo = OlderUndo::of(&self.requests[entry]);
         let position = self.allocate_decode_in(entry, step)?;
         if position.is_some() && self.requests[entry].decode_step() == Some(step) {
             self.keep_older_decode_undo(entry, undo);
@@ -915,7 +969,7 @@ impl Ledger {
 
     fn forget_older_decode_undo(&mut self, entry: EntryIndex) {
         if let Some(undo) = self.older_decode_undo.get_mut(entry) {
-            *undo = None;
+            *undo = OlderUndo::NONE;
         }
     }
 
@@ -981,22 +1035,40 @@ impl Ledger {
         id: RequestId,
         step: u64,
     ) -> Option<u64> {
-        let undo = self.requests.get(entry)?.decode_undo();
+        let before = OlderUndo::of(self.requests.get(entry)?);
         let position = self.try_allocate_decode_in_place(entry, id, step)?;
-        self.keep_older_decode_undo(entry, undo);
+        self.keep_older_decode_undo(entry, before);
         Some(position)
     }
 
     /// After a decode planned ahead replaced `entry`'s decode undo, keeps the one it
     /// replaced (`before`: the older pending step's) for that step's own undo.
-    #[inline]
-    fn keep_older_decode_undo(&mut self, entry: EntryIndex, before: Option<DecodeUndo>) {
+    #[expect(
+        clippy::inline_always,
+        reason = "part of the per-request body of the scheduler's decode loop planned ahead"
+    )]
+    #[inline(always)]
+    fn keep_older_decode_undo(&mut self, entry: EntryIndex, before: OlderUndo) {
         if self.older_decode_undo.len() <= entry {
-            self.older_decode_undo.resize(entry + 1, None);
+            self.grow_older_decode_undo(entry);
         }
-        if self.requests[entry].decode_undo() != before {
+        // `decode_undo() != before.get()`, on the raw fields: the flag bits equal (both
+        // without an undo, or both with one that grew alike and has a step or not alike),
+        // the length after equal, and the steps equal where there is one.
+        let now = OlderUndo::of(&self.requests[entry]);
+        let same = now.flags == before.flags
+            && (now.flags & HAS_UNDO == 0
+                || (now.len_after == before.len_after
+                    && (now.flags & UNDO_HAS_STEP == 0 || now.step == before.step)));
+        if !same {
             self.older_decode_undo[entry] = before;
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn grow_older_decode_undo(&mut self, entry: EntryIndex) {
+        self.older_decode_undo.resize(entry + 1, OlderUndo::NONE);
     }
 
     fn allocate_decode_in(&mut self, entry: EntryIndex, step: u64) -> Result<Option<u64>> {
@@ -1063,7 +1135,11 @@ impl Ledger {
         };
         request.decode_count -= 1;
         request.set_decode_step(undo.step);
-        request.set_decode_undo(self.older_decode_undo.get_mut(entry).and_then(Option::take));
+        request.set_decode_undo(
+            self.older_decode_undo
+                .get_mut(entry)
+                .and_then(|older| std::mem::replace(older, OlderUndo::NONE).get()),
+        );
         if request.len == undo.len_after {
             // `undo.len <= undo.len_after`: this only ever shrinks.
             self.shrink_entry(entry, undo.len);
