@@ -973,102 +973,25 @@ impl Ledger {
         }
     }
 
-    /// The common decode allocation of the per-step path, all in the entry's first line:
-    /// `entry` holds `id`, active, not yet allocated in `step`, with its prompt reserved and
-    /// room for the token in the superblocks it holds. Then it is
-    /// [`Ledger::allocate_decode_at`] exactly (same position, same state after); otherwise
-    /// it returns `None` and changes nothing, and the caller takes the general path.
-    #[expect(
-        clippy::inline_always,
-        reason = "the per-request body of the scheduler's decode loop"
-    )]
-    #[inline(always)]
-    pub(crate) fn try_allocate_decode_in_place(
-        &mut self,
-        entry: EntryIndex,
-        id: RequestId,
-        step: u64,
-    ) -> Option<u64> {
-        let tokens_per_superblock = self.layout.tokens_per_superblock();
-        let request = self.requests.get_mut(entry)?;
-        let stepped = request.flags & HAS_DECODE_STEP != 0 && request.decode_step == step;
-        if request.id != id || request.flags & SUSPENDED != 0 || stepped {
-            return None;
+    /// The records and what the per-step decode loop needs of the ledger, apart, so the
+    /// loop keeps them in registers (see [`DecodeLane`]).
+    pub(crate) fn decode_lane(&mut self) -> DecodeLane<'_> {
+        DecodeLane {
+            requests: &mut self.requests,
+            older_decode_undo: &mut self.older_decode_undo,
+            tokens_per_superblock: self.layout.tokens_per_superblock(),
         }
-        let pos = request.prompt_len + request.decode_count;
-        let len_before = request.len;
-        if len_before < pos {
-            return None;
-        }
-        let new_len = len_before.max(pos + 1);
-        if new_len > u64::from(request.held) * tokens_per_superblock {
-            return None;
-        }
-        // `set_decode_undo` and `set_decode_step` in one write of the flags.
-        let mut flags = (request.flags & !(UNDO_HAS_STEP | UNDO_GREW)) | HAS_UNDO | HAS_DECODE_STEP;
-        if request.flags & HAS_DECODE_STEP != 0 {
-            flags |= UNDO_HAS_STEP;
-        }
-        if new_len != len_before {
-            flags |= UNDO_GREW;
-        }
-        request.undo_step = request.decode_step;
-        request.undo_len_after = new_len;
-        request.flags = flags;
-        request.len = new_len;
-        request.decode_count += 1;
-        request.decode_step = step;
-        Some(pos)
-    }
-
-    /// [`Ledger::try_allocate_decode_in_place`] for a step planned ahead: when it gives a
-    /// position it is [`Ledger::allocate_decode_ahead_at`] exactly (the previous decode's
-    /// undo kept); otherwise it changes nothing.
-    #[expect(
-        clippy::inline_always,
-        reason = "the per-request body of the scheduler's decode loop planned ahead"
-    )]
-    #[inline(always)]
-    pub(crate) fn try_allocate_decode_ahead_in_place(
-        &mut self,
-        entry: EntryIndex,
-        id: RequestId,
-        step: u64,
-    ) -> Option<u64> {
-        let before = OlderUndo::of(self.requests.get(entry)?);
-        let position = self.try_allocate_decode_in_place(entry, id, step)?;
-        self.keep_older_decode_undo(entry, before);
-        Some(position)
     }
 
     /// After a decode planned ahead replaced `entry`'s decode undo, keeps the one it
     /// replaced (`before`: the older pending step's) for that step's own undo.
-    #[expect(
-        clippy::inline_always,
-        reason = "part of the per-request body of the scheduler's decode loop planned ahead"
-    )]
-    #[inline(always)]
     fn keep_older_decode_undo(&mut self, entry: EntryIndex, before: OlderUndo) {
-        if self.older_decode_undo.len() <= entry {
-            self.grow_older_decode_undo(entry);
-        }
-        // `decode_undo() != before.get()`, on the raw fields: the flag bits equal (both
-        // without an undo, or both with one that grew alike and has a step or not alike),
-        // the length after equal, and the steps equal where there is one.
-        let now = OlderUndo::of(&self.requests[entry]);
-        let same = now.flags == before.flags
-            && (now.flags & HAS_UNDO == 0
-                || (now.len_after == before.len_after
-                    && (now.flags & UNDO_HAS_STEP == 0 || now.step == before.step)));
-        if !same {
-            self.older_decode_undo[entry] = before;
-        }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn grow_older_decode_undo(&mut self, entry: EntryIndex) {
-        self.older_decode_undo.resize(entry + 1, OlderUndo::NONE);
+        keep_older_decode_undo(
+            &mut self.older_decode_undo,
+            entry,
+            OlderUndo::of(&self.requests[entry]),
+            before,
+        );
     }
 
     fn allocate_decode_in(&mut self, entry: EntryIndex, step: u64) -> Result<Option<u64>> {
@@ -1335,6 +1258,136 @@ impl Ledger {
         }
         h.finish()
     }
+}
+
+/// [`Ledger::keep_older_decode_undo`] on the ledger's vector of older undos, with `now`
+/// the entry's undo after the decode.
+#[expect(
+    clippy::inline_always,
+    reason = "part of the per-request body of the scheduler's decode loop planned ahead"
+)]
+#[inline(always)]
+fn keep_older_decode_undo(
+    older_decode_undo: &mut Vec<OlderUndo>,
+    entry: EntryIndex,
+    now: OlderUndo,
+    before: OlderUndo,
+) {
+    if older_decode_undo.len() <= entry {
+        grow_older_decode_undo(older_decode_undo, entry);
+    }
+    // `now.get() != before.get()` on the raw fields: the flag bits equal (both without an
+    // undo, or both with one that grew alike and has a step or not alike), the length
+    // after equal, and the steps equal where there is one.
+    let same = now.flags == before.flags
+        && (now.flags & HAS_UNDO == 0
+            || (now.len_after == before.len_after
+                && (now.flags & UNDO_HAS_STEP == 0 || now.step == before.step)));
+    if !same {
+        older_decode_undo[entry] = before;
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn grow_older_decode_undo(older_decode_undo: &mut Vec<OlderUndo>, entry: EntryIndex) {
+    older_decode_undo.resize(entry + 1, OlderUndo::NONE);
+}
+
+/// The ledger's records as the scheduler's per-step decode loop uses them
+/// ([`Ledger::decode_lane`]): slices and values in locals, which the loop's stores
+/// cannot alias, so it keeps them in registers.
+pub(crate) struct DecodeLane<'a> {
+    requests: &'a mut [RequestKv],
+    older_decode_undo: &'a mut Vec<OlderUndo>,
+    tokens_per_superblock: u64,
+}
+
+impl DecodeLane<'_> {
+    /// The common decode allocation of the per-step path, all in the entry's first line:
+    /// `entry` holds `id`, active, not yet allocated in `step`, with its prompt reserved
+    /// and room for the token in the superblocks it holds. Then it is
+    /// [`Ledger::allocate_decode_at`] exactly (same position, same state after);
+    /// otherwise it returns `None` and changes nothing, and the caller takes the general
+    /// path.
+    #[expect(
+        clippy::inline_always,
+        reason = "the per-request body of the scheduler's decode loop"
+    )]
+    #[inline(always)]
+    pub(crate) fn try_allocate_in_place(
+        &mut self,
+        entry: EntryIndex,
+        id: RequestId,
+        step: u64,
+    ) -> Option<u64> {
+        let request = self.requests.get_mut(entry)?;
+        allocate_decode_in_place(request, self.tokens_per_superblock, id, step)
+    }
+
+    /// [`Self::try_allocate_in_place`] for a step planned ahead: when it gives a
+    /// position it is [`Ledger::allocate_decode_ahead_at`] exactly (the previous decode's
+    /// undo kept); otherwise it changes nothing.
+    #[expect(
+        clippy::inline_always,
+        reason = "the per-request body of the scheduler's decode loop planned ahead"
+    )]
+    #[inline(always)]
+    pub(crate) fn try_allocate_ahead_in_place(
+        &mut self,
+        entry: EntryIndex,
+        id: RequestId,
+        step: u64,
+    ) -> Option<u64> {
+        let request = self.requests.get_mut(entry)?;
+        let before = OlderUndo::of(request);
+        let position = allocate_decode_in_place(request, self.tokens_per_superblock, id, step)?;
+        let now = OlderUndo::of(request);
+        keep_older_decode_undo(self.older_decode_undo, entry, now, before);
+        Some(position)
+    }
+}
+
+/// The body of [`DecodeLane::try_allocate_in_place`] on the entry's record.
+#[expect(
+    clippy::inline_always,
+    reason = "the per-request body of the scheduler's decode loop"
+)]
+#[inline(always)]
+fn allocate_decode_in_place(
+    request: &mut RequestKv,
+    tokens_per_superblock: u64,
+    id: RequestId,
+    step: u64,
+) -> Option<u64> {
+    let stepped = request.flags & HAS_DECODE_STEP != 0 && request.decode_step == step;
+    if request.id != id || request.flags & SUSPENDED != 0 || stepped {
+        return None;
+    }
+    let pos = request.prompt_len + request.decode_count;
+    let len_before = request.len;
+    if len_before < pos {
+        return None;
+    }
+    let new_len = len_before.max(pos + 1);
+    if new_len > u64::from(request.held) * tokens_per_superblock {
+        return None;
+    }
+    // `set_decode_undo` and `set_decode_step` in one write of the flags.
+    let mut flags = (request.flags & !(UNDO_HAS_STEP | UNDO_GREW)) | HAS_UNDO | HAS_DECODE_STEP;
+    if request.flags & HAS_DECODE_STEP != 0 {
+        flags |= UNDO_HAS_STEP;
+    }
+    if new_len != len_before {
+        flags |= UNDO_GREW;
+    }
+    request.undo_step = request.decode_step;
+    request.undo_len_after = new_len;
+    request.flags = flags;
+    request.len = new_len;
+    request.decode_count += 1;
+    request.decode_step = step;
+    Some(pos)
 }
 
 /// Applies a validated grow of `request` to `new_len` tokens, its superblocks taken from
