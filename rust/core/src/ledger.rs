@@ -275,6 +275,60 @@ struct DecodeUndo {
     len_after: u64,
 }
 
+/// Flag bits of [`RequestKv::flags`] that describe its decode undo.
+const UNDO_BITS: u8 = HAS_UNDO | UNDO_HAS_STEP | UNDO_GREW;
+
+/// An `Option<DecodeUndo>` as [`RequestKv`] keeps it (its undo fields and flag bits), so
+/// the one planned ahead copies it with three stores. Compared and printed as the
+/// `Option<DecodeUndo>` it stands for (what the unused fields keep does not count).
+#[derive(Clone, Copy)]
+struct OlderUndo {
+    step: u64,
+    len_after: u64,
+    /// `UNDO_BITS` of the flags: none of them for no undo.
+    flags: u8,
+}
+
+impl OlderUndo {
+    const NONE: Self = Self {
+        step: 0,
+        len_after: 0,
+        flags: 0,
+    };
+
+    fn get(self) -> Option<DecodeUndo> {
+        (self.flags & HAS_UNDO != 0).then(|| DecodeUndo {
+            step: (self.flags & UNDO_HAS_STEP != 0).then_some(self.step),
+            len: self.len_after - u64::from(self.flags & UNDO_GREW != 0),
+            len_after: self.len_after,
+        })
+    }
+
+    /// The undo `request` holds now.
+    #[inline]
+    fn of(request: &RequestKv) -> Self {
+        Self {
+            step: request.undo_step,
+            len_after: request.undo_len_after,
+            flags: request.flags & UNDO_BITS,
+        }
+    }
+}
+
+impl PartialEq for OlderUndo {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
+}
+
+impl Eq for OlderUndo {}
+
+impl std::fmt::Debug for OlderUndo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.get().fmt(f)
+    }
+}
+
 /// Hands the field list of [`DecodeView`] to another macro:
 /// `decode_view_fields!(callback! { args })` expands to `callback! { { args } fields... }`.
 #[macro_export]
@@ -326,7 +380,7 @@ pub struct Ledger {
     /// [`Ledger::allocate_decode_ahead_at`] (a step planned while the previous one is
     /// pending), so its newest step can be reverted and then the older one too. Apart from
     /// the entries, so the plain decode path writes nothing more.
-    older_decode_undo: Vec<Option<DecodeUndo>>,
+    older_decode_undo: Vec<OlderUndo>,
     /// Working space of the batch calls, kept so they allocate nothing in steady state.
     scratch: Scratch,
 }
@@ -905,7 +959,7 @@ impl Ledger {
             Some(request) if request.id == id => entry,
             _ => self.active_entry_of(id)?,
         };
-        let undo = self.requests[entry].decode_undo();
+        let undo = OlderUndo::of(&self.requests[entry]);
         let position = self.allocate_decode_in(entry, step)?;
         if position.is_some() && self.requests[entry].decode_step() == Some(step) {
             self.keep_older_decode_undo(entry, undo);
@@ -915,88 +969,29 @@ impl Ledger {
 
     fn forget_older_decode_undo(&mut self, entry: EntryIndex) {
         if let Some(undo) = self.older_decode_undo.get_mut(entry) {
-            *undo = None;
+            *undo = OlderUndo::NONE;
         }
     }
 
-    /// The common decode allocation of the per-step path, all in the entry's first line:
-    /// `entry` holds `id`, active, not yet allocated in `step`, with its prompt reserved and
-    /// room for the token in the superblocks it holds. Then it is
-    /// [`Ledger::allocate_decode_at`] exactly (same position, same state after); otherwise
-    /// it returns `None` and changes nothing, and the caller takes the general path.
-    #[expect(
-        clippy::inline_always,
-        reason = "the per-request body of the scheduler's decode loop"
-    )]
-    #[inline(always)]
-    pub(crate) fn try_allocate_decode_in_place(
-        &mut self,
-        entry: EntryIndex,
-        id: RequestId,
-        step: u64,
-    ) -> Option<u64> {
-        let tokens_per_superblock = self.layout.tokens_per_superblock();
-        let request = self.requests.get_mut(entry)?;
-        let stepped = request.flags & HAS_DECODE_STEP != 0 && request.decode_step == step;
-        if request.id != id || request.flags & SUSPENDED != 0 || stepped {
-            return None;
+    /// The records and what the per-step decode loop needs of the ledger, apart, so the
+    /// loop keeps them in registers (see [`DecodeLane`]).
+    pub(crate) fn decode_lane(&mut self) -> DecodeLane<'_> {
+        DecodeLane {
+            requests: &mut self.requests,
+            older_decode_undo: &mut self.older_decode_undo,
+            tokens_per_superblock: self.layout.tokens_per_superblock(),
         }
-        let pos = request.prompt_len + request.decode_count;
-        let len_before = request.len;
-        if len_before < pos {
-            return None;
-        }
-        let new_len = len_before.max(pos + 1);
-        if new_len > u64::from(request.held) * tokens_per_superblock {
-            return None;
-        }
-        // `set_decode_undo` and `set_decode_step` in one write of the flags.
-        let mut flags = (request.flags & !(UNDO_HAS_STEP | UNDO_GREW)) | HAS_UNDO | HAS_DECODE_STEP;
-        if request.flags & HAS_DECODE_STEP != 0 {
-            flags |= UNDO_HAS_STEP;
-        }
-        if new_len != len_before {
-            flags |= UNDO_GREW;
-        }
-        request.undo_step = request.decode_step;
-        request.undo_len_after = new_len;
-        request.flags = flags;
-        request.len = new_len;
-        request.decode_count += 1;
-        request.decode_step = step;
-        Some(pos)
-    }
-
-    /// [`Ledger::try_allocate_decode_in_place`] for a step planned ahead: when it gives a
-    /// position it is [`Ledger::allocate_decode_ahead_at`] exactly (the previous decode's
-    /// undo kept); otherwise it changes nothing.
-    #[expect(
-        clippy::inline_always,
-        reason = "the per-request body of the scheduler's decode loop planned ahead"
-    )]
-    #[inline(always)]
-    pub(crate) fn try_allocate_decode_ahead_in_place(
-        &mut self,
-        entry: EntryIndex,
-        id: RequestId,
-        step: u64,
-    ) -> Option<u64> {
-        let undo = self.requests.get(entry)?.decode_undo();
-        let position = self.try_allocate_decode_in_place(entry, id, step)?;
-        self.keep_older_decode_undo(entry, undo);
-        Some(position)
     }
 
     /// After a decode planned ahead replaced `entry`'s decode undo, keeps the one it
     /// replaced (`before`: the older pending step's) for that step's own undo.
-    #[inline]
-    fn keep_older_decode_undo(&mut self, entry: EntryIndex, before: Option<DecodeUndo>) {
-        if self.older_decode_undo.len() <= entry {
-            self.older_decode_undo.resize(entry + 1, None);
-        }
-        if self.requests[entry].decode_undo() != before {
-            self.older_decode_undo[entry] = before;
-        }
+    fn keep_older_decode_undo(&mut self, entry: EntryIndex, before: OlderUndo) {
+        keep_older_decode_undo(
+            &mut self.older_decode_undo,
+            entry,
+            OlderUndo::of(&self.requests[entry]),
+            before,
+        );
     }
 
     fn allocate_decode_in(&mut self, entry: EntryIndex, step: u64) -> Result<Option<u64>> {
@@ -1063,7 +1058,11 @@ impl Ledger {
         };
         request.decode_count -= 1;
         request.set_decode_step(undo.step);
-        request.set_decode_undo(self.older_decode_undo.get_mut(entry).and_then(Option::take));
+        request.set_decode_undo(
+            self.older_decode_undo
+                .get_mut(entry)
+                .and_then(|older| std::mem::replace(older, OlderUndo::NONE).get()),
+        );
         if request.len == undo.len_after {
             // `undo.len <= undo.len_after`: this only ever shrinks.
             self.shrink_entry(entry, undo.len);
@@ -1259,6 +1258,136 @@ impl Ledger {
         }
         h.finish()
     }
+}
+
+/// [`Ledger::keep_older_decode_undo`] on the ledger's vector of older undos, with `now`
+/// the entry's undo after the decode.
+#[expect(
+    clippy::inline_always,
+    reason = "part of the per-request body of the scheduler's decode loop planned ahead"
+)]
+#[inline(always)]
+fn keep_older_decode_undo(
+    older_decode_undo: &mut Vec<OlderUndo>,
+    entry: EntryIndex,
+    now: OlderUndo,
+    before: OlderUndo,
+) {
+    if older_decode_undo.len() <= entry {
+        grow_older_decode_undo(older_decode_undo, entry);
+    }
+    // `now.get() != before.get()` on the raw fields: the flag bits equal (both without an
+    // undo, or both with one that grew alike and has a step or not alike), the length
+    // after equal, and the steps equal where there is one.
+    let same = now.flags == before.flags
+        && (now.flags & HAS_UNDO == 0
+            || (now.len_after == before.len_after
+                && (now.flags & UNDO_HAS_STEP == 0 || now.step == before.step)));
+    if !same {
+        older_decode_undo[entry] = before;
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn grow_older_decode_undo(older_decode_undo: &mut Vec<OlderUndo>, entry: EntryIndex) {
+    older_decode_undo.resize(entry + 1, OlderUndo::NONE);
+}
+
+/// The ledger's records as the scheduler's per-step decode loop uses them
+/// ([`Ledger::decode_lane`]): slices and values in locals, which the loop's stores
+/// cannot alias, so it keeps them in registers.
+pub(crate) struct DecodeLane<'a> {
+    requests: &'a mut [RequestKv],
+    older_decode_undo: &'a mut Vec<OlderUndo>,
+    tokens_per_superblock: u64,
+}
+
+impl DecodeLane<'_> {
+    /// The common decode allocation of the per-step path, all in the entry's first line:
+    /// `entry` holds `id`, active, not yet allocated in `step`, with its prompt reserved
+    /// and room for the token in the superblocks it holds. Then it is
+    /// [`Ledger::allocate_decode_at`] exactly (same position, same state after);
+    /// otherwise it returns `None` and changes nothing, and the caller takes the general
+    /// path.
+    #[expect(
+        clippy::inline_always,
+        reason = "the per-request body of the scheduler's decode loop"
+    )]
+    #[inline(always)]
+    pub(crate) fn try_allocate_in_place(
+        &mut self,
+        entry: EntryIndex,
+        id: RequestId,
+        step: u64,
+    ) -> Option<u64> {
+        let request = self.requests.get_mut(entry)?;
+        allocate_decode_in_place(request, self.tokens_per_superblock, id, step)
+    }
+
+    /// [`Self::try_allocate_in_place`] for a step planned ahead: when it gives a
+    /// position it is [`Ledger::allocate_decode_ahead_at`] exactly (the previous decode's
+    /// undo kept); otherwise it changes nothing.
+    #[expect(
+        clippy::inline_always,
+        reason = "the per-request body of the scheduler's decode loop planned ahead"
+    )]
+    #[inline(always)]
+    pub(crate) fn try_allocate_ahead_in_place(
+        &mut self,
+        entry: EntryIndex,
+        id: RequestId,
+        step: u64,
+    ) -> Option<u64> {
+        let request = self.requests.get_mut(entry)?;
+        let before = OlderUndo::of(request);
+        let position = allocate_decode_in_place(request, self.tokens_per_superblock, id, step)?;
+        let now = OlderUndo::of(request);
+        keep_older_decode_undo(self.older_decode_undo, entry, now, before);
+        Some(position)
+    }
+}
+
+/// The body of [`DecodeLane::try_allocate_in_place`] on the entry's record.
+#[expect(
+    clippy::inline_always,
+    reason = "the per-request body of the scheduler's decode loop"
+)]
+#[inline(always)]
+fn allocate_decode_in_place(
+    request: &mut RequestKv,
+    tokens_per_superblock: u64,
+    id: RequestId,
+    step: u64,
+) -> Option<u64> {
+    let stepped = request.flags & HAS_DECODE_STEP != 0 && request.decode_step == step;
+    if request.id != id || request.flags & SUSPENDED != 0 || stepped {
+        return None;
+    }
+    let pos = request.prompt_len + request.decode_count;
+    let len_before = request.len;
+    if len_before < pos {
+        return None;
+    }
+    let new_len = len_before.max(pos + 1);
+    if new_len > u64::from(request.held) * tokens_per_superblock {
+        return None;
+    }
+    // `set_decode_undo` and `set_decode_step` in one write of the flags.
+    let mut flags = (request.flags & !(UNDO_HAS_STEP | UNDO_GREW)) | HAS_UNDO | HAS_DECODE_STEP;
+    if request.flags & HAS_DECODE_STEP != 0 {
+        flags |= UNDO_HAS_STEP;
+    }
+    if new_len != len_before {
+        flags |= UNDO_GREW;
+    }
+    request.undo_step = request.decode_step;
+    request.undo_len_after = new_len;
+    request.flags = flags;
+    request.len = new_len;
+    request.decode_count += 1;
+    request.decode_step = step;
+    Some(pos)
 }
 
 /// Applies a validated grow of `request` to `new_len` tokens, its superblocks taken from

@@ -209,6 +209,61 @@ impl Scheduler {
         next_generation: usize,
         kept: usize,
     ) -> usize {
+        // One copy of the loop per case, so neither the flags nor the move is asked per
+        // request: with no flags (or none that can end the run), and with nothing retired
+        // yet (`kept == read`: the queue stays where it is).
+        match (eos, kept == read) {
+            (None, true) => self.apply_decode_run_with::<false, false>(
+                generation,
+                tokens,
+                &[],
+                read,
+                next_generation,
+                kept,
+            ),
+            (None, false) => self.apply_decode_run_with::<false, true>(
+                generation,
+                tokens,
+                &[],
+                read,
+                next_generation,
+                kept,
+            ),
+            (Some(eos), true) => self.apply_decode_run_with::<true, false>(
+                generation,
+                tokens,
+                eos,
+                read,
+                next_generation,
+                kept,
+            ),
+            (Some(eos), false) => self.apply_decode_run_with::<true, true>(
+                generation,
+                tokens,
+                eos,
+                read,
+                next_generation,
+                kept,
+            ),
+        }
+    }
+
+    /// [`Self::apply_decode_run`] with `EOS`: `eos` holds the flags (else it is empty and
+    /// unread), and `MOVE`: `kept != read`.
+    #[expect(
+        clippy::inline_always,
+        reason = "one copy per case inside `apply_decode_run`"
+    )]
+    #[inline(always)]
+    fn apply_decode_run_with<const EOS: bool, const MOVE: bool>(
+        &mut self,
+        generation: &[RequestIndex],
+        tokens: &[i32],
+        eos: &[bool],
+        read: usize,
+        next_generation: usize,
+        kept: usize,
+    ) -> usize {
         let queue = &mut self.queue[..];
         let requests = &mut self.requests[..];
         let token_log = &mut self.token_log;
@@ -220,13 +275,13 @@ impl Scheduler {
                 || request.abort_requested
                 || request.state != RequestState::Decoding
                 || request.remaining_tokens <= 1
-                || eos.is_some_and(|flags| flags[next_generation + run])
+                || (EOS && eos[next_generation + run])
             {
                 break;
             }
             token_log.push(queued, request, tokens[next_generation + run]);
             request.computed += 1;
-            if kept != read {
+            if MOVE {
                 queue[kept + run] = queued;
             }
             run += 1;

@@ -187,7 +187,7 @@ impl Scheduler {
             let (count, end) = {
                 let queue = &self.queue[..];
                 let requests = &mut self.requests[..];
-                let ledger = &mut self.ledger;
+                let mut ledger = self.ledger.decode_lane();
                 let marks = &self.ahead_marks[..];
                 let room = usize::try_from(budget - scheduled)
                     .unwrap_or(usize::MAX)
@@ -227,7 +227,7 @@ impl Scheduler {
                     };
                     // The request's index is also its ledger entry (see `add_request`).
                     let Some(position) =
-                        ledger.try_allocate_decode_ahead_in_place(req as usize, request.id, step)
+                        ledger.try_allocate_ahead_in_place(req as usize, request.id, step)
                     else {
                         break;
                     };
@@ -389,7 +389,7 @@ impl Scheduler {
             let (count, end) = {
                 let queue = &self.queue[..];
                 let requests = &mut self.requests[..];
-                let ledger = &mut self.ledger;
+                let mut ledger = self.ledger.decode_lane();
                 let room = usize::try_from(budget - scheduled)
                     .unwrap_or(usize::MAX)
                     .min(CHUNK);
@@ -413,7 +413,7 @@ impl Scheduler {
                     };
                     // The request's index is also its ledger entry (see `add_request`).
                     let Some(position) =
-                        ledger.try_allocate_decode_in_place(req as usize, request.id, step)
+                        ledger.try_allocate_in_place(req as usize, request.id, step)
                     else {
                         break;
                     };
