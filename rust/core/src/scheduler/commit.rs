@@ -209,52 +209,30 @@ impl Scheduler {
         next_generation: usize,
         kept: usize,
     ) -> usize {
-        // One copy of the loop per case, so neither the flags nor the move is asked per
-        // request: with no flags (or none that can end the run), and with nothing retired
-        // yet (`kept == read`: the queue stays where it is).
-        match (eos, kept == read) {
-            (None, true) => self.apply_decode_run_with::<false, false>(
-                generation,
-                tokens,
-                &[],
-                read,
-                next_generation,
-                kept,
-            ),
-            (None, false) => self.apply_decode_run_with::<false, true>(
-                generation,
-                tokens,
-                &[],
-                read,
-                next_generation,
-                kept,
-            ),
-            (Some(eos), true) => self.apply_decode_run_with::<true, false>(
-                generation,
-                tokens,
-                eos,
-                read,
-                next_generation,
-                kept,
-            ),
-            (Some(eos), false) => self.apply_decode_run_with::<true, true>(
-                generation,
-                tokens,
-                eos,
-                read,
-                next_generation,
-                kept,
-            ),
-        }
+        // One copy of the loop per case, so neither question is asked per request: whether
+        // end-of-sequence flags came with the tokens, and whether anything was retired
+        // before the run (`kept != read`: the queue moves down as it goes). The copy is
+        // picked once per run.
+        let run = match (eos.is_some(), kept != read) {
+            (false, false) => Self::apply_decode_run_with::<false, false>,
+            (false, true) => Self::apply_decode_run_with::<false, true>,
+            (true, false) => Self::apply_decode_run_with::<true, false>,
+            (true, true) => Self::apply_decode_run_with::<true, true>,
+        };
+        run(
+            self,
+            generation,
+            tokens,
+            eos.unwrap_or_default(),
+            read,
+            next_generation,
+            kept,
+        )
     }
 
     /// [`Self::apply_decode_run`] with `EOS`: `eos` holds the flags (else it is empty and
-    /// unread), and `MOVE`: `kept != read`.
-    #[expect(
-        clippy::inline_always,
-        reason = "one copy per case inside `apply_decode_run`"
-    )]
-    #[inline(always)]
+    /// unread), and `MOVE`: `kept != read`. Each of the four copies is its own function,
+    /// called once per run.
     fn apply_decode_run_with<const EOS: bool, const MOVE: bool>(
         &mut self,
         generation: &[RequestIndex],
@@ -264,6 +242,8 @@ impl Scheduler {
         next_generation: usize,
         kept: usize,
     ) -> usize {
+        // `update` checked one flag per sample; the generation entries come first.
+        debug_assert!(!EOS || eos.len() >= generation.len());
         let queue = &mut self.queue[..];
         let requests = &mut self.requests[..];
         let token_log = &mut self.token_log;
