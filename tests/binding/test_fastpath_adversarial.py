@@ -146,3 +146,34 @@ def test_a_made_up_len_cannot_abort_the_process() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["survived", "1", "0"]
+
+
+# -- helix_kv.step_metadata_views ---------------------------------------------------------
+
+
+def test_step_metadata_views_raises_helix_kv_errors() -> None:
+    """The Python helper follows the extension's rules: a wrong type or dtype is an
+    ``InvalidTypeError``, a wrong shape or a strided buffer an ``InvalidArgumentError``, a
+    buffer shorter than the layout an ``InvalidLengthError`` (no bare ``ValueError`` or
+    ``AttributeError``)."""
+    layout = helix_kv.StepMetadataLayout(8, 4, 2)
+    words = layout.total_words
+    good = np.zeros(words, dtype=np.int32)
+    cases: list[tuple[object, object, type[Exception]]] = [
+        (good.tolist(), layout, helix_kv.InvalidTypeError),
+        (good.astype(np.int64), layout, helix_kv.InvalidTypeError),
+        (good.astype(np.float32), layout, helix_kv.InvalidTypeError),
+        (good.astype(">i4"), layout, helix_kv.InvalidTypeError),
+        (good, "layout", helix_kv.InvalidTypeError),
+        (good, None, helix_kv.InvalidTypeError),
+        (np.zeros((2, words), dtype=np.int32), layout, helix_kv.InvalidArgumentError),
+        (np.zeros(2 * words, dtype=np.int32)[::2], layout, helix_kv.InvalidArgumentError),
+        (good[: words - 1], layout, helix_kv.InvalidLengthError),
+        (np.zeros(0, dtype=np.int32), layout, helix_kv.InvalidLengthError),
+    ]
+    for buffer, lay, error in cases:
+        with pytest.raises(error):
+            helix_kv.step_metadata_views(buffer, lay)  # type: ignore[arg-type]
+    views = helix_kv.step_metadata_views(good, layout)
+    assert views.block_table.shape == (4, 2)
+    assert np.shares_memory(views.slot_mapping, good)
