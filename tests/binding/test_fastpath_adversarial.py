@@ -22,14 +22,18 @@ Covered here, beyond ``test_hostile_inputs`` and ``test_step_metadata``:
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import helix_kv
 from tests.helpers.scheduler import config, needs_scheduler, prompt, snapshot
@@ -92,12 +96,13 @@ LEDGER_CASES: dict[str, Callable[[Callable[[Sequence[Any]], Any]], Any]] = {
         ledger_with([1, 2])
     ),
     "block_table": lambda w: ledger_with([1, 2]).block_table(w([2, 1])).tolist(),
-    "slot_mapping": lambda w: ledger_with([1, 2]).slot_mapping(w([1, 2]), w([0, 2]), w([3, 4]), 1)
-    .tolist(),
+    "slot_mapping": lambda w: (
+        ledger_with([1, 2]).slot_mapping(w([1, 2]), w([0, 2]), w([3, 4]), 1).tolist()
+    ),
     "layout_owner_ranks": lambda w: helix_kv.Layout(2, 4).owner_ranks(w([0, 4, 9])).tolist(),
-    "layout_slot_mapping": lambda w: helix_kv.Layout(2, 4)
-    .slot_mapping([w([0, 1]), w([2, 3])], w([1, 0]), w([5, 1]), 0)
-    .tolist(),
+    "layout_slot_mapping": lambda w: (
+        helix_kv.Layout(2, 4).slot_mapping([w([0, 1]), w([2, 3])], w([1, 0]), w([5, 1]), 0).tolist()
+    ),
 }
 
 
@@ -177,3 +182,358 @@ def test_step_metadata_views_raises_helix_kv_errors() -> None:
     views = helix_kv.step_metadata_views(good, layout)
     assert views.block_table.shape == (4, 2)
     assert np.shares_memory(views.slot_mapping, good)
+
+
+# -- a brute-force oracle over random call sequences --------------------------------------
+
+SENTINEL = -7777
+FIXED = helix_kv.DECODE_ROW_COLUMNS.index("block_table")
+
+
+def known_tokens(s: helix_kv.Scheduler, request_id: int) -> np.ndarray | None:
+    """The request's tokens (prompt + generated), or None once it is no longer live (a
+    request that finished in the older step stays held for the newer one)."""
+    try:
+        return s.tokens(request_id)
+    except helix_kv.UnknownRequestError:
+        return None
+
+
+def oracle_rows(
+    s: helix_kv.Scheduler,
+    out: helix_kv.ScheduleOutput,
+    older: helix_kv.ScheduleOutput | None,
+    width: int,
+) -> list[dict[str, Any]]:
+    """Every entry of ``out`` (generation entries, then context chunks), token by token, from
+    the ledger's block table and ``Layout`` alone: the per-rank fields of ``out`` are not
+    read, and each token id is checked against the request's tokens or, in flight, against
+    the older step's ``sample_ids``."""
+    cfg = s.config
+    lay, rank = cfg.layout, cfg.cp_rank
+    tpb, tps = lay.tokens_per_block, lay.tokens_per_superblock
+    gen_ids = out.generation_ids.tolist()
+    ctx_ids = out.context_ids.tolist()
+    table = s.block_table(np.asarray(gen_ids + ctx_ids, dtype=np.uint64), width)
+    rows = []
+    for i, rid in enumerate(gen_ids):
+        pos = int(out.generation_positions[i])
+        ref = int(out.generation_input_refs[i])
+        token = int(out.generation_input_tokens[i])
+        if ref >= 0:
+            assert older is not None, "a token in flight without an older pending step"
+            assert int(older.sample_ids[ref]) == rid
+            assert token == -1
+        else:
+            tokens = known_tokens(s, rid)
+            if tokens is not None:
+                assert token == int(tokens[pos])
+        owner = lay.owner_rank(pos)
+        assert owner == int(out.generation_owner_ranks[i])
+        page = int(table[i][pos // tps])
+        rows.append(
+            {
+                "id": rid,
+                "token": token,
+                "positions": [pos],
+                "slots": [page * tpb + pos % tpb if owner == rank else -1],
+                "local_len": lay.local_len(pos + 1, rank),
+                "past_seen_len": lay.local_len(pos, rank),
+                "input_ref": ref,
+                "table": table[i],
+                "slot": int(out.generation_batch_slots[i]),
+            }
+        )
+    for j, rid in enumerate(ctx_ids):
+        start, count = int(out.context_starts[j]), int(out.context_lens[j])
+        tokens = known_tokens(s, rid)
+        if tokens is not None:
+            flat_start = sum(int(n) for n in out.context_lens[:j])
+            np.testing.assert_array_equal(
+                out.context_token_ids[flat_start : flat_start + count],
+                tokens[start : start + count],
+            )
+        row = table[len(gen_ids) + j]
+        positions = list(range(start, start + count))
+        rows.append(
+            {
+                "id": rid,
+                "positions": positions,
+                "slots": [
+                    int(row[p // tps]) * tpb + p % tpb if lay.owner_rank(p) == rank else -1
+                    for p in positions
+                ],
+                "local_len": lay.local_len(start + count, rank),
+                "past_seen_len": lay.local_len(start, rank),
+                "completes": bool(out.context_completes[j]),
+                "table": row,
+                "slot": int(out.context_batch_slots[j]),
+            }
+        )
+    return rows
+
+
+def check_packed(
+    s: helix_kv.Scheduler,
+    out: helix_kv.ScheduleOutput,
+    older: helix_kv.ScheduleOutput | None,
+) -> None:
+    """``write_step_metadata`` of the pending step against the oracle, section by section."""
+    layout = s.step_metadata_layout()
+    buffer = np.full(layout.total_words + 4, SENTINEL, dtype=np.int32)
+    meta = s.write_step_metadata(out, buffer, layout)
+    v = helix_kv.step_metadata_views(buffer, layout)
+    entries = oracle_rows(s, out, older, layout.table_width)
+    g = out.generation_ids.size
+    positions = [p for e in entries for p in e["positions"]]
+    n, e = len(positions), len(entries)
+    samples = list(range(g))
+    row = g
+    for entry in entries[g:]:
+        row += len(entry["positions"])
+        if entry["completes"]:
+            samples.append(row - 1)
+    width_used = max((int((x["table"] >= 0).sum()) for x in entries), default=0)
+    assert (meta.step, meta.num_tokens, meta.num_entries) == (out.step, n, e)
+    assert (meta.num_generation, meta.num_samples) == (g, len(samples))
+    assert meta.table_width_used == width_used
+    assert (meta.num_samples, meta.num_tokens) == (out.num_samples, out.num_tokens)
+    head = v.header
+    assert int(head[:2].view(np.int64)[0]) == out.step
+    assert head[2:].tolist() == [n, e, g, len(samples), width_used, 0]
+    tokens = [x["token"] for x in entries[:g]] + out.context_token_ids.tolist()
+    assert v.token_ids[:n].tolist() == tokens
+    assert v.positions[:n].tolist() == positions
+    assert v.slot_mapping[:n].tolist() == [p for x in entries for p in x["slots"]]
+    assert (
+        v.query_start[: e + 1].tolist()
+        == np.cumsum([0] + [len(x["positions"]) for x in entries]).tolist()
+    )
+    assert v.local_lens[:e].tolist() == [x["local_len"] for x in entries]
+    assert v.past_seen_lens[:e].tolist() == [x["past_seen_len"] for x in entries]
+    assert v.batch_slots[:e].tolist() == [x["slot"] for x in entries]
+    assert v.sample_rows[: len(samples)].tolist() == samples
+    if e:
+        np.testing.assert_array_equal(v.block_table[:e], np.stack([x["table"] for x in entries]))
+    assert (buffer[layout.total_words :] == SENTINEL).all()
+
+
+def check_rows(
+    s: helix_kv.Scheduler,
+    out: helix_kv.ScheduleOutput,
+    older: helix_kv.ScheduleOutput | None,
+    pad_to: int,
+) -> None:
+    """``write_decode_rows`` of the pending step against the oracle (or refused, with the
+    buffer untouched, when the step has context chunks)."""
+    pages = s.step_metadata_layout().table_width
+    g = out.generation_ids.size
+    capacity = max(g, pad_to) + 1
+    buffer = np.full((capacity, FIXED + pages), SENTINEL, dtype=np.int32)
+    if out.context_ids.size:
+        with pytest.raises(helix_kv.InvalidArgumentError):
+            s.write_decode_rows(out, buffer, pad_to)
+        assert (buffer == SENTINEL).all()
+        return
+    counts = s.write_decode_rows(out, buffer, pad_to)
+    entries = oracle_rows(s, out, older, pages)
+    assert (counts.step, counts.rows, counts.padded_to) == (out.step, g, max(g, pad_to))
+    assert counts.in_flight == sum(x["input_ref"] >= 0 for x in entries)
+    for i, x in enumerate(entries):
+        fixed = [
+            x["token"],
+            x["positions"][0],
+            x["slots"][0],
+            x["local_len"],
+            x["past_seen_len"],
+            x["input_ref"],
+        ]
+        assert buffer[i, :FIXED].tolist() == fixed, (i, x)
+        assert buffer[i, FIXED:].tolist() == x["table"].tolist()
+    padding = buffer[g : counts.padded_to]
+    assert (padding[:, :FIXED] == helix_kv.DECODE_ROW_PADDING).all()
+    assert (padding[:, FIXED:] == SENTINEL).all()
+    assert (buffer[counts.padded_to :] == SENTINEL).all()
+
+
+def check_refused(s: helix_kv.Scheduler, out: helix_kv.ScheduleOutput) -> None:
+    """An output that is not the pending step's is an ``InvalidStateError`` for both forms,
+    with the buffers and the scheduler unchanged."""
+    before = snapshot(s)
+    layout = s.step_metadata_layout()
+    buffer = np.full(layout.total_words, SENTINEL, dtype=np.int32)
+    rows = np.full((out.generation_ids.size + 1, FIXED + layout.table_width), SENTINEL, np.int32)
+    with pytest.raises(helix_kv.InvalidStateError):
+        s.write_step_metadata(out, buffer, layout)
+    with pytest.raises(helix_kv.InvalidStateError):
+        s.write_decode_rows(out, rows)
+    assert (buffer == SENTINEL).all()
+    assert (rows == SENTINEL).all()
+    assert snapshot(s) == before
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 24), st.integers(1, 12)),
+        st.tuples(st.just("schedule"), st.booleans(), st.integers(0, 3)),
+        st.tuples(st.just("run"), st.integers(1, 12), st.booleans()),
+        st.tuples(st.just("update"), st.floats(0.0, 0.3), st.booleans()),
+        st.tuples(st.just("revert"), st.booleans(), st.integers(0, 3)),
+        st.tuples(st.just("abort"), st.integers(0, 30), st.booleans()),
+    ),
+    min_size=10,
+    max_size=60,
+)
+
+
+def drive(
+    cp: int, tpb: int, superblocks: int, batch: int, ops: list[tuple[Any, ...]], seed: int
+) -> Counter[str]:
+    """Runs ``ops`` on one scheduler per rank; every pending step (after ``schedule``, after
+    an ``update`` that leaves the newer step pending, after a ``revert`` of the newer step
+    that leaves the older one pending, after an abort) is checked on every rank against the
+    oracle in both forms, and every output that is not pending must be refused. Returns
+    what was seen (so a sweep can show the pressure was real)."""
+    rng = np.random.default_rng(seed)
+    cfg = config(
+        cp,
+        tpb,
+        superblocks=superblocks,
+        max_batch_size=batch,
+        max_num_tokens=8 * tpb,
+        max_seq_len=superblocks * cp * tpb,
+        chunk_unit=tpb,
+    )
+    ranks = [helix_kv.Scheduler(cfg.with_rank(r)) for r in range(cp)]
+    Outs = list[helix_kv.ScheduleOutput]  # one output per rank
+    pending: list[Outs] = []
+    closed: list[Outs] = []
+    # The step pending when each output was scheduled (its inputs in flight come from it).
+    planned_after: dict[int, Outs | None] = {}
+    seen: Counter[str] = Counter()
+    next_id = 0
+    longest = superblocks * cp * tpb
+    half = max(1, longest // 2)
+
+    def check_pending(pad_to: int) -> None:
+        if not pending:
+            return
+        newest = pending[-1]
+        older = planned_after[newest[0].step]
+        out = newest[0]
+        seen["checked"] += 1
+        seen["decode_only"] += bool(out.generation_ids.size and not out.context_ids.size)
+        seen["in_flight"] += bool((out.generation_input_refs >= 0).any())
+        seen["two_pending"] += len(pending) == 2
+        seen["preempted"] += bool(out.preempted_ids.size)
+        for r, s in enumerate(ranks):
+            check_packed(s, newest[r], older[r] if older else None)
+            check_rows(s, newest[r], older[r] if older else None, pad_to)
+            for stale in pending[:-1] + closed[-2:]:
+                check_refused(s, stale[r])
+
+    def schedule(pad_to: int) -> bool:
+        if ranks[0].pending_steps() == 2 or not ranks[0].has_unfinished():
+            return False
+        outs = [s.schedule() for s in ranks]
+        assert len({o.digest for o in outs}) == 1
+        planned_after[outs[0].step] = pending[0] if pending else None
+        pending.append(outs)
+        check_pending(pad_to)
+        return True
+
+    def update(eos_rate: float, with_eos: bool) -> None:
+        oldest = pending.pop(0)
+        n = oldest[0].num_samples
+        tokens = rng.integers(0, 1000, n).astype(np.int32)
+        eos = rng.random(n) < eos_rate
+        for s in ranks:
+            for rid in s.update(tokens, eos if with_eos else None).tolist():
+                s.take_output(rid)
+        closed.append(oldest)
+        check_pending(0)
+
+    for op in ops:
+        kind = op[0]
+        if kind == "add":
+            # Up to half the pool each, so a few requests decoding run it short.
+            length = max(1, op[1] * half // 24)
+            max_new = max(1, min(op[2] * half // 12, longest - length))
+            for s in ranks:
+                s.add_request(next_id, prompt(length, next_id), max_new)
+            next_id += 1
+        elif kind == "schedule":
+            schedule(op[2])
+        elif kind == "run":  # a few steps, one ahead or not
+            for _ in range(op[1]):
+                scheduled = schedule(op[1] % 3)
+                if pending and (len(pending) == 2 or not op[2] or not scheduled):
+                    update(0.05, True)
+        elif kind == "update" and pending:
+            update(op[1], op[2])
+        elif kind == "revert" and pending:
+            closed.append(pending.pop())
+            seen["reverted"] += 1
+            for s in ranks:
+                for rid in s.revert().tolist():
+                    s.take_output(rid)
+            check_pending(op[2])
+        elif kind == "abort":
+            live = ranks[0].queue_ids().tolist()
+            if live:
+                victim = live[op[1] % len(live)]
+                for s in ranks:
+                    s.abort(victim)
+                check_pending(0)
+    return seen
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cp=st.integers(1, 3),
+    tpb=st.integers(1, 4),
+    superblocks=st.integers(3, 10),
+    batch=st.integers(1, 5),
+    ops=OPS,
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_step_metadata_equals_the_oracle_over_random_calls(
+    cp: int, tpb: int, superblocks: int, batch: int, ops: list[tuple[Any, ...]], seed: int
+) -> None:
+    drive(cp, tpb, superblocks, batch, ops, seed)
+
+
+def random_ops(rng: random.Random) -> list[tuple[Any, ...]]:
+    """What ``OPS`` draws, drawn uniformly (hypothesis favours small values: little pressure)."""
+    ops: list[tuple[Any, ...]] = []
+    for _ in range(rng.randint(20, 60)):
+        kind = rng.choice(["add", "add", "schedule", "run", "run", "update", "revert", "abort"])
+        if kind == "add":
+            ops.append((kind, rng.randint(1, 24), rng.randint(1, 12)))
+        elif kind in ("schedule", "revert"):
+            ops.append((kind, rng.random() < 0.5, rng.randint(0, 3)))
+        elif kind == "run":
+            ops.append((kind, rng.randint(1, 12), rng.random() < 0.5))
+        elif kind == "update":
+            ops.append((kind, rng.random() * 0.3, rng.random() < 0.5))
+        else:
+            ops.append((kind, rng.randint(0, 30), rng.random() < 0.5))
+    return ops
+
+
+def test_step_metadata_equals_the_oracle_under_pressure() -> None:
+    """A seeded sweep of the same driver, uniform draws: preemptions, inputs in flight, two
+    pending steps and reverts all happen, and every step matches the oracle."""
+    rng = random.Random(20261201)
+    seen: Counter[str] = Counter()
+    for _ in range(150):
+        seen += drive(
+            rng.randint(1, 3),
+            rng.randint(1, 4),
+            rng.randint(3, 10),
+            rng.randint(1, 5),
+            random_ops(rng),
+            rng.randrange(2**32),
+        )
+    for what in ["decode_only", "in_flight", "two_pending", "preempted", "reverted"]:
+        assert seen[what] >= 10, seen
