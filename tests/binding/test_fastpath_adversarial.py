@@ -22,6 +22,7 @@ Covered here, beyond ``test_hostile_inputs`` and ``test_step_metadata``:
 
 from __future__ import annotations
 
+import pickle
 import random
 import subprocess
 import sys
@@ -537,3 +538,91 @@ def test_step_metadata_equals_the_oracle_under_pressure() -> None:
         )
     for what in ["decode_only", "in_flight", "two_pending", "preempted", "reverted"]:
         assert seen[what] >= 10, seen
+
+
+# -- outputs of another scheduler ---------------------------------------------------------
+
+
+def decoding(cp: int, rank: int, prompt_seed: int, tpb: int = 4) -> helix_kv.Scheduler:
+    """A scheduler whose pending step decodes three requests (ids 0..2)."""
+    cfg = config(cp, tpb, superblocks=16, max_batch_size=4, max_num_tokens=64)
+    s = helix_kv.Scheduler(cfg.with_rank(rank))
+    for i in range(3):
+        s.add_request(i, prompt(9, i + prompt_seed), 5)
+    out = s.schedule()
+    s.update(np.full(out.num_samples, 7, dtype=np.int32))
+    return s
+
+
+def assert_both_forms_refuse(s: helix_kv.Scheduler, out: helix_kv.ScheduleOutput) -> None:
+    before = snapshot(s)
+    layout = s.step_metadata_layout()
+    buffer = np.full(layout.total_words, SENTINEL, dtype=np.int32)
+    rows = np.full((4, FIXED + layout.table_width), SENTINEL, dtype=np.int32)
+    with pytest.raises(helix_kv.InvalidStateError):
+        s.write_step_metadata(out, buffer, layout)
+    with pytest.raises(helix_kv.InvalidStateError):
+        s.write_decode_rows(out, rows)
+    assert (buffer == SENTINEL).all()
+    assert (rows == SENTINEL).all()
+    assert snapshot(s) == before
+
+
+def prefilling(prompt_seed: int, tpb: int = 4) -> helix_kv.Scheduler:
+    """A scheduler whose pending step (step 0) prefills three requests (ids 0..2)."""
+    s = helix_kv.Scheduler(config(1, tpb, superblocks=16, max_batch_size=4, max_num_tokens=64))
+    for i in range(3):
+        s.add_request(i, prompt(9, i + prompt_seed), 5)
+    return s
+
+
+def test_another_schedulers_output_of_the_same_step_is_refused() -> None:
+    """Two schedulers at the same step number with the same request ids and lengths but
+    other prompts (or another configuration): the other's output has another digest, and
+    writing it would put the other's token ids (or pages) into this rank's metadata. It is
+    an ``InvalidStateError``, as for a stale output; the scheduler's own output (also after a
+    pickle round trip) is accepted."""
+    mine = prefilling(0)
+    out = mine.schedule()
+    for other in [prefilling(100), prefilling(0, tpb=2)]:
+        theirs = other.schedule()
+        assert theirs.step == out.step
+        assert theirs.digest != out.digest
+        assert_both_forms_refuse(mine, theirs)
+    # A decode step: another configuration with the same decisions has another digest too.
+    mine, other = decoding(1, 0, 0), decoding(1, 0, 0, tpb=2)
+    out, theirs = mine.schedule(), other.schedule()
+    assert (theirs.step, theirs.generation_ids.tolist()) == (out.step, [0, 1, 2])
+    assert theirs.digest != out.digest
+    assert_both_forms_refuse(mine, theirs)
+    layout = mine.step_metadata_layout()
+    buffer = np.zeros(layout.total_words, dtype=np.int32)
+    for accepted in [out, pickle.loads(pickle.dumps(out))]:
+        assert mine.write_step_metadata(accepted, buffer, layout).step == out.step
+        assert mine.write_decode_rows(accepted, np.zeros((3, FIXED + 4), np.int32)).rows == 3
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="core gap: write_step_metadata/write_decode_rows check only the step number (and "
+    "the ledger) and copy generation_local_lens/past_seen_lens from the output; another "
+    "rank's output has the same step and digest, so its per-rank lengths are written beside "
+    "this rank's slots",
+)
+def test_another_ranks_output_is_refused() -> None:
+    """Rank 1's output given to rank 0's scheduler (same step, same digest: the per-rank
+    fields differ) must be refused, or at least give rank 0's rows; today rank 0 writes rank
+    1's ``local_len``/``past_seen_len`` (4, 4 instead of 6, 5 at position 9, cp=2, tpb=4)."""
+    rank0, rank1 = decoding(2, 0, 0), decoding(2, 1, 0)
+    out0, out1 = rank0.schedule(), rank1.schedule()
+    assert out0.digest == out1.digest
+    assert out0.generation_local_lens.tolist() != out1.generation_local_lens.tolist()
+    rows0 = np.full((3, FIXED + 4), SENTINEL, dtype=np.int32)
+    rows1 = rows0.copy()
+    rank0.write_decode_rows(out0, rows0)
+    try:
+        rank0.write_decode_rows(out1, rows1)
+    except helix_kv.HelixKVError:
+        return
+    np.testing.assert_array_equal(rows1, rows0)
