@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import helix_kv
@@ -626,3 +626,165 @@ def test_another_ranks_output_is_refused() -> None:
     except helix_kv.HelixKVError:
         return
     np.testing.assert_array_equal(rows1, rows0)
+
+
+# -- random hostile buffers, pad_to values and forged outputs ------------------------------
+
+DTYPES = ["int32", "int64", "uint32", "int16", "float32", ">i4", "bool"]
+PAD_TO = st.one_of(
+    st.none(),
+    st.integers(0, 5),
+    st.integers(-3, 12),
+    st.sampled_from([2**31, 2**32, 2**63 - 1, 2**63, 2**64, -(2**63)]),
+    st.sampled_from([True, False, 1.0, "2", b"2", [2], np.int64(3), np.uint64(5), np.int8(-1)]),
+    st.sampled_from([np.float64(2.0), np.bool_(True), np.array(2), np.array([2])]),
+)
+
+
+@st.composite
+def hostile_buffers(draw: st.DrawFn, rows_wanted: int, width_wanted: int) -> Any:
+    """Mostly near-valid: right or wrong dtype, rows and width around the wanted ones,
+    C or Fortran order, strided, offset by one word, read-only; sometimes not an array."""
+    if draw(st.booleans()):  # a valid buffer, to see the writes and the hostile pad_to
+        rows, width = draw(st.integers(rows_wanted, 8)), draw(st.integers(0, 2)) + width_wanted
+        return np.full((rows, width), SENTINEL, dtype=np.int32)
+    if draw(st.integers(0, 19)) == 0:
+        return draw(st.sampled_from([None, [[0] * width_wanted], "buffer", 3, memoryview(b"")]))
+    dtype = draw(st.sampled_from(["int32"] * len(DTYPES) + DTYPES))
+    rows = draw(st.integers(0, rows_wanted + 2))
+    width = draw(st.integers(max(0, width_wanted - 3), width_wanted + 2))
+    ndim = draw(st.sampled_from([2, 2, 2, 1, 3]))
+    shape: tuple[int, ...] = {1: (rows * width,), 2: (rows, width), 3: (rows, width, 1)}[ndim]
+    base = np.full([n + 1 for n in shape], SENTINEL).astype(dtype)
+    view = base[tuple(slice(0, n) for n in shape)]
+    how = draw(st.sampled_from(["plain"] * 4 + ["fortran", "strided", "offset", "readonly"]))
+    if how == "plain":
+        view = np.ascontiguousarray(view)
+    elif how == "fortran":
+        view = np.asfortranarray(view)
+    elif how == "strided" and ndim >= 2:
+        view = np.full((rows, 2 * width, *shape[2:]), SENTINEL).astype(dtype)[:, ::2]
+    elif how == "offset":
+        flat = np.full(view.size + 1, SENTINEL).astype(dtype)
+        view = flat[1:].reshape(shape)
+    elif how == "readonly":
+        view = np.ascontiguousarray(view)
+        view.setflags(write=False)
+    return view
+
+
+def call_and_check(
+    s: helix_kv.Scheduler, call: Callable[[], Any], buffer: Any
+) -> tuple[Any, BaseException | None]:
+    """Calls ``call``: a helix_kv error (anything else fails the test) leaves the scheduler
+    and ``buffer`` as they were."""
+    before = snapshot(s)
+    copy = np.array(buffer, copy=True) if isinstance(buffer, np.ndarray) else None
+    try:
+        return call(), None
+    except helix_kv.HelixKVError as err:
+        assert snapshot(s) == before
+        if copy is not None:
+            np.testing.assert_array_equal(buffer, copy)
+        return None, err
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), cp=st.integers(1, 3), tpb=st.sampled_from([1, 3, 4]))
+def test_hostile_decode_row_buffers_raise_typed_errors_and_change_nothing(
+    data: st.DataObject, cp: int, tpb: int
+) -> None:
+    s = decoding(cp, data.draw(st.integers(0, cp - 1)), 0, tpb=tpb)
+    out = s.schedule()
+    pages = s.step_metadata_layout().table_width
+    buffer = data.draw(hostile_buffers(3, FIXED + pages))
+    pad_to = data.draw(PAD_TO)
+    counts, err = call_and_check(s, lambda: s.write_decode_rows(out, buffer, pad_to), buffer)
+    event("written" if err is None else type(err).__name__)
+    if err is None:
+        # Accepted: a C-contiguous, writeable int32 [rows, width] array and an int pad_to
+        # (a Python int or numpy integer scalar) it holds; the rows are the reference's.
+        assert isinstance(buffer, np.ndarray)
+        assert buffer.dtype == np.int32
+        assert buffer.ndim == 2
+        assert buffer.flags.c_contiguous
+        assert not isinstance(pad_to, (bool, np.bool_, float, np.floating))
+        reference = np.full(buffer.shape, SENTINEL, dtype=np.int32)
+        assert s.write_decode_rows(out, reference, pad_to) == counts
+        np.testing.assert_array_equal(buffer, reference)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    data=st.data(),
+    words=st.integers(-3, 3),
+    dtype=st.sampled_from(["int32"] * len(DTYPES) + DTYPES),
+)
+def test_hostile_packed_buffers_raise_typed_errors_and_change_nothing(
+    data: st.DataObject, words: int, dtype: str
+) -> None:
+    s = prefilling(0)
+    out = s.schedule()
+    layout = s.step_metadata_layout()
+    how = data.draw(st.sampled_from(["plain", "plain", "offset", "strided", "readonly", "2d"]))
+    n = max(0, layout.total_words + words)
+    base = np.full(2 * n + 2, SENTINEL).astype(dtype)
+    buffer = {
+        "plain": base[:n],
+        "offset": base[1 : n + 1],
+        "strided": base[: 2 * n : 2],
+        "readonly": base[:n],
+        "2d": base[: 2 * (n // 2)].reshape(2, -1),
+    }[how]
+    if how == "readonly":
+        buffer.setflags(write=False)
+    meta, err = call_and_check(s, lambda: s.write_step_metadata(out, buffer, layout), buffer)
+    event("written" if err is None else type(err).__name__)
+    if err is None:
+        assert (dtype, how) in {("int32", "plain")}
+        assert words >= 0
+        assert meta.num_tokens == out.num_tokens
+    elif dtype == "int32" and how == "plain" and words >= 0:
+        pytest.fail(f"a valid buffer was refused: {err!r}")
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), decode=st.booleans())
+def test_forged_outputs_raise_typed_errors_and_change_nothing(
+    data: st.DataObject, decode: bool
+) -> None:
+    """One to three values of the pending step's arrays replaced (through ``_from_fields``,
+    keeping the digest): refused with a helix_kv error and nothing changed, or written;
+    never another exception (a panic)."""
+    s = decoding(2, data.draw(st.integers(0, 1)), 0) if decode else prefilling(0)
+    out = s.schedule()
+    fields = {name: getattr(out, name) for name in helix_kv.ScheduleOutput.FIELDS}
+    arrays = [n for n, v in fields.items() if isinstance(v, np.ndarray) and v.size]
+    for _ in range(data.draw(st.integers(1, 3))):
+        name = data.draw(st.sampled_from(arrays))
+        values = fields[name].copy()
+        i = data.draw(st.integers(0, values.size - 1))
+        info = np.iinfo(values.dtype) if values.dtype != bool else None
+        if info is None:
+            values[i] = not values[i]
+        else:
+            values[i] = data.draw(
+                st.one_of(
+                    st.integers(int(info.min), int(info.max)),
+                    st.sampled_from(
+                        [v for v in (-2, -1, 0, 1, 2, 9, 10, 2**31 - 1) if v >= info.min]
+                    ),
+                )
+            )
+        fields[name] = values
+    try:
+        forged = helix_kv.ScheduleOutput._from_fields(fields)
+    except helix_kv.HelixKVError:
+        return
+    layout = s.step_metadata_layout()
+    buffer = np.full(layout.total_words, SENTINEL, dtype=np.int32)
+    _, err = call_and_check(s, lambda: s.write_step_metadata(forged, buffer, layout), buffer)
+    event("packed: " + ("written" if err is None else type(err).__name__))
+    rows = np.full((4, FIXED + layout.table_width), SENTINEL, dtype=np.int32)
+    _, err = call_and_check(s, lambda: s.write_decode_rows(forged, rows, 4), rows)
+    event("rows: " + ("written" if err is None else type(err).__name__))
