@@ -788,3 +788,87 @@ def test_forged_outputs_raise_typed_errors_and_change_nothing(
     rows = np.full((4, FIXED + layout.table_width), SENTINEL, dtype=np.int32)
     _, err = call_and_check(s, lambda: s.write_decode_rows(forged, rows, 4), rows)
     event("rows: " + ("written" if err is None else type(err).__name__))
+
+
+# -- the executor's CPU parts (helix_kv.executor.staging / decode_step, no CUDA) -----------
+
+
+def test_the_executor_fast_path_modules_import_and_run_without_cuda() -> None:
+    """``helix_kv.executor.decode_step`` and ``staging`` import with a CPU-only torch, and
+    their CPU paths run (no pinned memory, no events)."""
+    torch = pytest.importorskip("torch")
+    from helix_kv.executor import decode_step, staging
+
+    stager = staging.HostToDeviceStager(torch.device("cpu"))
+    arrays = [
+        np.array([3, -1, 7], dtype=np.int32),
+        np.arange(6, dtype=np.int64).reshape(2, 3),
+        np.array([2**63 - 1], dtype=np.uint64),
+        np.zeros(0, dtype=np.int16),
+        [[1, 2], [3, 4]],
+    ]
+    staged = stager.stage(arrays)
+    for array, tensor in zip(arrays, staged):
+        assert tensor.dtype == torch.int64
+        np.testing.assert_array_equal(tensor.numpy(), np.asarray(array).astype(np.int64))
+    layout = decode_step.DecodeLayout(max_batch=4, max_pages=4)
+    meta = decode_step.DecodeMetadata(layout, "cpu")
+    assert meta.buckets == (1, 2, 4)
+    assert (meta.host.numpy()[:, : layout.BLOCK_TABLE] == helix_kv.DECODE_ROW_PADDING).all()
+
+
+@pytest.mark.parametrize(
+    ("array", "error"),
+    [
+        (np.array([1.7, -2.9]), helix_kv.InvalidTypeError),  # was truncated to [1, -2]
+        (np.array(["7"]), helix_kv.InvalidTypeError),  # was parsed to 7
+        (np.array([True, False]), helix_kv.InvalidTypeError),  # was 1, 0
+        (np.array([1 + 2j]), helix_kv.InvalidTypeError),
+        (np.array([None, 1], dtype=object), helix_kv.InvalidTypeError),
+        (np.array([2**63], dtype=np.uint64), helix_kv.InvalidArgumentError),  # was -2**63
+        (np.array([2**64 - 1], dtype=np.uint64), helix_kv.InvalidArgumentError),  # was -1
+    ],
+)
+def test_staging_refuses_what_int64_cannot_hold_exactly(array: np.ndarray, error: type) -> None:
+    """The stager packs index arrays into one int64 buffer: a float, bool, string or object
+    array, or a uint64 value past int64, is refused rather than cast (numpy's assignment
+    truncates floats, parses strings and wraps uint64)."""
+    torch = pytest.importorskip("torch")
+    from helix_kv.executor.staging import HostToDeviceStager
+
+    stager = HostToDeviceStager(torch.device("cpu"))
+    with pytest.raises(error):
+        stager.stage([np.arange(3), array])
+    # An empty array of any dtype holds nothing to cast (np.array([]) is float64).
+    (empty,) = stager.stage([np.array([])])
+    assert empty.numel() == 0
+
+
+def test_decode_metadata_fill_from_schedule_matches_and_is_all_or_nothing() -> None:
+    """On CPU: the staged rows are ``write_decode_rows``' rows padded to the bucket; a step
+    the core refuses (context chunks) leaves the current staging buffer, its index and its
+    contents as they were."""
+    torch = pytest.importorskip("torch")
+    from helix_kv.executor.decode_step import DecodeLayout, DecodeMetadata
+
+    s = decoding(2, 1, 0)
+    pages = s.step_metadata_layout().table_width
+    meta = DecodeMetadata(DecodeLayout(max_batch=4, max_pages=pages), torch.device("cpu"))
+    out = s.schedule()
+    counts = meta.fill_from_schedule(s, out)
+    assert (counts.rows, counts.padded_to) == (3, 4)
+    reference = np.full((4, FIXED + pages), SENTINEL, dtype=np.int32)
+    s.write_decode_rows(out, reference, 4)
+    np.testing.assert_array_equal(meta.host.numpy()[:3], reference[:3])
+    assert (meta.host.numpy()[3, :FIXED] == helix_kv.DECODE_ROW_PADDING).all()
+    s.update(np.full(out.num_samples, 5, dtype=np.int32))
+    s.add_request(9, prompt(5, 9), 2)
+    mixed = s.schedule()
+    assert mixed.context_ids.size
+    current = meta.current
+    staging = [buffer.clone() for buffer in meta._staging]
+    with pytest.raises(helix_kv.InvalidArgumentError):
+        meta.fill_from_schedule(s, mixed)
+    assert meta.current == current
+    for before, after in zip(staging, meta._staging):
+        assert torch.equal(before, after)
