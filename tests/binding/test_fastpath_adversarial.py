@@ -872,3 +872,121 @@ def test_decode_metadata_fill_from_schedule_matches_and_is_all_or_nothing() -> N
     assert meta.current == current
     for before, after in zip(staging, meta._staging):
         assert torch.equal(before, after)
+
+
+# -- Ledger batch calls: one bad element among good ones -----------------------------------
+
+BAD_GROW = st.sampled_from(
+    [
+        ("unknown id", 999, None, helix_kv.UnknownRequestError),
+        ("repeated id", "repeat", None, helix_kv.InvalidArgumentError),
+        ("negative id", -1, None, helix_kv.InvalidArgumentError),
+        ("id 2**64", 2**64, None, helix_kv.InvalidArgumentError),
+        ("bool id", True, None, helix_kv.InvalidTypeError),
+        ("float length", None, 8.0, helix_kv.InvalidTypeError),
+        ("bool length", None, True, helix_kv.InvalidTypeError),
+        ("negative length", None, -1, helix_kv.InvalidLengthError),
+        ("length 2**63", None, 2**63, helix_kv.InvalidLengthError),
+        ("length past the pool", None, 2**63 - 1, helix_kv.InvalidLengthError),
+        ("shorter length", None, "shorter", helix_kv.InvalidLengthError),
+    ]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    held=st.integers(2, 8),
+    data=st.data(),
+    bad=BAD_GROW,
+    as_array=st.booleans(),
+)
+def test_a_bad_element_anywhere_in_a_batch_changes_nothing(
+    held: int, data: st.DataObject, bad: tuple[str, Any, Any, type], as_array: bool
+) -> None:
+    """``grow_many`` / ``free_many`` / ``add_many`` with one bad element at a random place
+    among valid ones (lists, or arrays where the bad value has an integer form): the typed
+    error, and the ledger digest unchanged (nothing before the bad element applied)."""
+    ledger = helix_kv.Ledger(helix_kv.Layout(2, 4), 64)
+    ids = list(range(held))
+    ledger.add_many(ids, [1] * held)
+    assert ledger.grow_many(ids, [5] * held).all()
+    digest = ledger.state_digest()
+    # The last id is left out of the valid part: a bad length is given to it.
+    chosen = data.draw(st.lists(st.sampled_from(ids[:-1]), min_size=1, unique=True))
+    lengths = [data.draw(st.integers(5, 40)) for _ in chosen]
+    _, bad_id, bad_len, error = bad
+    at = data.draw(st.integers(0, len(chosen)))
+    ids_in = list(chosen)
+    lens_in: list[Any] = list(lengths)
+    if bad_id == "repeat":
+        ids_in.insert(at, chosen[0])
+        lens_in.insert(at, 40)
+    elif bad_id is not None:
+        ids_in.insert(at, bad_id)
+        lens_in.insert(at, 40)
+    else:
+        ids_in.insert(at, ids[-1])
+        lens_in.insert(at, 4 if bad_len == "shorter" else bad_len)
+    ids_arg: Any = ids_in
+    lens_arg: Any = lens_in
+    if as_array:
+        if all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**64 for v in ids_in):
+            ids_arg = np.array(ids_in, dtype=np.uint64)
+        if all(type(v) is int and -(2**63) <= v < 2**63 for v in lens_in):
+            lens_arg = np.array(lens_in, dtype=np.int64)
+    with pytest.raises(error):
+        ledger.grow_many(ids_arg, lens_arg)
+    assert ledger.state_digest() == digest
+    if bad_id is not None:
+        with pytest.raises(error):
+            ledger.free_many(ids_arg)
+        assert ledger.state_digest() == digest
+    fresh = [100 + i for i in range(len(chosen))]
+    fresh.insert(at, chosen[0])  # already held
+    with pytest.raises(helix_kv.DuplicateRequestError):
+        ledger.add_many(fresh, [3] * len(fresh))
+    assert ledger.state_digest() == digest
+    assert len(ledger) == held
+
+
+# -- ScheduleOutput: pickling, equality, read-only arrays ----------------------------------
+
+
+def test_schedule_output_round_trips_and_stays_read_only() -> None:
+    """A pickled output (every protocol) has every field equal, of the same dtype and
+    read-only; ``differing_fields`` is empty and the digest equal. ``==`` and ``hash`` are
+    identity (the class defines no value equality, unlike the other records): compare
+    outputs with ``digest`` / ``differing_fields``. ``_from_fields`` copies the caller's
+    arrays, so mutating them later changes nothing."""
+    s = decoding(2, 1, 0)
+    s.add_request(7, prompt(6, 7), 3)
+    out = s.schedule()
+    assert out.generation_ids.size
+    assert out.context_ids.size
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        copy = pickle.loads(pickle.dumps(out, protocol=protocol))
+        assert copy.differing_fields(out) == []
+        assert (copy.digest, copy.summary()) == (out.digest, out.summary())
+        for name in helix_kv.ScheduleOutput.FIELDS:
+            mine, theirs = getattr(out, name), getattr(copy, name)
+            if isinstance(mine, np.ndarray):
+                assert theirs.dtype == mine.dtype, name
+                np.testing.assert_array_equal(theirs, mine, err_msg=name)
+                assert not theirs.flags.writeable, name
+                with pytest.raises(ValueError, match="read-only"):
+                    theirs[...] = 0
+            else:
+                assert theirs == mine, name
+        assert (copy == out, copy != out) == (False, True)
+        assert out == out  # identity
+    tokens = out.context_token_ids.copy()
+    fields = {name: getattr(out, name) for name in helix_kv.ScheduleOutput.FIELDS}
+    rebuilt = helix_kv.ScheduleOutput._from_fields({**fields, "context_token_ids": tokens})
+    tokens[0] += 1
+    assert rebuilt.context_token_ids[0] == out.context_token_ids[0]
+    layout = s.step_metadata_layout()
+    written = np.zeros(layout.total_words, dtype=np.int32)
+    s.write_step_metadata(rebuilt, written, layout)
+    direct = np.zeros(layout.total_words, dtype=np.int32)
+    s.write_step_metadata(out, direct, layout)
+    np.testing.assert_array_equal(written, direct)
