@@ -990,3 +990,49 @@ def test_schedule_output_round_trips_and_stays_read_only() -> None:
     direct = np.zeros(layout.total_words, dtype=np.int32)
     s.write_step_metadata(out, direct, layout)
     np.testing.assert_array_equal(written, direct)
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "error"),
+    [
+        ("local_lens", [7, 7, 7], helix_kv.InvalidArgumentError),  # 3 values for 2 rows
+        ("token_ids", np.array([1.9, 2.5]), helix_kv.InvalidTypeError),  # was 1, 2
+        ("token_ids", np.array([True, False]), helix_kv.InvalidTypeError),
+        ("slots", np.array(["5", "6"]), helix_kv.InvalidTypeError),
+        ("positions", np.array([2**32 + 3, 4]), helix_kv.InvalidLengthError),  # was 3
+        ("positions", [2**32 + 3, 4], helix_kv.InvalidLengthError),  # was an OverflowError
+        ("past_seen_lens", [-(2**31) - 1, 0], helix_kv.InvalidLengthError),
+        ("input_refs", np.array([2**31, 0], dtype=np.uint64), helix_kv.InvalidArgumentError),
+        ("block_table", np.array([[0.5, 1], [2, 3]]), helix_kv.InvalidTypeError),
+        ("block_table", [[0, 2**31], [2, 3]], helix_kv.InvalidArgumentError),
+        ("block_table", [0, 1], helix_kv.InvalidArgumentError),  # one-dimensional
+    ],
+)
+def test_decode_metadata_fill_is_checked_before_anything_is_written(
+    column: str, value: Any, error: type
+) -> None:
+    """``DecodeMetadata.fill`` (the executor's path for callers without a scheduler) writes
+    int32 rows: a column that does not fit them exactly (another length, a float, bool or
+    string dtype, a value past int32) is a helix_kv error raised before the staging buffer
+    turns or a word is written (as for ``StagingBufferBusy``), never a silent cast."""
+    torch = pytest.importorskip("torch")
+    from helix_kv.executor.decode_step import DecodeLayout, DecodeMetadata
+
+    meta = DecodeMetadata(DecodeLayout(max_batch=4, max_pages=2), torch.device("cpu"))
+    columns: dict[str, Any] = {
+        "token_ids": [1, 2],
+        "positions": [3, 4],
+        "slots": [5, 6],
+        "local_lens": [7, 8],
+        "past_seen_lens": [6, 7],
+        "block_table": [[0, 1], [2, -1]],
+        "input_refs": [-1, 0],
+    }
+    assert meta.fill(**columns) == 2
+    current = meta.current
+    staging = [buffer.clone() for buffer in meta._staging]
+    with pytest.raises(error):
+        meta.fill(**{**columns, column: value})
+    assert meta.current == current
+    for before, after in zip(staging, meta._staging):
+        assert torch.equal(before, after)
