@@ -21,7 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from helix_kv._core import StepMetadataLayout
+from helix_kv._core import (
+    InvalidArgumentError,
+    InvalidLengthError,
+    InvalidTypeError,
+    StepMetadataLayout,
+)
 
 Int32Array = npt.NDArray[np.int32]
 
@@ -68,12 +73,30 @@ def new_step_metadata_buffer(layout: StepMetadataLayout) -> Int32Array:
 
 
 def step_metadata_views(buffer: Int32Array, layout: StepMetadataLayout) -> StepMetadataViews:
-    """Views of every section of ``buffer`` (an int32 array of at least
-    ``layout.total_words`` words), as ``layout.sections`` places them."""
-    if buffer.dtype != np.int32 or buffer.ndim != 1 or buffer.shape[0] < layout.total_words:
-        raise ValueError(
-            f"buffer must be a 1-D int32 array of at least {layout.total_words} words, "
-            f"got {buffer.dtype} of shape {buffer.shape}"
+    """Views of every section of ``buffer`` (a one-dimensional, C-contiguous numpy array of
+    native int32, at least ``layout.total_words`` words), as ``layout.sections`` places them.
+
+    Raises (helix_kv's errors, as ``Scheduler.write_step_metadata`` does for the same buffer):
+    ``InvalidTypeError`` for a ``buffer`` that is not such an array (another type or dtype)
+    or a ``layout`` that is not a :class:`~helix_kv.StepMetadataLayout`;
+    ``InvalidArgumentError`` for a buffer of another shape or a strided one;
+    ``InvalidLengthError`` for one shorter than the layout.
+    """
+    if not isinstance(layout, StepMetadataLayout):
+        raise InvalidTypeError(f"layout must be a StepMetadataLayout, got {type(layout).__name__}")
+    if not isinstance(buffer, np.ndarray) or buffer.dtype != np.int32:
+        kind = buffer.dtype if isinstance(buffer, np.ndarray) else type(buffer).__name__
+        raise InvalidTypeError(
+            f"buffer must be a numpy array of dtype int32 (native byte order), got {kind}"
+        )
+    if buffer.ndim != 1 or not buffer.flags.c_contiguous:
+        raise InvalidArgumentError(
+            f"buffer must be one-dimensional and C-contiguous, got shape {buffer.shape} "
+            f"with strides {buffer.strides}"
+        )
+    if buffer.shape[0] < layout.total_words:
+        raise InvalidLengthError(
+            f"buffer holds {buffer.shape[0]} words; the layout needs {layout.total_words}"
         )
     views: dict[str, np.ndarray] = {}
     for name, offset, length, dtype in layout.sections:

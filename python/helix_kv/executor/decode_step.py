@@ -50,7 +50,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from helix_kv._core import DECODE_ROW_COLUMNS, DECODE_ROW_PADDING, DecodeRowCounts
+from helix_kv._core import (
+    DECODE_ROW_COLUMNS,
+    DECODE_ROW_PADDING,
+    DecodeRowCounts,
+    HelixKVError,
+    InvalidArgumentError,
+    InvalidLengthError,
+    InvalidTypeError,
+)
 from helix_kv.executor.kv_pool import KVPool
 from helix_kv.executor.model import Combine, DecodeRows, TinyTransformer
 from helix_kv.executor.overlap import HostTokens
@@ -93,6 +101,42 @@ class DecodeLayout:
         """The leading columns of a padding row: no token, no KV write, nothing to attend to,
         nothing to gather."""
         return DECODE_ROW_PADDING
+
+
+def _check_int32(name: str, values: np.ndarray, out_of_range: type[HelixKVError]) -> None:
+    """Refuses values an int32 row does not hold exactly: a dtype that is not an integer
+    one (``InvalidTypeError``; an empty array of any dtype holds nothing to cast), or a
+    value past int32 (``out_of_range``)."""
+    if values.size == 0:
+        return
+    if values.dtype.kind not in "iu":
+        raise InvalidTypeError(f"{name} must have an integer dtype, got {values.dtype}")
+    low, high = int(values.min()), int(values.max())
+    if low < -(2**31) or high > 2**31 - 1:
+        raise out_of_range(f"{name} must fit int32, got {low if low < -(2**31) else high}")
+
+
+def _int32_column(
+    name: str, values: npt.ArrayLike, rows: int, out_of_range: type[HelixKVError]
+) -> np.ndarray:
+    """``values`` as ``rows`` int32-exact values (a scalar or any shape that broadcasts to
+    ``[rows]``), checked as :func:`_check_int32` says; nothing is cast here."""
+    array = np.asarray(values)
+    if array.dtype == object and array.size:
+        # Python ints past int64 make an object array: checked one by one.
+        items = list(array.flat)
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in items):
+            raise InvalidTypeError(f"{name} must hold integers, got {array.dtype}")
+        if not all(-(2**31) <= int(v) < 2**31 for v in items):
+            raise out_of_range(f"{name} must fit int32")
+        array = array.astype(np.int64)
+    _check_int32(name, array, out_of_range)
+    try:
+        return np.broadcast_to(array, (rows,))
+    except ValueError:
+        raise InvalidArgumentError(
+            f"{name} must hold one value per row ({rows}), got shape {array.shape}"
+        ) from None
 
 
 class StagingBufferBusy(RuntimeError):
@@ -260,18 +304,46 @@ class DecodeMetadata:
         """Write a step's rows from arrays, one per column (``block_table``:
         ``[rows, <= max_pages]``, -1 padded; ``input_refs``: default all -1, nothing in
         flight). Returns the number of rows. For tests and callers without a scheduler; a
-        step from ``schedule()`` is written by :meth:`fill_from_schedule`."""
+        step from ``schedule()`` is written by :meth:`fill_from_schedule`.
+
+        Every column is checked before the staging buffer turns or a word is written: a
+        ``block_table`` that is not two-dimensional or a column that does not broadcast to
+        ``rows`` values is an ``InvalidArgumentError``, a float, bool, string or object
+        dtype an ``InvalidTypeError``, a value past int32 an ``InvalidLengthError`` (positions
+        and lengths) or ``InvalidArgumentError`` (the others); more rows or pages than the
+        layout holds a ``ValueError``.
+        """
         table = np.asarray(block_table)
+        if table.ndim != 2:
+            raise InvalidArgumentError(
+                f"block_table must be two-dimensional [rows, pages], got shape {table.shape}"
+            )
         rows = int(table.shape[0])
-        self._check_rows(rows, int(table.shape[1]) if table.ndim == 2 else -1)
-        host = self._next_staging()
+        self._check_rows(rows, int(table.shape[1]))
         lay = self.layout
-        host[:rows, lay.TOKEN_ID] = token_ids
-        host[:rows, lay.POSITION] = positions
-        host[:rows, lay.SLOT] = slots
-        host[:rows, lay.LOCAL_LEN] = local_lens
-        host[:rows, lay.PAST_SEEN_LEN] = past_seen_lens
-        host[:rows, lay.INPUT_REF] = -1 if input_refs is None else input_refs
+        columns = [
+            (lay.TOKEN_ID, _int32_column("token_ids", token_ids, rows, InvalidArgumentError)),
+            (lay.POSITION, _int32_column("positions", positions, rows, InvalidLengthError)),
+            (lay.SLOT, _int32_column("slots", slots, rows, InvalidArgumentError)),
+            (lay.LOCAL_LEN, _int32_column("local_lens", local_lens, rows, InvalidLengthError)),
+            (
+                lay.PAST_SEEN_LEN,
+                _int32_column("past_seen_lens", past_seen_lens, rows, InvalidLengthError),
+            ),
+            (
+                lay.INPUT_REF,
+                _int32_column(
+                    "input_refs",
+                    -1 if input_refs is None else input_refs,
+                    rows,
+                    InvalidArgumentError,
+                ),
+            ),
+        ]
+        _check_int32("block_table", table, InvalidArgumentError)
+        host = self._next_staging()
+        for index, values in columns:
+            host[:rows, index] = values
         host[:rows, lay.BLOCK_TABLE : lay.BLOCK_TABLE + table.shape[1]] = table
         host[:rows, lay.BLOCK_TABLE + table.shape[1] :] = -1
         self._padded_to = rows

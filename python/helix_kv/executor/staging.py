@@ -8,6 +8,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from helix_kv._core import InvalidArgumentError, InvalidTypeError
+
+#: The largest value an int64 slot holds (a uint64 array may hold more).
+_INT64_MAX = np.iinfo(np.int64).max
+
 
 class HostToDeviceStager:
     """Packs a step's integer host arrays into one int64 buffer and copies it to the device.
@@ -26,8 +31,16 @@ class HostToDeviceStager:
         self._next = 0
 
     def stage(self, arrays: Sequence[npt.ArrayLike]) -> list[torch.Tensor]:
-        """Device int64 tensors with the shapes and values of ``arrays``, in order."""
+        """Device int64 tensors with the shapes and values of ``arrays``, in order.
+
+        Every array must hold integers that int64 holds exactly: a float, bool, string or
+        object array is an ``InvalidTypeError`` and a uint64 value past ``2**63 - 1`` an
+        ``InvalidArgumentError`` (numpy's cast would truncate, parse or wrap them); an empty
+        array of any dtype is accepted. Nothing is staged when one is refused.
+        """
         host_arrays = [np.asarray(a) for a in arrays]
+        for array in host_arrays:
+            _check_exact(array)
         sizes = [a.size for a in host_arrays]
         total = int(sum(sizes))
         if self._pinned:
@@ -60,6 +73,19 @@ class HostToDeviceStager:
         event.record()
         self._events[index] = event
         return device_flat
+
+
+def _check_exact(array: np.ndarray) -> None:
+    """Refuses an array whose values int64 does not hold exactly (see ``stage``)."""
+    kind = array.dtype.kind
+    if kind == "i" or array.size == 0:
+        return
+    if kind != "u":
+        raise InvalidTypeError(f"staged arrays must have an integer dtype, got {array.dtype}")
+    if array.dtype.itemsize == 8 and int(array.max()) > _INT64_MAX:
+        raise InvalidArgumentError(
+            f"a staged uint64 value ({int(array.max())}) does not fit int64 (2**63 - 1 at most)"
+        )
 
 
 def _pack(host_arrays: Sequence[np.ndarray], out: np.ndarray) -> None:

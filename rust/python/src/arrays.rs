@@ -272,12 +272,21 @@ fn unreadable<T>(result: PyResult<T>, what: &str) -> PyResult<T> {
     })
 }
 
+/// Elements to reserve room for before reading `sequence`: its `len()`, which a hostile
+/// `__len__` may make up (`2**62` would overflow the allocation, `2**58` abort the process
+/// when it cannot be allocated), so at most `2**16` of them; a longer sequence grows the
+/// vector as it is read.
+fn capacity_hint(sequence: &Bound<'_, PySequence>) -> usize {
+    const MAX_HINT: usize = 1 << 16;
+    sequence.len().map_or(0, |len| len.min(MAX_HINT))
+}
+
 /// The values of the elements of a list, tuple or other sequence, each a Python int.
 fn sequence_ints(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i128>> {
     let sequence = obj
         .cast::<PySequence>()
         .map_err(|_| invalid_type(format!("{what} must be a sequence, got {}", describe(obj))))?;
-    let mut out = Vec::with_capacity(sequence.len().unwrap_or(0));
+    let mut out = Vec::with_capacity(capacity_hint(sequence));
     for (i, item) in unreadable(obj.try_iter(), what)?.enumerate() {
         let item = unreadable(item, what)?;
         let element = format!("{what}[{i}]");
@@ -455,7 +464,7 @@ pub fn flags<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Flags<'py>> {
             let sequence = obj.cast::<PySequence>().map_err(|_| {
                 invalid_type(format!("{what} must be a sequence, got {}", describe(obj)))
             })?;
-            let mut out = Vec::with_capacity(sequence.len().unwrap_or(0));
+            let mut out = Vec::with_capacity(capacity_hint(sequence));
             for (i, item) in unreadable(obj.try_iter(), what)?.enumerate() {
                 let item = unreadable(item, what)?;
                 if let Ok(flag) = item.extract::<bool>() {

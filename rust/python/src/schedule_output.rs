@@ -508,6 +508,11 @@ impl LentStep<'_> {
 }
 
 impl PyScheduleOutput {
+    /// The step and the digest (the scalars `step` and `digest`).
+    pub fn step_and_digest(&self) -> (u64, u64) {
+        (self.step, self.digest)
+    }
+
     /// Lends the fields the step metadata is made of (see [`Lent`]).
     pub fn lend_step(&self, py: Python<'_>) -> LentStep<'_> {
         LentStep {

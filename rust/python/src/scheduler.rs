@@ -53,6 +53,9 @@ fn ids_to_numpy(py: Python<'_>, ids: Vec<u64>) -> Bound<'_, PyArray1<u64>> {
 pub struct PyScheduler {
     inner: Scheduler,
     config: Py<PySchedulerConfig>,
+    /// What the metadata writers check an output's origin against (see
+    /// [`step_metadata::OwnSteps`]).
+    own_steps: step_metadata::OwnSteps,
 }
 
 #[pymethods]
@@ -66,6 +69,7 @@ impl PyScheduler {
         Ok(Self {
             inner: Scheduler::new(config.get().inner.clone()).py()?,
             config: config.unbind(),
+            own_steps: step_metadata::OwnSteps::default(),
         })
     }
 
@@ -110,6 +114,7 @@ impl PyScheduler {
                 Ok(inner.take_last_output())
             })
             .py()?;
+        self.own_steps.record(output.step, output.digest);
         Ok(output.into())
     }
 
@@ -222,7 +227,9 @@ impl PyScheduler {
     /// Writes this rank's metadata of the pending step (`schedule_output`, the last
     /// `schedule()`'s) into `buffer` (a writeable, C-contiguous, 8-byte aligned int32 array
     /// of at least `layout.total_words` words), cut as `layout` says. Everything is checked
-    /// before a word is written: an error leaves the buffer and the scheduler unchanged.
+    /// before a word is written: an error leaves the buffer and the scheduler unchanged. An
+    /// output that is not the pending step's (a closed or reverted step's, or another
+    /// scheduler's: its digest is not the one this scheduler made) is an `InvalidStateError`.
     /// A decode-sized step keeps the GIL (microseconds); a long one releases it. A decode
     /// input still in flight (a step planned one ahead) is written as token -1: gather it from
     /// `generation_input_refs`.
@@ -233,7 +240,14 @@ impl PyScheduler {
         buffer: &Bound<'_, PyAny>,
         layout: &Bound<'_, PyAny>,
     ) -> PyResult<PyStepMetadata> {
-        step_metadata::write(py, &self.inner, schedule_output, buffer, layout)
+        step_metadata::write(
+            py,
+            &self.inner,
+            &self.own_steps,
+            schedule_output,
+            buffer,
+            layout,
+        )
     }
 
     /// Writes this rank's metadata of the pending decode-only step (`schedule_output`, the
@@ -245,8 +259,9 @@ impl PyScheduler {
     /// planned one ahead) is written as -1 and gathered on the device from that row of the
     /// previous step's samples. Rows `[rows, pad_to)` get `DECODE_ROW_PADDING` in their
     /// fixed columns. Everything is checked before a word is written: an error (a step with
-    /// context chunks, a buffer too small, a request wider than the row, ...) leaves the
-    /// buffer and the scheduler unchanged. Decode-sized rows keep the GIL (microseconds);
+    /// context chunks, a buffer too small, a request wider than the row, an output that is
+    /// not the pending step's, another scheduler's included, ...) leaves the buffer and the
+    /// scheduler unchanged. Decode-sized rows keep the GIL (microseconds);
     /// many or wide rows (past 2**16 words) release it.
     #[pyo3(signature = (schedule_output, buffer, pad_to = None))]
     fn write_decode_rows(
@@ -256,7 +271,14 @@ impl PyScheduler {
         buffer: &Bound<'_, PyAny>,
         pad_to: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyDecodeRowCounts> {
-        step_metadata::write_rows(py, &self.inner, schedule_output, buffer, pad_to)
+        step_metadata::write_rows(
+            py,
+            &self.inner,
+            &self.own_steps,
+            schedule_output,
+            buffer,
+            pad_to,
+        )
     }
 
     /// Totals, with KV use as of now.
