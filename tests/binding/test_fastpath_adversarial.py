@@ -954,10 +954,11 @@ def test_a_bad_element_anywhere_in_a_batch_changes_nothing(
 
 def test_schedule_output_round_trips_and_stays_read_only() -> None:
     """A pickled output (every protocol) has every field equal, of the same dtype and
-    read-only; ``differing_fields`` is empty and the digest equal. ``==`` and ``hash`` are
-    identity (the class defines no value equality, unlike the other records): compare
-    outputs with ``digest`` / ``differing_fields``. ``_from_fields`` copies the caller's
-    arrays, so mutating them later changes nothing."""
+    read-only; ``differing_fields`` is empty and the digest equal. ``==`` compares every
+    field (as the other records do) and ``hash`` comes from the digest, so a copy equals its
+    original and hashes alike, while another rank's output of the same step (its per-rank
+    fields differ) and the next step's output do not equal it. ``_from_fields`` copies the
+    caller's arrays, so mutating them later changes nothing."""
     s = decoding(2, 1, 0)
     s.add_request(7, prompt(6, 7), 3)
     out = s.schedule()
@@ -977,8 +978,17 @@ def test_schedule_output_round_trips_and_stays_read_only() -> None:
                     theirs[...] = 0
             else:
                 assert theirs == mine, name
-        assert (copy == out, copy != out) == (False, True)
-        assert out == out  # identity
+        assert (copy == out, copy != out) == (True, False)
+        assert hash(copy) == hash(out)
+        assert {copy: protocol}[out] == protocol
+    assert out != object()
+    assert out != out.digest
+    other_rank = decoding(2, 0, 0)
+    other_rank.add_request(7, prompt(6, 7), 3)
+    theirs = other_rank.schedule()
+    assert theirs.digest == out.digest
+    assert theirs.differing_fields(out) == []
+    assert theirs != out  # generation_local_lens / past_seen_lens differ by rank
     tokens = out.context_token_ids.copy()
     fields = {name: getattr(out, name) for name in helix_kv.ScheduleOutput.FIELDS}
     rebuilt = helix_kv.ScheduleOutput._from_fields({**fields, "context_token_ids": tokens})

@@ -371,6 +371,19 @@ impl PyScheduleOutput {
             .map_err(|_| invalid_type_of("other", "a ScheduleOutput", other))?;
         Ok(self.to_core(py).differing_fields(&other.get().to_core(py)))
     }
+    /// Equal when every field is (the per-rank ones too): a pickled copy equals its
+    /// original, another rank's output of the same step does not.
+    fn __eq__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        let Ok(other) = other.cast::<Self>() else {
+            return Ok(py.NotImplemented());
+        };
+        let equal = self.to_core(py) == other.get().to_core(py);
+        Ok(equal.into_pyobject(py)?.to_owned().into_any().unbind())
+    }
+    /// From the digest: equal outputs have equal digests (it is one of the fields compared).
+    fn __hash__(&self) -> u64 {
+        self.digest
+    }
     /// Pickles as `ScheduleOutput._from_fields({field: value})`.
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
