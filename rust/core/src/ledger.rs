@@ -309,6 +309,15 @@ impl Slab {
     fn len(&self) -> usize {
         self.records.len()
     }
+    /// A new entry holding nothing for `id`, its index returned. Out of line: steady
+    /// admission reuses vacant entries, and this would crowd the loops that inline it.
+    #[cold]
+    #[inline(never)]
+    fn push(&mut self, id: RequestId, prompt_len: u64) -> EntryIndex {
+        self.records.push(KvRecord::fresh(id, prompt_len));
+        self.tables.push(KvTable::EMPTY);
+        self.records.len() - 1
+    }
     fn view(&self, entry: EntryIndex) -> RequestKv<'_> {
         RequestKv {
             record: &self.records[entry],
@@ -665,6 +674,7 @@ impl Ledger {
     }
 
     /// Inserts a request whose id and length were validated.
+    #[inline]
     fn insert_checked(&mut self, id: RequestId, prompt_len: u64) {
         let entry = if let Some(entry) = self.vacant.pop() {
             let kv = &mut self.requests.records[entry];
@@ -673,9 +683,7 @@ impl Ledger {
             kv.prompt_len = prompt_len;
             entry
         } else {
-            self.requests.records.push(KvRecord::fresh(id, prompt_len));
-            self.requests.tables.push(KvTable::EMPTY);
-            self.requests.len() - 1
+            self.requests.push(id, prompt_len)
         };
         self.index.insert(id, entry);
     }
