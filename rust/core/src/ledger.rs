@@ -606,10 +606,13 @@ impl Ledger {
     /// [`Self::request_hinted`] takes without a lookup), else `None`: for a caller whose
     /// loop keeps the lookup out of line.
     pub(crate) fn request_at(&self, entry: EntryIndex, id: RequestId) -> Option<RequestKv<'_>> {
-        let record = self.requests.records.get(entry)?;
+        let Slab { records, tables } = &self.requests;
+        // The same length: past the record's check, the table's is known to pass.
+        let tables = &tables[..records.len()];
+        let record = records.get(entry)?;
         (record.id == id && record.len > 0).then(|| RequestKv {
             record,
-            table: &self.requests.tables[entry],
+            table: &tables[entry],
         })
     }
 
@@ -906,6 +909,8 @@ impl Ledger {
         // settled here; `grow_record` takes the rest, with the same result.
         let layout = self.layout;
         let Slab { records, tables } = &mut self.requests;
+        // The same length: past the record's bounds check, the table's is known to pass.
+        let tables = &mut tables[..records.len()];
         let tokens_per_superblock = layout.tokens_per_superblock();
         let mut free = std::mem::take(&mut self.free);
         ok.clear();
@@ -986,11 +991,11 @@ impl Ledger {
         // held in locals (their lengths stay in registers, not in the ledger) and the
         // entries made vacant in one copy at the end (the same stack order).
         let mut free = std::mem::take(&mut self.free);
+        let Slab { records, tables } = &mut self.requests;
+        // The same length: past the record's bounds check, the table's is known to pass.
+        let tables = &mut tables[..records.len()];
         for &entry in &entries {
-            let (request, table) = (
-                &mut self.requests.records[entry],
-                &mut self.requests.tables[entry],
-            );
+            let (request, table) = (&mut records[entry], &mut tables[entry]);
             let held = request.held as usize;
             if held == 1 {
                 free.push(table.inline[0]);
