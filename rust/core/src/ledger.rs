@@ -37,11 +37,11 @@ pub(crate) fn superblock_count(len: usize) -> u32 {
 /// for other things.)
 pub(crate) type EntryIndex = usize;
 
-/// Superblocks a [`RequestKv`] holds in its own record before its table moves to the heap:
-/// the first ones a request takes cost no allocation and no cache line beyond the record's.
+/// Superblocks a [`KvTable`] holds in place before its table moves to the heap: the first
+/// ones a request takes cost no allocation and no cache line beyond the table's.
 const INLINE_SUPERBLOCKS: usize = 8;
 
-/// Flag bits of [`RequestKv::flags`].
+/// Flag bits of [`KvRecord::flags`].
 const HAS_DECODE_STEP: u8 = 1;
 const HAS_UNDO: u8 = 1 << 1;
 const UNDO_HAS_STEP: u8 = 1 << 2;
@@ -49,16 +49,16 @@ const UNDO_HAS_STEP: u8 = 1 << 2;
 const UNDO_GREW: u8 = 1 << 3;
 const SUSPENDED: u8 = 1 << 4;
 
-/// One request's KV holdings and the counters that decide where its tokens go.
+/// The counters of one request's KV holdings: everything a decode allocation reads and
+/// writes (ids, lengths, counters, the undo of the last decode and the table's length).
 ///
-/// Two cache lines (`repr(C)`, in declaration order): the first holds everything a decode
-/// allocation reads and writes (ids, lengths, counters, the undo of the last decode and
-/// the table's length), so the per-step decode path touches one line per request; the
-/// second holds the page table (its first superblocks in place, the rest on the heap) and
-/// the length kept while suspended.
+/// One cache line (`align(64)`, exactly 64 bytes), so the per-step decode path touches one
+/// line per request, and the records of a slab pack densely: the table sits apart, in
+/// [`KvTable`] at the same entry of a parallel vector, so neither a prefetch of the
+/// adjacent line nor a partly used line brings table bytes the decode path never reads.
 #[derive(Clone)]
 #[repr(C, align(64))]
-pub struct RequestKv {
+struct KvRecord {
     id: RequestId,
     len: u64,
     prompt_len: u64,
@@ -76,6 +76,18 @@ pub struct RequestKv {
     /// Superblocks held: the table's length.
     held: u32,
     flags: u8,
+}
+
+// One line: a record never straddles two, and the slab holds nothing else.
+const _: () = assert!(std::mem::size_of::<KvRecord>() == 64);
+const _: () = assert!(std::mem::align_of::<KvRecord>() == 64);
+
+/// One request's page table (its first superblocks in place, the rest on the heap; its
+/// length is the record's `held`) and the length kept while suspended: what the decode
+/// path never needs, apart from [`KvRecord`]. One line (`align(64)`, exactly 64 bytes).
+#[derive(Clone)]
+#[repr(C, align(64))]
+struct KvTable {
     /// The table while it holds at most `INLINE_SUPERBLOCKS` superblocks; stale past `held`.
     inline: [SuperblockId; INLINE_SUPERBLOCKS],
     /// The table once it holds more (empty, capacity kept, otherwise).
@@ -84,48 +96,12 @@ pub struct RequestKv {
     suspended_len: u64,
 }
 
-// The decode path's fields share the first line; the table and the suspended length the second.
-const _: () = assert!(std::mem::offset_of!(RequestKv, flags) < 64);
-const _: () = assert!(std::mem::offset_of!(RequestKv, inline) == 64);
-const _: () = assert!(std::mem::size_of::<RequestKv>() == 128);
+const _: () = assert!(std::mem::size_of::<KvTable>() == 64);
+const _: () = assert!(std::mem::align_of::<KvTable>() == 64);
 
-impl PartialEq for RequestKv {
-    /// Equal holdings and counters (whatever stale values the unused storage keeps).
-    fn eq(&self, other: &Self) -> bool {
-        self.id == other.id
-            && self.len == other.len
-            && self.prompt_len == other.prompt_len
-            && self.decode_count == other.decode_count
-            && self.decode_step() == other.decode_step()
-            && self.decode_undo() == other.decode_undo()
-            && self.suspended_len() == other.suspended_len()
-            && self.table() == other.table()
-    }
-}
-
-impl Eq for RequestKv {}
-
-/// The holdings and counters as [`PartialEq`] compares them (not the storage behind them).
-impl std::fmt::Debug for RequestKv {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RequestKv")
-            .field("id", &self.id)
-            .field("table", &self.table())
-            .field("len", &self.len)
-            .field("prompt_len", &self.prompt_len)
-            .field("decode_count", &self.decode_count)
-            .field("decode_step", &self.decode_step())
-            .field("decode_undo", &self.decode_undo())
-            .field("suspended_len", &self.suspended_len())
-            .finish_non_exhaustive()
-    }
-}
-
-impl RequestKv {
-    /// A record holding nothing: `id` with a prompt of `prompt_len` tokens, its table
-    /// storage taken from `spill` (emptied, capacity kept).
-    fn fresh(id: RequestId, prompt_len: u64, mut spill: Vec<SuperblockId>) -> Self {
-        spill.clear();
+impl KvRecord {
+    /// A record holding nothing: `id` with a prompt of `prompt_len` tokens.
+    fn fresh(id: RequestId, prompt_len: u64) -> Self {
         Self {
             id,
             len: 0,
@@ -136,54 +112,15 @@ impl RequestKv {
             undo_len_after: 0,
             held: 0,
             flags: 0,
-            inline: [0; INLINE_SUPERBLOCKS],
-            spill,
-            suspended_len: 0,
         }
     }
 
-    /// The request's id.
-    pub fn id(&self) -> RequestId {
-        self.id
-    }
-    /// Superblock ids held, in sequence order (also the page ids on every rank).
-    pub fn table(&self) -> &[SuperblockId] {
-        let held = self.held as usize;
-        if held <= INLINE_SUPERBLOCKS {
-            &self.inline[..held]
-        } else {
-            &self.spill
-        }
-    }
-    /// Global tokens reserved.
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-    /// Whether no token is reserved.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    /// Prompt length, including generated tokens folded in by recompute.
-    pub fn prompt_len(&self) -> u64 {
-        self.prompt_len
-    }
-    /// Decode tokens allocated since the last (re-)prefill.
-    pub fn decode_count(&self) -> u64 {
-        self.decode_count
-    }
-    /// Whether the KV is suspended to a lower tier (holds no superblocks meanwhile).
-    pub fn is_suspended(&self) -> bool {
+    fn is_suspended(&self) -> bool {
         self.flags & SUSPENDED != 0
     }
-    /// Global tokens to restore on resume, if suspended.
-    pub fn suspended_len(&self) -> Option<u64> {
-        self.is_suspended().then_some(self.suspended_len)
-    }
-    /// Global position the next decode allocation will take.
-    pub fn next_decode_position(&self) -> u64 {
+    fn next_decode_position(&self) -> u64 {
         self.prompt_len + self.decode_count
     }
-
     fn decode_step(&self) -> Option<u64> {
         (self.flags & HAS_DECODE_STEP != 0).then_some(self.decode_step)
     }
@@ -218,42 +155,54 @@ impl RequestKv {
             self.undo_len_after = undo.len_after;
         }
     }
-    fn set_suspended_len(&mut self, len: Option<u64>) {
-        match len {
-            Some(len) => {
-                self.suspended_len = len;
-                self.flags |= SUSPENDED;
-            }
-            None => self.flags &= !SUSPENDED,
+}
+
+impl KvTable {
+    const EMPTY: Self = Self {
+        inline: [0; INLINE_SUPERBLOCKS],
+        spill: Vec::new(),
+        suspended_len: 0,
+    };
+
+    /// The table of a record that holds `held` superblocks.
+    #[inline]
+    fn pages(&self, held: u32) -> &[SuperblockId] {
+        let held = held as usize;
+        if held <= INLINE_SUPERBLOCKS {
+            &self.inline[..held]
+        } else {
+            &self.spill
         }
     }
 
-    /// Appends `pages` to the table (at most the pool's capacity in all).
+    /// Appends `pages` to the table of `held` superblocks (at most the pool's capacity
+    /// in all), updating `held`.
     #[inline]
-    fn push_pages(&mut self, pages: impl ExactSizeIterator<Item = SuperblockId>) {
-        let held = self.held as usize;
-        let new_held = held + pages.len();
+    fn push_pages(&mut self, held: &mut u32, pages: impl ExactSizeIterator<Item = SuperblockId>) {
+        let old = *held as usize;
+        let new_held = old + pages.len();
         if new_held <= INLINE_SUPERBLOCKS {
-            for (slot, page) in self.inline[held..new_held].iter_mut().zip(pages) {
+            for (slot, page) in self.inline[old..new_held].iter_mut().zip(pages) {
                 *slot = page;
             }
         } else {
-            if held <= INLINE_SUPERBLOCKS {
+            if old <= INLINE_SUPERBLOCKS {
                 // Moving to the heap: the table there starts with what is held in place.
                 self.spill.clear();
-                self.spill.extend_from_slice(&self.inline[..held]);
+                self.spill.extend_from_slice(&self.inline[..old]);
             }
             self.spill.extend(pages);
         }
-        self.held = superblock_count(new_held);
+        *held = superblock_count(new_held);
     }
 
-    /// Drops the table past its first `keep` superblocks (`keep <= held`).
+    /// Drops the table of `held` superblocks past its first `keep` (`keep <= held`),
+    /// updating `held`.
     #[inline]
-    fn truncate_pages(&mut self, keep: usize) {
-        let held = self.held as usize;
-        debug_assert!(keep <= held);
-        if held > INLINE_SUPERBLOCKS {
+    fn truncate_pages(&mut self, held: &mut u32, keep: usize) {
+        let old = *held as usize;
+        debug_assert!(keep <= old);
+        if old > INLINE_SUPERBLOCKS {
             if keep <= INLINE_SUPERBLOCKS {
                 self.inline[..keep].copy_from_slice(&self.spill[..keep]);
                 self.spill.clear();
@@ -261,7 +210,139 @@ impl RequestKv {
                 self.spill.truncate(keep);
             }
         }
-        self.held = superblock_count(keep);
+        *held = superblock_count(keep);
+    }
+}
+
+/// One request's KV holdings and the counters that decide where its tokens go, as the
+/// ledger hands them out ([`Ledger::request`]): a view of the request's [`KvRecord`] and
+/// [`KvTable`], which the ledger keeps apart.
+#[derive(Clone, Copy)]
+pub struct RequestKv<'a> {
+    record: &'a KvRecord,
+    table: &'a KvTable,
+}
+
+impl PartialEq for RequestKv<'_> {
+    /// Equal holdings and counters (whatever stale values the unused storage keeps).
+    fn eq(&self, other: &Self) -> bool {
+        let (a, b) = (self.record, other.record);
+        a.id == b.id
+            && a.len == b.len
+            && a.prompt_len == b.prompt_len
+            && a.decode_count == b.decode_count
+            && a.decode_step() == b.decode_step()
+            && a.decode_undo() == b.decode_undo()
+            && self.suspended_len() == other.suspended_len()
+            && self.table() == other.table()
+    }
+}
+
+impl Eq for RequestKv<'_> {}
+
+/// The holdings and counters as [`PartialEq`] compares them (not the storage behind them).
+impl std::fmt::Debug for RequestKv<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let record = self.record;
+        f.debug_struct("RequestKv")
+            .field("id", &record.id)
+            .field("table", &self.table())
+            .field("len", &record.len)
+            .field("prompt_len", &record.prompt_len)
+            .field("decode_count", &record.decode_count)
+            .field("decode_step", &record.decode_step())
+            .field("decode_undo", &record.decode_undo())
+            .field("suspended_len", &self.suspended_len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> RequestKv<'a> {
+    /// The request's id.
+    pub fn id(&self) -> RequestId {
+        self.record.id
+    }
+    /// Superblock ids held, in sequence order (also the page ids on every rank).
+    pub fn table(&self) -> &'a [SuperblockId] {
+        self.table.pages(self.record.held)
+    }
+    /// Global tokens reserved.
+    pub fn len(&self) -> u64 {
+        self.record.len
+    }
+    /// Whether no token is reserved.
+    pub fn is_empty(&self) -> bool {
+        self.record.len == 0
+    }
+    /// Prompt length, including generated tokens folded in by recompute.
+    pub fn prompt_len(&self) -> u64 {
+        self.record.prompt_len
+    }
+    /// Decode tokens allocated since the last (re-)prefill.
+    pub fn decode_count(&self) -> u64 {
+        self.record.decode_count
+    }
+    /// Whether the KV is suspended to a lower tier (holds no superblocks meanwhile).
+    pub fn is_suspended(&self) -> bool {
+        self.record.is_suspended()
+    }
+    /// Global tokens to restore on resume, if suspended.
+    pub fn suspended_len(&self) -> Option<u64> {
+        self.is_suspended().then_some(self.table.suspended_len)
+    }
+    /// Global position the next decode allocation will take.
+    pub fn next_decode_position(&self) -> u64 {
+        self.record.next_decode_position()
+    }
+}
+
+/// The ledger's entries: per entry, its record and its table at the same index of two
+/// parallel vectors (always of one length). Compared and printed as the list of
+/// [`RequestKv`] views they make.
+#[derive(Clone, Default)]
+struct Slab {
+    records: Vec<KvRecord>,
+    tables: Vec<KvTable>,
+}
+
+impl Slab {
+    fn len(&self) -> usize {
+        self.records.len()
+    }
+    /// A new entry holding nothing for `id`, its index returned. Out of line: steady
+    /// admission reuses vacant entries, and this would crowd the loops that inline it.
+    #[cold]
+    #[inline(never)]
+    fn push(&mut self, id: RequestId, prompt_len: u64) -> EntryIndex {
+        self.records.push(KvRecord::fresh(id, prompt_len));
+        self.tables.push(KvTable::EMPTY);
+        self.records.len() - 1
+    }
+    fn view(&self, entry: EntryIndex) -> RequestKv<'_> {
+        RequestKv {
+            record: &self.records[entry],
+            table: &self.tables[entry],
+        }
+    }
+    fn views(&self) -> impl Iterator<Item = RequestKv<'_>> {
+        self.records
+            .iter()
+            .zip(&self.tables)
+            .map(|(record, table)| RequestKv { record, table })
+    }
+}
+
+impl PartialEq for Slab {
+    fn eq(&self, other: &Self) -> bool {
+        self.len() == other.len() && self.views().eq(other.views())
+    }
+}
+
+impl Eq for Slab {}
+
+impl std::fmt::Debug for Slab {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.views()).finish()
     }
 }
 
@@ -275,10 +356,10 @@ struct DecodeUndo {
     len_after: u64,
 }
 
-/// Flag bits of [`RequestKv::flags`] that describe its decode undo.
+/// Flag bits of [`KvRecord::flags`] that describe its decode undo.
 const UNDO_BITS: u8 = HAS_UNDO | UNDO_HAS_STEP | UNDO_GREW;
 
-/// An `Option<DecodeUndo>` as [`RequestKv`] keeps it (its undo fields and flag bits), so
+/// An `Option<DecodeUndo>` as [`KvRecord`] keeps it (its undo fields and flag bits), so
 /// the one planned ahead copies it with three stores. Compared and printed as the
 /// `Option<DecodeUndo>` it stands for (what the unused fields keep does not count).
 #[derive(Clone, Copy)]
@@ -306,7 +387,7 @@ impl OlderUndo {
 
     /// The undo `request` holds now.
     #[inline]
-    fn of(request: &RequestKv) -> Self {
+    fn of(request: &KvRecord) -> Self {
         Self {
             step: request.undo_step,
             len_after: request.undo_len_after,
@@ -371,7 +452,7 @@ pub struct Ledger {
     /// A slab of entries, one per held request: freed entries stay (emptied, table
     /// capacity kept) and are reused from `vacant`, so steady-state admission allocates
     /// nothing.
-    requests: Vec<RequestKv>,
+    requests: Slab,
     /// Stack of vacant entries.
     vacant: Vec<EntryIndex>,
     /// Id -> entry; used for lookups only, never iterated.
@@ -459,7 +540,7 @@ impl Ledger {
             layout,
             capacity,
             free,
-            requests: Vec::new(),
+            requests: Slab::default(),
             vacant: Vec::new(),
             index: IdIndex::default(),
             older_decode_undo: Vec::new(),
@@ -511,28 +592,33 @@ impl Ledger {
     /// holds `id` with tokens reserved (a vacant entry holds none, whatever its id says);
     /// otherwise `id` is looked up, so a stale or wrong hint costs a lookup, never a wrong
     /// answer.
-    pub(crate) fn request_hinted(&self, entry: EntryIndex, id: RequestId) -> Result<&RequestKv> {
-        match self.requests.get(entry) {
-            Some(request) if request.id == id && request.len > 0 => {
+    pub(crate) fn request_hinted(&self, entry: EntryIndex, id: RequestId) -> Result<RequestKv<'_>> {
+        match self.request_at(entry, id) {
+            Some(request) => {
                 debug_assert_eq!(self.index.get(id), Some(entry));
                 Ok(request)
             }
-            _ => self.request(id),
+            None => self.request(id),
         }
     }
 
     /// The holdings of `id` where the hint `entry` holds it with tokens reserved (the case
     /// [`Self::request_hinted`] takes without a lookup), else `None`: for a caller whose
     /// loop keeps the lookup out of line.
-    pub(crate) fn request_at(&self, entry: EntryIndex, id: RequestId) -> Option<&RequestKv> {
-        self.requests
-            .get(entry)
-            .filter(|request| request.id == id && request.len > 0)
+    pub(crate) fn request_at(&self, entry: EntryIndex, id: RequestId) -> Option<RequestKv<'_>> {
+        let Slab { records, tables } = &self.requests;
+        // The same length: past the record's check, the table's is known to pass.
+        let tables = &tables[..records.len()];
+        let record = records.get(entry)?;
+        (record.id == id && record.len > 0).then(|| RequestKv {
+            record,
+            table: &tables[entry],
+        })
     }
 
     fn active_entry_of(&self, id: RequestId) -> Result<EntryIndex> {
         let entry = self.entry_of(id)?;
-        if self.requests[entry].is_suspended() {
+        if self.requests.records[entry].is_suspended() {
             return Err(CoreError::InvalidState(format!(
                 "request {id} is suspended; resume it first"
             )));
@@ -541,8 +627,8 @@ impl Ledger {
     }
 
     /// The request's holdings.
-    pub fn request(&self, id: RequestId) -> Result<&RequestKv> {
-        Ok(&self.requests[self.entry_of(id)?])
+    pub fn request(&self, id: RequestId) -> Result<RequestKv<'_>> {
+        Ok(self.requests.view(self.entry_of(id)?))
     }
 
     /// Holdings as `(id, superblocks)`, sorted by id.
@@ -550,7 +636,10 @@ impl Ledger {
         let mut out: Vec<_> = self
             .index
             .entries()
-            .map(|entry| (self.requests[entry].id, self.requests[entry].held))
+            .map(|entry| {
+                let record = &self.requests.records[entry];
+                (record.id, record.held)
+            })
             .collect();
         out.sort_unstable();
         out
@@ -588,17 +677,16 @@ impl Ledger {
     }
 
     /// Inserts a request whose id and length were validated.
+    #[inline]
     fn insert_checked(&mut self, id: RequestId, prompt_len: u64) {
         let entry = if let Some(entry) = self.vacant.pop() {
-            let kv = &mut self.requests[entry];
+            let kv = &mut self.requests.records[entry];
             // A vacant entry is canonical (see `vacate`) but for its id and prompt.
             kv.id = id;
             kv.prompt_len = prompt_len;
             entry
         } else {
-            self.requests
-                .push(RequestKv::fresh(id, prompt_len, Vec::new()));
-            self.requests.len() - 1
+            self.requests.push(id, prompt_len)
         };
         self.index.insert(id, entry);
     }
@@ -641,7 +729,7 @@ impl Ledger {
     )]
     #[inline(always)]
     fn check_grow_entry(&self, entry: EntryIndex, new_len: u64) -> Result<()> {
-        let request = &self.requests[entry];
+        let request = &self.requests.records[entry];
         if request.is_suspended() {
             return Err(CoreError::InvalidState(format!(
                 "request {} is suspended; resume it first",
@@ -666,7 +754,8 @@ impl Ledger {
     #[inline(always)]
     fn grow_entry(&mut self, entry: EntryIndex, new_len: u64) -> bool {
         grow_record(
-            &mut self.requests[entry],
+            &mut self.requests.records[entry],
+            &mut self.requests.tables[entry],
             &mut self.free,
             self.layout,
             new_len,
@@ -691,22 +780,25 @@ impl Ledger {
         } else {
             self.layout.superblocks_for(new_len) as usize
         };
-        let request = &mut self.requests[entry];
-        if let Some(released) = request.table().get(keep..) {
+        let (record, table) = (
+            &mut self.requests.records[entry],
+            &mut self.requests.tables[entry],
+        );
+        if let Some(released) = table.pages(record.held).get(keep..) {
             if let [only] = released {
                 self.free.push(*only);
             } else {
                 self.free.extend(released.iter().rev());
             }
-            request.truncate_pages(keep);
+            table.truncate_pages(&mut record.held, keep);
         }
-        request.len = new_len;
+        record.len = new_len;
     }
 
     /// Gives back everything past `new_len` global tokens.
     pub fn shrink(&mut self, id: RequestId, new_len: u64) -> Result<()> {
         let entry = self.active_entry_of(id)?;
-        let current = self.requests[entry].len;
+        let current = self.requests.records[entry].len;
         if new_len > current {
             return Err(CoreError::InvalidLength(format!(
                 "shrink of request {id} to {new_len} tokens is above its {current} tokens; use grow"
@@ -718,7 +810,7 @@ impl Ledger {
 
     fn remove_entry(&mut self, entry: EntryIndex) {
         self.shrink_entry(entry, 0);
-        self.index.remove(self.requests[entry].id);
+        self.index.remove(self.requests.records[entry].id);
         self.vacate(entry);
     }
 
@@ -726,9 +818,9 @@ impl Ledger {
     #[inline]
     fn vacate(&mut self, entry: EntryIndex) {
         self.forget_older_decode_undo(entry);
-        let kv = &mut self.requests[entry];
+        let kv = &mut self.requests.records[entry];
         debug_assert!(
-            kv.held == 0 && kv.spill.is_empty() && kv.len == 0,
+            kv.held == 0 && self.requests.tables[entry].spill.is_empty() && kv.len == 0,
             "emptied first"
         );
         Self::clear_vacated(kv);
@@ -738,7 +830,7 @@ impl Ledger {
     /// Canonical contents for an emptied entry, so equality never depends on what a
     /// vacant entry once held (what the cleared flags and `held` mask is never read).
     #[inline]
-    fn clear_vacated(kv: &mut RequestKv) {
+    fn clear_vacated(kv: &mut KvRecord) {
         kv.id = 0;
         kv.prompt_len = 0;
         kv.decode_count = 0;
@@ -797,7 +889,7 @@ impl Ledger {
                 valid = false;
                 break;
             };
-            let request = &self.requests[entry];
+            let request = &self.requests.records[entry];
             if request.flags & SUSPENDED != 0
                 || len < request.len
                 || len > capacity_tokens
@@ -815,12 +907,15 @@ impl Ledger {
         // The grows, with the free list in a local (its length stays in a register). The
         // usual ones (within what is held, or a table that stays in the record) are
         // settled here; `grow_record` takes the rest, with the same result.
-        let (layout, requests) = (self.layout, &mut self.requests);
+        let layout = self.layout;
+        let Slab { records, tables } = &mut self.requests;
+        // The same length: past the record's bounds check, the table's is known to pass.
+        let tables = &mut tables[..records.len()];
         let tokens_per_superblock = layout.tokens_per_superblock();
         let mut free = std::mem::take(&mut self.free);
         ok.clear();
         ok.extend(entries.iter().zip(new_lens).map(|(&entry, &len)| {
-            let request = &mut requests[entry];
+            let request = &mut records[entry];
             let held = request.held as usize;
             let room = held as u64 * tokens_per_superblock;
             if len <= room {
@@ -839,10 +934,11 @@ impl Ledger {
                 };
                 // The top of the stack, last first; one superblock, the usual grow, is a
                 // plain move.
+                let inline = &mut tables[entry].inline;
                 if needed - held == 1 {
-                    request.inline[held] = free[split];
+                    inline[held] = free[split];
                 } else {
-                    for (slot, &page) in request.inline[held..needed]
+                    for (slot, &page) in inline[held..needed]
                         .iter_mut()
                         .zip(free[split..].iter().rev())
                     {
@@ -854,7 +950,7 @@ impl Ledger {
                 request.len = len;
                 return true;
             }
-            grow_record_cold(request, &mut free, layout, len)
+            grow_record_cold(request, &mut tables[entry], &mut free, layout, len)
         }));
         self.free = free;
         self.scratch.entries = entries;
@@ -895,16 +991,19 @@ impl Ledger {
         // held in locals (their lengths stay in registers, not in the ledger) and the
         // entries made vacant in one copy at the end (the same stack order).
         let mut free = std::mem::take(&mut self.free);
+        let Slab { records, tables } = &mut self.requests;
+        // The same length: past the record's bounds check, the table's is known to pass.
+        let tables = &mut tables[..records.len()];
         for &entry in &entries {
-            let request = &mut self.requests[entry];
+            let (request, table) = (&mut records[entry], &mut tables[entry]);
             let held = request.held as usize;
             if held == 1 {
-                free.push(request.inline[0]);
+                free.push(table.inline[0]);
             } else if held <= INLINE_SUPERBLOCKS {
-                free.extend(request.inline[..held].iter().rev());
+                free.extend(table.inline[..held].iter().rev());
             } else {
-                free.extend(request.spill.iter().rev());
-                request.spill.clear();
+                free.extend(table.spill.iter().rev());
+                table.spill.clear();
             }
             request.held = 0;
             request.len = 0;
@@ -937,7 +1036,7 @@ impl Ledger {
         id: RequestId,
         step: u64,
     ) -> Result<Option<u64>> {
-        match self.requests.get(entry) {
+        match self.requests.records.get(entry) {
             Some(request) if request.id == id && !request.is_suspended() => {
                 debug_assert_eq!(self.index.get(id), Some(entry));
                 self.allocate_decode_in(entry, step)
@@ -955,13 +1054,13 @@ impl Ledger {
         id: RequestId,
         step: u64,
     ) -> Result<Option<u64>> {
-        let entry = match self.requests.get(entry) {
+        let entry = match self.requests.records.get(entry) {
             Some(request) if request.id == id => entry,
             _ => self.active_entry_of(id)?,
         };
-        let undo = OlderUndo::of(&self.requests[entry]);
+        let undo = OlderUndo::of(&self.requests.records[entry]);
         let position = self.allocate_decode_in(entry, step)?;
-        if position.is_some() && self.requests[entry].decode_step() == Some(step) {
+        if position.is_some() && self.requests.records[entry].decode_step() == Some(step) {
             self.keep_older_decode_undo(entry, undo);
         }
         Ok(position)
@@ -977,7 +1076,7 @@ impl Ledger {
     /// loop keeps them in registers (see [`DecodeLane`]).
     pub(crate) fn decode_lane(&mut self) -> DecodeLane<'_> {
         DecodeLane {
-            requests: &mut self.requests,
+            requests: &mut self.requests.records,
             older_decode_undo: &mut self.older_decode_undo,
             tokens_per_superblock: self.layout.tokens_per_superblock(),
         }
@@ -989,13 +1088,13 @@ impl Ledger {
         keep_older_decode_undo(
             &mut self.older_decode_undo,
             entry,
-            OlderUndo::of(&self.requests[entry]),
+            OlderUndo::of(&self.requests.records[entry]),
             before,
         );
     }
 
     fn allocate_decode_in(&mut self, entry: EntryIndex, step: u64) -> Result<Option<u64>> {
-        let request = &self.requests[entry];
+        let request = &self.requests.records[entry];
         let id = request.id;
         if request.decode_step() == Some(step) {
             let pos = request.next_decode_position() - 1;
@@ -1026,7 +1125,7 @@ impl Ledger {
                 return Ok(None);
             }
         }
-        let request = &mut self.requests[entry];
+        let request = &mut self.requests.records[entry];
         request.len = new_len;
         request.set_decode_undo(Some(DecodeUndo {
             step: request.decode_step(),
@@ -1049,7 +1148,7 @@ impl Ledger {
     /// could raise it past the superblocks a shrink gave back, or drop a grow.
     pub fn revert_decode(&mut self, id: RequestId, step: u64) -> Result<bool> {
         let entry = self.active_entry_of(id)?;
-        let request = &mut self.requests[entry];
+        let request = &mut self.requests.records[entry];
         if request.decode_step() != Some(step) {
             return Ok(false);
         }
@@ -1075,7 +1174,7 @@ impl Ledger {
     /// position 0 and decoding resumes at the new prompt end.
     pub fn reset_for_recompute(&mut self, id: RequestId, generated_tokens: u64) -> Result<()> {
         let entry = self.entry_of(id)?;
-        let request = &self.requests[entry];
+        let request = &self.requests.records[entry];
         let limit = request.decode_count + 1;
         if generated_tokens > limit {
             return Err(CoreError::InvalidLength(format!(
@@ -1086,12 +1185,12 @@ impl Ledger {
         let new_prompt = request.prompt_len + generated_tokens;
         self.check_len(new_prompt)?;
         self.shrink_entry(entry, 0);
-        let request = &mut self.requests[entry];
+        let request = &mut self.requests.records[entry];
         request.prompt_len = new_prompt;
         request.decode_count = 0;
         request.set_decode_step(None);
         request.set_decode_undo(None);
-        request.set_suspended_len(None);
+        request.flags &= !SUSPENDED;
         self.forget_older_decode_undo(entry);
         Ok(())
     }
@@ -1100,11 +1199,12 @@ impl Ledger {
     /// counters and length are kept for [`Ledger::resume`]. Returns the superblocks freed.
     pub fn suspend(&mut self, id: RequestId) -> Result<u32> {
         let entry = self.active_entry_of(id)?;
-        let request = &self.requests[entry];
+        let request = &self.requests.records[entry];
         let (len, held) = (request.len, request.held);
         self.shrink_entry(entry, 0);
-        let request = &mut self.requests[entry];
-        request.set_suspended_len(Some(len));
+        self.requests.tables[entry].suspended_len = len;
+        let request = &mut self.requests.records[entry];
+        request.flags |= SUSPENDED;
         request.set_decode_step(None);
         request.set_decode_undo(None);
         self.forget_older_decode_undo(entry);
@@ -1115,7 +1215,7 @@ impl Ledger {
     /// suspended) if the pool is short.
     pub fn resume(&mut self, id: RequestId) -> Result<bool> {
         let entry = self.entry_of(id)?;
-        let Some(len) = self.requests[entry].suspended_len() else {
+        let Some(len) = self.requests.view(entry).suspended_len() else {
             return Err(CoreError::InvalidState(format!(
                 "request {id} is not suspended"
             )));
@@ -1123,7 +1223,7 @@ impl Ledger {
         if !self.grow_entry(entry, len) {
             return Ok(false);
         }
-        self.requests[entry].set_suspended_len(None);
+        self.requests.records[entry].flags &= !SUSPENDED;
         Ok(true)
     }
 
@@ -1134,11 +1234,11 @@ impl Ledger {
         let next = request.next_decode_position();
         let owner = self.layout.owner_rank(next);
         Ok(DecodeView {
-            global_len: request.len,
+            global_len: request.len(),
             next_position: next,
             owner_rank: owner,
             inactive: owner != rank,
-            local_len: self.layout.local_len(request.len, rank),
+            local_len: self.layout.local_len(request.len(), rank),
             past_seen_len: self.layout.local_len(next, rank),
         })
     }
@@ -1146,7 +1246,7 @@ impl Ledger {
     /// Widest table among `ids`.
     pub fn max_table_len(&self, ids: &[RequestId]) -> Result<usize> {
         ids.iter()
-            .try_fold(0, |acc, &id| Ok(acc.max(self.request(id)?.held as usize)))
+            .try_fold(0, |acc, &id| Ok(acc.max(self.request(id)?.table().len())))
     }
 
     /// Fills `out` (row-major, `ids.len() x width`) with the page tables of `ids`, padded
@@ -1165,11 +1265,12 @@ impl Ledger {
             .collect::<Result<Vec<_>>>()?;
         for (i, entry) in entries.into_iter().enumerate() {
             let row = &mut out[i * width..(i + 1) * width];
-            let table = self.requests[entry].table();
+            let request = self.requests.view(entry);
+            let table = request.table();
             if table.len() > width {
                 return Err(CoreError::InvalidArgument(format!(
                     "request {} holds {} superblocks, wider than the {width} columns asked for",
-                    self.requests[entry].id,
+                    request.id(),
                     table.len()
                 )));
             }
@@ -1205,7 +1306,7 @@ impl Ledger {
         let mut total = 0u64;
         for ((&id, &start), &count) in ids.iter().zip(starts).zip(counts) {
             let entry = self.entry_of(id)?;
-            let len = self.requests[entry].len;
+            let len = self.requests.records[entry].len;
             if start.checked_add(count).is_none_or(|end| end > len) {
                 return Err(CoreError::InvalidLength(format!(
                     "tokens {start}..{start}+{count} of request {id} are not all reserved (it holds {len})"
@@ -1219,7 +1320,7 @@ impl Ledger {
         let layout = self.layout;
         let tpb = u64::from(layout.tokens_per_block());
         for ((entry, &start), &count) in entries.into_iter().zip(starts).zip(counts) {
-            let table = self.requests[entry].table();
+            let table = self.requests.view(entry).table();
             #[expect(
                 clippy::cast_possible_truncation,
                 clippy::cast_possible_wrap,
@@ -1245,14 +1346,14 @@ impl Ledger {
         h.u64(u64::from(self.capacity));
         h.u32s(&self.free);
         let mut order: Vec<EntryIndex> = self.index.entries().collect();
-        order.sort_unstable_by_key(|&i| self.requests[i].id);
+        order.sort_unstable_by_key(|&i| self.requests.records[i].id);
         for i in order {
-            let r = &self.requests[i];
-            h.u64(r.id);
-            h.u64(r.len);
-            h.u64(r.prompt_len);
-            h.u64(r.decode_count);
-            h.u64(r.decode_step().map_or(u64::MAX, |s| s));
+            let r = self.requests.view(i);
+            h.u64(r.id());
+            h.u64(r.len());
+            h.u64(r.prompt_len());
+            h.u64(r.decode_count());
+            h.u64(r.record.decode_step().map_or(u64::MAX, |s| s));
             h.u64(r.suspended_len().map_or(u64::MAX, |s| s));
             h.u32s(r.table());
         }
@@ -1298,7 +1399,7 @@ fn grow_older_decode_undo(older_decode_undo: &mut Vec<OlderUndo>, entry: EntryIn
 /// ([`Ledger::decode_lane`]): slices and values in locals, which the loop's stores
 /// cannot alias, so it keeps them in registers.
 pub(crate) struct DecodeLane<'a> {
-    requests: &'a mut [RequestKv],
+    requests: &'a mut [KvRecord],
     older_decode_undo: &'a mut Vec<OlderUndo>,
     tokens_per_superblock: u64,
 }
@@ -1355,7 +1456,7 @@ impl DecodeLane<'_> {
 )]
 #[inline(always)]
 fn allocate_decode_in_place(
-    request: &mut RequestKv,
+    request: &mut KvRecord,
     tokens_per_superblock: u64,
     id: RequestId,
     step: u64,
@@ -1399,7 +1500,8 @@ fn allocate_decode_in_place(
 )]
 #[inline(always)]
 fn grow_record(
-    request: &mut RequestKv,
+    request: &mut KvRecord,
+    table: &mut KvTable,
     free: &mut Vec<SuperblockId>,
     layout: Layout,
     new_len: u64,
@@ -1423,9 +1525,9 @@ fn grow_record(
     // The top of the stack, last first (a slice copy: no drain machinery); one
     // superblock, the usual grow, is a plain move.
     if extra == 1 {
-        request.push_pages(std::iter::once(free[split]));
+        table.push_pages(&mut request.held, std::iter::once(free[split]));
     } else {
-        request.push_pages(free[split..].iter().rev().copied());
+        table.push_pages(&mut request.held, free[split..].iter().rev().copied());
     }
     free.truncate(split);
     request.len = new_len;
@@ -1435,12 +1537,13 @@ fn grow_record(
 /// [`grow_record`] out of line: the grows a batch does not settle in its own loop.
 #[inline(never)]
 fn grow_record_cold(
-    request: &mut RequestKv,
+    request: &mut KvRecord,
+    table: &mut KvTable,
     free: &mut Vec<SuperblockId>,
     layout: Layout,
     new_len: u64,
 ) -> bool {
-    grow_record(request, free, layout, new_len)
+    grow_record(request, table, free, layout, new_len)
 }
 
 /// Request id -> ledger entry; looked up, never iterated for a decision (its entries come

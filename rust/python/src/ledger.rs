@@ -135,8 +135,8 @@ value_record! {
     suspended: bool,
 }
 
-impl From<&RequestKv> for PyRequestHoldings {
-    fn from(r: &RequestKv) -> Self {
+impl From<RequestKv<'_>> for PyRequestHoldings {
+    fn from(r: RequestKv<'_>) -> Self {
         Self {
             request_id: r.id(),
             length: r.len(),
