@@ -134,11 +134,7 @@ impl KvRecord {
         }
     }
     fn decode_undo(&self) -> Option<DecodeUndo> {
-        (self.flags & HAS_UNDO != 0).then(|| DecodeUndo {
-            step: (self.flags & UNDO_HAS_STEP != 0).then_some(self.undo_step),
-            len: self.undo_len_after - u64::from(self.flags & UNDO_GREW != 0),
-            len_after: self.undo_len_after,
-        })
+        OlderUndo::of(self).get()
     }
     fn set_decode_undo(&mut self, undo: Option<DecodeUndo>) {
         self.flags &= !(HAS_UNDO | UNDO_HAS_STEP | UNDO_GREW);
@@ -394,11 +390,24 @@ impl OlderUndo {
             flags: request.flags & UNDO_BITS,
         }
     }
+
+    /// Whether both stand for the same `Option<DecodeUndo>` (`get() == get()`), read off
+    /// the raw fields without building either: both without an undo (whatever their other
+    /// bits keep), or the same bits, length after and, where there is one, step.
+    #[inline]
+    fn same(self, other: Self) -> bool {
+        (self.flags | other.flags) & HAS_UNDO == 0
+            || (self.flags == other.flags
+                && self.len_after == other.len_after
+                && (self.flags & UNDO_HAS_STEP == 0 || self.step == other.step))
+    }
 }
 
 impl PartialEq for OlderUndo {
     fn eq(&self, other: &Self) -> bool {
-        self.get() == other.get()
+        let same = self.same(*other);
+        debug_assert_eq!(same, self.get() == other.get());
+        same
     }
 }
 
@@ -1377,18 +1386,13 @@ fn keep_older_decode_undo(
     if older_decode_undo.len() <= entry {
         grow_older_decode_undo(older_decode_undo, entry);
     }
-    // `now.get() != before.get()` on the raw fields: the flag bits equal (both without an
-    // undo, or both with one that grew alike and has a step or not alike), the length
-    // after equal, and the steps equal where there is one.
-    let same = now.flags == before.flags
-        && (now.flags & HAS_UNDO == 0
-            || (now.len_after == before.len_after
-                && (now.flags & UNDO_HAS_STEP == 0 || now.step == before.step)));
-    if !same {
+    if !now.same(before) {
         older_decode_undo[entry] = before;
     }
 }
 
+/// Grows the vector only the first time an entry gets an older undo; out of line, so the
+/// decode loop's body stays small.
 #[cold]
 #[inline(never)]
 fn grow_older_decode_undo(older_decode_undo: &mut Vec<OlderUndo>, entry: EntryIndex) {
@@ -1396,8 +1400,9 @@ fn grow_older_decode_undo(older_decode_undo: &mut Vec<OlderUndo>, entry: EntryIn
 }
 
 /// The ledger's records as the scheduler's per-step decode loop uses them
-/// ([`Ledger::decode_lane`]): slices and values in locals, which the loop's stores
-/// cannot alias, so it keeps them in registers.
+/// ([`Ledger::decode_lane`]): the record slice, the older-undo vector and tokens per
+/// superblock held apart from the ledger, so the loop's stores cannot alias them and it
+/// keeps them in registers.
 pub(crate) struct DecodeLane<'a> {
     requests: &'a mut [KvRecord],
     older_decode_undo: &'a mut Vec<OlderUndo>,
@@ -1751,6 +1756,115 @@ mod tests {
         assert_ne!(index, fresh);
         fresh.insert(id, entry + 1);
         assert_ne!(index, fresh);
+    }
+
+    /// `OlderUndo::same` is `get() == get()` for every pair of flag bits, lengths and steps
+    /// (the stale fields of an undo without `HAS_UNDO` do not count).
+    #[test]
+    fn older_undo_same_is_equality_of_what_it_stands_for() {
+        let values = [(0, 1), (0, 2), (3, 1), (3, 2)];
+        for a_flags in 0..=UNDO_BITS {
+            for b_flags in 0..=UNDO_BITS {
+                for (a_step, a_len) in values {
+                    for (b_step, b_len) in values {
+                        let a = OlderUndo {
+                            step: a_step,
+                            len_after: a_len,
+                            flags: a_flags & UNDO_BITS,
+                        };
+                        let b = OlderUndo {
+                            step: b_step,
+                            len_after: b_len,
+                            flags: b_flags & UNDO_BITS,
+                        };
+                        assert_eq!(a.same(b), a.get() == b.get(), "{a_flags:b} {b_flags:b}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The scheduler's in-place decodes (`DecodeLane`) against the general calls they
+    /// stand for, from random states (no step yet, a step, a retry in the same step, a
+    /// grow or not, suspended, shrunk, entries past the older-undo vector, wrong hints):
+    /// where the in-place one gives a position, the general one gives the same and leaves
+    /// the same ledger; where it gives none, nothing changed. Reverting both ways after
+    /// (the newer step, then the older) stays equal too.
+    #[test]
+    fn in_place_decodes_are_the_general_decodes() {
+        let layout = Layout::new(2, 4).unwrap();
+        let tps = layout.tokens_per_superblock();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let mut ledger = Ledger::new(layout, 40).unwrap();
+        let (mut placed, mut refused) = (0, 0);
+        for round in 0..20_000u64 {
+            let id = next(10);
+            match next(10) {
+                0 | 1 => drop(ledger.add(id, 1 + next(2 * tps))),
+                2 => drop(ledger.suspend(id)),
+                3 => drop(ledger.resume(id)),
+                4 => drop(ledger.shrink(id, next(3 * tps))),
+                5 => drop(ledger.free(id)),
+                6 | 7 => {
+                    let len = ledger.request(id).map_or(0, |r| r.len());
+                    drop(ledger.grow(id, len + next(2 * tps)));
+                }
+                _ => {}
+            }
+            // Steps advance slowly, so retries in the same step and steps planned ahead of
+            // a pending one both happen.
+            let step = round / 3 + next(2);
+            let entry = match ledger.entry_of(id) {
+                Ok(entry) if next(8) != 0 => entry,
+                _ => usize::try_from(next(14)).unwrap(),
+            };
+            let ahead = next(2) == 0;
+            let before = ledger.clone();
+            let got = if ahead {
+                ledger
+                    .decode_lane()
+                    .try_allocate_ahead_in_place(entry, id, step)
+            } else {
+                ledger.decode_lane().try_allocate_in_place(entry, id, step)
+            };
+            let Some(position) = got else {
+                refused += 1;
+                assert_eq!(
+                    ledger, before,
+                    "round {round}: a refused decode changed nothing"
+                );
+                continue;
+            };
+            placed += 1;
+            let mut general = before;
+            let expected = if ahead {
+                general.allocate_decode_ahead_at(entry, id, step)
+            } else {
+                general.allocate_decode_at(entry, id, step)
+            };
+            assert_eq!(expected.unwrap(), Some(position), "round {round}");
+            assert_eq!(ledger, general, "round {round}");
+            if next(4) == 0 {
+                for revert in [step, step.saturating_sub(1)] {
+                    let (a, b) = (
+                        ledger.revert_decode(id, revert),
+                        general.revert_decode(id, revert),
+                    );
+                    assert_eq!(format!("{a:?}"), format!("{b:?}"), "round {round}");
+                    assert_eq!(ledger, general, "round {round}");
+                }
+            }
+        }
+        assert!(
+            placed > 2000 && refused > 2000,
+            "{placed} placed, {refused} refused"
+        );
     }
 
     /// The batch calls as they were written first (validate whole, then apply), from the
