@@ -17,7 +17,7 @@ Covered here, beyond ``test_hostile_inputs`` and ``test_step_metadata``:
 - random hostile buffers, ``pad_to`` values and forged outputs: a typed error with the
   buffer and the scheduler unchanged, or a write;
 - ``Ledger`` batch calls with one bad element hidden among good ones: all or nothing;
-- outputs of another scheduler or another rank (known gaps, ``xfail(strict=True)``).
+- outputs of another scheduler (refused) or another rank (this rank's rows are written).
 """
 
 from __future__ import annotations
@@ -602,30 +602,38 @@ def test_another_schedulers_output_of_the_same_step_is_refused() -> None:
         assert mine.write_decode_rows(accepted, np.zeros((3, FIXED + 4), np.int32)).rows == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="core gap: write_step_metadata/write_decode_rows check only the step number (and "
-    "the ledger) and copy generation_local_lens/past_seen_lens from the output; another "
-    "rank's output has the same step and digest, so its per-rank lengths are written beside "
-    "this rank's slots",
-)
-def test_another_ranks_output_is_refused() -> None:
-    """Rank 1's output given to rank 0's scheduler (same step, same digest: the per-rank
-    fields differ) must be refused, or at least give rank 0's rows; today rank 0 writes rank
-    1's ``local_len``/``past_seen_len`` (4, 4 instead of 6, 5 at position 9, cp=2, tpb=4)."""
+def test_another_ranks_output_gives_this_ranks_rows() -> None:
+    """Rank 1's output given to rank 0's scheduler (same step, same digest: only the per-rank
+    fields differ) writes rank 0's rows and packed metadata, as rank 0's own output does:
+    the writers compute each entry's owner, local and past-seen lengths from its position
+    for their own rank (cp=2, tpb=4, position 9: rank 0 holds 6 / 5 tokens, rank 1 4 / 4).
+    A forged output whose per-rank arrays are rank 1's but whose step and digest are rank
+    0's writes the same."""
     rank0, rank1 = decoding(2, 0, 0), decoding(2, 1, 0)
     out0, out1 = rank0.schedule(), rank1.schedule()
     assert out0.digest == out1.digest
     assert out0.generation_local_lens.tolist() != out1.generation_local_lens.tolist()
+    forged = helix_kv.ScheduleOutput._from_fields(
+        {
+            **{name: getattr(out0, name) for name in helix_kv.ScheduleOutput.FIELDS},
+            **{name: getattr(out1, name) for name in helix_kv.ScheduleOutput.PER_RANK_FIELDS},
+        }
+    )
     rows0 = np.full((3, FIXED + 4), SENTINEL, dtype=np.int32)
-    rows1 = rows0.copy()
     rank0.write_decode_rows(out0, rows0)
-    try:
-        rank0.write_decode_rows(out1, rows1)
-    except helix_kv.HelixKVError:
-        return
-    np.testing.assert_array_equal(rows1, rows0)
+    local, past = (helix_kv.DECODE_ROW_COLUMNS.index(c) for c in ("local_len", "past_seen_len"))
+    assert rows0[:, local].tolist() == out0.generation_local_lens.tolist()
+    assert rows0[:, past].tolist() == out0.generation_past_seen_lens.tolist()
+    layout = rank0.step_metadata_layout()
+    packed0 = np.full(layout.total_words, SENTINEL, dtype=np.int32)
+    rank0.write_step_metadata(out0, packed0, layout)
+    for other in (out1, forged):
+        rows = np.full((3, FIXED + 4), SENTINEL, dtype=np.int32)
+        rank0.write_decode_rows(other, rows)
+        np.testing.assert_array_equal(rows, rows0)
+        packed = np.full(layout.total_words, SENTINEL, dtype=np.int32)
+        rank0.write_step_metadata(other, packed, layout)
+        np.testing.assert_array_equal(packed, packed0)
 
 
 # -- random hostile buffers, pad_to values and forged outputs ------------------------------

@@ -232,7 +232,8 @@ impl PyScheduler {
     /// scheduler's: its digest is not the one this scheduler made) is an `InvalidStateError`.
     /// A decode-sized step keeps the GIL (microseconds); a long one releases it. A decode
     /// input still in flight (a step planned one ahead) is written as token -1: gather it from
-    /// `generation_input_refs`.
+    /// `generation_input_refs`. The per-rank values (slots, local and past-seen lengths) are
+    /// this scheduler's rank's, from the positions; the output's per-rank arrays are not read.
     fn write_step_metadata(
         &self,
         py: Python<'_>,
@@ -257,7 +258,9 @@ impl PyScheduler {
     /// `local_len`, `past_seen_len`, `input_ref`, then the block table, -1 padded to
     /// `width`). `input_ref` is `generation_input_refs`: a token still in flight (a step
     /// planned one ahead) is written as -1 and gathered on the device from that row of the
-    /// previous step's samples. Rows `[rows, pad_to)` get `DECODE_ROW_PADDING` in their
+    /// previous step's samples. `slot`, `local_len` and `past_seen_len` are this scheduler's
+    /// rank's, from the positions (the output's per-rank arrays are not read). Rows
+    /// `[rows, pad_to)` get `DECODE_ROW_PADDING` in their
     /// fixed columns. Everything is checked before a word is written: an error (a step with
     /// context chunks, a buffer too small, a request wider than the row, an output that is
     /// not the pending step's, another scheduler's included, ...) leaves the buffer and the

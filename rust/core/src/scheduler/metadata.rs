@@ -17,6 +17,7 @@
 //! by [`decode_row`] (`token_id, position, slot, local_len, past_seen_len, input_ref`, then
 //! the block table), in a caller-owned `[rows, width]` buffer.
 
+use super::placement::{DecodePlacement, Placement};
 use super::{Result, ScheduleOutput, Scheduler};
 use crate::error::CoreError;
 use crate::layout::Layout;
@@ -413,7 +414,10 @@ impl Scheduler {
     /// `UnknownRequest`) leaves the buffer as it was. The scheduler is only read. A decode
     /// input still in flight (a step planned one ahead) is written as token -1: the layout has
     /// no section for `generation_input_refs` (the decode rows of
-    /// [`Scheduler::write_decode_rows`] have a column for it).
+    /// [`Scheduler::write_decode_rows`] have a column for it). The per-rank values (which
+    /// tokens this rank writes, its local and past-seen lengths) are this scheduler's rank's,
+    /// computed from the positions as the schedule computed them; the output's per-rank
+    /// arrays are not read (another rank's output of the step writes this rank's metadata).
     pub fn write_step_metadata(
         &self,
         source: StepSource<'_>,
@@ -464,14 +468,12 @@ impl Scheduler {
         let bounds = RowBounds {
             columns: layout.table_width,
             tokens_per_superblock: self.layout.tokens_per_superblock(),
-            rank: self.config.cp_rank,
         };
         let hinted = hinted_row_tables(
             &self.ledger,
             source.generation_ids,
             &self.generation_reqs,
             source.generation_positions,
-            source.generation_owner_ranks,
             bounds,
         );
         let (mut requests, mut furthest, mut widest, checked) = match hinted {
@@ -526,26 +528,9 @@ impl Scheduler {
                 layout.table_width
             )));
         }
-        // Local lengths are at most the positions checked above; these come from the
-        // output and are checked on their own, by the bits they hold (an `or` is vectorized;
-        // an unsigned 64-bit `max` is not on the baseline x86-64), in two plain folds (a
-        // chained one is not vectorized); the error names the largest.
-        let local = source
-            .generation_local_lens
-            .iter()
-            .fold(0, |acc, &n| acc | n);
-        let past = source
-            .generation_past_seen_lens
-            .iter()
-            .fold(0, |acc, &n| acc | n);
-        if local | past > i32::MAX as u64 {
-            let longest = source
-                .generation_local_lens
-                .iter()
-                .chain(source.generation_past_seen_lens)
-                .fold(0, |acc, &len| acc.max(len));
-            check_word(longest, "local length")?;
-        }
+        // The local and past-seen lengths are this rank's, computed from the positions as
+        // they are written (see `Writer::entries`): at most one past the furthest position,
+        // checked above.
         Ok((requests, widest))
     }
 
@@ -634,10 +619,23 @@ impl Writer<'_> {
             offset += len;
             *dst = word(offset);
         }
+        // A generation entry's lengths are this rank's, from its position (not the output's
+        // per-rank arrays: an output of another rank has the same step and digest), both
+        // sections in one pass.
+        let (local_at, past_at) = (
+            self.layout.sections[LOCAL_LENS].offset_words,
+            self.layout.sections[PAST_SEEN_LENS].offset_words,
+        );
+        debug_assert!(local_at + e <= past_at);
+        let (front, back) = self.buffer.split_at_mut(past_at);
+        generation_lengths(
+            &mut front[local_at..local_at + g],
+            &mut back[..g],
+            s.generation_positions,
+            placement,
+            rank,
+        );
         let local = self.section(LOCAL_LENS, e);
-        for (dst, &len) in local.iter_mut().zip(s.generation_local_lens) {
-            *dst = word(len);
-        }
         for ((dst, &start), &len) in local[g..]
             .iter_mut()
             .zip(s.context_starts)
@@ -646,9 +644,6 @@ impl Writer<'_> {
             *dst = word(placement.local_len(start + len, rank));
         }
         let past = self.section(PAST_SEEN_LENS, e);
-        for (dst, &len) in past.iter_mut().zip(s.generation_past_seen_lens) {
-            *dst = word(len);
-        }
         for (dst, &start) in past[g..].iter_mut().zip(s.context_starts) {
             *dst = word(placement.local_len(start, rank));
         }
@@ -689,20 +684,12 @@ impl Writer<'_> {
                 + i64::from(word(per_block.rem(pos)))
         };
         let (gen_out, ctx_out) = out.split_at_mut(2 * g);
-        let (positions, owners) = (s.generation_positions, s.generation_owner_ranks);
-        let tps = placement.tokens_per_superblock();
-        if tpb.is_power_of_two() && tps.is_power_of_two() {
-            let split = SplitByShifts {
-                superblock_shift: tps.trailing_zeros(),
-                block_mask: tpb - 1,
-            };
-            generation_slots(gen_out, positions, owners, tables, tpb, split, rank);
+        let positions = s.generation_positions;
+        if let Some(split) = SplitByShifts::of(placement) {
+            generation_slots(gen_out, positions, tables, tpb, split, rank);
         } else {
-            let split = SplitByDivisions {
-                tokens_per_superblock: tps,
-                tokens_per_block: tpb,
-            };
-            generation_slots(gen_out, positions, owners, tables, tpb, split, rank);
+            let split = SplitByDivisions::of(placement);
+            generation_slots(gen_out, positions, tables, tpb, split, rank);
         }
         let mut rest = ctx_out.chunks_exact_mut(2);
         for ((&start, &len), &table) in s
@@ -746,26 +733,49 @@ impl Writer<'_> {
     }
 }
 
-/// The int64 KV slots (two words each) of the generation entries at `positions`, owned by
-/// `owners`, whose superblock tables are `tables`: -1 where another rank than `rank` owns
-/// the token (everything checked).
+/// This rank's local and past-seen lengths of the generation entries at `positions`, as
+/// the scheduler's decode path computed them.
+fn generation_lengths(
+    local: &mut [i32],
+    past: &mut [i32],
+    positions: &[u64],
+    layout: Layout,
+    rank: u32,
+) {
+    fn fill<S: PositionSplit>(
+        local: &mut [i32],
+        past: &mut [i32],
+        positions: &[u64],
+        split: S,
+        rank: u32,
+    ) {
+        for ((local, past), &pos) in local.iter_mut().zip(past).zip(positions) {
+            let placed = split.place(pos, rank);
+            *local = word(placed.local_len);
+            *past = word(placed.past_seen_len);
+        }
+    }
+    if let Some(split) = SplitByShifts::of(layout) {
+        fill(local, past, positions, split, rank);
+    } else {
+        fill(local, past, positions, SplitByDivisions::of(layout), rank);
+    }
+}
+
+/// The int64 KV slots (two words each) of the generation entries at `positions`, whose
+/// superblock tables are `tables`: -1 where another rank than `rank` owns the token
+/// (everything checked).
 fn generation_slots<S: PositionSplit>(
     out: &mut [i32],
     positions: &[u64],
-    owners: &[u32],
     tables: &[&[SuperblockId]],
     tokens_per_block: u64,
     split: S,
     rank: u32,
 ) {
     let tpb = i64::from(word(tokens_per_block));
-    for (((dst, &pos), &owner), table) in out
-        .chunks_exact_mut(2)
-        .zip(positions)
-        .zip(owners)
-        .zip(tables)
-    {
-        let value = if owner == rank {
+    for ((dst, &pos), table) in out.chunks_exact_mut(2).zip(positions).zip(tables) {
+        let value = if split.place(pos, rank).owner == rank {
             i64::from(page_id(table[split.superblock(pos)])) * tpb
                 + i64::from(split.block_offset(pos))
         } else {
@@ -910,16 +920,18 @@ struct RowTables<'s> {
     furthest: u64,
 }
 
-/// What the row checks read besides the rows: the row's columns for superblocks, tokens
-/// per superblock, and this rank.
+/// What the row checks read besides the rows: the row's columns for superblocks and
+/// tokens per superblock. A row's superblock must be held whichever rank owns its token:
+/// every rank holds the same superblocks (the group's ledgers are mirrored), and a
+/// reserved position always lies in one (so a request reserved up to the position passes
+/// on every rank alike).
 #[derive(Clone, Copy)]
 struct RowBounds {
     columns: usize,
     tokens_per_superblock: u64,
-    rank: u32,
 }
 
-/// [`RowTables`] of the rows `ids` (positions `positions`, owned by `owners`) taken at the
+/// [`RowTables`] of the rows `ids` (positions `positions`) taken at the
 /// ledger entries `hints` (the scheduler's own index of each request), every row's checks
 /// folded into one flag rather than a branch each. `None` where a hint is missing or does
 /// not hold its request, or a row fails a check: [`Scheduler::row_tables_in_order`] then
@@ -931,11 +943,10 @@ fn hinted_row_tables<'s>(
     ids: &[RequestId],
     hints: &[u32],
     positions: &[u64],
-    owners: &[u32],
     bounds: RowBounds,
 ) -> Option<RowTables<'s>> {
     let g = ids.len();
-    let (hints, positions, owners) = (hints.get(..g)?, positions.get(..g)?, owners.get(..g)?);
+    let (hints, positions) = (hints.get(..g)?, positions.get(..g)?);
     let (mut failed, mut furthest, mut widest) = (false, 0u64, 0usize);
     // One element per row from an iterator of known length: no capacity test per row.
     let mut tables = Vec::with_capacity(g);
@@ -951,9 +962,7 @@ fn hinted_row_tables<'s>(
             clippy::needless_bitwise_bool,
             reason = "every check of the row, without a branch each"
         )]
-        let row_failed = (pos >= reserved)
-            | (table.len() > bounds.columns)
-            | ((owners[i] == bounds.rank) & (pos >= held_tokens));
+        let row_failed = (pos >= reserved) | (table.len() > bounds.columns) | (pos >= held_tokens);
         failed |= row_failed;
         furthest = furthest.max(pos);
         widest = widest.max(table.len());
@@ -966,11 +975,13 @@ fn hinted_row_tables<'s>(
     })
 }
 
-/// Where a position lies: its superblock (index in the request's table) and its offset
-/// in its block.
+/// Where a position lies: its superblock (index in the request's table), its offset in
+/// its block, and its decode placement seen from a rank (owner, local and past-seen
+/// lengths: [`Placement::decode`], as the scheduler's decode path computed them).
 trait PositionSplit: Copy {
     fn superblock(self, pos: u64) -> usize;
     fn block_offset(self, pos: u64) -> i32;
+    fn place(self, pos: u64, rank: u32) -> DecodePlacement;
 }
 
 /// [`PositionSplit`] by shifts and a mask: tokens per block and per superblock powers of
@@ -978,7 +989,20 @@ trait PositionSplit: Copy {
 #[derive(Clone, Copy)]
 struct SplitByShifts {
     superblock_shift: u32,
+    block_shift: u32,
     block_mask: u64,
+}
+
+impl SplitByShifts {
+    /// The split of `layout`'s positions, if its block and superblock are powers of two.
+    fn of(layout: Layout) -> Option<Self> {
+        let (tpb, tps) = (layout.tokens_per_block(), layout.tokens_per_superblock());
+        (tpb.is_power_of_two() && tps.is_power_of_two()).then(|| Self {
+            superblock_shift: tps.trailing_zeros(),
+            block_shift: tpb.trailing_zeros(),
+            block_mask: u64::from(tpb - 1),
+        })
+    }
 }
 
 impl PositionSplit for SplitByShifts {
@@ -988,6 +1012,9 @@ impl PositionSplit for SplitByShifts {
     fn block_offset(self, pos: u64) -> i32 {
         word(pos & self.block_mask)
     }
+    fn place(self, pos: u64, rank: u32) -> DecodePlacement {
+        Placement::decode_shifted(self.block_shift, self.superblock_shift, pos, rank)
+    }
 }
 
 /// [`PositionSplit`] by divisions, for any layout.
@@ -995,6 +1022,17 @@ impl PositionSplit for SplitByShifts {
 struct SplitByDivisions {
     tokens_per_superblock: u64,
     tokens_per_block: u64,
+    placement: Placement,
+}
+
+impl SplitByDivisions {
+    fn of(layout: Layout) -> Self {
+        Self {
+            tokens_per_superblock: layout.tokens_per_superblock(),
+            tokens_per_block: layout.tokens_per_block().into(),
+            placement: Placement::new(layout),
+        }
+    }
 }
 
 impl PositionSplit for SplitByDivisions {
@@ -1003,6 +1041,9 @@ impl PositionSplit for SplitByDivisions {
     }
     fn block_offset(self, pos: u64) -> i32 {
         word(pos % self.tokens_per_block)
+    }
+    fn place(self, pos: u64, rank: u32) -> DecodePlacement {
+        self.placement.decode_general(pos, rank)
     }
 }
 
@@ -1027,16 +1068,17 @@ fn write_rows<S: PositionSplit>(
     // indexes them without a bound check each.
     let tokens = &source.generation_input_tokens[..rows];
     let positions = &source.generation_positions[..rows];
-    let local_lens = &source.generation_local_lens[..rows];
-    let past_lens = &source.generation_past_seen_lens[..rows];
     let input_refs = &source.generation_input_refs[..rows];
-    let owners = &source.generation_owner_ranks[..rows];
     for (i, row) in written.chunks_exact_mut(width).enumerate() {
         let (pos, table) = (positions[i], tables[i]);
+        // The owner and lengths are this rank's, from the position, as the scheduler's
+        // decode path computed them (not the output's per-rank arrays: an output of
+        // another rank has the same step and digest).
+        let placed = split.place(pos, rank);
         // Checked: a row this rank owns holds the superblock of its position, and every
         // slot of the pool fits an int32 word.
         let slot = match table.get(split.superblock(pos)) {
-            Some(&superblock) if owners[i] == rank => {
+            Some(&superblock) if placed.owner == rank => {
                 page_id(superblock) * tokens_per_block + split.block_offset(pos)
             }
             _ => -1,
@@ -1046,8 +1088,8 @@ fn write_rows<S: PositionSplit>(
             tokens[i],
             word(pos),
             slot,
-            word(local_lens[i]),
-            word(past_lens[i]),
+            word(placed.local_len),
+            word(placed.past_seen_len),
             input_refs[i],
         ]);
         copy_pages(&mut cells[..table.len()], table);
@@ -1071,6 +1113,9 @@ impl Scheduler {
     /// `width - decode_row::BLOCK_TABLE` columns. Rows `rows..pad_to` get the padding
     /// columns ([`decode_row::PADDING`]; their block-table cells are left as they were, a
     /// padding row attends to nothing); rows past `max(rows, pad_to)` are left as they were.
+    /// The slot, local and past-seen columns are this scheduler's rank's, computed from the
+    /// positions (the output's per-rank arrays are not read), as in
+    /// [`Scheduler::write_step_metadata`].
     ///
     /// Everything is checked before the first word is written, so an error leaves the buffer
     /// as it was: `InvalidState` for an output that is not the pending step's;
@@ -1089,39 +1134,13 @@ impl Scheduler {
         let checked = self.check_decode_source(&source, buffer.len(), width, pad_to)?;
         let rows = checked.rows.len();
         let (written, padding) = buffer.split_at_mut(rows * width);
-        let (tpb, tps) = (
-            self.layout.tokens_per_block(),
-            self.layout.tokens_per_superblock(),
-        );
+        let tpb = word(self.layout.tokens_per_block().into());
         let (rank, tables) = (self.config.cp_rank, &checked.rows[..]);
-        if tpb.is_power_of_two() && tps.is_power_of_two() {
-            let split = SplitByShifts {
-                superblock_shift: tps.trailing_zeros(),
-                block_mask: u64::from(tpb - 1),
-            };
-            write_rows(
-                written,
-                width,
-                tables,
-                &source,
-                word(tpb.into()),
-                split,
-                rank,
-            );
+        if let Some(split) = SplitByShifts::of(self.layout) {
+            write_rows(written, width, tables, &source, tpb, split, rank);
         } else {
-            let split = SplitByDivisions {
-                tokens_per_superblock: tps,
-                tokens_per_block: tpb.into(),
-            };
-            write_rows(
-                written,
-                width,
-                tables,
-                &source,
-                word(tpb.into()),
-                split,
-                rank,
-            );
+            let split = SplitByDivisions::of(self.layout);
+            write_rows(written, width, tables, &source, tpb, split, rank);
         }
         let padded_to = pad_to.max(rows);
         for row in padding[..(padded_to - rows) * width].chunks_exact_mut(width) {
@@ -1153,7 +1172,6 @@ impl Scheduler {
         let bounds = RowBounds {
             columns: width - decode_row::BLOCK_TABLE,
             tokens_per_superblock: self.layout.tokens_per_superblock(),
-            rank: self.config.cp_rank,
         };
         // Each row's holdings, found through the scheduler's own index of the request (its
         // ledger entry) where that still names it: no id lookup on the common path.
@@ -1162,31 +1180,20 @@ impl Scheduler {
             source.generation_ids,
             &self.generation_reqs,
             source.generation_positions,
-            source.generation_owner_ranks,
             bounds,
         ) {
             Some(rows) => rows,
             None => self.row_tables_in_order(source, bounds)?,
         };
-        // Whether every length fits an int32 word, from the bits they hold (an `or` is
-        // vectorized; an unsigned 64-bit `max` is not on the baseline x86-64), in two
-        // plain folds (a chained one is not vectorized); the error names the largest.
-        let local = source
-            .generation_local_lens
-            .iter()
-            .fold(0, |acc, &n| acc | n);
-        let past = source
-            .generation_past_seen_lens
-            .iter()
-            .fold(0, |acc, &n| acc | n);
-        if rows.furthest.max(local).max(past) > i32::MAX as u64 {
-            let longest = source
-                .generation_local_lens
-                .iter()
-                .chain(source.generation_past_seen_lens)
-                .fold(rows.furthest, |acc, &n| acc.max(n));
-            check_word(longest, "position or local length")?;
-        }
+        // The rows' local and past-seen lengths are this rank's, computed from the
+        // positions as they are written (see `write_rows`). A local length counts the
+        // rank's tokens up to its position, so it grows with the position: the furthest
+        // row's is the largest, and a past-seen length is at most its row's local one.
+        let longest = self
+            .placement
+            .decode(rows.furthest, self.config.cp_rank)
+            .local_len;
+        check_word(longest.max(rows.furthest), "position or local length")?;
         Ok(CheckedRows {
             rows: rows.tables,
             in_flight,
@@ -1216,9 +1223,8 @@ impl Scheduler {
             .generation_ids
             .iter()
             .zip(hints)
-            .zip(source.generation_positions)
-            .zip(source.generation_owner_ranks);
-        for (((&id, hint), &pos), &owner) in entries {
+            .zip(source.generation_positions);
+        for ((&id, hint), &pos) in entries {
             let request = self.ledger.request_hinted(hint, id)?;
             if pos >= request.len() {
                 return Err(unreserved(id, pos, pos + 1, request.len()));
@@ -1233,7 +1239,7 @@ impl Scheduler {
             }
             // The slot is computed while the row is written (where the table is read for
             // its cells anyway); here only that its superblock is held.
-            if owner == bounds.rank && to_usize(per_superblock.div(pos)) >= table.len() {
+            if to_usize(per_superblock.div(pos)) >= table.len() {
                 return Err(unreserved(id, pos, pos + 1, request.len()));
             }
             furthest = furthest.max(pos);

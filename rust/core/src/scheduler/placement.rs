@@ -84,7 +84,12 @@ impl Placement {
     /// [`Self::decode`] where `tokens_per_block` is `2^block` and `tokens_per_superblock`
     /// is `2^superblock` (the usual layouts): shifts and masks alone.
     #[inline]
-    fn decode_shifted(block: u32, superblock: u32, position: u64, rank: u32) -> DecodePlacement {
+    pub fn decode_shifted(
+        block: u32,
+        superblock: u32,
+        position: u64,
+        rank: u32,
+    ) -> DecodePlacement {
         let tokens_per_block = 1u64 << block;
         let full = position >> superblock;
         let into_superblock = position & ((1u64 << superblock) - 1);
@@ -105,7 +110,8 @@ impl Placement {
         }
     }
 
-    fn decode_general(self, position: u64, rank: u32) -> DecodePlacement {
+    /// [`Self::decode`] for any layout (divisions).
+    pub fn decode_general(self, position: u64, rank: u32) -> DecodePlacement {
         let full = self.per_superblock.div(position);
         let into_superblock = position - full * self.per_superblock.value;
         #[expect(
