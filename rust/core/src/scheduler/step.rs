@@ -1,14 +1,15 @@
 //! Building one step: the generation phase, the context phase, the preemption ladder
 //! and the output arrays.
 
-use super::request::{AheadMark, NO_STEP};
+use super::placement::Placement;
+use super::request::{AheadMark, Request, NO_STEP};
 use super::slots::{entry_id, row_id, slot_id};
 use super::victim::VictimKey;
 use super::{
     CapacityPolicy, ContextEntry, CoreError, JournalEntry, RequestId, RequestIndex, RequestState,
     Result, ScheduleOutput, Scheduler, ServingMode, SuspendPolicy, VictimPolicy,
 };
-use crate::ledger::{page_id, superblock_count};
+use crate::ledger::{page_id, superblock_count, DecodeLane};
 
 impl Scheduler {
     /// Decides the next step. It may run while one step is pending (one step ahead: the
@@ -117,7 +118,7 @@ impl Scheduler {
     fn generation_phase_ahead(&mut self, step: u64) -> Result<()> {
         let mut queue_pos = 0;
         loop {
-            queue_pos = self.decode_run_ahead(step, queue_pos);
+            queue_pos = self.decode_run::<AheadRun>(step, queue_pos);
             let Some(&req) = self.queue.get(queue_pos) else {
                 return Ok(());
             };
@@ -163,111 +164,8 @@ impl Scheduler {
         Ok(())
     }
 
-    /// [`Self::decode_run`] for a step planned ahead, from queue position `from` on: the
-    /// requests decoding in the older step that decode again here on the token they are
-    /// sampling there (given as its row), with the batch slot they hold, within the token
-    /// budget, on a token that fits the superblocks they hold, and those with nothing to
-    /// do in this phase (an abort pending, `Waiting` or `Prefilling` with no work in the
-    /// older step, `Decoding` with its last token sampled there). Each decode is exactly
-    /// what [`Self::schedule_decode`] would make of it (the placement is filled in by
-    /// `finish_step`). Stops at the first request that needs more and returns its
-    /// position, untouched, for the general path; the queue's length when none is left.
-    #[inline(never)]
-    fn decode_run_ahead(&mut self, step: u64, from: usize) -> usize {
-        const CHUNK: usize = 64;
-        let mut ids = [0; CHUNK];
-        let mut positions = [0; CHUNK];
-        let mut rows = [0; CHUNK];
-        let mut slots = [0; CHUNK];
-        let mut reqs = [0; CHUNK];
-        let budget = u64::from(self.config.max_num_tokens).saturating_sub(self.step_tokens);
-        let mut queue_pos = from;
-        let mut scheduled = 0u64;
-        loop {
-            let (count, end) = {
-                let queue = &self.queue[..];
-                let requests = &mut self.requests[..];
-                let mut ledger = self.ledger.decode_lane();
-                let marks = &self.ahead_marks[..];
-                let room = usize::try_from(budget - scheduled)
-                    .unwrap_or(usize::MAX)
-                    .min(CHUNK);
-                let mut count = 0;
-                let mut pos = queue_pos;
-                while count < room {
-                    let Some(&req) = queue.get(pos) else {
-                        break;
-                    };
-                    let request = &mut requests[req as usize];
-                    if request.abort_requested {
-                        pos += 1;
-                        continue;
-                    }
-                    let row = match marks.get(req as usize) {
-                        Some(mark) if mark.step == step => {
-                            if request.state != RequestState::Decoding {
-                                break;
-                            }
-                            if mark.row < 0 || request.remaining_tokens <= 1 {
-                                pos += 1;
-                                continue;
-                            }
-                            mark.row
-                        }
-                        _ => match request.state {
-                            RequestState::Waiting | RequestState::Prefilling => {
-                                pos += 1;
-                                continue;
-                            }
-                            RequestState::Decoding | RequestState::Suspended => break,
-                        },
-                    };
-                    let Some(slot) = request.batch_slot.get() else {
-                        break;
-                    };
-                    // The request's index is also its ledger entry (see `add_request`).
-                    let Some(position) =
-                        ledger.try_allocate_ahead_in_place(req as usize, request.id, step)
-                    else {
-                        break;
-                    };
-                    request.scheduled_step = step;
-                    ids[count] = request.id;
-                    positions[count] = position;
-                    rows[count] = row;
-                    slots[count] = slot_id(slot);
-                    reqs[count] = req;
-                    count += 1;
-                    pos += 1;
-                }
-                (count, pos)
-            };
-            self.append_decode_chunk(
-                &ids[..count],
-                &positions[..count],
-                &slots[..count],
-                &reqs[..count],
-            );
-            let out = &mut self.building;
-            // A token still in flight is never given as a (stale) value.
-            out.generation_input_tokens
-                .resize(out.generation_input_tokens.len() + count, -1);
-            out.generation_input_refs.extend_from_slice(&rows[..count]);
-            scheduled += count as u64;
-            queue_pos = end;
-            // Only a full chunk may go on: a shorter one stopped at the queue's end, the
-            // budget's end or a request for the general path.
-            if count < CHUNK {
-                break;
-            }
-        }
-        self.step_tokens += scheduled;
-        queue_pos
-    }
-
-    /// Appends a chunk of decodes gathered by [`Self::decode_run`] or
-    /// [`Self::decode_run_ahead`]: the output columns both fill alike, the requests and
-    /// their journal entries.
+    /// Appends a chunk of decodes gathered by [`Self::decode_run`]: the output columns
+    /// both modes fill alike, the requests and their journal entries.
     #[inline]
     fn append_decode_chunk(
         &mut self,
@@ -340,7 +238,7 @@ impl Scheduler {
     fn generation_phase(&mut self, step: u64) -> Result<()> {
         let mut queue_pos = 0;
         loop {
-            queue_pos = self.decode_run(step, queue_pos);
+            queue_pos = self.decode_run::<PlainRun>(step, queue_pos);
             let Some(&req) = self.queue.get(queue_pos) else {
                 return Ok(());
             };
@@ -358,38 +256,36 @@ impl Scheduler {
         }
     }
 
-    /// The plain generation phase's common case, from queue position `from` on: requests
+    /// The generation phase's common case, from queue position `from` on, in mode `M`
+    /// ([`PlainRun`] for a plain step, [`AheadRun`] for a step planned ahead): requests
     /// that decode with the batch slot they hold, within the token budget, on a token that
-    /// fits the superblocks they hold, and those with nothing to do in this phase
-    /// (`Waiting`, `Prefilling`). Each decode is exactly what [`Self::schedule_decode`]
-    /// would make of it. Stops at the first request that needs more (a slot, a superblock,
-    /// a resume, a preemption, the budget's end) and returns its position, untouched, for
-    /// the general path; the queue's length when none is left.
+    /// fits the superblocks they hold, and those with nothing to do in this phase (which
+    /// `M` tells apart, with those that need the general path). Each decode is exactly what
+    /// [`Self::schedule_decode`] would make of it. Stops at the first request that needs
+    /// more (a slot, a superblock, a resume, a preemption, the budget's end) and returns
+    /// its position, untouched, for the general path; the queue's length when none is left.
     ///
     /// Entries are gathered a chunk at a time in local arrays (which nothing else can
     /// alias, so the loop keeps its state in registers) and appended to the output in
-    /// bulk. Kept out of line: its chunk arrays would weigh on every caller's frame.
+    /// bulk. Kept out of line: its chunk arrays would weigh on every caller's frame. Each
+    /// mode is compiled apart (monomorphised), with its own filter and columns inlined.
     #[inline(never)]
-    fn decode_run(&mut self, step: u64, from: usize) -> usize {
-        const CHUNK: usize = 64;
+    fn decode_run<M: DecodeRunMode>(&mut self, step: u64, from: usize) -> usize {
         let mut ids = [0; CHUNK];
         let mut positions = [0; CHUNK];
-        let mut tokens = [0; CHUNK];
         let mut slots = [0; CHUNK];
         let mut reqs = [0; CHUNK];
-        let mut owners = [0; CHUNK];
-        let mut active = [false; CHUNK];
-        let mut past_seen = [0; CHUNK];
-        let mut local = [0; CHUNK];
+        let mode = M::new(self);
+        let mut columns = M::columns();
         let budget = u64::from(self.config.max_num_tokens).saturating_sub(self.step_tokens);
-        let (placement, rank) = (self.placement, self.config.cp_rank);
         let mut queue_pos = from;
         let mut scheduled = 0u64;
         loop {
             let (count, end) = {
                 let queue = &self.queue[..];
                 let requests = &mut self.requests[..];
-                let mut ledger = self.ledger.decode_lane();
+                let mut lane = self.ledger.decode_lane();
+                let marks = &self.ahead_marks[..];
                 let room = usize::try_from(budget - scheduled)
                     .unwrap_or(usize::MAX)
                     .min(CHUNK);
@@ -400,34 +296,27 @@ impl Scheduler {
                         break;
                     };
                     let request = &mut requests[req as usize];
-                    match request.state {
-                        RequestState::Decoding => {}
-                        RequestState::Waiting | RequestState::Prefilling => {
+                    let row = match M::admit(marks, step, req, request) {
+                        Admit::Decode(row) => row,
+                        Admit::Skip => {
                             pos += 1;
                             continue;
                         }
-                        RequestState::Suspended => break,
-                    }
+                        Admit::Stop => break,
+                    };
                     let Some(slot) = request.batch_slot.get() else {
                         break;
                     };
                     // The request's index is also its ledger entry (see `add_request`).
-                    let Some(position) =
-                        ledger.try_allocate_in_place(req as usize, request.id, step)
-                    else {
+                    let Some(position) = M::allocate(&mut lane, req, request.id, step) else {
                         break;
                     };
                     request.scheduled_step = step;
                     ids[count] = request.id;
                     positions[count] = position;
-                    tokens[count] = request.last_token;
                     slots[count] = slot_id(slot);
                     reqs[count] = req;
-                    let placed = placement.decode(position, rank);
-                    owners[count] = placed.owner;
-                    active[count] = placed.owner == rank;
-                    past_seen[count] = placed.past_seen_len;
-                    local[count] = placed.local_len;
+                    mode.record(&mut columns, count, request, position, row);
                     count += 1;
                     pos += 1;
                 }
@@ -439,15 +328,7 @@ impl Scheduler {
                 &slots[..count],
                 &reqs[..count],
             );
-            let out = &mut self.building;
-            out.generation_input_tokens
-                .extend_from_slice(&tokens[..count]);
-            out.generation_owner_ranks
-                .extend_from_slice(&owners[..count]);
-            out.generation_active.extend_from_slice(&active[..count]);
-            out.generation_past_seen_lens
-                .extend_from_slice(&past_seen[..count]);
-            out.generation_local_lens.extend_from_slice(&local[..count]);
+            M::flush(&columns, &mut self.building, count);
             scheduled += count as u64;
             queue_pos = end;
             // Only a full chunk may go on: a shorter one stopped at the queue's end, the
@@ -1236,5 +1117,215 @@ impl Scheduler {
             self.ledger.used_superblocks(),
             self.ledger.capacity(),
         )
+    }
+}
+
+/// Entries a decode run gathers before it appends them to the output.
+const CHUNK: usize = 64;
+
+/// What a decode run does with the request it reached.
+enum Admit {
+    /// Nothing to do in this phase: passed over.
+    Skip,
+    /// Needs the general path: the run stops here, the request untouched.
+    Stop,
+    /// Decodes, if its slot and superblocks allow, on the token in this row of the older
+    /// pending step's sampled tokens (-1: the token is known).
+    Decode(i32),
+}
+
+/// What differs between [`Scheduler::decode_run`]'s modes: which requests it decodes,
+/// how the ledger allocates their token, and the output columns it fills besides those
+/// both fill alike. Its methods are inlined into the run, which is compiled apart per mode.
+///
+/// The mode's value holds only what it reads (copied once per run, so the loop keeps it
+/// in registers); the chunk's columns are apart, in [`Self::Columns`]: a value that held
+/// both would live in memory with the arrays and be read again for every request.
+trait DecodeRunMode: Copy {
+    /// The chunk's columns of the mode's own output fields.
+    type Columns;
+    /// The mode's inputs for one run, read from the scheduler.
+    fn new(scheduler: &Scheduler) -> Self;
+    /// Empty columns for a run's chunks.
+    fn columns() -> Self::Columns;
+    /// Whether the request `req` at the run's position decodes, is passed over or stops
+    /// the run. `marks` are the older pending step's marks (read only one step ahead).
+    fn admit(marks: &[AheadMark], step: u64, req: RequestIndex, request: &Request) -> Admit;
+    /// Allocates the decode token of `req` in place, or `None` for the general path.
+    fn allocate(
+        lane: &mut DecodeLane<'_>,
+        req: RequestIndex,
+        id: RequestId,
+        step: u64,
+    ) -> Option<u64>;
+    /// Records the mode's columns of the chunk's entry `at`.
+    fn record(
+        self,
+        columns: &mut Self::Columns,
+        at: usize,
+        request: &Request,
+        position: u64,
+        row: i32,
+    );
+    /// Appends the chunk's first `count` entries of the mode's columns to `out`.
+    fn flush(columns: &Self::Columns, out: &mut ScheduleOutput, count: usize);
+}
+
+/// A plain step's decode run: `Decoding` requests decode on their last token, `Waiting`
+/// and `Prefilling` ones are passed over, a `Suspended` one needs the general path (a
+/// resume). Each entry is placed as it is made (this rank's placement columns).
+#[derive(Clone, Copy)]
+struct PlainRun {
+    placement: Placement,
+    rank: u32,
+}
+
+/// The columns of [`PlainRun`]'s chunk: the input tokens and this rank's placement.
+struct PlainColumns {
+    tokens: [i32; CHUNK],
+    owners: [u32; CHUNK],
+    active: [bool; CHUNK],
+    past_seen: [u64; CHUNK],
+    local: [u64; CHUNK],
+}
+
+impl DecodeRunMode for PlainRun {
+    type Columns = PlainColumns;
+
+    #[inline]
+    fn new(scheduler: &Scheduler) -> Self {
+        Self {
+            placement: scheduler.placement,
+            rank: scheduler.config.cp_rank,
+        }
+    }
+
+    #[inline]
+    fn columns() -> PlainColumns {
+        PlainColumns {
+            tokens: [0; CHUNK],
+            owners: [0; CHUNK],
+            active: [false; CHUNK],
+            past_seen: [0; CHUNK],
+            local: [0; CHUNK],
+        }
+    }
+
+    #[inline]
+    fn admit(_: &[AheadMark], _: u64, _: RequestIndex, request: &Request) -> Admit {
+        match request.state {
+            RequestState::Decoding => Admit::Decode(-1),
+            RequestState::Waiting | RequestState::Prefilling => Admit::Skip,
+            RequestState::Suspended => Admit::Stop,
+        }
+    }
+
+    #[inline]
+    fn allocate(
+        lane: &mut DecodeLane<'_>,
+        req: RequestIndex,
+        id: RequestId,
+        step: u64,
+    ) -> Option<u64> {
+        lane.try_allocate_in_place(req as usize, id, step)
+    }
+
+    #[inline]
+    fn record(
+        self,
+        columns: &mut PlainColumns,
+        at: usize,
+        request: &Request,
+        position: u64,
+        _: i32,
+    ) {
+        columns.tokens[at] = request.last_token;
+        let placed = self.placement.decode(position, self.rank);
+        columns.owners[at] = placed.owner;
+        columns.active[at] = placed.owner == self.rank;
+        columns.past_seen[at] = placed.past_seen_len;
+        columns.local[at] = placed.local_len;
+    }
+
+    #[inline]
+    fn flush(columns: &PlainColumns, out: &mut ScheduleOutput, count: usize) {
+        out.generation_input_tokens
+            .extend_from_slice(&columns.tokens[..count]);
+        out.generation_owner_ranks
+            .extend_from_slice(&columns.owners[..count]);
+        out.generation_active
+            .extend_from_slice(&columns.active[..count]);
+        out.generation_past_seen_lens
+            .extend_from_slice(&columns.past_seen[..count]);
+        out.generation_local_lens
+            .extend_from_slice(&columns.local[..count]);
+    }
+}
+
+/// The decode run of a step planned ahead: the requests decoding in the older step that
+/// decode again here on the token they are sampling there (given as its row), and those
+/// with nothing to do in this phase (an abort pending, `Waiting` or `Prefilling` with no
+/// work in the older step, `Decoding` with its last token sampled there). Anything else
+/// needs the general path. The placement is filled in by `finish_step`.
+#[derive(Clone, Copy)]
+struct AheadRun;
+
+impl DecodeRunMode for AheadRun {
+    /// The rows of the older step's sampled tokens that hold the inputs.
+    type Columns = [i32; CHUNK];
+
+    #[inline]
+    fn new(_: &Scheduler) -> Self {
+        Self
+    }
+
+    #[inline]
+    fn columns() -> [i32; CHUNK] {
+        [0; CHUNK]
+    }
+
+    #[inline]
+    fn admit(marks: &[AheadMark], step: u64, req: RequestIndex, request: &Request) -> Admit {
+        if request.abort_requested {
+            return Admit::Skip;
+        }
+        match marks.get(req as usize) {
+            Some(mark) if mark.step == step => {
+                if request.state != RequestState::Decoding {
+                    Admit::Stop
+                } else if mark.row < 0 || request.remaining_tokens <= 1 {
+                    Admit::Skip
+                } else {
+                    Admit::Decode(mark.row)
+                }
+            }
+            _ => match request.state {
+                RequestState::Waiting | RequestState::Prefilling => Admit::Skip,
+                RequestState::Decoding | RequestState::Suspended => Admit::Stop,
+            },
+        }
+    }
+
+    #[inline]
+    fn allocate(
+        lane: &mut DecodeLane<'_>,
+        req: RequestIndex,
+        id: RequestId,
+        step: u64,
+    ) -> Option<u64> {
+        lane.try_allocate_ahead_in_place(req as usize, id, step)
+    }
+
+    #[inline]
+    fn record(self, rows: &mut [i32; CHUNK], at: usize, _: &Request, _: u64, row: i32) {
+        rows[at] = row;
+    }
+
+    #[inline]
+    fn flush(rows: &[i32; CHUNK], out: &mut ScheduleOutput, count: usize) {
+        // A token still in flight is never given as a (stale) value.
+        out.generation_input_tokens
+            .resize(out.generation_input_tokens.len() + count, -1);
+        out.generation_input_refs.extend_from_slice(&rows[..count]);
     }
 }
