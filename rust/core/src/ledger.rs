@@ -211,8 +211,8 @@ impl KvTable {
 }
 
 /// One request's KV holdings and the counters that decide where its tokens go, as the
-/// ledger hands them out ([`Ledger::request`]): a view of the request's [`KvRecord`] and
-/// [`KvTable`], which the ledger keeps apart.
+/// ledger hands them out ([`Ledger::request`]): a view of the request's `KvRecord` and
+/// `KvTable`, which the ledger keeps apart.
 #[derive(Clone, Copy)]
 pub struct RequestKv<'a> {
     record: &'a KvRecord,
