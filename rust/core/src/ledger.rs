@@ -1711,6 +1711,16 @@ fn first_repeat(ids: &[RequestId]) -> Option<RequestId> {
 mod tests {
     use super::*;
 
+    /// A seeded xorshift stream: each call gives a value below its argument.
+    fn below(mut seed: u64) -> impl FnMut(u64) -> u64 {
+        move |n| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        }
+    }
+
     /// Small, large and huge ids, ids mapped sparse before the dense part grows past them,
     /// removals from both parts: every lookup agrees with a plain map, and two indexes with
     /// the same mapping are equal whatever storage their histories left.
@@ -1794,13 +1804,7 @@ mod tests {
     fn in_place_decodes_are_the_general_decodes() {
         let layout = Layout::new(2, 4).unwrap();
         let tps = layout.tokens_per_superblock();
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut next = below(0x9e37_79b9_7f4a_7c15);
         let mut ledger = Ledger::new(layout, 40).unwrap();
         let (mut placed, mut refused) = (0, 0);
         for round in 0..20_000u64 {
@@ -1885,13 +1889,7 @@ mod tests {
         }
         let layout = Layout::new(2, 4).unwrap();
         let tps = layout.tokens_per_superblock();
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut next = below(0x2545_f491_4f6c_dd1d);
         let mut ledger = Ledger::new(layout, 48).unwrap();
         let mut ok = vec![true; 3];
         for round in 0..4000 {
