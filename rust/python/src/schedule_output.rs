@@ -467,12 +467,9 @@ pub struct LentStep<'a> {
     context_token_ids: Lent<'a, i32>,
     generation_ids: Lent<'a, RequestId>,
     generation_positions: Lent<'a, u64>,
-    generation_owner_ranks: Lent<'a, u32>,
     generation_input_tokens: Lent<'a, i32>,
     generation_input_refs: Lent<'a, i32>,
     generation_batch_slots: Lent<'a, i32>,
-    generation_local_lens: Lent<'a, u64>,
-    generation_past_seen_lens: Lent<'a, u64>,
 }
 
 impl LentStep<'_> {
@@ -489,12 +486,9 @@ impl LentStep<'_> {
             context_token_ids: self.context_token_ids.into_owned(),
             generation_ids: self.generation_ids.into_owned(),
             generation_positions: self.generation_positions.into_owned(),
-            generation_owner_ranks: self.generation_owner_ranks.into_owned(),
             generation_input_tokens: self.generation_input_tokens.into_owned(),
             generation_input_refs: self.generation_input_refs.into_owned(),
             generation_batch_slots: self.generation_batch_slots.into_owned(),
-            generation_local_lens: self.generation_local_lens.into_owned(),
-            generation_past_seen_lens: self.generation_past_seen_lens.into_owned(),
         }
     }
 
@@ -510,12 +504,9 @@ impl LentStep<'_> {
             context_token_ids: self.context_token_ids.as_slice(),
             generation_ids: self.generation_ids.as_slice(),
             generation_positions: self.generation_positions.as_slice(),
-            generation_owner_ranks: self.generation_owner_ranks.as_slice(),
             generation_input_tokens: self.generation_input_tokens.as_slice(),
             generation_input_refs: self.generation_input_refs.as_slice(),
             generation_batch_slots: self.generation_batch_slots.as_slice(),
-            generation_local_lens: self.generation_local_lens.as_slice(),
-            generation_past_seen_lens: self.generation_past_seen_lens.as_slice(),
         }
     }
 }
@@ -538,12 +529,9 @@ impl PyScheduleOutput {
             context_token_ids: self.context_token_ids.lend(py),
             generation_ids: self.generation_ids.lend(py),
             generation_positions: self.generation_positions.lend(py),
-            generation_owner_ranks: self.generation_owner_ranks.lend(py),
             generation_input_tokens: self.generation_input_tokens.lend(py),
             generation_input_refs: self.generation_input_refs.lend(py),
             generation_batch_slots: self.generation_batch_slots.lend(py),
-            generation_local_lens: self.generation_local_lens.lend(py),
-            generation_past_seen_lens: self.generation_past_seen_lens.lend(py),
         }
     }
 }

@@ -194,7 +194,8 @@ pub struct StepMetadata {
 }
 
 /// The fields of a [`ScheduleOutput`] that the metadata is made of, borrowed (the Python
-/// binding lends them without copying the arrays it holds).
+/// binding lends them without copying the arrays it holds). The per-rank fields are not
+/// among them: the writers compute this rank's owner and lengths from the positions.
 #[derive(Debug, Clone, Copy)]
 pub struct StepSource<'a> {
     pub step: u64,
@@ -206,12 +207,9 @@ pub struct StepSource<'a> {
     pub context_token_ids: &'a [i32],
     pub generation_ids: &'a [RequestId],
     pub generation_positions: &'a [u64],
-    pub generation_owner_ranks: &'a [u32],
     pub generation_input_tokens: &'a [i32],
     pub generation_input_refs: &'a [i32],
     pub generation_batch_slots: &'a [i32],
-    pub generation_local_lens: &'a [u64],
-    pub generation_past_seen_lens: &'a [u64],
 }
 
 impl<'a> From<&'a ScheduleOutput> for StepSource<'a> {
@@ -226,12 +224,9 @@ impl<'a> From<&'a ScheduleOutput> for StepSource<'a> {
             context_token_ids: &out.context_token_ids,
             generation_ids: &out.generation_ids,
             generation_positions: &out.generation_positions,
-            generation_owner_ranks: &out.generation_owner_ranks,
             generation_input_tokens: &out.generation_input_tokens,
             generation_input_refs: &out.generation_input_refs,
             generation_batch_slots: &out.generation_batch_slots,
-            generation_local_lens: &out.generation_local_lens,
-            generation_past_seen_lens: &out.generation_past_seen_lens,
         }
     }
 }
@@ -313,11 +308,8 @@ fn generation_len(source: &StepSource<'_>) -> Result<usize> {
     let g = source.generation_ids.len();
     if [
         source.generation_positions.len(),
-        source.generation_owner_ranks.len(),
         source.generation_input_tokens.len(),
         source.generation_input_refs.len(),
-        source.generation_local_lens.len(),
-        source.generation_past_seen_lens.len(),
     ]
     .iter()
     .any(|&n| n != g)
