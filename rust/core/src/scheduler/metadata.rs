@@ -17,7 +17,7 @@
 //! by [`decode_row`] (`token_id, position, slot, local_len, past_seen_len, input_ref`, then
 //! the block table), in a caller-owned `[rows, width]` buffer.
 
-use super::placement::{DecodePlacement, Placement};
+use super::placement::{DecodePlacement, Divisor, Placement};
 use super::{Result, ScheduleOutput, Scheduler};
 use crate::error::CoreError;
 use crate::layout::Layout;
@@ -227,35 +227,6 @@ impl<'a> From<&'a ScheduleOutput> for StepSource<'a> {
             generation_input_tokens: &out.generation_input_tokens,
             generation_input_refs: &out.generation_input_refs,
             generation_batch_slots: &out.generation_batch_slots,
-        }
-    }
-}
-
-/// `n / d` and `n % d` for a divisor fixed per call: a shift and a mask when `d` is a power of
-/// two (the usual layouts), a division otherwise.
-#[derive(Debug, Clone, Copy)]
-struct Divisor {
-    d: u64,
-    shift: Option<u32>,
-}
-
-impl Divisor {
-    fn new(d: u64) -> Self {
-        Self {
-            d,
-            shift: d.is_power_of_two().then(|| d.trailing_zeros()),
-        }
-    }
-    fn div(self, n: u64) -> u64 {
-        match self.shift {
-            Some(shift) => n >> shift,
-            None => n / self.d,
-        }
-    }
-    fn rem(self, n: u64) -> u64 {
-        match self.shift {
-            Some(_) => n & (self.d - 1),
-            None => n % self.d,
         }
     }
 }
@@ -1012,16 +983,16 @@ impl PositionSplit for SplitByShifts {
 /// [`PositionSplit`] by divisions, for any layout.
 #[derive(Clone, Copy)]
 struct SplitByDivisions {
-    tokens_per_superblock: u64,
-    tokens_per_block: u64,
+    per_superblock: Divisor,
+    per_block: Divisor,
     placement: Placement,
 }
 
 impl SplitByDivisions {
     fn of(layout: Layout) -> Self {
         Self {
-            tokens_per_superblock: layout.tokens_per_superblock(),
-            tokens_per_block: layout.tokens_per_block().into(),
+            per_superblock: Divisor::new(layout.tokens_per_superblock()),
+            per_block: Divisor::new(layout.tokens_per_block().into()),
             placement: Placement::new(layout),
         }
     }
@@ -1029,10 +1000,10 @@ impl SplitByDivisions {
 
 impl PositionSplit for SplitByDivisions {
     fn superblock(self, pos: u64) -> usize {
-        to_usize(pos / self.tokens_per_superblock)
+        to_usize(self.per_superblock.div(pos))
     }
     fn block_offset(self, pos: u64) -> i32 {
-        word(pos % self.tokens_per_block)
+        word(self.per_block.rem(pos))
     }
     fn place(self, pos: u64, rank: u32) -> DecodePlacement {
         self.placement.decode_general(pos, rank)

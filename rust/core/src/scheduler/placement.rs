@@ -9,14 +9,14 @@ use crate::layout::Layout;
 /// multiply by `ceil(2^64 / d)`, exact for every dividend below 2^32 (Lemire, Kaser and
 /// Kurz, "Faster remainder by direct computation", 2019); larger dividends divide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct Divisor {
+pub(super) struct Divisor {
     value: u64,
     shift: Option<u32>,
     magic: u64,
 }
 
 impl Divisor {
-    fn new(divisor: u64) -> Self {
+    pub fn new(divisor: u64) -> Self {
         debug_assert!(divisor >= 1 && u32::try_from(divisor).is_ok());
         if divisor.is_power_of_two() {
             Self {
@@ -33,13 +33,21 @@ impl Divisor {
         }
     }
 
-    fn div(self, n: u64) -> u64 {
+    pub fn div(self, n: u64) -> u64 {
         match self.shift {
             Some(shift) => n >> shift,
             None if u32::try_from(n).is_ok() => {
                 ((u128::from(self.magic) * u128::from(n)) >> 64) as u64
             }
             None => n / self.value,
+        }
+    }
+
+    /// `n % divisor`.
+    pub fn rem(self, n: u64) -> u64 {
+        match self.shift {
+            Some(_) => n & (self.value - 1),
+            None => n - self.div(n) * self.value,
         }
     }
 }
@@ -166,7 +174,7 @@ mod tests {
     }
 
     #[test]
-    fn divides_exactly_below_and_above_two_to_the_32() {
+    fn divides_and_takes_remainders_exactly_below_and_above_two_to_the_32() {
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         for divisor in [1u64, 3, 7, 96, 1000, 65_537, (1 << 24) - 1, 1 << 24] {
             let prepared = Divisor::new(divisor);
@@ -180,6 +188,7 @@ mod tests {
                     seed >> 20
                 };
                 assert_eq!(prepared.div(n), n / divisor, "{n} / {divisor}");
+                assert_eq!(prepared.rem(n), n % divisor, "{n} % {divisor}");
             }
             assert_eq!(
                 prepared.div(u64::from(u32::MAX)),
