@@ -278,6 +278,21 @@ fn refused_calls_leave_the_buffer_as_it_was() {
         .unwrap_err();
     assert_eq!(err, CoreError::UnknownRequest(99));
     assert!(buffer.iter().all(|&w| w == SENTINEL));
+    // Another scheduler's output of the same step number (other prompts: another digest).
+    let mut other = Scheduler::new(config(2, 4, 16)).unwrap();
+    for id in 0..3 {
+        let mut tokens = prompt(9);
+        tokens[0] += 1;
+        other.add_request(id, &tokens, 5, 0).unwrap();
+    }
+    let theirs = other.schedule().unwrap().clone();
+    assert_eq!(theirs.step, s.last_output().step);
+    assert_ne!(theirs.digest, s.last_output().digest);
+    let err = s
+        .write_step_metadata((&theirs).into(), &layout, &mut buffer)
+        .unwrap_err();
+    assert!(matches!(err, CoreError::InvalidState(_)), "{err}");
+    assert!(buffer.iter().all(|&w| w == SENTINEL));
     s.write_last_step_metadata(&layout, &mut buffer).unwrap();
 }
 

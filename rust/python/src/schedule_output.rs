@@ -459,6 +459,7 @@ impl<T: Exposed<N>, N: Element + Copy> LazyArray<T, N> {
 /// The fields the step metadata is made of, lent by a [`PyScheduleOutput`].
 pub struct LentStep<'a> {
     step: u64,
+    digest: u64,
     context_ids: Lent<'a, RequestId>,
     context_starts: Lent<'a, u64>,
     context_lens: Lent<'a, u64>,
@@ -478,6 +479,7 @@ impl LentStep<'_> {
     pub fn into_owned(self) -> LentStep<'static> {
         LentStep {
             step: self.step,
+            digest: self.digest,
             context_ids: self.context_ids.into_owned(),
             context_starts: self.context_starts.into_owned(),
             context_lens: self.context_lens.into_owned(),
@@ -496,6 +498,7 @@ impl LentStep<'_> {
     pub fn source(&self) -> helix_kv_core::StepSource<'_> {
         helix_kv_core::StepSource {
             step: self.step,
+            digest: self.digest,
             context_ids: self.context_ids.as_slice(),
             context_starts: self.context_starts.as_slice(),
             context_lens: self.context_lens.as_slice(),
@@ -512,15 +515,11 @@ impl LentStep<'_> {
 }
 
 impl PyScheduleOutput {
-    /// The step and the digest (the scalars `step` and `digest`).
-    pub fn step_and_digest(&self) -> (u64, u64) {
-        (self.step, self.digest)
-    }
-
     /// Lends the fields the step metadata is made of (see [`Lent`]).
     pub fn lend_step(&self, py: Python<'_>) -> LentStep<'_> {
         LentStep {
             step: self.step,
+            digest: self.digest,
             context_ids: self.context_ids.lend(py),
             context_starts: self.context_starts.lend(py),
             context_lens: self.context_lens.lend(py),

@@ -53,9 +53,6 @@ fn ids_to_numpy(py: Python<'_>, ids: Vec<u64>) -> Bound<'_, PyArray1<u64>> {
 pub struct PyScheduler {
     inner: Scheduler,
     config: Py<PySchedulerConfig>,
-    /// What the metadata writers check an output's origin against (see
-    /// [`step_metadata::OwnSteps`]).
-    own_steps: step_metadata::OwnSteps,
 }
 
 #[pymethods]
@@ -69,7 +66,6 @@ impl PyScheduler {
         Ok(Self {
             inner: Scheduler::new(config.get().inner.clone()).py()?,
             config: config.unbind(),
-            own_steps: step_metadata::OwnSteps::default(),
         })
     }
 
@@ -114,7 +110,6 @@ impl PyScheduler {
                 Ok(inner.take_last_output())
             })
             .py()?;
-        self.own_steps.record(output.step, output.digest);
         Ok(output.into())
     }
 
@@ -241,14 +236,7 @@ impl PyScheduler {
         buffer: &Bound<'_, PyAny>,
         layout: &Bound<'_, PyAny>,
     ) -> PyResult<PyStepMetadata> {
-        step_metadata::write(
-            py,
-            &self.inner,
-            &self.own_steps,
-            schedule_output,
-            buffer,
-            layout,
-        )
+        step_metadata::write(py, &self.inner, schedule_output, buffer, layout)
     }
 
     /// Writes this rank's metadata of the pending decode-only step (`schedule_output`, the
@@ -274,14 +262,7 @@ impl PyScheduler {
         buffer: &Bound<'_, PyAny>,
         pad_to: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyDecodeRowCounts> {
-        step_metadata::write_rows(
-            py,
-            &self.inner,
-            &self.own_steps,
-            schedule_output,
-            buffer,
-            pad_to,
-        )
+        step_metadata::write_rows(py, &self.inner, schedule_output, buffer, pad_to)
     }
 
     /// Totals, with KV use as of now.

@@ -10,9 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use crate::arrays::{int_arg, invalid_type_of};
-use crate::errors::{
-    invalid_type, IntoPyResult, InvalidArgumentError, InvalidLengthError, InvalidStateError,
-};
+use crate::errors::{invalid_type, IntoPyResult, InvalidArgumentError, InvalidLengthError};
 use crate::schedule_output::PyScheduleOutput;
 
 value_record! {
@@ -192,36 +190,6 @@ fn int32_buffer<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i3
     Ok(array)
 }
 
-/// `(step, digest)` of the outputs of a scheduler's last two `schedule()` calls: the only
-/// steps that can be pending (one step ahead at most). The core checks that an output's step
-/// is the pending one; an output of that step whose digest is not the one this scheduler
-/// made is another scheduler's (other prompts, tokens or configuration: the digest is seeded
-/// with the configuration's fingerprint), and writing it would put that scheduler's tokens
-/// and positions beside this one's pages.
-#[derive(Default)]
-pub struct OwnSteps([Option<(u64, u64)>; 2]);
-
-impl OwnSteps {
-    /// Records the output of a `schedule()` that succeeded.
-    pub fn record(&mut self, step: u64, digest: u64) {
-        self.0 = [self.0[1], Some((step, digest))];
-    }
-
-    /// Refuses (`InvalidStateError`) an output of a step scheduled here whose digest is not
-    /// the one made here; any other step is left to the core (never pending: refused too).
-    fn check(&self, output: &PyScheduleOutput) -> PyResult<()> {
-        let (step, digest) = output.step_and_digest();
-        match self.0.iter().flatten().find(|&&(s, _)| s == step) {
-            Some(&(_, made)) if made != digest => Err(InvalidStateError::new_err(format!(
-                "the output of step {step} given is not this scheduler's (its digest is \
-                 0x{digest:016x}, this scheduler's output of step {step} has 0x{made:016x}): \
-                 write the output of this scheduler's own schedule()"
-            ))),
-            _ => Ok(()),
-        }
-    }
-}
-
 /// Tokens plus entries up to which `write_step_metadata` keeps the GIL (about 50 us of work).
 const KEEP_GIL_UP_TO: usize = 1 << 14;
 
@@ -229,7 +197,6 @@ const KEEP_GIL_UP_TO: usize = 1 << 14;
 pub fn write(
     py: Python<'_>,
     scheduler: &Scheduler,
-    own_steps: &OwnSteps,
     schedule_output: &Bound<'_, PyAny>,
     buffer: &Bound<'_, PyAny>,
     layout: &Bound<'_, PyAny>,
@@ -237,7 +204,6 @@ pub fn write(
     let output = schedule_output
         .cast::<PyScheduleOutput>()
         .map_err(|_| invalid_type_of("schedule_output", "a ScheduleOutput", schedule_output))?;
-    own_steps.check(output.get())?;
     let layout = layout
         .cast::<PyStepMetadataLayout>()
         .map_err(|_| invalid_type_of("layout", "a StepMetadataLayout", layout))?;
@@ -308,7 +274,6 @@ const KEEP_GIL_UP_TO_WORDS: usize = 1 << 16;
 pub fn write_rows(
     py: Python<'_>,
     scheduler: &Scheduler,
-    own_steps: &OwnSteps,
     schedule_output: &Bound<'_, PyAny>,
     buffer: &Bound<'_, PyAny>,
     pad_to: Option<&Bound<'_, PyAny>>,
@@ -316,7 +281,6 @@ pub fn write_rows(
     let output = schedule_output
         .cast::<PyScheduleOutput>()
         .map_err(|_| invalid_type_of("schedule_output", "a ScheduleOutput", schedule_output))?;
-    own_steps.check(output.get())?;
     let pad_to = pad_to
         .map(|p| int_arg::<usize>(p, "pad_to", "0..", InvalidLengthError::new_err))
         .transpose()?

@@ -199,6 +199,9 @@ pub struct StepMetadata {
 #[derive(Debug, Clone, Copy)]
 pub struct StepSource<'a> {
     pub step: u64,
+    /// The output's digest: the step must be this scheduler's own (another scheduler's,
+    /// or another configuration's, output of the same step number is refused).
+    pub digest: u64,
     pub context_ids: &'a [RequestId],
     pub context_starts: &'a [u64],
     pub context_lens: &'a [u64],
@@ -216,6 +219,7 @@ impl<'a> From<&'a ScheduleOutput> for StepSource<'a> {
     fn from(out: &'a ScheduleOutput) -> Self {
         Self {
             step: out.step,
+            digest: out.digest,
             context_ids: &out.context_ids,
             context_starts: &out.context_starts,
             context_lens: &out.context_lens,
@@ -421,7 +425,7 @@ impl Scheduler {
         layout: &StepMetadataLayout,
         buffer_words: usize,
     ) -> Result<(Vec<&'s [SuperblockId]>, usize)> {
-        self.check_pending(source.step)?;
+        self.check_pending(source)?;
         check_shapes(source, layout, buffer_words)?;
         let (g, c) = (source.generation_ids.len(), source.context_ids.len());
         // Each entry's holdings, found through the scheduler's own index of the request
@@ -497,8 +501,20 @@ impl Scheduler {
         Ok((requests, widest))
     }
 
-    /// Fails unless `step` is the pending step.
-    fn check_pending(&self, step: u64) -> Result<()> {
+    /// Fails unless `source` is the pending step, as this scheduler made it (its digest).
+    fn check_pending(&self, source: &StepSource<'_>) -> Result<()> {
+        let step = source.step;
+        if self.pending_steps > 0
+            && step == self.pending_step
+            && source.digest != self.pending_digest
+        {
+            return Err(CoreError::InvalidState(format!(
+                "the output of step {step} given is not this scheduler's (its digest is \
+                 0x{:016x}, this scheduler's output of step {step} has 0x{:016x}): write the \
+                 output of this scheduler's own schedule()",
+                source.digest, self.pending_digest
+            )));
+        }
         if self.pending_steps == 0 || step != self.pending_step {
             return Err(CoreError::InvalidState(format!(
                 "the metadata of step {} was asked for, but {}",
@@ -1127,7 +1143,7 @@ impl Scheduler {
         width: usize,
         pad_to: usize,
     ) -> Result<CheckedRows<'s>> {
-        self.check_pending(source.step)?;
+        self.check_pending(source)?;
         let in_flight = check_decode_shapes(source, buffer_words, width, pad_to)?;
         // Every slot of the pool fits an int32 word, or none is written.
         let slots = u64::from(self.ledger.capacity()) * u64::from(self.layout.tokens_per_block());

@@ -86,6 +86,7 @@ enum JournalEntry {
 #[derive(Debug, Clone, Default)]
 struct StepRecord {
     step: u64,
+    digest: u64,
     samples: usize,
     stalled_steps_before: u32,
     context: Vec<ContextEntry>,
@@ -126,9 +127,11 @@ pub struct Scheduler {
     next_step: u64,
     /// Steps scheduled and not yet updated or reverted: 0, 1, or 2 (one-step-ahead).
     pending_steps: u8,
-    /// Step number and sample count of the newest schedule (kept apart from the output,
-    /// which may have been moved out).
+    /// Step number, digest and sample count of the newest schedule (kept apart from the
+    /// output, which may have been moved out; the digest tells this scheduler's output of
+    /// the step from another's).
     pending_step: u64,
+    pending_digest: u64,
     pending_samples: usize,
     /// Consecutive scheduled steps that had live requests and made no progress.
     stalled_steps: u32,
@@ -202,6 +205,7 @@ impl Scheduler {
             zombies: Vec::new(),
             ahead_marks: Vec::new(),
             pending_step: 0,
+            pending_digest: 0,
             pending_samples: 0,
             stalled_steps: 0,
             stalled_steps_before: 0,
@@ -366,6 +370,7 @@ impl Scheduler {
     fn swap_step_records(&mut self) {
         let older = &mut self.older;
         std::mem::swap(&mut self.pending_step, &mut older.step);
+        std::mem::swap(&mut self.pending_digest, &mut older.digest);
         std::mem::swap(&mut self.pending_samples, &mut older.samples);
         std::mem::swap(
             &mut self.stalled_steps_before,

@@ -57,6 +57,7 @@ impl Scheduler {
         }
         self.finish_step(step);
         self.pending_step = step;
+        self.pending_digest = self.building.digest;
         self.pending_samples = self.building.sample_ids.len();
         std::mem::swap(&mut self.output, &mut self.building);
         self.next_step += 1;
