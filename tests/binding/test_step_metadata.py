@@ -484,14 +484,19 @@ def test_decode_row_columns_come_from_the_core() -> None:
     assert pickle.loads(pickle.dumps(counts)) == counts
 
 
-def test_decode_rows_of_a_thousand_requests_match() -> None:
-    """A batch of 1024 decodes (the fast path's N): the same rows as the separate calls."""
+def decoding_1024() -> tuple[helix_kv.Scheduler, helix_kv.ScheduleOutput]:
+    """A scheduler (cp = 2, tpb = 4) whose pending step decodes 1024 requests, and that step."""
     cfg = config(2, 4, superblocks=2048, max_batch_size=1024, max_num_tokens=16384)
     s = helix_kv.Scheduler(cfg)
     for i in range(1024):
         s.add_request(i, prompt(9, i), 4)
     s.update(np.full(s.schedule().num_samples, 7, dtype=np.int32))
-    out = s.schedule()
+    return s, s.schedule()
+
+
+def test_decode_rows_of_a_thousand_requests_match() -> None:
+    """A batch of 1024 decodes (the fast path's N): the same rows as the separate calls."""
+    s, out = decoding_1024()
     assert out.generation_ids.size == 1024
     check_rows(s, out, 4, capacity=1024)
 
@@ -499,12 +504,7 @@ def test_decode_rows_of_a_thousand_requests_match() -> None:
 def test_decode_rows_holding_or_releasing_the_gil_match() -> None:
     """Rows up to 2**16 words are written holding the GIL, more (many or wide rows) with it
     released: both match the separate calls, and the same step gives the same bytes."""
-    cfg = config(2, 4, superblocks=2048, max_batch_size=1024, max_num_tokens=16384)
-    s = helix_kv.Scheduler(cfg)
-    for i in range(1024):
-        s.add_request(i, prompt(9, i), 4)
-    s.update(np.full(s.schedule().num_samples, 7, dtype=np.int32))
-    out = s.schedule()
+    s, out = decoding_1024()
     held = np.full((1024, FIXED + 4), SENTINEL, dtype=np.int32)  # 10 240 words: held
     s.write_decode_rows(out, held, 1024)
     check_rows(s, out, 4, capacity=1024)

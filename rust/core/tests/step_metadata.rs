@@ -186,6 +186,16 @@ fn to_i64(values: impl IntoIterator<Item = u64>) -> Vec<i64> {
         .collect()
 }
 
+/// Feeds every rank the step's tokens and takes the outputs of the requests that finished.
+fn update_every_rank(ranks: &mut [Scheduler], tokens: &[i32]) {
+    for s in ranks {
+        let finished = s.update(tokens, None).unwrap().to_vec();
+        for id in finished {
+            s.take_output(id).unwrap();
+        }
+    }
+}
+
 #[test]
 fn packed_sections_equal_the_separate_calls_under_pressure() {
     for cp in [1u32, 2, 4] {
@@ -229,12 +239,7 @@ fn packed_sections_equal_the_separate_calls_under_pressure() {
                 let tokens: Vec<i32> = (0..outs[0].sample_ids.len())
                     .map(|_| i32::try_from(rng.below(1000)).unwrap())
                     .collect();
-                for s in &mut ranks {
-                    let finished = s.update(&tokens, None).unwrap().to_vec();
-                    for id in finished {
-                        s.take_output(id).unwrap();
-                    }
-                }
+                update_every_rank(&mut ranks, &tokens);
             }
             assert!(pressured > 0, "cp {cp} seed {seed}: no preemption");
         }
@@ -437,12 +442,7 @@ fn decode_rows_equal_the_separate_calls_under_pressure_plain_and_one_step_ahead(
                         let tokens: Vec<i32> = (0..closing.sample_ids.len())
                             .map(|_| i32::try_from(rng.below(1000)).unwrap())
                             .collect();
-                        for s in &mut ranks {
-                            let finished = s.update(&tokens, None).unwrap().to_vec();
-                            for id in finished {
-                                s.take_output(id).unwrap();
-                            }
-                        }
+                        update_every_rank(&mut ranks, &tokens);
                     }
                 }
             }
@@ -506,12 +506,7 @@ fn steps_whose_hints_miss_are_written_through_lookups_alike() {
                     }
                 }
                 let tokens = vec![7; outs[0].sample_ids.len()];
-                for s in &mut ranks {
-                    let finished = s.update(&tokens, None).unwrap().to_vec();
-                    for id in finished {
-                        s.take_output(id).unwrap();
-                    }
-                }
+                update_every_rank(&mut ranks, &tokens);
             }
             assert!(reversed_steps > 0, "cp {cp} tpb {tpb}: no step reversed");
         }
