@@ -1,6 +1,9 @@
 //! A request as the scheduler tracks it. The ledger owns the placement counters; this
 //! holds the tokens, progress and bookkeeping that decide what to schedule.
 
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+
 use super::metrics::RequestMetrics;
 use super::RequestIndex;
 use crate::RequestId;
@@ -290,8 +293,98 @@ impl Request {
 /// Tokens per request row, and per chunk, of the [`TokenLog`].
 pub(super) const LOG_ROW: usize = 32;
 
-/// Chunks per page of the [`TokenLog`]'s chunk store (128 KiB pages).
-const CHUNKS_PER_PAGE: usize = 1024;
+/// Chunks per page of the [`TokenLog`]'s chunk store (2 MiB pages, see [`LogPage`]).
+const CHUNKS_PER_PAGE: usize = 16384;
+
+/// Tokens per page of the [`TokenLog`]'s chunk store.
+const PAGE_TOKENS: usize = CHUNKS_PER_PAGE * LOG_ROW;
+
+// A page is one transparent huge page (x86-64 and most arm64 kernels).
+const _: () = assert!(PAGE_TOKENS * std::mem::size_of::<i32>() == 2 << 20);
+
+/// A page of the [`TokenLog`]'s chunk store: [`PAGE_TOKENS`] tokens, zero when made.
+///
+/// It is an anonymous mapping of its own, advised for transparent huge pages on Linux
+/// (best effort: the advice fails harmlessly where THP is off or unknown). Nothing is
+/// touched when it is made: memory is faulted in as chunks are sealed into it, one fault
+/// per 2 MiB where the kernel backs it with a huge page instead of one per 4 KiB. Where
+/// the mapping fails it is a zeroed heap slice of the same size instead, so the log never
+/// fails or panics because of it; either form reads and writes as `[i32]`.
+enum LogPage {
+    /// An anonymous mapping (page-aligned, so its bytes view as `i32`s).
+    Mapped(memmap2::MmapMut),
+    /// The fallback: a zeroed heap slice.
+    Heap(Box<[i32]>),
+}
+
+impl LogPage {
+    /// A zeroed page: mapped if the system gives a mapping, else on the heap.
+    fn zeroed() -> Self {
+        Self::mapped().unwrap_or_else(Self::heap)
+    }
+
+    /// A fresh anonymous mapping, or `None` if the system refuses one.
+    fn mapped() -> Option<Self> {
+        let map = memmap2::MmapMut::map_anon(PAGE_TOKENS * std::mem::size_of::<i32>()).ok()?;
+        #[cfg(target_os = "linux")]
+        {
+            // Best effort: without THP (or with it set to `never`) the page is still
+            // correct, just faulted in 4 KiB at a time.
+            let _ = map.advise(memmap2::Advice::HugePage);
+        }
+        // A mapping is page-aligned, so this holds; checked once here so that the
+        // views below never fail.
+        bytemuck::try_cast_slice::<u8, i32>(&map).ok()?;
+        Some(Self::Mapped(map))
+    }
+
+    /// A zeroed heap page.
+    fn heap() -> Self {
+        Self::Heap(vec![0; PAGE_TOKENS].into_boxed_slice())
+    }
+}
+
+impl Deref for LogPage {
+    type Target = [i32];
+
+    fn deref(&self) -> &[i32] {
+        match self {
+            Self::Mapped(map) => bytemuck::cast_slice(map),
+            Self::Heap(tokens) => tokens,
+        }
+    }
+}
+
+impl DerefMut for LogPage {
+    fn deref_mut(&mut self) -> &mut [i32] {
+        match self {
+            Self::Mapped(map) => bytemuck::cast_slice_mut(map),
+            Self::Heap(tokens) => tokens,
+        }
+    }
+}
+
+/// A deep copy: a cloned scheduler owns its own log.
+impl Clone for LogPage {
+    fn clone(&self) -> Self {
+        let mut page = match self {
+            Self::Mapped(_) => Self::zeroed(),
+            Self::Heap(_) => Self::heap(),
+        };
+        page.copy_from_slice(self);
+        page
+    }
+}
+
+/// Its form only (not 2 MiB of tokens).
+impl fmt::Debug for LogPage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Mapped(_) => "LogPage::Mapped",
+            Self::Heap(_) => "LogPage::Heap",
+        })
+    }
+}
 
 /// Marks "no chunk" in [`Request::last_chunk`] and the chunk links.
 pub(super) const NO_CHUNK: u32 = u32::MAX;
@@ -304,7 +397,10 @@ pub(super) const NO_CHUNK: u32 = u32::MAX;
 ///   requests, so the store stays in cache);
 /// - a full row becomes a chunk: copied to the end of the chunk store (sequential writes,
 ///   step-major: the rows that fill in one step land one after another), or into a chunk
-///   freed earlier, linked to the request's previous chunk;
+///   freed earlier, linked to the request's previous chunk. The store is made of 2 MiB
+///   pages (anonymous mappings advised for transparent huge pages, see [`LogPage`]):
+///   memory is touched only as the store grows into it, and while it grows that costs
+///   one page fault per 2 MiB (with THP) instead of one per 4 KiB;
 /// - whoever reads a request's tokens (its output when it retires, a recompute-pause that
 ///   folds them into the prompt, the state digest, `tokens()`) walks its chunks, then its
 ///   row; retiring and folding free its chunks for reuse.
@@ -317,14 +413,18 @@ pub(super) const NO_CHUNK: u32 = u32::MAX;
 pub(super) struct TokenLog {
     /// `LOG_ROW` tokens per request index.
     rows: Vec<i32>,
-    /// `LOG_ROW` tokens per chunk, [`CHUNKS_PER_PAGE`] chunks per page: the store grows
-    /// a page at a time and never moves what it holds (no copy of every live token when
-    /// it grows, which a single vector's doubling would be).
-    pages: Vec<Box<[i32]>>,
+    /// `LOG_ROW` tokens per chunk, [`CHUNKS_PER_PAGE`] chunks per 2 MiB page: the store
+    /// grows a page at a time and never moves what it holds (no copy of every live token
+    /// when it grows, which a single vector's doubling would be). A page is touched only
+    /// as chunks are sealed into it (see [`LogPage`]).
+    pages: Vec<LogPage>,
     /// Per chunk: the previous chunk of the same request, or [`NO_CHUNK`].
     links: Vec<u32>,
     /// Chunks freed by retired or folded requests, reused last-freed first.
     free: Vec<u32>,
+    /// Tests only: new pages take the heap fallback.
+    #[cfg(test)]
+    heap_pages: bool,
 }
 
 impl TokenLog {
@@ -359,8 +459,7 @@ impl TokenLog {
             chunk
         } else {
             if self.links.len() % CHUNKS_PER_PAGE == 0 {
-                self.pages
-                    .push(vec![0; CHUNKS_PER_PAGE * LOG_ROW].into_boxed_slice());
+                self.pages.push(self.new_page());
             }
             self.links.push(request.last_chunk);
             #[expect(
@@ -375,6 +474,19 @@ impl TokenLog {
         request.last_chunk = chunk;
         request.chunks += 1;
         request.logged = 0;
+    }
+
+    /// A zeroed page for the chunk store.
+    #[cfg_attr(
+        not(test),
+        expect(clippy::unused_self, reason = "only the tests' heap switch reads it")
+    )]
+    fn new_page(&self) -> LogPage {
+        #[cfg(test)]
+        if self.heap_pages {
+            return LogPage::heap();
+        }
+        LogPage::zeroed()
     }
 
     /// The page of a chunk and where in it the chunk starts.
@@ -438,7 +550,7 @@ const _: () = assert!(std::mem::size_of::<Request>() == 64);
 
 #[cfg(test)]
 mod tests {
-    use super::{Request, RequestIndex, TokenLog, CHUNKS_PER_PAGE, LOG_ROW};
+    use super::{LogPage, Request, RequestIndex, TokenLog, CHUNKS_PER_PAGE, LOG_ROW, PAGE_TOKENS};
 
     fn index(req: usize) -> RequestIndex {
         RequestIndex::try_from(req).unwrap()
@@ -488,26 +600,116 @@ mod tests {
         assert_eq!(log.pages.len(), log.links.len().div_ceil(CHUNKS_PER_PAGE));
     }
 
-    /// More chunks than a page holds: reads cross pages in order.
-    #[test]
-    fn reads_cross_pages_of_the_chunk_store_in_order() {
-        let mut log = TokenLog::default();
-        log.reserve_rows(3);
-        let mut requests: Vec<Request> = (0..3)
-            .map(|id| Request::new(id, &[1], 1_000_000, 0, 0))
+    /// Tokens pushed round-robin to `requests` requests until the chunk store holds more
+    /// than `pages` pages: every request's read equals a per-request vector.
+    fn fill_across_pages(log: &mut TokenLog, requests: usize, pages: usize) {
+        log.reserve_rows(requests);
+        let mut reqs: Vec<Request> = (0..requests as u64)
+            .map(|id| Request::new(id, &[1], u32::MAX, 0, 0))
             .collect();
-        let mut oracle = vec![Vec::new(); 3];
-        for token in 0..40_000 {
-            for (req, request) in requests.iter_mut().enumerate() {
-                log.push(index(req), request, token * 3 + index(req).cast_signed());
-                oracle[req].push(token * 3 + index(req).cast_signed());
+        let mut oracle = vec![Vec::new(); requests];
+        let mut token = 0;
+        while log.pages.len() <= pages {
+            for (req, request) in reqs.iter_mut().enumerate() {
+                log.push(index(req), request, token);
+                oracle[req].push(token);
+                token += 1;
             }
         }
-        assert!(log.pages.len() > 3, "{} pages", log.pages.len());
-        for (req, request) in requests.iter_mut().enumerate() {
+        for (req, request) in reqs.iter_mut().enumerate() {
             let mut out = vec![1];
             log.drain_into(index(req), request, &mut out);
             assert_eq!(out[1..], oracle[req]);
+        }
+    }
+
+    /// More chunks than a page holds: reads cross pages in order. The pages are
+    /// mappings where the system gives them (always, on Linux).
+    #[test]
+    fn reads_cross_pages_of_the_chunk_store_in_order() {
+        let mut log = TokenLog::default();
+        fill_across_pages(&mut log, 3, 3);
+        assert!(log.pages.len() > 3, "{} pages", log.pages.len());
+        if cfg!(target_os = "linux") {
+            assert!(log
+                .pages
+                .iter()
+                .all(|page| matches!(page, LogPage::Mapped(_))));
+        }
+    }
+
+    /// The heap fallback (what a page is where no mapping is given) reads and writes
+    /// the same, across pages.
+    #[test]
+    fn heap_pages_read_and_write_like_mapped_ones() {
+        let page = LogPage::heap();
+        assert_eq!(page.len(), PAGE_TOKENS);
+        assert!(page.iter().all(|&token| token == 0));
+        let mut log = TokenLog {
+            heap_pages: true,
+            ..TokenLog::default()
+        };
+        fill_across_pages(&mut log, 2, 2);
+        assert!(log.pages.len() > 2, "{} pages", log.pages.len());
+        assert!(log
+            .pages
+            .iter()
+            .all(|page| matches!(page, LogPage::Heap(_))));
+    }
+
+    /// A cloned log (a cloned scheduler's) owns its pages: chunks written into one after
+    /// the clone, fresh or reused, never show in the other. Both page forms.
+    #[test]
+    fn a_cloned_log_is_independent_of_the_original() {
+        for heap_pages in [false, true] {
+            let mut log = TokenLog {
+                heap_pages,
+                ..TokenLog::default()
+            };
+            log.reserve_rows(2);
+            let mut requests: Vec<Request> = (0..2)
+                .map(|id| Request::new(id, &[1], u32::MAX, 0, 0))
+                .collect();
+            let mut oracle = vec![Vec::new(); 2];
+            for token in 0..100 {
+                for (req, request) in requests.iter_mut().enumerate() {
+                    log.push(index(req), request, token);
+                    oracle[req].push(token);
+                }
+            }
+            let mut twin = log.clone();
+            let mut twin_requests = requests.clone();
+            let mut twin_oracle = oracle.clone();
+            assert_eq!(format!("{:?}", twin.pages), format!("{:?}", log.pages));
+            assert!(format!("{:?}", log.pages[0]).len() < 20);
+
+            // The original goes on: new chunks at the end of its store.
+            for token in 1000..1100 {
+                for (req, request) in requests.iter_mut().enumerate() {
+                    log.push(index(req), request, token);
+                    oracle[req].push(token);
+                }
+            }
+            // The twin frees request 0's chunks and refills them, then the same fresh
+            // chunk numbers as the original, with other tokens.
+            let mut out = Vec::new();
+            twin.drain_into(index(0), &mut twin_requests[0], &mut out);
+            assert_eq!(out, std::mem::take(&mut twin_oracle[0]));
+            for token in -300..0 {
+                twin.push(index(1), &mut twin_requests[1], token);
+                twin_oracle[1].push(token);
+            }
+
+            for (log, requests, oracle) in [
+                (&log, &requests, &oracle),
+                (&twin, &twin_requests, &twin_oracle),
+            ] {
+                for (req, request) in requests.iter().enumerate() {
+                    let mut read = Vec::new();
+                    log.append_to(index(req), request, &mut read);
+                    assert_eq!(read, oracle[req], "heap pages {heap_pages}, request {req}");
+                }
+            }
         }
     }
 }
