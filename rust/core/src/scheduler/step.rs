@@ -117,15 +117,7 @@ impl Scheduler {
     /// sampling, given as that token's row, unless it is known to finish there
     /// (`max_new_tokens`) or its abort is pending.
     fn generation_phase_ahead(&mut self, step: u64) -> Result<()> {
-        let mut queue_pos = 0;
-        loop {
-            queue_pos = self.decode_run::<AheadRun>(step, queue_pos);
-            let Some(&req) = self.queue.get(queue_pos) else {
-                return Ok(());
-            };
-            self.generation_ahead_one(step, queue_pos, req)?;
-            queue_pos += 1;
-        }
+        self.decode_run::<AheadRun>(step)
     }
 
     /// The step planned ahead's generation work for the request at `queue_pos` (the
@@ -237,59 +229,56 @@ impl Scheduler {
     }
 
     fn generation_phase(&mut self, step: u64) -> Result<()> {
-        let mut queue_pos = 0;
-        loop {
-            queue_pos = self.decode_run::<PlainRun>(step, queue_pos);
-            let Some(&req) = self.queue.get(queue_pos) else {
-                return Ok(());
-            };
-            let request = &self.requests[req as usize];
-            match request.state {
-                RequestState::Decoding => {
-                    self.schedule_decode::<false>(step, queue_pos, req, -1)?;
-                }
-                RequestState::Suspended if request.cold.victim_step != step => {
-                    self.try_resume(step, queue_pos, req)?;
-                }
-                _ => {}
+        self.decode_run::<PlainRun>(step)
+    }
+
+    /// The general path of a plain step's generation phase, for the request `req` at
+    /// `queue_pos` that the decode run stopped at.
+    fn generation_one(&mut self, step: u64, queue_pos: usize, req: RequestIndex) -> Result<()> {
+        let request = &self.requests[req as usize];
+        match request.state {
+            RequestState::Decoding => self.schedule_decode::<false>(step, queue_pos, req, -1),
+            RequestState::Suspended if request.cold.victim_step != step => {
+                self.try_resume(step, queue_pos, req)
             }
-            queue_pos += 1;
+            _ => Ok(()),
         }
     }
 
-    /// The generation phase's common case, from queue position `from` on, in mode `M`
-    /// ([`PlainRun`] for a plain step, [`AheadRun`] for a step planned ahead): requests
+    /// The generation phase in mode `M` ([`PlainRun`] for a plain step, [`AheadRun`] for a
+    /// step planned ahead), over the whole queue. Its common case runs inline: requests
     /// that decode with the batch slot they hold, within the token budget, on a token that
     /// fits the superblocks they hold, and those with nothing to do in this phase (which
-    /// `M` tells apart, with those that need the general path). Each decode is exactly what
-    /// [`Self::schedule_decode`] would make of it. Stops at the first request that needs
-    /// more (a slot, a superblock, a resume, a preemption, the budget's end) and returns
-    /// its position, untouched, for the general path; the queue's length when none is left.
+    /// `M` tells apart from those that need the general path). Each such decode is exactly
+    /// what [`Self::schedule_decode`] would make of it. A request that needs more (a slot,
+    /// a superblock, a resume, a preemption, the budget's end) goes to the mode's general
+    /// path ([`DecodeRunMode::general`]), and the run goes on behind it.
     ///
     /// Entries are gathered a chunk at a time in local arrays (which nothing else can
     /// alias, so the loop keeps its state in registers) and appended to the output in
-    /// bulk. Kept out of line: its chunk arrays would weigh on every caller's frame. Each
-    /// mode is compiled apart (monomorphised), with its own filter and columns inlined.
+    /// bulk. The arrays live for the whole phase: a request for the general path (one per
+    /// superblock a request fills) flushes the chunk and the run resumes with the same
+    /// arrays, instead of setting up (and zeroing) new ones. Kept out of line: its chunk
+    /// arrays would weigh on every caller's frame. Each mode is compiled apart
+    /// (monomorphised), with its own filter and columns inlined.
     #[inline(never)]
-    fn decode_run<M: DecodeRunMode>(&mut self, step: u64, from: usize) -> usize {
+    fn decode_run<M: DecodeRunMode>(&mut self, step: u64) -> Result<()> {
         let mut ids = [0; CHUNK];
         let mut positions = [0; CHUNK];
         let mut slots = [0; CHUNK];
         let mut reqs = [0; CHUNK];
         let mode = M::new(self);
         let mut columns = M::columns();
-        let budget = u64::from(self.config.max_num_tokens).saturating_sub(self.step_tokens);
-        let mut queue_pos = from;
-        let mut scheduled = 0u64;
+        let mut queue_pos = 0;
         loop {
+            // The general path may have scheduled tokens: the budget is read afresh.
+            let budget = u64::from(self.config.max_num_tokens).saturating_sub(self.step_tokens);
             let (count, end) = {
                 let queue = &self.queue[..];
                 let requests = &mut self.requests[..];
                 let mut lane = self.ledger.decode_lane();
                 let marks = &self.ahead_marks[..];
-                let room = usize::try_from(budget - scheduled)
-                    .unwrap_or(usize::MAX)
-                    .min(CHUNK);
+                let room = usize::try_from(budget).unwrap_or(usize::MAX).min(CHUNK);
                 let mut count = 0;
                 let mut pos = queue_pos;
                 while count < room {
@@ -330,16 +319,19 @@ impl Scheduler {
                 &reqs[..count],
             );
             M::flush(&columns, &mut self.building, count);
-            scheduled += count as u64;
+            self.step_tokens += count as u64;
             queue_pos = end;
-            // Only a full chunk may go on: a shorter one stopped at the queue's end, the
-            // budget's end or a request for the general path.
-            if count < CHUNK {
-                break;
+            // A full chunk goes on; a shorter one stopped at the queue's end, or at a
+            // request for the general path (one that needs more, or the budget's end).
+            if count == CHUNK {
+                continue;
             }
+            let Some(&req) = self.queue.get(queue_pos) else {
+                return Ok(());
+            };
+            M::general(self, step, queue_pos, req)?;
+            queue_pos += 1;
         }
-        self.step_tokens += scheduled;
-        queue_pos
     }
 
     /// `input_row` is the row of the older pending step's sampled tokens that holds the
@@ -1170,6 +1162,13 @@ trait DecodeRunMode: Copy {
     );
     /// Appends the chunk's first `count` entries of the mode's columns to `out`.
     fn flush(columns: &Self::Columns, out: &mut ScheduleOutput, count: usize);
+    /// The general path for the request `req` at `queue_pos`, where the run stopped.
+    fn general(
+        scheduler: &mut Scheduler,
+        step: u64,
+        queue_pos: usize,
+        req: RequestIndex,
+    ) -> Result<()>;
 }
 
 /// A plain step's decode run: `Decoding` requests decode on their last token, `Waiting`
@@ -1248,6 +1247,15 @@ impl DecodeRunMode for PlainRun {
         columns.local[at] = placed.local_len;
     }
 
+    fn general(
+        scheduler: &mut Scheduler,
+        step: u64,
+        queue_pos: usize,
+        req: RequestIndex,
+    ) -> Result<()> {
+        scheduler.generation_one(step, queue_pos, req)
+    }
+
     #[inline]
     fn flush(columns: &PlainColumns, out: &mut ScheduleOutput, count: usize) {
         out.generation_input_tokens
@@ -1320,6 +1328,15 @@ impl DecodeRunMode for AheadRun {
     #[inline]
     fn record(self, rows: &mut [i32; CHUNK], at: usize, _: &Request, _: u64, row: i32) {
         rows[at] = row;
+    }
+
+    fn general(
+        scheduler: &mut Scheduler,
+        step: u64,
+        queue_pos: usize,
+        req: RequestIndex,
+    ) -> Result<()> {
+        scheduler.generation_ahead_one(step, queue_pos, req)
     }
 
     #[inline]
