@@ -311,8 +311,10 @@ impl ScheduleOutput {
             pack,
         );
         // Without a step planned ahead every row is -1: one word says so (the count is the
-        // generation entries', hashed above). Otherwise two rows a word.
-        if generation_input_refs.iter().all(|&row| row == -1) {
+        // generation entries', hashed above). Otherwise two rows a word. The test is a fold
+        // without an early exit (`!row` is 0 only for -1), which the compiler vectorises: a
+        // scalar `all` was a fifth of the digest's time at N=1024.
+        if generation_input_refs.iter().fold(0, |acc, &row| acc | !row) == 0 {
             h.word(0);
         } else {
             let rows = generation_input_refs
@@ -689,5 +691,35 @@ mod tests {
             .map(|(a, _)| a.0)
             .collect();
         assert_eq!(changed, ["preempted"]);
+    }
+
+    /// The all-unknown test on the input refs (one word when every ref is -1) is told
+    /// apart from any ref that is not -1, wherever it lies and whatever its value.
+    #[test]
+    fn any_input_ref_other_than_minus_one_changes_the_digest() {
+        let entries = 37;
+        let mut out = ScheduleOutput {
+            generation_ids: (0..entries).collect(),
+            generation_positions: (0..entries).map(|i| 100 + i).collect(),
+            generation_owner_ranks: vec![0; 37],
+            generation_input_tokens: vec![7; 37],
+            generation_input_refs: vec![-1; 37],
+            generation_batch_slots: (0..37).collect(),
+            sample_ids: (0..entries).collect(),
+            num_tokens: entries,
+            ..ScheduleOutput::default()
+        };
+        let all_known = out.compute_digest(5);
+        let mut seen = vec![all_known];
+        for at in [0, 1, 17, 35, 36] {
+            for row in [0, 1, 36, i32::MAX, -2, i32::MIN] {
+                out.generation_input_refs[at] = row;
+                let digest = out.compute_digest(5);
+                assert!(!seen.contains(&digest), "ref {row} at {at}");
+                seen.push(digest);
+                out.generation_input_refs[at] = -1;
+            }
+        }
+        assert_eq!(out.compute_digest(5), all_known);
     }
 }
