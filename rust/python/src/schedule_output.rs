@@ -340,15 +340,16 @@ const PLACEMENT_FIELDS: [&str; 3] = ["cp_rank", "cp_size", "tokens_per_block"];
 fn placement_from_fields<'py>(
     field: impl Fn(&str) -> PyResult<Bound<'py, PyAny>>,
 ) -> PyResult<RankPlacement> {
-    let [rank, cp, tokens_per_block] = PLACEMENT_FIELDS.map(|name| {
-        let value = field(name)?;
+    let mut values = [0u32; 3];
+    for (value, name) in values.iter_mut().zip(PLACEMENT_FIELDS) {
         let what = format!("ScheduleOutput field {name}");
-        int_arg::<u32>(&value, &what, "0..=2**32-1", InvalidArgumentError::new_err)
-    });
-    let layout = Layout::new(cp?, tokens_per_block?).map_err(|error| {
+        *value = int_arg(&field(name)?, &what, "0..=2**32-1", InvalidArgumentError::new_err)?;
+    }
+    let [rank, cp, tokens_per_block] = values;
+    let layout = Layout::new(cp, tokens_per_block).map_err(|error| {
         InvalidArgumentError::new_err(format!("ScheduleOutput placement: {error}"))
     })?;
-    RankPlacement::new(layout, rank?).py()
+    RankPlacement::new(layout, rank).py()
 }
 
 /// The per-rank arrays of an output, each computed on first read (from the positions and
