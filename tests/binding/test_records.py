@@ -230,8 +230,9 @@ def test_a_pickle_with_a_bad_placement_or_wrong_per_rank_arrays_is_refused() -> 
     fields = ours.__reduce__()[1][0]
     per_rank = {name: getattr(ours, name) for name in cls.PER_RANK_FIELDS}
     assert rebuild({**fields, **per_rank}) == ours
+    computed = "is not what cp_rank, cp_size and tokens_per_block give for generation_positions"
     for name in cls.PER_RANK_FIELDS:
-        with pytest.raises(helix_kv.InvalidArgumentError, match=f"{name} is not what cp_rank"):
+        with pytest.raises(helix_kv.InvalidArgumentError, match=f"{name} {computed}"):
             rebuild({**fields, name: getattr(theirs, name)})
         with pytest.raises(helix_kv.InvalidArgumentError, match=name):
             rebuild({**fields, name: getattr(ours, name)[:-1]})

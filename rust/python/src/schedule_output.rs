@@ -343,7 +343,12 @@ fn placement_from_fields<'py>(
     let mut values = [0u32; 3];
     for (value, name) in values.iter_mut().zip(PLACEMENT_FIELDS) {
         let what = format!("ScheduleOutput field {name}");
-        *value = int_arg(&field(name)?, &what, "0..=2**32-1", InvalidArgumentError::new_err)?;
+        *value = int_arg(
+            &field(name)?,
+            &what,
+            "0..=2**32-1",
+            InvalidArgumentError::new_err,
+        )?;
     }
     let [rank, cp, tokens_per_block] = values;
     let layout = Layout::new(cp, tokens_per_block).map_err(|error| {
@@ -409,7 +414,8 @@ impl PyScheduleOutput {
             let given = LazyArray::<T, N>::from_object(&given, name)?.take_vector();
             if given.into_iter().ne(computed) {
                 return Err(InvalidArgumentError::new_err(format!(
-                    "ScheduleOutput field {name} is not what cp_rank, cp_size and tokens_per_block                      give for generation_positions (it is computed from them: leave it out)"
+                    "ScheduleOutput field {name} is not what cp_rank, cp_size and tokens_per_block \
+                     give for generation_positions (it is computed from them: leave it out)"
                 )));
             }
             Ok(())
