@@ -312,12 +312,21 @@ class SchedulerConfig:
 @final
 class ScheduleOutput:
     """One step's schedule; every field is rank-invariant except ``generation_active``,
-    ``generation_local_lens`` and ``generation_past_seen_lens``."""
+    ``generation_local_lens`` and ``generation_past_seen_lens`` (``PER_RANK_FIELDS``): this
+    rank's share, computed from ``generation_positions`` and the placement
+    (``PLACEMENT_FIELDS``) on first read, then cached."""
 
     FIELDS: ClassVar[tuple[str, ...]]
     RANK_INVARIANT_FIELDS: ClassVar[tuple[str, ...]]
     PER_RANK_FIELDS: ClassVar[tuple[str, ...]]
+    PLACEMENT_FIELDS: ClassVar[tuple[str, ...]]
     SUMMARY_ENTRIES: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]]
+    @property
+    def cp_rank(self) -> int: ...
+    @property
+    def cp_size(self) -> int: ...
+    @property
+    def tokens_per_block(self) -> int: ...
     @property
     def step(self) -> int: ...
     @property

@@ -593,18 +593,27 @@ def test_another_ranks_output_gives_this_ranks_rows() -> None:
     fields differ) writes rank 0's rows and packed metadata, as rank 0's own output does:
     the writers compute each entry's owner, local and past-seen lengths from its position
     for their own rank (cp=2, tpb=4, position 9: rank 0 holds 6 / 5 tokens, rank 1 4 / 4).
-    A forged output whose per-rank arrays are rank 1's but whose step and digest are rank
-    0's writes the same."""
+    A forged output whose placement (so its per-rank arrays) is rank 1's but whose step and
+    digest are rank 0's writes the same. Rank 1's per-rank arrays given with rank 0's
+    placement are refused: they are computed from the placement."""
     rank0, rank1 = decoding(2, 0, 0), decoding(2, 1, 0)
     out0, out1 = rank0.schedule(), rank1.schedule()
     assert out0.digest == out1.digest
     assert out0.generation_local_lens.tolist() != out1.generation_local_lens.tolist()
-    forged = helix_kv.ScheduleOutput._from_fields(
-        {
-            **{name: getattr(out0, name) for name in helix_kv.ScheduleOutput.FIELDS},
-            **{name: getattr(out1, name) for name in helix_kv.ScheduleOutput.PER_RANK_FIELDS},
-        }
+    cls = helix_kv.ScheduleOutput
+    stored = {name: getattr(out0, name) for name in cls.RANK_INVARIANT_FIELDS}
+    forged = cls._from_fields(
+        {**stored, **{name: getattr(out1, name) for name in cls.PLACEMENT_FIELDS}}
     )
+    assert forged == out1
+    with pytest.raises(helix_kv.InvalidArgumentError, match="computed from them"):
+        cls._from_fields(
+            {
+                **stored,
+                **{name: getattr(out0, name) for name in cls.PLACEMENT_FIELDS},
+                **{name: getattr(out1, name) for name in cls.PER_RANK_FIELDS},
+            }
+        )
     rows0 = np.full((3, FIXED + 4), SENTINEL, dtype=np.int32)
     rank0.write_decode_rows(out0, rows0)
     local, past = (helix_kv.DECODE_ROW_COLUMNS.index(c) for c in ("local_len", "past_seen_len"))
@@ -752,7 +761,7 @@ def test_forged_outputs_raise_typed_errors_and_change_nothing(
     never another exception (a panic)."""
     s = decoding(2, data.draw(st.integers(0, 1)), 0) if decode else prefilling(0)
     out = s.schedule()
-    fields = {name: getattr(out, name) for name in helix_kv.ScheduleOutput.FIELDS}
+    fields = out.__reduce__()[1][0]  # the stored fields and the placement
     arrays = [n for n, v in fields.items() if isinstance(v, np.ndarray) and v.size]
     for _ in range(data.draw(st.integers(1, 3))):
         name = data.draw(st.sampled_from(arrays))
@@ -982,9 +991,11 @@ def test_schedule_output_round_trips_and_stays_read_only() -> None:
     theirs = other_rank.schedule()
     assert theirs.digest == out.digest
     assert theirs.differing_fields(out) == []
-    assert theirs != out  # generation_local_lens / past_seen_lens differ by rank
+    assert theirs != out  # another rank: its placement (so its per-rank fields) differs
     tokens = out.context_token_ids.copy()
-    fields = {name: getattr(out, name) for name in helix_kv.ScheduleOutput.FIELDS}
+    # every field, the per-rank ones too (checked against the placement), and the placement
+    cls = helix_kv.ScheduleOutput
+    fields = {name: getattr(out, name) for name in cls.FIELDS + cls.PLACEMENT_FIELDS}
     rebuilt = helix_kv.ScheduleOutput._from_fields({**fields, "context_token_ids": tokens})
     tokens[0] += 1
     assert rebuilt.context_token_ids[0] == out.context_token_ids[0]

@@ -85,9 +85,13 @@ def test_schedule_output_field_lists_cover_every_getter() -> None:
         "generation_local_lens",
         "generation_past_seen_lens",
     )
+    # the stored fields, then the per-rank ones computed from the positions and the placement
+    assert cls.FIELDS[-3:] == cls.PER_RANK_FIELDS
+    assert cls.PLACEMENT_FIELDS == ("cp_rank", "cp_size", "tokens_per_block")
+    assert not set(cls.PLACEMENT_FIELDS) & set(cls.FIELDS)
     assert {"step", "num_tokens", "digest", "sample_ids"} <= set(cls.RANK_INVARIANT_FIELDS)
     getters = {name for name, value in vars(cls).items() if hasattr(value, "__get__")}
-    assert set(cls.FIELDS) <= getters
+    assert set(cls.FIELDS) | set(cls.PLACEMENT_FIELDS) <= getters
     shown = {field for _, fields in cls.SUMMARY_ENTRIES for field in fields}
     assert shown <= set(cls.RANK_INVARIANT_FIELDS)
 
@@ -162,6 +166,99 @@ def test_an_inconsistent_pickle_is_refused() -> None:
     negative_rank = np.full(len(gen_fields["generation_owner_ranks"]), -2, dtype=np.int32)
     with pytest.raises(helix_kv.InvalidArgumentError, match="generation_owner_ranks"):
         rebuild({**gen_fields, "generation_owner_ranks": negative_rank})
+
+
+def two_ranks_decoding() -> list[helix_kv.ScheduleOutput]:
+    """Both ranks' outputs of one step with three decodes (cp=2, tpb=4)."""
+    outputs = []
+    for rank in range(2):
+        s = scheduler(rank=rank)
+        for rid, length in enumerate((3, 6, 9)):
+            s.add_request(rid, np.arange(length, dtype=np.int32), 4)
+        s.update(np.full(s.schedule().num_samples, 4, dtype=np.int32))
+        outputs.append(s.schedule())
+    return outputs
+
+
+def test_per_rank_fields_are_computed_from_the_positions_and_the_placement() -> None:
+    """Each rank's per-rank arrays are the layout's, computed on first read and cached
+    (read-only like every array); the placement is the rank's."""
+    outputs = two_ranks_decoding()
+    layout = helix_kv.Layout(2, 4)
+    positions = outputs[0].generation_positions
+    assert positions.tolist() == [3, 6, 9]
+    for rank, out in enumerate(outputs):
+        assert (out.cp_rank, out.cp_size, out.tokens_per_block) == (rank, 2, 4)
+        active = out.generation_active
+        assert active is out.generation_active  # cached
+        assert active.dtype == np.bool_
+        assert not active.flags.writeable
+        np.testing.assert_array_equal(active, layout.owner_ranks(positions) == rank)
+        local, past = out.generation_local_lens, out.generation_past_seen_lens
+        assert local.dtype == past.dtype == np.int64
+        np.testing.assert_array_equal(local, layout.local_lens(positions + 1, rank))
+        np.testing.assert_array_equal(past, layout.local_lens(positions, rank))
+
+
+def test_two_ranks_outputs_differ_and_each_pickles_to_itself() -> None:
+    """Two ranks' outputs of the same step: equal rank-invariant fields and digests, unequal
+    outputs (their placements differ); each pickled copy equals its own original, with the
+    same per-rank arrays. The pickle carries the placement, not the per-rank arrays."""
+    cls = helix_kv.ScheduleOutput
+    outputs = two_ranks_decoding()
+    assert outputs[0].digest == outputs[1].digest
+    assert outputs[0].differing_fields(outputs[1]) == []
+    assert outputs[0] != outputs[1]
+    for rank, out in enumerate(outputs):
+        fields = out.__reduce__()[1][0]
+        assert set(fields) == set(cls.RANK_INVARIANT_FIELDS) | set(cls.PLACEMENT_FIELDS)
+        assert (fields["cp_rank"], fields["cp_size"], fields["tokens_per_block"]) == (rank, 2, 4)
+        again = pickle.loads(pickle.dumps(out))
+        assert again == out
+        assert hash(again) == hash(out)
+        assert again != outputs[1 - rank]
+        for name in cls.PER_RANK_FIELDS:
+            np.testing.assert_array_equal(getattr(again, name), getattr(out, name))
+
+
+def test_a_pickle_with_a_bad_placement_or_wrong_per_rank_arrays_is_refused() -> None:
+    """``_from_fields`` needs the placement (a rank of a valid layout) and computes the
+    per-rank arrays; any given must be what it computes (old pickles carried them)."""
+    cls = helix_kv.ScheduleOutput
+    rebuild = cls._from_fields
+    ours, theirs = two_ranks_decoding()
+    fields = ours.__reduce__()[1][0]
+    per_rank = {name: getattr(ours, name) for name in cls.PER_RANK_FIELDS}
+    assert rebuild({**fields, **per_rank}) == ours
+    computed = "is not what cp_rank, cp_size and tokens_per_block give for generation_positions"
+    for name in cls.PER_RANK_FIELDS:
+        with pytest.raises(helix_kv.InvalidArgumentError, match=f"{name} {computed}"):
+            rebuild({**fields, name: getattr(theirs, name)})
+        with pytest.raises(helix_kv.InvalidArgumentError, match=name):
+            rebuild({**fields, name: getattr(ours, name)[:-1]})
+    with pytest.raises(helix_kv.InvalidTypeError):
+        rebuild({**fields, "generation_local_lens": ours.generation_local_lens.astype(np.int32)})
+    with pytest.raises(helix_kv.InvalidLengthError, match="generation_past_seen_lens"):
+        rebuild({**fields, "generation_past_seen_lens": np.full(3, -1, dtype=np.int64)})
+    # an old pickle: the per-rank arrays and no placement
+    old = {k: v for k, v in fields.items() if k not in cls.PLACEMENT_FIELDS}
+    with pytest.raises(helix_kv.InvalidArgumentError, match="cp_rank is missing"):
+        rebuild({**old, **per_rank})
+    for changed, error, match in [
+        ({"cp_rank": 2}, helix_kv.InvalidArgumentError, "rank 2 is outside"),
+        ({"cp_rank": -1}, helix_kv.InvalidArgumentError, "cp_rank"),
+        ({"cp_size": 0}, helix_kv.InvalidArgumentError, "cp_size must be at least 1"),
+        ({"tokens_per_block": 0}, helix_kv.InvalidArgumentError, "tokens_per_block"),
+        ({"cp_size": 2**12, "tokens_per_block": 2**13}, helix_kv.InvalidArgumentError, "exceeds"),
+        ({"tokens_per_block": 2**32}, helix_kv.InvalidArgumentError, "tokens_per_block"),
+        ({"cp_rank": 1.0}, helix_kv.InvalidTypeError, "cp_rank"),
+        ({"cp_size": True}, helix_kv.InvalidTypeError, "cp_size"),
+        ({"tokens_per_block": None}, helix_kv.InvalidTypeError, "tokens_per_block"),
+    ]:
+        with pytest.raises(error, match=match):
+            rebuild({**fields, **changed})
+    # another rank's placement is a valid output: that rank's
+    assert rebuild({**fields, "cp_rank": 1}) == theirs
 
 
 def test_config_capacity_and_layout_are_the_cores() -> None:

@@ -262,7 +262,7 @@ def test_forged_output_is_refused() -> None:
     s, out = pending()
     layout = s.step_metadata_layout()
     buffer = np.full(layout.total_words, SENTINEL, dtype=np.int32)
-    fields = {name: getattr(out, name) for name in helix_kv.ScheduleOutput.FIELDS}
+    fields = out.__reduce__()[1][0]  # the stored fields and the placement
     starts = fields["context_starts"] + 1000
     ids = fields["context_ids"].copy()
     ids[-1] = 999
@@ -444,7 +444,7 @@ def test_decode_rows_of_a_stale_or_forged_output_are_refused() -> None:
     s, out = decode_pending()
     pages = s.step_metadata_layout().table_width
     buffer = np.full((4, FIXED + pages), SENTINEL, dtype=np.int32)
-    fields = {name: getattr(out, name) for name in helix_kv.ScheduleOutput.FIELDS}
+    fields = out.__reduce__()[1][0]  # the stored fields and the placement
     ids = fields["generation_ids"].copy()
     ids[0] = 999
     refs = fields["generation_input_refs"].copy()

@@ -36,9 +36,9 @@ pub use layout::Layout;
 pub use ledger::{DecodeView, Ledger, RequestKv};
 pub use scheduler::{
     decode_row, CapacityPolicy, DecodeRowCounts, FieldScope, FieldValue, FinishReason,
-    RequestMetrics, RequestOutput, RequestState, ScheduleOutput, Scheduler, SchedulerConfig,
-    SchedulerMetrics, ServingMode, StepMetadata, StepMetadataLayout, StepMetadataSection,
-    StepSource, SuspendPolicy, VictimPolicy,
+    RankPlacement, RequestMetrics, RequestOutput, RequestState, ScheduleOutput, Scheduler,
+    SchedulerConfig, SchedulerMetrics, ServingMode, StepMetadata, StepMetadataLayout,
+    StepMetadataSection, StepSource, SuspendPolicy, VictimPolicy,
 };
 
 /// A request's id, chosen by the caller; unique among live requests.

@@ -771,9 +771,21 @@ fn the_output_can_be_moved_out_and_the_step_still_closes() {
     let expected = s.schedule().unwrap().clone();
     let taken = s.take_last_output();
     assert_eq!(taken, expected);
-    assert_eq!(s.last_output(), &ScheduleOutput::default());
+    // Empty, still for this rank: the next step's output carries the rank's placement.
+    assert_eq!(
+        s.last_output(),
+        &ScheduleOutput {
+            rank_placement: taken.rank_placement,
+            ..ScheduleOutput::default()
+        }
+    );
+    assert_ne!(
+        taken.rank_placement,
+        ScheduleOutput::default().rank_placement
+    );
     s.update(&[9], None).unwrap();
     let second = s.schedule().unwrap().clone();
+    assert_eq!(second.rank_placement, taken.rank_placement);
     assert_eq!(
         (second.generation_ids, second.generation_positions),
         (vec![3], vec![5])

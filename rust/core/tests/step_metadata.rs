@@ -108,16 +108,11 @@ fn expected_sections(
         ("query_start", to_i64(query_start)),
         (
             "local_lens",
-            to_i64(out.generation_local_lens.iter().copied().chain(ctx_local)),
+            to_i64(out.generation_local_lens().chain(ctx_local)),
         ),
         (
             "past_seen_lens",
-            to_i64(
-                out.generation_past_seen_lens
-                    .iter()
-                    .copied()
-                    .chain(ctx_past),
-            ),
+            to_i64(out.generation_past_seen_lens().chain(ctx_past)),
         ),
         (
             "batch_slots",
@@ -342,15 +337,16 @@ fn check_rows_source(
     let slots = s
         .slot_mapping(&out.generation_ids, &out.generation_positions, &ones)
         .unwrap();
+    let local: Vec<u64> = out.generation_local_lens().collect();
+    let past: Vec<u64> = out.generation_past_seen_lens().collect();
     for (i, row) in buffer.chunks_exact(width).enumerate() {
         if i < g {
             let mut want = [0i32; decode_row::BLOCK_TABLE];
             want[decode_row::TOKEN_ID] = out.generation_input_tokens[i];
             want[decode_row::POSITION] = i32::try_from(out.generation_positions[i]).unwrap();
             want[decode_row::SLOT] = i32::try_from(slots[i]).unwrap();
-            want[decode_row::LOCAL_LEN] = i32::try_from(out.generation_local_lens[i]).unwrap();
-            want[decode_row::PAST_SEEN_LEN] =
-                i32::try_from(out.generation_past_seen_lens[i]).unwrap();
+            want[decode_row::LOCAL_LEN] = i32::try_from(local[i]).unwrap();
+            want[decode_row::PAST_SEEN_LEN] = i32::try_from(past[i]).unwrap();
             want[decode_row::INPUT_REF] = out.generation_input_refs[i];
             assert_eq!(row[..decode_row::BLOCK_TABLE], want, "row {i}");
             assert_eq!(
@@ -463,8 +459,6 @@ fn reversed(out: &ScheduleOutput) -> ScheduleOutput {
     r.generation_input_tokens.reverse();
     r.generation_input_refs.reverse();
     r.generation_batch_slots.reverse();
-    r.generation_local_lens.reverse();
-    r.generation_past_seen_lens.reverse();
     r
 }
 

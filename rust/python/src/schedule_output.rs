@@ -5,16 +5,23 @@
 //!
 //! The class, its getters, the conversions both ways and its field lists are built from the
 //! core's one field list (`helix_kv_core::schedule_output_fields!`).
+//!
+//! This rank's share of the decodes (`PER_RANK_FIELDS`: `generation_active`,
+//! `generation_local_lens`, `generation_past_seen_lens`) is not stored by the core: the output
+//! carries the rank's placement (`cp_rank`, `cp_size`, `tokens_per_block`) and each of those
+//! arrays is computed from `generation_positions` the first time Python reads it, then cached
+//! (read-only like the others). A step whose per-rank arrays are never read never computes
+//! them. Pickles carry the placement, not those arrays.
 
 use std::sync::Mutex;
 
-use helix_kv_core::{FieldScope, RequestId, ScheduleOutput};
+use helix_kv_core::{FieldScope, Layout, RankPlacement, RequestId, ScheduleOutput};
 use numpy::{Element, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
-use crate::arrays::{invalid_type_of, make_read_only, u64_arg};
+use crate::arrays::{int_arg, invalid_type_of, make_read_only, u64_arg};
 use crate::errors::{IntoPyResult, InvalidArgumentError, InvalidLengthError};
 use crate::layout::rank_int32;
 
@@ -260,32 +267,51 @@ macro_rules! define_py_schedule_output {
         /// The schedule of one step (frozen; picklable). Arrays are read-only: request ids
         /// uint64; starts, lengths and positions int64; owner ranks, batch slots, token and
         /// block ids int32; flags bool. Every field is identical on every rank except those
-        /// in `PER_RANK_FIELDS`.
-        #[pyclass(frozen, get_all, module = "helix_kv._core", name = "ScheduleOutput")]
+        /// in `PER_RANK_FIELDS` (computed from the positions and this rank's placement when
+        /// first read).
+        #[pyclass(frozen, module = "helix_kv._core", name = "ScheduleOutput")]
         pub struct PyScheduleOutput {
-            $( $(#[doc = $doc])* $name: py_field_type!($kind), )*
+            $( $(#[doc = $doc])* #[pyo3(get)] $name: py_field_type!($kind), )*
+            /// This rank and its group's layout: what the per-rank arrays are computed from.
+            rank_placement: RankPlacement,
+            /// The per-rank arrays, once read.
+            per_rank: PerRankArrays,
         }
 
         impl From<ScheduleOutput> for PyScheduleOutput {
             fn from(out: ScheduleOutput) -> Self {
-                Self { $( $name: from_core_field!(out.$name, $kind), )* }
+                Self {
+                    $( $name: from_core_field!(out.$name, $kind), )*
+                    rank_placement: out.rank_placement,
+                    per_rank: PerRankArrays::default(),
+                }
             }
         }
 
         impl PyScheduleOutput {
             /// The core output again, from the arrays as they are now.
             fn to_core(&self, py: Python<'_>) -> ScheduleOutput {
-                ScheduleOutput { $( $name: to_core_field!(self.$name, py, $kind), )* }
+                ScheduleOutput {
+                    $( $name: to_core_field!(self.$name, py, $kind), )*
+                    rank_placement: self.rank_placement,
+                }
             }
 
-            /// Every field by name: numpy arrays and ints.
+            /// Every stored field by name (numpy arrays and ints), then the placement
+            /// (`PLACEMENT_FIELDS`, ints); not the per-rank arrays, computed from them.
             fn field_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
                 let dict = PyDict::new(py);
                 $( dict.set_item(stringify!($name), field_object!(self.$name, py, $kind))?; )*
+                let placement = self.rank_placement;
+                let values = [placement.cp_rank(), placement.cp_size(), placement.tokens_per_block()];
+                for (name, value) in PLACEMENT_FIELDS.into_iter().zip(values) {
+                    dict.set_item(name, value)?;
+                }
                 Ok(dict)
             }
 
-            /// An output from [`Self::field_dict`]'s form; every field must be present.
+            /// An output from [`Self::field_dict`]'s form; every stored field and the
+            /// placement must be present (the per-rank arrays are checked by the caller).
             fn from_field_dict(fields: &Bound<'_, PyDict>) -> PyResult<Self> {
                 let field = |name: &str| {
                     fields.get_item(name)?.ok_or_else(|| {
@@ -294,6 +320,8 @@ macro_rules! define_py_schedule_output {
                 };
                 Ok(Self {
                     $( $name: field_from_object!(&field(stringify!($name))?, stringify!($name), $kind), )*
+                    rank_placement: placement_from_fields(field)?,
+                    per_rank: PerRankArrays::default(),
                 })
             }
         }
@@ -301,6 +329,125 @@ macro_rules! define_py_schedule_output {
 }
 
 helix_kv_core::schedule_output_fields!(define_py_schedule_output! {});
+
+/// The keys of the placement in a pickled output (`__reduce__`, `_from_fields`), which are
+/// also the output's attributes of those names.
+const PLACEMENT_FIELDS: [&str; 3] = ["cp_rank", "cp_size", "tokens_per_block"];
+
+/// The placement from `_from_fields`'s values: each a non-negative integer (below 2**32),
+/// a valid layout, and a rank of it; anything else an `InvalidArgumentError` (or an
+/// `InvalidTypeError` for a value that is no integer).
+fn placement_from_fields<'py>(
+    field: impl Fn(&str) -> PyResult<Bound<'py, PyAny>>,
+) -> PyResult<RankPlacement> {
+    let mut values = [0u32; 3];
+    for (value, name) in values.iter_mut().zip(PLACEMENT_FIELDS) {
+        let what = format!("ScheduleOutput field {name}");
+        *value = int_arg(
+            &field(name)?,
+            &what,
+            "0..=2**32-1",
+            InvalidArgumentError::new_err,
+        )?;
+    }
+    let [rank, cp, tokens_per_block] = values;
+    let layout = Layout::new(cp, tokens_per_block).map_err(|error| {
+        InvalidArgumentError::new_err(format!("ScheduleOutput placement: {error}"))
+    })?;
+    RankPlacement::new(layout, rank).py()
+}
+
+/// The per-rank arrays of an output, each computed on first read (from the positions and
+/// the placement) and cached.
+struct PerRankArrays {
+    active: PyOnceLock<Py<PyArray1<bool>>>,
+    local_lens: PyOnceLock<Py<PyArray1<i64>>>,
+    past_seen_lens: PyOnceLock<Py<PyArray1<i64>>>,
+}
+
+impl Default for PerRankArrays {
+    fn default() -> Self {
+        Self {
+            active: PyOnceLock::new(),
+            local_lens: PyOnceLock::new(),
+            past_seen_lens: PyOnceLock::new(),
+        }
+    }
+}
+
+/// `values` as a read-only numpy array.
+fn read_only_array<N: Element>(py: Python<'_>, values: Vec<N>) -> Py<PyArray1<N>> {
+    let array = PyArray1::from_vec(py, values);
+    make_read_only(&array);
+    array.unbind()
+}
+
+impl PyScheduleOutput {
+    /// `cell`'s array, made on first use from the positions by `column` (one of the
+    /// placement's per-rank columns, its values in numpy's type).
+    fn per_rank_array<'py, N: Element>(
+        &self,
+        py: Python<'py>,
+        cell: &PyOnceLock<Py<PyArray1<N>>>,
+        column: impl FnOnce(RankPlacement, &[u64]) -> Vec<N>,
+    ) -> Bound<'py, PyArray1<N>> {
+        cell.get_or_init(py, || {
+            let positions = self.generation_positions.lend(py);
+            read_only_array(py, column(self.rank_placement, positions.as_slice()))
+        })
+        .bind(py)
+        .clone()
+    }
+
+    /// The per-rank arrays `fields` gives, if any (old pickles, callers that copy every
+    /// name of `FIELDS`): each must be a numpy array of its dtype equal to what this
+    /// output computes, or the output is refused (`InvalidArgumentError`).
+    fn check_given_per_rank(&self, fields: &Bound<'_, PyDict>) -> PyResult<()> {
+        fn check<T: Exposed<N> + PartialEq, N: Element + Copy>(
+            given: Option<Bound<'_, PyAny>>,
+            name: &str,
+            computed: impl Iterator<Item = T>,
+        ) -> PyResult<()> {
+            let Some(given) = given else {
+                return Ok(());
+            };
+            let given = LazyArray::<T, N>::from_object(&given, name)?.take_vector();
+            if given.into_iter().ne(computed) {
+                return Err(InvalidArgumentError::new_err(format!(
+                    "ScheduleOutput field {name} is not what cp_rank, cp_size and tokens_per_block \
+                     give for generation_positions (it is computed from them: leave it out)"
+                )));
+            }
+            Ok(())
+        }
+        let placement = self.rank_placement;
+        let positions = self.generation_positions.lend(fields.py());
+        let positions = positions.as_slice();
+        let [active, local, past] = PER_RANK_NAMES;
+        check::<bool, bool>(
+            fields.get_item(active)?,
+            active,
+            placement.active(positions),
+        )?;
+        check::<u64, i64>(
+            fields.get_item(local)?,
+            local,
+            placement.local_lens(positions),
+        )?;
+        check::<u64, i64>(
+            fields.get_item(past)?,
+            past,
+            placement.past_seen_lens(positions),
+        )
+    }
+}
+
+/// The core's per-rank column names, in its order: the getters below are these names.
+const PER_RANK_NAMES: [&str; 3] = [
+    ScheduleOutput::PER_RANK_COLUMNS[0],
+    ScheduleOutput::PER_RANK_COLUMNS[1],
+    ScheduleOutput::PER_RANK_COLUMNS[2],
+];
 
 /// Field names as a tuple.
 fn names(
@@ -312,11 +459,16 @@ fn names(
 
 #[pymethods]
 impl PyScheduleOutput {
-    /// Every field name, in order.
+    /// Every field name: the stored fields in order, then the per-rank ones
+    /// (`PER_RANK_FIELDS`, computed from the positions when read).
     #[classattr]
     #[expect(non_snake_case, reason = "a Python class constant")]
     fn FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
-        names(py, ScheduleOutput::FIELDS.iter().map(|(name, _)| *name))
+        let stored = ScheduleOutput::FIELDS.iter().map(|(name, _)| *name);
+        names(
+            py,
+            stored.chain(ScheduleOutput::PER_RANK_COLUMNS.iter().copied()),
+        )
     }
     /// The fields identical on every rank that scheduled alike (`digest` among them).
     #[classattr]
@@ -327,11 +479,20 @@ impl PyScheduleOutput {
             ScheduleOutput::fields_with_scope(FieldScope::RankInvariant),
         )
     }
-    /// The fields that differ by rank by design (this rank's share of the KV).
+    /// The fields that differ by rank by design (this rank's share of the KV): not
+    /// stored, each computed from `generation_positions` and the placement
+    /// (`PLACEMENT_FIELDS`) the first time it is read, then cached.
     #[classattr]
     #[expect(non_snake_case, reason = "a Python class constant")]
     fn PER_RANK_FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
         names(py, ScheduleOutput::fields_with_scope(FieldScope::PerRank))
+    }
+    /// This rank's placement in its group, what the per-rank fields are computed from:
+    /// attributes of the output, and keys of its pickled form (`_from_fields`).
+    #[classattr]
+    #[expect(non_snake_case, reason = "a Python class constant")]
+    fn PLACEMENT_FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+        names(py, PLACEMENT_FIELDS)
     }
     /// The entries of `summary_fields()`, in order, each with the fields its value shows.
     #[classattr]
@@ -342,6 +503,48 @@ impl PyScheduleOutput {
             .map(|(entry, shown)| Ok((*entry, names(py, shown.iter().copied())?)))
             .collect::<PyResult<Vec<_>>>()?;
         PyTuple::new(py, entries)
+    }
+
+    /// Per rank: whether this rank is the owner (appends the token's KV). Computed from
+    /// `generation_positions` and the placement on first read, then cached.
+    #[getter]
+    fn generation_active<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<bool>> {
+        self.per_rank_array(py, &self.per_rank.active, |placement, positions| {
+            placement.active(positions).collect()
+        })
+    }
+    /// Per rank: tokens this rank holds after the append. Computed from
+    /// `generation_positions` and the placement on first read, then cached.
+    #[getter]
+    fn generation_local_lens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        self.per_rank_array(py, &self.per_rank.local_lens, |placement, positions| {
+            let lens = placement.local_lens(positions);
+            lens.map(<u64 as Exposed<i64>>::to_numpy).collect()
+        })
+    }
+    /// Per rank: tokens this rank holds before the append. Computed from
+    /// `generation_positions` and the placement on first read, then cached.
+    #[getter]
+    fn generation_past_seen_lens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        self.per_rank_array(py, &self.per_rank.past_seen_lens, |placement, positions| {
+            let lens = placement.past_seen_lens(positions);
+            lens.map(<u64 as Exposed<i64>>::to_numpy).collect()
+        })
+    }
+    /// The rank this output is for.
+    #[getter]
+    fn cp_rank(&self) -> u32 {
+        self.rank_placement.cp_rank()
+    }
+    /// Ranks in the group.
+    #[getter]
+    fn cp_size(&self) -> u32 {
+        self.rank_placement.cp_size()
+    }
+    /// Tokens in one page on one rank.
+    #[getter]
+    fn tokens_per_block(&self) -> u32 {
+        self.rank_placement.tokens_per_block()
     }
 
     /// Tokens `update` expects (`len(sample_ids)`), without building the array.
@@ -371,8 +574,8 @@ impl PyScheduleOutput {
             .map_err(|_| invalid_type_of("other", "a ScheduleOutput", other))?;
         Ok(self.to_core(py).differing_fields(&other.get().to_core(py)))
     }
-    /// Equal when every field is (the per-rank ones too): a pickled copy equals its
-    /// original, another rank's output of the same step does not.
+    /// Equal when every field and the placement are (so the per-rank ones too): a pickled
+    /// copy equals its original, another rank's output of the same step does not.
     fn __eq__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         let Ok(other) = other.cast::<Self>() else {
             return Ok(py.NotImplemented());
@@ -384,15 +587,19 @@ impl PyScheduleOutput {
     fn __hash__(&self) -> u64 {
         self.digest
     }
-    /// Pickles as `ScheduleOutput._from_fields({field: value})`.
+    /// Pickles as `ScheduleOutput._from_fields({field: value})`: the stored fields and the
+    /// placement (`PLACEMENT_FIELDS`), not the per-rank fields computed from them.
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
         let rebuild = py.get_type::<Self>().getattr("_from_fields")?;
         let args = PyTuple::new(py, [slf.get().field_dict(py)?])?;
         PyTuple::new(py, [rebuild, args.into_any()])
     }
-    /// Rebuilds a pickled output from its fields (arrays of the fields' dtypes, no negative
-    /// length, position, count or rank; the array lengths must fit together).
+    /// Rebuilds a pickled output from its fields: every stored field (arrays of the
+    /// fields' dtypes, no negative length, position, count or rank; the array lengths must
+    /// fit together) and the placement (`PLACEMENT_FIELDS`: a rank of a valid layout). The
+    /// per-rank fields may be left out (they are computed); any given must equal what the
+    /// placement gives for the positions, or the output is refused.
     #[classmethod]
     fn _from_fields(_cls: &Bound<'_, PyType>, fields: &Bound<'_, PyAny>) -> PyResult<Self> {
         let fields = fields
@@ -400,6 +607,7 @@ impl PyScheduleOutput {
             .map_err(|_| invalid_type_of("fields", "a dict", fields))?;
         let output = Self::from_field_dict(fields)?;
         output.to_core(fields.py()).check_lengths().py()?;
+        output.check_given_per_rank(fields)?;
         Ok(output)
     }
     fn __repr__(&self, py: Python<'_>) -> String {

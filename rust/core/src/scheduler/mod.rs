@@ -34,6 +34,7 @@ pub use metadata::{
 };
 pub use metrics::{RequestMetrics, SchedulerMetrics};
 pub use output::{FieldScope, ScheduleOutput};
+pub use placement::RankPlacement;
 pub use request::{FinishReason, RequestOutput, RequestState};
 
 use crate::digest::{bits, Fnv64};
@@ -185,6 +186,10 @@ impl Scheduler {
         config.validate()?;
         let layout = config.layout()?;
         let ledger = Ledger::new(layout, config.capacity_superblocks)?;
+        let output = ScheduleOutput {
+            rank_placement: RankPlacement::new(layout, config.cp_rank)?,
+            ..ScheduleOutput::default()
+        };
         Ok(Self {
             layout,
             placement: Placement::new(layout),
@@ -213,8 +218,8 @@ impl Scheduler {
                 kv_capacity_superblocks: config.capacity_superblocks,
                 ..SchedulerMetrics::default()
             },
-            output: ScheduleOutput::default(),
-            building: ScheduleOutput::default(),
+            building: output.clone(),
+            output,
             context: Vec::new(),
             generation_reqs: Vec::new(),
             generation_needing_slots: Vec::new(),
@@ -475,9 +480,14 @@ impl Scheduler {
         &self.output
     }
     /// Moves the last schedule out of the scheduler (a zero-copy handoff, e.g. to numpy
-    /// arrays); `last_output()` is empty afterwards. `update` and `revert` do not need it.
+    /// arrays); `last_output()` is empty afterwards (its `rank_placement` kept). `update`
+    /// and `revert` do not need it.
     pub fn take_last_output(&mut self) -> ScheduleOutput {
-        std::mem::take(&mut self.output)
+        let empty = ScheduleOutput {
+            rank_placement: self.output.rank_placement,
+            ..ScheduleOutput::default()
+        };
+        std::mem::replace(&mut self.output, empty)
     }
     /// Whether a schedule awaits `update` or `revert`.
     pub fn is_step_pending(&self) -> bool {

@@ -7,12 +7,19 @@
 //! here, and the Python class with its getters and field lists in the binding, are all built
 //! from that list, so adding a field is one edit there (plus its place in the digest, which
 //! [`ScheduleOutput::compute_digest`] makes a compile error to forget).
+//!
+//! This rank's share of the decodes (whether it appends each token, what it holds before
+//! and after) is not stored: it is a function of the positions, the rank and the layout, so
+//! the output carries the rank's [`RankPlacement`] and computes those columns on demand
+//! ([`ScheduleOutput::PER_RANK_COLUMNS`]).
 
 use std::fmt::Write as _;
 
 use crate::digest::{bits, LaneDigest};
 use crate::error::{CoreError, Result};
 use crate::RequestId;
+
+use super::placement::RankPlacement;
 
 /// Hands the field list of [`ScheduleOutput`] to another macro:
 /// `schedule_output_fields!(callback! { args })` expands to
@@ -60,12 +67,6 @@ macro_rules! schedule_output_fields {
             invariant generation_input_refs: [i32],
             /// Batch slot of each generation entry.
             invariant generation_batch_slots: [i32],
-            /// Per rank: whether this rank is the owner (appends the token's KV).
-            rank generation_active: [bool],
-            /// Per rank: tokens this rank holds after the append.
-            rank generation_local_lens: [u64],
-            /// Per rank: tokens this rank holds before the append.
-            rank generation_past_seen_lens: [u64],
             /// Requests recompute-paused this step, in the order chosen.
             invariant preempted_ids: [RequestId],
             /// For each preempted request, the request that needed its pages (always ahead
@@ -120,7 +121,9 @@ macro_rules! schedule_output_fields {
 pub enum FieldScope {
     /// Identical on every rank that scheduled alike.
     RankInvariant,
-    /// This rank's share of the step (whether it appends, its local lengths).
+    /// This rank's share of the step (whether it appends, its local lengths). No stored
+    /// field has it today: the per-rank columns are computed from the positions (see
+    /// [`ScheduleOutput::PER_RANK_COLUMNS`]).
     PerRank,
 }
 
@@ -150,18 +153,27 @@ macro_rules! clear_field {
 macro_rules! define_schedule_output {
     ({} $( $(#[doc = $doc:tt])* $scope:ident $name:ident : $kind:tt ),* $(,)?) => {
         /// The schedule of one step. Every field is identical on every rank of a CP group
-        /// except the per-rank ones (see [`ScheduleOutput::FIELDS`]).
+        /// except the per-rank ones (see [`ScheduleOutput::FIELDS`]) and `rank_placement`;
+        /// this rank's share of the decodes is computed from the positions and
+        /// `rank_placement` (see [`ScheduleOutput::PER_RANK_COLUMNS`]). Two ranks' outputs of
+        /// the same step are equal only if they are the same rank.
         #[derive(Debug, Clone, PartialEq, Eq, Default)]
         pub struct ScheduleOutput {
             $( $(#[doc = $doc])* pub $name: field_type!($kind), )*
+            /// The rank this output is for and its group's layout: what the per-rank columns
+            /// are computed from. Set when the scheduler is built (and kept by every step);
+            /// rank 0 of the plain layout in a default output. Not digested.
+            pub rank_placement: RankPlacement,
         }
 
         impl ScheduleOutput {
-            /// Every field, in declaration order, with its scope.
+            /// Every stored field, in declaration order, with its scope (`rank_placement`
+            /// and the computed per-rank columns are not listed).
             pub const FIELDS: &'static [(&'static str, FieldScope)] =
                 &[$( (stringify!($name), field_scope!($scope)) ),*];
 
-            /// Empties every field, keeping the allocations for the next step.
+            /// Empties every field, keeping the allocations (and `rank_placement`) for the
+            /// next step.
             pub(super) fn clear(&mut self, step: u64) {
                 $( clear_field!(self.$name, $kind); )*
                 self.step = step;
@@ -193,12 +205,52 @@ fn pack(low: i32, high: i32) -> u64 {
 }
 
 impl ScheduleOutput {
-    /// The names of the fields with `scope`, in declaration order.
+    /// The columns that are this rank's share of the decodes, one value per generation
+    /// entry: [`Self::generation_active`], [`Self::generation_local_lens`] and
+    /// [`Self::generation_past_seen_lens`]. They are computed from `generation_positions`
+    /// and `rank_placement` when asked for, not stored, and not digested (they differ by
+    /// rank by design; the positions they come from are digested).
+    pub const PER_RANK_COLUMNS: &'static [&'static str] = &[
+        "generation_active",
+        "generation_local_lens",
+        "generation_past_seen_lens",
+    ];
+
+    /// The names with `scope`: the stored fields of [`Self::FIELDS`] with it, in
+    /// declaration order, then for [`FieldScope::PerRank`] the computed
+    /// [`Self::PER_RANK_COLUMNS`].
     pub fn fields_with_scope(scope: FieldScope) -> impl Iterator<Item = &'static str> {
+        let computed: &[&str] = match scope {
+            FieldScope::RankInvariant => &[],
+            FieldScope::PerRank => Self::PER_RANK_COLUMNS,
+        };
         Self::FIELDS
             .iter()
             .filter(move |(_, s)| *s == scope)
             .map(|(name, _)| *name)
+            .chain(computed.iter().copied())
+    }
+
+    /// This rank's share, for each generation entry: whether this rank is the owner of
+    /// the token (appends its KV). Computed from `generation_positions` and
+    /// `rank_placement` (not stored, not digested).
+    pub fn generation_active(&self) -> impl ExactSizeIterator<Item = bool> + '_ {
+        self.rank_placement.active(&self.generation_positions)
+    }
+
+    /// This rank's share, for each generation entry: tokens this rank holds after the
+    /// append. Computed from `generation_positions` and `rank_placement` (not stored, not
+    /// digested).
+    pub fn generation_local_lens(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
+        self.rank_placement.local_lens(&self.generation_positions)
+    }
+
+    /// This rank's share, for each generation entry: tokens this rank holds before the
+    /// append. Computed from `generation_positions` and `rank_placement` (not stored, not
+    /// digested).
+    pub fn generation_past_seen_lens(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
+        self.rank_placement
+            .past_seen_lens(&self.generation_positions)
     }
 
     /// The summary's entries in order, each with the fields its value shows. A difference
@@ -261,9 +313,6 @@ impl ScheduleOutput {
             generation_input_tokens,
             generation_input_refs,
             generation_batch_slots,
-            generation_active: _, // per rank
-            generation_local_lens: _,
-            generation_past_seen_lens: _,
             preempted_ids,
             preempted_requester_ids,
             suspended_ids,
@@ -279,6 +328,7 @@ impl ScheduleOutput {
             sample_ids,
             num_tokens,
             digest: _,
+            rank_placement: _, // per rank (the layout is in the configuration's fingerprint)
         } = self;
         let mut h = LaneDigest::new();
         h.word(config_fingerprint);
@@ -373,9 +423,6 @@ impl ScheduleOutput {
                     self.generation_input_tokens.len(),
                     self.generation_input_refs.len(),
                     self.generation_batch_slots.len(),
-                    self.generation_active.len(),
-                    self.generation_local_lens.len(),
-                    self.generation_past_seen_lens.len(),
                 ],
             ),
             (
@@ -558,6 +605,11 @@ impl Words {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::Layout;
+
+    fn placement(cp: u32, tokens_per_block: u32, rank: u32) -> RankPlacement {
+        RankPlacement::new(Layout::new(cp, tokens_per_block).unwrap(), rank).unwrap()
+    }
 
     fn sample() -> ScheduleOutput {
         let mut out = ScheduleOutput {
@@ -574,9 +626,7 @@ mod tests {
             generation_input_tokens: vec![7],
             generation_input_refs: vec![-1],
             generation_batch_slots: vec![2],
-            generation_active: vec![true],
-            generation_local_lens: vec![6],
-            generation_past_seen_lens: vec![5],
+            rank_placement: placement(2, 4, 0),
             preempted_ids: vec![6],
             preempted_requester_ids: vec![4],
             sample_ids: vec![1, 5],
@@ -595,8 +645,25 @@ mod tests {
             assert!(!names[..i].contains(name), "{name} listed twice");
             assert!(shown.contains(&format!(" {name}: ")), "{name} is no field");
         }
-        assert_eq!(shown.matches(": ").count(), names.len());
+        // Every field is listed, but `rank_placement` (its three values shown inside it).
+        let placement = format!("{:?}", RankPlacement::default());
+        assert_eq!(
+            placement,
+            "RankPlacement { cp_rank: 0, cp_size: 1, tokens_per_block: 1, .. }"
+        );
+        assert!(shown.ends_with(&format!(", rank_placement: {placement} }}")));
+        assert_eq!(shown.matches(": ").count(), names.len() + 1 + 3);
+        // The per-rank names are the computed columns, none of them stored.
+        assert!(ScheduleOutput::FIELDS
+            .iter()
+            .all(|(_, scope)| *scope == FieldScope::RankInvariant));
         let per_rank: Vec<_> = ScheduleOutput::fields_with_scope(FieldScope::PerRank).collect();
+        assert_eq!(per_rank, ScheduleOutput::PER_RANK_COLUMNS);
+        assert!(per_rank.iter().all(|name| !names.contains(name)));
+        assert_eq!(
+            ScheduleOutput::fields_with_scope(FieldScope::RankInvariant).collect::<Vec<_>>(),
+            names
+        );
         assert_eq!(
             per_rank,
             [
@@ -637,7 +704,7 @@ mod tests {
         ScheduleOutput::default().check_lengths().unwrap();
         let broken: [fn(&mut ScheduleOutput); 5] = [
             |o| o.context_lens.push(1),
-            |o| o.generation_past_seen_lens.clear(),
+            |o| o.generation_owner_ranks.clear(),
             |o| o.preempted_requester_ids.push(1),
             |o| o.context_token_ids.truncate(3),
             |o| o.sample_ids.push(9),
@@ -660,6 +727,7 @@ mod tests {
             out,
             ScheduleOutput {
                 step: 9,
+                rank_placement: placement(2, 4, 0),
                 ..ScheduleOutput::default()
             }
         );
@@ -670,9 +738,15 @@ mod tests {
         let out = sample();
         let mut other = out.clone();
         assert!(out.differing_fields(&other).is_empty());
-        other.generation_local_lens = vec![0];
-        other.generation_active = vec![false];
+        // Another rank's output of the step: equal fields, unequal outputs.
+        other.rank_placement = placement(2, 4, 1);
         assert!(out.differing_fields(&other).is_empty());
+        assert_ne!(out, other);
+        assert_eq!(out.compute_digest(11), other.compute_digest(11));
+        assert_ne!(
+            out.generation_local_lens().collect::<Vec<_>>(),
+            other.generation_local_lens().collect::<Vec<_>>()
+        );
         other.context_token_ids[3] = 99;
         other.digest = other.compute_digest(11);
         assert_eq!(
@@ -721,5 +795,75 @@ mod tests {
             }
         }
         assert_eq!(out.compute_digest(5), all_known);
+    }
+
+    /// `held[n]`: what `rank` holds of the first `n` tokens (`n <= end`), counted token by
+    /// token, each token's owner being its page's number modulo `cp`.
+    fn held(cp: u32, tokens_per_block: u32, rank: u32, end: u64) -> Vec<u64> {
+        let mut held = vec![0];
+        for p in 0..end {
+            let owner = (p / u64::from(tokens_per_block)) % u64::from(cp);
+            held.push(held[held.len() - 1] + u64::from(owner == u64::from(rank)));
+        }
+        held
+    }
+
+    #[test]
+    fn per_rank_columns_match_a_brute_force_oracle() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |bound: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % bound
+        };
+        for cp in [1, 2, 3, 4, 8] {
+            for tokens_per_block in [1, 2, 3, 5, 7, 8, 12, 16, 32, 48, 64, 100] {
+                let layout = Layout::new(cp, tokens_per_block).unwrap();
+                let span = layout.tokens_per_superblock();
+                // Small positions (every one near the start), random ones counted token by
+                // token, and large ones (past 2^32) against the layout's closed forms.
+                let mut small: Vec<u64> = (0..2 * span + 2).collect();
+                small.extend((0..64).map(|_| next(4000)));
+                let large: Vec<u64> = (0..16)
+                    .map(|_| next(1 << 40))
+                    .chain([u64::from(u32::MAX), u64::from(u32::MAX) + 1, 1 << 33])
+                    .collect();
+                let end = small.iter().max().unwrap() + 1;
+                for rank in 0..cp {
+                    let held = held(cp, tokens_per_block, rank, end);
+                    let out = ScheduleOutput {
+                        generation_positions: small.clone(),
+                        rank_placement: RankPlacement::new(layout, rank).unwrap(),
+                        ..ScheduleOutput::default()
+                    };
+                    let active: Vec<bool> = out.generation_active().collect();
+                    let local: Vec<u64> = out.generation_local_lens().collect();
+                    let past: Vec<u64> = out.generation_past_seen_lens().collect();
+                    assert_eq!(active.len(), small.len());
+                    for (i, &p) in small.iter().enumerate() {
+                        let n = usize::try_from(p).unwrap();
+                        let what = format!("cp={cp} tpb={tokens_per_block} rank={rank} pos={p}");
+                        assert_eq!(active[i], held[n + 1] > held[n], "{what}");
+                        assert_eq!(past[i], held[n], "{what}");
+                        assert_eq!(local[i], held[n + 1], "{what}");
+                    }
+                    let out = ScheduleOutput {
+                        generation_positions: large.clone(),
+                        ..out
+                    };
+                    let columns = out
+                        .generation_active()
+                        .zip(out.generation_local_lens())
+                        .zip(out.generation_past_seen_lens());
+                    for (&p, ((active, local), past)) in large.iter().zip(columns) {
+                        assert_eq!(active, layout.owner_rank(p) == rank);
+                        assert_eq!(local, layout.local_len(p + 1, rank));
+                        assert_eq!(past, layout.local_len(p, rank));
+                    }
+                }
+                assert!(RankPlacement::new(layout, cp).is_err());
+            }
+        }
     }
 }

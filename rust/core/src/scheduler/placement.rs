@@ -3,6 +3,7 @@
 //! every decode request, and a 64-bit division costs more than the rest of the
 //! per-request work, so the divisors are prepared once.
 
+use crate::error::Result;
 use crate::layout::Layout;
 
 /// Division by a divisor fixed in advance: a shift for powers of two, otherwise a
@@ -137,6 +138,93 @@ impl Placement {
             past_seen_len,
             local_len: past_seen_len + u64::from(owner == rank),
         }
+    }
+}
+
+/// One rank's place in its CP group's layout, as a
+/// [`ScheduleOutput`](super::ScheduleOutput) carries it: what the output's per-rank columns
+/// ([`ScheduleOutput::PER_RANK_COLUMNS`](super::ScheduleOutput::PER_RANK_COLUMNS)) are
+/// computed from, with the positions. Equal for two ranks only when they are the same rank
+/// of the same layout.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RankPlacement {
+    layout: Layout,
+    cp_rank: u32,
+    /// `layout`'s closed forms with prepared divisors (a function of `layout`).
+    placement: Placement,
+}
+
+impl RankPlacement {
+    /// Rank `cp_rank` of `layout`; fails (`InvalidArgument`) unless it is a rank of the
+    /// group.
+    pub fn new(layout: Layout, cp_rank: u32) -> Result<Self> {
+        layout.check_rank(cp_rank)?;
+        Ok(Self {
+            layout,
+            cp_rank,
+            placement: Placement::new(layout),
+        })
+    }
+
+    /// The rank.
+    pub fn cp_rank(self) -> u32 {
+        self.cp_rank
+    }
+
+    /// Ranks in the group.
+    pub fn cp_size(self) -> u32 {
+        self.layout.cp()
+    }
+
+    /// Tokens in one page on one rank.
+    pub fn tokens_per_block(self) -> u32 {
+        self.layout.tokens_per_block()
+    }
+
+    /// The group's layout.
+    pub fn layout(self) -> Layout {
+        self.layout
+    }
+
+    /// For each decode token at `positions`: whether this rank appends it (is its owner).
+    pub fn active(self, positions: &[u64]) -> impl ExactSizeIterator<Item = bool> + '_ {
+        positions
+            .iter()
+            .map(move |&p| self.placement.decode(p, self.cp_rank).owner == self.cp_rank)
+    }
+
+    /// For each decode token at `positions`: tokens this rank holds after its append.
+    pub fn local_lens(self, positions: &[u64]) -> impl ExactSizeIterator<Item = u64> + '_ {
+        positions
+            .iter()
+            .map(move |&p| self.placement.decode(p, self.cp_rank).local_len)
+    }
+
+    /// For each decode token at `positions`: tokens this rank holds before its append.
+    pub fn past_seen_lens(self, positions: &[u64]) -> impl ExactSizeIterator<Item = u64> + '_ {
+        positions
+            .iter()
+            .map(move |&p| self.placement.decode(p, self.cp_rank).past_seen_len)
+    }
+}
+
+/// Rank 0 of the plain layout (`cp_size` 1, one token per page): what an output not made
+/// by a scheduler carries.
+impl Default for RankPlacement {
+    fn default() -> Self {
+        let layout = Layout::new(1, 1).expect("the plain layout is valid");
+        Self::new(layout, 0).expect("rank 0 is in every group")
+    }
+}
+
+/// The rank and the layout (the prepared divisors are left out).
+impl std::fmt::Debug for RankPlacement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankPlacement")
+            .field("cp_rank", &self.cp_rank)
+            .field("cp_size", &self.cp_size())
+            .field("tokens_per_block", &self.tokens_per_block())
+            .finish_non_exhaustive()
     }
 }
 

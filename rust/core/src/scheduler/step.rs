@@ -196,9 +196,6 @@ impl Scheduler {
         out.generation_input_tokens.reserve(decoding);
         out.generation_batch_slots.reserve(decoding);
         out.generation_owner_ranks.reserve(decoding);
-        out.generation_active.reserve(decoding);
-        out.generation_past_seen_lens.reserve(decoding);
-        out.generation_local_lens.reserve(decoding);
         out.sample_ids.reserve(decoding);
         self.generation_reqs.clear();
         self.generation_needing_slots.clear();
@@ -403,8 +400,8 @@ impl Scheduler {
 
     /// Records a scheduled decode straight into the output being built (the common case
     /// touches each request once per step); a victim's entry is dropped in
-    /// `finish_step`, a missing batch slot and the placement fields are filled in there
-    /// (and, for a plain step, the input refs: all -1).
+    /// `finish_step`, a missing batch slot and (for a step planned ahead) the owner ranks
+    /// are filled in there (and, for a plain step, the input refs: all -1).
     fn push_generation_entry<const AHEAD: bool>(
         &mut self,
         step: u64,
@@ -439,12 +436,8 @@ impl Scheduler {
         if !AHEAD {
             // A plain step's entries are placed as they are made (most in `decode_run`);
             // a step planned ahead places all of them in one pass (`finish_step`).
-            let rank = self.config.cp_rank;
-            let placed = self.placement.decode(position, rank);
+            let placed = self.placement.decode(position, self.config.cp_rank);
             out.generation_owner_ranks.push(placed.owner);
-            out.generation_active.push(placed.owner == rank);
-            out.generation_past_seen_lens.push(placed.past_seen_len);
-            out.generation_local_lens.push(placed.local_len);
         }
         self.generation_reqs.push(req);
         self.journal.push(JournalEntry::Decode(req));
@@ -931,9 +924,6 @@ impl Scheduler {
             out.generation_batch_slots[kept] = out.generation_batch_slots[i];
             if placed {
                 out.generation_owner_ranks[kept] = out.generation_owner_ranks[i];
-                out.generation_active[kept] = out.generation_active[i];
-                out.generation_past_seen_lens[kept] = out.generation_past_seen_lens[i];
-                out.generation_local_lens[kept] = out.generation_local_lens[i];
             }
             kept += 1;
         }
@@ -946,26 +936,17 @@ impl Scheduler {
         }
         out.generation_batch_slots.truncate(kept);
         out.generation_owner_ranks.truncate(kept);
-        out.generation_active.truncate(kept);
-        out.generation_past_seen_lens.truncate(kept);
-        out.generation_local_lens.truncate(kept);
     }
 
-    /// Owner ranks and this rank's lengths for every generation entry of a step planned
-    /// ahead, one plain pass per array over the positions.
+    /// Owner ranks for every generation entry of a step planned ahead, one plain pass
+    /// over the positions. (This rank's share is computed from the positions when asked
+    /// for: [`ScheduleOutput::generation_active`] and the like.)
     fn place_all_generation_entries(&mut self) {
         let (placement, rank) = (self.placement, self.config.cp_rank);
         let out = &mut self.building;
         let positions = &out.generation_positions;
-        let placed = |&position: &u64| placement.decode(position, rank);
         out.generation_owner_ranks
-            .extend(positions.iter().map(|p| placed(p).owner));
-        out.generation_active
-            .extend(positions.iter().map(|p| placed(p).owner == rank));
-        out.generation_past_seen_lens
-            .extend(positions.iter().map(|p| placed(p).past_seen_len));
-        out.generation_local_lens
-            .extend(positions.iter().map(|p| placed(p).local_len));
+            .extend(positions.iter().map(|&p| placement.decode(p, rank).owner));
     }
 
     /// Undoes the step's reservations (newest first), resumes, new batch slots and
@@ -1173,20 +1154,17 @@ trait DecodeRunMode: Copy {
 
 /// A plain step's decode run: `Decoding` requests decode on their last token, `Waiting`
 /// and `Prefilling` ones are passed over, a `Suspended` one needs the general path (a
-/// resume). Each entry is placed as it is made (this rank's placement columns).
+/// resume). Each entry is placed as it is made (its owner rank).
 #[derive(Clone, Copy)]
 struct PlainRun {
     placement: Placement,
     rank: u32,
 }
 
-/// The columns of [`PlainRun`]'s chunk: the input tokens and this rank's placement.
+/// The columns of [`PlainRun`]'s chunk: the input tokens and the owner ranks.
 struct PlainColumns {
     tokens: [i32; CHUNK],
     owners: [u32; CHUNK],
-    active: [bool; CHUNK],
-    past_seen: [u64; CHUNK],
-    local: [u64; CHUNK],
 }
 
 impl DecodeRunMode for PlainRun {
@@ -1205,9 +1183,6 @@ impl DecodeRunMode for PlainRun {
         PlainColumns {
             tokens: [0; CHUNK],
             owners: [0; CHUNK],
-            active: [false; CHUNK],
-            past_seen: [0; CHUNK],
-            local: [0; CHUNK],
         }
     }
 
@@ -1240,11 +1215,7 @@ impl DecodeRunMode for PlainRun {
         _: i32,
     ) {
         columns.tokens[at] = request.last_token;
-        let placed = self.placement.decode(position, self.rank);
-        columns.owners[at] = placed.owner;
-        columns.active[at] = placed.owner == self.rank;
-        columns.past_seen[at] = placed.past_seen_len;
-        columns.local[at] = placed.local_len;
+        columns.owners[at] = self.placement.decode(position, self.rank).owner;
     }
 
     fn general(
@@ -1262,12 +1233,6 @@ impl DecodeRunMode for PlainRun {
             .extend_from_slice(&columns.tokens[..count]);
         out.generation_owner_ranks
             .extend_from_slice(&columns.owners[..count]);
-        out.generation_active
-            .extend_from_slice(&columns.active[..count]);
-        out.generation_past_seen_lens
-            .extend_from_slice(&columns.past_seen[..count]);
-        out.generation_local_lens
-            .extend_from_slice(&columns.local[..count]);
     }
 }
 

@@ -28,8 +28,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use helix_kv_core::{
-    CoreError, FinishReason, RequestId, RequestOutput, RequestState, ScheduleOutput, Scheduler,
-    SchedulerConfig, ServingMode,
+    CoreError, FinishReason, RankPlacement, RequestId, RequestOutput, RequestState, ScheduleOutput,
+    Scheduler, SchedulerConfig, ServingMode,
 };
 
 /// A small deterministic generator (xorshift64*), so tests need no randomness crate.
@@ -499,12 +499,9 @@ impl Group {
     }
 
     fn check_agreement(&self, outs: &[ScheduleOutput]) {
-        let invariant = |o: &ScheduleOutput| {
-            let mut o = o.clone();
-            o.generation_active.clear();
-            o.generation_local_lens.clear();
-            o.generation_past_seen_lens.clear();
-            o
+        let invariant = |o: &ScheduleOutput| ScheduleOutput {
+            rank_placement: RankPlacement::default(),
+            ..o.clone()
         };
         let first = invariant(&outs[0]);
         for (rank, out) in outs.iter().enumerate() {
@@ -538,6 +535,24 @@ impl Group {
         let cp = u64::from(self.config.cp_size);
         let tpb = u64::from(self.config.tokens_per_block);
         let gen = &outs[0];
+        for (rank, out) in outs.iter().enumerate() {
+            let placement = out.rank_placement;
+            assert_eq!(usize::try_from(placement.cp_rank()).unwrap(), rank);
+            assert_eq!(u64::from(placement.cp_size()), cp);
+            assert_eq!(u64::from(placement.tokens_per_block()), tpb);
+        }
+        let active: Vec<Vec<bool>> = outs
+            .iter()
+            .map(|o| o.generation_active().collect())
+            .collect();
+        let local: Vec<Vec<u64>> = outs
+            .iter()
+            .map(|o| o.generation_local_lens().collect())
+            .collect();
+        let past: Vec<Vec<u64>> = outs
+            .iter()
+            .map(|o| o.generation_past_seen_lens().collect())
+            .collect();
         for i in 0..gen.generation_ids.len() {
             let pos = gen.generation_positions[i];
             let owner = (pos / tpb) % cp;
@@ -546,23 +561,21 @@ impl Group {
                 owner,
                 "owner of position {pos}"
             );
-            let active: Vec<usize> = (0..outs.len())
-                .filter(|&r| outs[r].generation_active[i])
-                .collect();
+            let active: Vec<usize> = (0..outs.len()).filter(|&r| active[r][i]).collect();
             assert_eq!(
                 active,
                 vec![usize::try_from(owner).unwrap()],
                 "exactly the owner is active for position {pos}"
             );
-            let after: u64 = outs.iter().map(|o| o.generation_local_lens[i]).sum();
-            let before: u64 = outs.iter().map(|o| o.generation_past_seen_lens[i]).sum();
+            let after: u64 = local.iter().map(|l| l[i]).sum();
+            let before: u64 = past.iter().map(|p| p[i]).sum();
             assert_eq!(
                 (after, before),
                 (pos + 1, pos),
                 "local lens must sum to the global length"
             );
-            for (rank, out) in outs.iter().enumerate() {
-                let grew = out.generation_local_lens[i] - out.generation_past_seen_lens[i];
+            for rank in 0..outs.len() {
+                let grew = local[rank][i] - past[rank][i];
                 assert_eq!(grew, u64::from(rank as u64 == owner));
             }
         }
