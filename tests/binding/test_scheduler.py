@@ -414,3 +414,52 @@ def test_request_output_is_a_frozen_picklable_record() -> None:
         helix_kv.RequestOutput(1, [1], "stop", metrics)
     with pytest.raises(helix_kv.InvalidArgumentError, match="must fit int32"):
         helix_kv.RequestOutput(1, [2**40], "eos", metrics)
+
+
+def _recycling_run(keep: bool, read: bool) -> list[helix_kv.ScheduleOutput]:
+    """A run with growing, finishing and preempted requests. ``keep``: every output stays
+    alive (none is dropped, so none lends its buffers to the next step); otherwise each is
+    dropped once closed. ``read``: some arrays are read (made numpy) before the drop."""
+    s = scheduler(cp=2, tpb=2, superblocks=12, max_batch_size=6)
+    kept: list[helix_kv.ScheduleOutput] = []
+    copies: list[helix_kv.ScheduleOutput] = []
+    for r in range(7):
+        s.add_request(r, prompt(3 + 2 * r, r), 4 + r)
+    for _ in range(60):
+        out = s.schedule()
+        if read:
+            out.generation_ids, out.generation_local_lens  # noqa: B018
+        copies.append(pickle.loads(pickle.dumps(out)))
+        s.update(np.full(out.num_samples, 5, dtype=np.int32))
+        if keep:
+            kept.append(out)
+        del out
+    return copies
+
+
+@pytest.mark.parametrize("read", [False, True])
+def test_outputs_dropped_lend_their_buffers_without_changing_any_step(read: bool) -> None:
+    """A dropped output's buffers go to the next ``schedule()``; every step is the same as
+    in a run that keeps every output alive (so never reuses one)."""
+    recycled = _recycling_run(keep=False, read=read)
+    fresh = _recycling_run(keep=True, read=read)
+    assert any(o.preempted_ids.size for o in fresh), "the run must preempt"
+    assert recycled == fresh
+
+
+def test_arrays_read_from_a_dropped_output_stay_as_they_were() -> None:
+    """An array Python read owns its buffer: dropping its output and scheduling again
+    (which reuses the output's other buffers) leaves it unchanged."""
+    s = scheduler(cp=2, tpb=2, superblocks=12)
+    for r in range(3):
+        s.add_request(r, prompt(4, r), 20)
+    step(s)
+    out = s.schedule()
+    ids, positions = out.generation_ids, out.generation_positions
+    expected = (ids.copy(), positions.copy())
+    s.update(np.full(out.num_samples, 5, dtype=np.int32))
+    del out
+    for _ in range(5):
+        step(s)
+    assert ids.tolist() == expected[0].tolist()
+    assert positions.tolist() == expected[1].tolist()

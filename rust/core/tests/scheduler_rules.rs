@@ -793,6 +793,46 @@ fn the_output_can_be_moved_out_and_the_step_still_closes() {
     s.revert().unwrap();
 }
 
+/// A schedule handed back with `recycle_output` lends its buffers only: whatever it holds
+/// (another rank's placement, stale entries of every kind) never shows in a later step,
+/// which is exactly what a scheduler that never got one back schedules.
+#[test]
+fn a_recycled_output_lends_its_buffers_and_nothing_else() {
+    let run = |recycle: bool| {
+        let mut s = Scheduler::new(config(2, 4, 6)).unwrap();
+        for (r, (len, max_new)) in [(3, 12), (4, 15), (5, 18), (6, 21), (7, 24)]
+            .into_iter()
+            .enumerate()
+        {
+            s.add_request(r as u64, &prompt(len), max_new, 0).unwrap();
+        }
+        let mut outputs = Vec::new();
+        for _ in 0..40 {
+            let out = s.schedule().unwrap().clone();
+            let samples = out.sample_ids.len();
+            let mut taken = s.take_last_output();
+            assert_eq!(taken, out);
+            s.update(&vec![4; samples], None).unwrap();
+            if recycle {
+                // Stale contents everywhere, and another rank's placement.
+                taken.generation_ids.extend([77, 78]);
+                taken.context_token_ids.extend(0..50);
+                taken.preempted_ids.push(99);
+                taken.sample_ids.push(12);
+                taken.num_tokens = 1234;
+                taken.digest = 5;
+                taken.rank_placement = ScheduleOutput::default().rank_placement;
+                s.recycle_output(taken);
+            }
+            outputs.push(out);
+        }
+        outputs
+    };
+    let fresh = run(false);
+    assert!(fresh.iter().any(|o| !o.preempted_ids.is_empty()));
+    assert_eq!(run(true), fresh);
+}
+
 /// Steps until every request has finished, checking each step that every preemption
 /// served its requester in that step.
 fn run_to_end(s: &mut Scheduler) {

@@ -13,7 +13,7 @@
 //! (read-only like the others). A step whose per-rank arrays are never read never computes
 //! them. Pickles carry the placement, not those arrays.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use helix_kv_core::{FieldScope, Layout, RankPlacement, RequestId, ScheduleOutput};
 use numpy::{Element, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
@@ -130,6 +130,16 @@ impl<T: Exposed<N>, N: Element + Copy> LazyArray<T, N> {
                 })
             });
         Ok(Self::new(values.collect::<PyResult<_>>()?))
+    }
+
+    /// The vector, if Python never read the array (else empty), for reuse; `&mut`, so no
+    /// lock is taken.
+    fn take_unread(&mut self) -> Vec<T> {
+        self.vector
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .unwrap_or_default()
     }
 
     fn take_vector(&self) -> Vec<T> {
@@ -262,6 +272,17 @@ macro_rules! field_from_object {
     };
 }
 
+/// One field's buffer for the spare slot: an array's vector if Python never read it (a
+/// read one lives in its numpy array now), nothing for a scalar.
+macro_rules! spare_field {
+    ($field:expr, [$element:tt]) => {
+        $field.take_unread()
+    };
+    ($field:expr, $scalar:ty) => {
+        <$scalar>::default()
+    };
+}
+
 macro_rules! define_py_schedule_output {
     ({} $( $(#[doc = $doc:tt])* $scope:ident $name:ident : $kind:tt ),* $(,)?) => {
         /// The schedule of one step (frozen; picklable). Arrays are read-only: request ids
@@ -276,6 +297,9 @@ macro_rules! define_py_schedule_output {
             rank_placement: RankPlacement,
             /// The per-rank arrays, once read.
             per_rank: PerRankArrays,
+            /// The scheduler's spare slot, for an output that a scheduler made: where the
+            /// buffers Python never read go when the output is dropped.
+            spare: Option<SpareOutput>,
         }
 
         impl From<ScheduleOutput> for PyScheduleOutput {
@@ -284,7 +308,22 @@ macro_rules! define_py_schedule_output {
                     $( $name: from_core_field!(out.$name, $kind), )*
                     rank_placement: out.rank_placement,
                     per_rank: PerRankArrays::default(),
+                    spare: None,
                 }
+            }
+        }
+
+        /// Leaves the buffers of the arrays Python never read in the scheduler's spare
+        /// slot (when it is empty): the next `schedule()` builds in them.
+        impl Drop for PyScheduleOutput {
+            fn drop(&mut self) {
+                let Some(spare) = self.spare.take() else {
+                    return;
+                };
+                spare.offer(|| ScheduleOutput {
+                    $( $name: spare_field!(self.$name, $kind), )*
+                    rank_placement: self.rank_placement,
+                });
             }
         }
 
@@ -322,6 +361,7 @@ macro_rules! define_py_schedule_output {
                     $( $name: field_from_object!(&field(stringify!($name))?, stringify!($name), $kind), )*
                     rank_placement: placement_from_fields(field)?,
                     per_rank: PerRankArrays::default(),
+                    spare: None,
                 })
             }
         }
@@ -329,6 +369,41 @@ macro_rules! define_py_schedule_output {
 }
 
 helix_kv_core::schedule_output_fields!(define_py_schedule_output! {});
+
+/// A scheduler's spare output: one slot, shared by the scheduler and the outputs it made.
+/// An output that Python drops leaves the buffers it never handed to numpy there (if the
+/// slot is empty), and the next `schedule()` takes them
+/// ([`helix_kv_core::Scheduler::recycle_output`]), so a step that is read and dropped
+/// allocates none of its arrays. Only allocations travel through it: nothing a step
+/// decides depends on what is in it.
+#[derive(Clone, Default)]
+pub struct SpareOutput(Arc<Mutex<Option<ScheduleOutput>>>);
+
+impl SpareOutput {
+    /// What the slot holds, leaving it empty.
+    pub fn take(&self) -> Option<ScheduleOutput> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
+    /// Fills the slot with `make()` if it is empty and free (never waits for it).
+    fn offer(&self, make: impl FnOnce() -> ScheduleOutput) {
+        if let Ok(mut slot) = self.0.try_lock() {
+            if slot.is_none() {
+                *slot = Some(make());
+            }
+        }
+    }
+}
+
+impl PyScheduleOutput {
+    /// The Python form of a scheduler's output `out`, which leaves its unread buffers in
+    /// `spare` when dropped.
+    pub fn recycled_into(out: ScheduleOutput, spare: &SpareOutput) -> Self {
+        let mut output = Self::from(out);
+        output.spare = Some(spare.clone());
+        output
+    }
+}
 
 /// The keys of the placement in a pickled output (`__reduce__`, `_from_fields`), which are
 /// also the output's attributes of those names.

@@ -9,7 +9,7 @@ use crate::arrays::{flags, id_arg, int_arg, invalid_type_of, token_ids, u64_vec}
 use crate::errors::{IntoPyResult, InvalidArgumentError, InvalidLengthError};
 use crate::ledger::{block_table, slot_mapping};
 use crate::request_output::PyRequestOutput;
-use crate::schedule_output::PyScheduleOutput;
+use crate::schedule_output::{PyScheduleOutput, SpareOutput};
 use crate::scheduler_config::PySchedulerConfig;
 use crate::step_metadata::{self, PyDecodeRowCounts, PyStepMetadata, PyStepMetadataLayout};
 
@@ -53,6 +53,9 @@ fn ids_to_numpy(py: Python<'_>, ids: Vec<u64>) -> Bound<'_, PyArray1<u64>> {
 pub struct PyScheduler {
     inner: Scheduler,
     config: Py<PySchedulerConfig>,
+    /// Where this scheduler's outputs leave their buffers when Python drops them, for the
+    /// next `schedule()` to build in (see [`SpareOutput`]).
+    spare: SpareOutput,
 }
 
 #[pymethods]
@@ -66,6 +69,7 @@ impl PyScheduler {
         Ok(Self {
             inner: Scheduler::new(config.get().inner.clone()).py()?,
             config: config.unbind(),
+            spare: SpareOutput::default(),
         })
     }
 
@@ -104,13 +108,17 @@ impl PyScheduler {
     /// Decides the next step; allowed while one step is pending (one step ahead), not two.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyScheduleOutput> {
         let inner = &mut self.inner;
+        let spare = self.spare.take();
         let output = py
             .detach(|| {
+                if let Some(spare) = spare {
+                    inner.recycle_output(spare);
+                }
                 inner.schedule()?;
                 Ok(inner.take_last_output())
             })
             .py()?;
-        Ok(output.into())
+        Ok(PyScheduleOutput::recycled_into(output, &self.spare))
     }
 
     /// Applies the step that ran: one token per `sample_ids` entry (int32) and optional

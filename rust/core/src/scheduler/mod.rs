@@ -489,6 +489,19 @@ impl Scheduler {
         };
         std::mem::replace(&mut self.output, empty)
     }
+    /// Hands back a schedule taken with [`Self::take_last_output`] (or any other) once its
+    /// caller is done with it, so that a later `schedule()` builds in its buffers instead
+    /// of allocating new ones: each taken output leaves the scheduler without buffers of
+    /// its own. Only its allocations are kept (its contents are cleared before use, and
+    /// this scheduler's placement stays); it is dropped if the scheduler's own buffer has
+    /// at least as much room. Nothing a step decides depends on it.
+    pub fn recycle_output(&mut self, spare: ScheduleOutput) {
+        if spare.capacity() > self.building.capacity() {
+            let placement = self.building.rank_placement;
+            self.building = spare;
+            self.building.rank_placement = placement;
+        }
+    }
     /// Whether a schedule awaits `update` or `revert`.
     pub fn is_step_pending(&self) -> bool {
         self.pending_steps > 0

@@ -150,6 +150,15 @@ macro_rules! clear_field {
     };
 }
 
+macro_rules! field_capacity {
+    ($field:expr, [$element:ty]) => {
+        $field.capacity()
+    };
+    ($field:expr, $scalar:ty) => {
+        0
+    };
+}
+
 macro_rules! define_schedule_output {
     ({} $( $(#[doc = $doc:tt])* $scope:ident $name:ident : $kind:tt ),* $(,)?) => {
         /// The schedule of one step. Every field is identical on every rank of a CP group
@@ -177,6 +186,12 @@ macro_rules! define_schedule_output {
             pub(super) fn clear(&mut self, step: u64) {
                 $( clear_field!(self.$name, $kind); )*
                 self.step = step;
+            }
+
+            /// Elements the array fields have room for, all together: which of two
+            /// buffers to build the next step in (see `Scheduler::recycle_output`).
+            pub(super) fn capacity(&self) -> usize {
+                0 $( + field_capacity!(self.$name, $kind) )*
             }
 
             /// The rank-invariant fields in which `other` differs from `self`, in
