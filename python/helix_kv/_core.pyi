@@ -313,12 +313,14 @@ class SchedulerConfig:
 class ScheduleOutput:
     """One step's schedule; every field is rank-invariant except ``generation_active``,
     ``generation_local_lens`` and ``generation_past_seen_lens`` (``PER_RANK_FIELDS``): this
-    rank's share, computed from ``generation_positions`` and the placement
-    (``PLACEMENT_FIELDS``) on first read, then cached."""
+    rank's share. Those and ``generation_owner_ranks`` (``COMPUTED_FIELDS``) are not stored:
+    each is computed from ``generation_positions`` and the placement (``PLACEMENT_FIELDS``)
+    on first read, then cached."""
 
     FIELDS: ClassVar[tuple[str, ...]]
     RANK_INVARIANT_FIELDS: ClassVar[tuple[str, ...]]
     PER_RANK_FIELDS: ClassVar[tuple[str, ...]]
+    COMPUTED_FIELDS: ClassVar[tuple[str, ...]]
     PLACEMENT_FIELDS: ClassVar[tuple[str, ...]]
     SUMMARY_ENTRIES: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]]
     @property

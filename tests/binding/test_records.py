@@ -85,8 +85,15 @@ def test_schedule_output_field_lists_cover_every_getter() -> None:
         "generation_local_lens",
         "generation_past_seen_lens",
     )
-    # the stored fields, then the per-rank ones computed from the positions and the placement
+    # the stored fields, then the per-rank ones computed from the positions and the placement;
+    # the computed owner ranks where they were once stored, after the positions
     assert cls.FIELDS[-3:] == cls.PER_RANK_FIELDS
+    computed, invariant = cls.COMPUTED_FIELDS, cls.RANK_INVARIANT_FIELDS
+    assert computed == ("generation_owner_ranks", *cls.PER_RANK_FIELDS)
+    assert "generation_owner_ranks" in invariant
+    at = cls.FIELDS.index("generation_positions")
+    assert cls.FIELDS[at + 1] == "generation_owner_ranks"
+    assert invariant == tuple(f for f in cls.FIELDS if f not in cls.PER_RANK_FIELDS)
     assert cls.PLACEMENT_FIELDS == ("cp_rank", "cp_size", "tokens_per_block")
     assert not set(cls.PLACEMENT_FIELDS) & set(cls.FIELDS)
     assert {"step", "num_tokens", "digest", "sample_ids"} <= set(cls.RANK_INVARIANT_FIELDS)
@@ -163,7 +170,7 @@ def test_an_inconsistent_pickle_is_refused() -> None:
         rebuild({**fields, "context_lens": negative_len})
     generating = next(o for o in outputs if len(o.generation_ids))
     gen_fields = generating.__reduce__()[1][0]
-    negative_rank = np.full(len(gen_fields["generation_owner_ranks"]), -2, dtype=np.int32)
+    negative_rank = np.full(len(gen_fields["generation_positions"]), -2, dtype=np.int32)
     with pytest.raises(helix_kv.InvalidArgumentError, match="generation_owner_ranks"):
         rebuild({**gen_fields, "generation_owner_ranks": negative_rank})
 
@@ -211,31 +218,67 @@ def test_two_ranks_outputs_differ_and_each_pickles_to_itself() -> None:
     assert outputs[0] != outputs[1]
     for rank, out in enumerate(outputs):
         fields = out.__reduce__()[1][0]
-        assert set(fields) == set(cls.RANK_INVARIANT_FIELDS) | set(cls.PLACEMENT_FIELDS)
+        stored = set(cls.FIELDS) - set(cls.COMPUTED_FIELDS)
+        assert set(fields) == stored | set(cls.PLACEMENT_FIELDS)
+        assert "generation_owner_ranks" not in fields
         assert (fields["cp_rank"], fields["cp_size"], fields["tokens_per_block"]) == (rank, 2, 4)
         again = pickle.loads(pickle.dumps(out))
         assert again == out
         assert hash(again) == hash(out)
         assert again != outputs[1 - rank]
-        for name in cls.PER_RANK_FIELDS:
+        for name in cls.COMPUTED_FIELDS:
             np.testing.assert_array_equal(getattr(again, name), getattr(out, name))
+        assert again.summary() == out.summary()
 
 
-def test_a_pickle_with_a_bad_placement_or_wrong_per_rank_arrays_is_refused() -> None:
+def test_owner_ranks_are_computed_from_the_positions_and_the_layout() -> None:
+    """The owner ranks are the layout's (the same on every rank), int32, read-only, computed
+    on first read and cached; the summary shows them as before (``id@pos/rOWNER``)."""
+    outputs = two_ranks_decoding()
+    layout = helix_kv.Layout(2, 4)
+    positions = outputs[0].generation_positions
+    for out in outputs:
+        owners = out.generation_owner_ranks
+        assert owners is out.generation_owner_ranks  # cached
+        assert owners.dtype == np.int32
+        assert not owners.flags.writeable
+        assert owners.tolist() == layout.owner_ranks(positions).tolist() == [0, 1, 0]
+        generation = dict(out.summary_fields())["generation"]
+        assert generation == "0@3/r0 1@6/r1 2@9/r0"
+    assert outputs[0].summary() == outputs[1].summary()
+
+
+def test_a_pickle_with_a_bad_placement_or_wrong_computed_arrays_is_refused() -> None:
     """``_from_fields`` needs the placement (a rank of a valid layout) and computes the
-    per-rank arrays; any given must be what it computes (old pickles carried them)."""
+    owner ranks and the per-rank arrays; any given must be what it computes (old pickles
+    carried them)."""
     cls = helix_kv.ScheduleOutput
     rebuild = cls._from_fields
     ours, theirs = two_ranks_decoding()
     fields = ours.__reduce__()[1][0]
-    per_rank = {name: getattr(ours, name) for name in cls.PER_RANK_FIELDS}
-    assert rebuild({**fields, **per_rank}) == ours
+    given = {name: getattr(ours, name) for name in cls.COMPUTED_FIELDS}
+    assert rebuild({**fields, **given}) == ours
     computed = "is not what cp_rank, cp_size and tokens_per_block give for generation_positions"
     for name in cls.PER_RANK_FIELDS:
         with pytest.raises(helix_kv.InvalidArgumentError, match=f"{name} {computed}"):
             rebuild({**fields, name: getattr(theirs, name)})
         with pytest.raises(helix_kv.InvalidArgumentError, match=name):
             rebuild({**fields, name: getattr(ours, name)[:-1]})
+    # the owner ranks are the same on every rank: another rank's are ours, others are not
+    owners = ours.generation_owner_ranks
+    assert rebuild({**fields, "generation_owner_ranks": theirs.generation_owner_ranks}) == ours
+    for wrong in (1 - owners, owners[:-1], np.zeros(0, dtype=np.int32)):
+        with pytest.raises(
+            helix_kv.InvalidArgumentError, match=f"generation_owner_ranks {computed}"
+        ):
+            rebuild({**fields, "generation_owner_ranks": wrong.astype(np.int32)})
+    with pytest.raises(helix_kv.InvalidTypeError, match="generation_owner_ranks"):
+        rebuild({**fields, "generation_owner_ranks": owners.astype(np.int64)})
+    # the owners of another layout (cp_size 3) for the same positions are refused too
+    other_layout = helix_kv.Layout(3, 4).owner_ranks(ours.generation_positions)
+    assert other_layout.tolist() != owners.tolist()
+    with pytest.raises(helix_kv.InvalidArgumentError, match="generation_owner_ranks"):
+        rebuild({**fields, "generation_owner_ranks": other_layout})
     with pytest.raises(helix_kv.InvalidTypeError):
         rebuild({**fields, "generation_local_lens": ours.generation_local_lens.astype(np.int32)})
     with pytest.raises(helix_kv.InvalidLengthError, match="generation_past_seen_lens"):
@@ -243,7 +286,7 @@ def test_a_pickle_with_a_bad_placement_or_wrong_per_rank_arrays_is_refused() -> 
     # an old pickle: the per-rank arrays and no placement
     old = {k: v for k, v in fields.items() if k not in cls.PLACEMENT_FIELDS}
     with pytest.raises(helix_kv.InvalidArgumentError, match="cp_rank is missing"):
-        rebuild({**old, **per_rank})
+        rebuild({**old, **given})
     for changed, error, match in [
         ({"cp_rank": 2}, helix_kv.InvalidArgumentError, "rank 2 is outside"),
         ({"cp_rank": -1}, helix_kv.InvalidArgumentError, "cp_rank"),

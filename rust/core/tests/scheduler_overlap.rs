@@ -671,3 +671,68 @@ fn a_long_run_planned_ahead_skips_a_pending_abort_and_stops_at_the_budget() {
     }
     assert_no_leak(&s);
 }
+
+/// Every output's computed owner ranks are `(position // tokens_per_block) % cp_size`, in
+/// plain steps and in steps planned ahead (inputs in flight), under pressure (entries of
+/// requests preempted in their step dropped), for layouts whose sizes are powers of two
+/// and not. (The owner ranks are not stored: each output computes them from its positions.)
+#[test]
+fn computed_owner_ranks_are_the_layouts_owners_plain_and_one_step_ahead() {
+    for cp in [1u32, 2, 3, 4, 8] {
+        for tpb in [1u32, 3, 4, 16, 48] {
+            let (mut in_flight, mut preempted, mut entries) = (0, 0, 0);
+            for ahead in [false, true] {
+                // Room for the largest request alone (two superblocks of prompt, 11 tokens
+                // more), not for all eight at once.
+                let per_superblock = usize::try_from(cp * tpb).unwrap();
+                let room = 4 + 12 / (cp * tpb);
+                let mut s = Scheduler::new(config(cp, tpb, room)).unwrap();
+                for n in 0..8u32 {
+                    // Prompts that end at or just before a superblock's end: their
+                    // decodes need new superblocks.
+                    let i = usize::try_from(n).unwrap();
+                    let len = (per_superblock * (1 + i % 2)).saturating_sub(i % 3).max(1);
+                    s.add_request(u64::from(n), &prompt(len), 3 + 2 * (n % 5), 0)
+                        .unwrap();
+                }
+                let mut pending = std::collections::VecDeque::new();
+                for _ in 0..2_000 {
+                    if !s.has_unfinished() && pending.is_empty() {
+                        break;
+                    }
+                    if s.has_unfinished() && pending.len() < 1 + usize::from(ahead) {
+                        let out = s.schedule().unwrap().clone();
+                        let owners: Vec<u32> = out.generation_owner_ranks().collect();
+                        assert_eq!(owners.len(), out.generation_positions.len());
+                        for (&p, &owner) in out.generation_positions.iter().zip(&owners) {
+                            assert_eq!(
+                                u64::from(owner),
+                                (p / u64::from(tpb)) % u64::from(cp),
+                                "cp {cp} tpb {tpb} ahead {ahead} position {p}"
+                            );
+                        }
+                        entries += owners.len();
+                        in_flight += out
+                            .generation_input_refs
+                            .iter()
+                            .filter(|&&r| r >= 0)
+                            .count();
+                        preempted += out.preempted_ids.len();
+                        pending.push_back(out);
+                        if pending.len() < 1 + usize::from(ahead) && s.has_unfinished() {
+                            continue;
+                        }
+                    }
+                    let older = pending.pop_front().expect("a step pending");
+                    s.update(&tokens(&older), None).unwrap();
+                }
+                assert!(
+                    !s.has_unfinished() && pending.is_empty(),
+                    "cp {cp} tpb {tpb}"
+                );
+            }
+            assert!(entries > 0 && in_flight > 0, "cp {cp} tpb {tpb}");
+            assert!(preempted > 0, "cp {cp} tpb {tpb}: no pressure");
+        }
+    }
+}

@@ -557,7 +557,10 @@ fn partial_chunks_are_whole_units_and_respect_the_token_budget() {
     let fourth = step(&mut s, 1);
     assert_eq!(fourth.generation_ids, vec![0, 1]);
     assert_eq!(fourth.generation_positions, vec![21, 3]);
-    assert_eq!(fourth.generation_owner_ranks, vec![0, 1]);
+    assert_eq!(
+        fourth.generation_owner_ranks().collect::<Vec<_>>(),
+        vec![0, 1]
+    );
     assert_eq!(s.request_metrics(1).unwrap().steps_waited, 2);
 }
 

@@ -455,7 +455,6 @@ fn reversed(out: &ScheduleOutput) -> ScheduleOutput {
     let mut r = out.clone();
     r.generation_ids.reverse();
     r.generation_positions.reverse();
-    r.generation_owner_ranks.reverse();
     r.generation_input_tokens.reverse();
     r.generation_input_refs.reverse();
     r.generation_batch_slots.reverse();

@@ -6,11 +6,12 @@
 //! The class, its getters, the conversions both ways and its field lists are built from the
 //! core's one field list (`helix_kv_core::schedule_output_fields!`).
 //!
-//! This rank's share of the decodes (`PER_RANK_FIELDS`: `generation_active`,
-//! `generation_local_lens`, `generation_past_seen_lens`) is not stored by the core: the output
+//! The owner ranks (`generation_owner_ranks`, the same on every rank) and this rank's share of
+//! the decodes (`PER_RANK_FIELDS`: `generation_active`, `generation_local_lens`,
+//! `generation_past_seen_lens`) are not stored by the core (`COMPUTED_FIELDS`): the output
 //! carries the rank's placement (`cp_rank`, `cp_size`, `tokens_per_block`) and each of those
 //! arrays is computed from `generation_positions` the first time Python reads it, then cached
-//! (read-only like the others). A step whose per-rank arrays are never read never computes
+//! (read-only like the others). A step whose computed arrays are never read never computes
 //! them. Pickles carry the placement, not those arrays.
 
 use std::sync::{Arc, Mutex, PoisonError};
@@ -65,7 +66,7 @@ impl Exposed<i64> for u64 {
     }
 }
 
-/// Owner ranks (the one `u32` field), as int32.
+/// Owner ranks (the computed `generation_owner_ranks`), as int32.
 impl Exposed<i32> for u32 {
     fn to_numpy(self) -> i32 {
         rank_int32(self)
@@ -288,15 +289,16 @@ macro_rules! define_py_schedule_output {
         /// The schedule of one step (frozen; picklable). Arrays are read-only: request ids
         /// uint64; starts, lengths and positions int64; owner ranks, batch slots, token and
         /// block ids int32; flags bool. Every field is identical on every rank except those
-        /// in `PER_RANK_FIELDS` (computed from the positions and this rank's placement when
-        /// first read).
+        /// in `PER_RANK_FIELDS`; those of `COMPUTED_FIELDS` (the owner ranks and the
+        /// per-rank ones) are computed from the positions and this rank's placement when
+        /// first read.
         #[pyclass(frozen, module = "helix_kv._core", name = "ScheduleOutput")]
         pub struct PyScheduleOutput {
             $( $(#[doc = $doc])* #[pyo3(get)] $name: py_field_type!($kind), )*
-            /// This rank and its group's layout: what the per-rank arrays are computed from.
+            /// This rank and its group's layout: what the computed arrays are computed from.
             rank_placement: RankPlacement,
-            /// The per-rank arrays, once read.
-            per_rank: PerRankArrays,
+            /// The computed arrays, once read.
+            computed: ComputedArrays,
             /// The scheduler's spare slot, for an output that a scheduler made: where the
             /// buffers Python never read go when the output is dropped.
             spare: Option<SpareOutput>,
@@ -307,7 +309,7 @@ macro_rules! define_py_schedule_output {
                 Self {
                     $( $name: from_core_field!(out.$name, $kind), )*
                     rank_placement: out.rank_placement,
-                    per_rank: PerRankArrays::default(),
+                    computed: ComputedArrays::default(),
                     spare: None,
                 }
             }
@@ -337,7 +339,8 @@ macro_rules! define_py_schedule_output {
             }
 
             /// Every stored field by name (numpy arrays and ints), then the placement
-            /// (`PLACEMENT_FIELDS`, ints); not the per-rank arrays, computed from them.
+            /// (`PLACEMENT_FIELDS`, ints); not the computed arrays (`COMPUTED_FIELDS`),
+            /// computed from them.
             fn field_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
                 let dict = PyDict::new(py);
                 $( dict.set_item(stringify!($name), field_object!(self.$name, py, $kind))?; )*
@@ -350,7 +353,7 @@ macro_rules! define_py_schedule_output {
             }
 
             /// An output from [`Self::field_dict`]'s form; every stored field and the
-            /// placement must be present (the per-rank arrays are checked by the caller).
+            /// placement must be present (the computed arrays are checked by the caller).
             fn from_field_dict(fields: &Bound<'_, PyDict>) -> PyResult<Self> {
                 let field = |name: &str| {
                     fields.get_item(name)?.ok_or_else(|| {
@@ -360,7 +363,7 @@ macro_rules! define_py_schedule_output {
                 Ok(Self {
                     $( $name: field_from_object!(&field(stringify!($name))?, stringify!($name), $kind), )*
                     rank_placement: placement_from_fields(field)?,
-                    per_rank: PerRankArrays::default(),
+                    computed: ComputedArrays::default(),
                     spare: None,
                 })
             }
@@ -432,17 +435,19 @@ fn placement_from_fields<'py>(
     RankPlacement::new(layout, rank).py()
 }
 
-/// The per-rank arrays of an output, each computed on first read (from the positions and
+/// The computed arrays of an output, each computed on first read (from the positions and
 /// the placement) and cached.
-struct PerRankArrays {
+struct ComputedArrays {
+    owner_ranks: PyOnceLock<Py<PyArray1<i32>>>,
     active: PyOnceLock<Py<PyArray1<bool>>>,
     local_lens: PyOnceLock<Py<PyArray1<i64>>>,
     past_seen_lens: PyOnceLock<Py<PyArray1<i64>>>,
 }
 
-impl Default for PerRankArrays {
+impl Default for ComputedArrays {
     fn default() -> Self {
         Self {
+            owner_ranks: PyOnceLock::new(),
             active: PyOnceLock::new(),
             local_lens: PyOnceLock::new(),
             past_seen_lens: PyOnceLock::new(),
@@ -459,8 +464,8 @@ fn read_only_array<N: Element>(py: Python<'_>, values: Vec<N>) -> Py<PyArray1<N>
 
 impl PyScheduleOutput {
     /// `cell`'s array, made on first use from the positions by `column` (one of the
-    /// placement's per-rank columns, its values in numpy's type).
-    fn per_rank_array<'py, N: Element>(
+    /// placement's columns, its values in numpy's type).
+    fn computed_array<'py, N: Element>(
         &self,
         py: Python<'py>,
         cell: &PyOnceLock<Py<PyArray1<N>>>,
@@ -474,10 +479,10 @@ impl PyScheduleOutput {
         .clone()
     }
 
-    /// The per-rank arrays `fields` gives, if any (old pickles, callers that copy every
+    /// The computed arrays `fields` gives, if any (old pickles, callers that copy every
     /// name of `FIELDS`): each must be a numpy array of its dtype equal to what this
     /// output computes, or the output is refused (`InvalidArgumentError`).
-    fn check_given_per_rank(&self, fields: &Bound<'_, PyDict>) -> PyResult<()> {
+    fn check_given_computed(&self, fields: &Bound<'_, PyDict>) -> PyResult<()> {
         fn check<T: Exposed<N> + PartialEq, N: Element + Copy>(
             given: Option<Bound<'_, PyAny>>,
             name: &str,
@@ -498,7 +503,12 @@ impl PyScheduleOutput {
         let placement = self.rank_placement;
         let positions = self.generation_positions.lend(fields.py());
         let positions = positions.as_slice();
-        let [active, local, past] = PER_RANK_NAMES;
+        let [owners, active, local, past] = COMPUTED_NAMES;
+        check::<u32, i32>(
+            fields.get_item(owners)?,
+            owners,
+            placement.owner_ranks(positions),
+        )?;
         check::<bool, bool>(
             fields.get_item(active)?,
             active,
@@ -517,11 +527,12 @@ impl PyScheduleOutput {
     }
 }
 
-/// The core's per-rank column names, in its order: the getters below are these names.
-const PER_RANK_NAMES: [&str; 3] = [
-    ScheduleOutput::PER_RANK_COLUMNS[0],
-    ScheduleOutput::PER_RANK_COLUMNS[1],
-    ScheduleOutput::PER_RANK_COLUMNS[2],
+/// The core's computed column names, in its order: the getters below are these names.
+const COMPUTED_NAMES: [&str; 4] = [
+    ScheduleOutput::COMPUTED_COLUMNS[0].0,
+    ScheduleOutput::COMPUTED_COLUMNS[1].0,
+    ScheduleOutput::COMPUTED_COLUMNS[2].0,
+    ScheduleOutput::COMPUTED_COLUMNS[3].0,
 ];
 
 /// Field names as a tuple.
@@ -534,16 +545,13 @@ fn names(
 
 #[pymethods]
 impl PyScheduleOutput {
-    /// Every field name: the stored fields in order, then the per-rank ones
-    /// (`PER_RANK_FIELDS`, computed from the positions when read).
+    /// Every field name: the stored fields in order, `generation_owner_ranks` after
+    /// `generation_positions`, then the per-rank ones (`PER_RANK_FIELDS`); those of
+    /// `COMPUTED_FIELDS` are computed from the positions when read.
     #[classattr]
     #[expect(non_snake_case, reason = "a Python class constant")]
     fn FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
-        let stored = ScheduleOutput::FIELDS.iter().map(|(name, _)| *name);
-        names(
-            py,
-            stored.chain(ScheduleOutput::PER_RANK_COLUMNS.iter().copied()),
-        )
+        names(py, ScheduleOutput::all_fields().map(|(name, _)| name))
     }
     /// The fields identical on every rank that scheduled alike (`digest` among them).
     #[classattr]
@@ -562,7 +570,16 @@ impl PyScheduleOutput {
     fn PER_RANK_FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
         names(py, ScheduleOutput::fields_with_scope(FieldScope::PerRank))
     }
-    /// This rank's placement in its group, what the per-rank fields are computed from:
+    /// The fields not stored: `generation_owner_ranks` (rank-invariant) and the per-rank
+    /// ones, each computed from `generation_positions` and the placement the first time it
+    /// is read, then cached. Pickles leave them out; `_from_fields` accepts them only as
+    /// what it computes.
+    #[classattr]
+    #[expect(non_snake_case, reason = "a Python class constant")]
+    fn COMPUTED_FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+        names(py, COMPUTED_NAMES)
+    }
+    /// This rank's placement in its group, what the computed fields are computed from:
     /// attributes of the output, and keys of its pickled form (`_from_fields`).
     #[classattr]
     #[expect(non_snake_case, reason = "a Python class constant")]
@@ -580,11 +597,21 @@ impl PyScheduleOutput {
         PyTuple::new(py, entries)
     }
 
+    /// Rank that appends each generation entry's token: `(pos // tokens_per_block) %
+    /// cp_size`, the same on every rank. Computed from `generation_positions` and the
+    /// placement on first read, then cached.
+    #[getter]
+    fn generation_owner_ranks<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.computed_array(py, &self.computed.owner_ranks, |placement, positions| {
+            let owners = placement.owner_ranks(positions);
+            owners.map(<u32 as Exposed<i32>>::to_numpy).collect()
+        })
+    }
     /// Per rank: whether this rank is the owner (appends the token's KV). Computed from
     /// `generation_positions` and the placement on first read, then cached.
     #[getter]
     fn generation_active<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<bool>> {
-        self.per_rank_array(py, &self.per_rank.active, |placement, positions| {
+        self.computed_array(py, &self.computed.active, |placement, positions| {
             placement.active(positions).collect()
         })
     }
@@ -592,7 +619,7 @@ impl PyScheduleOutput {
     /// `generation_positions` and the placement on first read, then cached.
     #[getter]
     fn generation_local_lens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        self.per_rank_array(py, &self.per_rank.local_lens, |placement, positions| {
+        self.computed_array(py, &self.computed.local_lens, |placement, positions| {
             let lens = placement.local_lens(positions);
             lens.map(<u64 as Exposed<i64>>::to_numpy).collect()
         })
@@ -601,7 +628,7 @@ impl PyScheduleOutput {
     /// `generation_positions` and the placement on first read, then cached.
     #[getter]
     fn generation_past_seen_lens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        self.per_rank_array(py, &self.per_rank.past_seen_lens, |placement, positions| {
+        self.computed_array(py, &self.computed.past_seen_lens, |placement, positions| {
             let lens = placement.past_seen_lens(positions);
             lens.map(<u64 as Exposed<i64>>::to_numpy).collect()
         })
@@ -649,7 +676,7 @@ impl PyScheduleOutput {
             .map_err(|_| invalid_type_of("other", "a ScheduleOutput", other))?;
         Ok(self.to_core(py).differing_fields(&other.get().to_core(py)))
     }
-    /// Equal when every field and the placement are (so the per-rank ones too): a pickled
+    /// Equal when every field and the placement are (so the computed ones too): a pickled
     /// copy equals its original, another rank's output of the same step does not.
     fn __eq__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         let Ok(other) = other.cast::<Self>() else {
@@ -663,7 +690,8 @@ impl PyScheduleOutput {
         self.digest
     }
     /// Pickles as `ScheduleOutput._from_fields({field: value})`: the stored fields and the
-    /// placement (`PLACEMENT_FIELDS`), not the per-rank fields computed from them.
+    /// placement (`PLACEMENT_FIELDS`), not the fields computed from them
+    /// (`COMPUTED_FIELDS`).
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
         let rebuild = py.get_type::<Self>().getattr("_from_fields")?;
@@ -673,7 +701,7 @@ impl PyScheduleOutput {
     /// Rebuilds a pickled output from its fields: every stored field (arrays of the
     /// fields' dtypes, no negative length, position, count or rank; the array lengths must
     /// fit together) and the placement (`PLACEMENT_FIELDS`: a rank of a valid layout). The
-    /// per-rank fields may be left out (they are computed); any given must equal what the
+    /// computed fields (`COMPUTED_FIELDS`) may be left out; any given must equal what the
     /// placement gives for the positions, or the output is refused.
     #[classmethod]
     fn _from_fields(_cls: &Bound<'_, PyType>, fields: &Bound<'_, PyAny>) -> PyResult<Self> {
@@ -682,7 +710,7 @@ impl PyScheduleOutput {
             .map_err(|_| invalid_type_of("fields", "a dict", fields))?;
         let output = Self::from_field_dict(fields)?;
         output.to_core(fields.py()).check_lengths().py()?;
-        output.check_given_per_rank(fields)?;
+        output.check_given_computed(fields)?;
         Ok(output)
     }
     fn __repr__(&self, py: Python<'_>) -> String {

@@ -8,10 +8,11 @@
 //! from that list, so adding a field is one edit there (plus its place in the digest, which
 //! [`ScheduleOutput::compute_digest`] makes a compile error to forget).
 //!
-//! This rank's share of the decodes (whether it appends each token, what it holds before
-//! and after) is not stored: it is a function of the positions, the rank and the layout, so
-//! the output carries the rank's [`RankPlacement`] and computes those columns on demand
-//! ([`ScheduleOutput::PER_RANK_COLUMNS`]).
+//! The owner rank of each decode token and this rank's share of the decodes (whether it
+//! appends each token, what it holds before and after) are not stored: they are functions of
+//! the positions, the rank and the layout, so the output carries the rank's
+//! [`RankPlacement`] and computes those columns on demand
+//! ([`ScheduleOutput::COMPUTED_COLUMNS`]).
 
 use std::fmt::Write as _;
 
@@ -54,8 +55,6 @@ macro_rules! schedule_output_fields {
             invariant generation_ids: [RequestId],
             /// Global position of the token being written.
             invariant generation_positions: [u64],
-            /// Rank that appends that token: `(pos // tokens_per_block) % cp_size`.
-            invariant generation_owner_ranks: [u32],
             /// The token fed at that position (the request's last token), or -1 while that
             /// token is still in flight (see `generation_input_refs`).
             invariant generation_input_tokens: [i32],
@@ -123,7 +122,7 @@ pub enum FieldScope {
     RankInvariant,
     /// This rank's share of the step (whether it appends, its local lengths). No stored
     /// field has it today: the per-rank columns are computed from the positions (see
-    /// [`ScheduleOutput::PER_RANK_COLUMNS`]).
+    /// [`ScheduleOutput::COMPUTED_COLUMNS`]).
     PerRank,
 }
 
@@ -163,13 +162,13 @@ macro_rules! define_schedule_output {
     ({} $( $(#[doc = $doc:tt])* $scope:ident $name:ident : $kind:tt ),* $(,)?) => {
         /// The schedule of one step. Every field is identical on every rank of a CP group
         /// except the per-rank ones (see [`ScheduleOutput::FIELDS`]) and `rank_placement`;
-        /// this rank's share of the decodes is computed from the positions and
-        /// `rank_placement` (see [`ScheduleOutput::PER_RANK_COLUMNS`]). Two ranks' outputs of
-        /// the same step are equal only if they are the same rank.
+        /// the owner ranks and this rank's share of the decodes are computed from the
+        /// positions and `rank_placement` (see [`ScheduleOutput::COMPUTED_COLUMNS`]). Two
+        /// ranks' outputs of the same step are equal only if they are the same rank.
         #[derive(Debug, Clone, PartialEq, Eq, Default)]
         pub struct ScheduleOutput {
             $( $(#[doc = $doc])* pub $name: field_type!($kind), )*
-            /// The rank this output is for and its group's layout: what the per-rank columns
+            /// The rank this output is for and its group's layout: what the computed columns
             /// are computed from. Set when the scheduler is built (and kept by every step);
             /// rank 0 of the plain layout in a default output. Not digested.
             pub rank_placement: RankPlacement,
@@ -177,7 +176,7 @@ macro_rules! define_schedule_output {
 
         impl ScheduleOutput {
             /// Every stored field, in declaration order, with its scope (`rank_placement`
-            /// and the computed per-rank columns are not listed).
+            /// and the computed columns are not listed: [`Self::all_fields`] has those).
             pub const FIELDS: &'static [(&'static str, FieldScope)] =
                 &[$( (stringify!($name), field_scope!($scope)) ),*];
 
@@ -194,9 +193,10 @@ macro_rules! define_schedule_output {
                 0 $( + field_capacity!(self.$name, $kind) )*
             }
 
-            /// The rank-invariant fields in which `other` differs from `self`, in
-            /// declaration order (the digest among them when it differs): what two ranks
-            /// that disagree disagree on.
+            /// The rank-invariant fields in which `other` differs from `self`, in the
+            /// order of [`Self::all_fields`] (the digest among them when it differs; the
+            /// computed owner ranks compared as computed): what two ranks that disagree
+            /// disagree on.
             pub fn differing_fields(&self, other: &Self) -> Vec<&'static str> {
                 let mut names = Vec::new();
                 $(
@@ -205,6 +205,7 @@ macro_rules! define_schedule_output {
                     {
                         names.push(stringify!($name));
                     }
+                    self.push_differing_computed(other, stringify!($name), &mut names);
                 )*
                 names
             }
@@ -220,30 +221,71 @@ fn pack(low: i32, high: i32) -> u64 {
 }
 
 impl ScheduleOutput {
-    /// The columns that are this rank's share of the decodes, one value per generation
-    /// entry: [`Self::generation_active`], [`Self::generation_local_lens`] and
-    /// [`Self::generation_past_seen_lens`]. They are computed from `generation_positions`
-    /// and `rank_placement` when asked for, not stored, and not digested (they differ by
-    /// rank by design; the positions they come from are digested).
-    pub const PER_RANK_COLUMNS: &'static [&'static str] = &[
-        "generation_active",
-        "generation_local_lens",
-        "generation_past_seen_lens",
+    /// The columns computed from `generation_positions` and `rank_placement` when asked
+    /// for, one value per generation entry: not stored, and not digested (the positions
+    /// they come from are). Each with its scope and the stored field it is listed after in
+    /// [`Self::all_fields`]:
+    /// - [`Self::generation_owner_ranks`], the same on every rank (listed where it was once
+    ///   stored, after the positions);
+    /// - this rank's share of the decodes, different by rank by design:
+    ///   [`Self::generation_active`], [`Self::generation_local_lens`] and
+    ///   [`Self::generation_past_seen_lens`] (listed last).
+    pub const COMPUTED_COLUMNS: &'static [(&'static str, FieldScope, &'static str)] = &[
+        (
+            "generation_owner_ranks",
+            FieldScope::RankInvariant,
+            "generation_positions",
+        ),
+        ("generation_active", FieldScope::PerRank, "digest"),
+        ("generation_local_lens", FieldScope::PerRank, "digest"),
+        ("generation_past_seen_lens", FieldScope::PerRank, "digest"),
     ];
 
-    /// The names with `scope`: the stored fields of [`Self::FIELDS`] with it, in
-    /// declaration order, then for [`FieldScope::PerRank`] the computed
-    /// [`Self::PER_RANK_COLUMNS`].
+    /// Every field, stored and computed, with its scope: the stored fields of
+    /// [`Self::FIELDS`] in declaration order, each followed by the
+    /// [`Self::COMPUTED_COLUMNS`] listed after it (in that list's order).
+    pub fn all_fields() -> impl Iterator<Item = (&'static str, FieldScope)> {
+        Self::FIELDS.iter().flat_map(|&(stored, scope)| {
+            let computed = Self::COMPUTED_COLUMNS
+                .iter()
+                .filter(move |(_, _, after)| *after == stored)
+                .map(|&(name, scope, _)| (name, scope));
+            std::iter::once((stored, scope)).chain(computed)
+        })
+    }
+
+    /// The names with `scope`, in the order of [`Self::all_fields`] (stored and computed).
     pub fn fields_with_scope(scope: FieldScope) -> impl Iterator<Item = &'static str> {
-        let computed: &[&str] = match scope {
-            FieldScope::RankInvariant => &[],
-            FieldScope::PerRank => Self::PER_RANK_COLUMNS,
-        };
-        Self::FIELDS
-            .iter()
+        Self::all_fields()
             .filter(move |(_, s)| *s == scope)
-            .map(|(name, _)| *name)
-            .chain(computed.iter().copied())
+            .map(|(name, _)| name)
+    }
+
+    /// Adds to `names` the rank-invariant computed columns listed after the stored field
+    /// `after` whose values differ between `self` and `other` (see
+    /// [`Self::differing_fields`]).
+    fn push_differing_computed(&self, other: &Self, after: &str, names: &mut Vec<&'static str>) {
+        for &(name, scope, listed_after) in Self::COMPUTED_COLUMNS {
+            if scope != FieldScope::RankInvariant || listed_after != after {
+                continue;
+            }
+            let differs = match name {
+                "generation_owner_ranks" => self
+                    .generation_owner_ranks()
+                    .ne(other.generation_owner_ranks()),
+                _ => unreachable!("{name} is no rank-invariant computed column"),
+            };
+            if differs {
+                names.push(name);
+            }
+        }
+    }
+
+    /// The rank that appends each generation entry's token (the same on every rank):
+    /// `(position // tokens_per_block) % cp_size`. Computed from `generation_positions`
+    /// and `rank_placement` (not stored, not digested: a function of the positions).
+    pub fn generation_owner_ranks(&self) -> impl ExactSizeIterator<Item = u32> + '_ {
+        self.rank_placement.owner_ranks(&self.generation_positions)
     }
 
     /// This rank's share, for each generation entry: whether this rank is the owner of
@@ -308,8 +350,8 @@ impl ScheduleOutput {
     /// ([`super::SchedulerConfig::fingerprint`]): two ranks built from different
     /// configurations get different digests even for a step whose fields agree. Fields that
     /// are functions of hashed ones are covered through them: `sample_ids` (generation ids,
-    /// then completing context ids) and the owner ranks (positions, under the group's
-    /// layout). A request's id and position share a word (`id * odd ^ position`: still any
+    /// then completing context ids). The computed columns ([`Self::COMPUTED_COLUMNS`],
+    /// the owner ranks among them) are not fields: they are covered through the positions. A request's id and position share a word (`id * odd ^ position`: still any
     /// single-field difference changes it), and so do its input token and batch slot.
     pub fn compute_digest(&self, config_fingerprint: u64) -> u64 {
         // Every field is named here, so a new one cannot be left out of the digest by
@@ -324,7 +366,6 @@ impl ScheduleOutput {
             context_token_ids,
             generation_ids,
             generation_positions,
-            generation_owner_ranks: _, // a function of the positions
             generation_input_tokens,
             generation_input_refs,
             generation_batch_slots,
@@ -434,7 +475,6 @@ impl ScheduleOutput {
                 &[
                     self.generation_ids.len(),
                     self.generation_positions.len(),
-                    self.generation_owner_ranks.len(),
                     self.generation_input_tokens.len(),
                     self.generation_input_refs.len(),
                     self.generation_batch_slots.len(),
@@ -552,13 +592,9 @@ impl ScheduleOutput {
             ));
         }
         let mut generation = Words::default();
-        for i in 0..self.generation_ids.len() {
-            generation.push(format_args!(
-                "{}@{}/r{}",
-                self.generation_ids[i],
-                self.generation_positions[i],
-                self.generation_owner_ranks[i]
-            ));
+        let entries = self.generation_ids.iter().zip(&self.generation_positions);
+        for ((id, position), owner) in entries.zip(self.generation_owner_ranks()) {
+            generation.push(format_args!("{id}@{position}/r{owner}"));
         }
         let mut batch_slots = Words::default();
         let slots = self.context_ids.iter().zip(&self.context_batch_slots);
@@ -637,7 +673,6 @@ mod tests {
             context_token_ids: (0..12).collect(),
             generation_ids: vec![1],
             generation_positions: vec![9],
-            generation_owner_ranks: vec![0],
             generation_input_tokens: vec![7],
             generation_input_refs: vec![-1],
             generation_batch_slots: vec![2],
@@ -668,29 +703,52 @@ mod tests {
         );
         assert!(shown.ends_with(&format!(", rank_placement: {placement} }}")));
         assert_eq!(shown.matches(": ").count(), names.len() + 1 + 3);
-        // The per-rank names are the computed columns, none of them stored.
-        assert!(ScheduleOutput::FIELDS
+        // The computed columns: none stored, each listed after a stored field; every
+        // stored field is rank-invariant, the per-rank names are computed columns.
+        let computed: Vec<_> = ScheduleOutput::COMPUTED_COLUMNS
             .iter()
-            .all(|(_, scope)| *scope == FieldScope::RankInvariant));
-        let per_rank: Vec<_> = ScheduleOutput::fields_with_scope(FieldScope::PerRank).collect();
-        assert_eq!(per_rank, ScheduleOutput::PER_RANK_COLUMNS);
-        assert!(per_rank.iter().all(|name| !names.contains(name)));
+            .map(|(n, _, _)| *n)
+            .collect();
         assert_eq!(
-            ScheduleOutput::fields_with_scope(FieldScope::RankInvariant).collect::<Vec<_>>(),
-            names
-        );
-        assert_eq!(
-            per_rank,
+            computed,
             [
+                "generation_owner_ranks",
                 "generation_active",
                 "generation_local_lens",
                 "generation_past_seen_lens"
             ]
         );
+        for (name, _, after) in ScheduleOutput::COMPUTED_COLUMNS {
+            assert!(!names.contains(name), "{name} is stored");
+            assert!(names.contains(after), "{name} is listed after no field");
+        }
+        assert!(ScheduleOutput::FIELDS
+            .iter()
+            .all(|(_, scope)| *scope == FieldScope::RankInvariant));
+        // Every field in order: where the owner ranks were stored, the per-rank ones last.
+        let all: Vec<_> = ScheduleOutput::all_fields().map(|(n, _)| n).collect();
+        let at = names
+            .iter()
+            .position(|n| *n == "generation_positions")
+            .unwrap();
+        let mut expected = names.clone();
+        expected.insert(at + 1, "generation_owner_ranks");
+        expected.extend(&computed[1..]);
+        assert_eq!(all, expected);
+        let per_rank: Vec<_> = ScheduleOutput::fields_with_scope(FieldScope::PerRank).collect();
+        assert_eq!(per_rank, computed[1..]);
+        let mut invariant = names.clone();
+        invariant.insert(at + 1, "generation_owner_ranks");
+        assert_eq!(
+            ScheduleOutput::fields_with_scope(FieldScope::RankInvariant).collect::<Vec<_>>(),
+            invariant
+        );
         for (entry, shown) in ScheduleOutput::SUMMARY_ENTRIES {
             for field in *shown {
-                assert!(names.contains(field), "{entry} shows unknown field {field}");
-                assert!(!per_rank.contains(field), "{entry} shows per-rank {field}");
+                assert!(
+                    invariant.contains(field),
+                    "{entry} shows unknown or per-rank field {field}"
+                );
             }
         }
     }
@@ -713,13 +771,93 @@ mod tests {
         assert!(text.ends_with(&format!("digest: {:016x}\n", out.digest)));
     }
 
+    /// The summary of an output with several decodes over two superblocks, as the stored
+    /// owner ranks made it: each entry's owner is `(position // tpb) % cp`, whatever the
+    /// rank the output is for.
+    #[test]
+    fn the_summary_shows_each_decodes_owner_as_before() {
+        let mut out = ScheduleOutput {
+            step: 7,
+            generation_ids: vec![3, 1, 8, 2, 5],
+            generation_positions: vec![0, 5, 11, 12, 23],
+            generation_input_tokens: vec![1; 5],
+            generation_input_refs: vec![-1, 0, -1, 2, -1],
+            generation_batch_slots: vec![0, 1, 2, 3, 4],
+            sample_ids: vec![3, 1, 8, 2, 5],
+            num_tokens: 5,
+            preempted_ids: vec![9],
+            preempted_requester_ids: vec![3],
+            ..ScheduleOutput::default()
+        };
+        // cp 3, tpb 4: pages 0, 1, 2, 3, 5 of positions 0, 5, 11, 12, 23.
+        let mut texts = Vec::new();
+        for rank in 0..3 {
+            out.rank_placement = placement(3, 4, rank);
+            out.digest = out.compute_digest(1);
+            texts.push(out.summary());
+        }
+        let expected = format!(
+            "step: 7\nnum_tokens: 5\ncontext:\nincomplete_prompts:\n\
+             generation: 3@0/r0 1@5/r1 8@11/r2 2@12/r0 5@23/r2\n\
+             preempted: 9(for 3)\nsuspended:\nresumed:\nsat_out:\n\
+             batch_slots: 3=0 1=1 8=2 2=3 5=4\ndigest: {:016x}\n",
+            out.digest
+        );
+        for text in &texts {
+            assert_eq!(text, &expected);
+        }
+        // Another layout, the same positions: other owners, the rest of the text alike.
+        out.rank_placement = placement(2, 3, 1);
+        let generation = out.summary_fields()[4].1.clone();
+        assert_eq!(generation, "3@0/r0 1@5/r1 8@11/r1 2@12/r0 5@23/r1");
+    }
+
+    /// The owner ranks are compared as computed: two outputs with the same positions
+    /// under different layouts differ in them (listed where the stored field was, after
+    /// the positions); other positions that give the same owners differ in the positions
+    /// alone.
+    #[test]
+    fn differing_fields_compare_the_computed_owner_ranks() {
+        let out = sample();
+        let mut other = out.clone();
+        other.rank_placement = placement(3, 4, 1);
+        assert_eq!(
+            out.generation_owner_ranks().collect::<Vec<_>>(),
+            [0] // position 9: page 2 of two ranks
+        );
+        assert_eq!(
+            other.generation_owner_ranks().collect::<Vec<_>>(),
+            [2] // page 2 of three ranks
+        );
+        assert_eq!(out.differing_fields(&other), ["generation_owner_ranks"]);
+        assert_eq!(other.differing_fields(&out), ["generation_owner_ranks"]);
+        other.generation_positions = vec![8];
+        other.context_ids = vec![4, 6];
+        assert_eq!(
+            out.differing_fields(&other),
+            [
+                "context_ids",
+                "generation_positions",
+                "generation_owner_ranks"
+            ]
+        );
+        // Position 1 has owner 0 under (2, 4) too: the positions alone differ.
+        let mut other = out.clone();
+        other.generation_positions = vec![1];
+        assert_eq!(out.differing_fields(&other), ["generation_positions"]);
+        // Two ranks' outputs of one layout: the same owners.
+        other = out.clone();
+        other.rank_placement = placement(2, 4, 1);
+        assert!(out.differing_fields(&other).is_empty());
+    }
+
     #[test]
     fn lengths_that_do_not_fit_together_are_refused() {
         sample().check_lengths().unwrap();
         ScheduleOutput::default().check_lengths().unwrap();
         let broken: [fn(&mut ScheduleOutput); 5] = [
             |o| o.context_lens.push(1),
-            |o| o.generation_owner_ranks.clear(),
+            |o| o.generation_batch_slots.clear(),
             |o| o.preempted_requester_ids.push(1),
             |o| o.context_token_ids.truncate(3),
             |o| o.sample_ids.push(9),
@@ -790,7 +928,6 @@ mod tests {
         let mut out = ScheduleOutput {
             generation_ids: (0..entries).collect(),
             generation_positions: (0..entries).map(|i| 100 + i).collect(),
-            generation_owner_ranks: vec![0; 37],
             generation_input_tokens: vec![7; 37],
             generation_input_refs: vec![-1; 37],
             generation_batch_slots: (0..37).collect(),
@@ -824,7 +961,7 @@ mod tests {
     }
 
     #[test]
-    fn per_rank_columns_match_a_brute_force_oracle() {
+    fn computed_columns_match_a_brute_force_oracle() {
         let mut seed = 0x2545_f491_4f6c_dd1du64;
         let mut next = |bound: u64| {
             seed ^= seed << 13;
@@ -852,6 +989,7 @@ mod tests {
                         rank_placement: RankPlacement::new(layout, rank).unwrap(),
                         ..ScheduleOutput::default()
                     };
+                    let owners: Vec<u32> = out.generation_owner_ranks().collect();
                     let active: Vec<bool> = out.generation_active().collect();
                     let local: Vec<u64> = out.generation_local_lens().collect();
                     let past: Vec<u64> = out.generation_past_seen_lens().collect();
@@ -859,6 +997,8 @@ mod tests {
                     for (i, &p) in small.iter().enumerate() {
                         let n = usize::try_from(p).unwrap();
                         let what = format!("cp={cp} tpb={tokens_per_block} rank={rank} pos={p}");
+                        let owner = (p / u64::from(tokens_per_block)) % u64::from(cp);
+                        assert_eq!(u64::from(owners[i]), owner, "{what}");
                         assert_eq!(active[i], held[n + 1] > held[n], "{what}");
                         assert_eq!(past[i], held[n], "{what}");
                         assert_eq!(local[i], held[n + 1], "{what}");
@@ -871,6 +1011,17 @@ mod tests {
                         .generation_active()
                         .zip(out.generation_local_lens())
                         .zip(out.generation_past_seen_lens());
+                    let owners = out.generation_owner_ranks();
+                    assert_eq!(owners.len(), large.len());
+                    for (&p, owner) in large.iter().zip(owners) {
+                        let brute = (p / u64::from(tokens_per_block)) % u64::from(cp);
+                        assert_eq!(
+                            u64::from(owner),
+                            brute,
+                            "cp={cp} tpb={tokens_per_block} {p}"
+                        );
+                        assert_eq!(owner, layout.owner_rank(p));
+                    }
                     for (&p, ((active, local), past)) in large.iter().zip(columns) {
                         assert_eq!(active, layout.owner_rank(p) == rank);
                         assert_eq!(local, layout.local_len(p + 1, rank));

@@ -142,9 +142,9 @@ impl Placement {
 }
 
 /// One rank's place in its CP group's layout, as a
-/// [`ScheduleOutput`](super::ScheduleOutput) carries it: what the output's per-rank columns
-/// ([`ScheduleOutput::PER_RANK_COLUMNS`](super::ScheduleOutput::PER_RANK_COLUMNS)) are
-/// computed from, with the positions. Equal for two ranks only when they are the same rank
+/// [`ScheduleOutput`](super::ScheduleOutput) carries it: what the output's computed columns
+/// ([`ScheduleOutput::COMPUTED_COLUMNS`](super::ScheduleOutput::COMPUTED_COLUMNS): the
+/// owner ranks and this rank's share) are computed from, with the positions. Equal for two ranks only when they are the same rank
 /// of the same layout.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RankPlacement {
@@ -184,6 +184,14 @@ impl RankPlacement {
     /// The group's layout.
     pub fn layout(self) -> Layout {
         self.layout
+    }
+
+    /// For each decode token at `positions`: the rank that appends it (its owner,
+    /// `(position / tokens_per_block) % cp_size`; the same for every rank).
+    pub fn owner_ranks(self, positions: &[u64]) -> impl ExactSizeIterator<Item = u32> + '_ {
+        positions
+            .iter()
+            .map(move |&p| self.placement.decode(p, self.cp_rank).owner)
     }
 
     /// For each decode token at `positions`: whether this rank appends it (is its owner).

@@ -1,7 +1,6 @@
 //! Building one step: the generation phase, the context phase, the preemption ladder
 //! and the output arrays.
 
-use super::placement::Placement;
 use super::request::{AheadMark, Request, NO_STEP};
 use super::slots::{entry_id, row_id, slot_id};
 use super::victim::VictimKey;
@@ -195,7 +194,6 @@ impl Scheduler {
         out.generation_positions.reserve(decoding);
         out.generation_input_tokens.reserve(decoding);
         out.generation_batch_slots.reserve(decoding);
-        out.generation_owner_ranks.reserve(decoding);
         out.sample_ids.reserve(decoding);
         self.generation_reqs.clear();
         self.generation_needing_slots.clear();
@@ -303,7 +301,7 @@ impl Scheduler {
                     positions[count] = position;
                     slots[count] = slot_id(slot);
                     reqs[count] = req;
-                    mode.record(&mut columns, count, request, position, row);
+                    mode.record(&mut columns, count, request, row);
                     count += 1;
                     pos += 1;
                 }
@@ -400,8 +398,9 @@ impl Scheduler {
 
     /// Records a scheduled decode straight into the output being built (the common case
     /// touches each request once per step); a victim's entry is dropped in
-    /// `finish_step`, a missing batch slot and (for a step planned ahead) the owner ranks
-    /// are filled in there (and, for a plain step, the input refs: all -1).
+    /// `finish_step`, a missing batch slot is filled in there (and, for a plain step, the
+    /// input refs: all -1). Owner ranks are not stored: the output computes them from the
+    /// positions ([`ScheduleOutput::generation_owner_ranks`]).
     fn push_generation_entry<const AHEAD: bool>(
         &mut self,
         step: u64,
@@ -433,12 +432,6 @@ impl Scheduler {
             out.generation_input_tokens.push(request.last_token);
         }
         out.generation_batch_slots.push(slot);
-        if !AHEAD {
-            // A plain step's entries are placed as they are made (most in `decode_run`);
-            // a step planned ahead places all of them in one pass (`finish_step`).
-            let placed = self.placement.decode(position, self.config.cp_rank);
-            out.generation_owner_ranks.push(placed.owner);
-        }
         self.generation_reqs.push(req);
         self.journal.push(JournalEntry::Decode(req));
         self.step_tokens += 1;
@@ -845,11 +838,6 @@ impl Scheduler {
         // A plain step's inputs are all known: its refs are filled in one go.
         let entries = self.building.generation_ids.len();
         self.building.generation_input_refs.resize(entries, -1);
-        if self.building.generation_owner_ranks.len() != entries {
-            // Planned ahead: no entry is placed yet.
-            debug_assert!(self.building.generation_owner_ranks.is_empty());
-            self.place_all_generation_entries();
-        }
         let out = &mut self.building;
         out.sample_ids.extend_from_slice(&out.generation_ids);
         let completing = out.context_ids.iter().zip(&out.context_completes);
@@ -906,8 +894,6 @@ impl Scheduler {
         let out = &mut self.building;
         // Only a step planned ahead has its refs yet (a plain one fills them in after).
         let refs = !out.generation_input_refs.is_empty();
-        // Only a plain step's entries are placed yet (one planned ahead is placed after).
-        let placed = !out.generation_owner_ranks.is_empty();
         let mut kept = 0;
         for i in 0..self.generation_reqs.len() {
             let req = self.generation_reqs[i];
@@ -922,9 +908,6 @@ impl Scheduler {
                 out.generation_input_refs[kept] = out.generation_input_refs[i];
             }
             out.generation_batch_slots[kept] = out.generation_batch_slots[i];
-            if placed {
-                out.generation_owner_ranks[kept] = out.generation_owner_ranks[i];
-            }
             kept += 1;
         }
         self.generation_reqs.truncate(kept);
@@ -935,18 +918,6 @@ impl Scheduler {
             out.generation_input_refs.truncate(kept);
         }
         out.generation_batch_slots.truncate(kept);
-        out.generation_owner_ranks.truncate(kept);
-    }
-
-    /// Owner ranks for every generation entry of a step planned ahead, one plain pass
-    /// over the positions. (This rank's share is computed from the positions when asked
-    /// for: [`ScheduleOutput::generation_active`] and the like.)
-    fn place_all_generation_entries(&mut self) {
-        let (placement, rank) = (self.placement, self.config.cp_rank);
-        let out = &mut self.building;
-        let positions = &out.generation_positions;
-        out.generation_owner_ranks
-            .extend(positions.iter().map(|&p| placement.decode(p, rank).owner));
     }
 
     /// Undoes the step's reservations (newest first), resumes, new batch slots and
@@ -1133,14 +1104,7 @@ trait DecodeRunMode: Copy {
         step: u64,
     ) -> Option<u64>;
     /// Records the mode's columns of the chunk's entry `at`.
-    fn record(
-        self,
-        columns: &mut Self::Columns,
-        at: usize,
-        request: &Request,
-        position: u64,
-        row: i32,
-    );
+    fn record(self, columns: &mut Self::Columns, at: usize, request: &Request, row: i32);
     /// Appends the chunk's first `count` entries of the mode's columns to `out`.
     fn flush(columns: &Self::Columns, out: &mut ScheduleOutput, count: usize);
     /// The general path for the request `req` at `queue_pos`, where the run stopped.
@@ -1154,36 +1118,22 @@ trait DecodeRunMode: Copy {
 
 /// A plain step's decode run: `Decoding` requests decode on their last token, `Waiting`
 /// and `Prefilling` ones are passed over, a `Suspended` one needs the general path (a
-/// resume). Each entry is placed as it is made (its owner rank).
+/// resume).
 #[derive(Clone, Copy)]
-struct PlainRun {
-    placement: Placement,
-    rank: u32,
-}
-
-/// The columns of [`PlainRun`]'s chunk: the input tokens and the owner ranks.
-struct PlainColumns {
-    tokens: [i32; CHUNK],
-    owners: [u32; CHUNK],
-}
+struct PlainRun;
 
 impl DecodeRunMode for PlainRun {
-    type Columns = PlainColumns;
+    /// The input tokens (each request's last token).
+    type Columns = [i32; CHUNK];
 
     #[inline]
-    fn new(scheduler: &Scheduler) -> Self {
-        Self {
-            placement: scheduler.placement,
-            rank: scheduler.config.cp_rank,
-        }
+    fn new(_: &Scheduler) -> Self {
+        Self
     }
 
     #[inline]
-    fn columns() -> PlainColumns {
-        PlainColumns {
-            tokens: [0; CHUNK],
-            owners: [0; CHUNK],
-        }
+    fn columns() -> [i32; CHUNK] {
+        [0; CHUNK]
     }
 
     #[inline]
@@ -1206,16 +1156,8 @@ impl DecodeRunMode for PlainRun {
     }
 
     #[inline]
-    fn record(
-        self,
-        columns: &mut PlainColumns,
-        at: usize,
-        request: &Request,
-        position: u64,
-        _: i32,
-    ) {
-        columns.tokens[at] = request.last_token;
-        columns.owners[at] = self.placement.decode(position, self.rank).owner;
+    fn record(self, tokens: &mut [i32; CHUNK], at: usize, request: &Request, _: i32) {
+        tokens[at] = request.last_token;
     }
 
     fn general(
@@ -1228,11 +1170,9 @@ impl DecodeRunMode for PlainRun {
     }
 
     #[inline]
-    fn flush(columns: &PlainColumns, out: &mut ScheduleOutput, count: usize) {
+    fn flush(tokens: &[i32; CHUNK], out: &mut ScheduleOutput, count: usize) {
         out.generation_input_tokens
-            .extend_from_slice(&columns.tokens[..count]);
-        out.generation_owner_ranks
-            .extend_from_slice(&columns.owners[..count]);
+            .extend_from_slice(&tokens[..count]);
     }
 }
 
@@ -1240,7 +1180,7 @@ impl DecodeRunMode for PlainRun {
 /// decode again here on the token they are sampling there (given as its row), and those
 /// with nothing to do in this phase (an abort pending, `Waiting` or `Prefilling` with no
 /// work in the older step, `Decoding` with its last token sampled there). Anything else
-/// needs the general path. The placement is filled in by `finish_step`.
+/// needs the general path.
 #[derive(Clone, Copy)]
 struct AheadRun;
 
@@ -1291,7 +1231,7 @@ impl DecodeRunMode for AheadRun {
     }
 
     #[inline]
-    fn record(self, rows: &mut [i32; CHUNK], at: usize, _: &Request, _: u64, row: i32) {
+    fn record(self, rows: &mut [i32; CHUNK], at: usize, _: &Request, row: i32) {
         rows[at] = row;
     }
 

@@ -553,14 +553,20 @@ impl Group {
             .iter()
             .map(|o| o.generation_past_seen_lens().collect())
             .collect();
+        let owners: Vec<Vec<u32>> = outs
+            .iter()
+            .map(|o| o.generation_owner_ranks().collect())
+            .collect();
         for i in 0..gen.generation_ids.len() {
             let pos = gen.generation_positions[i];
             let owner = (pos / tpb) % cp;
-            assert_eq!(
-                u64::from(gen.generation_owner_ranks[i]),
-                owner,
-                "owner of position {pos}"
-            );
+            for (rank, owners) in owners.iter().enumerate() {
+                assert_eq!(
+                    u64::from(owners[i]),
+                    owner,
+                    "owner of position {pos} on rank {rank}"
+                );
+            }
             let active: Vec<usize> = (0..outs.len()).filter(|&r| active[r][i]).collect();
             assert_eq!(
                 active,
