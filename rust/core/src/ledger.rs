@@ -327,11 +327,6 @@ impl<'a> RequestKv<'a> {
     pub fn table(&self) -> &'a [SuperblockId] {
         self.table.pages(self.record.held)
     }
-    /// Superblocks held: the table's length, read from the record alone (the table's own
-    /// cache line is not touched).
-    pub(crate) fn held(&self) -> usize {
-        self.record.held as usize
-    }
     /// Global tokens reserved.
     pub fn len(&self) -> u64 {
         self.record.len
@@ -693,6 +688,15 @@ impl Ledger {
             record,
             table: &tables[entry],
         })
+    }
+
+    /// The id, reserved tokens and superblocks held of the request at `entry` (whatever it
+    /// holds, a vacant entry included; `None` past the slab), read from its record alone:
+    /// for a caller that checks a row against its hint without a branch per check.
+    #[inline]
+    pub(crate) fn holding_at(&self, entry: EntryIndex) -> Option<(RequestId, u64, u32)> {
+        let record = self.requests.records.get(entry)?;
+        Some((record.id, record.len, record.held))
     }
 
     /// Writes the superblock table held at `entry` (whatever request it holds; none past

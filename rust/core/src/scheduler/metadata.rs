@@ -960,38 +960,37 @@ fn hinted_row_tables<'s>(
 /// The widest table and the furthest position of the rows `ids` (positions `positions`)
 /// whose requests sit at the ledger entries `hints`, checked as [`hinted_row_tables`]
 /// checks them but reading each request's record alone (its table is read as the row is
-/// written, through [`Hinted`]): no table collected, no allocation. `None` where
-/// [`hinted_row_tables`] would give `None`. Kept out of line, so the loop holds its values
-/// in registers.
+/// written, through [`Hinted`]): no table collected, no allocation. `superblock` is a
+/// position's superblock (its index in the table). `None` where [`hinted_row_tables`]
+/// would give `None`. Kept out of line, so the loop holds its values in registers.
 #[inline(never)]
 fn hinted_row_check(
     ledger: &crate::ledger::Ledger,
     ids: &[RequestId],
     hints: &[u32],
     positions: &[u64],
-    bounds: RowBounds,
+    columns: usize,
+    superblock: impl Fn(u64) -> u64,
 ) -> Option<(usize, u64)> {
     let g = ids.len();
     let (hints, positions) = (hints.get(..g)?, positions.get(..g)?);
-    let (mut failed, mut furthest, mut widest) = (false, 0u64, 0usize);
-    for i in 0..g {
-        // A hint that does not hold its request counts as no tokens reserved: it fails.
-        let (reserved, held) = ledger
-            .request_at(hints[i] as usize, ids[i])
-            .map_or((0, 0), |request| (request.len(), request.held()));
-        let pos = positions[i];
-        // `pos / tokens_per_superblock >= held`, as a product (no division).
-        let held_tokens = (held as u64).saturating_mul(bounds.tokens_per_superblock);
+    let (mut failed, mut furthest, mut widest) = (false, 0u64, 0u32);
+    for ((&id, &hint), &pos) in ids.iter().zip(hints).zip(positions) {
+        // A vacant entry holds no tokens (and whatever id): its row fails.
+        let (held_id, reserved, held) = ledger.holding_at(hint as usize)?;
         #[expect(
             clippy::needless_bitwise_bool,
             reason = "every check of the row, without a branch each"
         )]
-        let row_failed = (pos >= reserved) | (held > bounds.columns) | (pos >= held_tokens);
+        let row_failed = (held_id != id)
+            | (pos >= reserved)
+            | (held as usize > columns)
+            | (superblock(pos) >= u64::from(held));
         failed |= row_failed;
         furthest = furthest.max(pos);
         widest = widest.max(held);
     }
-    (!failed).then_some((widest, furthest))
+    (!failed).then_some((widest as usize, furthest))
 }
 
 /// The superblock tables of the decode rows, as [`write_rows`] writes them: each row's
@@ -1258,13 +1257,16 @@ impl Scheduler {
         // ledger entry) where that still names it: no id lookup on the common path.
         // Where every row's request sits at its hint, its table is read there again as
         // the row is written: nothing collected.
-        let (tables, widest, furthest) = if let Some((widest, furthest)) = hinted_row_check(
+        let per_superblock = Divisor::new(bounds.tokens_per_superblock);
+        let hinted = hinted_row_check(
             &self.ledger,
             source.generation_ids,
             &self.generation_reqs,
             source.generation_positions,
-            bounds,
-        ) {
+            bounds.columns,
+            |pos| per_superblock.div(pos),
+        );
+        let (tables, widest, furthest) = if let Some((widest, furthest)) = hinted {
             (None, widest, furthest)
         } else {
             let rows = self.row_tables_in_order(source, bounds)?;
