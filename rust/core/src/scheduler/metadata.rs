@@ -957,12 +957,13 @@ fn hinted_row_tables<'s>(
     })
 }
 
-/// The widest table and the furthest position of the rows `ids` (positions `positions`)
-/// whose requests sit at the ledger entries `hints`, checked as [`hinted_row_tables`]
-/// checks them but reading each request's record alone (its table is read as the row is
-/// written, through [`Hinted`]): no table collected, no allocation. `superblock` is a
-/// position's superblock (its index in the table). `None` where [`hinted_row_tables`]
-/// would give `None`. Kept out of line, so the loop holds its values in registers.
+/// The widest table of the rows `ids` (positions `positions`) whose requests sit at the
+/// ledger entries `hints`, and a position at least the furthest one (the furthest itself
+/// where a word might not hold it), checked as [`hinted_row_tables`] checks them but
+/// reading each request's record alone (its table is read as the row is written, through
+/// [`Hinted`]): no table collected, no allocation. `superblock` is a position's superblock
+/// (its index in the table). `None` where [`hinted_row_tables`] would give `None`. Kept out
+/// of line, so the loop holds its values in registers.
 #[inline(never)]
 fn hinted_row_check(
     ledger: &crate::ledger::Ledger,
@@ -974,7 +975,7 @@ fn hinted_row_check(
 ) -> Option<(usize, u64)> {
     let g = ids.len();
     let (hints, positions) = (hints.get(..g)?, positions.get(..g)?);
-    let (mut failed, mut furthest, mut widest) = (false, 0u64, 0u32);
+    let (mut failed, mut any_bits, mut widest) = (false, 0u64, 0u32);
     for ((&id, &hint), &pos) in ids.iter().zip(hints).zip(positions) {
         // A vacant entry holds no tokens (and whatever id): its row fails.
         let (held_id, reserved, held) = ledger.holding_at(hint as usize)?;
@@ -982,15 +983,21 @@ fn hinted_row_check(
             clippy::needless_bitwise_bool,
             reason = "every check of the row, without a branch each"
         )]
-        let row_failed = (held_id != id)
-            | (pos >= reserved)
-            | (held as usize > columns)
-            | (superblock(pos) >= u64::from(held));
+        let row_failed = (held_id != id) | (pos >= reserved) | (superblock(pos) >= u64::from(held));
         failed |= row_failed;
-        furthest = furthest.max(pos);
+        any_bits |= pos;
         widest = widest.max(held);
     }
-    (!failed).then_some((widest as usize, furthest))
+    let widest = widest as usize;
+    // The positions ORed together are at least the furthest and below twice it: under
+    // 2^30 every position and local length fits a word (what the bound is checked for),
+    // else the furthest is taken exactly.
+    let furthest = if any_bits < 1 << 30 {
+        any_bits
+    } else {
+        positions.iter().copied().max().unwrap_or(0)
+    };
+    (!failed && widest <= columns).then_some((widest, furthest))
 }
 
 /// The superblock tables of the decode rows, as [`write_rows`] writes them: each row's
@@ -1266,8 +1273,8 @@ impl Scheduler {
             bounds.columns,
             |pos| per_superblock.div(pos),
         );
-        let (tables, widest, furthest) = if let Some((widest, furthest)) = hinted {
-            (None, widest, furthest)
+        let (tables, widest, furthest) = if let Some((widest, furthest_bound)) = hinted {
+            (None, widest, furthest_bound)
         } else {
             let rows = self.row_tables_in_order(source, bounds)?;
             (Some(rows.tables), rows.widest, rows.furthest)
@@ -1276,6 +1283,9 @@ impl Scheduler {
         // positions as they are written (see `write_rows`). A local length counts the
         // rank's tokens up to its position, so it grows with the position: the furthest
         // row's is the largest, and a past-seen length is at most its row's local one.
+        // (Where the rows were checked at their hints, `furthest` may be a bound above
+        // the furthest position that fits a word with its local length: the check passes
+        // as it would for the furthest.)
         let longest = self
             .placement
             .decode(furthest, self.config.cp_rank)
