@@ -1146,27 +1146,26 @@ fn write_rows<'s, S: PositionSplit, T: TableSource<'s>>(
         .zip(source.generation_input_refs);
     for ((((row, &key), &token), &pos), &input_ref) in rows {
         let (fixed, cells) = row.split_at_mut(decode_row::BLOCK_TABLE);
-        let table = tables.write_cells(key, cells, pad);
         // The owner and lengths are this rank's, from the position, as the scheduler's
         // decode path computed them (not the output's per-rank arrays: an output of
         // another rank has the same step and digest).
         let placed = split.place(pos, rank);
+        // The columns known before the table is read, stored first: fewer values held
+        // across the table's write.
+        fixed[decode_row::TOKEN_ID] = token;
+        fixed[decode_row::POSITION] = word(pos);
+        fixed[decode_row::LOCAL_LEN] = word(placed.local_len);
+        fixed[decode_row::PAST_SEEN_LEN] = word(placed.past_seen_len);
+        fixed[decode_row::INPUT_REF] = input_ref;
+        let table = tables.write_cells(key, cells, pad);
         // Checked: a row this rank owns holds the superblock of its position, and every
         // slot of the pool fits an int32 word.
-        let slot = match table.get(split.superblock(pos)) {
+        fixed[decode_row::SLOT] = match table.get(split.superblock(pos)) {
             Some(&superblock) if placed.owner == rank => {
                 page_id(superblock) * tokens_per_block + split.block_offset(pos)
             }
             _ => -1,
         };
-        fixed.copy_from_slice(&[
-            token,
-            word(pos),
-            slot,
-            word(placed.local_len),
-            word(placed.past_seen_len),
-            input_ref,
-        ]);
     }
 }
 
