@@ -701,9 +701,9 @@ impl Ledger {
 
     /// Writes the superblock table held at `entry` (whatever request it holds; none past
     /// the slab) into the block-table row `cells` as int32 page ids, `pad` in the cells past
-    /// it, and returns the table: for a caller that found its request there
-    /// ([`Self::request_at`]) and checked that the table fits `cells` (what does not fit is
-    /// not written). `pad` is passed in (the caller's -1, hidden from the optimizer) so a
+    /// it, and returns the table: for a caller that checked the request there
+    /// ([`Self::holding_at`]) and that the table fits `cells` (what does not fit is not
+    /// written). `pad` is passed in (the caller's -1, hidden from the optimizer) so a
     /// row's padding cells are stored inline rather than by a `memset` call each.
     #[expect(
         clippy::inline_always,
