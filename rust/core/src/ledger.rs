@@ -22,6 +22,56 @@ pub(crate) fn page_id(superblock: SuperblockId) -> i32 {
     superblock as i32
 }
 
+/// The bits of a superblock id as an int32 word, whatever its value: a page id where the
+/// id is held ([`page_id`]); stale cells of a table held in place are masked off after.
+#[expect(
+    clippy::cast_possible_wrap,
+    reason = "bits only: a held id is a page id (see `page_id`), a stale one is masked off"
+)]
+fn page_id_bits(superblock: SuperblockId) -> i32 {
+    superblock as i32
+}
+
+/// Writes `pages` into the block-table row `cells` as int32 page ids (what fits), `pad`
+/// in the cells past them, and returns `pages`: a table held on the heap, or a row
+/// narrower than a table held in place (kept out of the row loop).
+#[inline(never)]
+pub(crate) fn write_table_cells<'a>(
+    cells: &mut [i32],
+    pages: &'a [SuperblockId],
+    pad: i32,
+) -> &'a [SuperblockId] {
+    let used = pages.len().min(cells.len());
+    let (head, tail) = cells.split_at_mut(used);
+    for (cell, &superblock) in head.iter_mut().zip(pages) {
+        *cell = page_id(superblock);
+    }
+    pad_cells(tail, pad);
+    pages
+}
+
+/// Every cell of `cells` `pad`: eight cells a store while eight remain, then one store of
+/// eight ending at the last cell (overlapping the one before) where `cells` holds eight;
+/// cell by cell below. A row's padding without a loop per cell or a `memset` call.
+#[inline]
+fn pad_cells(cells: &mut [i32], pad: i32) {
+    const LANES: usize = 8;
+    let n = cells.len();
+    if n < LANES {
+        for cell in cells {
+            *cell = pad;
+        }
+        return;
+    }
+    let lanes = [pad; LANES];
+    let mut at = 0;
+    while at + LANES < n {
+        cells[at..at + LANES].copy_from_slice(&lanes);
+        at += LANES;
+    }
+    cells[n - LANES..].copy_from_slice(&lanes);
+}
+
 /// The length of a page table or of the free list, in superblocks.
 #[expect(
     clippy::cast_possible_truncation,
@@ -40,6 +90,21 @@ pub(crate) type EntryIndex = usize;
 /// Superblocks a [`KvTable`] holds in place before its table moves to the heap: the first
 /// ones a request takes cost no allocation and no cache line beyond the table's.
 const INLINE_SUPERBLOCKS: usize = 8;
+
+/// `HELD_LANES[n]`: all ones in the first `n` lanes of a table held in place, zero past.
+const HELD_LANES: [[i32; INLINE_SUPERBLOCKS]; INLINE_SUPERBLOCKS + 1] = {
+    let mut lanes = [[0; INLINE_SUPERBLOCKS]; INLINE_SUPERBLOCKS + 1];
+    let mut held = 0;
+    while held <= INLINE_SUPERBLOCKS {
+        let mut lane = 0;
+        while lane < held {
+            lanes[held][lane] = -1;
+            lane += 1;
+        }
+        held += 1;
+    }
+    lanes
+};
 
 /// Flag bits of [`KvRecord::flags`].
 const HAS_DECODE_STEP: u8 = 1;
@@ -623,6 +688,53 @@ impl Ledger {
             record,
             table: &tables[entry],
         })
+    }
+
+    /// The id, reserved tokens and superblocks held of the request at `entry` (whatever it
+    /// holds, a vacant entry included; `None` past the slab), read from its record alone:
+    /// for a caller that checks a row against its hint without a branch per check.
+    #[inline]
+    pub(crate) fn holding_at(&self, entry: EntryIndex) -> Option<(RequestId, u64, u32)> {
+        let record = self.requests.records.get(entry)?;
+        Some((record.id, record.len, record.held))
+    }
+
+    /// Writes the superblock table held at `entry` (whatever request it holds; none past
+    /// the slab) into the block-table row `cells` as int32 page ids, `pad` in the cells past
+    /// it, and returns the table: for a caller that checked the request there
+    /// ([`Self::holding_at`]) and that the table fits `cells` (what does not fit is not
+    /// written). `pad` is passed in (the caller's -1, hidden from the optimizer) so a
+    /// row's padding cells are stored inline rather than by a `memset` call each.
+    #[expect(
+        clippy::inline_always,
+        reason = "measured: inlined into the decode-row loop, no call per row"
+    )]
+    #[inline(always)]
+    pub(crate) fn write_table_row_at(
+        &self,
+        entry: EntryIndex,
+        cells: &mut [i32],
+        pad: i32,
+    ) -> &[SuperblockId] {
+        let Slab { records, tables } = &self.requests;
+        let (Some(record), Some(table)) = (records.get(entry), tables.get(entry)) else {
+            return write_table_cells(cells, &[], pad);
+        };
+        let held = record.held as usize;
+        if held > INLINE_SUPERBLOCKS || cells.len() < INLINE_SUPERBLOCKS {
+            return write_table_cells(cells, table.pages(record.held), pad);
+        }
+        // Padding first, eight cells a store (the last one ending at the row's end), then
+        // the inline cells over the first eight: held ones kept by a mask read from a
+        // table (a comparison per lane becomes a branch each).
+        pad_cells(&mut cells[INLINE_SUPERBLOCKS..], pad);
+        let keep = &HELD_LANES[held];
+        let mut inline = [0i32; INLINE_SUPERBLOCKS];
+        for ((cell, &superblock), &keep) in inline.iter_mut().zip(&table.inline).zip(keep) {
+            *cell = (page_id_bits(superblock) & keep) | (pad & !keep);
+        }
+        cells[..INLINE_SUPERBLOCKS].copy_from_slice(&inline);
+        &table.inline[..held]
     }
 
     fn active_entry_of(&self, id: RequestId) -> Result<EntryIndex> {

@@ -21,7 +21,7 @@ use super::placement::{DecodePlacement, Divisor, Placement};
 use super::{Result, ScheduleOutput, Scheduler};
 use crate::error::CoreError;
 use crate::layout::Layout;
-use crate::ledger::page_id;
+use crate::ledger::{page_id, write_table_cells};
 use crate::{RequestId, SuperblockId};
 
 /// How many elements a section holds, in terms of the capacities.
@@ -882,10 +882,13 @@ fn copy_pages(dst: &mut [i32], table: &[SuperblockId]) {
     }
 }
 
-/// What [`Scheduler::write_decode_rows`] checked: each row's superblock table, and the
-/// counts.
+/// What [`Scheduler::write_decode_rows`] checked: the rows, where their superblock tables
+/// are, and the counts.
 struct CheckedRows<'s> {
-    rows: Vec<&'s [SuperblockId]>,
+    rows: usize,
+    /// Each row's table where the rows were looked up by id; `None` where every row's
+    /// request sits at its hint (the table is read there again as the row is written).
+    tables: Option<Vec<&'s [SuperblockId]>>,
     in_flight: usize,
     table_width_used: usize,
 }
@@ -952,6 +955,98 @@ fn hinted_row_tables<'s>(
         widest,
         furthest,
     })
+}
+
+/// The widest table of the rows `ids` (positions `positions`) whose requests sit at the
+/// ledger entries `hints`, and a position at least the furthest one (the furthest itself
+/// where a word might not hold it), checked as [`hinted_row_tables`] checks them but
+/// reading each request's record alone (its table is read as the row is written, through
+/// [`Hinted`]): no table collected, no allocation. `superblock` is a position's superblock
+/// (its index in the table). `None` where [`hinted_row_tables`] would give `None`. Kept out
+/// of line, so the loop holds its values in registers.
+#[inline(never)]
+fn hinted_row_check(
+    ledger: &crate::ledger::Ledger,
+    ids: &[RequestId],
+    hints: &[u32],
+    positions: &[u64],
+    columns: usize,
+    superblock: impl Fn(u64) -> u64,
+) -> Option<(usize, u64)> {
+    let g = ids.len();
+    let (hints, positions) = (hints.get(..g)?, positions.get(..g)?);
+    let (mut failed, mut any_bits, mut widest) = (false, 0u64, 0u32);
+    for ((&id, &hint), &pos) in ids.iter().zip(hints).zip(positions) {
+        // A vacant entry holds no tokens (and whatever id): its row fails.
+        let (held_id, reserved, held) = ledger.holding_at(hint as usize)?;
+        #[expect(
+            clippy::needless_bitwise_bool,
+            reason = "every check of the row, without a branch each"
+        )]
+        let row_failed = (held_id != id) | (pos >= reserved) | (superblock(pos) >= u64::from(held));
+        failed |= row_failed;
+        any_bits |= pos;
+        widest = widest.max(held);
+    }
+    let widest = widest as usize;
+    // The positions ORed together are at least the furthest and below twice it: under
+    // 2^30 every position and local length fits a word (what the bound is checked for),
+    // else the furthest is taken exactly.
+    let furthest = if any_bits < 1 << 30 {
+        any_bits
+    } else {
+        positions.iter().copied().max().unwrap_or(0)
+    };
+    (!failed && widest <= columns).then_some((widest, furthest))
+}
+
+/// The superblock tables of the decode rows, as [`write_rows`] writes them: each row's
+/// found from its key.
+trait TableSource<'s>: Copy {
+    type Key: Copy + 's;
+    /// Each row's key, in row order.
+    fn keys(self) -> &'s [Self::Key];
+    /// Writes the table of the row keyed `key` into its block-table cells `cells` (which
+    /// it fits: checked), -1 (`pad`) in the cells past it, and returns the table.
+    fn write_cells(self, key: Self::Key, cells: &mut [i32], pad: i32) -> &'s [SuperblockId];
+}
+
+/// The tables the rows were checked with, collected: each row's key is its table.
+#[derive(Clone, Copy)]
+struct Collected<'s>(&'s [&'s [SuperblockId]]);
+
+impl<'s> TableSource<'s> for Collected<'s> {
+    type Key = &'s [SuperblockId];
+    fn keys(self) -> &'s [Self::Key] {
+        self.0
+    }
+    #[inline]
+    fn write_cells(self, table: Self::Key, cells: &mut [i32], pad: i32) -> &'s [SuperblockId] {
+        write_table_cells(cells, table, pad)
+    }
+}
+
+/// The tables at the rows' ledger entries: each row's key is its hint (every row's request
+/// found there: checked).
+#[derive(Clone, Copy)]
+struct Hinted<'s> {
+    ledger: &'s crate::ledger::Ledger,
+    hints: &'s [u32],
+}
+
+impl<'s> TableSource<'s> for Hinted<'s> {
+    type Key = u32;
+    fn keys(self) -> &'s [u32] {
+        self.hints
+    }
+    #[expect(
+        clippy::inline_always,
+        reason = "measured: a call per row (what `#[inline]` gives) costs ~0.4 ns a row"
+    )]
+    #[inline(always)]
+    fn write_cells(self, hint: u32, cells: &mut [i32], pad: i32) -> &'s [SuperblockId] {
+        self.ledger.write_table_row_at(hint as usize, cells, pad)
+    }
 }
 
 /// Where a position lies: its superblock (index in the request's table), its offset in
@@ -1027,51 +1122,50 @@ impl PositionSplit for SplitByDivisions {
 }
 
 /// Writes the decode rows `written` (`width` words each) of the generation entries of
-/// `source`, whose superblock tables are `tables` (everything checked), this rank being
-/// `rank`. Kept out of line, so the loop holds its values in registers.
+/// `source` (everything checked), this rank being `rank`, each cell once: row `i`'s
+/// block-table cells (its table's pages, then -1) by `tables` from its key, then its
+/// fixed columns. Kept out of line, so the loop holds its values in registers.
 #[inline(never)]
-fn write_rows<S: PositionSplit>(
+fn write_rows<'s, S: PositionSplit, T: TableSource<'s>>(
     written: &mut [i32],
     width: usize,
-    tables: &[&[SuperblockId]],
+    tables: T,
     source: &StepSource<'_>,
     tokens_per_block: i32,
     split: S,
     rank: u32,
 ) {
-    let rows = tables.len();
-    // One fill of every cell (the fixed columns are overwritten below): a fill of each
-    // row's unused block-table columns is a `memset` call per row, which costs more.
-    written.fill(-1);
-    // Every generation array has `rows` elements (checked): cut to it, the loop below
-    // indexes them without a bound check each.
-    let tokens = &source.generation_input_tokens[..rows];
-    let positions = &source.generation_positions[..rows];
-    let input_refs = &source.generation_input_refs[..rows];
-    for (i, row) in written.chunks_exact_mut(width).enumerate() {
-        let (pos, table) = (positions[i], tables[i]);
+    // -1, unknown to the optimizer: a fill of a row's few unused block-table columns with
+    // a known value becomes a `memset` call per row, which costs more than the stores.
+    let pad = std::hint::black_box(-1);
+    let rows = written
+        .chunks_exact_mut(width)
+        .zip(tables.keys())
+        .zip(source.generation_input_tokens)
+        .zip(source.generation_positions)
+        .zip(source.generation_input_refs);
+    for ((((row, &key), &token), &pos), &input_ref) in rows {
+        let (fixed, cells) = row.split_at_mut(decode_row::BLOCK_TABLE);
         // The owner and lengths are this rank's, from the position, as the scheduler's
         // decode path computed them (not the output's per-rank arrays: an output of
         // another rank has the same step and digest).
         let placed = split.place(pos, rank);
+        // The columns known before the table is read, stored first: fewer values held
+        // across the table's write.
+        fixed[decode_row::TOKEN_ID] = token;
+        fixed[decode_row::POSITION] = word(pos);
+        fixed[decode_row::LOCAL_LEN] = word(placed.local_len);
+        fixed[decode_row::PAST_SEEN_LEN] = word(placed.past_seen_len);
+        fixed[decode_row::INPUT_REF] = input_ref;
+        let table = tables.write_cells(key, cells, pad);
         // Checked: a row this rank owns holds the superblock of its position, and every
         // slot of the pool fits an int32 word.
-        let slot = match table.get(split.superblock(pos)) {
+        fixed[decode_row::SLOT] = match table.get(split.superblock(pos)) {
             Some(&superblock) if placed.owner == rank => {
                 page_id(superblock) * tokens_per_block + split.block_offset(pos)
             }
             _ => -1,
         };
-        let (fixed, cells) = row.split_at_mut(decode_row::BLOCK_TABLE);
-        fixed.copy_from_slice(&[
-            tokens[i],
-            word(pos),
-            slot,
-            word(placed.local_len),
-            word(placed.past_seen_len),
-            input_refs[i],
-        ]);
-        copy_pages(&mut cells[..table.len()], table);
     }
 }
 
@@ -1111,15 +1205,28 @@ impl Scheduler {
         pad_to: usize,
     ) -> Result<DecodeRowCounts> {
         let checked = self.check_decode_source(&source, buffer.len(), width, pad_to)?;
-        let rows = checked.rows.len();
+        let rows = checked.rows;
         let (written, padding) = buffer.split_at_mut(rows * width);
         let tpb = word(self.layout.tokens_per_block().into());
-        let (rank, tables) = (self.config.cp_rank, &checked.rows[..]);
-        if let Some(split) = SplitByShifts::of(self.layout) {
-            write_rows(written, width, tables, &source, tpb, split, rank);
-        } else {
-            let split = SplitByDivisions::of(self.layout);
-            write_rows(written, width, tables, &source, tpb, split, rank);
+        let rank = self.config.cp_rank;
+        let hinted = Hinted {
+            ledger: &self.ledger,
+            hints: &self.generation_reqs,
+        };
+        match (SplitByShifts::of(self.layout), checked.tables.as_deref()) {
+            (Some(split), None) => write_rows(written, width, hinted, &source, tpb, split, rank),
+            (Some(split), Some(tables)) => {
+                let tables = Collected(tables);
+                write_rows(written, width, tables, &source, tpb, split, rank);
+            }
+            (None, None) => {
+                let split = SplitByDivisions::of(self.layout);
+                write_rows(written, width, hinted, &source, tpb, split, rank);
+            }
+            (None, Some(tables)) => {
+                let split = SplitByDivisions::of(self.layout);
+                write_rows(written, width, Collected(tables), &source, tpb, split, rank);
+            }
         }
         let padded_to = pad_to.max(rows);
         for row in padding[..(padded_to - rows) * width].chunks_exact_mut(width) {
@@ -1154,29 +1261,40 @@ impl Scheduler {
         };
         // Each row's holdings, found through the scheduler's own index of the request (its
         // ledger entry) where that still names it: no id lookup on the common path.
-        let rows = match hinted_row_tables(
+        // Where every row's request sits at its hint, its table is read there again as
+        // the row is written: nothing collected.
+        let per_superblock = Divisor::new(bounds.tokens_per_superblock);
+        let hinted = hinted_row_check(
             &self.ledger,
             source.generation_ids,
             &self.generation_reqs,
             source.generation_positions,
-            bounds,
-        ) {
-            Some(rows) => rows,
-            None => self.row_tables_in_order(source, bounds)?,
+            bounds.columns,
+            |pos| per_superblock.div(pos),
+        );
+        let (tables, widest, furthest) = if let Some((widest, furthest_bound)) = hinted {
+            (None, widest, furthest_bound)
+        } else {
+            let rows = self.row_tables_in_order(source, bounds)?;
+            (Some(rows.tables), rows.widest, rows.furthest)
         };
         // The rows' local and past-seen lengths are this rank's, computed from the
         // positions as they are written (see `write_rows`). A local length counts the
         // rank's tokens up to its position, so it grows with the position: the furthest
         // row's is the largest, and a past-seen length is at most its row's local one.
+        // (Where the rows were checked at their hints, `furthest` may be a bound above
+        // the furthest position that fits a word with its local length: the check passes
+        // as it would for the furthest.)
         let longest = self
             .placement
-            .decode(rows.furthest, self.config.cp_rank)
+            .decode(furthest, self.config.cp_rank)
             .local_len;
-        check_word(longest.max(rows.furthest), "position or local length")?;
+        check_word(longest.max(furthest), "position or local length")?;
         Ok(CheckedRows {
-            rows: rows.tables,
+            rows: source.generation_ids.len(),
+            tables,
             in_flight,
-            table_width_used: rows.widest,
+            table_width_used: widest,
         })
     }
 
