@@ -63,7 +63,7 @@ class Decoding:
         assert self.out.generation_ids.size == n
 
     def advance(self) -> None:
-        self.s.update(self.tokens[: self.out.sample_ids.size])
+        self.s.update(self.tokens[: self.out.num_samples])
         self.out = self.s.schedule()
 
 

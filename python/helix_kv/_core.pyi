@@ -313,9 +313,11 @@ class SchedulerConfig:
 class ScheduleOutput:
     """One step's schedule; every field is rank-invariant except ``generation_active``,
     ``generation_local_lens`` and ``generation_past_seen_lens`` (``PER_RANK_FIELDS``): this
-    rank's share. Those and ``generation_owner_ranks`` (``COMPUTED_FIELDS``) are not stored:
-    each is computed from ``generation_positions`` and the placement (``PLACEMENT_FIELDS``)
-    on first read, then cached."""
+    rank's share. Those, ``generation_owner_ranks`` and ``sample_ids`` (``COMPUTED_FIELDS``)
+    are not stored: each is computed on first read, then cached (``sample_ids`` from the
+    generation and context entries, the others from ``generation_positions`` and the
+    placement, ``PLACEMENT_FIELDS``); ``num_samples`` counts ``sample_ids`` without making
+    it."""
 
     FIELDS: ClassVar[tuple[str, ...]]
     RANK_INVARIANT_FIELDS: ClassVar[tuple[str, ...]]

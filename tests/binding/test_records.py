@@ -86,13 +86,16 @@ def test_schedule_output_field_lists_cover_every_getter() -> None:
         "generation_past_seen_lens",
     )
     # the stored fields, then the per-rank ones computed from the positions and the placement;
-    # the computed owner ranks where they were once stored, after the positions
+    # the computed owner ranks and sample ids where they were once stored (after the
+    # positions, after sat_out_ids)
     assert cls.FIELDS[-3:] == cls.PER_RANK_FIELDS
     computed, invariant = cls.COMPUTED_FIELDS, cls.RANK_INVARIANT_FIELDS
-    assert computed == ("generation_owner_ranks", *cls.PER_RANK_FIELDS)
-    assert "generation_owner_ranks" in invariant
+    assert computed == ("generation_owner_ranks", "sample_ids", *cls.PER_RANK_FIELDS)
+    assert computed == tuple(f for f in cls.FIELDS if f in computed)
+    assert {"generation_owner_ranks", "sample_ids"} <= set(invariant)
     at = cls.FIELDS.index("generation_positions")
     assert cls.FIELDS[at + 1] == "generation_owner_ranks"
+    assert invariant[-4:] == ("sat_out_ids", "sample_ids", "num_tokens", "digest")
     assert invariant == tuple(f for f in cls.FIELDS if f not in cls.PER_RANK_FIELDS)
     assert cls.PLACEMENT_FIELDS == ("cp_rank", "cp_size", "tokens_per_block")
     assert not set(cls.PLACEMENT_FIELDS) & set(cls.FIELDS)
@@ -221,6 +224,7 @@ def test_two_ranks_outputs_differ_and_each_pickles_to_itself() -> None:
         stored = set(cls.FIELDS) - set(cls.COMPUTED_FIELDS)
         assert set(fields) == stored | set(cls.PLACEMENT_FIELDS)
         assert "generation_owner_ranks" not in fields
+        assert "sample_ids" not in fields
         assert (fields["cp_rank"], fields["cp_size"], fields["tokens_per_block"]) == (rank, 2, 4)
         again = pickle.loads(pickle.dumps(out))
         assert again == out
@@ -246,6 +250,81 @@ def test_owner_ranks_are_computed_from_the_positions_and_the_layout() -> None:
         generation = dict(out.summary_fields())["generation"]
         assert generation == "0@3/r0 1@6/r1 2@9/r0"
     assert outputs[0].summary() == outputs[1].summary()
+
+
+def brute_force_sample_ids(out: helix_kv.ScheduleOutput) -> list[int]:
+    """The generation ids, then each context id whose chunk completes its prompt."""
+    completing = [int(rid) for rid, done in zip(out.context_ids, out.context_completes) if done]
+    return [int(rid) for rid in out.generation_ids] + completing
+
+
+def test_sample_ids_are_computed_from_the_entries() -> None:
+    """``sample_ids`` is the generation ids, then the completing context ids: uint64,
+    read-only, computed on first read and cached; ``num_samples`` is its length (read before
+    or after it, on a fresh output or a pickled one); ``update`` takes the tokens in that
+    order. Over a run that chunks, completes prompts and preempts, plain and one step ahead."""
+    seen = {"completing": 0, "incomplete": 0, "preempted": 0, "ahead": 0}
+    for ahead in (False, True):
+        s = scheduler(max_num_tokens=16, chunk_unit=4)
+        for rid in range(4):
+            s.add_request(rid, np.arange(10 + rid, dtype=np.int32), 20)
+        pending: list[helix_kv.ScheduleOutput] = []
+        for _ in range(200):
+            if not s.has_unfinished() and not pending:
+                break
+            if s.has_unfinished() and len(pending) < 1 + ahead:
+                out = s.schedule()
+                again = pickle.loads(pickle.dumps(out))
+                expected = brute_force_sample_ids(out)
+                assert out.num_samples == len(expected)  # before the array is made
+                ids = out.sample_ids
+                assert ids is out.sample_ids  # cached
+                assert ids.dtype == np.uint64
+                assert not ids.flags.writeable
+                assert ids.tolist() == expected == again.sample_ids.tolist()
+                assert out.num_samples == again.num_samples == len(expected)
+                completes = out.context_completes
+                seen["completing"] += int(completes.sum())
+                seen["incomplete"] += int((~completes).sum())
+                seen["preempted"] += len(out.preempted_ids)
+                seen["ahead"] += int((out.generation_input_refs >= 0).sum())
+                pending.append(out)
+                if len(pending) < 1 + ahead and s.has_unfinished():
+                    continue
+            older = pending.pop(0)
+            tokens = (1000 + 7 * np.arange(older.num_samples) + older.step).astype(np.int32)
+            finished = set(s.update(tokens).tolist())
+            for rid, token in zip(older.sample_ids.tolist(), tokens.tolist()):
+                held = s.take_output(rid).token_ids if rid in finished else s.tokens(rid)
+                assert int(held[-1]) == token, (rid, older.step)
+        assert not s.has_unfinished()
+        assert not pending
+    assert all(seen.values()), seen
+
+
+def test_a_pickle_with_wrong_sample_ids_is_refused() -> None:
+    """``_from_fields`` computes ``sample_ids``; a given one (old pickles carried it) must be
+    what it computes, or the output is refused (the same typed errors as the other computed
+    fields)."""
+    _, outputs = pressured()
+    rebuild = helix_kv.ScheduleOutput._from_fields
+    out = next(o for o in outputs if len(o.generation_ids) and o.context_completes.any())
+    fields = out.__reduce__()[1][0]
+    ids = out.sample_ids
+    assert len(ids) >= 2
+    assert ids[0] != ids[-1]
+    assert rebuild({**fields, "sample_ids": ids}) == out
+    assert rebuild({**fields, "sample_ids": ids.copy()}).sample_ids.tolist() == ids.tolist()
+    computed = "sample_ids is not what generation_ids, context_ids and context_completes give"
+    for wrong in (ids[::-1], ids[:-1], np.append(ids, ids[:1]), ids + 1, ids[:0]):
+        with pytest.raises(helix_kv.InvalidArgumentError, match=computed):
+            rebuild({**fields, "sample_ids": np.ascontiguousarray(wrong, dtype=np.uint64)})
+    with pytest.raises(helix_kv.InvalidTypeError, match="sample_ids"):
+        rebuild({**fields, "sample_ids": ids.astype(np.int64)})
+    # another step's sample ids are refused
+    other = next(o for o in outputs if o.sample_ids.tolist() != ids.tolist())
+    with pytest.raises(helix_kv.InvalidArgumentError, match=computed):
+        rebuild({**fields, "sample_ids": other.sample_ids})
 
 
 def test_a_pickle_with_a_bad_placement_or_wrong_computed_arrays_is_refused() -> None:

@@ -299,12 +299,12 @@ def run_rank(
         if config.time_table_build:
             _synchronize(device)
             result.table_build_us.append((time.perf_counter() - build_start) * 1e6)
-        tokens = torch.zeros(len(out.sample_ids), dtype=torch.int64, device=device)
+        tokens = torch.zeros(out.num_samples, dtype=torch.int64, device=device)
         logits = None
         if plan.num_tokens:
             logits = model.logits(model.forward(batch, pool, combine)[batch.sample_index])
             tokens = logits.argmax(dim=-1)
-        if config.cp > 1 and len(out.sample_ids):
+        if config.cp > 1 and out.num_samples:
             # ranks compute identical logits; broadcasting makes identical tokens a guarantee
             dist.broadcast(tokens, src=broadcast_src, group=group)
         host_tokens = readback.start(tokens)

@@ -395,7 +395,7 @@ class _StepLoop:
                 context_tokens=context_tokens,
                 decode_tokens=int(output.generation_ids.size),
                 kv_tokens_read=kv_read,
-                samples=int(output.sample_ids.size),
+                samples=int(output.num_samples),
                 preemptions=series.preempted[-1],
                 suspensions=int(output.suspended_ids.size),
                 resumes=int(output.resumed_ids.size),

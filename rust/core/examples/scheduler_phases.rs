@@ -59,7 +59,7 @@ impl Loop {
     /// One step; adds the time spent in `schedule()` and `update()` to `times`.
     fn step(&mut self, ahead: bool, times: &mut [Duration; 2]) {
         let start = Instant::now();
-        let samples = self.scheduler.schedule().unwrap().sample_ids.len();
+        let samples = self.scheduler.schedule().unwrap().num_samples();
         let scheduled = Instant::now();
         let closing = if ahead {
             self.in_flight.replace(samples)

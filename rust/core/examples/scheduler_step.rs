@@ -35,7 +35,7 @@ fn measure(n: u32, superblocks: u32, max_new: u32, steps: u32) -> (f64, u64) {
     let mut tokens = Vec::new();
     let mut run = |scheduler: &mut Scheduler, steps: u32| {
         for _ in 0..steps {
-            let samples = scheduler.schedule().unwrap().sample_ids.len();
+            let samples = scheduler.schedule().unwrap().num_samples();
             tokens.clear();
             tokens.resize(samples, 7);
             let finished = scheduler.update(&tokens, None).unwrap().to_vec();

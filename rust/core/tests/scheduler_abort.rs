@@ -353,7 +353,7 @@ fn an_abort_that_frees_pages_ends_a_deadlock() {
     let err = loop {
         match s.schedule() {
             Ok(out) => {
-                let n = out.sample_ids.len();
+                let n = out.num_samples();
                 s.update(&vec![1; n], None).unwrap();
             }
             Err(err) => break err,

@@ -200,7 +200,7 @@ fn a_reverted_resume_keeps_its_host_pages_and_resumes_from_them_again() {
         let before = (s.state_digest(), s.ledger().state_digest());
         let out = s.schedule().unwrap().clone();
         if out.resumed_ids.is_empty() {
-            s.update(&vec![1; out.sample_ids.len()], None).unwrap();
+            s.update(&vec![1; out.num_samples()], None).unwrap();
             continue;
         }
         assert_eq!(
@@ -232,11 +232,11 @@ fn an_abort_while_a_resume_is_pending_frees_both_tiers() {
     loop {
         let out = s.schedule().unwrap().clone();
         if out.resumed_ids.is_empty() {
-            s.update(&vec![1; out.sample_ids.len()], None).unwrap();
+            s.update(&vec![1; out.num_samples()], None).unwrap();
             continue;
         }
         s.abort(1).unwrap();
-        let finished = s.update(&vec![1; out.sample_ids.len()], None).unwrap();
+        let finished = s.update(&vec![1; out.num_samples()], None).unwrap();
         assert!(finished.contains(&1));
         assert_eq!(s.host_used_superblocks(), 0);
         assert!(s.ledger().request(1).is_err());

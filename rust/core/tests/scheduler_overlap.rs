@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{config, observable, prompt, Group, Model, RunMode, RunOptions, Spec};
+use common::{config, observable, prompt, Group, Model, Rng, RunMode, RunOptions, Spec};
 use helix_kv_core::{
     CoreError, FinishReason, RequestId, RequestState, ScheduleOutput, Scheduler, ServingMode,
     SuspendPolicy,
@@ -17,10 +17,7 @@ fn token(id: RequestId, step: u64) -> i32 {
 }
 
 fn tokens(out: &ScheduleOutput) -> Vec<i32> {
-    out.sample_ids
-        .iter()
-        .map(|&id| token(id, out.step))
-        .collect()
+    out.sample_ids().map(|id| token(id, out.step)).collect()
 }
 
 /// Checks a step planned ahead of `older` against what the scheduler knows: inputs in
@@ -33,7 +30,8 @@ fn check_inputs(s: &Scheduler, older: Option<&ScheduleOutput>, out: &ScheduleOut
         if let Ok(row) = usize::try_from(row) {
             let older = older.expect("an input in flight needs a pending step");
             assert_eq!(
-                older.sample_ids[row], id,
+                older.sample_ids().nth(row),
+                Some(id),
                 "row {row} of step {}",
                 older.step
             );
@@ -100,7 +98,7 @@ fn a_step_planned_ahead_decodes_on_the_token_in_flight() {
     s.add_request(1, &prompt(5), 4, 0).unwrap();
     s.add_request(2, &prompt(3), 4, 0).unwrap();
     let t0 = s.schedule().unwrap().clone();
-    assert_eq!(t0.sample_ids, vec![1, 2]);
+    assert_eq!(t0.sample_ids().collect::<Vec<_>>(), [1, 2]);
     // Both prompts complete in step 0: both decode in step 1 on their sampled token.
     let t1 = s.schedule().unwrap().clone();
     assert_eq!(t1.generation_ids, vec![1, 2]);
@@ -299,7 +297,7 @@ fn a_victim_whose_last_token_was_in_flight_folds_it_into_its_re_prefill() {
     run_ahead(&mut s, |s, older, out| {
         for &victim in &out.preempted_ids {
             let older = older.unwrap();
-            if let Some(row) = older.sample_ids.iter().position(|&id| id == victim) {
+            if let Some(row) = older.sample_ids().position(|id| id == victim) {
                 // Recompute-paused with its token of the older step in flight: the
                 // token is not known yet and it is not re-prefilled in this step.
                 assert_eq!(s.request_state(victim).unwrap(), RequestState::Waiting);
@@ -646,7 +644,7 @@ fn a_long_run_planned_ahead_skips_a_pending_abort_and_stops_at_the_budget() {
     assert_eq!(t2.context_ids, vec![131]);
     for (i, &id) in t2.generation_ids.iter().enumerate() {
         let row = usize::try_from(t2.generation_input_refs[i]).unwrap();
-        assert_eq!(t1.sample_ids[row], id);
+        assert_eq!(t1.sample_ids().nth(row), Some(id));
         assert_eq!(
             t2.generation_positions[i], 2,
             "prompt, then one token in flight"
@@ -735,4 +733,84 @@ fn computed_owner_ranks_are_the_layouts_owners_plain_and_one_step_ahead() {
             assert!(preempted > 0, "cp {cp} tpb {tpb}: no pressure");
         }
     }
+}
+
+/// `sample_ids` is computed (generation ids, then the completing context ids) and
+/// `num_samples` counts it: both match a brute-force construction over random runs, plain
+/// and one step ahead, with chunked prompts completing over several steps and
+/// preemptions; `update` takes the tokens in that order (each sampled request's last token
+/// is its row's).
+#[test]
+fn computed_sample_ids_match_a_brute_force_construction_plain_and_one_step_ahead() {
+    let (mut completing, mut incomplete, mut preempted, mut in_flight) = (0, 0, 0, 0);
+    for seed in 0..24u64 {
+        let mut rng = Rng::new(seed + 1);
+        let cp = [1u32, 2, 4][usize::try_from(rng.below(3)).unwrap()];
+        let tpb = [1u32, 4, 16][usize::try_from(rng.below(3)).unwrap()];
+        for ahead in [false, true] {
+            // Room for the largest request alone (72 tokens), not for all ten at once.
+            let room = 72u32.div_ceil(cp * tpb) + 1 + u32::try_from(rng.below(4)).unwrap();
+            let mut cfg = config(cp, tpb, room);
+            cfg.max_num_tokens = 8 + u32::try_from(rng.below(40)).unwrap();
+            cfg.enable_chunked_prefill = true;
+            let mut s = Scheduler::new(cfg).unwrap();
+            for id in 0..10u64 {
+                let len = usize::try_from(rng.range(1, 60)).unwrap();
+                let max_new = u32::try_from(rng.range(1, 12)).unwrap();
+                s.add_request(id, &prompt(len), max_new, 0).unwrap();
+            }
+            let mut pending = std::collections::VecDeque::new();
+            for _ in 0..3_000 {
+                if !s.has_unfinished() && pending.is_empty() {
+                    break;
+                }
+                if s.has_unfinished() && pending.len() < 1 + usize::from(ahead) {
+                    let out = s.schedule().unwrap().clone();
+                    let mut brute = out.generation_ids.clone();
+                    for (i, &id) in out.context_ids.iter().enumerate() {
+                        if out.context_completes[i] {
+                            brute.push(id);
+                            completing += 1;
+                        } else {
+                            incomplete += 1;
+                        }
+                    }
+                    let ids = out.sample_ids();
+                    assert_eq!(ids.len(), brute.len());
+                    assert_eq!(ids.collect::<Vec<_>>(), brute, "seed {seed} ahead {ahead}");
+                    assert_eq!(out.num_samples(), brute.len());
+                    preempted += out.preempted_ids.len();
+                    in_flight += out
+                        .generation_input_refs
+                        .iter()
+                        .filter(|&&r| r >= 0)
+                        .count();
+                    pending.push_back(out);
+                    if pending.len() < 1 + usize::from(ahead) && s.has_unfinished() {
+                        continue;
+                    }
+                }
+                let older = pending.pop_front().expect("a step pending");
+                let sampled = tokens(&older);
+                let finished = s.update(&sampled, None).unwrap().to_vec();
+                for (id, token) in older.sample_ids().zip(sampled) {
+                    let held = if finished.contains(&id) {
+                        s.take_output(id).unwrap().token_ids
+                    } else {
+                        s.tokens(id).unwrap()
+                    };
+                    assert_eq!(
+                        held.last(),
+                        Some(&token),
+                        "request {id}, step {}",
+                        older.step
+                    );
+                }
+            }
+            assert!(!s.has_unfinished() && pending.is_empty(), "seed {seed}");
+        }
+    }
+    assert!(completing > 0 && incomplete > 0, "no chunked prompts");
+    assert!(preempted > 0, "no pressure");
+    assert!(in_flight > 0, "no step planned ahead on a token in flight");
 }

@@ -125,7 +125,7 @@ fn deadlock_fires_with_a_remedy_that_fits_the_mode() {
             match s.schedule() {
                 Ok(out) => {
                     stalled = if out.num_tokens == 0 { stalled + 1 } else { 0 };
-                    let n = out.sample_ids.len();
+                    let n = out.num_samples();
                     s.update(&vec![1; n], None).unwrap();
                 }
                 Err(err) => {
@@ -327,7 +327,7 @@ fn resumes_are_counted_in_steps_that_ran_only() {
             s.revert().unwrap();
             resumed_in_reverts += resumed;
         } else {
-            s.update(&vec![1; out.sample_ids.len()], None).unwrap();
+            s.update(&vec![1; out.num_samples()], None).unwrap();
             resumed_in_updates += resumed;
         }
         assert_eq!(s.metrics().resumes, resumed_in_updates);
@@ -549,7 +549,7 @@ fn partial_chunks_are_whole_units_and_respect_the_token_budget() {
         (vec![16, 0], vec![5, 3])
     );
     assert_eq!(third.context_completes, vec![true, true]);
-    assert_eq!(third.sample_ids, vec![0, 1]);
+    assert_eq!(third.sample_ids().collect::<Vec<_>>(), [0, 1]);
     assert_eq!(
         third.context_token_ids,
         [&prompt(21)[16..], &prompt(3)[..]].concat()
@@ -701,7 +701,7 @@ fn bad_input_is_refused_with_a_typed_error_and_changes_nothing() {
     );
     assert_unchanged(&mut s, |s| s.revert().unwrap_err(), "call schedule() first");
     let out = s.schedule().unwrap().clone();
-    assert_eq!(out.sample_ids, vec![1]);
+    assert_eq!(out.sample_ids().collect::<Vec<_>>(), [1]);
     // One step ahead is allowed; a third pending step is not.
     s.schedule().unwrap();
     assert_eq!(s.pending_steps(), 2);
@@ -812,7 +812,7 @@ fn a_recycled_output_lends_its_buffers_and_nothing_else() {
         let mut outputs = Vec::new();
         for _ in 0..40 {
             let out = s.schedule().unwrap().clone();
-            let samples = out.sample_ids.len();
+            let samples = out.num_samples();
             let mut taken = s.take_last_output();
             assert_eq!(taken, out);
             s.update(&vec![4; samples], None).unwrap();
@@ -821,7 +821,7 @@ fn a_recycled_output_lends_its_buffers_and_nothing_else() {
                 taken.generation_ids.extend([77, 78]);
                 taken.context_token_ids.extend(0..50);
                 taken.preempted_ids.push(99);
-                taken.sample_ids.push(12);
+                taken.context_completes.push(true);
                 taken.num_tokens = 1234;
                 taken.digest = 5;
                 taken.rank_placement = ScheduleOutput::default().rank_placement;

@@ -164,13 +164,13 @@ fn tokens_outputs_and_counters_equal_a_per_request_vector_every_step() {
             break;
         }
         let out = s.schedule().unwrap().clone();
-        let tokens: Vec<i32> = (0..out.sample_ids.len())
+        let tokens: Vec<i32> = (0..out.num_samples())
             .map(|i| next_token + i32::try_from(i).unwrap())
             .collect();
         next_token += 1000;
         let finished = s.update(&tokens, None).unwrap().to_vec();
-        for (i, id) in out.sample_ids.iter().enumerate() {
-            oracle.get_mut(id).unwrap().push(tokens[i]);
+        for (i, id) in out.sample_ids().enumerate() {
+            oracle.get_mut(&id).unwrap().push(tokens[i]);
         }
         for id in finished {
             let output = s.take_output(id).unwrap();
@@ -207,7 +207,7 @@ fn an_abort_returns_every_token_sampled_before_it() {
         let mut generated = Vec::new();
         let mut token = 7;
         while generated.len() < after {
-            let rows = s.schedule().unwrap().sample_ids.len();
+            let rows = s.schedule().unwrap().num_samples();
             let tokens = vec![token; rows];
             s.update(&tokens, None).unwrap();
             generated.extend_from_slice(&tokens);
@@ -231,7 +231,7 @@ fn the_state_digest_covers_tokens_in_the_log() {
             let mut s = Scheduler::new(config(2, 4, 100)).unwrap();
             s.add_request(1, &prompt(4), 100, 0).unwrap();
             for n in 0..steps {
-                let samples = s.schedule().unwrap().sample_ids.len();
+                let samples = s.schedule().unwrap().num_samples();
                 let token = if n + 1 == steps { last } else { 5 };
                 s.update(&vec![token; samples], None).unwrap();
             }
@@ -258,7 +258,7 @@ fn a_long_run_with_requests_coming_and_going_keeps_every_output() {
             oracle.insert(next_id, Vec::new());
             next_id += 1;
         }
-        let ids = s.schedule().unwrap().sample_ids.clone();
+        let ids: Vec<_> = s.schedule().unwrap().sample_ids().collect();
         let tokens: Vec<i32> = (0..ids.len())
             .map(|i| n * 64 + i32::try_from(i).unwrap())
             .collect();

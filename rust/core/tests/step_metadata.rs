@@ -168,7 +168,7 @@ fn check_source(s: &Scheduler, out: &ScheduleOutput, layout: &StepMetadataLayout
             n as u64,
             entries as u64,
             g as u64,
-            out.sample_ids.len() as u64,
+            out.num_samples() as u64,
             meta.table_width_used as u64
         ])
     );
@@ -231,7 +231,7 @@ fn packed_sections_equal_the_separate_calls_under_pressure() {
                 for (s, out) in ranks.iter().zip(&outs) {
                     check(s, out, &layout);
                 }
-                let tokens: Vec<i32> = (0..outs[0].sample_ids.len())
+                let tokens: Vec<i32> = (0..outs[0].num_samples())
                     .map(|_| i32::try_from(rng.below(1000)).unwrap())
                     .collect();
                 update_every_rank(&mut ranks, &tokens);
@@ -435,7 +435,7 @@ fn decode_rows_equal_the_separate_calls_under_pressure_plain_and_one_step_ahead(
                         out
                     };
                     if let Some(closing) = closing {
-                        let tokens: Vec<i32> = (0..closing.sample_ids.len())
+                        let tokens: Vec<i32> = (0..closing.num_samples())
                             .map(|_| i32::try_from(rng.below(1000)).unwrap())
                             .collect();
                         update_every_rank(&mut ranks, &tokens);
@@ -498,7 +498,7 @@ fn steps_whose_hints_miss_are_written_through_lookups_alike() {
                         reversed_steps += 1;
                     }
                 }
-                let tokens = vec![7; outs[0].sample_ids.len()];
+                let tokens = vec![7; outs[0].num_samples()];
                 update_every_rank(&mut ranks, &tokens);
             }
             assert!(reversed_steps > 0, "cp {cp} tpb {tpb}: no step reversed");
@@ -513,7 +513,7 @@ fn a_refused_decode_step_names_its_first_failing_row() {
         s.add_request(id, &prompt(9), 5, 0).unwrap();
     }
     let prefill = s.schedule().unwrap().clone();
-    s.update(&vec![7; prefill.sample_ids.len()], None).unwrap();
+    s.update(&vec![7; prefill.num_samples()], None).unwrap();
     s.schedule().unwrap();
     let layout = s.step_metadata_layout(None).unwrap();
     let width = decode_row::BLOCK_TABLE + layout.table_width();
@@ -562,7 +562,7 @@ fn refused_decode_rows_leave_the_buffer_as_it_was() {
     // A step with context chunks.
     let err = s.write_last_decode_rows(&mut buffer, width, 0).unwrap_err();
     assert!(matches!(err, CoreError::InvalidArgument(_)), "{err}");
-    s.update(&vec![7; prefill.sample_ids.len()], None).unwrap();
+    s.update(&vec![7; prefill.num_samples()], None).unwrap();
     s.schedule().unwrap();
     let before = observable(&s);
     let refusals: [(usize, usize, usize); 6] = [

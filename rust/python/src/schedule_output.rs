@@ -11,8 +11,10 @@
 //! `generation_past_seen_lens`) are not stored by the core (`COMPUTED_FIELDS`): the output
 //! carries the rank's placement (`cp_rank`, `cp_size`, `tokens_per_block`) and each of those
 //! arrays is computed from `generation_positions` the first time Python reads it, then cached
-//! (read-only like the others). A step whose computed arrays are never read never computes
-//! them. Pickles carry the placement, not those arrays.
+//! (read-only like the others). Nor is `sample_ids` (the generation ids, then the completing
+//! context ids), computed from those fields the same way; `num_samples` counts it without
+//! making it. A step whose computed arrays are never read never computes them. Pickles carry
+//! the placement, not those arrays.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -290,8 +292,8 @@ macro_rules! define_py_schedule_output {
         /// uint64; starts, lengths and positions int64; owner ranks, batch slots, token and
         /// block ids int32; flags bool. Every field is identical on every rank except those
         /// in `PER_RANK_FIELDS`; those of `COMPUTED_FIELDS` (the owner ranks and the
-        /// per-rank ones) are computed from the positions and this rank's placement when
-        /// first read.
+        /// per-rank ones, from the positions and this rank's placement; `sample_ids`, from
+        /// the generation and context entries) are computed when first read.
         #[pyclass(frozen, module = "helix_kv._core", name = "ScheduleOutput")]
         pub struct PyScheduleOutput {
             $( $(#[doc = $doc])* #[pyo3(get)] $name: py_field_type!($kind), )*
@@ -436,9 +438,10 @@ fn placement_from_fields<'py>(
 }
 
 /// The computed arrays of an output, each computed on first read (from the positions and
-/// the placement) and cached.
+/// the placement, or the entries for `sample_ids`) and cached.
 struct ComputedArrays {
     owner_ranks: PyOnceLock<Py<PyArray1<i32>>>,
+    sample_ids: PyOnceLock<Py<PyArray1<u64>>>,
     active: PyOnceLock<Py<PyArray1<bool>>>,
     local_lens: PyOnceLock<Py<PyArray1<i64>>>,
     past_seen_lens: PyOnceLock<Py<PyArray1<i64>>>,
@@ -448,6 +451,7 @@ impl Default for ComputedArrays {
     fn default() -> Self {
         Self {
             owner_ranks: PyOnceLock::new(),
+            sample_ids: PyOnceLock::new(),
             active: PyOnceLock::new(),
             local_lens: PyOnceLock::new(),
             past_seen_lens: PyOnceLock::new(),
@@ -462,6 +466,17 @@ fn read_only_array<N: Element>(py: Python<'_>, values: Vec<N>) -> Py<PyArray1<N>
     array.unbind()
 }
 
+/// `cell`'s array, made read-only from `values()` on first use.
+fn cached_array<'py, N: Element>(
+    py: Python<'py>,
+    cell: &PyOnceLock<Py<PyArray1<N>>>,
+    values: impl FnOnce() -> Vec<N>,
+) -> Bound<'py, PyArray1<N>> {
+    cell.get_or_init(py, || read_only_array(py, values()))
+        .bind(py)
+        .clone()
+}
+
 impl PyScheduleOutput {
     /// `cell`'s array, made on first use from the positions by `column` (one of the
     /// placement's columns, its values in numpy's type).
@@ -471,21 +486,40 @@ impl PyScheduleOutput {
         cell: &PyOnceLock<Py<PyArray1<N>>>,
         column: impl FnOnce(RankPlacement, &[u64]) -> Vec<N>,
     ) -> Bound<'py, PyArray1<N>> {
-        cell.get_or_init(py, || {
+        cached_array(py, cell, || {
             let positions = self.generation_positions.lend(py);
-            read_only_array(py, column(self.rank_placement, positions.as_slice()))
+            column(self.rank_placement, positions.as_slice())
         })
-        .bind(py)
-        .clone()
+    }
+
+    /// The sample ids from the entries where they lie (see
+    /// [`ScheduleOutput::sample_ids_of`]), handed to `read`.
+    fn with_sample_ids<R>(
+        &self,
+        py: Python<'_>,
+        read: impl FnOnce(&mut dyn ExactSizeIterator<Item = RequestId>) -> R,
+    ) -> R {
+        let context_ids = self.context_ids.lend(py);
+        let context_completes = self.context_completes.lend(py);
+        let generation_ids = self.generation_ids.lend(py);
+        let mut ids = ScheduleOutput::sample_ids_of(
+            generation_ids.as_slice(),
+            context_ids.as_slice(),
+            context_completes.as_slice(),
+        );
+        read(&mut ids)
     }
 
     /// The computed arrays `fields` gives, if any (old pickles, callers that copy every
     /// name of `FIELDS`): each must be a numpy array of its dtype equal to what this
     /// output computes, or the output is refused (`InvalidArgumentError`).
     fn check_given_computed(&self, fields: &Bound<'_, PyDict>) -> PyResult<()> {
+        /// What the placement columns are computed from.
+        const PLACED: &str = "cp_rank, cp_size and tokens_per_block give for generation_positions";
         fn check<T: Exposed<N> + PartialEq, N: Element + Copy>(
             given: Option<Bound<'_, PyAny>>,
             name: &str,
+            from: &str,
             computed: impl Iterator<Item = T>,
         ) -> PyResult<()> {
             let Some(given) = given else {
@@ -494,45 +528,61 @@ impl PyScheduleOutput {
             let given = LazyArray::<T, N>::from_object(&given, name)?.take_vector();
             if given.into_iter().ne(computed) {
                 return Err(InvalidArgumentError::new_err(format!(
-                    "ScheduleOutput field {name} is not what cp_rank, cp_size and tokens_per_block \
-                     give for generation_positions (it is computed from them: leave it out)"
+                    "ScheduleOutput field {name} is not what {from} (it is computed from them: \
+                     leave it out)"
                 )));
             }
             Ok(())
         }
+        let py = fields.py();
+        let [owners, samples, active, local, past] = COMPUTED_NAMES;
+        if let Some(given) = fields.get_item(samples)? {
+            self.with_sample_ids(py, |computed| {
+                check::<RequestId, u64>(
+                    Some(given),
+                    samples,
+                    "generation_ids, context_ids and context_completes give",
+                    computed,
+                )
+            })?;
+        }
         let placement = self.rank_placement;
-        let positions = self.generation_positions.lend(fields.py());
+        let positions = self.generation_positions.lend(py);
         let positions = positions.as_slice();
-        let [owners, active, local, past] = COMPUTED_NAMES;
         check::<u32, i32>(
             fields.get_item(owners)?,
             owners,
+            PLACED,
             placement.owner_ranks(positions),
         )?;
         check::<bool, bool>(
             fields.get_item(active)?,
             active,
+            PLACED,
             placement.active(positions),
         )?;
         check::<u64, i64>(
             fields.get_item(local)?,
             local,
+            PLACED,
             placement.local_lens(positions),
         )?;
         check::<u64, i64>(
             fields.get_item(past)?,
             past,
+            PLACED,
             placement.past_seen_lens(positions),
         )
     }
 }
 
 /// The core's computed column names, in its order: the getters below are these names.
-const COMPUTED_NAMES: [&str; 4] = [
+const COMPUTED_NAMES: [&str; 5] = [
     ScheduleOutput::COMPUTED_COLUMNS[0].0,
     ScheduleOutput::COMPUTED_COLUMNS[1].0,
     ScheduleOutput::COMPUTED_COLUMNS[2].0,
     ScheduleOutput::COMPUTED_COLUMNS[3].0,
+    ScheduleOutput::COMPUTED_COLUMNS[4].0,
 ];
 
 /// Field names as a tuple.
@@ -546,8 +596,9 @@ fn names(
 #[pymethods]
 impl PyScheduleOutput {
     /// Every field name: the stored fields in order, `generation_owner_ranks` after
-    /// `generation_positions`, then the per-rank ones (`PER_RANK_FIELDS`); those of
-    /// `COMPUTED_FIELDS` are computed from the positions when read.
+    /// `generation_positions` and `sample_ids` after `sat_out_ids` (where they were once
+    /// stored), then the per-rank ones (`PER_RANK_FIELDS`); those of `COMPUTED_FIELDS` are
+    /// computed when read.
     #[classattr]
     #[expect(non_snake_case, reason = "a Python class constant")]
     fn FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
@@ -570,10 +621,11 @@ impl PyScheduleOutput {
     fn PER_RANK_FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
         names(py, ScheduleOutput::fields_with_scope(FieldScope::PerRank))
     }
-    /// The fields not stored: `generation_owner_ranks` (rank-invariant) and the per-rank
-    /// ones, each computed from `generation_positions` and the placement the first time it
-    /// is read, then cached. Pickles leave them out; `_from_fields` accepts them only as
-    /// what it computes.
+    /// The fields not stored, in `FIELDS` order: `generation_owner_ranks` and `sample_ids`
+    /// (rank-invariant), then the per-rank ones; each computed the first time it is read
+    /// (the owner ranks and the per-rank ones from `generation_positions` and the placement,
+    /// `sample_ids` from the generation and context entries), then cached. Pickles leave
+    /// them out; `_from_fields` accepts them only as what it computes.
     #[classattr]
     #[expect(non_snake_case, reason = "a Python class constant")]
     fn COMPUTED_FIELDS(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
@@ -649,10 +701,23 @@ impl PyScheduleOutput {
         self.rank_placement.tokens_per_block()
     }
 
-    /// Tokens `update` expects (`len(sample_ids)`), without building the array.
+    /// Generation ids, then the ids of context entries that complete their prompt: the
+    /// order of the tokens `update` takes. Computed from `generation_ids`, `context_ids`
+    /// and `context_completes` on first read, then cached.
+    #[getter]
+    fn sample_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        cached_array(py, &self.computed.sample_ids, || {
+            self.with_sample_ids(py, |ids| ids.map(<u64 as Exposed<u64>>::to_numpy).collect())
+        })
+    }
+
+    /// Tokens `update` expects (`len(sample_ids)`), counted from the entries without
+    /// building that array.
     #[getter]
     fn num_samples(&self, py: Python<'_>) -> usize {
-        self.sample_ids.len(py)
+        let completing = self.context_completes.lend(py);
+        let completing = completing.as_slice().iter().filter(|&&c| c).count();
+        self.generation_ids.len(py) + completing
     }
     /// The summary as `(entry, value)` pairs: the entries of `SUMMARY_ENTRIES`, each value
     /// stable text, so two ranks' entries compare as strings.
@@ -702,7 +767,8 @@ impl PyScheduleOutput {
     /// fields' dtypes, no negative length, position, count or rank; the array lengths must
     /// fit together) and the placement (`PLACEMENT_FIELDS`: a rank of a valid layout). The
     /// computed fields (`COMPUTED_FIELDS`) may be left out; any given must equal what the
-    /// placement gives for the positions, or the output is refused.
+    /// output computes (the placement for the positions; the entries for `sample_ids`), or
+    /// the output is refused.
     #[classmethod]
     fn _from_fields(_cls: &Bound<'_, PyType>, fields: &Bound<'_, PyAny>) -> PyResult<Self> {
         let fields = fields

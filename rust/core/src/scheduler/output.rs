@@ -11,8 +11,10 @@
 //! The owner rank of each decode token and this rank's share of the decodes (whether it
 //! appends each token, what it holds before and after) are not stored: they are functions of
 //! the positions, the rank and the layout, so the output carries the rank's
-//! [`RankPlacement`] and computes those columns on demand
-//! ([`ScheduleOutput::COMPUTED_COLUMNS`]).
+//! [`RankPlacement`] and computes those columns on demand. Nor is `sample_ids`, the order of
+//! the tokens `update` takes: the generation ids, then the completing context ids
+//! ([`ScheduleOutput::sample_ids`]; [`ScheduleOutput::num_samples`] counts them). All of
+//! them are listed in [`ScheduleOutput::COMPUTED_COLUMNS`].
 
 use std::fmt::Write as _;
 
@@ -103,9 +105,6 @@ macro_rules! schedule_output_fields {
             /// were released. A request that sat out may later in the same step be preempted
             /// by an older context request and then also appears in `preempted_ids`.
             invariant sat_out_ids: [RequestId],
-            /// Generation ids, then the ids of context entries that complete their prompt:
-            /// the order of the tokens `update` takes.
-            invariant sample_ids: [RequestId],
             /// Context tokens plus decode tokens scheduled.
             invariant num_tokens: u64,
             /// Fingerprint of every rank-invariant field, seeded with the configuration's
@@ -163,8 +162,9 @@ macro_rules! define_schedule_output {
         /// The schedule of one step. Every field is identical on every rank of a CP group
         /// except the per-rank ones (see [`ScheduleOutput::FIELDS`]) and `rank_placement`;
         /// the owner ranks and this rank's share of the decodes are computed from the
-        /// positions and `rank_placement` (see [`ScheduleOutput::COMPUTED_COLUMNS`]). Two
-        /// ranks' outputs of the same step are equal only if they are the same rank.
+        /// positions and `rank_placement`, `sample_ids` from the generation and context
+        /// entries (see [`ScheduleOutput::COMPUTED_COLUMNS`]). Two ranks' outputs of the
+        /// same step are equal only if they are the same rank.
         #[derive(Debug, Clone, PartialEq, Eq, Default)]
         pub struct ScheduleOutput {
             $( $(#[doc = $doc])* pub $name: field_type!($kind), )*
@@ -195,8 +195,8 @@ macro_rules! define_schedule_output {
 
             /// The rank-invariant fields in which `other` differs from `self`, in the
             /// order of [`Self::all_fields`] (the digest among them when it differs; the
-            /// computed owner ranks compared as computed): what two ranks that disagree
-            /// disagree on.
+            /// computed owner ranks and `sample_ids` compared as computed): what two ranks
+            /// that disagree disagree on.
             pub fn differing_fields(&self, other: &Self) -> Vec<&'static str> {
                 let mut names = Vec::new();
                 $(
@@ -221,13 +221,16 @@ fn pack(low: i32, high: i32) -> u64 {
 }
 
 impl ScheduleOutput {
-    /// The columns computed from `generation_positions` and `rank_placement` when asked
-    /// for, one value per generation entry: not stored, and not digested (the positions
-    /// they come from are). Each with its scope and the stored field it is listed after in
-    /// [`Self::all_fields`]:
-    /// - [`Self::generation_owner_ranks`], the same on every rank (listed where it was once
-    ///   stored, after the positions);
-    /// - this rank's share of the decodes, different by rank by design:
+    /// The columns computed from stored fields when asked for: not stored, and not
+    /// digested (the fields they come from are). Each with its scope and the stored field
+    /// it is listed after in [`Self::all_fields`] (where it was once stored, for those that
+    /// were), in that order:
+    /// - [`Self::generation_owner_ranks`], one value per generation entry, the same on
+    ///   every rank: from `generation_positions` and `rank_placement` (after the positions);
+    /// - [`Self::sample_ids`], the same on every rank: the generation ids, then the ids of
+    ///   the context entries that complete their prompt (after `sat_out_ids`);
+    /// - this rank's share of the decodes, one value per generation entry, different by
+    ///   rank by design, from `generation_positions` and `rank_placement`:
     ///   [`Self::generation_active`], [`Self::generation_local_lens`] and
     ///   [`Self::generation_past_seen_lens`] (listed last).
     pub const COMPUTED_COLUMNS: &'static [(&'static str, FieldScope, &'static str)] = &[
@@ -236,6 +239,7 @@ impl ScheduleOutput {
             FieldScope::RankInvariant,
             "generation_positions",
         ),
+        ("sample_ids", FieldScope::RankInvariant, "sat_out_ids"),
         ("generation_active", FieldScope::PerRank, "digest"),
         ("generation_local_lens", FieldScope::PerRank, "digest"),
         ("generation_past_seen_lens", FieldScope::PerRank, "digest"),
@@ -273,6 +277,7 @@ impl ScheduleOutput {
                 "generation_owner_ranks" => self
                     .generation_owner_ranks()
                     .ne(other.generation_owner_ranks()),
+                "sample_ids" => self.sample_ids().ne(other.sample_ids()),
                 _ => unreachable!("{name} is no rank-invariant computed column"),
             };
             if differs {
@@ -286,6 +291,47 @@ impl ScheduleOutput {
     /// and `rank_placement` (not stored, not digested: a function of the positions).
     pub fn generation_owner_ranks(&self) -> impl ExactSizeIterator<Item = u32> + '_ {
         self.rank_placement.owner_ranks(&self.generation_positions)
+    }
+
+    /// The requests whose tokens `update` takes, in the order it takes them: the
+    /// generation ids, then the ids of the context entries whose chunk completes the prompt
+    /// (`context_completes`), each group in entry order. Row `r` of a step's sampled tokens
+    /// is the token of the `r`-th; [`Self::num_samples`] of them. Computed from the
+    /// entries (not stored, not digested: a function of the fields that are).
+    pub fn sample_ids(&self) -> impl ExactSizeIterator<Item = RequestId> + '_ {
+        Self::sample_ids_of(
+            &self.generation_ids,
+            &self.context_ids,
+            &self.context_completes,
+        )
+    }
+
+    /// [`Self::sample_ids`] from the fields it is made of (for the binding, which lends
+    /// them where they lie): `generation_ids`, then each of `context_ids` whose entry of
+    /// `context_completes` is set.
+    pub fn sample_ids_of<'a>(
+        generation_ids: &'a [RequestId],
+        context_ids: &'a [RequestId],
+        context_completes: &'a [bool],
+    ) -> impl ExactSizeIterator<Item = RequestId> + 'a {
+        let completing = context_ids
+            .iter()
+            .zip(context_completes)
+            .filter(|(_, &completes)| completes)
+            .count();
+        SampleIds {
+            generation: generation_ids.iter(),
+            context: context_ids.iter().zip(context_completes),
+            left: generation_ids.len() + completing,
+        }
+    }
+
+    /// How many tokens `update` takes for this step: the generation entries plus the
+    /// context entries that complete their prompt (the length of [`Self::sample_ids`],
+    /// counted without making it).
+    pub fn num_samples(&self) -> usize {
+        let completing = self.context_completes.iter().filter(|&&c| c).count();
+        self.generation_ids.len() + completing
     }
 
     /// This rank's share, for each generation entry: whether this rank is the owner of
@@ -312,7 +358,8 @@ impl ScheduleOutput {
 
     /// The summary's entries in order, each with the fields its value shows. A difference
     /// in a shown field always changes that entry's text; fields no entry shows (tokens,
-    /// suspended pages, `sample_ids`) are compared by [`Self::differing_fields`] only.
+    /// suspended pages, the computed `sample_ids`) are compared by
+    /// [`Self::differing_fields`] only.
     pub const SUMMARY_ENTRIES: &'static [(&'static str, &'static [&'static str])] = &[
         ("step", &["step"]),
         ("num_tokens", &["num_tokens"]),
@@ -348,11 +395,13 @@ impl ScheduleOutput {
     /// The fingerprint of every rank-invariant field, array by array (each with its
     /// length), seeded with the scheduler's configuration fingerprint
     /// ([`super::SchedulerConfig::fingerprint`]): two ranks built from different
-    /// configurations get different digests even for a step whose fields agree. Fields that
-    /// are functions of hashed ones are covered through them: `sample_ids` (generation ids,
-    /// then completing context ids). The computed columns ([`Self::COMPUTED_COLUMNS`],
-    /// the owner ranks among them) are not fields: they are covered through the positions. A request's id and position share a word (`id * odd ^ position`: still any
-    /// single-field difference changes it), and so do its input token and batch slot.
+    /// configurations get different digests even for a step whose fields agree. The
+    /// computed columns ([`Self::COMPUTED_COLUMNS`]) are not fields: they are covered
+    /// through the fields they come from (the owner ranks through the positions,
+    /// `sample_ids` through the generation ids and the completing context ids; its length,
+    /// [`Self::num_samples`], ends the digest as it did when it was stored). A request's id
+    /// and position share a word (`id * odd ^ position`: still any single-field difference
+    /// changes it), and so do its input token and batch slot.
     pub fn compute_digest(&self, config_fingerprint: u64) -> u64 {
         // Every field is named here, so a new one cannot be left out of the digest by
         // accident: the destructuring stops compiling until it is hashed or skipped.
@@ -381,7 +430,6 @@ impl ScheduleOutput {
             resumed_host_block_ids,
             resumed_block_counts,
             sat_out_ids,
-            sample_ids,
             num_tokens,
             digest: _,
             rank_placement: _, // per rank (the layout is in the configuration's fingerprint)
@@ -448,16 +496,16 @@ impl ScheduleOutput {
         ] {
             h.stream(pages.iter().map(|&v| bits(v)));
         }
-        h.word(sample_ids.len() as u64);
+        h.word(self.num_samples() as u64);
         h.finish()
     }
 
     /// Fails (`InvalidArgument`) unless the arrays fit together the way a schedule makes
     /// them: one value per entry in each of the context, generation, preempted and
     /// suspended groups, `suspended_block_counts` adding up to the suspended pages,
-    /// `context_lens` to the context tokens, and one sample per generation entry and per
-    /// completing chunk. [`Self::summary`] relies on it; the binding checks an output
-    /// rebuilt from Python (unpickled) with it.
+    /// and `context_lens` to the context tokens (`sample_ids`, computed, fits by
+    /// construction). [`Self::summary`] relies on it; the binding checks an output rebuilt
+    /// from Python (unpickled) with it.
     pub fn check_lengths(&self) -> Result<()> {
         let groups: [(&str, &[usize]); 6] = [
             (
@@ -544,14 +592,6 @@ impl ScheduleOutput {
                     "{counts} must add up to the {len} values of {values}"
                 )));
             }
-        }
-        let completing = self.context_completes.iter().filter(|&&c| c).count();
-        if self.sample_ids.len() != self.generation_ids.len() + completing {
-            return Err(CoreError::InvalidArgument(format!(
-                "sample_ids holds {} ids, not one per generation entry and completing chunk ({})",
-                self.sample_ids.len(),
-                self.generation_ids.len() + completing
-            )));
         }
         Ok(())
     }
@@ -640,6 +680,33 @@ impl ScheduleOutput {
     }
 }
 
+/// [`ScheduleOutput::sample_ids`]: the generation ids, then the completing context ids.
+struct SampleIds<'a> {
+    generation: std::slice::Iter<'a, RequestId>,
+    context: std::iter::Zip<std::slice::Iter<'a, RequestId>, std::slice::Iter<'a, bool>>,
+    /// Ids not yet given.
+    left: usize,
+}
+
+impl Iterator for SampleIds<'_> {
+    type Item = RequestId;
+
+    fn next(&mut self) -> Option<RequestId> {
+        let id = match self.generation.next() {
+            Some(&id) => id,
+            None => *self.context.find(|(_, &completes)| completes)?.0,
+        };
+        self.left -= 1;
+        Some(id)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+impl ExactSizeIterator for SampleIds<'_> {}
+
 /// Space-separated items.
 #[derive(Default)]
 struct Words(String);
@@ -679,7 +746,6 @@ mod tests {
             rank_placement: placement(2, 4, 0),
             preempted_ids: vec![6],
             preempted_requester_ids: vec![4],
-            sample_ids: vec![1, 5],
             num_tokens: 13,
             ..ScheduleOutput::default()
         };
@@ -713,6 +779,7 @@ mod tests {
             computed,
             [
                 "generation_owner_ranks",
+                "sample_ids",
                 "generation_active",
                 "generation_local_lens",
                 "generation_past_seen_lens"
@@ -725,20 +792,22 @@ mod tests {
         assert!(ScheduleOutput::FIELDS
             .iter()
             .all(|(_, scope)| *scope == FieldScope::RankInvariant));
-        // Every field in order: where the owner ranks were stored, the per-rank ones last.
+        // Every field in order: the owner ranks and `sample_ids` where they were stored
+        // (after the positions, after `sat_out_ids`), the per-rank ones last.
         let all: Vec<_> = ScheduleOutput::all_fields().map(|(n, _)| n).collect();
-        let at = names
-            .iter()
-            .position(|n| *n == "generation_positions")
-            .unwrap();
-        let mut expected = names.clone();
-        expected.insert(at + 1, "generation_owner_ranks");
-        expected.extend(&computed[1..]);
+        let after = |name: &str| names.iter().position(|n| *n == name).unwrap() + 1;
+        let mut invariant = names.clone();
+        invariant.insert(after("sat_out_ids"), "sample_ids");
+        invariant.insert(after("generation_positions"), "generation_owner_ranks");
+        assert_eq!(
+            invariant[invariant.len() - 4..],
+            ["sat_out_ids", "sample_ids", "num_tokens", "digest"]
+        );
+        let mut expected = invariant.clone();
+        expected.extend(&computed[2..]);
         assert_eq!(all, expected);
         let per_rank: Vec<_> = ScheduleOutput::fields_with_scope(FieldScope::PerRank).collect();
-        assert_eq!(per_rank, computed[1..]);
-        let mut invariant = names.clone();
-        invariant.insert(at + 1, "generation_owner_ranks");
+        assert_eq!(per_rank, computed[2..]);
         assert_eq!(
             ScheduleOutput::fields_with_scope(FieldScope::RankInvariant).collect::<Vec<_>>(),
             invariant
@@ -783,7 +852,6 @@ mod tests {
             generation_input_tokens: vec![1; 5],
             generation_input_refs: vec![-1, 0, -1, 2, -1],
             generation_batch_slots: vec![0, 1, 2, 3, 4],
-            sample_ids: vec![3, 1, 8, 2, 5],
             num_tokens: 5,
             preempted_ids: vec![9],
             preempted_requester_ids: vec![3],
@@ -832,7 +900,7 @@ mod tests {
         assert_eq!(out.differing_fields(&other), ["generation_owner_ranks"]);
         assert_eq!(other.differing_fields(&out), ["generation_owner_ranks"]);
         other.generation_positions = vec![8];
-        other.context_ids = vec![4, 6];
+        other.context_ids = vec![7, 5]; // the incomplete chunk: the same samples
         assert_eq!(
             out.differing_fields(&other),
             [
@@ -860,7 +928,7 @@ mod tests {
             |o| o.generation_batch_slots.clear(),
             |o| o.preempted_requester_ids.push(1),
             |o| o.context_token_ids.truncate(3),
-            |o| o.sample_ids.push(9),
+            |o| o.suspended_host_block_ids.push(9),
         ];
         for edit in broken {
             let mut out = sample();
@@ -931,7 +999,6 @@ mod tests {
             generation_input_tokens: vec![7; 37],
             generation_input_refs: vec![-1; 37],
             generation_batch_slots: (0..37).collect(),
-            sample_ids: (0..entries).collect(),
             num_tokens: entries,
             ..ScheduleOutput::default()
         };
@@ -947,6 +1014,76 @@ mod tests {
             }
         }
         assert_eq!(out.compute_digest(5), all_known);
+    }
+
+    /// `sample_ids` and `num_samples` against a brute-force construction (every generation
+    /// id, then every context id whose chunk completes), over random outputs; its length
+    /// ends the digest, so a completing chunk more or less changes it.
+    #[test]
+    fn sample_ids_match_a_brute_force_construction() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |bound: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % bound
+        };
+        for _ in 0..500 {
+            let generation = usize::try_from(next(40)).unwrap();
+            let context = usize::try_from(next(12)).unwrap();
+            let out = ScheduleOutput {
+                generation_ids: (0..generation).map(|_| next(1 << 50)).collect(),
+                context_ids: (0..context).map(|_| next(u64::MAX)).collect(),
+                context_completes: (0..context).map(|_| next(3) != 0).collect(),
+                ..ScheduleOutput::default()
+            };
+            let mut brute = out.generation_ids.clone();
+            for i in 0..context {
+                if out.context_completes[i] {
+                    brute.push(out.context_ids[i]);
+                }
+            }
+            let ids = out.sample_ids();
+            assert_eq!(ids.len(), brute.len());
+            assert_eq!(out.num_samples(), brute.len());
+            assert_eq!(ids.collect::<Vec<_>>(), brute);
+            // The iterator's length stays exact as it is consumed.
+            let mut ids = out.sample_ids();
+            for left in (0..brute.len()).rev() {
+                ids.next().unwrap();
+                assert_eq!(ids.len(), left);
+            }
+            assert_eq!(ids.next(), None);
+        }
+        let out = sample();
+        assert_eq!(out.sample_ids().collect::<Vec<_>>(), [1, 5]);
+        let mut more = out.clone();
+        more.context_completes[0] = true;
+        assert_eq!(more.sample_ids().collect::<Vec<_>>(), [1, 4, 5]);
+        assert_ne!(more.compute_digest(11), out.digest);
+    }
+
+    /// `sample_ids` is compared as computed, where it was stored (after `sat_out_ids`):
+    /// a chunk that completes on one side and not the other differs in both.
+    #[test]
+    fn differing_fields_compare_the_computed_sample_ids() {
+        let out = sample();
+        let mut other = out.clone();
+        other.context_completes = vec![true, true];
+        other.sat_out_ids = vec![2];
+        assert_eq!(
+            out.differing_fields(&other),
+            ["context_completes", "sat_out_ids", "sample_ids"]
+        );
+        // The same samples from other entries: no difference in them.
+        let mut other = out.clone();
+        other.context_ids = vec![9, 5];
+        assert_eq!(out.differing_fields(&other), ["context_ids"]);
+        other.generation_ids = vec![2];
+        assert_eq!(
+            out.differing_fields(&other),
+            ["context_ids", "generation_ids", "sample_ids"]
+        );
     }
 
     /// `held[n]`: what `rank` holds of the first `n` tokens (`n <= end`), counted token by

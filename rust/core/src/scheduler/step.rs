@@ -57,7 +57,7 @@ impl Scheduler {
         self.finish_step(step);
         self.pending_step = step;
         self.pending_digest = self.building.digest;
-        self.pending_samples = self.building.sample_ids.len();
+        self.pending_samples = self.building.num_samples();
         std::mem::swap(&mut self.output, &mut self.building);
         self.next_step += 1;
         self.pending_steps += 1;
@@ -194,7 +194,6 @@ impl Scheduler {
         out.generation_positions.reserve(decoding);
         out.generation_input_tokens.reserve(decoding);
         out.generation_batch_slots.reserve(decoding);
-        out.sample_ids.reserve(decoding);
         self.generation_reqs.clear();
         self.generation_needing_slots.clear();
         self.generation_removed = false;
@@ -838,14 +837,9 @@ impl Scheduler {
         // A plain step's inputs are all known: its refs are filled in one go.
         let entries = self.building.generation_ids.len();
         self.building.generation_input_refs.resize(entries, -1);
+        // `sample_ids` is not built: the output computes it (generation ids, then the
+        // completing context ids) when asked for.
         let out = &mut self.building;
-        out.sample_ids.extend_from_slice(&out.generation_ids);
-        let completing = out.context_ids.iter().zip(&out.context_completes);
-        out.sample_ids.extend(
-            completing
-                .filter(|(_, &completes)| completes)
-                .map(|(&id, _)| id),
-        );
         out.num_tokens = self.step_tokens;
         out.digest = out.compute_digest(self.fingerprint);
 

@@ -302,7 +302,7 @@ impl Group {
     fn view(&self, id: RequestId) -> Vec<i32> {
         let mut tokens = self.known[&id].clone();
         if let Some(flight) = &self.in_flight {
-            if let Some(row) = flight.out.sample_ids.iter().position(|&s| s == id) {
+            if let Some(row) = flight.out.sample_ids().position(|s| s == id) {
                 tokens.push(flight.tokens[row]);
             }
         }
@@ -777,7 +777,8 @@ impl Group {
                     .in_flight
                     .as_ref()
                     .expect("an input token in flight needs a step in flight");
-                assert_eq!(flight.out.sample_ids[row], id, "input row of {id}");
+                let sampled = flight.out.sample_ids().nth(row);
+                assert_eq!(sampled, Some(id), "input row of {id}");
                 assert_eq!(
                     out.generation_input_tokens[i], -1,
                     "an input in flight is not given as a value"
@@ -867,15 +868,15 @@ impl Group {
                 );
             }
         }
-        for id in &out.sample_ids {
-            let last = last_positions[id];
-            let context = self.read_context(*id, last);
+        for id in out.sample_ids() {
+            let last = last_positions[&id];
+            let context = self.read_context(id, last);
             assert_eq!(
                 context,
-                self.view(*id)[..=usize::try_from(last).unwrap()],
+                self.view(id)[..=usize::try_from(last).unwrap()],
                 "KV read back for {id} differs from its tokens"
             );
-            let token = self.model.next_token(*id, &context);
+            let token = self.model.next_token(id, &context);
             tokens.push(token);
             eos.push(self.model.eos == Some(token));
         }
@@ -928,9 +929,9 @@ impl Group {
         );
         // Mirror the step in what the harness knows (an aborted request's token is
         // dropped; one that finished while this step was pending is gone already).
-        for (i, id) in out.sample_ids.iter().enumerate() {
-            if !self.aborting.contains(id) {
-                if let Some(known) = self.known.get_mut(id) {
+        for (i, id) in out.sample_ids().enumerate() {
+            if !self.aborting.contains(&id) {
+                if let Some(known) = self.known.get_mut(&id) {
                     known.push(tokens[i]);
                 }
             }
@@ -1468,7 +1469,7 @@ pub fn prompt(len: usize) -> Vec<i32> {
 /// schedule.
 pub fn step(s: &mut Scheduler, token: i32) -> ScheduleOutput {
     let out = s.schedule().unwrap().clone();
-    let tokens = vec![token; out.sample_ids.len()];
+    let tokens = vec![token; out.num_samples()];
     s.update(&tokens, None).unwrap();
     out
 }
