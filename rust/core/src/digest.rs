@@ -117,28 +117,22 @@ impl LaneDigest {
         self.lanes = [a, b, c, d];
     }
 
-    /// [`Self::stream`] of `word(a[i], b[i])` for `i in 0..a.len()` (`b` as long as `a`),
-    /// dealt four at a time: the same digest, without the per-word iterator checks.
+    /// [`Self::stream`] of `word(i)` for `i in 0..len`, dealt four at a time: the same
+    /// digest, without the per-word iterator checks (`word` reads slices cut to `len`, so
+    /// its bound checks fold away).
     #[inline]
-    pub fn stream_pairs<A: Copy, B: Copy>(
-        &mut self,
-        firsts: &[A],
-        seconds: &[B],
-        word: impl Fn(A, B) -> u64,
-    ) {
-        debug_assert_eq!(firsts.len(), seconds.len());
-        self.word(firsts.len() as u64);
+    pub fn stream_indexed(&mut self, len: usize, word: impl Fn(usize) -> u64) {
+        self.word(len as u64);
         let mut lanes = self.lanes;
-        let (firsts, seconds) = (firsts.chunks_exact(4), seconds.chunks_exact(4));
-        let (first_rest, second_rest) = (firsts.remainder(), seconds.remainder());
-        for (four_firsts, four_seconds) in firsts.zip(seconds) {
+        let whole = len - len % 4;
+        for four in (0..whole).step_by(4) {
             // Four independent chains: their multiplies overlap.
-            for ((lane, &first), &second) in lanes.iter_mut().zip(four_firsts).zip(four_seconds) {
-                *lane = Self::mix(*lane, word(first, second));
+            for (k, lane) in lanes.iter_mut().enumerate() {
+                *lane = Self::mix(*lane, word(four + k));
             }
         }
-        for ((lane, &first), &second) in lanes.iter_mut().zip(first_rest).zip(second_rest) {
-            *lane = Self::mix(*lane, word(first, second));
+        for (lane, i) in lanes.iter_mut().zip(whole..len) {
+            *lane = Self::mix(*lane, word(i));
         }
         self.lanes = lanes;
     }
@@ -182,18 +176,16 @@ mod tests {
     use super::LaneDigest;
 
     #[test]
-    fn paired_streams_digest_like_the_zipped_stream() {
+    fn indexed_streams_digest_like_the_iterated_stream() {
         for len in 0..11u64 {
-            let a: Vec<u64> = (0..len).map(|i| i * 0x1234_5678 + 1).collect();
-            let b: Vec<i32> = (0..len).map(|i| 7 - i32::try_from(i).unwrap()).collect();
-            let word = |x: u64, y: i32| x ^ (u64::from(y.unsigned_abs()) << 40);
-            let mut zipped = LaneDigest::new();
-            zipped.word(3);
-            zipped.stream(a.iter().zip(&b).map(|(&x, &y)| word(x, y)));
-            let mut paired = LaneDigest::new();
-            paired.word(3);
-            paired.stream_pairs(&a, &b, word);
-            assert_eq!(paired.finish(), zipped.finish(), "length {len}");
+            let words: Vec<u64> = (0..len).map(|i| i * 0x1234_5678 + 1).collect();
+            let mut iterated = LaneDigest::new();
+            iterated.word(3);
+            iterated.stream(words.iter().copied());
+            let mut indexed = LaneDigest::new();
+            indexed.word(3);
+            indexed.stream_indexed(words.len(), |i| words[i]);
+            assert_eq!(indexed.finish(), iterated.finish(), "length {len}");
         }
     }
 

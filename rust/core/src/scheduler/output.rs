@@ -399,9 +399,10 @@ impl ScheduleOutput {
     /// computed columns ([`Self::COMPUTED_COLUMNS`]) are not fields: they are covered
     /// through the fields they come from (the owner ranks through the positions,
     /// `sample_ids` through the generation ids and the completing context ids; its length,
-    /// [`Self::num_samples`], ends the digest as it did when it was stored). A request's id
-    /// and position share a word (`id * odd ^ position`: still any single-field difference
-    /// changes it), and so do its input token and batch slot.
+    /// [`Self::num_samples`], ends the digest as it did when it was stored). A generation
+    /// entry's four values (id, position, input token, batch slot) share one word
+    /// (`id * odd ^ position ^ (token, slot) * odd'`: still any single-field difference
+    /// changes it).
     pub fn compute_digest(&self, config_fingerprint: u64) -> u64 {
         // Every field is named here, so a new one cannot be left out of the digest by
         // accident: the destructuring stops compiling until it is hashed or skipped.
@@ -450,20 +451,26 @@ impl ScheduleOutput {
         h.stream(tokens);
         // The generation arrays have one value per entry (as `check_lengths` requires);
         // an output that breaks that is digested over the shortest, as before.
-        let entries = generation_ids.len().min(generation_positions.len());
-        h.stream_pairs(
-            &generation_ids[..entries],
-            &generation_positions[..entries],
-            |id, position| id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ position,
-        );
-        let entries = generation_input_tokens
+        // One word per entry, of its four values: a chain step per entry instead of one per
+        // pair of values halves the digest's time (its chains are what it waits on). The id
+        // and the token with batch slot are multiplied by different odd constants (outside
+        // the chains), so a difference in any one field changes the word. The arrays have one
+        // value per entry (as `check_lengths` requires); an output that breaks that is
+        // digested over the shortest.
+        let entries = generation_ids
             .len()
+            .min(generation_positions.len())
+            .min(generation_input_tokens.len())
             .min(generation_batch_slots.len());
-        h.stream_pairs(
-            &generation_input_tokens[..entries],
-            &generation_batch_slots[..entries],
-            pack,
-        );
+        let ids = &generation_ids[..entries];
+        let positions = &generation_positions[..entries];
+        let tokens = &generation_input_tokens[..entries];
+        let slots = &generation_batch_slots[..entries];
+        h.stream_indexed(entries, |i| {
+            ids[i].wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                ^ positions[i]
+                ^ pack(tokens[i], slots[i]).wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
+        });
         // Without a step planned ahead every row is -1: one word says so (the count is the
         // generation entries', hashed above). Otherwise two rows a word. The test is a fold
         // without an early exit (`!row` is 0 only for -1), which the compiler vectorises: a
@@ -986,6 +993,56 @@ mod tests {
             .map(|(a, _)| a.0)
             .collect();
         assert_eq!(changed, ["preempted"]);
+    }
+
+    /// A generation entry's four values share one digest word: a change of any bit of any
+    /// one of them, at any entry, changes the digest, and so does swapping two entries.
+    #[test]
+    fn any_single_generation_value_changes_the_digest() {
+        let entries = 13;
+        let out = ScheduleOutput {
+            generation_ids: (0..entries).map(|i| 40 + 3 * i).collect(),
+            generation_positions: (0..entries).map(|i| 100 + 7 * i).collect(),
+            generation_input_tokens: (0..13).map(|i| 1000 - i).collect(),
+            generation_input_refs: vec![-1; 13],
+            generation_batch_slots: (0..13).collect(),
+            num_tokens: entries,
+            ..ScheduleOutput::default()
+        };
+        let reference = out.compute_digest(5);
+        let check = |changed: &ScheduleOutput, what: String| {
+            assert_ne!(changed.compute_digest(5), reference, "{what}");
+        };
+        for at in [0, 1, 5, 11, 12] {
+            for bit in [0, 1, 17, 31] {
+                let mut changed = out.clone();
+                changed.generation_ids[at] ^= 1 << bit;
+                check(&changed, format!("id bit {bit} at {at}"));
+                let mut changed = out.clone();
+                changed.generation_positions[at] ^= 1 << bit;
+                check(&changed, format!("position bit {bit} at {at}"));
+                let mut changed = out.clone();
+                changed.generation_input_tokens[at] ^= 1 << bit;
+                check(&changed, format!("token bit {bit} at {at}"));
+                let mut changed = out.clone();
+                changed.generation_batch_slots[at] ^= 1 << bit;
+                check(&changed, format!("slot bit {bit} at {at}"));
+            }
+            for bit in [40, 63] {
+                let mut changed = out.clone();
+                changed.generation_ids[at] ^= 1 << bit;
+                check(&changed, format!("id bit {bit} at {at}"));
+                let mut changed = out.clone();
+                changed.generation_positions[at] ^= 1 << bit;
+                check(&changed, format!("position bit {bit} at {at}"));
+            }
+        }
+        let mut swapped = out.clone();
+        swapped.generation_ids.swap(2, 3);
+        swapped.generation_positions.swap(2, 3);
+        swapped.generation_input_tokens.swap(2, 3);
+        swapped.generation_batch_slots.swap(2, 3);
+        check(&swapped, "entries 2 and 3 swapped".into());
     }
 
     /// The all-unknown test on the input refs (one word when every ref is -1) is told
