@@ -732,6 +732,16 @@ mod tests {
     use super::*;
     use crate::layout::Layout;
 
+    /// A seeded xorshift stream: `next(bound)` is below `bound`.
+    fn seeded(mut seed: u64) -> impl FnMut(u64) -> u64 {
+        move |bound| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % bound
+        }
+    }
+
     fn placement(cp: u32, tokens_per_block: u32, rank: u32) -> RankPlacement {
         RankPlacement::new(Layout::new(cp, tokens_per_block).unwrap(), rank).unwrap()
     }
@@ -999,6 +1009,8 @@ mod tests {
     /// one of them, at any entry, changes the digest, and so does swapping two entries.
     #[test]
     fn any_single_generation_value_changes_the_digest() {
+        /// Flips bit `bit` of one value of entry `at`.
+        type Flip = fn(&mut ScheduleOutput, usize, u32);
         let entries = 13;
         let out = ScheduleOutput {
             generation_ids: (0..entries).map(|i| 40 + 3 * i).collect(),
@@ -1013,28 +1025,35 @@ mod tests {
         let check = |changed: &ScheduleOutput, what: String| {
             assert_ne!(changed.compute_digest(5), reference, "{what}");
         };
+        let flips: [(&str, Flip, &[u32]); 4] = [
+            (
+                "id",
+                |o, at, bit| o.generation_ids[at] ^= 1 << bit,
+                &[0, 1, 17, 31, 40, 63],
+            ),
+            (
+                "position",
+                |o, at, bit| o.generation_positions[at] ^= 1 << bit,
+                &[0, 1, 17, 31, 40, 63],
+            ),
+            (
+                "token",
+                |o, at, bit| o.generation_input_tokens[at] ^= 1 << bit,
+                &[0, 1, 17, 31],
+            ),
+            (
+                "slot",
+                |o, at, bit| o.generation_batch_slots[at] ^= 1 << bit,
+                &[0, 1, 17, 31],
+            ),
+        ];
         for at in [0, 1, 5, 11, 12] {
-            for bit in [0, 1, 17, 31] {
-                let mut changed = out.clone();
-                changed.generation_ids[at] ^= 1 << bit;
-                check(&changed, format!("id bit {bit} at {at}"));
-                let mut changed = out.clone();
-                changed.generation_positions[at] ^= 1 << bit;
-                check(&changed, format!("position bit {bit} at {at}"));
-                let mut changed = out.clone();
-                changed.generation_input_tokens[at] ^= 1 << bit;
-                check(&changed, format!("token bit {bit} at {at}"));
-                let mut changed = out.clone();
-                changed.generation_batch_slots[at] ^= 1 << bit;
-                check(&changed, format!("slot bit {bit} at {at}"));
-            }
-            for bit in [40, 63] {
-                let mut changed = out.clone();
-                changed.generation_ids[at] ^= 1 << bit;
-                check(&changed, format!("id bit {bit} at {at}"));
-                let mut changed = out.clone();
-                changed.generation_positions[at] ^= 1 << bit;
-                check(&changed, format!("position bit {bit} at {at}"));
+            for (name, flip, bits) in &flips {
+                for &bit in *bits {
+                    let mut changed = out.clone();
+                    flip(&mut changed, at, bit);
+                    check(&changed, format!("{name} bit {bit} at {at}"));
+                }
             }
         }
         let mut swapped = out.clone();
@@ -1078,13 +1097,7 @@ mod tests {
     /// ends the digest, so a completing chunk more or less changes it.
     #[test]
     fn sample_ids_match_a_brute_force_construction() {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = |bound: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % bound
-        };
+        let mut next = seeded(0x9e37_79b9_7f4a_7c15u64);
         for _ in 0..500 {
             let generation = usize::try_from(next(40)).unwrap();
             let context = usize::try_from(next(12)).unwrap();
@@ -1156,13 +1169,7 @@ mod tests {
 
     #[test]
     fn computed_columns_match_a_brute_force_oracle() {
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |bound: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % bound
-        };
+        let mut next = seeded(0x2545_f491_4f6c_dd1du64);
         for cp in [1, 2, 3, 4, 8] {
             for tokens_per_block in [1, 2, 3, 5, 7, 8, 12, 16, 32, 48, 64, 100] {
                 let layout = Layout::new(cp, tokens_per_block).unwrap();
