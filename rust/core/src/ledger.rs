@@ -1822,16 +1822,7 @@ fn first_repeat(ids: &[RequestId]) -> Option<RequestId> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A seeded xorshift stream: each call gives a value below its argument.
-    fn below(mut seed: u64) -> impl FnMut(u64) -> u64 {
-        move |n| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        }
-    }
+    use crate::test_rng::{below, xorshift};
 
     /// Small, large and huge ids, ids mapped sparse before the dense part grows past them,
     /// removals from both parts: every lookup agrees with a plain map, and two indexes with
@@ -1840,15 +1831,13 @@ mod tests {
     fn id_index_maps_like_a_hash_map() {
         let mut index = IdIndex::default();
         let mut reference = std::collections::BTreeMap::new();
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
         let ids: Vec<RequestId> = (0..64)
             .chain([4095, 4096, 5000, 20_000, 1 << 40, u64::MAX, u64::MAX - 1])
             .chain((0..3000).map(|i| 8000 + i))
             .collect();
         for round in 0..40_000usize {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
+            let seed = next();
             let id = ids[usize::try_from(seed % ids.len() as u64).unwrap()];
             if let std::collections::btree_map::Entry::Vacant(vacant) = reference.entry(id) {
                 index.insert(id, round);

@@ -30,6 +30,8 @@ pub mod error;
 pub mod layout;
 pub mod ledger;
 pub mod scheduler;
+#[cfg(test)]
+mod test_rng;
 
 pub use error::{CoreError, Result};
 pub use layout::Layout;

@@ -715,9 +715,8 @@ impl PyScheduleOutput {
     /// building that array.
     #[getter]
     fn num_samples(&self, py: Python<'_>) -> usize {
-        let completing = self.context_completes.lend(py);
-        let completing = completing.as_slice().iter().filter(|&&c| c).count();
-        self.generation_ids.len(py) + completing
+        let context_completes = self.context_completes.lend(py);
+        ScheduleOutput::num_samples_of(self.generation_ids.len(py), context_completes.as_slice())
     }
     /// The summary as `(entry, value)` pairs: the entries of `SUMMARY_ENTRIES`, each value
     /// stable text, so two ranks' entries compare as strings.

@@ -314,15 +314,13 @@ impl ScheduleOutput {
         context_ids: &'a [RequestId],
         context_completes: &'a [bool],
     ) -> impl ExactSizeIterator<Item = RequestId> + 'a {
-        let completing = context_ids
-            .iter()
-            .zip(context_completes)
-            .filter(|(_, &completes)| completes)
-            .count();
         SampleIds {
             generation: generation_ids.iter(),
             context: context_ids.iter().zip(context_completes),
-            left: generation_ids.len() + completing,
+            left: Self::num_samples_of(
+                generation_ids.len(),
+                &context_completes[..context_ids.len().min(context_completes.len())],
+            ),
         }
     }
 
@@ -330,8 +328,15 @@ impl ScheduleOutput {
     /// context entries that complete their prompt (the length of [`Self::sample_ids`],
     /// counted without making it).
     pub fn num_samples(&self) -> usize {
-        let completing = self.context_completes.iter().filter(|&&c| c).count();
-        self.generation_ids.len() + completing
+        Self::num_samples_of(self.generation_ids.len(), &self.context_completes)
+    }
+
+    /// How many samples a step of `generation_entries` generation entries and these
+    /// context flags has: every generation entry, then every context entry whose chunk
+    /// completes. The one count behind [`Self::num_samples`], [`Self::sample_ids_of`] and
+    /// the binding's `num_samples`.
+    pub fn num_samples_of(generation_entries: usize, context_completes: &[bool]) -> usize {
+        generation_entries + context_completes.iter().filter(|&&c| c).count()
     }
 
     /// This rank's share, for each generation entry: whether this rank is the owner of
@@ -731,16 +736,7 @@ impl Words {
 mod tests {
     use super::*;
     use crate::layout::Layout;
-
-    /// A seeded xorshift stream: `next(bound)` is below `bound`.
-    fn seeded(mut seed: u64) -> impl FnMut(u64) -> u64 {
-        move |bound| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % bound
-        }
-    }
+    use crate::test_rng::below;
 
     fn placement(cp: u32, tokens_per_block: u32, rank: u32) -> RankPlacement {
         RankPlacement::new(Layout::new(cp, tokens_per_block).unwrap(), rank).unwrap()
@@ -1097,7 +1093,7 @@ mod tests {
     /// ends the digest, so a completing chunk more or less changes it.
     #[test]
     fn sample_ids_match_a_brute_force_construction() {
-        let mut next = seeded(0x9e37_79b9_7f4a_7c15u64);
+        let mut next = below(0x9e37_79b9_7f4a_7c15u64);
         for _ in 0..500 {
             let generation = usize::try_from(next(40)).unwrap();
             let context = usize::try_from(next(12)).unwrap();
@@ -1169,7 +1165,7 @@ mod tests {
 
     #[test]
     fn computed_columns_match_a_brute_force_oracle() {
-        let mut next = seeded(0x2545_f491_4f6c_dd1du64);
+        let mut next = below(0x2545_f491_4f6c_dd1du64);
         for cp in [1, 2, 3, 4, 8] {
             for tokens_per_block in [1, 2, 3, 5, 7, 8, 12, 16, 32, 48, 64, 100] {
                 let layout = Layout::new(cp, tokens_per_block).unwrap();

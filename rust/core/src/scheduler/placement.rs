@@ -186,33 +186,34 @@ impl RankPlacement {
         self.layout
     }
 
+    /// Each decode token's placement seen from this rank (owner, local and past-seen
+    /// lengths), for the columns below.
+    fn placed(self, positions: &[u64]) -> impl ExactSizeIterator<Item = DecodePlacement> + '_ {
+        positions
+            .iter()
+            .map(move |&p| self.placement.decode(p, self.cp_rank))
+    }
+
     /// For each decode token at `positions`: the rank that appends it (its owner,
     /// `(position / tokens_per_block) % cp_size`; the same for every rank).
     pub fn owner_ranks(self, positions: &[u64]) -> impl ExactSizeIterator<Item = u32> + '_ {
-        positions
-            .iter()
-            .map(move |&p| self.placement.decode(p, self.cp_rank).owner)
+        self.placed(positions).map(|placed| placed.owner)
     }
 
     /// For each decode token at `positions`: whether this rank appends it (is its owner).
     pub fn active(self, positions: &[u64]) -> impl ExactSizeIterator<Item = bool> + '_ {
-        positions
-            .iter()
-            .map(move |&p| self.placement.decode(p, self.cp_rank).owner == self.cp_rank)
+        self.placed(positions)
+            .map(move |placed| placed.owner == self.cp_rank)
     }
 
     /// For each decode token at `positions`: tokens this rank holds after its append.
     pub fn local_lens(self, positions: &[u64]) -> impl ExactSizeIterator<Item = u64> + '_ {
-        positions
-            .iter()
-            .map(move |&p| self.placement.decode(p, self.cp_rank).local_len)
+        self.placed(positions).map(|placed| placed.local_len)
     }
 
     /// For each decode token at `positions`: tokens this rank holds before its append.
     pub fn past_seen_lens(self, positions: &[u64]) -> impl ExactSizeIterator<Item = u64> + '_ {
-        positions
-            .iter()
-            .map(move |&p| self.placement.decode(p, self.cp_rank).past_seen_len)
+        self.placed(positions).map(|placed| placed.past_seen_len)
     }
 }
 
@@ -239,6 +240,7 @@ impl std::fmt::Debug for RankPlacement {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_rng::xorshift;
 
     #[test]
     fn matches_the_layout_closed_forms() {
@@ -271,13 +273,11 @@ mod tests {
 
     #[test]
     fn divides_and_takes_remainders_exactly_below_and_above_two_to_the_32() {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
         for divisor in [1u64, 3, 7, 96, 1000, 65_537, (1 << 24) - 1, 1 << 24] {
             let prepared = Divisor::new(divisor);
             for _ in 0..20_000 {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
+                let seed = next();
                 let n = if seed & 1 == 0 {
                     seed >> 32
                 } else {

@@ -171,6 +171,7 @@ impl VictimFinder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_rng::xorshift;
 
     fn brute(policy: VictimPolicy, keys: &[VictimKey], requester: usize) -> Option<usize> {
         let behind = (requester + 1..keys.len()).filter_map(|p| keys[p].map(|k| (k, p)));
@@ -179,16 +180,6 @@ mod tests {
             _ => behind
                 .min_by_key(|&(k, p)| (k, std::cmp::Reverse(p)))
                 .map(|(_, p)| p),
-        }
-    }
-
-    /// A small deterministic generator (xorshift64) for the randomised tests below.
-    fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
-        move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
         }
     }
 
