@@ -254,15 +254,15 @@ impl Scheduler {
     /// superblock a request fills) flushes the chunk and the run resumes with the same
     /// arrays, instead of setting up (and zeroing) new ones. Kept out of line: its chunk
     /// arrays would weigh on every caller's frame. Each mode is compiled apart
-    /// (monomorphised), with its own filter and columns inlined.
+    /// (monomorphised), with its own filter and column inlined.
     #[inline(never)]
     fn decode_run<M: DecodeRunMode>(&mut self, step: u64) -> Result<()> {
         let mut ids = [0; CHUNK];
         let mut positions = [0; CHUNK];
         let mut slots = [0; CHUNK];
         let mut reqs = [0; CHUNK];
-        let mode = M::new(self);
-        let mut columns = M::columns();
+        // The mode's own column: each entry's input token, or its row (see `M::input`).
+        let mut inputs = [0; CHUNK];
         let mut queue_pos = 0;
         loop {
             // The general path may have scheduled tokens: the budget is read afresh.
@@ -300,7 +300,7 @@ impl Scheduler {
                     positions[count] = position;
                     slots[count] = slot_id(slot);
                     reqs[count] = req;
-                    mode.record(&mut columns, count, request, row);
+                    inputs[count] = M::input(request, row);
                     count += 1;
                     pos += 1;
                 }
@@ -312,7 +312,7 @@ impl Scheduler {
                 &slots[..count],
                 &reqs[..count],
             );
-            M::flush(&columns, &mut self.building, count);
+            M::flush(&inputs[..count], &mut self.building);
             self.step_tokens += count as u64;
             queue_pos = end;
             // A full chunk goes on; a shorter one stopped at the queue's end, or at a
@@ -1074,19 +1074,10 @@ enum Admit {
 }
 
 /// What differs between [`Scheduler::decode_run`]'s modes: which requests it decodes,
-/// how the ledger allocates their token, and the output columns it fills besides those
-/// both fill alike. Its methods are inlined into the run, which is compiled apart per mode.
-///
-/// The mode's value holds only what it reads (copied once per run, so the loop keeps it
-/// in registers); the chunk's columns are apart, in [`Self::Columns`]: a value that held
-/// both would live in memory with the arrays and be read again for every request.
-trait DecodeRunMode: Copy {
-    /// The chunk's columns of the mode's own output fields.
-    type Columns;
-    /// The mode's inputs for one run, read from the scheduler.
-    fn new(scheduler: &Scheduler) -> Self;
-    /// Empty columns for a run's chunks.
-    fn columns() -> Self::Columns;
+/// how the ledger allocates their token, the one column it keeps per entry besides those
+/// both fill alike, and its general path. A mode has no state: its functions are inlined
+/// into the run, which is compiled apart per mode.
+trait DecodeRunMode {
     /// Whether the request `req` at the run's position decodes, is passed over or stops
     /// the run. `marks` are the older pending step's marks (read only one step ahead).
     fn admit(marks: &[AheadMark], step: u64, req: RequestIndex, request: &Request) -> Admit;
@@ -1097,10 +1088,11 @@ trait DecodeRunMode: Copy {
         id: RequestId,
         step: u64,
     ) -> Option<u64>;
-    /// Records the mode's columns of the chunk's entry `at`.
-    fn record(self, columns: &mut Self::Columns, at: usize, request: &Request, row: i32);
-    /// Appends the chunk's first `count` entries of the mode's columns to `out`.
-    fn flush(columns: &Self::Columns, out: &mut ScheduleOutput, count: usize);
+    /// The mode's column for a decoding entry, from its request and the row [`Self::admit`]
+    /// gave.
+    fn input(request: &Request, row: i32) -> i32;
+    /// Appends a chunk's values of the mode's column (`inputs`) to `out`.
+    fn flush(inputs: &[i32], out: &mut ScheduleOutput);
     /// The general path for the request `req` at `queue_pos`, where the run stopped.
     fn general(
         scheduler: &mut Scheduler,
@@ -1113,23 +1105,9 @@ trait DecodeRunMode: Copy {
 /// A plain step's decode run: `Decoding` requests decode on their last token, `Waiting`
 /// and `Prefilling` ones are passed over, a `Suspended` one needs the general path (a
 /// resume).
-#[derive(Clone, Copy)]
 struct PlainRun;
 
 impl DecodeRunMode for PlainRun {
-    /// The input tokens (each request's last token).
-    type Columns = [i32; CHUNK];
-
-    #[inline]
-    fn new(_: &Scheduler) -> Self {
-        Self
-    }
-
-    #[inline]
-    fn columns() -> [i32; CHUNK] {
-        [0; CHUNK]
-    }
-
     #[inline]
     fn admit(_: &[AheadMark], _: u64, _: RequestIndex, request: &Request) -> Admit {
         match request.state {
@@ -1149,9 +1127,10 @@ impl DecodeRunMode for PlainRun {
         lane.try_allocate_in_place(req as usize, id, step)
     }
 
+    /// The input token: the request's last token.
     #[inline]
-    fn record(self, tokens: &mut [i32; CHUNK], at: usize, request: &Request, _: i32) {
-        tokens[at] = request.last_token;
+    fn input(request: &Request, _: i32) -> i32 {
+        request.last_token
     }
 
     fn general(
@@ -1164,9 +1143,8 @@ impl DecodeRunMode for PlainRun {
     }
 
     #[inline]
-    fn flush(tokens: &[i32; CHUNK], out: &mut ScheduleOutput, count: usize) {
-        out.generation_input_tokens
-            .extend_from_slice(&tokens[..count]);
+    fn flush(tokens: &[i32], out: &mut ScheduleOutput) {
+        out.generation_input_tokens.extend_from_slice(tokens);
     }
 }
 
@@ -1175,23 +1153,9 @@ impl DecodeRunMode for PlainRun {
 /// with nothing to do in this phase (an abort pending, `Waiting` or `Prefilling` with no
 /// work in the older step, `Decoding` with its last token sampled there). Anything else
 /// needs the general path.
-#[derive(Clone, Copy)]
 struct AheadRun;
 
 impl DecodeRunMode for AheadRun {
-    /// The rows of the older step's sampled tokens that hold the inputs.
-    type Columns = [i32; CHUNK];
-
-    #[inline]
-    fn new(_: &Scheduler) -> Self {
-        Self
-    }
-
-    #[inline]
-    fn columns() -> [i32; CHUNK] {
-        [0; CHUNK]
-    }
-
     #[inline]
     fn admit(marks: &[AheadMark], step: u64, req: RequestIndex, request: &Request) -> Admit {
         if request.abort_requested {
@@ -1224,9 +1188,10 @@ impl DecodeRunMode for AheadRun {
         lane.try_allocate_ahead_in_place(req as usize, id, step)
     }
 
+    /// The row of the older step's sampled tokens that holds the input.
     #[inline]
-    fn record(self, rows: &mut [i32; CHUNK], at: usize, _: &Request, row: i32) {
-        rows[at] = row;
+    fn input(_: &Request, row: i32) -> i32 {
+        row
     }
 
     fn general(
@@ -1239,10 +1204,10 @@ impl DecodeRunMode for AheadRun {
     }
 
     #[inline]
-    fn flush(rows: &[i32; CHUNK], out: &mut ScheduleOutput, count: usize) {
+    fn flush(rows: &[i32], out: &mut ScheduleOutput) {
         // A token still in flight is never given as a (stale) value.
         out.generation_input_tokens
-            .resize(out.generation_input_tokens.len() + count, -1);
-        out.generation_input_refs.extend_from_slice(&rows[..count]);
+            .resize(out.generation_input_tokens.len() + rows.len(), -1);
+        out.generation_input_refs.extend_from_slice(rows);
     }
 }
