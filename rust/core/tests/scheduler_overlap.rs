@@ -285,6 +285,41 @@ fn run_ahead(
     log
 }
 
+/// Drives `s` until nothing is live, plain (`ahead` false: each step is updated before the
+/// next is scheduled) or one step ahead (two steps pending at most), for at most `calls`
+/// calls. `scheduled(out)` sees each schedule; `updated(s, older, sampled, finished)`
+/// each update, with the tokens `tokens(older)` fed and the ids that finished. `what`
+/// names the run in the failure message.
+fn run_steps(
+    s: &mut Scheduler,
+    ahead: bool,
+    calls: usize,
+    what: &str,
+    mut scheduled: impl FnMut(&ScheduleOutput),
+    mut updated: impl FnMut(&mut Scheduler, &ScheduleOutput, &[i32], &[RequestId]),
+) {
+    let depth = 1 + usize::from(ahead);
+    let mut pending = std::collections::VecDeque::new();
+    for _ in 0..calls {
+        if !s.has_unfinished() && pending.is_empty() {
+            break;
+        }
+        if s.has_unfinished() && pending.len() < depth {
+            let out = s.schedule().unwrap().clone();
+            scheduled(&out);
+            pending.push_back(out);
+            if pending.len() < depth && s.has_unfinished() {
+                continue;
+            }
+        }
+        let older = pending.pop_front().expect("a step pending");
+        let sampled = tokens(&older);
+        let finished = s.update(&sampled, None).unwrap().to_vec();
+        updated(s, &older, &sampled, &finished);
+    }
+    assert!(!s.has_unfinished() && pending.is_empty(), "{what}");
+}
+
 #[test]
 fn a_victim_whose_last_token_was_in_flight_folds_it_into_its_re_prefill() {
     // tpb 4, cp 1, 4 superblocks: two requests of 7 prompt tokens each take 2; their
@@ -693,41 +728,26 @@ fn computed_owner_ranks_are_the_layouts_owners_plain_and_one_step_ahead() {
                     s.add_request(u64::from(n), &prompt(len), 3 + 2 * (n % 5), 0)
                         .unwrap();
                 }
-                let mut pending = std::collections::VecDeque::new();
-                for _ in 0..2_000 {
-                    if !s.has_unfinished() && pending.is_empty() {
-                        break;
+                let what = format!("cp {cp} tpb {tpb}");
+                let scheduled = |out: &ScheduleOutput| {
+                    let owners: Vec<u32> = out.generation_owner_ranks().collect();
+                    assert_eq!(owners.len(), out.generation_positions.len());
+                    for (&p, &owner) in out.generation_positions.iter().zip(&owners) {
+                        assert_eq!(
+                            u64::from(owner),
+                            (p / u64::from(tpb)) % u64::from(cp),
+                            "cp {cp} tpb {tpb} ahead {ahead} position {p}"
+                        );
                     }
-                    if s.has_unfinished() && pending.len() < 1 + usize::from(ahead) {
-                        let out = s.schedule().unwrap().clone();
-                        let owners: Vec<u32> = out.generation_owner_ranks().collect();
-                        assert_eq!(owners.len(), out.generation_positions.len());
-                        for (&p, &owner) in out.generation_positions.iter().zip(&owners) {
-                            assert_eq!(
-                                u64::from(owner),
-                                (p / u64::from(tpb)) % u64::from(cp),
-                                "cp {cp} tpb {tpb} ahead {ahead} position {p}"
-                            );
-                        }
-                        entries += owners.len();
-                        in_flight += out
-                            .generation_input_refs
-                            .iter()
-                            .filter(|&&r| r >= 0)
-                            .count();
-                        preempted += out.preempted_ids.len();
-                        pending.push_back(out);
-                        if pending.len() < 1 + usize::from(ahead) && s.has_unfinished() {
-                            continue;
-                        }
-                    }
-                    let older = pending.pop_front().expect("a step pending");
-                    s.update(&tokens(&older), None).unwrap();
-                }
-                assert!(
-                    !s.has_unfinished() && pending.is_empty(),
-                    "cp {cp} tpb {tpb}"
-                );
+                    entries += owners.len();
+                    in_flight += out
+                        .generation_input_refs
+                        .iter()
+                        .filter(|&&r| r >= 0)
+                        .count();
+                    preempted += out.preempted_ids.len();
+                };
+                run_steps(&mut s, ahead, 2_000, &what, scheduled, |_, _, _, _| {});
             }
             assert!(entries > 0 && in_flight > 0, "cp {cp} tpb {tpb}");
             assert!(preempted > 0, "cp {cp} tpb {tpb}: no pressure");
@@ -759,41 +779,32 @@ fn computed_sample_ids_match_a_brute_force_construction_plain_and_one_step_ahead
                 let max_new = u32::try_from(rng.range(1, 12)).unwrap();
                 s.add_request(id, &prompt(len), max_new, 0).unwrap();
             }
-            let mut pending = std::collections::VecDeque::new();
-            for _ in 0..3_000 {
-                if !s.has_unfinished() && pending.is_empty() {
-                    break;
-                }
-                if s.has_unfinished() && pending.len() < 1 + usize::from(ahead) {
-                    let out = s.schedule().unwrap().clone();
-                    let mut brute = out.generation_ids.clone();
-                    for (i, &id) in out.context_ids.iter().enumerate() {
-                        if out.context_completes[i] {
-                            brute.push(id);
-                            completing += 1;
-                        } else {
-                            incomplete += 1;
-                        }
-                    }
-                    let ids = out.sample_ids();
-                    assert_eq!(ids.len(), brute.len());
-                    assert_eq!(ids.collect::<Vec<_>>(), brute, "seed {seed} ahead {ahead}");
-                    assert_eq!(out.num_samples(), brute.len());
-                    preempted += out.preempted_ids.len();
-                    in_flight += out
-                        .generation_input_refs
-                        .iter()
-                        .filter(|&&r| r >= 0)
-                        .count();
-                    pending.push_back(out);
-                    if pending.len() < 1 + usize::from(ahead) && s.has_unfinished() {
-                        continue;
+            let scheduled = |out: &ScheduleOutput| {
+                let mut brute = out.generation_ids.clone();
+                for (i, &id) in out.context_ids.iter().enumerate() {
+                    if out.context_completes[i] {
+                        brute.push(id);
+                        completing += 1;
+                    } else {
+                        incomplete += 1;
                     }
                 }
-                let older = pending.pop_front().expect("a step pending");
-                let sampled = tokens(&older);
-                let finished = s.update(&sampled, None).unwrap().to_vec();
-                for (id, token) in older.sample_ids().zip(sampled) {
+                let ids = out.sample_ids();
+                assert_eq!(ids.len(), brute.len());
+                assert_eq!(ids.collect::<Vec<_>>(), brute, "seed {seed} ahead {ahead}");
+                assert_eq!(out.num_samples(), brute.len());
+                preempted += out.preempted_ids.len();
+                in_flight += out
+                    .generation_input_refs
+                    .iter()
+                    .filter(|&&r| r >= 0)
+                    .count();
+            };
+            let updated = |s: &mut Scheduler,
+                           older: &ScheduleOutput,
+                           sampled: &[i32],
+                           finished: &[RequestId]| {
+                for (id, &token) in older.sample_ids().zip(sampled) {
                     let held = if finished.contains(&id) {
                         s.take_output(id).unwrap().token_ids
                     } else {
@@ -806,8 +817,15 @@ fn computed_sample_ids_match_a_brute_force_construction_plain_and_one_step_ahead
                         older.step
                     );
                 }
-            }
-            assert!(!s.has_unfinished() && pending.is_empty(), "seed {seed}");
+            };
+            run_steps(
+                &mut s,
+                ahead,
+                3_000,
+                &format!("seed {seed}"),
+                scheduled,
+                updated,
+            );
         }
     }
     assert!(completing > 0 && incomplete > 0, "no chunked prompts");
