@@ -2,6 +2,9 @@
 //! capacity, tables sized to their lengths, failed calls change nothing, and two ledgers
 //! fed the same sequence stay identical.
 
+mod common;
+
+use common::gate_config;
 use helix_kv_core::{Layout, Ledger};
 use proptest::prelude::*;
 
@@ -112,7 +115,7 @@ fn check_invariants(ledger: &Ledger) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    #![proptest_config(gate_config(512))]
     #[test]
     fn random_sequences_keep_invariants(
         cp in 1u32..5,

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{assert_matches_reference, Group, Model, RunOptions, Spec};
+use common::{assert_matches_reference, gate_config, Group, Model, RunOptions, Spec};
 use helix_kv_core::{CoreError, SchedulerConfig, ServingMode, VictimPolicy};
 use proptest::prelude::*;
 
@@ -110,7 +110,7 @@ fn run_to_the_end(case: &Case) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(gate_config(256))]
 
     /// Aggregated Helix, every request fits alone: with any bound >= 1 the group runs to
     /// the end: no `DeadlockError`, every rank identical every step, outputs exact, and

@@ -6,7 +6,8 @@
 mod common;
 
 use common::{
-    assert_matches_reference, assert_matches_reference_with_aborts, Group, Model, RunOptions, Spec,
+    assert_matches_reference, assert_matches_reference_with_aborts, gate_config, Group, Model,
+    RunOptions, Spec,
 };
 use helix_kv_core::{
     CapacityPolicy, CoreError, Scheduler, SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy,
@@ -119,15 +120,6 @@ fn case() -> impl Strategy<Value = Case> {
         })
 }
 
-/// The number of cases: `default`, or `PROPTEST_CASES` when it is set (an explicit count
-/// in the config would otherwise override it), so a deeper search needs no edit.
-fn cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(default)
-}
-
 /// Keeps the requests the configuration accepts (the others are refused at add, which
 /// the unit tests cover), checking that refusals change nothing.
 fn accepted(config: &SchedulerConfig, specs: &[Spec]) -> Vec<Spec> {
@@ -150,7 +142,7 @@ fn accepted(config: &SchedulerConfig, specs: &[Spec]) -> Vec<Spec> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(200), ..ProptestConfig::default() })]
+    #![proptest_config(gate_config(200))]
 
     #[test]
     fn random_configs_and_workloads_keep_every_invariant(case in case()) {
@@ -238,7 +230,7 @@ fn check_early_stop(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(150), ..ProptestConfig::default() })]
+    #![proptest_config(gate_config(150))]
 
     /// Random aborts (between steps and while a step is pending, with reverts mixed in):
     /// ranks stay identical, nothing leaks (the harness checks pages, slots and the host
