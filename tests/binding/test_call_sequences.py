@@ -11,6 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import helix_kv
+from tests.helpers import examples
 
 CALL = st.one_of(
     st.tuples(st.just("add"), st.integers(0, 6), st.integers(0, 12), st.integers(-1, 6)),
@@ -72,7 +73,7 @@ def run_calls(calls: list, seed: int) -> list:
     return ranks
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(CALLS, st.integers(0, 2**32 - 1))
 def test_random_call_sequences_keep_two_ranks_identical(calls: list, seed: int) -> None:
     run_calls(calls, seed)
@@ -84,7 +85,7 @@ CALLS_WITH_ABORTS = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(CALLS_WITH_ABORTS, st.integers(0, 2**32 - 1))
 # Found by hypothesis: the request finishes (EOS) in step 0 while step 1, planned ahead,
 # still refers to it; its page is held until step 1 is reverted.

@@ -37,6 +37,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import helix_kv
+from tests.helpers import examples
 from tests.helpers.scheduler import config, needs_scheduler, prompt, snapshot
 
 pytestmark = needs_scheduler
@@ -489,7 +490,7 @@ def drive(
     return seen
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     cp=st.integers(1, 3),
     tpb=st.integers(1, 4),
@@ -692,7 +693,7 @@ def call_and_check(
         return None, err
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(data=st.data(), cp=st.integers(1, 3), tpb=st.sampled_from([1, 3, 4]))
 def test_hostile_decode_row_buffers_raise_typed_errors_and_change_nothing(
     data: st.DataObject, cp: int, tpb: int
@@ -717,7 +718,7 @@ def test_hostile_decode_row_buffers_raise_typed_errors_and_change_nothing(
         np.testing.assert_array_equal(buffer, reference)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     data=st.data(),
     words=st.integers(-3, 3),
@@ -751,7 +752,7 @@ def test_hostile_packed_buffers_raise_typed_errors_and_change_nothing(
         pytest.fail(f"a valid buffer was refused: {err!r}")
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(data=st.data(), decode=st.booleans())
 def test_forged_outputs_raise_typed_errors_and_change_nothing(
     data: st.DataObject, decode: bool
@@ -896,7 +897,7 @@ BAD_GROW = st.sampled_from(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     held=st.integers(2, 8),
     data=st.data(),

@@ -31,6 +31,7 @@ from helix_kv import (
     InvalidLengthError,
     InvalidTypeError,
 )
+from tests.helpers import examples
 
 MAX_ID = 2**64 - 1
 
@@ -496,7 +497,7 @@ def test_hostile_config_keyword_raises_typed_error(keyword) -> None:
             make_config(**{keyword: value})
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     ops=st.lists(
         st.sampled_from([c for c in LEDGER_CALLS if c.method != "add"]), min_size=1, max_size=6

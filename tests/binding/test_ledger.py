@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import helix_kv
+from tests.helpers import examples
 
 IDS = st.integers(0, 5)
 LENS = st.integers(0, 120)
@@ -69,7 +70,7 @@ def check_invariants(ledger: helix_kv.Ledger) -> None:
         assert state.superblocks == expected
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     cp=st.integers(1, 4),
     tpb=st.integers(1, 8),

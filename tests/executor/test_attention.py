@@ -22,6 +22,7 @@ from helix_kv.executor.attention import (
     partial_attention,
     reference_attention,
 )
+from tests.helpers import examples
 
 TOL = 1e-12
 
@@ -110,7 +111,7 @@ def assert_matches(got: PartialAttention, problem: dict) -> None:
     torch.testing.assert_close(got.lse[finite], lse[finite], atol=TOL, rtol=TOL)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
     batch=st.integers(1, 3),
