@@ -622,6 +622,21 @@ impl Ledger {
         })
     }
 
+    /// After a step's reservations were undone: moves the pages the undo gave back (the top
+    /// of the free list, above `free_before_undo`) down to depth `free_after_step` (the
+    /// free list's length once the step had taken them), below the pages freed since by
+    /// others (the update of an older step, one step ahead). The free list is then as if
+    /// the step had never taken its pages, so a revert restores it exactly. Nothing moves
+    /// when nothing was freed meanwhile (the usual case), or for depths that do not
+    /// describe the list (a step whose victims freed pages).
+    pub(crate) fn sink_returned_pages(&mut self, free_after_step: u32, free_before_undo: u32) {
+        let (at, from) = (free_after_step as usize, free_before_undo as usize);
+        if at < from && from <= self.free.len() {
+            let returned = self.free.len() - from;
+            self.free[at..].rotate_right(returned);
+        }
+    }
+
     /// The token placement the ledger serves.
     pub fn layout(&self) -> Layout {
         self.layout

@@ -832,3 +832,89 @@ fn computed_sample_ids_match_a_brute_force_construction_plain_and_one_step_ahead
     assert!(preempted > 0, "no pressure");
     assert!(in_flight > 0, "no step planned ahead on a token in flight");
 }
+
+/// The fields of a step that do not depend on its number (a scheduler that reverted steps
+/// numbers later ones on).
+fn decisions(out: &ScheduleOutput) -> String {
+    let mut out = out.clone();
+    out.step = 0;
+    out.digest = 0;
+    format!("{out:?}")
+}
+
+#[test]
+fn reverting_two_sit_outs_restores_the_batch_slot_the_older_gave_up() {
+    // tpb 4, cp 1, 4 superblocks, no preemption (bound 0). Request 1 (prompt 6, slot 0)
+    // and request 2 (prompt 8, slot 1) fill the pool; request 2's first decode (position 8)
+    // needs a third superblock and nothing is behind it, so it sits out of step 1 and gives
+    // up slot 1, and again of step 2 (planned ahead, it holds no slot now). Reverting both
+    // restores the state exactly, and from then on it runs as a twin that never scheduled
+    // the two steps: it decodes on slot 1 again once request 1's pages are free.
+    let mut config = config(1, 4, 4);
+    config.max_preemptions_per_request = 0;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(1, &prompt(6), 2, 0).unwrap();
+    s.add_request(2, &prompt(8), 3, 0).unwrap();
+    let t0 = s.schedule().unwrap().clone();
+    assert_eq!(t0.context_batch_slots, vec![0, 1]);
+    s.update(&tokens(&t0), None).unwrap();
+    let mut twin = s.clone();
+    let before = observable(&s);
+    assert_eq!(s.batch_slot(2).unwrap(), Some(1));
+    let t1 = s.schedule().unwrap().clone();
+    assert_eq!(
+        (t1.generation_ids.clone(), t1.sat_out_ids.clone()),
+        (vec![1], vec![2])
+    );
+    assert_eq!(
+        s.batch_slot(2).unwrap(),
+        None,
+        "a sit-out gives its slot up"
+    );
+    let t2 = s.schedule().unwrap().clone();
+    assert_eq!(
+        t2.sat_out_ids,
+        vec![2],
+        "it sits out of the step planned ahead too"
+    );
+    assert_eq!(s.pending_steps(), 2);
+    s.revert().unwrap();
+    assert_eq!(
+        s.batch_slot(2).unwrap(),
+        None,
+        "step 1 still holds its sit-out"
+    );
+    s.revert().unwrap();
+    assert_eq!(
+        s.batch_slot(2).unwrap(),
+        Some(1),
+        "both reverted: slot 1 is back"
+    );
+    assert_eq!(
+        observable(&s),
+        before,
+        "reverting both pending steps restores the state"
+    );
+    // Every later step is the twin's but for the step numbers (which the ledger's record
+    // of a request's last decode, and so the state digest, carries too).
+    while s.has_unfinished() {
+        let (a, b) = (
+            s.schedule().unwrap().clone(),
+            twin.schedule().unwrap().clone(),
+        );
+        assert_eq!(decisions(&a), decisions(&b));
+        let samples: Vec<i32> = a.sample_ids().map(|id| token(id, b.step)).collect();
+        s.update(&samples, None).unwrap();
+        twin.update(&samples, None).unwrap();
+    }
+    let slots: Vec<_> = [1u64, 2]
+        .map(|id| (s.take_output(id).unwrap(), twin.take_output(id).unwrap()))
+        .into_iter()
+        .map(|(a, b)| {
+            assert_eq!(a.token_ids, b.token_ids);
+            a.token_ids.len()
+        })
+        .collect();
+    assert_eq!(slots, vec![2, 3]);
+    assert_no_leak(&s);
+}

@@ -10,8 +10,11 @@ use common::{
     RunOptions, Spec,
 };
 use helix_kv_core::{
-    CapacityPolicy, CoreError, Scheduler, SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy,
+    CapacityPolicy, CoreError, RequestId, RequestOutput, ScheduleOutput, Scheduler,
+    SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy,
 };
+use std::collections::{BTreeMap, VecDeque};
+
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -267,5 +270,247 @@ proptest! {
             Ok(without) => prop_assert_eq!(&result.outputs, &without.outputs),
             Err(err) => check_early_stop(config, &alone, &err)?,
         }
+    }
+}
+
+/// The fields of a step that do not depend on its number (a scheduler that reverted steps
+/// numbers later ones on; the digest hashes the number).
+fn decisions(out: &ScheduleOutput) -> String {
+    let mut out = out.clone();
+    out.step = 0;
+    out.digest = 0;
+    format!("{out:?}")
+}
+
+/// Whether `id` has an entry, a sit-out, a preemption, a suspend or a resume in `out`.
+fn mentions(out: &ScheduleOutput, id: RequestId) -> bool {
+    [
+        &out.generation_ids,
+        &out.context_ids,
+        &out.sat_out_ids,
+        &out.preempted_ids,
+        &out.suspended_ids,
+        &out.resumed_ids,
+    ]
+    .iter()
+    .any(|ids| ids.contains(&id))
+}
+
+fn chose_victims(out: &ScheduleOutput) -> bool {
+    !out.preempted_ids.is_empty() || !out.suspended_ids.is_empty()
+}
+
+/// The tokens and EOS flags `update` is given for one step, and the requests it finished.
+type Samples = (Vec<i32>, Vec<bool>, Vec<RequestId>);
+
+/// One scheduler driven plain or one step ahead, and, once set, a twin fed the same calls
+/// whose every step and output must be the same (but for step numbers).
+struct Driver {
+    model: Model,
+    ahead: bool,
+    s: Scheduler,
+    twin: Option<Scheduler>,
+    /// Scheduled and not yet updated, oldest first.
+    pending: VecDeque<ScheduleOutput>,
+    /// Samples each request has been given so far: its next token is a function of this
+    /// and its id, so it does not depend on step numbers.
+    sampled: BTreeMap<RequestId, u32>,
+}
+
+impl Driver {
+    fn samples(&mut self, out: &ScheduleOutput) -> (Vec<i32>, Vec<bool>) {
+        out.sample_ids()
+            .map(|id| {
+                let n = self.sampled.entry(id).or_default();
+                *n += 1;
+                let token = self.model.next_token(id, &[i32::try_from(*n).unwrap()]);
+                (token, Some(token) == self.model.eos)
+            })
+            .unzip()
+    }
+
+    /// Calls `f` on the scheduler and on the twin (if any), checking they answer alike.
+    fn both<T: PartialEq + std::fmt::Debug>(
+        &mut self,
+        mut f: impl FnMut(&mut Scheduler) -> T,
+    ) -> Result<T, TestCaseError> {
+        let answer = f(&mut self.s);
+        if let Some(twin) = self.twin.as_mut() {
+            prop_assert_eq!(&answer, &f(twin));
+        }
+        Ok(answer)
+    }
+
+    /// Takes every finished output (on both).
+    fn collect(&mut self) -> Result<Vec<RequestOutput>, TestCaseError> {
+        let mut outputs = Vec::new();
+        for id in self.both(|s| s.untaken_outputs())? {
+            outputs.push(self.both(|s| s.take_output(id).unwrap())?);
+        }
+        Ok(outputs)
+    }
+
+    /// Updates the oldest pending step; returns what it was given.
+    fn update(&mut self) -> Result<Samples, TestCaseError> {
+        let oldest = self.pending.pop_front().unwrap();
+        let (tokens, eos) = self.samples(&oldest);
+        let finished = self.both(|s| s.update(&tokens, Some(&eos)).unwrap().to_vec())?;
+        self.collect()?;
+        Ok((tokens, eos, finished))
+    }
+
+    /// Schedules a step (on both, comparing them) and, with as many steps pending as the mode
+    /// allows, updates the oldest.
+    fn step(&mut self) -> Result<Stepped, TestCaseError> {
+        let out = self.both(|s| s.schedule().map(decisions))?;
+        if out.is_err() {
+            return Ok(Stepped::Ended);
+        }
+        self.pending.push_back(self.s.last_output().clone());
+        if self.pending.len() < if self.ahead { 2 } else { 1 } {
+            return Ok(Stepped::Scheduled);
+        }
+        self.update().map(Stepped::Updated)
+    }
+}
+
+/// What `Driver::step` did.
+enum Stepped {
+    /// The run ended with one of the documented errors.
+    Ended,
+    Scheduled,
+    /// Scheduled, then updated the oldest pending step with these samples.
+    Updated(Samples),
+}
+
+proptest! {
+    #![proptest_config(gate_config(150))]
+
+    /// Reverting the newest pending step, or both, restores the state digest exactly (when
+    /// the reverted steps chose no victim: victims stay applied), and every later step and
+    /// output is the one a twin that never scheduled them makes: plain and one step ahead,
+    /// host tiers, aborts (between steps, deferred while a step is pending) and EOS.
+    #[test]
+    fn reverts_restore_the_state_and_every_later_step(
+        case in case_with_aborts(),
+        ahead in any::<bool>(),
+        both in any::<bool>(),
+        probe_at in 0u64..40,
+    ) {
+        let config = &case.config;
+        let specs = accepted(config, &case.specs);
+        prop_assume!(!specs.is_empty());
+        let last_arrival = specs.iter().map(|s| s.arrival_step).max().unwrap();
+        let mut d = Driver {
+            model: case.model,
+            ahead,
+            s: Scheduler::new(config.clone()).unwrap(),
+            twin: None,
+            pending: VecDeque::new(),
+            sampled: BTreeMap::new(),
+        };
+        // The state before the previous schedule, and the update that followed it.
+        let mut before_previous: Option<(Scheduler, Option<Samples>)> = None;
+        for step in 0..3_000u64 {
+            // At the probe, the twin to be: this state or (both, one step ahead) the state
+            // before the pending step was scheduled, given the update that followed that
+            // schedule; it takes this step's arrivals and aborts (an abort the scheduler
+            // defers to the pending step's close is immediate there).
+            let mut expected = None;
+            if step == probe_at {
+                expected = Some(if both && ahead {
+                    let Some((mut older, update)) = before_previous.clone() else {
+                        return Ok(());
+                    };
+                    if let Some((tokens, eos, _)) = update {
+                        older.update(&tokens, Some(&eos)).unwrap();
+                        for id in older.untaken_outputs() {
+                            older.take_output(id).unwrap();
+                        }
+                    }
+                    older
+                } else {
+                    d.s.clone()
+                });
+            }
+            let due: Vec<RequestId> = specs
+                .iter()
+                .filter(|spec| spec.abort.is_some_and(|at| at.step == step))
+                .map(|spec| spec.id)
+                .collect();
+            let mut aborted_there = BTreeMap::new();
+            if let Some(expected) = expected.as_mut() {
+                for spec in specs.iter().filter(|spec| spec.arrival_step == step) {
+                    expected.add_request(spec.id, &spec.prompt, spec.max_new_tokens, spec.priority).unwrap();
+                }
+                let due: Vec<RequestId> = due.iter().copied().filter(|&id| expected.is_abort_requested(id) == Ok(false)).collect();
+                expected.abort_many(&due).unwrap();
+                for id in expected.untaken_outputs() {
+                    aborted_there.insert(id, expected.take_output(id).unwrap());
+                }
+            }
+            for spec in specs.iter().filter(|spec| spec.arrival_step == step) {
+                d.both(|s| s.add_request(spec.id, &spec.prompt, spec.max_new_tokens, spec.priority))?
+                    .unwrap();
+            }
+            let due: Vec<RequestId> = due.into_iter().filter(|&id| d.s.is_abort_requested(id) == Ok(false)).collect();
+            d.both(|s| s.abort_many(&due))?.unwrap();
+            let mut aborted_here = d.collect()?;
+            if !d.s.has_unfinished() && step > last_arrival {
+                while !d.pending.is_empty() {
+                    d.update()?;
+                }
+                prop_assert_eq!(d.s.ledger().free_superblocks(), d.s.ledger().capacity());
+                prop_assert_eq!(d.s.host_used_superblocks(), 0);
+                return Ok(());
+            }
+            if let Some(expected) = expected {
+                let Ok(newest) = d.s.schedule().cloned() else { return Ok(()) };
+                let mut victims = chose_victims(&newest);
+                if both && !ahead {
+                    let Ok(second) = d.s.schedule().cloned() else { return Ok(()) };
+                    victims |= chose_victims(&second);
+                    d.s.revert().unwrap();
+                }
+                d.s.revert().unwrap();
+                if both && ahead {
+                    if let Some(older) = d.pending.pop_back() {
+                        victims |= chose_victims(&older);
+                        // A request the older step refers to that the update between the
+                        // two schedules finished was held until that step closed (its KV
+                        // in use by the step): its pages and ledger entry come back later
+                        // than in the twin, so only their order differs (documented in
+                        // docs/internals/scheduler.md).
+                        let finished = before_previous.as_ref().and_then(|(_, u)| u.as_ref()).map_or(&[][..], |u| &u.2[..]);
+                        if finished.iter().any(|&id| mentions(&older, id)) {
+                            return Ok(());
+                        }
+                        d.s.revert().unwrap();
+                    }
+                }
+                if victims {
+                    return Ok(()); // victims stay applied: nothing to compare with
+                }
+                // Aborts deferred to the reverted step closed with it, as they did at once
+                // in the twin.
+                for id in d.s.untaken_outputs() {
+                    aborted_here.push(d.s.take_output(id).unwrap());
+                }
+                aborted_here.sort_by_key(|output| output.request_id);
+                prop_assert_eq!(aborted_here, aborted_there.into_values().collect::<Vec<_>>());
+                prop_assert_eq!(d.s.pending_steps(), expected.pending_steps());
+                prop_assert_eq!(d.s.ledger().state_digest(), expected.ledger().state_digest());
+                prop_assert_eq!(d.s.state_digest(), expected.state_digest(), "state after the reverts");
+                d.twin = Some(expected);
+            }
+            let snapshot = d.s.clone();
+            let update = match d.step()? {
+                Stepped::Ended => return Ok(()),
+                Stepped::Scheduled => None,
+                Stepped::Updated(samples) => Some(samples),
+            };
+            before_previous = Some((snapshot, update));
+        }
+        prop_assert!(false, "run did not finish in 3000 steps");
     }
 }

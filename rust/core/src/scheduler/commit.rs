@@ -186,6 +186,12 @@ impl Scheduler {
         self.generation_reqs = generation;
         if std::mem::take(&mut self.abort_requests) > 0 {
             self.stalled_steps = 0; // freed pages may unblock the queue
+            if newer.is_some() {
+                // The step planned ahead (its record is `older` while this one closes)
+                // counted on from before this reset; reverting it restores the count of a
+                // scheduler that never planned it, which was reset here too.
+                self.older.stalled_steps_before = 0;
+            }
         }
         if has_zombies {
             self.release_zombies(step);
@@ -369,7 +375,6 @@ impl Scheduler {
             }
             let request = &mut self.requests[req as usize];
             request.cold.zombie = false;
-            request.cold.sat_out_slot = None;
             if let Some(slot) = request.batch_slot.take() {
                 self.batch_slots.release(slot);
             }
@@ -460,7 +465,10 @@ impl Scheduler {
             ));
         }
         let step = self.pending_step;
+        let free_before_undo = self.ledger.free_superblocks();
         self.undo_step(step);
+        self.ledger
+            .sink_returned_pages(self.pending_free_len, free_before_undo);
         self.stalled_steps = self.stalled_steps_before;
         self.finished_ids.clear();
         self.release_zombies(step);

@@ -94,7 +94,19 @@ struct StepRecord {
     generation_reqs: Vec<RequestIndex>,
     journal: Vec<JournalEntry>,
     new_slot_reqs: Vec<RequestIndex>,
-    sat_out_reqs: Vec<RequestIndex>,
+    sat_out_reqs: Vec<SatOut>,
+    /// The ledger's free superblocks once the step had taken its pages (see `revert`).
+    free_len: u32,
+}
+
+/// A request that sat out of a step, with the batch slot it gave up (restored if that step
+/// is reverted). Kept by the step, not the request: a request may sit out of both pending
+/// steps (the newer one finds it without a slot), and reverting both must restore the slot
+/// the older one took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SatOut {
+    req: RequestIndex,
+    slot: Option<u32>,
 }
 
 /// The scheduler of one rank. See the module docs.
@@ -134,6 +146,11 @@ pub struct Scheduler {
     pending_step: u64,
     pending_digest: u64,
     pending_samples: usize,
+    /// The ledger's free superblocks once the newest pending step had taken its pages:
+    /// pages freed after that (by the update of the step before it, one step ahead) lie
+    /// above this depth of the free list, and a revert puts the step's pages back below
+    /// them, where they were.
+    pending_free_len: u32,
     /// Consecutive scheduled steps that had live requests and made no progress.
     stalled_steps: u32,
     stalled_steps_before: u32,
@@ -161,7 +178,7 @@ pub struct Scheduler {
     generation_removed: bool,
     journal: Vec<JournalEntry>,
     new_slot_reqs: Vec<RequestIndex>,
-    sat_out_reqs: Vec<RequestIndex>,
+    sat_out_reqs: Vec<SatOut>,
     finished_ids: Vec<RequestId>,
     /// Candidates below the preemption bound, for every requester.
     victims: VictimFinder,
@@ -212,6 +229,7 @@ impl Scheduler {
             pending_step: 0,
             pending_digest: 0,
             pending_samples: 0,
+            pending_free_len: 0,
             stalled_steps: 0,
             stalled_steps_before: 0,
             metrics: SchedulerMetrics {
@@ -377,6 +395,7 @@ impl Scheduler {
         std::mem::swap(&mut self.pending_step, &mut older.step);
         std::mem::swap(&mut self.pending_digest, &mut older.digest);
         std::mem::swap(&mut self.pending_samples, &mut older.samples);
+        std::mem::swap(&mut self.pending_free_len, &mut older.free_len);
         std::mem::swap(
             &mut self.stalled_steps_before,
             &mut older.stalled_steps_before,

@@ -175,8 +175,6 @@ pub(super) struct RequestCold {
     /// A re-prefill reads its chunks straight from this vector (a request that re-prefills
     /// has nothing in the log: it is flushed when recompute-paused).
     pub tokens: Vec<i32>,
-    /// The batch slot it gave up by sitting out, restored if that step is reverted.
-    pub sat_out_slot: Option<u32>,
     /// Last step that preempted or suspended it.
     pub victim_step: u64,
     /// Last step that resumed it from the host tier.
@@ -237,7 +235,6 @@ impl Request {
                 victim_step: NO_STEP,
                 resumed_step: NO_STEP,
                 rescued_step: NO_STEP,
-                sat_out_slot: None,
                 touched_step: NO_STEP,
                 zombie: false,
             }),

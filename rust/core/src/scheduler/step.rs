@@ -6,7 +6,7 @@ use super::slots::{entry_id, row_id, slot_id};
 use super::victim::VictimKey;
 use super::{
     CapacityPolicy, ContextEntry, CoreError, JournalEntry, RequestId, RequestIndex, RequestState,
-    Result, ScheduleOutput, Scheduler, ServingMode, SuspendPolicy, VictimPolicy,
+    Result, SatOut, ScheduleOutput, Scheduler, ServingMode, SuspendPolicy, VictimPolicy,
 };
 use crate::ledger::{page_id, superblock_count, DecodeLane};
 
@@ -58,6 +58,7 @@ impl Scheduler {
         self.pending_step = step;
         self.pending_digest = self.building.digest;
         self.pending_samples = self.building.num_samples();
+        self.pending_free_len = self.ledger.free_superblocks();
         std::mem::swap(&mut self.output, &mut self.building);
         self.next_step += 1;
         self.pending_steps += 1;
@@ -386,11 +387,11 @@ impl Scheduler {
         // executor cannot read it as still belonging to this request.
         let request = &mut self.requests[req as usize];
         request.cold.touched_step = step;
-        request.cold.sat_out_slot = request.batch_slot.take();
-        if let Some(slot) = request.cold.sat_out_slot {
+        let slot = request.batch_slot.take();
+        if let Some(slot) = slot {
             self.batch_slots.release(slot);
         }
-        self.sat_out_reqs.push(req);
+        self.sat_out_reqs.push(SatOut { req, slot });
         self.building.sat_out_ids.push(request.id);
         Ok(())
     }
@@ -711,7 +712,6 @@ impl Scheduler {
         request.scheduled_step = NO_STEP;
         request.cold.victim_step = step;
         request.cold.preemptions += 1;
-        request.cold.sat_out_slot = None;
         if let Some(slot) = request.batch_slot.take() {
             self.batch_slots.release(slot);
         }
@@ -940,12 +940,15 @@ impl Scheduler {
             }
         }
         self.new_slot_reqs.clear();
-        for &req in &self.sat_out_reqs {
+        for &SatOut { req, slot } in &self.sat_out_reqs {
             let request = &mut self.requests[req as usize];
-            if request.cold.zombie {
+            // A victim since (of this step or of one planned ahead) holds no slot: its
+            // preemption stays applied.
+            let victim = request.cold.victim_step != NO_STEP && request.cold.victim_step >= step;
+            if request.cold.zombie || victim {
                 continue;
             }
-            if let Some(slot) = request.cold.sat_out_slot.take() {
+            if let Some(slot) = slot {
                 self.batch_slots.take(slot);
                 request.batch_slot.set(slot);
             }
@@ -956,14 +959,17 @@ impl Scheduler {
     /// a decode of a `Decodes` run is undone as its own `Decode`).
     fn undo_change(&mut self, step: u64, req: RequestIndex, entry: JournalEntry) {
         let request = &self.requests[req as usize];
-        if request.cold.zombie {
-            return; // finished meanwhile: everything it holds is freed with the step
-        }
+        // A zombie finished meanwhile (the older step's update retired it): what it holds
+        // is freed after this undo, but its ledger change is undone first, so the pages the
+        // step took go back to the free list in reverse order, as if it never ran (its
+        // state is that of a retired request: nothing else to restore).
+        let zombie = request.cold.zombie;
         if request.cold.victim_step != NO_STEP && request.cold.victim_step >= step {
             // Its reservations went with the preemption. One suspended by a step
             // planned ahead (since reverted) took this step's work to the host tier:
             // that work never ran, so it re-prefills what it has instead.
-            if request.cold.victim_step > step
+            if !zombie
+                && request.cold.victim_step > step
                 && request.state == RequestState::Suspended
                 && !matches!(entry, JournalEntry::Resume(_))
             {
@@ -979,7 +985,9 @@ impl Scheduler {
             JournalEntry::Reserve { len_before, .. } => self.ledger.shrink(id, len_before),
             // Its host pages were kept (they are released when a step is updated).
             JournalEntry::Resume(_) => self.ledger.suspend(id).map(|_| {
-                self.set_state(req, RequestState::Suspended);
+                if !zombie {
+                    self.set_state(req, RequestState::Suspended);
+                }
             }),
         };
         undone.expect("the ledger accepts undoing a change it made in this step");
