@@ -295,22 +295,24 @@ def test_group_abort_of_a_finished_request_keeps_its_output_and_reason() -> None
     group.schedule()
     group.update(np.array([9], dtype=np.int32))
     digests = group.state_digests()
-    group.abort(4)
+    assert group.abort(4) is False
     assert group.state_digests() == digests
     output = group.take_output(4)
     assert (output.token_ids.tolist(), output.finish_reason) == ([9], "length")
     assert group.metrics().aborts == 0
-    with pytest.raises(helix_kv.UnknownRequestError, match="unknown request 4"):
-        group.abort(4)
+    digests = group.state_digests()
+    assert group.abort_many([4, 5]).tolist() == [False, False], "taken, and never added"
+    assert group.state_digests() == digests
 
 
-def test_group_abort_many_is_all_or_nothing() -> None:
+def test_group_abort_many_answers_per_id_and_skips_unknown_ones() -> None:
     group = decoding_group()
     digests = group.state_digests()
-    with pytest.raises(helix_kv.UnknownRequestError, match="unknown request 7"):
-        group.abort_many([1, 7])
-    assert group.state_digests() == digests
-    assert group.schedulers[0].queue_ids().tolist() == [1, 2, 3]
+    assert group.abort_many([7]).tolist() == [False]
+    assert group.state_digests() == digests, "an unknown id changes nothing"
+    assert group.abort_many([1, 7]).tolist() == [True, False]
+    assert group.schedulers[0].queue_ids().tolist() == [2, 3]
+    assert all(s.queue_ids().tolist() == [2, 3] for s in group.schedulers)
 
 
 def test_group_abort_reports_ranks_that_diverged() -> None:
@@ -322,5 +324,6 @@ def test_group_abort_reports_ranks_that_diverged() -> None:
     group = decoding_group()
     group.schedulers[1].abort(3)
     group.schedulers[1].take_output(3)  # rank 1 no longer knows request 3
-    with pytest.raises(helix_kv.ScheduleMismatchError, match=r"abort_many\(\) ended differently"):
+    with pytest.raises(helix_kv.ScheduleMismatchError, match="live ids") as caught:
         group.abort(3)
+    assert caught.value.ranks == [1]

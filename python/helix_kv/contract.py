@@ -50,14 +50,16 @@ class SchedulerProtocol(Protocol):
         yet taken; ``RequestTooLargeError`` if it can never fit)."""
         ...
 
-    def abort(self, request_id: int) -> None:
-        """Aborts a live request; while a step is pending, it is aborted when the step
-        closes. A finished request whose output is not taken yet, or one already being
-        aborted, is left alone; any other id raises ``UnknownRequestError``."""
+    def abort(self, request_id: int) -> bool:
+        """Aborts a live request and returns True; while a step is pending, it is aborted
+        when the step closes (one already being aborted is left alone, and is True). An id
+        with no live request (finished, its output taken or not, or never added) is a no-op
+        that returns False: client disconnects race with completion."""
         ...
 
-    def abort_many(self, request_ids: IntArray) -> None:
-        """Aborts requests in order, all or nothing (see :meth:`abort`)."""
+    def abort_many(self, request_ids: IntArray) -> npt.NDArray[np.bool_]:
+        """Aborts requests in order, as :meth:`abort` of each in turn; returns, per id,
+        whether it was live then."""
         ...
 
     def schedule(self) -> ScheduleOutput:

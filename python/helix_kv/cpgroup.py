@@ -159,16 +159,21 @@ class SimulatedCPGroup:
         result: npt.NDArray[np.uint64] = aborted[0]
         return result
 
-    def abort(self, request_id: int) -> None:
-        """Aborts a request on every rank (see :meth:`helix_kv.Scheduler.abort`)."""
-        self.abort_many([request_id])
+    def abort(self, request_id: int) -> bool:
+        """Aborts a request on every rank (see :meth:`helix_kv.Scheduler.abort`); returns
+        whether it was live."""
+        return bool(self.abort_many([request_id])[0])
 
-    def abort_many(self, request_ids: IntArray) -> None:
-        """Aborts requests on every rank, in order (all or nothing, see
-        :meth:`helix_kv.Scheduler.abort_many`); then checks the ranks' state digests agree."""
-        self._on_every_rank("abort_many", lambda s: s.abort_many(request_ids))
+    def abort_many(self, request_ids: IntArray) -> npt.NDArray[np.bool_]:
+        """Aborts requests on every rank, in order (see
+        :meth:`helix_kv.Scheduler.abort_many`); checks the ranks' answers and state digests
+        agree, and returns the answers (per id, whether it was live)."""
+        live = self._on_every_rank("abort_many", lambda s: s.abort_many(request_ids))
+        self._agree("abort_many", live, "live ids")
         digests = [np.asarray([d], dtype=np.uint64) for d in self.state_digests()]
         self._agree("abort_many", digests, "state_digest")
+        answer: npt.NDArray[np.bool_] = live[0]
+        return answer
 
     def take_output(self, request_id: int) -> RequestOutput:
         """The output of a finished request: tokens, finish reason and counters (checked

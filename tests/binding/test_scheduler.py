@@ -236,8 +236,6 @@ def test_each_core_error_raises_its_own_class_and_changes_nothing() -> None:
         (helix_kv.UnknownRequestError, "unknown request 9", lambda: s.request_metrics(9)),
         (helix_kv.UnknownRequestError, "unknown request 9", lambda: s.take_output(9)),
         (helix_kv.UnknownRequestError, "unknown request 9", lambda: s.request_state(9)),
-        (helix_kv.UnknownRequestError, "unknown request 9", lambda: s.abort(9)),
-        (helix_kv.UnknownRequestError, "unknown request 9", lambda: s.abort_many([1, 9])),
         (helix_kv.UnknownRequestError, "unknown request 9", lambda: s.is_abort_requested(9)),
         (helix_kv.InvalidStateError, "not finished", lambda: s.take_output(1)),
         (helix_kv.InvalidStateError, "call schedule", lambda: s.update([])),
@@ -363,7 +361,7 @@ def decoding(s: helix_kv.Scheduler, *request_ids: int, steps: int = 2) -> None:
 def test_an_aborted_request_hands_back_its_record_and_abort_ids_convert() -> None:
     s = scheduler(superblocks=16)
     decoding(s, 1, 2, 3)
-    assert s.abort(1) is None
+    assert s.abort(1) is True
     output = s.take_output(1)
     assert isinstance(output, helix_kv.RequestOutput)
     assert output.request_id == 1
@@ -463,3 +461,34 @@ def test_arrays_read_from_a_dropped_output_stay_as_they_were() -> None:
         step(s)
     assert ids.tolist() == expected[0].tolist()
     assert positions.tolist() == expected[1].tolist()
+
+
+def test_abort_answers_whether_each_id_was_live_and_unknown_ids_are_no_ops() -> None:
+    """An abort of an id with no live request (never added, finished with its output taken or
+    not) changes nothing and answers False; a live one answers True (also while its abort is
+    pending); ``abort_many`` answers as ``abort`` of each id in turn."""
+    s = scheduler(cp=2, superblocks=8)
+    s.add_request(1, prompt(8), 4)
+    s.add_request(2, prompt(8), 1)
+    s.add_request(3, prompt(8), 4)
+    before = snapshot(s)
+    assert s.abort(9) is False
+    live = s.abort_many(np.array([9, 7], dtype=np.int64))
+    assert live.dtype == np.bool_
+    assert live.tolist() == [False, False]
+    assert snapshot(s) == before, "unknown ids change nothing"
+    out = s.schedule()
+    assert s.update(np.full(out.num_samples, 5, dtype=np.int32)).tolist() == [2]  # 1 token
+    before = snapshot(s)
+    assert s.abort(2) is False, "finished, output untaken"
+    assert snapshot(s) == before
+    assert s.take_output(2).finish_reason == "length", "it keeps its own reason"
+    before = snapshot(s)
+    assert s.abort(2) is False, "finished, output taken"
+    assert snapshot(s) == before
+    assert s.abort_many([3, 9, 3]).tolist() == [True, False, False]
+    assert s.take_output(3).finish_reason == "aborted"
+    s.schedule()
+    assert s.abort_many([1, 1]).tolist() == [True, True], "marked while the step is pending"
+    assert s.is_abort_requested(1)
+    assert s.metrics().aborts == 1

@@ -289,16 +289,16 @@ class HelixKVRank:
             self._pending.pop()
         return reverted
 
-    def abort(self, request_id: int) -> None:
+    def abort(self, request_id: int) -> bool:
         """Aborts a request (see :meth:`helix_kv.Scheduler.abort`). Every rank must make
         the same abort calls between the same steps, in the same order; with the schedule
         check on, the next step's check covers them (the state they leave drives it)."""
-        self.scheduler.abort(request_id)
+        return self.scheduler.abort(request_id)
 
-    def abort_many(self, request_ids: IntArray) -> None:
-        """Aborts requests in order, all or nothing (see
-        :meth:`helix_kv.Scheduler.abort_many`); the same rule as :meth:`abort` applies."""
-        self.scheduler.abort_many(request_ids)
+    def abort_many(self, request_ids: IntArray) -> npt.NDArray[np.bool_]:
+        """Aborts requests in order (see :meth:`helix_kv.Scheduler.abort_many`); the same
+        rule as :meth:`abort` applies. Returns, per id, whether it was live."""
+        return self.scheduler.abort_many(request_ids)
 
     def take_output(self, request_id: int) -> RequestOutput:
         """The output of a finished request (see :meth:`helix_kv.Scheduler.take_output`)."""

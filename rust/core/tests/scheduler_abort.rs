@@ -192,28 +192,37 @@ fn abort_of_a_finished_untaken_request_changes_nothing() {
         "it keeps its own reason"
     );
     assert_eq!(s.metrics().aborts, 0);
-    // Once taken, the id is unknown.
-    assert_eq!(s.abort(1), Err(CoreError::UnknownRequest(1)));
+    // Once taken it is no request at all: still a no-op.
+    let before = observable(&s);
+    assert_eq!(s.abort(1), Ok(false));
+    assert_eq!(observable(&s), before);
 }
 
 #[test]
-fn unknown_ids_reject_the_whole_batch_and_change_nothing() {
+fn unknown_ids_are_no_ops_that_answer_false() {
     let mut s = Scheduler::new(config(2, 4, 16)).unwrap();
     s.add_request(1, &prompt(5), 4, 0).unwrap();
     s.add_request(2, &prompt(5), 4, 0).unwrap();
     step(&mut s, 3);
     let before = observable(&s);
-    for ids in [&[9][..], &[1, 9], &[2, 1, 7]] {
-        let err = s.abort_many(ids).unwrap_err();
-        assert_eq!(err, CoreError::UnknownRequest(ids[ids.len() - 1]));
-        assert!(err.to_string().contains("unknown request"), "{err}");
-        assert_eq!(observable(&s), before);
-    }
-    assert_eq!(s.abort(9), Err(CoreError::UnknownRequest(9)));
-    // A repeated id is a no-op the second time.
-    s.abort_many(&[2, 2]).unwrap();
+    assert_eq!(s.abort_many(&[9]), Ok(vec![false]));
+    assert_eq!(s.abort(9), Ok(false));
+    assert_eq!(s.abort_many(&[]), Ok(vec![]));
+    assert_eq!(observable(&s), before, "an unknown id changes nothing");
+    // The live ones around an unknown id are aborted; each answer is the request's as the
+    // call reaches it (a repeat finds the first one's abort done).
+    assert_eq!(s.abort_many(&[9, 2, 7, 2]), Ok(vec![false, true, false, false]));
     assert_eq!(s.metrics().aborts, 1);
     assert_eq!(s.queue_ids(), vec![1]);
+    assert_eq!(s.untaken_outputs(), vec![2]);
+    // While a step is pending a live request stays live (marked) until the step closes:
+    // a repeat is `true`, and the mark changes nothing more.
+    s.schedule().unwrap();
+    assert_eq!(s.abort_many(&[1, 1, 2, 5]), Ok(vec![true, true, false, false]));
+    assert!(s.is_abort_requested(1).unwrap());
+    let marked = observable(&s);
+    assert_eq!(s.abort(1), Ok(true));
+    assert_eq!(observable(&s), marked);
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! crossing per `schedule()` and per `update()`; arrays in and out are numpy.
 
 use helix_kv_core::{RequestMetrics, Scheduler, SchedulerMetrics};
-use numpy::{PyArray1, PyArray2};
+use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::prelude::*;
 
 use crate::arrays::{flags, id_arg, int_arg, invalid_type_of, token_ids, u64_vec};
@@ -149,17 +149,24 @@ impl PyScheduler {
         Ok(ids_to_numpy(py, finished))
     }
 
-    /// Aborts a request (valid in every state; a finished, untaken one is left as it
-    /// is). While a step is pending the abort takes effect when it closes.
-    fn abort(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// Aborts a request (valid in every state); returns whether it was live. An id with no
+    /// live request (finished, or never added) is a no-op that returns False. While a step
+    /// is pending the abort takes effect when it closes.
+    fn abort(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
         self.inner.abort(id_arg(request_id)?).py()
     }
 
-    /// Aborts several requests in order; every id is checked first (all or nothing).
-    fn abort_many(&mut self, py: Python<'_>, request_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// Aborts several requests in order (as `abort` of each in turn); returns, per id,
+    /// whether it was live then (bool array).
+    fn abort_many<'py>(
+        &mut self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
         let ids = u64_vec(request_ids, "request ids", false)?;
         let inner = &mut self.inner;
-        py.detach(|| inner.abort_many(&ids)).py()
+        let live = py.detach(|| inner.abort_many(&ids)).py()?;
+        Ok(live.into_pyarray(py))
     }
 
     /// Whether an abort of this live request waits for the pending step to close.

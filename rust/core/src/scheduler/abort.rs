@@ -1,20 +1,21 @@
 //! Aborting requests: the client disconnected, a deadline passed, a stop string matched.
 //!
 //! An abort is valid in every state of a live request (waiting, part-prefilled, decoding,
-//! recompute-paused, suspended) and for a finished request whose output is untaken (a
-//! no-op). Between steps it takes effect at once; while a step is pending it is deferred
+//! recompute-paused, suspended); for an id with no live request (finished, or never added)
+//! it is a no-op that answers `false`. Between steps it takes effect at once; while a step is pending it is deferred
 //! to the close of that step, because the executor may already be running the request's
 //! entries and `revert` must still find the step as it was scheduled.
 
-use super::{CoreError, FinishReason, RequestId, Result, Scheduler};
+use super::{FinishReason, RequestId, Result, Scheduler};
 
 impl Scheduler {
-    /// Aborts one request; see [`Scheduler::abort_many`].
-    pub fn abort(&mut self, id: RequestId) -> Result<()> {
-        self.abort_many(&[id])
+    /// Aborts one request; see [`Scheduler::abort_many`]. Returns whether it was live.
+    pub fn abort(&mut self, id: RequestId) -> Result<bool> {
+        Ok(self.abort_many(&[id])?[0])
     }
 
-    /// Aborts requests, in the given order.
+    /// Aborts requests, in the given order (as `abort` of each in turn), and returns for
+    /// each id whether it was live then (`true`) or not (`false`: a no-op).
     ///
     /// - A live request with no step pending finishes now with [`FinishReason::Aborted`]:
     ///   its KV superblocks, host-tier share and batch slot are freed, it leaves the
@@ -22,27 +23,26 @@ impl Scheduler {
     /// - While a step is pending, a live request is only marked: it stays in the step,
     ///   and the abort takes effect when the step closes. `update` drops its token of
     ///   that step and finishes it as aborted; `revert` undoes the step and then aborts
-    ///   it. Either returns its id among the finished ones.
-    /// - A request that already finished (output not taken yet), or whose abort is
-    ///   already pending, is left as it is: its output keeps its own finish reason.
+    ///   it. Either returns its id among the finished ones. A live request whose abort is
+    ///   already pending is left as it is, and is `true`.
+    /// - An id the scheduler holds no live request for is left alone and is `false`: one
+    ///   that finished (its output keeps its own finish reason, taken or not), or was never
+    ///   added. Engines abort on client disconnects, which race with completion, so this
+    ///   is no error (as vLLM's `finish_requests` ignores unknown ids). The answer reads
+    ///   only the scheduler's own state, identical on every rank.
     ///
     /// An abort that takes effect is counted in `metrics().aborts` and resets the
-    /// deadlock counter (the freed pages may unblock the queue). Every id is checked
-    /// before anything changes: an id the scheduler does not hold (never added, or its
-    /// output already taken) fails the whole call with `UnknownRequest`. Repeated ids are
-    /// allowed (the repeat is a no-op).
-    pub fn abort_many(&mut self, ids: &[RequestId]) -> Result<()> {
-        if let Some(&unknown) = ids
-            .iter()
-            .find(|id| !self.index.contains_key(id) && !self.finished.contains_key(id))
-        {
-            return Err(CoreError::UnknownRequest(unknown));
-        }
+    /// deadlock counter (the freed pages may unblock the queue). It never fails today;
+    /// the `Result` keeps a future refusal a typed error.
+    pub fn abort_many(&mut self, ids: &[RequestId]) -> Result<Vec<bool>> {
+        let mut live = Vec::with_capacity(ids.len());
         let mut retired = false;
         for &id in ids {
             let Some(&req) = self.index.get(&id) else {
-                continue; // finished, output untaken: nothing to do
+                live.push(false); // finished (output taken or not) or never added
+                continue;
             };
+            live.push(true);
             let request = &mut self.requests[req as usize];
             if request.abort_requested {
                 continue; // already pending
@@ -63,7 +63,7 @@ impl Scheduler {
                 .retain(|&req| !requests[req as usize].abort_requested);
             self.stalled_steps = 0;
         }
-        Ok(())
+        Ok(live)
     }
 
     /// Whether `abort` was called for this live request while a step was pending (it

@@ -1044,7 +1044,10 @@ impl Group {
             results.windows(2).all(|w| w[0] == w[1]),
             "ranks disagree on abort: {results:?}"
         );
-        results[0].clone()?;
+        let live = results[0].clone()?;
+        for (&id, &live) in ids.iter().zip(&live) {
+            assert_eq!(live, self.known.contains_key(&id), "abort of {id} finds it live");
+        }
         let digests: Vec<u64> = self.ranks.iter().map(Scheduler::state_digest).collect();
         assert!(
             digests.windows(2).all(|w| w[0] == w[1]),
