@@ -211,14 +211,20 @@ fn unknown_ids_are_no_ops_that_answer_false() {
     assert_eq!(observable(&s), before, "an unknown id changes nothing");
     // The live ones around an unknown id are aborted; each answer is the request's as the
     // call reaches it (a repeat finds the first one's abort done).
-    assert_eq!(s.abort_many(&[9, 2, 7, 2]), Ok(vec![false, true, false, false]));
+    assert_eq!(
+        s.abort_many(&[9, 2, 7, 2]),
+        Ok(vec![false, true, false, false])
+    );
     assert_eq!(s.metrics().aborts, 1);
     assert_eq!(s.queue_ids(), vec![1]);
     assert_eq!(s.untaken_outputs(), vec![2]);
     // While a step is pending a live request stays live (marked) until the step closes:
     // a repeat is `true`, and the mark changes nothing more.
     s.schedule().unwrap();
-    assert_eq!(s.abort_many(&[1, 1, 2, 5]), Ok(vec![true, true, false, false]));
+    assert_eq!(
+        s.abort_many(&[1, 1, 2, 5]),
+        Ok(vec![true, true, false, false])
+    );
     assert!(s.is_abort_requested(1).unwrap());
     let marked = observable(&s);
     assert_eq!(s.abort(1), Ok(true));

@@ -1046,7 +1046,11 @@ impl Group {
         );
         let live = results[0].clone()?;
         for (&id, &live) in ids.iter().zip(&live) {
-            assert_eq!(live, self.known.contains_key(&id), "abort of {id} finds it live");
+            assert_eq!(
+                live,
+                self.known.contains_key(&id),
+                "abort of {id} finds it live"
+            );
         }
         let digests: Vec<u64> = self.ranks.iter().map(Scheduler::state_digest).collect();
         assert!(
