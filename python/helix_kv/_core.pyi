@@ -29,14 +29,11 @@ __all__ = [
     "DECODE_ROW_COLUMNS",
     "DECODE_ROW_PADDING",
     "ConfigError",
-    "ConfigGuardError",
-    "ConfigMismatchError",
     "DeadlockError",
     "DecodeRowCounts",
     "DecodeView",
     "DuplicateRequestError",
     "HelixKVError",
-    "InitSyncError",
     "InvalidArgumentError",
     "InvalidLengthError",
     "InvalidStateError",
@@ -48,7 +45,6 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "RequestTooLargeError",
-    "ScheduleMismatchError",
     "ScheduleOutput",
     "Scheduler",
     "SchedulerConfig",
@@ -76,13 +72,6 @@ class RequestTooLargeError(HelixKVError): ...
 class PreemptionDisabledError(HelixKVError): ...
 class DeadlockError(HelixKVError): ...
 class InvalidStateError(HelixKVError): ...
-
-# Raised by the Python layer: ScheduleMismatchError and InitSyncError only through their
-# helix_kv.errors subclasses, whose constructors set and declare their attributes.
-class ScheduleMismatchError(HelixKVError): ...
-class InitSyncError(HelixKVError): ...
-class ConfigGuardError(HelixKVError): ...
-class ConfigMismatchError(ConfigError): ...
 
 @final
 class Layout:
