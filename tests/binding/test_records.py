@@ -5,11 +5,15 @@ read-only; the config's capacity, layout and the batch slot mapping come from th
 from __future__ import annotations
 
 import pickle
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import helix_kv
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def scheduler(cp: int = 2, rank: int = 0, **overrides) -> helix_kv.Scheduler:
@@ -69,6 +73,19 @@ def test_value_records_list_convert_print_and_pickle_their_fields(record) -> Non
     if cls is not helix_kv.RequestMetrics:  # its keywords default to 0 (see below)
         with pytest.raises(TypeError, match=fields[-1]):
             cls(**{name: value for name, value in values.items() if name != fields[-1]})
+
+
+@pytest.mark.parametrize("record", [helix_kv.SchedulerMetrics, helix_kv.RequestMetrics])
+def test_the_scheduler_contract_lists_every_metrics_field_in_order(record: type) -> None:
+    """docs/internals/scheduler.md's bullet of each metrics record names its fields, read
+    from the record, in its order, and nothing else."""
+    text = (ROOT / "docs" / "internals" / "scheduler.md").read_text(encoding="utf-8")
+    section = text[text.index("### Metrics and outputs") :]
+    bullet = section[section.index(f"- `{record.__name__}`") :]
+    bullet = bullet[: bullet.index("\n- ")]
+    named = re.findall(r"`(\w+)`", bullet)
+    assert named[0] == record.__name__
+    assert named[1:] == list(record.FIELDS)
 
 
 def test_request_metrics_keywords_default_to_zero() -> None:
