@@ -29,14 +29,11 @@ __all__ = [
     "DECODE_ROW_COLUMNS",
     "DECODE_ROW_PADDING",
     "ConfigError",
-    "ConfigGuardError",
-    "ConfigMismatchError",
     "DeadlockError",
     "DecodeRowCounts",
     "DecodeView",
     "DuplicateRequestError",
     "HelixKVError",
-    "InitSyncError",
     "InvalidArgumentError",
     "InvalidLengthError",
     "InvalidStateError",
@@ -48,7 +45,6 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "RequestTooLargeError",
-    "ScheduleMismatchError",
     "ScheduleOutput",
     "Scheduler",
     "SchedulerConfig",
@@ -76,13 +72,6 @@ class RequestTooLargeError(HelixKVError): ...
 class PreemptionDisabledError(HelixKVError): ...
 class DeadlockError(HelixKVError): ...
 class InvalidStateError(HelixKVError): ...
-
-# Raised by the Python layer: ScheduleMismatchError and InitSyncError only through their
-# helix_kv.errors subclasses, whose constructors set and declare their attributes.
-class ScheduleMismatchError(HelixKVError): ...
-class InitSyncError(HelixKVError): ...
-class ConfigGuardError(HelixKVError): ...
-class ConfigMismatchError(ConfigError): ...
 
 @final
 class Layout:
@@ -331,6 +320,10 @@ class ScheduleOutput:
     def cp_size(self) -> int: ...
     @property
     def tokens_per_block(self) -> int: ...
+    # SchedulerConfig.fingerprint of the configuration that scheduled the step: the seed of
+    # digest, which _from_fields recomputes from it and the fields.
+    @property
+    def config_fingerprint(self) -> int: ...
     @property
     def step(self) -> int: ...
     @property
@@ -401,6 +394,8 @@ class ScheduleOutput:
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
     def __reduce__(self) -> tuple[Any, ...]: ...
+    # Unpickling: the stored fields, the placement and config_fingerprint; the digest is
+    # recomputed from them and must be the given one (else InvalidArgumentError).
     @classmethod
     def _from_fields(cls, fields: dict[str, Any]) -> ScheduleOutput: ...
 

@@ -1,10 +1,13 @@
-"""Every helix_kv exception, in one namespace.
+"""Every helix_kv exception, in one namespace, each class defined once.
 
-- The Rust core's errors: one class per core error kind, created by the extension
-  (``helix_kv._core``) under :class:`HelixKVError` and re-exported here unchanged.
-- The group errors the Python layer raises with structured attributes
-  (:class:`ScheduleMismatchError`, :class:`InitSyncError` and its ``InitSync*`` subclasses):
-  each sets its attributes in its one constructor, declared with their types below.
+- The Rust core's errors: one class per core error kind, plus :class:`InvalidTypeError` for
+  the binding's type checks, created by the extension (``helix_kv._core``) under
+  :class:`HelixKVError` and re-exported here unchanged: the extension defines only classes
+  that Rust raises (and their base).
+- The group errors, which only the Python layer raises, defined here: the ones with
+  structured attributes (:class:`ScheduleMismatchError`, :class:`InitSyncError` and its
+  ``InitSync*`` subclasses) set them in their one constructor, declared with their types
+  below; :class:`ConfigGuardError` and :class:`ConfigMismatchError` carry a message.
 - The command line's errors (``helix-kv simulate``): usage, setup, trace, plot and ``--procs``
   errors. They do not derive from :class:`HelixKVError`: they are about the tool's input
   and environment, not the scheduler; the CLI turns them into exit status 2 (1 for
@@ -12,8 +15,8 @@
 
 ``helix_kv`` re-exports the core and group errors; the modules that raise an error also keep
 it importable under their own name (``helix_kv.distributed.InitSyncConfigError``,
-``helix_kv.simulate.workload.TraceError``...). The hierarchy and each error's meaning are in
-``docs/errors.md``.
+``helix_kv.simulate.workload.TraceError``...). No two classes share a name. The hierarchy and
+each error's meaning are in ``docs/errors.md``.
 
 The structured errors pickle with their attributes (a ``--procs`` rank hands its error to the
 parent that way).
@@ -25,11 +28,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from helix_kv import _core
 from helix_kv._core import (
     ConfigError,
-    ConfigGuardError,
-    ConfigMismatchError,
     DeadlockError,
     DuplicateRequestError,
     HelixKVError,
@@ -70,13 +70,21 @@ __all__ = [
 ]
 
 
-# -- group errors (raised by the Python layer) ----------------------------------------------
-#
-# Each subclasses the extension's class of the same name (``helix_kv._core.X``), so an
-# ``except`` naming either catches it; the extension never raises those classes itself.
+# -- group errors (raised by the Python layer only) -----------------------------------------
 
 
-class ScheduleMismatchError(_core.ScheduleMismatchError):
+class ConfigGuardError(HelixKVError):
+    """A configuration is rejected under the chosen serving mode (an engine option that would
+    break rank invariance under aggregated Helix); every violated guard is listed in the
+    message. Raised by :func:`helix_kv.distributed.check_config_guards`."""
+
+
+class ConfigMismatchError(ConfigError):
+    """The ranks of a CP group were built from different configurations (raised as
+    :class:`InitSyncConfigMismatchError`, which carries the ranks and fields)."""
+
+
+class ScheduleMismatchError(HelixKVError):
     """CP ranks made different scheduling decisions, or ended the same call differently.
 
     Raised by :class:`helix_kv.SimulatedCPGroup` and, on every rank of a real group, by
@@ -113,7 +121,7 @@ class ScheduleMismatchError(_core.ScheduleMismatchError):
         self.summaries = dict(summaries or {})
 
 
-class InitSyncError(_core.InitSyncError):
+class InitSyncError(HelixKVError):
     """Construction failed on at least one rank of the CP group, so every rank raises.
 
     Raised by :meth:`helix_kv.distributed.HelixKVRank.create`; ``__cause__`` is this rank's

@@ -603,6 +603,7 @@ def test_another_ranks_output_gives_this_ranks_rows() -> None:
     assert out0.generation_local_lens.tolist() != out1.generation_local_lens.tolist()
     cls = helix_kv.ScheduleOutput
     stored = {name: getattr(out0, name) for name in cls.RANK_INVARIANT_FIELDS}
+    stored["config_fingerprint"] = out0.config_fingerprint
     forged = cls._from_fields(
         {**stored, **{name: getattr(out1, name) for name in cls.PLACEMENT_FIELDS}}
     )
@@ -758,8 +759,9 @@ def test_forged_outputs_raise_typed_errors_and_change_nothing(
     data: st.DataObject, decode: bool
 ) -> None:
     """One to three values of the pending step's arrays replaced (through ``_from_fields``,
-    keeping the digest): refused with a helix_kv error and nothing changed, or written;
-    never another exception (a panic)."""
+    keeping the digest): refused when rebuilt (its digest is recomputed from its fields), or
+    it is the scheduled output (every value drawn was the one it had), whose metadata is
+    written; never another exception (a panic)."""
     s = decoding(2, data.draw(st.integers(0, 1)), 0) if decode else prefilling(0)
     out = s.schedule()
     fields = out.__reduce__()[1][0]  # the stored fields and the placement
@@ -783,8 +785,10 @@ def test_forged_outputs_raise_typed_errors_and_change_nothing(
         fields[name] = values
     try:
         forged = helix_kv.ScheduleOutput._from_fields(fields)
-    except helix_kv.HelixKVError:
+    except helix_kv.HelixKVError as err:
+        event("rebuilt: " + type(err).__name__)
         return
+    assert forged == out  # it has the scheduled output's digest, recomputed from its fields
     layout = s.step_metadata_layout()
     buffer = np.full(layout.total_words, SENTINEL, dtype=np.int32)
     _, err = call_and_check(s, lambda: s.write_step_metadata(forged, buffer, layout), buffer)
@@ -997,6 +1001,7 @@ def test_schedule_output_round_trips_and_stays_read_only() -> None:
     # every field, the per-rank ones too (checked against the placement), and the placement
     cls = helix_kv.ScheduleOutput
     fields = {name: getattr(out, name) for name in cls.FIELDS + cls.PLACEMENT_FIELDS}
+    fields["config_fingerprint"] = out.config_fingerprint
     rebuilt = helix_kv.ScheduleOutput._from_fields({**fields, "context_token_ids": tokens})
     tokens[0] += 1
     assert rebuilt.context_token_ids[0] == out.context_token_ids[0]

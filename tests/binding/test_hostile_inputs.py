@@ -1,17 +1,22 @@
-"""Hostile arguments to every public call of Layout, Ledger, SchedulerConfig and Scheduler.
+"""Hostile arguments to every public call of Layout, Ledger, SchedulerConfig and Scheduler,
+and to every constructor of the extension (the value records' keywords among them).
 
 Each case corrupts one argument of an otherwise valid call (floats, strings, bools, None,
 objects, out-of-range ints, arrays of the wrong dtype kind or shape, mismatched lengths,
-huge widths) and checks the rules of docs/errors.md: the call raises the documented
-HelixKVError subclass and the object's state_digest() is unchanged. The table is run
-exhaustively; hypothesis interleaves hostile calls with valid ones. A panic would surface
-as pyo3's PanicException (not a HelixKVError) and an abort would kill the test run.
+huge widths, misaligned arrays of bad values) and checks the rules of docs/errors.md: the
+call raises the documented HelixKVError subclass and the object's state_digest() is
+unchanged. Every array argument is also given its valid values in every layout numpy makes
+(misaligned, strided, byte-swapped, Fortran order), which must give what the plain values
+give. The table is run exhaustively; hypothesis interleaves hostile calls with valid ones. A
+panic would surface as pyo3's PanicException (not a HelixKVError) and an abort would kill
+the test run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import pickle
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
@@ -65,6 +70,18 @@ class RaisingArray:
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("no array")
+
+
+def misaligned(values: Any, dtype: Any) -> np.ndarray:
+    """`values` as an array of `dtype` one byte past an aligned address (what
+    ``np.frombuffer(buf, dtype, offset=1)`` gives): contiguous, but no slice can borrow it."""
+    plain = np.asarray(values, dtype=dtype)
+    buffer = bytearray(plain.nbytes + 1)
+    array = np.frombuffer(buffer, plain.dtype, count=plain.size, offset=1).reshape(plain.shape)
+    array[...] = plain
+    assert not array.flags.aligned
+    assert array.flags.c_contiguous
+    return array
 
 
 # -- hostile values, each with the error it must raise -------------------------------------
@@ -122,8 +139,14 @@ NOT_INT_ARRAYS = [
     RaisingArray(),
     RaisingGetattr(),
     [RaisingIndex()],
+    misaligned([1.0, 2.0], np.float64),
 ]
-NOT_1D = [np.zeros((2, 2), np.int64), np.array(3), np.zeros((1, 2, 1), np.int64)]
+NOT_1D = [
+    np.zeros((2, 2), np.int64),
+    np.array(3),
+    np.zeros((1, 2, 1), np.int64),
+    misaligned(np.zeros((2, 2)), np.int64),
+]
 
 
 @dataclass(frozen=True)
@@ -171,17 +194,43 @@ def _array_kind(name: str, range_values: list, range_error: type) -> Kind:
 
 IDS = _array_kind(
     "ids",
-    [[-1], np.array([-1, 1]), [2**64], [2**100], [-(2**70)], np.array([-(2**63)])],
+    [
+        [-1],
+        np.array([-1, 1]),
+        [2**64],
+        [2**100],
+        [-(2**70)],
+        np.array([-(2**63)]),
+        misaligned([-1, 1], np.int64),
+        misaligned([-1, 1], np.int32),
+    ],
     InvalidArgumentError,
 )
 LENGTHS = _array_kind(
     "lengths",
-    [[-1], np.array([-3, 1]), [2**63], np.array([2**63, 1], np.uint64), [2**64], [-(2**70)]],
+    [
+        [-1],
+        np.array([-3, 1]),
+        [2**63],
+        np.array([2**63, 1], np.uint64),
+        [2**64],
+        [-(2**70)],
+        misaligned([-3, 1], np.int64),
+        misaligned([2**63, 1], np.uint64),
+    ],
     InvalidLengthError,
 )
 TOKENS = _array_kind(
     "tokens",
-    [[2**31], [-(2**31) - 1], np.array([2**40]), np.array([2**31], np.uint32), [2**64]],
+    [
+        [2**31],
+        [-(2**31) - 1],
+        np.array([2**40]),
+        np.array([2**31], np.uint32),
+        [2**64],
+        misaligned([2**40], np.int64),
+        misaligned([2**31], np.uint32),
+    ],
     InvalidArgumentError,
 )
 FLAGS = Kind(
@@ -190,6 +239,8 @@ FLAGS = Kind(
         [(v, InvalidTypeError) for v in (np.array([0.0, 1.0]), ["yes", "no"], [None, True])]
         + [(v, InvalidTypeError) for v in ([1.5, 0], "ab", np.array(["a", "b"]), 3, object())]
         + [(v, InvalidArgumentError) for v in ([2, 0], np.array([0, -1]), [1, 2**70])]
+        + [(misaligned([2, 0], np.int64), InvalidArgumentError)]
+        + [(misaligned([0.0, 1.0], np.float64), InvalidTypeError)]
         + [(np.zeros((2, 1), bool), InvalidArgumentError)]
     ),
 )
@@ -206,6 +257,9 @@ TABLE = Kind(
         + [(v, InvalidArgumentError) for v in ([[3, 0], [1]], np.zeros((0, 2), np.int64))]
         + [(v, InvalidArgumentError) for v in (np.zeros((1, 0), np.int64), [[-1, 0]])]
         + [(v, InvalidArgumentError) for v in (np.array([[2**40, 0]]), [[2**64, 0]])]
+        + [(misaligned([[1.0, 2.0]], np.float64), InvalidTypeError)]
+        + [(misaligned([[2**40, 0]], np.int64), InvalidArgumentError)]
+        + [(misaligned([1, 2], np.int64), InvalidArgumentError)]  # one-dimensional
     ),
 )
 
@@ -363,11 +417,42 @@ SCHEDULER_CALLS = [
         (OUTPUT, BUFFER, STEP_LAYOUT_ARG),
     ),
 ]
+# RequestOutput(request_id, token_ids, finish_reason, metrics): what unpickling calls.
+FINISH_REASON = Kind(
+    "finish_reason",
+    tuple(
+        [(v, InvalidTypeError) for v in (None, 1, 0, True, b"eos", ["eos"], 1.5, object())]
+        + [(v, InvalidArgumentError) for v in ("EOS", "", "stop", "eos ", "Length")]
+    ),
+)
+METRICS = _kind(
+    "metrics",
+    [None, {}, 0, "x", {"preemptions": 0}, (0, 0, 0, 0), make_scheduler(False).metrics()],
+    [],
+    InvalidTypeError,
+)
+# StepMetadataLayout(max_tokens, max_entries, table_width): capacities, u32.
+METADATA_CAPACITY = _kind(
+    "metadata capacity", NOT_INTS, [-1, 2**32, 2**64, 2**100], InvalidLengthError
+)
+
 CONFIG_CALLS = [Call("config", "with_rank", (1,), (CONFIG_INT,))]
 CONSTRUCTOR_CALLS = [
     Call("new", "Layout", (2, 4), (LAYOUT_SIZE, LAYOUT_SIZE)),
     Call("new", "Ledger", (helix_kv.Layout(2, 4), 8), (LAYOUT, CAPACITY)),
     Call("new", "Scheduler", (make_config(),), (CONFIG,)),
+    Call(
+        "new",
+        "RequestOutput",
+        (MAX_ID, [1, 2], "eos", helix_kv.RequestMetrics(preemptions=1)),
+        (ID, TOKENS, FINISH_REASON, METRICS),
+    ),
+    Call(
+        "new",
+        "StepMetadataLayout",
+        (8, 4, 2),
+        (METADATA_CAPACITY, METADATA_CAPACITY, METADATA_CAPACITY),
+    ),
 ]
 CALLS = LAYOUT_CALLS + LEDGER_CALLS + SCHEDULER_CALLS + CONFIG_CALLS + CONSTRUCTOR_CALLS
 
@@ -410,6 +495,70 @@ CONFIG_KEYWORDS = {
     "deadlock_steps": CONFIG_INT,
 }
 
+# The value records' keyword-only constructors (what unpickling calls): each field by the
+# type the core gives it, with a valid value (its type's largest, for the integers).
+U32 = _kind("u32 field", NOT_INTS, [-1, 2**32, 2**64, 2**100], InvalidArgumentError)
+U64 = _kind("u64 field", NOT_INTS, [-1, -(2**63), 2**64, 2**100], InvalidArgumentError)
+RECORD_FLAG = _kind(
+    "flag field", [1, 0, "yes", None, 1.0, np.int64(1), object()], [], InvalidArgumentError
+)
+FRACTION = _kind(
+    "fraction field",
+    [
+        None,
+        True,
+        False,
+        np.bool_(True),
+        "0.5",
+        b"1",
+        [0.5],
+        0.5 + 0j,
+        Decimal("0.5"),
+        np.float32(0.5),
+        object(),
+        RaisingGetattr(),
+    ],
+    [float("nan"), float("inf"), -float("inf"), -0.25, 1.5, 1e300, -1, 2, 2**64],
+    InvalidArgumentError,
+)
+VALID_FIELD = {"u32 field": 2**32 - 1, "u64 field": 2**64 - 1, "flag field": True}
+VALID_FIELD["fraction field"] = 0.5
+_COUNTS = dict.fromkeys(
+    (
+        "steps",
+        "preemptions",
+        "suspensions",
+        "resumes",
+        "suspended_superblocks",
+        "resumed_superblocks",
+        "suspended_tokens",
+        "recomputed_tokens",
+        "computed_tokens",
+        "sat_out",
+        "finished",
+        "aborts",
+    ),
+    U64,
+)
+RECORD_FIELDS: dict[str, dict[str, Kind]] = {
+    "SchedulerMetrics": _COUNTS
+    | {"kv_used_superblocks": U32, "kv_capacity_superblocks": U32}
+    | {"kv_utilization": FRACTION, "kv_utilization_peak": FRACTION},
+    "RequestMetrics": {"preemptions": U32}
+    | dict.fromkeys(("recomputed_tokens", "steps_waited", "generated_tokens"), U64),
+    "DecodeView": {"global_len": U64, "next_position": U64, "owner_rank": U32}
+    | {"inactive": RECORD_FLAG, "local_len": U64, "past_seen_len": U64},
+    "RequestHoldings": dict.fromkeys(("request_id", "length", "prompt_len", "decode_count"), U64)
+    | {"superblocks": U32, "suspended": RECORD_FLAG},
+    "StepMetadata": dict.fromkeys(
+        ("step", "num_tokens", "num_entries", "num_generation", "num_samples"), U64
+    )
+    | {"table_width_used": U64},  # usize: 64-bit
+    "DecodeRowCounts": dict.fromkeys(
+        ("step", "rows", "padded_to", "in_flight", "table_width_used"), U64
+    ),
+}
+
 
 def test_every_public_method_has_a_hostile_case() -> None:
     """A method added to the binding without a row here fails this test."""
@@ -431,6 +580,22 @@ def test_every_public_method_has_a_hostile_case() -> None:
         assert public - NO_ARGUMENTS[name] == methods, name
     config_keywords = set(inspect.signature(helix_kv.SchedulerConfig).parameters)
     assert config_keywords - {"kv_tokens"} == set(CONFIG_KEYWORDS)
+
+
+def test_every_constructor_has_hostile_cases() -> None:
+    """A class of the extension given a constructor (``#[new]``: it has a text signature)
+    without rows here fails this test; so does a record field without a row."""
+    constructors = {
+        name
+        for name, cls in vars(helix_kv._core).items()
+        if isinstance(cls, type)
+        and not issubclass(cls, BaseException)
+        and getattr(cls, "__text_signature__", None)
+    }
+    positional = {call.method for call in CONSTRUCTOR_CALLS}
+    assert constructors == positional | {"SchedulerConfig"} | set(RECORD_FIELDS)
+    for record, kinds in RECORD_FIELDS.items():
+        assert tuple(kinds) == getattr(helix_kv, record).FIELDS, record
 
 
 # -- the property ---------------------------------------------------------------------------
@@ -495,6 +660,111 @@ def test_hostile_config_keyword_raises_typed_error(keyword) -> None:
             continue  # None is their documented default
         with pytest.raises(expected):
             make_config(**{keyword: value})
+
+
+@pytest.mark.parametrize("record", sorted(RECORD_FIELDS))
+def test_hostile_record_keyword_raises_typed_error(record: str) -> None:
+    """Each keyword of a value record's constructor is checked like every argument: a bool
+    is no integer, a value outside the field's type is an InvalidArgumentError naming the
+    record and the field. Each field's largest value (and numpy scalars) round-trips."""
+    cls = getattr(helix_kv, record)
+    kinds = RECORD_FIELDS[record]
+    valid = {field: VALID_FIELD[kind.name] for field, kind in kinds.items()}
+    built = cls(**valid)
+    assert built.to_dict() == valid
+    assert pickle.loads(pickle.dumps(built)) == built
+    scalars = {np.uint32: "u32 field", np.uint64: "u64 field", np.bool_: "flag field"}
+    scalars[np.float64] = "fraction field"
+    numpy_valid = {
+        field: next(t for t, name in scalars.items() if name == kind.name)(valid[field])
+        for field, kind in kinds.items()
+    }
+    assert cls(**numpy_valid) == built
+    for field, kind in kinds.items():
+        for value, expected in kind.hostile:
+            with pytest.raises(HelixKVError) as raised:
+                cls(**{**valid, field: value})
+            assert isinstance(raised.value, expected), (record, field, value, raised.value)
+            assert f"{record}.{field}" in str(raised.value), raised.value
+
+
+# -- valid values in every numpy layout -----------------------------------------------------
+
+# The dtypes each kind of array argument is given in (each kind's values fit them).
+ARRAY_DTYPES = {
+    "ids": (np.int64, np.uint64, np.int32),
+    "lengths": (np.int64, np.uint64, np.int32),
+    "tokens": (np.int32, np.int64, np.int16),
+    "flags": (np.bool_, np.int64, np.uint8),
+    "table": (np.int64, np.int32),
+}
+
+
+def _layouts(values: Any, dtype: Any) -> dict[str, np.ndarray]:
+    """`values` as arrays of `dtype` in every layout numpy makes: misaligned (bytes of a
+    wider dtype), strided, byte-swapped, both at once, and Fortran order (two dimensions)."""
+    plain = np.asarray(values, dtype=dtype)
+    layouts = {"strided": np.repeat(plain, 2, axis=-1)[..., ::2]}
+    if plain.dtype.itemsize > 1:
+        swapped = plain.dtype.newbyteorder()
+        layouts["misaligned"] = misaligned(plain, dtype)
+        layouts["byte-swapped"] = plain.astype(swapped)
+        layouts["misaligned byte-swapped"] = misaligned(plain, swapped)
+    if plain.ndim == 2:
+        layouts["fortran"] = np.asfortranarray(np.repeat(plain, 2, axis=0))[::2]
+    return layouts
+
+
+def _fits(values: Any, dtype: Any) -> bool:
+    flat = np.asarray(values, dtype=object).ravel().tolist()
+    if np.dtype(dtype) == np.bool_:
+        return all(isinstance(v, bool) for v in flat)
+    info = np.iinfo(dtype)
+    return all(info.min <= int(v) <= info.max for v in flat)
+
+
+def _comparable(result: Any) -> Any:
+    if isinstance(result, np.ndarray):
+        return (result.dtype.str, result.shape, result.tolist())
+    if isinstance(result, tuple):
+        return tuple(_comparable(r) for r in result)
+    return result
+
+
+LAYOUT_CASES = [
+    (call, i)
+    for call in CALLS
+    for i in range(len(call.args))
+    if call.kinds[i] is not None and call.kinds[i].name in ARRAY_DTYPES
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    LAYOUT_CASES,
+    ids=lambda c: f"{c[0].owner}.{c[0].method}[{c[1]}]:{c[0].kinds[c[1]].name}",
+)
+def test_array_arguments_in_any_numpy_layout_give_what_their_values_give(case) -> None:
+    """A misaligned (``np.frombuffer(buf, np.int64, offset=1)``), strided, byte-swapped or
+    Fortran-order array is read through a contiguous copy: the call returns and changes what
+    it does with the plain values (a misaligned array once raised a bare TypeError)."""
+    call, index = case
+    reference, fingerprint = _target(call.owner)
+    expected = _comparable(getattr(reference, call.method)(*call.args))
+    after = fingerprint()
+    tried = 0
+    for dtype in ARRAY_DTYPES[call.kinds[index].name]:
+        if not _fits(call.args[index], dtype):
+            continue  # a request id past int64, say
+        for layout, value in _layouts(call.args[index], dtype).items():
+            target, fingerprint = _target(call.owner)
+            args = list(call.args)
+            args[index] = value
+            result = getattr(target, call.method)(*args)
+            assert _comparable(result) == expected, (call.method, index, dtype, layout)
+            assert fingerprint() == after, (call.method, index, dtype, layout)
+            tried += 1
+    assert tried >= 4
 
 
 @settings(max_examples=examples(150), deadline=None)

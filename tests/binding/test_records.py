@@ -5,11 +5,15 @@ read-only; the config's capacity, layout and the batch slot mapping come from th
 from __future__ import annotations
 
 import pickle
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import helix_kv
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def scheduler(cp: int = 2, rank: int = 0, **overrides) -> helix_kv.Scheduler:
@@ -69,6 +73,19 @@ def test_value_records_list_convert_print_and_pickle_their_fields(record) -> Non
     if cls is not helix_kv.RequestMetrics:  # its keywords default to 0 (see below)
         with pytest.raises(TypeError, match=fields[-1]):
             cls(**{name: value for name, value in values.items() if name != fields[-1]})
+
+
+@pytest.mark.parametrize("record", [helix_kv.SchedulerMetrics, helix_kv.RequestMetrics])
+def test_the_scheduler_contract_lists_every_metrics_field_in_order(record: type) -> None:
+    """docs/internals/scheduler.md's bullet of each metrics record names its fields, read
+    from the record, in its order, and nothing else."""
+    text = (ROOT / "docs" / "internals" / "scheduler.md").read_text(encoding="utf-8")
+    section = text[text.index("### Metrics and outputs") :]
+    bullet = section[section.index(f"- `{record.__name__}`") :]
+    bullet = bullet[: bullet.index("\n- ")]
+    named = re.findall(r"`(\w+)`", bullet)
+    assert named[0] == record.__name__
+    assert named[1:] == list(record.FIELDS)
 
 
 def test_request_metrics_keywords_default_to_zero() -> None:
@@ -178,6 +195,79 @@ def test_an_inconsistent_pickle_is_refused() -> None:
         rebuild({**gen_fields, "generation_owner_ranks": negative_rank})
 
 
+class Tampered:
+    """Pickles as ``ScheduleOutput._from_fields(fields)``: what an edited pickle of an
+    output unpickles as."""
+
+    def __init__(self, fields: dict) -> None:
+        self.fields = fields
+
+    def __reduce__(self) -> tuple:
+        return (helix_kv.ScheduleOutput._from_fields, (self.fields,))
+
+
+def test_a_tampered_pickle_is_refused_by_its_digest() -> None:
+    """An output rebuilt from fields has its digest recomputed from them (the scheduler's
+    own digest, seeded with ``config_fingerprint``): a pickle whose tokens, ids, positions,
+    step, digest or fingerprint were changed is refused (``InvalidArgumentError``), so it
+    cannot pass for the scheduled output; the untouched pickle loads as the output, and
+    its fingerprint is the configuration's."""
+    s, outputs = pressured()
+    assert all(o.config_fingerprint == s.config.fingerprint for o in outputs)
+    out = next(o for o in outputs if len(o.context_ids) and len(o.generation_ids))
+    fields = out.__reduce__()[1][0]
+    assert fields["config_fingerprint"] == s.config.fingerprint
+    assert pickle.loads(pickle.dumps(Tampered(fields))) == out
+    tokens = fields["context_token_ids"].copy()
+    tokens[0] += 1
+    ids = fields["generation_ids"].copy()
+    ids[0] ^= 1 << 63
+    positions = fields["generation_positions"] + 1
+    for changed in (
+        {"context_token_ids": tokens},
+        {"generation_ids": ids},
+        {"generation_positions": positions},
+        {"step": out.step + 1},
+        {"digest": out.digest ^ 1},
+        {"config_fingerprint": out.config_fingerprint ^ 1},
+    ):
+        payload = pickle.dumps(Tampered({**fields, **changed}))
+        with pytest.raises(helix_kv.InvalidArgumentError, match="changed after it was scheduled"):
+            pickle.loads(payload)
+    rebuild = helix_kv.ScheduleOutput._from_fields
+    with pytest.raises(helix_kv.InvalidArgumentError, match="config_fingerprint is missing"):
+        rebuild({k: v for k, v in fields.items() if k != "config_fingerprint"})
+    for wrong, error in [
+        (1.0, helix_kv.InvalidTypeError),
+        (True, helix_kv.InvalidTypeError),
+        (None, helix_kv.InvalidTypeError),
+        (-1, helix_kv.InvalidArgumentError),
+        (2**64, helix_kv.InvalidArgumentError),
+    ]:
+        with pytest.raises(error, match="config_fingerprint"):
+            rebuild({**fields, "config_fingerprint": wrong})
+
+
+def test_a_pickle_of_misaligned_strided_or_byte_swapped_arrays_loads() -> None:
+    """``_from_fields`` reads arrays numpy lays out in any way (a misaligned view, a strided
+    one) through a contiguous copy, and refuses another byte order as another dtype."""
+    _, outputs = pressured()
+    out = next(o for o in outputs if len(o.context_ids) and len(o.generation_ids))
+    fields = out.__reduce__()[1][0]
+    for name in ("context_ids", "context_token_ids", "generation_positions"):
+        values = fields[name]
+        buffer = bytearray(values.nbytes + 1)
+        misaligned = np.frombuffer(buffer, values.dtype, count=values.size, offset=1)
+        misaligned[...] = values
+        assert not misaligned.flags.aligned
+        strided = np.repeat(values, 2)[::2]
+        for layout in (misaligned, strided):
+            assert helix_kv.ScheduleOutput._from_fields({**fields, name: layout}) == out
+        swapped = values.astype(values.dtype.newbyteorder())
+        with pytest.raises(helix_kv.InvalidTypeError, match=name):
+            helix_kv.ScheduleOutput._from_fields({**fields, name: swapped})
+
+
 def two_ranks_decoding() -> list[helix_kv.ScheduleOutput]:
     """Both ranks' outputs of one step with three decodes (cp=2, tpb=4)."""
     outputs = []
@@ -222,7 +312,7 @@ def test_two_ranks_outputs_differ_and_each_pickles_to_itself() -> None:
     for rank, out in enumerate(outputs):
         fields = out.__reduce__()[1][0]
         stored = set(cls.FIELDS) - set(cls.COMPUTED_FIELDS)
-        assert set(fields) == stored | set(cls.PLACEMENT_FIELDS)
+        assert set(fields) == stored | set(cls.PLACEMENT_FIELDS) | {"config_fingerprint"}
         assert "generation_owner_ranks" not in fields
         assert "sample_ids" not in fields
         assert (fields["cp_rank"], fields["cp_size"], fields["tokens_per_block"]) == (rank, 2, 4)

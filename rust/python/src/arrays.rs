@@ -155,7 +155,9 @@ fn show(value: i128) -> String {
 }
 
 /// The integers of an array argument, before range checks: borrowed from numpy where the
-/// array already has a 64-bit integer dtype, or read one by one from a list/tuple.
+/// array already is a contiguous, aligned 64-bit integer one, copied into one where it is
+/// another integer array (another width or byte order, strided, misaligned), or read one by
+/// one from a list/tuple.
 pub enum Ints<'py> {
     Signed(PyReadonlyArray1<'py, i64>),
     Unsigned(PyReadonlyArray1<'py, u64>),
@@ -241,21 +243,29 @@ fn as_ndarray<'py>(
     Ok(Some(array))
 }
 
-/// `array` converted to a contiguous array of `dtype` (after the kind check, so
-/// value-preserving), or borrowed when it already is one.
-fn contiguous<'py, T: numpy::Element>(
+/// Whether a slice can borrow `array`'s memory: contiguous and aligned to its elements.
+/// numpy makes misaligned arrays (`np.frombuffer(buf, np.int64, offset=1)`, fields of a
+/// packed record), which a Rust slice must not point at.
+pub fn is_readable<T: numpy::Element>(array: &Bound<'_, PyArray1<T>>) -> bool {
+    array.is_contiguous() && array.is_aligned()
+}
+
+/// `array` as a contiguous, aligned array of `T`: borrowed when it already is one, else
+/// copied into a fresh one (after the kind check, so the conversion preserves values). A
+/// fresh `numpy.array` is asked for outright: `ascontiguousarray` hands a misaligned
+/// contiguous array back unchanged.
+pub fn readable<'py, T: numpy::Element>(
     array: &Bound<'py, PyUntypedArray>,
-    dtype: &str,
 ) -> PyResult<PyReadonlyArray1<'py, T>> {
     if let Ok(typed) = array.cast::<PyArray1<T>>() {
-        if typed.is_contiguous() {
+        if is_readable(typed) {
             return Ok(typed.readonly());
         }
     }
-    let converted = array
-        .py()
+    let py = array.py();
+    let converted = py
         .import("numpy")?
-        .call_method1("ascontiguousarray", (array, dtype))?;
+        .call_method1("array", (array, T::get_dtype(py)))?;
     Ok(converted
         .cast_into::<PyArray1<T>>()
         .map_err(|e| InvalidArgumentError::new_err(e.to_string()))?
@@ -321,8 +331,8 @@ pub fn integers<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Ints<'py>>
 fn array_ints<'py>(array: &Bound<'py, PyUntypedArray>, what: &str) -> PyResult<Ints<'py>> {
     let dtype = array.dtype();
     match dtype.kind() {
-        b'u' if dtype.itemsize() == 8 => Ok(Ints::Unsigned(contiguous(array, "uint64")?)),
-        b'i' | b'u' => Ok(Ints::Signed(contiguous(array, "int64")?)),
+        b'u' if dtype.itemsize() == 8 => Ok(Ints::Unsigned(readable(array)?)),
+        b'i' | b'u' => Ok(Ints::Signed(readable(array)?)),
         // `np.array([])` is float64: an empty array holds no value to coerce.
         _ if array.is_empty() => Ok(Ints::Wide(Vec::new())),
         _ => Err(invalid_type(format!(
@@ -398,7 +408,7 @@ pub fn u64_vec(obj: &Bound<'_, PyAny>, what: &str, length: bool) -> PyResult<Vec
     )
 }
 
-/// Token ids (int32): borrowed when already a contiguous int32 array, else range checked
+/// Token ids (int32): borrowed when already a contiguous, aligned int32 array, else range checked
 /// (numpy's own cast would wrap silently).
 pub enum TokenIds<'py> {
     Borrowed(PyReadonlyArray1<'py, i32>),
@@ -417,7 +427,7 @@ impl TokenIds<'_> {
 /// Token ids from an integer array-like; each must fit int32 (`InvalidArgumentError`).
 pub fn token_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<TokenIds<'py>> {
     if let Ok(array) = obj.cast::<PyArray1<i32>>() {
-        if array.is_contiguous() {
+        if is_readable(array) {
             return Ok(TokenIds::Borrowed(array.readonly()));
         }
     }
@@ -456,9 +466,7 @@ pub fn flags<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Flags<'py>> {
         InvalidArgumentError::new_err(format!("{what} must be bools (or 0/1), got {}", show(v)))
     };
     match as_ndarray(obj, what)? {
-        Some(array) if array.dtype().kind() == b'b' => {
-            Ok(Flags::Borrowed(contiguous(&array, "bool")?))
-        }
+        Some(array) if array.dtype().kind() == b'b' => Ok(Flags::Borrowed(readable(&array)?)),
         Some(array) => Ok(Flags::Converted(array_ints(&array, what)?.map(bit, bad)?)),
         None => {
             let sequence = obj.cast::<PySequence>().map_err(|_| {

@@ -1,5 +1,8 @@
-//! One Python exception per `CoreError` kind under the `HelixKVError` base. The match in
-//! `From<CoreErr> for PyErr` is exhaustive, so a new core variant cannot ship without a class.
+//! One Python exception per `CoreError` kind under the `HelixKVError` base, plus
+//! `InvalidTypeError` for the binding's own type checks: every class here is one that Rust
+//! raises. The match in `From<CoreErr> for PyErr` is exhaustive, so a new core variant cannot
+//! ship without a class. The errors only the Python layer raises (the group errors) live in
+//! `helix_kv.errors`, subclassing these.
 
 use helix_kv_core::CoreError;
 use pyo3::create_exception;
@@ -8,6 +11,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
+// The one class Rust never raises itself: the base every error here (and every Python-layer
+// error in `helix_kv.errors`) derives from, so one `except HelixKVError` catches them all.
 create_exception!(
     helix_kv,
     HelixKVError,
@@ -68,32 +73,6 @@ create_exception!(
     HelixKVError,
     "A call arrived in the wrong order (e.g. update without schedule)."
 );
-create_exception!(
-    helix_kv,
-    ScheduleMismatchError,
-    HelixKVError,
-    "CP ranks made different scheduling decisions."
-);
-create_exception!(
-    helix_kv,
-    InitSyncError,
-    HelixKVError,
-    "Construction failed on at least one rank of the CP group."
-);
-create_exception!(
-    helix_kv,
-    ConfigGuardError,
-    HelixKVError,
-    "A configuration is rejected under the chosen serving mode."
-);
-
-create_exception!(
-    helix_kv,
-    ConfigMismatchError,
-    ConfigError,
-    "The ranks of a CP group were built from different configurations."
-);
-
 /// `InvalidTypeError(InvalidArgumentError, TypeError)`: `create_exception!` takes one base,
 /// so this class is made by `type(...)` once and kept.
 static INVALID_TYPE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();

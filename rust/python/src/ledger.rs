@@ -2,13 +2,13 @@
 
 use helix_kv_core::{DecodeView, Ledger, RequestKv};
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::marker::Ungil;
 use pyo3::prelude::*;
 
 use crate::arrays::{
-    id_arg, int_arg, invalid_type_of, length_arg, rank_arg, try_capacity, u64_arg, u64_vec,
-    MAX_LENGTH,
+    id_arg, int_arg, invalid_type_of, is_readable, length_arg, rank_arg, try_capacity, u64_arg,
+    u64_vec, MAX_LENGTH,
 };
 use crate::errors::{ConfigError, IntoPyResult, InvalidArgumentError};
 use crate::layout::PyLayout;
@@ -48,7 +48,7 @@ impl Buffers {
 }
 
 /// [`u64_vec`] into `out`, whose storage is reused; returns the values or'ed together
-/// (at least the largest, below twice it). A contiguous int64 or uint64 array whose
+/// (at least the largest, below twice it). A contiguous, aligned int64 or uint64 array whose
 /// values are all in range (the usual argument) is copied straight in, its range checked
 /// on the copy's bits in the same pass; anything else goes through `u64_vec`, with its
 /// errors.
@@ -61,7 +61,7 @@ fn u64_vec_into(
     let max = if length { MAX_LENGTH } else { u64::MAX };
     let mut bits = 0;
     if let Ok(array) = obj.cast::<PyArray1<i64>>() {
-        if array.is_contiguous() {
+        if is_readable(array) {
             let array = array.readonly();
             out.clear();
             out.extend(array.as_slice()?.iter().map(|&v| {
@@ -79,7 +79,7 @@ fn u64_vec_into(
             }
         }
     } else if let Ok(array) = obj.cast::<PyArray1<u64>>() {
-        if array.is_contiguous() {
+        if is_readable(array) {
             let array = array.readonly();
             out.clear();
             out.extend(array.as_slice()?.iter().map(|&v| {

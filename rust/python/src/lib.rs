@@ -21,9 +21,9 @@ mod _core {
 
     #[pymodule_export]
     use crate::errors::{
-        ConfigError, ConfigGuardError, ConfigMismatchError, DeadlockError, DuplicateRequestError,
-        HelixKVError, InitSyncError, InvalidArgumentError, InvalidLengthError, InvalidStateError,
-        PreemptionDisabledError, RequestTooLargeError, ScheduleMismatchError, UnknownRequestError,
+        ConfigError, DeadlockError, DuplicateRequestError, HelixKVError, InvalidArgumentError,
+        InvalidLengthError, InvalidStateError, PreemptionDisabledError, RequestTooLargeError,
+        UnknownRequestError,
     };
     #[pymodule_export]
     use crate::layout::PyLayout;

@@ -8,7 +8,7 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::arrays::{id_arg, make_read_only, token_ids as token_ids_arg};
+use crate::arrays::{id_arg, invalid_type_of, make_read_only, str_arg, token_ids as token_ids_arg};
 use crate::errors::InvalidArgumentError;
 use crate::scheduler::PyRequestMetrics;
 
@@ -61,21 +61,27 @@ impl PyRequestOutput {
 
 #[pymethods]
 impl PyRequestOutput {
-    /// Rebuilds an output (what unpickling calls); `token_ids` must fit int32.
+    /// Rebuilds an output (what unpickling calls): a request id, token ids that fit int32,
+    /// a finish reason (a str: `"length"`, `"eos"` or `"aborted"`) and a `RequestMetrics`;
+    /// each checked like every argument.
     #[new]
     fn py_new(
         py: Python<'_>,
         request_id: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
-        finish_reason: &str,
-        metrics: &Bound<'_, PyRequestMetrics>,
+        finish_reason: &Bound<'_, PyAny>,
+        metrics: &Bound<'_, PyAny>,
     ) -> PyResult<Self> {
         let id = id_arg(request_id)?;
         let tokens = token_ids_arg(token_ids, "token_ids")?.as_slice()?.to_vec();
+        let finish_reason = parse_finish_reason(&str_arg(finish_reason, "finish_reason")?)?;
+        let metrics = metrics
+            .cast::<PyRequestMetrics>()
+            .map_err(|_| invalid_type_of("metrics", "a RequestMetrics", metrics))?;
         Ok(Self {
             id,
             token_ids: frozen_tokens(py, tokens),
-            finish_reason: parse_finish_reason(finish_reason)?,
+            finish_reason,
             metrics: RequestMetrics::from(metrics.get()),
         })
     }

@@ -24,7 +24,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
-use crate::arrays::{int_arg, invalid_type_of, make_read_only, u64_arg};
+use crate::arrays::{int_arg, invalid_type_of, make_read_only, readable, u64_arg};
 use crate::errors::{IntoPyResult, InvalidArgumentError, InvalidLengthError};
 use crate::layout::rank_int32;
 
@@ -112,26 +112,24 @@ impl<T: Exposed<N>, N: Element + Copy> LazyArray<T, N> {
         }
     }
 
-    /// The values of a 1-D numpy array of dtype `N` (copied: the caller keeps its array);
-    /// a value out of the field's range is refused, as for every argument.
+    /// The values of a 1-D numpy array of dtype `N` (copied: the caller keeps its array;
+    /// a strided or misaligned one is read through a contiguous copy); a value out of the
+    /// field's range is refused, as for every argument.
     fn from_object(value: &Bound<'_, PyAny>, field: &str) -> PyResult<Self> {
         let array = value
             .cast::<PyArray1<N>>()
             .map_err(|_| invalid_type_of(field, "a 1-D numpy array of the field's dtype", value))?;
-        let values = array
-            .to_owned_array()
-            .into_iter()
-            .enumerate()
-            .map(|(i, v)| {
-                T::from_numpy(v).ok_or_else(|| {
-                    let message = format!("ScheduleOutput field {field}[{i}] must be non-negative");
-                    if T::LENGTH {
-                        InvalidLengthError::new_err(message)
-                    } else {
-                        InvalidArgumentError::new_err(message)
-                    }
-                })
-            });
+        let array = readable::<N>(array.as_untyped())?;
+        let values = array.as_slice()?.iter().enumerate().map(|(i, &v)| {
+            T::from_numpy(v).ok_or_else(|| {
+                let message = format!("ScheduleOutput field {field}[{i}] must be non-negative");
+                if T::LENGTH {
+                    InvalidLengthError::new_err(message)
+                } else {
+                    InvalidArgumentError::new_err(message)
+                }
+            })
+        });
         Ok(Self::new(values.collect::<PyResult<_>>()?))
     }
 
@@ -299,6 +297,9 @@ macro_rules! define_py_schedule_output {
             $( $(#[doc = $doc])* #[pyo3(get)] $name: py_field_type!($kind), )*
             /// This rank and its group's layout: what the computed arrays are computed from.
             rank_placement: RankPlacement,
+            /// The fingerprint of the configuration that scheduled the step, the digest's
+            /// seed: what `_from_fields` recomputes the digest with.
+            config_fingerprint: u64,
             /// The computed arrays, once read.
             computed: ComputedArrays,
             /// The scheduler's spare slot, for an output that a scheduler made: where the
@@ -306,11 +307,13 @@ macro_rules! define_py_schedule_output {
             spare: Option<SpareOutput>,
         }
 
-        impl From<ScheduleOutput> for PyScheduleOutput {
-            fn from(out: ScheduleOutput) -> Self {
+        impl PyScheduleOutput {
+            /// The Python form of `out`, scheduled under `config_fingerprint`.
+            fn new(out: ScheduleOutput, config_fingerprint: u64) -> Self {
                 Self {
                     $( $name: from_core_field!(out.$name, $kind), )*
                     rank_placement: out.rank_placement,
+                    config_fingerprint,
                     computed: ComputedArrays::default(),
                     spare: None,
                 }
@@ -341,8 +344,8 @@ macro_rules! define_py_schedule_output {
             }
 
             /// Every stored field by name (numpy arrays and ints), then the placement
-            /// (`PLACEMENT_FIELDS`, ints); not the computed arrays (`COMPUTED_FIELDS`),
-            /// computed from them.
+            /// (`PLACEMENT_FIELDS`, ints) and `config_fingerprint`; not the computed arrays
+            /// (`COMPUTED_FIELDS`), computed from them.
             fn field_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
                 let dict = PyDict::new(py);
                 $( dict.set_item(stringify!($name), field_object!(self.$name, py, $kind))?; )*
@@ -351,11 +354,13 @@ macro_rules! define_py_schedule_output {
                 for (name, value) in PLACEMENT_FIELDS.into_iter().zip(values) {
                     dict.set_item(name, value)?;
                 }
+                dict.set_item(FINGERPRINT_FIELD, self.config_fingerprint)?;
                 Ok(dict)
             }
 
-            /// An output from [`Self::field_dict`]'s form; every stored field and the
-            /// placement must be present (the computed arrays are checked by the caller).
+            /// An output from [`Self::field_dict`]'s form; every stored field, the placement
+            /// and the fingerprint must be present (the computed arrays and the digest are
+            /// checked by the caller).
             fn from_field_dict(fields: &Bound<'_, PyDict>) -> PyResult<Self> {
                 let field = |name: &str| {
                     fields.get_item(name)?.ok_or_else(|| {
@@ -364,7 +369,11 @@ macro_rules! define_py_schedule_output {
                 };
                 Ok(Self {
                     $( $name: field_from_object!(&field(stringify!($name))?, stringify!($name), $kind), )*
-                    rank_placement: placement_from_fields(field)?,
+                    rank_placement: placement_from_fields(&field)?,
+                    config_fingerprint: u64_arg(
+                        &field(FINGERPRINT_FIELD)?,
+                        &format!("ScheduleOutput field {FINGERPRINT_FIELD}"),
+                    )?,
                     computed: ComputedArrays::default(),
                     spare: None,
                 })
@@ -403,8 +412,13 @@ impl SpareOutput {
 impl PyScheduleOutput {
     /// The Python form of a scheduler's output `out`, which leaves its unread buffers in
     /// `spare` when dropped.
-    pub fn recycled_into(out: ScheduleOutput, spare: &SpareOutput) -> Self {
-        let mut output = Self::from(out);
+    /// `out`, `config_fingerprint` the scheduler's.
+    pub fn recycled_into(
+        out: ScheduleOutput,
+        config_fingerprint: u64,
+        spare: &SpareOutput,
+    ) -> Self {
+        let mut output = Self::new(out, config_fingerprint);
         output.spare = Some(spare.clone());
         output
     }
@@ -414,11 +428,14 @@ impl PyScheduleOutput {
 /// also the output's attributes of those names.
 const PLACEMENT_FIELDS: [&str; 3] = ["cp_rank", "cp_size", "tokens_per_block"];
 
+/// The key of the configuration fingerprint in a pickled output, also the attribute.
+const FINGERPRINT_FIELD: &str = "config_fingerprint";
+
 /// The placement from `_from_fields`'s values: each a non-negative integer (below 2**32),
 /// a valid layout, and a rank of it; anything else an `InvalidArgumentError` (or an
 /// `InvalidTypeError` for a value that is no integer).
 fn placement_from_fields<'py>(
-    field: impl Fn(&str) -> PyResult<Bound<'py, PyAny>>,
+    field: &impl Fn(&str) -> PyResult<Bound<'py, PyAny>>,
 ) -> PyResult<RankPlacement> {
     let mut values = [0u32; 3];
     for (value, name) in values.iter_mut().zip(PLACEMENT_FIELDS) {
@@ -700,6 +717,13 @@ impl PyScheduleOutput {
     fn tokens_per_block(&self) -> u32 {
         self.rank_placement.tokens_per_block()
     }
+    /// The fingerprint of the configuration that scheduled this step
+    /// (`SchedulerConfig.fingerprint`, the same on every rank): the seed of `digest`, which
+    /// `_from_fields` recomputes from it and the fields.
+    #[getter]
+    fn config_fingerprint(&self) -> u64 {
+        self.config_fingerprint
+    }
 
     /// Generation ids, then the ids of context entries that complete their prompt: the
     /// order of the tokens `update` takes. Computed from `generation_ids`, `context_ids`
@@ -753,9 +777,9 @@ impl PyScheduleOutput {
     fn __hash__(&self) -> u64 {
         self.digest
     }
-    /// Pickles as `ScheduleOutput._from_fields({field: value})`: the stored fields and the
-    /// placement (`PLACEMENT_FIELDS`), not the fields computed from them
-    /// (`COMPUTED_FIELDS`).
+    /// Pickles as `ScheduleOutput._from_fields({field: value})`: the stored fields, the
+    /// placement (`PLACEMENT_FIELDS`) and `config_fingerprint`, not the fields computed from
+    /// them (`COMPUTED_FIELDS`).
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
         let rebuild = py.get_type::<Self>().getattr("_from_fields")?;
@@ -764,18 +788,23 @@ impl PyScheduleOutput {
     }
     /// Rebuilds a pickled output from its fields: every stored field (arrays of the
     /// fields' dtypes, no negative length, position, count or rank; the array lengths must
-    /// fit together) and the placement (`PLACEMENT_FIELDS`: a rank of a valid layout). The
-    /// computed fields (`COMPUTED_FIELDS`) may be left out; any given must equal what the
-    /// output computes (the placement for the positions; the entries for `sample_ids`), or
-    /// the output is refused.
+    /// fit together), the placement (`PLACEMENT_FIELDS`: a rank of a valid layout) and
+    /// `config_fingerprint`. The computed fields (`COMPUTED_FIELDS`) may be left out; any
+    /// given must equal what the output computes (the placement for the positions; the
+    /// entries for `sample_ids`), or the output is refused. So must `digest`: it is
+    /// recomputed from the fields and the fingerprint by the scheduler's own digest, so an
+    /// output changed after it was scheduled cannot pass for the scheduled one
+    /// (`InvalidArgumentError`).
     #[classmethod]
     fn _from_fields(_cls: &Bound<'_, PyType>, fields: &Bound<'_, PyAny>) -> PyResult<Self> {
         let fields = fields
             .cast::<PyDict>()
             .map_err(|_| invalid_type_of("fields", "a dict", fields))?;
         let output = Self::from_field_dict(fields)?;
-        output.to_core(fields.py()).check_lengths().py()?;
+        let core = output.to_core(fields.py());
+        core.check_lengths().py()?;
         output.check_given_computed(fields)?;
+        core.check_digest(output.config_fingerprint).py()?;
         Ok(output)
     }
     fn __repr__(&self, py: Python<'_>) -> String {

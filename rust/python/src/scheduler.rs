@@ -53,6 +53,8 @@ fn ids_to_numpy(py: Python<'_>, ids: Vec<u64>) -> Bound<'_, PyArray1<u64>> {
 pub struct PyScheduler {
     inner: Scheduler,
     config: Py<PySchedulerConfig>,
+    /// `config.fingerprint`, the seed of every digest, which each output carries.
+    fingerprint: u64,
     /// Where this scheduler's outputs leave their buffers when Python drops them, for the
     /// next `schedule()` to build in (see [`SpareOutput`]).
     spare: SpareOutput,
@@ -66,8 +68,10 @@ impl PyScheduler {
             .cast::<PySchedulerConfig>()
             .map_err(|_| invalid_type_of("config", "a SchedulerConfig", config))?
             .clone();
+        let inner = Scheduler::new(config.get().inner.clone()).py()?;
         Ok(Self {
-            inner: Scheduler::new(config.get().inner.clone()).py()?,
+            fingerprint: inner.config().fingerprint(),
+            inner,
             config: config.unbind(),
             spare: SpareOutput::default(),
         })
@@ -118,7 +122,11 @@ impl PyScheduler {
                 Ok(inner.take_last_output())
             })
             .py()?;
-        Ok(PyScheduleOutput::recycled_into(output, &self.spare))
+        Ok(PyScheduleOutput::recycled_into(
+            output,
+            self.fingerprint,
+            &self.spare,
+        ))
     }
 
     /// Applies the step that ran: one token per `sample_ids` entry (int32) and optional

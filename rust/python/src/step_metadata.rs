@@ -149,9 +149,10 @@ fn not_int32(untyped: &Bound<'_, PyUntypedArray>) -> PyErr {
     ))
 }
 
-/// The caller's `obj` as a C-contiguous numpy int32 array of `D`'s rank (`shape` names
-/// that rank in the error): a wrong type or dtype is an `InvalidTypeError`, a wrong rank or
-/// a strided array an `InvalidArgumentError`.
+/// The caller's `obj` as a C-contiguous, aligned numpy int32 array of `D`'s rank (`shape`
+/// names that rank in the error): a wrong type or dtype is an `InvalidTypeError`, a wrong
+/// rank, a strided or a misaligned array an `InvalidArgumentError` (it is written in place,
+/// so it cannot be copied as an input is).
 fn int32_array<'py, D: Dimension>(
     obj: &Bound<'py, PyAny>,
     shape: &str,
@@ -171,6 +172,12 @@ fn int32_array<'py, D: Dimension>(
     if !array.is_c_contiguous() {
         return Err(InvalidArgumentError::new_err(
             "buffer must be C-contiguous (a strided view cannot be filled in place)",
+        ));
+    }
+    if !array.is_aligned() {
+        return Err(InvalidArgumentError::new_err(
+            "buffer must be aligned to its int32 elements (a view at an odd byte offset cannot be \
+             filled in place)",
         ));
     }
     Ok(array.clone())

@@ -512,6 +512,23 @@ impl ScheduleOutput {
         h.finish()
     }
 
+    /// Fails (`InvalidArgument`) unless `digest` is what [`Self::compute_digest`] gives for
+    /// the fields under `config_fingerprint` (the seed the scheduler used): an output whose
+    /// fields were changed after it was scheduled, its digest kept, is refused. The binding
+    /// checks an output rebuilt from Python (unpickled) with it, after [`Self::check_lengths`].
+    pub fn check_digest(&self, config_fingerprint: u64) -> Result<()> {
+        let computed = self.compute_digest(config_fingerprint);
+        if computed == self.digest {
+            return Ok(());
+        }
+        Err(CoreError::InvalidArgument(format!(
+            "the digest of step {} (0x{:016x}) is not the digest of its fields under configuration \
+             fingerprint 0x{config_fingerprint:016x} (0x{computed:016x}): the output was changed \
+             after it was scheduled",
+            self.step, self.digest
+        )))
+    }
+
     /// Fails (`InvalidArgument`) unless the arrays fit together the way a schedule makes
     /// them: one value per entry in each of the context, generation, preempted and
     /// suspended groups, `suspended_block_counts` adding up to the suspended pages,
@@ -999,6 +1016,27 @@ mod tests {
             .map(|(a, _)| a.0)
             .collect();
         assert_eq!(changed, ["preempted"]);
+    }
+
+    #[test]
+    fn check_digest_refuses_a_changed_field_or_another_fingerprint() {
+        let mut out = sample();
+        assert_eq!(out.digest, out.compute_digest(11));
+        assert_eq!(out.check_digest(11), Ok(()));
+        assert!(matches!(
+            out.check_digest(12),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        out.context_token_ids[1] += 1;
+        let Err(CoreError::InvalidArgument(message)) = out.check_digest(11) else {
+            panic!("a changed token passed the digest check");
+        };
+        assert!(
+            message.contains("changed after it was scheduled"),
+            "{message}"
+        );
+        out.digest = out.compute_digest(11);
+        assert_eq!(out.check_digest(11), Ok(()));
     }
 
     /// A generation entry's four values share one digest word: a change of any bit of any
