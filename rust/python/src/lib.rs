@@ -30,11 +30,13 @@ mod _core {
     #[pymodule_export]
     use crate::ledger::{PyDecodeView, PyLedger, PyRequestHoldings};
     #[pymodule_export]
+    use crate::records::{PyRequestMetrics, PySchedulerMetrics};
+    #[pymodule_export]
     use crate::request_output::PyRequestOutput;
     #[pymodule_export]
     use crate::schedule_output::PyScheduleOutput;
     #[pymodule_export]
-    use crate::scheduler::{PyRequestMetrics, PyScheduler, PySchedulerMetrics};
+    use crate::scheduler::PyScheduler;
     #[pymodule_export]
     use crate::scheduler_config::PySchedulerConfig;
     #[pymodule_export]

@@ -250,3 +250,15 @@ pub fn repr_of(name: &str, fields: &Bound<'_, PyDict>) -> PyResult<String> {
     }
     Ok(format!("{name}({})", parts.join(", ")))
 }
+
+// The scheduler's records, here rather than with the classes that return them, so the
+// classes that hold one (`RequestOutput`) and the scheduler both import them from below.
+helix_kv_core::scheduler_metrics_fields!(value_record! {
+    /// Scheduler totals (frozen; equal on every rank; picklable).
+    PySchedulerMetrics as "SchedulerMetrics" from helix_kv_core::SchedulerMetrics
+});
+
+helix_kv_core::request_metrics_fields!(value_record! {
+    /// Counters of one request (frozen; picklable).
+    PyRequestMetrics as "RequestMetrics" from helix_kv_core::RequestMetrics, default = 0
+});

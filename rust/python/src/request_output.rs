@@ -10,7 +10,7 @@ use pyo3::types::PyTuple;
 
 use crate::arrays::{id_arg, invalid_type_of, make_read_only, str_arg, token_ids as token_ids_arg};
 use crate::errors::InvalidArgumentError;
-use crate::scheduler::PyRequestMetrics;
+use crate::records::PyRequestMetrics;
 
 /// Tokens shown by `repr` before it elides the rest.
 const REPR_TOKENS: usize = 16;

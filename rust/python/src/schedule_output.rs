@@ -595,11 +595,11 @@ impl PyScheduleOutput {
 
 /// The core's computed column names, in its order: the getters below are these names.
 const COMPUTED_NAMES: [&str; 5] = [
-    ScheduleOutput::COMPUTED_COLUMNS[0].0,
-    ScheduleOutput::COMPUTED_COLUMNS[1].0,
-    ScheduleOutput::COMPUTED_COLUMNS[2].0,
-    ScheduleOutput::COMPUTED_COLUMNS[3].0,
-    ScheduleOutput::COMPUTED_COLUMNS[4].0,
+    ScheduleOutput::COMPUTED_FIELDS[0].0,
+    ScheduleOutput::COMPUTED_FIELDS[1].0,
+    ScheduleOutput::COMPUTED_FIELDS[2].0,
+    ScheduleOutput::COMPUTED_FIELDS[3].0,
+    ScheduleOutput::COMPUTED_FIELDS[4].0,
 ];
 
 /// Field names as a tuple.

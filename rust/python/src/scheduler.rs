@@ -1,27 +1,18 @@
 //! `Scheduler` (one rank's preemptive, rank-invariant scheduler) and its metrics. One
 //! crossing per `schedule()` and per `update()`; arrays in and out are numpy.
 
-use helix_kv_core::{RequestMetrics, Scheduler, SchedulerMetrics};
+use helix_kv_core::Scheduler;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::prelude::*;
 
 use crate::arrays::{flags, id_arg, int_arg, invalid_type_of, token_ids, u64_vec};
 use crate::errors::{IntoPyResult, InvalidArgumentError, InvalidLengthError};
 use crate::ledger::{block_table, slot_mapping};
+use crate::records::{PyRequestMetrics, PySchedulerMetrics};
 use crate::request_output::PyRequestOutput;
 use crate::schedule_output::{PyScheduleOutput, SpareOutput};
 use crate::scheduler_config::PySchedulerConfig;
 use crate::step_metadata::{self, PyDecodeRowCounts, PyStepMetadata, PyStepMetadataLayout};
-
-helix_kv_core::scheduler_metrics_fields!(value_record! {
-    /// Scheduler totals (frozen; equal on every rank; picklable).
-    PySchedulerMetrics as "SchedulerMetrics" from SchedulerMetrics
-});
-
-helix_kv_core::request_metrics_fields!(value_record! {
-    /// Counters of one request (frozen; picklable).
-    PyRequestMetrics as "RequestMetrics" from RequestMetrics, default = 0
-});
 
 /// A request priority (int32), checked like every other integer argument (a keyword with
 /// a default cannot be taken as a `Bound`, so it is its own type).

@@ -14,7 +14,7 @@
 //! [`RankPlacement`] and computes those columns on demand. Nor is `sample_ids`, the order of
 //! the tokens `update` takes: the generation ids, then the completing context ids
 //! ([`ScheduleOutput::sample_ids`]; [`ScheduleOutput::num_samples`] counts them). All of
-//! them are listed in [`ScheduleOutput::COMPUTED_COLUMNS`].
+//! them are listed in [`ScheduleOutput::COMPUTED_FIELDS`].
 
 use std::fmt::Write as _;
 
@@ -121,7 +121,7 @@ pub enum FieldScope {
     RankInvariant,
     /// This rank's share of the step (whether it appends, its local lengths). No stored
     /// field has it today: the per-rank columns are computed from the positions (see
-    /// [`ScheduleOutput::COMPUTED_COLUMNS`]).
+    /// [`ScheduleOutput::COMPUTED_FIELDS`]).
     PerRank,
 }
 
@@ -163,7 +163,7 @@ macro_rules! define_schedule_output {
         /// except the per-rank ones (see [`ScheduleOutput::FIELDS`]) and `rank_placement`;
         /// the owner ranks and this rank's share of the decodes are computed from the
         /// positions and `rank_placement`, `sample_ids` from the generation and context
-        /// entries (see [`ScheduleOutput::COMPUTED_COLUMNS`]). Two ranks' outputs of the
+        /// entries (see [`ScheduleOutput::COMPUTED_FIELDS`]). Two ranks' outputs of the
         /// same step are equal only if they are the same rank.
         #[derive(Debug, Clone, PartialEq, Eq, Default)]
         pub struct ScheduleOutput {
@@ -233,7 +233,7 @@ impl ScheduleOutput {
     ///   rank by design, from `generation_positions` and `rank_placement`:
     ///   [`Self::generation_active`], [`Self::generation_local_lens`] and
     ///   [`Self::generation_past_seen_lens`] (listed last).
-    pub const COMPUTED_COLUMNS: &'static [(&'static str, FieldScope, &'static str)] = &[
+    pub const COMPUTED_FIELDS: &'static [(&'static str, FieldScope, &'static str)] = &[
         (
             "generation_owner_ranks",
             FieldScope::RankInvariant,
@@ -247,10 +247,10 @@ impl ScheduleOutput {
 
     /// Every field, stored and computed, with its scope: the stored fields of
     /// [`Self::FIELDS`] in declaration order, each followed by the
-    /// [`Self::COMPUTED_COLUMNS`] listed after it (in that list's order).
+    /// [`Self::COMPUTED_FIELDS`] listed after it (in that list's order).
     pub fn all_fields() -> impl Iterator<Item = (&'static str, FieldScope)> {
         Self::FIELDS.iter().flat_map(|&(stored, scope)| {
-            let computed = Self::COMPUTED_COLUMNS
+            let computed = Self::COMPUTED_FIELDS
                 .iter()
                 .filter(move |(_, _, after)| *after == stored)
                 .map(|&(name, scope, _)| (name, scope));
@@ -269,7 +269,7 @@ impl ScheduleOutput {
     /// `after` whose values differ between `self` and `other` (see
     /// [`Self::differing_fields`]).
     fn push_differing_computed(&self, other: &Self, after: &str, names: &mut Vec<&'static str>) {
-        for &(name, scope, listed_after) in Self::COMPUTED_COLUMNS {
+        for &(name, scope, listed_after) in Self::COMPUTED_FIELDS {
             if scope != FieldScope::RankInvariant || listed_after != after {
                 continue;
             }
@@ -401,7 +401,7 @@ impl ScheduleOutput {
     /// length), seeded with the scheduler's configuration fingerprint
     /// ([`super::SchedulerConfig::fingerprint`]): two ranks built from different
     /// configurations get different digests even for a step whose fields agree. The
-    /// computed columns ([`Self::COMPUTED_COLUMNS`]) are not fields: they are covered
+    /// computed columns ([`Self::COMPUTED_FIELDS`]) are not fields: they are covered
     /// through the fields they come from (the owner ranks through the positions,
     /// `sample_ids` through the generation ids and the completing context ids; its length,
     /// [`Self::num_samples`], ends the digest as it did when it was stored). A generation
@@ -801,7 +801,7 @@ mod tests {
         assert_eq!(shown.matches(": ").count(), names.len() + 1 + 3);
         // The computed columns: none stored, each listed after a stored field; every
         // stored field is rank-invariant, the per-rank names are computed columns.
-        let computed: Vec<_> = ScheduleOutput::COMPUTED_COLUMNS
+        let computed: Vec<_> = ScheduleOutput::COMPUTED_FIELDS
             .iter()
             .map(|(n, _, _)| *n)
             .collect();
@@ -815,7 +815,7 @@ mod tests {
                 "generation_past_seen_lens"
             ]
         );
-        for (name, _, after) in ScheduleOutput::COMPUTED_COLUMNS {
+        for (name, _, after) in ScheduleOutput::COMPUTED_FIELDS {
             assert!(!names.contains(name), "{name} is stored");
             assert!(names.contains(after), "{name} is listed after no field");
         }

@@ -143,7 +143,7 @@ impl Placement {
 
 /// One rank's place in its CP group's layout, as a
 /// [`ScheduleOutput`](super::ScheduleOutput) carries it: what the output's computed columns
-/// ([`ScheduleOutput::COMPUTED_COLUMNS`](super::ScheduleOutput::COMPUTED_COLUMNS): the
+/// ([`ScheduleOutput::COMPUTED_FIELDS`](super::ScheduleOutput::COMPUTED_FIELDS): the
 /// owner ranks and this rank's share) are computed from, with the positions. Equal for two ranks only when they are the same rank
 /// of the same layout.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
