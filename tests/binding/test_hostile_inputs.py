@@ -605,7 +605,7 @@ def _target(owner: str) -> tuple[Any, Callable[[], Any]]:
     """The object to call and a fingerprint of everything a call could change."""
     if owner == "layout":
         layout = helix_kv.Layout(2, 4)
-        return layout, lambda: (layout.cp, layout.tokens_per_block, hash(layout))
+        return layout, lambda: (layout.cp_size, layout.tokens_per_block, hash(layout))
     if owner == "ledger":
         ledger = make_ledger()
         return ledger, ledger.state_digest

@@ -79,4 +79,22 @@ def test_layout_is_a_frozen_hashable_value() -> None:
     assert len({helix_kv.Layout(2, 16), helix_kv.Layout(2, 16), helix_kv.Layout(4, 16)}) == 2
     with pytest.raises(AttributeError):
         helix_kv.Layout(2, 16).cp = 3  # type: ignore[misc]
-    assert repr(helix_kv.Layout(2, 16)) == "Layout(cp=2, tokens_per_block=16)"
+    assert repr(helix_kv.Layout(2, 16)) == "Layout(cp_size=2, tokens_per_block=16)"
+
+
+def test_cp_size_is_the_name_and_cp_a_deprecated_alias() -> None:
+    """``cp_size`` / ``cp_rank`` everywhere in the public API; ``Layout(cp=...)`` and
+    ``Layout.cp`` still work for one release, with a DeprecationWarning."""
+    layout = helix_kv.Layout(cp_size=4, tokens_per_block=8)
+    assert (layout.cp_size, layout.tokens_per_block) == (4, 8)
+    assert layout.local_len(100, cp_rank=1) == layout.local_len(100, 1)
+    with pytest.warns(DeprecationWarning, match="cp_size"):
+        assert helix_kv.Layout(cp=4, tokens_per_block=8) == layout
+    with pytest.warns(DeprecationWarning, match=r"Layout\.cp_size"):
+        assert layout.cp == 4
+    with pytest.raises(helix_kv.ConfigError, match="both cp_size and"):
+        helix_kv.Layout(4, 8, cp=4)
+    with pytest.raises(helix_kv.InvalidTypeError, match="needs tokens_per_block"):
+        helix_kv.Layout(4)
+    with pytest.raises(helix_kv.InvalidTypeError, match="needs cp_size"):
+        helix_kv.Layout(tokens_per_block=8)

@@ -119,7 +119,7 @@ pub fn int_arg<T: for<'a, 'py> FromPyObject<'a, 'py>>(
 
 /// A rank: an integer in `0..=2**32-1` (the core checks it against the group).
 pub fn rank_arg(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
-    int_arg(obj, "rank", "0..=2**32-1", |m| {
+    int_arg(obj, "cp_rank", "0..=2**32-1", |m| {
         InvalidArgumentError::new_err(m)
     })
 }

@@ -11,9 +11,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use crate::arrays::{int_arg, length_arg, rank_arg, table_arg, u64_vec};
-use crate::errors::{ConfigError, IntoPyResult, InvalidLengthError};
+use crate::errors::{invalid_type, ConfigError, IntoPyResult, InvalidLengthError};
 
-/// Token placement for `cp` ranks with pages of `tokens_per_block` tokens (frozen, hashable,
+/// Token placement for `cp_size` ranks with pages of `tokens_per_block` tokens (frozen, hashable,
 /// picklable).
 #[pyclass(frozen, eq, hash, module = "helix_kv._core", name = "Layout")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -24,22 +24,50 @@ pub struct PyLayout {
 #[pymethods]
 impl PyLayout {
     #[new]
-    #[pyo3(signature = (cp, tokens_per_block))]
-    fn new(cp: &Bound<'_, PyAny>, tokens_per_block: &Bound<'_, PyAny>) -> PyResult<Self> {
+    #[pyo3(signature = (cp_size=None, tokens_per_block=None, *, cp=None))]
+    fn new(
+        py: Python<'_>,
+        cp_size: Option<&Bound<'_, PyAny>>,
+        tokens_per_block: Option<&Bound<'_, PyAny>>,
+        cp: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
         let setting = |obj, name| int_arg::<u32>(obj, name, "1..=2**32-1", ConfigError::new_err);
+        // Not given and given as None read alike (None is the keyword's default).
+        let missing = |name: &str| {
+            invalid_type(format!(
+                "Layout() needs {name}: an int in 1..=2**32-1, got None"
+            ))
+        };
+        let cp_size = match (cp_size, cp) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::new_err(
+                    "Layout() got both cp_size and its deprecated name cp; give cp_size only",
+                ))
+            }
+            (Some(cp_size), None) => setting(cp_size, "cp_size")?,
+            (None, Some(cp)) => {
+                deprecated(py, c"Layout(cp=...) is deprecated: the keyword is cp_size")?;
+                setting(cp, "cp_size")?
+            }
+            (None, None) => return Err(missing("cp_size")),
+        };
+        let tokens_per_block = tokens_per_block.ok_or_else(|| missing("tokens_per_block"))?;
         Ok(Self {
-            inner: Layout::new(
-                setting(cp, "cp")?,
-                setting(tokens_per_block, "tokens_per_block")?,
-            )
-            .py()?,
+            inner: Layout::new(cp_size, setting(tokens_per_block, "tokens_per_block")?).py()?,
         })
     }
 
     /// Ranks in the CP group.
     #[getter]
-    fn cp(&self) -> u32 {
+    fn cp_size(&self) -> u32 {
         self.inner.cp()
+    }
+
+    /// Deprecated name of `cp_size` (kept for one release).
+    #[getter]
+    fn cp(&self, py: Python<'_>) -> PyResult<u32> {
+        deprecated(py, c"Layout.cp is deprecated: read Layout.cp_size")?;
+        Ok(self.inner.cp())
     }
 
     /// Tokens in one physical page on one rank.
@@ -59,10 +87,10 @@ impl PyLayout {
         Ok(self.inner.owner_rank(length_arg(pos, "position")?))
     }
 
-    /// Tokens of a length-`n` sequence held by `rank`.
-    fn local_len(&self, n: &Bound<'_, PyAny>, rank: &Bound<'_, PyAny>) -> PyResult<u64> {
+    /// Tokens of a length-`n` sequence held by `cp_rank`.
+    fn local_len(&self, n: &Bound<'_, PyAny>, cp_rank: &Bound<'_, PyAny>) -> PyResult<u64> {
         let n = length_arg(n, "length")?;
-        let rank = self.rank(rank)?;
+        let rank = self.rank(cp_rank)?;
         Ok(self.inner.local_len(n, rank))
     }
 
@@ -76,14 +104,14 @@ impl PyLayout {
         Ok(self.inner.local_index(length_arg(pos, "position")?))
     }
 
-    /// Global position of the `local_index`-th token held by `rank`; a position past
+    /// Global position of the `local_index`-th token held by `cp_rank`; a position past
     /// `2**63 - 1` is an `InvalidLengthError`.
     fn global_position(
         &self,
-        rank: &Bound<'_, PyAny>,
+        cp_rank: &Bound<'_, PyAny>,
         local_index: &Bound<'_, PyAny>,
     ) -> PyResult<i64> {
-        let rank = self.rank(rank)?;
+        let rank = self.rank(cp_rank)?;
         let index = length_arg(local_index, "local index")?;
         global_position(self.inner, rank, index)
     }
@@ -103,9 +131,9 @@ impl PyLayout {
     fn local_lens<'py>(
         &self,
         lengths: &Bound<'py, PyAny>,
-        rank: &Bound<'py, PyAny>,
+        cp_rank: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let rank = self.rank(rank)?;
+        let rank = self.rank(cp_rank)?;
         let layout = self.inner;
         map_array(lengths, "lengths", |n| {
             Ok(result_int64(layout.local_len(n, rank)))
@@ -127,17 +155,17 @@ impl PyLayout {
     /// an `InvalidLengthError`.
     fn global_positions<'py>(
         &self,
-        rank: &Bound<'py, PyAny>,
+        cp_rank: &Bound<'py, PyAny>,
         local_indices: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let rank = self.rank(rank)?;
+        let rank = self.rank(cp_rank)?;
         let layout = self.inner;
         map_array(local_indices, "local indices", |i| {
             global_position(layout, rank, i)
         })
     }
 
-    /// Batch slot mapping for a step run without a scheduler: the slot on `rank` of each
+    /// Batch slot mapping for a step run without a scheduler: the slot on `cp_rank` of each
     /// global position `positions[i]` of the request whose superblock table is row
     /// `rows[i]` of `block_table` (two-dimensional, padded with negative ids), or -1 where
     /// another rank owns the position (int64 out). Every position must fall inside its row's
@@ -147,13 +175,13 @@ impl PyLayout {
         block_table: &Bound<'py, PyAny>,
         rows: &Bound<'py, PyAny>,
         positions: &Bound<'py, PyAny>,
-        rank: &Bound<'py, PyAny>,
+        cp_rank: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let py = block_table.py();
         let (table, width) = table_arg(block_table, "block table")?;
         let rows = u64_vec(rows, "rows", false)?;
         let positions = u64_vec(positions, "positions", true)?;
-        let rank = rank_arg(rank)?;
+        let rank = rank_arg(cp_rank)?;
         let mut out = Vec::new();
         let layout = self.inner;
         py.detach(|| layout.slot_mapping_into(&table, width, &rows, &positions, rank, &mut out))
@@ -161,7 +189,7 @@ impl PyLayout {
         Ok(PyArray1::from_vec(py, out))
     }
 
-    /// Pickles as `Layout(cp, tokens_per_block)`.
+    /// Pickles as `Layout(cp_size, tokens_per_block)`.
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
         let layout = slf.get().inner;
@@ -171,7 +199,7 @@ impl PyLayout {
 
     fn __repr__(&self) -> String {
         format!(
-            "Layout(cp={}, tokens_per_block={})",
+            "Layout(cp_size={}, tokens_per_block={})",
             self.inner.cp(),
             self.inner.tokens_per_block()
         )
@@ -180,8 +208,8 @@ impl PyLayout {
 
 impl PyLayout {
     /// A rank of the group.
-    fn rank(&self, rank: &Bound<'_, PyAny>) -> PyResult<u32> {
-        let rank = rank_arg(rank)?;
+    fn rank(&self, cp_rank: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let rank = rank_arg(cp_rank)?;
         self.inner.check_rank(rank).py()?;
         Ok(rank)
     }
@@ -232,4 +260,14 @@ fn map_array<'py, T: numpy::Element + Send>(
     // The per-element work runs with the GIL released (large batches are the point).
     let out = py.detach(|| values.into_iter().map(f).collect::<PyResult<Vec<T>>>())?;
     Ok(PyArray1::from_vec(py, out))
+}
+
+/// Warns that a deprecated name was used (a `DeprecationWarning` pointing at the caller).
+fn deprecated(py: Python<'_>, message: &std::ffi::CStr) -> PyResult<()> {
+    PyErr::warn(
+        py,
+        &py.get_type::<pyo3::exceptions::PyDeprecationWarning>(),
+        message,
+        1,
+    )
 }

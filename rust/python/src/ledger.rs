@@ -418,14 +418,14 @@ impl PyLedger {
     fn resume(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
         self.inner.resume(id_arg(request_id)?).py()
     }
-    /// What `rank` sees of the request.
+    /// What `cp_rank` sees of the request.
     fn view(
         &self,
         request_id: &Bound<'_, PyAny>,
-        rank: &Bound<'_, PyAny>,
+        cp_rank: &Bound<'_, PyAny>,
     ) -> PyResult<PyDecodeView> {
         let id = id_arg(request_id)?;
-        Ok(self.inner.view(id, rank_arg(rank)?).py()?.into())
+        Ok(self.inner.view(id, rank_arg(cp_rank)?).py()?.into())
     }
     /// The request's holdings and counters.
     fn request(&self, request_id: &Bound<'_, PyAny>) -> PyResult<PyRequestHoldings> {
@@ -478,9 +478,9 @@ impl PyLedger {
         request_ids: &Bound<'py, PyAny>,
         starts: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
-        rank: &Bound<'py, PyAny>,
+        cp_rank: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let rank = rank_arg(rank)?;
+        let rank = rank_arg(cp_rank)?;
         slot_mapping(py, &self.inner, request_ids, starts, counts, rank)
     }
     /// 64-bit fingerprint of the whole ledger state; equal ledgers, equal digests.
