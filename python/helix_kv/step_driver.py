@@ -139,15 +139,15 @@ class StepDriver(Generic[S]):
     """
 
     def __init__(self, scheduler: SchedulerProtocol, *, one_step_ahead: bool = False) -> None:
+        self._scheduler = scheduler
+        self._one_step_ahead = bool(one_step_ahead)
+        self._steps: deque[PendingStep[S]] = deque()
         pending = scheduler.pending_steps()
         if pending:
             raise InvalidStateError(
                 f"StepDriver: the scheduler has {pending} pending step(s); a driver starts "
                 "between steps"
             )
-        self._scheduler = scheduler
-        self._one_step_ahead = bool(one_step_ahead)
-        self._steps: deque[PendingStep[S]] = deque()
 
     @property
     def scheduler(self) -> SchedulerProtocol:
