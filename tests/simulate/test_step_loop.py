@@ -60,7 +60,8 @@ class FakeGroup:
         )
 
     def update(self, tokens, eos=None):
-        assert self._last is not None and eos is None
+        assert self._last is not None
+        assert eos is None
         assert len(tokens) == len(self._last)
         finished = []
         for request_id, token in zip(self._last, tokens.tolist()):
