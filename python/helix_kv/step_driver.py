@@ -12,7 +12,7 @@ would otherwise write itself:
   (:meth:`StepDriver.gather_inputs`);
 - ``update()`` closes the **oldest** pending step and ``revert()`` drops the **newest**
   (:meth:`StepDriver.complete`, :meth:`StepDriver.revert`);
-- step ``t`` closes once step ``t + 1`` is launched, or when nothing follows it
+- step ``t`` closes once step ``t + 1`` is planned behind it, or when nothing follows it
   (:meth:`StepDriver.due`, :meth:`StepDriver.drain`).
 
 The driver decides nothing itself: the scheduler plans every step, and the driver sequences
