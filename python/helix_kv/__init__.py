@@ -5,9 +5,9 @@ The ledger, victim selection and every ordering decision live in Rust (``helix_k
 this package re-exports them. Every exception is in :mod:`helix_kv.errors` (the core's and the
 group errors are re-exported here too); the scheduler contract that :class:`Scheduler`,
 :class:`SimulatedCPGroup` and ``helix_kv.distributed.HelixKVRank`` share is
-:class:`helix_kv.contract.SchedulerProtocol`. ``import helix_kv`` never imports torch: the
-torch pieces live in ``helix_kv.executor`` and ``helix_kv.distributed`` and are imported on
-demand.
+:class:`helix_kv.contract.SchedulerProtocol`, and :class:`StepDriver` drives it for an executor
+(plain or one step ahead). ``import helix_kv`` never imports torch: the torch pieces live in
+``helix_kv.executor`` and ``helix_kv.distributed`` and are imported on demand.
 """
 
 from helix_kv._core import (
@@ -46,6 +46,7 @@ from helix_kv.errors import (
     ScheduleMismatchError,
     UnknownRequestError,
 )
+from helix_kv.step_driver import PendingStep, StepDriver
 from helix_kv.step_metadata import StepMetadataViews, new_step_metadata_buffer, step_metadata_views
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "InvalidTypeError",
     "Layout",
     "Ledger",
+    "PendingStep",
     "PreemptionDisabledError",
     "RequestHoldings",
     "RequestMetrics",
@@ -77,6 +79,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerMetrics",
     "SimulatedCPGroup",
+    "StepDriver",
     "StepMetadata",
     "StepMetadataLayout",
     "StepMetadataViews",

@@ -12,16 +12,17 @@ Three classes satisfy :class:`SchedulerProtocol`, with the same semantics:
 The simulator's step loop (:func:`helix_kv.simulate.step_loop.run_simulation`) and the
 reference executor (``helix_kv.executor.runner.run_rank``) drive this contract and nothing
 else of the scheduler (the executor also reads block tables and slot mappings, which are
-per-rank and outside the contract).
+per-rank and outside the contract), through :class:`helix_kv.StepDriver`.
 
 One step: ``schedule()``, run the model on what it scheduled, then either ``update()`` with
 one sampled token per ``sample_ids`` entry or ``revert()`` to drop the step. An overlapping
-executor schedules the next step while one is pending (``pending_steps()`` is then 2);
-``update()`` closes the oldest pending step and ``revert()`` the newest. Requests are
-added and aborted between steps (an abort while a step is pending completes when the step
-closes); a finished request's output is taken once with ``take_output()``. Every call that
-raises has changed nothing. Modelled on vLLM's ``SchedulerInterface``
-(``vllm/v1/core/sched/interface.py``).
+executor schedules the next step while one is pending (one step ahead);
+:class:`helix_kv.StepDriver` owns that protocol for an executor, plain or one step ahead
+(which step closes when, the inputs a step planned ahead reads from the one before it), and
+its docs state its rules. Requests are added and aborted between steps (an abort while a step
+is pending completes when the step closes); a finished request's output is taken once with
+``take_output()``. Every call that raises has changed nothing. Modelled on vLLM's
+``SchedulerInterface`` (``vllm/v1/core/sched/interface.py``).
 """
 
 from __future__ import annotations
@@ -63,10 +64,8 @@ class SchedulerProtocol(Protocol):
         ...
 
     def schedule(self) -> ScheduleOutput:
-        """Schedules the next step. Allowed while one step is pending (one step ahead: the
-        new step assumes every decode of the pending one yields a token, and refers to
-        tokens still in flight through ``generation_input_refs``); ``InvalidStateError``
-        while two are."""
+        """Schedules the next step. Allowed while one step is pending (one step ahead, see
+        :class:`helix_kv.StepDriver`); ``InvalidStateError`` while two are."""
         ...
 
     def pending_steps(self) -> int:

@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+import helix_kv
 from helix_kv.executor.overlap import DecodeInputGather, StepTimeline, TokenReadback
+
+from ..helpers.scheduler import config
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -20,21 +23,43 @@ def test_in_flight_decode_inputs_are_gathered_from_the_previous_step(device: str
     # three decode entries then two context tokens; entries 0 and 2 wait for rows 2 and 0
     token_ids = torch.tensor([-1, 7, -1, 40, 41], dtype=torch.int64, device=device)
     previous = torch.tensor([11, 12, 13], dtype=torch.int64, device=device)
-    refs = np.array([2, -1, 0], dtype=np.int32)
-    got = DecodeInputGather(torch.device(device)).apply(token_ids, refs, previous)
+    entries, rows = np.array([0, 2], dtype=np.int64), np.array([2, 0], dtype=np.int64)
+    got = DecodeInputGather(torch.device(device)).apply(token_ids, entries, rows, previous)
     assert got is token_ids  # in place: the staged batch sees the tokens
     assert token_ids.cpu().tolist() == [13, 7, 11, 40, 41]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_known_inputs_need_no_previous_step(device: str) -> None:
-    token_ids = torch.tensor([5, 6], dtype=torch.int64, device=device)
+def test_the_gather_takes_the_rows_the_driver_names(device: str) -> None:
+    """Through StepDriver.gather_inputs, one step ahead: the decode inputs of the step planned
+    ahead are the tokens the step in flight sampled for the same requests."""
+    scheduler = helix_kv.Scheduler(config(1, 4, kv_tokens=64))
+    for request_id, length in ((4, 5), (9, 3)):
+        scheduler.add_request(request_id, np.arange(length, dtype=np.int32), 4)
+    driver: helix_kv.StepDriver[torch.Tensor] = helix_kv.StepDriver(scheduler, one_step_ahead=True)
     gather = DecodeInputGather(torch.device(device))
-    gather.apply(token_ids, np.array([-1, -1]), None)
-    gather.apply(token_ids, np.zeros(0, dtype=np.int32), None)
-    assert token_ids.cpu().tolist() == [5, 6]
-    with pytest.raises(RuntimeError, match="none is in flight"):
-        gather.apply(token_ids, np.array([-1, 0]), None)
+    prefill = driver.schedule()
+    sampled = torch.tensor([70, 90], dtype=torch.int64, device=device)  # sample_ids order
+    driver.launched(sampled)
+    ahead = driver.schedule()
+    token_ids = torch.full((ahead.generation_ids.size,), -1, dtype=torch.int64, device=device)
+    gathered = driver.gather_inputs(
+        lambda entries, rows, previous: gather.apply(token_ids, entries, rows, previous)
+    )
+    assert gathered == 2
+    by_request = dict(zip(prefill.sample_ids.tolist(), sampled.cpu().tolist()))
+    assert token_ids.cpu().tolist() == [by_request[i] for i in ahead.generation_ids.tolist()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_input_in_flight_writes_nothing(device: str) -> None:
+    token_ids = torch.tensor([5, 6], dtype=torch.int64, device=device)
+    previous = torch.tensor([1], dtype=torch.int64, device=device)
+    gather = DecodeInputGather(torch.device(device))
+    empty = np.zeros(0, dtype=np.int64)
+    assert gather.apply(token_ids, empty, empty, previous) is token_ids
+    with pytest.raises(helix_kv.InvalidLengthError, match="1 entries but 0 rows"):
+        gather.apply(token_ids, np.array([0]), empty, previous)
     assert token_ids.cpu().tolist() == [5, 6]  # nothing written on error
 
 

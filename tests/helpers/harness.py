@@ -10,10 +10,9 @@ new prompt end), that victims are strictly behind the request that needed their 
 each such request is served in the step that preempted for it (no futile preemption), and
 that a victim goes past ``max_preemptions_per_request`` only for the queue head.
 
-With ``overlap=True`` the executor runs one step ahead, as an overlapping engine does: step t+1
-is scheduled and run before step t is updated, its decode inputs still in flight resolved from
-step t's sampled tokens through ``generation_input_refs``; the outputs must be those of the
-plain run.
+The executor drives the group through :class:`helix_kv.StepDriver`. With ``overlap=True`` it
+runs one step ahead, as an overlapping engine does (step t+1 is scheduled and run before step t
+is updated); the outputs must be those of the plain run.
 
 Requests may be aborted (:attr:`Spec.abort_step`): between steps or while a step is pending,
 optionally only once seen in a given state. Aborted outputs must be the start of the output
@@ -101,8 +100,10 @@ class Executor:
     ) -> None:
         self.group = helix_kv.SimulatedCPGroup(config)
         self.overlap = overlap
-        #: Overlap mode: the step that ran and awaits its update, with its sampled tokens.
-        self.in_flight: tuple[helix_kv.ScheduleOutput, np.ndarray, np.ndarray] | None = None
+        #: The steps scheduled and not updated yet, each launched with its sampled tokens.
+        self.driver: helix_kv.StepDriver[np.ndarray] = helix_kv.StepDriver(
+            self.group, one_step_ahead=overlap
+        )
         self.config = config
         self.model = model
         self.cp = int(config.cp_size)
@@ -133,13 +134,13 @@ class Executor:
 
     def view(self, request_id: int) -> list[int]:
         """What the device knows of a request's tokens: the known ones plus its token of the
-        step in flight, if any."""
+        step in flight (one that ran and awaits its update), if any."""
         tokens = list(self.known[request_id])
-        if self.in_flight is not None:
-            out, sampled, _ = self.in_flight
-            rows = np.flatnonzero(out.sample_ids == request_id)
-            if rows.size:
-                tokens.append(int(sampled[rows[0]]))
+        for step in self.driver.steps:
+            if step.launched:
+                rows = np.flatnonzero(step.output.sample_ids == request_id)
+                if rows.size:
+                    tokens.append(int(step.sampled[rows[0]]))
         return tokens
 
     def add(self, spec: Spec) -> None:
@@ -221,17 +222,17 @@ class Executor:
         before = [
             (s.state_digest(), s.metrics().kv_used_superblocks) for s in self.group.schedulers
         ]
-        outputs = self.group.schedule_per_rank()
-        out = outputs[0]
+        out = self.driver.schedule()
         self.abort(self._due_aborts(index, pending=True))
         self._check_victims(out)
         self._copy_out_suspended(out)
         for victim in out.preempted_ids.tolist():
             self.prefilled[victim] = 0
         if revert:
-            aborted = self.group.revert().tolist()
+            aborted = self.driver.revert().tolist()
             # with an older step still pending, requested aborts wait for its close
             still_pending = self.group.pending_steps() > 0
+            assert still_pending == (self.driver.pending > 0)
             queue_order = (
                 [] if still_pending else sorted(self.aborting, key=self.arrival.__getitem__)
             )
@@ -256,23 +257,22 @@ class Executor:
         self._copy_in_resumed(out)
         self.result.resumed += out.resumed_ids.size
         self._write_kv(out, inputs)
-        tokens, eos = self._sample(out)
+        tokens = self._sample(out)
         ends = (out.context_starts + out.context_lens).tolist()
         for request_id, end, completes in zip(
             out.context_ids.tolist(), ends, out.context_completes.tolist()
         ):
             self.prefilled[request_id] = 0 if completes else end
-        if not self.overlap:
-            self._commit(out, tokens, eos)
-            return
-        # One step ahead: this step ran before the one in flight is updated.
-        older, self.in_flight = self.in_flight, (out, tokens, eos)
-        if older is not None:
-            self._commit(*older)
+        self.driver.launched(tokens)
+        due = self.driver.due()  # plain: this step; one step ahead: the one before it
+        if due is not None:
+            self._commit(due)
 
-    def _commit(self, out: helix_kv.ScheduleOutput, tokens: np.ndarray, eos: np.ndarray) -> None:
+    def _commit(self, step: helix_kv.PendingStep[np.ndarray]) -> None:
         """Updates the group with a step's sampled tokens (the oldest pending step)."""
-        finished = self.group.update(tokens, eos if self.model.eos is not None else None)
+        out, tokens = step.output, step.sampled
+        eos = None if self.model.eos is None else tokens == self.model.eos
+        finished = self.driver.complete(tokens, eos)
         assert finished.dtype == np.uint64  # the ids dtype of every contract implementation
         for request_id, token in zip(out.sample_ids.tolist(), tokens.tolist()):
             # an aborted request's token is dropped; one finished meanwhile is gone
@@ -303,10 +303,8 @@ class Executor:
                 next_spec += 1
             self.abort(self._due_aborts(step, pending=False))
             if next_spec == len(pending) and not self.group.has_unfinished():
-                if self.in_flight is not None:
-                    self._commit(*self.in_flight)
-                    self.in_flight = None
-                    continue
+                for step in self.driver.drain():
+                    self._commit(step)
                 break
             assert step < max_steps, f"no completion in {max_steps} steps"
             scheduled += 1
@@ -321,6 +319,7 @@ class Executor:
             assert scheduler.host_used_superblocks == 0, "host tier leaked"
             assert scheduler.num_live == 0
             assert scheduler.pending_steps() == 0
+            assert self.driver.pending == 0
             assert metrics.aborts == len(self.result.aborted)
             assert metrics.finished == len(self.result.outputs)
         self.result.metrics = self.group.metrics()
@@ -348,7 +347,7 @@ class Executor:
 
     def _check_replay(self, out: helix_kv.ScheduleOutput) -> np.ndarray:
         """Checks chunks and decode inputs against the tokens; returns the decode inputs, those
-        still in flight gathered from the step in flight's sampled tokens."""
+        still in flight resolved by the driver from the step in flight's sampled tokens."""
         offset = 0
         for request_id, start, length, completes in zip(
             out.context_ids.tolist(),
@@ -362,17 +361,20 @@ class Executor:
             assert start == self.prefilled[request_id], "a chunk continues its prefill"
             assert chunk == known[start : start + length], "re-prefill tokens are the context"
             assert completes == (start + length == len(known))
-        refs = out.generation_input_refs
-        inputs = out.generation_input_tokens.copy()
-        in_flight = refs >= 0
-        if in_flight.any():
-            assert self.in_flight is not None, "inputs in flight need a step in flight"
-            older, sampled, _ = self.in_flight
-            assert np.all(inputs[in_flight] == -1), "an input in flight is given as a row only"
-            assert np.array_equal(older.sample_ids[refs[in_flight]], out.generation_ids[in_flight])
-            inputs[in_flight] = sampled[refs[in_flight]]
-            self.result.inputs_in_flight += int(in_flight.sum())
-        assert np.all(refs[~in_flight] == -1)
+        step = self.driver.newest
+        assert step is not None
+        assert step.output is out
+        flight = step.inputs_in_flight
+        if len(flight):
+            older = step.previous
+            assert older is not None, "inputs in flight need a step in flight"
+            assert older.launched
+            given = out.generation_input_tokens[flight.entries]
+            assert np.all(given == -1), "an input in flight is given as a row only"
+            named = older.output.sample_ids[flight.rows]
+            assert np.array_equal(named, out.generation_ids[flight.entries]), "another's row"
+            self.result.inputs_in_flight += len(flight)
+        inputs = self.driver.decode_inputs()
         for request_id, position, token in zip(
             out.generation_ids.tolist(), out.generation_positions.tolist(), inputs.tolist()
         ):
@@ -452,7 +454,7 @@ class Executor:
         assert np.array_equal(self.position[owners, slots], positions)
         return self.token[owners, slots]
 
-    def _sample(self, out: helix_kv.ScheduleOutput) -> tuple[np.ndarray, np.ndarray]:
+    def _sample(self, out: helix_kv.ScheduleOutput) -> np.ndarray:
         last = dict(zip(out.generation_ids.tolist(), out.generation_positions.tolist()))
         ends = out.context_starts + out.context_lens - 1
         for request_id, end, completes in zip(
@@ -460,14 +462,13 @@ class Executor:
         ):
             if completes:
                 last[request_id] = end
-        tokens, eos = [], []
+        tokens = []
         for request_id in out.sample_ids.tolist():
             context = self._read_context(request_id, last[request_id])
             assert context.tolist() == self.view(request_id)[: last[request_id] + 1]
             token = self.model.next_token(request_id, context)
             tokens.append(token)
-            eos.append(token == self.model.eos)
-        return np.asarray(tokens, dtype=np.int32), np.asarray(eos, dtype=bool)
+        return np.asarray(tokens, dtype=np.int32)
 
 
 def reference_outputs(specs: Sequence[Spec], model: Model = Model()) -> dict[int, list[int]]:

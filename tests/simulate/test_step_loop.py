@@ -52,14 +52,16 @@ class FakeGroup:
             self.live[i]["prefilled"] = True
         self._last = decoding + context
         return SimpleNamespace(
+            step=self.step,
             sample_ids=np.array(self._last, dtype=np.int64),
             preempted_ids=np.array([], dtype=np.int64),
             sat_out_ids=np.array([], dtype=np.int64),
             num_tokens=len(decoding) + len(context),
         )
 
-    def update(self, tokens):
+    def update(self, tokens, eos=None):
         assert self._last is not None
+        assert eos is None
         assert len(tokens) == len(self._last)
         finished = []
         for request_id, token in zip(self._last, tokens.tolist()):
@@ -113,6 +115,9 @@ class FakeGroup:
 
     def has_unfinished(self) -> bool:
         return bool(self.live)
+
+    def pending_steps(self) -> int:
+        return 0 if self._last is None else 1
 
     @property
     def num_running(self) -> int:

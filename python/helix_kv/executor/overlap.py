@@ -1,12 +1,12 @@
 """The device side of one-step-ahead (overlap) execution, and the host-gap timeline.
 
 In overlap mode the executor schedules step ``t + 1`` on the host while step ``t`` runs on the
-device. Step ``t + 1``'s decode inputs are then partly unknown to the host: a request that
-decodes in step ``t`` samples its next input there. The scheduler marks those entries in
-``ScheduleOutput.generation_input_refs`` (``r >= 0``: row ``r`` of step ``t``'s sampled tokens,
-in its ``sample_ids`` order; ``-1``: the token is ``generation_input_tokens[i]``), and
-:class:`DecodeInputGather` fills them in on the device, queued after step ``t``'s sampling,
-so the host never waits for step ``t``'s tokens before queueing step ``t + 1``.
+device (the protocol: :class:`helix_kv.StepDriver`). Step ``t + 1``'s decode inputs are then
+partly unknown to the host: a request that decodes in step ``t`` samples its next input there.
+The driver names those entries and the rows of step ``t``'s sampled tokens they take
+(:meth:`helix_kv.StepDriver.gather_inputs`), and :class:`DecodeInputGather` copies them on the
+device, queued after step ``t``'s sampling, so the host never waits for step ``t``'s tokens
+before queueing step ``t + 1``.
 
 :class:`TokenReadback` copies each step's sampled tokens to pinned host memory
 (``non_blocking``) behind a CUDA event; the host waits on that event only when it feeds the
@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from helix_kv._core import InvalidLengthError
 from helix_kv.executor.staging import HostToDeviceStager
 
 
@@ -41,33 +42,39 @@ class DecodeInputGather:
         self._stager = HostToDeviceStager(torch.device(device))
 
     def apply(
-        self, token_ids: torch.Tensor, refs: npt.ArrayLike, previous: torch.Tensor | None
+        self,
+        token_ids: torch.Tensor,
+        entries: npt.ArrayLike,
+        rows: npt.ArrayLike,
+        previous: torch.Tensor,
     ) -> torch.Tensor:
-        """Writes ``previous[refs[i]]`` into ``token_ids[i]`` wherever ``refs[i] >= 0``.
+        """Writes ``previous[rows[k]]`` into ``token_ids[entries[k]]`` for every ``k``: the
+        ``gather`` of :meth:`helix_kv.StepDriver.gather_inputs`.
 
         Args:
-            token_ids: the step's flat input tokens on the device; its first ``len(refs)``
-                rows are the decode entries (``StepPlan`` order). Changed in place.
-            refs: ``ScheduleOutput.generation_input_refs`` of the step (host).
+            token_ids: the step's flat input tokens on the device; its first rows are the
+                decode entries (``StepPlan`` order). Changed in place.
+            entries: the decode entries whose input is in flight (host, integers).
+            rows: for each, the row of ``previous`` it takes (host, integers).
             previous: the previous step's sampled tokens on the device (``sample_ids``
-                order), or ``None`` when no step is in flight.
+                order).
 
-        Returns ``token_ids``. Queues an index_select and a where on the device, after
-        ``previous`` was produced; nothing waits for the device.
+        Returns ``token_ids``. Queues one staging copy, an index_select and an index_copy on
+        the device, after ``previous`` was produced; nothing waits for the device.
+        ``InvalidLengthError`` (nothing written) when ``entries`` and ``rows`` differ in
+        length.
         """
-        host_refs = np.asarray(refs, dtype=np.int64)
-        in_flight = host_refs >= 0
-        if not in_flight.any():
-            return token_ids
-        if previous is None:
-            raise RuntimeError(
-                "the step reads sampled tokens of a previous step, but none is in flight: "
-                "a step scheduled one step ahead must run after the step it follows"
+        host_entries = np.asarray(entries, dtype=np.int64)
+        host_rows = np.asarray(rows, dtype=np.int64)
+        if host_entries.shape != host_rows.shape:
+            raise InvalidLengthError(
+                f"{host_entries.size} entries but {host_rows.size} rows to gather them from"
             )
-        (device_refs,) = self._stager.stage([host_refs])
-        rows = host_refs.size
-        gathered = previous.index_select(0, device_refs.clamp(min=0)).to(token_ids.dtype)
-        token_ids[:rows] = torch.where(device_refs >= 0, gathered, token_ids[:rows])
+        if not host_entries.size:
+            return token_ids
+        device_entries, device_rows = self._stager.stage([host_entries, host_rows])
+        gathered = previous.index_select(0, device_rows).to(token_ids.dtype)
+        token_ids.index_copy_(0, device_entries, gathered)
         return token_ids
 
 

@@ -1,30 +1,27 @@
 """One process per CP rank: drive helix_kv's scheduler and run the tiny model through the pool.
 
-The loop every rank runs (the embedding pattern for a real executor)::
+The loop every rank runs (the embedding pattern for a real executor), through a
+:class:`helix_kv.StepDriver` over the rank's :class:`helix_kv.distributed.HelixKVRank`::
 
-    out = helix.schedule()                          # identical on every rank
+    out = driver.schedule()                         # identical on every rank
     plan = StepPlan.from_schedule(helix.scheduler, out, placement)
     batch = pool.prepare(plan)                      # pinned staging + async copy + device tables
+    driver.gather_inputs(on_device)                 # one step ahead: inputs in flight
     hidden = model.forward(batch, pool, combine)    # writes owned KV, one all-gather per layer
     tokens = greedy(model.logits(hidden[batch.sample_index]))  # sample_ids order
-    finished = helix.update(tokens)
+    driver.launched(step)                           # its tokens, and their copy to the host
+    finished = driver.complete(due.host_tokens.wait())  # the step due (see StepDriver.due)
 
-With ``ExecutorConfig(overlap=True)`` the loop runs one step ahead: step ``t + 1`` is
-scheduled, planned and queued while step ``t`` runs on the device; its decode inputs still in
-flight are gathered on the device from step ``t``'s sampled tokens
-(``out.generation_input_refs``, :mod:`helix_kv.executor.overlap`); only then does the host
-wait for step ``t``'s tokens (an async copy to pinned memory) and call ``update`` for it::
+With ``ExecutorConfig(overlap=True)`` the driver runs one step ahead: step ``t + 1`` is
+scheduled, planned and queued while step ``t`` runs on the device, its decode inputs still in
+flight gathered on the device from step ``t``'s sampled tokens
+(:class:`helix_kv.executor.overlap.DecodeInputGather`); only then does the host wait for step
+``t``'s tokens (an async copy to pinned memory) and complete it.
 
-    out = helix.schedule()                          # step t + 1, step t still pending
-    batch = pool.prepare(StepPlan.from_schedule(helix.scheduler, out, placement))
-    gather.apply(batch.token_ids, out.generation_input_refs, tokens_t)  # on the device
-    tokens_t1 = greedy(model.logits(...)); host_t1 = readback.start(tokens_t1)
-    finished = helix.update(host_t.wait())          # closes step t
-
-``helix`` is the rank's :class:`helix_kv.distributed.HelixKVRank`; the loop makes only the
-calls of the scheduler contract (:class:`helix_kv.contract.SchedulerProtocol`) on it, plus the
-block tables the step plan reads from its scheduler and ``finish_check()`` before it waits for a
-step's tokens (the schedule check runs under the step's work).
+The loop makes only the calls of the scheduler contract
+(:class:`helix_kv.contract.SchedulerProtocol`) on ``helix``, plus the block tables the step
+plan reads from its scheduler and ``finish_check()`` before it waits for a step's tokens (the
+schedule check runs under the step's work).
 
 :func:`run_rank` runs that loop to completion in the calling process (cp = 1, or inside an
 initialised process group); :func:`run_group` spawns the ranks (gloo on CPU, NCCL on GPUs)
@@ -35,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
@@ -54,6 +50,7 @@ from helix_kv.executor.model import TinyConfig, TinyTransformer, group_combine
 from helix_kv.executor.overlap import DecodeInputGather, HostTokens, StepTimeline, TokenReadback
 from helix_kv.executor.placement import RankPlacement
 from helix_kv.executor.step_plan import StepPlan
+from helix_kv.step_driver import PendingStep, StepDriver
 
 Prompts = Mapping[int, Sequence[int]]
 
@@ -262,12 +259,13 @@ def run_rank(
         StepTimeline(device, enabled=config.step_timeline),
     )
     broadcast_src = dist.get_global_rank(group, 0) if group else 0
+    driver: StepDriver[_LaunchedStep] = StepDriver(helix, one_step_ahead=config.overlap)
 
-    def launch(previous: _LaunchedStep | None) -> _LaunchedStep:
-        """Schedules the next step and queues its device work, after ``previous``'s (still
-        pending in overlap mode: its sampled tokens are read on the device)."""
+    def launch() -> _LaunchedStep:
+        """Schedules the next step and queues its device work, after the step in flight's
+        (overlap mode: its sampled tokens are read on the device)."""
         step_start = time.perf_counter()
-        out = helix.schedule()
+        out = driver.schedule()
         build_start = time.perf_counter()
         result.schedule_us.append((build_start - step_start) * 1e6)
         _count_victims_that_generated(helix, out, result)
@@ -281,7 +279,7 @@ def run_rank(
                 out,
                 config,
                 result,
-                previous,
+                _previous_of(driver),
                 timeline,
                 (step_start, build_start),
                 group,
@@ -293,8 +291,10 @@ def run_rank(
         plan = StepPlan.from_schedule(helix.scheduler, out, placement)
         build_start += _start_timeline(timeline)  # instrumentation, not table building
         batch = pool.prepare(plan)
-        gather.apply(
-            batch.token_ids, out.generation_input_refs, previous.tokens if previous else None
+        driver.gather_inputs(
+            lambda entries, rows, previous: gather.apply(
+                batch.token_ids, entries, rows, previous.tokens
+            )
         )
         if config.time_table_build:
             _synchronize(device)
@@ -326,7 +326,7 @@ def run_rank(
         helix.finish_check()  # before blocking on the step's device work (see finish_check)
         tokens = step.host_tokens.wait()
         eos = None if config.eos_token_id is None else tokens == config.eos_token_id
-        finished = helix.update(tokens, eos)
+        finished = driver.complete(tokens, eos)
         closed = time.perf_counter()
         if step.logits is not None:
             # A request that finished (EOS) while this step was pending ran in it anyway;
@@ -348,16 +348,15 @@ def run_rank(
         _take_finished(helix, result, finished)
         return closed
 
-    ahead = 1 if config.overlap else 0  # steps left in flight while the next one is queued
-    in_flight: deque[_LaunchedStep] = deque()
     started = last_close = time.perf_counter()
-    while helix.has_unfinished() or in_flight:
+    while helix.has_unfinished() or driver.pending:
         if helix.has_unfinished():
-            if len(result.digests) + len(in_flight) >= config.max_steps:
+            if len(result.digests) + driver.pending >= config.max_steps:
                 raise RuntimeError(f"no completion after {config.max_steps} steps")
-            in_flight.append(launch(in_flight[-1] if in_flight else None))
-        if len(in_flight) > ahead or not helix.has_unfinished():
-            last_close = close(in_flight.popleft(), last_close)
+            driver.launched(launch())
+        due = driver.due(final=not helix.has_unfinished())
+        if due is not None:
+            last_close = close(due.sampled, last_close)
     result.total_s = time.perf_counter() - started
     result.host_gap_us = timeline.gaps_us()
     result.metrics = dict(helix.metrics().to_dict())
@@ -425,6 +424,13 @@ def _launch_decode_step(
     # The logits buffer is overwritten by the next step: kept ones are copied.
     logits = step.logits[:rows].clone() if config.record_logits else None
     return _LaunchedStep(out, rows, rows, rows, tokens, host_tokens, logits, step_start, True)
+
+
+def _previous_of(driver: StepDriver[_LaunchedStep]) -> _LaunchedStep | None:
+    """The step in flight behind the one just scheduled (one step ahead), if any."""
+    newest: PendingStep[_LaunchedStep] | None = driver.newest
+    previous = newest.previous if newest is not None else None
+    return previous.sampled if previous is not None else None
 
 
 def _start_timeline(timeline: StepTimeline) -> float:

@@ -17,11 +17,10 @@ step:
 Aborts are applied between steps only, never while a step is pending, so no sampled token
 is dropped and every rank sees the same calls in the same order.
 
-With ``overlap=True`` the loop runs one step ahead, as an overlapping executor does: step t+1
-is scheduled while step t is pending (its tokens "in flight"), the inputs it gives as rows of
-step t's sampled tokens (``generation_input_refs``) are resolved from them, and only then is
-step t updated. The aborts due at a clock step are then applied right after that update, while
-step t+1 is pending: a request aborted then keeps the tokens of the steps before t+1, as in the
+With ``overlap=True`` the loop runs one step ahead, as an overlapping executor does, through
+:class:`helix_kv.StepDriver` (which holds the step in flight and closes it once the next one is
+scheduled): the aborts due at a clock step are then applied right after step t's update, while
+step t+1 is pending; a request aborted then keeps the tokens of the steps before t+1, as in the
 plain loop, and finishes when step t+1 closes. The outputs must be those of the plain loop.
 
 Two optional additions, both off by default and costing nothing then: ``events=`` receives a
@@ -48,6 +47,7 @@ from helix_kv.simulate.events import EventSink, RequestEvent, StepEvent
 from helix_kv.simulate.timing import StepTimeModel, kv_tokens_read
 from helix_kv.simulate.tokens import expected_output, prompt_tokens, sampled_tokens
 from helix_kv.simulate.workload import RequestSpec
+from helix_kv.step_driver import StepDriver
 from helix_kv.types import FinishReason
 
 #: ``progress(clock, requests_finished, requests_total, steps)``, called after each step.
@@ -195,8 +195,8 @@ class _StepLoop:
     ) -> None:
         self.group = group
         self.overlap = overlap
-        #: Overlap: the step scheduled and "run" but not updated yet, with its tokens.
-        self.in_flight: tuple[ScheduleOutput, np.ndarray] | None = None
+        #: The steps scheduled and "run", each launched with its sampled tokens.
+        self.driver: StepDriver[np.ndarray] = StepDriver(group, one_step_ahead=overlap)
         self.workload = workload
         self.by_id = {request.request_id: request for request in workload}
         self.generated: dict[int, int] = {}
@@ -257,7 +257,7 @@ class _StepLoop:
             return
         self.group.abort_many(np.asarray(due, dtype=np.int64))
         self.aborted_since_step += len(due)
-        if self.overlap and self.group.pending_steps() > 0:
+        if self.driver.pending:
             # one step ahead: they finish when the pending step closes (update's ids)
             for request_id in due:
                 del self.abort_steps[request_id]
@@ -267,7 +267,7 @@ class _StepLoop:
 
     def run_step(self) -> None:
         """Schedule one step on every rank, record it, feed the tokens, collect finishers."""
-        output = self.group.schedule()
+        output = self.driver.schedule()
         metrics = self.group.metrics()
         series = self.series
         series.clock.append(self.clock)
@@ -286,7 +286,10 @@ class _StepLoop:
 
         sample_ids = np.asarray(output.sample_ids, dtype=np.int64)
         tokens = sampled_tokens(sample_ids, _sample_indices(sample_ids, self.generated))
-        finished = self.run_ahead(output, tokens) if self.overlap else self.group.update(tokens)
+        if self.overlap:
+            self.check_inputs_in_flight()
+        self.driver.launched(tokens)
+        finished = self.close_due()
         for request_id in sample_ids.tolist():
             if self.generated[request_id] == 0:
                 self.first_token_step[request_id] = self.clock
@@ -300,34 +303,37 @@ class _StepLoop:
             self.collect(request_id)
         self.clock += 1
 
-    def run_ahead(self, output: ScheduleOutput, tokens: np.ndarray) -> np.ndarray:
-        """Overlap: ``output`` was scheduled while the step in flight was pending. Resolves
-        its inputs in flight (rows of that step's tokens), then updates that step; this one
-        is in flight now. Returns the ids that finished."""
-        refs = np.asarray(output.generation_input_refs)
-        in_flight = refs >= 0
-        older, self.in_flight = self.in_flight, (output, tokens)
-        if older is None:
-            if in_flight.any():
-                raise SimulationSetupError("an input in flight without a step in flight")
-            return np.zeros(0, dtype=np.uint64)
-        older_output, older_tokens = older
-        rows = refs[in_flight]
-        ids = np.asarray(output.generation_ids)[in_flight]
-        if not np.array_equal(np.asarray(older_output.sample_ids)[rows], ids):
+    def check_inputs_in_flight(self) -> None:
+        """Overlap: each input of the step just scheduled that is still in flight names a row
+        the step before it sampled for the same request (the simulated model needs no inputs,
+        so this is where the rows are checked)."""
+        step = self.driver.newest
+        assert step is not None
+        flight = step.inputs_in_flight
+        if not len(flight):
+            return
+        if step.previous is None:
+            raise SimulationSetupError("an input in flight without a step in flight")
+        named = np.asarray(step.previous.output.sample_ids)[flight.rows]
+        if not np.array_equal(named, np.asarray(step.output.generation_ids)[flight.entries]):
             raise SimulationSetupError("an input in flight names another request's row")
-        finished = self.group.update(older_tokens)
-        self.apply_aborts()
-        return np.asarray(finished)
+
+    def close_due(self) -> np.ndarray:
+        """Updates the step due (plain: the one just run; overlap: the one before it, after
+        which the aborts due now are applied). Returns the ids that finished."""
+        step = self.driver.due()
+        if step is None:
+            return np.zeros(0, dtype=np.uint64)
+        finished = np.asarray(self.driver.complete(step.sampled))
+        if self.overlap:
+            self.apply_aborts()
+        return finished
 
     def flush(self) -> None:
         """Overlap: updates the step still in flight at the end of the run."""
-        if self.in_flight is None:
-            return
-        _, tokens = self.in_flight
-        self.in_flight = None
-        for request_id in np.asarray(self.group.update(tokens)).tolist():
-            self.collect(request_id)
+        for step in self.driver.drain():
+            for request_id in np.asarray(self.driver.complete(step.sampled)).tolist():
+                self.collect(request_id)
 
     def collect(self, request_id: int) -> None:
         """Read a finished or aborted request's output and metrics, and check the output."""
