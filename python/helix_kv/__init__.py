@@ -13,6 +13,7 @@ demand.
 from helix_kv._core import (
     DECODE_ROW_COLUMNS,
     DECODE_ROW_PADDING,
+    ConfigField,
     DecodeRowCounts,
     DecodeView,
     Layout,
@@ -52,6 +53,7 @@ __all__ = [
     "DECODE_ROW_COLUMNS",
     "DECODE_ROW_PADDING",
     "ConfigError",
+    "ConfigField",
     "ConfigGuardError",
     "ConfigMismatchError",
     "DeadlockError",

@@ -67,7 +67,7 @@ impl PyScheduler {
             .map_err(|_| invalid_type_of("config", "a SchedulerConfig", config))?
             .clone();
         Ok(Self {
-            inner: Scheduler::new(config.get().inner.clone()).py()?,
+            inner: Scheduler::new(config.get().config()).py()?,
             config: config.unbind(),
             spare: SpareOutput::default(),
         })
