@@ -98,6 +98,7 @@ macro_rules! snake_case_names {
         }
 
         impl ConfigValue for $ty {
+            const TYPE: &'static str = stringify!($ty);
             const CHOICES: &'static [&'static str] = Self::NAMES;
         }
 
@@ -170,14 +171,24 @@ impl From<bool> for FieldValue {
 /// A type a [`SchedulerConfig`] field may have: a count or size (`u32`, `u64`), a switch
 /// (`bool`), an optional count (`Option<u32>`) or an option enum (its `NAMES`).
 pub trait ConfigValue: Copy {
+    /// The type's name as the field declaration writes it (`ConfigField::ty`).
+    const TYPE: &'static str;
     /// The names an option enum accepts, in declaration order; empty for any other type.
     const CHOICES: &'static [&'static str] = &[];
 }
 
-impl ConfigValue for u32 {}
-impl ConfigValue for u64 {}
-impl ConfigValue for bool {}
-impl ConfigValue for Option<u32> {}
+impl ConfigValue for u32 {
+    const TYPE: &'static str = "u32";
+}
+impl ConfigValue for u64 {
+    const TYPE: &'static str = "u64";
+}
+impl ConfigValue for bool {
+    const TYPE: &'static str = "bool";
+}
+impl ConfigValue for Option<u32> {
+    const TYPE: &'static str = "Option<u32>";
+}
 
 /// A field type that can have a range (`#[range(..)]` on any other type does not compile).
 trait RangedValue {
@@ -295,7 +306,7 @@ macro_rules! scheduler_config_fields {
             host_tier_superblocks: u32 = 0,
             /// Whether a victim the host tier has room for is suspended or recompute-paused.
             suspend_policy: SuspendPolicy = SuspendFirst,
-            /// Cost of copying one token's KV to the host tier and back, for the `cost` suspend policy (any unit).
+            /// Cost (any unit) of copying one token's KV to the host tier and back, for the `cost` suspend policy.
             #[range(0, u32::MAX)]
             suspend_cost_per_token: u32 = 1,
             /// Cost of computing one token again after a recompute-pause, in the same unit.
@@ -413,7 +424,7 @@ macro_rules! define_scheduler_config {
             pub const FIELDS: &'static [ConfigField] = &[$(
                 ConfigField {
                     name: stringify!($name),
-                    ty: stringify!($ty),
+                    ty: <$ty as ConfigValue>::TYPE,
                     default: field_default!($ty, $default),
                     range: field_range!($($min, $max)?),
                     choices: <$ty as ConfigValue>::CHOICES,
@@ -616,6 +627,126 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_field_table_says_what_each_field_takes() {
+        let fields = SchedulerConfig::FIELDS;
+        let required: Vec<_> = fields
+            .iter()
+            .filter(|f| f.default == ConfigDefault::Required)
+            .map(|f| f.name)
+            .collect();
+        assert_eq!(required, ["capacity_superblocks"], "what `new` takes");
+        for field in fields {
+            let name = field.name;
+            let integer = matches!(field.ty, "u32" | "u64" | "Option<u32>");
+            assert_eq!(
+                field.range.is_some(),
+                integer,
+                "{name}: a #[range] for every integer"
+            );
+            let option_enum = !integer && field.ty != "bool";
+            assert_eq!(!field.choices.is_empty(), option_enum, "{name}: choices");
+            let optional = field.ty.starts_with("Option<");
+            assert_eq!(field.default == ConfigDefault::Unset, optional, "{name}");
+            assert!(
+                !field.doc.is_empty() && field.doc == field.doc.trim(),
+                "{name}: doc"
+            );
+            assert!(
+                !field.doc.contains("[`"),
+                "{name}: a Rust link reaches Python"
+            );
+            match (field.default, field.range) {
+                (ConfigDefault::Value(FieldValue::Int(v)), Some((min, max))) => {
+                    assert!((min..=max).contains(&v), "{name}: the default is in range");
+                }
+                (ConfigDefault::Value(FieldValue::Name(v)), _) => {
+                    assert!(field.choices.contains(&v), "{name}");
+                }
+                _ => {}
+            }
+        }
+        let names: Vec<_> = SchedulerConfig::new(4)
+            .decision_fields()
+            .iter()
+            .map(|&(name, _)| name)
+            .collect();
+        let all_but_cp_rank: Vec<_> = fields
+            .iter()
+            .map(|f| f.name)
+            .filter(|&name| name != "cp_rank")
+            .collect();
+        assert_eq!(names, all_but_cp_rank);
+    }
+
+    /// A field of the test's config set to `value` (`None` where its type cannot hold it).
+    trait SetTo: Sized {
+        fn set_to(value: u64) -> Option<Self>;
+    }
+    impl SetTo for u32 {
+        fn set_to(value: u64) -> Option<Self> {
+            value.try_into().ok()
+        }
+    }
+    impl SetTo for u64 {
+        fn set_to(value: u64) -> Option<Self> {
+            Some(value)
+        }
+    }
+    impl SetTo for Option<u32> {
+        fn set_to(value: u64) -> Option<Self> {
+            value.try_into().ok().map(Some)
+        }
+    }
+
+    /// `(field, declared range, value, the defaults with the field set to value)` at each end
+    /// of every declared range and one past it (where the type holds it).
+    macro_rules! range_cases {
+        ({} $(
+            $(#[doc = $doc:tt])*
+            $(#[range $range:tt])?
+            $(#[decision $decision:tt])?
+            $name:ident : $ty:ty = $default:tt
+        ),* $(,)?) => {
+            fn range_cases() -> Vec<(&'static str, &'static str, u64, SchedulerConfig)> {
+                let mut cases = Vec::new();
+                $( $(
+                    let field = SchedulerConfig::FIELDS.iter().find(|f| f.name == stringify!($name));
+                    let (min, max) = field.and_then(|f| f.range).unwrap();
+                    let ends = [min.checked_sub(1), Some(min), Some(max), max.checked_add(1)];
+                    for value in ends.into_iter().flatten() {
+                        if let Some(set) = <$ty as SetTo>::set_to(value) {
+                            let mut config = SchedulerConfig::new(4);
+                            config.$name = set;
+                            cases.push((stringify!($name), stringify!($range), value, config));
+                        }
+                    }
+                )? )*
+                cases
+            }
+        };
+    }
+
+    crate::scheduler_config_fields!(range_cases! {});
+
+    #[test]
+    fn every_declared_range_is_checked() {
+        let cases = range_cases();
+        let ranged = SchedulerConfig::FIELDS.iter().filter(|f| f.range.is_some());
+        assert!(cases.len() >= 2 * ranged.count());
+        for (name, range, value, config) in cases {
+            let field = SchedulerConfig::FIELDS.iter().find(|f| f.name == name);
+            let (min, max) = field.and_then(|f| f.range).unwrap();
+            match config.check_ranges() {
+                Ok(()) => assert!((min..=max).contains(&value), "{name} = {value}, {range}"),
+                Err(err) => {
+                    assert!(!(min..=max).contains(&value), "{name} = {value}: {err}");
+                    assert!(err.to_string().contains(name), "{err}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn names_round_trip() {
         for name in VictimPolicy::NAMES {
             assert_eq!(name.parse::<VictimPolicy>().unwrap().as_str(), *name);
@@ -658,7 +789,14 @@ mod tests {
                 changed(|c| c.capacity_superblocks = u32::MAX),
                 "int32 page ids",
             ),
-            (changed(|c| c.max_batch_size = 0), "max_batch_size"),
+            (
+                changed(|c| c.max_batch_size = 0),
+                "max_batch_size must be at least 1",
+            ),
+            (
+                changed(|c| c.max_batch_size = 1 << 31),
+                "max_batch_size = 2147483648 is more than 2147483647",
+            ),
             (changed(|c| c.max_num_tokens = 0), "max_num_tokens"),
             (changed(|c| c.max_num_tokens = 16), "chunk_unit"),
             (changed(|c| c.chunk_unit = Some(0)), "chunk_unit"),
