@@ -192,23 +192,28 @@ impl ConfigValue for Option<u32> {
 
 /// A field type that can have a range (`#[range(..)]` on any other type does not compile).
 trait RangedValue {
+    /// The integer type the bounds are written in (an `Option`'s value type).
+    type Bound: Into<u64>;
     /// The value the range check reads; `None` for an unset option (nothing to check).
     fn ranged(self) -> Option<u64>;
 }
 
 impl RangedValue for u32 {
+    type Bound = u32;
     fn ranged(self) -> Option<u64> {
         Some(self.into())
     }
 }
 
 impl RangedValue for u64 {
+    type Bound = u64;
     fn ranged(self) -> Option<u64> {
         Some(self)
     }
 }
 
 impl RangedValue for Option<u32> {
+    type Bound = u32;
     fn ranged(self) -> Option<u64> {
         self.map(u64::from)
     }
@@ -444,7 +449,7 @@ macro_rules! define_scheduler_config {
                 $( $(
                     check_range(
                         stringify!($name),
-                        RangedValue::ranged(self.$name),
+                        self.$name,
                         $min,
                         $max,
                         &[$($why)?],
@@ -476,15 +481,15 @@ scheduler_config_fields!(define_scheduler_config! {});
 
 /// A `Config` error naming `name` when `value` is outside `min..=max` (`why`, empty or one
 /// reason, says why `max` is the most); nothing to check for an unset option (`None`).
-fn check_range<T: Into<u64>>(
+fn check_range<V: RangedValue>(
     name: &str,
-    value: Option<u64>,
-    min: T,
-    max: T,
+    value: V,
+    min: V::Bound,
+    max: V::Bound,
     why: &[&str],
 ) -> Result<()> {
     let (min, max) = (min.into(), max.into());
-    match value {
+    match value.ranged() {
         Some(v) if v < min => Err(CoreError::Config(format!("{name} must be at least {min}"))),
         Some(v) if v > max => Err(CoreError::Config(format!(
             "{name} = {v} is more than {max}{}",
