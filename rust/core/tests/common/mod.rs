@@ -45,8 +45,7 @@ pub fn gate_config(default_cases: u32) -> proptest::test_runner::Config {
     const GATE_SEED: u64 = 0x6865_6c69_785f_6b76;
     let explore = std::env::var_os("HELIX_KV_EXPLORE").is_some_and(|v| !v.is_empty() && v != "0");
     // `Config::default()` reads the `PROPTEST_*` variables (a given seed among them).
-    let mut config = Config::default();
-    config.cases = std::env::var("PROPTEST_CASES")
+    let cases = std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(if explore {
@@ -54,6 +53,10 @@ pub fn gate_config(default_cases: u32) -> proptest::test_runner::Config {
         } else {
             default_cases
         });
+    let mut config = Config {
+        cases,
+        ..Config::default()
+    };
     if !explore && std::env::var_os("PROPTEST_RNG_SEED").is_none() {
         config.rng_seed = RngSeed::Fixed(GATE_SEED);
     }
