@@ -363,3 +363,18 @@ def test_the_internals_table_has_every_field() -> None:
         if field.minimum is not None and not rule.startswith(rule_text(field)):
             problems.append(f"{field.name}: scheduler.md's rule should start {rule_text(field)}")
     assert not problems, report(problems)
+
+
+def test_the_python_surface_listing_gives_every_keyword_its_default() -> None:
+    """The signature listing of docs/internals/scheduler.md (``cfg = SchedulerConfig(...)``)
+    names every keyword with its default (an option: its default first)."""
+    text = (ROOT / "docs/internals/scheduler.md").read_text(encoding="utf-8")
+    listing = text[text.index("cfg = SchedulerConfig(") : text.index("cfg.with_rank(r)")]
+    shown = dict(re.findall(r"(\w+)=([^,|)]+)", re.sub(r"#.*", "", listing)))
+    problems = []
+    for keyword, parameter in inspect.signature(SchedulerConfig).parameters.items():
+        if keyword not in shown:
+            problems.append(f"{keyword}: not in scheduler.md's SchedulerConfig(...) listing")
+        elif ast.literal_eval(shown[keyword].strip()) != parameter.default:
+            problems.append(f"{keyword}: scheduler.md's listing shows {shown[keyword].strip()}")
+    assert not problems, report(problems)
