@@ -17,21 +17,19 @@ use crate::layout::Layout;
 use crate::ledger::MAX_CAPACITY;
 
 /// How KV capacity is promised to requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CapacityPolicy {
     /// Reserve as a request grows; preempt on pressure.
-    #[default]
     MaxUtilization,
     /// Reserve prompt + whole output at admission; never preempt.
     GuaranteedNoEvict,
 }
 
 /// Where the scheduler runs, which decides what it may do under KV pressure.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ServingMode {
     /// Prefill and decode on the same GPUs, KV sharded over a CP group; GPU-only pool,
     /// so recompute-pause is the only way to free pages.
-    #[default]
     AggregatedHelix,
     /// A single rank (`cp_size == 1`), optionally with a host tier to suspend to.
     NonHelix,
@@ -40,10 +38,9 @@ pub enum ServingMode {
 }
 
 /// Which request gives up its pages when a request ahead of it needs them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum VictimPolicy {
     /// The newest candidate in queue order.
-    #[default]
     NewestFirst,
     /// The candidate with the fewest computed KV tokens (the least work to redo); ties
     /// go to the newest.
@@ -56,10 +53,9 @@ pub enum VictimPolicy {
 /// back) or recompute-paused (its KV thrown away and prefilled again). Every input is
 /// rank-invariant: the victim's state, its global token count and superblocks, and the
 /// configuration's cost coefficients.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SuspendPolicy {
     /// Suspend every victim the host tier has room for; recompute-pause the rest.
-    #[default]
     SuspendFirst,
     /// Recompute-pause a victim that is still prefilling (nothing generated is lost and
     /// its prompt prefix is cheap to redo); suspend a decoding one when the host tier
