@@ -13,6 +13,7 @@ group errors are re-exported here too); the scheduler contract that :class:`Sche
 from helix_kv._core import (
     DECODE_ROW_COLUMNS,
     DECODE_ROW_PADDING,
+    ConfigField,
     DecodeRowCounts,
     DecodeView,
     Layout,
@@ -53,6 +54,7 @@ __all__ = [
     "DECODE_ROW_COLUMNS",
     "DECODE_ROW_PADDING",
     "ConfigError",
+    "ConfigField",
     "ConfigGuardError",
     "ConfigMismatchError",
     "DeadlockError",

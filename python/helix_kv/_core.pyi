@@ -1,5 +1,6 @@
 """Type stubs for the ``helix_kv._core`` extension (kept honest by ``mypy.stubtest``)."""
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -29,6 +30,7 @@ __all__ = [
     "DECODE_ROW_COLUMNS",
     "DECODE_ROW_PADDING",
     "ConfigError",
+    "ConfigField",
     "DeadlockError",
     "DecodeRowCounts",
     "DecodeView",
@@ -220,10 +222,37 @@ _TokenArray: TypeAlias = TokenArray
 _FlagArray: TypeAlias = FlagArray
 
 @final
+class ConfigField:
+    """One ``SchedulerConfig`` field as the Rust core declares it (``SchedulerConfig.FIELDS``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def type(self) -> str: ...
+    @property
+    def default(self) -> int | bool | str | None: ...
+    @property
+    def required(self) -> bool: ...
+    @property
+    def minimum(self) -> int | None: ...
+    @property
+    def maximum(self) -> int | None: ...
+    @property
+    def choices(self) -> tuple[str, ...]: ...
+    @property
+    def doc(self) -> str: ...
+
+# The SchedulerConfig section below restates the core's field list
+# (``helix_kv_core::scheduler_config_fields!``, listed at run time as
+# ``SchedulerConfig.FIELDS``): stubtest holds the keywords, their defaults and the getters to the
+# extension, and tests/binding/test_config_fields.py each one's type to the field's.
+@final
 class SchedulerConfig:
     """The scheduler configuration; give the pool as ``kv_superblocks`` or ``kv_tokens``."""
 
     DEFAULTS: ClassVar[Mapping[str, Any]]
+    FIELDS: ClassVar[tuple[ConfigField, ...]]
+    __signature__: ClassVar[inspect.Signature]
     VICTIM_POLICIES: ClassVar[tuple[VictimPolicy, ...]]
     SERVING_MODES: ClassVar[tuple[ServingMode, ...]]
     CAPACITY_POLICIES: ClassVar[tuple[CapacityPolicy, ...]]

@@ -7,7 +7,12 @@ import argparse
 import pytest
 
 from helix_kv.cli import build_parser
-from helix_kv.simulate.arguments import UsageError, simulation_options, workload_spec
+from helix_kv.simulate.arguments import (
+    UsageError,
+    add_simulate_arguments,
+    simulation_options,
+    workload_spec,
+)
 from helix_kv.simulate.workload import LengthDistribution, WorkloadSpec
 
 
@@ -131,7 +136,9 @@ def test_options_switch_policy_without_touching_the_rest() -> None:
 def test_integer_flags_take_their_largest_value_and_refuse_one_more(
     flag: str, largest: str
 ) -> None:
-    dest = flag.lstrip("-").replace("-", "_")
+    simulate = argparse.ArgumentParser()
+    add_simulate_arguments(simulate)
+    dest = simulate._option_string_actions[flag].dest  # a scheduler flag's is its field
     assert getattr(parse(flag, largest), dest) == int(largest)
     with pytest.raises(UsageError) as caught:
         parse(flag, str(int(largest) + 1))

@@ -32,9 +32,15 @@ _DEFAULTS = SchedulerConfig.DEFAULTS
 #: ``cp_size`` and ``cp_rank``, the host cache bytes fix the host tier.
 _NOT_ENGINE_FIELDS = ("cp_size", "cp_rank", "host_tier_superblocks")
 
-#: EngineConfig fields handed to :class:`helix_kv.SchedulerConfig` unchanged: every
-#: SchedulerConfig keyword with a default but those above, in its order.
-SCHEDULER_FIELDS = tuple(name for name in _DEFAULTS if name not in _NOT_ENGINE_FIELDS)
+#: EngineConfig fields handed to :class:`helix_kv.SchedulerConfig` unchanged: every field the
+#: core declares (``SchedulerConfig.FIELDS``) but the KV pool and those above, in its order.
+#: EngineConfig declares each below (type checkers need them written out);
+#: tests/binding/test_config_fields.py holds them to the core's list, type and default.
+SCHEDULER_FIELDS = tuple(
+    field.name
+    for field in SchedulerConfig.FIELDS
+    if not field.required and field.name not in _NOT_ENGINE_FIELDS
+)
 
 
 @dataclass(frozen=True)

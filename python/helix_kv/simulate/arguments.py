@@ -12,11 +12,10 @@ import math
 from pathlib import Path
 from typing import Any, NoReturn
 
-from helix_kv._core import Layout, SchedulerConfig
+from helix_kv._core import ConfigField, Layout, SchedulerConfig
 from helix_kv.errors import ConfigError, SimulationSetupError
 from helix_kv.errors import UsageError as UsageError  # also importable from here
 from helix_kv.simulate.options import (
-    CAPACITY_POLICIES,
     I32_MAX,
     I64_MAX,
     MAX_CP,
@@ -24,14 +23,12 @@ from helix_kv.simulate.options import (
     MAX_REQUEST_TOKENS,
     MAX_REQUESTS,
     MIN_ARRIVAL_RATE,
-    SERVING_MODES,
-    SUSPEND_POLICIES,
     U32_MAX,
     U64_MAX,
     VERIFY_ALL_UP_TO_CP,
     VERIFY_RANKS_MODES,
-    VICTIM_POLICIES,
     SimulationOptions,
+    scheduler_flag,
 )
 from helix_kv.simulate.timing import DEFAULT_STEP_TIME, PROFILE_KEYS, StepTimeModel, load_profile
 from helix_kv.simulate.workload import LengthDistribution, WorkloadSpec
@@ -44,6 +41,24 @@ DEFAULT_WORKLOAD = WorkloadSpec()
 
 #: The scheduler's own defaults (the core's), quoted by the help of the flags left unset.
 SCHEDULER_DEFAULTS = SchedulerConfig.DEFAULTS
+
+#: Scheduler fields whose flags are declared by hand: the CP group and its page size (with the
+#: simulator's own defaults), and the KV pools, given in global tokens.
+HAND_DECLARED_FIELDS = (
+    "cp_size",
+    "tokens_per_block",
+    "capacity_superblocks",
+    "host_tier_superblocks",
+)
+
+#: The flag of every other ``SchedulerConfig`` field (``SchedulerConfig.FIELDS``, a field added
+#: to the core included), declared from the field by :func:`_field_flag`; each flag's value
+#: is ``args.<field name>``, ``None`` when not given.
+FIELD_FLAGS = {
+    field.name: flag
+    for field in SchedulerConfig.FIELDS
+    if field.name not in HAND_DECLARED_FIELDS and (flag := scheduler_flag(field)) is not None
+}
 
 #: Flags that shape the synthetic workload (they make no sense with ``--trace``).
 SYNTHETIC_FLAGS = {
@@ -137,6 +152,33 @@ def _integer_flag(
     group.add_argument(flag, type=_integer(minimum, maximum), metavar="N", **kwargs)
 
 
+def _field_flag(group: argparse._ArgumentGroup, field: ConfigField, flag: str) -> None:
+    """Declare ``flag``, which sets ``field``, from the core's declaration: an integer in the
+    field's range (at most int64's, the binding's widest), one of its choices, or a switch that
+    flips its default; the help is the field's doc and default. Unset, it is ``None``."""
+    doc = field.doc.replace("`", "").rstrip(".")
+    doc = doc[0].lower() + doc[1:]
+    if field.type == "bool":
+        flipped = not field.default
+        group.add_argument(
+            flag,
+            dest=field.name,
+            action="store_const",
+            const=flipped,
+            default=None,
+            help=f"{doc} (default {field.default}; this flag: {flipped})",
+        )
+        return
+    shown = "" if field.default is None else f" (default {field.default})"
+    if field.choices:
+        group.add_argument(flag, dest=field.name, choices=field.choices, help=doc + shown)
+        return
+    if field.minimum is None or field.maximum is None:
+        raise TypeError(f"SchedulerConfig field {field.name} ({field.type}) has no flag form")
+    maximum = min(field.maximum, I64_MAX)
+    _integer_flag(group, flag, field.minimum, maximum, dest=field.name, help=doc + shown)
+
+
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare every flag of ``helix-kv simulate`` on ``parser``."""
     group = parser.add_argument_group("CP group and KV budget")
@@ -162,108 +204,18 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     group = parser.add_argument_group("scheduler (unset flags take the scheduler's defaults)")
-    defaults = SCHEDULER_DEFAULTS
-    _integer_flag(
-        group,
-        "--max-batch-size",
-        1,
-        I32_MAX,
-        help=f"batch slots (default {defaults['max_batch_size']})",
-    )
-    _integer_flag(
-        group,
-        "--max-num-tokens",
-        1,
-        U32_MAX,
-        help=f"token budget per step (default {defaults['max_num_tokens']})",
-    )
-    _integer_flag(
-        group,
-        "--chunk-unit",
-        1,
-        U32_MAX,
-        help="a prefill chunk that does not finish its prompt is a multiple of this "
-        "(default: tokens_per_block)",
-    )
-    group.add_argument(
-        "--no-chunked-prefill",
-        dest="chunked_prefill",
-        action="store_false",
-        help="prefill each prompt in one piece",
-    )
-    _integer_flag(
-        group,
-        "--max-seq-len",
-        1,
-        I64_MAX,
-        help=f"longest request (default {defaults['max_seq_len']})",
-    )
-    group.add_argument(
-        "--capacity-policy",
-        choices=CAPACITY_POLICIES,
-        help=f"default {defaults['capacity_policy']}",
-    )
-    group.add_argument(
-        "--mode",
-        choices=SERVING_MODES,
-        help=f"serving mode (default {defaults['serving_mode']})",
-    )
-    _integer_flag(
-        group,
-        "--host-tier-tokens",
-        0,
-        I64_MAX,
-        help="host tier for suspends, in global tokens (rounded down to superblocks; "
-        "non_helix and aggregated_helix)",
-    )
-    group.add_argument(
-        "--suspend-policy",
-        choices=SUSPEND_POLICIES,
-        help="with a host tier: which victims are suspended rather than recompute-paused "
-        f"(default {defaults['suspend_policy']})",
-    )
-    _integer_flag(
-        group,
-        "--suspend-cost-per-token",
-        0,
-        U32_MAX,
-        help="cost policy: copying one token's KV to host and back "
-        f"(default {defaults['suspend_cost_per_token']})",
-    )
-    _integer_flag(
-        group,
-        "--recompute-cost-per-token",
-        0,
-        U32_MAX,
-        help="cost policy: computing one token again "
-        f"(default {defaults['recompute_cost_per_token']})",
-    )
-    group.add_argument(
-        "--policy",
-        choices=VICTIM_POLICIES,
-        help=f"victim policy (default {defaults['victim_policy']})",
-    )
-    _integer_flag(
-        group,
-        "--max-preemptions",
-        0,
-        U32_MAX,
-        help="a request preempted this often is a victim again only for the oldest live "
-        f"request; 0: never (default {defaults['max_preemptions_per_request']})",
-    )
-    group.add_argument(
-        "--admit-after-preemption",
-        action="store_true",
-        default=None,
-        help="let a step that preempted start new requests",
-    )
-    _integer_flag(
-        group,
-        "--deadlock-steps",
-        1,
-        U32_MAX,
-        help=f"steps without progress before DeadlockError (default {defaults['deadlock_steps']})",
-    )
+    for field in SchedulerConfig.FIELDS:
+        if field.name == "host_tier_superblocks":
+            _integer_flag(
+                group,
+                "--host-tier-tokens",
+                0,
+                I64_MAX,
+                help="host tier for suspends, in global tokens (rounded down to superblocks; "
+                "non_helix and aggregated_helix)",
+            )
+        elif field.name in FIELD_FLAGS:
+            _field_flag(group, field, FIELD_FLAGS[field.name])
 
     group = parser.add_argument_group("workload (synthetic unless --trace)")
     group.add_argument(
@@ -402,24 +354,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _scheduler_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    given = {
-        "tokens_per_block": args.tokens_per_block,
-        "max_batch_size": args.max_batch_size,
-        "max_num_tokens": args.max_num_tokens,
-        "chunk_unit": args.chunk_unit,
-        "max_seq_len": args.max_seq_len,
-        "capacity_policy": args.capacity_policy,
-        "serving_mode": args.mode,
-        "victim_policy": args.policy,
-        "suspend_policy": args.suspend_policy,
-        "suspend_cost_per_token": args.suspend_cost_per_token,
-        "recompute_cost_per_token": args.recompute_cost_per_token,
-        "max_preemptions_per_request": args.max_preemptions,
-        "admit_after_preemption": args.admit_after_preemption,
-        "deadlock_steps": args.deadlock_steps,
-    }
-    if not args.chunked_prefill:
-        given["enable_chunked_prefill"] = False
+    given = {"tokens_per_block": args.tokens_per_block}
+    given.update((name, getattr(args, name)) for name in FIELD_FLAGS)
     if args.host_tier_tokens is not None:
         given["host_tier_superblocks"] = _host_tier_superblocks(args)
     return {key: value for key, value in given.items() if value is not None}
@@ -478,7 +414,7 @@ def check_combinations(args: argparse.Namespace) -> None:
             "--overlap runs the ranks in one process (and the workload twice, to compare); "
             "drop --procs"
         )
-    if args.compare_policies and args.policy is not None:
+    if args.compare_policies and args.victim_policy is not None:
         raise UsageError("--compare-policies runs every victim policy; drop --policy")
     if args.compare_policies and args.suspend_policy is not None:
         raise UsageError(

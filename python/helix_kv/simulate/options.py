@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from helix_kv._core import Scheduler, SchedulerConfig
+from helix_kv._core import ConfigField, Scheduler, SchedulerConfig
 from helix_kv.errors import ConfigError, HelixKVError
 from helix_kv.errors import SimulationSetupError as SimulationSetupError  # also from here
 from helix_kv.simulate.timing import StepTimeModel
@@ -62,24 +62,36 @@ U32_MAX = (1 << 32) - 1
 I64_MAX = (1 << 63) - 1
 U64_MAX = (1 << 64) - 1
 
-#: ``SchedulerConfig`` fields as the ``helix-kv simulate`` flags that set them, so that a
-#: ``ConfigError`` reads in the user's terms.
-FLAG_OF_FIELD = {
+#: ``SchedulerConfig`` fields (``SchedulerConfig.FIELDS``) whose ``helix-kv simulate`` flag is
+#: not ``--<name-with-dashes>``; ``None``: no flag sets the field's value as such. Every other
+#: field, one added to the core included, gets ``--<name-with-dashes>``
+#: (:func:`helix_kv.simulate.arguments.add_simulate_arguments`).
+FLAG_NAMES: dict[str, str | None] = {
     "cp_size": "--cp",
-    "tokens_per_block": "--tokens-per-block",
-    "kv_tokens": "--kv-tokens",
-    "max_batch_size": "--max-batch-size",
-    "max_num_tokens": "--max-num-tokens",
-    "chunk_unit": "--chunk-unit",
-    "max_seq_len": "--max-seq-len",
-    "capacity_policy": "--capacity-policy",
+    "cp_rank": None,  # one scheduler per rank
+    "capacity_superblocks": None,  # --kv-tokens, in global tokens
+    "enable_chunked_prefill": "--no-chunked-prefill",
+    "host_tier_superblocks": None,  # --host-tier-tokens, in global tokens
     "serving_mode": "--mode",
     "victim_policy": "--policy",
-    "suspend_policy": "--suspend-policy",
-    "suspend_cost_per_token": "--suspend-cost-per-token",
-    "recompute_cost_per_token": "--recompute-cost-per-token",
     "max_preemptions_per_request": "--max-preemptions",
-    "deadlock_steps": "--deadlock-steps",
+}
+
+
+def scheduler_flag(field: ConfigField) -> str | None:
+    """The ``helix-kv simulate`` flag that sets ``field`` (``None``: none sets it as such)."""
+    return FLAG_NAMES.get(field.name, "--" + field.name.replace("_", "-"))
+
+
+#: ``SchedulerConfig`` fields as the ``helix-kv simulate`` flags that give their value, so that
+#: a ``ConfigError`` reads in the user's terms (a switch's flag gives no value).
+FLAG_OF_FIELD = {
+    "kv_tokens": "--kv-tokens",
+    **{
+        field.name: flag
+        for field in SchedulerConfig.FIELDS
+        if field.type != "bool" and (flag := scheduler_flag(field)) is not None
+    },
 }
 _FIELD_PATTERN = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b( == | = )?")
 _HOST_TIER_PATTERN = re.compile(r"\bhost_tier_superblocks = (\d+)")

@@ -38,7 +38,7 @@ mod _core {
     #[pymodule_export]
     use crate::scheduler::PyScheduler;
     #[pymodule_export]
-    use crate::scheduler_config::PySchedulerConfig;
+    use crate::scheduler_config::{PyConfigField, PySchedulerConfig};
     #[pymodule_export]
     use crate::step_metadata::{PyDecodeRowCounts, PyStepMetadata, PyStepMetadataLayout};
 

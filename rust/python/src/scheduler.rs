@@ -59,7 +59,7 @@ impl PyScheduler {
             .cast::<PySchedulerConfig>()
             .map_err(|_| invalid_type_of("config", "a SchedulerConfig", config))?
             .clone();
-        let inner = Scheduler::new(config.get().inner.clone()).py()?;
+        let inner = Scheduler::new(config.get().config()).py()?;
         Ok(Self {
             fingerprint: inner.config().fingerprint(),
             inner,

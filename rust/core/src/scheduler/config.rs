@@ -1,5 +1,12 @@
-//! Scheduler configuration: plain fields with the defaults of
-//! `docs/internals/scheduler.md`, checked once by [`SchedulerConfig::validate`].
+//! Scheduler configuration: plain fields, checked once by [`SchedulerConfig::validate`].
+//!
+//! The fields are declared once, in [`scheduler_config_fields!`](crate::scheduler_config_fields):
+//! name, type, default, range of values, whether it decides, and a one-line doc. The struct,
+//! [`SchedulerConfig::new`] (the defaults), the range checks of [`SchedulerConfig::validate`],
+//! [`SchedulerConfig::decision_fields`] (and so the fingerprint) and the field table
+//! [`SchedulerConfig::FIELDS`] here, and the Python class in the binding (its keywords,
+//! getters, `DEFAULTS`, `FIELDS` and signature), are all built from that list. Rules between
+//! fields are written by hand in [`SchedulerConfig::validate`].
 
 use std::fmt;
 use std::str::FromStr;
@@ -10,21 +17,19 @@ use crate::layout::Layout;
 use crate::ledger::MAX_CAPACITY;
 
 /// How KV capacity is promised to requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CapacityPolicy {
     /// Reserve as a request grows; preempt on pressure.
-    #[default]
     MaxUtilization,
     /// Reserve prompt + whole output at admission; never preempt.
     GuaranteedNoEvict,
 }
 
 /// Where the scheduler runs, which decides what it may do under KV pressure.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ServingMode {
     /// Prefill and decode on the same GPUs, KV sharded over a CP group; GPU-only pool,
     /// so recompute-pause is the only way to free pages.
-    #[default]
     AggregatedHelix,
     /// A single rank (`cp_size == 1`), optionally with a host tier to suspend to.
     NonHelix,
@@ -33,10 +38,9 @@ pub enum ServingMode {
 }
 
 /// Which request gives up its pages when a request ahead of it needs them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum VictimPolicy {
     /// The newest candidate in queue order.
-    #[default]
     NewestFirst,
     /// The candidate with the fewest computed KV tokens (the least work to redo); ties
     /// go to the newest.
@@ -49,10 +53,9 @@ pub enum VictimPolicy {
 /// back) or recompute-paused (its KV thrown away and prefilled again). Every input is
 /// rank-invariant: the victim's state, its global token count and superblocks, and the
 /// configuration's cost coefficients.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SuspendPolicy {
     /// Suspend every victim the host tier has room for; recompute-pause the rest.
-    #[default]
     SuspendFirst,
     /// Recompute-pause a victim that is still prefilling (nothing generated is lost and
     /// its prompt prefix is cheap to redo); suspend a decoding one when the host tier
@@ -71,7 +74,7 @@ macro_rules! snake_case_names {
             pub const NAMES: &'static [&'static str] = &[$($name),+];
 
             /// The `snake_case` name used by the Python surface and in messages.
-            pub fn as_str(self) -> &'static str {
+            pub const fn as_str(self) -> &'static str {
                 match self {
                     $(Self::$variant => $name),+
                 }
@@ -82,6 +85,17 @@ macro_rules! snake_case_names {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str(self.as_str())
             }
+        }
+
+        impl From<$ty> for FieldValue {
+            fn from(value: $ty) -> Self {
+                Self::Name(value.as_str())
+            }
+        }
+
+        impl ConfigValue for $ty {
+            const TYPE: &'static str = stringify!($ty);
+            const CHOICES: &'static [&'static str] = Self::NAMES;
         }
 
         impl FromStr for $ty {
@@ -132,86 +146,358 @@ pub enum FieldValue {
     Name(&'static str),
 }
 
-/// Fields in [`SchedulerConfig::decision_fields`]: every field but `cp_rank`.
-pub const DECISION_FIELDS: usize = 18;
+impl From<u32> for FieldValue {
+    fn from(value: u32) -> Self {
+        Self::Int(value.into())
+    }
+}
 
-/// Everything a [`super::Scheduler`] is built from. Every field except `cp_rank` is the
-/// same on every rank of a CP group; `cp_rank` only selects which per-rank fields a
-/// schedule reports and never influences a decision.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct SchedulerConfig {
-    /// Ranks in the CP group (`>= 1`).
-    pub cp_size: u32,
-    /// This rank (`< cp_size`).
-    pub cp_rank: u32,
-    /// Tokens in one physical page on one rank.
-    pub tokens_per_block: u32,
-    /// Superblocks in the KV pool, identical on every rank (the group's minimum).
-    pub capacity_superblocks: u32,
-    /// Entries (context + generation) in one step; also the number of batch slots.
-    pub max_batch_size: u32,
-    /// Tokens (context chunks + decode tokens) in one step.
-    pub max_num_tokens: u32,
-    /// Whether a prompt may be split over several steps.
-    pub enable_chunked_prefill: bool,
-    /// Granularity of a chunk that does not complete its prompt; `None` means
-    /// `tokens_per_block`.
-    pub chunk_unit: Option<u32>,
-    /// Longest request (prompt + `max_new_tokens`) accepted.
-    pub max_seq_len: u64,
-    /// How capacity is promised.
-    pub capacity_policy: CapacityPolicy,
-    /// Where the scheduler runs.
-    pub serving_mode: ServingMode,
-    /// Superblocks of host memory to suspend to (`NonHelix` and `AggregatedHelix`): one
-    /// host page on every rank per superblock, the group's minimum.
-    pub host_tier_superblocks: u32,
-    /// Suspend or recompute-pause a victim when the host tier has room.
-    pub suspend_policy: SuspendPolicy,
-    /// Cost of copying one global token's KV to the host tier and back (any unit; only the
-    /// ratio to `recompute_cost_per_token` matters), for `SuspendPolicy::Cost`.
-    pub suspend_cost_per_token: u32,
-    /// Cost of computing one token again after a recompute-pause, in the same unit.
-    pub recompute_cost_per_token: u32,
-    /// Who gives up pages under pressure.
-    pub victim_policy: VictimPolicy,
-    /// A request chosen as a victim this many times is no longer chosen, except by the
-    /// queue head when nothing under the bound frees enough (so no bound >= 1 deadlocks);
-    /// 0 turns preemption off.
-    pub max_preemptions_per_request: u32,
-    /// Whether a step that preempted may still admit waiting requests.
-    pub admit_after_preemption: bool,
-    /// Consecutive steps without progress (while requests are live) before
-    /// [`CoreError::Deadlock`].
-    pub deadlock_steps: u32,
+impl From<u64> for FieldValue {
+    fn from(value: u64) -> Self {
+        Self::Int(value)
+    }
+}
+
+impl From<bool> for FieldValue {
+    fn from(value: bool) -> Self {
+        Self::Bool(value)
+    }
+}
+
+/// A type a [`SchedulerConfig`] field may have: a count or size (`u32`, `u64`), a switch
+/// (`bool`), an optional count (`Option<u32>`) or an option enum (its `NAMES`).
+pub trait ConfigValue: Copy {
+    /// The type's name as the field declaration writes it (`ConfigField::ty`).
+    const TYPE: &'static str;
+    /// The names an option enum accepts, in declaration order; empty for any other type.
+    const CHOICES: &'static [&'static str] = &[];
+}
+
+impl ConfigValue for u32 {
+    const TYPE: &'static str = "u32";
+}
+impl ConfigValue for u64 {
+    const TYPE: &'static str = "u64";
+}
+impl ConfigValue for bool {
+    const TYPE: &'static str = "bool";
+}
+impl ConfigValue for Option<u32> {
+    const TYPE: &'static str = "Option<u32>";
+}
+
+/// A field type that can have a range (`#[range(..)]` on any other type does not compile).
+trait RangedValue {
+    /// The integer type the bounds are written in (an `Option`'s value type).
+    type Bound: Into<u64>;
+    /// The value the range check reads; `None` for an unset option (nothing to check).
+    fn ranged(self) -> Option<u64>;
+}
+
+impl RangedValue for u32 {
+    type Bound = u32;
+    fn ranged(self) -> Option<u64> {
+        Some(self.into())
+    }
+}
+
+impl RangedValue for u64 {
+    type Bound = u64;
+    fn ranged(self) -> Option<u64> {
+        Some(self)
+    }
+}
+
+impl RangedValue for Option<u32> {
+    type Bound = u32;
+    fn ranged(self) -> Option<u64> {
+        self.map(u64::from)
+    }
+}
+
+/// The default of a field in [`SchedulerConfig::FIELDS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ConfigDefault {
+    /// No default: [`SchedulerConfig::new`] takes it (the KV pool, `capacity_superblocks`).
+    Required,
+    /// An optional field, unset by default (`None`).
+    Unset,
+    /// The value, as [`SchedulerConfig::decision_fields`] would show it.
+    Value(FieldValue),
+}
+
+/// One field of [`SchedulerConfig`] as [`scheduler_config_fields!`](crate::scheduler_config_fields)
+/// declares it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConfigField {
+    /// The field's name.
+    pub name: &'static str,
+    /// Its Rust type as written in the declaration (`u32`, `Option<u32>`, `VictimPolicy`...).
+    pub ty: &'static str,
+    /// Its default.
+    pub default: ConfigDefault,
+    /// The values an integer field accepts, `min..=max` (for an `Option`, when it is set;
+    /// `validate` refuses the rest); `None` for a switch or an option enum.
+    pub range: Option<(u64, u64)>,
+    /// The names an option enum accepts; empty for any other type.
+    pub choices: &'static [&'static str],
+    /// Its one-line doc.
+    pub doc: &'static str,
+}
+
+/// Hands the field list of [`SchedulerConfig`] to another macro:
+/// `scheduler_config_fields!(callback! { args })` expands to
+/// `callback! { { args } fields... }`.
+///
+/// Each field is, in this order: its doc comment (one line of meaning; it is also the Python
+/// getter's docstring and the `simulate` flag's help, so no Rust links); `#[range(min, max)]`
+/// for an integer (the values `validate` accepts; an optional third argument says why `max`
+/// is the most, for the error message); `#[decision(none)]` for the one field that never
+/// decides (`cp_rank`), or `#[decision(method)]` where `decision_fields` shows the value in
+/// effect (`method()`) instead of the field; then `name: type = default`. A default is a
+/// literal, `None` (unset), an option's variant name, or `required` (no default:
+/// [`SchedulerConfig::new`] takes it; the KV pool). The types and constants used are in scope
+/// where the macro is expanded.
+///
+/// Adding a field here adds it to the struct, `new`, `validate`'s range check,
+/// `decision_fields` (and so the fingerprint), `FIELDS`, and the binding's class (keyword,
+/// getter, `DEFAULTS`, `FIELDS`, signature). The stub (`_core.pyi`), `EngineConfig`, the
+/// `simulate` flags and the tables of `docs/configuration.md` and
+/// `docs/internals/scheduler.md` are checked against it by `tests/binding/test_config_fields.py`,
+/// which names what is missing.
+#[macro_export]
+macro_rules! scheduler_config_fields {
+    ($callback:ident ! { $($args:tt)* }) => {
+        $callback! {
+            { $($args)* }
+            /// Ranks in the CP group.
+            #[range(1, u32::MAX)]
+            cp_size: u32 = 1,
+            /// This rank (below `cp_size`): it selects the per-rank fields a schedule reports, never a decision.
+            #[range(0, u32::MAX)]
+            #[decision(none)]
+            cp_rank: u32 = 0,
+            /// Tokens in one KV page on one rank.
+            #[range(1, u32::MAX)]
+            tokens_per_block: u32 = 32,
+            /// Superblocks in the KV pool, identical on every rank (the group's minimum).
+            #[range(1, MAX_CAPACITY, "the most superblocks int32 page ids can name (block tables and slot mappings hand them out as int32); lower the KV budget (kv_superblocks / kv_tokens)")]
+            capacity_superblocks: u32 = required,
+            /// Entries (context + generation) in one step, and the number of batch slots.
+            #[range(1, i32::MAX as u32, "the most batch slots int32 slot numbers can name")]
+            max_batch_size: u32 = 256,
+            /// Tokens (context chunks + decode tokens) in one step.
+            #[range(1, u32::MAX)]
+            max_num_tokens: u32 = 8192,
+            /// Whether a prompt may be split over several steps.
+            enable_chunked_prefill: bool = true,
+            /// A chunk that does not complete its prompt is a multiple of it; unset means `tokens_per_block`.
+            #[range(1, u32::MAX)]
+            #[decision(effective_chunk_unit)]
+            chunk_unit: Option<u32> = None,
+            /// Longest request (prompt + `max_new_tokens`) accepted.
+            #[range(1, u64::MAX)]
+            max_seq_len: u64 = 131_072,
+            /// How KV capacity is promised: as a request grows (preempting under pressure), or whole at admission.
+            capacity_policy: CapacityPolicy = MaxUtilization,
+            /// Where the scheduler runs, which decides what it may do under KV pressure.
+            serving_mode: ServingMode = AggregatedHelix,
+            /// Superblocks of host memory to suspend to, one host page on every rank each (the group's minimum).
+            #[range(0, MAX_CAPACITY, "the most superblocks int32 host page ids can name; lower the host KV budget")]
+            host_tier_superblocks: u32 = 0,
+            /// Whether a victim the host tier has room for is suspended or recompute-paused.
+            suspend_policy: SuspendPolicy = SuspendFirst,
+            /// Cost (any unit) of copying one token's KV to the host tier and back, for the `cost` suspend policy.
+            #[range(0, u32::MAX)]
+            suspend_cost_per_token: u32 = 1,
+            /// Cost of computing one token again after a recompute-pause, in the same unit.
+            #[range(0, u32::MAX)]
+            recompute_cost_per_token: u32 = 4,
+            /// Which request gives up its pages when a request ahead of it needs them.
+            victim_policy: VictimPolicy = NewestFirst,
+            /// A request chosen as a victim this many times is chosen again only by the queue head; 0 turns preemption off.
+            #[range(0, u32::MAX)]
+            max_preemptions_per_request: u32 = 8,
+            /// Whether a step that preempted may still admit waiting requests.
+            admit_after_preemption: bool = false,
+            /// Consecutive steps without progress (while requests are live) before a deadlock error.
+            #[range(1, u32::MAX)]
+            deadlock_steps: u32 = 64,
+        }
+    };
+}
+
+/// A field's value in [`SchedulerConfig::new`]; `$required` for the field without a default.
+macro_rules! default_value {
+    ($ty:ty, required, $required:ident) => {
+        $required
+    };
+    ($ty:ty, None, $required:ident) => {
+        None
+    };
+    ($ty:ty, $value:literal, $required:ident) => {
+        $value
+    };
+    ($ty:ty, $variant:ident, $required:ident) => {
+        <$ty>::$variant
+    };
+}
+
+/// A field's default as [`SchedulerConfig::FIELDS`] shows it.
+macro_rules! field_default {
+    ($ty:ty, required) => {
+        ConfigDefault::Required
+    };
+    ($ty:ty, None) => {
+        ConfigDefault::Unset
+    };
+    ($ty:ty, true) => {
+        ConfigDefault::Value(FieldValue::Bool(true))
+    };
+    ($ty:ty, false) => {
+        ConfigDefault::Value(FieldValue::Bool(false))
+    };
+    ($ty:ty, $value:literal) => {
+        ConfigDefault::Value(FieldValue::Int($value))
+    };
+    ($ty:ty, $variant:ident) => {
+        ConfigDefault::Value(FieldValue::Name(<$ty>::$variant.as_str()))
+    };
+}
+
+/// A field's range in [`SchedulerConfig::FIELDS`] (bounds widened to `u64`).
+macro_rules! field_range {
+    () => {
+        None
+    };
+    ($min:expr, $max:expr) => {
+        Some(($min as u64, $max as u64))
+    };
+}
+
+/// A field's entry in [`SchedulerConfig::decision_fields`]: the field, the value in effect
+/// (`#[decision(method)]`), or none (`#[decision(none)]`).
+macro_rules! decision_entry {
+    ($config:ident, $name:ident) => {
+        Some((stringify!($name), FieldValue::from($config.$name)))
+    };
+    ($config:ident, $name:ident, none) => {
+        None
+    };
+    ($config:ident, $name:ident, $in_effect:ident) => {
+        Some((stringify!($name), FieldValue::from($config.$in_effect())))
+    };
+}
+
+/// 1 if a field is in [`SchedulerConfig::decision_fields`], else 0.
+macro_rules! decision_count {
+    () => {
+        1
+    };
+    (none) => {
+        0
+    };
+    ($in_effect:ident) => {
+        1
+    };
+}
+
+macro_rules! define_scheduler_config {
+    ({} $(
+        $(#[doc = $doc:tt])*
+        $(#[range($min:expr, $max:expr $(, $why:literal)?)])?
+        $(#[decision($decision:ident)])?
+        $name:ident : $ty:ty = $default:tt
+    ),* $(,)?) => {
+        /// Everything a [`super::Scheduler`] is built from. Every field except `cp_rank` is the
+        /// same on every rank of a CP group; `cp_rank` only selects which per-rank fields a
+        /// schedule reports and never influences a decision.
+        #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+        pub struct SchedulerConfig {
+            $( $(#[doc = $doc])* pub $name: $ty, )*
+        }
+
+        /// Fields in [`SchedulerConfig::decision_fields`]: every field but `cp_rank`.
+        pub const DECISION_FIELDS: usize = 0 $( + decision_count!($($decision)?) )*;
+
+        impl SchedulerConfig {
+            /// Every field, in declaration order, with its type, default, range and doc.
+            pub const FIELDS: &'static [ConfigField] = &[$(
+                ConfigField {
+                    name: stringify!($name),
+                    ty: <$ty as ConfigValue>::TYPE,
+                    default: field_default!($ty, $default),
+                    range: field_range!($($min, $max)?),
+                    choices: <$ty as ConfigValue>::CHOICES,
+                    doc: concat!($($doc),*).trim_ascii(),
+                }
+            ),*];
+
+            /// The defaults for a pool of `capacity_superblocks` superblocks.
+            pub fn new(capacity_superblocks: u32) -> Self {
+                Self {
+                    $( $name: default_value!($ty, $default, capacity_superblocks), )*
+                }
+            }
+
+            /// Checks every field's declared range; the error names the field.
+            fn check_ranges(&self) -> Result<()> {
+                $( $(
+                    check_range(
+                        stringify!($name),
+                        self.$name,
+                        $min,
+                        $max,
+                        &[$($why)?],
+                    )?;
+                )? )*
+                Ok(())
+            }
+
+            /// Every field that can change a decision or a placement, with its value, in
+            /// declaration order: all fields but `cp_rank`, which only selects the per-rank
+            /// fields a schedule reports. `chunk_unit` is the unit in effect (`None` and
+            /// `Some(tokens_per_block)` decide alike). This is the one list both
+            /// [`Self::fingerprint`] and the Python layer's mismatch report read; it is built
+            /// from the field declaration, so a new field is in it unless declared
+            /// `#[decision(none)]`.
+            pub fn decision_fields(&self) -> [(&'static str, FieldValue); DECISION_FIELDS] {
+                let entries = [$( decision_entry!(self, $name $(, $decision)?) ),*];
+                let mut fields = [("", FieldValue::Int(0)); DECISION_FIELDS];
+                for (slot, entry) in fields.iter_mut().zip(entries.into_iter().flatten()) {
+                    *slot = entry;
+                }
+                fields
+            }
+        }
+    };
+}
+
+scheduler_config_fields!(define_scheduler_config! {});
+
+/// A `Config` error naming `name` when `value` is outside `min..=max` (`why`, empty or one
+/// reason, says why `max` is the most); nothing to check for an unset option (`None`).
+fn check_range<V: RangedValue>(
+    name: &str,
+    value: V,
+    min: V::Bound,
+    max: V::Bound,
+    why: &[&str],
+) -> Result<()> {
+    let (min, max) = (min.into(), max.into());
+    match value.ranged() {
+        Some(v) if v < min => Err(CoreError::Config(format!("{name} must be at least {min}"))),
+        Some(v) if v > max => Err(CoreError::Config(format!(
+            "{name} = {v} is more than {max}{}",
+            why.first()
+                .map(|why| format!(", {why}"))
+                .unwrap_or_default()
+        ))),
+        _ => Ok(()),
+    }
 }
 
 impl SchedulerConfig {
-    /// The documented defaults for a pool of `capacity_superblocks` superblocks.
-    pub fn new(capacity_superblocks: u32) -> Self {
-        Self {
-            cp_size: 1,
-            cp_rank: 0,
-            tokens_per_block: 32,
-            capacity_superblocks,
-            max_batch_size: 256,
-            max_num_tokens: 8192,
-            enable_chunked_prefill: true,
-            chunk_unit: None,
-            max_seq_len: 131_072,
-            capacity_policy: CapacityPolicy::default(),
-            serving_mode: ServingMode::default(),
-            host_tier_superblocks: 0,
-            suspend_policy: SuspendPolicy::default(),
-            suspend_cost_per_token: 1,
-            recompute_cost_per_token: 4,
-            victim_policy: VictimPolicy::default(),
-            max_preemptions_per_request: 8,
-            admit_after_preemption: false,
-            deadlock_steps: 64,
-        }
-    }
-
     /// The same configuration for another rank of the group.
     #[must_use]
     pub fn with_rank(&self, cp_rank: u32) -> Self {
@@ -268,63 +554,6 @@ impl SchedulerConfig {
             && self.serving_mode != ServingMode::DisaggregatedGeneration
     }
 
-    /// Every field that can change a decision or a placement, with its value, in
-    /// declaration order: all fields but `cp_rank`, which only selects the per-rank fields
-    /// a schedule reports. `chunk_unit` is the unit in effect (`None` and
-    /// `Some(tokens_per_block)` decide alike). This is the one list both
-    /// [`Self::fingerprint`] and the Python layer's mismatch report read, so a new field
-    /// cannot be left out of either (the destructuring below stops compiling).
-    pub fn decision_fields(&self) -> [(&'static str, FieldValue); DECISION_FIELDS] {
-        use FieldValue::{Bool, Int, Name};
-        let Self {
-            cp_size,
-            cp_rank: _,
-            tokens_per_block,
-            capacity_superblocks,
-            max_batch_size,
-            max_num_tokens,
-            enable_chunked_prefill,
-            chunk_unit: _,
-            max_seq_len,
-            capacity_policy,
-            serving_mode,
-            host_tier_superblocks,
-            suspend_policy,
-            suspend_cost_per_token,
-            recompute_cost_per_token,
-            victim_policy,
-            max_preemptions_per_request,
-            admit_after_preemption,
-            deadlock_steps,
-        } = *self;
-        [
-            ("cp_size", Int(cp_size.into())),
-            ("tokens_per_block", Int(tokens_per_block.into())),
-            ("capacity_superblocks", Int(capacity_superblocks.into())),
-            ("max_batch_size", Int(max_batch_size.into())),
-            ("max_num_tokens", Int(max_num_tokens.into())),
-            ("enable_chunked_prefill", Bool(enable_chunked_prefill)),
-            ("chunk_unit", Int(self.effective_chunk_unit().into())),
-            ("max_seq_len", Int(max_seq_len)),
-            ("capacity_policy", Name(capacity_policy.as_str())),
-            ("serving_mode", Name(serving_mode.as_str())),
-            ("host_tier_superblocks", Int(host_tier_superblocks.into())),
-            ("suspend_policy", Name(suspend_policy.as_str())),
-            ("suspend_cost_per_token", Int(suspend_cost_per_token.into())),
-            (
-                "recompute_cost_per_token",
-                Int(recompute_cost_per_token.into()),
-            ),
-            ("victim_policy", Name(victim_policy.as_str())),
-            (
-                "max_preemptions_per_request",
-                Int(max_preemptions_per_request.into()),
-            ),
-            ("admit_after_preemption", Bool(admit_after_preemption)),
-            ("deadlock_steps", Int(deadlock_steps.into())),
-        ]
-    }
-
     /// A 64-bit fingerprint of [`Self::decision_fields`] (names and values): equal on
     /// every rank of a correctly built group (`cp_rank` is left out), and different for
     /// two configurations that could decide or place differently. The scheduler seeds
@@ -355,8 +584,10 @@ impl SchedulerConfig {
         h.finish()
     }
 
-    /// Checks every rule; the error names the field and what to do.
+    /// Checks every field's range (declared with it), then the rules between fields; the
+    /// error names the field and what to do.
     pub fn validate(&self) -> Result<()> {
+        self.check_ranges()?;
         let fail = |msg: String| Err(CoreError::Config(msg));
         let layout = self.layout()?;
         layout.check_rank(self.cp_rank).map_err(|_| {
@@ -365,52 +596,11 @@ impl SchedulerConfig {
                 self.cp_rank, self.cp_size
             ))
         })?;
-        if self.capacity_superblocks == 0 {
-            return fail(
-                "capacity_superblocks must be at least 1 (the KV budget holds no superblock)"
-                    .into(),
-            );
-        }
-        if self.capacity_superblocks > MAX_CAPACITY {
-            // The ledger refuses such a pool too; saying so here names the field early.
-            return fail(format!(
-                "capacity_superblocks = {} is more than {MAX_CAPACITY}, the most superblocks int32 page ids \
-                 can name (block tables and slot mappings hand them out as int32); lower the KV budget \
-                 (kv_superblocks / kv_tokens)",
-                self.capacity_superblocks
-            ));
-        }
-        if self.max_batch_size == 0 || self.max_batch_size > i32::MAX as u32 {
-            return fail(format!(
-                "max_batch_size = {} must be in 1..={} (batch slots are int32)",
-                self.max_batch_size,
-                i32::MAX
-            ));
-        }
-        if self.max_num_tokens == 0 {
-            return fail("max_num_tokens must be at least 1".into());
-        }
         let unit = self.effective_chunk_unit();
-        if unit == 0 {
-            return fail("chunk_unit must be at least 1".into());
-        }
         if self.enable_chunked_prefill && self.max_num_tokens < unit {
             return fail(format!(
                 "max_num_tokens = {} is below chunk_unit = {unit}: no partial chunk could ever be scheduled; raise max_num_tokens or lower chunk_unit",
                 self.max_num_tokens
-            ));
-        }
-        if self.max_seq_len == 0 {
-            return fail("max_seq_len must be at least 1".into());
-        }
-        if self.deadlock_steps == 0 {
-            return fail("deadlock_steps must be at least 1".into());
-        }
-        if self.host_tier_superblocks > MAX_CAPACITY {
-            return fail(format!(
-                "host_tier_superblocks = {} is more than {MAX_CAPACITY}, the most superblocks int32 host page \
-                 ids can name; lower the host KV budget",
-                self.host_tier_superblocks
             ));
         }
         match self.serving_mode {
@@ -436,6 +626,126 @@ impl SchedulerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_field_table_says_what_each_field_takes() {
+        let fields = SchedulerConfig::FIELDS;
+        let required: Vec<_> = fields
+            .iter()
+            .filter(|f| f.default == ConfigDefault::Required)
+            .map(|f| f.name)
+            .collect();
+        assert_eq!(required, ["capacity_superblocks"], "what `new` takes");
+        for field in fields {
+            let name = field.name;
+            let integer = matches!(field.ty, "u32" | "u64" | "Option<u32>");
+            assert_eq!(
+                field.range.is_some(),
+                integer,
+                "{name}: a #[range] for every integer"
+            );
+            let option_enum = !integer && field.ty != "bool";
+            assert_eq!(!field.choices.is_empty(), option_enum, "{name}: choices");
+            let optional = field.ty.starts_with("Option<");
+            assert_eq!(field.default == ConfigDefault::Unset, optional, "{name}");
+            assert!(
+                !field.doc.is_empty() && field.doc == field.doc.trim(),
+                "{name}: doc"
+            );
+            assert!(
+                !field.doc.contains("[`"),
+                "{name}: a Rust link reaches Python"
+            );
+            match (field.default, field.range) {
+                (ConfigDefault::Value(FieldValue::Int(v)), Some((min, max))) => {
+                    assert!((min..=max).contains(&v), "{name}: the default is in range");
+                }
+                (ConfigDefault::Value(FieldValue::Name(v)), _) => {
+                    assert!(field.choices.contains(&v), "{name}");
+                }
+                _ => {}
+            }
+        }
+        let names: Vec<_> = SchedulerConfig::new(4)
+            .decision_fields()
+            .iter()
+            .map(|&(name, _)| name)
+            .collect();
+        let all_but_cp_rank: Vec<_> = fields
+            .iter()
+            .map(|f| f.name)
+            .filter(|&name| name != "cp_rank")
+            .collect();
+        assert_eq!(names, all_but_cp_rank);
+    }
+
+    /// A field of the test's config set to `value` (`None` where its type cannot hold it).
+    trait SetTo: Sized {
+        fn set_to(value: u64) -> Option<Self>;
+    }
+    impl SetTo for u32 {
+        fn set_to(value: u64) -> Option<Self> {
+            value.try_into().ok()
+        }
+    }
+    impl SetTo for u64 {
+        fn set_to(value: u64) -> Option<Self> {
+            Some(value)
+        }
+    }
+    impl SetTo for Option<u32> {
+        fn set_to(value: u64) -> Option<Self> {
+            value.try_into().ok().map(Some)
+        }
+    }
+
+    /// `(field, declared range, value, the defaults with the field set to value)` at each end
+    /// of every declared range and one past it (where the type holds it).
+    macro_rules! range_cases {
+        ({} $(
+            $(#[doc = $doc:tt])*
+            $(#[range $range:tt])?
+            $(#[decision $decision:tt])?
+            $name:ident : $ty:ty = $default:tt
+        ),* $(,)?) => {
+            fn range_cases() -> Vec<(&'static str, &'static str, u64, SchedulerConfig)> {
+                let mut cases = Vec::new();
+                $( $(
+                    let field = SchedulerConfig::FIELDS.iter().find(|f| f.name == stringify!($name));
+                    let (min, max) = field.and_then(|f| f.range).unwrap();
+                    let ends = [min.checked_sub(1), Some(min), Some(max), max.checked_add(1)];
+                    for value in ends.into_iter().flatten() {
+                        if let Some(set) = <$ty as SetTo>::set_to(value) {
+                            let mut config = SchedulerConfig::new(4);
+                            config.$name = set;
+                            cases.push((stringify!($name), stringify!($range), value, config));
+                        }
+                    }
+                )? )*
+                cases
+            }
+        };
+    }
+
+    crate::scheduler_config_fields!(range_cases! {});
+
+    #[test]
+    fn every_declared_range_is_checked() {
+        let cases = range_cases();
+        let ranged = SchedulerConfig::FIELDS.iter().filter(|f| f.range.is_some());
+        assert!(cases.len() >= 2 * ranged.count());
+        for (name, range, value, config) in cases {
+            let field = SchedulerConfig::FIELDS.iter().find(|f| f.name == name);
+            let (min, max) = field.and_then(|f| f.range).unwrap();
+            match config.check_ranges() {
+                Ok(()) => assert!((min..=max).contains(&value), "{name} = {value}, {range}"),
+                Err(err) => {
+                    assert!(!(min..=max).contains(&value), "{name} = {value}: {err}");
+                    assert!(err.to_string().contains(name), "{err}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn names_round_trip() {
@@ -480,7 +790,14 @@ mod tests {
                 changed(|c| c.capacity_superblocks = u32::MAX),
                 "int32 page ids",
             ),
-            (changed(|c| c.max_batch_size = 0), "max_batch_size"),
+            (
+                changed(|c| c.max_batch_size = 0),
+                "max_batch_size must be at least 1",
+            ),
+            (
+                changed(|c| c.max_batch_size = 1 << 31),
+                "max_batch_size = 2147483648 is more than 2147483647",
+            ),
             (changed(|c| c.max_num_tokens = 0), "max_num_tokens"),
             (changed(|c| c.max_num_tokens = 16), "chunk_unit"),
             (changed(|c| c.chunk_unit = Some(0)), "chunk_unit"),

@@ -26,8 +26,8 @@ mod victim;
 use rustc_hash::FxHashMap;
 
 pub use config::{
-    CapacityPolicy, FieldValue, SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy,
-    DECISION_FIELDS,
+    CapacityPolicy, ConfigDefault, ConfigField, ConfigValue, FieldValue, SchedulerConfig,
+    ServingMode, SuspendPolicy, VictimPolicy, DECISION_FIELDS,
 };
 pub use metadata::{
     decode_row, DecodeRowCounts, StepMetadata, StepMetadataLayout, StepMetadataSection, StepSource,
