@@ -62,6 +62,8 @@ pub fn gate_config(default_cases: u32) -> proptest::test_runner::Config {
     Config {
         cases,
         rng_seed,
+        // Rejected draws (a workload the configuration refuses whole) scale with the cases.
+        max_global_rejects: given.max_global_rejects.max(cases),
         ..given
     }
 }
