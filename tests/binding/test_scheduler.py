@@ -306,22 +306,6 @@ def test_pressure_errors_raise_their_classes_and_change_nothing() -> None:
     assert snapshot(s) == before[-1]
 
 
-def test_every_error_is_a_helix_kv_error() -> None:
-    for name in (
-        "ConfigError",
-        "InvalidArgumentError",
-        "InvalidLengthError",
-        "UnknownRequestError",
-        "DuplicateRequestError",
-        "RequestTooLargeError",
-        "PreemptionDisabledError",
-        "DeadlockError",
-        "InvalidStateError",
-        "ScheduleMismatchError",
-    ):
-        assert issubclass(getattr(helix_kv, name), helix_kv.HelixKVError)
-
-
 # -- accessors and records ----------------------------------------------------------------
 
 
