@@ -59,8 +59,8 @@ class SchedulerProtocol(Protocol):
         ...
 
     def abort_many(self, request_ids: IntArray) -> npt.NDArray[np.bool_]:
-        """Aborts requests in order, as :meth:`abort` of each in turn; returns, per id,
-        whether it was live then."""
+        """Aborts requests (see :meth:`abort`); returns, per id, whether it was live when the
+        call was made. Between steps they retire in queue order, whatever the order given."""
         ...
 
     def schedule(self) -> ScheduleOutput:

@@ -155,8 +155,8 @@ impl PyScheduler {
         self.inner.abort(id_arg(request_id)?).py()
     }
 
-    /// Aborts several requests in order (as `abort` of each in turn); returns, per id,
-    /// whether it was live then (bool array).
+    /// Aborts several requests (see `abort`); returns, per id, whether it was live when the
+    /// call was made (bool array). Between steps they retire in queue order.
     fn abort_many<'py>(
         &mut self,
         py: Python<'py>,

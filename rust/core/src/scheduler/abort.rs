@@ -14,8 +14,9 @@ impl Scheduler {
         Ok(self.abort_many(&[id])?[0])
     }
 
-    /// Aborts requests, in the given order (as `abort` of each in turn), and returns for
-    /// each id whether it was live then (`true`) or not (`false`: a no-op).
+    /// Aborts requests and returns for each id whether it was live when the call was made
+    /// (`true`) or not (`false`: a no-op). Between steps they retire in queue order, as
+    /// the aborts a step's close applies do, whatever the order of `ids`.
     ///
     /// - A live request with no step pending finishes now with [`FinishReason::Aborted`]:
     ///   its KV superblocks, host-tier share and batch slot are freed, it leaves the
@@ -36,7 +37,7 @@ impl Scheduler {
     /// the `Result` keeps a future refusal a typed error.
     pub fn abort_many(&mut self, ids: &[RequestId]) -> Result<Vec<bool>> {
         let mut live = Vec::with_capacity(ids.len());
-        let mut retired = false;
+        let mut marked = false;
         for &id in ids {
             let Some(&req) = self.index.get(&id) else {
                 live.push(false); // finished (output taken or not) or never added
@@ -45,23 +46,20 @@ impl Scheduler {
             live.push(true);
             let request = &mut self.requests[req as usize];
             if request.abort_requested {
-                continue; // already pending
+                continue; // already pending, or a repeat
             }
             request.abort_requested = true;
             if self.pending_steps > 0 {
                 self.abort_requests += 1;
             } else {
-                self.retire(req, FinishReason::Aborted, None);
-                retired = true;
+                marked = true;
             }
         }
-        if retired {
-            // With no step pending no other live request is marked, so the marks are
-            // exactly the requests just retired (their indices are not reused before this).
-            let requests = &self.requests;
-            self.queue
-                .retain(|&req| !requests[req as usize].abort_requested);
-            self.stalled_steps = 0;
+        if marked {
+            // With no step pending no other live request is marked: the marks are exactly
+            // this call's. They retire in queue order, as the aborts a step's close applies
+            // do, so the pages and entries come back in one order whatever the call's.
+            self.retire_marked(false);
         }
         Ok(live)
     }
@@ -75,12 +73,20 @@ impl Scheduler {
     /// Aborts every marked request, in queue order, after a `revert`; their ids go to
     /// `finished_ids`.
     pub(super) fn apply_requested_aborts(&mut self) {
+        self.retire_marked(true);
+    }
+
+    /// Retires every marked request in queue order (their ids to `finished_ids` if
+    /// `report`), and resets the no-progress count: the freed pages may unblock the queue.
+    fn retire_marked(&mut self, report: bool) {
         let mut kept = 0;
         for read in 0..self.queue.len() {
             let req = self.queue[read];
             if self.requests[req as usize].abort_requested {
                 self.retire(req, FinishReason::Aborted, None);
-                self.finished_ids.push(self.requests[req as usize].id);
+                if report {
+                    self.finished_ids.push(self.requests[req as usize].id);
+                }
             } else {
                 self.queue[kept] = req;
                 kept += 1;
