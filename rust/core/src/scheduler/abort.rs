@@ -48,7 +48,7 @@ impl Scheduler {
                 continue; // already pending
             }
             request.abort_requested = true;
-            if self.pending_steps > 0 {
+            if self.is_step_pending() {
                 self.abort_requests += 1;
             } else {
                 self.retire(req, FinishReason::Aborted, None);
