@@ -11,6 +11,7 @@ use super::config::VictimPolicy;
 use super::output::ScheduleOutput;
 use super::request::{AheadMark, RequestIndex};
 use super::victim::VictimFinder;
+use crate::ledger::OlderUndo;
 
 /// A context entry of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -24,7 +25,12 @@ pub(super) struct ContextEntry {
 /// A ledger change made by a step, undone (newest first) by `revert`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) enum JournalEntry {
-    Decode(RequestIndex),
+    /// The decode of the request `req`, made as the step's generation entry `entry` (its
+    /// position when it was made, which is also its place in `older_undos`).
+    Decode {
+        req: RequestIndex,
+        entry: u32,
+    },
     /// The decodes of generation entries `from..to` (positions in `generation_reqs`), as
     /// one `Decode` each in that order: the decode loops record a run of entries at once
     /// instead of an entry per request. Dropping generation entries (preempted after they
@@ -54,11 +60,13 @@ pub(super) struct SatOut {
 /// (which may have been moved out; the digest tells this scheduler's output of the step
 /// from another's).
 ///
-/// The ledger's undo of each decode allocation is not here: a request's last one is kept
-/// in its ledger record (one deep, written in the cache line the decode writes anyway, so
-/// the plain decode path pays nothing for it, and `Ledger::revert_decode` is exact for
-/// any ledger user), and the one a step planned ahead replaces (the older step's) in the
-/// ledger's older-undo column (see `Ledger::allocate_decode_ahead_at`).
+/// The ledger's undo of a step's decodes is in two places. The undo of a request's last
+/// decode allocation stays in its ledger record: one deep, written in the cache line the
+/// decode writes anyway (so the plain decode path pays nothing for it), and it makes
+/// `Ledger::revert_decode` exact for every ledger user. A step planned ahead replaces the
+/// older pending step's undo there: the replaced one is handed to the newer step's record
+/// (`older_undos`) and given back when that step is reverted, so the older one can be
+/// reverted after it.
 #[derive(Debug, Clone, Default)]
 pub(super) struct StepRecord {
     pub step: u64,
@@ -76,6 +84,11 @@ pub(super) struct StepRecord {
     pub generation_reqs: Vec<RequestIndex>,
     /// The step's ledger changes, oldest first.
     pub journal: Vec<JournalEntry>,
+    /// A step planned ahead only (empty for a plain step): for each generation entry, by
+    /// its position when it was made, the ledger's undo of the older step's decode that
+    /// its decode replaced (`OlderUndo::NONE` if it replaced none), for the revert of this
+    /// step to leave in the request's ledger record.
+    pub older_undos: Vec<OlderUndo>,
     /// Requests that took a new batch slot in the step.
     pub new_slot_reqs: Vec<RequestIndex>,
     pub sat_out: Vec<SatOut>,
@@ -91,6 +104,7 @@ impl StepRecord {
         self.context.clear();
         self.generation_reqs.clear();
         self.journal.clear();
+        self.older_undos.clear();
         self.new_slot_reqs.clear();
         self.sat_out.clear();
         debug_assert!(
@@ -105,6 +119,7 @@ impl StepRecord {
         self.context.capacity()
             + self.generation_reqs.capacity()
             + self.journal.capacity()
+            + self.older_undos.capacity()
             + self.new_slot_reqs.capacity()
             + self.sat_out.capacity()
             + self.zombies.capacity()

@@ -9,7 +9,7 @@ use super::slots::{entry_id, row_id, slot_id};
 use super::victim::VictimKey;
 use super::Scheduler;
 use crate::error::{CoreError, Result};
-use crate::ledger::{page_id, superblock_count, DecodeLane};
+use crate::ledger::{page_id, superblock_count, DecodeLane, OlderUndo};
 use crate::RequestId;
 
 impl Scheduler {
@@ -118,7 +118,8 @@ impl Scheduler {
     }
 
     /// Appends a chunk of decodes gathered by [`Self::decode_run`]: the output columns
-    /// both modes fill alike, the requests and their journal entries.
+    /// both modes fill alike, the requests and their journal entries (the mode appends the
+    /// undos its decodes replaced, see [`DecodeRunMode::flush`]).
     #[inline]
     fn append_decode_chunk(
         &mut self,
@@ -212,8 +213,10 @@ impl Scheduler {
         let mut positions = [0; CHUNK];
         let mut slots = [0; CHUNK];
         let mut reqs = [0; CHUNK];
-        // The mode's own column: each entry's input token, or its row (see `M::input`).
+        // The mode's own columns: each entry's input token, or its row (see `M::input`),
+        // and what its allocation replaced (see `M::Undo`; nothing for a plain step).
         let mut inputs = [0; CHUNK];
+        let mut undos = [M::NO_UNDO; CHUNK];
         let mut queue_pos = 0;
         loop {
             // The general path may have scheduled tokens: the budget is read afresh.
@@ -243,7 +246,8 @@ impl Scheduler {
                         break;
                     };
                     // The request's index is also its ledger entry (see `add_request`).
-                    let Some(position) = M::allocate(&mut lane, req, request.id, step) else {
+                    let Some((position, undo)) = M::allocate(&mut lane, req, request.id, step)
+                    else {
                         break;
                     };
                     request.scheduled_step = step;
@@ -252,6 +256,7 @@ impl Scheduler {
                     slots[count] = slot_id(slot);
                     reqs[count] = req;
                     inputs[count] = M::input(request, row);
+                    undos[count] = undo;
                     count += 1;
                     pos += 1;
                 }
@@ -263,8 +268,14 @@ impl Scheduler {
                 &slots[..count],
                 &reqs[..count],
             );
-            M::flush(&inputs[..count], &mut self.builder.out);
-            self.builder.tokens += count as u64;
+            let builder = &mut self.builder;
+            M::flush(
+                &inputs[..count],
+                &undos[..count],
+                &mut builder.out,
+                &mut builder.record,
+            );
+            builder.tokens += count as u64;
             queue_pos = end;
             // A full chunk goes on; a shorter one stopped at the queue's end, or at a
             // request for the general path (one that needs more, or the budget's end).
@@ -307,15 +318,17 @@ impl Scheduler {
         loop {
             // The request's index is also its ledger entry (see `add_request`).
             // A decode on a token in flight keeps the undo of the pending step's decode
-            // (reverting this step, then that one, stays exact).
+            // it replaces (reverting this step, then that one, stays exact).
             let allocated = if AHEAD && input_row >= 0 {
                 self.ledger
                     .allocate_decode_ahead_at(req as usize, id, step)?
             } else {
-                self.ledger.allocate_decode_at(req as usize, id, step)?
+                self.ledger
+                    .allocate_decode_at(req as usize, id, step)?
+                    .map(|position| (position, OlderUndo::NONE))
             };
-            if let Some(position) = allocated {
-                self.push_generation_entry::<AHEAD>(step, req, position, input_row);
+            if let Some((position, replaced)) = allocated {
+                self.push_generation_entry::<AHEAD>(step, req, position, input_row, replaced);
                 if preempted {
                     self.mark_served_by_preempting(step, queue_pos, req);
                 }
@@ -350,13 +363,15 @@ impl Scheduler {
     /// touches each request once per step); a victim's entry is dropped in
     /// `finish_step`, a missing batch slot is filled in there (and, for a plain step, the
     /// input refs: all -1). Owner ranks are not stored: the output computes them from the
-    /// positions ([`ScheduleOutput::generation_owner_ranks`]).
+    /// positions ([`ScheduleOutput::generation_owner_ranks`]). `replaced`: the undo of
+    /// the older step's decode that this decode replaced (`AHEAD` only).
     fn push_generation_entry<const AHEAD: bool>(
         &mut self,
         step: u64,
         req: RequestIndex,
         position: u64,
         input_row: i32,
+        replaced: OlderUndo,
     ) {
         let request = &mut self.requests[req as usize];
         debug_assert!(input_row >= 0 || position == request.computed);
@@ -382,8 +397,15 @@ impl Scheduler {
             out.generation_input_tokens.push(request.last_token);
         }
         out.generation_batch_slots.push(slot);
-        self.builder.record.generation_reqs.push(req);
-        self.builder.record.journal.push(JournalEntry::Decode(req));
+        let record = &mut self.builder.record;
+        record.generation_reqs.push(req);
+        if AHEAD {
+            record.older_undos.push(replaced);
+        }
+        record.journal.push(JournalEntry::Decode {
+            req,
+            entry: entry_id(entry),
+        });
         self.builder.tokens += 1;
     }
 
@@ -743,6 +765,12 @@ impl Scheduler {
     /// claims, then context entries, lowest free first), drops entries of requests
     /// preempted after they were scheduled, and digests it.
     pub(super) fn finish_step(&mut self, step: u64) {
+        let record = &self.builder.record;
+        debug_assert!(
+            record.older_undos.is_empty()
+                || record.older_undos.len() == record.generation_reqs.len(),
+            "a step planned ahead keeps one undo per generation entry"
+        );
         for &entry in &self.builder.generation_needing_slots {
             let req = self.builder.record.generation_reqs[entry];
             let request = &mut self.requests[req as usize];
@@ -832,14 +860,15 @@ impl Scheduler {
         {
             let mut journal =
                 Vec::with_capacity(record.journal.len() + record.generation_reqs.len());
-            for &entry in &record.journal {
-                match entry {
-                    JournalEntry::Decodes { from, to } => journal.extend(
-                        record.generation_reqs[from as usize..to as usize]
-                            .iter()
-                            .map(|&req| JournalEntry::Decode(req)),
-                    ),
-                    _ => journal.push(entry),
+            for &change in &record.journal {
+                match change {
+                    JournalEntry::Decodes { from, to } => {
+                        journal.extend((from..to).map(|entry| JournalEntry::Decode {
+                            req: record.generation_reqs[entry as usize],
+                            entry,
+                        }));
+                    }
+                    _ => journal.push(change),
                 }
             }
             record.journal = journal;
@@ -881,16 +910,28 @@ impl Scheduler {
     pub(super) fn undo_step(&mut self, record: &StepRecord) {
         let step = record.step;
         let generation = &record.generation_reqs;
-        for &entry in record.journal.iter().rev() {
-            match entry {
+        // The undo each decode replaced (a step planned ahead), else none.
+        let older = |entry: u32| {
+            record
+                .older_undos
+                .get(entry as usize)
+                .copied()
+                .unwrap_or(OlderUndo::NONE)
+        };
+        for &change in record.journal.iter().rev() {
+            match change {
                 JournalEntry::Decodes { from, to } => {
-                    for &req in generation[from as usize..to as usize].iter().rev() {
-                        self.undo_change(step, req, entry);
+                    for entry in (from..to).rev() {
+                        let req = generation[entry as usize];
+                        self.undo_change(step, req, change, older(entry));
                     }
                 }
-                JournalEntry::Decode(req)
-                | JournalEntry::Reserve { req, .. }
-                | JournalEntry::Resume(req) => self.undo_change(step, req, entry),
+                JournalEntry::Decode { req, entry } => {
+                    self.undo_change(step, req, change, older(entry));
+                }
+                JournalEntry::Reserve { req, .. } | JournalEntry::Resume(req) => {
+                    self.undo_change(step, req, change, OlderUndo::NONE);
+                }
             }
         }
         for &req in &record.new_slot_reqs {
@@ -915,7 +956,7 @@ impl Scheduler {
 
     /// Undoes one change of the step, the request `req`'s (`entry` is its journal entry;
     /// a decode of a `Decodes` run is undone as its own `Decode`).
-    fn undo_change(&mut self, step: u64, req: RequestIndex, entry: JournalEntry) {
+    fn undo_change(&mut self, step: u64, req: RequestIndex, entry: JournalEntry, older: OlderUndo) {
         let request = &self.requests[req as usize];
         // A zombie finished meanwhile (the older step's update retired it): what it holds
         // is freed after this undo, but its ledger change is undone first, so the pages the
@@ -937,8 +978,8 @@ impl Scheduler {
         }
         let id = request.id;
         let undone = match entry {
-            JournalEntry::Decode(_) | JournalEntry::Decodes { .. } => {
-                self.ledger.revert_decode(id, step).map(|_| ())
+            JournalEntry::Decode { .. } | JournalEntry::Decodes { .. } => {
+                self.ledger.revert_decode_to(id, step, older).map(|_| ())
             }
             JournalEntry::Reserve { len_before, .. } => self.ledger.shrink(id, len_before),
             // Its host pages were kept (they are released when a step is updated).
@@ -1044,21 +1085,34 @@ enum Admit {
 /// both fill alike, and its general path. A mode has no state: its functions are inlined
 /// into the run, which is compiled apart per mode.
 trait DecodeRunMode {
+    /// What an allocation of the mode replaced that the step's record keeps: the older
+    /// step's undo for a step planned ahead, nothing (`()`, no column at all) for a plain
+    /// one.
+    type Undo: Copy;
+    /// An entry of the undo column before it is written.
+    const NO_UNDO: Self::Undo;
     /// Whether the request `req` at the run's position decodes, is passed over or stops
     /// the run. `marks` are the older pending step's marks (read only one step ahead).
     fn admit(marks: &[AheadMark], step: u64, req: RequestIndex, request: &Request) -> Admit;
-    /// Allocates the decode token of `req` in place, or `None` for the general path.
+    /// Allocates the decode token of `req` in place (its position, and what it replaced),
+    /// or `None` for the general path.
     fn allocate(
         lane: &mut DecodeLane<'_>,
         req: RequestIndex,
         id: RequestId,
         step: u64,
-    ) -> Option<u64>;
+    ) -> Option<(u64, Self::Undo)>;
     /// The mode's column for a decoding entry, from its request and the row [`Self::admit`]
     /// gave.
     fn input(request: &Request, row: i32) -> i32;
-    /// Appends a chunk's values of the mode's column (`inputs`) to `out`.
-    fn flush(inputs: &[i32], out: &mut ScheduleOutput);
+    /// Appends a chunk's values of the mode's columns: `inputs` to `out`, `undos` to
+    /// `record`.
+    fn flush(
+        inputs: &[i32],
+        undos: &[Self::Undo],
+        out: &mut ScheduleOutput,
+        record: &mut StepRecord,
+    );
     /// The general path for the request `req` at `queue_pos`, where the run stopped.
     fn general(
         scheduler: &mut Scheduler,
@@ -1074,6 +1128,9 @@ trait DecodeRunMode {
 struct PlainRun;
 
 impl DecodeRunMode for PlainRun {
+    type Undo = ();
+    const NO_UNDO: () = ();
+
     #[inline]
     fn admit(_: &[AheadMark], _: u64, _: RequestIndex, request: &Request) -> Admit {
         match request.state {
@@ -1089,8 +1146,9 @@ impl DecodeRunMode for PlainRun {
         req: RequestIndex,
         id: RequestId,
         step: u64,
-    ) -> Option<u64> {
+    ) -> Option<(u64, ())> {
         lane.try_allocate_in_place(req as usize, id, step)
+            .map(|position| (position, ()))
     }
 
     /// The input token: the request's last token.
@@ -1109,7 +1167,7 @@ impl DecodeRunMode for PlainRun {
     }
 
     #[inline]
-    fn flush(tokens: &[i32], out: &mut ScheduleOutput) {
+    fn flush(tokens: &[i32], _: &[()], out: &mut ScheduleOutput, _: &mut StepRecord) {
         out.generation_input_tokens.extend_from_slice(tokens);
     }
 }
@@ -1122,6 +1180,9 @@ impl DecodeRunMode for PlainRun {
 struct AheadRun;
 
 impl DecodeRunMode for AheadRun {
+    type Undo = OlderUndo;
+    const NO_UNDO: OlderUndo = OlderUndo::NONE;
+
     #[inline]
     fn admit(marks: &[AheadMark], step: u64, req: RequestIndex, request: &Request) -> Admit {
         if request.abort_requested {
@@ -1150,7 +1211,7 @@ impl DecodeRunMode for AheadRun {
         req: RequestIndex,
         id: RequestId,
         step: u64,
-    ) -> Option<u64> {
+    ) -> Option<(u64, OlderUndo)> {
         lane.try_allocate_ahead_in_place(req as usize, id, step)
     }
 
@@ -1170,7 +1231,8 @@ impl DecodeRunMode for AheadRun {
     }
 
     #[inline]
-    fn flush(rows: &[i32], out: &mut ScheduleOutput) {
+    fn flush(rows: &[i32], undos: &[OlderUndo], out: &mut ScheduleOutput, record: &mut StepRecord) {
+        record.older_undos.extend_from_slice(undos);
         // A token still in flight is never given as a (stale) value.
         out.generation_input_tokens
             .resize(out.generation_input_tokens.len() + rows.len(), -1);
