@@ -113,83 +113,65 @@ impl StepRecord {
         );
         self.zombies.clear();
     }
-
-    /// Elements its buffers have room for, all together (which of two records to keep).
-    fn capacity(&self) -> usize {
-        self.context.capacity()
-            + self.generation_reqs.capacity()
-            + self.journal.capacity()
-            + self.older_undos.capacity()
-            + self.new_slot_reqs.capacity()
-            + self.sat_out.capacity()
-            + self.zombies.capacity()
-    }
 }
 
 /// The pending steps, oldest first: none, one, or two (the newer scheduled one step
-/// ahead while the older was still pending).
+/// ahead while the older was still pending). Records are boxed, so pushing, taking out and
+/// recycling one moves a pointer, not the record.
 #[derive(Debug, Clone, Default)]
 pub(super) struct PendingSteps {
-    /// `records[..len]` are pending, oldest first; the rest are empty.
-    records: [StepRecord; 2],
-    len: usize,
+    /// Oldest first; at most two.
+    #[expect(
+        clippy::vec_box,
+        reason = "a record moves between the ring and the builder by its pointer, not its ~200 bytes"
+    )]
+    records: Vec<Box<StepRecord>>,
 }
 
 impl PendingSteps {
     pub fn len(&self) -> usize {
-        self.len
+        self.records.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.records.is_empty()
     }
 
     pub fn is_full(&self) -> bool {
-        self.len == 2
+        self.records.len() == 2
     }
 
     pub fn oldest(&self) -> Option<&StepRecord> {
-        self.records[..self.len].first()
+        self.records.first().map(|record| &**record)
     }
 
     pub fn newest(&self) -> Option<&StepRecord> {
-        self.records[..self.len].last()
+        self.records.last().map(|record| &**record)
     }
 
     pub fn newest_mut(&mut self) -> Option<&mut StepRecord> {
-        self.records[..self.len].last_mut()
+        self.records.last_mut().map(|record| &mut **record)
     }
 
     /// The pending steps, oldest first.
     pub fn iter(&self) -> impl Iterator<Item = &StepRecord> {
-        self.records[..self.len].iter()
+        self.records.iter().map(|record| &**record)
     }
 
     /// Adds a newly scheduled step; at most two are pending.
-    pub fn push(&mut self, record: StepRecord) {
+    pub fn push(&mut self, record: Box<StepRecord>) {
         debug_assert!(!self.is_full(), "at most two steps are pending");
-        self.records[self.len] = record;
-        self.len += 1;
+        self.records.push(record);
     }
 
     /// Takes out the oldest pending step (the one `update` closes).
-    pub fn pop_oldest(&mut self) -> Option<StepRecord> {
-        if self.len == 0 {
-            return None;
-        }
-        let oldest = std::mem::take(&mut self.records[0]);
-        self.records.swap(0, 1);
-        self.len -= 1;
-        Some(oldest)
+    pub fn pop_oldest(&mut self) -> Option<Box<StepRecord>> {
+        (!self.records.is_empty()).then(|| self.records.remove(0))
     }
 
     /// Takes out the newest pending step (the one `revert` undoes).
-    pub fn pop_newest(&mut self) -> Option<StepRecord> {
-        if self.len == 0 {
-            return None;
-        }
-        self.len -= 1;
-        Some(std::mem::take(&mut self.records[self.len]))
+    pub fn pop_newest(&mut self) -> Option<Box<StepRecord>> {
+        self.records.pop()
     }
 
     /// Holds `req` (finished while pending step `step` refers to it) until that step
@@ -218,7 +200,9 @@ pub(super) struct StepBuilder {
     /// The schedule being built; it becomes the scheduler's output on success.
     pub out: ScheduleOutput,
     /// The record being built; pushed to the pending steps on success.
-    pub record: StepRecord,
+    pub record: Box<StepRecord>,
+    /// A closed step's record, the next one to build in.
+    spare: Option<Box<StepRecord>>,
     /// Generation entries whose request had no batch slot yet.
     pub generation_needing_slots: Vec<usize>,
     /// Whether a request was preempted after its generation entry was made.
@@ -249,7 +233,8 @@ impl StepBuilder {
     pub fn new(policy: VictimPolicy, out: ScheduleOutput) -> Self {
         Self {
             out,
-            record: StepRecord::default(),
+            record: Box::default(),
+            spare: None,
             generation_needing_slots: Vec::new(),
             generation_removed: false,
             victims: VictimFinder::new(policy),
@@ -287,10 +272,11 @@ impl StepBuilder {
     }
 
     /// The record of the step just built (its output's digest and samples, the free list's
-    /// length `free_len` once it took its pages); the builder keeps no record until one is
-    /// recycled.
-    pub fn seal(&mut self, free_len: u32) -> StepRecord {
-        let mut record = std::mem::take(&mut self.record);
+    /// length `free_len` once it took its pages); the builder goes on in the spare record
+    /// (a new one while none was recycled yet: the first steps only).
+    pub fn seal(&mut self, free_len: u32) -> Box<StepRecord> {
+        let next = self.spare.take().unwrap_or_default();
+        let mut record = std::mem::replace(&mut self.record, next);
         debug_assert_eq!(record.step, self.out.step);
         record.digest = self.out.digest;
         record.samples = self.out.num_samples();
@@ -298,12 +284,24 @@ impl StepBuilder {
         record
     }
 
-    /// Hands back a closed step's record, to build a later step in its buffers (the one
-    /// with more room is kept).
-    pub fn recycle(&mut self, mut record: StepRecord) {
-        if record.capacity() > self.record.capacity() {
+    /// Takes out the record being built (for undoing a step that failed, which needs the
+    /// scheduler whole); [`Self::put_back`] returns it.
+    pub fn take_record(&mut self) -> Box<StepRecord> {
+        let spare = self.spare.take().unwrap_or_default();
+        std::mem::replace(&mut self.record, spare)
+    }
+
+    /// Returns the record [`Self::take_record`] took.
+    pub fn put_back(&mut self, record: Box<StepRecord>) {
+        let spare = std::mem::replace(&mut self.record, record);
+        self.spare = Some(spare);
+    }
+
+    /// Hands back a closed step's record, to build a later step in its buffers.
+    pub fn recycle(&mut self, mut record: Box<StepRecord>) {
+        if self.spare.is_none() {
             record.zombies.clear();
-            self.record = record;
+            self.spare = Some(record);
         }
     }
 }
@@ -312,11 +310,11 @@ impl StepBuilder {
 mod tests {
     use super::{PendingSteps, StepRecord};
 
-    fn record(step: u64) -> StepRecord {
-        StepRecord {
+    fn record(step: u64) -> Box<StepRecord> {
+        Box::new(StepRecord {
             step,
             ..StepRecord::default()
-        }
+        })
     }
 
     #[test]

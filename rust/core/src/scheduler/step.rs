@@ -118,8 +118,9 @@ impl Scheduler {
     }
 
     /// Appends a chunk of decodes gathered by [`Self::decode_run`]: the output columns
-    /// both modes fill alike, the requests and their journal entries (the mode appends the
-    /// undos its decodes replaced, see [`DecodeRunMode::flush`]).
+    /// both modes fill alike, the requests and their journal entries (a step planned ahead
+    /// kept the undos its decodes replaced as it made them, see
+    /// [`DecodeRunMode::allocate`]).
     #[inline]
     fn append_decode_chunk(
         &mut self,
@@ -156,9 +157,9 @@ impl Scheduler {
     /// Undoes what the phases of a step that failed did (see [`Self::undo_step`]); the
     /// builder keeps its buffers.
     pub(super) fn abandon_step(&mut self) {
-        let record = std::mem::take(&mut self.builder.record);
+        let record = self.builder.take_record();
         self.undo_step(&record);
-        self.builder.record = record;
+        self.builder.put_back(record);
     }
 
     /// Batch slots still free for entries of this step: what is free less what this
@@ -213,10 +214,8 @@ impl Scheduler {
         let mut positions = [0; CHUNK];
         let mut slots = [0; CHUNK];
         let mut reqs = [0; CHUNK];
-        // The mode's own columns: each entry's input token, or its row (see `M::input`),
-        // and what its allocation replaced (see `M::Undo`; nothing for a plain step).
+        // The mode's own column: each entry's input token, or its row (see `M::input`).
         let mut inputs = [0; CHUNK];
-        let mut undos = [M::NO_UNDO; CHUNK];
         let mut queue_pos = 0;
         loop {
             // The general path may have scheduled tokens: the budget is read afresh.
@@ -227,6 +226,16 @@ impl Scheduler {
                 let mut lane = self.ledger.decode_lane();
                 let marks = &self.builder.ahead_marks[..];
                 let room = usize::try_from(budget).unwrap_or(usize::MAX).min(CHUNK);
+                // A step planned ahead keeps what each of its decodes replaced, in entry
+                // order, as it makes them: in its record's column, held in a local for the
+                // chunk (so the loop keeps it in registers) with room made once.
+                let mut undos = if M::KEEPS_UNDOS {
+                    let mut undos = std::mem::take(&mut self.builder.record.older_undos);
+                    undos.reserve(room);
+                    undos
+                } else {
+                    Vec::new()
+                };
                 let mut count = 0;
                 let mut pos = queue_pos;
                 while count < room {
@@ -246,7 +255,7 @@ impl Scheduler {
                         break;
                     };
                     // The request's index is also its ledger entry (see `add_request`).
-                    let Some((position, undo)) = M::allocate(&mut lane, req, request.id, step)
+                    let Some(position) = M::allocate(&mut lane, req, request.id, step, &mut undos)
                     else {
                         break;
                     };
@@ -256,9 +265,11 @@ impl Scheduler {
                     slots[count] = slot_id(slot);
                     reqs[count] = req;
                     inputs[count] = M::input(request, row);
-                    undos[count] = undo;
                     count += 1;
                     pos += 1;
+                }
+                if M::KEEPS_UNDOS {
+                    self.builder.record.older_undos = undos;
                 }
                 (count, pos)
             };
@@ -268,14 +279,8 @@ impl Scheduler {
                 &slots[..count],
                 &reqs[..count],
             );
-            let builder = &mut self.builder;
-            M::flush(
-                &inputs[..count],
-                &undos[..count],
-                &mut builder.out,
-                &mut builder.record,
-            );
-            builder.tokens += count as u64;
+            M::flush(&inputs[..count], &mut self.builder.out);
+            self.builder.tokens += count as u64;
             queue_pos = end;
             // A full chunk goes on; a shorter one stopped at the queue's end, or at a
             // request for the general path (one that needs more, or the budget's end).
@@ -448,7 +453,10 @@ impl Scheduler {
     }
 
     /// `ahead`: the step is planned while the older one is pending, whose chunks and
-    /// completions (marked by `mark_older_step_work`) count as done.
+    /// completions (marked by `mark_older_step_work`) count as done. Kept out of line:
+    /// inlined into `schedule()` (where it has two callers) its queue walk took about two
+    /// instructions more a request (cachegrind, `scheduler_step` under pressure).
+    #[inline(never)]
     pub(super) fn context_phase(&mut self, step: u64, ahead: bool) -> Result<()> {
         let candidates = self.state_counts[RequestState::Waiting.index()]
             + self.state_counts[RequestState::Prefilling.index()];
@@ -1085,34 +1093,26 @@ enum Admit {
 /// both fill alike, and its general path. A mode has no state: its functions are inlined
 /// into the run, which is compiled apart per mode.
 trait DecodeRunMode {
-    /// What an allocation of the mode replaced that the step's record keeps: the older
-    /// step's undo for a step planned ahead, nothing (`()`, no column at all) for a plain
-    /// one.
-    type Undo: Copy;
-    /// An entry of the undo column before it is written.
-    const NO_UNDO: Self::Undo;
+    /// Whether [`Self::allocate`] keeps what each decode replaced (a step planned ahead:
+    /// the older step's undo; a plain step keeps nothing).
+    const KEEPS_UNDOS: bool;
     /// Whether the request `req` at the run's position decodes, is passed over or stops
     /// the run. `marks` are the older pending step's marks (read only one step ahead).
     fn admit(marks: &[AheadMark], step: u64, req: RequestIndex, request: &Request) -> Admit;
-    /// Allocates the decode token of `req` in place (its position, and what it replaced),
-    /// or `None` for the general path.
+    /// Allocates the decode token of `req` in place (its position), or `None` for the
+    /// general path; with [`Self::KEEPS_UNDOS`], appends what it replaced to `undos`.
     fn allocate(
         lane: &mut DecodeLane<'_>,
         req: RequestIndex,
         id: RequestId,
         step: u64,
-    ) -> Option<(u64, Self::Undo)>;
+        undos: &mut Vec<OlderUndo>,
+    ) -> Option<u64>;
     /// The mode's column for a decoding entry, from its request and the row [`Self::admit`]
     /// gave.
     fn input(request: &Request, row: i32) -> i32;
-    /// Appends a chunk's values of the mode's columns: `inputs` to `out`, `undos` to
-    /// `record`.
-    fn flush(
-        inputs: &[i32],
-        undos: &[Self::Undo],
-        out: &mut ScheduleOutput,
-        record: &mut StepRecord,
-    );
+    /// Appends a chunk's values of the mode's column (`inputs`) to `out`.
+    fn flush(inputs: &[i32], out: &mut ScheduleOutput);
     /// The general path for the request `req` at `queue_pos`, where the run stopped.
     fn general(
         scheduler: &mut Scheduler,
@@ -1128,8 +1128,7 @@ trait DecodeRunMode {
 struct PlainRun;
 
 impl DecodeRunMode for PlainRun {
-    type Undo = ();
-    const NO_UNDO: () = ();
+    const KEEPS_UNDOS: bool = false;
 
     #[inline]
     fn admit(_: &[AheadMark], _: u64, _: RequestIndex, request: &Request) -> Admit {
@@ -1146,9 +1145,9 @@ impl DecodeRunMode for PlainRun {
         req: RequestIndex,
         id: RequestId,
         step: u64,
-    ) -> Option<(u64, ())> {
+        _: &mut Vec<OlderUndo>,
+    ) -> Option<u64> {
         lane.try_allocate_in_place(req as usize, id, step)
-            .map(|position| (position, ()))
     }
 
     /// The input token: the request's last token.
@@ -1167,7 +1166,7 @@ impl DecodeRunMode for PlainRun {
     }
 
     #[inline]
-    fn flush(tokens: &[i32], _: &[()], out: &mut ScheduleOutput, _: &mut StepRecord) {
+    fn flush(tokens: &[i32], out: &mut ScheduleOutput) {
         out.generation_input_tokens.extend_from_slice(tokens);
     }
 }
@@ -1180,8 +1179,7 @@ impl DecodeRunMode for PlainRun {
 struct AheadRun;
 
 impl DecodeRunMode for AheadRun {
-    type Undo = OlderUndo;
-    const NO_UNDO: OlderUndo = OlderUndo::NONE;
+    const KEEPS_UNDOS: bool = true;
 
     #[inline]
     fn admit(marks: &[AheadMark], step: u64, req: RequestIndex, request: &Request) -> Admit {
@@ -1211,8 +1209,11 @@ impl DecodeRunMode for AheadRun {
         req: RequestIndex,
         id: RequestId,
         step: u64,
-    ) -> Option<(u64, OlderUndo)> {
-        lane.try_allocate_ahead_in_place(req as usize, id, step)
+        undos: &mut Vec<OlderUndo>,
+    ) -> Option<u64> {
+        let (position, replaced) = lane.try_allocate_ahead_in_place(req as usize, id, step)?;
+        undos.push(replaced);
+        Some(position)
     }
 
     /// The row of the older step's sampled tokens that holds the input.
@@ -1231,8 +1232,7 @@ impl DecodeRunMode for AheadRun {
     }
 
     #[inline]
-    fn flush(rows: &[i32], undos: &[OlderUndo], out: &mut ScheduleOutput, record: &mut StepRecord) {
-        record.older_undos.extend_from_slice(undos);
+    fn flush(rows: &[i32], out: &mut ScheduleOutput) {
         // A token still in flight is never given as a (stale) value.
         out.generation_input_tokens
             .resize(out.generation_input_tokens.len() + rows.len(), -1);
