@@ -4,8 +4,8 @@
 //! newest), and the scratch `schedule()` builds a step in ([`StepBuilder`]), which it
 //! turns into a record on success.
 //!
-//! A leaf of the scheduler's module graph: it knows the request index, the output and
-//! the victim search, and nothing of the scheduler's state.
+//! A leaf of the scheduler's module graph: it knows the request index, the output, the
+//! victim search and the ledger's decode undo, and nothing of the scheduler's state.
 
 use super::config::VictimPolicy;
 use super::output::ScheduleOutput;
@@ -93,8 +93,8 @@ pub(super) struct StepRecord {
     pub new_slot_reqs: Vec<RequestIndex>,
     pub sat_out: Vec<SatOut>,
     /// Requests that finished (or were aborted) while this step still referred to them,
-    /// in the order they finished: their output is taken already possible, but their KV,
-    /// batch slot and index stay held until this step is updated or reverted.
+    /// in the order they finished: their output can be taken already, but their KV, batch
+    /// slot and index stay held until this step is updated or reverted.
     pub zombies: Vec<RequestIndex>,
 }
 
