@@ -24,7 +24,10 @@ impl Scheduler {
         let (mut next_generation, mut next_context) = (0, 0);
         let mut next_context_sample = generation.len();
         let mut computed_tokens = generation.len() as u64;
-        let has_zombies = !record.zombies.is_empty() || self.pending.has_zombies();
+        // Only this step holds requests that finished while it was pending: a newer one
+        // gets its first ones in this pass.
+        debug_assert!(!self.pending.has_zombies());
+        let has_zombies = !record.zombies.is_empty();
         self.finished_ids.clear();
         let mut kept = 0;
         let mut read = 0;
