@@ -421,10 +421,16 @@ struct DecodeUndo {
 const UNDO_BITS: u8 = HAS_UNDO | UNDO_HAS_STEP | UNDO_GREW;
 
 /// An `Option<DecodeUndo>` as [`KvRecord`] keeps it (its undo fields and flag bits), so
-/// the one planned ahead copies it with three stores. Compared and printed as the
+/// it is copied out and back with three stores. Compared and printed as the
 /// `Option<DecodeUndo>` it stands for (what the unused fields keep does not count).
+///
+/// A record keeps the undo of its last decode allocation only. A decode planned ahead of
+/// a pending step (`allocate_decode_ahead_at`) replaces the undo of that step's decode:
+/// it hands the replaced one out, the scheduler keeps it in the journal of the step
+/// planned ahead, and gives it back when it reverts that step (`revert_decode_to`), so the
+/// older step can be reverted after it.
 #[derive(Clone, Copy)]
-struct OlderUndo {
+pub(crate) struct OlderUndo {
     step: u64,
     len_after: u64,
     /// `UNDO_BITS` of the flags: none of them for no undo.
@@ -432,7 +438,8 @@ struct OlderUndo {
 }
 
 impl OlderUndo {
-    const NONE: Self = Self {
+    /// No undo: a step reverted with it leaves its request's record without one.
+    pub(crate) const NONE: Self = Self {
         step: 0,
         len_after: 0,
         flags: 0,
@@ -531,11 +538,6 @@ pub struct Ledger {
     vacant: Vec<EntryIndex>,
     /// Id -> entry; used for lookups only, never iterated.
     index: IdIndex,
-    /// Per entry, the undo of the decode allocation before the last one, kept only by
-    /// [`Ledger::allocate_decode_ahead_at`] (a step planned while the previous one is
-    /// pending), so its newest step can be reverted and then the older one too. Apart from
-    /// the entries, so the plain decode path writes nothing more.
-    older_decode_undo: Vec<OlderUndo>,
     /// Working space of the batch calls, kept so they allocate nothing in steady state.
     scratch: Scratch,
 }
@@ -617,7 +619,6 @@ impl Ledger {
             requests: Slab::default(),
             vacant: Vec::new(),
             index: IdIndex::default(),
-            older_decode_undo: Vec::new(),
             scratch: Scratch::default(),
         })
     }
@@ -953,7 +954,6 @@ impl Ledger {
     /// Makes an emptied slab entry reusable (its table keeps its capacity).
     #[inline]
     fn vacate(&mut self, entry: EntryIndex) {
-        self.forget_older_decode_undo(entry);
         let kv = &mut self.requests.records[entry];
         debug_assert!(
             kv.held == 0 && self.requests.tables[entry].spill.is_empty() && kv.len == 0,
@@ -1146,11 +1146,6 @@ impl Ledger {
             Self::clear_vacated(request);
         }
         self.free = free;
-        if !self.older_decode_undo.is_empty() {
-            for &entry in &entries {
-                self.forget_older_decode_undo(entry);
-            }
-        }
         self.vacant.extend_from_slice(&entries);
         self.scratch.entries = entries;
         Ok(())
@@ -1182,30 +1177,26 @@ impl Ledger {
     }
 
     /// [`Ledger::allocate_decode_at`] for a step planned while the request's previous
-    /// decode allocation belongs to a step still pending: that allocation's undo is kept,
-    /// so after `revert_decode` of this one it can be undone too.
+    /// decode allocation belongs to a step still pending: with the position it returns the
+    /// undo the allocation replaced (that allocation's, [`OlderUndo::NONE`] if it replaced
+    /// none), for the caller to hand back to [`Ledger::revert_decode_to`] when it reverts
+    /// this one, so the older one can be undone too.
     pub(crate) fn allocate_decode_ahead_at(
         &mut self,
         entry: EntryIndex,
         id: RequestId,
         step: u64,
-    ) -> Result<Option<u64>> {
+    ) -> Result<Option<(u64, OlderUndo)>> {
         let entry = match self.requests.records.get(entry) {
             Some(request) if request.id == id => entry,
             _ => self.active_entry_of(id)?,
         };
-        let undo = OlderUndo::of(&self.requests.records[entry]);
+        let before = OlderUndo::of(&self.requests.records[entry]);
         let position = self.allocate_decode_in(entry, step)?;
-        if position.is_some() && self.requests.records[entry].decode_step() == Some(step) {
-            self.keep_older_decode_undo(entry, undo);
-        }
-        Ok(position)
-    }
-
-    fn forget_older_decode_undo(&mut self, entry: EntryIndex) {
-        if let Some(undo) = self.older_decode_undo.get_mut(entry) {
-            *undo = OlderUndo::NONE;
-        }
+        Ok(position.map(|position| {
+            let now = OlderUndo::of(&self.requests.records[entry]);
+            (position, replaced_undo(now, before))
+        }))
     }
 
     /// The records and what the per-step decode loop needs of the ledger, apart, so the
@@ -1213,20 +1204,8 @@ impl Ledger {
     pub(crate) fn decode_lane(&mut self) -> DecodeLane<'_> {
         DecodeLane {
             requests: &mut self.requests.records,
-            older_decode_undo: &mut self.older_decode_undo,
             tokens_per_superblock: self.layout.tokens_per_superblock(),
         }
-    }
-
-    /// After a decode planned ahead replaced `entry`'s decode undo, keeps the one it
-    /// replaced (`before`: the older pending step's) for that step's own undo.
-    fn keep_older_decode_undo(&mut self, entry: EntryIndex, before: OlderUndo) {
-        keep_older_decode_undo(
-            &mut self.older_decode_undo,
-            entry,
-            OlderUndo::of(&self.requests.records[entry]),
-            before,
-        );
     }
 
     fn allocate_decode_in(&mut self, entry: EntryIndex, step: u64) -> Result<Option<u64>> {
@@ -1276,13 +1255,28 @@ impl Ledger {
     /// Undoes the decode allocation that `id` made in `step`, if any (a step that was
     /// scheduled but not run). Returns whether there was one. It is an exact undo: the
     /// length and the step marker return to what they were before the allocation (so
-    /// `state_digest` does too). The latest two allocations can be undone, newest first
-    /// (a one-step-ahead scheduler reverts its newest step, then possibly the older one).
+    /// `state_digest` does too). The latest allocation can be undone (a request keeps the
+    /// undo of its last one); the scheduler, which may plan a step ahead of a pending one,
+    /// keeps what a decode planned ahead replaced and reverts that step with
+    /// `revert_decode_to`, so it can revert the older step after it.
     ///
     /// If a `grow` or `shrink` changed the length since the allocation, that call owns
     /// the length and it is kept (only the counters go back): restoring the old length
     /// could raise it past the superblocks a shrink gave back, or drop a grow.
     pub fn revert_decode(&mut self, id: RequestId, step: u64) -> Result<bool> {
+        self.revert_decode_to(id, step, OlderUndo::NONE)
+    }
+
+    /// [`Ledger::revert_decode`], leaving `older` as the request's undo: the undo its
+    /// allocation replaced, as [`Ledger::allocate_decode_ahead_at`] (or
+    /// [`DecodeLane::try_allocate_ahead_in_place`]) returned it, so the decode of the
+    /// older step can be reverted next.
+    pub(crate) fn revert_decode_to(
+        &mut self,
+        id: RequestId,
+        step: u64,
+        older: OlderUndo,
+    ) -> Result<bool> {
         let entry = self.active_entry_of(id)?;
         let request = &mut self.requests.records[entry];
         if request.decode_step() != Some(step) {
@@ -1293,11 +1287,7 @@ impl Ledger {
         };
         request.decode_count -= 1;
         request.set_decode_step(undo.step);
-        request.set_decode_undo(
-            self.older_decode_undo
-                .get_mut(entry)
-                .and_then(|older| std::mem::replace(older, OlderUndo::NONE).get()),
-        );
+        request.set_decode_undo(older.get());
         if request.len == undo.len_after {
             // `undo.len <= undo.len_after`: this only ever shrinks.
             self.shrink_entry(entry, undo.len);
@@ -1327,7 +1317,6 @@ impl Ledger {
         request.set_decode_step(None);
         request.set_decode_undo(None);
         request.flags &= !SUSPENDED;
-        self.forget_older_decode_undo(entry);
         Ok(())
     }
 
@@ -1343,7 +1332,6 @@ impl Ledger {
         request.flags |= SUSPENDED;
         request.set_decode_step(None);
         request.set_decode_undo(None);
-        self.forget_older_decode_undo(entry);
         Ok(held)
     }
 
@@ -1497,42 +1485,26 @@ impl Ledger {
     }
 }
 
-/// [`Ledger::keep_older_decode_undo`] on the ledger's vector of older undos, with `now`
-/// the entry's undo after the decode.
+/// The undo a decode allocation replaced (`before`), or none if it replaced nothing
+/// (`now`, its record's undo after it, is the same: a retry in the same step).
 #[expect(
     clippy::inline_always,
     reason = "part of the per-request body of the scheduler's decode loop planned ahead"
 )]
 #[inline(always)]
-fn keep_older_decode_undo(
-    older_decode_undo: &mut Vec<OlderUndo>,
-    entry: EntryIndex,
-    now: OlderUndo,
-    before: OlderUndo,
-) {
-    if older_decode_undo.len() <= entry {
-        grow_older_decode_undo(older_decode_undo, entry);
+fn replaced_undo(now: OlderUndo, before: OlderUndo) -> OlderUndo {
+    if now.same(before) {
+        OlderUndo::NONE
+    } else {
+        before
     }
-    if !now.same(before) {
-        older_decode_undo[entry] = before;
-    }
-}
-
-/// Grows the vector only the first time an entry gets an older undo; out of line, so the
-/// decode loop's body stays small.
-#[cold]
-#[inline(never)]
-fn grow_older_decode_undo(older_decode_undo: &mut Vec<OlderUndo>, entry: EntryIndex) {
-    older_decode_undo.resize(entry + 1, OlderUndo::NONE);
 }
 
 /// The ledger's records as the scheduler's per-step decode loop uses them
-/// ([`Ledger::decode_lane`]): the record slice, the older-undo vector and tokens per
-/// superblock held apart from the ledger, so the loop's stores cannot alias them and it
-/// keeps them in registers.
+/// ([`Ledger::decode_lane`]): the record slice and tokens per superblock held apart from
+/// the ledger, so the loop's stores cannot alias them and it keeps them in registers.
 pub(crate) struct DecodeLane<'a> {
     requests: &'a mut [KvRecord],
-    older_decode_undo: &'a mut Vec<OlderUndo>,
     tokens_per_superblock: u64,
 }
 
@@ -1559,8 +1531,8 @@ impl DecodeLane<'_> {
     }
 
     /// [`Self::try_allocate_in_place`] for a step planned ahead: when it gives a
-    /// position it is [`Ledger::allocate_decode_ahead_at`] exactly (the previous decode's
-    /// undo kept); otherwise it changes nothing.
+    /// position it is [`Ledger::allocate_decode_ahead_at`] exactly (with the undo it
+    /// replaced); otherwise it changes nothing.
     #[expect(
         clippy::inline_always,
         reason = "the per-request body of the scheduler's decode loop planned ahead"
@@ -1571,13 +1543,12 @@ impl DecodeLane<'_> {
         entry: EntryIndex,
         id: RequestId,
         step: u64,
-    ) -> Option<u64> {
+    ) -> Option<(u64, OlderUndo)> {
         let request = self.requests.get_mut(entry)?;
         let before = OlderUndo::of(request);
         let position = allocate_decode_in_place(request, self.tokens_per_superblock, id, step)?;
         let now = OlderUndo::of(request);
-        keep_older_decode_undo(self.older_decode_undo, entry, now, before);
-        Some(position)
+        Some((position, replaced_undo(now, before)))
     }
 }
 
@@ -1910,12 +1881,44 @@ mod tests {
         }
     }
 
+    /// Two decodes of a request, the second planned ahead of the first (one step ahead,
+    /// with and without a new superblock, and over a whole-output reservation): reverting
+    /// the second with the undo it replaced, then the first, leaves the ledger as before
+    /// both; the plain `revert_decode` of the second leaves nothing to undo the first
+    /// with.
+    #[test]
+    fn a_decode_planned_ahead_hands_out_the_undo_that_reverts_both() {
+        let layout = Layout::new(1, 4).unwrap();
+        for (prompt, reserved) in [(2, 2), (3, 3), (3, 12)] {
+            let mut ledger = Ledger::new(layout, 8).unwrap();
+            ledger.add(1, prompt).unwrap();
+            assert!(ledger.grow(1, reserved).unwrap());
+            let before = ledger.clone();
+            assert_eq!(ledger.allocate_decode(1, 0).unwrap(), Some(prompt));
+            let entry = ledger.entry_of(1).unwrap();
+            let (position, replaced) = ledger
+                .allocate_decode_ahead_at(entry, 1, 1)
+                .unwrap()
+                .unwrap();
+            assert_eq!(position, prompt + 1);
+            assert!(replaced.get().is_some(), "prompt {prompt}");
+            let mut plain = ledger.clone();
+            assert!(ledger.revert_decode_to(1, 1, replaced).unwrap());
+            assert!(ledger.revert_decode(1, 0).unwrap());
+            assert_eq!(ledger, before, "prompt {prompt}, reserved {reserved}");
+            assert_eq!(ledger.state_digest(), before.state_digest());
+            assert!(plain.revert_decode(1, 1).unwrap());
+            assert!(!plain.revert_decode(1, 0).unwrap());
+        }
+    }
+
     /// The scheduler's in-place decodes (`DecodeLane`) against the general calls they
     /// stand for, from random states (no step yet, a step, a retry in the same step, a
-    /// grow or not, suspended, shrunk, entries past the older-undo vector, wrong hints):
-    /// where the in-place one gives a position, the general one gives the same and leaves
-    /// the same ledger; where it gives none, nothing changed. Reverting both ways after
-    /// (the newer step, then the older) stays equal too.
+    /// grow or not, suspended, shrunk, wrong hints): where the in-place one gives a
+    /// position (and, planned ahead, the undo it replaced), the general one gives the same
+    /// and leaves the same ledger; where it gives none, nothing changed. Reverting both
+    /// ways after (the newer step with the undo it replaced, then the older) stays equal
+    /// too.
     #[test]
     fn in_place_decodes_are_the_general_decodes() {
         let layout = Layout::new(2, 4).unwrap();
@@ -1951,9 +1954,12 @@ mod tests {
                     .decode_lane()
                     .try_allocate_ahead_in_place(entry, id, step)
             } else {
-                ledger.decode_lane().try_allocate_in_place(entry, id, step)
+                ledger
+                    .decode_lane()
+                    .try_allocate_in_place(entry, id, step)
+                    .map(|position| (position, OlderUndo::NONE))
             };
-            let Some(position) = got else {
+            let Some((position, replaced)) = got else {
                 refused += 1;
                 assert_eq!(
                     ledger, before,
@@ -1966,15 +1972,20 @@ mod tests {
             let expected = if ahead {
                 general.allocate_decode_ahead_at(entry, id, step)
             } else {
-                general.allocate_decode_at(entry, id, step)
+                general
+                    .allocate_decode_at(entry, id, step)
+                    .map(|got| got.map(|position| (position, OlderUndo::NONE)))
             };
-            assert_eq!(expected.unwrap(), Some(position), "round {round}");
+            let (expected_position, expected_replaced) = expected.unwrap().unwrap();
+            assert_eq!(expected_position, position, "round {round}");
+            assert_eq!(expected_replaced, replaced, "round {round}");
             assert_eq!(ledger, general, "round {round}");
             if next(4) == 0 {
-                for revert in [step, step.saturating_sub(1)] {
+                for (revert, older) in [(step, replaced), (step.saturating_sub(1), OlderUndo::NONE)]
+                {
                     let (a, b) = (
-                        ledger.revert_decode(id, revert),
-                        general.revert_decode(id, revert),
+                        ledger.revert_decode_to(id, revert, older),
+                        general.revert_decode_to(id, revert, older),
                     );
                     assert_eq!(format!("{a:?}"), format!("{b:?}"), "round {round}");
                     assert_eq!(ledger, general, "round {round}");

@@ -49,7 +49,7 @@ impl Scheduler {
                 continue; // already pending, or a repeat
             }
             request.abort_requested = true;
-            if self.pending_steps > 0 {
+            if self.is_step_pending() {
                 self.abort_requests += 1;
             } else {
                 marked = true;

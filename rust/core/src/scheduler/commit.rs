@@ -1,82 +1,33 @@
 //! Closing a step: `update` (it ran) or `revert` (it did not).
 
-use super::request::NO_STEP;
-use super::{
-    ContextEntry, CoreError, FinishReason, JournalEntry, RequestId, RequestIndex, RequestMetrics,
-    RequestOutput, RequestState, Result, Scheduler,
-};
+use super::metrics::RequestMetrics;
+use super::pending::{ContextEntry, JournalEntry, StepRecord};
+use super::request::{FinishReason, RequestIndex, RequestOutput, RequestState, NO_STEP};
+use super::Scheduler;
 
 impl Scheduler {
-    /// Applies the step that ran: one sampled token per `sample_ids` entry (same order),
-    /// and optionally an end-of-sequence flag per entry. Returns the ids of requests
-    /// that finished, in queue order; their outputs wait for `take_output`. The input is
-    /// validated whole before anything changes.
-    ///
-    /// With two steps pending (the newer scheduled one step ahead) it closes the older one:
-    /// `tokens` follow that step's `sample_ids`. A request that finishes there while the
-    /// newer step refers to it loses its work in the newer step and is held (its KV and
-    /// batch slot) until that step closes.
-    ///
-    /// A request whose abort was requested while this step was pending finishes here
-    /// with [`FinishReason::Aborted`]: its token of this step is dropped (the client is
-    /// gone), its KV and batch slot are freed, and its id is among those returned.
-    pub fn update(&mut self, tokens: &[i32], eos: Option<&[bool]>) -> Result<&[RequestId]> {
-        if self.pending_steps == 0 {
-            return Err(CoreError::InvalidState(
-                "update() without a pending step: call schedule() first (and update or revert each step once)".into(),
-            ));
-        }
-        // The oldest pending step closes: the older record while two are pending.
-        let two = self.pending_steps == 2;
-        let (step, samples) = if two {
-            (self.older.step, self.older.samples)
-        } else {
-            (self.pending_step, self.pending_samples)
-        };
-        if tokens.len() != samples {
-            return Err(CoreError::InvalidArgument(format!(
-                "update() got {} tokens for the {samples} entries of sample_ids of step {step}",
-                tokens.len(),
-            )));
-        }
-        if let Some(eos) = eos {
-            if eos.len() != samples {
-                return Err(CoreError::InvalidArgument(format!(
-                    "update() got {} eos flags for the {samples} entries of sample_ids of step {step}",
-                    eos.len(),
-                )));
-            }
-        }
-        if two {
-            self.swap_step_records();
-            let newer = self.older.step;
-            self.apply_step(tokens, eos, Some(newer));
-            self.swap_step_records();
-        } else {
-            self.apply_step(tokens, eos, None);
-        }
-        self.pending_steps -= 1;
-        Ok(&self.finished_ids)
-    }
-
-    /// One order-preserving pass over the queue (generation and context entries are in
-    /// queue order too): appends sampled tokens, advances progress, counts waited steps,
+    /// Applies the step of `record` (taken out of the pending steps) for `update`: one
+    /// order-preserving pass over the queue (generation and context entries are in
+    /// queue order too) that appends sampled tokens, advances progress, counts waited steps,
     /// and retires finished and abort-requested requests, freeing their KV and batch slots.
-    /// `newer`: the step scheduled one ahead of this one and still pending; a request it
-    /// refers to that finishes here is held until it closes (see `retire`).
+    /// A request that the step scheduled one ahead of this one (still pending) refers to
+    /// and that finishes here is held until that step closes (see `retire`).
     #[expect(
         clippy::too_many_lines,
         reason = "one pass that reads each request's hot record once; its rare cases are helpers already"
     )]
-    fn apply_step(&mut self, tokens: &[i32], eos: Option<&[bool]>, newer: Option<u64>) {
-        let step = self.pending_step;
+    pub(super) fn apply_step(&mut self, record: &StepRecord, tokens: &[i32], eos: Option<&[bool]>) {
+        let step = record.step;
+        let newer = self.pending.newest().map(|newer| newer.step);
         let ends = |sample: usize| eos.is_some_and(|flags| flags[sample]);
-        // Taken for the pass (retiring needs `self`), put back to keep the allocation.
-        let generation = std::mem::take(&mut self.generation_reqs);
+        let (generation, context) = (&record.generation_reqs[..], &record.context[..]);
         let (mut next_generation, mut next_context) = (0, 0);
         let mut next_context_sample = generation.len();
         let mut computed_tokens = generation.len() as u64;
-        let has_zombies = !self.zombies.is_empty();
+        // Only this step holds requests that finished while it was pending: a newer one
+        // gets its first ones in this pass.
+        debug_assert!(!self.pending.has_zombies());
+        let has_zombies = !record.zombies.is_empty();
         self.finished_ids.clear();
         let mut kept = 0;
         let mut read = 0;
@@ -85,7 +36,7 @@ impl Scheduler {
                 // The steady state first: a run of plain decodes that neither finish
                 // nor were aborted (the general body below, minus its cases).
                 let run =
-                    self.apply_decode_run(&generation, tokens, eos, read, next_generation, kept);
+                    self.apply_decode_run(generation, tokens, eos, read, next_generation, kept);
                 read += run;
                 next_generation += run;
                 kept += run;
@@ -95,7 +46,8 @@ impl Scheduler {
             }
             if has_zombies {
                 self.skip_held_entries(
-                    &generation,
+                    generation,
+                    context,
                     &mut next_generation,
                     &mut next_context,
                     &mut next_context_sample,
@@ -122,17 +74,16 @@ impl Scheduler {
                 next_generation += 1;
             } else if aborted {
                 // Its context entry (if any) ran and is counted; the rest is freed below.
-                if let Some(entry) = self.context.get(next_context).filter(|e| e.req == req) {
+                if let Some(entry) = context.get(next_context).filter(|e| e.req == req) {
                     computed_tokens += entry.len;
                     next_context_sample += usize::from(entry.completes);
                     next_context += 1;
                 }
-            } else if self
-                .context
+            } else if context
                 .get(next_context)
                 .is_some_and(|entry| entry.req == req)
             {
-                let ContextEntry { len, completes, .. } = self.context[next_context];
+                let ContextEntry { len, completes, .. } = context[next_context];
                 computed_tokens += len;
                 let token = completes.then(|| tokens[next_context_sample]);
                 if request.cold.victim_step != NO_STEP && request.cold.victim_step > step {
@@ -171,7 +122,8 @@ impl Scheduler {
         }
         if has_zombies {
             self.skip_held_entries(
-                &generation,
+                generation,
+                context,
                 &mut next_generation,
                 &mut next_context,
                 &mut next_context_sample,
@@ -180,23 +132,22 @@ impl Scheduler {
         }
         debug_assert_eq!(
             (next_generation, next_context),
-            (generation.len(), self.context.len())
+            (generation.len(), context.len())
         );
         self.queue.truncate(kept);
-        self.generation_reqs = generation;
         if std::mem::take(&mut self.abort_requests) > 0 {
             self.stalled_steps = 0; // freed pages may unblock the queue
-            if newer.is_some() {
-                // The step planned ahead (its record is `older` while this one closes)
-                // counted on from before this reset; reverting it restores the count of a
-                // scheduler that never planned it, which was reset here too.
-                self.older.stalled_steps_before = 0;
+            if let Some(newer) = self.pending.newest_mut() {
+                // The step planned ahead counted on from before this reset; reverting it
+                // restores the count of a scheduler that never planned it, which was
+                // reset here too.
+                newer.stalled_steps_before = 0;
             }
         }
         if has_zombies {
-            self.release_zombies(step);
+            self.release_zombies(&record.zombies);
         }
-        self.count_step(computed_tokens);
+        self.count_step(record, computed_tokens);
     }
 
     /// The common case of [`Self::apply_step`] for the queue from position `read` on: each
@@ -280,6 +231,7 @@ impl Scheduler {
     fn skip_held_entries(
         &self,
         generation: &[RequestIndex],
+        context: &[ContextEntry],
         next_generation: &mut usize,
         next_context: &mut usize,
         next_context_sample: &mut usize,
@@ -291,8 +243,7 @@ impl Scheduler {
         {
             *next_generation += 1;
         }
-        while let Some(entry) = self
-            .context
+        while let Some(entry) = context
             .get(*next_context)
             .filter(|e| self.requests[e.req as usize].cold.zombie)
         {
@@ -303,18 +254,18 @@ impl Scheduler {
     }
 
     /// Adds the closed step to the totals.
-    fn count_step(&mut self, computed_tokens: u64) {
+    fn count_step(&mut self, record: &StepRecord, computed_tokens: u64) {
         self.metrics.computed_tokens += computed_tokens;
         self.metrics.steps += 1;
-        self.metrics.sat_out += self.sat_out_reqs.len() as u64;
+        self.metrics.sat_out += record.sat_out.len() as u64;
         if self.has_host_tier() {
-            self.metrics.resumes += self
+            self.metrics.resumes += record
                 .journal
                 .iter()
                 .filter(|entry| matches!(entry, JournalEntry::Resume(_)))
                 .count() as u64;
         }
-        self.release_resumed_host_pages();
+        self.release_resumed_host_pages(record);
     }
 
     /// Records work of the step being closed for a request that the step planned one
@@ -365,14 +316,10 @@ impl Scheduler {
             || r.cold.touched_step == step
     }
 
-    /// Frees what the requests held until `step` closed (see `retire`), in the order
-    /// they finished.
-    fn release_zombies(&mut self, step: u64) {
-        let mut zombies = std::mem::take(&mut self.zombies);
-        zombies.retain(|&(req, hold)| {
-            if hold != step {
-                return true;
-            }
+    /// Frees what the requests a closed step held (its `zombies`, see `retire`) kept
+    /// until it closed, in the order they finished.
+    fn release_zombies(&mut self, zombies: &[RequestIndex]) {
+        for &req in zombies {
             let request = &mut self.requests[req as usize];
             request.cold.zombie = false;
             if let Some(slot) = request.batch_slot.take() {
@@ -383,9 +330,7 @@ impl Scheduler {
                 .free(id)
                 .expect("a held request is held by the ledger");
             self.vacant.push(req);
-            false
-        });
-        self.zombies = zombies;
+        }
     }
 
     /// Frees a finished (or aborted) request's KV, host-tier share and batch slot, and keeps
@@ -425,7 +370,7 @@ impl Scheduler {
         self.index.remove(&id);
         if let Some(step) = hold {
             request.cold.zombie = true;
-            self.zombies.push((req, step));
+            self.pending.hold_zombie(step, req);
         } else {
             self.ledger
                 .free(id)
@@ -448,38 +393,17 @@ impl Scheduler {
         }
     }
 
-    /// Undoes the scheduled step that did not run: its decode and prompt reservations,
-    /// resumes, new batch slots and sit-outs, so the ledger is as before `schedule()`.
-    /// Preemptions and suspends made by the step stay applied (every rank applied the
-    /// same ones; the victims re-prefill or resume later). The step number stays used.
-    ///
-    /// With two steps pending it undoes the newer one only; the older one stays pending
-    /// (and may then be updated or reverted), and requested aborts wait for its close.
-    ///
-    /// Requests whose abort was requested while the step was pending are aborted right
-    /// after the undo (in queue order); their ids are returned, as `update` would.
-    pub fn revert(&mut self) -> Result<&[RequestId]> {
-        if self.pending_steps == 0 {
-            return Err(CoreError::InvalidState(
-                "revert() without a pending step: call schedule() first (and update or revert each step once)".into(),
-            ));
-        }
-        let step = self.pending_step;
+    /// Undoes the step of `record` (taken out of the pending steps) for `revert`: its
+    /// ledger changes, resumes, new batch slots and sit-outs, then the no-progress count
+    /// and the requests it held; `finished_ids` is emptied.
+    pub(super) fn revert_step(&mut self, record: &StepRecord) {
         let free_before_undo = self.ledger.free_superblocks();
-        self.undo_step(step);
+        self.undo_step(record);
         self.ledger
-            .sink_returned_pages(self.pending_free_len, free_before_undo);
-        self.stalled_steps = self.stalled_steps_before;
+            .sink_returned_pages(record.free_len, free_before_undo);
+        self.stalled_steps = record.stalled_steps_before;
         self.finished_ids.clear();
-        self.release_zombies(step);
-        self.pending_steps -= 1;
-        if self.pending_steps == 1 {
-            // The older step is the newest again; aborts wait for its close.
-            self.swap_step_records();
-        } else if self.abort_requests > 0 {
-            self.apply_requested_aborts();
-        }
-        Ok(&self.finished_ids)
+        self.release_zombies(&record.zombies);
     }
 }
 

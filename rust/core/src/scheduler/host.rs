@@ -7,7 +7,9 @@
 //! the executor reads them (copy-in) during that step, so a suspend in the same step must
 //! not get them, and a `revert` finds them where they were.
 
-use super::{JournalEntry, RequestIndex, RequestState, Scheduler};
+use super::pending::{JournalEntry, StepRecord};
+use super::request::{RequestIndex, RequestState};
+use super::Scheduler;
 use crate::digest::Fnv64;
 
 /// Host pages in use, per request, with a deterministic free list.
@@ -99,14 +101,14 @@ impl HostTier {
 }
 
 impl Scheduler {
-    /// Gives back the host pages of the requests the updated step resumed (their KV was
-    /// copied in while the step ran).
-    pub(super) fn release_resumed_host_pages(&mut self) {
+    /// Gives back the host pages of the requests the updated step (`record`) resumed
+    /// (their KV was copied in while the step ran).
+    pub(super) fn release_resumed_host_pages(&mut self, record: &StepRecord) {
         if !self.has_host_tier() {
             return; // nothing was ever suspended, so nothing resumed
         }
-        for i in 0..self.journal.len() {
-            if let JournalEntry::Resume(req) = self.journal[i] {
+        for &entry in &record.journal {
+            if let JournalEntry::Resume(req) = entry {
                 self.release_host_pages(req);
             }
         }

@@ -17,9 +17,12 @@
 //! by [`decode_row`] (`token_id, position, slot, local_len, past_seen_len, input_ref`, then
 //! the block table), in a caller-owned `[rows, width]` buffer.
 
+use super::output::ScheduleOutput;
+use super::pending::ContextEntry;
 use super::placement::{DecodePlacement, Divisor, Placement};
-use super::{Result, ScheduleOutput, Scheduler};
-use crate::error::CoreError;
+use super::request::RequestIndex;
+use super::Scheduler;
+use crate::error::{CoreError, Result};
 use crate::layout::Layout;
 use crate::ledger::{page_id, write_table_cells};
 use crate::{RequestId, SuperblockId};
@@ -439,7 +442,7 @@ impl Scheduler {
         let hinted = hinted_row_tables(
             &self.ledger,
             source.generation_ids,
-            &self.generation_reqs,
+            self.generation_hints(),
             source.generation_positions,
             bounds,
         );
@@ -454,9 +457,9 @@ impl Scheduler {
             None => (Vec::with_capacity(g + c), 0, 0, 0),
         };
         // The entries not checked yet (the rest of the generation entries, then the chunks).
-        let generation_hints = self.generation_reqs.get(checked..).unwrap_or_default();
+        let generation_hints = self.generation_hints().get(checked..).unwrap_or_default();
         let generation_hints = generation_hints.iter().map(|&r| r as usize);
-        let context_hints = self.context.iter().map(|c| c.req as usize);
+        let context_hints = self.context_hints().iter().map(|c| c.req as usize);
         let entries = source.generation_ids[checked..]
             .iter()
             .zip(&source.generation_positions[checked..])
@@ -504,29 +507,40 @@ impl Scheduler {
     /// Fails unless `source` is the pending step, as this scheduler made it (its digest).
     fn check_pending(&self, source: &StepSource<'_>) -> Result<()> {
         let step = source.step;
-        if self.pending_steps > 0
-            && step == self.pending_step
-            && source.digest != self.pending_digest
-        {
-            return Err(CoreError::InvalidState(format!(
-                "the output of step {step} given is not this scheduler's (its digest is \
-                 0x{:016x}, this scheduler's output of step {step} has 0x{:016x}): write the \
-                 output of this scheduler's own schedule()",
-                source.digest, self.pending_digest
-            )));
-        }
-        if self.pending_steps == 0 || step != self.pending_step {
-            return Err(CoreError::InvalidState(format!(
+        let newest = self.pending.newest();
+        match newest {
+            Some(newest) if newest.step == step && source.digest != newest.digest => {
+                Err(CoreError::InvalidState(format!(
+                    "the output of step {step} given is not this scheduler's (its digest is \
+                     0x{:016x}, this scheduler's output of step {step} has 0x{:016x}): write the \
+                     output of this scheduler's own schedule()",
+                    source.digest, newest.digest
+                )))
+            }
+            Some(newest) if newest.step == step => Ok(()),
+            _ => Err(CoreError::InvalidState(format!(
                 "the metadata of step {} was asked for, but {}",
                 step,
-                if self.pending_steps > 0 {
-                    format!("step {} is the pending one", self.pending_step)
-                } else {
-                    "no step is pending".to_string()
-                }
-            )));
+                newest.map_or_else(
+                    || "no step is pending".to_string(),
+                    |newest| format!("step {} is the pending one", newest.step)
+                )
+            ))),
         }
-        Ok(())
+    }
+
+    /// The request index (its ledger entry) of each generation entry of the newest pending
+    /// step: where the writers look for each entry's holdings first.
+    fn generation_hints(&self) -> &[RequestIndex] {
+        self.pending
+            .newest()
+            .map_or(&[], |newest| &newest.generation_reqs)
+    }
+
+    /// The context entries of the newest pending step (their requests' indices are the
+    /// hints of the chunks).
+    fn context_hints(&self) -> &[ContextEntry] {
+        self.pending.newest().map_or(&[], |newest| &newest.context)
     }
 }
 
@@ -1211,7 +1225,7 @@ impl Scheduler {
         let rank = self.config.cp_rank;
         let hinted = Hinted {
             ledger: &self.ledger,
-            hints: &self.generation_reqs,
+            hints: self.generation_hints(),
         };
         match (SplitByShifts::of(self.layout), checked.tables.as_deref()) {
             (Some(split), None) => write_rows(written, width, hinted, &source, tpb, split, rank),
@@ -1267,7 +1281,7 @@ impl Scheduler {
         let hinted = hinted_row_check(
             &self.ledger,
             source.generation_ids,
-            &self.generation_reqs,
+            self.generation_hints(),
             source.generation_positions,
             bounds.columns,
             |pos| per_superblock.div(pos),
@@ -1310,7 +1324,7 @@ impl Scheduler {
     ) -> Result<RowTables<'_>> {
         let per_superblock = Divisor::new(bounds.tokens_per_superblock);
         let hints = self
-            .generation_reqs
+            .generation_hints()
             .iter()
             .map(|&r| r as usize)
             .chain(std::iter::repeat(usize::MAX));

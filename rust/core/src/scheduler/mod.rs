@@ -17,6 +17,7 @@ mod host;
 mod metadata;
 mod metrics;
 mod output;
+mod pending;
 mod placement;
 mod request;
 mod slots;
@@ -43,73 +44,19 @@ use crate::layout::Layout;
 use crate::ledger::Ledger;
 use crate::RequestId;
 use host::HostTier;
+use pending::{PendingSteps, StepBuilder};
 use placement::Placement;
-use request::{Request, TokenLog};
+use request::{Request, RequestIndex, TokenLog};
 use slots::BatchSlots;
-use victim::VictimFinder;
-
-/// Where a live request sits in [`Scheduler::requests`]; stable while the request is
-/// live, reused once it is retired. It is also the request's entry in the ledger (see
-/// `add_request`).
-type RequestIndex = u32;
-
-/// A context entry of the step being built.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct ContextEntry {
-    req: RequestIndex,
-    start: u64,
-    len: u64,
-    completes: bool,
-}
-
-/// A ledger change made by the step being built, undone (newest first) by `revert`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum JournalEntry {
-    Decode(RequestIndex),
-    /// The decodes of generation entries `from..to` (positions in `generation_reqs`), as
-    /// one `Decode` each in that order: the decode loops record a run of entries at once
-    /// instead of an entry per request. Dropping generation entries (preempted after they
-    /// were made) would move the positions, so it first turns these back into `Decode`s.
-    Decodes {
-        from: u32,
-        to: u32,
-    },
-    Reserve {
-        req: RequestIndex,
-        len_before: u64,
-    },
-    Resume(RequestIndex),
-}
-
-/// What `update` and `revert` need of a pending step (kept apart from the output, which
-/// may have been moved out). The scheduler keeps the newest pending step in its own
-/// fields and, while a second one is pending, the older one here (swapped in to close it).
-#[derive(Debug, Clone, Default)]
-struct StepRecord {
-    step: u64,
-    digest: u64,
-    samples: usize,
-    stalled_steps_before: u32,
-    context: Vec<ContextEntry>,
-    generation_reqs: Vec<RequestIndex>,
-    journal: Vec<JournalEntry>,
-    new_slot_reqs: Vec<RequestIndex>,
-    sat_out_reqs: Vec<SatOut>,
-    /// The ledger's free superblocks once the step had taken its pages (see `revert`).
-    free_len: u32,
-}
-
-/// A request that sat out of a step, with the batch slot it gave up (restored if that step
-/// is reverted). Kept by the step, not the request: a request may sit out of both pending
-/// steps (the newer one finds it without a slot), and reverting both must restore the slot
-/// the older one took.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct SatOut {
-    req: RequestIndex,
-    slot: Option<u32>,
-}
 
 /// The scheduler of one rank. See the module docs.
+///
+/// Its state is the queue and the requests, the ledger and the host tier, the batch
+/// slots, the finished outputs and the counters, and the pending steps: each a
+/// `StepRecord` (everything `update` and `revert` need of it, the requests it holds
+/// after they finished included) in a ring of at most two (`PendingSteps`, see
+/// `pending.rs`). What `schedule()` needs only while it builds a step is apart, in a
+/// `StepBuilder`.
 #[derive(Debug, Clone)]
 pub struct Scheduler {
     config: SchedulerConfig,
@@ -138,62 +85,17 @@ pub struct Scheduler {
     host: HostTier,
     /// Number the next `schedule()` takes.
     next_step: u64,
-    /// Steps scheduled and not yet updated or reverted: 0, 1, or 2 (one-step-ahead).
-    pending_steps: u8,
-    /// Step number, digest and sample count of the newest schedule (kept apart from the
-    /// output, which may have been moved out; the digest tells this scheduler's output of
-    /// the step from another's).
-    pending_step: u64,
-    pending_digest: u64,
-    pending_samples: usize,
-    /// The ledger's free superblocks once the newest pending step had taken its pages:
-    /// pages freed after that (by the update of the step before it, one step ahead) lie
-    /// above this depth of the free list, and a revert puts the step's pages back below
-    /// them, where they were.
-    pending_free_len: u32,
     /// Consecutive scheduled steps that had live requests and made no progress.
     stalled_steps: u32,
-    stalled_steps_before: u32,
-    /// The older pending step while two are pending (see [`StepRecord`]).
-    older: StepRecord,
-    /// Requests that finished (or were aborted) while a newer pending step still holds
-    /// them, with that step: their output is taken already possible, but their KV, batch
-    /// slot and index stay held until that step is updated or reverted.
-    zombies: Vec<(RequestIndex, u64)>,
-    /// By request index: its work in the older pending step, for a step planned ahead.
-    ahead_marks: Vec<request::AheadMark>,
+    /// Steps scheduled and not yet updated or reverted, oldest first.
+    pending: PendingSteps,
     metrics: SchedulerMetrics,
-
-    // Per-step scratch, kept to reuse the allocations.
     /// The last successful schedule.
     output: ScheduleOutput,
-    /// The schedule being built; swapped with `output` on success.
-    building: ScheduleOutput,
-    context: Vec<ContextEntry>,
-    /// Request of each generation entry, in output order (for `update`).
-    generation_reqs: Vec<RequestIndex>,
-    /// Generation entries whose request had no batch slot yet.
-    generation_needing_slots: Vec<usize>,
-    /// Whether a request was preempted after its generation entry was made.
-    generation_removed: bool,
-    journal: Vec<JournalEntry>,
-    new_slot_reqs: Vec<RequestIndex>,
-    sat_out_reqs: Vec<SatOut>,
+    /// Ids the last `update` or `revert` finished (the slice they return).
     finished_ids: Vec<RequestId>,
-    /// Candidates below the preemption bound, for every requester.
-    victims: VictimFinder,
-    /// Candidates at the bound, only for the queue head (see `preempt_for`).
-    head_victims: VictimFinder,
-    /// Queue positions of the victims the ladder chose for one requester.
-    plan: Vec<usize>,
-    step_tokens: u64,
-    /// Entries of this step that still need a new batch slot (assigned at the end).
-    step_new_slots: u32,
-    /// `Decoding` requests without a batch slot that get no decode entry in this step
-    /// (resumed in it, or not scheduled), in queue order: each claims a slot ahead of
-    /// everything after it in the step (handed out at the end, see `finish_step`).
-    slot_claims: Vec<RequestIndex>,
-    step_preempted: bool,
+    /// The step being built (per-step scratch, kept to reuse the allocations).
+    builder: StepBuilder,
 }
 
 impl Scheduler {
@@ -222,37 +124,15 @@ impl Scheduler {
             batch_slots: BatchSlots::new(config.max_batch_size),
             host: HostTier::new(config.host_tier_superblocks),
             next_step: 0,
-            pending_steps: 0,
-            older: StepRecord::default(),
-            zombies: Vec::new(),
-            ahead_marks: Vec::new(),
-            pending_step: 0,
-            pending_digest: 0,
-            pending_samples: 0,
-            pending_free_len: 0,
             stalled_steps: 0,
-            stalled_steps_before: 0,
+            pending: PendingSteps::default(),
             metrics: SchedulerMetrics {
                 kv_capacity_superblocks: config.capacity_superblocks,
                 ..SchedulerMetrics::default()
             },
-            building: output.clone(),
+            builder: StepBuilder::new(config.victim_policy, output.clone()),
             output,
-            context: Vec::new(),
-            generation_reqs: Vec::new(),
-            generation_needing_slots: Vec::new(),
-            generation_removed: false,
-            journal: Vec::new(),
-            new_slot_reqs: Vec::new(),
-            sat_out_reqs: Vec::new(),
             finished_ids: Vec::new(),
-            victims: VictimFinder::new(config.victim_policy),
-            head_victims: VictimFinder::new(config.victim_policy),
-            plan: Vec::new(),
-            step_tokens: 0,
-            step_new_slots: 0,
-            slot_claims: Vec::new(),
-            step_preempted: false,
             fingerprint: config.fingerprint(),
             config,
         })
@@ -388,23 +268,123 @@ impl Scheduler {
         request.state = state;
     }
 
-    /// Exchanges the newest pending step's record (the scheduler's own fields) with the
-    /// older one's: to build a step one ahead, and to close the older step.
-    fn swap_step_records(&mut self) {
-        let older = &mut self.older;
-        std::mem::swap(&mut self.pending_step, &mut older.step);
-        std::mem::swap(&mut self.pending_digest, &mut older.digest);
-        std::mem::swap(&mut self.pending_samples, &mut older.samples);
-        std::mem::swap(&mut self.pending_free_len, &mut older.free_len);
-        std::mem::swap(
-            &mut self.stalled_steps_before,
-            &mut older.stalled_steps_before,
-        );
-        std::mem::swap(&mut self.context, &mut older.context);
-        std::mem::swap(&mut self.generation_reqs, &mut older.generation_reqs);
-        std::mem::swap(&mut self.journal, &mut older.journal);
-        std::mem::swap(&mut self.new_slot_reqs, &mut older.new_slot_reqs);
-        std::mem::swap(&mut self.sat_out_reqs, &mut older.sat_out_reqs);
+    /// Decides the next step. It may run while one step is pending (one step ahead: the
+    /// new step assumes every decode of the pending one yields a token and refers to the
+    /// tokens still in flight through `generation_input_refs`). Fails with `InvalidState`
+    /// while two steps are pending, with `Deadlock` after `deadlock_steps` steps without progress,
+    /// and with `PreemptionDisabled` when a disaggregated generation server runs out of
+    /// pages for a decode token; each failure leaves the scheduler unchanged.
+    ///
+    /// The returned output lives in the scheduler and is reused by the next step (no
+    /// per-step allocation); clone it to keep it. It is built in a spare buffer that
+    /// becomes the current output only on success, so a failure leaves the previous one.
+    pub fn schedule(&mut self) -> Result<&ScheduleOutput> {
+        if let (true, Some(older), Some(newer)) = (
+            self.pending.is_full(),
+            self.pending.oldest(),
+            self.pending.newest(),
+        ) {
+            return Err(CoreError::InvalidState(format!(
+                "steps {} and {} are pending; a step may be scheduled at most one ahead: update() the older \
+                 one (or revert() the newer) first",
+                older.step, newer.step
+            )));
+        }
+        if self.stalled_steps >= self.config.deadlock_steps {
+            return Err(CoreError::Deadlock(self.deadlock_message()));
+        }
+        let step = self.next_step;
+        // With one step pending, this one is planned ahead of it (`step.rs`).
+        let ahead = !self.pending.is_empty();
+        self.begin_step(step);
+        let planned = if ahead {
+            self.mark_older_step_work(step);
+            self.generation_phase_ahead(step)
+                .and_then(|()| self.context_phase(step, true))
+        } else {
+            self.generation_phase(step)
+                .and_then(|()| self.context_phase(step, false))
+        };
+        if let Err(err) = planned {
+            self.abandon_step();
+            return Err(err);
+        }
+        self.finish_step(step);
+        let record = self.builder.seal(self.ledger.free_superblocks());
+        self.pending.push(record);
+        std::mem::swap(&mut self.output, &mut self.builder.out);
+        self.next_step += 1;
+        Ok(&self.output)
+    }
+
+    /// Applies the step that ran: one sampled token per `sample_ids` entry (same order),
+    /// and optionally an end-of-sequence flag per entry. Returns the ids of requests
+    /// that finished, in queue order; their outputs wait for `take_output`. The input is
+    /// validated whole before anything changes.
+    ///
+    /// With two steps pending (the newer scheduled one step ahead) it closes the older one:
+    /// `tokens` follow that step's `sample_ids`. A request that finishes there while the
+    /// newer step refers to it loses its work in the newer step and is held (its KV and
+    /// batch slot) until that step closes.
+    ///
+    /// A request whose abort was requested while this step was pending finishes here
+    /// with [`FinishReason::Aborted`]: its token of this step is dropped (the client is
+    /// gone), its KV and batch slot are freed, and its id is among those returned.
+    #[expect(
+        clippy::missing_panics_doc,
+        reason = "the step taken out is the one checked first: it is there"
+    )]
+    pub fn update(&mut self, tokens: &[i32], eos: Option<&[bool]>) -> Result<&[RequestId]> {
+        // The oldest pending step closes.
+        let Some(oldest) = self.pending.oldest() else {
+            return Err(CoreError::InvalidState(
+                "update() without a pending step: call schedule() first (and update or revert each step once)".into(),
+            ));
+        };
+        let (step, samples) = (oldest.step, oldest.samples);
+        if tokens.len() != samples {
+            return Err(CoreError::InvalidArgument(format!(
+                "update() got {} tokens for the {samples} entries of sample_ids of step {step}",
+                tokens.len(),
+            )));
+        }
+        if let Some(eos) = eos {
+            if eos.len() != samples {
+                return Err(CoreError::InvalidArgument(format!(
+                    "update() got {} eos flags for the {samples} entries of sample_ids of step {step}",
+                    eos.len(),
+                )));
+            }
+        }
+        let record = self.pending.pop_oldest().expect("a step is pending");
+        self.apply_step(&record, tokens, eos);
+        self.builder.recycle(record);
+        Ok(&self.finished_ids)
+    }
+
+    /// Undoes the scheduled step that did not run: its decode and prompt reservations,
+    /// resumes, new batch slots and sit-outs, so the ledger is as before `schedule()`.
+    /// Preemptions and suspends made by the step stay applied (every rank applied the
+    /// same ones; the victims re-prefill or resume later). The step number stays used.
+    ///
+    /// With two steps pending it undoes the newer one only; the older one stays pending
+    /// (and may then be updated or reverted), and requested aborts wait for its close.
+    ///
+    /// Requests whose abort was requested while the step was pending are aborted right
+    /// after the undo (in queue order); their ids are returned, as `update` would.
+    pub fn revert(&mut self) -> Result<&[RequestId]> {
+        let Some(record) = self.pending.pop_newest() else {
+            return Err(CoreError::InvalidState(
+                "revert() without a pending step: call schedule() first (and update or revert each step once)".into(),
+            ));
+        };
+        self.revert_step(&record);
+        self.builder.recycle(record);
+        // With the older step still pending, aborts wait for its close.
+        if self.pending.is_empty() && self.abort_requests > 0 {
+            self.apply_requested_aborts();
+        }
+        Ok(&self.finished_ids)
     }
 
     /// The state of a live request.
@@ -515,21 +495,27 @@ impl Scheduler {
     /// this scheduler's placement stays); it is dropped if the scheduler's own buffer has
     /// at least as much room. Nothing a step decides depends on it.
     pub fn recycle_output(&mut self, spare: ScheduleOutput) {
-        if spare.capacity() > self.building.capacity() {
-            let placement = self.building.rank_placement;
-            self.building = spare;
-            self.building.rank_placement = placement;
+        let building = &mut self.builder.out;
+        if spare.capacity() > building.capacity() {
+            let placement = building.rank_placement;
+            *building = spare;
+            building.rank_placement = placement;
         }
     }
     /// Whether a schedule awaits `update` or `revert`.
     pub fn is_step_pending(&self) -> bool {
-        self.pending_steps > 0
+        !self.pending.is_empty()
     }
 
     /// How many schedules await `update` or `revert`: 0, 1, or 2 (a step scheduled one
     /// step ahead while the previous one was still pending).
     pub fn pending_steps(&self) -> u32 {
-        u32::from(self.pending_steps)
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "at most two steps are pending"
+        )]
+        let pending = self.pending.len() as u32;
+        pending
     }
 
     /// Totals, with KV use as of now.
@@ -598,9 +584,10 @@ impl Scheduler {
         let mut h = Fnv64::new();
         h.u64(self.fingerprint);
         h.u64(self.ledger.state_digest());
-        h.u64(u64::from(self.pending_steps));
-        h.u64(self.zombies.len() as u64);
-        for &(req, _) in &self.zombies {
+        h.u64(self.pending.len() as u64);
+        let zombies = || self.pending.iter().flat_map(|record| &record.zombies);
+        h.u64(zombies().count() as u64);
+        for &req in zombies() {
             h.u64(self.requests[req as usize].id);
         }
         h.u64(u64::from(self.stalled_steps));

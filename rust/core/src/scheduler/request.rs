@@ -5,8 +5,12 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 
 use super::metrics::RequestMetrics;
-use super::RequestIndex;
 use crate::RequestId;
+
+/// Where a live request sits in `Scheduler::requests`; stable while the request is
+/// live, reused once it is retired. It is also the request's entry in the ledger (see
+/// `Scheduler::add_request`).
+pub(super) type RequestIndex = u32;
 
 /// Where a live request stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -77,7 +81,7 @@ pub struct RequestOutput {
 }
 
 /// What a step planned one ahead knows of a request's work in the older pending step
-/// (`Scheduler::ahead_marks`, by request index: dense, so the decode path does not touch
+/// (`StepBuilder::ahead_marks`, by request index: dense, so the decode path does not touch
 /// the request's cold record).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) struct AheadMark {

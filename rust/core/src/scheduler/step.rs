@@ -1,94 +1,53 @@
 //! Building one step: the generation phase, the context phase, the preemption ladder
 //! and the output arrays.
 
-use super::request::{AheadMark, Request, NO_STEP};
+use super::config::{CapacityPolicy, ServingMode, SuspendPolicy, VictimPolicy};
+use super::output::ScheduleOutput;
+use super::pending::{ContextEntry, JournalEntry, SatOut, StepRecord};
+use super::request::{AheadMark, Request, RequestIndex, RequestState, NO_STEP};
 use super::slots::{entry_id, row_id, slot_id};
 use super::victim::VictimKey;
-use super::{
-    CapacityPolicy, ContextEntry, CoreError, JournalEntry, RequestId, RequestIndex, RequestState,
-    Result, SatOut, ScheduleOutput, Scheduler, ServingMode, SuspendPolicy, VictimPolicy,
-};
-use crate::ledger::{page_id, superblock_count, DecodeLane};
+use super::Scheduler;
+use crate::error::{CoreError, Result};
+use crate::ledger::{page_id, superblock_count, DecodeLane, OlderUndo};
+use crate::RequestId;
 
 impl Scheduler {
-    /// Decides the next step. It may run while one step is pending (one step ahead: the
-    /// new step assumes every decode of the pending one yields a token and refers to the
-    /// tokens still in flight through `generation_input_refs`). Fails with `InvalidState`
-    /// while two steps are pending, with `Deadlock` after `deadlock_steps` steps without progress,
-    /// and with `PreemptionDisabled` when a disaggregated generation server runs out of
-    /// pages for a decode token; each failure leaves the scheduler unchanged.
-    ///
-    /// The returned output lives in the scheduler and is reused by the next step (no
-    /// per-step allocation); clone it to keep it. It is built in a spare buffer that
-    /// becomes the current output only on success, so a failure leaves the previous one.
-    pub fn schedule(&mut self) -> Result<&ScheduleOutput> {
-        if self.pending_steps >= 2 {
-            return Err(CoreError::InvalidState(format!(
-                "steps {} and {} are pending; a step may be scheduled at most one ahead: update() the older \
-                 one (or revert() the newer) first",
-                self.older.step, self.pending_step
-            )));
-        }
-        if self.stalled_steps >= self.config.deadlock_steps {
-            return Err(CoreError::Deadlock(self.deadlock_message()));
-        }
-        let step = self.next_step;
-        let ahead = self.pending_steps == 1;
-        if ahead {
-            // The pending step becomes the older one; this one is built in the fields.
-            self.swap_step_records();
-        }
-        self.begin_step();
-        let planned = if ahead {
-            self.mark_older_step_work(step);
-            self.generation_phase_ahead(step)
-                .and_then(|()| self.context_phase(step, true))
-        } else {
-            self.generation_phase(step)
-                .and_then(|()| self.context_phase(step, false))
-        };
-        if let Err(err) = planned {
-            self.undo_step(step);
-            if ahead {
-                self.swap_step_records();
-            }
-            return Err(err);
-        }
-        self.finish_step(step);
-        self.pending_step = step;
-        self.pending_digest = self.building.digest;
-        self.pending_samples = self.building.num_samples();
-        self.pending_free_len = self.ledger.free_superblocks();
-        std::mem::swap(&mut self.output, &mut self.building);
-        self.next_step += 1;
-        self.pending_steps += 1;
-        Ok(&self.output)
+    /// The pending step that the step being planned ahead is planned ahead of.
+    fn older_step(&self) -> &StepRecord {
+        self.pending
+            .newest()
+            .expect("a step planned ahead has an older pending step")
     }
 
     /// Before planning `step` one ahead: marks every request with work in the older
     /// pending step with where that work leaves it (its sampled token's row, its prompt's
     /// progress), which the phases read instead of progress not yet recorded.
-    fn mark_older_step_work(&mut self, step: u64) {
-        if self.ahead_marks.len() < self.requests.len() {
-            self.ahead_marks
-                .resize(self.requests.len(), AheadMark::NONE);
+    pub(super) fn mark_older_step_work(&mut self, step: u64) {
+        let marks = &mut self.builder.ahead_marks;
+        if marks.len() < self.requests.len() {
+            marks.resize(self.requests.len(), AheadMark::NONE);
         }
-        for (row, &req) in self.older.generation_reqs.iter().enumerate() {
-            self.ahead_marks[req as usize] = AheadMark {
+        let older = self
+            .pending
+            .newest()
+            .expect("a step planned ahead has an older pending step");
+        for (row, &req) in older.generation_reqs.iter().enumerate() {
+            marks[req as usize] = AheadMark {
                 step,
                 computed: 0, // a decode: not read
                 row: row_id(row),
             };
         }
-        let mut row = self.older.generation_reqs.len();
-        for entry in &self.older.context {
+        let mut row = older.generation_reqs.len();
+        for entry in &older.context {
             let sampled = if entry.completes {
                 row += 1;
                 row_id(row - 1)
             } else {
                 -1
             };
-            self.ahead_marks[entry.req as usize] = AheadMark {
+            marks[entry.req as usize] = AheadMark {
                 step,
                 computed: entry.start + entry.len,
                 row: sampled,
@@ -98,7 +57,8 @@ impl Scheduler {
 
     /// The mark of `req` if it has work in the older pending step (while planning `step`).
     fn ahead_mark(&self, step: u64, req: RequestIndex) -> Option<AheadMark> {
-        self.ahead_marks
+        self.builder
+            .ahead_marks
             .get(req as usize)
             .filter(|mark| mark.step == step)
             .copied()
@@ -109,14 +69,14 @@ impl Scheduler {
     /// is in flight and it waits for that step's update before anything else.
     fn preempted_after_older_step(&self, req: RequestIndex) -> bool {
         let victim_step = self.requests[req as usize].cold.victim_step;
-        victim_step != NO_STEP && victim_step > self.older.step
+        victim_step != NO_STEP && victim_step > self.older_step().step
     }
 
     /// The generation phase of a step planned while the older step is pending: a request
     /// decoding there (or completing its prompt there) decodes here on the token it is
     /// sampling, given as that token's row, unless it is known to finish there
     /// (`max_new_tokens`) or its abort is pending.
-    fn generation_phase_ahead(&mut self, step: u64) -> Result<()> {
+    pub(super) fn generation_phase_ahead(&mut self, step: u64) -> Result<()> {
         self.decode_run::<AheadRun>(step)
     }
 
@@ -158,7 +118,9 @@ impl Scheduler {
     }
 
     /// Appends a chunk of decodes gathered by [`Self::decode_run`]: the output columns
-    /// both modes fill alike, the requests and their journal entries.
+    /// both modes fill alike, the requests and their journal entries (a step planned ahead
+    /// kept the undos its decodes replaced as it made them, see
+    /// [`DecodeRunMode::allocate`]).
     #[inline]
     fn append_decode_chunk(
         &mut self,
@@ -167,47 +129,37 @@ impl Scheduler {
         slots: &[i32],
         reqs: &[RequestIndex],
     ) {
-        let out = &mut self.building;
+        let out = &mut self.builder.out;
         out.generation_ids.extend_from_slice(ids);
         out.generation_positions.extend_from_slice(positions);
         out.generation_batch_slots.extend_from_slice(slots);
-        let from = entry_id(self.generation_reqs.len());
-        self.generation_reqs.extend_from_slice(reqs);
-        let to = entry_id(self.generation_reqs.len());
+        let record = &mut self.builder.record;
+        let from = entry_id(record.generation_reqs.len());
+        record.generation_reqs.extend_from_slice(reqs);
+        let to = entry_id(record.generation_reqs.len());
         if from == to {
             return;
         }
         // One journal entry for the run: the chunk before it, if it was the last change,
         // extends to cover this one.
-        match self.journal.last_mut() {
+        match record.journal.last_mut() {
             Some(JournalEntry::Decodes { to: end, .. }) if *end == from => *end = to,
-            _ => self.journal.push(JournalEntry::Decodes { from, to }),
+            _ => record.journal.push(JournalEntry::Decodes { from, to }),
         }
     }
 
-    fn begin_step(&mut self) {
-        self.building.clear(self.next_step);
-        // The previous output may have been moved out (`take_last_output`): size the
-        // buffers once instead of growing them push by push.
+    /// Starts building `step` in the builder.
+    pub(super) fn begin_step(&mut self, step: u64) {
         let decoding = self.state_counts[RequestState::Decoding.index()];
-        let out = &mut self.building;
-        out.generation_ids.reserve(decoding);
-        out.generation_positions.reserve(decoding);
-        out.generation_input_tokens.reserve(decoding);
-        out.generation_batch_slots.reserve(decoding);
-        self.generation_reqs.clear();
-        self.generation_needing_slots.clear();
-        self.generation_removed = false;
-        self.context.clear();
-        self.journal.clear();
-        self.new_slot_reqs.clear();
-        self.sat_out_reqs.clear();
-        self.victims.begin_step(self.queue.len());
-        self.head_victims.begin_step(self.queue.len());
-        self.step_tokens = 0;
-        self.step_new_slots = 0;
-        self.slot_claims.clear();
-        self.step_preempted = false;
+        self.builder.begin(step, self.queue.len(), decoding);
+    }
+
+    /// Undoes what the phases of a step that failed did (see [`Self::undo_step`]); the
+    /// builder keeps its buffers.
+    pub(super) fn abandon_step(&mut self) {
+        let record = self.builder.take_record();
+        self.undo_step(&record);
+        self.builder.put_back(record);
     }
 
     /// Batch slots still free for entries of this step: what is free less what this
@@ -219,11 +171,11 @@ impl Scheduler {
             clippy::cast_possible_truncation,
             reason = "claims are live requests, whose indices are u32"
         )]
-        let claims = self.slot_claims.len() as u32;
-        (self.batch_slots.free_count() - self.step_new_slots).saturating_sub(claims)
+        let claims = self.builder.slot_claims.len() as u32;
+        (self.batch_slots.free_count() - self.builder.new_slots).saturating_sub(claims)
     }
 
-    fn generation_phase(&mut self, step: u64) -> Result<()> {
+    pub(super) fn generation_phase(&mut self, step: u64) -> Result<()> {
         self.decode_run::<PlainRun>(step)
     }
 
@@ -267,13 +219,23 @@ impl Scheduler {
         let mut queue_pos = 0;
         loop {
             // The general path may have scheduled tokens: the budget is read afresh.
-            let budget = u64::from(self.config.max_num_tokens).saturating_sub(self.step_tokens);
+            let budget = u64::from(self.config.max_num_tokens).saturating_sub(self.builder.tokens);
             let (count, end) = {
                 let queue = &self.queue[..];
                 let requests = &mut self.requests[..];
                 let mut lane = self.ledger.decode_lane();
-                let marks = &self.ahead_marks[..];
+                let marks = &self.builder.ahead_marks[..];
                 let room = usize::try_from(budget).unwrap_or(usize::MAX).min(CHUNK);
+                // A step planned ahead keeps what each of its decodes replaced, in entry
+                // order, as it makes them: in its record's column, held in a local for the
+                // chunk (so the loop keeps it in registers) with room made once.
+                let mut undos = if M::KEEPS_UNDOS {
+                    let mut undos = std::mem::take(&mut self.builder.record.older_undos);
+                    undos.reserve(room);
+                    undos
+                } else {
+                    Vec::new()
+                };
                 let mut count = 0;
                 let mut pos = queue_pos;
                 while count < room {
@@ -293,7 +255,8 @@ impl Scheduler {
                         break;
                     };
                     // The request's index is also its ledger entry (see `add_request`).
-                    let Some(position) = M::allocate(&mut lane, req, request.id, step) else {
+                    let Some(position) = M::allocate(&mut lane, req, request.id, step, &mut undos)
+                    else {
                         break;
                     };
                     request.scheduled_step = step;
@@ -305,6 +268,9 @@ impl Scheduler {
                     count += 1;
                     pos += 1;
                 }
+                if M::KEEPS_UNDOS {
+                    self.builder.record.older_undos = undos;
+                }
                 (count, pos)
             };
             self.append_decode_chunk(
@@ -313,8 +279,8 @@ impl Scheduler {
                 &slots[..count],
                 &reqs[..count],
             );
-            M::flush(&inputs[..count], &mut self.building);
-            self.step_tokens += count as u64;
+            M::flush(&inputs[..count], &mut self.builder.out);
+            self.builder.tokens += count as u64;
             queue_pos = end;
             // A full chunk goes on; a shorter one stopped at the queue's end, or at a
             // request for the general path (one that needs more, or the budget's end).
@@ -341,14 +307,14 @@ impl Scheduler {
     ) -> Result<()> {
         let request = &self.requests[req as usize];
         let needs_slot = request.batch_slot.is_none();
-        if self.step_tokens >= u64::from(self.config.max_num_tokens)
+        if self.builder.tokens >= u64::from(self.config.max_num_tokens)
             || (needs_slot && self.free_slots_now() == 0)
         {
             // Out of budget: not scheduled, keeps its batch slot; not a sit-out. One
             // without a slot claims one, so nothing behind it takes the next one freed.
             if needs_slot {
                 self.requests[req as usize].cold.touched_step = step;
-                self.slot_claims.push(req);
+                self.builder.slot_claims.push(req);
             }
             return Ok(());
         }
@@ -357,15 +323,17 @@ impl Scheduler {
         loop {
             // The request's index is also its ledger entry (see `add_request`).
             // A decode on a token in flight keeps the undo of the pending step's decode
-            // (reverting this step, then that one, stays exact).
+            // it replaces (reverting this step, then that one, stays exact).
             let allocated = if AHEAD && input_row >= 0 {
                 self.ledger
                     .allocate_decode_ahead_at(req as usize, id, step)?
             } else {
-                self.ledger.allocate_decode_at(req as usize, id, step)?
+                self.ledger
+                    .allocate_decode_at(req as usize, id, step)?
+                    .map(|position| (position, OlderUndo::NONE))
             };
-            if let Some(position) = allocated {
-                self.push_generation_entry::<AHEAD>(step, req, position, input_row);
+            if let Some((position, replaced)) = allocated {
+                self.push_generation_entry::<AHEAD>(step, req, position, input_row, replaced);
                 if preempted {
                     self.mark_served_by_preempting(step, queue_pos, req);
                 }
@@ -391,8 +359,8 @@ impl Scheduler {
         if let Some(slot) = slot {
             self.batch_slots.release(slot);
         }
-        self.sat_out_reqs.push(SatOut { req, slot });
-        self.building.sat_out_ids.push(request.id);
+        self.builder.record.sat_out.push(SatOut { req, slot });
+        self.builder.out.sat_out_ids.push(request.id);
         Ok(())
     }
 
@@ -400,26 +368,28 @@ impl Scheduler {
     /// touches each request once per step); a victim's entry is dropped in
     /// `finish_step`, a missing batch slot is filled in there (and, for a plain step, the
     /// input refs: all -1). Owner ranks are not stored: the output computes them from the
-    /// positions ([`ScheduleOutput::generation_owner_ranks`]).
+    /// positions ([`ScheduleOutput::generation_owner_ranks`]). `replaced`: the undo of
+    /// the older step's decode that this decode replaced (`AHEAD` only).
     fn push_generation_entry<const AHEAD: bool>(
         &mut self,
         step: u64,
         req: RequestIndex,
         position: u64,
         input_row: i32,
+        replaced: OlderUndo,
     ) {
         let request = &mut self.requests[req as usize];
         debug_assert!(input_row >= 0 || position == request.computed);
-        let entry = self.building.generation_ids.len();
+        let entry = self.builder.out.generation_ids.len();
         request.scheduled_step = step;
         let slot = if let Some(slot) = request.batch_slot.get() {
             slot_id(slot)
         } else {
-            self.step_new_slots += 1;
-            self.generation_needing_slots.push(entry);
+            self.builder.new_slots += 1;
+            self.builder.generation_needing_slots.push(entry);
             -1
         };
-        let out = &mut self.building;
+        let out = &mut self.builder.out;
         out.generation_ids.push(request.id);
         out.generation_positions.push(position);
         if AHEAD {
@@ -432,9 +402,16 @@ impl Scheduler {
             out.generation_input_tokens.push(request.last_token);
         }
         out.generation_batch_slots.push(slot);
-        self.generation_reqs.push(req);
-        self.journal.push(JournalEntry::Decode(req));
-        self.step_tokens += 1;
+        let record = &mut self.builder.record;
+        record.generation_reqs.push(req);
+        if AHEAD {
+            record.older_undos.push(replaced);
+        }
+        record.journal.push(JournalEntry::Decode {
+            req,
+            entry: entry_id(entry),
+        });
+        self.builder.tokens += 1;
     }
 
     /// Brings a suspended request back when the pool has room for it. The queue head
@@ -456,15 +433,15 @@ impl Scheduler {
                 // in queue order, before the context phase admits newer requests into
                 // the free ones (a resumed prefill gets one in that phase, in order).
                 request.cold.touched_step = step;
-                self.slot_claims.push(req);
+                self.builder.slot_claims.push(req);
             }
             self.set_state(req, back_to);
-            self.journal.push(JournalEntry::Resume(req));
+            self.builder.record.journal.push(JournalEntry::Resume(req));
             // Its host pages stay taken until this step is updated (see `host.rs`).
             let table = self.ledger.request(id)?.table();
             let host_pages = self.host.pages(req);
             debug_assert_eq!(table.len(), host_pages.len());
-            let out = &mut self.building;
+            let out = &mut self.builder.out;
             out.resumed_ids.push(id);
             out.resumed_block_ids
                 .extend(table.iter().copied().map(page_id));
@@ -476,8 +453,11 @@ impl Scheduler {
     }
 
     /// `ahead`: the step is planned while the older one is pending, whose chunks and
-    /// completions (marked by `mark_older_step_work`) count as done.
-    fn context_phase(&mut self, step: u64, ahead: bool) -> Result<()> {
+    /// completions (marked by `mark_older_step_work`) count as done. Kept out of line:
+    /// inlined into `schedule()` (where it has two callers) its queue walk took about two
+    /// instructions more a request (cachegrind, `scheduler_step` under pressure).
+    #[inline(never)]
+    pub(super) fn context_phase(&mut self, step: u64, ahead: bool) -> Result<()> {
         let candidates = self.state_counts[RequestState::Waiting.index()]
             + self.state_counts[RequestState::Prefilling.index()];
         if candidates == 0 {
@@ -509,7 +489,7 @@ impl Scheduler {
                 }
             }
             if request.cold.victim_step == step
-                || (admitting && self.step_preempted && !self.config.admit_after_preemption)
+                || (admitting && self.builder.preempted && !self.config.admit_after_preemption)
             {
                 continue;
             }
@@ -518,7 +498,7 @@ impl Scheduler {
                 continue;
             }
             let remaining = request.prefill_len() - start;
-            let budget = max_tokens - self.step_tokens;
+            let budget = max_tokens - self.builder.tokens;
             let chunk = if remaining <= budget {
                 remaining
             } else if self.config.enable_chunked_prefill {
@@ -531,7 +511,7 @@ impl Scheduler {
                 break;
             }
             self.push_context_entry(step, req, start, chunk);
-            self.step_new_slots += u32::from(needs_slot);
+            self.builder.new_slots += u32::from(needs_slot);
         }
         Ok(())
     }
@@ -540,7 +520,7 @@ impl Scheduler {
         let request = &mut self.requests[req as usize];
         request.scheduled_step = step;
         let end = start + len;
-        let out = &mut self.building;
+        let out = &mut self.builder.out;
         out.context_ids.push(request.id);
         out.context_starts.push(start);
         out.context_lens.push(len);
@@ -553,13 +533,13 @@ impl Scheduler {
         )]
         out.context_token_ids
             .extend_from_slice(&request.cold.tokens[start as usize..end as usize]);
-        self.context.push(ContextEntry {
+        self.builder.record.context.push(ContextEntry {
             req,
             start,
             len,
             completes: end == request.prefill_len(),
         });
-        self.step_tokens += len;
+        self.builder.tokens += len;
     }
 
     /// Reserves KV up to `target` tokens for a prompt chunk, preempting requests behind
@@ -588,7 +568,10 @@ impl Scheduler {
         };
         loop {
             if self.ledger.grow(id, reserve_to)? {
-                self.journal.push(JournalEntry::Reserve { req, len_before });
+                self.builder
+                    .record
+                    .journal
+                    .push(JournalEntry::Reserve { req, len_before });
                 return Ok(true);
             }
             if !self.preempt_for(step, queue_pos, id, reserve_to)? {
@@ -602,8 +585,8 @@ impl Scheduler {
     /// paid for futile.
     fn mark_served_by_preempting(&mut self, step: u64, queue_pos: usize, req: RequestIndex) {
         self.requests[req as usize].cold.rescued_step = step;
-        self.victims.remove(queue_pos);
-        self.head_victims.remove(queue_pos);
+        self.builder.victims.remove(queue_pos);
+        self.builder.head_victims.remove(queue_pos);
     }
 
     /// The ladder for the requester at queue position `requester_pos`, which needs its KV
@@ -631,8 +614,11 @@ impl Scheduler {
         debug_assert!(covered < need, "the allocation failed, so pages are short");
         let bound = self.config.max_preemptions_per_request;
         let policy = self.config.victim_policy;
-        let checkpoints = (self.victims.checkpoint(), self.head_victims.checkpoint());
-        self.plan.clear();
+        let checkpoints = (
+            self.builder.victims.checkpoint(),
+            self.builder.head_victims.checkpoint(),
+        );
+        self.builder.plan.clear();
         // The queue head may also take requests at their bound: a bound limits thrash
         // and must never stop the oldest live request, which everything else waits
         // behind. A bound of 0 turns preemption off altogether.
@@ -665,9 +651,9 @@ impl Scheduler {
                 })
             };
             let finder = if at_bound {
-                &mut self.head_victims
+                &mut self.builder.head_victims
             } else {
-                &mut self.victims
+                &mut self.builder.victims
             };
             while covered < need {
                 let Some(queue_pos) = finder.find(requester_pos, key) else {
@@ -676,17 +662,17 @@ impl Scheduler {
                 finder.remove(queue_pos);
                 let id = self.requests[self.queue[queue_pos] as usize].id;
                 covered += self.ledger.request(id)?.table().len() as u64;
-                self.plan.push(queue_pos);
+                self.builder.plan.push(queue_pos);
             }
             break;
         }
         if covered < need {
-            self.victims.rollback(checkpoints.0);
-            self.head_victims.rollback(checkpoints.1);
+            self.builder.victims.rollback(checkpoints.0);
+            self.builder.head_victims.rollback(checkpoints.1);
             return Ok(false);
         }
-        for i in 0..self.plan.len() {
-            let victim = self.queue[self.plan[i]];
+        for i in 0..self.builder.plan.len() {
+            let victim = self.queue[self.builder.plan[i]];
             self.preempt(step, victim, requester)?;
         }
         Ok(true)
@@ -702,9 +688,9 @@ impl Scheduler {
             // Scheduled earlier in this step: undo its decode token and give its budget
             // back; its entry is dropped when the output is built.
             self.ledger.revert_decode(id, step)?;
-            self.step_tokens -= 1;
-            self.step_new_slots -= u32::from(request.batch_slot.is_none());
-            self.generation_removed = true;
+            self.builder.tokens -= 1;
+            self.builder.new_slots -= u32::from(request.batch_slot.is_none());
+            self.builder.generation_removed = true;
         }
         let held = superblock_count(self.ledger.request(id)?.table().len());
         let suspend = self.suspends(victim, held);
@@ -715,11 +701,11 @@ impl Scheduler {
         if let Some(slot) = request.batch_slot.take() {
             self.batch_slots.release(slot);
         }
-        self.step_preempted = true;
+        self.builder.preempted = true;
         if suspend {
             let table = self.ledger.request(id)?.table();
             let host_pages = self.host.take(victim, held);
-            let out = &mut self.building;
+            let out = &mut self.builder.out;
             out.suspended_block_ids
                 .extend(table.iter().copied().map(page_id));
             out.suspended_host_block_ids
@@ -745,8 +731,8 @@ impl Scheduler {
             self.metrics.recomputed_tokens += lost;
             self.metrics.preemptions += 1;
             self.set_state(victim, RequestState::Waiting);
-            self.building.preempted_ids.push(id);
-            self.building.preempted_requester_ids.push(requester);
+            self.builder.out.preempted_ids.push(id);
+            self.builder.out.preempted_requester_ids.push(requester);
         }
         Ok(())
     }
@@ -786,9 +772,15 @@ impl Scheduler {
     /// Completes the output being built: hands out batch slots (generation entries, slot
     /// claims, then context entries, lowest free first), drops entries of requests
     /// preempted after they were scheduled, and digests it.
-    fn finish_step(&mut self, step: u64) {
-        for &entry in &self.generation_needing_slots {
-            let req = self.generation_reqs[entry];
+    pub(super) fn finish_step(&mut self, step: u64) {
+        let record = &self.builder.record;
+        debug_assert!(
+            record.older_undos.is_empty()
+                || record.older_undos.len() == record.generation_reqs.len(),
+            "a step planned ahead keeps one undo per generation entry"
+        );
+        for &entry in &self.builder.generation_needing_slots {
+            let req = self.builder.record.generation_reqs[entry];
             let request = &mut self.requests[req as usize];
             if request.scheduled_step != step {
                 continue; // preempted after it was scheduled
@@ -798,15 +790,15 @@ impl Scheduler {
                 .take_lowest()
                 .expect("a free batch slot was counted for this entry");
             request.batch_slot.set(slot);
-            self.new_slot_reqs.push(req);
-            self.building.generation_batch_slots[entry] = slot_id(slot);
+            self.builder.record.new_slot_reqs.push(req);
+            self.builder.out.generation_batch_slots[entry] = slot_id(slot);
         }
         // Slot claims, in queue order, between generation and context entries: every
         // generation entry was counted with room left after the claims made before it,
         // every context entry with room after all claims, so the claims take only what
         // no entry counted on. A claim that found no slot free and none freed later in
         // the step goes without, and claims again at its place in the next step.
-        for &req in &self.slot_claims {
+        for &req in &self.builder.slot_claims {
             let request = &mut self.requests[req as usize];
             if request.state != RequestState::Decoding {
                 // Preempted later in the step (a resumed request never is): its claim
@@ -817,9 +809,9 @@ impl Scheduler {
                 break;
             };
             request.batch_slot.set(slot);
-            self.new_slot_reqs.push(req);
+            self.builder.record.new_slot_reqs.push(req);
         }
-        for (i, entry) in self.context.iter().enumerate() {
+        for (i, entry) in self.builder.record.context.iter().enumerate() {
             let request = &mut self.requests[entry.req as usize];
             if request.batch_slot.is_none() {
                 let slot = self
@@ -827,20 +819,20 @@ impl Scheduler {
                     .take_lowest()
                     .expect("a free batch slot was counted for this entry");
                 request.batch_slot.set(slot);
-                self.new_slot_reqs.push(entry.req);
-                self.building.context_batch_slots[i] = slot_id(slot);
+                self.builder.record.new_slot_reqs.push(entry.req);
+                self.builder.out.context_batch_slots[i] = slot_id(slot);
             }
         }
-        if self.generation_removed {
+        if self.builder.generation_removed {
             self.drop_preempted_generation_entries(step);
         }
         // A plain step's inputs are all known: its refs are filled in one go.
-        let entries = self.building.generation_ids.len();
-        self.building.generation_input_refs.resize(entries, -1);
+        let entries = self.builder.out.generation_ids.len();
+        self.builder.out.generation_input_refs.resize(entries, -1);
         // `sample_ids` is not built: the output computes it (generation ids, then the
         // completing context ids) when asked for.
-        let out = &mut self.building;
-        out.num_tokens = self.step_tokens;
+        let out = &mut self.builder.out;
+        out.num_tokens = self.builder.tokens;
         out.digest = out.compute_digest(self.fingerprint);
 
         // A step planned ahead of one with entries is no stall: requests waiting on that
@@ -849,9 +841,10 @@ impl Scheduler {
         let progress = !out.generation_ids.is_empty()
             || !out.context_ids.is_empty()
             || !out.resumed_ids.is_empty()
-            || (self.pending_steps == 1
-                && !(self.older.generation_reqs.is_empty() && self.older.context.is_empty()));
-        self.stalled_steps_before = self.stalled_steps;
+            || self.pending.newest().is_some_and(|older| {
+                !(older.generation_reqs.is_empty() && older.context.is_empty())
+            });
+        self.builder.record.stalled_steps_before = self.stalled_steps;
         self.stalled_steps = if progress || self.queue.is_empty() {
             0
         } else {
@@ -867,34 +860,38 @@ impl Scheduler {
     fn drop_preempted_generation_entries(&mut self, step: u64) {
         // The runs of decodes name entries by position, which the drop moves: each
         // becomes its `Decode`s again (the journal then reads as it always did).
-        if self
+        let record = &mut self.builder.record;
+        if record
             .journal
             .iter()
             .any(|entry| matches!(entry, JournalEntry::Decodes { .. }))
         {
-            let mut journal = Vec::with_capacity(self.journal.len() + self.generation_reqs.len());
-            for &entry in &self.journal {
-                match entry {
-                    JournalEntry::Decodes { from, to } => journal.extend(
-                        self.generation_reqs[from as usize..to as usize]
-                            .iter()
-                            .map(|&req| JournalEntry::Decode(req)),
-                    ),
-                    _ => journal.push(entry),
+            let mut journal =
+                Vec::with_capacity(record.journal.len() + record.generation_reqs.len());
+            for &change in &record.journal {
+                match change {
+                    JournalEntry::Decodes { from, to } => {
+                        journal.extend((from..to).map(|entry| JournalEntry::Decode {
+                            req: record.generation_reqs[entry as usize],
+                            entry,
+                        }));
+                    }
+                    _ => journal.push(change),
                 }
             }
-            self.journal = journal;
+            record.journal = journal;
         }
-        let out = &mut self.building;
+        let generation = &mut record.generation_reqs;
+        let out = &mut self.builder.out;
         // Only a step planned ahead has its refs yet (a plain one fills them in after).
         let refs = !out.generation_input_refs.is_empty();
         let mut kept = 0;
-        for i in 0..self.generation_reqs.len() {
-            let req = self.generation_reqs[i];
+        for i in 0..generation.len() {
+            let req = generation[i];
             if self.requests[req as usize].scheduled_step != step {
                 continue;
             }
-            self.generation_reqs[kept] = req;
+            generation[kept] = req;
             out.generation_ids[kept] = out.generation_ids[i];
             out.generation_positions[kept] = out.generation_positions[i];
             out.generation_input_tokens[kept] = out.generation_input_tokens[i];
@@ -904,7 +901,7 @@ impl Scheduler {
             out.generation_batch_slots[kept] = out.generation_batch_slots[i];
             kept += 1;
         }
-        self.generation_reqs.truncate(kept);
+        generation.truncate(kept);
         out.generation_ids.truncate(kept);
         out.generation_positions.truncate(kept);
         out.generation_input_tokens.truncate(kept);
@@ -914,33 +911,43 @@ impl Scheduler {
         out.generation_batch_slots.truncate(kept);
     }
 
-    /// Undoes the step's reservations (newest first), resumes, new batch slots and
-    /// sit-outs. Preemptions and suspends stay applied: they are identical on every
-    /// rank, and their victims simply re-prefill or resume later.
-    pub(super) fn undo_step(&mut self, step: u64) {
-        let journal = std::mem::take(&mut self.journal);
-        let generation = std::mem::take(&mut self.generation_reqs);
-        for &entry in journal.iter().rev() {
-            match entry {
+    /// Undoes the reservations (newest first), resumes, new batch slots and sit-outs of
+    /// the step of `record` (a pending one, or the one being built). Preemptions and
+    /// suspends stay applied: they are identical on every rank, and their victims simply
+    /// re-prefill or resume later.
+    pub(super) fn undo_step(&mut self, record: &StepRecord) {
+        let step = record.step;
+        let generation = &record.generation_reqs;
+        // The undo each decode replaced (a step planned ahead), else none.
+        let older = |entry: u32| {
+            record
+                .older_undos
+                .get(entry as usize)
+                .copied()
+                .unwrap_or(OlderUndo::NONE)
+        };
+        for &change in record.journal.iter().rev() {
+            match change {
                 JournalEntry::Decodes { from, to } => {
-                    for &req in generation[from as usize..to as usize].iter().rev() {
-                        self.undo_change(step, req, entry);
+                    for entry in (from..to).rev() {
+                        let req = generation[entry as usize];
+                        self.undo_change(step, req, change, older(entry));
                     }
                 }
-                JournalEntry::Decode(req)
-                | JournalEntry::Reserve { req, .. }
-                | JournalEntry::Resume(req) => self.undo_change(step, req, entry),
+                JournalEntry::Decode { req, entry } => {
+                    self.undo_change(step, req, change, older(entry));
+                }
+                JournalEntry::Reserve { req, .. } | JournalEntry::Resume(req) => {
+                    self.undo_change(step, req, change, OlderUndo::NONE);
+                }
             }
         }
-        self.generation_reqs = generation;
-        self.journal = journal;
-        for &req in &self.new_slot_reqs {
+        for &req in &record.new_slot_reqs {
             if let Some(slot) = self.requests[req as usize].batch_slot.take() {
                 self.batch_slots.release(slot);
             }
         }
-        self.new_slot_reqs.clear();
-        for &SatOut { req, slot } in &self.sat_out_reqs {
+        for &SatOut { req, slot } in &record.sat_out {
             let request = &mut self.requests[req as usize];
             // A victim since (of this step or of one planned ahead) holds no slot: its
             // preemption stays applied.
@@ -957,7 +964,7 @@ impl Scheduler {
 
     /// Undoes one change of the step, the request `req`'s (`entry` is its journal entry;
     /// a decode of a `Decodes` run is undone as its own `Decode`).
-    fn undo_change(&mut self, step: u64, req: RequestIndex, entry: JournalEntry) {
+    fn undo_change(&mut self, step: u64, req: RequestIndex, entry: JournalEntry, older: OlderUndo) {
         let request = &self.requests[req as usize];
         // A zombie finished meanwhile (the older step's update retired it): what it holds
         // is freed after this undo, but its ledger change is undone first, so the pages the
@@ -979,8 +986,8 @@ impl Scheduler {
         }
         let id = request.id;
         let undone = match entry {
-            JournalEntry::Decode(_) | JournalEntry::Decodes { .. } => {
-                self.ledger.revert_decode(id, step).map(|_| ())
+            JournalEntry::Decode { .. } | JournalEntry::Decodes { .. } => {
+                self.ledger.revert_decode_to(id, step, older).map(|_| ())
             }
             JournalEntry::Reserve { len_before, .. } => self.ledger.shrink(id, len_before),
             // Its host pages were kept (they are released when a step is updated).
@@ -1028,7 +1035,7 @@ impl Scheduler {
         )
     }
 
-    fn deadlock_message(&self) -> String {
+    pub(super) fn deadlock_message(&self) -> String {
         let config = &self.config;
         let remedy = match (config.serving_mode, config.capacity_policy) {
             (ServingMode::DisaggregatedGeneration, _) => {
@@ -1086,15 +1093,20 @@ enum Admit {
 /// both fill alike, and its general path. A mode has no state: its functions are inlined
 /// into the run, which is compiled apart per mode.
 trait DecodeRunMode {
+    /// Whether [`Self::allocate`] keeps what each decode replaced (a step planned ahead:
+    /// the older step's undo; a plain step keeps nothing).
+    const KEEPS_UNDOS: bool;
     /// Whether the request `req` at the run's position decodes, is passed over or stops
     /// the run. `marks` are the older pending step's marks (read only one step ahead).
     fn admit(marks: &[AheadMark], step: u64, req: RequestIndex, request: &Request) -> Admit;
-    /// Allocates the decode token of `req` in place, or `None` for the general path.
+    /// Allocates the decode token of `req` in place (its position), or `None` for the
+    /// general path; with [`Self::KEEPS_UNDOS`], appends what it replaced to `undos`.
     fn allocate(
         lane: &mut DecodeLane<'_>,
         req: RequestIndex,
         id: RequestId,
         step: u64,
+        undos: &mut Vec<OlderUndo>,
     ) -> Option<u64>;
     /// The mode's column for a decoding entry, from its request and the row [`Self::admit`]
     /// gave.
@@ -1116,6 +1128,8 @@ trait DecodeRunMode {
 struct PlainRun;
 
 impl DecodeRunMode for PlainRun {
+    const KEEPS_UNDOS: bool = false;
+
     #[inline]
     fn admit(_: &[AheadMark], _: u64, _: RequestIndex, request: &Request) -> Admit {
         match request.state {
@@ -1131,6 +1145,7 @@ impl DecodeRunMode for PlainRun {
         req: RequestIndex,
         id: RequestId,
         step: u64,
+        _: &mut Vec<OlderUndo>,
     ) -> Option<u64> {
         lane.try_allocate_in_place(req as usize, id, step)
     }
@@ -1164,6 +1179,8 @@ impl DecodeRunMode for PlainRun {
 struct AheadRun;
 
 impl DecodeRunMode for AheadRun {
+    const KEEPS_UNDOS: bool = true;
+
     #[inline]
     fn admit(marks: &[AheadMark], step: u64, req: RequestIndex, request: &Request) -> Admit {
         if request.abort_requested {
@@ -1192,8 +1209,11 @@ impl DecodeRunMode for AheadRun {
         req: RequestIndex,
         id: RequestId,
         step: u64,
+        undos: &mut Vec<OlderUndo>,
     ) -> Option<u64> {
-        lane.try_allocate_ahead_in_place(req as usize, id, step)
+        let (position, replaced) = lane.try_allocate_ahead_in_place(req as usize, id, step)?;
+        undos.push(replaced);
+        Some(position)
     }
 
     /// The row of the older step's sampled tokens that holds the input.
