@@ -2,9 +2,9 @@
 //!
 //! An abort is valid in every state of a live request (waiting, part-prefilled, decoding,
 //! recompute-paused, suspended); for an id with no live request (finished, or never added)
-//! it is a no-op that answers `false`. Between steps it takes effect at once; while a step is pending it is deferred
-//! to the close of that step, because the executor may already be running the request's
-//! entries and `revert` must still find the step as it was scheduled.
+//! it is a no-op that answers `false`. Between steps it takes effect at once; while a step
+//! is pending it is deferred to the close of that step, because the executor may already be
+//! running the request's entries and `revert` must still find the step as it was scheduled.
 
 use super::{FinishReason, RequestId, Result, Scheduler};
 
