@@ -408,8 +408,8 @@ pub fn u64_vec(obj: &Bound<'_, PyAny>, what: &str, length: bool) -> PyResult<Vec
     )
 }
 
-/// Token ids (int32): borrowed when already a contiguous, aligned int32 array, else range checked
-/// (numpy's own cast would wrap silently).
+/// Token ids (int32): borrowed when already a contiguous, aligned int32 array, else range
+/// checked (numpy's own cast would wrap silently).
 pub enum TokenIds<'py> {
     Borrowed(PyReadonlyArray1<'py, i32>),
     Converted(Vec<i32>),
