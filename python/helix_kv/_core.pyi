@@ -506,14 +506,19 @@ class RequestMetrics:
     def __new__(
         cls,
         *,
-        preemptions: int = 0,
+        victim_choices: int = 0,
         recomputed_tokens: int = 0,
         steps_waited: int = 0,
         generated_tokens: int = 0,
     ) -> RequestMetrics: ...
     def __reduce__(self) -> tuple[Any, ...]: ...
     @property
-    def preemptions(self) -> int: ...
+    def victim_choices(self) -> int:
+        """Times chosen as a victim, recompute-pause or suspend."""
+    @property
+    @deprecated("RequestMetrics.preemptions is deprecated: read RequestMetrics.victim_choices")
+    def preemptions(self) -> int:
+        """Deprecated name of ``victim_choices`` (kept for one release)."""
     @property
     def recomputed_tokens(self) -> int: ...
     @property

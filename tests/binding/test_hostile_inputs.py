@@ -427,7 +427,7 @@ FINISH_REASON = Kind(
 )
 METRICS = _kind(
     "metrics",
-    [None, {}, 0, "x", {"preemptions": 0}, (0, 0, 0, 0), make_scheduler(False).metrics()],
+    [None, {}, 0, "x", {"victim_choices": 0}, (0, 0, 0, 0), make_scheduler(False).metrics()],
     [],
     InvalidTypeError,
 )
@@ -444,7 +444,7 @@ CONSTRUCTOR_CALLS = [
     Call(
         "new",
         "RequestOutput",
-        (MAX_ID, [1, 2], "eos", helix_kv.RequestMetrics(preemptions=1)),
+        (MAX_ID, [1, 2], "eos", helix_kv.RequestMetrics(victim_choices=1)),
         (ID, TOKENS, FINISH_REASON, METRICS),
     ),
     Call(
@@ -544,7 +544,7 @@ RECORD_FIELDS: dict[str, dict[str, Kind]] = {
     "SchedulerMetrics": _COUNTS
     | {"kv_used_superblocks": U32, "kv_capacity_superblocks": U32}
     | {"kv_utilization": FRACTION, "kv_utilization_peak": FRACTION},
-    "RequestMetrics": {"preemptions": U32}
+    "RequestMetrics": {"victim_choices": U32}
     | dict.fromkeys(("recomputed_tokens", "steps_waited", "generated_tokens"), U64),
     "DecodeView": {"global_len": U64, "next_position": U64, "owner_rank": U32}
     | {"inactive": RECORD_FLAG, "local_len": U64, "past_seen_len": U64},

@@ -385,12 +385,12 @@ def test_request_output_is_a_frozen_picklable_record() -> None:
     assert output != "not an output"
     assert repr(output) == (
         "RequestOutput(request_id=7, token_ids=[11, 12, 13], finish_reason='aborted', "
-        "metrics=RequestMetrics(preemptions=0, recomputed_tokens=0, steps_waited=0, "
+        "metrics=RequestMetrics(victim_choices=0, recomputed_tokens=0, steps_waited=0, "
         "generated_tokens=3))"
     )
     long = helix_kv.RequestOutput(1, list(range(40)), "length", helix_kv.RequestMetrics())
     assert "... (40 tokens)" in repr(long)
-    metrics = helix_kv.RequestMetrics(preemptions=2, steps_waited=5)
+    metrics = helix_kv.RequestMetrics(victim_choices=2, steps_waited=5)
     assert pickle.loads(pickle.dumps(metrics)) == metrics
     with pytest.raises(helix_kv.InvalidArgumentError, match="finish_reason must be"):
         helix_kv.RequestOutput(1, [1], "stop", metrics)

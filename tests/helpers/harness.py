@@ -84,7 +84,7 @@ class HarnessResult:
     #: Suspended requests copied back in from the host tier (in steps that ran).
     resumed: int = 0
     victims: list[tuple[int, int]] = field(default_factory=list)
-    max_request_preemptions: int = 0
+    max_request_victim_choices: int = 0
     # preemptions that took a request past the bound (each for the queue head)
     preemptions_past_bound: int = 0
     #: Decode inputs given as a row of the step in flight (overlap mode).
@@ -156,7 +156,7 @@ class Executor:
         if request_id not in self.known or request_id in self.aborting:
             return None
         state = scheduler.request_state(request_id)
-        if state == "waiting" and scheduler.request_metrics(request_id).preemptions > 0:
+        if state == "waiting" and scheduler.request_metrics(request_id).victim_choices > 0:
             return "recompute-paused"
         return state
 
@@ -286,9 +286,9 @@ class Executor:
         self._check_host_tier()
         self.result.steps += 1
         for request_id in self.group.schedulers[0].queue_ids().tolist():
-            preemptions = self.group.schedulers[0].request_metrics(request_id).preemptions
-            self.result.max_request_preemptions = max(
-                self.result.max_request_preemptions, preemptions
+            chosen = self.group.schedulers[0].request_metrics(request_id).victim_choices
+            self.result.max_request_victim_choices = max(
+                self.result.max_request_victim_choices, chosen
             )
 
     def run(
@@ -340,7 +340,7 @@ class Executor:
             assert self.arrival[victim] > self.arrival[requester], (victim, requester)
             assert victim not in out.generation_ids.tolist()
             assert requester in served, f"futile preemption of {victim} for {requester}"
-            if scheduler.request_metrics(victim).preemptions > bound:
+            if scheduler.request_metrics(victim).victim_choices > bound:
                 assert requester == head, (victim, requester, head)
                 self.result.preemptions_past_bound += 1
         self.result.victims.extend(pairs)

@@ -82,7 +82,7 @@ REQUEST_TYPES: dict[str, type | tuple[type, ...]] = {
     "first_token_step": (int, type(None)),
     "finish_step": int,
     "generated_tokens": int,
-    "preemptions": int,
+    "victim_choices": int,
     "recomputed_tokens": int,
     "steps_waited": int,
     "output_exact": bool,
@@ -177,9 +177,10 @@ def test_events_file_schema_and_figures_match_the_report(
     assert total(steps, "aborted") <= report["requests_aborted"]
     assert total(requests, "generated_tokens") == report["generated_tokens"]
     assert total(requests, "recomputed_tokens") == report["recomputed_tokens"]
-    assert total(requests, "preemptions") == report["preemptions"]
+    # every victim choice is a recompute-pause or a suspend
+    assert total(requests, "victim_choices") == report["preemptions"] + report["suspensions"]
     assert sum(r["finish_reason"] == "aborted" for r in requests) == report["requests_aborted"]
-    assert sum(r["preemptions"] > 0 for r in requests) == report["preempted_requests"]
+    assert sum(r["victim_choices"] > 0 for r in requests) == report["preempted_requests"]
     assert all(r["output_exact"] for r in requests)
     assert report["outputs_exact"]
     for step in steps:
@@ -403,7 +404,7 @@ def test_writer_on_an_open_file_leaves_it_open() -> None:
                 first_token_step=None,
                 finish_step=2,
                 generated_tokens=0,
-                preemptions=0,
+                victim_choices=0,
                 recomputed_tokens=0,
                 steps_waited=2,
                 output_exact=True,

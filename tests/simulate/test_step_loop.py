@@ -87,7 +87,7 @@ class FakeGroup:
             finish_reason="aborted" if request.get("aborted") else "length",
             metrics=SimpleNamespace(
                 generated_tokens=len(request["out"]),
-                preemptions=0,
+                victim_choices=0,
                 recomputed_tokens=0,
                 steps_waited=0,
             ),

@@ -119,7 +119,7 @@ def _outcome(request_id: int, ttft: float, tpot: float, tokens: int) -> RequestO
         first_token_step=0,
         finish_step=tokens - 1,
         generated_tokens=tokens,
-        preemptions=0,
+        victim_choices=0,
         recomputed_tokens=0,
         steps_waited=0,
         output_exact=True,

@@ -110,9 +110,10 @@ class RequestEvent:
     """The step that sampled its last token; for an aborted request, the clock step it was
     aborted before."""
     generated_tokens: int
-    preemptions: int
+    victim_choices: int
+    """Times it was chosen as a victim (recompute-paused or suspended)."""
     recomputed_tokens: int
-    """Tokens computed again after its preemptions."""
+    """Tokens computed again after its recompute-pauses."""
     steps_waited: int
     """Steps it was live but got no work."""
     output_exact: bool

@@ -122,8 +122,8 @@ def summarize(result: SimulationResult) -> Summary:
         "host_pages_in_per_rank": int(metrics.resumed_superblocks),
         "host_tokens_moved": moved * tokens_per_superblock,
         "suspended_tokens": int(metrics.suspended_tokens),
-        "preempted_requests": sum(1 for o in outcomes if o.preemptions > 0),
-        "max_preemptions_of_a_request": max((o.preemptions for o in outcomes), default=0),
+        "preempted_requests": sum(1 for o in outcomes if o.victim_choices > 0),
+        "max_victim_choices_of_a_request": max((o.victim_choices for o in outcomes), default=0),
         "recomputed_tokens": recomputed,
         "recomputed_share": _share(recomputed, computed),
         "sat_out": int(metrics.sat_out),
@@ -211,7 +211,7 @@ ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     ("suspensions", lambda s: str(s["suspensions"])),
     (
         "preempted requests",
-        lambda s: f"{s['preempted_requests']} (at most {s['max_preemptions_of_a_request']}x)",
+        lambda s: f"{s['preempted_requests']} (at most {s['max_victim_choices_of_a_request']}x)",
     ),
     (
         "recomputed tokens",

@@ -81,7 +81,7 @@ class RequestOutcome:
     first_token_step: int | None
     finish_step: int
     generated_tokens: int
-    preemptions: int
+    victim_choices: int
     recomputed_tokens: int
     steps_waited: int
     output_exact: bool
@@ -354,7 +354,7 @@ class _StepLoop:
                 first_token_step=self.first_token_step.get(request_id),
                 finish_step=self.clock,
                 generated_tokens=int(request_metrics.generated_tokens),
-                preemptions=int(request_metrics.preemptions),
+                victim_choices=int(request_metrics.victim_choices),
                 recomputed_tokens=int(request_metrics.recomputed_tokens),
                 steps_waited=int(request_metrics.steps_waited),
                 output_exact=bool(exact),
@@ -424,7 +424,7 @@ def _request_event(outcome: RequestOutcome, prompt_tokens: int) -> RequestEvent:
         first_token_step=outcome.first_token_step,
         finish_step=outcome.finish_step,
         generated_tokens=outcome.generated_tokens,
-        preemptions=outcome.preemptions,
+        victim_choices=outcome.victim_choices,
         recomputed_tokens=outcome.recomputed_tokens,
         steps_waited=outcome.steps_waited,
         output_exact=outcome.output_exact,

@@ -30,7 +30,7 @@ fn run(
     let result = group.run(specs, options).expect("run");
     assert_matches_reference(specs, model, &result);
     assert!(
-        result.max_request_preemptions <= config.max_preemptions_per_request
+        result.max_request_victim_choices <= config.max_preemptions_per_request
             || result.preemptions_past_bound > 0
     );
     result
@@ -172,7 +172,7 @@ fn bound_on_preemptions_gives_way_only_to_the_queue_head() {
         // preemption past the bound is for the queue head).
         let result = group.run(&specs, RunOptions::default()).expect("run");
         assert_matches_reference(&specs, Model::default(), &result);
-        assert!(result.max_request_preemptions <= 2 || result.preemptions_past_bound > 0);
+        assert!(result.max_request_victim_choices <= 2 || result.preemptions_past_bound > 0);
         past_bound += result.preemptions_past_bound;
     }
     assert!(

@@ -353,7 +353,7 @@ fn a_victim_whose_last_token_was_in_flight_folds_it_into_its_re_prefill() {
     }
     for (victim, token) in folded {
         let output = &outputs[usize::try_from(victim - 1).unwrap()];
-        assert!(output.metrics.preemptions > 0);
+        assert!(output.metrics.victim_choices > 0);
         assert!(
             output.token_ids.contains(&token),
             "folded {token} of {victim} lost"

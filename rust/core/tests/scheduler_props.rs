@@ -158,7 +158,7 @@ proptest! {
             Ok(result) => {
                 assert_matches_reference(&specs, case.model, &result);
                 // Past the bound only for the queue head (the harness checks each one).
-                prop_assert!(result.max_request_preemptions <= config.max_preemptions_per_request || result.preemptions_past_bound > 0);
+                prop_assert!(result.max_request_victim_choices <= config.max_preemptions_per_request || result.preemptions_past_bound > 0);
                 if !config.may_preempt() {
                     prop_assert_eq!(result.preemptions + result.suspensions, 0);
                 }
@@ -169,7 +169,7 @@ proptest! {
             Err(CoreError::Deadlock(msg)) => {
                 // Only a preemption bound that ran out, or a server that may not preempt,
                 // can wedge a group whose every request fits the pool.
-                let bound_hit = group.result.max_request_preemptions >= config.max_preemptions_per_request;
+                let bound_hit = group.result.max_request_victim_choices >= config.max_preemptions_per_request;
                 let no_preemption = config.serving_mode == ServingMode::DisaggregatedGeneration;
                 prop_assert!(bound_hit || no_preemption, "unexpected deadlock: {}", msg);
                 if config.serving_mode == ServingMode::AggregatedHelix {
@@ -215,7 +215,7 @@ fn check_early_stop(
     match err {
         CoreError::Deadlock(msg) => {
             let bound_hit =
-                group.result.max_request_preemptions == config.max_preemptions_per_request;
+                group.result.max_request_victim_choices == config.max_preemptions_per_request;
             let no_preemption = config.serving_mode == ServingMode::DisaggregatedGeneration;
             prop_assert!(bound_hit || no_preemption, "unexpected deadlock: {}", msg);
         }

@@ -45,7 +45,7 @@ fn each_victim_policy_picks_what_it_promises() {
             "the requester decodes after the preemption"
         );
         assert_eq!(s.request_state(expected).unwrap(), RequestState::Waiting);
-        assert_eq!(s.request_metrics(expected).unwrap().preemptions, 1);
+        assert_eq!(s.request_metrics(expected).unwrap().victim_choices, 1);
         assert!(!out.generation_ids.contains(&expected));
     }
 }
@@ -883,7 +883,7 @@ fn a_request_preempts_nobody_when_the_victims_behind_it_cannot_free_enough() {
     assert!(out.context_ids.is_empty());
     assert_eq!(out.generation_ids, vec![0, 2]);
     assert_eq!(s.request_state(1).unwrap(), RequestState::Waiting);
-    assert_eq!(s.request_metrics(2).unwrap().preemptions, 0);
+    assert_eq!(s.request_metrics(2).unwrap().victim_choices, 0);
     assert_eq!(s.metrics().preemptions, 1);
     run_to_end(&mut s);
 }
@@ -943,7 +943,7 @@ fn the_queue_head_may_preempt_past_the_bound_so_a_small_bound_cannot_deadlock() 
         .expect("no deadlock");
     assert_matches_reference(&specs, Model::default(), &result);
     assert!(result.preemptions_past_bound > 0);
-    assert!(result.max_request_preemptions > 1);
+    assert!(result.max_request_victim_choices > 1);
     assert!(result
         .victims
         .iter()
@@ -971,7 +971,7 @@ fn only_the_queue_head_takes_a_victim_at_its_bound() {
             break;
         }
     }
-    assert_eq!(s.request_metrics(2).unwrap().preemptions, 1);
+    assert_eq!(s.request_metrics(2).unwrap().victim_choices, 1);
     // Whenever 2 is preempted again, it is for the queue head; 1 sits out instead.
     let mut past_bound = 0;
     for _ in 0..200 {
@@ -981,7 +981,7 @@ fn only_the_queue_head_takes_a_victim_at_its_bound() {
         let head = s.queue_ids()[0];
         let out = step(&mut s, 1);
         for (&victim, &requester) in out.preempted_ids.iter().zip(&out.preempted_requester_ids) {
-            if s.request_metrics(victim).unwrap().preemptions > 1 {
+            if s.request_metrics(victim).unwrap().victim_choices > 1 {
                 assert_eq!(requester, head, "step {}", out.step);
                 past_bound += 1;
             }

@@ -19,12 +19,19 @@
 /// `from CoreType` adds `From<CoreType>` and `From<&Self> for CoreType` (field for field);
 /// `default = 0` gives every constructor keyword that default (else they are required).
 macro_rules! value_record {
-    ({ $(#[doc = $class_doc:tt])* $name:ident as $py:tt $(from $core:ty)?, default = $default:tt }
+    ({ $(#[doc = $class_doc:tt])* $name:ident as $py:tt $(from $core:ty)?, default = $default:tt
+       $(, renamed { $($old:ident => $new:ident),* $(,)? })? }
      $($fields:tt)*) => {
-        value_record!(@signature { $(#[doc = $class_doc])* $name $py [$($core)?] } [$default] $($fields)*);
+        value_record!(@signature
+            { $(#[doc = $class_doc])* $name $py [$($core)?] [$($($old => $new),*)?] }
+            [$default] $($fields)*);
     };
-    ({ $(#[doc = $class_doc:tt])* $name:ident as $py:tt $(from $core:ty)? } $($fields:tt)*) => {
-        value_record!(@signature { $(#[doc = $class_doc])* $name $py [$($core)?] } [] $($fields)*);
+    ({ $(#[doc = $class_doc:tt])* $name:ident as $py:tt $(from $core:ty)?
+       $(, renamed { $($old:ident => $new:ident),* $(,)? })? }
+     $($fields:tt)*) => {
+        value_record!(@signature
+            { $(#[doc = $class_doc])* $name $py [$($core)?] [$($($old => $new),*)?] }
+            [] $($fields)*);
     };
     // Each keyword is read by `from_py_with = field_arg::<T, Record, I>` (`I`: its index in
     // the field list, found at compile time), so its errors name the record and the field.
@@ -48,7 +55,8 @@ macro_rules! value_record {
         }
     };
     (@convert $name:ident [] $($field:ident),*) => {};
-    (@define { $(#[doc = $class_doc:tt])* $name:ident $py:tt [$($core:ty)?] } $signature:tt
+    (@define { $(#[doc = $class_doc:tt])* $name:ident $py:tt [$($core:ty)?]
+               [$($old:ident => $new:ident),*] } $signature:tt
      $( $(#[doc = $doc:tt])* $field:ident : $ty:ty ),*) => {
         $(#[doc = $class_doc])*
         #[pyo3::pyclass(frozen, get_all, eq, module = "helix_kv._core", name = $py)]
@@ -119,6 +127,15 @@ macro_rules! value_record {
                 let dict = self.to_dict(py)?;
                 $crate::records::repr_of($py, &dict)
             }
+
+            $(
+                /// Deprecated name of a renamed field (kept for one release; warns).
+                #[getter]
+                fn $old(&self, py: pyo3::Python<'_>) -> pyo3::PyResult<u64> {
+                    $crate::records::renamed_field(py, $py, stringify!($old), stringify!($new))?;
+                    Ok(u64::from(self.$new))
+                }
+            )*
         }
     };
 }
@@ -242,6 +259,21 @@ pub fn reduce_by_keywords<'py, T: pyo3::PyClass>(
     PyTuple::new(py, [rebuild, PyTuple::empty(py).into_any()])
 }
 
+/// Warns that `Record.old` is the deprecated name of `Record.new` (a `DeprecationWarning`
+/// pointing at the caller).
+pub fn renamed_field(py: Python<'_>, record: &str, old: &str, new: &str) -> PyResult<()> {
+    let message = std::ffi::CString::new(format!(
+        "{record}.{old} is deprecated (it is removed in the next release): read {record}.{new}"
+    ))
+    .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    PyErr::warn(
+        py,
+        &py.get_type::<pyo3::exceptions::PyDeprecationWarning>(),
+        &message,
+        1,
+    )
+}
+
 /// `name(key=repr(value), ...)` over `fields` in order.
 pub fn repr_of(name: &str, fields: &Bound<'_, PyDict>) -> PyResult<String> {
     let mut parts = Vec::with_capacity(fields.len());
@@ -260,5 +292,6 @@ helix_kv_core::scheduler_metrics_fields!(value_record! {
 
 helix_kv_core::request_metrics_fields!(value_record! {
     /// Counters of one request (frozen; picklable).
-    PyRequestMetrics as "RequestMetrics" from helix_kv_core::RequestMetrics, default = 0
+    PyRequestMetrics as "RequestMetrics" from helix_kv_core::RequestMetrics, default = 0,
+    renamed { preemptions => victim_choices }
 });

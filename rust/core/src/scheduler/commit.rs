@@ -352,7 +352,7 @@ impl Scheduler {
         self.release_host_pages(req);
         let request = &mut self.requests[req as usize];
         let metrics = RequestMetrics {
-            preemptions: request.cold.preemptions,
+            victim_choices: request.cold.victim_choices,
             recomputed_tokens: request.cold.recomputed_tokens,
             steps_waited: request.cold.steps_waited,
             generated_tokens: request.generated(),

@@ -60,9 +60,11 @@ macro_rules! request_metrics_fields {
     ($callback:ident ! { $($args:tt)* }) => {
         $callback! {
             { $($args)* }
-            /// Times chosen as a victim (recompute-pause or suspend); bounded by
-            /// `max_preemptions_per_request`.
-            preemptions: u32,
+            /// Times chosen as a victim, recompute-pause or suspend (the scheduler's
+            /// `preemptions` counts recompute-pauses alone); bounded by
+            /// `max_preemptions_per_request`. Named `preemptions` in 0.1.0 (Python keeps
+            /// that name as a deprecated alias for one release).
+            victim_choices: u32,
             /// KV tokens it lost to recompute-pauses.
             recomputed_tokens: u64,
             /// Steps run while it was live and got no context or generation entry.

@@ -533,7 +533,7 @@ impl Scheduler {
         if let Some(&req) = self.index.get(&id) {
             let r = &self.requests[req as usize];
             return Ok(RequestMetrics {
-                preemptions: r.cold.preemptions,
+                victim_choices: r.cold.victim_choices,
                 recomputed_tokens: r.cold.recomputed_tokens,
                 steps_waited: r.cold.steps_waited,
                 generated_tokens: r.generated(),
@@ -605,7 +605,7 @@ impl Scheduler {
                 h.word(bits(token));
             }
             h.u64(r.batch_slot.get().map_or(u64::MAX, u64::from));
-            h.u64(u64::from(r.cold.preemptions));
+            h.u64(u64::from(r.cold.victim_choices));
             h.u64(u64::from(r.abort_requested));
         }
         h.u64(self.finished.len() as u64);

@@ -173,7 +173,7 @@ pub(super) struct RequestCold {
     pub max_new_tokens: u32,
     pub priority: i32,
     /// Times chosen as a victim (recompute-pause or suspend).
-    pub preemptions: u32,
+    pub victim_choices: u32,
     /// Prompt (with folded tokens), then the tokens sampled before the log last moved
     /// them here; the newer ones wait in the [`TokenLog`] (its chunks, then its row).
     /// A re-prefill reads its chunks straight from this vector (a request that re-prefills
@@ -229,7 +229,7 @@ impl Request {
             cold: Box::new(RequestCold {
                 max_new_tokens,
                 priority,
-                preemptions: 0,
+                victim_choices: 0,
                 tokens,
                 original_prompt_len: prompt.len() as u64,
                 suspended_from: RequestState::Waiting,

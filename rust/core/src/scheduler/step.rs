@@ -634,7 +634,7 @@ impl Scheduler {
                 let holds_pages =
                     matches!(r.state, RequestState::Prefilling | RequestState::Decoding);
                 if !holds_pages
-                    || (r.cold.preemptions >= bound) != at_bound
+                    || (r.cold.victim_choices >= bound) != at_bound
                     || r.cold.resumed_step == step
                     || r.cold.victim_step == step
                     || r.cold.rescued_step == step
@@ -697,7 +697,7 @@ impl Scheduler {
         let request = &mut self.requests[victim as usize];
         request.scheduled_step = NO_STEP;
         request.cold.victim_step = step;
-        request.cold.preemptions += 1;
+        request.cold.victim_choices += 1;
         if let Some(slot) = request.batch_slot.take() {
             self.batch_slots.release(slot);
         }

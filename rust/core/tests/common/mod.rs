@@ -216,7 +216,7 @@ pub struct RunResult {
     pub reverted_steps: u64,
     /// Every victim seen, `(victim, requester)`.
     pub victims: Vec<(RequestId, RequestId)>,
-    pub max_request_preemptions: u32,
+    pub max_request_victim_choices: u32,
     /// Preemptions that took a request past `max_preemptions_per_request` (each one for
     /// the oldest live request, which the harness checks).
     pub preemptions_past_bound: u64,
@@ -526,7 +526,10 @@ impl Group {
                     "step {}: request {victim} was preempted for request {requester}, which is not served in that step",
                     out.step
                 );
-                let preemptions = self.ranks[0].request_metrics(*victim).unwrap().preemptions;
+                let preemptions = self.ranks[0]
+                    .request_metrics(*victim)
+                    .unwrap()
+                    .victim_choices;
                 if preemptions > bound {
                     assert_eq!(
                         Some(*requester),
@@ -1089,7 +1092,8 @@ impl Group {
         if s.is_abort_requested(id).ok()? {
             return None;
         }
-        let paused = state == RequestState::Waiting && s.request_metrics(id).ok()?.preemptions > 0;
+        let paused =
+            state == RequestState::Waiting && s.request_metrics(id).ok()?.victim_choices > 0;
         Some(if paused {
             "recompute-paused"
         } else {
@@ -1238,7 +1242,7 @@ impl Group {
                         group.assert_finished_match(&plain);
                     }
                     Err(CoreError::Deadlock(_))
-                        if group.result.max_request_preemptions
+                        if group.result.max_request_victim_choices
                             >= self.config.max_preemptions_per_request
                             || self.config.serving_mode == ServingMode::DisaggregatedGeneration =>
                     {
@@ -1385,8 +1389,8 @@ impl Group {
     /// past the bound as it happens.
     fn check_bound(&mut self) {
         for id in self.ranks[0].queue_ids() {
-            let p = self.ranks[0].request_metrics(id).unwrap().preemptions;
-            self.result.max_request_preemptions = self.result.max_request_preemptions.max(p);
+            let p = self.ranks[0].request_metrics(id).unwrap().victim_choices;
+            self.result.max_request_victim_choices = self.result.max_request_victim_choices.max(p);
         }
     }
 }
