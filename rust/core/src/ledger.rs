@@ -6,6 +6,7 @@ use rustc_hash::FxHashMap;
 
 use crate::error::{CoreError, Result};
 use crate::layout::Layout;
+use crate::prefix_cache::{BlockKey, Eviction, PrefixCache};
 use crate::{RequestId, SuperblockId};
 
 /// Largest pool: superblock ids are page ids, handed out as int32 (block tables pad with
@@ -540,6 +541,10 @@ pub struct Ledger {
     index: IdIndex,
     /// Working space of the batch calls, kept so they allocate nothing in steady state.
     scratch: Scratch,
+    /// The prefix cache (references, keys, eviction order), when enabled: then a page
+    /// leaves a table through it, and registered pages nobody references stay cached,
+    /// off the free list, until an allocation evicts them.
+    cache: Option<Box<PrefixCache>>,
 }
 
 /// Working space of the batch calls. Not part of the ledger's state: every call empties
@@ -620,7 +625,172 @@ impl Ledger {
             vacant: Vec::new(),
             index: IdIndex::default(),
             scratch: Scratch::default(),
+            cache: None,
         })
+    }
+
+    /// Turns prefix caching on (see `prefix_cache.rs`); only before any request is held.
+    pub fn enable_prefix_cache(&mut self) -> Result<()> {
+        if self.used_superblocks() > 0 || self.cache.is_some() {
+            return Err(CoreError::InvalidState(
+                "prefix caching is turned on before a ledger holds anything, once".into(),
+            ));
+        }
+        self.cache = Some(Box::new(PrefixCache::new(self.capacity)));
+        Ok(())
+    }
+
+    /// The prefix cache, if enabled.
+    pub fn prefix_cache(&self) -> Option<&PrefixCache> {
+        self.cache.as_deref()
+    }
+
+    /// Superblocks on the free list (held by no table and caching nothing).
+    pub(crate) fn free_list_len(&self) -> u32 {
+        superblock_count(self.free.len())
+    }
+
+    /// Superblocks `id` alone holds: what a recompute-pause or suspend of it frees (with
+    /// the prefix cache, a superblock another table names stays).
+    pub fn exclusive_superblocks(&self, id: RequestId) -> Result<u32> {
+        let table = self.request(id)?.table();
+        Ok(match &self.cache {
+            None => superblock_count(table.len()),
+            Some(cache) => superblock_count(table.iter().filter(|&&p| cache.refs(p) == 1).count()),
+        })
+    }
+
+    /// Whether another table names one of `id`'s superblocks.
+    pub fn shares_superblocks(&self, id: RequestId) -> Result<bool> {
+        let table = self.request(id)?.table();
+        Ok(self
+            .cache
+            .as_ref()
+            .is_some_and(|cache| table.iter().any(|&p| cache.refs(p) > 1)))
+    }
+
+    /// Gives request `id`, which holds nothing, the cached `pages` (a prefix hit): its
+    /// table names them and its length is their tokens.
+    pub fn attach_cached(&mut self, id: RequestId, pages: &[SuperblockId]) -> Result<()> {
+        let entry = self.active_entry_of(id)?;
+        let Some(cache) = self.cache.as_mut() else {
+            return Err(CoreError::InvalidState("prefix caching is off".into()));
+        };
+        let (record, table) = (
+            &mut self.requests.records[entry],
+            &mut self.requests.tables[entry],
+        );
+        if record.held != 0 || record.len != 0 {
+            return Err(CoreError::InvalidState(format!(
+                "request {id} holds KV already; cached superblocks attach to an empty table"
+            )));
+        }
+        if let Some(&page) = pages.iter().find(|&&p| cache.key_of(p).is_none()) {
+            return Err(CoreError::InvalidArgument(format!(
+                "superblock {page} caches no prefix"
+            )));
+        }
+        for &page in pages {
+            cache.share(page);
+        }
+        table.push_pages(&mut record.held, pages.iter().copied());
+        record.len = pages.len() as u64 * self.layout.tokens_per_superblock();
+        Ok(())
+    }
+
+    /// Registers the first `keys.len()` superblocks of `id`'s table under those keys (a
+    /// superblock already registered, or a key another superblock has, is left as is).
+    pub fn register_prefix(&mut self, id: RequestId, keys: &[BlockKey]) -> Result<()> {
+        let table = self.request(id)?.table();
+        if keys.len() > table.len() {
+            return Err(CoreError::InvalidLength(format!(
+                "request {id} holds {} superblocks, fewer than the {} keys given",
+                table.len(),
+                keys.len()
+            )));
+        }
+        let entry = self.entry_of(id)?;
+        if let Some(cache) = self.cache.as_mut() {
+            let table = self.requests.tables[entry].pages(self.requests.records[entry].held);
+            for (&page, &key) in table.iter().zip(keys) {
+                cache.register(page, key);
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves the evictions made since the last call into `out` (oldest first).
+    pub(crate) fn take_evictions(&mut self, out: &mut Vec<Eviction>) {
+        if let Some(cache) = self.cache.as_mut() {
+            cache.take_evictions(out);
+        }
+    }
+
+    /// Puts back what `evictions` (a reverted step's, oldest first) took out of the cache,
+    /// newest first: each page leaves the free list and is cached again.
+    pub(crate) fn restore_evictions(&mut self, evictions: &[Eviction]) {
+        let Some(cache) = self.cache.as_mut() else {
+            return;
+        };
+        for &eviction in evictions.iter().rev() {
+            let Some(at) = self.free.iter().rposition(|&p| p == eviction.page) else {
+                debug_assert!(false, "an undone step's evicted page is free again");
+                continue;
+            };
+            if cache.restore(eviction) {
+                self.free.remove(at);
+            }
+        }
+    }
+
+    /// While `on`, pages released go back to the cache at the stamps they had (undoing a
+    /// step's hits) rather than as newly released.
+    pub(crate) fn set_restoring(&mut self, on: bool) {
+        if let Some(cache) = self.cache.as_mut() {
+            cache.set_restoring(on);
+        }
+    }
+
+    /// Drops every cached superblock no request references (they join the free list, least
+    /// recently released first). Returns how many.
+    pub fn reset_prefix_cache(&mut self) -> u32 {
+        match self.cache.as_mut() {
+            Some(cache) => cache.drop_unreferenced(&mut self.free),
+            None => 0,
+        }
+    }
+
+    /// A grow with the prefix cache: evicts what the free list lacks first (least recently
+    /// released first), then grows as without; `false` (and nothing evicted) if the free
+    /// list and the cache together are short.
+    #[cold]
+    fn grow_entry_cached(&mut self, entry: EntryIndex, new_len: u64) -> bool {
+        let cache = self.cache.as_mut().expect("called with the cache on");
+        let (record, table) = (
+            &mut self.requests.records[entry],
+            &mut self.requests.tables[entry],
+        );
+        let held = record.held as usize;
+        if new_len > held as u64 * self.layout.tokens_per_superblock() {
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "`new_len` is within the pool (checked by the caller), so this is at most its capacity"
+            )]
+            let extra = (self.layout.superblocks_for(new_len) as usize).saturating_sub(held);
+            if extra > self.free.len() + cache.evictable_len() as usize {
+                return false;
+            }
+            while self.free.len() < extra {
+                let page = cache.evict_one().expect("counted above");
+                self.free.push(page);
+            }
+        }
+        let grown = grow_record(record, table, &mut self.free, self.layout, new_len);
+        debug_assert!(grown);
+        for &page in &table.pages(record.held)[held..] {
+            cache.take_fresh(page);
+        }
+        grown
     }
 
     /// After a step's reservations were undone: moves the pages the undo gave back (the top
@@ -650,9 +820,11 @@ impl Ledger {
     pub fn capacity_tokens(&self) -> u64 {
         u64::from(self.capacity) * self.layout.tokens_per_superblock()
     }
-    /// Superblocks not held by any request.
+    /// Superblocks not held by any request: the free list, and with the prefix cache the
+    /// cached superblocks nobody references (an allocation evicts them on demand).
     pub fn free_superblocks(&self) -> u32 {
-        superblock_count(self.free.len())
+        let cached = self.cache.as_ref().map_or(0, |cache| cache.evictable_len());
+        superblock_count(self.free.len()) + cached
     }
     /// Superblocks held by requests.
     pub fn used_superblocks(&self) -> u32 {
@@ -890,6 +1062,9 @@ impl Ledger {
     )]
     #[inline(always)]
     fn grow_entry(&mut self, entry: EntryIndex, new_len: u64) -> bool {
+        if self.cache.is_some() {
+            return self.grow_entry_cached(entry, new_len);
+        }
         grow_record(
             &mut self.requests.records[entry],
             &mut self.requests.tables[entry],
@@ -922,7 +1097,15 @@ impl Ledger {
             &mut self.requests.tables[entry],
         );
         if let Some(released) = table.pages(record.held).get(keep..) {
-            if let [only] = released {
+            if let Some(cache) = self.cache.as_mut() {
+                // The same order as below: the last superblock is released first, so it
+                // is also evicted first.
+                for &page in released.iter().rev() {
+                    if cache.release(page) {
+                        self.free.push(page);
+                    }
+                }
+            } else if let [only] = released {
                 self.free.push(*only);
             } else {
                 self.free.extend(released.iter().rev());
@@ -1040,6 +1223,15 @@ impl Ledger {
             self.scratch.entries = entries;
             return Err(self.grow_many_error(ids, new_lens));
         }
+        if self.cache.is_some() {
+            // Each grow may evict: the one-at-a-time path.
+            ok.clear();
+            for (&entry, &len) in entries.iter().zip(new_lens) {
+                ok.push(self.grow_entry(entry, len));
+            }
+            self.scratch.entries = entries;
+            return Ok(());
+        }
         // The grows, with the free list in a local (its length stays in a register). The
         // usual ones (within what is held, or a table that stays in the record) are
         // settled here; `grow_record` takes the rest, with the same result.
@@ -1122,6 +1314,15 @@ impl Ledger {
             return Err(self
                 .unique_entries(ids)
                 .expect_err("a batch with an unknown or repeated id fails validation"));
+        }
+        if self.cache.is_some() {
+            for &entry in &entries {
+                self.shrink_entry(entry, 0);
+                Self::clear_vacated(&mut self.requests.records[entry]);
+            }
+            self.vacant.extend_from_slice(&entries);
+            self.scratch.entries = entries;
+            return Ok(());
         }
         // `release_entry` of each entry in turn, with the free list and the vacant stack
         // held in locals (their lengths stay in registers, not in the ledger) and the
@@ -1480,6 +1681,9 @@ impl Ledger {
             h.u64(r.record.decode_step().map_or(u64::MAX, |s| s));
             h.u64(r.suspended_len().map_or(u64::MAX, |s| s));
             h.u32s(r.table());
+        }
+        if let Some(cache) = &self.cache {
+            cache.digest_into(&mut h);
         }
         h.finish()
     }

@@ -29,6 +29,7 @@ pub mod digest;
 pub mod error;
 pub mod layout;
 pub mod ledger;
+pub mod prefix_cache;
 pub mod scheduler;
 #[cfg(test)]
 mod test_rng;

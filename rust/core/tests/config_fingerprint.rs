@@ -25,6 +25,7 @@ fn changed(from: &SchedulerConfig, edit: impl FnOnce(&mut SchedulerConfig)) -> S
 }
 
 /// `(field, config, the same config with only that field changed)`, one per decision field.
+#[expect(clippy::too_many_lines, reason = "one case per decision field")]
 fn single_field_changes() -> Vec<(&'static str, SchedulerConfig, SchedulerConfig)> {
     let b = base();
     let non_helix = changed(&b, |c| {
@@ -123,6 +124,11 @@ fn single_field_changes() -> Vec<(&'static str, SchedulerConfig, SchedulerConfig
             "deadlock_steps",
             b.clone(),
             changed(&b, |c| c.deadlock_steps = 65),
+        ),
+        (
+            "enable_prefix_caching",
+            b.clone(),
+            changed(&b, |c| c.enable_prefix_caching = true),
         ),
     ]
 }

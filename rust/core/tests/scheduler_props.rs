@@ -50,8 +50,11 @@ fn case() -> impl Strategy<Value = Case> {
         (0u64..60, 1u32..16, 8u32..64, any::<bool>(), 1u32..9),
         (0u32..12, any::<bool>(), any::<bool>(), 0u64..3, 0usize..3),
         prop::collection::vec(spec(), 1..10),
+        // Prefix caching (on in about half the cases), and a shared start of every
+        // prompt so requests hit each other's superblocks, not only their own.
+        (any::<bool>(), 0usize..40),
     )
-        .prop_map(|(shape, budget, rules, requests)| {
+        .prop_map(|(shape, budget, rules, requests, (caching, shared))| {
             let (cp, tpb, (serving_mode, host_tier), no_evict, policy) = shape;
             let (spare_percent, max_batch_size, max_num_tokens, chunked, chunk_unit) = budget;
             let (bound, admit_after_preemption, eos, revert, suspend_policy) = rules;
@@ -64,9 +67,14 @@ fn case() -> impl Strategy<Value = Case> {
                 .iter()
                 .enumerate()
                 .map(|(i, &(prompt, max_new, priority, at))| {
-                    Spec::new(i as u64 + 1, prompt, max_new)
+                    let mut spec = Spec::new(i as u64 + 1, prompt, max_new)
                         .priority(priority)
-                        .at(at)
+                        .at(at);
+                    if caching {
+                        let common = (500..).take(shared);
+                        spec.prompt = common.chain(spec.prompt).collect();
+                    }
+                    spec
                 })
                 .collect();
             // A pool that holds the largest request (so every request can run) plus a
@@ -105,6 +113,7 @@ fn case() -> impl Strategy<Value = Case> {
             config.max_num_tokens = max_num_tokens.max(chunk_unit);
             config.max_preemptions_per_request = if bound >= 6 { 1000 } else { bound };
             config.admit_after_preemption = admit_after_preemption;
+            config.enable_prefix_caching = caching;
             config.deadlock_steps = 12;
             let model = if eos {
                 Model {

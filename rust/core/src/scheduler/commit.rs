@@ -83,17 +83,25 @@ impl Scheduler {
                 .get(next_context)
                 .is_some_and(|entry| entry.req == req)
             {
-                let ContextEntry { len, completes, .. } = context[next_context];
+                let entry = context[next_context];
+                let ContextEntry { len, completes, .. } = entry;
                 computed_tokens += len;
                 let token = completes.then(|| tokens[next_context_sample]);
                 if request.cold.victim_step != NO_STEP && request.cold.victim_step > step {
-                    // Preempted by the step planned ahead while this chunk ran.
+                    // Preempted by the step planned ahead while this chunk ran (a
+                    // suspended one keeps its cached start: its KV went to the host).
+                    if request.state == RequestState::Suspended {
+                        request.computed = request.computed.max(entry.start);
+                    }
                     let complete = self.record_after_preemption(req, len, token, false);
                     if completes {
                         finished = finish_reason(complete, ends(next_context_sample));
                     }
                 } else {
-                    request.computed += len;
+                    // The chunk starts where it left off, or after the tokens an admission
+                    // found in the prefix cache.
+                    debug_assert!(request.computed == entry.start || entry.cached > 0);
+                    request.computed = entry.start + len;
                     let new_state = if let Some(token) = token {
                         self.token_log.push(req, request, token);
                         finished = finish_reason(request.is_complete(), ends(next_context_sample));
@@ -104,7 +112,9 @@ impl Scheduler {
                     let old_state = std::mem::replace(&mut request.state, new_state);
                     self.state_counts[old_state.index()] -= 1;
                     self.state_counts[new_state.index()] += 1;
+                    self.register_computed(req);
                 }
+                self.count_prefix_lookup(entry);
                 next_context_sample += usize::from(completes);
                 next_context += 1;
             } else if request.cold.first_step <= step {
@@ -147,7 +157,20 @@ impl Scheduler {
         if has_zombies {
             self.release_zombies(&record.zombies);
         }
+        self.metrics.prefix_cache_evictions += record.evictions.len() as u64;
         self.count_step(record, computed_tokens);
+    }
+
+    /// Counts an admission's prefix-cache lookup (in tokens), a re-prefill's apart.
+    fn count_prefix_lookup(&mut self, entry: ContextEntry) {
+        let m = &mut self.metrics;
+        if entry.recompute {
+            m.prefix_cache_recompute_queries += entry.queried;
+            m.prefix_cache_recompute_hits += entry.cached;
+        } else {
+            m.prefix_cache_queries += entry.queried;
+            m.prefix_cache_hits += entry.cached;
+        }
     }
 
     /// The common case of [`Self::apply_step`] for the queue from position `read` on: each
@@ -350,6 +373,9 @@ impl Scheduler {
         }
         // Only a suspended (or just resumed) request holds host-tier superblocks.
         self.release_host_pages(req);
+        // What it computed stays cached for the next request with its prefix (a turn of
+        // the same conversation).
+        self.register_computed(req);
         let request = &mut self.requests[req as usize];
         let metrics = RequestMetrics {
             victim_choices: request.cold.victim_choices,
@@ -397,10 +423,11 @@ impl Scheduler {
     /// ledger changes, resumes, new batch slots and sit-outs, then the no-progress count
     /// and the requests it held; `finished_ids` is emptied.
     pub(super) fn revert_step(&mut self, record: &StepRecord) {
-        let free_before_undo = self.ledger.free_superblocks();
-        self.undo_step(record);
+        let free_before_undo = self.ledger.free_list_len();
+        self.undo_step_restoring(record);
         self.ledger
             .sink_returned_pages(record.free_len, free_before_undo);
+        self.ledger.restore_evictions(&record.evictions);
         self.stalled_steps = record.stalled_steps_before;
         self.finished_ids.clear();
         self.release_zombies(&record.zombies);

@@ -323,6 +323,8 @@ macro_rules! scheduler_config_fields {
             /// Consecutive steps without progress (while requests are live) before a deadlock error.
             #[range(1, u32::MAX)]
             deadlock_steps: u32 = 64,
+            /// Whether full superblocks of known tokens stay cached for requests with the same prefix (and the same cache salt).
+            enable_prefix_caching: bool = false,
         }
     };
 }
@@ -563,6 +565,11 @@ impl SchedulerConfig {
         let mut h = Fnv64::new();
         h.bytes(b"helix_kv.SchedulerConfig");
         for (name, value) in self.decision_fields() {
+            if name == "enable_prefix_caching" && value == FieldValue::Bool(false) {
+                // A feature off hashes as if it did not exist, so configurations from
+                // before it keep their fingerprint (and every digest its value).
+                continue;
+            }
             h.u64(name.len() as u64);
             h.bytes(name.as_bytes());
             match value {

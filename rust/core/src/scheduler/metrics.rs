@@ -49,6 +49,18 @@ macro_rules! scheduler_metrics_fields {
             kv_utilization: f64,
             /// Highest utilisation seen right after a `schedule()`.
             kv_utilization_peak: f64,
+            /// Prefix caching: prompt tokens admissions looked up (in steps that ran;
+            /// re-prefills after a recompute-pause are counted apart).
+            prefix_cache_queries: u64,
+            /// Prefix caching: of those, tokens found cached (not computed).
+            prefix_cache_hits: u64,
+            /// Prefix caching: tokens re-prefills after a recompute-pause looked up.
+            prefix_cache_recompute_queries: u64,
+            /// Prefix caching: of those, tokens found cached (the victim's own KV, or a
+            /// sharer's, kept while it waited).
+            prefix_cache_recompute_hits: u64,
+            /// Prefix caching: cached superblocks evicted for allocations (in steps that ran).
+            prefix_cache_evictions: u64,
         }
     };
 }

@@ -104,7 +104,10 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
         let layout = config.layout()?;
-        let ledger = Ledger::new(layout, config.capacity_superblocks)?;
+        let mut ledger = Ledger::new(layout, config.capacity_superblocks)?;
+        if config.enable_prefix_caching {
+            ledger.enable_prefix_cache()?;
+        }
         let output = ScheduleOutput {
             rank_placement: RankPlacement::new(layout, config.cp_rank)?,
             ..ScheduleOutput::default()
@@ -165,6 +168,20 @@ impl Scheduler {
         max_new_tokens: u32,
         priority: i32,
     ) -> Result<()> {
+        self.add_request_salted(id, prompt, max_new_tokens, priority, b"")
+    }
+
+    /// [`Self::add_request`] with a cache salt: with prefix caching, a request shares
+    /// cached KV only with requests of the same salt (a tenant, an adapter; empty for
+    /// none). Salts are hashed into the key chain's seed, so any bytes do.
+    pub fn add_request_salted(
+        &mut self,
+        id: RequestId,
+        prompt: &[i32],
+        max_new_tokens: u32,
+        priority: i32,
+        cache_salt: &[u8],
+    ) -> Result<()> {
         if self.index.contains_key(&id) || self.finished.contains_key(&id) {
             return Err(CoreError::DuplicateRequest(id));
         }
@@ -180,13 +197,19 @@ impl Scheduler {
         }
         self.check_fits(id, prompt.len() as u64, u64::from(max_new_tokens))?;
         self.ledger.add(id, prompt.len() as u64)?;
-        let request = Request::new(
+        let mut request = Request::new(
             id,
             prompt,
             max_new_tokens,
             priority,
             self.first_step_for_new_request(),
         );
+        if self.config.enable_prefix_caching {
+            let seed = crate::prefix_cache::chain_seed(cache_salt);
+            request.cold.chain_seed = seed;
+            let per = self.layout.tokens_per_superblock();
+            crate::prefix_cache::chain_keys(seed, prompt, per, &mut request.cold.block_keys);
+        }
         let req = if let Some(req) = self.vacant.pop() {
             self.requests[req as usize] = request;
             req
@@ -310,7 +333,9 @@ impl Scheduler {
             return Err(err);
         }
         self.finish_step(step);
-        let record = self.builder.seal(self.ledger.free_superblocks());
+        self.ledger
+            .take_evictions(&mut self.builder.record.evictions);
+        let record = self.builder.seal(self.ledger.free_list_len());
         self.pending.push(record);
         std::mem::swap(&mut self.output, &mut self.builder.out);
         self.next_step += 1;
@@ -516,6 +541,21 @@ impl Scheduler {
         )]
         let pending = self.pending.len() as u32;
         pending
+    }
+
+    /// Drops every cached superblock no request references, identically on every rank
+    /// (they join the free list, least recently released first); referenced ones keep
+    /// their keys. Returns how many were dropped (0 without prefix caching). Refused
+    /// (`InvalidState`, nothing changed) while a step is pending: its revert would put
+    /// back what it evicted.
+    pub fn reset_prefix_cache(&mut self) -> Result<u32> {
+        if let Some(pending) = self.pending.oldest() {
+            return Err(CoreError::InvalidState(format!(
+                "reset_prefix_cache() while step {} is pending: update() or revert() it first",
+                pending.step
+            )));
+        }
+        Ok(self.ledger.reset_prefix_cache())
     }
 
     /// Totals, with KV use as of now.

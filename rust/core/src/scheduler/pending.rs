@@ -12,6 +12,7 @@ use super::output::ScheduleOutput;
 use super::request::{AheadMark, RequestIndex};
 use super::victim::VictimFinder;
 use crate::ledger::OlderUndo;
+use crate::prefix_cache::Eviction;
 
 /// A context entry of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -20,6 +21,13 @@ pub(super) struct ContextEntry {
     pub start: u64,
     pub len: u64,
     pub completes: bool,
+    /// Tokens of an admission found in the prefix cache (0 for a later chunk, or without
+    /// caching): the chunk starts after them.
+    pub cached: u64,
+    /// Of an admission with prefix caching: the tokens it looked up (its prefill length),
+    /// and whether it re-prefills after a recompute-pause (counted apart).
+    pub queried: u64,
+    pub recompute: bool,
 }
 
 /// A ledger change made by a step, undone (newest first) by `revert`.
@@ -96,6 +104,9 @@ pub(super) struct StepRecord {
     /// in the order they finished: their output can be taken already, but their KV, batch
     /// slot and index stay held until this step is updated or reverted.
     pub zombies: Vec<RequestIndex>,
+    /// Cached superblocks the step's allocations evicted, oldest first (put back by its
+    /// revert).
+    pub evictions: Vec<Eviction>,
 }
 
 impl StepRecord {
@@ -107,6 +118,7 @@ impl StepRecord {
         self.older_undos.clear();
         self.new_slot_reqs.clear();
         self.sat_out.clear();
+        self.evictions.clear();
         debug_assert!(
             self.zombies.is_empty(),
             "a closed step released its zombies"

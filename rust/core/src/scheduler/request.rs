@@ -201,6 +201,10 @@ pub(super) struct RequestCold {
     /// Finished while a newer pending step still refers to it: out of the queue and the
     /// index, its KV and batch slot held until that step closes.
     pub zombie: bool,
+    /// With prefix caching: the seed of its key chain (from its cache salt) and the keys
+    /// of its full superblocks of known tokens computed so far (`prefix_cache.rs`).
+    pub chain_seed: crate::prefix_cache::BlockKey,
+    pub block_keys: Vec<crate::prefix_cache::BlockKey>,
 }
 
 impl Request {
@@ -241,6 +245,8 @@ impl Request {
                 rescued_step: NO_STEP,
                 touched_step: NO_STEP,
                 zombie: false,
+                chain_seed: 0,
+                block_keys: Vec::new(),
             }),
         }
     }

@@ -10,7 +10,8 @@ use super::victim::VictimKey;
 use super::Scheduler;
 use crate::error::{CoreError, Result};
 use crate::ledger::{page_id, superblock_count, DecodeLane, OlderUndo};
-use crate::RequestId;
+use crate::prefix_cache::chain_keys;
+use crate::{RequestId, SuperblockId};
 
 impl Scheduler {
     /// The pending step that the step being planned ahead is planned ahead of.
@@ -157,9 +158,78 @@ impl Scheduler {
     /// Undoes what the phases of a step that failed did (see [`Self::undo_step`]); the
     /// builder keeps its buffers.
     pub(super) fn abandon_step(&mut self) {
-        let record = self.builder.take_record();
-        self.undo_step(&record);
+        let mut record = self.builder.take_record();
+        self.ledger.take_evictions(&mut record.evictions);
+        self.undo_step_restoring(&record);
+        self.ledger.restore_evictions(&record.evictions);
         self.builder.put_back(record);
+    }
+
+    /// [`Self::undo_step`] with the ledger's releases restoring the prefix cache (a hit's
+    /// superblock goes back where it was in the eviction order).
+    pub(super) fn undo_step_restoring(&mut self, record: &StepRecord) {
+        self.ledger.set_restoring(true);
+        self.undo_step(record);
+        self.ledger.set_restoring(false);
+    }
+
+    /// With prefix caching: the cached superblocks that hold the start of `req`'s prefill
+    /// (the longest run of its chain's keys found), at most all but its last token (which
+    /// is always computed, for its logits). Extends the request's key chain over its known
+    /// tokens first (a re-prefill has folded its generated tokens into its prompt).
+    fn prefix_hits(&mut self, req: RequestIndex) -> Vec<SuperblockId> {
+        let per = self.layout.tokens_per_superblock();
+        let request = &mut self.requests[req as usize];
+        let cold = &mut *request.cold;
+        let prefill = cold.tokens.len() as u64;
+        chain_keys(cold.chain_seed, &cold.tokens, per, &mut cold.block_keys);
+        let Some(cache) = self.ledger.prefix_cache() else {
+            return Vec::new();
+        };
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "at most the superblocks of its tokens, a slice length"
+        )]
+        let most = ((prefill - 1) / per) as usize;
+        cold.block_keys[..most.min(cold.block_keys.len())]
+            .iter()
+            .map_while(|&key| cache.lookup(key))
+            .collect()
+    }
+
+    /// With prefix caching: registers the full superblocks `req` has computed under its
+    /// chain's keys (before they leave its table, or as a prefill completes them), so
+    /// requests with the same prefix find them.
+    pub(super) fn register_computed(&mut self, req: RequestIndex) {
+        if !self.config.enable_prefix_caching {
+            return;
+        }
+        let per = self.layout.tokens_per_superblock();
+        let request = &self.requests[req as usize];
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "at most the superblocks of its tokens, a slice length"
+        )]
+        let full = (request.computed / per) as usize;
+        if full == 0 {
+            return;
+        }
+        if request.cold.block_keys.len() < full {
+            let mut tokens = request.cold.tokens.clone();
+            self.token_log.append_to(req, request, &mut tokens);
+            let cold = &mut *self.requests[req as usize].cold;
+            chain_keys(cold.chain_seed, &tokens, per, &mut cold.block_keys);
+        }
+        let request = &self.requests[req as usize];
+        // A suspended request holds nothing here (its KV is in the host tier).
+        let held = self
+            .ledger
+            .request(request.id)
+            .map_or(0, |kv| kv.table().len());
+        let keys = &request.cold.block_keys[..full.min(request.cold.block_keys.len()).min(held)];
+        self.ledger
+            .register_prefix(request.id, keys)
+            .expect("a request holds the superblocks it computed");
     }
 
     /// Batch slots still free for entries of this step: what is free less what this
@@ -497,6 +567,14 @@ impl Scheduler {
             if needs_slot && self.free_slots_now() == 0 {
                 continue;
             }
+            let hits = if admitting && self.config.enable_prefix_caching {
+                self.prefix_hits(req)
+            } else {
+                Vec::new()
+            };
+            let request = &self.requests[req as usize];
+            let cached = hits.len() as u64 * self.layout.tokens_per_superblock();
+            start += cached;
             let remaining = request.prefill_len() - start;
             let budget = max_tokens - self.builder.tokens;
             let chunk = if remaining <= budget {
@@ -506,11 +584,31 @@ impl Scheduler {
             } else {
                 0
             };
-            if chunk == 0 || !self.reserve_prefill(step, queue_pos, req, start, start + chunk)? {
+            if chunk == 0 {
+                break; // head of line (below)
+            }
+            let id = request.id;
+            if !hits.is_empty() {
+                self.ledger.attach_cached(id, &hits)?;
+            }
+            if !self.reserve_prefill(step, queue_pos, req, start, start + chunk, cached > 0)? {
+                if !hits.is_empty() {
+                    // Not admitted after all: its hits go back where they were.
+                    self.ledger.set_restoring(true);
+                    self.ledger.shrink(id, 0)?;
+                    self.ledger.set_restoring(false);
+                }
                 // Head of line: nothing behind may take budget or pages this one could not.
                 break;
             }
             self.push_context_entry(step, req, start, chunk);
+            if admitting && self.config.enable_prefix_caching {
+                let request = &self.requests[req as usize];
+                let entry = self.builder.record.context.last_mut().expect("just pushed");
+                entry.cached = cached;
+                entry.queried = request.prefill_len();
+                entry.recompute = request.cold.recomputed_tokens > 0;
+            }
             self.builder.new_slots += u32::from(needs_slot);
         }
         Ok(())
@@ -538,6 +636,9 @@ impl Scheduler {
             start,
             len,
             completes: end == request.prefill_len(),
+            cached: 0,
+            queried: 0,
+            recompute: false,
         });
         self.builder.tokens += len;
     }
@@ -551,11 +652,14 @@ impl Scheduler {
         req: RequestIndex,
         start: u64,
         target: u64,
+        hit: bool,
     ) -> Result<bool> {
         let request = &self.requests[req as usize];
         let id = request.id;
+        // An admission with cached superblocks is undone down to nothing (its hits too).
+        let undo_floor = |len_before: u64| if hit { 0 } else { len_before };
         let (reserve_to, len_before) = match self.config.capacity_policy {
-            CapacityPolicy::MaxUtilization => (target, start),
+            CapacityPolicy::MaxUtilization => (target, undo_floor(start)),
             CapacityPolicy::GuaranteedNoEvict => {
                 let held = self.ledger.request(id)?.len();
                 if held >= target {
@@ -563,7 +667,7 @@ impl Scheduler {
                 }
                 // Admission: the whole remaining output at once, so decode never fails.
                 let remaining_output = u64::from(request.cold.max_new_tokens) - request.generated();
-                (request.prefill_len() + remaining_output, held)
+                (request.prefill_len() + remaining_output, undo_floor(held))
             }
         };
         loop {
@@ -661,7 +765,8 @@ impl Scheduler {
                 };
                 finder.remove(queue_pos);
                 let id = self.requests[self.queue[queue_pos] as usize].id;
-                covered += self.ledger.request(id)?.table().len() as u64;
+                // With prefix caching a victim frees only what it alone references.
+                covered += u64::from(self.ledger.exclusive_superblocks(id)?);
                 self.builder.plan.push(queue_pos);
             }
             break;
@@ -693,7 +798,10 @@ impl Scheduler {
             self.builder.generation_removed = true;
         }
         let held = superblock_count(self.ledger.request(id)?.table().len());
-        let suspend = self.suspends(victim, held);
+        let suspend = self.suspends(victim, held)?;
+        // Its computed superblocks stay cached: its re-prefill (or another request with
+        // the same prefix) may find them.
+        self.register_computed(victim);
         let request = &mut self.requests[victim as usize];
         request.scheduled_step = NO_STEP;
         request.cold.victim_step = step;
@@ -741,8 +849,16 @@ impl Scheduler {
     /// recompute-paused: the host tier has room for it and the configured policy picks
     /// it. Every input is mirrored state (the host ledger, the victim's state and global
     /// sizes, the configuration).
-    fn suspends(&self, victim: RequestIndex, held: u32) -> bool {
+    fn suspends(&self, victim: RequestIndex, held: u32) -> Result<bool> {
         let config = &self.config;
+        // A superblock another request references is never copied out from under it:
+        // a victim sharing one is recompute-paused, and its re-prefill finds it cached.
+        if self
+            .ledger
+            .shares_superblocks(self.requests[victim as usize].id)?
+        {
+            return Ok(false);
+        }
         if !matches!(
             config.serving_mode,
             ServingMode::NonHelix | ServingMode::AggregatedHelix
@@ -753,10 +869,10 @@ impl Scheduler {
             // now; it is recompute-paused instead.
             || !self.host.pages(victim).is_empty()
         {
-            return false;
+            return Ok(false);
         }
         let request = &self.requests[victim as usize];
-        match config.suspend_policy {
+        Ok(match config.suspend_policy {
             SuspendPolicy::SuspendFirst => true,
             SuspendPolicy::RecomputeFirst => request.state == RequestState::Decoding,
             SuspendPolicy::Cost => {
@@ -766,7 +882,7 @@ impl Scheduler {
                         .computed
                         .saturating_mul(u64::from(config.recompute_cost_per_token))
             }
-        }
+        })
     }
 
     /// Completes the output being built: hands out batch slots (generation entries, slot

@@ -222,6 +222,8 @@ pub struct RunResult {
     pub preemptions_past_bound: u64,
     /// Decode inputs given as a row of the step in flight (overlap mode).
     pub inputs_in_flight: u64,
+    /// Prompt tokens admissions found in the prefix cache (their chunks started after).
+    pub cached_tokens: u64,
 }
 
 /// Options of a run beyond the configuration.
@@ -691,9 +693,18 @@ impl Group {
         }
         for s in &self.ranks {
             let ledger = s.ledger();
-            let held: u32 = ledger.holdings().iter().map(|&(_, n)| n).sum();
+            let holdings = ledger.holdings();
+            let held: u32 = holdings.iter().map(|&(_, n)| n).sum();
+            // Tables may name the same superblock only with prefix caching.
+            let distinct: BTreeSet<u32> = holdings
+                .iter()
+                .flat_map(|&(id, _)| ledger.request(id).unwrap().table().to_vec())
+                .collect();
+            if !self.config.enable_prefix_caching {
+                assert_eq!(held as usize, distinct.len(), "tables share superblocks");
+            }
             assert_eq!(
-                held + ledger.free_superblocks(),
+                u32::try_from(distinct.len()).unwrap() + ledger.free_superblocks(),
                 ledger.capacity(),
                 "superblocks leaked"
             );
@@ -802,10 +813,24 @@ impl Group {
             let tokens = &out.context_token_ids[offset..offset + (to - from)];
             offset += to - from;
             let known = self.view(id);
-            assert_eq!(
-                start, self.prefill_progress[&id],
-                "chunk of {id} does not continue its prefill"
-            );
+            let progress = self.prefill_progress[&id];
+            if self.config.enable_prefix_caching && progress == 0 && start > 0 {
+                // An admission that found its first superblocks cached: their KV is read
+                // from the pool (written by whoever computed it), so a wrong hit shows
+                // up as a wrong output.
+                let per = tpb * cp as u64;
+                assert_eq!(start % per, 0, "a hit of {id} ends inside a superblock");
+                assert!(
+                    start < known.len() as u64,
+                    "{id}'s last token is always computed"
+                );
+                self.result.cached_tokens += start;
+            } else {
+                assert_eq!(
+                    start, progress,
+                    "chunk of {id} does not continue its prefill"
+                );
+            }
             assert_eq!(tokens, &known[from..to], "re-prefill tokens of {id}");
             let end = start + len;
             assert_eq!(out.context_completes[i], end == known.len() as u64);
@@ -863,12 +888,30 @@ impl Group {
                     );
                     if slots[k] >= 0 {
                         let slot = usize::try_from(slots[k]).unwrap();
-                        self.pools[rank][slot] = Some((ids[i], pos, values[k]));
+                        let tag = self.cell_tag(ids[i], pos);
+                        self.pools[rank][slot] = Some((tag, pos, values[k]));
                     }
                     k += 1;
                 }
             }
         }
+    }
+
+    /// Who a KV cell of `id` at `pos` says wrote it: the request, or with prefix caching
+    /// a digest of the tokens up to `pos` (KV depends on its whole prefix, so a request
+    /// may read a cell another request with the same prefix wrote, and no other).
+    fn cell_tag(&self, id: RequestId, pos: u64) -> RequestId {
+        if !self.config.enable_prefix_caching {
+            return id;
+        }
+        let known = self.view(id);
+        let upto = usize::try_from(pos).unwrap() + 1;
+        let mut h = 0xcbf2_9ce4_8422_2325_u64;
+        for &token in &known[..upto.min(known.len())] {
+            h = (h ^ u64::from(u32::from_le_bytes(token.to_le_bytes())))
+                .wrapping_mul(0x100_0000_01b3);
+        }
+        h | 1 << 63
     }
 
     /// Reads the context `0..=last` of `id` back from the pools, as attention would.
@@ -890,7 +933,7 @@ impl Group {
                 let slot = u64::try_from(page).unwrap() * tpb + pos % tpb;
                 let cell = self.pools[owner][usize::try_from(slot).unwrap()];
                 match cell {
-                    Some((who, at, token)) if who == id && at == pos => token,
+                    Some((who, at, token)) if who == self.cell_tag(id, pos) && at == pos => token,
                     other => {
                         panic!("KV of {id} at {pos} on rank {owner} slot {slot} holds {other:?}")
                     }

@@ -1,0 +1,431 @@
+//! Prefix caching: sharing, the eviction order, the ladder with shared victims, hits on
+//! recompute, exact reverts, aborts of sharers, a brute-force oracle of the longest cached
+//! prefix, and whole-group runs in every mode with outputs equal to caching off.
+
+// Test data: token ids and lengths are small numbers.
+#![expect(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    reason = "test data: small token ids and lengths"
+)]
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::{
+    assert_matches_reference, assert_matches_reference_with_aborts, Group, Model, RunMode,
+    RunOptions, Spec,
+};
+use helix_kv_core::{CoreError, RequestId, Scheduler, SchedulerConfig, ServingMode};
+
+/// `cp` ranks, 4 tokens a page (`4 * cp` a superblock), `superblocks` of them, caching on.
+fn cached(cp: u32, superblocks: u32) -> SchedulerConfig {
+    let mut config = common::config(cp, 4, superblocks);
+    config.enable_prefix_caching = true;
+    config
+}
+
+/// Runs steps until nothing is live, feeding token 7 for every sample.
+fn drain(s: &mut Scheduler) {
+    for _ in 0..1000 {
+        if s.queue_ids().is_empty() {
+            return;
+        }
+        common::step(s, 7);
+    }
+    panic!("did not drain");
+}
+
+fn table(s: &Scheduler, id: RequestId) -> Vec<u32> {
+    s.ledger().request(id).unwrap().table().to_vec()
+}
+
+/// A prompt of `shared` common tokens, then `own` tokens of request `id`.
+fn prompt(shared: usize, own: usize, id: i32) -> Vec<i32> {
+    (0..shared as i32)
+        .map(|t| 100 + t)
+        .chain((0..own as i32).map(|t| 10_000 * id + t))
+        .collect()
+}
+
+#[test]
+fn a_second_request_shares_the_cached_superblocks_of_its_prefix() {
+    let mut s = Scheduler::new(cached(2, 32)).unwrap();
+    // 8 tokens a superblock: 20 shared tokens = 2 full superblocks and 4 more.
+    s.add_request(1, &prompt(20, 5, 1), 4, 0).unwrap();
+    common::step(&mut s, 7); // request 1's prompt runs and completes
+    s.add_request(2, &prompt(20, 9, 2), 4, 0).unwrap();
+    let out = common::step(&mut s, 7);
+    assert_eq!(out.context_ids, vec![2]);
+    assert_eq!(
+        out.context_starts,
+        vec![16],
+        "the first two superblocks are cached"
+    );
+    assert_eq!(out.context_lens, vec![13]);
+    assert_eq!(
+        table(&s, 2)[..2],
+        table(&s, 1)[..2],
+        "the tables name the same pages"
+    );
+    assert_ne!(table(&s, 2)[2], table(&s, 1)[2]);
+    let m = s.metrics();
+    assert_eq!((m.prefix_cache_queries, m.prefix_cache_hits), (25 + 29, 16));
+    // Shared superblocks are counted once.
+    assert_eq!(
+        m.kv_used_superblocks,
+        u32::try_from(table(&s, 1).len() + table(&s, 2).len() - 2).unwrap()
+    );
+    drain(&mut s);
+    assert_eq!(
+        s.ledger().free_superblocks(),
+        32,
+        "cached ones count as free"
+    );
+}
+
+#[test]
+fn the_last_token_is_always_computed() {
+    let mut s = Scheduler::new(cached(1, 32)).unwrap();
+    let p = prompt(16, 0, 0); // exactly four superblocks of 4 tokens
+    s.add_request(1, &p, 1, 0).unwrap();
+    drain(&mut s);
+    s.add_request(2, &p, 1, 0).unwrap();
+    let out = common::step(&mut s, 7);
+    assert_eq!((out.context_starts[0], out.context_lens[0]), (12, 4));
+}
+
+#[test]
+fn salts_keep_tenants_apart() {
+    let mut s = Scheduler::new(cached(1, 32)).unwrap();
+    let p = prompt(12, 3, 0);
+    s.add_request_salted(1, &p, 2, 0, b"tenant-a").unwrap();
+    drain(&mut s);
+    s.add_request_salted(2, &p, 2, 0, b"tenant-b").unwrap();
+    assert_eq!(common::step(&mut s, 7).context_starts, vec![0]);
+    s.add_request_salted(3, &p, 2, 0, b"tenant-a").unwrap();
+    assert_eq!(common::step(&mut s, 7).context_starts, vec![12]);
+}
+
+#[test]
+fn eviction_takes_the_least_recently_released_and_a_request_tail_first() {
+    let mut s = Scheduler::new(cached(1, 6)).unwrap();
+    // Request 1: 3 full superblocks of prompt, then request 2: 2 more, both finish.
+    s.add_request(1, &prompt(0, 12, 1), 1, 0).unwrap();
+    drain(&mut s);
+    let first = {
+        // Its pages are cached now: request 3 with its prompt finds them.
+        s.add_request(3, &prompt(0, 12, 1), 1, 0).unwrap();
+        let out = s.schedule().unwrap().clone();
+        assert_eq!(out.context_starts, vec![8]);
+        let t = table(&s, 3);
+        s.revert().unwrap();
+        s.abort(3).unwrap();
+        t
+    };
+    s.add_request(2, &prompt(0, 8, 2), 1, 0).unwrap();
+    drain(&mut s);
+    // 6 pages: request 1's 3 (+ its decode page) and request 2's cached. A request that
+    // needs 3 fresh pages takes the free ones, then evicts the oldest release: request 1's
+    // tail (its last superblock first).
+    let free_before = s.ledger().free_superblocks();
+    assert_eq!(free_before, 6);
+    s.add_request(4, &prompt(0, 20, 4), 1, 0).unwrap();
+    common::step(&mut s, 7);
+    let m = s.metrics();
+    assert!(m.prefix_cache_evictions > 0);
+    // Request 1's first superblock outlived its last one.
+    s.add_request(5, &prompt(0, 12, 1), 1, 0).unwrap();
+    let out = s.schedule().unwrap().clone();
+    let evicted_tail = out.context_starts[0] < 8;
+    assert!(evicted_tail, "request 1's tail was evicted first");
+    if out.context_starts[0] > 0 {
+        assert_eq!(table(&s, 5)[0], first[0], "its head stayed cached");
+    }
+}
+
+#[test]
+fn revert_after_hits_and_evictions_restores_the_cache_exactly() {
+    for ahead in [false, true] {
+        let mut s = Scheduler::new(cached(2, 10)).unwrap();
+        for id in 1..=3 {
+            s.add_request(id, &prompt(16, 8 * id as usize, id as i32), 2, 0)
+                .unwrap();
+            drain(&mut s);
+        }
+        if ahead {
+            s.add_request(9, &prompt(0, 3, 9), 6, 0).unwrap();
+            s.schedule().unwrap();
+        }
+        // Hits (the shared 16 tokens) and evictions (a long own part).
+        s.add_request(4, &prompt(16, 40, 4), 2, 0).unwrap();
+        let before = (
+            s.state_digest(),
+            s.ledger().state_digest(),
+            s.ledger().clone(),
+        );
+        let out = s.schedule().unwrap().clone();
+        assert!(out.context_ids.contains(&4), "ahead={ahead}: {out:?}");
+        assert_ne!(s.ledger().state_digest(), before.1);
+        s.revert().unwrap();
+        assert_eq!(s.ledger(), &before.2, "ahead={ahead}");
+        assert_eq!(
+            (s.state_digest(), s.ledger().state_digest()),
+            (before.0, before.1)
+        );
+    }
+}
+
+#[test]
+fn a_victim_frees_only_what_it_alone_references() {
+    // Requests 1 and 2 share 2 superblocks; a third needs pages. Victim 2 frees only its
+    // own superblocks, and it is recompute-paused, not suspended (a shared superblock is
+    // never copied out from under request 1), even with a host tier.
+    let mut config = cached(1, 12);
+    config.host_tier_superblocks = 12;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(1, &prompt(8, 3, 1), 30, 0).unwrap();
+    common::step(&mut s, 7);
+    s.add_request(2, &prompt(8, 3, 2), 30, 0).unwrap();
+    common::step(&mut s, 7);
+    assert_eq!(table(&s, 1)[..2], table(&s, 2)[..2]);
+    assert_eq!(s.ledger().exclusive_superblocks(2).unwrap(), 1);
+    let mut preempted = Vec::new();
+    for _ in 0..200 {
+        let out = common::step(&mut s, 7);
+        preempted.extend(out.preempted_ids.iter().copied());
+        assert!(out.suspended_ids.is_empty(), "a sharer was suspended");
+        if !preempted.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(preempted, vec![2]);
+    // Its re-prefill finds its prefix (request 1 still holds it): a recompute hit.
+    for _ in 0..200 {
+        common::step(&mut s, 7);
+        if s.metrics().prefix_cache_recompute_hits > 0 {
+            break;
+        }
+    }
+    assert!(s.metrics().prefix_cache_recompute_hits >= 8);
+}
+
+#[test]
+fn aborting_a_sharer_keeps_the_superblocks_of_the_other() {
+    let mut s = Scheduler::new(cached(1, 16)).unwrap();
+    s.add_request(1, &prompt(8, 2, 1), 10, 0).unwrap();
+    common::step(&mut s, 7);
+    s.add_request(2, &prompt(8, 2, 2), 10, 0).unwrap();
+    common::step(&mut s, 7);
+    let shared = table(&s, 1)[..2].to_vec();
+    assert!(s.abort(1).unwrap());
+    assert_eq!(table(&s, 2)[..2], shared[..]);
+    for &page in &shared {
+        assert_eq!(s.ledger().prefix_cache().unwrap().refs(page), 1);
+    }
+    drain(&mut s);
+}
+
+#[test]
+fn reset_drops_unreferenced_keys_and_is_refused_while_a_step_is_pending() {
+    let mut s = Scheduler::new(cached(1, 16)).unwrap();
+    s.add_request(1, &prompt(12, 1, 1), 1, 0).unwrap();
+    drain(&mut s);
+    s.add_request(2, &prompt(12, 1, 2), 1, 0).unwrap();
+    s.schedule().unwrap();
+    let before = common::observable(&s);
+    assert!(matches!(
+        s.reset_prefix_cache(),
+        Err(CoreError::InvalidState(_))
+    ));
+    assert_eq!(common::observable(&s), before);
+    s.revert().unwrap();
+    assert!(s.reset_prefix_cache().unwrap() > 0);
+    assert_eq!(
+        common::step(&mut s, 7).context_starts,
+        vec![0],
+        "nothing cached now"
+    );
+    // Request 2 finished in that step: its 3 full superblocks are cached, then dropped.
+    assert_eq!(s.reset_prefix_cache().unwrap(), 3);
+    assert_eq!(s.reset_prefix_cache().unwrap(), 0);
+    assert_eq!(s.ledger().free_superblocks(), 16);
+}
+
+#[test]
+fn caching_off_is_the_scheduler_without_it() {
+    // The same calls: equal schedules and no cache in the ledger.
+    let mut off = Scheduler::new(common::config(2, 4, 12)).unwrap();
+    let mut on = Scheduler::new(cached(2, 12)).unwrap();
+    for id in 0..6 {
+        let p = prompt(10, 3, i32::try_from(id).unwrap());
+        off.add_request(id, &p, 8, 0).unwrap();
+        on.add_request(id, &p, 8, 0).unwrap();
+    }
+    assert!(off.ledger().prefix_cache().is_none());
+    for _ in 0..60 {
+        if off.queue_ids().is_empty() {
+            break;
+        }
+        let a = common::step(&mut off, 7);
+        let b = common::step(&mut on, 7);
+        assert_eq!(a.generation_ids, b.generation_ids);
+    }
+}
+
+/// The longest cached prefix, computed naively: the superblocks of every prefix some
+/// request computed, by content, minus those evicted since (replayed from the ledger's
+/// eviction counter is not possible from outside, so the oracle checks the scheduler's
+/// hit against what could be cached: never longer, and equal when nothing was evicted).
+#[test]
+fn the_longest_cached_prefix_matches_a_brute_force_oracle() {
+    let mut rng = common::Rng::new(11);
+    for case in 0..40u64 {
+        let per = 8usize; // cp 2 x 4 tokens
+        let mut s = Scheduler::new(cached(2, 64)).unwrap();
+        // Prompts over a tiny alphabet of superblocks, so prefixes repeat.
+        let pieces: Vec<Vec<i32>> = (0..3)
+            .map(|p| (0..per as i32).map(|t| 1000 * p + t).collect())
+            .collect();
+        let mut computed: Vec<Vec<i32>> = Vec::new();
+        for id in 0..12u64 {
+            let blocks = 1 + rng.below(4) as usize;
+            let mut p: Vec<i32> = (0..blocks)
+                .flat_map(|_| pieces[rng.below(3) as usize].clone())
+                .collect();
+            p.extend((0..rng.below(6) as i32).map(|t| 7000 + t));
+            s.add_request(id, &p, 1, 0).unwrap();
+            let out = s.schedule().unwrap().clone();
+            let tokens = vec![7; out.num_samples()];
+            s.update(&tokens, None).unwrap();
+            // Oracle: the longest run of full superblocks some earlier request computed
+            // (every earlier prompt ran whole and nothing was evicted: 64 superblocks).
+            let mut expect = 0;
+            while expect + per < p.len()
+                && computed
+                    .iter()
+                    .any(|q| q.len() >= expect + per && q[..expect + per] == p[..expect + per])
+            {
+                expect += per;
+            }
+            assert_eq!(s.metrics().prefix_cache_evictions, 0);
+            assert_eq!(
+                out.context_starts,
+                vec![expect as u64],
+                "case {case} request {id}"
+            );
+            computed.push(p);
+            drain(&mut s);
+        }
+    }
+}
+
+fn shared_specs(n: u64, shared: usize) -> Vec<Spec> {
+    (0..n)
+        .map(|i| {
+            let mut spec = Spec::new(i, 6 + (i as usize * 5) % 11, 14);
+            spec.prompt = (0..shared as i32)
+                .map(|t| 300 + t)
+                .chain(spec.prompt)
+                .collect();
+            spec.at(i / 2)
+        })
+        .collect()
+}
+
+fn group_run(config: &SchedulerConfig, specs: &[Spec], options: RunOptions) -> common::RunResult {
+    let mut group = Group::new(config, Model::default());
+    let result = group.run(specs, options).expect("run");
+    assert_matches_reference(specs, Model::default(), &result);
+    result
+}
+
+#[test]
+fn group_runs_with_caching_equal_the_reference_in_every_mode() {
+    let mut hits = BTreeMap::new();
+    for cp in [1u32, 2, 4] {
+        for mode in [RunMode::Plain, RunMode::Overlap] {
+            for host in [0u32, 16] {
+                for (revert, seed) in [(0u64, 1u64), (150, 2)] {
+                    let mut config = cached(cp, 0);
+                    let per = u64::from(4 * cp);
+                    config.capacity_superblocks = u32::try_from(260_u64.div_ceil(per)).unwrap();
+                    config.host_tier_superblocks = host;
+                    config.max_num_tokens = 48;
+                    config.chunk_unit = Some(4);
+                    let specs = shared_specs(10, 24);
+                    let options = RunOptions {
+                        revert_per_mille: revert,
+                        seed,
+                        max_steps: 5000,
+                        mode,
+                    };
+                    let result = group_run(&config, &specs, options);
+                    *hits.entry(cp).or_insert(0) += result.cached_tokens;
+                    assert!(
+                        result.preemptions + result.suspensions > 0,
+                        "cp {cp}: no pressure"
+                    );
+                }
+            }
+        }
+    }
+    assert!(hits.values().all(|&h| h > 0), "{hits:?}");
+}
+
+#[test]
+fn group_runs_with_caching_and_aborts_and_eos() {
+    for cp in [1u32, 2, 4] {
+        for mode in [RunMode::Plain, RunMode::Overlap] {
+            let mut config = cached(cp, 0);
+            config.capacity_superblocks =
+                u32::try_from(240_u64.div_ceil(u64::from(4 * cp))).unwrap();
+            config.host_tier_superblocks = 8;
+            let model = Model {
+                vocab: 24,
+                eos: Some(5),
+            };
+            let specs: Vec<Spec> = shared_specs(10, 16)
+                .into_iter()
+                .enumerate()
+                .map(|(i, s)| match i % 3 {
+                    0 => s.clone().abort_at(s.arrival_step + 3),
+                    1 => s.clone().abort_while_pending(s.arrival_step + 5),
+                    _ => s,
+                })
+                .collect();
+            let mut group = Group::new(&config, model);
+            let options = RunOptions {
+                revert_per_mille: 100,
+                seed: 3,
+                max_steps: 5000,
+                mode,
+            };
+            let result = group.run(&specs, options).expect("run");
+            assert_matches_reference_with_aborts(&specs, model, &result);
+        }
+    }
+}
+
+#[test]
+fn disaggregated_and_non_helix_servers_cache_too() {
+    for (mode, cp) in [
+        (ServingMode::NonHelix, 1u32),
+        (ServingMode::DisaggregatedGeneration, 2),
+    ] {
+        let mut config = cached(cp, 0);
+        config.serving_mode = mode;
+        config.capacity_superblocks = 120;
+        let specs = shared_specs(6, 16);
+        let result = group_run(
+            &config,
+            &specs,
+            RunOptions {
+                max_steps: 5000,
+                ..RunOptions::default()
+            },
+        );
+        assert!(result.cached_tokens > 0, "{mode:?}");
+    }
+}
