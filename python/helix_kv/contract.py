@@ -45,10 +45,22 @@ class SchedulerProtocol(Protocol):
     ``mypy`` checks the signatures)."""
 
     def add_request(
-        self, request_id: int, prompt: TokenArray, max_new_tokens: int, priority: int = 0
+        self,
+        request_id: int,
+        prompt: TokenArray,
+        max_new_tokens: int,
+        priority: int = 0,
+        *,
+        cache_salt: str | bytes | None = None,
     ) -> None:
         """Queues a request (``DuplicateRequestError`` if the id is live or its output not
-        yet taken; ``RequestTooLargeError`` if it can never fit)."""
+        yet taken; ``RequestTooLargeError`` if it can never fit). ``cache_salt``: with
+        prefix caching, it shares cached KV only with requests of the same salt."""
+        ...
+
+    def reset_prefix_cache(self) -> int:
+        """Drops every cached superblock no request references (the same on every rank) and
+        returns how many; ``InvalidStateError`` while a step is pending."""
         ...
 
     def abort(self, request_id: int) -> bool:

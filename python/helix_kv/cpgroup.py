@@ -123,12 +123,22 @@ class SimulatedCPGroup:
         prompt: TokenArray,
         max_new_tokens: int,
         priority: int = 0,
+        *,
+        cache_salt: str | bytes | None = None,
     ) -> None:
         """Queues the request on every rank."""
         self._on_every_rank(
             "add_request",
-            lambda s: s.add_request(request_id, prompt, max_new_tokens, priority),
+            lambda s: s.add_request(
+                request_id, prompt, max_new_tokens, priority, cache_salt=cache_salt
+            ),
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Drops every unreferenced cached superblock on every rank (they must agree)."""
+        dropped = self._on_every_rank("reset_prefix_cache", lambda s: s.reset_prefix_cache())
+        assert len(set(dropped)) == 1, f"ranks dropped {dropped} superblocks"
+        return int(dropped[0])
 
     def schedule(self) -> ScheduleOutput:
         """Schedules a step on every rank, checks agreement, returns rank 0's output (every

@@ -43,6 +43,7 @@ CHANGES: dict[str, tuple[dict[str, Any], str, Any]] = {
     "max_preemptions_per_request": (BASE, "max_preemptions_per_request", 9),
     "admit_after_preemption": (BASE, "admit_after_preemption", True),
     "deadlock_steps": (BASE, "deadlock_steps", 65),
+    "enable_prefix_caching": (BASE, "enable_prefix_caching", True),
 }
 
 

@@ -468,6 +468,7 @@ NO_ARGUMENTS = {
         "state_digest",
         "pending_steps",
         "write_decode_rows",  # needs a decode-only step: tests/binding/test_step_metadata.py
+        "reset_prefix_cache",  # refused while a step is pending: tests/binding/test_prefix_cache.py
     },
     "SchedulerConfig": {"to_dict", "decision_fields"},
     "Layout": set(),
@@ -493,6 +494,7 @@ CONFIG_KEYWORDS = {
     "max_preemptions_per_request": CONFIG_INT,
     "admit_after_preemption": FLAG,
     "deadlock_steps": CONFIG_INT,
+    "enable_prefix_caching": FLAG,
 }
 
 # The value records' keyword-only constructors (what unpickling calls): each field by the
@@ -543,7 +545,17 @@ _COUNTS = dict.fromkeys(
 RECORD_FIELDS: dict[str, dict[str, Kind]] = {
     "SchedulerMetrics": _COUNTS
     | {"kv_used_superblocks": U32, "kv_capacity_superblocks": U32}
-    | {"kv_utilization": FRACTION, "kv_utilization_peak": FRACTION},
+    | {"kv_utilization": FRACTION, "kv_utilization_peak": FRACTION}
+    | dict.fromkeys(
+        (
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+            "prefix_cache_recompute_queries",
+            "prefix_cache_recompute_hits",
+            "prefix_cache_evictions",
+        ),
+        U64,
+    ),
     "RequestMetrics": {"victim_choices": U32}
     | dict.fromkeys(("recomputed_tokens", "steps_waited", "generated_tokens"), U64),
     "DecodeView": {"global_len": U64, "next_position": U64, "owner_rank": U32}

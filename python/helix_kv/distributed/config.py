@@ -92,6 +92,7 @@ class EngineConfig:
     max_preemptions_per_request: int = _DEFAULTS["max_preemptions_per_request"]
     admit_after_preemption: bool = _DEFAULTS["admit_after_preemption"]
     deadlock_steps: int = _DEFAULTS["deadlock_steps"]
+    enable_prefix_caching: bool = _DEFAULTS["enable_prefix_caching"]
 
     host_cache_bytes: int | None = None
     aggregated_host_tier: bool = False

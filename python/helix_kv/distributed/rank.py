@@ -217,11 +217,25 @@ class HelixKVRank:
     # -- the scheduler contract (helix_kv.contract.SchedulerProtocol) -------------------
 
     def add_request(
-        self, request_id: int, prompt: TokenArray, max_new_tokens: int, priority: int = 0
+        self,
+        request_id: int,
+        prompt: TokenArray,
+        max_new_tokens: int,
+        priority: int = 0,
+        *,
+        cache_salt: str | bytes | None = None,
     ) -> None:
         """Queues a request (see :meth:`helix_kv.Scheduler.add_request`). Every rank must add
-        the same requests between the same steps, in the same order."""
-        self.scheduler.add_request(request_id, prompt, max_new_tokens, priority)
+        the same requests between the same steps, in the same order (and salts)."""
+        self.scheduler.add_request(
+            request_id, prompt, max_new_tokens, priority, cache_salt=cache_salt
+        )
+
+    def reset_prefix_cache(self) -> int:
+        """Drops every unreferenced cached superblock (see
+        :meth:`helix_kv.Scheduler.reset_prefix_cache`); every rank must call it between the
+        same steps."""
+        return self.scheduler.reset_prefix_cache()
 
     def schedule(self) -> ScheduleOutput:
         """The next step's :class:`helix_kv.ScheduleOutput`. With the schedule check on, its

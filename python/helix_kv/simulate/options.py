@@ -75,6 +75,7 @@ FLAG_NAMES: dict[str, str | None] = {
     "serving_mode": "--mode",
     "victim_policy": "--policy",
     "max_preemptions_per_request": "--max-preemptions",
+    "enable_prefix_caching": "--prefix-caching",
 }
 
 

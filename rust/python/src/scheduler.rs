@@ -75,9 +75,11 @@ impl PyScheduler {
     }
 
     /// Queues a request behind every live one (its place in the queue is kept forever).
+    /// `cache_salt` (a `str` or `bytes`, at most 4096 bytes): with prefix caching, the
+    /// request shares cached KV only with requests of the same salt (a tenant, an adapter).
     #[pyo3(
-        signature = (request_id, prompt, max_new_tokens, priority = Priority(0)),
-        text_signature = "($self, request_id, prompt, max_new_tokens, priority=0)"
+        signature = (request_id, prompt, max_new_tokens, priority = Priority(0), *, cache_salt = None),
+        text_signature = "($self, request_id, prompt, max_new_tokens, priority=0, *, cache_salt=None)"
     )]
     fn add_request(
         &mut self,
@@ -85,7 +87,9 @@ impl PyScheduler {
         prompt: &Bound<'_, PyAny>,
         max_new_tokens: &Bound<'_, PyAny>,
         priority: Priority,
+        cache_salt: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let salt = salt_arg(cache_salt)?;
         let id = id_arg(request_id)?;
         let prompt = token_ids(prompt, "prompt tokens")?;
         let max_new = int_arg::<u32>(
@@ -96,8 +100,15 @@ impl PyScheduler {
         )?;
         let Priority(priority) = priority;
         self.inner
-            .add_request(id, prompt.as_slice()?, max_new, priority)
+            .add_request_salted(id, prompt.as_slice()?, max_new, priority, &salt)
             .py()
+    }
+
+    /// Drops every cached superblock no request references (identically on every rank);
+    /// returns how many. `InvalidStateError` while a step is pending. 0 without prefix
+    /// caching.
+    fn reset_prefix_cache(&mut self) -> PyResult<u32> {
+        self.inner.reset_prefix_cache().py()
     }
 
     /// Decides the next step; allowed while one step is pending (one step ahead), not two.
@@ -352,4 +363,29 @@ impl PyScheduler {
             self.inner.ledger().capacity()
         )
     }
+}
+
+/// The longest cache salt accepted, in bytes (a tenant or adapter name, not a payload).
+const MAX_CACHE_SALT: usize = 4096;
+
+/// `cache_salt` of `add_request`: `None`, a `str` (its UTF-8 bytes) or `bytes`.
+fn salt_arg(salt: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8>> {
+    use pyo3::types::{PyBytes, PyString};
+    let Some(salt) = salt.filter(|s| !s.is_none()) else {
+        return Ok(Vec::new());
+    };
+    let bytes = if let Ok(text) = salt.cast::<PyString>() {
+        text.to_cow()?.as_bytes().to_vec()
+    } else if let Ok(bytes) = salt.cast::<PyBytes>() {
+        bytes.as_bytes().to_vec()
+    } else {
+        return Err(invalid_type_of("cache_salt", "a str, bytes or None", salt));
+    };
+    if bytes.len() > MAX_CACHE_SALT {
+        return Err(InvalidArgumentError::new_err(format!(
+            "cache_salt has {} bytes, more than {MAX_CACHE_SALT}",
+            bytes.len()
+        )));
+    }
+    Ok(bytes)
 }
