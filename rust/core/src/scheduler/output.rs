@@ -46,6 +46,10 @@ macro_rules! schedule_output_fields {
             invariant context_starts: [u64],
             /// Tokens in each chunk.
             invariant context_lens: [u64],
+            /// Tokens of each chunk's request found in the prefix cache as it was admitted (0
+            /// for a later chunk, or without prefix caching): the chunk starts right after
+            /// them, and its block table names their (shared) pages first.
+            invariant context_cached_lens: [u64],
             /// Whether the chunk completes the prompt (its last logits are sampled).
             invariant context_completes: [bool],
             /// Batch slot of each context entry.
@@ -416,6 +420,7 @@ impl ScheduleOutput {
             context_ids,
             context_starts,
             context_lens,
+            context_cached_lens,
             context_completes,
             context_batch_slots,
             context_token_ids,
@@ -447,6 +452,11 @@ impl ScheduleOutput {
         h.words(context_ids);
         h.words(context_starts);
         h.words(context_lens);
+        if context_cached_lens.iter().any(|&cached| cached != 0) {
+            // Without a hit the column hashes as absent: the digests of steps without prefix
+            // caching are those of before it.
+            h.words(context_cached_lens);
+        }
         h.flags(context_completes);
         h.stream(context_batch_slots.iter().map(|&v| bits(v)));
         let tokens = context_token_ids
@@ -543,6 +553,7 @@ impl ScheduleOutput {
                     self.context_ids.len(),
                     self.context_starts.len(),
                     self.context_lens.len(),
+                    self.context_cached_lens.len(),
                     self.context_completes.len(),
                     self.context_batch_slots.len(),
                 ],
@@ -765,6 +776,7 @@ mod tests {
             context_ids: vec![4, 5],
             context_starts: vec![0, 16],
             context_lens: vec![8, 4],
+            context_cached_lens: vec![0, 0],
             context_completes: vec![false, true],
             context_batch_slots: vec![0, 1],
             context_token_ids: (0..12).collect(),

@@ -608,6 +608,9 @@ impl Scheduler {
                 entry.cached = cached;
                 entry.queried = request.prefill_len();
                 entry.recompute = request.cold.recomputed_tokens > 0;
+                if let Some(last) = self.builder.out.context_cached_lens.last_mut() {
+                    *last = cached;
+                }
             }
             self.builder.new_slots += u32::from(needs_slot);
         }
@@ -622,6 +625,7 @@ impl Scheduler {
         out.context_ids.push(request.id);
         out.context_starts.push(start);
         out.context_lens.push(len);
+        out.context_cached_lens.push(0);
         out.context_completes.push(end == request.prefill_len());
         out.context_batch_slots
             .push(request.batch_slot.get().map_or(-1, slot_id));
