@@ -38,7 +38,7 @@ def main() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = BenchSpec()
-    parser.add_argument("--cp", type=int, default=defaults.cp)
+    parser.add_argument("--cp", type=int, default=defaults.cp_size)
     parser.add_argument("--requests", type=int, default=defaults.requests)
     parser.add_argument("--prompt-len", type=int, default=defaults.prompt_len)
     parser.add_argument("--new-tokens", type=int, default=defaults.new_tokens)
@@ -87,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["HELIX_KV_DECODE_SPLITS"] = args.split_k
     spec = BenchSpec(
-        cp=args.cp,
+        cp_size=args.cp,
         requests=args.requests,
         prompt_len=args.prompt_len,
         new_tokens=args.new_tokens,

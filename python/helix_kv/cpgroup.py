@@ -11,7 +11,7 @@ group raises through its schedule check.
 
 A group may also run a subset of the ranks (``ranks=``): every scheduler holds every request's
 tokens, so memory and time grow with the ranks run, and a capacity-planning run at a large
-``cp`` need not pay for all of them. The ranks run are then compared with each other every
+``cp_size`` need not pay for all of them. The ranks run are then compared with each other every
 step, and each one's per-rank fields are checked against the layout's own lengths for that
 rank (the sums over all ranks need them all); the ranks left out are not verified.
 """
@@ -32,6 +32,7 @@ from helix_kv._core import (
     SchedulerConfig,
     SchedulerMetrics,
 )
+from helix_kv._renamed import Renamed
 from helix_kv.errors import ConfigError, ScheduleMismatchError
 from helix_kv.mismatch import schedule_mismatch
 from helix_kv.types import FlagArray, IntArray, TokenArray
@@ -57,11 +58,16 @@ class SimulatedCPGroup:
     Args:
         config: the configuration of any rank; each rank gets ``config.with_rank(r)``.
         check_rank_fields: also check the per-rank fields against the Helix layout.
-        ranks: the ranks to run, in increasing order (default: all ``cp`` of them). Only
-            these get a scheduler and are compared; ``schedulers``, :meth:`schedule_per_rank`
-            and :meth:`state_digests` follow this order. An empty, unordered or out-of-range
-            list raises :class:`helix_kv.ConfigError`.
+        ranks: the ranks to run, in increasing order (default: all ``cp_size`` of them).
+            Only these get a scheduler and are compared; ``schedulers``,
+            :meth:`schedule_per_rank` and :meth:`state_digests` follow this order. An empty,
+            unordered or out-of-range list raises :class:`helix_kv.ConfigError`.
+
+    ``cp_size`` is the group's size (``len(group)``; ``cp``: its deprecated name, kept for one
+    release).
     """
+
+    cp = Renamed[int]("cp_size")
 
     def __init__(
         self,
@@ -71,24 +77,24 @@ class SimulatedCPGroup:
         ranks: Sequence[int] | None = None,
     ) -> None:
         self.config = config
-        self.cp = int(config.cp_size)
+        self.cp_size = int(config.cp_size)
         self.check_rank_fields = check_rank_fields
         self.ranks: tuple[int, ...] = (
-            tuple(range(self.cp)) if ranks is None else _checked_ranks(ranks, self.cp)
+            tuple(range(self.cp_size)) if ranks is None else _checked_ranks(ranks, self.cp_size)
         )
         self.schedulers: list[Scheduler] = [Scheduler(config.with_rank(r)) for r in self.ranks]
 
     @property
     def runs_every_rank(self) -> bool:
         """Whether every rank of the group has a scheduler here (not a subset)."""
-        return len(self.ranks) == self.cp
+        return len(self.ranks) == self.cp_size
 
     def __len__(self) -> int:
-        return self.cp
+        return self.cp_size
 
     def __repr__(self) -> str:
         ranks = "" if self.runs_every_rank else f", ranks={list(self.ranks)}"
-        return f"SimulatedCPGroup(cp={self.cp}{ranks}, schedulers={self.schedulers!r})"
+        return f"SimulatedCPGroup(cp_size={self.cp_size}{ranks}, schedulers={self.schedulers!r})"
 
     # -- calls fed to every rank --------------------------------------------------------
 
@@ -302,7 +308,7 @@ class SimulatedCPGroup:
         after = np.array([o.generation_local_lens for o in outputs], dtype=np.int64)
         before = np.array([o.generation_past_seen_lens for o in outputs], dtype=np.int64)
         problems: list[str] = []
-        expected_active = owners[None, :] == np.arange(self.cp)[:, None]
+        expected_active = owners[None, :] == np.arange(self.cp_size)[:, None]
         if not np.array_equal(active, expected_active):
             problems.append("generation_active is not exactly the owner rank")
         if not np.array_equal(after.sum(axis=0), positions + 1):
@@ -350,13 +356,15 @@ def _same(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def _checked_ranks(ranks: Sequence[int], cp: int) -> tuple[int, ...]:
+def _checked_ranks(ranks: Sequence[int], cp_size: int) -> tuple[int, ...]:
     """``ranks`` as a tuple, if it is a non-empty increasing list of ranks of the group."""
     chosen = tuple(int(rank) for rank in ranks)
     if not chosen:
         raise ConfigError("ranks must name at least one rank")
-    if any(not 0 <= rank < cp for rank in chosen):
-        raise ConfigError(f"ranks must be in [0, {cp}) for cp_size = {cp}, got {list(chosen)}")
+    if any(not 0 <= rank < cp_size for rank in chosen):
+        raise ConfigError(
+            f"ranks must be in [0, {cp_size}) for cp_size = {cp_size}, got {list(chosen)}"
+        )
     if any(a >= b for a, b in zip(chosen, chosen[1:])):
         raise ConfigError(f"ranks must be strictly increasing, got {list(chosen)}")
     return chosen

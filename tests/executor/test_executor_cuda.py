@@ -71,7 +71,7 @@ def config(
     **options: object,
 ) -> ExecutorConfig:
     return ExecutorConfig(
-        cp=cp,
+        cp_size=cp,
         tokens_per_block=TPB,
         kv_superblocks=kv_tokens // (TPB * cp),
         max_batch_size=16,
@@ -142,7 +142,7 @@ def test_two_gpu_nccl_matches_single_gpu_with_and_without_preemption(
         for mode in MODES
         for kv in (ROOMY, TIGHT)
     ]
-    results = run_group(jobs, cp=2, backend="nccl", timeout_s=300)
+    results = run_group(jobs, cp_size=2, backend="nccl", timeout_s=300)
     for index, mode in enumerate(MODES):
         (roomy, *_), (tight, *_) = results[2 * index], results[2 * index + 1]
         print(
@@ -187,7 +187,7 @@ def test_single_gpu_fast_path_matches_cpu_float64(cpu_float64, single_gpu_fast, 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_two_gpu_fast_path_matches_single_gpu(single_gpu, single_gpu_fast, dtype):
     jobs = [(prompts(), MAX_NEW, config(2, dtype, kv, cuda_graphs=True)) for kv in (ROOMY, TIGHT)]
-    (roomy, *_), (tight, *_) = run_group(jobs, cp=2, backend="nccl", timeout_s=300)
+    (roomy, *_), (tight, *_) = run_group(jobs, cp_size=2, backend="nccl", timeout_s=300)
     assert roomy.fast_path_steps > 0
     assert tight.preemptions >= 1
     check(single_gpu[dtype], roomy, TOLERANCE[dtype], f"2 GPUs {dtype} graphs vs 1 GPU")
@@ -196,7 +196,7 @@ def test_two_gpu_fast_path_matches_single_gpu(single_gpu, single_gpu_fast, dtype
 
 @two_gpus
 def test_two_gpu_throughput_table_build_and_host_gap_figures():
-    spec = BenchSpec(cp=2, overlap=True)
+    spec = BenchSpec(cp_size=2, overlap=True)
     numbers = measure(spec)
     print("\n" + format_figures(spec, numbers))
     assert numbers["decode_tokens_per_s"] > 0
@@ -207,7 +207,7 @@ def test_two_gpu_throughput_table_build_and_host_gap_figures():
 
 
 def test_single_gpu_figures():
-    spec = BenchSpec(cp=1, requests=32, overlap=True)
+    spec = BenchSpec(cp_size=1, requests=32, overlap=True)
     numbers = measure(spec)
     print("\n" + format_figures(spec, numbers))
     assert numbers["decode_tokens_per_s"] > 0
@@ -227,7 +227,7 @@ def test_two_gpu_host_tier_matches_single_gpu_in_both_modes(single_gpu, cpu_floa
         (prompts(), MAX_NEW, config(2, dtype, TIGHT, overlap=overlap, host_tier_pages=HOST_PAGES))
         for overlap in (False, True)
     ]
-    for (run, *_), mode in zip(run_group(jobs, cp=2, backend="nccl", timeout_s=300), MODES):
+    for (run, *_), mode in zip(run_group(jobs, cp_size=2, backend="nccl", timeout_s=300), MODES):
         assert run.metrics["suspensions"] >= 1, f"{mode}: the tight pool must suspend"
         assert run.metrics["resumes"] == run.metrics["suspensions"]
         assert run.host_bytes_out == run.host_bytes_in > 0

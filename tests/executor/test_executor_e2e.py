@@ -65,7 +65,7 @@ def config(
     cp: int, kv_tokens: int, overlap: bool = False, eos: int | None = None, host_pages: int = 0
 ) -> ExecutorConfig:
     return ExecutorConfig(
-        cp=cp,
+        cp_size=cp,
         tokens_per_block=TPB,
         kv_superblocks=kv_tokens // (TPB * cp),
         max_batch_size=8,

@@ -18,7 +18,7 @@ from helix_kv.executor.reference import dense_logits
 TOL = 1e-11
 TPB = 4
 CONFIG = TinyConfig(num_layers=3, seed=1234)
-PLACEMENT = RankPlacement(cp=1, tokens_per_block=TPB, rank=0)
+PLACEMENT = RankPlacement(cp_size=1, tokens_per_block=TPB, cp_rank=0)
 TABLES = {  # request id -> its pages (scattered on purpose)
     1: [9, 2, 14, 0, 7, 11, 3, 5, 12, 1],
     2: [4, 13, 6, 10, 8, 15],

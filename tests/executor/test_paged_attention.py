@@ -411,7 +411,7 @@ def test_decode_step_with_padding_rows_matches_reference_forward():
 
 def executor_config(cp: int, kv_tokens: int, **options: object) -> ExecutorConfig:
     return ExecutorConfig(
-        cp=cp,
+        cp_size=cp,
         tokens_per_block=TPB,
         kv_superblocks=kv_tokens // (TPB * cp),
         max_batch_size=8,

@@ -22,7 +22,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults_leave_scheduler_defaults_to_the_core() -> None:
     options = simulation_options(parse())
-    assert options.cp == 2
+    assert options.cp_size == 2
     assert options.kv_tokens == 16_384
     assert options.scheduler == {"tokens_per_block": 16}
     assert not options.procs
@@ -163,7 +163,7 @@ def test_default_longest_lengths_stay_within_the_limit() -> None:
 
 
 def test_procs_takes_fewer_ranks() -> None:
-    assert simulation_options(parse("--cp", "256")).cp == 256
+    assert simulation_options(parse("--cp", "256")).cp_size == 256
     with pytest.raises(UsageError, match="--procs runs at most 64"):
         simulation_options(parse("--cp", "65", "--procs"))
 

@@ -249,7 +249,7 @@ def test_the_hook_gets_what_the_file_holds(
         synthetic_workload(spec),
         events=log,
         step_time=DEFAULT_STEP_TIME,
-        cp=2,
+        cp_size=2,
     )
     assert all(isinstance(event, StepEvent) for event in log.steps)
     assert all(isinstance(event, RequestEvent) for event in log.requests)

@@ -51,7 +51,7 @@ def test_core_messages_read_in_flags(core: str, cli: str) -> None:
 
 def test_config_errors_name_flags_not_fields() -> None:
     with pytest.raises(SimulationSetupError) as caught:
-        check_config(SimulationOptions(cp=4, scheduler={"tokens_per_block": 2**23}))
+        check_config(SimulationOptions(cp_size=4, scheduler={"tokens_per_block": 2**23}))
     message = str(caught.value)
     assert "--cp * --tokens-per-block" in message
     assert "cp_size" not in message
@@ -61,11 +61,11 @@ def test_pool_beyond_the_limit_is_refused_before_a_ledger_exists() -> None:
     superblock = 2 * 16
     pages = {"tokens_per_block": 16}
     check_config(
-        SimulationOptions(cp=2, kv_tokens=MAX_KV_SUPERBLOCKS * superblock, scheduler=pages)
+        SimulationOptions(cp_size=2, kv_tokens=MAX_KV_SUPERBLOCKS * superblock, scheduler=pages)
     )
     too_many = (MAX_KV_SUPERBLOCKS + 1) * superblock
     with pytest.raises(SimulationSetupError) as caught:
-        check_config(SimulationOptions(cp=2, kv_tokens=too_many, scheduler=pages))
+        check_config(SimulationOptions(cp_size=2, kv_tokens=too_many, scheduler=pages))
     assert str(caught.value) == (
         f"--kv-tokens {(MAX_KV_SUPERBLOCKS + 1) * superblock} is {MAX_KV_SUPERBLOCKS + 1} "
         f"superblocks of 32 tokens; the simulator holds at most {MAX_KV_SUPERBLOCKS} "
@@ -75,14 +75,14 @@ def test_pool_beyond_the_limit_is_refused_before_a_ledger_exists() -> None:
 
 
 def test_a_trace_request_beyond_the_length_limit_is_refused_before_its_prompt_is_built() -> None:
-    options = SimulationOptions(cp=2, kv_tokens=4096, scheduler={"max_seq_len": 2**62})
+    options = SimulationOptions(cp_size=2, kv_tokens=4096, scheduler={"max_seq_len": 2**62})
     huge = RequestSpec(request_id=7, arrival_step=0, prompt_len=2**31 - 1, output_len=4)
     with pytest.raises(SimulationSetupError, match=f"request 7 .* at most {MAX_REQUEST_TOKENS}"):
         preflight(options, [huge])
 
 
 def test_resolved_config_reports_the_usable_capacity_from_the_core() -> None:
-    resolved = SimulationOptions(cp=3, scheduler={"tokens_per_block": 16}).resolved({})
+    resolved = SimulationOptions(cp_size=3, scheduler={"tokens_per_block": 16}).resolved({})
     assert resolved["kv_tokens"] == 16_384
     config = helix_kv.SchedulerConfig(cp_size=3, tokens_per_block=16, kv_tokens=16_384)
     assert resolved["kv_tokens_effective"] == config.kv_tokens == 16_368

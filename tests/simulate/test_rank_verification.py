@@ -230,7 +230,7 @@ def test_a_subset_group_reports_its_ranks() -> None:
     group = helix_kv.SimulatedCPGroup(config(4), ranks=[0, 3])
     assert not group.runs_every_rank
     assert len(group) == 4  # the group's size, not the ranks run
-    assert repr(group).startswith("SimulatedCPGroup(cp=4, ranks=[0, 3], schedulers=")
+    assert repr(group).startswith("SimulatedCPGroup(cp_size=4, ranks=[0, 3], schedulers=")
     assert [s.config.cp_rank for s in group.schedulers] == [0, 3]
     whole = helix_kv.SimulatedCPGroup(config(4))
     assert whole.runs_every_rank

@@ -263,7 +263,7 @@ def test_model_refuses_coefficients_past_the_limit() -> None:
 @needs_scheduler
 def test_a_model_without_cp_is_refused() -> None:
     config = helix_kv.SchedulerConfig(cp_size=1, cp_rank=0, tokens_per_block=4, kv_tokens=1024)
-    with pytest.raises(SimulationSetupError, match="cp=N"):
+    with pytest.raises(SimulationSetupError, match="cp_size=N"):
         run_simulation(helix_kv.Scheduler(config), HAND_WORKLOAD, step_time=DEFAULT_STEP_TIME)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from helix_kv._renamed import Renamed, renamed_fields
 from helix_kv.executor.model import TinyConfig
 from helix_kv.executor.runner import ExecutorConfig, RunResult, run_group, run_rank
 
@@ -29,11 +30,13 @@ BENCH_MODEL = TinyConfig(
 )
 
 
+@renamed_fields
 @dataclass(frozen=True)
 class BenchSpec:
-    """One measured workload."""
+    """One measured workload (``cp``: the deprecated name of ``cp_size``, kept for one
+    release)."""
 
-    cp: int = 2
+    cp_size: int = 2
     requests: int = 64
     prompt_len: int = 512
     new_tokens: int = 128
@@ -50,6 +53,8 @@ class BenchSpec:
     overlap: bool = False  # also run the workload one step ahead and report both
     host_tier_pages: int = 0  # each rank's host KV tier (suspend to host under pressure)
 
+    cp = Renamed[int]("cp_size")
+
 
 def synthetic_prompts(count: int, length: int, vocab_size: int, seed: int) -> dict[int, list[int]]:
     """``count`` random prompts of ``length`` tokens, ids ``0..count-1``."""
@@ -61,14 +66,14 @@ def executor_config(
     spec: BenchSpec, time_table_build: bool, overlap: bool = False
 ) -> ExecutorConfig:
     """The executor configuration of a workload."""
-    superblock = spec.tokens_per_block * spec.cp
+    superblock = spec.tokens_per_block * spec.cp_size
     if spec.kv_tokens is None:  # every request's whole sequence at once
         per_request = -(-(spec.prompt_len + spec.new_tokens) // superblock)
         superblocks = spec.requests * per_request
     else:
         superblocks = max(1, spec.kv_tokens // superblock)
     return ExecutorConfig(
-        cp=spec.cp,
+        cp_size=spec.cp_size,
         tokens_per_block=spec.tokens_per_block,
         kv_superblocks=superblocks,
         max_batch_size=spec.max_batch_size,
@@ -97,11 +102,11 @@ def measure(
         jobs.append((prompts, spec.new_tokens, executor_config(spec, time_table_build=False)))
     if spec.overlap:
         jobs.append((prompts, spec.new_tokens, executor_config(spec, False, overlap=True)))
-    if spec.cp == 1:
+    if spec.cp_size == 1:
         results = [run_rank(*job) for job in jobs]
     else:
         backend = "nccl" if spec.device == "cuda" else "gloo"
-        per_job = run_group(jobs, spec.cp, backend=backend, timeout_s=timeout_s)
+        per_job = run_group(jobs, spec.cp_size, backend=backend, timeout_s=timeout_s)
         results = [ranks[0] for ranks in per_job]
     plain = results[-2] if spec.overlap else results[-1]
     numbers = figures(results[0], plain)
@@ -164,7 +169,7 @@ def format_figures(spec: BenchSpec, numbers: dict[str, float]) -> str:
         else spec.device
     )
     head = (
-        f"helix_kv executor: cp={spec.cp} {spec.dtype} on {device}, {spec.requests} requests "
+        f"helix_kv executor: cp={spec.cp_size} {spec.dtype} on {device}, {spec.requests} requests "
         f"x {spec.prompt_len} prompt + {spec.new_tokens} new, tpb={spec.tokens_per_block}, "
         f"decode kernel {'on' if spec.decode_kernel or spec.cuda_graphs else 'off'}, "
         f"CUDA graphs {'on' if spec.cuda_graphs else 'off'}"

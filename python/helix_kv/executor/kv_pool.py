@@ -36,7 +36,7 @@ class AttentionGroup:
             local length, ``-1`` padding replaced by page 0, which the mask hides). Local key
             ``j`` sits in slot ``pages[j // tpb] * tpb + j % tpb``.
         key_positions: ``[entries, width * tpb]`` global position of local key ``j``,
-            ``(j // tpb) * tpb * cp + rank * tpb + j % tpb``; int64 max at and beyond the
+            ``(j // tpb) * tpb * cp_size + cp_rank * tpb + j % tpb``; int64 max at and beyond the
             request's local length.
         unpad_index: rows of the flattened ``[entries * q_len]`` output that are real tokens,
             in flat token order; ``None`` when there is no padding.
@@ -82,7 +82,7 @@ class KVPool:
 
     Args:
         num_layers, num_kv_heads, head_dim: model geometry.
-        placement: this rank's Helix placement (cp, tokens per block, rank).
+        placement: this rank's Helix placement (cp_size, tokens_per_block, cp_rank).
         capacity_superblocks: ledger capacity; the pool holds one page per superblock.
         dtype, device: storage of the cache tensors.
     """

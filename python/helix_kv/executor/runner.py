@@ -23,8 +23,8 @@ The loop makes only the calls of the scheduler contract
 plan reads from its scheduler and ``finish_check()`` before it waits for a step's tokens (the
 schedule check runs under the step's work).
 
-:func:`run_rank` runs that loop to completion in the calling process (cp = 1, or inside an
-initialised process group); :func:`run_group` spawns the ranks (gloo on CPU, NCCL on GPUs)
+:func:`run_rank` runs that loop to completion in the calling process (``cp_size = 1``, or
+inside an initialised process group); :func:`run_group` spawns the ranks (gloo on CPU, NCCL on GPUs)
 and checks that they agree.
 """
 
@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from helix_kv._renamed import Renamed, renamed_fields, renamed_keywords
 from helix_kv.distributed import EngineConfig, HelixKVRank
 from helix_kv.distributed.launch import spawn_group
 from helix_kv.errors import HelixKVError
@@ -55,10 +56,12 @@ from helix_kv.step_driver import PendingStep, StepDriver
 Prompts = Mapping[int, Sequence[int]]
 
 
+@renamed_fields
 @dataclass(frozen=True)
 class ExecutorConfig:
     """What one run needs besides the prompts (picklable, identical on every rank).
 
+    ``cp_size``: the ranks of the CP group (``cp``: its deprecated name, kept for one release).
     ``kv_superblocks`` is this rank's own KV budget in pages; the group agrees on the minimum
     (``docs/distributed.md``, "Quota sync") through :class:`helix_kv.distributed.HelixKVRank`.
     ``scheduler_options`` go to its ``EngineConfig`` as they are (e.g. ``victim_policy``,
@@ -86,7 +89,7 @@ class ExecutorConfig:
     step, from a ring allocated once; ``RunResult.host_gap_us``); off, a step records none.
     """
 
-    cp: int = 1
+    cp_size: int = 1
     tokens_per_block: int = 4
     kv_superblocks: int = 64
     max_batch_size: int = 16
@@ -109,6 +112,9 @@ class ExecutorConfig:
     eos_token_id: int | None = None
     step_timeline: bool = True
 
+    cp = Renamed[int]("cp_size")
+
+    @renamed_keywords(cp="cp_size")
     def with_(self, **changes: Any) -> ExecutorConfig:
         """A copy with some fields changed."""
         return replace(self, **changes)
@@ -119,9 +125,12 @@ class ExecutorConfig:
 Job = tuple[Prompts, Union[int, Mapping[int, int]], ExecutorConfig]
 
 
+@renamed_fields
 @dataclass
 class RunResult:
-    """What one rank saw: outputs, scheduler metrics, per-step trace and timings.
+    """What rank ``cp_rank`` saw: outputs, scheduler metrics, per-step trace and timings.
+
+    ``rank``: the deprecated name of ``cp_rank`` (kept for one release).
 
     ``fast_path_steps``: decode-only steps run on the decode fast path (``decode_kernel``);
     ``fast_path_inputs_in_flight``: their inputs gathered on the device from the previous
@@ -135,7 +144,7 @@ class RunResult:
     start event (``step_timeline``) is instrumentation and is not counted in either.
     """
 
-    rank: int
+    cp_rank: int
     outputs: dict[int, list[int]]
     metrics: dict[str, float]
     request_metrics: dict[int, dict[str, float]]
@@ -160,6 +169,8 @@ class RunResult:
     table_build_us: list[float] = field(default_factory=list)
     metadata_host_us: list[float] = field(default_factory=list)
     host_gap_us: list[float] = field(default_factory=list)
+
+    rank = Renamed[int]("cp_rank")
 
     @property
     def preemptions(self) -> int:
@@ -190,8 +201,8 @@ def run_rank(
 ) -> RunResult:
     """Run every prompt to completion on this rank; greedy decoding.
 
-    With ``config.cp > 1`` a process group of ``cp`` ranks must be initialised (``group`` or
-    the default group); this process is its rank ``dist.get_rank(group)``.
+    With ``config.cp_size > 1`` a process group of ``cp_size`` ranks must be initialised
+    (``group`` or the default group); this process is its rank ``dist.get_rank(group)``.
     """
     device = _device(config.device)
     dtype = getattr(torch, config.dtype)
@@ -227,9 +238,11 @@ def run_rank(
         allocate=allocate_pool,
         check_schedule=config.check_schedule,
     )
-    if helix.cp_size != config.cp:
-        raise ValueError(f"cp = {config.cp} but the process group has {helix.cp_size} ranks")
-    rank, pool = helix.cp_rank, helix.kv_storage
+    if helix.cp_size != config.cp_size:
+        raise ValueError(
+            f"cp_size = {config.cp_size} but the process group has {helix.cp_size} ranks"
+        )
+    cp_rank, pool = helix.cp_rank, helix.kv_storage
     placement = pool.placement
     host_pool = (
         HostKVPool(pool, helix.host_tier_superblocks) if helix.host_tier_superblocks else None
@@ -251,7 +264,7 @@ def run_rank(
         )
         # collective when graphed: every rank captures the same buckets in the same order
         decode_step = DecodeStep(model, pool, combine, metadata, config.cuda_graphs)
-    result = RunResult(rank, {}, {}, {}, [], [], helix.capacity_superblocks)
+    result = RunResult(cp_rank, {}, {}, {}, [], [], helix.capacity_superblocks)
     logits_rows: dict[int, list[np.ndarray]] = {}
     gather, readback, timeline = (
         DecodeInputGather(device),
@@ -304,7 +317,7 @@ def run_rank(
         if plan.num_tokens:
             logits = model.logits(model.forward(batch, pool, combine)[batch.sample_index])
             tokens = logits.argmax(dim=-1)
-        if config.cp > 1 and out.num_samples:
+        if config.cp_size > 1 and out.num_samples:
             # ranks compute identical logits; broadcasting makes identical tokens a guarantee
             dist.broadcast(tokens, src=broadcast_src, group=group)
         host_tokens = readback.start(tokens)
@@ -416,7 +429,7 @@ def _launch_decode_step(
         # the step after next fills it (checked: StagingBufferBusy).
         step.launch(rows)
     tokens = step.tokens[:rows]
-    if config.cp > 1:
+    if config.cp_size > 1:
         # ranks compute identical logits; broadcasting makes identical tokens a guarantee
         dist.broadcast(tokens, src=broadcast_src, group=group)
     host_tokens = step.start_readback(rows)
@@ -478,31 +491,33 @@ class _LaunchedStep:
     fast: bool = False  # run on the decode fast path (its tokens are DecodeStep.tokens)
 
 
+@renamed_keywords(cp="cp_size")
 def run_group(
     jobs: Sequence[Job],
-    cp: int,
+    cp_size: int,
     backend: str = "gloo",
     timeout_s: float = 120.0,
     threads_per_rank: int = 1,
 ) -> list[list[RunResult]]:
     """Run ``(prompts, max_new_tokens, config)`` jobs one after another on a spawned CP group.
 
-    All jobs share one group of ``cp`` processes (``config.cp`` must equal ``cp``). Returns,
-    per job, the result of every rank, after checking that the ranks agree on every step's
-    digest, on the preempted requests and on the generated tokens.
+    All jobs share one group of ``cp_size`` processes (``config.cp_size`` must equal
+    ``cp_size``; ``cp``: its deprecated name, kept for one release). Returns, per job, the
+    result of every rank, after checking that the ranks agree on every step's digest, on the
+    preempted requests and on the generated tokens.
     """
     for _, _, config in jobs:
-        if config.cp != cp:
-            raise ValueError(f"job for cp = {config.cp} in a group of {cp}")
+        if config.cp_size != cp_size:
+            raise ValueError(f"job for cp_size = {config.cp_size} in a group of {cp_size}")
     per_rank = spawn_group(
         _group_worker,
-        cp,
+        cp_size,
         args=(list(jobs),),
         backend=backend,
         timeout_s=timeout_s,
         threads_per_rank=threads_per_rank,
     )
-    per_job = [[per_rank[rank][job] for rank in range(cp)] for job in range(len(jobs))]
+    per_job = [[per_rank[rank][job] for rank in range(cp_size)] for job in range(len(jobs))]
     for results in per_job:
         check_ranks_agree(results)
     return per_job
@@ -514,7 +529,9 @@ def check_ranks_agree(results: Sequence[RunResult]) -> None:
     for other in results[1:]:
         for name in ("digests", "preempted", "outputs"):
             if getattr(other, name) != getattr(first, name):
-                raise AssertionError(f"rank {other.rank} differs from rank {first.rank} in {name}")
+                raise AssertionError(
+                    f"rank {other.cp_rank} differs from rank {first.cp_rank} in {name}"
+                )
 
 
 def _group_worker(rank: int, world_size: int, jobs: list[Job]) -> list[RunResult]:

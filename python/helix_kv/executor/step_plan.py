@@ -82,7 +82,8 @@ class StepPlan:
             scheduler: the rank's ``helix_kv.Scheduler`` (for ``block_table`` and
                 ``slot_mapping``).
             out: the ``ScheduleOutput`` of its last ``schedule()``.
-            placement: this rank's placement (same cp / tpb / rank as the scheduler).
+            placement: this rank's placement (same cp_size / tokens_per_block / cp_rank as
+                the scheduler).
         """
         gen_ids = np.asarray(out.generation_ids, dtype=np.int64)
         ctx_ids = np.asarray(out.context_ids, dtype=np.int64)

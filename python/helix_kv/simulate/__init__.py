@@ -3,8 +3,8 @@
 The pieces are small and importable on their own:
 
 - :mod:`.workload` makes a seeded synthetic workload or reads a JSONL trace;
-- :mod:`.step_loop` runs the step loop over ``cp`` schedulers (one per rank) and checks that
-  the ranks agree every step;
+- :mod:`.step_loop` runs the step loop over ``cp_size`` schedulers (one per rank) and checks
+  that the ranks agree every step;
 - :mod:`.events` is the per-step and per-request event stream (``--events``);
 - :mod:`.timing` is the optional step-time model (``--step-time``): modelled milliseconds;
 - :mod:`.report` turns a run into figures, a text table and JSON;

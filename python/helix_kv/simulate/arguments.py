@@ -459,7 +459,7 @@ def simulation_options(args: argparse.Namespace) -> SimulationOptions:
     """The options the flags describe (scheduler settings not given are left out)."""
     check_combinations(args)
     return SimulationOptions(
-        cp=args.cp,
+        cp_size=args.cp,
         kv_tokens=args.kv_tokens,
         scheduler=_scheduler_kwargs(args),
         max_steps=args.max_steps,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from helix_kv._core import ConfigField, Scheduler, SchedulerConfig
+from helix_kv._renamed import Renamed, renamed_fields, renamed_keywords
 from helix_kv.errors import ConfigError, HelixKVError
 from helix_kv.errors import SimulationSetupError as SimulationSetupError  # also from here
 from helix_kv.simulate.timing import StepTimeModel
@@ -98,15 +99,18 @@ _FIELD_PATTERN = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b( == | = )?"
 _HOST_TIER_PATTERN = re.compile(r"\bhost_tier_superblocks = (\d+)")
 
 
+@renamed_fields
 @dataclass(frozen=True)
 class SimulationOptions:
     """What to simulate, apart from the workload.
 
     ``scheduler`` holds ``helix_kv.SchedulerConfig`` keyword arguments other than
-    ``cp_size``, ``cp_rank`` and the capacity, which come from ``cp`` and ``kv_tokens``.
+    ``cp_size``, ``cp_rank`` and the capacity, which come from ``cp_size`` (``--cp``), each
+    rank's place and ``kv_tokens``. ``cp`` is the deprecated name of ``cp_size`` (kept for
+    one release).
     """
 
-    cp: int = 2
+    cp_size: int = 2
     kv_tokens: int = 16_384
     scheduler: dict[str, Any] = field(default_factory=dict)
     max_steps: int | None = None
@@ -119,21 +123,25 @@ class SimulationOptions:
     """Which ranks run a real scheduler (:func:`verified_ranks`); ``None``: ``all`` up to
     :data:`VERIFY_ALL_UP_TO_CP` ranks (and always with ``procs``), ``sample`` above."""
 
+    cp = Renamed[int]("cp_size")
+
     @property
     def verify_mode(self) -> VerifyRanks:
         """``verify_ranks`` with the default applied."""
         if self.verify_ranks is not None:
             return self.verify_ranks
-        return "all" if self.procs or self.cp <= VERIFY_ALL_UP_TO_CP else "sample"
+        return "all" if self.procs or self.cp_size <= VERIFY_ALL_UP_TO_CP else "sample"
 
     def verified_ranks(self) -> tuple[int, ...]:
         """The ranks run and compared every step, in order (see :func:`verified_ranks`)."""
-        return verified_ranks(self.verify_mode, self.cp)
+        return verified_ranks(self.verify_mode, self.cp_size)
 
-    def scheduler_config(self, rank: int = 0) -> SchedulerConfig:
-        """The ``helix_kv.SchedulerConfig`` of ``rank``; raises ``helix_kv.ConfigError``."""
+    @renamed_keywords(rank="cp_rank")
+    def scheduler_config(self, cp_rank: int = 0) -> SchedulerConfig:
+        """The ``helix_kv.SchedulerConfig`` of rank ``cp_rank`` (``rank``: its deprecated
+        name, kept for one release); raises ``helix_kv.ConfigError``."""
         return SchedulerConfig(
-            cp_size=self.cp, cp_rank=rank, kv_tokens=self.kv_tokens, **self.scheduler
+            cp_size=self.cp_size, cp_rank=cp_rank, kv_tokens=self.kv_tokens, **self.scheduler
         )
 
     def with_victim_policy(self, policy: VictimPolicy) -> SimulationOptions:
@@ -157,7 +165,7 @@ class SimulationOptions:
         """The configuration as run: the report's ``config`` object."""
         config = self.scheduler_config()
         resolved: dict[str, Any] = {
-            "cp": self.cp,
+            "cp": self.cp_size,  # the report's key is the --cp flag's name
             "kv_tokens": self.kv_tokens,
             # what the pool holds: kv_tokens rounded down to whole superblocks, by the core
             "kv_tokens_effective": int(config.kv_tokens),
@@ -175,8 +183,10 @@ class SimulationOptions:
         return resolved
 
 
-def verified_ranks(mode: VerifyRanks, cp: int) -> tuple[int, ...]:
-    """The ranks a ``mode`` runs (one real scheduler each) and compares every step.
+@renamed_keywords(cp="cp_size")
+def verified_ranks(mode: VerifyRanks, cp_size: int) -> tuple[int, ...]:
+    """The ranks a ``mode`` runs (one real scheduler each) and compares every step, in a
+    group of ``cp_size`` ranks (``cp``: its deprecated name, kept for one release).
 
     ``all``: every rank. ``sample``: the first and the last rank, the two ends of every
     per-rank length (the layout deals each superblock's pages out from rank 0, so rank 0 holds
@@ -184,9 +194,9 @@ def verified_ranks(mode: VerifyRanks, cp: int) -> tuple[int, ...]:
     nothing compared.
     """
     if mode == "all":
-        return tuple(range(cp))
+        return tuple(range(cp_size))
     if mode == "sample":
-        return (0, cp - 1) if cp > 1 else (0,)
+        return (0, cp_size - 1) if cp_size > 1 else (0,)
     if mode == "none":
         return (0,)
     raise ValueError(f"verify_ranks must be one of {VERIFY_RANKS_MODES}, got {mode!r}")

@@ -90,7 +90,7 @@ class _AgreedStop:
         return bool(flag.item())
 
 
-def _rank_scheduler(options: SimulationOptions, rank: int) -> HelixKVRank:
+def _rank_scheduler(options: SimulationOptions, cp_rank: int) -> HelixKVRank:
     """This process's :class:`~helix_kv.distributed.HelixKVRank`.
 
     Built directly rather than with ``HelixKVRank.create``: the parent has checked the
@@ -101,13 +101,13 @@ def _rank_scheduler(options: SimulationOptions, rank: int) -> HelixKVRank:
     from helix_kv.distributed import EngineConfig, HelixKVRank, ScheduleChecker  # imports torch
     from helix_kv.distributed.config import SCHEDULER_FIELDS
 
-    config = options.scheduler_config(rank)
+    config = options.scheduler_config(cp_rank)
     fields = {name: value for name, value in config.to_dict().items() if name in SCHEDULER_FIELDS}
     engine = EngineConfig(
         num_layers=1, num_kv_heads=1, head_dim=1, dtype_bytes=1, kv_factor=1, **fields
     )
     # one rank has no peer to compare with (the checker would warn that it cannot apply)
-    checker = ScheduleChecker() if options.cp > 1 else None
+    checker = ScheduleChecker() if options.cp_size > 1 else None
     return HelixKVRank(engine, config, None, config.kv_superblocks, checker)
 
 
@@ -138,7 +138,7 @@ def run_with_options(
             should_stop=should_stop,
             events=events,
             step_time=options.step_time,
-            cp=options.cp,
+            cp_size=options.cp_size,
             overlap=options.overlap,
         )
     finally:
@@ -193,7 +193,7 @@ def run_in_processes(
 
     results = spawn_group(
         _rank_worker,
-        options.cp,
+        options.cp_size,
         args=(options, list(workload), dict(config or {}), show_progress, events_path),
         timeout_s=RANK_TIMEOUT_S,
         should_stop=should_stop,

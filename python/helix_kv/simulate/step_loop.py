@@ -41,6 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 from helix_kv._core import ScheduleOutput, SchedulerMetrics
+from helix_kv._renamed import renamed_keywords
 from helix_kv.contract import SchedulerProtocol
 from helix_kv.errors import ScheduleMismatchError, SimulationSetupError
 from helix_kv.simulate.events import EventSink, RequestEvent, StepEvent
@@ -190,7 +191,7 @@ class _StepLoop:
         workload: Sequence[RequestSpec],
         events: EventSink | None = None,
         step_time: StepTimeModel | None = None,
-        cp: int = 1,
+        cp_size: int = 1,
         overlap: bool = False,
     ) -> None:
         self.group = group
@@ -210,7 +211,7 @@ class _StepLoop:
         self.clock = 0
         self.events = events
         self.step_time = step_time
-        self.cp = cp
+        self.cp_size = cp_size
         #: Modelled time at the start of the current clock step (stays 0 without a model).
         self.now_ms = 0.0
         self.arrival_ms: dict[int, float] = {}
@@ -282,7 +283,7 @@ class _StepLoop:
         if self.step_time is not None or self.events is not None:
             kv_read = kv_tokens_read(output)
         if self.step_time is not None:
-            self.now_ms += self.step_time.step_ms(int(output.num_tokens), kv_read, self.cp)
+            self.now_ms += self.step_time.step_ms(int(output.num_tokens), kv_read, self.cp_size)
 
         sample_ids = np.asarray(output.sample_ids, dtype=np.int64)
         tokens = sampled_tokens(sample_ids, _sample_indices(sample_ids, self.generated))
@@ -434,6 +435,7 @@ def _request_event(outcome: RequestOutcome, prompt_tokens: int) -> RequestEvent:
     )
 
 
+@renamed_keywords(cp="cp_size")
 def run_simulation(
     group: SchedulerProtocol,
     workload: Sequence[RequestSpec],
@@ -444,7 +446,7 @@ def run_simulation(
     should_stop: Callable[[], bool] | None = None,
     events: EventSink | None = None,
     step_time: StepTimeModel | None = None,
-    cp: int | None = None,
+    cp_size: int | None = None,
     overlap: bool = False,
 ) -> SimulationResult:
     """Run ``workload`` to completion on ``group`` and return what happened.
@@ -456,18 +458,19 @@ def run_simulation(
 
     ``events``: an :class:`~helix_kv.simulate.events.EventSink` called after every step and
     for every request outcome. ``step_time``: a
-    :class:`~helix_kv.simulate.timing.StepTimeModel`; its per-KV-token term divides by ``cp``,
-    the group's CP size (default: ``config["cp"]``; one of them is needed with a model, else
-    :class:`SimulationSetupError`). ``overlap``: schedule one step ahead (see the module
+    :class:`~helix_kv.simulate.timing.StepTimeModel`; its per-KV-token term divides by
+    ``cp_size``, the group's CP size (default: ``config["cp"]``, the report's key; one of them
+    is needed with a model, else :class:`SimulationSetupError`; ``cp``: the deprecated name of
+    ``cp_size``, kept for one release). ``overlap``: schedule one step ahead (see the module
     docs); compare the outputs with a plain run's through :func:`outputs_match`.
     """
-    if cp is None and config is not None and "cp" in config:
-        cp = int(config["cp"])
-    if step_time is not None and (cp is None or cp < 1):
+    if cp_size is None and config is not None and "cp" in config:
+        cp_size = int(config["cp"])
+    if step_time is not None and (cp_size is None or cp_size < 1):
         raise SimulationSetupError(
-            "run_simulation: a step-time model needs the group's CP size: pass cp=N (N >= 1)"
+            "run_simulation: a step-time model needs the group's CP size: pass cp_size=N (N >= 1)"
         )
-    loop = _StepLoop(group, workload, events, step_time, cp or 1, overlap)
+    loop = _StepLoop(group, workload, events, step_time, cp_size or 1, overlap)
     mismatch: str | None = None
     interrupted = False
     steps_limit = math.inf if max_steps is None else max_steps

@@ -5,15 +5,15 @@ The simulator counts time in scheduler steps. To read latencies in milliseconds,
 
     step_ms = fixed_ms
             + per_token_ms    * scheduled_tokens
-            + per_kv_token_ms * kv_tokens_read / cp
+            + per_kv_token_ms * kv_tokens_read / cp_size
 
 - ``scheduled_tokens``: the tokens the step computes (``ScheduleOutput.num_tokens``: prefill
   chunk tokens plus one per decode entry);
 - ``kv_tokens_read``: the global KV tokens the step's attention reads, each entry counting the
   KV its request holds once the step has written: ``position + 1`` for a decode entry,
   ``start + length`` for a prefill chunk (see :func:`kv_tokens_read`);
-- ``/ cp``: Helix spreads every request's KV over the ``cp`` ranks, which attend in parallel,
-  so each rank reads about ``1/cp`` of it.
+- ``/ cp_size``: Helix spreads every request's KV over the ``cp_size`` ranks (``--cp``), which
+  attend in parallel, so each rank reads about ``1/cp_size`` of it.
 
 A clock step in which nothing is scheduled (the simulator skips idle time to the next arrival)
 lasts ``fixed_ms``. This is a model, not a measurement: a linear cost with three coefficients,
@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from helix_kv._core import ScheduleOutput
+from helix_kv._renamed import renamed_keywords
 from helix_kv.errors import SimulationSetupError
 
 __all__ = [
@@ -71,7 +72,7 @@ def _coefficient(name: str, value: Any) -> float:
 @dataclass(frozen=True)
 class StepTimeModel:
     """``step_ms = fixed_ms + per_token_ms * scheduled_tokens + per_kv_token_ms *
-    kv_tokens_read / cp`` (see the module docstring). Coefficients are finite numbers in
+    kv_tokens_read / cp_size`` (see the module docstring). Coefficients are finite numbers in
     ``[0, MAX_COEFFICIENT_MS]``; anything else raises :class:`SimulationSetupError`.
 
     ``source`` says where the coefficients came from (``"default"``, ``"--step-time"``, a
@@ -88,12 +89,14 @@ class StepTimeModel:
         for name in PROFILE_KEYS:
             object.__setattr__(self, name, _coefficient(name, getattr(self, name)))
 
-    def step_ms(self, scheduled_tokens: int, kv_tokens: int, cp: int) -> float:
-        """The modelled duration of one step, in milliseconds."""
+    @renamed_keywords(cp="cp_size")
+    def step_ms(self, scheduled_tokens: int, kv_tokens: int, cp_size: int) -> float:
+        """The modelled duration of one step, in milliseconds, in a group of ``cp_size`` ranks
+        (``cp``: its deprecated name, kept for one release)."""
         return (
             self.fixed_ms
             + self.per_token_ms * scheduled_tokens
-            + self.per_kv_token_ms * kv_tokens / cp
+            + self.per_kv_token_ms * kv_tokens / cp_size
         )
 
     @property
