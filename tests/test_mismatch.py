@@ -39,10 +39,11 @@ def test_the_minority_rank_and_its_fields_are_named() -> None:
     message = str(error)
     assert error.ranks == [2]
     assert error.step == 0
-    assert error.fields[:4] == [
+    assert error.fields[:5] == [
         "context_ids",
         "context_starts",
         "context_lens",
+        "context_cached_lens",
         "context_completes",
     ]
     assert error.fields[-2:] == ["num_tokens", "digest"]

@@ -380,6 +380,9 @@ class ScheduleOutput:
     @property
     def context_lens(self) -> npt.NDArray[np.int64]: ...
     @property
+    def context_cached_lens(self) -> npt.NDArray[np.int64]:
+        """Tokens of each context entry's request found in the prefix cache as it was admitted."""
+    @property
     def context_completes(self) -> npt.NDArray[np.bool_]: ...
     @property
     def context_batch_slots(self) -> npt.NDArray[np.int32]: ...
