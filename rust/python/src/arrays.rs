@@ -408,21 +408,25 @@ pub fn u64_vec(obj: &Bound<'_, PyAny>, what: &str, length: bool) -> PyResult<Vec
     )
 }
 
-/// Token ids (int32): borrowed when already a contiguous, aligned int32 array, else range
-/// checked (numpy's own cast would wrap silently).
-pub enum TokenIds<'py> {
-    Borrowed(PyReadonlyArray1<'py, i32>),
-    Converted(Vec<i32>),
+/// An array argument of `T`s: borrowed when the caller's array already is a contiguous,
+/// aligned one of `T`, else the values converted from it.
+pub enum ArrayArg<'py, T: numpy::Element> {
+    Borrowed(PyReadonlyArray1<'py, T>),
+    Converted(Vec<T>),
 }
 
-impl TokenIds<'_> {
-    pub fn as_slice(&self) -> PyResult<&[i32]> {
+impl<T: numpy::Element> ArrayArg<'_, T> {
+    pub fn as_slice(&self) -> PyResult<&[T]> {
         match self {
             Self::Borrowed(array) => Ok(array.as_slice()?),
             Self::Converted(values) => Ok(values),
         }
     }
 }
+
+/// Token ids (int32): borrowed when already a contiguous, aligned int32 array, else range
+/// checked (numpy's own cast would wrap silently).
+pub type TokenIds<'py> = ArrayArg<'py, i32>;
 
 /// Token ids from an integer array-like; each must fit int32 (`InvalidArgumentError`).
 pub fn token_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<TokenIds<'py>> {
@@ -441,19 +445,7 @@ pub fn token_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<TokenIds<
 /// Flags: borrowed when already a contiguous bool array, else read from a bool array, an
 /// integer array or sequence of `0`/`1`, or a sequence of bools. Floats, strings and
 /// objects are refused (numpy's `bool` cast would make `"no"` true).
-pub enum Flags<'py> {
-    Borrowed(PyReadonlyArray1<'py, bool>),
-    Converted(Vec<bool>),
-}
-
-impl Flags<'_> {
-    pub fn as_slice(&self) -> PyResult<&[bool]> {
-        match self {
-            Self::Borrowed(array) => Ok(array.as_slice()?),
-            Self::Converted(values) => Ok(values),
-        }
-    }
-}
+pub type Flags<'py> = ArrayArg<'py, bool>;
 
 /// See [`Flags`].
 pub fn flags<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Flags<'py>> {

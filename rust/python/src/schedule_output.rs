@@ -40,15 +40,22 @@ pub trait Exposed<N: Element + Copy>: Sized + Copy + Send + Clone {
     fn from_numpy(value: N) -> Option<Self>;
 }
 
-/// Request ids: the whole `u64` range, as uint64.
-impl Exposed<u64> for u64 {
-    fn to_numpy(self) -> u64 {
-        self
-    }
-    fn from_numpy(value: u64) -> Option<Self> {
-        Some(value)
-    }
+/// Types numpy holds as they are, with nothing to convert either way: request ids (the
+/// whole `u64` range) as uint64; batch slots, token and block ids as int32; flags as bool.
+macro_rules! exposed_as_they_are {
+    ($($ty:ty),* $(,)?) => {$(
+        impl Exposed<$ty> for $ty {
+            fn to_numpy(self) -> $ty {
+                self
+            }
+            fn from_numpy(value: $ty) -> Option<Self> {
+                Some(value)
+            }
+        }
+    )*};
 }
+
+exposed_as_they_are!(u64, i32, bool);
 
 /// Lengths, positions and counts, as int64.
 impl Exposed<i64> for u64 {
@@ -75,24 +82,6 @@ impl Exposed<i32> for u32 {
     }
     fn from_numpy(value: i32) -> Option<Self> {
         u32::try_from(value).ok()
-    }
-}
-
-impl Exposed<i32> for i32 {
-    fn to_numpy(self) -> i32 {
-        self
-    }
-    fn from_numpy(value: i32) -> Option<Self> {
-        Some(value)
-    }
-}
-
-impl Exposed<bool> for bool {
-    fn to_numpy(self) -> bool {
-        self
-    }
-    fn from_numpy(value: bool) -> Option<Self> {
-        Some(value)
     }
 }
 
@@ -551,6 +540,14 @@ impl PyScheduleOutput {
             }
             Ok(())
         }
+        /// Placement column `name`, checked if `fields` gives it.
+        fn check_placed<T: Exposed<N> + PartialEq, N: Element + Copy>(
+            fields: &Bound<'_, PyDict>,
+            name: &str,
+            computed: impl Iterator<Item = T>,
+        ) -> PyResult<()> {
+            check::<T, N>(fields.get_item(name)?, name, PLACED, computed)
+        }
         let py = fields.py();
         let [owners, samples, active, local, past] = COMPUTED_NAMES;
         if let Some(given) = fields.get_item(samples)? {
@@ -566,30 +563,10 @@ impl PyScheduleOutput {
         let placement = self.rank_placement;
         let positions = self.generation_positions.lend(py);
         let positions = positions.as_slice();
-        check::<u32, i32>(
-            fields.get_item(owners)?,
-            owners,
-            PLACED,
-            placement.owner_ranks(positions),
-        )?;
-        check::<bool, bool>(
-            fields.get_item(active)?,
-            active,
-            PLACED,
-            placement.active(positions),
-        )?;
-        check::<u64, i64>(
-            fields.get_item(local)?,
-            local,
-            PLACED,
-            placement.local_lens(positions),
-        )?;
-        check::<u64, i64>(
-            fields.get_item(past)?,
-            past,
-            PLACED,
-            placement.past_seen_lens(positions),
-        )
+        check_placed::<u32, i32>(fields, owners, placement.owner_ranks(positions))?;
+        check_placed::<bool, bool>(fields, active, placement.active(positions))?;
+        check_placed::<u64, i64>(fields, local, placement.local_lens(positions))?;
+        check_placed::<u64, i64>(fields, past, placement.past_seen_lens(positions))
     }
 }
 
@@ -861,81 +838,61 @@ impl<T: Exposed<N>, N: Element + Copy> LazyArray<T, N> {
     }
 }
 
-/// The fields the step metadata is made of, lent by a [`PyScheduleOutput`].
-pub struct LentStep<'a> {
-    step: u64,
-    digest: u64,
-    context_ids: Lent<'a, RequestId>,
-    context_starts: Lent<'a, u64>,
-    context_lens: Lent<'a, u64>,
-    context_completes: Lent<'a, bool>,
-    context_batch_slots: Lent<'a, i32>,
-    context_token_ids: Lent<'a, i32>,
-    generation_ids: Lent<'a, RequestId>,
-    generation_positions: Lent<'a, u64>,
-    generation_input_tokens: Lent<'a, i32>,
-    generation_input_refs: Lent<'a, i32>,
-    generation_batch_slots: Lent<'a, i32>,
+/// Defines [`LentStep`] from the one list of the fields the step metadata is made of (the
+/// core's [`helix_kv_core::StepSource`]): the scalars copied, the arrays lent. With it come
+/// the output's `lend_step` and the lent step's `into_owned` and `source`, field for field.
+macro_rules! define_lent_step {
+    (scalars { $($scalar:ident),* $(,)? } arrays { $($array:ident : $element:ty),* $(,)? }) => {
+        /// The fields the step metadata is made of, lent by a [`PyScheduleOutput`].
+        pub struct LentStep<'a> {
+            $( $scalar: u64, )*
+            $( $array: Lent<'a, $element>, )*
+        }
+
+        impl LentStep<'_> {
+            /// The fields owned (moved where they were copies already, copied out of the
+            /// output's locks otherwise), so the GIL may be released while they are read.
+            pub fn into_owned(self) -> LentStep<'static> {
+                LentStep {
+                    $( $scalar: self.$scalar, )*
+                    $( $array: self.$array.into_owned(), )*
+                }
+            }
+
+            /// The core's borrowed view of the lent fields.
+            pub fn source(&self) -> helix_kv_core::StepSource<'_> {
+                helix_kv_core::StepSource {
+                    $( $scalar: self.$scalar, )*
+                    $( $array: self.$array.as_slice(), )*
+                }
+            }
+        }
+
+        impl PyScheduleOutput {
+            /// Lends the fields the step metadata is made of (see [`Lent`]).
+            pub fn lend_step(&self, py: Python<'_>) -> LentStep<'_> {
+                LentStep {
+                    $( $scalar: self.$scalar, )*
+                    $( $array: self.$array.lend(py), )*
+                }
+            }
+        }
+    };
 }
 
-impl LentStep<'_> {
-    /// The fields owned (moved where they were copies already, copied out of the output's
-    /// locks otherwise), so the GIL may be released while they are read.
-    pub fn into_owned(self) -> LentStep<'static> {
-        LentStep {
-            step: self.step,
-            digest: self.digest,
-            context_ids: self.context_ids.into_owned(),
-            context_starts: self.context_starts.into_owned(),
-            context_lens: self.context_lens.into_owned(),
-            context_completes: self.context_completes.into_owned(),
-            context_batch_slots: self.context_batch_slots.into_owned(),
-            context_token_ids: self.context_token_ids.into_owned(),
-            generation_ids: self.generation_ids.into_owned(),
-            generation_positions: self.generation_positions.into_owned(),
-            generation_input_tokens: self.generation_input_tokens.into_owned(),
-            generation_input_refs: self.generation_input_refs.into_owned(),
-            generation_batch_slots: self.generation_batch_slots.into_owned(),
-        }
-    }
-
-    /// The core's borrowed view of the lent fields.
-    pub fn source(&self) -> helix_kv_core::StepSource<'_> {
-        helix_kv_core::StepSource {
-            step: self.step,
-            digest: self.digest,
-            context_ids: self.context_ids.as_slice(),
-            context_starts: self.context_starts.as_slice(),
-            context_lens: self.context_lens.as_slice(),
-            context_completes: self.context_completes.as_slice(),
-            context_batch_slots: self.context_batch_slots.as_slice(),
-            context_token_ids: self.context_token_ids.as_slice(),
-            generation_ids: self.generation_ids.as_slice(),
-            generation_positions: self.generation_positions.as_slice(),
-            generation_input_tokens: self.generation_input_tokens.as_slice(),
-            generation_input_refs: self.generation_input_refs.as_slice(),
-            generation_batch_slots: self.generation_batch_slots.as_slice(),
-        }
-    }
-}
-
-impl PyScheduleOutput {
-    /// Lends the fields the step metadata is made of (see [`Lent`]).
-    pub fn lend_step(&self, py: Python<'_>) -> LentStep<'_> {
-        LentStep {
-            step: self.step,
-            digest: self.digest,
-            context_ids: self.context_ids.lend(py),
-            context_starts: self.context_starts.lend(py),
-            context_lens: self.context_lens.lend(py),
-            context_completes: self.context_completes.lend(py),
-            context_batch_slots: self.context_batch_slots.lend(py),
-            context_token_ids: self.context_token_ids.lend(py),
-            generation_ids: self.generation_ids.lend(py),
-            generation_positions: self.generation_positions.lend(py),
-            generation_input_tokens: self.generation_input_tokens.lend(py),
-            generation_input_refs: self.generation_input_refs.lend(py),
-            generation_batch_slots: self.generation_batch_slots.lend(py),
-        }
+define_lent_step! {
+    scalars { step, digest }
+    arrays {
+        context_ids: RequestId,
+        context_starts: u64,
+        context_lens: u64,
+        context_completes: bool,
+        context_batch_slots: i32,
+        context_token_ids: i32,
+        generation_ids: RequestId,
+        generation_positions: u64,
+        generation_input_tokens: i32,
+        generation_input_refs: i32,
+        generation_batch_slots: i32,
     }
 }

@@ -3,7 +3,7 @@
 //! methods behind them (`step_metadata_layout`, `write_step_metadata`); the decode rows
 //! (`DECODE_ROW_COLUMNS`, `DecodeRowCounts`, `write_decode_rows`).
 
-use helix_kv_core::{Scheduler, StepMetadataLayout};
+use helix_kv_core::{CoreError, Scheduler, StepMetadataLayout, StepSource};
 use numpy::ndarray::{Dimension, Ix1, Ix2};
 use numpy::{PyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -200,21 +200,28 @@ fn int32_buffer<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i3
 /// Tokens plus entries up to which `write_step_metadata` keeps the GIL (about 50 us of work).
 const KEEP_GIL_UP_TO: usize = 1 << 14;
 
-/// `Scheduler.write_step_metadata`.
-pub fn write(
+/// The `schedule_output` argument of both `Scheduler.write_*` methods.
+fn schedule_output_arg<'a, 'py>(
+    obj: &'a Bound<'py, PyAny>,
+) -> PyResult<&'a Bound<'py, PyScheduleOutput>> {
+    obj.cast::<PyScheduleOutput>()
+        .map_err(|_| invalid_type_of("schedule_output", "a ScheduleOutput", obj))
+}
+
+/// What both `Scheduler.write_*` methods end with: `write` fills the words of `array` (the
+/// caller's checked buffer, refused unless writeable and not borrowed elsewhere) from
+/// `output`'s step. A call `keep_gil` calls short (given the step's fields) keeps the GIL:
+/// the output's arrays are lent in place (see `Lent`: their locks cannot be held while the
+/// GIL is let go), and the call takes about what copying them out and handing the GIL over
+/// and back would. A longer one copies the fields out of their locks (a fraction of the
+/// writing), then writes with the GIL released.
+fn write_step<D: Dimension, T: Send>(
     py: Python<'_>,
-    scheduler: &Scheduler,
-    schedule_output: &Bound<'_, PyAny>,
-    buffer: &Bound<'_, PyAny>,
-    layout: &Bound<'_, PyAny>,
-) -> PyResult<PyStepMetadata> {
-    let output = schedule_output
-        .cast::<PyScheduleOutput>()
-        .map_err(|_| invalid_type_of("schedule_output", "a ScheduleOutput", schedule_output))?;
-    let layout = layout
-        .cast::<PyStepMetadataLayout>()
-        .map_err(|_| invalid_type_of("layout", "a StepMetadataLayout", layout))?;
-    let array = int32_buffer(buffer)?;
+    output: &Bound<'_, PyScheduleOutput>,
+    array: &Bound<'_, PyArray<i32, D>>,
+    keep_gil: impl FnOnce(&StepSource<'_>) -> bool,
+    write: impl Send + FnOnce(StepSource<'_>, &mut [i32]) -> Result<T, CoreError>,
+) -> PyResult<T> {
     let mut writable = array.try_readwrite().map_err(|_| {
         InvalidArgumentError::new_err(
             "buffer must be writeable and not borrowed elsewhere (a read-only array or view is refused)",
@@ -223,21 +230,40 @@ pub fn write(
     let words = writable
         .as_slice_mut()
         .map_err(|_| InvalidArgumentError::new_err("buffer must be C-contiguous"))?;
-    let layout = &layout.get().inner;
     let lent = output.get().lend_step(py);
-    let source = lent.source();
-    let tokens = source.generation_ids.len() + source.context_token_ids.len();
-    let metadata = if tokens + source.context_ids.len() <= KEEP_GIL_UP_TO {
-        // A decode-sized step keeps the GIL: the output's arrays are lent in place (see
-        // `Lent`: their locks cannot be held while the GIL is let go), and the call takes a
-        // few microseconds, about what handing the GIL over and back costs.
-        scheduler.write_step_metadata(source, layout, words)
+    if keep_gil(&lent.source()) {
+        write(lent.source(), words)
     } else {
-        // A long step copies the fields out (a fraction of the writing) and lets the GIL go.
         let owned = lent.into_owned();
-        py.detach(|| scheduler.write_step_metadata(owned.source(), layout, words))
+        py.detach(|| write(owned.source(), words))
     }
-    .py()?;
+    .py()
+}
+
+/// `Scheduler.write_step_metadata`.
+pub fn write(
+    py: Python<'_>,
+    scheduler: &Scheduler,
+    schedule_output: &Bound<'_, PyAny>,
+    buffer: &Bound<'_, PyAny>,
+    layout: &Bound<'_, PyAny>,
+) -> PyResult<PyStepMetadata> {
+    let output = schedule_output_arg(schedule_output)?;
+    let layout = layout
+        .cast::<PyStepMetadataLayout>()
+        .map_err(|_| invalid_type_of("layout", "a StepMetadataLayout", layout))?;
+    let array = int32_buffer(buffer)?;
+    let layout = &layout.get().inner;
+    let metadata = write_step(
+        py,
+        output,
+        &array,
+        |source| {
+            let tokens = source.generation_ids.len() + source.context_token_ids.len();
+            tokens + source.context_ids.len() <= KEEP_GIL_UP_TO
+        },
+        |source, words| scheduler.write_step_metadata(source, layout, words),
+    )?;
     Ok(metadata.into())
 }
 
@@ -285,36 +311,26 @@ pub fn write_rows(
     buffer: &Bound<'_, PyAny>,
     pad_to: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyDecodeRowCounts> {
-    let output = schedule_output
-        .cast::<PyScheduleOutput>()
-        .map_err(|_| invalid_type_of("schedule_output", "a ScheduleOutput", schedule_output))?;
+    let output = schedule_output_arg(schedule_output)?;
     let pad_to = pad_to
         .map(|p| int_arg::<usize>(p, "pad_to", "0..", InvalidLengthError::new_err))
         .transpose()?
         .unwrap_or(0);
     let array = int32_rows(buffer)?;
     let width = array.shape()[1];
-    let mut writable = array.try_readwrite().map_err(|_| {
-        InvalidArgumentError::new_err(
-            "buffer must be writeable and not borrowed elsewhere (a read-only array or view is refused)",
-        )
-    })?;
-    let words = writable
-        .as_slice_mut()
-        .map_err(|_| InvalidArgumentError::new_err("buffer must be C-contiguous"))?;
-    let lent = output.get().lend_step(py);
-    let rows = lent.source().generation_ids.len().max(pad_to);
-    let counts = if rows.saturating_mul(width) <= KEEP_GIL_UP_TO_WORDS {
-        // Rows of a decode-sized step keep the GIL: the output's arrays are lent in place
-        // (see `Lent`: their locks cannot be held while the GIL is let go), and the call
-        // takes about what copying them out and handing the GIL over and back would.
-        scheduler.write_decode_rows(lent.source(), words, width, pad_to)
-    } else {
-        // Many or wide rows: the output's fields owned (copied out of their locks, a
-        // fraction of the writing), then the rows are written without the GIL.
-        let owned = lent.into_owned();
-        py.detach(|| scheduler.write_decode_rows(owned.source(), words, width, pad_to))
-    }
-    .py()?;
+    let counts = write_step(
+        py,
+        output,
+        &array,
+        |source| {
+            source
+                .generation_ids
+                .len()
+                .max(pad_to)
+                .saturating_mul(width)
+                <= KEEP_GIL_UP_TO_WORDS
+        },
+        |source, words| scheduler.write_decode_rows(source, words, width, pad_to),
+    )?;
     Ok(counts.into())
 }
