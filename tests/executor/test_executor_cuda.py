@@ -234,3 +234,48 @@ def test_two_gpu_host_tier_matches_single_gpu_in_both_modes(single_gpu, cpu_floa
         label = f"2 GPUs {dtype} {mode} host tier"
         check(single_gpu[dtype], run, TOLERANCE[dtype], f"{label} vs 1 GPU")
         check(cpu_float64, run, TOLERANCE[dtype], f"{label} vs CPU float64")
+
+
+def shared_prompts() -> dict[int, list[int]]:
+    """Four system prompts, each opening three requests (their own tail after it)."""
+    rng = np.random.default_rng(9)
+    systems = [rng.integers(0, MODEL.vocab_size, size=n).tolist() for n in (64, 96, 40, 130)]
+    return {
+        i: systems[i % 4] + rng.integers(0, MODEL.vocab_size, size=5 + 7 * i % 23).tolist()
+        for i in range(12)
+    }
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prefix_caching_on_one_gpu_matches_caching_off_in_float32(mode):
+    """A prefill that starts after cached tokens reads KV another request wrote: float32
+    logits within tolerance of the same run without caching (tokens part only at a near
+    tie), in a roomy pool, a tight one (recompute-pauses: re-prefills hit their own KV) and
+    the fast path with CUDA graphs."""
+    overlap = mode == "overlap"
+    for kv, options in ((ROOMY, {}), (TIGHT, {}), (TIGHT, {"cuda_graphs": True})):
+        runs = {
+            caching: run_rank(
+                shared_prompts(),
+                MAX_NEW,
+                config(
+                    1,
+                    "float32",
+                    kv,
+                    overlap=overlap,
+                    scheduler_options={"enable_prefix_caching": caching},
+                    **options,
+                ),
+            )
+            for caching in (False, True)
+        }
+        on, off = runs[True], runs[False]
+        hits = on.metrics["prefix_cache_hits"] + on.metrics["prefix_cache_recompute_hits"]
+        assert hits > 0, (kv, options)
+        assert off.metrics["prefix_cache_hits"] == 0
+        check(
+            off,
+            on,
+            TOLERANCE["float32"],
+            f"1 GPU float32 {mode} kv={kv} {options}: cache on vs off",
+        )
