@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -47,6 +48,11 @@ EXPECTED_TYPES = {
     "helix_kv:num_resumes_total": "counter",
     "helix_kv:num_aborts_total": "counter",
     "helix_kv:num_deadlocks_total": "counter",
+    "helix_kv:prefix_cache_queries_total": "counter",
+    "helix_kv:prefix_cache_hits_total": "counter",
+    "helix_kv:prefix_cache_recompute_queries_total": "counter",
+    "helix_kv:prefix_cache_recompute_hits_total": "counter",
+    "helix_kv:prefix_cache_evictions_total": "counter",
     "helix_kv:schedule_check_seconds_count": "summary",
     "helix_kv:schedule_check_seconds_sum": "summary",
 }
@@ -75,6 +81,11 @@ def expected_values(rank: HelixKVRank) -> dict[str, float]:
         "helix_kv:num_resumes_total": rank.scheduler.metrics().resumes,
         "helix_kv:num_aborts_total": totals.aborts,
         "helix_kv:num_deadlocks_total": rank.deadlocks,
+        "helix_kv:prefix_cache_queries_total": totals.prefix_cache_queries,
+        "helix_kv:prefix_cache_hits_total": totals.prefix_cache_hits,
+        "helix_kv:prefix_cache_recompute_queries_total": totals.prefix_cache_recompute_queries,
+        "helix_kv:prefix_cache_recompute_hits_total": totals.prefix_cache_recompute_hits,
+        "helix_kv:prefix_cache_evictions_total": totals.prefix_cache_evictions,
         "helix_kv:schedule_check_seconds_count": 0 if checker is None else checker.checks,
         "helix_kv:schedule_check_seconds_sum": 0.0 if checker is None else checker.check_seconds,
     }
@@ -381,3 +392,20 @@ def test_each_rank_of_a_gloo_group_serves_its_own_labelled_metrics() -> None:
     for first, second in zip(reports[0]["scrapes"], reports[1]["scrapes"]):
         shared = {name: value for name, (_, _, value) in first.items() if name not in own}
         assert shared == {name: second[name][2] for name in shared}
+
+
+def test_prefix_cache_counters_count_a_shared_prompt() -> None:
+    config = sc.engine_config(enable_prefix_caching=True)
+    rank = HelixKVRank.create(config, 64 * sc.PAGE_BYTES, check_schedule=False)
+    registry = CollectorRegistry()
+    prom.register_rank_metrics(rank, registry)
+    system = prompt_tokens(7, 40)
+    for request_id in range(4):
+        rank.add_request(request_id, np.concatenate([system, prompt_tokens(request_id, 3)]), 2)
+        out = rank.schedule()  # one admission a step: each finds the one before cached
+        rank.update(sample(rank.scheduler, out))
+    samples = scrape(registry)
+    check_scrape(samples, rank, {"cp_rank": "0"})
+    values = {name: value for name, (_, _, value) in samples.items()}
+    assert values["helix_kv:prefix_cache_hits_total"] > 0
+    assert values["helix_kv:prefix_cache_queries_total"] == 4 * 43

@@ -115,6 +115,31 @@ METRICS: tuple[MetricInfo, ...] = (
     ),
     MetricInfo(PREFIX + "num_aborts_total", "counter", "Requests aborted."),
     MetricInfo(
+        PREFIX + "prefix_cache_queries_total",
+        "counter",
+        "Prefix caching: prompt tokens admissions looked up (re-prefills apart).",
+    ),
+    MetricInfo(
+        PREFIX + "prefix_cache_hits_total",
+        "counter",
+        "Prefix caching: of those, tokens found cached.",
+    ),
+    MetricInfo(
+        PREFIX + "prefix_cache_recompute_queries_total",
+        "counter",
+        "Prefix caching: tokens re-prefills after a recompute-pause looked up.",
+    ),
+    MetricInfo(
+        PREFIX + "prefix_cache_recompute_hits_total",
+        "counter",
+        "Prefix caching: of those, tokens found cached.",
+    ),
+    MetricInfo(
+        PREFIX + "prefix_cache_evictions_total",
+        "counter",
+        "Prefix caching: cached superblocks evicted to make room.",
+    ),
+    MetricInfo(
         PREFIX + "num_deadlocks_total",
         "counter",
         "DeadlockError raised by schedule() (steps without progress).",
@@ -222,6 +247,11 @@ class RankCollector(Collector):
             "num_suspensions_total": totals.suspensions,
             "num_resumes_total": totals.resumes,
             "num_aborts_total": totals.aborts,
+            "prefix_cache_queries_total": totals.prefix_cache_queries,
+            "prefix_cache_hits_total": totals.prefix_cache_hits,
+            "prefix_cache_recompute_queries_total": totals.prefix_cache_recompute_queries,
+            "prefix_cache_recompute_hits_total": totals.prefix_cache_recompute_hits,
+            "prefix_cache_evictions_total": totals.prefix_cache_evictions,
             "num_deadlocks_total": rank.deadlocks,
         }
         checker = rank.checker
