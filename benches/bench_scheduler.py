@@ -6,13 +6,19 @@ most 2x that under steady pressure; doubling N at most doubles the time. The fix
 measured on its own (one request). One step ahead (overlap: each ``schedule()`` runs while
 the previous step is pending, then that step is updated) is measured at N = 1024 against the
 plain step.
+With prefix caching on and no hits (every prompt its own), at N = 1024 and 4096: at most
+1.15x the step with it off. Admitting a request whose 8k-token prompt is cached: time per
+superblock found. Keying a 128k-token prompt (``add_request`` with caching on, less off): ns
+per token.
 Run with ``python -m pytest benches/bench_scheduler.py --benchmark-enable -s``.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+import helix_kv
 from scheduler_loops import CP, PROMPT, TPB, AheadLoop, Loop
 
 ROUNDS = 300
@@ -82,3 +88,89 @@ def test_bench_fixed_cost(benchmark, report_figure) -> None:
     loop.prefill()
     benchmark.pedantic(loop.step, rounds=2000, warmup_rounds=50)
     report_figure(benchmark, "schedule+update, 1 request (fixed cost)", 1, "step", "<= 5 us")
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["cache_off", "cache_on_no_hits"])
+@pytest.mark.parametrize("n", [1024, 4096])
+def test_bench_decode_step_with_prefix_caching(benchmark, report_figure, n: int, caching: bool):
+    """N decoding, prefix caching off and on (distinct prompts in both, so no hits): the
+    cost of the cache's references and keys on the decode step."""
+    max_new = steps_needed() + 100
+    per_request = -(-(PROMPT + max_new) // (CP * TPB))
+    loop = Loop(n, n * per_request, max_new, prefix_caching=True)
+    if not caching:  # the same prompts, caching off
+        loop.s = helix_kv.Scheduler(
+            helix_kv.SchedulerConfig(**{**loop.s.config.to_dict(), "enable_prefix_caching": False})
+        )
+        loop.next_id = 0
+        for _ in range(n):
+            loop.add()
+    loop.prefill()
+    benchmark.pedantic(loop.step, rounds=ROUNDS, warmup_rounds=WARMUP)
+    assert loop.s.metrics().prefix_cache_hits == 0
+    state = "on, no hits" if caching else "off"
+    report_figure(
+        benchmark, f"schedule+update, {n} decoding, cp={CP}, prefix caching {state}", n,
+        "request", "caching on <= 1.15x off",
+    )  # fmt: skip
+
+
+def _cached_8k() -> tuple[helix_kv.Scheduler, np.ndarray]:
+    config = helix_kv.SchedulerConfig(
+        cp_size=CP, tokens_per_block=TPB, kv_superblocks=256, max_num_tokens=16384,
+        enable_prefix_caching=True,
+    )  # fmt: skip
+    scheduler = helix_kv.Scheduler(config)
+    prompt = np.arange(8192, dtype=np.int32)
+    scheduler.add_request(0, prompt, 1)
+    out = scheduler.schedule()
+    scheduler.update(np.full(out.num_samples, 7, np.int32))
+    scheduler.take_output(0)
+    return scheduler, prompt
+
+
+def test_bench_admission_of_a_cached_8k_prompt(benchmark, report_figure) -> None:
+    """A request whose 8k-token prompt is cached (all but its last superblock): schedule()
+    (the lookups, the attach, the one-superblock chunk) and revert() (which puts the hits
+    back); the figure is per superblock found."""
+    scheduler, prompt = _cached_8k()
+    scheduler.add_request(1, prompt, 1)
+    found = int(scheduler.schedule().context_cached_lens[0]) // (CP * TPB)
+    scheduler.revert()
+    assert found == 8192 // (CP * TPB) - 1
+
+    def admit() -> None:
+        scheduler.schedule()
+        scheduler.revert()
+
+    benchmark.pedantic(admit, rounds=500, warmup_rounds=20)
+    report_figure(
+        benchmark, f"admission of a cached 8k-token prompt ({found} superblocks found), "
+        "schedule+revert", found, "superblock", "reported",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["cache_off", "cache_on"])
+def test_bench_keying_a_128k_prompt(benchmark, report_figure, caching: bool) -> None:
+    """add_request (then abort) of a 128k-token prompt: with caching on it also keys the
+    prompt's full superblocks (BLAKE3 over the chain); the difference of the two figures is
+    the hashing cost per token."""
+    tokens = 131_072
+    config = helix_kv.SchedulerConfig(
+        cp_size=CP, tokens_per_block=TPB, kv_superblocks=tokens // (CP * TPB) + 8,
+        max_seq_len=tokens + 8, enable_prefix_caching=caching,
+    )  # fmt: skip
+    scheduler = helix_kv.Scheduler(config)
+    prompt = np.random.default_rng(0).integers(0, 32_000, size=tokens, dtype=np.int32)
+
+    def add_and_abort() -> None:
+        scheduler.add_request(1, prompt, 1)
+        scheduler.abort(1)
+        scheduler.take_output(1)
+
+    benchmark.pedantic(add_and_abort, rounds=30, warmup_rounds=3)
+    state = "on" if caching else "off"
+    report_figure(
+        benchmark, f"add_request of a 128k-token prompt, prefix caching {state}", tokens,
+        "token", "hashing is not the bottleneck of admitting it",
+    )  # fmt: skip

@@ -13,7 +13,9 @@ import helix_kv
 CP, TPB, PROMPT = 4, 32, 100
 
 
-def scheduler(n: int, superblocks: int, max_new: int) -> helix_kv.Scheduler:
+def scheduler(
+    n: int, superblocks: int, max_new: int, prefix_caching: bool = False
+) -> helix_kv.Scheduler:
     config = helix_kv.SchedulerConfig(
         cp_size=CP,
         tokens_per_block=TPB,
@@ -21,15 +23,21 @@ def scheduler(n: int, superblocks: int, max_new: int) -> helix_kv.Scheduler:
         max_batch_size=max(n, 1),
         max_num_tokens=n + 4096,
         max_preemptions_per_request=1_000_000,
+        enable_prefix_caching=prefix_caching,
     )
     return helix_kv.Scheduler(config)
 
 
 class Loop:
-    """``n`` live requests; finished ones are replaced so ``n`` stay live."""
+    """``n`` live requests; finished ones are replaced so ``n`` stay live. With
+    ``prefix_caching`` every request's prompt is its own (no hits: the cost of the cache's
+    bookkeeping alone); without, they share one prompt, as before."""
 
-    def __init__(self, n: int, superblocks: int, max_new: int) -> None:
-        self.s = scheduler(n, superblocks, max_new)
+    def __init__(
+        self, n: int, superblocks: int, max_new: int, prefix_caching: bool = False
+    ) -> None:
+        self.s = scheduler(n, superblocks, max_new, prefix_caching)
+        self.prefix_caching = prefix_caching
         self.prompt = np.arange(PROMPT, dtype=np.int32)
         self.max_new = max_new
         self.tokens = np.full(n + 4096, 7, dtype=np.int32)
@@ -38,7 +46,8 @@ class Loop:
             self.add()
 
     def add(self) -> None:
-        self.s.add_request(self.next_id, self.prompt, self.max_new)
+        prompt = self.prompt + PROMPT * self.next_id if self.prefix_caching else self.prompt
+        self.s.add_request(self.next_id, prompt, self.max_new)
         self.next_id += 1
 
     def step(self) -> helix_kv.ScheduleOutput:

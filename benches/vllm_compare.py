@@ -7,11 +7,17 @@ helix_kv plus the one call that writes the step's decode rows for the kernel
 (``write_decode_rows``). Both run in this one process, one after the other, so they share the
 machine's state.
 
+With ``--prefix-caching`` both run with prefix caching on (distinct prompts, so the step
+cost is the cache's bookkeeping alone), and a shared-prefix workload then reports the two
+hit rates side by side: the same token streams (requests sharing a system prompt, admitted a
+few at a time) through both schedulers, their prompt-token hit rates from their own counters
+(vLLM's ``PrefixCacheStats``, helix_kv's ``prefix_cache_hits / prefix_cache_queries``).
+
 vLLM is not a dependency of helix_kv: install it in a separate environment together with
 helix_kv (``pip install vllm`` then ``pip install --no-deps <helix_kv wheel>``) and run
-``python benches/vllm_compare.py [N ...]``. vLLM's ``ModelConfig`` reads a Hugging Face
-config; a small OPT-shaped ``config.json`` is written to a temporary directory, so nothing is
-downloaded. vLLM's scheduler touches no model weights and no GPU here.
+``python benches/vllm_compare.py [--prefix-caching] [N ...]``. vLLM's ``ModelConfig`` reads a
+Hugging Face config; a small OPT-shaped ``config.json`` is written to a temporary directory,
+so nothing is downloaded. vLLM's scheduler touches no model weights and no GPU here.
 """
 
 from __future__ import annotations
@@ -47,13 +53,13 @@ OPT_CONFIG = {
 }
 
 
-def vllm_scheduler(n: int, model_dir: str) -> Any:
+def vllm_scheduler(
+    n: int, model_dir: str, prefix_caching: bool = False, prompts: list[list[int]] | None = None
+) -> Any:
     import torch
-    from vllm import SamplingParams
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", seed=0)
@@ -63,7 +69,7 @@ def vllm_scheduler(n: int, model_dir: str) -> Any:
         max_model_len=8192,
         is_encoder_decoder=False,
     )
-    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching)
     config = VllmConfig(
         scheduler_config=sched,
         model_config=model,
@@ -83,19 +89,30 @@ def vllm_scheduler(n: int, model_dir: str) -> Any:
         kv_cache_config=kv,
         structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK_SIZE,
-        log_stats=False,
+        log_stats=prompts is not None,
     )
+    if prompts is not None:
+        return scheduler
     for i in range(n):
-        params = SamplingParams(max_tokens=1_000_000, ignore_eos=True)
-        scheduler.add_request(
-            Request(
-                request_id=str(i),
-                prompt_token_ids=list(range(PROMPT)),
-                sampling_params=params,
-                pooling_params=None,
-            )
-        )
+        # With caching on, each prompt is its own (no hits), as in helix_kv's loop.
+        prompt = [t + PROMPT * i for t in range(PROMPT)] if prefix_caching else list(range(PROMPT))
+        vllm_add(scheduler, str(i), prompt, 1_000_000)
     return scheduler
+
+
+def vllm_add(scheduler: Any, request_id: str, prompt: list[int], max_tokens: int) -> None:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    scheduler.add_request(
+        Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            pooling_params=None,
+        )
+    )
 
 
 def vllm_step(scheduler: Any) -> int:
@@ -112,6 +129,59 @@ def vllm_step(scheduler: Any) -> int:
     return len(ids)
 
 
+#: The shared-prefix workload of the hit-rate comparison: requests of a 1024-token system
+#: prompt plus their own 64 tokens, 8 tokens out each, admitted 4 a step.
+SHARED_REQUESTS, SHARED_SYSTEM, SHARED_OWN, SHARED_OUT, SHARED_PER_STEP = 64, 1024, 64, 8, 4
+
+
+def shared_prompts() -> list[list[int]]:
+    system = [(7 * t) % 50_000 for t in range(SHARED_SYSTEM)]
+    return [
+        system + [10_000 + 100 * i + t for t in range(SHARED_OWN)] for i in range(SHARED_REQUESTS)
+    ]
+
+
+def vllm_hit_rate(model_dir: str) -> float:
+    scheduler = vllm_scheduler(SHARED_REQUESTS, model_dir, prefix_caching=True, prompts=[])
+    queries = hits = 0
+    prompts = shared_prompts()
+    for step in range(10_000):
+        for i in range(step * SHARED_PER_STEP, min((step + 1) * SHARED_PER_STEP, len(prompts))):
+            vllm_add(scheduler, str(i), prompts[i], SHARED_OUT)
+        vllm_step(scheduler)
+        stats = scheduler.make_stats()
+        cache_stats = getattr(stats, "prefix_cache_stats", None)
+        if cache_stats is not None:
+            queries += cache_stats.queries
+            hits += cache_stats.hits
+        if (step + 1) * SHARED_PER_STEP >= len(prompts) and not scheduler.has_unfinished_requests():
+            break
+    return hits / queries if queries else 0.0
+
+
+def helix_hit_rate() -> float:
+    import numpy as np
+
+    import helix_kv
+
+    config = helix_kv.SchedulerConfig(
+        cp_size=4, tokens_per_block=BLOCK_SIZE // 4, kv_superblocks=4096,
+        max_num_tokens=8192, enable_prefix_caching=True,
+    )  # fmt: skip
+    scheduler = helix_kv.Scheduler(config)
+    prompts = shared_prompts()
+    for step in range(10_000):
+        for i in range(step * SHARED_PER_STEP, min((step + 1) * SHARED_PER_STEP, len(prompts))):
+            scheduler.add_request(i, np.array(prompts[i], dtype=np.int32), SHARED_OUT)
+        out = scheduler.schedule()
+        for request_id in scheduler.update(np.full(out.num_samples, 7, np.int32)).tolist():
+            scheduler.take_output(request_id)
+        if (step + 1) * SHARED_PER_STEP >= len(prompts) and not scheduler.has_unfinished():
+            break
+    metrics = scheduler.metrics()
+    return metrics.prefix_cache_hits / max(metrics.prefix_cache_queries, 1)
+
+
 def timed(step: Any, rounds: int) -> list[float]:
     times = []
     for _ in range(rounds):
@@ -121,8 +191,8 @@ def timed(step: Any, rounds: int) -> list[float]:
     return times
 
 
-def measure_vllm(n: int, model_dir: str) -> float:
-    scheduler = vllm_scheduler(n, model_dir)
+def measure_vllm(n: int, model_dir: str, prefix_caching: bool = False) -> float:
+    scheduler = vllm_scheduler(n, model_dir, prefix_caching)
     while vllm_step(scheduler) and any(r.num_computed_tokens < PROMPT for r in scheduler.running):
         pass
     assert len(scheduler.running) == n, "every request must be decoding"
@@ -130,7 +200,7 @@ def measure_vllm(n: int, model_dir: str) -> float:
     return statistics.median(timed(lambda: vllm_step(scheduler), ROUNDS // 4))
 
 
-def measure_helix(n: int, with_metadata: bool) -> float:
+def measure_helix(n: int, with_metadata: bool, prefix_caching: bool = False) -> float:
     spec = importlib.util.spec_from_file_location(
         "scheduler_loops", Path(__file__).with_name("scheduler_loops.py")
     )
@@ -138,7 +208,7 @@ def measure_helix(n: int, with_metadata: bool) -> float:
     assert spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    loop = bench.Loop(n, superblocks=n * 16, max_new=100_000)
+    loop = bench.Loop(n, superblocks=n * 16, max_new=100_000, prefix_caching=prefix_caching)
     loop.prefill()
     if not with_metadata:
         timed(loop.step, 20)
@@ -161,15 +231,22 @@ def measure_helix(n: int, with_metadata: bool) -> float:
 
 
 def main(argv: list[str]) -> None:
-    sizes = [int(a) for a in argv] or [1024, 4096]
+    caching = "--prefix-caching" in argv
+    sizes = [int(a) for a in argv if a != "--prefix-caching"] or [1024, 4096]
     with tempfile.TemporaryDirectory() as model_dir:
         Path(model_dir, "config.json").write_text(json.dumps(OPT_CONFIG))
+        if caching:
+            print(
+                f"prefix caching on in both; hit rate (prompt tokens) on {SHARED_REQUESTS} "
+                f"requests sharing a {SHARED_SYSTEM}-token system prompt: vLLM v1 "
+                f"{vllm_hit_rate(model_dir):.1%}, helix_kv {helix_hit_rate():.1%}"
+            )
         print("| N decodes | vLLM v1 | helix_kv | ratio | helix_kv + decode rows | ratio |")
         print("|---|---|---|---|---|---|")
         for n in sizes:
-            v = measure_vllm(n, model_dir)
-            h = measure_helix(n, with_metadata=False)
-            m = measure_helix(n, with_metadata=True)
+            v = measure_vllm(n, model_dir, caching)
+            h = measure_helix(n, with_metadata=False, prefix_caching=caching)
+            m = measure_helix(n, with_metadata=True, prefix_caching=caching)
             print(
                 f"| {n} | {v * 1e6:,.0f} us | {h * 1e6:.1f} us | {v / h:,.0f}x "
                 f"| {m * 1e6:.1f} us | {v / m:,.0f}x |",
