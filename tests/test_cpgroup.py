@@ -28,7 +28,14 @@ def run_with_aborts(
     result = Executor(cfg, overlap=overlap).run(specs, revert_every=revert_every)
     assert_matches_reference_with_aborts(specs, result)
     survivors = [
-        Spec(s.request_id, s.prompt_len, s.max_new_tokens, s.priority, s.arrival_step)
+        Spec(
+            s.request_id,
+            s.prompt_len,
+            s.max_new_tokens,
+            s.priority,
+            s.arrival_step,
+            shared_prefix=s.shared_prefix,
+        )
         for s in specs
         if s.request_id not in result.aborted
     ]
@@ -48,6 +55,7 @@ def aborting(spec: Spec, state: str, pending: bool) -> Spec:
         abort_step=0,
         abort_pending=pending,
         abort_state=state,
+        shared_prefix=spec.shared_prefix,
     )
 
 
@@ -69,39 +77,69 @@ EVERY_STATE = {
 }
 
 
+@pytest.mark.parametrize("caching", [False, True], ids=["no_cache", "prefix_cache"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_a_pressured_group_with_chunks_aborts_and_reverts_replays_exactly(
-    cp: int, overlap: bool
+    cp: int, overlap: bool, caching: bool
 ) -> None:
+    # With prefix caching every prompt opens with the same 32 tokens (whole superblocks).
+    shared = 32 if caching else 0
     specs = []
     for i in range(16):
-        spec = Spec(i, 10 + (i * 7) % 30, 24, (i * 5) % 3 - 1, i // 3)
+        spec = Spec(i, 10 + (i * 7) % 30, 24, (i * 5) % 3 - 1, i // 3, shared_prefix=shared)
         if i in EVERY_STATE:
             spec = aborting(spec, *EVERY_STATE[i])
         elif i == 14:  # a fixed step, whatever its state then
-            spec = Spec(i, spec.prompt_len, 24, spec.priority, spec.arrival_step, abort_step=40)
+            spec = Spec(
+                i, spec.prompt_len, 24, spec.priority, spec.arrival_step, 40, shared_prefix=shared
+            )
         specs.append(spec)
-    cfg = config(cp, 4, kv_tokens=192, max_num_tokens=24, chunk_unit=8, victim_policy="priority")
+    cfg = config(
+        cp, 4, kv_tokens=192 + 2 * shared, max_num_tokens=24, chunk_unit=8,
+        victim_policy="priority", enable_prefix_caching=caching,
+    )  # fmt: skip
     result = run_with_aborts(cfg, specs, revert_every=5, overlap=overlap)
+    if caching:
+        assert result.cached_tokens > 0
+        assert result.metrics.prefix_cache_hits > 0
     # what the run must have carried through the group for the test to mean anything
     assert result.metrics.preemptions > 0
     assert result.reverted > 0
     assert result.metrics.aborts == len(result.aborted) >= 8
-    # one step ahead, a step is always pending: every abort waits for a step's close
-    for state in ("waiting", "prefilling", "decoding", "recompute-paused"):
+    # one step ahead, a step is always pending: every abort waits for a step's close (with
+    # the cache, admissions start later in their prompts, so the states met differ)
+    states = ("waiting", "decoding", "recompute-paused") if caching else STATES
+    for state in states:
         for when in (" while pending",) if overlap else ("", " while pending"):
             assert state + when in result.abort_states, (state + when, result.abort_states)
 
 
+STATES = ("waiting", "prefilling", "decoding", "recompute-paused")
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no_cache", "prefix_cache"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_a_host_tier_group_suspends_resumes_and_aborts_suspended_requests(overlap: bool) -> None:
-    specs = [Spec(i, 10, 30) for i in range(8)]
-    specs[2] = Spec(2, 10, 30, abort_step=18)
+def test_a_host_tier_group_suspends_resumes_and_aborts_suspended_requests(
+    overlap: bool, caching: bool
+) -> None:
+    # With the cache, the even requests share a system prompt: a victim sharing it is
+    # recompute-paused (never copied out from under the others), the odd ones suspend.
+    def shared(i: int) -> int:
+        return 8 if caching and i % 2 == 0 else 0
+
+    specs = [Spec(i, 10, 30, shared_prefix=shared(i)) for i in range(8)]
+    specs[2] = Spec(2, 10, 30, abort_step=18, shared_prefix=shared(2))
     for i, pending in ((7, False), (6, True)):
         specs[i] = aborting(specs[i], "suspended", pending)
-    cfg = config(1, 4, kv_tokens=160, serving_mode="non_helix", host_tier_superblocks=6)
+    cfg = config(
+        1, 4, kv_tokens=160 + 8 * caching, serving_mode="non_helix", host_tier_superblocks=6,
+        enable_prefix_caching=caching,
+    )  # fmt: skip
     result = run_with_aborts(cfg, specs, revert_every=4, overlap=overlap)
+    if caching:
+        metrics = result.metrics
+        assert metrics.prefix_cache_hits + metrics.prefix_cache_recompute_hits > 0
     # suspended pages copied out, back in, and dropped; recompute once the host tier is full
     assert result.metrics.suspensions > 0
     assert result.resumed > 0

@@ -385,14 +385,24 @@ def pressured_rank(world: int, **changes: Any) -> HelixKVRank:
     )
 
 
-def add_workload(built: HelixKVRank, count: int = 16, priorities: dict[int, int] | None = None):
-    """Requests that together need several times the pool: preemptions are certain."""
+def add_workload(
+    built: HelixKVRank,
+    count: int = 16,
+    priorities: dict[int, int] | None = None,
+    shared_prefix: int = 0,
+):
+    """Requests that together need several times the pool: preemptions are certain. With
+    ``shared_prefix``, every prompt opens with the same system prompt of that many tokens."""
+    system = prompt_tokens(SYSTEM_PROMPT_ID, shared_prefix)
     for rid in range(count):
         length = 6 + (rid * 5) % 23
         new_tokens = 12 + (rid * 7) % 25
-        built.scheduler.add_request(
-            rid, prompt_tokens(rid, length), new_tokens, (priorities or {}).get(rid, 0)
-        )
+        prompt = np.concatenate([system, prompt_tokens(rid, length)])
+        built.scheduler.add_request(rid, prompt, new_tokens, (priorities or {}).get(rid, 0))
+
+
+#: The request id whose prompt tokens are the shared system prompt (no request uses it).
+SYSTEM_PROMPT_ID = 2**40
 
 
 #: Edits one step's sampled tokens before they are fed to ``update`` (a divergence).
@@ -481,6 +491,7 @@ def take_outputs(built: HelixKVRank, ids: Iterator[int] | range) -> dict[str, An
         "reasons": reasons,
         "preemptions": int(metrics.preemptions),
         "recomputed_tokens": int(metrics.recomputed_tokens),
+        "prefix_cache_hits": int(metrics.prefix_cache_hits + metrics.prefix_cache_recompute_hits),
         "kv_used": int(metrics.kv_used_superblocks),
         "live": int(built.scheduler.num_live),
     }
@@ -519,13 +530,16 @@ def run_workload(world: int, name: str, overlap: bool) -> dict[str, Any]:
         eos = eos_every_fifth
     elif name == "reverts":
         revert_every = 4
+    elif name == "prefix_caching":
+        options["enable_prefix_caching"] = True
+        revert_every = 5  # reverts put hits and evictions back
     built = pressured_rank(world, **options)
     if name == "staggered":
         for rid in range(count):  # two requests at the start, then one every third step
             arrivals.setdefault(max(0, 3 * (rid - 1)), []).append(rid)
         add_arrivals(built, arrivals.pop(0))
     else:
-        add_workload(built, count=count)
+        add_workload(built, count=count, shared_prefix=16 if name == "prefix_caching" else 0)
     steps = 0
     gen = drive(built, overlap=overlap, eos=eos, revert_every=revert_every)
     for out in gen:
@@ -542,7 +556,14 @@ def add_arrivals(built: HelixKVRank, ids: list[int]) -> None:
 
 
 #: Workloads run in both modes by scenario_overlap_equivalence.
-EQUIVALENCE_WORKLOADS = ("decode_pressure", "chunked_prefill", "staggered", "eos", "reverts")
+EQUIVALENCE_WORKLOADS = (
+    "decode_pressure",
+    "chunked_prefill",
+    "staggered",
+    "eos",
+    "reverts",
+    "prefix_caching",
+)
 
 
 def scenario_overlap_equivalence(rank: int, world: int, backend: str) -> dict[str, Any]:

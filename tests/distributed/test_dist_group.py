@@ -390,6 +390,9 @@ def test_overlap_outputs_equal_plain_outputs(group: GroupRun, workload: str) -> 
     assert len(plain["outputs"]) == sc.EQUIVALENCE_REQUESTS
     for rid, tokens in plain["outputs"].items():
         assert tokens == expected_output(rid, len(tokens)).tolist()
+    if workload == "prefix_caching":  # the shared system prompt is read from the cache
+        assert plain["prefix_cache_hits"] > 0
+        assert overlap["prefix_cache_hits"] > 0
     if workload == "eos":  # some requests stop early on EOS, at the same token in both modes
         stopped = [rid for rid, reason in plain["reasons"].items() if reason == "eos"]
         assert len(stopped) >= 3, plain["reasons"]

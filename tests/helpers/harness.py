@@ -52,9 +52,19 @@ class Spec:
     abort_step: int | None = None
     abort_pending: bool = False
     abort_state: str | None = None
+    #: Tokens of a system prompt every request with this field shares, before its own
+    #: ``prompt_len`` (for prefix caching).
+    shared_prefix: int = 0
 
     def prompt(self) -> np.ndarray:
-        return prompt_tokens(self.request_id, self.prompt_len)
+        own = prompt_tokens(self.request_id, self.prompt_len)
+        if not self.shared_prefix:
+            return own
+        return np.concatenate([prompt_tokens(SYSTEM_PROMPT_ID, self.shared_prefix), own])
+
+
+#: The request id whose prompt tokens are the shared system prompt (no request uses it).
+SYSTEM_PROMPT_ID = 2**40
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,8 @@ class HarnessResult:
     preemptions_past_bound: int = 0
     #: Decode inputs given as a row of the step in flight (overlap mode).
     inputs_in_flight: int = 0
+    #: Prompt tokens admissions found in the prefix cache (their chunks started after).
+    cached_tokens: int = 0
     metrics: helix_kv.SchedulerMetrics | None = None
 
 
@@ -105,6 +117,7 @@ class Executor:
             self.group, one_step_ahead=overlap
         )
         self.config = config
+        self.caching = bool(config.enable_prefix_caching)
         self.model = model
         self.cp = int(config.cp_size)
         self.tpb = int(config.tokens_per_block)
@@ -349,16 +362,27 @@ class Executor:
         """Checks chunks and decode inputs against the tokens; returns the decode inputs, those
         still in flight resolved by the driver from the step in flight's sampled tokens."""
         offset = 0
-        for request_id, start, length, completes in zip(
+        for request_id, start, length, completes, cached in zip(
             out.context_ids.tolist(),
             out.context_starts.tolist(),
             out.context_lens.tolist(),
             out.context_completes.tolist(),
+            out.context_cached_lens.tolist(),
         ):
             chunk = out.context_token_ids[offset : offset + length].tolist()
             offset += length
             known = self.view(request_id)
-            assert start == self.prefilled[request_id], "a chunk continues its prefill"
+            if cached:
+                # An admission that found its first superblocks cached: their KV is read
+                # back from slots another request (with the same prefix) wrote.
+                assert self.caching
+                assert self.prefilled[request_id] == 0
+                assert start == cached, "the chunk starts after the cached tokens"
+                assert start % (self.tpb * self.cp) == 0, "a hit ends inside a superblock"
+                assert start < len(known), "the last prompt token is always computed"
+                self.result.cached_tokens += cached
+            else:
+                assert start == self.prefilled[request_id], "a chunk continues its prefill"
             assert chunk == known[start : start + length], "re-prefill tokens are the context"
             assert completes == (start + length == len(known))
         step = self.driver.newest
@@ -450,7 +474,17 @@ class Executor:
         owners = (positions // self.tpb) % self.cp
         pages = tables[0][positions // (self.tpb * self.cp)].astype(np.int64)
         slots = pages * self.tpb + positions % self.tpb
-        assert np.all(self.owner[owners, slots] == request_id), f"stale KV read for {request_id}"
+        if self.caching:
+            # Cached slots were written by another request with the same tokens before:
+            # the content must be this request's own tokens, position by position.
+            known = np.asarray(self.view(request_id)[: last + 1], dtype=np.int64)
+            assert np.array_equal(self.token[owners, slots], known), (
+                f"stale KV read for {request_id}"
+            )
+        else:
+            assert np.all(self.owner[owners, slots] == request_id), (
+                f"stale KV read for {request_id}"
+            )
         assert np.array_equal(self.position[owners, slots], positions)
         return self.token[owners, slots]
 
@@ -473,14 +507,19 @@ class Executor:
 
 def reference_outputs(specs: Sequence[Spec], model: Model = Model()) -> dict[int, list[int]]:
     """The same requests with no pressure: one rank, a pool that holds everything."""
-    total = sum(s.prompt_len + s.max_new_tokens for s in specs)
+    total = sum(s.shared_prefix + s.prompt_len + s.max_new_tokens for s in specs)
     config = helix_kv.SchedulerConfig(
         tokens_per_block=4,
         kv_superblocks=total // 4 + len(specs) + 1,
         max_batch_size=len(specs) + 1,
         max_num_tokens=max(total + 1, 4),
     )
-    at_once = [Spec(s.request_id, s.prompt_len, s.max_new_tokens, s.priority) for s in specs]
+    at_once = [
+        Spec(
+            s.request_id, s.prompt_len, s.max_new_tokens, s.priority, shared_prefix=s.shared_prefix
+        )
+        for s in specs
+    ]
     result = Executor(config, model).run(at_once)
     assert result.metrics is not None
     assert result.metrics.preemptions == 0
