@@ -111,11 +111,32 @@ def vllm_add(scheduler: Any, request_id: str, prompt: list[int], max_tokens: int
             prompt_token_ids=prompt,
             sampling_params=params,
             pooling_params=None,
+            block_hasher=vllm_block_hasher(scheduler),
         )
     )
 
 
-def vllm_step(scheduler: Any) -> int:
+def vllm_block_hasher(scheduler: Any) -> Any:
+    """The block hasher vLLM's engine core gives each request when prefix caching is on (its
+    default hash, SHA-256 over CBOR), built once per scheduler; ``None`` when caching is off."""
+    if not scheduler.cache_config.enable_prefix_caching:
+        return None
+    hasher = getattr(scheduler, "_bench_block_hasher", None)
+    if hasher is None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        hash_fn = get_hash_fn_by_name(scheduler.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+        scheduler._bench_block_hasher = hasher
+    return hasher
+
+
+def vllm_step(scheduler: Any, stats: list[Any] | None = None) -> int:
+    """One step, each scheduled request sampling token 7. With ``stats``, the scheduler's
+    stats of the step (``update_from_output`` makes them, and resets the counters) are
+    appended to it."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     out = scheduler.schedule()
@@ -125,7 +146,9 @@ def vllm_step(scheduler: Any) -> int:
         req_id_to_index={rid: i for i, rid in enumerate(ids)},
         sampled_token_ids=[[7]] * len(ids),
     )
-    scheduler.update_from_output(out, runner_output)
+    outputs = scheduler.update_from_output(out, runner_output)
+    if stats is not None:
+        stats.extend(o.scheduler_stats for o in outputs.values() if o.scheduler_stats is not None)
     return len(ids)
 
 
@@ -148,12 +171,13 @@ def vllm_hit_rate(model_dir: str) -> float:
     for step in range(10_000):
         for i in range(step * SHARED_PER_STEP, min((step + 1) * SHARED_PER_STEP, len(prompts))):
             vllm_add(scheduler, str(i), prompts[i], SHARED_OUT)
-        vllm_step(scheduler)
-        stats = scheduler.make_stats()
-        cache_stats = getattr(stats, "prefix_cache_stats", None)
-        if cache_stats is not None:
-            queries += cache_stats.queries
-            hits += cache_stats.hits
+        stats: list[Any] = []
+        vllm_step(scheduler, stats)
+        for step_stats in stats:
+            cache_stats = step_stats.prefix_cache_stats
+            if cache_stats is not None:
+                queries += cache_stats.queries
+                hits += cache_stats.hits
         if (step + 1) * SHARED_PER_STEP >= len(prompts) and not scheduler.has_unfinished_requests():
             break
     return hits / queries if queries else 0.0
