@@ -77,6 +77,20 @@ class StepBatch:
         return self.plan.num_tokens
 
 
+# The StepBatch fields staged from the plan's step-wide arrays, in staging order.
+_STAGED_FIELDS = (
+    "token_ids",
+    "positions",
+    "slot_mapping",
+    "write_token_index",
+    "write_slots",
+    "block_table",
+    "local_lens",
+    "past_seen_lens",
+    "sample_index",
+)
+
+
 class KVPool:
     """One rank's paged KV cache.
 
@@ -136,6 +150,7 @@ class KVPool:
         owned = np.flatnonzero(plan.slot_mapping >= 0)
         group_bounds = _group_bounds(plan)
         host_groups = [_host_group(plan, start, end) for start, end in group_bounds]
+        # The step-wide arrays, in the order of _STAGED_FIELDS.
         host_arrays: list[np.ndarray] = [
             plan.token_ids,
             plan.positions(),
@@ -150,19 +165,10 @@ class KVPool:
         for group in host_groups:
             host_arrays.extend(group.arrays)
         staged = self._stager.stage(host_arrays)
-        (
-            token_ids,
-            positions,
-            slot_mapping,
-            write_index,
-            write_slots,
-            block_table,
-            local_lens,
-            past_seen,
-            sample_index,
-        ) = staged[:9]
+        fixed = dict(zip(_STAGED_FIELDS, staged))
+        local_lens = fixed["local_lens"]
         groups = []
-        base = 9
+        base = len(_STAGED_FIELDS)
         for host, (start, end) in zip(host_groups, group_bounds):
             pages, query_index, query_positions, *unpad = staged[base : base + len(host.arrays)]
             base += len(host.arrays)
@@ -172,19 +178,7 @@ class KVPool:
                     query_index, query_positions, pages, key_positions, unpad[0] if unpad else None
                 )
             )
-        return StepBatch(
-            plan,
-            token_ids,
-            positions,
-            slot_mapping,
-            write_index,
-            write_slots,
-            block_table,
-            local_lens,
-            past_seen,
-            sample_index,
-            tuple(groups),
-        )
+        return StepBatch(plan=plan, groups=tuple(groups), **fixed)
 
     def _key_positions(self, local_lens: torch.Tensor, width: int) -> torch.Tensor:
         """``[entries, width * tpb]`` global positions of local keys, padding int64 max."""

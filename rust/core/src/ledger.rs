@@ -772,11 +772,7 @@ impl Ledger {
         );
         let held = record.held as usize;
         if new_len > held as u64 * self.layout.tokens_per_superblock() {
-            #[expect(
-                clippy::cast_possible_truncation,
-                reason = "`new_len` is within the pool (checked by the caller), so this is at most its capacity"
-            )]
-            let extra = (self.layout.superblocks_for(new_len) as usize).saturating_sub(held);
+            let extra = superblocks_needed(self.layout, new_len).saturating_sub(held);
             if extra > self.free.len() + cache.evictable_len() as usize {
                 return false;
             }
@@ -1083,14 +1079,11 @@ impl Ledger {
 
     #[inline]
     fn shrink_entry(&mut self, entry: EntryIndex, new_len: u64) {
-        #[expect(
-            clippy::cast_possible_truncation,
-            reason = "`new_len` is at most the reserved length, so this is at most the table's length"
-        )]
+        // `new_len` is at most the reserved length, so within the pool.
         let keep = if new_len == 0 {
             0 // free, recompute-pause, suspend
         } else {
-            self.layout.superblocks_for(new_len) as usize
+            superblocks_needed(self.layout, new_len)
         };
         let (record, table) = (
             &mut self.requests.records[entry],
@@ -1250,11 +1243,7 @@ impl Ledger {
                 request.len = len;
                 return true;
             }
-            #[expect(
-                clippy::cast_possible_truncation,
-                reason = "`len` is within the pool (validated), so this is at most its capacity, a u32"
-            )]
-            let needed = layout.superblocks_for(len) as usize;
+            let needed = superblocks_needed(layout, len);
             if needed <= INLINE_SUPERBLOCKS {
                 // `len` is past what is held, so `needed > held`.
                 let Some(split) = free.len().checked_sub(needed - held) else {
@@ -1819,11 +1808,7 @@ fn grow_record(
         request.len = new_len;
         return true;
     }
-    #[expect(
-        clippy::cast_possible_truncation,
-        reason = "`new_len` is within the pool (checked by the caller), so this is at most its capacity, a u32"
-    )]
-    let needed = layout.superblocks_for(new_len) as usize;
+    let needed = superblocks_needed(layout, new_len);
     let extra = needed.saturating_sub(request.held as usize);
     if extra > free.len() {
         return false;
@@ -1839,6 +1824,21 @@ fn grow_record(
     free.truncate(split);
     request.len = new_len;
     true
+}
+
+/// Superblocks that `len` tokens occupy, as a table length: for a length within the pool
+/// (every caller checked it), so the count is at most the pool's capacity, a u32.
+#[expect(
+    clippy::inline_always,
+    reason = "part of the per-request body of `grow_many`'s loop, where a call per grow would show"
+)]
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "`len` is within the pool, so this is at most its capacity, a u32"
+)]
+#[inline(always)]
+fn superblocks_needed(layout: Layout, len: u64) -> usize {
+    layout.superblocks_for(len) as usize
 }
 
 /// [`grow_record`] out of line: the grows a batch does not settle in its own loop.

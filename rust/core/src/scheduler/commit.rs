@@ -21,9 +21,12 @@ impl Scheduler {
         let newer = self.pending.newest().map(|newer| newer.step);
         let ends = |sample: usize| eos.is_some_and(|flags| flags[sample]);
         let (generation, context) = (&record.generation_reqs[..], &record.context[..]);
-        let (mut next_generation, mut next_context) = (0, 0);
-        let mut next_context_sample = generation.len();
-        let mut computed_tokens = generation.len() as u64;
+        let mut at = Cursors {
+            generation: 0,
+            context: 0,
+            context_sample: generation.len(),
+            computed_tokens: generation.len() as u64,
+        };
         // Only this step holds requests that finished while it was pending: a newer one
         // gets its first ones in this pass.
         debug_assert!(!self.pending.has_zombies());
@@ -35,58 +38,47 @@ impl Scheduler {
             if !has_zombies {
                 // The steady state first: a run of plain decodes that neither finish
                 // nor were aborted (the general body below, minus its cases).
-                let run =
-                    self.apply_decode_run(generation, tokens, eos, read, next_generation, kept);
+                let run = self.apply_decode_run(generation, tokens, eos, read, at.generation, kept);
                 read += run;
-                next_generation += run;
+                at.generation += run;
                 kept += run;
                 if read == self.queue.len() {
                     break;
                 }
             }
             if has_zombies {
-                self.skip_held_entries(
-                    generation,
-                    context,
-                    &mut next_generation,
-                    &mut next_context,
-                    &mut next_context_sample,
-                    &mut computed_tokens,
-                );
+                self.skip_held_entries(generation, context, &mut at);
             }
             let req = self.queue[read];
             let request = &mut self.requests[req as usize];
             // Read from the hot record; an aborted request's token is dropped below.
             let aborted = request.abort_requested;
             let mut finished = None;
-            if generation.get(next_generation) == Some(&req) {
+            if generation.get(at.generation) == Some(&req) {
                 if !aborted {
-                    let token = tokens[next_generation];
+                    let token = tokens[at.generation];
                     if request.state == RequestState::Decoding {
                         self.token_log.push(req, request, token);
                         request.computed += 1;
-                        finished = finish_reason(request.is_complete(), ends(next_generation));
+                        finished = finish_reason(request.is_complete(), ends(at.generation));
                     } else {
                         let complete = self.record_after_preemption(req, 1, Some(token), true);
-                        finished = finish_reason(complete, ends(next_generation));
+                        finished = finish_reason(complete, ends(at.generation));
                     }
                 }
-                next_generation += 1;
+                at.generation += 1;
             } else if aborted {
                 // Its context entry (if any) ran and is counted; the rest is freed below.
-                if let Some(entry) = context.get(next_context).filter(|e| e.req == req) {
-                    computed_tokens += entry.len;
-                    next_context_sample += usize::from(entry.completes);
-                    next_context += 1;
+                if let Some(entry) = context.get(at.context).filter(|e| e.req == req) {
+                    at.pass_context(entry);
                 }
             } else if context
-                .get(next_context)
+                .get(at.context)
                 .is_some_and(|entry| entry.req == req)
             {
-                let entry = context[next_context];
+                let entry = context[at.context];
                 let ContextEntry { len, completes, .. } = entry;
-                computed_tokens += len;
-                let token = completes.then(|| tokens[next_context_sample]);
+                let token = completes.then(|| tokens[at.context_sample]);
                 if request.cold.victim_step != NO_STEP && request.cold.victim_step > step {
                     // Preempted by the step planned ahead while this chunk ran (a
                     // suspended one keeps its cached start: its KV went to the host).
@@ -95,7 +87,7 @@ impl Scheduler {
                     }
                     let complete = self.record_after_preemption(req, len, token, false);
                     if completes {
-                        finished = finish_reason(complete, ends(next_context_sample));
+                        finished = finish_reason(complete, ends(at.context_sample));
                     }
                 } else {
                     // The chunk starts where it left off, or after the tokens an admission
@@ -104,7 +96,7 @@ impl Scheduler {
                     request.computed = entry.start + len;
                     let new_state = if let Some(token) = token {
                         self.token_log.push(req, request, token);
-                        finished = finish_reason(request.is_complete(), ends(next_context_sample));
+                        finished = finish_reason(request.is_complete(), ends(at.context_sample));
                         RequestState::Decoding
                     } else {
                         RequestState::Prefilling
@@ -115,8 +107,7 @@ impl Scheduler {
                     self.register_computed(req);
                 }
                 self.count_prefix_lookup(entry);
-                next_context_sample += usize::from(completes);
-                next_context += 1;
+                at.pass_context(&entry);
             } else if request.cold.first_step <= step {
                 request.cold.steps_waited += 1;
             }
@@ -131,17 +122,10 @@ impl Scheduler {
             read += 1;
         }
         if has_zombies {
-            self.skip_held_entries(
-                generation,
-                context,
-                &mut next_generation,
-                &mut next_context,
-                &mut next_context_sample,
-                &mut computed_tokens,
-            );
+            self.skip_held_entries(generation, context, &mut at);
         }
         debug_assert_eq!(
-            (next_generation, next_context),
+            (at.generation, at.context),
             (generation.len(), context.len())
         );
         self.queue.truncate(kept);
@@ -158,7 +142,7 @@ impl Scheduler {
             self.release_zombies(&record.zombies);
         }
         self.metrics.prefix_cache_evictions += record.evictions.len() as u64;
-        self.count_step(record, computed_tokens);
+        self.count_step(record, at.computed_tokens);
     }
 
     /// Counts an admission's prefix-cache lookup (in tokens), a re-prefill's apart.
@@ -255,24 +239,19 @@ impl Scheduler {
         &self,
         generation: &[RequestIndex],
         context: &[ContextEntry],
-        next_generation: &mut usize,
-        next_context: &mut usize,
-        next_context_sample: &mut usize,
-        computed_tokens: &mut u64,
+        at: &mut Cursors,
     ) {
         while generation
-            .get(*next_generation)
+            .get(at.generation)
             .is_some_and(|&g| self.requests[g as usize].cold.zombie)
         {
-            *next_generation += 1;
+            at.generation += 1;
         }
         while let Some(entry) = context
-            .get(*next_context)
+            .get(at.context)
             .filter(|e| self.requests[e.req as usize].cold.zombie)
         {
-            *computed_tokens += entry.len;
-            *next_context_sample += usize::from(entry.completes);
-            *next_context += 1;
+            at.pass_context(entry);
         }
     }
 
@@ -443,5 +422,25 @@ fn finish_reason(complete: bool, eos: bool) -> Option<FinishReason> {
         Some(FinishReason::Length)
     } else {
         None
+    }
+}
+
+/// Where `apply_step` stands in the closed step: the next generation entry, context
+/// entry and context sample to read, and the tokens counted as computed so far. One
+/// value, so the passes that move them (held entries, aborted chunks) take it whole.
+struct Cursors {
+    generation: usize,
+    context: usize,
+    context_sample: usize,
+    computed_tokens: u64,
+}
+
+impl Cursors {
+    /// Moves past a context entry whose chunk ran: its tokens count as computed, and its
+    /// sample (if it completed its prefill) is passed.
+    fn pass_context(&mut self, entry: &ContextEntry) {
+        self.computed_tokens += entry.len;
+        self.context_sample += usize::from(entry.completes);
+        self.context += 1;
     }
 }

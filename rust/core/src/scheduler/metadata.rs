@@ -273,10 +273,14 @@ fn unreserved(id: RequestId, start: u64, end: u64, len: u64) -> CoreError {
     ))
 }
 
-fn mismatch(group: &str) -> CoreError {
-    CoreError::InvalidArgument(format!(
-        "the {group} arrays of the schedule output differ in length"
-    ))
+/// Fails unless each of `lens` (the lengths of the `group` arrays) is `expected`.
+fn lengths_agree(expected: usize, lens: &[usize], group: &str) -> Result<()> {
+    if lens.iter().any(|&n| n != expected) {
+        return Err(CoreError::InvalidArgument(format!(
+            "the {group} arrays of the schedule output differ in length"
+        )));
+    }
+    Ok(())
 }
 
 /// The number of decode entries of `source`; fails unless its generation arrays other than
@@ -284,16 +288,12 @@ fn mismatch(group: &str) -> CoreError {
 /// not read them, but an output whose arrays disagree is refused by both forms alike).
 fn generation_len(source: &StepSource<'_>) -> Result<usize> {
     let g = source.generation_ids.len();
-    if [
+    let lens = [
         source.generation_positions.len(),
         source.generation_input_tokens.len(),
         source.generation_input_refs.len(),
-    ]
-    .iter()
-    .any(|&n| n != g)
-    {
-        return Err(mismatch("generation"));
-    }
+    ];
+    lengths_agree(g, &lens, "generation")?;
     Ok(g)
 }
 
@@ -311,21 +311,15 @@ fn check_shapes(
         )));
     }
     let g = generation_len(source)?;
-    if source.generation_batch_slots.len() != g {
-        return Err(mismatch("generation"));
-    }
+    lengths_agree(g, &[source.generation_batch_slots.len()], "generation")?;
     let c = source.context_ids.len();
-    if [
+    let lens = [
         source.context_starts.len(),
         source.context_lens.len(),
         source.context_completes.len(),
         source.context_batch_slots.len(),
-    ]
-    .iter()
-    .any(|&n| n != c)
-    {
-        return Err(mismatch("context"));
-    }
+    ];
+    lengths_agree(c, &lens, "context")?;
     let context_tokens = source
         .context_lens
         .iter()

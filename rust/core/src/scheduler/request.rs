@@ -563,41 +563,81 @@ mod tests {
         RequestIndex::try_from(req).unwrap()
     }
 
+    /// A log with its requests and, per request, the tokens it should read back.
+    #[derive(Clone)]
+    struct Logged {
+        log: TokenLog,
+        requests: Vec<Request>,
+        oracle: Vec<Vec<i32>>,
+    }
+
+    impl Logged {
+        /// `log` with rows for `count` requests of the prompt `prompt`, each of which may
+        /// take `max_new_tokens`.
+        fn new(mut log: TokenLog, count: usize, prompt: &[i32], max_new_tokens: u32) -> Self {
+            log.reserve_rows(count);
+            let requests = (0..count as u64)
+                .map(|id| Request::new(id, prompt, max_new_tokens, 0, 0))
+                .collect();
+            let oracle = vec![Vec::new(); count];
+            Self {
+                log,
+                requests,
+                oracle,
+            }
+        }
+
+        /// Logs `token` for request `req`.
+        fn push(&mut self, req: usize, token: i32) {
+            self.log.push(index(req), &mut self.requests[req], token);
+            self.oracle[req].push(token);
+        }
+
+        /// Logs the next of `tokens` for each request in turn.
+        fn push_each(&mut self, tokens: impl IntoIterator<Item = i32>) {
+            for (req, token) in (0..self.requests.len()).zip(tokens) {
+                self.push(req, token);
+            }
+        }
+
+        /// Drains request `req` into `out`, which must gain exactly its tokens.
+        fn drain(&mut self, req: usize, mut out: Vec<i32>) {
+            let before = out.len();
+            let request = &mut self.requests[req];
+            self.log.drain_into(index(req), request, &mut out);
+            assert_eq!(out[before..], std::mem::take(&mut self.oracle[req]));
+            assert_eq!(request.logged_len(), 0);
+        }
+
+        /// Every request's read (and its logged length) equals its oracle.
+        fn assert_reads(&self, what: &str) {
+            for (req, request) in self.requests.iter().enumerate() {
+                let mut read = Vec::new();
+                self.log.append_to(index(req), request, &mut read);
+                assert_eq!(read, self.oracle[req], "{what}, request {req}");
+                assert_eq!(request.logged_len(), self.oracle[req].len() as u64);
+            }
+        }
+    }
+
     /// Requests whose tokens interleave step by step; one is drained (retired) each
     /// round: every read equals a per-request vector, and drained chunks are reused, so
     /// the chunk store stays at what the live requests hold.
     #[test]
     fn drained_chunks_are_reused_and_reads_equal_a_per_request_vector() {
         const REQUESTS: usize = 4;
-        let mut log = TokenLog::default();
-        log.reserve_rows(REQUESTS);
-        let mut requests: Vec<Request> = (0..REQUESTS as u64)
-            .map(|id| Request::new(id, &[1, 2], 1_000_000, 0, 0))
-            .collect();
-        let mut oracle = vec![Vec::new(); REQUESTS];
-        let mut token = 0;
+        let mut logged = Logged::new(TokenLog::default(), REQUESTS, &[1, 2], 1_000_000);
+        let mut tokens = 0..;
         for round in 0..60 {
             for _ in 0..100 {
-                for (req, request) in requests.iter_mut().enumerate() {
-                    log.push(index(req), request, token);
-                    oracle[req].push(token);
-                    token += 1;
-                }
+                logged.push_each(&mut tokens);
             }
-            for (req, request) in requests.iter().enumerate() {
-                let mut read = Vec::new();
-                log.append_to(index(req), request, &mut read);
-                assert_eq!(read, oracle[req]);
-                assert_eq!(request.logged_len(), oracle[req].len() as u64);
-            }
-            let req = round % REQUESTS;
-            let mut out = Vec::new();
-            log.drain_into(index(req), &mut requests[req], &mut out);
-            assert_eq!(out, std::mem::take(&mut oracle[req]));
-            assert_eq!(requests[req].logged_len(), 0);
+            logged.assert_reads(&format!("round {round}"));
+            logged.drain(round % REQUESTS, Vec::new());
         }
         // At most 400 live tokens per request (drained every fourth round), against
         // 24,000 tokens logged in all.
+        let log = &logged.log;
         let live_chunks = REQUESTS * 400 / LOG_ROW;
         assert!(
             log.links.len() <= live_chunks + REQUESTS,
@@ -607,42 +647,35 @@ mod tests {
         assert_eq!(log.pages.len(), log.links.len().div_ceil(CHUNKS_PER_PAGE));
     }
 
-    /// Tokens pushed round-robin to `requests` requests until the chunk store holds more
-    /// than `pages` pages: every request's read equals a per-request vector.
-    fn fill_across_pages(log: &mut TokenLog, requests: usize, pages: usize) {
-        log.reserve_rows(requests);
-        let mut reqs: Vec<Request> = (0..requests as u64)
-            .map(|id| Request::new(id, &[1], u32::MAX, 0, 0))
-            .collect();
-        let mut oracle = vec![Vec::new(); requests];
-        let mut token = 0;
-        while log.pages.len() <= pages {
-            for (req, request) in reqs.iter_mut().enumerate() {
-                log.push(index(req), request, token);
-                oracle[req].push(token);
-                token += 1;
-            }
+    /// Tokens pushed round-robin to `requests` requests of `log` until its chunk store
+    /// holds more than `pages` pages: every request's drain appends its tokens in order,
+    /// and every page is of the form `form` accepts.
+    fn fill_across_pages(
+        log: TokenLog,
+        requests: usize,
+        pages: usize,
+        form: impl Fn(&LogPage) -> bool,
+    ) {
+        let mut logged = Logged::new(log, requests, &[1], u32::MAX);
+        let mut tokens = 0..;
+        while logged.log.pages.len() <= pages {
+            logged.push_each(&mut tokens);
         }
-        for (req, request) in reqs.iter_mut().enumerate() {
-            let mut out = vec![1];
-            log.drain_into(index(req), request, &mut out);
-            assert_eq!(out[1..], oracle[req]);
+        for req in 0..requests {
+            logged.drain(req, vec![1]);
         }
+        let log = &logged.log;
+        assert!(log.pages.len() > pages, "{} pages", log.pages.len());
+        assert!(log.pages.iter().all(form));
     }
 
     /// More chunks than a page holds: reads cross pages in order. The pages are
     /// mappings where the system gives them (always, on Linux).
     #[test]
     fn reads_cross_pages_of_the_chunk_store_in_order() {
-        let mut log = TokenLog::default();
-        fill_across_pages(&mut log, 3, 3);
-        assert!(log.pages.len() > 3, "{} pages", log.pages.len());
-        if cfg!(target_os = "linux") {
-            assert!(log
-                .pages
-                .iter()
-                .all(|page| matches!(page, LogPage::Mapped(_))));
-        }
+        fill_across_pages(TokenLog::default(), 3, 3, |page| {
+            !cfg!(target_os = "linux") || matches!(page, LogPage::Mapped(_))
+        });
     }
 
     /// The heap fallback (what a page is where no mapping is given) reads and writes
@@ -652,16 +685,11 @@ mod tests {
         let page = LogPage::heap();
         assert_eq!(page.len(), PAGE_TOKENS);
         assert!(page.iter().all(|&token| token == 0));
-        let mut log = TokenLog {
+        let log = TokenLog {
             heap_pages: true,
             ..TokenLog::default()
         };
-        fill_across_pages(&mut log, 2, 2);
-        assert!(log.pages.len() > 2, "{} pages", log.pages.len());
-        assert!(log
-            .pages
-            .iter()
-            .all(|page| matches!(page, LogPage::Heap(_))));
+        fill_across_pages(log, 2, 2, |page| matches!(page, LogPage::Heap(_)));
     }
 
     /// A cloned log (a cloned scheduler's) owns its pages: chunks written into one after
@@ -669,54 +697,33 @@ mod tests {
     #[test]
     fn a_cloned_log_is_independent_of_the_original() {
         for heap_pages in [false, true] {
-            let mut log = TokenLog {
+            let log = TokenLog {
                 heap_pages,
                 ..TokenLog::default()
             };
-            log.reserve_rows(2);
-            let mut requests: Vec<Request> = (0..2)
-                .map(|id| Request::new(id, &[1], u32::MAX, 0, 0))
-                .collect();
-            let mut oracle = vec![Vec::new(); 2];
+            let mut logged = Logged::new(log, 2, &[1], u32::MAX);
             for token in 0..100 {
-                for (req, request) in requests.iter_mut().enumerate() {
-                    log.push(index(req), request, token);
-                    oracle[req].push(token);
-                }
+                logged.push_each([token; 2]);
             }
-            let mut twin = log.clone();
-            let mut twin_requests = requests.clone();
-            let mut twin_oracle = oracle.clone();
-            assert_eq!(format!("{:?}", twin.pages), format!("{:?}", log.pages));
-            assert!(format!("{:?}", log.pages[0]).len() < 20);
+            let mut twin = logged.clone();
+            let pages = |logged: &Logged| format!("{:?}", logged.log.pages);
+            assert_eq!(pages(&twin), pages(&logged));
+            assert!(format!("{:?}", logged.log.pages[0]).len() < 20);
 
             // The original goes on: new chunks at the end of its store.
             for token in 1000..1100 {
-                for (req, request) in requests.iter_mut().enumerate() {
-                    log.push(index(req), request, token);
-                    oracle[req].push(token);
-                }
+                logged.push_each([token; 2]);
             }
             // The twin frees request 0's chunks and refills them, then the same fresh
             // chunk numbers as the original, with other tokens.
-            let mut out = Vec::new();
-            twin.drain_into(index(0), &mut twin_requests[0], &mut out);
-            assert_eq!(out, std::mem::take(&mut twin_oracle[0]));
+            twin.drain(0, Vec::new());
             for token in -300..0 {
-                twin.push(index(1), &mut twin_requests[1], token);
-                twin_oracle[1].push(token);
+                twin.push(1, token);
             }
 
-            for (log, requests, oracle) in [
-                (&log, &requests, &oracle),
-                (&twin, &twin_requests, &twin_oracle),
-            ] {
-                for (req, request) in requests.iter().enumerate() {
-                    let mut read = Vec::new();
-                    log.append_to(index(req), request, &mut read);
-                    assert_eq!(read, oracle[req], "heap pages {heap_pages}, request {req}");
-                }
-            }
+            let what = format!("heap pages {heap_pages}");
+            logged.assert_reads(&what);
+            twin.assert_reads(&what);
         }
     }
 }

@@ -173,6 +173,12 @@ mod tests {
     use super::*;
     use crate::test_rng::xorshift;
 
+    const POLICIES: [VictimPolicy; 3] = [
+        VictimPolicy::NewestFirst,
+        VictimPolicy::LeastComputedFirst,
+        VictimPolicy::Priority,
+    ];
+
     fn brute(policy: VictimPolicy, keys: &[VictimKey], requester: usize) -> Option<usize> {
         let behind = (requester + 1..keys.len()).filter_map(|p| keys[p].map(|k| (k, p)));
         match policy {
@@ -183,32 +189,49 @@ mod tests {
         }
     }
 
+    /// A step's finder over `len` random positions and their keys: two in three are
+    /// candidates, with keys below 4 so that ties (broken by position) are common.
+    fn random_step(
+        policy: VictimPolicy,
+        len: usize,
+        next: &mut impl FnMut() -> u64,
+    ) -> (VictimFinder, Vec<VictimKey>) {
+        let keys = (0..len)
+            .map(|_| (next() % 3 != 0).then(|| next() % 4))
+            .collect();
+        let mut finder = VictimFinder::new(policy);
+        finder.begin_step(len);
+        (finder, keys)
+    }
+
+    /// The finder's victim for `requester`, checked against a brute-force scan of `keys`.
+    fn find_checked(
+        finder: &mut VictimFinder,
+        policy: VictimPolicy,
+        keys: &[VictimKey],
+        requester: usize,
+        what: &str,
+    ) -> Option<usize> {
+        let got = finder.find(requester, |p| keys[p]);
+        let expected = brute(policy, keys, requester);
+        assert_eq!(got, expected, "{policy:?} {what} req={requester}");
+        got
+    }
+
     #[test]
     fn matches_a_brute_force_scan_as_candidates_disappear() {
         let mut next = xorshift(0x2545_f491_4f6c_dd1d);
-        for policy in [
-            VictimPolicy::NewestFirst,
-            VictimPolicy::LeastComputedFirst,
-            VictimPolicy::Priority,
-        ] {
+        for policy in POLICIES {
             for len in [0usize, 1, 2, 5, 17, 64, 100] {
-                let mut keys: Vec<VictimKey> = (0..len)
-                    .map(|_| (next() % 3 != 0).then(|| next() % 4))
-                    .collect();
-                let mut finder = VictimFinder::new(policy);
-                finder.begin_step(len);
+                let (mut finder, mut keys) = random_step(policy, len, &mut next);
                 // Requesters arrive in queue order; each takes a few victims.
                 let mut requester = 0;
                 while requester < len {
                     for _ in 0..(next() % 3) {
-                        let snapshot = keys.clone();
-                        let got = finder.find(requester, |p| snapshot[p]);
-                        assert_eq!(
-                            got,
-                            brute(policy, &keys, requester),
-                            "{policy:?} len={len} req={requester}"
-                        );
-                        if let Some(pos) = got {
+                        let what = format!("len={len}");
+                        if let Some(pos) =
+                            find_checked(&mut finder, policy, &keys, requester, &what)
+                        {
                             keys[pos] = None;
                             finder.remove(pos);
                         }
@@ -222,26 +245,16 @@ mod tests {
     #[test]
     fn rollback_makes_tentatively_removed_candidates_candidates_again() {
         let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
-        for policy in [
-            VictimPolicy::NewestFirst,
-            VictimPolicy::LeastComputedFirst,
-            VictimPolicy::Priority,
-        ] {
+        for policy in POLICIES {
             for len in [1usize, 3, 16, 50] {
-                let mut keys: Vec<VictimKey> = (0..len)
-                    .map(|_| (next() % 3 != 0).then(|| next() % 4))
-                    .collect();
-                let mut finder = VictimFinder::new(policy);
-                finder.begin_step(len);
+                let (mut finder, mut keys) = random_step(policy, len, &mut next);
                 let mut requester = 0;
                 while requester < len {
                     // A tentative plan: take a few, then roll back or keep them.
                     let checkpoint = finder.checkpoint();
                     let mut taken = Vec::new();
                     for _ in 0..(next() % 4) {
-                        let snapshot = keys.clone();
-                        let got = finder.find(requester, |p| snapshot[p]);
-                        assert_eq!(got, brute(policy, &keys, requester), "{policy:?}");
+                        let got = find_checked(&mut finder, policy, &keys, requester, "in plan");
                         let Some(pos) = got else { break };
                         finder.remove(pos);
                         taken.push((pos, keys[pos].take()));
@@ -252,13 +265,7 @@ mod tests {
                             keys[pos] = key;
                         }
                     }
-                    let snapshot = keys.clone();
-                    let got = finder.find(requester, |p| snapshot[p]);
-                    assert_eq!(
-                        got,
-                        brute(policy, &keys, requester),
-                        "{policy:?} after plan"
-                    );
+                    find_checked(&mut finder, policy, &keys, requester, "after plan");
                     requester += 1 + (next() % 3) as usize;
                 }
             }
