@@ -381,3 +381,49 @@ def test_the_default_report_has_no_new_keys(capsys: pytest.CaptureFixture[str]) 
     }  # fmt: skip
     # the figures the user guide quotes for the default run
     assert (report["steps"], report["computed_tokens"], report["preemptions"]) == (970, 62707, 26)
+
+
+# --- the user guide's example ------------------------------------------------------------------
+
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "user-guide.md"
+
+
+def _guide_section() -> str:
+    guide = GUIDE.read_text(encoding="utf-8")
+    start = guide.index("### Shared prefixes: `--prefix-caching`")
+    return guide[start : guide.index("\n### ", start + 1)]
+
+
+def _blocks(section: str, info: str) -> list[str]:
+    parts = section.split("```" + info + "\n")[1:]
+    return [part[: part.index("```")] for part in parts]
+
+
+def _command(block: str) -> list[str]:
+    words = " ".join(line for line in block.splitlines() if not line.startswith("#"))
+    argv = words.replace("\\", " ").split()
+    assert argv[:2] == ["helix-kv", "simulate"]
+    return argv[2:]
+
+
+def test_the_user_guide_example_is_what_the_command_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    section = _guide_section()
+    shared, turns = map(_command, _blocks(section, "bash"))
+    (sample,) = _blocks(section, "text")
+    assert run_table(capsys, *shared) == sample
+    # the figures the text quotes: the same command without caching, and the conversations
+    plain = run_json(capsys, *[arg for arg in shared if arg != "--prefix-caching"])
+    assert (plain["computed_tokens"], plain["steps"], plain["first_token_steps_p50"]) == (
+        1067823,
+        2819,
+        622,
+    )
+    assert f"{100 * plain['kv_utilization_mean']:.1f}% without caching" in section
+    compared = run_json(capsys, *turns)["policies"]
+    cached, baseline = compared["newest_first"], compared["no_prefix_cache"]
+    assert f"{100 * cached['prefix_cache_hit_rate']:.1f}%" == "90.4%"
+    assert (cached["computed_tokens"], baseline["computed_tokens"]) == (235775, 1465411)
+    for figure in ("90.4%", "235775", "1465411", "1067823", "2819", "622 steps"):
+        assert figure in section

@@ -359,7 +359,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare-policies",
         action="store_true",
         help="run the workload under every victim policy and show them side by side; with "
-        "--host-tier-tokens also under every suspend policy and without the host tier",
+        "--host-tier-tokens also under every suspend policy and without the host tier; with "
+        "--prefix-caching also once without it (no_prefix_cache)",
     )
     group.add_argument(
         "--overlap",

@@ -3,7 +3,9 @@
 No model runs here: prompts and "sampled" tokens are pure functions of the request id and
 the token's index, so every rank (and every process of ``--procs``) feeds the schedulers
 exactly the same tokens, and a preempted request's output can be checked against what it
-would have been without the preemption.
+would have been without the preemption. Content that requests share (a shared system prompt,
+a conversation's turns, a trace's hash blocks) is a pure function of its source in the same
+way (the functions at the end).
 """
 
 from __future__ import annotations
