@@ -13,15 +13,13 @@ import pytest
 import helix_kv
 from helix_kv.cli import main
 
+from ..helpers.cli import run_json, small_workload, usage_error
 from ..helpers.scheduler import needs_scheduler
 
 pytestmark = needs_scheduler
 
-#: 24 requests, prompts ~96 and outputs ~48 tokens, superblocks of 16 tokens.
-BASE = [
-    "--cp", "2", "--tokens-per-block", "8", "--requests", "24", "--arrival-rate", "0.5",
-    "--prompt-len", "96", "--output-len", "48", "--seed", "3",
-]  # fmt: skip
+#: 24 requests arriving 0.5 a step, prompts ~96 and outputs ~48 tokens, superblocks of 16.
+BASE = small_workload(arrival_rate="0.5")
 ROOMY = [*BASE, "--kv-tokens", "65536"]
 TIGHT = [*BASE, "--kv-tokens", "1024"]
 SHARED = ["--shared-prefix-len", "128"]
@@ -34,14 +32,6 @@ PREFIX_KEYS = {
     "prefill_tokens_saved",
     "prefix_cache_evictions",
 }
-
-
-def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
-    status = main(["simulate", *argv, "--json"])
-    captured = capsys.readouterr()
-    assert status == 0, captured.err
-    report: dict[str, Any] = json.loads(captured.out)
-    return report
 
 
 def run_table(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -197,9 +187,7 @@ def test_trace_hash_ids_share_their_common_blocks(
     assert workload["hash_block_tokens"] == 32
     assert workload["requests_with_content"] == 2
     # in blocks of 512 (the default) the ids do not cover these prompts: a trace error
-    status = main(["simulate", *argv])
-    assert status == 2
-    assert "takes 1" in capsys.readouterr().err
+    assert "takes 1" in usage_error(capsys, *argv)
 
 
 def test_requests_without_content_share_nothing_even_with_equal_tokens(
@@ -243,10 +231,7 @@ def test_a_bad_prompt_content_stops_the_command_naming_the_line(
     trace = _write(
         tmp_path / "t.jsonl", good, {"id": 2, "arrival_step": 0, "output_len": 4, **record}
     )
-    status = main(["simulate", "--trace", trace])
-    captured = capsys.readouterr()
-    assert status == 2
-    (line,) = captured.err.splitlines()
+    line = usage_error(capsys, "--trace", trace)
     assert line.startswith(f"helix-kv simulate: error: trace {trace} line 2: ")
     assert reason in line
 
@@ -327,45 +312,14 @@ def test_events_count_the_cached_tokens_per_step_and_per_request(
     assert {r["cached_tokens"] for r in records} == {0}
 
 
-# --- flags -----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("argv", "reason"),
-    [
-        (["--think-steps", "4"], "--think-steps is the gap between turns; give --turns 2 or more"),
-        (["--turns", "1", "--think-steps", "4"], "give --turns 2 or more"),
-        (["--shared-prefix-share", "0.5"], "--shared-prefix-share needs a --shared-prefix-len"),
-        (["--shared-prefix-len", "0", "--shared-prefix-share", "0.5"], "above 0"),
-        (["--shared-prefix-share", "2", "--shared-prefix-len", "4"], "must be a fraction in"),
-        (["--shared-prefix-len", "-1"], "argument --shared-prefix-len: must be >= 0"),
-        (["--turns", "0"], "argument --turns: must be >= 1, got 0"),
-        (["--turns", "2", "--think-steps", "-1"], "argument --think-steps: must be a number"),
-        (["--turns", "2", "--think-steps", "nan"], "argument --think-steps: must be a number"),
-        (["--hash-block-tokens", "16"], "--hash-block-tokens reads the hash_ids of a --trace"),
-        (["--trace", "t.jsonl", "--hash-block-tokens", "0"], "--hash-block-tokens: must be >= 1"),
-        (["--trace", "t.jsonl", "--turns", "3"], "--turns shapes the synthetic workload"),
-        (["--trace", "t.jsonl", "--shared-prefix-len", "3"], "--shared-prefix-len shapes"),
-    ],
-)  # fmt: skip
-def test_bad_shared_content_flags_exit_2_with_one_line(
-    capsys: pytest.CaptureFixture[str], argv: list[str], reason: str
-) -> None:
-    status = main(["simulate", *argv])
-    captured = capsys.readouterr()
-    assert status == 2
-    (line,) = captured.err.splitlines()
-    assert line.startswith("helix-kv simulate: error: ")
-    assert reason in line
+# --- flags (their usage errors: tests/test_cli.py) --------------------------------------
 
 
 def test_a_conversation_too_long_for_the_pool_is_refused_before_the_run(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    status = main(["simulate", *BASE, "--kv-tokens", "512", "--turns", "8"])
-    captured = capsys.readouterr()
-    assert status == 2
-    assert "the workload cannot run" in captured.err
+    line = usage_error(capsys, *BASE, "--kv-tokens", "512", "--turns", "8")
+    assert "the workload cannot run" in line
 
 
 # --- the default run -------------------------------------------------------------------------

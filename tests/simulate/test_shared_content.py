@@ -11,6 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helix_kv.simulate import (  # the package exports the content classes too
+    HashBlocks,
+    PromptParts,
+    PromptTokens,
+    RequestSpec,
+    TraceError,
+    WorkloadSpec,
+    read_trace,
+    synthetic_workload,
+    write_trace,
+)
 from helix_kv.simulate.tokens import (
     VOCAB_SIZE,
     expected_output,
@@ -22,18 +33,9 @@ from helix_kv.simulate.tokens import (
 from helix_kv.simulate.workload import (
     DEFAULT_HASH_BLOCK_TOKENS,
     OWN_PROMPT_SALT,
-    HashBlocks,
-    PromptParts,
-    PromptTokens,
-    RequestSpec,
     Segment,
     SegmentKind,
-    TraceError,
-    WorkloadSpec,
     parse_trace,
-    read_trace,
-    synthetic_workload,
-    write_trace,
 )
 
 
