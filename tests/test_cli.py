@@ -18,34 +18,14 @@ import pytest
 import helix_kv
 from helix_kv.cli import main
 
+from .helpers.cli import run_json, small_workload, usage_error
 from .helpers.scheduler import needs_scheduler
 from .helpers.summary import SUMMARY_KEYS
 
 #: A small workload: 24 requests at once, prompts ~96 and outputs ~48 tokens.
-SMALL = [
-    "--cp", "2", "--tokens-per-block", "8", "--requests", "24", "--arrival-rate", "0",
-    "--prompt-len", "96", "--output-len", "48", "--seed", "3",
-]  # fmt: skip
+SMALL = small_workload()
 TIGHT = [*SMALL, "--kv-tokens", "1024"]
 ROOMY = [*SMALL, "--kv-tokens", "65536"]
-
-
-def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
-    status = main(["simulate", *argv, "--json"])
-    captured = capsys.readouterr()
-    assert status == 0, captured.err
-    return json.loads(captured.out)
-
-
-def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    """Run, expect exit status 2 and exactly one line on stderr; return that line."""
-    status = main(["simulate", *argv])
-    captured = capsys.readouterr()
-    assert status == 2, captured
-    assert captured.out == ""
-    lines = captured.err.splitlines()
-    assert len(lines) == 1, captured.err
-    return lines[0]
 
 
 # --- argument and trace errors -------------------------------------------------------------
@@ -69,8 +49,22 @@ def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
         (["--prompt-len", "50", "--prompt-len-max", "10"], "prompt len max (10)"),
         (["--abort-rate", "2"], "argument --abort-rate: must be a fraction in [0, 1], got 2"),
         (["--trace", "t.jsonl", "--abort-rate", "0.1"], "--abort-rate shapes the synthetic"),
+        # shared prompt content
+        (["--think-steps", "4"], "--think-steps is the gap between turns; give --turns 2 or more"),
+        (["--turns", "1", "--think-steps", "4"], "give --turns 2 or more"),
+        (["--shared-prefix-share", "0.5"], "--shared-prefix-share needs a --shared-prefix-len"),
+        (["--shared-prefix-len", "0", "--shared-prefix-share", "0.5"], "above 0"),
+        (["--shared-prefix-share", "2", "--shared-prefix-len", "4"], "must be a fraction in"),
+        (["--shared-prefix-len", "-1"], "argument --shared-prefix-len: must be >= 0"),
+        (["--turns", "0"], "argument --turns: must be >= 1, got 0"),
+        (["--turns", "2", "--think-steps", "-1"], "argument --think-steps: must be a number"),
+        (["--turns", "2", "--think-steps", "nan"], "argument --think-steps: must be a number"),
+        (["--hash-block-tokens", "16"], "--hash-block-tokens reads the hash_ids of a --trace"),
+        (["--trace", "t.jsonl", "--hash-block-tokens", "0"], "--hash-block-tokens: must be >= 1"),
+        (["--trace", "t.jsonl", "--turns", "3"], "--turns shapes the synthetic workload"),
+        (["--trace", "t.jsonl", "--shared-prefix-len", "3"], "--shared-prefix-len shapes"),
     ],
-)
+)  # fmt: skip
 def test_bad_arguments_exit_2_with_one_line(
     capsys: pytest.CaptureFixture[str], argv: list[str], reason: str
 ) -> None:

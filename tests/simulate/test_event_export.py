@@ -72,6 +72,7 @@ STEP_TYPES: dict[str, type | tuple[type, ...]] = {
     "finished": int,
     "start_ms": (float, type(None)),
     "duration_ms": (float, type(None)),
+    "cached_tokens": int,
 }
 REQUEST_TYPES: dict[str, type | tuple[type, ...]] = {
     "type": str,
@@ -89,6 +90,7 @@ REQUEST_TYPES: dict[str, type | tuple[type, ...]] = {
     "arrival_ms": (float, type(None)),
     "first_token_ms": (float, type(None)),
     "finish_ms": (float, type(None)),
+    "cached_tokens": int,
 }
 META_KEYS = {"type", "schema", "version", "step_time_model", "config"}
 

@@ -20,7 +20,7 @@ from helix_kv.simulate.progress import ProgressLine, progress_wanted
 from helix_kv.simulate.report import format_comparison, format_table, summarize, to_json
 from helix_kv.simulate.step_loop import SimulationResult, run_simulation
 from helix_kv.simulate.tokens import prompt_tokens
-from helix_kv.simulate.workload import RequestSpec
+from helix_kv.simulate.workload import OWN_PROMPT_SALT, RequestSpec
 
 from ..helpers.summary import SUMMARY_KEYS
 
@@ -38,8 +38,10 @@ class FakeGroup:
         self.aborted = 0
         self._last: list[int] | None = None
 
-    def add_request(self, request_id, prompt, max_new_tokens, priority) -> None:
+    def add_request(self, request_id, prompt, max_new_tokens, priority, *, cache_salt=None):
         assert np.array_equal(prompt, prompt_tokens(request_id, len(prompt)))
+        # a prompt of its own comes with a salt of its own: it shares no cached KV
+        assert cache_salt == OWN_PROMPT_SALT + request_id.to_bytes(8, "little")
         self.live[request_id] = {"max": max_new_tokens, "out": [], "prefilled": False}
         self.added_at_step[request_id] = self.step
 

@@ -2,7 +2,8 @@
 
 The pieces are small and importable on their own:
 
-- :mod:`.workload` makes a seeded synthetic workload or reads a JSONL trace;
+- :mod:`.workload` makes a seeded synthetic workload (shared system prompts and conversations
+  included) or reads a JSONL trace (with the prompts' ``token_ids`` or ``hash_ids``);
 - :mod:`.step_loop` runs the step loop over ``cp_size`` schedulers (one per rank) and checks
   that the ranks agree every step;
 - :mod:`.events` is the per-step and per-request event stream (``--events``);
@@ -15,19 +16,29 @@ Nothing here imports torch or matplotlib at import time.
 """
 
 from helix_kv.simulate.workload import (
+    HashBlocks,
     LengthDistribution,
+    PromptContent,
+    PromptParts,
+    PromptTokens,
     RequestSpec,
     TraceError,
     WorkloadSpec,
     read_trace,
     synthetic_workload,
+    write_trace,
 )
 
 __all__ = [
+    "HashBlocks",
     "LengthDistribution",
+    "PromptContent",
+    "PromptParts",
+    "PromptTokens",
     "RequestSpec",
     "TraceError",
     "WorkloadSpec",
     "read_trace",
     "synthetic_workload",
+    "write_trace",
 ]

@@ -31,7 +31,12 @@ from helix_kv.simulate.options import (
     scheduler_flag,
 )
 from helix_kv.simulate.timing import DEFAULT_STEP_TIME, PROFILE_KEYS, StepTimeModel, load_profile
-from helix_kv.simulate.workload import LengthDistribution, WorkloadSpec
+from helix_kv.simulate.workload import (
+    DEFAULT_HASH_BLOCK_TOKENS,
+    MAX_THINK_STEPS,
+    LengthDistribution,
+    WorkloadSpec,
+)
 
 #: Defaults of the embedded workload: under the default KV budget it preempts.
 DEFAULT_CP = 2
@@ -72,6 +77,10 @@ SYNTHETIC_FLAGS = {
     "length_dist": "--length-dist",
     "priority_levels": "--priority-levels",
     "abort_rate": "--abort-rate",
+    "shared_prefix_len": "--shared-prefix-len",
+    "shared_prefix_share": "--shared-prefix-share",
+    "turns": "--turns",
+    "think_steps": "--think-steps",
 }
 
 
@@ -119,6 +128,15 @@ def _fraction(text: str) -> float:
     value = _number(text)
     if not 0.0 <= value <= 1.0:  # also rejects NaN
         raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
+    return value
+
+
+def _think_steps(text: str) -> float:
+    value = _number(text)
+    if not 0.0 <= value <= MAX_THINK_STEPS:  # also rejects NaN
+        raise argparse.ArgumentTypeError(
+            f"must be a number of steps in [0, {MAX_THINK_STEPS}], got {text}"
+        )
     return value
 
 
@@ -221,7 +239,16 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--trace",
         metavar="FILE",
-        help='JSONL trace, one {"id", "arrival_step", "prompt_len", "output_len"} per line',
+        help='JSONL trace, one {"id", "arrival_step", "prompt_len", "output_len"} per line, '
+        'the prompt\'s content optionally as "token_ids" or "hash_ids"',
+    )
+    _integer_flag(
+        group,
+        "--hash-block-tokens",
+        1,
+        MAX_REQUEST_TOKENS,
+        help="tokens one id of a trace line's hash_ids stands for (default "
+        f"{DEFAULT_HASH_BLOCK_TOKENS}, the Mooncake traces')",
     )
     workload = DEFAULT_WORKLOAD
     _integer_flag(
@@ -284,6 +311,36 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of requests their client aborts, each at a seeded random step between "
         f"its arrival and its earliest possible finish (default {workload.abort_rate})",
     )
+    _integer_flag(
+        group,
+        "--shared-prefix-len",
+        0,
+        MAX_REQUEST_TOKENS,
+        help="tokens of a shared system prompt put before the prompts (default 0: none)",
+    )
+    group.add_argument(
+        "--shared-prefix-share",
+        type=_fraction,
+        metavar="F",
+        help="fraction of the requests (of the conversations, with --turns) that start with "
+        "the shared system prompt (default 1; needs --shared-prefix-len)",
+    )
+    _integer_flag(
+        group,
+        "--turns",
+        1,
+        MAX_REQUESTS,
+        help="requests come in conversations of N turns, each turn's prompt the previous "
+        "turn's prompt and answer plus new user tokens of the drawn length; --arrival-rate "
+        "is then the rate of new conversations (default 1: no conversations)",
+    )
+    group.add_argument(
+        "--think-steps",
+        type=_think_steps,
+        metavar="STEPS",
+        help="mean of the exponential gap between a turn's earliest finish and the next "
+        f"turn's arrival (default {workload.think_steps:g}; needs --turns)",
+    )
 
     group = parser.add_argument_group("run and output")
     group.add_argument(
@@ -302,7 +359,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare-policies",
         action="store_true",
         help="run the workload under every victim policy and show them side by side; with "
-        "--host-tier-tokens also under every suspend policy and without the host tier",
+        "--host-tier-tokens also under every suspend policy and without the host tier; with "
+        "--prefix-caching also once without it (no_prefix_cache)",
     )
     group.add_argument(
         "--overlap",
@@ -398,6 +456,15 @@ def check_combinations(args: argparse.Namespace) -> None:
                 f"{names} {verb} the synthetic workload and cannot be combined "
                 "with --trace (the trace gives every request)"
             )
+    if args.hash_block_tokens is not None and args.trace is None:
+        raise UsageError("--hash-block-tokens reads the hash_ids of a --trace; give --trace")
+    if args.shared_prefix_share is not None and not args.shared_prefix_len:
+        raise UsageError(
+            "--shared-prefix-share needs a --shared-prefix-len above 0 (it is the share of "
+            "requests that start with the shared system prompt)"
+        )
+    if args.think_steps is not None and (args.turns or 1) < 2:
+        raise UsageError("--think-steps is the gap between turns; give --turns 2 or more")
     if args.procs and args.cp > MAX_PROCS_CP:
         raise UsageError(
             f"--cp {args.cp} with --procs starts {args.cp} processes, each loading torch; "
@@ -499,6 +566,10 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
         ),
         priority_levels=pick(args.priority_levels, defaults.priority_levels),
         abort_rate=pick(args.abort_rate, defaults.abort_rate),
+        shared_prefix_len=pick(args.shared_prefix_len, defaults.shared_prefix_len),
+        shared_prefix_share=pick(args.shared_prefix_share, defaults.shared_prefix_share),
+        turns=pick(args.turns, defaults.turns),
+        think_steps=pick(args.think_steps, defaults.think_steps),
     )
     try:
         spec.validate()

@@ -30,6 +30,8 @@ from helix_kv.errors import (
 from helix_kv.simulate.arguments import simulation_options, workload_spec
 from helix_kv.simulate.interrupt import InterruptGuard
 from helix_kv.simulate.options import (
+    BASELINES,
+    NO_PREFIX_CACHE,
     RECOMPUTE_ONLY,
     SUSPEND_POLICIES,
     VICTIM_POLICIES,
@@ -48,7 +50,13 @@ from helix_kv.simulate.report import (
     to_json,
 )
 from helix_kv.simulate.step_loop import SimulationResult, outputs_match
-from helix_kv.simulate.workload import RequestSpec, read_trace, synthetic_workload
+from helix_kv.simulate.workload import (
+    DEFAULT_HASH_BLOCK_TOKENS,
+    HashBlocks,
+    RequestSpec,
+    read_trace,
+    synthetic_workload,
+)
 
 PROG = "helix-kv simulate"
 EXIT_OK = 0
@@ -65,8 +73,19 @@ def error_object(status: int, error_type: str, message: str) -> str:
 def load_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], dict[str, Any]]:
     """The workload and its description for the report's ``config.workload``."""
     if args.trace is not None:
-        workload = read_trace(args.trace)
-        return workload, {"source": "trace", "path": str(args.trace), "requests": len(workload)}
+        block_tokens = args.hash_block_tokens or DEFAULT_HASH_BLOCK_TOKENS
+        workload = read_trace(args.trace, block_tokens)
+        info: dict[str, Any] = {
+            "source": "trace",
+            "path": str(args.trace),
+            "requests": len(workload),
+        }
+        with_content = sum(1 for request in workload if request.content is not None)
+        if with_content:  # only then: the description of a trace without content is unchanged
+            info["requests_with_content"] = with_content
+            if any(isinstance(request.content, HashBlocks) for request in workload):
+                info["hash_block_tokens"] = block_tokens
+        return workload, info
     spec = workload_spec(args)
     return synthetic_workload(spec), spec.to_dict()
 
@@ -116,7 +135,8 @@ def planned_runs(
     """The runs of one command, each with its ``--compare-policies`` column name (``None``
     for a single run). With a host tier: ``--compare-policies`` adds a run per suspend policy
     (under the default victim policy) and one without the host tier; a single run is followed
-    by a run without the host tier, the baseline of ``recomputed_tokens_avoided``."""
+    by a run without the host tier, the baseline of ``recomputed_tokens_avoided``. With prefix
+    caching, ``--compare-policies`` ends with a run without it (default policies)."""
     if not compare:
         runs: list[tuple[str | None, SimulationOptions]] = [(None, options)]
     else:
@@ -125,6 +145,8 @@ def planned_runs(
             runs += [(policy, options.with_suspend_policy(policy)) for policy in SUSPEND_POLICIES]
     if options.has_host_tier:
         runs.append((RECOMPUTE_ONLY, options.without_host_tier()))
+    if compare and options.has_prefix_caching:
+        runs.append((NO_PREFIX_CACHE, options.without_prefix_caching()))
     return runs
 
 
@@ -174,7 +196,7 @@ def run_simulate(
             check_procs_available()
         preflight(options, workload)
         runs = planned_runs(options, args.compare_policies)
-        events_at = events_paths(args.events, [name for name, _ in runs if name != RECOMPUTE_ONLY])
+        events_at = events_paths(args.events, [name for name, _ in runs if name not in BASELINES])
         check_events_targets(events_at)
     except (
         UsageError,
@@ -235,7 +257,7 @@ def run_simulate(
     baseline = summaries.get(RECOMPUTE_ONLY)
     if baseline is not None:
         for name, summary in summaries.items():
-            if name != RECOMPUTE_ONLY:
+            if name not in BASELINES:  # the run without caching ran on another footing
                 add_recompute_only(summary, baseline)
         if not args.compare_policies:
             del summaries[RECOMPUTE_ONLY]  # a single run reports it inside its own figures

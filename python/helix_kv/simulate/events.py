@@ -89,6 +89,10 @@ class StepEvent:
     """Modelled time the step starts at (``null`` without a step-time model)."""
     duration_ms: float | None = None
     """Modelled duration of the step (``null`` without a step-time model)."""
+    cached_tokens: int = 0
+    """Prompt tokens the step's admissions (and re-admissions after a recompute-pause) found
+    in the prefix cache instead of computing them (the sum of ``context_cached_lens``; 0
+    without prefix caching)."""
 
     def to_record(self) -> dict[str, Any]:
         """The step as a JSON object with ``"type": "step"``."""
@@ -125,6 +129,9 @@ class RequestEvent:
     """Modelled time its first token was sampled: the end of that step."""
     finish_ms: float | None = None
     """Modelled time it finished: the end of its last step, or when it was aborted."""
+    cached_tokens: int = 0
+    """Tokens it found in the prefix cache over its admissions (its re-prefills after
+    recompute-pauses included); 0 without prefix caching."""
 
     def to_record(self) -> dict[str, Any]:
         """The request as a JSON object with ``"type": "request"``."""

@@ -18,7 +18,6 @@ from helix_kv._renamed import Renamed, renamed_fields, renamed_keywords
 from helix_kv.errors import ConfigError, HelixKVError
 from helix_kv.errors import SimulationSetupError as SimulationSetupError  # also from here
 from helix_kv.simulate.timing import StepTimeModel
-from helix_kv.simulate.tokens import prompt_tokens
 from helix_kv.simulate.workload import RequestSpec
 from helix_kv.types import CapacityPolicy, ServingMode, SuspendPolicy, VictimPolicy
 
@@ -30,6 +29,10 @@ CAPACITY_POLICIES: tuple[CapacityPolicy, ...] = SchedulerConfig.CAPACITY_POLICIE
 SUSPEND_POLICIES: tuple[SuspendPolicy, ...] = SchedulerConfig.SUSPEND_POLICIES
 #: The ``--compare-policies`` column of the run without the host tier (recompute only).
 RECOMPUTE_ONLY = "no_host_tier"
+#: The ``--compare-policies`` column of the run without prefix caching (with it on).
+NO_PREFIX_CACHE = "no_prefix_cache"
+#: The columns of runs made to compare with (not a policy of their own).
+BASELINES = (RECOMPUTE_ONLY, NO_PREFIX_CACHE)
 SERVING_MODES: tuple[ServingMode, ...] = SchedulerConfig.SERVING_MODES
 
 _PREFLIGHT_BATCH = 256
@@ -156,6 +159,17 @@ class SimulationOptions:
         """The same options with no host tier: every victim is recompute-paused."""
         return dataclasses.replace(self, scheduler={**self.scheduler, "host_tier_superblocks": 0})
 
+    def without_prefix_caching(self) -> SimulationOptions:
+        """The same options with prefix caching off: every prompt token is computed."""
+        return dataclasses.replace(
+            self, scheduler={**self.scheduler, "enable_prefix_caching": False}
+        )
+
+    @property
+    def has_prefix_caching(self) -> bool:
+        """Whether the scheduler caches prefixes."""
+        return bool(self.scheduler.get("enable_prefix_caching", False))
+
     @property
     def has_host_tier(self) -> bool:
         """Whether the scheduler gets a host tier to suspend to."""
@@ -262,9 +276,10 @@ def preflight(options: SimulationOptions, workload: Sequence[RequestSpec]) -> No
             try:
                 scheduler.add_request(
                     request.request_id,
-                    prompt_tokens(request.request_id, request.prompt_len),
+                    request.prompt(),
                     request.output_len,
                     request.priority,
+                    cache_salt=request.cache_salt,
                 )
             except HelixKVError as err:
                 raise SimulationSetupError(

@@ -82,6 +82,28 @@ def _share(part: float, whole: float) -> float:
     return float(part) / float(whole) if whole else 0.0
 
 
+def prefix_cache_figures(result: SimulationResult) -> Summary:
+    """The prefix cache's figures (empty when the run had prefix caching off): prompt tokens
+    looked up and found cached at admissions and their share (the hit rate, in tokens), the
+    same for re-prefills after a recompute-pause, the prefill tokens the cache saved (both
+    kinds of hits: tokens not computed) and the superblocks evicted from it."""
+    if not result.config.get("scheduler", {}).get("enable_prefix_caching"):
+        return {}
+    metrics = result.final_metrics
+    queries = int(metrics.prefix_cache_queries)
+    hits = int(metrics.prefix_cache_hits)
+    recompute_hits = int(metrics.prefix_cache_recompute_hits)
+    return {
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": _share(hits, queries),
+        "prefix_cache_recompute_queries": int(metrics.prefix_cache_recompute_queries),
+        "prefix_cache_recompute_hits": recompute_hits,
+        "prefill_tokens_saved": hits + recompute_hits,
+        "prefix_cache_evictions": int(metrics.prefix_cache_evictions),
+    }
+
+
 def summarize(result: SimulationResult) -> Summary:
     """The figures of a run as one flat dict (what ``--json`` prints).
 
@@ -113,6 +135,7 @@ def summarize(result: SimulationResult) -> Summary:
         "clock_steps": result.clock,
         "generated_tokens": result.generated_tokens,
         "computed_tokens": computed,
+        **prefix_cache_figures(result),
         "preemptions": int(metrics.preemptions),
         "suspensions": int(metrics.suspensions),
         "resumes": int(metrics.resumes),
@@ -272,6 +295,29 @@ MODELLED_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
 ]
 
 
+#: Rows added after "computed tokens" when the run had prefix caching on.
+PREFIX_CACHE_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
+    (
+        "prefix cache hit rate",
+        lambda s: (
+            f"{_percent(s['prefix_cache_hit_rate'])} ({s['prefix_cache_hits']} / "
+            f"{s['prefix_cache_queries']} tokens)"
+        ),
+    ),
+    (
+        "prefill tokens saved",
+        lambda s: f"{s['prefill_tokens_saved']} ({s['prefix_cache_recompute_hits']} on re-prefill)",
+    ),
+    (
+        "re-prefill cache hits",
+        lambda s: (
+            f"{s['prefix_cache_recompute_hits']} / {s['prefix_cache_recompute_queries']} tokens"
+        ),
+    ),
+    ("prefix cache evictions", lambda s: f"{s['prefix_cache_evictions']} superblocks"),
+]
+
+
 #: Rows added after "recomputed tokens" when the run had a host tier (and so a baseline run
 #: without it).
 HOST_TIER_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
@@ -292,10 +338,14 @@ HOST_TIER_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
 
 
 def table_rows(summary: Summary) -> list[tuple[str, Callable[[Summary], str]]]:
-    """The table's rows for ``summary``: :data:`ROWS`, with :data:`HOST_TIER_ROWS` after the
+    """The table's rows for ``summary``: :data:`ROWS`, with :data:`PREFIX_CACHE_ROWS` after
+    the computed tokens when prefix caching was on, :data:`HOST_TIER_ROWS` after the
     recomputed tokens when a baseline without the host tier ran, and :data:`MODELLED_ROWS`
     after the latencies in steps when a step-time model was on."""
     rows = list(ROWS)
+    if "prefix_cache_hit_rate" in summary:
+        at = next(i for i, (label, _) in enumerate(rows) if label == "computed tokens") + 1
+        rows[at:at] = PREFIX_CACHE_ROWS
     if "recomputed_tokens_avoided" in summary:
         at = next(i for i, (label, _) in enumerate(rows) if label == "recomputed tokens") + 1
         rows[at:at] = HOST_TIER_ROWS
@@ -352,13 +402,21 @@ def describe_config(config: Mapping[str, Any], *, include_policy: bool = True) -
         parts.append(f"host_tier_superblocks={host_tier}")
         if include_policy:
             parts.append(f"suspend_policy={scheduler.get('suspend_policy', '?')}")
+    if scheduler.get("enable_prefix_caching"):
+        parts.append("prefix_caching")
     if config.get("overlap"):
         parts.append("overlap")
     source = config.get("workload", {})
     if source.get("source") == "trace":
         parts.append(f"trace={source.get('path')}")
     else:
-        parts.append(f"requests={source.get('requests', '?')} seed={source.get('seed', '?')}")
+        described = f"requests={source.get('requests', '?')} seed={source.get('seed', '?')}"
+        if source.get("shared_prefix_len"):
+            share = source.get("shared_prefix_share", 1.0)
+            described += f" shared_prefix={source['shared_prefix_len']} share={share:g}"
+        if source.get("turns", 1) > 1:
+            described += f" turns={source['turns']}"
+        parts.append(described)
     return ", ".join(parts)
 
 

@@ -46,7 +46,7 @@ from helix_kv.contract import SchedulerProtocol
 from helix_kv.errors import ScheduleMismatchError, SimulationSetupError
 from helix_kv.simulate.events import EventSink, RequestEvent, StepEvent
 from helix_kv.simulate.timing import StepTimeModel, kv_tokens_read
-from helix_kv.simulate.tokens import expected_output, prompt_tokens, sampled_tokens
+from helix_kv.simulate.tokens import expected_output, sampled_tokens
 from helix_kv.simulate.workload import RequestSpec
 from helix_kv.step_driver import StepDriver
 from helix_kv.types import FinishReason
@@ -219,6 +219,8 @@ class _StepLoop:
         #: For the events only: requests suspended now, and aborts since the last step.
         self.suspended: set[int] = set()
         self.aborted_since_step = 0
+        #: For the events only: prompt tokens each live request found in the prefix cache.
+        self.cached_tokens: dict[int, int] = {}
 
     def admit_arrivals(self) -> bool:
         """Add the requests that have arrived; jump over idle time. False when all is done."""
@@ -230,9 +232,10 @@ class _StepLoop:
                 request = self.workload[self.next_arrival]
                 self.group.add_request(
                     request.request_id,
-                    prompt_tokens(request.request_id, request.prompt_len),
+                    request.prompt(),
                     request.output_len,
                     request.priority,
+                    cache_salt=request.cache_salt,
                 )
                 self.generated[request.request_id] = 0
                 if self.step_time is not None:
@@ -372,7 +375,8 @@ class _StepLoop:
             outcome.finish_ms = self.now_ms  # the end of its last step, or its abort
         if self.events is not None:
             self.suspended.discard(request_id)
-            self.events.on_request(_request_event(self.outcomes[-1], request.prompt_len))
+            cached = self.cached_tokens.pop(request_id, 0)
+            self.events.on_request(_request_event(self.outcomes[-1], request.prompt_len, cached))
 
     def emit_step(
         self,
@@ -387,6 +391,12 @@ class _StepLoop:
         self.suspended.update(output.suspended_ids.tolist())
         self.suspended.difference_update(output.resumed_ids.tolist())
         context_tokens = int(output.context_lens.sum(dtype=np.int64))
+        cached_lens = np.asarray(output.context_cached_lens)
+        hit = np.flatnonzero(cached_lens)
+        for request_id, cached in zip(
+            np.asarray(output.context_ids)[hit].tolist(), cached_lens[hit].tolist()
+        ):
+            self.cached_tokens[request_id] = self.cached_tokens.get(request_id, 0) + cached
         timed = self.step_time is not None
         series = self.series
         self.events.on_step(
@@ -411,15 +421,17 @@ class _StepLoop:
                 finished=finished,
                 start_ms=start_ms if timed else None,
                 duration_ms=self.now_ms - start_ms if timed else None,
+                cached_tokens=int(cached_lens.sum(dtype=np.int64)),
             )
         )
         self.aborted_since_step = 0
 
 
-def _request_event(outcome: RequestOutcome, prompt_tokens: int) -> RequestEvent:
+def _request_event(outcome: RequestOutcome, prompt_tokens: int, cached: int) -> RequestEvent:
     return RequestEvent(
         request_id=outcome.request_id,
         prompt_tokens=prompt_tokens,
+        cached_tokens=cached,
         finish_reason=outcome.finish_reason,
         arrival_step=outcome.arrival_step,
         first_token_step=outcome.first_token_step,

@@ -3,7 +3,9 @@
 No model runs here: prompts and "sampled" tokens are pure functions of the request id and
 the token's index, so every rank (and every process of ``--procs``) feeds the schedulers
 exactly the same tokens, and a preempted request's output can be checked against what it
-would have been without the preemption.
+would have been without the preemption. Content that requests share (a shared system prompt,
+a conversation's turns, a trace's hash blocks) is a pure function of its source in the same
+way (the functions at the end).
 """
 
 from __future__ import annotations
@@ -40,3 +42,60 @@ def expected_output(request_id: int, output_len: int) -> np.ndarray:
     return sampled_tokens(
         np.full(output_len, request_id, dtype=np.uint64), np.arange(output_len, dtype=np.uint64)
     )
+
+
+# --- prompt content that requests share -----------------------------------------------------
+#
+# Shared system prompts, the new user tokens of a conversation's turn, and the blocks a trace's
+# ``hash_ids`` name are pseudo-random token ids from a counter-based mix (splitmix64's
+# finalizer) of a domain, a source (the prefix id, the request id, the hash id) and the
+# token's index: the same source always gives the same tokens, on every rank and in every
+# process, and two sources share a run of k tokens with probability 1 / VOCAB_SIZE**k (nil
+# for a superblock of any size worth simulating). Unlike :func:`prompt_tokens`, whose
+# sequences repeat for ids VOCAB_SIZE apart, no two request ids share their user tokens.
+
+_U64 = np.uint64
+_DOMAIN_SHARED = 0x5348415245445F50  # "SHARED_P"
+_DOMAIN_USER = 0x555345525F544F4B  # "USER_TOK"
+_DOMAIN_HASH_BLOCK = 0x484153485F424C4B  # "HASH_BLK"
+
+
+def _mix(values: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, elementwise on uint64 (wrapping arithmetic)."""
+    z = values + _U64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+    result: np.ndarray = z ^ (z >> _U64(31))
+    return result
+
+
+def _mixed_tokens(domain: int, sources: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """Token ``indices[k]`` of source ``sources[k]`` in ``domain``, as int32."""
+    seeds = _mix(np.asarray(sources, dtype=np.uint64) ^ _U64(domain))
+    mixed = _mix(seeds + np.asarray(indices, dtype=np.uint64))
+    return (mixed % _U64(VOCAB_SIZE)).astype(np.int32)
+
+
+def shared_prefix_tokens(prefix_id: int, length: int) -> np.ndarray:
+    """The shared system prompt ``prefix_id``: ``length`` int32 token ids."""
+    return _mixed_tokens(
+        _DOMAIN_SHARED, np.full(length, prefix_id, dtype=np.uint64), np.arange(length)
+    )
+
+
+def user_tokens(request_id: int, length: int) -> np.ndarray:
+    """The new user tokens of ``request_id`` (a turn of a conversation, or what follows a
+    shared system prompt): ``length`` int32 token ids, its own."""
+    return _mixed_tokens(
+        _DOMAIN_USER, np.full(length, request_id, dtype=np.uint64), np.arange(length)
+    )
+
+
+def hash_block_tokens(hash_ids: np.ndarray, block_tokens: int, length: int) -> np.ndarray:
+    """A trace's ``hash_ids`` as a prompt of ``length`` tokens: block ``i`` is the
+    ``block_tokens`` tokens of hash id ``hash_ids[i]`` (the same wherever the id appears), the
+    last block cut so the prompt has ``length`` tokens."""
+    blocks = np.asarray(hash_ids, dtype=np.uint64)
+    sources = np.repeat(blocks, block_tokens)[:length]
+    indices = np.tile(np.arange(block_tokens, dtype=np.uint64), len(blocks))[:length]
+    return _mixed_tokens(_DOMAIN_HASH_BLOCK, sources, indices)

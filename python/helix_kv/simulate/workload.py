@@ -3,10 +3,17 @@
 A workload is a list of :class:`RequestSpec` in queue order: by arrival step, then by
 position in the source (generation order or trace line order). The scheduler's queue order
 is the order of adding, so this order is what every rank sees.
+
+A request's prompt is its own unless the workload says what it holds (``RequestSpec.content``):
+a synthetic shared system prompt or conversation history (:class:`PromptParts`), a trace's
+``token_ids`` (:class:`PromptTokens`) or its ``hash_ids`` (:class:`HashBlocks`). Content is a
+pure function of the workload, so every rank and every process feeds the same tokens, and two
+contents are equal when they hold the same tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import math
@@ -18,17 +25,196 @@ from typing import Any
 import numpy as np
 
 from helix_kv.errors import TraceError as TraceError  # also importable from here
+from helix_kv.simulate.tokens import (
+    expected_output,
+    hash_block_tokens,
+    prompt_tokens,
+    shared_prefix_tokens,
+    user_tokens,
+)
 
 #: Largest request id the scheduler accepts (ids are ``u64`` in the core).
 MAX_REQUEST_ID = 2**64 - 1
 
-#: The keys of one trace line; ``priority`` (default 0) and ``abort_step`` (default: never
-#: aborted) are optional, other keys are ignored.
+#: The keys of one trace line; ``priority`` (default 0), ``abort_step`` (default: never
+#: aborted) and the prompt's content, ``token_ids`` or ``hash_ids`` (default: a prompt of its
+#: own), are optional, other keys are ignored. With ``token_ids``, ``prompt_len`` may be left
+#: out (it is their number).
 TRACE_REQUIRED_KEYS = ("id", "arrival_step", "prompt_len", "output_len")
-TRACE_OPTIONAL_KEYS = ("priority", "abort_step")
+TRACE_OPTIONAL_KEYS = ("priority", "abort_step", "token_ids", "hash_ids")
 
 #: Largest step a trace may name.
 MAX_STEP = 2**62
+
+#: Tokens one trace ``hash_ids`` entry stands for unless told otherwise: the Mooncake trace
+#: convention (``helix-kv simulate --hash-block-tokens``).
+DEFAULT_HASH_BLOCK_TOKENS = 512
+
+_I32_MAX = 2**31 - 1
+_U64_MAX = 2**64 - 1
+
+#: The cache salt of a request whose prompt is its own (``RequestSpec.content`` is ``None``):
+#: this tag and its id, so that it shares no cached KV with any other request whatever its
+#: tokens (:func:`~helix_kv.simulate.tokens.prompt_tokens` repeats for ids VOCAB_SIZE apart).
+OWN_PROMPT_SALT = b"helix_kv.simulate:own-prompt:"
+
+
+class PromptContent:
+    """What a request's prompt holds, when the workload says (``RequestSpec.content``).
+
+    ``len(content)`` is the prompt's length and :meth:`tokens` its int32 token ids, a pure
+    function of the content. Contents are immutable and compare (and hash) by their tokens,
+    whatever their form: the synthetic parts of a prompt equal the ``token_ids`` a trace writes
+    of them.
+    """
+
+    def tokens(self) -> np.ndarray:
+        """The prompt: ``len(self)`` int32 token ids."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _fields(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PromptContent):
+            return NotImplemented
+        if type(self) is type(other) and self._fields() == other._fields():
+            return True
+        return len(self) == len(other) and np.array_equal(self.tokens(), other.tokens())
+
+    def __hash__(self) -> int:
+        return hash(self.tokens().tobytes())
+
+
+@dataclass(frozen=True, eq=False)
+class PromptTokens(PromptContent):
+    """A prompt given token by token (a trace's ``token_ids``): ``data`` is the token ids as
+    little-endian int32 bytes (:meth:`of` makes it from an array)."""
+
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if not self.data or len(self.data) % 4:
+            raise ValueError(f"PromptTokens needs 4 bytes per token, got {len(self.data)} bytes")
+
+    @classmethod
+    def of(cls, tokens: Any) -> PromptTokens:
+        """The content holding ``tokens`` (anything ``numpy`` makes an int32 array of)."""
+        return cls(np.asarray(tokens, dtype="<i4").tobytes())
+
+    def __len__(self) -> int:
+        return len(self.data) // 4
+
+    def tokens(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype="<i4").astype(np.int32)
+
+    def __repr__(self) -> str:
+        head = self.tokens()[:4].tolist()
+        more = ", ..." if len(self) > len(head) else ""
+        return f"PromptTokens({len(self)} tokens: [{', '.join(map(str, head))}{more}])"
+
+
+@dataclass(frozen=True, eq=False)
+class HashBlocks(PromptContent):
+    """A prompt given as a trace's ``hash_ids``: one id per block of ``block_tokens`` tokens,
+    each id standing for the same tokens wherever it appears
+    (:func:`~helix_kv.simulate.tokens.hash_block_tokens`), the last block cut so the prompt has
+    ``prompt_len`` tokens. ``data`` is the ids as little-endian uint64 bytes (:meth:`of`)."""
+
+    data: bytes
+    block_tokens: int
+    prompt_len: int
+
+    def __post_init__(self) -> None:
+        blocks = len(self.data) // 8
+        if len(self.data) % 8 or self.block_tokens < 1 or self.prompt_len < 1:
+            raise ValueError("HashBlocks needs 8 bytes per id and positive lengths")
+        if blocks != -(-self.prompt_len // self.block_tokens):
+            raise ValueError(
+                f"{blocks} hash ids of {self.block_tokens} tokens cannot hold a prompt of "
+                f"{self.prompt_len} tokens"
+            )
+
+    @classmethod
+    def of(cls, hash_ids: Iterable[int], block_tokens: int, prompt_len: int) -> HashBlocks:
+        """The content of ``hash_ids`` (integers in ``[0, 2**64)``)."""
+        return cls(np.asarray(list(hash_ids), dtype="<u8").tobytes(), block_tokens, prompt_len)
+
+    @property
+    def hash_ids(self) -> tuple[int, ...]:
+        """The ids, one per block."""
+        return tuple(np.frombuffer(self.data, dtype="<u8").tolist())
+
+    def __len__(self) -> int:
+        return self.prompt_len
+
+    def tokens(self) -> np.ndarray:
+        ids = np.frombuffer(self.data, dtype="<u8").astype(np.uint64)
+        return hash_block_tokens(ids, self.block_tokens, self.prompt_len)
+
+    def __repr__(self) -> str:
+        ids = self.hash_ids
+        shown = ", ".join(map(str, ids[:4])) + (", ..." if len(ids) > 4 else "")
+        return (
+            f"HashBlocks([{shown}] ({len(ids)} ids), block_tokens={self.block_tokens}, "
+            f"prompt_len={self.prompt_len})"
+        )
+
+
+class SegmentKind(str, enum.Enum):
+    """What a :class:`Segment` of a synthetic prompt holds."""
+
+    SHARED = "shared"
+    """A shared system prompt; ``source``: its id
+    (:func:`~helix_kv.simulate.tokens.shared_prefix_tokens`)."""
+    USER = "user"
+    """New user tokens; ``source``: the request they are new in
+    (:func:`~helix_kv.simulate.tokens.user_tokens`)."""
+    ANSWER = "answer"
+    """A request's answer, its deterministic output; ``source``: that request
+    (:func:`~helix_kv.simulate.tokens.expected_output`)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``length`` tokens of a synthetic prompt, of one kind and source."""
+
+    kind: SegmentKind
+    source: int
+    length: int
+
+    def __repr__(self) -> str:
+        return f"Segment(SegmentKind.{self.kind.name}, {self.source}, {self.length})"
+
+    def tokens(self) -> np.ndarray:
+        """The segment's ``length`` int32 token ids."""
+        if self.kind is SegmentKind.SHARED:
+            return shared_prefix_tokens(self.source, self.length)
+        if self.kind is SegmentKind.USER:
+            return user_tokens(self.source, self.length)
+        return expected_output(self.source, self.length)
+
+
+@dataclass(frozen=True, eq=False)
+class PromptParts(PromptContent):
+    """A synthetic prompt, segment after segment: a shared system prompt, then a
+    conversation's earlier turns (each turn's new user tokens and its answer), then this turn's
+    new user tokens. A few integers per segment, whatever the lengths."""
+
+    segments: tuple[Segment, ...]
+
+    def __post_init__(self) -> None:
+        if not self.segments or any(segment.length < 1 for segment in self.segments):
+            raise ValueError("PromptParts needs segments of at least one token")
+
+    def __len__(self) -> int:
+        return sum(segment.length for segment in self.segments)
+
+    def tokens(self) -> np.ndarray:
+        return np.concatenate([segment.tokens() for segment in self.segments])
 
 
 @dataclass(frozen=True)
@@ -37,6 +223,9 @@ class RequestSpec:
 
     ``abort_step``: the client aborts the request before step ``abort_step`` is scheduled
     (``>= arrival_step``; ``None``: never). A request that finished earlier is not affected.
+    ``content``: what its prompt holds (``len(content) == prompt_len``); ``None``, a prompt of
+    its own (:func:`~helix_kv.simulate.tokens.prompt_tokens`) that shares nothing with any
+    other request's (see :attr:`cache_salt`). :meth:`prompt` gives the tokens either way.
     """
 
     request_id: int
@@ -45,11 +234,36 @@ class RequestSpec:
     output_len: int
     priority: int = 0
     abort_step: int | None = None
+    content: PromptContent | None = None
+
+    def __post_init__(self) -> None:
+        if self.content is not None and len(self.content) != self.prompt_len:
+            raise ValueError(
+                f"request {self.request_id}: its content has {len(self.content)} tokens, "
+                f"its prompt_len is {self.prompt_len}"
+            )
 
     @property
     def total_len(self) -> int:
         """Prompt plus every output token: what the request holds when it finishes."""
         return self.prompt_len + self.output_len
+
+    def prompt(self) -> np.ndarray:
+        """The prompt's ``prompt_len`` int32 token ids: the same on every call, rank and
+        process."""
+        if self.content is None:
+            return prompt_tokens(self.request_id, self.prompt_len)
+        return self.content.tokens()
+
+    @property
+    def cache_salt(self) -> bytes | None:
+        """The cache salt to add the request with: ``None`` (the shared, empty salt) when the
+        workload gives its prompt's content; else one of its own (:data:`OWN_PROMPT_SALT` and
+        its id), so that under prefix caching it hits only its own KV (after a recompute-pause),
+        never another request's."""
+        if self.content is not None:
+            return None
+        return OWN_PROMPT_SALT + self.request_id.to_bytes(8, "little")
 
 
 class LengthDistribution(str, enum.Enum):
@@ -65,6 +279,13 @@ class LengthDistribution(str, enum.Enum):
 
 LOGNORMAL_SIGMA = 0.6
 
+#: Mean think gap between a conversation's turns, in steps, unless told otherwise.
+DEFAULT_THINK_STEPS = 16.0
+#: Longest mean think gap: arrival steps must stay well within int64.
+MAX_THINK_STEPS = 1_000_000_000
+#: The id of the synthetic shared system prompt.
+SHARED_PREFIX_ID = 0
+
 
 @dataclass(frozen=True)
 class WorkloadSpec:
@@ -76,6 +297,17 @@ class WorkloadSpec:
     ``abort_rate`` of the requests (each independently) is aborted by its client at a step
     drawn uniformly from ``arrival .. arrival + output_len - 1``, which is always before it
     could have finished.
+
+    Shared content (both off by default, and then the workload is what it always was):
+    ``shared_prefix_len`` tokens of one shared system prompt start the prompts of a fraction
+    ``shared_prefix_share`` of the requests (each independently), before their drawn prompt
+    length of their own. With ``turns`` > 1 the requests come in conversations of ``turns``
+    turns (the last one may be shorter; ``arrival_rate`` is then the rate of new
+    conversations): turn t's prompt is turn t-1's prompt, then turn t-1's answer (its
+    deterministic output), then new user tokens of the drawn prompt length, and it arrives
+    ``output_len`` steps after turn t-1 (the earliest it could have finished) plus a think gap
+    drawn from an exponential of mean ``think_steps`` (rounded down). A conversation's turns
+    share its system prompt or none. Ids are then given in arrival order.
     """
 
     num_requests: int = 96
@@ -88,6 +320,15 @@ class WorkloadSpec:
     length_distribution: LengthDistribution = LengthDistribution.LOGNORMAL
     priority_levels: int = 3
     abort_rate: float = 0.0
+    shared_prefix_len: int = 0
+    shared_prefix_share: float = 1.0
+    turns: int = 1
+    think_steps: float = DEFAULT_THINK_STEPS
+
+    @property
+    def shares_content(self) -> bool:
+        """Whether prompts share content (a shared system prompt or conversations)."""
+        return self.shared_prefix_len > 0 or self.turns > 1
 
     def validate(self) -> None:
         """Raise ``ValueError`` with a one-line reason if a parameter is out of range."""
@@ -110,6 +351,18 @@ class WorkloadSpec:
             raise ValueError(f"priority levels must be >= 1, got {self.priority_levels}")
         if not 0.0 <= self.abort_rate <= 1.0:  # also rejects NaN
             raise ValueError(f"abort rate must be in [0, 1], got {self.abort_rate}")
+        if self.shared_prefix_len < 0:
+            raise ValueError(f"shared prefix len must be >= 0, got {self.shared_prefix_len}")
+        if not 0.0 <= self.shared_prefix_share <= 1.0:
+            raise ValueError(
+                f"shared prefix share must be in [0, 1], got {self.shared_prefix_share}"
+            )
+        if self.turns < 1:
+            raise ValueError(f"turns must be >= 1, got {self.turns}")
+        if not 0.0 <= self.think_steps <= MAX_THINK_STEPS:
+            raise ValueError(
+                f"think steps must be in [0, {MAX_THINK_STEPS}], got {self.think_steps}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (for the report's resolved configuration)."""
@@ -125,6 +378,16 @@ class WorkloadSpec:
             "length_distribution": self.length_distribution.value,
             "priority_levels": self.priority_levels,
             "abort_rate": self.abort_rate,
+            # only when on: the configuration of a workload without them is unchanged
+            **(
+                {
+                    "shared_prefix_len": self.shared_prefix_len,
+                    "shared_prefix_share": self.shared_prefix_share,
+                }
+                if self.shared_prefix_len
+                else {}
+            ),
+            **({"turns": self.turns, "think_steps": self.think_steps} if self.turns > 1 else {}),
         }
 
 
@@ -156,15 +419,17 @@ def _draw_arrivals(rng: np.random.Generator, count: int, rate: float) -> np.ndar
 def synthetic_workload(spec: WorkloadSpec) -> list[RequestSpec]:
     """Draw ``spec.num_requests`` requests; ids are ``0 .. n-1`` in arrival order.
 
-    Arrivals, prompt lengths, output lengths, priorities and aborts come from independent
-    streams of one seed, so changing one knob (say the output mean, or the abort rate)
-    leaves the others unchanged.
+    Arrivals, prompt lengths, output lengths, priorities, aborts, who shares the system
+    prompt and think gaps come from independent streams of one seed, so changing one knob
+    (say the output mean, or the abort rate) leaves the others unchanged.
     """
     spec.validate()
-    streams = [np.random.default_rng(s) for s in np.random.SeedSequence(spec.seed).spawn(5)]
-    arrival_rng, prompt_rng, output_rng, priority_rng, abort_rng = streams
+    streams = [np.random.default_rng(s) for s in np.random.SeedSequence(spec.seed).spawn(7)]
+    arrival_rng, prompt_rng, output_rng, priority_rng, abort_rng, share_rng, think_rng = streams
     count = spec.num_requests
-    arrivals = _draw_arrivals(arrival_rng, count, spec.arrival_rate)
+    turns = min(spec.turns, count)
+    conversations = -(-count // turns)
+    starts = _draw_arrivals(arrival_rng, conversations, spec.arrival_rate)
     prompts = _draw_lengths(
         prompt_rng, count, spec.prompt_len_mean, spec.prompt_len_max, spec.length_distribution
     )
@@ -176,17 +441,82 @@ def synthetic_workload(spec: WorkloadSpec) -> list[RequestSpec]:
     # the seed and its own output length.
     aborted = abort_rng.random(count) < spec.abort_rate
     abort_offsets = np.floor(abort_rng.random(count) * outputs).astype(np.int64)
-    return [
-        RequestSpec(
-            request_id=i,
-            arrival_step=int(arrivals[i]),
-            prompt_len=int(prompts[i]),
-            output_len=int(outputs[i]),
-            priority=int(priorities[i]),
-            abort_step=int(arrivals[i] + abort_offsets[i]) if aborted[i] else None,
+    # Request g (in generation order) is turn g % turns of conversation g // turns.
+    conversation, turn = np.divmod(np.arange(count, dtype=np.int64), turns)
+    arrivals = _turn_arrivals(think_rng, starts, conversation, turn, outputs, spec.think_steps)
+    shares = np.zeros(conversations, dtype=bool)
+    if spec.shared_prefix_len:
+        shares = share_rng.random(conversations) < spec.shared_prefix_share
+    # Queue order: by arrival, ties in generation order (the identity without turns).
+    order = np.argsort(arrivals, kind="stable")
+    ids = np.empty(count, dtype=np.int64)
+    ids[order] = np.arange(count, dtype=np.int64)
+    contents = _contents(spec, ids, turn, conversation, shares, prompts, outputs)
+    requests = []
+    for g in order.tolist():
+        content = contents[g]
+        requests.append(
+            RequestSpec(
+                request_id=int(ids[g]),
+                arrival_step=int(arrivals[g]),
+                prompt_len=int(prompts[g]) if content is None else len(content),
+                output_len=int(outputs[g]),
+                priority=int(priorities[g]),
+                abort_step=int(arrivals[g] + abort_offsets[g]) if aborted[g] else None,
+                content=content,
+            )
         )
-        for i in range(count)
-    ]
+    return requests
+
+
+def _turn_arrivals(
+    rng: np.random.Generator,
+    starts: np.ndarray,
+    conversation: np.ndarray,
+    turn: np.ndarray,
+    outputs: np.ndarray,
+    think_steps: float,
+) -> np.ndarray:
+    """Arrival steps in generation order: a conversation's first turn at its start, each later
+    turn ``output_len`` of the turn before it plus a think gap after that turn's arrival."""
+    if not turn.any():  # one turn each: the conversations' starts are the arrivals
+        arrivals: np.ndarray = starts[conversation]
+        return arrivals
+    gaps = np.floor(rng.exponential(think_steps, size=len(turn))).astype(np.int64)
+    steps = np.zeros(len(turn), dtype=np.int64)
+    steps[1:] = outputs[:-1] + gaps[1:]
+    steps[turn == 0] = 0
+    offsets = np.cumsum(steps)
+    first = np.flatnonzero(turn == 0)  # the first request of each conversation
+    arrivals = starts[conversation] + offsets - offsets[first][conversation]
+    return arrivals
+
+
+def _contents(
+    spec: WorkloadSpec,
+    ids: np.ndarray,
+    turn: np.ndarray,
+    conversation: np.ndarray,
+    shares: np.ndarray,
+    prompts: np.ndarray,
+    outputs: np.ndarray,
+) -> list[PromptContent | None]:
+    """The content of each request (generation order): ``None`` for a prompt of its own."""
+    shared = Segment(SegmentKind.SHARED, SHARED_PREFIX_ID, spec.shared_prefix_len)
+    contents: list[PromptContent | None] = []
+    history: tuple[Segment, ...] = ()
+    for g in range(len(ids)):
+        request_id = int(ids[g])
+        if turn[g] == 0:
+            history = (shared,) if shares[conversation[g]] else ()
+            if not history and spec.turns == 1:
+                contents.append(None)  # its own prompt, as without shared content
+                continue
+        else:  # the previous turn's answer follows its prompt
+            history += (Segment(SegmentKind.ANSWER, int(ids[g - 1]), int(outputs[g - 1])),)
+        history += (Segment(SegmentKind.USER, request_id, int(prompts[g])),)
+        contents.append(PromptParts(history))
+    return contents
 
 
 def _int_field(record: dict[str, Any], key: str, minimum: int, maximum: int) -> int:
@@ -200,15 +530,76 @@ def _int_field(record: dict[str, Any], key: str, minimum: int, maximum: int) -> 
     return value
 
 
-def parse_trace_line(text: str) -> RequestSpec:
-    """Parse one JSONL line into a request; raise ``ValueError`` saying what is wrong."""
+def _shown(value: Any) -> str:
+    """``value`` as JSON, cut to a few dozen characters (a message stays one short line)."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _integer_list(record: dict[str, Any], key: str, maximum: int, what: str) -> list[int]:
+    """``record[key]``: a non-empty list of integers in ``[0, maximum]`` (``what`` names one)."""
+    value = record[key]
+    if not isinstance(value, list):
+        raise ValueError(f"{key!r} must be a list of {what}s, got {_shown(value)}")
+    if not value:
+        raise ValueError(f"{key!r} must not be empty")
+    if set(map(type, value)) != {int}:  # bools are not ints here, nor floats such as 1.0
+        index, bad = next((i, v) for i, v in enumerate(value) if type(v) is not int)
+        raise ValueError(f"{key!r} entry {index} must be an integer, got {_shown(bad)}")
+    if min(value) < 0 or max(value) > maximum:
+        index, bad = next((i, v) for i, v in enumerate(value) if not 0 <= v <= maximum)
+        raise ValueError(
+            f"{key!r} entry {index} must be a {what} in [0, {maximum}], got {_shown(bad)}"
+        )
+    return value
+
+
+def _prompt_content(
+    record: dict[str, Any], hash_block_tokens: int
+) -> tuple[int, PromptContent | None]:
+    """The prompt's length and content (``None``: none given, a prompt of its own)."""
+    token_ids = record.get("token_ids")
+    hash_ids = record.get("hash_ids")
+    if token_ids is not None and hash_ids is not None:
+        raise ValueError("give the prompt as 'token_ids' or as 'hash_ids', not both")
+    if token_ids is not None:
+        tokens = _integer_list(record, "token_ids", _I32_MAX, "token id")
+        if "prompt_len" in record:
+            prompt_len = _int_field(record, "prompt_len", 1, _I32_MAX)
+            if prompt_len != len(tokens):
+                raise ValueError(
+                    f"'prompt_len' ({prompt_len}) must be the number of 'token_ids' ({len(tokens)})"
+                )
+        return len(tokens), PromptTokens.of(tokens)
+    prompt_len = _int_field(record, "prompt_len", 1, _I32_MAX)
+    if hash_ids is None:
+        return prompt_len, None
+    ids = _integer_list(record, "hash_ids", _U64_MAX, "hash id")
+    blocks = -(-prompt_len // hash_block_tokens)
+    if len(ids) != blocks:
+        raise ValueError(
+            f"'hash_ids' has {len(ids)} ids; a 'prompt_len' of {prompt_len} in blocks of "
+            f"{hash_block_tokens} tokens (--hash-block-tokens) takes {blocks}"
+        )
+    return prompt_len, HashBlocks.of(ids, hash_block_tokens, prompt_len)
+
+
+def parse_trace_line(text: str, hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKENS) -> RequestSpec:
+    """Parse one JSONL line into a request; raise ``ValueError`` saying what is wrong.
+
+    ``hash_block_tokens``: the tokens one ``hash_ids`` entry stands for."""
     try:
         record = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"not valid JSON ({err.msg} at column {err.colno})") from None
+    except RecursionError:
+        raise ValueError("not valid JSON here (nested too deeply)") from None
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    missing = [key for key in TRACE_REQUIRED_KEYS if key not in record]
+    required: tuple[str, ...] = TRACE_REQUIRED_KEYS
+    if record.get("token_ids") is not None:  # the prompt's length is theirs
+        required = tuple(key for key in required if key != "prompt_len")
+    missing = [key for key in required if key not in record]
     if missing:
         raise ValueError(
             "missing key" + ("s " if len(missing) > 1 else " ") + ", ".join(map(repr, missing))
@@ -226,30 +617,40 @@ def parse_trace_line(text: str) -> RequestSpec:
             raise ValueError(
                 f"'abort_step' ({abort_step}) must be >= 'arrival_step' ({arrival_step})"
             )
+    request_id = _int_field(record, "id", 0, MAX_REQUEST_ID)
+    prompt_len, content = _prompt_content(record, hash_block_tokens)
     return RequestSpec(
-        request_id=_int_field(record, "id", 0, MAX_REQUEST_ID),
+        request_id=request_id,
         arrival_step=arrival_step,
-        prompt_len=_int_field(record, "prompt_len", 1, 2**31 - 1),
+        prompt_len=prompt_len,
         output_len=_int_field(record, "output_len", 1, 2**32 - 1),
         priority=priority,
         abort_step=abort_step,
+        content=content,
     )
 
 
-def parse_trace(lines: Iterable[str], path: str | Path = "<trace>") -> list[RequestSpec]:
+def parse_trace(
+    lines: Iterable[str],
+    path: str | Path = "<trace>",
+    hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKENS,
+) -> list[RequestSpec]:
     """Parse JSONL trace lines (blank lines are skipped) into a workload in queue order.
 
     Requests are ordered by ``arrival_step``, ties in line order. Raises :class:`TraceError`
     naming the line number and the problem for the first bad line, a duplicate id (naming
-    both lines), or an empty trace.
+    both lines), or an empty trace. ``hash_block_tokens``: the tokens one ``hash_ids`` entry
+    stands for.
     """
+    if hash_block_tokens < 1:
+        raise ValueError(f"hash_block_tokens must be >= 1, got {hash_block_tokens}")
     requests: list[RequestSpec] = []
     first_line_of_id: dict[int, int] = {}
     for line_number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
         try:
-            request = parse_trace_line(text)
+            request = parse_trace_line(text, hash_block_tokens)
         except ValueError as err:
             raise TraceError(path, str(err), line_number) from None
         if request.request_id in first_line_of_id:
@@ -267,28 +668,46 @@ def parse_trace(lines: Iterable[str], path: str | Path = "<trace>") -> list[Requ
     return requests
 
 
-def read_trace(path: str | Path) -> list[RequestSpec]:
+def read_trace(
+    path: str | Path, hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKENS
+) -> list[RequestSpec]:
     """Read a JSONL trace: one ``{"id", "arrival_step", "prompt_len", "output_len"}`` per line.
 
     An optional integer ``"priority"`` (default 0, higher is more important) is used by the
     ``priority`` victim policy. An optional integer ``"abort_step"`` (``>= arrival_step``;
     absent or ``null``: never) aborts the request before that step is scheduled, unless it
-    finished earlier. Other keys are ignored.
+    finished earlier. The prompt's content is optional too (absent or ``null``: a prompt of its
+    own, sharing nothing): ``"token_ids"``, the prompt itself (a non-empty list of token ids in
+    ``[0, 2**31)``; ``prompt_len`` may then be left out, and if given must be their number), or
+    ``"hash_ids"``, one id in ``[0, 2**64)`` per block of ``hash_block_tokens`` tokens, each id
+    standing for the same tokens wherever it appears, the last block cut to ``prompt_len``
+    (``ceil(prompt_len / hash_block_tokens)`` ids; the Mooncake trace convention), not both.
+    Other keys are ignored.
     """
     try:
         with open(path, encoding="utf-8") as handle:
-            return parse_trace(handle, path)
+            return parse_trace(handle, path, hash_block_tokens)
     except OSError as err:
         raise TraceError(path, f"cannot read it ({err.strerror or err})") from None
     except UnicodeDecodeError as err:
         raise TraceError(path, f"not UTF-8 text ({err.reason})") from None
 
 
-def write_trace(requests: Iterable[RequestSpec], path: str | Path) -> None:
-    """Write requests as a JSONL trace that :func:`read_trace` reads back unchanged."""
+def write_trace(
+    requests: Iterable[RequestSpec],
+    path: str | Path,
+    hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKENS,
+) -> None:
+    """Write requests as a JSONL trace that :func:`read_trace` (with the same
+    ``hash_block_tokens``) reads back equal.
+
+    A request's content is written as its ``hash_ids`` when it has them in blocks of
+    ``hash_block_tokens``, else as its ``token_ids`` (a synthetic shared prefix or
+    conversation is written out token by token); a prompt of its own has neither.
+    """
     with open(path, "w", encoding="utf-8") as handle:
         for request in requests:
-            record = {
+            record: dict[str, Any] = {
                 "id": request.request_id,
                 "arrival_step": request.arrival_step,
                 "prompt_len": request.prompt_len,
@@ -297,4 +716,9 @@ def write_trace(requests: Iterable[RequestSpec], path: str | Path) -> None:
             }
             if request.abort_step is not None:
                 record["abort_step"] = request.abort_step
+            content = request.content
+            if isinstance(content, HashBlocks) and content.block_tokens == hash_block_tokens:
+                record["hash_ids"] = list(content.hash_ids)
+            elif content is not None:
+                record["token_ids"] = content.tokens().tolist()
             handle.write(json.dumps(record) + "\n")
