@@ -1442,6 +1442,78 @@ impl Ledger {
         Ok(Some(pos))
     }
 
+    /// Reserves `drafts` speculative positions right after the decode token `id` was
+    /// allocated in `step` (so the step verifies `1 + drafts` query tokens for it) and
+    /// returns the first draft's position, or `None` (nothing changed) when the free list
+    /// lacks the superblocks they reach. Drafts never evict cached superblocks: they are the
+    /// first thing to give way under pressure. The record's decode undo is left as the
+    /// decode token made it; the caller keeps `len` from before the call and gives it back
+    /// to [`Ledger::retract_drafts`] (rejected drafts at `update`, or all of them at a
+    /// revert, before the decode token itself is reverted).
+    pub fn extend_decode(&mut self, id: RequestId, step: u64, drafts: u64) -> Result<Option<u64>> {
+        let entry = self.active_entry_of(id)?;
+        let request = &self.requests.records[entry];
+        if request.decode_step() != Some(step) {
+            return Err(CoreError::InvalidState(format!(
+                "request {id} has no decode token allocated in step {step}: drafts follow it"
+            )));
+        }
+        let first = request.next_decode_position();
+        let end = first
+            .checked_add(drafts)
+            .ok_or_else(|| CoreError::InvalidLength(format!("{drafts} drafts overflow")))?;
+        self.check_len(end)?;
+        let new_len = request.len.max(end);
+        let held = u64::from(request.held);
+        let needed = self.layout.superblocks_for(new_len).saturating_sub(held);
+        if needed > self.free.len() as u64 {
+            return Ok(None);
+        }
+        if new_len > held * self.layout.tokens_per_superblock() {
+            // Taken from the free list alone (checked above): a grow with the prefix cache
+            // evicts only what the free list lacks, which is nothing here.
+            let grown = self.grow_entry(entry, new_len);
+            debug_assert!(grown);
+        }
+        let request = &mut self.requests.records[entry];
+        request.len = new_len;
+        request.decode_count += drafts;
+        Ok(Some(first))
+    }
+
+    /// Gives back the last `drafts` speculative positions of `id`'s decode in `step` (all
+    /// of a reverted step's, or the rejected ones at `update`) and shrinks its length to
+    /// `len_to` when it is longer (superblocks only those positions reached go back to the
+    /// pool). `len_to` is the length before [`Ledger::extend_decode`], or for accepted drafts
+    /// at least the positions kept.
+    pub fn retract_drafts(
+        &mut self,
+        id: RequestId,
+        step: u64,
+        drafts: u64,
+        len_to: u64,
+    ) -> Result<()> {
+        let entry = self.active_entry_of(id)?;
+        let request = &self.requests.records[entry];
+        if request.decode_step() != Some(step) || drafts >= request.decode_count {
+            return Err(CoreError::InvalidState(format!(
+                "request {id} has no {drafts} drafts of step {step} to give back"
+            )));
+        }
+        let kept_end = request.next_decode_position() - drafts;
+        if len_to < kept_end {
+            return Err(CoreError::InvalidLength(format!(
+                "request {id} cannot shrink to {len_to} tokens: its positions up to {kept_end} are kept"
+            )));
+        }
+        let request = &mut self.requests.records[entry];
+        request.decode_count -= drafts;
+        if request.len > len_to {
+            self.shrink_entry(entry, len_to);
+        }
+        Ok(())
+    }
+
     /// Undoes the decode allocation that `id` made in `step`, if any (a step that was
     /// scheduled but not run). Returns whether there was one. It is an exact undo: the
     /// length and the step marker return to what they were before the allocation (so
