@@ -13,11 +13,12 @@ from helix_kv.executor.model import TinyConfig, TinyTransformer
 from helix_kv.executor.reference import greedy_generate
 from helix_kv.executor.runner import ExecutorConfig, RunResult, run_group, run_rank
 
+from .test_executor_e2e import config as e2e_config
+
 pytestmark = pytest.mark.skipif(
     not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler binding not built yet"
 )
 
-TPB = 4
 MAX_NEW = 10
 MODEL = TinyConfig(num_layers=2, seed=11)
 CP_SIZES = (1, 2, 4)
@@ -41,17 +42,11 @@ def prompts() -> dict[int, list[int]]:
 def config(
     cp: int, kv_tokens: int, host_pages: int, overlap: bool, caching: bool
 ) -> ExecutorConfig:
-    return ExecutorConfig(
-        cp_size=cp,
-        tokens_per_block=TPB,
-        kv_superblocks=kv_tokens // (TPB * cp),
-        max_batch_size=8,
-        max_num_tokens=40,
-        model=MODEL,
-        check_schedule=cp > 1,
-        overlap=overlap,
-        host_tier_pages=host_pages,
-        scheduler_options={"enable_prefix_caching": caching},
+    """The end-to-end test's configuration (same page size and batch), this test's model and
+    a larger step budget, with prefix caching on or off."""
+    base = e2e_config(cp, kv_tokens, overlap=overlap, host_pages=host_pages)
+    return base.with_(
+        model=MODEL, max_num_tokens=40, scheduler_options={"enable_prefix_caching": caching}
     )
 
 
