@@ -726,6 +726,13 @@ impl Ledger {
         }
     }
 
+    /// The evictions of a step that ran (its update): their keys are gone for good.
+    pub(crate) fn forget_evictions(&mut self, evictions: &[Eviction]) {
+        if let Some(cache) = self.cache.as_mut() {
+            cache.forget_evictions(evictions);
+        }
+    }
+
     /// Puts back what `evictions` (a reverted step's, oldest first) took out of the cache,
     /// newest first: each page leaves the free list and is cached again.
     pub(crate) fn restore_evictions(&mut self, evictions: &[Eviction]) {

@@ -20,7 +20,7 @@
 
 use std::collections::BTreeMap;
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::digest::Fnv64;
 use crate::SuperblockId;
@@ -95,6 +95,11 @@ pub struct PrefixCache {
     stamps: Vec<u64>,
     /// Key -> page; looked up, never iterated.
     lookup: FxHashMap<BlockKey, SuperblockId>,
+    /// Keys evicted by a step still pending: no hit finds them, and no registration takes
+    /// them, until that step is updated (they are gone) or reverted (cached again). So an
+    /// update of the older step, one step ahead, registers what it would have without the
+    /// newer step, and the newer step's revert is exact. Looked up, never iterated.
+    evicted_keys: FxHashSet<BlockKey>,
     /// Registered pages no table names, by release stamp: the first is evicted first.
     evictable: BTreeMap<u64, SuperblockId>,
     next_stamp: u64,
@@ -112,6 +117,7 @@ impl PrefixCache {
             keys: vec![None; n],
             stamps: vec![0; n],
             lookup: FxHashMap::default(),
+            evicted_keys: FxHashSet::default(),
             evictable: BTreeMap::new(),
             next_stamp: 0,
             evicted: Vec::new(),
@@ -165,15 +171,18 @@ impl PrefixCache {
         let p = page as usize;
         debug_assert!(self.refs[p] > 0, "page {page} released more than taken");
         self.refs[p] -= 1;
+        if !self.restoring && self.keys[p].is_some() {
+            // Every release of a registered page is stamped, the last holder's or not: when
+            // a revert later drops a hit that kept it referenced, it goes where the last
+            // real release put it, as if the hit had never been made.
+            self.stamps[p] = self.next_stamp;
+            self.next_stamp += 1;
+        }
         if self.refs[p] > 0 {
             return false;
         }
         if self.keys[p].is_none() {
             return true;
-        }
-        if !self.restoring {
-            self.stamps[p] = self.next_stamp;
-            self.next_stamp += 1;
         }
         self.evictable.insert(self.stamps[p], page);
         false
@@ -184,7 +193,10 @@ impl PrefixCache {
     pub(crate) fn register(&mut self, page: SuperblockId, key: BlockKey) {
         let p = page as usize;
         debug_assert!(self.refs[p] > 0);
-        if self.keys[p].is_some() || self.lookup.contains_key(&key) {
+        if self.keys[p].is_some()
+            || self.lookup.contains_key(&key)
+            || self.evicted_keys.contains(&key)
+        {
             return;
         }
         self.keys[p] = Some(key);
@@ -199,6 +211,7 @@ impl PrefixCache {
             .take()
             .expect("an evictable page is registered");
         self.lookup.remove(&key);
+        self.evicted_keys.insert(key);
         self.evicted.push(Eviction { page, key, stamp });
         Some(page)
     }
@@ -208,13 +221,22 @@ impl PrefixCache {
         out.append(&mut self.evicted);
     }
 
+    /// The evictions of a step that ran: their keys are gone for good.
+    pub(crate) fn forget_evictions(&mut self, evictions: &[Eviction]) {
+        for eviction in evictions {
+            self.evicted_keys.remove(&eviction.key);
+        }
+    }
+
     /// Puts an evicted page back in the cache (its page was taken off the free list by
-    /// the caller). If its key was registered again meanwhile, it stays unregistered and
-    /// `false` is returned (the caller keeps it free).
+    /// the caller). Its key cannot have been registered again meanwhile (it was held as
+    /// evicted); `false` only for an eviction the cache does not hold as pending.
     pub(crate) fn restore(&mut self, eviction: Eviction) -> bool {
-        if self.lookup.contains_key(&eviction.key) {
+        if !self.evicted_keys.remove(&eviction.key) {
+            debug_assert!(false, "an eviction restored twice or never made");
             return false;
         }
+        debug_assert!(!self.lookup.contains_key(&eviction.key));
         let p = eviction.page as usize;
         debug_assert_eq!(self.refs[p], 0);
         self.keys[p] = Some(eviction.key);
@@ -264,6 +286,7 @@ impl PrefixCache {
             h.u64(u64::from(page));
         }
         h.u64(self.next_stamp);
+        h.u64(self.evicted_keys.len() as u64);
     }
 }
 

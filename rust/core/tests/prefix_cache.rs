@@ -360,6 +360,7 @@ fn group_runs_with_caching_equal_the_reference_in_every_mode() {
                         seed,
                         max_steps: 5000,
                         mode,
+                        reset_cache_per_mille: 20,
                     };
                     let result = group_run(&config, &specs, options);
                     *hits.entry(cp).or_insert(0) += result.cached_tokens;
@@ -401,8 +402,10 @@ fn group_runs_with_caching_and_aborts_and_eos() {
                 seed: 3,
                 max_steps: 5000,
                 mode,
+                reset_cache_per_mille: 150,
             };
             let result = group.run(&specs, options).expect("run");
+            assert!(mode == RunMode::Overlap || result.cache_resets > 0);
             assert_matches_reference_with_aborts(&specs, model, &result);
         }
     }

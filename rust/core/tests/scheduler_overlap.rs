@@ -592,6 +592,7 @@ fn the_group_lets_newer_requests_pass_a_slotless_decode_whose_abort_is_pending()
         seed: 9,
         max_steps: 5_000,
         mode: RunMode::Overlap,
+        ..RunOptions::default()
     };
     let result = Group::new(&config, Model::default())
         .run(&specs, options)

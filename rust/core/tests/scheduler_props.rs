@@ -162,7 +162,8 @@ proptest! {
         let specs = accepted(config, &case.specs);
         prop_assume!(!specs.is_empty());
         let mut group = Group::new(config, case.model);
-        let options = RunOptions { revert_per_mille: case.revert_per_mille, seed: specs.len() as u64, max_steps: 5_000, ..RunOptions::default() };
+        let reset_cache_per_mille = if config.enable_prefix_caching { 40 } else { 0 };
+        let options = RunOptions { revert_per_mille: case.revert_per_mille, seed: specs.len() as u64, max_steps: 5_000, reset_cache_per_mille, ..RunOptions::default() };
         match group.run(&specs, options) {
             Ok(result) => {
                 assert_matches_reference(&specs, case.model, &result);
@@ -254,7 +255,8 @@ proptest! {
         let specs = accepted(config, &case.specs);
         prop_assume!(!specs.is_empty());
         let mut group = Group::new(config, case.model);
-        let options = RunOptions { revert_per_mille: case.revert_per_mille, seed: specs.len() as u64, max_steps: 5_000, ..RunOptions::default() };
+        let reset_cache_per_mille = if config.enable_prefix_caching { 40 } else { 0 };
+        let options = RunOptions { revert_per_mille: case.revert_per_mille, seed: specs.len() as u64, max_steps: 5_000, reset_cache_per_mille, ..RunOptions::default() };
         let result = match group.run(&specs, options) {
             Ok(result) => result,
             Err(err) => return check_early_stop(config, &group, &err),

@@ -27,6 +27,9 @@ impl Scheduler {
             context_sample: generation.len(),
             computed_tokens: generation.len() as u64,
         };
+        // The step ran: what it evicted is gone (before this update registers anything,
+        // so a superblock the step computed again may take an evicted key).
+        self.ledger.forget_evictions(&record.evictions);
         // Only this step holds requests that finished while it was pending: a newer one
         // gets its first ones in this pass.
         debug_assert!(!self.pending.has_zombies());

@@ -224,6 +224,8 @@ pub struct RunResult {
     pub inputs_in_flight: u64,
     /// Prompt tokens admissions found in the prefix cache (their chunks started after).
     pub cached_tokens: u64,
+    /// `reset_prefix_cache()` calls that took effect (between steps).
+    pub cache_resets: u64,
 }
 
 /// Options of a run beyond the configuration.
@@ -235,6 +237,10 @@ pub struct RunOptions {
     pub seed: u64,
     pub max_steps: u64,
     pub mode: RunMode,
+    /// With prefix caching: between steps, call `reset_prefix_cache()` on every rank with
+    /// this probability in 1/1000 (the ranks must drop the same count; while a step is in
+    /// flight, one step ahead, it must be refused and change nothing).
+    pub reset_cache_per_mille: u64,
 }
 
 /// How `Group::run` drives the schedulers.
@@ -1250,6 +1256,33 @@ impl Group {
         self.check_host_tier();
     }
 
+    /// `reset_prefix_cache()` on every rank: the same count everywhere between steps; while
+    /// a step is pending, refused on every rank with nothing changed.
+    fn reset_prefix_cache(&mut self) {
+        let before = self.snapshot();
+        let dropped: Vec<_> = self
+            .ranks
+            .iter_mut()
+            .map(Scheduler::reset_prefix_cache)
+            .collect();
+        if self.in_flight.is_some() {
+            assert!(dropped
+                .iter()
+                .all(|r| matches!(r, Err(CoreError::InvalidState(_)))));
+            assert_eq!(self.snapshot(), before, "a refused reset changed something");
+            return;
+        }
+        let counts: Vec<u32> = dropped.into_iter().map(Result::unwrap).collect();
+        assert!(
+            counts.windows(2).all(|w| w[0] == w[1]),
+            "ranks dropped {counts:?}"
+        );
+        if !self.config.enable_prefix_caching {
+            assert_eq!(counts[0], 0);
+        }
+        self.result.cache_resets += 1;
+    }
+
     fn snapshot(&self) -> Vec<RankSnapshot> {
         self.ranks
             .iter()
@@ -1339,6 +1372,10 @@ impl Group {
                 break;
             }
             assert!(step < max_steps, "run did not finish in {max_steps} steps");
+            if options.reset_cache_per_mille > 0 && rng.below(1000) < options.reset_cache_per_mille
+            {
+                self.reset_prefix_cache();
+            }
             let before = self.snapshot();
             let outs = self.schedule()?;
             assert_eq!(
