@@ -376,6 +376,8 @@ LEDGER_CALLS = [
     Call("ledger", "free_many", ([2, 1],), (IDS,)),
     Call("ledger", "allocate_decode", (2, 5), (ID, STEP)),
     Call("ledger", "revert_decode", (1, 0), (ID, STEP)),
+    Call("ledger", "extend_decode", (1, 0, 2), (ID, STEP, LENGTH)),
+    Call("ledger", "retract_drafts", (1, 0, 0, 12), (ID, STEP, LENGTH, LENGTH)),
     Call("ledger", "reset_for_recompute", (2, 0), (ID, LENGTH)),
     Call("ledger", "suspend", (2,), (ID,)),
     Call("ledger", "resume", (3,), (ID,)),

@@ -238,3 +238,27 @@ def test_batch_calls_reuse_no_argument_between_calls() -> None:
         assert snapshot(ledger) == snapshot(twin)
     assert len(ledger) == 0
     assert ledger.free_superblocks == ledger.capacity
+
+
+def test_drafts_extend_a_decode_and_rejected_ones_go_back() -> None:
+    """Speculative positions through the binding: drafts after the step's decode token, taken
+    from free superblocks only; the rejected ones (and the superblocks only they reached)
+    given back; a refused extension changes nothing."""
+    ledger = helix_kv.Ledger(helix_kv.Layout(2, 2), 5)  # superblocks of 4 tokens
+    ledger.add(1, 3)
+    assert ledger.grow(1, 3)
+    assert ledger.allocate_decode(1, 5) == 3
+    ledger.add(2, 8)
+    assert ledger.grow(2, 8)  # two superblocks: two are free
+    before = ledger.state_digest()
+    assert ledger.extend_decode(1, 5, 9) is None  # 13 tokens: three more superblocks
+    assert ledger.state_digest() == before
+    with pytest.raises(helix_kv.InvalidLengthError):
+        ledger.extend_decode(1, 5, 17)  # past the whole pool
+    assert ledger.extend_decode(1, 5, 5) == 4
+    assert ledger.free_superblocks == 0
+    ledger.retract_drafts(1, 5, 3, 6)  # two of five accepted
+    assert ledger.free_superblocks == 1
+    assert ledger.allocate_decode(1, 6) == 6
+    with pytest.raises(helix_kv.InvalidStateError):
+        ledger.extend_decode(1, 5, 1)  # not the step of its decode token

@@ -399,6 +399,37 @@ impl PyLedger {
         let id = id_arg(request_id)?;
         self.inner.revert_decode(id, u64_arg(step, "step")?).py()
     }
+    /// Reserves `drafts` speculative positions right after the decode token allocated in
+    /// `step`, from free superblocks alone (never evicting cached ones); the first draft's
+    /// position, or None (nothing changed) if they do not fit.
+    fn extend_decode(
+        &mut self,
+        request_id: &Bound<'_, PyAny>,
+        step: &Bound<'_, PyAny>,
+        drafts: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<u64>> {
+        let id = id_arg(request_id)?;
+        let step = u64_arg(step, "step")?;
+        self.inner
+            .extend_decode(id, step, length_arg(drafts, "drafts")?)
+            .py()
+    }
+    /// Gives back the last `drafts` speculative positions of the decode in `step` (rejected
+    /// or reverted) and shrinks the length to `len_to` when longer.
+    fn retract_drafts(
+        &mut self,
+        request_id: &Bound<'_, PyAny>,
+        step: &Bound<'_, PyAny>,
+        drafts: &Bound<'_, PyAny>,
+        len_to: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let id = id_arg(request_id)?;
+        let step = u64_arg(step, "step")?;
+        let drafts = length_arg(drafts, "drafts")?;
+        self.inner
+            .retract_drafts(id, step, drafts, length_arg(len_to, "len_to")?)
+            .py()
+    }
     /// Recompute-pause: frees the pages, folds generated tokens into the prompt, resets the decode counter.
     fn reset_for_recompute(
         &mut self,
