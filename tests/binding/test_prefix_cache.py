@@ -84,6 +84,8 @@ def test_a_huge_salt_is_refused() -> None:
         scheduler.add_request(2, SHARED, 2, cache_salt=b"x" * 4097)
     with pytest.raises(InvalidArgumentError):
         scheduler.add_request(2, SHARED, 2, cache_salt="x" * 10**6)
+    with pytest.raises(InvalidArgumentError, match="Unicode"):
+        scheduler.add_request(2, SHARED, 2, cache_salt="\ud800")
     assert scheduler.queue_ids().tolist() == [1]
 
 

@@ -690,6 +690,11 @@ impl Ledger {
                 "superblock {page} caches no prefix"
             )));
         }
+        if let Some(repeated) = first_repeat(pages) {
+            return Err(CoreError::InvalidArgument(format!(
+                "superblock {repeated} appears twice in one table"
+            )));
+        }
         for &page in pages {
             cache.share(page);
         }
@@ -756,6 +761,15 @@ impl Ledger {
         if let Some(cache) = self.cache.as_mut() {
             cache.set_restoring(on);
         }
+    }
+
+    /// Gives back everything of `id` past `new_len` as the undo of this step's work (its
+    /// hits go back to their places in the eviction order).
+    pub(crate) fn shrink_restoring(&mut self, id: RequestId, new_len: u64) -> Result<()> {
+        self.set_restoring(true);
+        let shrunk = self.shrink(id, new_len);
+        self.set_restoring(false);
+        shrunk
     }
 
     /// Drops every cached superblock no request references (they join the free list, least
@@ -2081,11 +2095,11 @@ pub fn reserve_exactly<T>(out: &mut Vec<T>, additional: u64, what: &str) -> Resu
         })
 }
 
-/// The first id that occurs a second time in `ids`.
-fn first_repeat(ids: &[RequestId]) -> Option<RequestId> {
+/// The first value that occurs a second time in `values` (request ids, superblock ids).
+fn first_repeat<T: Copy + Eq + std::hash::Hash>(values: &[T]) -> Option<T> {
     let mut seen = rustc_hash::FxHashSet::default();
-    seen.reserve(ids.len());
-    ids.iter().copied().find(|&id| !seen.insert(id))
+    seen.reserve(values.len());
+    values.iter().copied().find(|&value| !seen.insert(value))
 }
 
 #[cfg(test)]

@@ -90,8 +90,9 @@ pub struct PrefixCache {
     refs: Vec<u32>,
     /// Per page: its key while it is registered.
     keys: Vec<Option<BlockKey>>,
-    /// Per page: the stamp of its last release into `evictable` (kept while it is
-    /// referenced again, so undoing a hit puts it back where it was).
+    /// Per registered page: the stamp of its last release by any table (not changed by a
+    /// hit, nor by a release that undoes one), its place in `evictable` once nobody
+    /// references it.
     stamps: Vec<u64>,
     /// Key -> page; looked up, never iterated.
     lookup: FxHashMap<BlockKey, SuperblockId>,
@@ -130,9 +131,9 @@ impl PrefixCache {
         crate::ledger::superblock_count(self.evictable.len())
     }
 
-    /// Block tables naming `page`.
+    /// Block tables naming `page` (0 for a page outside the pool).
     pub fn refs(&self, page: SuperblockId) -> u32 {
-        self.refs[page as usize]
+        self.refs.get(page as usize).copied().unwrap_or(0)
     }
 
     /// The page holding `key`'s prefix, if cached.
@@ -140,9 +141,9 @@ impl PrefixCache {
         self.lookup.get(&key).copied()
     }
 
-    /// The key `page` is registered under.
+    /// The key `page` is registered under (`None` for a page outside the pool).
     pub fn key_of(&self, page: SuperblockId) -> Option<BlockKey> {
-        self.keys[page as usize]
+        self.keys.get(page as usize).copied().flatten()
     }
 
     /// A page taken from the free list into one table.

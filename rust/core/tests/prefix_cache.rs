@@ -432,3 +432,26 @@ fn disaggregated_and_non_helix_servers_cache_too() {
         assert!(result.cached_tokens > 0, "{mode:?}");
     }
 }
+
+#[test]
+fn attaching_pages_that_are_not_cached_is_refused_unchanged() {
+    let mut s = Scheduler::new(cached(1, 8)).unwrap();
+    s.add_request(1, &prompt(8, 1, 1), 1, 0).unwrap();
+    drain(&mut s);
+    let mut ledger = s.ledger().clone();
+    ledger.add(5, 8).unwrap();
+    let cached_page = (0..8)
+        .find(|&p| ledger.prefix_cache().unwrap().key_of(p).is_some())
+        .unwrap();
+    let before = ledger.clone();
+    for pages in [vec![99], vec![u32::MAX], vec![cached_page, cached_page]] {
+        assert!(matches!(
+            ledger.attach_cached(5, &pages),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        assert_eq!(ledger, before);
+    }
+    assert_eq!(ledger.prefix_cache().unwrap().refs(u32::MAX), 0);
+    ledger.attach_cached(5, &[cached_page]).unwrap();
+    assert_eq!(ledger.prefix_cache().unwrap().refs(cached_page), 1);
+}

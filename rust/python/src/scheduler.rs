@@ -375,7 +375,15 @@ fn salt_arg(salt: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8>> {
         return Ok(Vec::new());
     };
     let bytes = if let Ok(text) = salt.cast::<PyString>() {
-        text.to_cow()?.as_bytes().to_vec()
+        // A str that is not valid Unicode (a lone surrogate) has no UTF-8 bytes.
+        text.to_cow()
+            .map_err(|_| {
+                InvalidArgumentError::new_err(
+                    "cache_salt must be valid Unicode (no lone surrogates)",
+                )
+            })?
+            .as_bytes()
+            .to_vec()
     } else if let Ok(bytes) = salt.cast::<PyBytes>() {
         bytes.as_bytes().to_vec()
     } else {

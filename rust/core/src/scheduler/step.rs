@@ -594,9 +594,7 @@ impl Scheduler {
             if !self.reserve_prefill(step, queue_pos, req, start, start + chunk, cached > 0)? {
                 if !hits.is_empty() {
                     // Not admitted after all: its hits go back where they were.
-                    self.ledger.set_restoring(true);
-                    self.ledger.shrink(id, 0)?;
-                    self.ledger.set_restoring(false);
+                    self.ledger.shrink_restoring(id, 0)?;
                 }
                 // Head of line: nothing behind may take budget or pages this one could not.
                 break;
