@@ -130,6 +130,11 @@ fn single_field_changes() -> Vec<(&'static str, SchedulerConfig, SchedulerConfig
             b.clone(),
             changed(&b, |c| c.enable_prefix_caching = true),
         ),
+        (
+            "num_speculative_tokens",
+            b.clone(),
+            changed(&b, |c| c.num_speculative_tokens = 3),
+        ),
     ]
 }
 

@@ -1,7 +1,7 @@
 //! Closing a step: `update` (it ran) or `revert` (it did not).
 
 use super::metrics::RequestMetrics;
-use super::pending::{ContextEntry, JournalEntry, StepRecord};
+use super::pending::{ContextEntry, DraftEntry, JournalEntry, StepRecord};
 use super::request::{FinishReason, RequestIndex, RequestOutput, RequestState, NO_STEP};
 use super::Scheduler;
 
@@ -16,17 +16,28 @@ impl Scheduler {
         clippy::too_many_lines,
         reason = "one pass that reads each request's hot record once; its rare cases are helpers already"
     )]
-    pub(super) fn apply_step(&mut self, record: &StepRecord, tokens: &[i32], eos: Option<&[bool]>) {
+    pub(super) fn apply_step(
+        &mut self,
+        record: &StepRecord,
+        tokens: &[i32],
+        eos: Option<&[bool]>,
+        accepted: Option<&[u32]>,
+    ) {
         let step = record.step;
         let newer = self.pending.newest().map(|newer| newer.step);
         let ends = |sample: usize| eos.is_some_and(|flags| flags[sample]);
         let (generation, context) = (&record.generation_reqs[..], &record.context[..]);
+        let draft_rows: usize = record.drafts.iter().map(|d| d.count as usize).sum();
         let mut at = Cursors {
             generation: 0,
+            generation_row: 0,
+            draft: 0,
             context: 0,
-            context_sample: generation.len(),
+            context_sample: generation.len() + draft_rows,
             computed_tokens: generation.len() as u64,
         };
+        // The fast path reads one row per entry: a step with drafts takes the general one.
+        let plain_rows = record.drafts.is_empty();
         // The step ran: what it evicted is gone (before this update registers anything,
         // so a superblock the step computed again may take an evicted key).
         self.ledger.forget_evictions(&record.evictions);
@@ -38,19 +49,20 @@ impl Scheduler {
         let mut kept = 0;
         let mut read = 0;
         while read < self.queue.len() {
-            if !has_zombies {
+            if !has_zombies && plain_rows {
                 // The steady state first: a run of plain decodes that neither finish
                 // nor were aborted (the general body below, minus its cases).
                 let run = self.apply_decode_run(generation, tokens, eos, read, at.generation, kept);
                 read += run;
                 at.generation += run;
+                at.generation_row += run;
                 kept += run;
                 if read == self.queue.len() {
                     break;
                 }
             }
             if has_zombies {
-                self.skip_held_entries(generation, context, &mut at);
+                self.skip_held_entries(record, context, &mut at);
             }
             let req = self.queue[read];
             let request = &mut self.requests[req as usize];
@@ -58,18 +70,31 @@ impl Scheduler {
             let aborted = request.abort_requested;
             let mut finished = None;
             if generation.get(at.generation) == Some(&req) {
+                let row = at.generation_row;
+                let drafts = at.drafts_of(record);
                 if !aborted {
-                    let token = tokens[at.generation];
-                    if request.state == RequestState::Decoding {
+                    if let Some(drafts) = drafts {
+                        // Never a victim while its drafts are pending: still decoding.
+                        debug_assert_eq!(request.state, RequestState::Decoding);
+                        let rows = &tokens[row..=row + drafts.count as usize];
+                        let flags = eos.map(|flags| &flags[row..=row + drafts.count as usize]);
+                        let count = accepted.map_or(0, |a| a[at.generation]);
+                        let ended = self.apply_verified(step, req, drafts, rows, flags, count);
+                        at.computed_tokens += u64::from(count);
+                        let complete = self.requests[req as usize].is_complete();
+                        finished = finish_reason(complete, ended);
+                    } else if request.state == RequestState::Decoding {
+                        let token = tokens[row];
                         self.token_log.push(req, request, token);
                         request.computed += 1;
-                        finished = finish_reason(request.is_complete(), ends(at.generation));
+                        finished = finish_reason(request.is_complete(), ends(row));
                     } else {
+                        let token = tokens[row];
                         let complete = self.record_after_preemption(req, 1, Some(token), true);
-                        finished = finish_reason(complete, ends(at.generation));
+                        finished = finish_reason(complete, ends(row));
                     }
                 }
-                at.generation += 1;
+                at.pass_generation(drafts);
             } else if aborted {
                 // Its context entry (if any) ran and is counted; the rest is freed below.
                 if let Some(entry) = context.get(at.context).filter(|e| e.req == req) {
@@ -125,7 +150,7 @@ impl Scheduler {
             read += 1;
         }
         if has_zombies {
-            self.skip_held_entries(generation, context, &mut at);
+            self.skip_held_entries(record, context, &mut at);
         }
         debug_assert_eq!(
             (at.generation, at.context),
@@ -145,6 +170,7 @@ impl Scheduler {
             self.release_zombies(&record.zombies);
         }
         self.metrics.prefix_cache_evictions += record.evictions.len() as u64;
+        self.close_drafts(step, generation, &record.drafts);
         self.count_step(record, at.computed_tokens);
     }
 
@@ -238,17 +264,14 @@ impl Scheduler {
 
     /// Entries of requests that finished while this step was pending (held for it, out
     /// of the queue): their work ran and is discarded. Moves the cursors past them.
-    fn skip_held_entries(
-        &self,
-        generation: &[RequestIndex],
-        context: &[ContextEntry],
-        at: &mut Cursors,
-    ) {
-        while generation
+    fn skip_held_entries(&self, record: &StepRecord, context: &[ContextEntry], at: &mut Cursors) {
+        while record
+            .generation_reqs
             .get(at.generation)
             .is_some_and(|&g| self.requests[g as usize].cold.zombie)
         {
-            at.generation += 1;
+            let drafts = at.drafts_of(record);
+            at.pass_generation(drafts);
         }
         while let Some(entry) = context
             .get(at.context)
@@ -263,6 +286,8 @@ impl Scheduler {
         self.metrics.computed_tokens += computed_tokens;
         self.metrics.steps += 1;
         self.metrics.sat_out += record.sat_out.len() as u64;
+        self.metrics.spec_decode_num_trimmed_tokens += record.drafts_trimmed;
+        self.metrics.spec_decode_draft_superblocks += record.draft_superblocks;
         if self.has_host_tier() {
             self.metrics.resumes += record
                 .journal
@@ -411,6 +436,7 @@ impl Scheduler {
             .sink_returned_pages(record.free_len, free_before_undo);
         self.ledger.restore_evictions(&record.evictions);
         self.stalled_steps = record.stalled_steps_before;
+        self.close_drafts(record.step, &record.generation_reqs, &record.drafts);
         self.finished_ids.clear();
         self.release_zombies(&record.zombies);
     }
@@ -433,12 +459,35 @@ fn finish_reason(complete: bool, eos: bool) -> Option<FinishReason> {
 /// value, so the passes that move them (held entries, aborted chunks) take it whole.
 struct Cursors {
     generation: usize,
+    /// The first sampled row of the next generation entry (`1 + drafts` rows each).
+    generation_row: usize,
+    /// The next of the step's draft entries (they are in generation entry order).
+    draft: usize,
     context: usize,
     context_sample: usize,
     computed_tokens: u64,
 }
 
 impl Cursors {
+    /// The drafts of the next generation entry, if it has any.
+    fn drafts_of(&self, record: &StepRecord) -> Option<DraftEntry> {
+        record
+            .drafts
+            .get(self.draft)
+            .filter(|d| d.entry as usize == self.generation)
+            .copied()
+    }
+
+    /// Moves past the next generation entry (with its `drafts`, from [`Self::drafts_of`]).
+    fn pass_generation(&mut self, drafts: Option<DraftEntry>) {
+        self.generation += 1;
+        self.generation_row += 1;
+        if let Some(d) = drafts {
+            self.generation_row += d.count as usize;
+            self.draft += 1;
+        }
+    }
+
     /// Moves past a context entry whose chunk ran: its tokens count as computed, and its
     /// sample (if it completed its prefill) is passed.
     fn pass_context(&mut self, entry: &ContextEntry) {

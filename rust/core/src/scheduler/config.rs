@@ -16,6 +16,10 @@ use crate::error::{CoreError, Result};
 use crate::layout::Layout;
 use crate::ledger::MAX_CAPACITY;
 
+/// The most draft tokens one decode may verify in a step (`num_speculative_tokens`): peers
+/// run 1 to 10 (EAGLE, MTP, n-gram); 64 keeps a step's worst case well inside its budget.
+pub const MAX_SPECULATIVE_TOKENS: u32 = 64;
+
 /// How KV capacity is promised to requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CapacityPolicy {
@@ -325,6 +329,9 @@ macro_rules! scheduler_config_fields {
             deadlock_steps: u32 = 64,
             /// Whether full superblocks of known tokens stay cached for requests with the same prefix (and the same cache salt).
             enable_prefix_caching: bool = false,
+            /// Draft tokens a decode may verify in one step (speculative decoding); 0 turns drafts off.
+            #[range(0, MAX_SPECULATIVE_TOKENS, "the most draft positions a decode verifies in one step")]
+            num_speculative_tokens: u32 = 0,
         }
     };
 }
@@ -565,7 +572,9 @@ impl SchedulerConfig {
         let mut h = Fnv64::new();
         h.bytes(b"helix_kv.SchedulerConfig");
         for (name, value) in self.decision_fields() {
-            if name == "enable_prefix_caching" && value == FieldValue::Bool(false) {
+            let off = (name == "enable_prefix_caching" && value == FieldValue::Bool(false))
+                || (name == "num_speculative_tokens" && value == FieldValue::Int(0));
+            if off {
                 // A feature off hashes as if it did not exist, so configurations from
                 // before it keep their fingerprint (and every digest its value).
                 continue;

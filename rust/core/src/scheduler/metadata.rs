@@ -70,7 +70,8 @@ const SAMPLE_ROWS: usize = 8;
 const BLOCK_TABLE: usize = 9;
 
 /// Words of the header: `step` (an int64, words 0-1), then `num_tokens`, `num_entries`,
-/// `num_generation`, `num_samples`, `table_width_used` and one word reserved (0).
+/// `num_generation`, `num_samples`, `table_width_used` and `num_draft_tokens` (0 without
+/// speculative decoding).
 pub const HEADER_WORDS: usize = 8;
 
 /// One section of the packed buffer.
@@ -188,9 +189,14 @@ pub struct StepMetadata {
     pub num_tokens: usize,
     /// Entries written (generation entries, then context chunks).
     pub num_entries: usize,
-    /// Generation entries: entries `0..num_generation`, tokens `0..num_generation`.
+    /// Generation entries: entries `0..num_generation`, tokens
+    /// `0..num_generation + num_draft_tokens` (each entry's input token, then its drafts).
     pub num_generation: usize,
-    /// Rows of `sample_rows` written (the length of `sample_ids`).
+    /// Draft tokens the generation entries verify (speculative decoding; 0 without).
+    pub num_draft_tokens: usize,
+    /// Sampled rows (the length of `sample_ids`). Without drafts, the rows of `sample_rows`
+    /// written; with drafts, `sample_rows` holds each generation entry's first row (its
+    /// `1 + drafts` rows are all sampled) and then each completing chunk's last row.
     pub num_samples: usize,
     /// The widest table among the entries, in superblocks (columns past it are -1).
     pub table_width_used: usize,
@@ -216,6 +222,9 @@ pub struct StepSource<'a> {
     pub generation_input_tokens: &'a [i32],
     pub generation_input_refs: &'a [i32],
     pub generation_batch_slots: &'a [i32],
+    /// Drafts per generation entry (empty: none), and their tokens in entry order.
+    pub generation_draft_counts: &'a [u64],
+    pub generation_draft_tokens: &'a [i32],
 }
 
 impl<'a> From<&'a ScheduleOutput> for StepSource<'a> {
@@ -234,6 +243,8 @@ impl<'a> From<&'a ScheduleOutput> for StepSource<'a> {
             generation_input_tokens: &out.generation_input_tokens,
             generation_input_refs: &out.generation_input_refs,
             generation_batch_slots: &out.generation_batch_slots,
+            generation_draft_counts: &out.generation_draft_counts,
+            generation_draft_tokens: &out.generation_draft_tokens,
         }
     }
 }
@@ -388,6 +399,9 @@ impl Scheduler {
         layout: &StepMetadataLayout,
         buffer: &mut [i32],
     ) -> Result<StepMetadata> {
+        if has_drafts(&source) {
+            return self.write_drafted_step_metadata(&source, layout, buffer);
+        }
         let (tables, table_width_used) = self.check_step_source(&source, layout, buffer.len())?;
         let num_generation = source.generation_ids.len();
         let num_tokens = num_generation + source.context_token_ids.len();
@@ -397,6 +411,7 @@ impl Scheduler {
             num_tokens,
             num_entries: tables.len(),
             num_generation,
+            num_draft_tokens: 0,
             num_samples,
             table_width_used,
         };
@@ -561,6 +576,7 @@ impl Writer<'_> {
             m.num_generation,
             m.num_samples,
             m.table_width_used,
+            m.num_draft_tokens,
         ];
         let header = self.section(HEADER, HEADER_WORDS);
         header[0] = low;
@@ -568,7 +584,6 @@ impl Writer<'_> {
         for (dst, &count) in header[2..].iter_mut().zip(&counts) {
             *dst = word(count as u64);
         }
-        header[HEADER_WORDS - 1] = 0;
     }
 
     /// Token ids and positions: generation inputs, then the context chunks.
@@ -775,7 +790,8 @@ fn generation_slots<S: PositionSplit>(
 /// The per-row layout of decode-only step metadata ([`Scheduler::write_decode_rows`]): one
 /// int32 row per generation entry, the columns below in this order, then the block table
 /// (superblock = page ids, -1 padded to the row's width). Row `i` is the `i`-th generation
-/// entry of the step, which is also its sample row. The column order is written here once;
+/// entry of the step, which is also its sample row; with drafts, each entry has `1 + drafts`
+/// consecutive rows (its decode token, then each draft), which are its sample rows. The column order is written here once;
 /// the Python binding exposes it (`helix_kv._core.DECODE_ROW_COLUMNS`) and the executor's
 /// `DecodeLayout` reads its column indices from there.
 pub mod decode_row {
@@ -814,7 +830,8 @@ pub mod decode_row {
 pub struct DecodeRowCounts {
     /// The step written.
     pub step: u64,
-    /// Rows written: the generation entries, `0..rows`.
+    /// Rows written: the generation entries, `0..rows` (with drafts, one row per query
+    /// token: each entry's decode token, then its drafts).
     pub rows: usize,
     /// Rows written up to: `rows..padded_to` are padding rows ([`decode_row::PADDING`]).
     pub padded_to: usize,
@@ -1212,6 +1229,12 @@ impl Scheduler {
         width: usize,
         pad_to: usize,
     ) -> Result<DecodeRowCounts> {
+        if has_drafts(&source) {
+            // One row per query token: the decode token, then each draft, each row with its
+            // own position, slot and local length (the causal mask inside the draft).
+            let rows = DraftRows::of(&source)?;
+            return self.write_decode_rows(rows.source(&source), buffer, width, pad_to);
+        }
         let checked = self.check_decode_source(&source, buffer.len(), width, pad_to)?;
         let rows = checked.rows;
         let (written, padding) = buffer.split_at_mut(rows * width);
@@ -1356,5 +1379,264 @@ impl Scheduler {
             widest,
             furthest,
         })
+    }
+}
+
+/// Whether a step's generation entries verify drafts.
+fn has_drafts(source: &StepSource<'_>) -> bool {
+    source
+        .generation_draft_counts
+        .iter()
+        .any(|&count| count != 0)
+}
+
+/// The draft counts of `source` checked against its entries and tokens; the total.
+fn checked_draft_total(source: &StepSource<'_>) -> Result<usize> {
+    let g = source.generation_ids.len();
+    if source.generation_draft_counts.len() != g {
+        return Err(CoreError::InvalidArgument(
+            "the generation arrays of the schedule output differ in length".into(),
+        ));
+    }
+    let total = source
+        .generation_draft_counts
+        .iter()
+        .try_fold(0u64, |acc, &n| acc.checked_add(n));
+    if total != Some(source.generation_draft_tokens.len() as u64) {
+        return Err(CoreError::InvalidArgument(
+            "the draft counts do not add up to the draft tokens".into(),
+        ));
+    }
+    Ok(source.generation_draft_tokens.len())
+}
+
+/// The generation entries of a step with drafts as one decode row per query token (ids,
+/// positions, input tokens, input references and batch slots repeated or stepped), for
+/// [`Scheduler::write_decode_rows`].
+struct DraftRows {
+    ids: Vec<RequestId>,
+    positions: Vec<u64>,
+    tokens: Vec<i32>,
+    refs: Vec<i32>,
+    slots: Vec<i32>,
+}
+
+impl DraftRows {
+    fn of(source: &StepSource<'_>) -> Result<Self> {
+        let g = generation_len(source)?;
+        lengths_agree(g, &[source.generation_batch_slots.len()], "generation")?;
+        let n = g + checked_draft_total(source)?;
+        let mut rows = Self {
+            ids: Vec::with_capacity(n),
+            positions: Vec::with_capacity(n),
+            tokens: Vec::with_capacity(n),
+            refs: Vec::with_capacity(n),
+            slots: Vec::with_capacity(n),
+        };
+        let mut drafts = source.generation_draft_tokens.iter();
+        for i in 0..g {
+            let count = source.generation_draft_counts[i];
+            let pos = source.generation_positions[i];
+            let end = pos.checked_add(count).ok_or_else(|| {
+                CoreError::InvalidLength(format!("position {pos} + {count} drafts overflow"))
+            })?;
+            rows.ids.push(source.generation_ids[i]);
+            rows.positions.push(pos);
+            rows.tokens.push(source.generation_input_tokens[i]);
+            rows.refs.push(source.generation_input_refs[i]);
+            rows.slots.push(source.generation_batch_slots[i]);
+            for (draft_pos, &token) in (pos + 1..=end).zip(drafts.by_ref()) {
+                rows.ids.push(source.generation_ids[i]);
+                rows.positions.push(draft_pos);
+                rows.tokens.push(token);
+                rows.refs.push(-1);
+                rows.slots.push(source.generation_batch_slots[i]);
+            }
+        }
+        Ok(rows)
+    }
+
+    /// The rows as a step source without drafts (the step and digest of `source`).
+    fn source<'a>(&'a self, source: &StepSource<'a>) -> StepSource<'a> {
+        StepSource {
+            generation_ids: &self.ids,
+            generation_positions: &self.positions,
+            generation_input_tokens: &self.tokens,
+            generation_input_refs: &self.refs,
+            generation_batch_slots: &self.slots,
+            generation_draft_counts: &[],
+            generation_draft_tokens: &[],
+            ..*source
+        }
+    }
+}
+
+impl Scheduler {
+    /// [`Self::write_step_metadata`] of a step whose generation entries verify drafts: a
+    /// generation entry is then `1 + drafts` query tokens (its input token, then its
+    /// drafts, at consecutive positions) with its query start, this rank's KV slot of each,
+    /// its local length after the last and its past-seen length before the first (the
+    /// causal mask inside the draft is the positions'), and all its tokens are sampled.
+    /// Checked whole before the first word is written, as the plain form is.
+    #[expect(
+        clippy::too_many_lines,
+        reason = "one straight pass per section, in buffer order; the plain form splits them for speed"
+    )]
+    fn write_drafted_step_metadata(
+        &self,
+        source: &StepSource<'_>,
+        layout: &StepMetadataLayout,
+        buffer: &mut [i32],
+    ) -> Result<StepMetadata> {
+        self.check_pending(source)?;
+        let drafts = checked_draft_total(source)?;
+        let g = generation_len(source)?;
+        lengths_agree(g, &[source.generation_batch_slots.len()], "generation")?;
+        // The plain shape checks, on the step without its drafts, then the drafts' room.
+        let plain = StepSource {
+            generation_draft_counts: &[],
+            generation_draft_tokens: &[],
+            ..*source
+        };
+        check_shapes(&plain, layout, buffer.len())?;
+        let num_tokens = g + drafts + source.context_token_ids.len();
+        if num_tokens > layout.max_tokens {
+            return Err(CoreError::InvalidLength(format!(
+                "step {} has {num_tokens} tokens; the layout holds {}",
+                source.step, layout.max_tokens
+            )));
+        }
+        // Every entry as (id, first position, tokens), generation entries first.
+        let entries: Vec<(RequestId, u64, u64)> = source
+            .generation_ids
+            .iter()
+            .zip(source.generation_positions)
+            .zip(source.generation_draft_counts)
+            .map(|((&id, &pos), &count)| (id, pos, 1 + count))
+            .chain(
+                source
+                    .context_ids
+                    .iter()
+                    .zip(source.context_starts)
+                    .zip(source.context_lens)
+                    .map(|((&id, &start), &len)| (id, start, len)),
+            )
+            .collect();
+        let mut tables = Vec::with_capacity(entries.len());
+        let (mut furthest, mut widest) = (0u64, 0usize);
+        for &(id, start, count) in &entries {
+            let request = self.ledger.request(id)?;
+            let end = start.saturating_add(count);
+            if end > request.len() {
+                return Err(unreserved(id, start, end, request.len()));
+            }
+            furthest = furthest.max(end);
+            widest = widest.max(request.table().len());
+            tables.push(request.table());
+        }
+        check_word(furthest, "position")?;
+        if widest > layout.table_width {
+            return Err(CoreError::InvalidLength(format!(
+                "a request holds {widest} superblocks, wider than the layout's {} columns",
+                layout.table_width
+            )));
+        }
+        let completes = source.context_completes.iter().filter(|&&c| c).count();
+        let metadata = StepMetadata {
+            step: source.step,
+            num_tokens,
+            num_entries: entries.len(),
+            num_generation: g,
+            num_draft_tokens: drafts,
+            num_samples: g + drafts + completes,
+            table_width_used: widest,
+        };
+        let placement = self.layout;
+        let rank = self.config.cp_rank;
+        let mut writer = Writer {
+            layout,
+            buffer,
+            placement,
+            rank,
+        };
+        writer.header(&metadata);
+        // Tokens, positions and slots, entry after entry.
+        let mut token_ids = Vec::with_capacity(num_tokens);
+        let mut drafts_left = source.generation_draft_tokens.iter();
+        for (i, &count) in source.generation_draft_counts.iter().enumerate() {
+            token_ids.push(source.generation_input_tokens[i]);
+            token_ids.extend(drafts_left.by_ref().take(to_usize(count)));
+        }
+        token_ids.extend_from_slice(source.context_token_ids);
+        writer
+            .section(TOKEN_IDS, num_tokens)
+            .copy_from_slice(&token_ids);
+        let positions = entries
+            .iter()
+            .flat_map(|&(_, start, count)| start..start + count);
+        for (dst, pos) in writer
+            .section(POSITIONS, num_tokens)
+            .iter_mut()
+            .zip(positions)
+        {
+            *dst = word(pos);
+        }
+        let tpb = u64::from(placement.tokens_per_block());
+        let per_superblock = placement.tokens_per_superblock();
+        let offset = layout.sections[SLOT_MAPPING].offset_words;
+        let mut slots = writer.buffer[offset..offset + 2 * num_tokens].chunks_exact_mut(2);
+        for (&(_, start, count), table) in entries.iter().zip(&tables) {
+            for pos in start..start + count {
+                let value = if placement.owner_rank(pos) == rank {
+                    let page = page_id(table[to_usize(pos / per_superblock)]);
+                    i64::from(page) * i64::from(placement.tokens_per_block())
+                        + i64::from(word(pos % tpb))
+                } else {
+                    -1
+                };
+                if let Some(dst) = slots.next() {
+                    dst.copy_from_slice(&wide_words(value));
+                }
+            }
+        }
+        // Query starts, lengths, batch slots and sample rows, entry after entry.
+        let e = entries.len();
+        let starts = writer.section(QUERY_START, e + 1);
+        let mut at = 0u64;
+        starts[0] = 0;
+        for (dst, &(_, _, count)) in starts[1..].iter_mut().zip(&entries) {
+            at += count;
+            *dst = word(at);
+        }
+        let local = writer.section(LOCAL_LENS, e);
+        for (dst, &(_, start, count)) in local.iter_mut().zip(&entries) {
+            *dst = word(placement.local_len(start + count, rank));
+        }
+        let past = writer.section(PAST_SEEN_LENS, e);
+        for (dst, &(_, start, _)) in past.iter_mut().zip(&entries) {
+            *dst = word(placement.local_len(start, rank));
+        }
+        let batch = writer.section(BATCH_SLOTS, e);
+        batch[..g].copy_from_slice(source.generation_batch_slots);
+        batch[g..].copy_from_slice(source.context_batch_slots);
+        // One per generation entry, its first row (its `1 + drafts` rows are all sampled),
+        // then the last row of each chunk that completes its prompt.
+        let samples = writer.section(SAMPLE_ROWS, g + completes);
+        let mut row = 0u64;
+        for (dst, &(_, _, count)) in samples[..g].iter_mut().zip(&entries) {
+            *dst = word(row);
+            row += count;
+        }
+        let mut next = samples[g..].iter_mut();
+        for (&len, &done) in source.context_lens.iter().zip(source.context_completes) {
+            row += len;
+            if done {
+                if let Some(dst) = next.next() {
+                    *dst = word(row - 1);
+                }
+            }
+        }
+        writer.block_table(&tables);
+        Ok(metadata)
     }
 }

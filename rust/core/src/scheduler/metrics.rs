@@ -61,6 +61,21 @@ macro_rules! scheduler_metrics_fields {
             prefix_cache_recompute_hits: u64,
             /// Prefix caching: cached superblocks evicted for allocations (in steps that ran).
             prefix_cache_evictions: u64,
+            /// Speculative decoding: decodes that verified at least one draft token (in steps
+            /// that ran; vLLM's `spec_decode_num_drafts`).
+            spec_decode_num_drafts: u64,
+            /// Speculative decoding: draft tokens verified.
+            spec_decode_num_draft_tokens: u64,
+            /// Speculative decoding: of those, draft tokens accepted.
+            spec_decode_num_accepted_tokens: u64,
+            /// Speculative decoding: proposed draft tokens a step did not schedule (no free
+            /// pages, no token budget left, or past `max_new_tokens`): drafts give way first.
+            spec_decode_num_trimmed_tokens: u64,
+            /// Speculative decoding: superblocks draft positions took from the free list.
+            spec_decode_draft_superblocks: u64,
+            /// Speculative decoding: superblocks that only rejected drafts reached, given back
+            /// to the pool at the update.
+            spec_decode_returned_superblocks: u64,
         }
     };
 }

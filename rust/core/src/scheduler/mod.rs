@@ -13,6 +13,7 @@
 mod abort;
 mod commit;
 mod config;
+mod drafts;
 mod host;
 mod metadata;
 mod metrics;
@@ -28,7 +29,7 @@ use rustc_hash::FxHashMap;
 
 pub use config::{
     CapacityPolicy, ConfigDefault, ConfigField, ConfigValue, FieldValue, SchedulerConfig,
-    ServingMode, SuspendPolicy, VictimPolicy, DECISION_FIELDS,
+    ServingMode, SuspendPolicy, VictimPolicy, DECISION_FIELDS, MAX_SPECULATIVE_TOKENS,
 };
 pub use metadata::{
     decode_row, DecodeRowCounts, StepMetadata, StepMetadataLayout, StepMetadataSection, StepSource,
@@ -96,6 +97,8 @@ pub struct Scheduler {
     finished_ids: Vec<RequestId>,
     /// The step being built (per-step scratch, kept to reuse the allocations).
     builder: StepBuilder,
+    /// Draft proposals for the next step, and acceptance per draft position.
+    drafts: drafts::Drafts,
 }
 
 impl Scheduler {
@@ -136,6 +139,7 @@ impl Scheduler {
             builder: StepBuilder::new(config.victim_policy, output.clone()),
             output,
             finished_ids: Vec::new(),
+            drafts: drafts::Drafts::default(),
             fingerprint: config.fingerprint(),
             config,
         })
@@ -339,6 +343,7 @@ impl Scheduler {
         self.pending.push(record);
         std::mem::swap(&mut self.output, &mut self.builder.out);
         self.next_step += 1;
+        self.drafts.consumed();
         Ok(&self.output)
     }
 
@@ -355,11 +360,29 @@ impl Scheduler {
     /// A request whose abort was requested while this step was pending finishes here
     /// with [`FinishReason::Aborted`]: its token of this step is dropped (the client is
     /// gone), its KV and batch slot are freed, and its id is among those returned.
+    pub fn update(&mut self, tokens: &[i32], eos: Option<&[bool]>) -> Result<&[RequestId]> {
+        self.update_accepted(tokens, eos, None)
+    }
+
+    /// [`Self::update`] of a step whose decodes verified drafts (speculative decoding):
+    /// `tokens` (and `eos`) hold one row per `sample_ids` entry, so `1 + drafts` rows per
+    /// generation entry (the tokens sampled at its decode position and at each draft
+    /// position), and `accepted[i]` says how many drafts of generation entry `i` were
+    /// accepted (`0..=drafts`; `None`: none). Entry `i` keeps its first `accepted[i] + 1`
+    /// rows, up to the first end-of-sequence among them (the tokens after it are dropped);
+    /// its other draft positions are rolled back, and a superblock only they reached goes
+    /// back to the pool. Refused (nothing changed) for the wrong number of rows, of flags
+    /// or of accepted counts, or an accepted count above the entry's drafts.
     #[expect(
         clippy::missing_panics_doc,
         reason = "the step taken out is the one checked first: it is there"
     )]
-    pub fn update(&mut self, tokens: &[i32], eos: Option<&[bool]>) -> Result<&[RequestId]> {
+    pub fn update_accepted(
+        &mut self,
+        tokens: &[i32],
+        eos: Option<&[bool]>,
+        accepted: Option<&[u32]>,
+    ) -> Result<&[RequestId]> {
         // The oldest pending step closes.
         let Some(oldest) = self.pending.oldest() else {
             return Err(CoreError::InvalidState(
@@ -381,8 +404,31 @@ impl Scheduler {
                 )));
             }
         }
+        if let Some(accepted) = accepted {
+            let entries = oldest.generation_reqs.len();
+            if accepted.len() != entries {
+                return Err(CoreError::InvalidArgument(format!(
+                    "update() got {} accepted counts for the {entries} generation entries of step {step}",
+                    accepted.len(),
+                )));
+            }
+            let mut drafts = oldest.drafts.iter().peekable();
+            for (entry, &count) in accepted.iter().enumerate() {
+                let verified = match drafts.peek() {
+                    Some(d) if d.entry as usize == entry => drafts.next().map_or(0, |d| d.count),
+                    _ => 0,
+                };
+                if count > verified {
+                    let id = self.requests[oldest.generation_reqs[entry] as usize].id;
+                    return Err(CoreError::InvalidArgument(format!(
+                        "update() got {count} accepted drafts for generation entry {entry} (request {id}) \
+                         of step {step}, which verified {verified}"
+                    )));
+                }
+            }
+        }
         let record = self.pending.pop_oldest().expect("a step is pending");
-        self.apply_step(&record, tokens, eos);
+        self.apply_step(&record, tokens, eos, accepted);
         self.builder.recycle(record);
         Ok(&self.finished_ids)
     }

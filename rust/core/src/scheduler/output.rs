@@ -72,6 +72,13 @@ macro_rules! schedule_output_fields {
             invariant generation_input_refs: [i32],
             /// Batch slot of each generation entry.
             invariant generation_batch_slots: [i32],
+            /// Draft tokens each generation entry verifies after its decode token (speculative
+            /// decoding; 0 for none, and every entry 0 without drafts): the entry's query tokens
+            /// are its input token then its drafts, at positions `position ..= position + count`,
+            /// and `update` takes `1 + count` sampled tokens for it.
+            invariant generation_draft_counts: [u64],
+            /// The draft tokens, concatenated in generation entry order.
+            invariant generation_draft_tokens: [i32],
             /// Requests recompute-paused this step, in the order chosen.
             invariant preempted_ids: [RequestId],
             /// For each preempted request, the request that needed its pages (always ahead
@@ -305,24 +312,34 @@ impl ScheduleOutput {
     pub fn sample_ids(&self) -> impl ExactSizeIterator<Item = RequestId> + '_ {
         Self::sample_ids_of(
             &self.generation_ids,
+            &self.generation_draft_counts,
             &self.context_ids,
             &self.context_completes,
         )
     }
 
     /// [`Self::sample_ids`] from the fields it is made of (for the binding, which lends
-    /// them where they lie): `generation_ids`, then each of `context_ids` whose entry of
+    /// them where they lie): each of `generation_ids` `1 + draft count` times (an empty
+    /// `generation_draft_counts` is no drafts), then each of `context_ids` whose entry of
     /// `context_completes` is set.
     pub fn sample_ids_of<'a>(
         generation_ids: &'a [RequestId],
+        generation_draft_counts: &'a [u64],
         context_ids: &'a [RequestId],
         context_completes: &'a [bool],
     ) -> impl ExactSizeIterator<Item = RequestId> + 'a {
+        let counts =
+            &generation_draft_counts[..generation_ids.len().min(generation_draft_counts.len())];
+        let drafts: u64 = counts.iter().sum();
         SampleIds {
-            generation: generation_ids.iter(),
+            generation: generation_ids,
+            draft_counts: counts,
+            entry: 0,
+            repeats: 0,
             context: context_ids.iter().zip(context_completes),
             left: Self::num_samples_of(
                 generation_ids.len(),
+                usize::try_from(drafts).unwrap_or(usize::MAX),
                 &context_completes[..context_ids.len().min(context_completes.len())],
             ),
         }
@@ -332,15 +349,23 @@ impl ScheduleOutput {
     /// context entries that complete their prompt (the length of [`Self::sample_ids`],
     /// counted without making it).
     pub fn num_samples(&self) -> usize {
-        Self::num_samples_of(self.generation_ids.len(), &self.context_completes)
+        Self::num_samples_of(
+            self.generation_ids.len(),
+            self.generation_draft_tokens.len(),
+            &self.context_completes,
+        )
     }
 
-    /// How many samples a step of `generation_entries` generation entries and these
-    /// context flags has: every generation entry, then every context entry whose chunk
-    /// completes. The one count behind [`Self::num_samples`], [`Self::sample_ids_of`] and
-    /// the binding's `num_samples`.
-    pub fn num_samples_of(generation_entries: usize, context_completes: &[bool]) -> usize {
-        generation_entries + context_completes.iter().filter(|&&c| c).count()
+    /// How many samples a step of `generation_entries` generation entries verifying
+    /// `draft_tokens` drafts in all, and these context flags, has: `1 + drafts` rows per
+    /// generation entry, then one per context entry whose chunk completes. The one count
+    /// behind [`Self::num_samples`], [`Self::sample_ids_of`] and the binding's `num_samples`.
+    pub fn num_samples_of(
+        generation_entries: usize,
+        draft_tokens: usize,
+        context_completes: &[bool],
+    ) -> usize {
+        generation_entries + draft_tokens + context_completes.iter().filter(|&&c| c).count()
     }
 
     /// This rank's share, for each generation entry: whether this rank is the owner of
@@ -429,6 +454,8 @@ impl ScheduleOutput {
             generation_input_tokens,
             generation_input_refs,
             generation_batch_slots,
+            generation_draft_counts,
+            generation_draft_tokens,
             preempted_ids,
             preempted_requester_ids,
             suspended_ids,
@@ -497,6 +524,12 @@ impl ScheduleOutput {
                 .chunks(2)
                 .map(|pair| pack(pair[0], pair.get(1).copied().unwrap_or(0)));
             h.stream(rows);
+        }
+        if generation_draft_counts.iter().any(|&count| count != 0) {
+            // Without drafts both columns hash as absent: the digests of steps without
+            // speculative decoding are those of before it.
+            h.words(generation_draft_counts);
+            h.stream(generation_draft_tokens.iter().map(|&v| bits(v)));
         }
         for ids in [
             preempted_ids,
@@ -722,7 +755,12 @@ impl ScheduleOutput {
 
 /// [`ScheduleOutput::sample_ids`]: the generation ids, then the completing context ids.
 struct SampleIds<'a> {
-    generation: std::slice::Iter<'a, RequestId>,
+    generation: &'a [RequestId],
+    /// One per generation entry, or fewer (the rest have none).
+    draft_counts: &'a [u64],
+    /// The generation entry being given, and how many more times after this one.
+    entry: usize,
+    repeats: u64,
     context: std::iter::Zip<std::slice::Iter<'a, RequestId>, std::slice::Iter<'a, bool>>,
     /// Ids not yet given.
     left: usize,
@@ -732,9 +770,21 @@ impl Iterator for SampleIds<'_> {
     type Item = RequestId;
 
     fn next(&mut self) -> Option<RequestId> {
-        let id = match self.generation.next() {
-            Some(&id) => id,
-            None => *self.context.find(|(_, &completes)| completes)?.0,
+        if self.left == 0 {
+            return None;
+        }
+        let id = if let Some(&id) = self.generation.get(self.entry) {
+            if self.repeats == 0 {
+                // Its first row: its drafts follow it.
+                self.repeats = self.draft_counts.get(self.entry).copied().unwrap_or(0) + 1;
+            }
+            self.repeats -= 1;
+            if self.repeats == 0 {
+                self.entry += 1;
+            }
+            id
+        } else {
+            *self.context.find(|(_, &completes)| completes)?.0
         };
         self.left -= 1;
         Some(id)

@@ -52,6 +52,21 @@ pub(super) enum JournalEntry {
         len_before: u64,
     },
     Resume(RequestIndex),
+    /// The drafts of `StepRecord::drafts[index]` (made after every other change of the
+    /// step, so undone first).
+    Drafts(u32),
+}
+
+/// The drafts one generation entry of a step verifies (speculative decoding).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct DraftEntry {
+    /// The generation entry (its position in `generation_reqs`).
+    pub entry: u32,
+    /// Draft positions allocated after its decode token.
+    pub count: u32,
+    /// The request's ledger length before the drafts: a revert shrinks back to it, an
+    /// update to it or the positions kept, whichever is longer.
+    pub len_before: u64,
 }
 
 /// A request that sat out of a step, with the batch slot it gave up (restored if that step
@@ -107,6 +122,13 @@ pub(super) struct StepRecord {
     /// Cached superblocks the step's allocations evicted, oldest first (put back by its
     /// revert).
     pub evictions: Vec<Eviction>,
+    /// The generation entries that verify drafts, in entry order (empty without drafts).
+    pub drafts: Vec<DraftEntry>,
+    /// Draft tokens proposed for the step's decodes that it did not schedule (the pool,
+    /// the token budget or `max_new_tokens` had no room for them).
+    pub drafts_trimmed: u64,
+    /// Superblocks the drafts took from the free list.
+    pub draft_superblocks: u64,
 }
 
 impl StepRecord {
@@ -119,6 +141,9 @@ impl StepRecord {
         self.new_slot_reqs.clear();
         self.sat_out.clear();
         self.evictions.clear();
+        self.drafts.clear();
+        self.drafts_trimmed = 0;
+        self.draft_superblocks = 0;
         debug_assert!(
             self.zombies.is_empty(),
             "a closed step released its zombies"

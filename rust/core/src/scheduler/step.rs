@@ -33,14 +33,23 @@ impl Scheduler {
             .pending
             .newest()
             .expect("a step planned ahead has an older pending step");
-        for (row, &req) in older.generation_reqs.iter().enumerate() {
+        // Each generation entry has `1 + drafts` rows. One with drafts samples no row this
+        // step can take as its input: how many of its drafts are accepted decides its next
+        // position, so it waits for the older step's update (marked as sampling nothing).
+        let mut drafts = older.drafts.iter().peekable();
+        let mut row = 0;
+        for (entry, &req) in older.generation_reqs.iter().enumerate() {
+            let count = match drafts.peek() {
+                Some(d) if d.entry as usize == entry => drafts.next().map_or(0, |d| d.count),
+                _ => 0,
+            };
             marks[req as usize] = AheadMark {
                 step,
                 computed: 0, // a decode: not read
-                row: row_id(row),
+                row: if count == 0 { row_id(row) } else { -1 },
             };
+            row += 1 + count as usize;
         }
-        let mut row = older.generation_reqs.len();
         for entry in &older.context {
             let sampled = if entry.completes {
                 row += 1;
@@ -744,6 +753,7 @@ impl Scheduler {
                     || r.cold.resumed_step == step
                     || r.cold.victim_step == step
                     || r.cold.rescued_step == step
+                    || r.cold.draft_step != NO_STEP
                 {
                     return None;
                 }
@@ -947,6 +957,8 @@ impl Scheduler {
         // A plain step's inputs are all known: its refs are filled in one go.
         let entries = self.builder.out.generation_ids.len();
         self.builder.out.generation_input_refs.resize(entries, -1);
+        // Drafts last: they take only what every other decision of the step left.
+        self.draft_phase(step);
         // `sample_ids` is not built: the output computes it (generation ids, then the
         // completing context ids) when asked for.
         let out = &mut self.builder.out;
@@ -1058,6 +1070,10 @@ impl Scheduler {
                 JournalEntry::Reserve { req, .. } | JournalEntry::Resume(req) => {
                     self.undo_change(step, req, change, OlderUndo::NONE);
                 }
+                JournalEntry::Drafts(index) => {
+                    let drafts = record.drafts[index as usize];
+                    self.undo_drafts(step, generation[drafts.entry as usize], drafts);
+                }
             }
         }
         for &req in &record.new_slot_reqs {
@@ -1108,6 +1124,7 @@ impl Scheduler {
                 self.ledger.revert_decode_to(id, step, older).map(|_| ())
             }
             JournalEntry::Reserve { len_before, .. } => self.ledger.shrink(id, len_before),
+            JournalEntry::Drafts(_) => unreachable!("drafts are undone by `undo_drafts`"),
             // Its host pages were kept (they are released when a step is updated).
             JournalEntry::Resume(_) => self.ledger.suspend(id).map(|_| {
                 if !zombie {

@@ -1,0 +1,299 @@
+//! Speculative decoding (docs/internals/speculative-decoding.md): draft tokens proposed
+//! before `schedule()`, given room last in a step, verified in one forward and rolled
+//! back exactly at `update`.
+//!
+//! - **Proposals** ([`Scheduler::propose_drafts`]) are inputs like the prompts: identical
+//!   on every rank (a drafter that reads only the token history, or an MTP head after the
+//!   exact cross-rank combine). They hold for the next successful `schedule()` only.
+//! - **Drafts give way first.** A step allocates every decode token, resume and prefill
+//!   chunk as it would without drafts; only then, in queue order, does it extend each
+//!   decode with its drafts, from the free list alone (no eviction, no preemption, no
+//!   suspend) and within the token budget left, and never past `max_new_tokens`. So under
+//!   pressure the newest requests lose their drafts first (queue order is arrival order,
+//!   the order every other decision follows) and a request whose drafts were trimmed still
+//!   decodes its one token.
+//! - **Update** takes `1 + drafts` sampled rows per generation entry and how many drafts
+//!   were accepted; the accepted prefix (cut at an end-of-sequence) is appended and the
+//!   rest is retracted from the ledger, so a superblock only rejected drafts reached goes
+//!   back to the pool. Only accepted tokens are ever computed, hashed or counted.
+//! - **One step ahead.** A request whose decode in the pending step carries drafts is not
+//!   decoded (nor chosen as a victim) by a step planned ahead of it: its next position
+//!   depends on how many drafts that step accepts. It decodes again in the step after that
+//!   update. Every other request is planned ahead as usual, drafts included.
+
+use super::pending::{DraftEntry, JournalEntry};
+use super::request::{RequestIndex, NO_STEP};
+use super::Scheduler;
+use crate::error::{CoreError, Result};
+use crate::RequestId;
+
+/// Draft proposals for the next `schedule()`, by request index, and the acceptance counts
+/// per draft position.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Drafts {
+    /// By request index: the `epoch` its proposal was made in (valid while that is the
+    /// current one), where its tokens start in `tokens`, and how many.
+    epochs: Vec<u64>,
+    offsets: Vec<u32>,
+    counts: Vec<u32>,
+    tokens: Vec<i32>,
+    /// Bumped by every proposal and every successful `schedule()`, which invalidates the
+    /// proposals before it.
+    epoch: u64,
+    /// Whether the current epoch has a proposal (so a step without any skips the walk).
+    any: bool,
+    /// Times draft position `j` (0-based after the decode token) was accepted.
+    pub accepted_per_position: Vec<u64>,
+}
+
+impl Drafts {
+    /// The current proposal of `req`: its tokens.
+    fn of(&self, req: RequestIndex) -> &[i32] {
+        let r = req as usize;
+        if !self.any || self.epochs.get(r) != Some(&self.epoch) {
+            return &[];
+        }
+        let start = self.offsets[r] as usize;
+        &self.tokens[start..start + self.counts[r] as usize]
+    }
+
+    /// Drops every proposal (a step was scheduled with them).
+    pub fn consumed(&mut self) {
+        self.epoch += 1;
+        self.any = false;
+        self.tokens.clear();
+    }
+}
+
+impl Scheduler {
+    /// Proposes draft tokens for the next `schedule()` (speculative decoding): `counts[i]`
+    /// drafts for request `ids[i]`, their tokens concatenated in `tokens`. Replaces every
+    /// earlier proposal; a successful `schedule()` uses them and drops them. A request that
+    /// does not decode in that step (prefilling, suspended, preempted, out of budget)
+    /// ignores its drafts; one that decodes verifies as many as fit (see the module docs).
+    ///
+    /// Refused, with nothing changed: `UnknownRequest` for an id that is not live;
+    /// `InvalidArgument` for arrays of different lengths, an id given twice, a count above
+    /// `num_speculative_tokens`, or `tokens` not holding `sum(counts)` tokens.
+    pub fn propose_drafts(
+        &mut self,
+        ids: &[RequestId],
+        counts: &[u32],
+        tokens: &[i32],
+    ) -> Result<()> {
+        if ids.len() != counts.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "propose_drafts() got {} ids and {} counts",
+                ids.len(),
+                counts.len()
+            )));
+        }
+        let most = self.config.num_speculative_tokens;
+        if let Some((&id, &count)) = ids.iter().zip(counts).find(|(_, &count)| count > most) {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {id} was given {count} drafts, more than num_speculative_tokens = {most}"
+            )));
+        }
+        let total: u64 = counts.iter().map(|&c| u64::from(c)).sum();
+        if total != tokens.len() as u64 {
+            return Err(CoreError::InvalidArgument(format!(
+                "propose_drafts() got {} draft tokens for counts that add up to {total}",
+                tokens.len()
+            )));
+        }
+        let reqs = ids
+            .iter()
+            .map(|&id| self.request_index(id))
+            .collect::<Result<Vec<_>>>()?;
+        let mut sorted = reqs.clone();
+        sorted.sort_unstable();
+        if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
+            let id = self.requests[pair[0] as usize].id;
+            return Err(CoreError::InvalidArgument(format!(
+                "propose_drafts() was given request {id} twice"
+            )));
+        }
+        let drafts = &mut self.drafts;
+        drafts.consumed();
+        if drafts.epochs.len() < self.requests.len() {
+            drafts.epochs.resize(self.requests.len(), u64::MAX);
+            drafts.offsets.resize(self.requests.len(), 0);
+            drafts.counts.resize(self.requests.len(), 0);
+        }
+        drafts.tokens.extend_from_slice(tokens);
+        let mut offset = 0u32;
+        for (&req, &count) in reqs.iter().zip(counts) {
+            let r = req as usize;
+            drafts.epochs[r] = drafts.epoch;
+            drafts.offsets[r] = offset;
+            drafts.counts[r] = count;
+            drafts.any |= count > 0;
+            // At most `tokens.len()` in all, which fits: checked against the counts above.
+            offset = offset.saturating_add(count);
+        }
+        Ok(())
+    }
+
+    /// How many times each draft position (0 the first draft after the decode token, up
+    /// to `num_speculative_tokens - 1`) was accepted, over the steps that ran: vLLM's
+    /// per-position acceptance (`spec_decode_num_accepted_tokens_per_pos`).
+    pub fn spec_decode_accepted_per_position(&self) -> Vec<u64> {
+        let mut counts = self.drafts.accepted_per_position.clone();
+        counts.resize(self.config.num_speculative_tokens as usize, 0);
+        counts
+    }
+
+    /// The last phase of a step: gives each generation entry the drafts proposed for it
+    /// that fit, in entry (queue) order, from the free list alone and within the token
+    /// budget left, never past `max_new_tokens`. Fills the output's draft columns (a count
+    /// per entry) and the record's draft entries and journal.
+    pub(super) fn draft_phase(&mut self, step: u64) {
+        let entries = self.builder.out.generation_ids.len();
+        let out = &mut self.builder.out;
+        out.generation_draft_counts.resize(entries, 0);
+        if !self.drafts.any {
+            return;
+        }
+        for entry in 0..entries {
+            let req = self.builder.record.generation_reqs[entry];
+            let proposed = self.drafts.of(req).len() as u64;
+            if proposed == 0 {
+                continue;
+            }
+            let request = &self.requests[req as usize];
+            let id = request.id;
+            // A decode on a token in flight (planned ahead) follows that token, which
+            // `remaining_tokens` does not count yet.
+            let in_flight = u32::from(self.builder.out.generation_input_refs[entry] >= 0);
+            let room = request.remaining_tokens.saturating_sub(1 + in_flight);
+            let budget = u64::from(self.config.max_num_tokens).saturating_sub(self.builder.tokens);
+            let mut count = proposed.min(u64::from(room)).min(budget);
+            let kv = self
+                .ledger
+                .request_hinted(req as usize, id)
+                .expect("a generation entry is held by the ledger");
+            let (len_before, held_before) = (kv.len(), kv.table().len());
+            while count > 0 {
+                let extended = self
+                    .ledger
+                    .extend_decode(id, step, count)
+                    .expect("a decode of this step takes drafts after its token");
+                if extended.is_some() {
+                    break;
+                }
+                count -= 1;
+            }
+            self.builder.record.drafts_trimmed += proposed - count;
+            if count == 0 {
+                continue;
+            }
+            let held_after = self
+                .ledger
+                .request_hinted(req as usize, id)
+                .map_or(held_before, |kv| kv.table().len());
+            self.builder.record.draft_superblocks += (held_after - held_before) as u64;
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "at most num_speculative_tokens (a u32) drafts"
+            )]
+            let count32 = count as u32;
+            let tokens = &self.drafts.of(req)[..count32 as usize];
+            let out = &mut self.builder.out;
+            out.generation_draft_counts[entry] = count;
+            out.generation_draft_tokens.extend_from_slice(tokens);
+            self.builder.tokens += count;
+            let record = &mut self.builder.record;
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "entries and drafts of one step are counted in u32 (batch slots, budget)"
+            )]
+            let (entry32, index) = (entry as u32, record.drafts.len() as u32);
+            record.drafts.push(DraftEntry {
+                entry: entry32,
+                count: count32,
+                len_before,
+            });
+            record.journal.push(JournalEntry::Drafts(index));
+            self.requests[req as usize].cold.draft_step = step;
+        }
+    }
+
+    /// Undoes drafts of the step being reverted (all of them).
+    pub(super) fn undo_drafts(&mut self, step: u64, req: RequestIndex, drafts: DraftEntry) {
+        let id = self.requests[req as usize].id;
+        self.ledger
+            .retract_drafts(id, step, u64::from(drafts.count), drafts.len_before)
+            .expect("the ledger takes back the drafts it gave in this step");
+    }
+
+    /// The closed step's drafted requests have no drafts pending any more.
+    pub(super) fn close_drafts(
+        &mut self,
+        step: u64,
+        generation: &[RequestIndex],
+        drafts: &[DraftEntry],
+    ) {
+        for d in drafts {
+            let cold = &mut self.requests[generation[d.entry as usize] as usize].cold;
+            if cold.draft_step == step {
+                cold.draft_step = NO_STEP;
+            }
+        }
+    }
+
+    /// Applies a verified decode at `update`: of `rows` (its `1 + drafts` sampled rows, the
+    /// first `accepted + 1` of them kept), the tokens up to the first end-of-sequence
+    /// (`eos[j]` for row `j`) are appended and computed; the drafts past them are retracted.
+    /// Returns whether it hit end-of-sequence.
+    pub(super) fn apply_verified(
+        &mut self,
+        step: u64,
+        req: RequestIndex,
+        drafts: DraftEntry,
+        rows: &[i32],
+        eos: Option<&[bool]>,
+        accepted: u32,
+    ) -> bool {
+        let request = &mut self.requests[req as usize];
+        let position = request.computed;
+        let mut taken = 0u32;
+        let mut ended = false;
+        for (j, &token) in rows[..=accepted as usize].iter().enumerate() {
+            self.token_log.push(req, request, token);
+            taken += 1;
+            if eos.is_some_and(|flags| flags[j]) {
+                ended = true;
+                break;
+            }
+        }
+        request.computed += u64::from(taken);
+        let rejected = drafts.count + 1 - taken;
+        let id = request.id;
+        if rejected > 0 {
+            let held = self.ledger.request(id).map_or(0, |kv| kv.table().len());
+            let kept_end = position + u64::from(taken);
+            self.ledger
+                .retract_drafts(
+                    id,
+                    step,
+                    u64::from(rejected),
+                    drafts.len_before.max(kept_end),
+                )
+                .expect("the ledger takes back the rejected drafts of this step");
+            let held_after = self.ledger.request(id).map_or(held, |kv| kv.table().len());
+            self.metrics.spec_decode_returned_superblocks += (held - held_after) as u64;
+        }
+        let m = &mut self.metrics;
+        m.spec_decode_num_drafts += 1;
+        m.spec_decode_num_draft_tokens += u64::from(drafts.count);
+        m.spec_decode_num_accepted_tokens += u64::from(accepted);
+        let per = &mut self.drafts.accepted_per_position;
+        if per.len() < accepted as usize {
+            per.resize(accepted as usize, 0);
+        }
+        for count in &mut per[..accepted as usize] {
+            *count += 1;
+        }
+        ended
+    }
+}
