@@ -14,8 +14,9 @@ reference executor (``helix_kv.executor.runner.run_rank``) drive this contract a
 else of the scheduler (the executor also reads block tables and slot mappings, which are
 per-rank and outside the contract), through :class:`helix_kv.StepDriver`.
 
-One step: ``schedule()``, run the model on what it scheduled, then either ``update()`` with
-one sampled token per ``sample_ids`` entry or ``revert()`` to drop the step. An overlapping
+One step: optionally ``propose_drafts()`` (speculative decoding), ``schedule()``, run the model
+on what it scheduled, then either ``update()`` with one sampled token per ``sample_ids`` entry
+(and the accepted draft counts) or ``revert()`` to drop the step. An overlapping
 executor schedules the next step while one is pending (one step ahead);
 :class:`helix_kv.StepDriver` owns that protocol for an executor, plain or one step ahead
 (which step closes when, the inputs a step planned ahead reads from the one before it), and
@@ -84,10 +85,21 @@ class SchedulerProtocol(Protocol):
         """How many scheduled steps await ``update()`` or ``revert()``: 0, 1 or 2."""
         ...
 
-    def update(self, tokens: TokenArray, eos: FlagArray | None = None) -> npt.NDArray[np.uint64]:
+    def update(
+        self,
+        tokens: TokenArray,
+        eos: FlagArray | None = None,
+        accepted: IntArray | None = None,
+    ) -> npt.NDArray[np.uint64]:
         """Closes the oldest pending step with one sampled token (and optionally an end-of-sequence
         flag) per ``sample_ids`` entry; returns the ids that finished, whose outputs are now
-        ready for :meth:`take_output`."""
+        ready for :meth:`take_output`. With drafts, ``accepted`` gives per generation entry how
+        many of its drafts were accepted (its ``1 + drafts`` rows are all in ``tokens``)."""
+        ...
+
+    def propose_drafts(self, request_ids: IntArray, counts: IntArray, tokens: TokenArray) -> None:
+        """Proposes draft tokens for the next ``schedule()`` (speculative decoding; at most
+        ``num_speculative_tokens`` each), identical on every rank; replaces earlier proposals."""
         ...
 
     def revert(self) -> npt.NDArray[np.uint64]:

@@ -140,6 +140,13 @@ class SimulatedCPGroup:
             ),
         )
 
+    def propose_drafts(self, request_ids: IntArray, counts: IntArray, tokens: TokenArray) -> None:
+        """Proposes the same draft tokens to every rank (see
+        :meth:`helix_kv.Scheduler.propose_drafts`)."""
+        self._on_every_rank(
+            "propose_drafts", lambda s: s.propose_drafts(request_ids, counts, tokens)
+        )
+
     def reset_prefix_cache(self) -> int:
         """Drops every unreferenced cached superblock on every rank (they must agree)."""
         dropped = self._on_every_rank("reset_prefix_cache", lambda s: s.reset_prefix_cache())
@@ -159,10 +166,15 @@ class SimulatedCPGroup:
         self._check(outputs)
         return outputs
 
-    def update(self, tokens: TokenArray, eos: FlagArray | None = None) -> npt.NDArray[np.uint64]:
-        """Feeds the same sampled tokens (and eos flags) to every rank; returns the finished
-        ids (equal on every rank)."""
-        finished = self._on_every_rank("update", lambda s: s.update(tokens, eos))
+    def update(
+        self,
+        tokens: TokenArray,
+        eos: FlagArray | None = None,
+        accepted: IntArray | None = None,
+    ) -> npt.NDArray[np.uint64]:
+        """Feeds the same sampled tokens (eos flags, accepted draft counts) to every rank;
+        returns the finished ids (equal on every rank)."""
+        finished = self._on_every_rank("update", lambda s: s.update(tokens, eos, accepted))
         self._agree("update", finished, "finished_ids")
         result: npt.NDArray[np.uint64] = finished[0]
         return result

@@ -39,7 +39,7 @@ import numpy.typing as npt
 
 from helix_kv._core import InvalidLengthError, InvalidStateError, InvalidTypeError, ScheduleOutput
 from helix_kv.contract import SchedulerProtocol
-from helix_kv.types import FlagArray, TokenArray
+from helix_kv.types import FlagArray, IntArray, TokenArray
 
 __all__ = ["InputsInFlight", "PendingStep", "StepDriver"]
 
@@ -204,6 +204,14 @@ class StepDriver(Generic[S]):
         self._steps.append(PendingStep(output, previous))
         return output
 
+    def propose_drafts(self, request_ids: IntArray, counts: IntArray, tokens: TokenArray) -> None:
+        """Proposes draft tokens for the step :meth:`schedule` plans next (speculative
+        decoding; see :meth:`helix_kv.Scheduler.propose_drafts`). One step ahead, a request
+        whose decode in the pending step carries drafts is not planned again until that step
+        completes (its next position depends on how many are accepted), so drafts for it
+        are ignored until then."""
+        self._scheduler.propose_drafts(request_ids, counts, tokens)
+
     def launched(self, sampled: S) -> None:
         """Records that the newest step runs (its work is queued) and what it samples into:
         its sampled tokens (an integer array, one per ``sample_ids`` entry, for
@@ -263,9 +271,15 @@ class StepDriver(Generic[S]):
             return self._steps[0]
         return None
 
-    def complete(self, tokens: TokenArray, eos: FlagArray | None = None) -> npt.NDArray[np.uint64]:
+    def complete(
+        self,
+        tokens: TokenArray,
+        eos: FlagArray | None = None,
+        accepted: IntArray | None = None,
+    ) -> npt.NDArray[np.uint64]:
         """Closes the oldest pending step (``update``): one sampled token, and optionally
-        an end-of-sequence flag, per its ``sample_ids`` entry. Returns the ids that finished
+        an end-of-sequence flag, per its ``sample_ids`` entry, and with drafts the accepted
+        draft count of each generation entry. Returns the ids that finished
         (by length, EOS, or an abort requested while it was pending), whose outputs the
         scheduler's ``take_output`` now gives.
 
@@ -274,7 +288,7 @@ class StepDriver(Generic[S]):
         """
         if not self._steps:
             raise InvalidStateError("StepDriver.complete: no step is pending")
-        finished = self._scheduler.update(tokens, eos)
+        finished = self._scheduler.update(tokens, eos, accepted)
         self._steps.popleft().previous = None
         return finished
 

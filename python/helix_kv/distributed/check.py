@@ -119,7 +119,13 @@ class ScheduleChecker:
             self._reduce.connect()
 
     def record_update(
-        self, sample_ids: Any, tokens: Any, eos: Any | None = None, *, step: int | None = None
+        self,
+        sample_ids: Any,
+        tokens: Any,
+        eos: Any | None = None,
+        *,
+        step: int | None = None,
+        accepted: Any | None = None,
     ) -> None:
         """Folds the tokens fed to ``update`` (one per ``sample_ids`` entry) into the next
         check; ``step``: the step that update closed, named in a mismatch report.
@@ -143,6 +149,10 @@ class ScheduleChecker:
         if eos is not None:
             flags = np.array(eos, dtype=np.bool_, order="C")
             self._flags_crc = zlib.crc32(flags.data, self._flags_crc)
+        if accepted is not None:
+            # The accepted draft counts decide what the ledger keeps: folded with the flags.
+            counts = np.array(accepted, dtype=np.int64, order="C")
+            self._flags_crc = zlib.crc32(b"accepted" + counts.tobytes(), self._flags_crc)
         self._pending_updates.append((step, (np.asarray(sample_ids), tokens, flags)))
 
     @property

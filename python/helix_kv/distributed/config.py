@@ -93,6 +93,7 @@ class EngineConfig:
     admit_after_preemption: bool = _DEFAULTS["admit_after_preemption"]
     deadlock_steps: int = _DEFAULTS["deadlock_steps"]
     enable_prefix_caching: bool = _DEFAULTS["enable_prefix_caching"]
+    num_speculative_tokens: int = _DEFAULTS["num_speculative_tokens"]
 
     host_cache_bytes: int | None = None
     aggregated_host_tier: bool = False

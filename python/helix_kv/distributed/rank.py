@@ -256,24 +256,36 @@ class HelixKVRank:
             self.checker.start(output)
         return output
 
-    def update(self, tokens: TokenArray, eos: FlagArray | None = None) -> npt.NDArray[np.uint64]:
+    def update(
+        self,
+        tokens: TokenArray,
+        eos: FlagArray | None = None,
+        accepted: IntArray | None = None,
+    ) -> npt.NDArray[np.uint64]:
         """Feeds the oldest pending step's sampled tokens (one per its ``sample_ids`` entry);
         returns the ids that finished. With the check on, the comparison of the step closed
         here is finished first (raising :class:`helix_kv.ScheduleMismatchError`, with
         nothing committed, when the ranks differed), and the tokens go into the check the next
         ``schedule`` starts (recorded once the update has succeeded: a rejected update
-        changed nothing)."""
+        changed nothing). With drafts, ``accepted`` (per generation entry) goes into the check
+        too, so a rank fed different accepted counts is caught at the next check."""
         checker = self.checker
         if checker is not None and self._pending:
             in_flight = checker.in_flight_step
             if in_flight is not None and in_flight <= self._pending[0][0]:
                 checker.finish()
-        finished = self.scheduler.update(tokens, eos)
+        finished = self.scheduler.update(tokens, eos, accepted)
         if self._pending:
             step, sample_ids = self._pending.popleft()
             if self.checker is not None:
-                self.checker.record_update(sample_ids, tokens, eos, step=step)
+                self.checker.record_update(sample_ids, tokens, eos, step=step, accepted=accepted)
         return finished
+
+    def propose_drafts(self, request_ids: IntArray, counts: IntArray, tokens: TokenArray) -> None:
+        """Proposes draft tokens for the next step (see
+        :meth:`helix_kv.Scheduler.propose_drafts`); every rank must propose the same ones (the
+        step's schedule, and so the check, covers the drafts it takes)."""
+        self.scheduler.propose_drafts(request_ids, counts, tokens)
 
     def finish_check(self) -> None:
         """Finishes the schedule check in flight, if any (raising

@@ -80,6 +80,7 @@ FLAG_NAMES: dict[str, str | None] = {
     "victim_policy": "--policy",
     "max_preemptions_per_request": "--max-preemptions",
     "enable_prefix_caching": "--prefix-caching",
+    "num_speculative_tokens": "--spec-tokens",
 }
 
 

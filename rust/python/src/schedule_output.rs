@@ -508,8 +508,10 @@ impl PyScheduleOutput {
         let context_ids = self.context_ids.lend(py);
         let context_completes = self.context_completes.lend(py);
         let generation_ids = self.generation_ids.lend(py);
+        let draft_counts = self.generation_draft_counts.lend(py);
         let mut ids = ScheduleOutput::sample_ids_of(
             generation_ids.as_slice(),
+            draft_counts.as_slice(),
             context_ids.as_slice(),
             context_completes.as_slice(),
         );
@@ -702,8 +704,9 @@ impl PyScheduleOutput {
         self.config_fingerprint
     }
 
-    /// Generation ids, then the ids of context entries that complete their prompt: the
-    /// order of the tokens `update` takes. Computed from `generation_ids`, `context_ids`
+    /// Generation ids (each `1 + drafts` times: its decode row, then one per draft), then
+    /// the ids of context entries that complete their prompt: the order of the tokens
+    /// `update` takes. Computed from `generation_ids`, `context_ids`
     /// and `context_completes` on first read, then cached.
     #[getter]
     fn sample_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
@@ -717,7 +720,12 @@ impl PyScheduleOutput {
     #[getter]
     fn num_samples(&self, py: Python<'_>) -> usize {
         let context_completes = self.context_completes.lend(py);
-        ScheduleOutput::num_samples_of(self.generation_ids.len(py), context_completes.as_slice())
+        let draft_tokens = self.generation_draft_tokens.len(py);
+        ScheduleOutput::num_samples_of(
+            self.generation_ids.len(py),
+            draft_tokens,
+            context_completes.as_slice(),
+        )
     }
     /// The summary as `(entry, value)` pairs: the entries of `SUMMARY_ENTRIES`, each value
     /// stable text, so two ranks' entries compare as strings.
@@ -894,5 +902,7 @@ define_lent_step! {
         generation_input_tokens: i32,
         generation_input_refs: i32,
         generation_batch_slots: i32,
+        generation_draft_counts: u64,
+        generation_draft_tokens: i32,
     }
 }

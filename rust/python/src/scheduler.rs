@@ -132,24 +132,64 @@ impl PyScheduler {
     }
 
     /// Applies the step that ran: one token per `sample_ids` entry (int32) and optional
-    /// end-of-sequence flags (bools, or 0/1). Returns the ids of requests that finished
-    /// (uint64).
-    #[pyo3(signature = (tokens, eos = None))]
+    /// end-of-sequence flags (bools, or 0/1), one per token. With drafts (speculative
+    /// decoding) a generation entry has `1 + drafts` rows, and `accepted` (one count per
+    /// generation entry, `0..=drafts`; default none) says how many of its drafts were
+    /// accepted: it keeps its first `accepted + 1` tokens, up to the first end-of-sequence.
+    /// Returns the ids of requests that finished (uint64).
+    #[pyo3(signature = (tokens, eos = None, accepted = None))]
     fn update<'py>(
         &mut self,
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
         eos: Option<&Bound<'py, PyAny>>,
+        accepted: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray1<u64>>> {
         let tokens = token_ids(tokens, "sampled tokens")?;
         let eos = eos.map(|eos| flags(eos, "eos")).transpose()?;
+        let accepted = accepted
+            .map(|counts| draft_counts(counts, "accepted counts"))
+            .transpose()?;
         let tokens = tokens.as_slice()?;
         let eos = eos.as_ref().map(|eos| eos.as_slice()).transpose()?;
         let inner = &mut self.inner;
         let finished = py
-            .detach(|| inner.update(tokens, eos).map(<[u64]>::to_vec))
+            .detach(|| {
+                inner
+                    .update_accepted(tokens, eos, accepted.as_deref())
+                    .map(<[u64]>::to_vec)
+            })
             .py()?;
         Ok(ids_to_numpy(py, finished))
+    }
+
+    /// Proposes draft tokens for the next `schedule()` (speculative decoding): `counts[i]`
+    /// drafts (at most `num_speculative_tokens`) for request `request_ids[i]`, their tokens
+    /// concatenated in `tokens` (int32). Replaces earlier proposals; the next successful
+    /// `schedule()` uses them (as many as fit: drafts give way first) and drops them.
+    /// Identical on every rank, like every input. `UnknownRequestError` for an id that is not
+    /// live, `InvalidArgumentError` for arrays that do not fit together, an id given twice
+    /// or a count out of range; nothing changed.
+    fn propose_drafts(
+        &mut self,
+        request_ids: &Bound<'_, PyAny>,
+        counts: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ids = u64_vec(request_ids, "request ids", false)?;
+        let counts = draft_counts(counts, "draft counts")?;
+        let tokens = token_ids(tokens, "draft tokens")?;
+        self.inner
+            .propose_drafts(&ids, &counts, tokens.as_slice()?)
+            .py()
+    }
+
+    /// How many times each draft position was accepted (uint64, `num_speculative_tokens`
+    /// long; index 0 is the first draft after the decode token), over the steps that ran.
+    fn spec_decode_accepted_per_position<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.inner
+            .spec_decode_accepted_per_position()
+            .into_pyarray(py)
     }
 
     /// Undoes the scheduled step that did not run (preemptions stay applied), then
@@ -396,4 +436,17 @@ fn salt_arg(salt: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8>> {
         )));
     }
     Ok(bytes)
+}
+
+/// Per-entry draft counts (drafts proposed, or accepted) from an integer array-like: each in
+/// `0..=2**32-1` (`InvalidArgumentError`; the scheduler then bounds them by the step).
+fn draft_counts(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
+    u64_vec(obj, what, false)?
+        .into_iter()
+        .map(|count| {
+            u32::try_from(count).map_err(|_| {
+                InvalidArgumentError::new_err(format!("{what} must be in 0..=2**32-1, got {count}"))
+            })
+        })
+        .collect()
 }

@@ -25,12 +25,17 @@ value_record! {
     num_tokens: usize,
     /// Entries written: generation entries, then context chunks.
     num_entries: usize,
-    /// Generation entries (entries and tokens `0..num_generation`).
+    /// Generation entries (entries `0..num_generation`, tokens
+    /// `0..num_generation + num_draft_tokens`: each entry's input token, then its drafts).
     num_generation: usize,
-    /// Rows of `sample_rows` written (the length of `sample_ids`).
+    /// Sampled rows (the length of `sample_ids`): without drafts, the rows of `sample_rows`
+    /// written; with drafts, `sample_rows` holds each generation entry's first row (all its
+    /// `1 + drafts` rows are sampled), then each completing chunk's last row.
     num_samples: usize,
     /// The widest table among the entries, in superblocks (columns past it are -1).
     table_width_used: usize,
+    /// Draft tokens the generation entries verify (speculative decoding; 0 without).
+    num_draft_tokens: usize,
 }
 
 /// Where each section of the packed step metadata lies in the caller's int32 buffer
