@@ -14,7 +14,7 @@ CP, TPB, PROMPT = 4, 32, 100
 
 
 def scheduler(
-    n: int, superblocks: int, max_new: int, prefix_caching: bool = False
+    n: int, superblocks: int, max_new: int, prefix_caching: bool = False, drafts: int = 0
 ) -> helix_kv.Scheduler:
     config = helix_kv.SchedulerConfig(
         cp_size=CP,
@@ -24,6 +24,7 @@ def scheduler(
         max_num_tokens=n + 4096,
         max_preemptions_per_request=1_000_000,
         enable_prefix_caching=prefix_caching,
+        num_speculative_tokens=drafts,
     )
     return helix_kv.Scheduler(config)
 
@@ -78,4 +79,43 @@ class AheadLoop(Loop):
             for request_id in self.s.update(self.tokens[: older.num_samples]).tolist():
                 self.s.take_output(request_id)
                 self.add()
+        return out
+
+
+class DraftLoop(Loop):
+    """:class:`Loop` with speculative decoding: before each step every request that decoded in
+    the last one is proposed ``drafts`` draft tokens (one numpy call), and each update accepts
+    ``accepted`` of them (the rest are rolled back). The ids come from the last output, so the
+    loop makes no Python object per request."""
+
+    def __init__(self, n: int, superblocks: int, max_new: int, drafts: int, accepted: int) -> None:
+        self.drafts, self.accepted = drafts, accepted
+        self.s = scheduler(n, superblocks, max_new, drafts=drafts)
+        self.prefix_caching = False
+        self.prompt = np.arange(PROMPT, dtype=np.int32)
+        self.max_new = max_new
+        rows = (n + 4096) * (1 + drafts)
+        self.tokens = np.full(rows, 7, dtype=np.int32)
+        self.draft_tokens = np.full(rows, 7, dtype=np.int32)
+        self.counts = np.full(n + 4096, drafts, dtype=np.int64)
+        self.accepted_counts = np.full(n + 4096, accepted, dtype=np.int64)
+        self.decoding = np.zeros(0, dtype=np.uint64)
+        self.next_id = 0
+        for _ in range(n):
+            self.add()
+
+    def step(self) -> helix_kv.ScheduleOutput:
+        m = self.decoding.size
+        if m:
+            self.s.propose_drafts(
+                self.decoding, self.counts[:m], self.draft_tokens[: m * self.drafts]
+            )
+        out = self.s.schedule()
+        counts = out.generation_draft_counts
+        accepted = np.minimum(self.accepted_counts[: counts.size], counts)
+        finished = self.s.update(self.tokens[: out.num_samples], None, accepted)
+        for request_id in finished.tolist():
+            self.s.take_output(request_id)
+            self.add()
+        self.decoding = out.generation_ids
         return out

@@ -288,7 +288,12 @@ class StepDriver(Generic[S]):
         """
         if not self._steps:
             raise InvalidStateError("StepDriver.complete: no step is pending")
-        finished = self._scheduler.update(tokens, eos, accepted)
+        if accepted is None:
+            # Without drafts the two-argument call, which every contract implementation
+            # before speculative decoding takes too.
+            finished = self._scheduler.update(tokens, eos)
+        else:
+            finished = self._scheduler.update(tokens, eos, accepted)
         self._steps.popleft().previous = None
         return finished
 

@@ -44,6 +44,7 @@ CHANGES: dict[str, tuple[dict[str, Any], str, Any]] = {
     "admit_after_preemption": (BASE, "admit_after_preemption", True),
     "deadlock_steps": (BASE, "deadlock_steps", 65),
     "enable_prefix_caching": (BASE, "enable_prefix_caching", True),
+    "num_speculative_tokens": (BASE, "num_speculative_tokens", 3),
 }
 
 

@@ -233,6 +233,22 @@ TOKENS = _array_kind(
     ],
     InvalidArgumentError,
 )
+# Draft counts (proposed or accepted): the scheduler below allows 2 drafts and its pending step
+# verifies none, so 3 (or any positive accepted count) is out of range there.
+COUNTS = _array_kind(
+    "draft counts",
+    [
+        [-1, 0],
+        np.array([0, -3]),
+        [3, 0],
+        [2**32, 0],
+        [2**64, 0],
+        misaligned([-1, 0], np.int64),
+    ],
+    InvalidArgumentError,
+)
+# `update`'s accepted counts are optional: None is their default, not a hostile value.
+ACCEPTED = Kind("accepted counts", tuple(pair for pair in COUNTS.hostile if pair[0] is not None))
 FLAGS = Kind(
     "flags",
     tuple(
@@ -285,7 +301,9 @@ def make_ledger() -> helix_kv.Ledger:
 
 
 def make_config(**overrides: Any) -> helix_kv.SchedulerConfig:
-    kwargs: dict[str, Any] = {"cp_size": 2, "tokens_per_block": 4, "kv_superblocks": 16}
+    kwargs: dict[str, Any] = {
+        "cp_size": 2, "tokens_per_block": 4, "kv_superblocks": 16, "num_speculative_tokens": 2,
+    }  # fmt: skip
     kwargs.update(overrides)
     return helix_kv.SchedulerConfig(**kwargs)
 
@@ -396,6 +414,8 @@ LEDGER_CALLS = [
 SCHEDULER_CALLS = [
     Call("idle", "add_request", (50, [1, 2, 3], 4, 0), (ID, TOKENS, MAX_NEW, PRIORITY)),
     Call("pending", "update", ([3, 3, 3], [False, True, False]), (TOKENS, FLAGS), paired=(0, 1)),
+    Call("pending", "update", ([3, 3, 3], [False] * 3, [0, 0]), (TOKENS, FLAGS, ACCEPTED)),
+    Call("idle", "propose_drafts", ([1, 2], [2, 0], [5, 6]), (IDS, COUNTS, TOKENS), paired=(0, 1)),
     Call("idle", "take_output", (3,), (ID,)),
     Call("idle", "tokens", (1,), (ID,)),
     Call("idle", "request_state", (1,), (ID,)),
@@ -471,6 +491,7 @@ NO_ARGUMENTS = {
         "pending_steps",
         "write_decode_rows",  # needs a decode-only step: tests/binding/test_step_metadata.py
         "reset_prefix_cache",  # refused while a step is pending: tests/binding/test_prefix_cache.py
+        "spec_decode_accepted_per_position",
     },
     "SchedulerConfig": {"to_dict", "decision_fields"},
     "Layout": set(),
@@ -497,6 +518,7 @@ CONFIG_KEYWORDS = {
     "admit_after_preemption": FLAG,
     "deadlock_steps": CONFIG_INT,
     "enable_prefix_caching": FLAG,
+    "num_speculative_tokens": CONFIG_INT,
 }
 
 # The value records' keyword-only constructors (what unpickling calls): each field by the
@@ -555,6 +577,12 @@ RECORD_FIELDS: dict[str, dict[str, Kind]] = {
             "prefix_cache_recompute_queries",
             "prefix_cache_recompute_hits",
             "prefix_cache_evictions",
+            "spec_decode_num_drafts",
+            "spec_decode_num_draft_tokens",
+            "spec_decode_num_accepted_tokens",
+            "spec_decode_num_trimmed_tokens",
+            "spec_decode_draft_superblocks",
+            "spec_decode_returned_superblocks",
         ),
         U64,
     ),
@@ -567,7 +595,7 @@ RECORD_FIELDS: dict[str, dict[str, Kind]] = {
     "StepMetadata": dict.fromkeys(
         ("step", "num_tokens", "num_entries", "num_generation", "num_samples"), U64
     )
-    | {"table_width_used": U64},  # usize: 64-bit
+    | {"table_width_used": U64, "num_draft_tokens": U64},  # usize: 64-bit
     "DecodeRowCounts": dict.fromkeys(
         ("step", "rows", "padded_to", "in_flight", "table_width_used"), U64
     ),

@@ -175,8 +175,9 @@ def test_layout_is_fixed_by_capacities_and_picklable() -> None:
     with pytest.raises(helix_kv.InvalidTypeError):
         helix_kv.StepMetadataLayout(1.0, 1, 1)  # type: ignore[arg-type]
     meta = helix_kv.StepMetadata(
-        step=1, num_tokens=2, num_entries=1, num_generation=1, num_samples=1, table_width_used=1
-    )
+        step=1, num_tokens=2, num_entries=1, num_generation=1, num_samples=1, table_width_used=1,
+        num_draft_tokens=0,
+    )  # fmt: skip
     assert pickle.loads(pickle.dumps(meta)) == meta
 
 

@@ -17,13 +17,17 @@ Samples = dict[str, tuple[str, dict[str, str], float]]
 
 def scrape(registry: CollectorRegistry) -> Samples:
     """``{sample name: (family type, labels, value)}`` of one scrape, read back from the
-    exposition text with prometheus_client's own parser."""
+    exposition text with prometheus_client's own parser. A sample with a ``position`` label
+    (acceptance per draft position) is keyed ``name[position]``, its labels without it."""
     text = generate_latest(registry).decode("utf-8")
     samples: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            assert sample.name not in samples, f"{sample.name} exposed twice"
-            samples[sample.name] = (family.type, dict(sample.labels), float(sample.value))
+            labels = dict(sample.labels)
+            position = labels.pop("position", None)
+            name = sample.name if position is None else f"{sample.name}[{position}]"
+            assert name not in samples, f"{name} exposed twice"
+            samples[name] = (family.type, labels, float(sample.value))
     return samples
 
 

@@ -53,6 +53,10 @@ EXPECTED_TYPES = {
     "helix_kv:prefix_cache_recompute_queries_total": "counter",
     "helix_kv:prefix_cache_recompute_hits_total": "counter",
     "helix_kv:prefix_cache_evictions_total": "counter",
+    "helix_kv:spec_decode_num_drafts_total": "counter",
+    "helix_kv:spec_decode_num_draft_tokens_total": "counter",
+    "helix_kv:spec_decode_num_accepted_tokens_total": "counter",
+    "helix_kv:spec_decode_num_trimmed_tokens_total": "counter",
     "helix_kv:schedule_check_seconds_count": "summary",
     "helix_kv:schedule_check_seconds_sum": "summary",
 }
@@ -86,6 +90,10 @@ def expected_values(rank: HelixKVRank) -> dict[str, float]:
         "helix_kv:prefix_cache_recompute_queries_total": totals.prefix_cache_recompute_queries,
         "helix_kv:prefix_cache_recompute_hits_total": totals.prefix_cache_recompute_hits,
         "helix_kv:prefix_cache_evictions_total": totals.prefix_cache_evictions,
+        "helix_kv:spec_decode_num_drafts_total": totals.spec_decode_num_drafts,
+        "helix_kv:spec_decode_num_draft_tokens_total": totals.spec_decode_num_draft_tokens,
+        "helix_kv:spec_decode_num_accepted_tokens_total": totals.spec_decode_num_accepted_tokens,
+        "helix_kv:spec_decode_num_trimmed_tokens_total": totals.spec_decode_num_trimmed_tokens,
         "helix_kv:schedule_check_seconds_count": 0 if checker is None else checker.checks,
         "helix_kv:schedule_check_seconds_sum": 0.0 if checker is None else checker.check_seconds,
     }
@@ -163,6 +171,39 @@ def test_scrape_parses_and_matches_the_scheduler_on_every_step() -> None:
     assert values["helix_kv:kv_cache_usage_perc"] == 0.0
     registry.unregister(collector)
     assert scrape(registry) == {}
+
+
+def test_speculative_decoding_counters_match_the_scheduler() -> None:
+    """With drafts: the four spec-decode counters and one acceptance sample per draft position
+    (label ``position``) read what the scheduler counted, scrape after scrape."""
+    config = sc.engine_config(num_speculative_tokens=3)
+    rank = HelixKVRank.create(config, 64 * sc.PAGE_BYTES, check_schedule=False)
+    registry = CollectorRegistry()
+    prom.register_rank_metrics(rank, registry)
+    for i in range(4):
+        rank.add_request(i, prompt_tokens(i, 6), 12)
+    step = 0
+    while rank.scheduler.has_unfinished():
+        live = [int(i) for i in rank.scheduler.queue_ids()]
+        decoding = [i for i in live if rank.scheduler.request_state(i) == "decoding"]
+        if decoding:
+            rank.propose_drafts(decoding, [3] * len(decoding), [7, 8, 9] * len(decoding))
+        out = rank.schedule()
+        counts = np.asarray(out.generation_draft_counts, dtype=np.int64)
+        accepted = (counts + step) % (counts + 1)  # some full, some partial, some none
+        rank.update(np.full(out.num_samples, 5, dtype=np.int32), accepted=accepted)
+        step += 1
+        samples = scrape(registry)
+        check_scrape({k: v for k, v in samples.items() if "[" not in k}, rank, {"cp_rank": "0"})
+        per_position = rank.scheduler.spec_decode_accepted_per_position()
+        assert [
+            samples[f"helix_kv:spec_decode_num_accepted_tokens_per_pos_total[{j}]"][2]
+            for j in range(3)
+        ] == per_position.tolist()
+    totals = rank.scheduler.metrics()
+    assert totals.spec_decode_num_drafts > 0
+    assert 0 < totals.spec_decode_num_accepted_tokens < totals.spec_decode_num_draft_tokens
+    assert int(per_position.sum()) == totals.spec_decode_num_accepted_tokens
 
 
 def test_gauges_read_mid_run() -> None:
@@ -343,8 +384,10 @@ def test_metric_table_is_what_is_exposed() -> None:
         else:
             names.add(info.name)
         assert info.name.startswith(prom.PREFIX)
-        assert (info.type == "counter") == info.name.endswith("_total")
-    assert names == set(EXPECTED_TYPES)
+        assert info.type.startswith("counter") == info.name.endswith("_total")
+    # The acceptance per draft position has one sample per position (none without drafts).
+    per_position = {"helix_kv:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert names == set(EXPECTED_TYPES) | per_position
     docs = (ROOT / "docs" / "kv-memory-pressure.md").read_text(encoding="utf-8")
     for info in prom.METRICS:
         assert f"`{info.name}`" in docs, info.name

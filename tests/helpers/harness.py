@@ -18,6 +18,14 @@ Requests may be aborted (:attr:`Spec.abort_step`): between steps or while a step
 optionally only once seen in a given state. Aborted outputs must be the start of the output
 the request would have had, and nothing may be left behind (pages, host tier, slots).
 
+With ``drafts=k`` (a config with ``num_speculative_tokens >= k``) it also speculates: before
+each step it proposes up to ``k`` drafts for every decoding request (a seeded mix of the
+model's true continuation and wrong tokens), writes the KV of every query position through the
+slot mapping, samples the model at each one from the context read back (the drafts before it
+included), accepts the longest prefix of drafts the model agrees with (greedy) and updates with
+every row and the accepted counts. Greedy verification is exact, so the outputs must still be
+the reference's.
+
 The scheduler's rules are tested once, in Rust, by the same kind of group
 (``rust/core/tests/common/mod.rs``); this executor is the Python side's integration test: a
 pressured :class:`helix_kv.SimulatedCPGroup` run through every array the binding hands out
@@ -101,6 +109,9 @@ class HarnessResult:
     inputs_in_flight: int = 0
     #: Prompt tokens admissions found in the prefix cache (their chunks started after).
     cached_tokens: int = 0
+    #: Draft tokens verified, and accepted (speculative decoding).
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     metrics: helix_kv.SchedulerMetrics | None = None
 
 
@@ -108,10 +119,20 @@ class Executor:
     """A simulated executor over a :class:`helix_kv.SimulatedCPGroup`."""
 
     def __init__(
-        self, config: helix_kv.SchedulerConfig, model: Model = Model(), overlap: bool = False
+        self,
+        config: helix_kv.SchedulerConfig,
+        model: Model = Model(),
+        overlap: bool = False,
+        drafts: int = 0,
+        seed: int = 0,
     ) -> None:
         self.group = helix_kv.SimulatedCPGroup(config)
         self.overlap = overlap
+        assert drafts <= int(config.num_speculative_tokens)
+        self.drafts = drafts
+        self.rng = np.random.default_rng(seed)
+        #: Accepted draft counts of each launched step (by step number), for its update.
+        self.accepted: dict[int, np.ndarray] = {}
         #: The steps scheduled and not updated yet, each launched with its sampled tokens.
         self.driver: helix_kv.StepDriver[np.ndarray] = helix_kv.StepDriver(
             self.group, one_step_ahead=overlap
@@ -153,8 +174,52 @@ class Executor:
             if step.launched:
                 rows = np.flatnonzero(step.output.sample_ids == request_id)
                 if rows.size:
-                    tokens.append(int(step.sampled[rows[0]]))
+                    tokens.extend(self._kept(step, request_id, rows).tolist())
         return tokens
+
+    def _kept(
+        self, step: helix_kv.PendingStep[np.ndarray], request_id: int, rows: np.ndarray
+    ) -> np.ndarray:
+        """The tokens a launched step gives a request: its first row, plus its accepted
+        drafts' rows for a generation entry (cut after an end-of-sequence)."""
+        out = step.output
+        entry = np.flatnonzero(out.generation_ids == request_id)
+        keep = 1
+        if entry.size:
+            keep += int(self.accepted[int(out.step)][entry[0]])
+        kept = step.sampled[rows[:keep]].astype(np.int64)
+        if self.model.eos is not None:
+            ends = np.flatnonzero(kept == self.model.eos)
+            if ends.size:
+                kept = kept[: ends[0] + 1]
+        return kept
+
+    def _propose(self) -> None:
+        """Proposes up to ``drafts`` drafts to every decoding request: the model's true
+        continuation for a random number of tokens, then random tokens."""
+        if not self.drafts:
+            return
+        scheduler = self.group.schedulers[0]
+        ids, counts, tokens = [], [], []
+        for request_id in scheduler.queue_ids().tolist():
+            if scheduler.request_state(request_id) != "decoding":
+                continue
+            count = int(self.rng.integers(0, self.drafts + 1))
+            good = int(self.rng.integers(0, count + 1))
+            context = [int(t) for t in self.view(request_id)]
+            draft = []
+            for j in range(count):
+                if j < good:
+                    token = self.model.next_token(request_id, np.asarray(context, np.int64))
+                else:
+                    token = int(self.rng.integers(0, self.model.vocab))
+                draft.append(token)
+                context.append(token)
+            ids.append(request_id)
+            counts.append(count)
+            tokens.extend(draft)
+        if ids:
+            self.driver.propose_drafts(ids, counts, np.asarray(tokens, np.int32))
 
     def add(self, spec: Spec) -> None:
         self.group.add_request(spec.request_id, spec.prompt(), spec.max_new_tokens, spec.priority)
@@ -235,6 +300,7 @@ class Executor:
         before = [
             (s.state_digest(), s.metrics().kv_used_superblocks) for s in self.group.schedulers
         ]
+        self._propose()
         out = self.driver.schedule()
         self.abort(self._due_aborts(index, pending=True))
         self._check_victims(out)
@@ -270,7 +336,8 @@ class Executor:
         self._copy_in_resumed(out)
         self.result.resumed += out.resumed_ids.size
         self._write_kv(out, inputs)
-        tokens = self._sample(out)
+        tokens, accepted = self._sample(out)
+        self.accepted[int(out.step)] = accepted
         ends = (out.context_starts + out.context_lens).tolist()
         for request_id, end, completes in zip(
             out.context_ids.tolist(), ends, out.context_completes.tolist()
@@ -285,12 +352,18 @@ class Executor:
         """Updates the group with a step's sampled tokens (the oldest pending step)."""
         out, tokens = step.output, step.sampled
         eos = None if self.model.eos is None else tokens == self.model.eos
-        finished = self.driver.complete(tokens, eos)
+        kept = {}
+        for request_id in dict.fromkeys(out.sample_ids.tolist()):
+            rows = np.flatnonzero(out.sample_ids == request_id)
+            kept[request_id] = self._kept(step, request_id, rows).tolist()
+        accepted = self.accepted.pop(int(out.step))
+        finished = self.driver.complete(tokens, eos, accepted if self.drafts else None)
         assert finished.dtype == np.uint64  # the ids dtype of every contract implementation
-        for request_id, token in zip(out.sample_ids.tolist(), tokens.tolist()):
-            # an aborted request's token is dropped; one finished meanwhile is gone
+        for request_id, taken in kept.items():
+            # an aborted request's tokens are dropped; one finished meanwhile is gone
             if request_id not in self.aborting and request_id in self.known:
-                self.known[request_id].append(token)
+                room = self.known_room(request_id)
+                self.known[request_id].extend(taken[:room])
         for request_id in out.resumed_ids.tolist():
             self._release_host(request_id)  # the update frees the host pages a resume read
         for request_id in finished.tolist():
@@ -449,8 +522,16 @@ class Executor:
     def _write_kv(self, out: helix_kv.ScheduleOutput, inputs: np.ndarray) -> None:
         ids = np.concatenate([out.context_ids, out.generation_ids])
         starts = np.concatenate([out.context_starts, out.generation_positions])
-        counts = np.concatenate([out.context_lens, np.ones(out.generation_ids.size, np.int64)])
-        values = np.concatenate([out.context_token_ids, inputs])
+        drafts = out.generation_draft_counts
+        counts = np.concatenate([out.context_lens, 1 + drafts])
+        # Each generation entry's query tokens: its input, then its drafts.
+        first = np.cumsum(1 + drafts) - (1 + drafts)
+        queries = np.zeros(int((1 + drafts).sum()), np.int64)
+        is_first = np.zeros(queries.size, bool)
+        is_first[first] = True
+        queries[is_first] = inputs
+        queries[~is_first] = out.generation_draft_tokens
+        values = np.concatenate([out.context_token_ids, queries])
         total = int(counts.sum())
         first = np.repeat(np.cumsum(counts) - counts, counts)
         positions = np.repeat(starts, counts) + np.arange(total) - first
@@ -466,7 +547,13 @@ class Executor:
             self.owner[rank, slots[mine]] = who[mine]
             self.position[rank, slots[mine]] = positions[mine]
 
-    def _read_context(self, request_id: int, last: int) -> np.ndarray:
+    def known_room(self, request_id: int) -> int:
+        """How many more tokens the request may take (its ``max_new_tokens`` left)."""
+        spec = next(s for s in self.specs if s.request_id == request_id)
+        prompt = spec.shared_prefix + spec.prompt_len
+        return prompt + spec.max_new_tokens - len(self.known[request_id])
+
+    def _read_context(self, request_id: int, last: int, drafts: Sequence[int] = ()) -> np.ndarray:
         tables = [s.block_table([request_id])[0] for s in self.group.schedulers]
         for table in tables[1:]:
             assert np.array_equal(table, tables[0]), "every rank holds the same table"
@@ -477,7 +564,7 @@ class Executor:
         if self.caching:
             # Cached slots were written by another request with the same tokens before:
             # the content must be this request's own tokens, position by position.
-            known = np.asarray(self.view(request_id)[: last + 1], dtype=np.int64)
+            known = np.asarray([*self.view(request_id), *drafts][: last + 1], dtype=np.int64)
             assert np.array_equal(self.token[owners, slots], known), (
                 f"stale KV read for {request_id}"
             )
@@ -488,8 +575,17 @@ class Executor:
         assert np.array_equal(self.position[owners, slots], positions)
         return self.token[owners, slots]
 
-    def _sample(self, out: helix_kv.ScheduleOutput) -> np.ndarray:
+    def _sample(self, out: helix_kv.ScheduleOutput) -> tuple[np.ndarray, np.ndarray]:
+        """The model's token at every sample row (each query row of a drafted entry, read
+        back with the drafts before it), and each generation entry's accepted drafts."""
         last = dict(zip(out.generation_ids.tolist(), out.generation_positions.tolist()))
+        drafted: dict[int, list[int]] = {}
+        offset = 0
+        for request_id, count in zip(
+            out.generation_ids.tolist(), out.generation_draft_counts.tolist()
+        ):
+            drafted[request_id] = out.generation_draft_tokens[offset : offset + count].tolist()
+            offset += count
         ends = out.context_starts + out.context_lens - 1
         for request_id, end, completes in zip(
             out.context_ids.tolist(), ends.tolist(), out.context_completes.tolist()
@@ -497,12 +593,27 @@ class Executor:
             if completes:
                 last[request_id] = end
         tokens = []
+        row_of: dict[int, int] = {}
         for request_id in out.sample_ids.tolist():
-            context = self._read_context(request_id, last[request_id])
-            assert context.tolist() == self.view(request_id)[: last[request_id] + 1]
-            token = self.model.next_token(request_id, context)
-            tokens.append(token)
-        return np.asarray(tokens, dtype=np.int32)
+            j = row_of.get(request_id, 0)
+            row_of[request_id] = j + 1
+            end = last[request_id] + j
+            context = self._read_context(request_id, end, drafted.get(request_id, [])[:j])
+            expected = self.view(request_id)[: last[request_id] + 1]
+            expected += drafted.get(request_id, [])[:j]
+            assert context.tolist() == expected
+            tokens.append(self.model.next_token(request_id, context))
+        sampled = np.asarray(tokens, dtype=np.int32)
+        accepted = np.zeros(out.generation_ids.size, np.int64)
+        row = 0
+        for i, request_id in enumerate(out.generation_ids.tolist()):
+            draft = drafted[request_id]
+            while accepted[i] < len(draft) and draft[accepted[i]] == sampled[row + accepted[i]]:
+                accepted[i] += 1
+            row += 1 + len(draft)
+            self.result.draft_tokens += len(draft)
+            self.result.accepted_tokens += int(accepted[i])
+        return sampled, accepted
 
 
 def reference_outputs(specs: Sequence[Spec], model: Model = Model()) -> dict[int, list[int]]:

@@ -140,6 +140,31 @@ METRICS: tuple[MetricInfo, ...] = (
         "Prefix caching: cached superblocks evicted to make room.",
     ),
     MetricInfo(
+        PREFIX + "spec_decode_num_drafts_total",
+        "counter",
+        "Speculative decoding: decodes that verified at least one draft token.",
+    ),
+    MetricInfo(
+        PREFIX + "spec_decode_num_draft_tokens_total",
+        "counter",
+        "Speculative decoding: draft tokens verified.",
+    ),
+    MetricInfo(
+        PREFIX + "spec_decode_num_accepted_tokens_total",
+        "counter",
+        "Speculative decoding: draft tokens accepted.",
+    ),
+    MetricInfo(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos_total",
+        "counter_per_position",
+        "Speculative decoding: draft tokens accepted, by draft position (label position, from 0).",
+    ),
+    MetricInfo(
+        PREFIX + "spec_decode_num_trimmed_tokens_total",
+        "counter",
+        "Speculative decoding: proposed draft tokens a step gave no room (drafts give way first).",
+    ),
+    MetricInfo(
         PREFIX + "num_deadlocks_total",
         "counter",
         "DeadlockError raised by schedule() (steps without progress).",
@@ -156,6 +181,7 @@ class _Reading(NamedTuple):
     """What one scrape read from the rank."""
 
     values: dict[str, float]
+    accepted_per_position: list[int]
     checks: int
     check_seconds: float
 
@@ -194,6 +220,13 @@ class RankCollector(Collector):
     def _families(self, reading: _Reading | None) -> Iterator[Metric]:
         labels, values = self.label_names, self.label_values
         for info in METRICS:
+            if info.type == "counter_per_position":
+                counter = CounterMetricFamily(info.name, info.help, labels=[*labels, "position"])
+                if reading is not None:
+                    for position, count in enumerate(reading.accepted_per_position):
+                        counter.add_metric([*values, str(position)], count)
+                yield counter
+                continue
             if info.type == "summary":
                 summary = SummaryMetricFamily(info.name, info.help, labels=labels)
                 if reading is not None:
@@ -252,12 +285,17 @@ class RankCollector(Collector):
             "prefix_cache_recompute_queries_total": totals.prefix_cache_recompute_queries,
             "prefix_cache_recompute_hits_total": totals.prefix_cache_recompute_hits,
             "prefix_cache_evictions_total": totals.prefix_cache_evictions,
+            "spec_decode_num_drafts_total": totals.spec_decode_num_drafts,
+            "spec_decode_num_draft_tokens_total": totals.spec_decode_num_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": totals.spec_decode_num_accepted_tokens,
+            "spec_decode_num_trimmed_tokens_total": totals.spec_decode_num_trimmed_tokens,
             "num_deadlocks_total": rank.deadlocks,
         }
+        per_position = [int(n) for n in scheduler.spec_decode_accepted_per_position()]
         checker = rank.checker
         checks, seconds = (0, 0.0) if checker is None else (checker.checks, checker.check_seconds)
         values = {PREFIX + name: float(value) for name, value in {**gauges, **counters}.items()}
-        return _Reading(values, checks, seconds)
+        return _Reading(values, per_position, checks, seconds)
 
 
 def register_rank_metrics(

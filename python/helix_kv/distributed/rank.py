@@ -278,7 +278,12 @@ class HelixKVRank:
         if self._pending:
             step, sample_ids = self._pending.popleft()
             if self.checker is not None:
-                self.checker.record_update(sample_ids, tokens, eos, step=step, accepted=accepted)
+                if accepted is None:
+                    self.checker.record_update(sample_ids, tokens, eos, step=step)
+                else:
+                    self.checker.record_update(
+                        sample_ids, tokens, eos, step=step, accepted=accepted
+                    )
         return finished
 
     def propose_drafts(self, request_ids: IntArray, counts: IntArray, tokens: TokenArray) -> None:
