@@ -739,6 +739,52 @@ def scenario_diverge_victim(
     return {**run_until_mismatch(drive(built, overlap=overlap), inject, built), **first}
 
 
+def scenario_diverge_accepted(
+    rank: int, world: int, backend: str, overlap: bool = False
+) -> dict[str, Any]:
+    """Speculative decoding: every rank proposes the same two drafts to every decoding
+    request before each step and accepts none, except that at the first step from
+    INJECT_STEP on with drafts the last rank is fed one accepted draft for its first drafted
+    entry. The schedule check must catch it on the next check of that rank."""
+    built = pressured_rank(world, num_speculative_tokens=2)
+    add_workload(built)
+    pending: deque[Any] = deque()
+    full = 2 if overlap else 1
+    injected: dict[str, Any] = {}
+    started = time.monotonic()
+    last_step = None
+    try:
+        for _ in range(5000):
+            if built.has_unfinished():
+                live = [int(i) for i in built.scheduler.queue_ids()]
+                decoding = [i for i in live if built.scheduler.request_state(i) == "decoding"]
+                if decoding:
+                    drafts = np.full(2 * len(decoding), 7, dtype=np.int32)
+                    built.propose_drafts(decoding, [2] * len(decoding), drafts)
+                out = built.schedule()
+                last_step = int(out.step)
+                pending.append(out)
+            if not pending:
+                return {"caught": False, "last_step": last_step}
+            if len(pending) == full or not built.has_unfinished():
+                out = pending.popleft()
+                counts = np.asarray(out.generation_draft_counts, dtype=np.int64)
+                accepted = np.zeros(counts.size, dtype=np.int64)
+                drafted = np.flatnonzero(counts > 0)
+                if int(out.step) >= INJECT_STEP and not injected and drafted.size:
+                    injected["injected_step"] = int(out.step)
+                    if rank == world - 1:
+                        accepted[drafted[0]] = 1
+                built.update(sample_at_close(built.scheduler, out), None, accepted)
+        return {"caught": False, "last_step": last_step}
+    except helix_kv.ScheduleMismatchError as exc:
+        return {"caught": True, "last_step": last_step, **describe(exc, started), **injected}
+
+
+def scenario_diverge_accepted_overlap(rank: int, world: int, backend: str) -> dict[str, Any]:
+    return scenario_diverge_accepted(rank, world, backend, overlap=True)
+
+
 def scenario_diverge_token_overlap(rank: int, world: int, backend: str) -> dict[str, Any]:
     return scenario_diverge_token(rank, world, backend, overlap=True)
 

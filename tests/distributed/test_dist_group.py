@@ -38,6 +38,7 @@ SCENARIOS = [
     sc.scenario_retry_releases_pool,
     sc.scenario_guards,
     sc.scenario_diverge_token,
+    sc.scenario_diverge_accepted,
     sc.scenario_diverge_request,
     sc.scenario_diverge_victim,
     sc.scenario_long_run,
@@ -48,6 +49,7 @@ SCENARIOS = [
     sc.scenario_host_tier_overlap,
     sc.scenario_diverge_abort,
     sc.scenario_diverge_token_overlap,
+    sc.scenario_diverge_accepted_overlap,
     sc.scenario_diverge_request_overlap,
     sc.scenario_diverge_victim_overlap,
     sc.scenario_long_run_overlap,
@@ -275,6 +277,22 @@ def test_aggregated_host_tier_takes_the_smallest_ranks_host_pages(group: GroupRu
         automatic = report["aggregated_auto_host_tier_superblocks"]
         assert automatic == 64  # as large as the GPU budget (64 pages on every rank)
         assert any("automatic host KV tier of" in m for m in report["auto_host_tier_logs"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_divergent_accepted_draft_count_is_caught_at_the_next_check(
+    group: GroupRun, mode: str
+) -> None:
+    """A rank fed another accepted count keeps another token: the next check that compares
+    that update catches it, naming that rank."""
+    reports = group.scenario("scenario_diverge_accepted" + MODES[mode])
+    for report in reports:
+        assert report["caught"], report
+        injected = report["injected_step"]
+        assert injected >= sc.INJECT_STEP
+        # the first check that covers the update (or the schedule it changed) catches it
+        assert injected < report["step"] <= injected + TOKEN_CHECK_DELAY[mode]
+        assert report["ranks"] == [group.world - 1]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -19,7 +19,9 @@
 //! (`write_step_metadata` and `write_decode_rows`, from the held output and from a copy or
 //! a taken one), the finished ids and outputs, what `revert` returns, every live request's
 //! state, slot, tokens, counters and ledger holdings, block tables and slot mappings, and
-//! every error's message. The ledger workloads drive a bare `Ledger` the same way.
+//! every error's message. The ledger workloads drive a bare `Ledger` the same way. The
+//! speculative shapes (appended, so the others keep their hashes) also propose random drafts
+//! before each schedule and update with random accepted counts (some refused).
 //!
 //! Only the public API is used, so the same file runs before and after a refactor.
 #![expect(
@@ -193,6 +195,10 @@ fn config(
     c
 }
 
+#[expect(
+    clippy::too_many_lines,
+    reason = "the shape table, one row per workload"
+)]
 fn shapes() -> Vec<Shape> {
     use ServingMode::{AggregatedHelix as Agg, DisaggregatedGeneration as Disagg, NonHelix};
     let mut shapes = Vec::new();
@@ -281,6 +287,26 @@ fn shapes() -> Vec<Shape> {
     let mut c = config(1, 8, 60, 70, 200, true, NonHelix, 30);
     c.victim_policy = VictimPolicy::LeastComputedFirst;
     add("nonhelix-tpb8-wide-pressure-host", c, 20, 40, 70, 250);
+    // Speculative decoding (appended: the shapes above keep their hashes).
+    let mut c = config(2, 4, 14, 8, 40, true, Agg, 0);
+    c.num_speculative_tokens = 3;
+    add("agg-cp2-tpb4-drafts3", c, 24, 24, 45, 300);
+    let mut c = config(4, 2, 12, 8, 24, true, Agg, 6);
+    c.num_speculative_tokens = 4;
+    c.enable_prefix_caching = true;
+    c.cp_rank = 2;
+    add("agg-cp4-tpb2-drafts4-caching-host", c, 20, 20, 45, 300);
+    let mut c = config(1, 4, 10, 6, 16, true, NonHelix, 8);
+    c.num_speculative_tokens = 2;
+    c.suspend_policy = SuspendPolicy::Cost;
+    add(
+        "nonhelix-tpb4-drafts2-host-tight-budget",
+        c,
+        20,
+        24,
+        50,
+        300,
+    );
     shapes
 }
 
@@ -389,6 +415,9 @@ impl Run {
     }
 
     fn schedule(&mut self) {
+        if self.s.config().num_speculative_tokens > 0 {
+            self.propose_drafts();
+        }
         let scheduled = self.s.schedule().cloned();
         match scheduled {
             Ok(out) => {
@@ -457,7 +486,31 @@ impl Run {
         self.h.words(&buffer);
     }
 
+    /// Speculative shapes only: drafts for a random subset of the live requests (some
+    /// counts past the limit, a refused call), each result hashed.
+    fn propose_drafts(&mut self) {
+        let most = u64::from(self.s.config().num_speculative_tokens);
+        let mut ids = Vec::new();
+        let mut counts = Vec::new();
+        for id in self.s.queue_ids() {
+            if self.rng.chance(70) {
+                ids.push(id);
+                let over = u64::from(self.rng.chance(1));
+                counts.push(self.rng.range(0, most + over) as u32);
+            }
+        }
+        let total: u32 = counts.iter().sum();
+        let tokens: Vec<i32> = (0..total).map(|_| self.rng.below(1000) as i32).collect();
+        let proposed = self.s.propose_drafts(&ids, &counts, &tokens);
+        self.h.str("propose_drafts");
+        self.h.debug(&proposed);
+    }
+
     fn update(&mut self) {
+        if self.s.config().num_speculative_tokens > 0 {
+            self.update_accepted();
+            return;
+        }
         let samples = self.pending.front().map_or(0, ScheduleOutput::num_samples);
         if self.rng.chance(2) {
             let wrong = self
@@ -474,6 +527,44 @@ impl Run {
         let updated = self.s.update(&tokens, eos.as_deref()).map(<[_]>::to_vec);
         self.h.str("update");
         self.h.debug(&updated);
+        if updated.is_ok() {
+            self.pending.pop_front();
+        }
+        self.take_some_outputs(70);
+    }
+
+    /// [`Self::update`] of a speculative shape: random accepted counts (now and then one too
+    /// many: a refused call, hashed), random tokens and end-of-sequence flags per row.
+    fn update_accepted(&mut self) {
+        let (samples, counts) = self.pending.front().map_or((0, Vec::new()), |out| {
+            (out.num_samples(), out.generation_draft_counts.clone())
+        });
+        let accepted: Vec<u32> = counts
+            .iter()
+            .map(|&count| self.rng.range(0, count) as u32)
+            .collect();
+        if self.rng.chance(3) && !accepted.is_empty() {
+            let mut wrong = accepted.clone();
+            wrong[0] += 1 + counts[0] as u32;
+            let tokens = vec![1; samples];
+            let refused = self
+                .s
+                .update_accepted(&tokens, None, Some(&wrong))
+                .map(<[_]>::to_vec);
+            self.h.debug(&refused);
+        }
+        let tokens: Vec<i32> = (0..samples).map(|_| self.rng.below(1000) as i32).collect();
+        let eos: Option<Vec<bool>> = self
+            .rng
+            .chance(50)
+            .then(|| (0..samples).map(|_| self.rng.chance(6)).collect());
+        let updated = self
+            .s
+            .update_accepted(&tokens, eos.as_deref(), Some(&accepted))
+            .map(<[_]>::to_vec);
+        self.h.str("update");
+        self.h.debug(&updated);
+        self.h.debug(&self.s.spec_decode_accepted_per_position());
         if updated.is_ok() {
             self.pending.pop_front();
         }
