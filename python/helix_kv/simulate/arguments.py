@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 from helix_kv._core import ConfigField, Layout, SchedulerConfig
 from helix_kv.errors import ConfigError, SimulationSetupError
 from helix_kv.errors import UsageError as UsageError  # also importable from here
+from helix_kv.simulate.drafts import DEFAULT_ACCEPTANCE, DraftModel
 from helix_kv.simulate.options import (
     I32_MAX,
     I64_MAX,
@@ -30,7 +31,6 @@ from helix_kv.simulate.options import (
     SimulationOptions,
     scheduler_flag,
 )
-from helix_kv.simulate.drafts import DEFAULT_ACCEPTANCE, DraftModel
 from helix_kv.simulate.timing import DEFAULT_STEP_TIME, PROFILE_KEYS, StepTimeModel, load_profile
 from helix_kv.simulate.workload import (
     DEFAULT_HASH_BLOCK_TOKENS,

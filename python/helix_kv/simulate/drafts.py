@@ -115,9 +115,7 @@ class DraftModel:
         return {"acceptance": self.acceptance, "seed": self.seed}
 
 
-def verify(
-    draft_counts: np.ndarray, draft_tokens: np.ndarray, sampled: np.ndarray
-) -> np.ndarray:
+def verify(draft_counts: np.ndarray, draft_tokens: np.ndarray, sampled: np.ndarray) -> np.ndarray:
     """Greedy verification: per generation entry with ``draft_counts[i]`` drafts (their tokens
     concatenated in ``draft_tokens``) and its ``1 + draft_counts[i]`` sampled rows (concatenated
     in ``sampled``), how many leading drafts equal the token sampled at their position (int64).

@@ -381,7 +381,9 @@ SPECULATIVE_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     (
         "draft KV taken / returned",
         lambda s: _pair(
-            s["spec_decode_draft_superblocks"], s["spec_decode_returned_superblocks"], " superblocks"
+            s["spec_decode_draft_superblocks"],
+            s["spec_decode_returned_superblocks"],
+            " superblocks",
         ),
     ),
 ]

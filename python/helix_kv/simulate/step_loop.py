@@ -75,10 +75,6 @@ class StepSeries:
     preempted: list[int] = field(default_factory=list)
     sat_out: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
-    #: Speculative decoding (a draft model on; empty otherwise): draft tokens the step
-    #: scheduled, and how many of them were accepted.
-    draft_tokens: list[int] = field(default_factory=list)
-    accepted_tokens: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.clock)
@@ -150,8 +146,8 @@ class SimulationResult:
     drafts: DraftModel | None = None
     """The draft model of a speculative-decoding run (``None``: no drafts)."""
     decode_entries: int = 0
-    """Decode entries of the steps that ran (each one request decoding in one step, its drafts
-    included)."""
+    """With drafts: decode entries of the steps scheduled (each one request decoding in one
+    step, its drafts included); 0 without."""
     accepted_per_position: list[int] | None = None
     """With drafts: the scheduler's ``spec_decode_accepted_per_position()`` at the end (times
     draft position ``j``, 0 the first after the decode token, was accepted)."""
@@ -283,6 +279,9 @@ class _StepLoop:
         #: One step ahead: requests aborted while a step is pending (no drafts for them).
         self.aborting: set[int] = set()
         self.decode_entries = 0
+        #: With drafts, for the events: the last step's drafted decodes, draft tokens and
+        #: accepted draft tokens.
+        self.step_drafts = (0, 0, 0)
 
     def admit_arrivals(self) -> bool:
         """Add the requests that have arrived; jump over idle time. False when all is done."""
@@ -367,13 +366,13 @@ class _StepLoop:
             self.now_ms += self.step_time.step_ms(int(output.num_tokens), kv_read, self.cp_size)
 
         sample_ids = np.asarray(output.sample_ids, dtype=np.int64)
-        generation_ids = np.asarray(output.generation_ids, dtype=np.int64)
-        self.decode_entries += int(generation_ids.size)
         accepted: np.ndarray | None = None
         if self.drafts is None:
             tokens = sampled_tokens(sample_ids, _sample_indices(sample_ids, self.generated))
             kept = sample_ids
         else:
+            generation_ids = np.asarray(output.generation_ids, dtype=np.int64)
+            self.decode_entries += int(generation_ids.size)
             draft_counts = np.asarray(output.generation_draft_counts, dtype=np.int64)
             rows = draft_counts + 1
             generation_rows = int(rows.sum())
@@ -389,8 +388,11 @@ class _StepLoop:
             kept = np.concatenate(
                 [np.repeat(generation_ids, accepted + 1), sample_ids[generation_rows:]]
             )
-            series.draft_tokens.append(int(draft_counts.sum()))
-            series.accepted_tokens.append(int(accepted.sum()))
+            self.step_drafts = (
+                int(np.count_nonzero(draft_counts)),
+                int(draft_counts.sum()),
+                int(accepted.sum()),
+            )
         if self.overlap:
             self.check_inputs_in_flight()
         self.driver.launched(_Launched(tokens, accepted))
@@ -429,7 +431,9 @@ class _StepLoop:
         step = self.driver.due()
         if step is None:
             return np.zeros(0, dtype=np.uint64)
-        finished = np.asarray(self.driver.complete(step.sampled.tokens, None, step.sampled.accepted))
+        finished = np.asarray(
+            self.driver.complete(step.sampled.tokens, None, step.sampled.accepted)
+        )
         if self.overlap:
             self.apply_aborts()
         return finished
@@ -505,11 +509,11 @@ class _StepLoop:
         series = self.series
         speculative: dict[str, int] = {}
         if self.drafts is not None:
-            counts = np.asarray(output.generation_draft_counts)
+            drafted, draft_tokens, accepted = self.step_drafts
             speculative = {
-                "drafts": int(np.count_nonzero(counts)),
-                "draft_tokens": series.draft_tokens[-1],
-                "accepted_tokens": series.accepted_tokens[-1],
+                "drafts": drafted,
+                "draft_tokens": draft_tokens,
+                "accepted_tokens": accepted,
             }
         self.events.on_step(
             StepEvent(
