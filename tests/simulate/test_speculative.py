@@ -460,3 +460,15 @@ def test_the_table_reads_the_draft_figures() -> None:
     assert f"draft tokens accepted       {drafts} / {drafts} (100.0%)" in table
     assert "accepted per position       100.0% " in table
     assert "spec_tokens=2 acceptance=1" in table
+
+
+def test_rank_processes_propose_and_accept_the_same_drafts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("torch")
+    argv = [*PRESSURE, "--requests", "12", "--spec-tokens", "3"]
+    in_process = report(capsys, *argv)
+    with_procs = report(capsys, *argv, "--procs")
+    assert with_procs["config"]["procs"] is True
+    for key in ("steps", "generated_tokens", "preemptions", *sorted(SPEC_KEYS)):
+        assert with_procs[key] == in_process[key], key
