@@ -10,6 +10,8 @@ its leading successes.
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -472,3 +474,19 @@ def test_rank_processes_propose_and_accept_the_same_drafts(
     assert with_procs["config"]["procs"] is True
     for key in ("steps", "generated_tokens", "preemptions", *sorted(SPEC_KEYS)):
         assert with_procs[key] == in_process[key], key
+
+
+def test_the_user_guide_example_is_what_the_command_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "user-guide.md").read_text("utf-8")
+    section = guide[guide.index("### Capacity planning with drafts") :]
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
+    command = next(code for info, code in blocks if info == "bash")
+    sample = next(code for info, code in blocks if info == "text")
+    lines = [line for line in command.splitlines() if not line.startswith("#")]
+    argv = shlex.split(" ".join(line.rstrip("\\") for line in lines))
+    assert argv[:2] == ["helix-kv", "simulate"]
+    status, out, _ = simulate(capsys, *argv[2:])
+    assert status == 0
+    assert out == sample
