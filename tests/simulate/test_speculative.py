@@ -229,9 +229,11 @@ def test_every_draft_rejected_gives_back_every_draft_superblock(
     assert result["decode_steps"] == (
         result["generated_tokens"] - result["requests_total"] - result["preemptions"]
     )
-    assert result["generated_tokens"] == plain["generated_tokens"]
-    # drafts that are all rejected only cost: KV and budget for nothing
-    assert result["steps"] >= plain["steps"]
+    # drafts come last from free pages and are all given back at the update: the schedule is
+    # the one without drafts, step for step
+    for key in ("steps", "generated_tokens", "computed_tokens", "preemptions", "sat_out"):
+        assert result[key] == plain[key], key
+    assert result["spec_decode_trimmed_tokens"] > 0  # under pressure some did not even fit
 
 
 # -- determinism and rank invariance ------------------------------------------------------
