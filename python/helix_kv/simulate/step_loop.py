@@ -200,11 +200,11 @@ def _sample_indices(ids: np.ndarray, generated: dict[int, int]) -> np.ndarray:
 
 
 def _row_indices(
-    ids: np.ndarray, generated: dict[int, int], entries: int, rows_per_entry: np.ndarray
+    ids: np.ndarray, generated: dict[int, int], rows_per_entry: np.ndarray
 ) -> np.ndarray:
     """The output index each sample row samples: a generation entry's ``1 + k`` rows (the
-    first ``entries`` runs of ``ids``, ``rows_per_entry`` each) its next ``1 + k`` tokens, and
-    each completing context entry its next one."""
+    first runs of ``ids``, ``rows_per_entry[i]`` rows for entry ``i``) its next ``1 + k``
+    tokens, and each completing context entry its next one."""
     base = _sample_indices(ids, generated)
     generation_rows = int(rows_per_entry.sum())
     starts = np.cumsum(rows_per_entry) - rows_per_entry
@@ -378,7 +378,7 @@ class _StepLoop:
             generation_rows = int(rows.sum())
             if not np.array_equal(sample_ids[:generation_rows], np.repeat(generation_ids, rows)):
                 raise SimulationSetupError("sample_ids do not start with 1 + k rows per decode")
-            indices = _row_indices(sample_ids, self.generated, generation_ids.size, rows)
+            indices = _row_indices(sample_ids, self.generated, rows)
             tokens = sampled_tokens(sample_ids, indices)
             accepted = verify(
                 draft_counts,
