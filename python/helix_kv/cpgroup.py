@@ -230,6 +230,15 @@ class SimulatedCPGroup:
         """The scheduler's totals (equal on every rank)."""
         return self.schedulers[0].metrics()
 
+    def spec_decode_accepted_per_position(self) -> npt.NDArray[np.uint64]:
+        """How many times each draft position was accepted (see
+        :meth:`helix_kv.Scheduler.spec_decode_accepted_per_position`; checked equal on every
+        rank)."""
+        counts = [s.spec_decode_accepted_per_position() for s in self.schedulers]
+        self._agree("spec_decode_accepted_per_position", counts, "accepted_per_position")
+        result: npt.NDArray[np.uint64] = counts[0]
+        return result
+
     @property
     def num_running(self) -> int:
         """Requests holding KV (prefilling or decoding)."""

@@ -61,9 +61,10 @@ class FakeGroup:
             num_tokens=len(decoding) + len(context),
         )
 
-    def update(self, tokens, eos=None):
+    def update(self, tokens, eos=None, accepted=None):
         assert self._last is not None
         assert eos is None
+        assert accepted is None  # no drafts here
         assert len(tokens) == len(self._last)
         finished = []
         for request_id, token in zip(self._last, tokens.tolist()):

@@ -6,6 +6,8 @@ The pieces are small and importable on their own:
   included) or reads a JSONL trace (with the prompts' ``token_ids`` or ``hash_ids``);
 - :mod:`.step_loop` runs the step loop over ``cp_size`` schedulers (one per rank) and checks
   that the ranks agree every step;
+- :mod:`.drafts` is the draft model of speculative decoding (``--spec-tokens``): seeded
+  per-token acceptance and greedy verification;
 - :mod:`.events` is the per-step and per-request event stream (``--events``);
 - :mod:`.timing` is the optional step-time model (``--step-time``): modelled milliseconds;
 - :mod:`.report` turns a run into figures, a text table and JSON;

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 from helix_kv._core import ConfigField, Layout, SchedulerConfig
 from helix_kv.errors import ConfigError, SimulationSetupError
 from helix_kv.errors import UsageError as UsageError  # also importable from here
+from helix_kv.simulate.drafts import DEFAULT_ACCEPTANCE, DraftModel
 from helix_kv.simulate.options import (
     I32_MAX,
     I64_MAX,
@@ -234,6 +235,15 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
             )
         elif field.name in FIELD_FLAGS:
             _field_flag(group, field, FIELD_FLAGS[field.name])
+
+    group.add_argument(
+        "--acceptance",
+        type=_fraction,
+        metavar="P",
+        help="with --spec-tokens: the chance that each draft token is accepted, a seeded coin "
+        "per token (from --seed), the same on every rank; a step accepts its leading "
+        f"successes (default {DEFAULT_ACCEPTANCE})",
+    )
 
     group = parser.add_argument_group("workload (synthetic unless --trace)")
     group.add_argument(
@@ -488,6 +498,12 @@ def check_combinations(args: argparse.Namespace) -> None:
             "--compare-policies runs every suspend policy (with --host-tier-tokens); "
             "drop --suspend-policy"
         )
+    if args.acceptance is not None and not args.num_speculative_tokens:
+        none = "" if args.num_speculative_tokens is None else " (--spec-tokens 0 proposes none)"
+        raise UsageError(
+            "--acceptance is the chance that a draft token is accepted; give --spec-tokens N "
+            f"(N >= 1) to propose drafts{none}"
+        )
     if args.plot is not None:
         parent = Path(args.plot).expanduser().resolve().parent
         if not parent.is_dir():
@@ -534,7 +550,18 @@ def simulation_options(args: argparse.Namespace) -> SimulationOptions:
         step_time=step_time_model(args),
         verify_ranks=args.verify_ranks,
         overlap=args.overlap,
+        drafts=draft_model(args),
     )
+
+
+def draft_model(args: argparse.Namespace) -> DraftModel | None:
+    """The draft model ``--spec-tokens`` and ``--acceptance`` ask for (``None``: no drafts),
+    its coins seeded by ``--seed`` (the workload's default seed with ``--trace``)."""
+    if not args.num_speculative_tokens:
+        return None
+    acceptance = DEFAULT_ACCEPTANCE if args.acceptance is None else args.acceptance
+    seed = DEFAULT_WORKLOAD.seed if args.seed is None else args.seed
+    return DraftModel(args.num_speculative_tokens, acceptance, seed)
 
 
 def _default_max(default: int, mean: int | None) -> int:

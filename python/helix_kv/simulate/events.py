@@ -63,7 +63,8 @@ class StepEvent:
     kv_utilization: float
     """``kv_used_superblocks`` over the pool's capacity."""
     scheduled_tokens: int
-    """``context_tokens + decode_tokens``: the step's ``num_tokens``."""
+    """``context_tokens + decode_tokens`` (``+ draft_tokens`` with drafts): the step's
+    ``num_tokens``."""
     context_tokens: int
     """Prompt (or re-prefill) tokens in the step's prefill chunks."""
     decode_tokens: int
@@ -93,10 +94,27 @@ class StepEvent:
     """Prompt tokens the step's admissions (and re-admissions after a recompute-pause) found
     in the prefix cache instead of computing them (the sum of ``context_cached_lens``; 0
     without prefix caching)."""
+    drafts: int | None = None
+    """Speculative decoding: decode entries that verified at least one draft token (``None``,
+    and no key in the file, without drafts)."""
+    draft_tokens: int | None = None
+    """Speculative decoding: draft tokens the step verified (counted in ``scheduled_tokens``,
+    not in ``decode_tokens``)."""
+    accepted_tokens: int | None = None
+    """Speculative decoding: of those, the draft tokens accepted (each a token kept on top of
+    its decode's own)."""
 
     def to_record(self) -> dict[str, Any]:
-        """The step as a JSON object with ``"type": "step"``."""
-        return {"type": "step", **vars(self)}
+        """The step as a JSON object with ``"type": "step"`` (the draft keys only when the
+        run had drafts)."""
+        record = {"type": "step", **vars(self)}
+        for key in _DRAFT_KEYS:
+            if record[key] is None:
+                del record[key]
+        return record
+
+
+_DRAFT_KEYS = ("drafts", "draft_tokens", "accepted_tokens")
 
 
 @dataclass(frozen=True)

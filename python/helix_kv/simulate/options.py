@@ -17,6 +17,7 @@ from helix_kv._core import ConfigField, Scheduler, SchedulerConfig
 from helix_kv._renamed import Renamed, renamed_fields, renamed_keywords
 from helix_kv.errors import ConfigError, HelixKVError
 from helix_kv.errors import SimulationSetupError as SimulationSetupError  # also from here
+from helix_kv.simulate.drafts import DraftModel
 from helix_kv.simulate.timing import StepTimeModel
 from helix_kv.simulate.workload import RequestSpec
 from helix_kv.types import CapacityPolicy, ServingMode, SuspendPolicy, VictimPolicy
@@ -126,6 +127,9 @@ class SimulationOptions:
     verify_ranks: VerifyRanks | None = None
     """Which ranks run a real scheduler (:func:`verified_ranks`); ``None``: ``all`` up to
     :data:`VERIFY_ALL_UP_TO_CP` ranks (and always with ``procs``), ``sample`` above."""
+    drafts: DraftModel | None = None
+    """Speculative decoding's draft model (``--spec-tokens K --acceptance P``); its
+    ``num_tokens`` is the scheduler's ``num_speculative_tokens``. ``None``: no drafts."""
 
     cp = Renamed[int]("cp_size")
 
@@ -195,6 +199,8 @@ class SimulationOptions:
             resolved["step_time_model"] = self.step_time.to_dict()
         if self.overlap:  # likewise
             resolved["overlap"] = True
+        if self.drafts is not None:  # likewise
+            resolved["drafts"] = self.drafts.to_dict()
         return resolved
 
 

@@ -140,6 +140,7 @@ def run_with_options(
             step_time=options.step_time,
             cp_size=options.cp_size,
             overlap=options.overlap,
+            drafts=options.drafts,
         )
     finally:
         if progress is not None:

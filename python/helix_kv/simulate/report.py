@@ -104,6 +104,37 @@ def prefix_cache_figures(result: SimulationResult) -> Summary:
     }
 
 
+def speculative_figures(result: SimulationResult) -> Summary:
+    """Speculative decoding's figures (empty when the run proposed no drafts): the decodes
+    that verified drafts, their draft tokens and the accepted ones, the acceptance rate
+    (accepted / draft tokens) and per draft position (times position ``j`` was accepted, and
+    that over the drafted decodes: vLLM's per-position acceptance), the mean tokens a decode
+    step gives its request (``1 + accepted / decode steps``, every decode entry counted), the
+    draft tokens proposed that steps did not schedule (no free pages or token budget: drafts
+    give way first), and the KV superblocks drafts took from the free list and gave back at
+    the update (those only rejected drafts reached)."""
+    if result.drafts is None:
+        return {}
+    metrics = result.final_metrics
+    drafted = int(metrics.spec_decode_num_drafts)
+    draft_tokens = int(metrics.spec_decode_num_draft_tokens)
+    accepted = int(metrics.spec_decode_num_accepted_tokens)
+    per_position = list(result.accepted_per_position or [])
+    return {
+        "decode_steps": result.decode_entries,
+        "spec_decode_drafts": drafted,
+        "spec_decode_draft_tokens": draft_tokens,
+        "spec_decode_accepted_tokens": accepted,
+        "spec_decode_acceptance_rate": _share(accepted, draft_tokens),
+        "spec_decode_accepted_per_position": per_position,
+        "spec_decode_acceptance_per_position": [_share(c, drafted) for c in per_position],
+        "tokens_per_decode_step": 1.0 + _share(accepted, result.decode_entries),
+        "spec_decode_trimmed_tokens": int(metrics.spec_decode_num_trimmed_tokens),
+        "spec_decode_draft_superblocks": int(metrics.spec_decode_draft_superblocks),
+        "spec_decode_returned_superblocks": int(metrics.spec_decode_returned_superblocks),
+    }
+
+
 def summarize(result: SimulationResult) -> Summary:
     """The figures of a run as one flat dict (what ``--json`` prints).
 
@@ -136,6 +167,7 @@ def summarize(result: SimulationResult) -> Summary:
         "generated_tokens": result.generated_tokens,
         "computed_tokens": computed,
         **prefix_cache_figures(result),
+        **speculative_figures(result),
         "preemptions": int(metrics.preemptions),
         "suspensions": int(metrics.suspensions),
         "resumes": int(metrics.resumes),
@@ -318,6 +350,45 @@ PREFIX_CACHE_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
 ]
 
 
+def _positions(rates: Sequence[float], shown: int = 8) -> str:
+    """Per-position rates, the first ``shown`` of them."""
+    text = " ".join(_percent(rate) for rate in rates[:shown])
+    return text + (f" ... ({len(rates)} positions)" if len(rates) > shown else "")
+
+
+#: Rows added after "computed tokens" (and the prefix cache's) when the run had drafts.
+SPECULATIVE_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
+    (
+        "decodes with drafts",
+        lambda s: (
+            f"{s['spec_decode_drafts']} of {s['decode_steps']} "
+            f"({s['spec_decode_draft_tokens']} draft tokens)"
+        ),
+    ),
+    (
+        "draft tokens accepted",
+        lambda s: (
+            f"{s['spec_decode_accepted_tokens']} / {s['spec_decode_draft_tokens']} "
+            f"({_percent(s['spec_decode_acceptance_rate'])})"
+        ),
+    ),
+    (
+        "accepted per position",
+        lambda s: _positions(s["spec_decode_acceptance_per_position"]),
+    ),
+    ("tokens per decode step", lambda s: f"{s['tokens_per_decode_step']:.2f}"),
+    ("drafts trimmed", lambda s: f"{s['spec_decode_trimmed_tokens']} tokens"),
+    (
+        "draft KV taken / returned",
+        lambda s: _pair(
+            s["spec_decode_draft_superblocks"],
+            s["spec_decode_returned_superblocks"],
+            " superblocks",
+        ),
+    ),
+]
+
+
 #: Rows added after "recomputed tokens" when the run had a host tier (and so a baseline run
 #: without it).
 HOST_TIER_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
@@ -340,12 +411,16 @@ HOST_TIER_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
 def table_rows(summary: Summary) -> list[tuple[str, Callable[[Summary], str]]]:
     """The table's rows for ``summary``: :data:`ROWS`, with :data:`PREFIX_CACHE_ROWS` after
     the computed tokens when prefix caching was on, :data:`HOST_TIER_ROWS` after the
-    recomputed tokens when a baseline without the host tier ran, and :data:`MODELLED_ROWS`
+    recomputed tokens when a baseline without the host tier ran, :data:`SPECULATIVE_ROWS`
+    before the preemptions when the run had drafts, and :data:`MODELLED_ROWS`
     after the latencies in steps when a step-time model was on."""
     rows = list(ROWS)
     if "prefix_cache_hit_rate" in summary:
         at = next(i for i, (label, _) in enumerate(rows) if label == "computed tokens") + 1
         rows[at:at] = PREFIX_CACHE_ROWS
+    if "spec_decode_acceptance_rate" in summary:
+        at = next(i for i, (label, _) in enumerate(rows) if label == "preemptions")
+        rows[at:at] = SPECULATIVE_ROWS
     if "recomputed_tokens_avoided" in summary:
         at = next(i for i, (label, _) in enumerate(rows) if label == "recomputed tokens") + 1
         rows[at:at] = HOST_TIER_ROWS
@@ -406,6 +481,10 @@ def describe_config(config: Mapping[str, Any], *, include_policy: bool = True) -
         parts.append("prefix_caching")
     if config.get("overlap"):
         parts.append("overlap")
+    drafts = config.get("drafts")
+    if drafts is not None:
+        spec_tokens = scheduler.get("num_speculative_tokens", "?")
+        parts.append(f"spec_tokens={spec_tokens} acceptance={drafts.get('acceptance', '?'):g}")
     source = config.get("workload", {})
     if source.get("source") == "trace":
         parts.append(f"trace={source.get('path')}")

@@ -23,6 +23,14 @@ scheduled): the aborts due at a clock step are then applied right after step t's
 step t+1 is pending; a request aborted then keeps the tokens of the steps before t+1, as in the
 plain loop, and finishes when step t+1 closes. The outputs must be those of the plain loop.
 
+With a draft model (``drafts=``, a :class:`~helix_kv.simulate.drafts.DraftModel`: speculative
+decoding, ``--spec-tokens K --acceptance P``) the loop proposes drafts to every rank before each
+``schedule()`` (``propose_drafts``: ``min(K, left - 1)`` for each request that has sampled a
+token), verifies the drafts the step scheduled against the tokens it samples (each generation
+entry samples ``1 + k`` rows: its next ``1 + k`` tokens) and gives ``update`` the accepted
+counts; the scheduler keeps ``accepted + 1`` tokens of each and rolls the rest back. Outputs must
+stay exactly those without drafts. See :mod:`.drafts` for the acceptance model.
+
 Two optional additions, both off by default and costing nothing then: ``events=`` receives a
 :class:`~helix_kv.simulate.events.StepEvent` after every step and a
 :class:`~helix_kv.simulate.events.RequestEvent` per request outcome (see :mod:`.events`), and
@@ -44,6 +52,7 @@ from helix_kv._core import ScheduleOutput, SchedulerMetrics
 from helix_kv._renamed import renamed_keywords
 from helix_kv.contract import SchedulerProtocol
 from helix_kv.errors import ScheduleMismatchError, SimulationSetupError
+from helix_kv.simulate.drafts import DraftModel, verify
 from helix_kv.simulate.events import EventSink, RequestEvent, StepEvent
 from helix_kv.simulate.timing import StepTimeModel, kv_tokens_read
 from helix_kv.simulate.tokens import expected_output, sampled_tokens
@@ -134,6 +143,14 @@ class SimulationResult:
     outputs_match_plain: bool | None = None
     """For an overlap run, whether every request's output equals that of the plain run of the
     same workload (set by the caller that ran both, see :func:`outputs_match`)."""
+    drafts: DraftModel | None = None
+    """The draft model of a speculative-decoding run (``None``: no drafts)."""
+    decode_entries: int = 0
+    """With drafts: decode entries of the steps scheduled (each one request decoding in one
+    step, its drafts included); 0 without."""
+    accepted_per_position: list[int] | None = None
+    """With drafts: the scheduler's ``spec_decode_accepted_per_position()`` at the end (times
+    draft position ``j``, 0 the first after the decode token, was accepted)."""
 
     @property
     def requests_finished(self) -> int:
@@ -182,6 +199,42 @@ def _sample_indices(ids: np.ndarray, generated: dict[int, int]) -> np.ndarray:
     return np.fromiter((generated[i] for i in ids.tolist()), dtype=np.uint64, count=len(ids))
 
 
+def _row_indices(
+    ids: np.ndarray, generated: dict[int, int], rows_per_entry: np.ndarray
+) -> np.ndarray:
+    """The output index each sample row samples: a generation entry's ``1 + k`` rows (the
+    first runs of ``ids``, ``rows_per_entry[i]`` rows for entry ``i``) its next ``1 + k``
+    tokens, and each completing context entry its next one."""
+    base = _sample_indices(ids, generated)
+    generation_rows = int(rows_per_entry.sum())
+    starts = np.cumsum(rows_per_entry) - rows_per_entry
+    offsets = np.arange(generation_rows, dtype=np.int64) - np.repeat(starts, rows_per_entry)
+    base[:generation_rows] += offsets.astype(np.uint64)
+    return base
+
+
+@dataclass(frozen=True, eq=False)
+class _Launched:
+    """What a step was launched with: its sampled rows and (with drafts) the accepted counts."""
+
+    tokens: np.ndarray
+    accepted: np.ndarray | None = None
+
+
+def accepted_per_position(group: SchedulerProtocol) -> list[int]:
+    """The scheduler's ``spec_decode_accepted_per_position()`` of ``group``: a
+    :class:`helix_kv.SimulatedCPGroup` (checked equal on its ranks) or one rank's
+    ``Scheduler``, directly or as the ``scheduler`` of a ``HelixKVRank``."""
+    source: Any = group
+    if not hasattr(source, "spec_decode_accepted_per_position"):
+        source = getattr(group, "scheduler", None)
+    if source is None or not hasattr(source, "spec_decode_accepted_per_position"):
+        raise SimulationSetupError(
+            f"{type(group).__name__} has no spec_decode_accepted_per_position()"
+        )
+    return [int(count) for count in np.asarray(source.spec_decode_accepted_per_position())]
+
+
 class _StepLoop:
     """The state of one run: what has arrived, what each request has generated, the record."""
 
@@ -193,11 +246,13 @@ class _StepLoop:
         step_time: StepTimeModel | None = None,
         cp_size: int = 1,
         overlap: bool = False,
+        drafts: DraftModel | None = None,
     ) -> None:
         self.group = group
         self.overlap = overlap
+        self.drafts = drafts
         #: The steps scheduled and "run", each launched with its sampled tokens.
-        self.driver: StepDriver[np.ndarray] = StepDriver(group, one_step_ahead=overlap)
+        self.driver: StepDriver[_Launched] = StepDriver(group, one_step_ahead=overlap)
         self.workload = workload
         self.by_id = {request.request_id: request for request in workload}
         self.generated: dict[int, int] = {}
@@ -221,6 +276,12 @@ class _StepLoop:
         self.aborted_since_step = 0
         #: For the events only: prompt tokens each live request found in the prefix cache.
         self.cached_tokens: dict[int, int] = {}
+        #: One step ahead: requests aborted while a step is pending (no drafts for them).
+        self.aborting: set[int] = set()
+        self.decode_entries = 0
+        #: With drafts, for the events: the last step's drafted decodes, draft tokens and
+        #: accepted draft tokens.
+        self.step_drafts = (0, 0, 0)
 
     def admit_arrivals(self) -> bool:
         """Add the requests that have arrived; jump over idle time. False when all is done."""
@@ -265,12 +326,28 @@ class _StepLoop:
             # one step ahead: they finish when the pending step closes (update's ids)
             for request_id in due:
                 del self.abort_steps[request_id]
+            self.aborting.update(due)
             return
         for request_id in due:
             self.collect(request_id)
 
+    def propose_drafts(self) -> int:
+        """Proposes the draft model's drafts for the next step on every rank; returns how many
+        draft tokens were proposed."""
+        assert self.drafts is not None
+        live = (
+            (request_id, generated, self.by_id[request_id].output_len)
+            for request_id, generated in self.generated.items()
+            if request_id not in self.aborting
+        )
+        proposal = self.drafts.propose(live)
+        self.driver.propose_drafts(proposal.request_ids, proposal.counts, proposal.tokens)
+        return int(proposal.tokens.size)
+
     def run_step(self) -> None:
         """Schedule one step on every rank, record it, feed the tokens, collect finishers."""
+        if self.drafts is not None:
+            self.propose_drafts()
         output = self.driver.schedule()
         metrics = self.group.metrics()
         series = self.series
@@ -289,18 +366,44 @@ class _StepLoop:
             self.now_ms += self.step_time.step_ms(int(output.num_tokens), kv_read, self.cp_size)
 
         sample_ids = np.asarray(output.sample_ids, dtype=np.int64)
-        tokens = sampled_tokens(sample_ids, _sample_indices(sample_ids, self.generated))
+        accepted: np.ndarray | None = None
+        if self.drafts is None:
+            tokens = sampled_tokens(sample_ids, _sample_indices(sample_ids, self.generated))
+            kept = sample_ids
+        else:
+            generation_ids = np.asarray(output.generation_ids, dtype=np.int64)
+            self.decode_entries += int(generation_ids.size)
+            draft_counts = np.asarray(output.generation_draft_counts, dtype=np.int64)
+            rows = draft_counts + 1
+            generation_rows = int(rows.sum())
+            if not np.array_equal(sample_ids[:generation_rows], np.repeat(generation_ids, rows)):
+                raise SimulationSetupError("sample_ids do not start with 1 + k rows per decode")
+            indices = _row_indices(sample_ids, self.generated, rows)
+            tokens = sampled_tokens(sample_ids, indices)
+            accepted = verify(
+                draft_counts,
+                np.asarray(output.generation_draft_tokens, dtype=np.int32),
+                tokens[:generation_rows],
+            )
+            kept = np.concatenate(
+                [np.repeat(generation_ids, accepted + 1), sample_ids[generation_rows:]]
+            )
+            self.step_drafts = (
+                int(np.count_nonzero(draft_counts)),
+                int(draft_counts.sum()),
+                int(accepted.sum()),
+            )
         if self.overlap:
             self.check_inputs_in_flight()
-        self.driver.launched(tokens)
+        self.driver.launched(_Launched(tokens, accepted))
         finished = self.close_due()
-        for request_id in sample_ids.tolist():
+        for request_id in kept.tolist():
             if self.generated[request_id] == 0:
                 self.first_token_step[request_id] = self.clock
                 if self.step_time is not None:
                     self.first_token_ms[request_id] = self.now_ms  # the end of this step
             self.generated[request_id] += 1
-        self.total_generated += len(sample_ids)
+        self.total_generated += len(kept)
         if self.events is not None:
             self.emit_step(output, metrics, kv_read, len(finished), start_ms)
         for request_id in np.asarray(finished).tolist():
@@ -328,7 +431,9 @@ class _StepLoop:
         step = self.driver.due()
         if step is None:
             return np.zeros(0, dtype=np.uint64)
-        finished = np.asarray(self.driver.complete(step.sampled))
+        finished = np.asarray(
+            self.driver.complete(step.sampled.tokens, None, step.sampled.accepted)
+        )
         if self.overlap:
             self.apply_aborts()
         return finished
@@ -336,7 +441,9 @@ class _StepLoop:
     def flush(self) -> None:
         """Overlap: updates the step still in flight at the end of the run."""
         for step in self.driver.drain():
-            for request_id in np.asarray(self.driver.complete(step.sampled)).tolist():
+            launched = step.sampled
+            closed = self.driver.complete(launched.tokens, None, launched.accepted)
+            for request_id in np.asarray(closed).tolist():
                 self.collect(request_id)
 
     def collect(self, request_id: int) -> None:
@@ -368,6 +475,7 @@ class _StepLoop:
         )
         del self.generated[request_id]
         self.abort_steps.pop(request_id, None)
+        self.aborting.discard(request_id)
         if self.step_time is not None:
             outcome = self.outcomes[-1]
             outcome.arrival_ms = self.arrival_ms.pop(request_id)
@@ -399,6 +507,14 @@ class _StepLoop:
             self.cached_tokens[request_id] = self.cached_tokens.get(request_id, 0) + cached
         timed = self.step_time is not None
         series = self.series
+        speculative: dict[str, int] = {}
+        if self.drafts is not None:
+            drafted, draft_tokens, accepted = self.step_drafts
+            speculative = {
+                "drafts": drafted,
+                "draft_tokens": draft_tokens,
+                "accepted_tokens": accepted,
+            }
         self.events.on_step(
             StepEvent(
                 step=len(series) - 1,
@@ -422,6 +538,7 @@ class _StepLoop:
                 start_ms=start_ms if timed else None,
                 duration_ms=self.now_ms - start_ms if timed else None,
                 cached_tokens=int(cached_lens.sum(dtype=np.int64)),
+                **speculative,
             )
         )
         self.aborted_since_step = 0
@@ -460,6 +577,7 @@ def run_simulation(
     step_time: StepTimeModel | None = None,
     cp_size: int | None = None,
     overlap: bool = False,
+    drafts: DraftModel | None = None,
 ) -> SimulationResult:
     """Run ``workload`` to completion on ``group`` and return what happened.
 
@@ -474,7 +592,9 @@ def run_simulation(
     ``cp_size``, the group's CP size (default: ``config["cp"]``, the report's key; one of them
     is needed with a model, else :class:`SimulationSetupError`; ``cp``: the deprecated name of
     ``cp_size``, kept for one release). ``overlap``: schedule one step ahead (see the module
-    docs); compare the outputs with a plain run's through :func:`outputs_match`.
+    docs); compare the outputs with a plain run's through :func:`outputs_match`. ``drafts``:
+    speculative decoding with this draft model (the group's ``num_speculative_tokens`` must
+    be at least its ``num_tokens``, else :class:`SimulationSetupError`).
     """
     if cp_size is None and config is not None and "cp" in config:
         cp_size = int(config["cp"])
@@ -482,7 +602,14 @@ def run_simulation(
         raise SimulationSetupError(
             "run_simulation: a step-time model needs the group's CP size: pass cp_size=N (N >= 1)"
         )
-    loop = _StepLoop(group, workload, events, step_time, cp_size or 1, overlap)
+    if drafts is not None:
+        allowed = _speculative_tokens(group)
+        if allowed is not None and allowed < drafts.num_tokens:
+            raise SimulationSetupError(
+                f"run_simulation: the draft model proposes {drafts.num_tokens} drafts, the "
+                f"scheduler takes at most num_speculative_tokens = {allowed}"
+            )
+    loop = _StepLoop(group, workload, events, step_time, cp_size or 1, overlap, drafts)
     mismatch: str | None = None
     interrupted = False
     steps_limit = math.inf if max_steps is None else max_steps
@@ -512,4 +639,20 @@ def run_simulation(
         interrupted=interrupted,
         modelled_time_ms=loop.now_ms if step_time is not None else None,
         overlap=overlap,
+        drafts=drafts,
+        decode_entries=loop.decode_entries,
+        accepted_per_position=accepted_per_position(group) if drafts is not None else None,
     )
+
+
+def _speculative_tokens(group: SchedulerProtocol) -> int | None:
+    """The group's ``num_speculative_tokens``, where its configuration can be read."""
+    for holder in (group, getattr(group, "scheduler", None)):
+        config = getattr(holder, "config", None)
+        value = getattr(config, "num_speculative_tokens", None)
+        if isinstance(value, int):
+            return value
+    schedulers = getattr(group, "schedulers", None)
+    if schedulers:
+        return int(schedulers[0].config.num_speculative_tokens)
+    return None

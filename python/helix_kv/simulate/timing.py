@@ -8,12 +8,20 @@ The simulator counts time in scheduler steps. To read latencies in milliseconds,
             + per_kv_token_ms * kv_tokens_read / cp_size
 
 - ``scheduled_tokens``: the tokens the step computes (``ScheduleOutput.num_tokens``: prefill
-  chunk tokens plus one per decode entry);
+  chunk tokens plus one per decode entry, plus its draft tokens with speculative decoding);
 - ``kv_tokens_read``: the global KV tokens the step's attention reads, each entry counting the
-  KV its request holds once the step has written: ``position + 1`` for a decode entry,
-  ``start + length`` for a prefill chunk (see :func:`kv_tokens_read`);
+  KV its request holds once the step has written: ``position + 1 + drafts`` for a decode entry
+  (``drafts`` is 0 without speculative decoding), ``start + length`` for a prefill chunk (see
+  :func:`kv_tokens_read`);
 - ``/ cp_size``: Helix spreads every request's KV over the ``cp_size`` ranks (``--cp``), which
   attend in parallel, so each rank reads about ``1/cp_size`` of it.
+
+Speculative decoding is priced by the same two terms, an assumption: a decode verifying ``k``
+drafts runs ``1 + k`` query tokens, each costing ``per_token_ms`` like any other token the step
+computes (its share of the weights' FLOPs), and its attention reads the request's KV once for
+all of them, ``position + 1 + k`` tokens, as a prefill chunk's queries read theirs once. What
+the drafts cost to make (a draft model's or an MTP head's own forward) is not modelled: fold it
+into the coefficients you fit.
 
 A clock step in which nothing is scheduled (the simulator skips idle time to the next arrival)
 lasts ``fixed_ms``. This is a model, not a measurement: a linear cost with three coefficients,
@@ -131,12 +139,14 @@ layers x 8 KV heads x 128 dims x K and V x 2 bytes) at 3.3 TB/s."""
 
 def kv_tokens_read(output: ScheduleOutput) -> int:
     """The global KV tokens a step's attention reads: for every decode entry, the tokens its
-    request holds with the new one (``position + 1``); for every prefill chunk, the tokens its
-    request holds once the chunk is written (``start + length``)."""
+    request holds with the new one and its drafts (``position + 1 + drafts``, read once for
+    its ``1 + drafts`` query tokens); for every prefill chunk, the tokens its request holds
+    once the chunk is written (``start + length``)."""
     positions = output.generation_positions
     starts = output.context_starts
     lengths = output.context_lens
-    decode = int(positions.sum(dtype=np.int64)) + positions.size
+    drafts = output.generation_draft_counts
+    decode = int(positions.sum(dtype=np.int64)) + positions.size + int(drafts.sum(dtype=np.int64))
     context = int(starts.sum(dtype=np.int64)) + int(lengths.sum(dtype=np.int64))
     return decode + context
 
