@@ -371,6 +371,7 @@ impl Scheduler {
     /// updated or reverted (`release_zombies`), so nothing reuses them while the executor
     /// may still run its entries; its id cannot be added again until then.
     pub(super) fn retire(&mut self, req: RequestIndex, reason: FinishReason, hold: Option<u64>) {
+        self.drafts.forget(req);
         let request = &mut self.requests[req as usize];
         let id = request.id;
         if hold.is_none() {

@@ -57,6 +57,13 @@ impl Drafts {
         &self.tokens[start..start + self.counts[r] as usize]
     }
 
+    /// Drops the proposal of `req` (retired: its index may be handed to a new request).
+    pub fn forget(&mut self, req: RequestIndex) {
+        if let Some(epoch) = self.epochs.get_mut(req as usize) {
+            *epoch = u64::MAX;
+        }
+    }
+
     /// Drops every proposal (a step was scheduled with them).
     pub fn consumed(&mut self) {
         self.epoch += 1;
