@@ -100,7 +100,9 @@ def test_bench_decode_step_with_drafts(benchmark, report_figure, drafts: int) ->
     benchmark.pedantic(loop.step, rounds=ROUNDS, warmup_rounds=WARMUP)
     metrics = loop.s.metrics()
     assert metrics.preemptions == 0
-    assert metrics.spec_decode_num_accepted_tokens == accepted * metrics.spec_decode_num_drafts
+    # a step that admits replacements' prompts has less budget left: some drafts are trimmed
+    assert metrics.spec_decode_num_accepted_tokens <= accepted * metrics.spec_decode_num_drafts
+    assert (metrics.spec_decode_num_drafts > 0) == (drafts > 0)
     report_figure(
         benchmark, f"propose+schedule+update, {n} decoding, cp={CP}, k={drafts} drafts", n,
         "request", "k = 4 <= 2x k = 0",

@@ -105,6 +105,12 @@ class DraftLoop(Loop):
             self.add()
 
     def step(self) -> helix_kv.ScheduleOutput:
+        if not self.drafts:  # drafts off: the plain loop, as an engine without drafts runs
+            out = self.s.schedule()
+            for request_id in self.s.update(self.tokens[: out.num_samples]).tolist():
+                self.s.take_output(request_id)
+                self.add()
+            return out
         m = self.decoding.size
         if m:
             self.s.propose_drafts(

@@ -88,6 +88,23 @@ pub(crate) fn superblock_count(len: usize) -> u32 {
 /// for other things.)
 pub(crate) type EntryIndex = usize;
 
+/// What [`Ledger::extend_decode_most`] gave a decode: `count` draft positions, the length
+/// before them, and the superblocks they took from the free list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DraftExtension {
+    pub count: u64,
+    pub len_before: u64,
+    pub grown: u32,
+}
+
+impl DraftExtension {
+    pub(crate) const NONE: Self = Self {
+        count: 0,
+        len_before: 0,
+        grown: 0,
+    };
+}
+
 /// Superblocks a [`KvTable`] holds in place before its table moves to the heap: the first
 /// ones a request takes cost no allocation and no cache line beyond the table's.
 const INLINE_SUPERBLOCKS: usize = 8;
@@ -942,6 +959,15 @@ impl Ledger {
         &table.inline[..held]
     }
 
+    /// [`Self::active_entry_of`], taking `hint` without a lookup where it holds `id`.
+    #[inline]
+    fn active_entry_hinted(&self, hint: EntryIndex, id: RequestId) -> Result<EntryIndex> {
+        match self.requests.records.get(hint) {
+            Some(record) if record.id == id && record.len > 0 && !record.is_suspended() => Ok(hint),
+            _ => self.active_entry_of(id),
+        }
+    }
+
     fn active_entry_of(&self, id: RequestId) -> Result<EntryIndex> {
         let entry = self.entry_of(id)?;
         if self.requests.records[entry].is_suspended() {
@@ -1472,7 +1498,19 @@ impl Ledger {
     /// to [`Ledger::retract_drafts`] (rejected drafts at `update`, or all of them at a
     /// revert, before the decode token itself is reverted).
     pub fn extend_decode(&mut self, id: RequestId, step: u64, drafts: u64) -> Result<Option<u64>> {
-        let entry = self.active_entry_of(id)?;
+        self.extend_decode_at(EntryIndex::MAX, id, step, drafts)
+    }
+
+    /// [`Self::extend_decode`] with `hint`, where the caller expects `id`'s entry (the
+    /// scheduler's own index of the request): no lookup when it holds `id`.
+    pub(crate) fn extend_decode_at(
+        &mut self,
+        hint: EntryIndex,
+        id: RequestId,
+        step: u64,
+        drafts: u64,
+    ) -> Result<Option<u64>> {
+        let entry = self.active_entry_hinted(hint, id)?;
         let request = &self.requests.records[entry];
         if request.decode_step() != Some(step) {
             return Err(CoreError::InvalidState(format!(
@@ -1502,6 +1540,47 @@ impl Ledger {
         Ok(Some(first))
     }
 
+    /// As many of `most` speculative positions after `id`'s decode in `step` as the free
+    /// list has room for (see [`Self::extend_decode`]; `hint` as in
+    /// [`Self::extend_decode_at`]), found at once: the most a step's drafts may take.
+    pub(crate) fn extend_decode_most(
+        &mut self,
+        hint: EntryIndex,
+        id: RequestId,
+        step: u64,
+        most: u64,
+    ) -> Result<DraftExtension> {
+        let entry = self.active_entry_hinted(hint, id)?;
+        let request = &self.requests.records[entry];
+        if request.decode_step() != Some(step) {
+            return Err(CoreError::InvalidState(format!(
+                "request {id} has no decode token allocated in step {step}: drafts follow it"
+            )));
+        }
+        let first = request.next_decode_position();
+        let (len_before, held) = (request.len, request.held);
+        // Whatever the length, the table can reach its superblocks plus the free list's.
+        let reach =
+            (u64::from(held) + self.free.len() as u64) * self.layout.tokens_per_superblock();
+        let count = most.min(reach.saturating_sub(first));
+        if count == 0 {
+            return Ok(DraftExtension::NONE);
+        }
+        let new_len = len_before.max(first + count);
+        if new_len > u64::from(held) * self.layout.tokens_per_superblock() {
+            let grown = self.grow_entry(entry, new_len);
+            debug_assert!(grown, "the free list has room for the drafts");
+        }
+        let request = &mut self.requests.records[entry];
+        request.len = new_len;
+        request.decode_count += count;
+        Ok(DraftExtension {
+            count,
+            len_before,
+            grown: request.held - held,
+        })
+    }
+
     /// Gives back the last `drafts` speculative positions of `id`'s decode in `step` (all
     /// of a reverted step's, or the rejected ones at `update`) and shrinks its length to
     /// `len_to` when it is longer (superblocks only those positions reached go back to the
@@ -1514,7 +1593,21 @@ impl Ledger {
         drafts: u64,
         len_to: u64,
     ) -> Result<()> {
-        let entry = self.active_entry_of(id)?;
+        self.retract_drafts_at(EntryIndex::MAX, id, step, drafts, len_to)
+            .map(|_| ())
+    }
+
+    /// [`Self::retract_drafts`] with `hint` (see [`Self::extend_decode_at`]); returns how
+    /// many superblocks went back to the pool.
+    pub(crate) fn retract_drafts_at(
+        &mut self,
+        hint: EntryIndex,
+        id: RequestId,
+        step: u64,
+        drafts: u64,
+        len_to: u64,
+    ) -> Result<u32> {
+        let entry = self.active_entry_hinted(hint, id)?;
         let request = &self.requests.records[entry];
         if request.decode_step() != Some(step) || drafts >= request.decode_count {
             return Err(CoreError::InvalidState(format!(
@@ -1529,10 +1622,18 @@ impl Ledger {
         }
         let request = &mut self.requests.records[entry];
         request.decode_count -= drafts;
+        let held = request.held;
         if request.len > len_to {
+            // Most retractions stay inside the last superblock: no table to touch (and no
+            // division to find what is kept).
+            let tps = self.layout.tokens_per_superblock();
+            if len_to > u64::from(held.saturating_sub(1)) * tps {
+                request.len = len_to;
+                return Ok(0);
+            }
             self.shrink_entry(entry, len_to);
         }
-        Ok(())
+        Ok(held - self.requests.records[entry].held)
     }
 
     /// Undoes the decode allocation that `id` made in `step`, if any (a step that was

@@ -1,5 +1,6 @@
 //! Closing a step: `update` (it ran) or `revert` (it did not).
 
+use super::drafts::count_verified;
 use super::metrics::RequestMetrics;
 use super::pending::{ContextEntry, DraftEntry, JournalEntry, StepRecord};
 use super::request::{FinishReason, RequestIndex, RequestOutput, RequestState, NO_STEP};
@@ -49,13 +50,25 @@ impl Scheduler {
         let mut kept = 0;
         let mut read = 0;
         while read < self.queue.len() {
-            if !has_zombies && plain_rows {
+            if !has_zombies {
                 // The steady state first: a run of plain decodes that neither finish
-                // nor were aborted (the general body below, minus its cases).
-                let run = self.apply_decode_run(generation, tokens, eos, read, at.generation, kept);
+                // nor were aborted (the general body below, minus its cases); with drafts,
+                // of decodes that keep their accepted tokens and go on.
+                let run = if plain_rows {
+                    let run =
+                        self.apply_decode_run(generation, tokens, eos, read, at.generation, kept);
+                    at.generation += run;
+                    at.generation_row += run;
+                    run
+                } else {
+                    let rows = Rows {
+                        tokens,
+                        eos,
+                        accepted,
+                    };
+                    self.apply_verified_run(record, rows, read, kept, &mut at)
+                };
                 read += run;
-                at.generation += run;
-                at.generation_row += run;
                 kept += run;
                 if read == self.queue.len() {
                     break;
@@ -262,6 +275,81 @@ impl Scheduler {
         run
     }
 
+    /// [`Self::apply_decode_run`] of a step with drafts: from the queue position `read` on,
+    /// each request that is the next generation entry, `Decoding`, not aborted, with no
+    /// end-of-sequence among the tokens it keeps and not finishing with them, keeps its
+    /// first `accepted + 1` rows (its rejected drafts retracted, its drafts counted) and
+    /// stays (moved down to `kept` on). Stops, untouched, at the first that needs more;
+    /// returns how many it took, the cursors past them.
+    fn apply_verified_run(
+        &mut self,
+        record: &StepRecord,
+        rows: Rows<'_>,
+        read: usize,
+        kept: usize,
+        at: &mut Cursors,
+    ) -> usize {
+        let step = record.step;
+        let queue = &mut self.queue[..];
+        let requests = &mut self.requests[..];
+        let token_log = &mut self.token_log;
+        let ledger = &mut self.ledger;
+        let metrics = &mut self.metrics;
+        let per_position = &mut self.drafts.accepted_per_position;
+        let mut run = 0;
+        while let (Some(&entry), Some(&queued)) = (
+            record.generation_reqs.get(at.generation),
+            queue.get(read + run),
+        ) {
+            let request = &mut requests[queued as usize];
+            if entry != queued || request.abort_requested || request.state != RequestState::Decoding
+            {
+                break;
+            }
+            let drafts = at.drafts_of(record);
+            let accepted = match (drafts, rows.accepted) {
+                (Some(_), Some(accepted)) => accepted[at.generation],
+                _ => 0,
+            };
+            let keep = accepted as usize + 1;
+            let row = at.generation_row;
+            if request.remaining_tokens as usize <= keep
+                || rows
+                    .eos
+                    .is_some_and(|flags| flags[row..row + keep].contains(&true))
+            {
+                break;
+            }
+            let position = request.computed;
+            for &token in &rows.tokens[row..row + keep] {
+                token_log.push(queued, request, token);
+            }
+            request.computed += keep as u64;
+            if let Some(d) = drafts {
+                let rejected = d.count - accepted;
+                if rejected > 0 {
+                    let len_to = d.len_before.max(position + keep as u64);
+                    let returned = ledger
+                        .retract_drafts_at(
+                            queued as usize,
+                            request.id,
+                            step,
+                            rejected.into(),
+                            len_to,
+                        )
+                        .expect("the ledger takes back the rejected drafts of this step");
+                    metrics.spec_decode_returned_superblocks += u64::from(returned);
+                }
+                count_verified(metrics, per_position, d.count, accepted);
+            }
+            at.computed_tokens += u64::from(accepted);
+            queue[kept + run] = queued;
+            at.pass_generation(drafts);
+            run += 1;
+        }
+        run
+    }
+
     /// Entries of requests that finished while this step was pending (held for it, out
     /// of the queue): their work ran and is discarded. Moves the cursors past them.
     fn skip_held_entries(&self, record: &StepRecord, context: &[ContextEntry], at: &mut Cursors) {
@@ -453,6 +541,15 @@ fn finish_reason(complete: bool, eos: bool) -> Option<FinishReason> {
     } else {
         None
     }
+}
+
+/// The sampled rows `update` was given for a step with drafts: a token (and maybe an
+/// end-of-sequence flag) per row, and per generation entry its accepted drafts.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    tokens: &'a [i32],
+    eos: Option<&'a [bool]>,
+    accepted: Option<&'a [u32]>,
 }
 
 /// Where `apply_step` stands in the closed step: the next generation entry, context

@@ -21,10 +21,12 @@
 //!   depends on how many drafts that step accepts. It decodes again in the step after that
 //!   update. Every other request is planned ahead as usual, drafts included.
 
+use super::metrics::SchedulerMetrics;
 use super::pending::{DraftEntry, JournalEntry};
 use super::request::{RequestIndex, NO_STEP};
 use super::Scheduler;
 use crate::error::{CoreError, Result};
+use crate::ledger::DraftExtension;
 use crate::RequestId;
 
 /// Draft proposals for the next `schedule()`, by request index, and the acceptance counts
@@ -44,6 +46,16 @@ pub(super) struct Drafts {
     any: bool,
     /// Times draft position `j` (0-based after the decode token) was accepted.
     pub accepted_per_position: Vec<u64>,
+    /// Scratch of `propose_drafts`: the request indices given, and by request index the
+    /// call that last named it (`calls`), which finds an id given twice without a sort.
+    given: Vec<RequestIndex>,
+    named_by: Vec<u64>,
+    calls: u64,
+    /// By request index: the pending step whose decode of it carries drafts ([`NO_STEP`] if
+    /// none; dense, off the request's cold record). Its next position depends on how many
+    /// that step accepts, so a step planned ahead neither decodes it nor takes it as a
+    /// victim.
+    pending_step: Vec<u64>,
 }
 
 impl Drafts {
@@ -55,6 +67,13 @@ impl Drafts {
         }
         let start = self.offsets[r] as usize;
         &self.tokens[start..start + self.counts[r] as usize]
+    }
+
+    /// Whether `req`'s decode in a pending step carries drafts.
+    pub fn pending(&self, req: RequestIndex) -> bool {
+        self.pending_step
+            .get(req as usize)
+            .is_some_and(|&step| step != NO_STEP)
     }
 
     /// Drops the proposal of `req` (retired: its index may be handed to a new request).
@@ -108,19 +127,34 @@ impl Scheduler {
                 tokens.len()
             )));
         }
-        let reqs = ids
-            .iter()
-            .map(|&id| self.request_index(id))
-            .collect::<Result<Vec<_>>>()?;
-        let mut sorted = reqs.clone();
-        sorted.sort_unstable();
-        if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
-            let id = self.requests[pair[0] as usize].id;
-            return Err(CoreError::InvalidArgument(format!(
-                "propose_drafts() was given request {id} twice"
-            )));
-        }
+        let mut reqs = std::mem::take(&mut self.drafts.given);
+        reqs.clear();
+        let found = ids.iter().try_for_each(|&id| {
+            reqs.push(self.request_index(id)?);
+            Ok(())
+        });
         let drafts = &mut self.drafts;
+        if drafts.named_by.len() < self.requests.len() {
+            drafts.named_by.resize(self.requests.len(), 0);
+        }
+        drafts.calls += 1;
+        let twice = found.and_then(|()| {
+            let call = drafts.calls;
+            match reqs
+                .iter()
+                .find(|&&req| std::mem::replace(&mut drafts.named_by[req as usize], call) == call)
+            {
+                Some(&req) => Err(CoreError::InvalidArgument(format!(
+                    "propose_drafts() was given request {} twice",
+                    self.requests[req as usize].id
+                ))),
+                None => Ok(()),
+            }
+        });
+        if let Err(err) = twice {
+            drafts.given = reqs;
+            return Err(err);
+        }
         drafts.consumed();
         if drafts.epochs.len() < self.requests.len() {
             drafts.epochs.resize(self.requests.len(), u64::MAX);
@@ -138,6 +172,7 @@ impl Scheduler {
             // At most `tokens.len()` in all, which fits: checked against the counts above.
             offset = offset.saturating_add(count);
         }
+        drafts.given = reqs;
         Ok(())
     }
 
@@ -174,31 +209,20 @@ impl Scheduler {
             let in_flight = u32::from(self.builder.out.generation_input_refs[entry] >= 0);
             let room = request.remaining_tokens.saturating_sub(1 + in_flight);
             let budget = u64::from(self.config.max_num_tokens).saturating_sub(self.builder.tokens);
-            let mut count = proposed.min(u64::from(room)).min(budget);
-            let kv = self
-                .ledger
-                .request_hinted(req as usize, id)
-                .expect("a generation entry is held by the ledger");
-            let (len_before, held_before) = (kv.len(), kv.table().len());
-            while count > 0 {
-                let extended = self
-                    .ledger
-                    .extend_decode(id, step, count)
-                    .expect("a decode of this step takes drafts after its token");
-                if extended.is_some() {
-                    break;
-                }
-                count -= 1;
-            }
+            let most = proposed.min(u64::from(room)).min(budget);
+            let extended = if most == 0 {
+                DraftExtension::NONE
+            } else {
+                self.ledger
+                    .extend_decode_most(req as usize, id, step, most)
+                    .expect("a decode of this step takes drafts after its token")
+            };
+            let count = extended.count;
             self.builder.record.drafts_trimmed += proposed - count;
             if count == 0 {
                 continue;
             }
-            let held_after = self
-                .ledger
-                .request_hinted(req as usize, id)
-                .map_or(held_before, |kv| kv.table().len());
-            self.builder.record.draft_superblocks += (held_after - held_before) as u64;
+            self.builder.record.draft_superblocks += u64::from(extended.grown);
             #[expect(
                 clippy::cast_possible_truncation,
                 reason = "at most num_speculative_tokens (a u32) drafts"
@@ -212,16 +236,25 @@ impl Scheduler {
             let record = &mut self.builder.record;
             #[expect(
                 clippy::cast_possible_truncation,
-                reason = "entries and drafts of one step are counted in u32 (batch slots, budget)"
+                reason = "entries of one step are counted in u32 (batch slots)"
             )]
-            let (entry32, index) = (entry as u32, record.drafts.len() as u32);
+            let entry32 = entry as u32;
             record.drafts.push(DraftEntry {
                 entry: entry32,
                 count: count32,
-                len_before,
+                len_before: extended.len_before,
             });
-            record.journal.push(JournalEntry::Drafts(index));
-            self.requests[req as usize].cold.draft_step = step;
+            let pending = &mut self.drafts.pending_step;
+            if pending.len() <= req as usize {
+                pending.resize(self.requests.len(), NO_STEP);
+            }
+            pending[req as usize] = step;
+        }
+        // One journal entry for every draft of the step (they come after every other change,
+        // so a revert undoes them first, in any order among themselves).
+        let record = &mut self.builder.record;
+        if !record.drafts.is_empty() {
+            record.journal.push(JournalEntry::Drafts);
         }
     }
 
@@ -240,10 +273,11 @@ impl Scheduler {
         generation: &[RequestIndex],
         drafts: &[DraftEntry],
     ) {
+        let pending = &mut self.drafts.pending_step;
         for d in drafts {
-            let cold = &mut self.requests[generation[d.entry as usize] as usize].cold;
-            if cold.draft_step == step {
-                cold.draft_step = NO_STEP;
+            let marked = &mut pending[generation[d.entry as usize] as usize];
+            if *marked == step {
+                *marked = NO_STEP;
             }
         }
     }
@@ -290,17 +324,32 @@ impl Scheduler {
             let held_after = self.ledger.request(id).map_or(held, |kv| kv.table().len());
             self.metrics.spec_decode_returned_superblocks += (held - held_after) as u64;
         }
-        let m = &mut self.metrics;
-        m.spec_decode_num_drafts += 1;
-        m.spec_decode_num_draft_tokens += u64::from(drafts.count);
-        m.spec_decode_num_accepted_tokens += u64::from(accepted);
-        let per = &mut self.drafts.accepted_per_position;
-        if per.len() < accepted as usize {
-            per.resize(accepted as usize, 0);
-        }
-        for count in &mut per[..accepted as usize] {
-            *count += 1;
-        }
+        count_verified(
+            &mut self.metrics,
+            &mut self.drafts.accepted_per_position,
+            drafts.count,
+            accepted,
+        );
         ended
+    }
+}
+
+/// Counts a verified decode of `drafts` drafts, `accepted` of them accepted (in steps that
+/// ran: at `update`).
+#[inline]
+pub(super) fn count_verified(
+    metrics: &mut SchedulerMetrics,
+    per_position: &mut Vec<u64>,
+    drafts: u32,
+    accepted: u32,
+) {
+    metrics.spec_decode_num_drafts += 1;
+    metrics.spec_decode_num_draft_tokens += u64::from(drafts);
+    metrics.spec_decode_num_accepted_tokens += u64::from(accepted);
+    if per_position.len() < accepted as usize {
+        per_position.resize(accepted as usize, 0);
+    }
+    for count in &mut per_position[..accepted as usize] {
+        *count += 1;
     }
 }

@@ -226,6 +226,21 @@ macro_rules! define_schedule_output {
 
 schedule_output_fields!(define_schedule_output! {});
 
+/// The draft columns into `h`. Without drafts both hash as absent: the digests of steps
+/// without speculative decoding are those of before it.
+fn digest_drafts(h: &mut LaneDigest, counts: &[u64], tokens: &[i32]) {
+    if counts.iter().all(|&count| count == 0) {
+        return;
+    }
+    h.words(counts);
+    h.word(tokens.len() as u64);
+    h.stream(
+        tokens
+            .chunks(2)
+            .map(|pair| pack(pair[0], pair.get(1).copied().unwrap_or(0))),
+    );
+}
+
 /// Two 32-bit values in one digest word.
 fn pack(low: i32, high: i32) -> u64 {
     bits(low) | (bits(high) << 32)
@@ -525,12 +540,7 @@ impl ScheduleOutput {
                 .map(|pair| pack(pair[0], pair.get(1).copied().unwrap_or(0)));
             h.stream(rows);
         }
-        if generation_draft_counts.iter().any(|&count| count != 0) {
-            // Without drafts both columns hash as absent: the digests of steps without
-            // speculative decoding are those of before it.
-            h.words(generation_draft_counts);
-            h.stream(generation_draft_tokens.iter().map(|&v| bits(v)));
-        }
+        digest_drafts(&mut h, generation_draft_counts, generation_draft_tokens);
         for ids in [
             preempted_ids,
             preempted_requester_ids,

@@ -52,9 +52,9 @@ pub(super) enum JournalEntry {
         len_before: u64,
     },
     Resume(RequestIndex),
-    /// The drafts of `StepRecord::drafts[index]` (made after every other change of the
-    /// step, so undone first).
-    Drafts(u32),
+    /// Every draft of the step (`StepRecord::drafts`), made after every other change of the
+    /// step, so undone first.
+    Drafts,
 }
 
 /// The drafts one generation entry of a step verifies (speculative decoding).

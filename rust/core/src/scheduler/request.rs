@@ -201,10 +201,6 @@ pub(super) struct RequestCold {
     /// Finished while a newer pending step still refers to it: out of the queue and the
     /// index, its KV and batch slot held until that step closes.
     pub zombie: bool,
-    /// The pending step whose decode of it carries drafts ([`NO_STEP`] if none): its next
-    /// position depends on how many that step accepts, so a step planned ahead neither
-    /// decodes it nor takes it as a victim.
-    pub draft_step: u64,
     /// With prefix caching: the seed of its key chain (from its cache salt) and the keys
     /// of its full superblocks of known tokens computed so far (`prefix_cache.rs`).
     pub chain_seed: crate::prefix_cache::BlockKey,
@@ -249,7 +245,6 @@ impl Request {
                 rescued_step: NO_STEP,
                 touched_step: NO_STEP,
                 zombie: false,
-                draft_step: NO_STEP,
                 chain_seed: 0,
                 block_keys: Vec::new(),
             }),

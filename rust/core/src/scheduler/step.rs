@@ -743,7 +743,7 @@ impl Scheduler {
             &[false]
         };
         'tiers: for &at_bound in tiers {
-            let (requests, queue) = (&self.requests, &self.queue);
+            let (requests, queue, drafts) = (&self.requests, &self.queue, &self.drafts);
             let key = |queue_pos: usize| -> VictimKey {
                 let r = &requests[queue[queue_pos] as usize];
                 let holds_pages =
@@ -753,7 +753,7 @@ impl Scheduler {
                     || r.cold.resumed_step == step
                     || r.cold.victim_step == step
                     || r.cold.rescued_step == step
-                    || r.cold.draft_step != NO_STEP
+                    || drafts.pending(queue[queue_pos])
                 {
                     return None;
                 }
@@ -1070,9 +1070,10 @@ impl Scheduler {
                 JournalEntry::Reserve { req, .. } | JournalEntry::Resume(req) => {
                     self.undo_change(step, req, change, OlderUndo::NONE);
                 }
-                JournalEntry::Drafts(index) => {
-                    let drafts = record.drafts[index as usize];
-                    self.undo_drafts(step, generation[drafts.entry as usize], drafts);
+                JournalEntry::Drafts => {
+                    for &drafts in record.drafts.iter().rev() {
+                        self.undo_drafts(step, generation[drafts.entry as usize], drafts);
+                    }
                 }
             }
         }
@@ -1124,7 +1125,7 @@ impl Scheduler {
                 self.ledger.revert_decode_to(id, step, older).map(|_| ())
             }
             JournalEntry::Reserve { len_before, .. } => self.ledger.shrink(id, len_before),
-            JournalEntry::Drafts(_) => unreachable!("drafts are undone by `undo_drafts`"),
+            JournalEntry::Drafts => unreachable!("drafts are undone by `undo_drafts`"),
             // Its host pages were kept (they are released when a step is updated).
             JournalEntry::Resume(_) => self.ledger.suspend(id).map(|_| {
                 if !zombie {
