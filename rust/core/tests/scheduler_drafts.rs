@@ -701,3 +701,281 @@ fn only_accepted_tokens_are_cached() {
     other.extend([50, 77, 61, 62, 9]);
     assert_eq!(start_of(1, &other), 4);
 }
+
+const SENTINEL: i32 = -7777;
+
+/// The written front of section `name` as values (int64 sections joined), and whether
+/// everything past `len` values is still the sentinel.
+fn section_values(
+    layout: &helix_kv_core::StepMetadataLayout,
+    buffer: &[i32],
+    name: &str,
+    len: usize,
+) -> (Vec<i64>, bool) {
+    let s = layout.sections().iter().find(|s| s.name == name).unwrap();
+    let words = &buffer[s.offset_words..s.offset_words + if s.int64 { 2 * s.len } else { s.len }];
+    if s.int64 {
+        let values = words[..2 * len]
+            .chunks_exact(2)
+            .map(|w| {
+                let low = u64::from(u32::from_ne_bytes(w[0].to_ne_bytes()));
+                let high = u64::from(u32::from_ne_bytes(w[1].to_ne_bytes()));
+                i64::from_ne_bytes(((high << 32) | low).to_ne_bytes())
+            })
+            .collect();
+        (values, words[2 * len..].iter().all(|&w| w == SENTINEL))
+    } else {
+        let values = words[..len].iter().map(|&w| i64::from(w)).collect();
+        (values, words[len..].iter().all(|&w| w == SENTINEL))
+    }
+}
+
+/// One query token of the oracle: request, global position, input token, and (decode
+/// rows) the input reference.
+struct Query {
+    id: RequestId,
+    pos: u64,
+    token: i32,
+    input_ref: i32,
+}
+
+/// Every entry of `out` as its query tokens, generation entries (decode token, then
+/// drafts) first, then context chunks, computed from the output's fields alone.
+fn queries(out: &ScheduleOutput) -> Vec<Vec<Query>> {
+    let mut entries = Vec::new();
+    let mut drafts = out.generation_draft_tokens.iter();
+    for i in 0..out.generation_ids.len() {
+        let (id, pos) = (out.generation_ids[i], out.generation_positions[i]);
+        let mut q = vec![Query {
+            id,
+            pos,
+            token: out.generation_input_tokens[i],
+            input_ref: out.generation_input_refs[i],
+        }];
+        for j in 1..=out.generation_draft_counts[i] {
+            q.push(Query {
+                id,
+                pos: pos + j,
+                token: *drafts.next().unwrap(),
+                input_ref: -1,
+            });
+        }
+        entries.push(q);
+    }
+    assert!(drafts.next().is_none());
+    let mut tokens = out.context_token_ids.iter();
+    for i in 0..out.context_ids.len() {
+        let start = out.context_starts[i];
+        entries.push(
+            (start..start + out.context_lens[i])
+                .map(|pos| Query {
+                    id: out.context_ids[i],
+                    pos,
+                    token: *tokens.next().unwrap(),
+                    input_ref: -1,
+                })
+                .collect(),
+        );
+    }
+    entries
+}
+
+/// `write_last_step_metadata` of `s`'s pending step `out` against the oracle.
+fn check_step_metadata(s: &Scheduler, out: &ScheduleOutput) {
+    let c = s.config().clone();
+    let rank = c.cp_rank;
+    let layout = s.step_metadata_layout(None).unwrap();
+    let width = layout.table_width();
+    let mut buffer = vec![SENTINEL; layout.total_words()];
+    let meta = s.write_last_step_metadata(&layout, &mut buffer).unwrap();
+    let entries = queries(out);
+    let g = out.generation_ids.len();
+    let flat: Vec<&Query> = entries.iter().flatten().collect();
+    let drafts: u64 = out.generation_draft_counts.iter().sum();
+    let completes = out.context_completes.iter().filter(|&&c| c).count();
+    let tables: Vec<Vec<i32>> = entries
+        .iter()
+        .map(|q| s.block_table(&[q[0].id], None).unwrap().0)
+        .collect();
+    let widest = tables.iter().map(Vec::len).max().unwrap_or(0);
+    let n = flat.len();
+    assert_eq!(
+        (meta.num_tokens, meta.num_entries, meta.num_generation),
+        (n, entries.len(), g)
+    );
+    assert_eq!(meta.num_draft_tokens as u64, drafts);
+    assert_eq!(meta.num_samples, out.num_samples());
+    assert_eq!(meta.num_samples, g + drafts as usize + completes);
+    let step = i64::try_from(out.step).unwrap();
+    let header = vec![
+        step & 0xffff_ffff,
+        step >> 32,
+        n as i64,
+        entries.len() as i64,
+        g as i64,
+        meta.num_samples as i64,
+        widest as i64,
+        i64::try_from(drafts).unwrap(),
+    ];
+    let mut table_words = Vec::new();
+    for t in &tables {
+        table_words.extend(t.iter().map(|&p| i64::from(p)));
+        table_words.extend(std::iter::repeat_n(-1, width - t.len()));
+    }
+    let mut query_start = vec![0i64];
+    let mut samples = Vec::new();
+    for (i, q) in entries.iter().enumerate() {
+        let first = *query_start.last().unwrap();
+        query_start.push(first + q.len() as i64);
+        if i < g {
+            samples.push(first);
+        } else if out.context_completes[i - g] {
+            samples.push(first + q.len() as i64 - 1);
+        }
+    }
+    let slots: Vec<i64> = entries
+        .iter()
+        .zip(&tables)
+        .flat_map(|(q, t)| q.iter().map(|q| slot_of(&c, t, q.pos, rank)))
+        .collect();
+    let batch: Vec<i64> = out
+        .generation_batch_slots
+        .iter()
+        .chain(&out.context_batch_slots)
+        .map(|&v| i64::from(v))
+        .collect();
+    let expected: [(&str, Vec<i64>); 10] = [
+        ("header", header),
+        (
+            "token_ids",
+            flat.iter().map(|q| i64::from(q.token)).collect(),
+        ),
+        ("positions", flat.iter().map(|q| q.pos as i64).collect()),
+        ("slot_mapping", slots),
+        ("query_start", query_start),
+        (
+            "local_lens",
+            entries
+                .iter()
+                .map(|q| local_len(&c, q.last().unwrap().pos + 1, rank) as i64)
+                .collect(),
+        ),
+        (
+            "past_seen_lens",
+            entries
+                .iter()
+                .map(|q| local_len(&c, q[0].pos, rank) as i64)
+                .collect(),
+        ),
+        ("batch_slots", batch),
+        ("sample_rows", samples),
+        ("block_table", table_words),
+    ];
+    for (name, want) in expected {
+        let (got, rest_untouched) = section_values(&layout, &buffer, name, want.len());
+        assert_eq!(got, want, "{name} of step {} on rank {rank}", out.step);
+        assert!(rest_untouched, "{name} written past its end");
+    }
+}
+
+/// `write_last_decode_rows` of `s`'s pending decode-only step `out` against the oracle:
+/// one row per query token.
+fn check_decode_rows(s: &Scheduler, out: &ScheduleOutput) {
+    use helix_kv_core::decode_row;
+    let c = s.config().clone();
+    let rank = c.cp_rank;
+    let entries = queries(out);
+    let rows: Vec<&Query> = entries.iter().flatten().collect();
+    let tables: Vec<Vec<i32>> = rows
+        .iter()
+        .map(|q| s.block_table(&[q.id], None).unwrap().0)
+        .collect();
+    let width = decode_row::BLOCK_TABLE + tables.iter().map(Vec::len).max().unwrap() + 2;
+    let pad_to = rows.len() + 2;
+    let mut buffer = vec![SENTINEL; width * (pad_to + 1)];
+    let counts = s
+        .write_last_decode_rows(&mut buffer, width, pad_to)
+        .unwrap();
+    assert_eq!((counts.rows, counts.padded_to), (rows.len(), pad_to));
+    for (r, (q, table)) in rows.iter().zip(&tables).enumerate() {
+        let mut want = vec![
+            q.token,
+            i32::try_from(q.pos).unwrap(),
+            i32::try_from(slot_of(&c, table, q.pos, rank)).unwrap(),
+            i32::try_from(local_len(&c, q.pos + 1, rank)).unwrap(),
+            i32::try_from(local_len(&c, q.pos, rank)).unwrap(),
+            q.input_ref,
+        ];
+        want.extend(table);
+        want.resize(width, -1);
+        assert_eq!(
+            &buffer[r * width..(r + 1) * width],
+            &want[..],
+            "decode row {r} of step {} on rank {rank}",
+            out.step
+        );
+    }
+    for r in rows.len()..pad_to {
+        let row = &buffer[r * width..(r + 1) * width];
+        assert_eq!(&row[..decode_row::BLOCK_TABLE], &decode_row::PADDING);
+        assert!(row[decode_row::BLOCK_TABLE..]
+            .iter()
+            .all(|&w| w == SENTINEL));
+    }
+    assert!(buffer[pad_to * width..].iter().all(|&w| w == SENTINEL));
+}
+
+#[test]
+fn step_metadata_and_decode_rows_with_drafts_match_the_oracle() {
+    for cp in [1u32, 2, 4] {
+        let c = spec_config(cp, 2, 24, 5);
+        let mut g = Ranks::new(&c);
+        for (id, len) in [(1, 3), (2, 5), (3, 1)] {
+            g.add(id, len, 14);
+        }
+        g.step(50);
+        // A decode-only step: drafts across superblocks, one entry without drafts.
+        g.propose(&[1, 3], &[5, 2], &[1, 2, 3, 4, 5, 6, 7]);
+        let out = g.schedule();
+        assert_eq!(out.generation_draft_counts, vec![5, 0, 2], "cp {cp}");
+        for s in &g.0 {
+            check_step_metadata(s, &out);
+            check_decode_rows(s, &out);
+        }
+        // One step ahead of it: request 2 decodes on its token in flight, with drafts.
+        g.propose(&[2], &[3], &[8, 9, 10]);
+        let ahead = g.schedule();
+        assert_eq!(ahead.generation_ids, vec![2], "cp {cp}");
+        assert_eq!(ahead.generation_input_refs, vec![6]);
+        assert_eq!(ahead.generation_draft_counts, vec![3]);
+        for s in &g.0 {
+            check_step_metadata(s, &ahead);
+            check_decode_rows(s, &ahead);
+        }
+        g.update(&[11; 10], None, Some(&[5, 0, 1]));
+        g.update(&[12; 4], None, Some(&[2]));
+        // A step with a prefill chunk and drafted decodes (the packed form only).
+        for s in &mut g.0 {
+            s.add_request(4, &prompt(7), 3, 0).unwrap();
+        }
+        g.propose(
+            &[1, 2, 3],
+            &[4, 5, 3],
+            &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+        );
+        let mixed = g.schedule();
+        assert_eq!(mixed.context_ids, vec![4]);
+        assert!(
+            mixed.generation_draft_counts.iter().all(|&k| k > 0),
+            "cp {cp}"
+        );
+        for s in &g.0 {
+            check_step_metadata(s, &mixed);
+            let mut rows = vec![0; 1024];
+            assert!(matches!(
+                s.write_last_decode_rows(&mut rows, 16, 0),
+                Err(CoreError::InvalidArgument(_))
+            ));
+        }
+    }
+}
