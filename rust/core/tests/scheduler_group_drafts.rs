@@ -128,7 +128,12 @@ fn drafts_with_eos_inside_accepted_rows() {
     };
     let specs: Vec<Spec> = (0..10).map(|i| Spec::new(i, 8, 40)).collect();
     for cp in CPS {
-        let (plain, _) = run_both(&config(cp, 4, 160, 6), &specs, model, drafts(3 + u64::from(cp)));
+        let (plain, _) = run_both(
+            &config(cp, 4, 160, 6),
+            &specs,
+            model,
+            drafts(3 + u64::from(cp)),
+        );
         let early = plain.outputs.values().filter(|o| o.len() < 40).count();
         assert!(early > 0, "some request must hit eos");
     }
@@ -197,6 +202,9 @@ fn drafts_with_prefix_caching_and_shared_prompts() {
             ..drafts(17 + u64::from(cp))
         };
         let (plain, overlap) = run_both(&config, &specs, Model::default(), options);
-        assert!(plain.cached_tokens > 0 && overlap.cached_tokens > 0, "cp={cp}");
+        assert!(
+            plain.cached_tokens > 0 && overlap.cached_tokens > 0,
+            "cp={cp}"
+        );
     }
 }

@@ -509,8 +509,9 @@ impl Group {
                 let token = if rng.below(1000) < options.draft_true_per_mille {
                     truth
                 } else {
-                    let wrong = (u64::try_from(truth).unwrap() + 1 + rng.below(self.model.vocab - 1))
-                        % self.model.vocab;
+                    let wrong =
+                        (u64::try_from(truth).unwrap() + 1 + rng.below(self.model.vocab - 1))
+                            % self.model.vocab;
                     i32::try_from(wrong).unwrap()
                 };
                 seq.push(token);
@@ -1191,7 +1192,9 @@ impl Group {
         for (i, &id) in out.generation_ids.iter().enumerate() {
             let count = usize::try_from(out.generation_draft_counts[i]).unwrap();
             let kept = usize::try_from(accepted[i]).unwrap() + 1;
-            let end = (row..row + kept).find(|&r| eos[r]).map_or(row + kept, |r| r + 1);
+            let end = (row..row + kept)
+                .find(|&r| eos[r])
+                .map_or(row + kept, |r| r + 1);
             appended.push((id, tokens[row..end].to_vec()));
             row += 1 + count;
             self.result.drafts_verified += count as u64;
@@ -1693,7 +1696,10 @@ impl Group {
         assert!(m.spec_decode_num_accepted_tokens <= self.result.drafts_accepted);
         assert!(m.spec_decode_num_accepted_tokens <= m.spec_decode_num_draft_tokens);
         assert!(m.spec_decode_returned_superblocks <= m.spec_decode_draft_superblocks);
-        let per_position: u64 = self.ranks[0].spec_decode_accepted_per_position().iter().sum();
+        let per_position: u64 = self.ranks[0]
+            .spec_decode_accepted_per_position()
+            .iter()
+            .sum();
         assert_eq!(per_position, m.spec_decode_num_accepted_tokens);
         if self.result.drafts_proposed == 0 {
             assert_eq!(m.spec_decode_num_drafts, 0);
