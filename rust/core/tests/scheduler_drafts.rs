@@ -577,6 +577,9 @@ fn a_step_ahead_decodes_undrafted_requests_with_drafts_of_their_own() {
     assert_eq!(next.generation_input_tokens, vec![72]);
 }
 
+/// A refused proposal: ids, counts, tokens, and what is wrong with it.
+type Proposal<'a> = (&'a [RequestId], &'a [u32], &'a [i32], &'a str);
+
 #[test]
 fn hostile_proposals_change_nothing() {
     let c = spec_config(1, 4, 8, 3);
@@ -586,7 +589,7 @@ fn hostile_proposals_change_nothing() {
     common::step(&mut s, 50);
     s.propose_drafts(&[1, 2], &[2, 1], &[60, 61, 62]).unwrap();
     let before = observable(&s);
-    let bad: [(&[RequestId], &[u32], &[i32], &str); 6] = [
+    let bad: [Proposal; 6] = [
         (&[1, 99], &[1, 1], &[1, 2], "unknown"),
         (&[1, 2], &[1], &[1], "lengths"),
         (&[1, 1], &[1, 1], &[1, 2], "duplicate"),
@@ -633,6 +636,9 @@ fn hostile_proposals_change_nothing() {
     ));
 }
 
+/// A refused update: rows, flags, accepted counts, and what is wrong with it.
+type Update<'a> = (&'a [i32], Option<&'a [bool]>, Option<&'a [u32]>, &'a str);
+
 #[test]
 fn hostile_updates_change_nothing() {
     let c = spec_config(1, 4, 8, 3);
@@ -646,7 +652,7 @@ fn hostile_updates_change_nothing() {
     let before = observable(&s);
     let tokens = [70, 71, 72, 73, 80];
     let eos = [false; 5];
-    let bad: [(&[i32], Option<&[bool]>, Option<&[u32]>, &str); 6] = [
+    let bad: [Update; 6] = [
         (&tokens[..4], None, Some(&[0, 0]), "rows short"),
         (&[1, 2], None, None, "one row per entry"),
         (&tokens, Some(&eos[..4]), Some(&[0, 0]), "eos short"),
@@ -703,6 +709,11 @@ fn only_accepted_tokens_are_cached() {
 }
 
 const SENTINEL: i32 = -7777;
+
+/// A count or position as an int64 word value.
+fn w<T: TryInto<i64>>(value: T) -> i64 {
+    value.try_into().ok().expect("fits an int64")
+}
 
 /// The written front of section `name` as values (int64 sections joined), and whether
 /// everything past `len` values is still the sentinel.
@@ -805,16 +816,19 @@ fn check_step_metadata(s: &Scheduler, out: &ScheduleOutput) {
     );
     assert_eq!(meta.num_draft_tokens as u64, drafts);
     assert_eq!(meta.num_samples, out.num_samples());
-    assert_eq!(meta.num_samples, g + drafts as usize + completes);
+    assert_eq!(
+        meta.num_samples,
+        g + usize::try_from(drafts).unwrap() + completes
+    );
     let step = i64::try_from(out.step).unwrap();
     let header = vec![
         step & 0xffff_ffff,
         step >> 32,
-        n as i64,
-        entries.len() as i64,
-        g as i64,
-        meta.num_samples as i64,
-        widest as i64,
+        w(n),
+        w(entries.len()),
+        w(g),
+        w(meta.num_samples),
+        w(widest),
         i64::try_from(drafts).unwrap(),
     ];
     let mut table_words = Vec::new();
@@ -826,11 +840,11 @@ fn check_step_metadata(s: &Scheduler, out: &ScheduleOutput) {
     let mut samples = Vec::new();
     for (i, q) in entries.iter().enumerate() {
         let first = *query_start.last().unwrap();
-        query_start.push(first + q.len() as i64);
+        query_start.push(first + w(q.len()));
         if i < g {
             samples.push(first);
         } else if out.context_completes[i - g] {
-            samples.push(first + q.len() as i64 - 1);
+            samples.push(first + w(q.len()) - 1);
         }
     }
     let slots: Vec<i64> = entries
@@ -850,21 +864,21 @@ fn check_step_metadata(s: &Scheduler, out: &ScheduleOutput) {
             "token_ids",
             flat.iter().map(|q| i64::from(q.token)).collect(),
         ),
-        ("positions", flat.iter().map(|q| q.pos as i64).collect()),
+        ("positions", flat.iter().map(|q| w(q.pos)).collect()),
         ("slot_mapping", slots),
         ("query_start", query_start),
         (
             "local_lens",
             entries
                 .iter()
-                .map(|q| local_len(&c, q.last().unwrap().pos + 1, rank) as i64)
+                .map(|q| w(local_len(&c, q.last().unwrap().pos + 1, rank)))
                 .collect(),
         ),
         (
             "past_seen_lens",
             entries
                 .iter()
-                .map(|q| local_len(&c, q[0].pos, rank) as i64)
+                .map(|q| w(local_len(&c, q[0].pos, rank)))
                 .collect(),
         ),
         ("batch_slots", batch),
@@ -978,4 +992,83 @@ fn step_metadata_and_decode_rows_with_drafts_match_the_oracle() {
             ));
         }
     }
+}
+
+#[test]
+fn drafted_metadata_refuses_outputs_that_do_not_fit_and_writes_nothing() {
+    let c = spec_config(2, 2, 16, 4);
+    let mut g = Ranks::new(&c);
+    g.add(1, 3, 12);
+    g.add(2, 3, 12);
+    g.step(50);
+    g.propose(&[1, 2], &[4, 2], &[1, 2, 3, 4, 5, 6]);
+    let out = g.schedule();
+    let s = &g.0[1];
+    let layout = s.step_metadata_layout(None).unwrap();
+    let mut buffer = vec![SENTINEL; layout.total_words()];
+    let mut rows = vec![SENTINEL; 64 * 16];
+    // Counts that do not add up to the draft tokens, or one count short.
+    let mut short = out.clone();
+    short.generation_draft_counts[1] = 3;
+    let mut missing = out.clone();
+    missing.generation_draft_counts.pop();
+    // Counts that add up but reach past what request 2 reserved.
+    let mut moved = out.clone();
+    moved.generation_draft_counts = vec![2, 4];
+    for (bad, what) in [(&short, "short"), (&missing, "missing"), (&moved, "moved")] {
+        let packed = s.write_step_metadata(bad.into(), &layout, &mut buffer);
+        let per_row = s.write_decode_rows(bad.into(), &mut rows, 16, 0);
+        for err in [packed.unwrap_err(), per_row.unwrap_err()] {
+            if what == "moved" {
+                assert!(
+                    matches!(err, CoreError::InvalidLength(_)),
+                    "{what}: {err:?}"
+                );
+            } else {
+                assert!(
+                    matches!(err, CoreError::InvalidArgument(_)),
+                    "{what}: {err:?}"
+                );
+            }
+        }
+        assert!(buffer.iter().all(|&w| w == SENTINEL), "{what}");
+        assert!(rows.iter().all(|&w| w == SENTINEL), "{what}");
+    }
+    // The output itself is written.
+    s.write_step_metadata((&out).into(), &layout, &mut buffer)
+        .unwrap();
+    s.write_decode_rows((&out).into(), &mut rows, 16, 0)
+        .unwrap();
+}
+
+#[test]
+fn proposals_survive_a_failed_schedule() {
+    let c = spec_config(1, 4, 16, 3);
+    let mut s = Scheduler::new(c).unwrap();
+    s.add_request(1, &prompt(3), 12, 0).unwrap();
+    s.add_request(2, &prompt(3), 12, 0).unwrap();
+    common::step(&mut s, 50);
+    let t = s.schedule().unwrap().clone();
+    s.schedule().unwrap();
+    s.propose_drafts(&[1, 2], &[3, 2], &[1, 2, 3, 4, 5])
+        .unwrap();
+    // Two steps pending: refused, and the proposal is kept for the next schedule.
+    assert!(matches!(s.schedule(), Err(CoreError::InvalidState(_))));
+    s.update(&vec![7; t.num_samples()], None).unwrap();
+    let out = s.schedule().unwrap().clone();
+    assert_eq!(out.generation_draft_counts, vec![3, 2]);
+    assert_eq!(out.generation_draft_tokens, [1, 2, 3, 4, 5]);
+    // Used up by that schedule.
+    s.revert().unwrap();
+    let out = s.schedule().unwrap().clone();
+    assert_eq!(out.generation_draft_counts, vec![0, 0]);
+}
+
+#[test]
+fn num_speculative_tokens_is_bounded() {
+    assert!(Scheduler::new(spec_config(1, 4, 8, 64)).is_ok());
+    assert!(matches!(
+        Scheduler::new(spec_config(1, 4, 8, 65)),
+        Err(CoreError::Config(_))
+    ));
 }

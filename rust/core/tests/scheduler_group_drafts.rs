@@ -108,7 +108,9 @@ fn drafts_with_chunked_prefill_and_small_blocks() {
 
 #[test]
 fn drafts_with_reverts() {
-    let specs: Vec<Spec> = (0..8).map(|i| Spec::new(i, 6 + i as usize, 20)).collect();
+    let specs: Vec<Spec> = (0..8)
+        .map(|i| Spec::new(i, 6 + usize::try_from(i).unwrap(), 20))
+        .collect();
     for cp in CPS {
         let config = config(cp, 2, 120, 5);
         let options = RunOptions {
@@ -143,7 +145,7 @@ fn drafts_with_eos_inside_accepted_rows() {
 fn drafts_with_aborts() {
     let specs: Vec<Spec> = (0..8)
         .map(|i| {
-            let spec = Spec::new(i, 6 + i as usize, 24);
+            let spec = Spec::new(i, 6 + usize::try_from(i).unwrap(), 24);
             match i % 4 {
                 0 => spec.abort_while_pending(3 + i),
                 1 => spec.abort_at(5 + i),

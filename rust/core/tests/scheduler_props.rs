@@ -515,7 +515,9 @@ proptest! {
 /// request gets drafts, in 1/1000).
 #[expect(
     clippy::too_many_lines,
-    reason = "one scenario: the probe, the reverts and the twin's comparison read in order"
+    clippy::similar_names,
+    reason = "one scenario: the probe, the reverts and the twin's comparison read in order \
+              (what was aborted here and there)"
 )]
 fn check_reverts(
     case: Case,

@@ -1027,21 +1027,7 @@ impl Group {
             assert_eq!(input, *known.last().unwrap(), "decode input of {id}");
             inputs.push(input);
         }
-        // Each entry's query tokens (a decode's input, then its drafts), and the tokens
-        // its KV depends on (what the device knows of the request, then those drafts).
-        let mut seqs: Vec<Vec<i32>> = out.context_ids.iter().map(|&id| self.view(id)).collect();
-        let mut values = out.context_token_ids.clone();
-        let mut drafts = out.generation_draft_tokens.iter();
-        for (i, &id) in out.generation_ids.iter().enumerate() {
-            let count = usize::try_from(out.generation_draft_counts[i]).unwrap();
-            let mut seq = self.view(id);
-            values.push(inputs[i]);
-            for &draft in drafts.by_ref().take(count) {
-                seq.push(draft);
-                values.push(draft);
-            }
-            seqs.push(seq);
-        }
+        let (seqs, values) = self.query_tokens(out, &inputs);
         for (rank, sched) in self.ranks.iter().enumerate() {
             let mut ids = out.context_ids.clone();
             let mut starts = out.context_starts.clone();
@@ -1071,6 +1057,26 @@ impl Group {
                 }
             }
         }
+    }
+
+    /// Each entry's query tokens in entry order (context chunks, then each decode's input
+    /// and drafts), and per entry the tokens its KV depends on (what the device knows of
+    /// the request, then a decode's drafts).
+    fn query_tokens(&self, out: &ScheduleOutput, inputs: &[i32]) -> (Vec<Vec<i32>>, Vec<i32>) {
+        let mut seqs: Vec<Vec<i32>> = out.context_ids.iter().map(|&id| self.view(id)).collect();
+        let mut values = out.context_token_ids.clone();
+        let mut drafts = out.generation_draft_tokens.iter();
+        for (i, &id) in out.generation_ids.iter().enumerate() {
+            let count = usize::try_from(out.generation_draft_counts[i]).unwrap();
+            let mut seq = self.view(id);
+            values.push(inputs[i]);
+            for &draft in drafts.by_ref().take(count) {
+                seq.push(draft);
+                values.push(draft);
+            }
+            seqs.push(seq);
+        }
+        (seqs, values)
     }
 
     /// Who a KV cell of `id` at `pos` says wrote it: the request, or with prefix caching
@@ -1154,11 +1160,8 @@ impl Group {
             let mut took = 0;
             for j in 0..=count {
                 let token = sample_at(id, pos + j as u64, &seq, &mut tokens);
-                if j < count && confirmed && token == mine[j] {
-                    took += 1;
-                } else {
-                    confirmed = false;
-                }
+                confirmed &= mine.get(j) == Some(&token);
+                took += u32::from(confirmed);
             }
             accepted.push(took);
         }
@@ -1689,9 +1692,14 @@ impl Group {
         self.result.recomputed_tokens = metrics[0].recomputed_tokens;
         self.result.sat_out = metrics[0].sat_out;
         assert_eq!(metrics[0].aborts, self.result.aborted.len() as u64);
-        // Speculative decoding: the scheduler counts what it verified in steps that ran
-        // for requests that took their rows (not those aborted or finished meanwhile).
-        let m = &metrics[0];
+        assert_eq!(metrics[0].finished, self.result.outputs.len() as u64);
+        self.check_spec_metrics(&metrics[0]);
+        Ok(self.result.clone())
+    }
+
+    /// Speculative decoding: the scheduler counts what it verified in steps that ran for
+    /// requests that took their rows (not those aborted or finished meanwhile).
+    fn check_spec_metrics(&mut self, m: &helix_kv_core::SchedulerMetrics) {
         assert!(m.spec_decode_num_draft_tokens <= self.result.drafts_verified);
         assert!(m.spec_decode_num_accepted_tokens <= self.result.drafts_accepted);
         assert!(m.spec_decode_num_accepted_tokens <= m.spec_decode_num_draft_tokens);
@@ -1706,8 +1714,6 @@ impl Group {
         }
         self.result.spec_accepted = m.spec_decode_num_accepted_tokens;
         self.result.spec_trimmed = m.spec_decode_num_trimmed_tokens;
-        assert_eq!(metrics[0].finished, self.result.outputs.len() as u64);
-        Ok(self.result.clone())
     }
 
     /// Live requests (in `specs` order) whose abort is due by `step`, between steps or
