@@ -1072,3 +1072,50 @@ fn num_speculative_tokens_is_bounded() {
         Err(CoreError::Config(_))
     ));
 }
+
+#[test]
+fn check_lengths_covers_the_draft_columns() {
+    let c = spec_config(1, 4, 16, 3);
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    s.add_request(1, &prompt(3), 12, 0).unwrap();
+    s.add_request(2, &prompt(3), 12, 0).unwrap();
+    common::step(&mut s, 50);
+    s.propose_drafts(&[1], &[3], &[60, 61, 62]).unwrap();
+    let out = s.schedule().unwrap().clone();
+    out.check_lengths().unwrap();
+    let fingerprint = c.fingerprint();
+    out.check_digest(fingerprint).unwrap();
+    // Each corrupted output carries the digest of its own fields (as a pickled output
+    // rebuilt field by field would), so only the lengths can refuse it.
+    let corrupt = |f: &dyn Fn(&mut ScheduleOutput)| {
+        let mut bad = out.clone();
+        f(&mut bad);
+        bad.digest = bad.compute_digest(fingerprint);
+        bad.check_digest(fingerprint).unwrap();
+        bad.check_lengths()
+    };
+    let bad: [(&str, &dyn Fn(&mut ScheduleOutput)); 4] = [
+        ("counts past the tokens", &|o| {
+            o.generation_draft_counts[1] = 2
+        }),
+        ("tokens past the counts", &|o| {
+            o.generation_draft_tokens.push(9)
+        }),
+        ("a count missing", &|o| {
+            o.generation_draft_counts.pop();
+        }),
+        ("a count too many", &|o| o.generation_draft_counts.push(0)),
+    ];
+    for (what, f) in bad {
+        assert!(
+            matches!(corrupt(f), Err(CoreError::InvalidArgument(_))),
+            "{what}"
+        );
+    }
+    // No counts at all stands for no drafts (an output without the columns).
+    corrupt(&|o| {
+        o.generation_draft_counts.clear();
+        o.generation_draft_tokens.clear();
+    })
+    .unwrap();
+}

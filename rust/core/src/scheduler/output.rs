@@ -575,8 +575,9 @@ impl ScheduleOutput {
     /// Fails (`InvalidArgument`) unless the arrays fit together the way a schedule makes
     /// them: one value per entry in each of the context, generation, preempted and
     /// suspended groups, `suspended_block_counts` adding up to the suspended pages,
-    /// and `context_lens` to the context tokens (`sample_ids`, computed, fits by
-    /// construction). [`Self::summary`] relies on it; the binding checks an output rebuilt
+    /// `context_lens` to the context tokens, and `generation_draft_counts` (one per
+    /// generation entry, or none: no drafts) to the draft tokens (`sample_ids`, computed,
+    /// fits by construction). [`Self::summary`] relies on it; the binding checks an output rebuilt
     /// from Python (unpickled) with it.
     pub fn check_lengths(&self) -> Result<()> {
         let groups: [(&str, &[usize]); 6] = [
@@ -632,6 +633,16 @@ impl ScheduleOutput {
                 )));
             }
         }
+        let (entries, draft_counts) = (
+            self.generation_ids.len(),
+            self.generation_draft_counts.len(),
+        );
+        if draft_counts != 0 && draft_counts != entries {
+            return Err(CoreError::InvalidArgument(format!(
+                "generation_draft_counts must have one value per generation entry (or none: no \
+                 drafts), got {draft_counts} for {entries} entries"
+            )));
+        }
         let total = |values: &[u64]| values.iter().try_fold(0u64, |sum, &v| sum.checked_add(v));
         let sums = [
             (
@@ -657,6 +668,12 @@ impl ScheduleOutput {
                 total(&self.context_lens),
                 "context_token_ids",
                 self.context_token_ids.len(),
+            ),
+            (
+                "generation_draft_counts",
+                total(&self.generation_draft_counts),
+                "generation_draft_tokens",
+                self.generation_draft_tokens.len(),
             ),
         ];
         for (counts, sum, values, len) in sums {
