@@ -1119,3 +1119,32 @@ fn check_lengths_covers_the_draft_columns() {
     })
     .unwrap();
 }
+
+#[test]
+fn the_draft_columns_are_rank_invariant_fields_of_the_digest() {
+    let c = spec_config(2, 2, 16, 3);
+    let mut g = Ranks::new(&c);
+    g.add(1, 3, 12);
+    g.step(50);
+    let plain_digest = {
+        let out = g.schedule();
+        for s in &mut g.0 {
+            s.revert().unwrap();
+        }
+        out.digest
+    };
+    g.propose(&[1], &[2], &[60, 61]);
+    let out = g.schedule();
+    assert_ne!(out.digest, plain_digest, "the digest covers the drafts");
+    let mut other = out.clone();
+    other.generation_draft_tokens[1] = 99;
+    assert_eq!(other.differing_fields(&out), ["generation_draft_tokens"]);
+    assert_ne!(other.compute_digest(c.fingerprint()), out.digest);
+    let mut other = out.clone();
+    other.generation_draft_counts[0] = 1;
+    other.generation_draft_tokens.pop();
+    assert!(other
+        .differing_fields(&out)
+        .contains(&"generation_draft_counts"));
+    assert!(other.differing_fields(&out).contains(&"sample_ids"));
+}

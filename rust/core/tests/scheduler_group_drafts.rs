@@ -10,7 +10,7 @@ use common::{
     assert_matches_reference, assert_matches_reference_with_aborts, Group, Model, RunMode,
     RunOptions, RunResult, Spec,
 };
-use helix_kv_core::{SchedulerConfig, SuspendPolicy};
+use helix_kv_core::{CapacityPolicy, SchedulerConfig, SuspendPolicy};
 
 const CPS: [u32; 3] = [1, 2, 4];
 
@@ -208,5 +208,51 @@ fn drafts_with_prefix_caching_and_shared_prompts() {
             plain.cached_tokens > 0 && overlap.cached_tokens > 0,
             "cp={cp}"
         );
+    }
+}
+
+#[test]
+fn drafts_with_one_token_blocks_change_owner_every_position() {
+    let specs: Vec<Spec> = (0..6)
+        .map(|i| Spec::new(i, 3 + 2 * usize::try_from(i).unwrap(), 18))
+        .collect();
+    for cp in CPS {
+        let config = config(cp, 1, 90, 7);
+        let (plain, _) = run_both(
+            &config,
+            &specs,
+            Model::default(),
+            drafts(19 + u64::from(cp)),
+        );
+        // Drafts reached new superblocks, and rejected ones gave some back.
+        assert!(plain.spec_draft_superblocks > 0, "cp={cp}");
+        assert!(plain.spec_returned_superblocks > 0, "cp={cp}");
+    }
+}
+
+#[test]
+fn drafts_within_a_guaranteed_reservation_take_no_superblocks() {
+    let specs: Vec<Spec> = (0..8).map(|i| Spec::new(i, 10, 30).at(i)).collect();
+    for cp in CPS {
+        let mut config = config(cp, 4, 160, 4);
+        config.capacity_policy = CapacityPolicy::GuaranteedNoEvict;
+        let (plain, overlap) = run_both(
+            &config,
+            &specs,
+            Model::default(),
+            drafts(23 + u64::from(cp)),
+        );
+        for result in [&plain, &overlap] {
+            assert_eq!(result.preemptions + result.suspensions, 0);
+            // Every draft lies inside the request's reservation.
+            assert_eq!(
+                (
+                    result.spec_draft_superblocks,
+                    result.spec_returned_superblocks
+                ),
+                (0, 0),
+                "cp={cp}"
+            );
+        }
     }
 }

@@ -239,9 +239,13 @@ pub struct RunResult {
     pub drafts_proposed: u64,
     pub drafts_verified: u64,
     pub drafts_accepted: u64,
-    /// The scheduler's `spec_decode_num_accepted_tokens` and `_trimmed_tokens` (rank 0).
+    /// The scheduler's `spec_decode_num_accepted_tokens` and `_trimmed_tokens`, and the
+    /// superblocks drafts took and gave back (`spec_decode_draft_superblocks`,
+    /// `_returned_superblocks`), rank 0's.
     pub spec_accepted: u64,
     pub spec_trimmed: u64,
+    pub spec_draft_superblocks: u64,
+    pub spec_returned_superblocks: u64,
     /// Decodes of a step planned ahead that verified drafts (overlap mode).
     pub ahead_drafted_decodes: u64,
 }
@@ -1714,6 +1718,8 @@ impl Group {
         }
         self.result.spec_accepted = m.spec_decode_num_accepted_tokens;
         self.result.spec_trimmed = m.spec_decode_num_trimmed_tokens;
+        self.result.spec_draft_superblocks = m.spec_decode_draft_superblocks;
+        self.result.spec_returned_superblocks = m.spec_decode_returned_superblocks;
     }
 
     /// Live requests (in `specs` order) whose abort is due by `step`, between steps or
