@@ -1073,6 +1073,9 @@ fn num_speculative_tokens_is_bounded() {
     ));
 }
 
+/// A change to an output's fields.
+type Corruption = dyn Fn(&mut ScheduleOutput);
+
 #[test]
 fn check_lengths_covers_the_draft_columns() {
     let c = spec_config(1, 4, 16, 3);
@@ -1087,24 +1090,26 @@ fn check_lengths_covers_the_draft_columns() {
     out.check_digest(fingerprint).unwrap();
     // Each corrupted output carries the digest of its own fields (as a pickled output
     // rebuilt field by field would), so only the lengths can refuse it.
-    let corrupt = |f: &dyn Fn(&mut ScheduleOutput)| {
+    let corrupt = |f: &Corruption| {
         let mut bad = out.clone();
         f(&mut bad);
         bad.digest = bad.compute_digest(fingerprint);
         bad.check_digest(fingerprint).unwrap();
         bad.check_lengths()
     };
-    let bad: [(&str, &dyn Fn(&mut ScheduleOutput)); 4] = [
+    let bad: [(&str, &Corruption); 4] = [
         ("counts past the tokens", &|o| {
-            o.generation_draft_counts[1] = 2
+            o.generation_draft_counts[1] = 2;
         }),
         ("tokens past the counts", &|o| {
-            o.generation_draft_tokens.push(9)
+            o.generation_draft_tokens.push(9);
         }),
         ("a count missing", &|o| {
             o.generation_draft_counts.pop();
         }),
-        ("a count too many", &|o| o.generation_draft_counts.push(0)),
+        ("a count too many", &|o| {
+            o.generation_draft_counts.push(0);
+        }),
     ];
     for (what, f) in bad {
         assert!(
@@ -1147,4 +1152,61 @@ fn the_draft_columns_are_rank_invariant_fields_of_the_digest() {
         .differing_fields(&out)
         .contains(&"generation_draft_counts"));
     assert!(other.differing_fields(&out).contains(&"sample_ids"));
+}
+
+#[test]
+fn a_request_finishing_under_a_drafted_step_ahead_is_held_then_freed() {
+    let c = spec_config(2, 2, 16, 4);
+    for revert in [false, true] {
+        let mut g = Ranks::new(&c);
+        g.add(1, 3, 12);
+        g.add(2, 3, 12);
+        g.step(50);
+        assert_eq!(g.schedule().generation_ids, vec![1, 2]);
+        // Request 2 decodes ahead on its token in flight, with drafts across a superblock.
+        g.propose(&[2], &[4], &[1, 2, 3, 4]);
+        let ahead = g.schedule();
+        assert_eq!(ahead.generation_ids, vec![1, 2]);
+        assert_eq!(ahead.generation_draft_counts, vec![0, 4]);
+        // Step t ends request 2 (EOS): it is held by the step ahead.
+        g.update(&[60, 61], Some(&[false, true]), None);
+        for s in &mut g.0 {
+            assert_eq!(s.take_output(2).unwrap().token_ids, [50, 61]);
+            assert!(
+                s.ledger().contains(2),
+                "held while the step ahead is pending"
+            );
+            assert!(matches!(
+                s.propose_drafts(&[2], &[1], &[1]),
+                Err(CoreError::UnknownRequest(_))
+            ));
+        }
+        if revert {
+            for s in &mut g.0 {
+                s.revert().unwrap();
+            }
+        } else {
+            // Its rows (1 + 4) are there and dropped; an accepted count is still checked.
+            let rows = vec![7; ahead.num_samples()];
+            for s in &mut g.0 {
+                assert!(s.update_accepted(&rows, None, Some(&[0, 5])).is_err());
+            }
+            g.update(&rows, None, Some(&[0, 4]));
+        }
+        for s in &g.0 {
+            assert!(!s.ledger().contains(2));
+            assert_eq!(s.queue_ids(), [1]);
+            let held_by_1 = s.ledger().request(1).unwrap().table().len();
+            assert_eq!(
+                s.ledger().free_superblocks() as usize,
+                16 - held_by_1,
+                "revert {revert}"
+            );
+            assert_eq!(
+                s.metrics().spec_decode_num_draft_tokens,
+                0,
+                "a dropped entry"
+            );
+        }
+    }
 }

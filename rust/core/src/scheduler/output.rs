@@ -633,16 +633,7 @@ impl ScheduleOutput {
                 )));
             }
         }
-        let (entries, draft_counts) = (
-            self.generation_ids.len(),
-            self.generation_draft_counts.len(),
-        );
-        if draft_counts != 0 && draft_counts != entries {
-            return Err(CoreError::InvalidArgument(format!(
-                "generation_draft_counts must have one value per generation entry (or none: no \
-                 drafts), got {draft_counts} for {entries} entries"
-            )));
-        }
+        self.check_draft_lengths()?;
         let total = |values: &[u64]| values.iter().try_fold(0u64, |sum, &v| sum.checked_add(v));
         let sums = [
             (
@@ -669,12 +660,6 @@ impl ScheduleOutput {
                 "context_token_ids",
                 self.context_token_ids.len(),
             ),
-            (
-                "generation_draft_counts",
-                total(&self.generation_draft_counts),
-                "generation_draft_tokens",
-                self.generation_draft_tokens.len(),
-            ),
         ];
         for (counts, sum, values, len) in sums {
             if sum != Some(len as u64) {
@@ -682,6 +667,32 @@ impl ScheduleOutput {
                     "{counts} must add up to the {len} values of {values}"
                 )));
             }
+        }
+        Ok(())
+    }
+
+    /// The draft columns of [`Self::check_lengths`]: `generation_draft_counts` holds one
+    /// value per generation entry (or none: no drafts) and adds up to the draft tokens.
+    fn check_draft_lengths(&self) -> Result<()> {
+        let (entries, counts) = (
+            self.generation_ids.len(),
+            self.generation_draft_counts.len(),
+        );
+        if counts != 0 && counts != entries {
+            return Err(CoreError::InvalidArgument(format!(
+                "generation_draft_counts must have one value per generation entry (or none: no \
+                 drafts), got {counts} for {entries} entries"
+            )));
+        }
+        let total = self
+            .generation_draft_counts
+            .iter()
+            .try_fold(0u64, |sum, &v| sum.checked_add(v));
+        let tokens = self.generation_draft_tokens.len();
+        if total != Some(tokens as u64) {
+            return Err(CoreError::InvalidArgument(format!(
+                "generation_draft_counts must add up to the {tokens} values of generation_draft_tokens"
+            )));
         }
         Ok(())
     }
