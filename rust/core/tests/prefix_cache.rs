@@ -361,6 +361,7 @@ fn group_runs_with_caching_equal_the_reference_in_every_mode() {
                         max_steps: 5000,
                         mode,
                         reset_cache_per_mille: 20,
+                        ..RunOptions::default()
                     };
                     let result = group_run(&config, &specs, options);
                     *hits.entry(cp).or_insert(0) += result.cached_tokens;
@@ -403,6 +404,7 @@ fn group_runs_with_caching_and_aborts_and_eos() {
                 max_steps: 5000,
                 mode,
                 reset_cache_per_mille: 150,
+                ..RunOptions::default()
             };
             let result = group.run(&specs, options).expect("run");
             assert!(mode == RunMode::Overlap || result.cache_resets > 0);

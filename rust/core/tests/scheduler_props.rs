@@ -6,7 +6,7 @@
 mod common;
 
 use common::{
-    assert_matches_reference, assert_matches_reference_with_aborts, gate_config, Group, Model,
+    assert_matches_reference, assert_matches_reference_with_aborts, gate_config, Group, Model, Rng,
     RunOptions, Spec,
 };
 use helix_kv_core::{
@@ -194,6 +194,44 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(gate_config(150))]
+
+    /// Random drafts (speculative decoding) and acceptance in every configuration, plain
+    /// and one step ahead (compared), with reverts, aborts, host tiers, pressure, prefix
+    /// caching and EOS: outputs equal the reference decoded one token at a time.
+    #[test]
+    fn random_drafts_keep_every_invariant(
+        case in case_with_aborts(),
+        k in 1u32..9,
+        draft_per_mille in 100u64..1001,
+        draft_true_per_mille in 0u64..1001,
+    ) {
+        let mut config = case.config.clone();
+        config.num_speculative_tokens = k;
+        let config = &config;
+        let specs = accepted(config, &case.specs);
+        prop_assume!(!specs.is_empty());
+        let mut group = Group::new(config, case.model);
+        let reset_cache_per_mille = if config.enable_prefix_caching { 40 } else { 0 };
+        let options = RunOptions {
+            revert_per_mille: case.revert_per_mille,
+            seed: specs.len() as u64,
+            max_steps: 5_000,
+            reset_cache_per_mille,
+            draft_per_mille,
+            draft_true_per_mille,
+            ..RunOptions::default()
+        };
+        let result = match group.run(&specs, options) {
+            Ok(result) => result,
+            Err(err) => return check_early_stop(config, &group, &err),
+        };
+        assert_matches_reference_with_aborts(&specs, case.model, &result);
+        prop_assert!(result.spec_accepted <= result.drafts_accepted);
+    }
+}
+
 /// A case whose requests are aborted at random: `None` or (steps after arrival, while a
 /// step is pending).
 fn case_with_aborts() -> impl Strategy<Value = Case> {
@@ -311,8 +349,9 @@ fn chose_victims(out: &ScheduleOutput) -> bool {
     !out.preempted_ids.is_empty() || !out.suspended_ids.is_empty()
 }
 
-/// The tokens and EOS flags `update` is given for one step, and the requests it finished.
-type Samples = (Vec<i32>, Vec<bool>, Vec<RequestId>);
+/// The tokens and EOS flags `update` is given for one step, the requests it finished, and
+/// the drafts accepted per generation entry.
+type Samples = (Vec<i32>, Vec<bool>, Vec<RequestId>, Vec<u32>);
 
 /// One scheduler driven plain or one step ahead, and, once set, a twin fed the same calls
 /// whose every step and output must be the same (but for step numbers).
@@ -326,18 +365,58 @@ struct Driver {
     /// Samples each request has been given so far: its next token is a function of this
     /// and its id, so it does not depend on step numbers.
     sampled: BTreeMap<RequestId, u32>,
+    /// Speculative decoding: each live request gets drafts before a schedule with this
+    /// probability in 1/1000 (0: never), drawn from `rng`.
+    draft_per_mille: u64,
+    rng: Rng,
 }
 
 impl Driver {
-    fn samples(&mut self, out: &ScheduleOutput) -> (Vec<i32>, Vec<bool>) {
-        out.sample_ids()
+    fn samples(&mut self, out: &ScheduleOutput) -> (Vec<i32>, Vec<bool>, Vec<u32>) {
+        let (tokens, eos) = out
+            .sample_ids()
             .map(|id| {
                 let n = self.sampled.entry(id).or_default();
                 *n += 1;
                 let token = self.model.next_token(id, &[i32::try_from(*n).unwrap()]);
                 (token, Some(token) == self.model.eos)
             })
-            .unzip()
+            .unzip();
+        // Accepted drafts: a function of the request and its samples, like its tokens.
+        let accepted = out
+            .generation_ids
+            .iter()
+            .zip(&out.generation_draft_counts)
+            .map(|(&id, &k)| {
+                let n = self.sampled[&id];
+                let h = self
+                    .model
+                    .next_token(id ^ 0x5eed, &[i32::try_from(n).unwrap()]);
+                u32::try_from(u64::try_from(h).unwrap() % (k + 1)).unwrap()
+            })
+            .collect();
+        (tokens, eos, accepted)
+    }
+
+    /// Proposes random drafts for the next schedule (on both): up to the configuration's
+    /// `num_speculative_tokens`, for live requests, decoding or not.
+    fn propose(&mut self) -> Result<(), TestCaseError> {
+        let most = self.s.config().num_speculative_tokens;
+        if self.draft_per_mille == 0 || most == 0 {
+            return Ok(());
+        }
+        let (mut ids, mut counts, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+        for id in self.s.queue_ids() {
+            if self.rng.below(1000) < self.draft_per_mille {
+                let k = u32::try_from(self.rng.range(1, u64::from(most))).unwrap();
+                ids.push(id);
+                counts.push(k);
+                tokens.extend((0..k).map(|_| i32::try_from(self.rng.below(1000)).unwrap()));
+            }
+        }
+        self.both(|s| s.propose_drafts(&ids, &counts, &tokens))?
+            .unwrap();
+        Ok(())
     }
 
     /// Calls `f` on the scheduler and on the twin (if any), checking they answer alike.
@@ -364,15 +443,20 @@ impl Driver {
     /// Updates the oldest pending step; returns what it was given.
     fn update(&mut self) -> Result<Samples, TestCaseError> {
         let oldest = self.pending.pop_front().unwrap();
-        let (tokens, eos) = self.samples(&oldest);
-        let finished = self.both(|s| s.update(&tokens, Some(&eos)).unwrap().to_vec())?;
+        let (tokens, eos, accepted) = self.samples(&oldest);
+        let finished = self.both(|s| {
+            s.update_accepted(&tokens, Some(&eos), Some(&accepted))
+                .unwrap()
+                .to_vec()
+        })?;
         self.collect()?;
-        Ok((tokens, eos, finished))
+        Ok((tokens, eos, finished, accepted))
     }
 
     /// Schedules a step (on both, comparing them) and, with as many steps pending as the mode
     /// allows, updates the oldest.
     fn step(&mut self) -> Result<Stepped, TestCaseError> {
+        self.propose()?;
         let out = self.both(|s| s.schedule().map(decisions))?;
         if out.is_err() {
             return Ok(Stepped::Ended);
@@ -408,6 +492,45 @@ proptest! {
         both in any::<bool>(),
         probe_at in 0u64..40,
     ) {
+        check_reverts(case, ahead, both, probe_at, None)?;
+    }
+
+    /// The same with random drafts: the reverted steps and the ones around them verify
+    /// drafts (up to `k` per decode, proposed for a request with probability `per_mille`
+    /// in 1/1000), and accept a number of them that depends on the request's samples only.
+    #[test]
+    fn reverts_with_drafts_restore_the_state_and_every_later_step(
+        case in case_with_aborts(),
+        ahead in any::<bool>(),
+        both in any::<bool>(),
+        probe_at in 0u64..40,
+        k in 1u32..9,
+        per_mille in 100u64..1001,
+    ) {
+        check_reverts(case, ahead, both, probe_at, Some((k, per_mille)))?;
+    }
+}
+
+/// The body of the revert properties (`drafts`: `num_speculative_tokens` and how often a
+/// request gets drafts, in 1/1000).
+#[expect(
+    clippy::too_many_lines,
+    clippy::similar_names,
+    reason = "one scenario: the probe, the reverts and the twin's comparison read in order \
+              (what was aborted here and there)"
+)]
+fn check_reverts(
+    case: Case,
+    ahead: bool,
+    both: bool,
+    probe_at: u64,
+    drafts: Option<(u32, u64)>,
+) -> Result<(), TestCaseError> {
+    {
+        let mut case = case;
+        if let Some((k, _)) = drafts {
+            case.config.num_speculative_tokens = k;
+        }
         let config = &case.config;
         let specs = accepted(config, &case.specs);
         prop_assume!(!specs.is_empty());
@@ -419,6 +542,8 @@ proptest! {
             twin: None,
             pending: VecDeque::new(),
             sampled: BTreeMap::new(),
+            draft_per_mille: drafts.map_or(0, |(_, per_mille)| per_mille),
+            rng: Rng::new(probe_at ^ specs.len() as u64),
         };
         // The state before the previous schedule, and the update that followed it.
         let mut before_previous: Option<(Scheduler, Option<Samples>)> = None;
@@ -433,8 +558,10 @@ proptest! {
                     let Some((mut older, update)) = before_previous.clone() else {
                         return Ok(());
                     };
-                    if let Some((tokens, eos, _)) = update {
-                        older.update(&tokens, Some(&eos)).unwrap();
+                    if let Some((tokens, eos, _, accepted)) = update {
+                        older
+                            .update_accepted(&tokens, Some(&eos), Some(&accepted))
+                            .unwrap();
                         for id in older.untaken_outputs() {
                             older.take_output(id).unwrap();
                         }
@@ -452,19 +579,30 @@ proptest! {
             let mut aborted_there = BTreeMap::new();
             if let Some(expected) = expected.as_mut() {
                 for spec in specs.iter().filter(|spec| spec.arrival_step == step) {
-                    expected.add_request(spec.id, &spec.prompt, spec.max_new_tokens, spec.priority).unwrap();
+                    expected
+                        .add_request(spec.id, &spec.prompt, spec.max_new_tokens, spec.priority)
+                        .unwrap();
                 }
-                let due: Vec<RequestId> = due.iter().copied().filter(|&id| expected.is_abort_requested(id) == Ok(false)).collect();
+                let due: Vec<RequestId> = due
+                    .iter()
+                    .copied()
+                    .filter(|&id| expected.is_abort_requested(id) == Ok(false))
+                    .collect();
                 expected.abort_many(&due).unwrap();
                 for id in expected.untaken_outputs() {
                     aborted_there.insert(id, expected.take_output(id).unwrap());
                 }
             }
             for spec in specs.iter().filter(|spec| spec.arrival_step == step) {
-                d.both(|s| s.add_request(spec.id, &spec.prompt, spec.max_new_tokens, spec.priority))?
-                    .unwrap();
+                d.both(|s| {
+                    s.add_request(spec.id, &spec.prompt, spec.max_new_tokens, spec.priority)
+                })?
+                .unwrap();
             }
-            let due: Vec<RequestId> = due.into_iter().filter(|&id| d.s.is_abort_requested(id) == Ok(false)).collect();
+            let due: Vec<RequestId> = due
+                .into_iter()
+                .filter(|&id| d.s.is_abort_requested(id) == Ok(false))
+                .collect();
             d.both(|s| s.abort_many(&due))?.unwrap();
             let mut aborted_here = d.collect()?;
             if !d.s.has_unfinished() && step > last_arrival {
@@ -476,10 +614,18 @@ proptest! {
                 return Ok(());
             }
             if let Some(expected) = expected {
-                let Ok(newest) = d.s.schedule().cloned() else { return Ok(()) };
+                // The steps reverted verify drafts too (proposals are no state: the twin
+                // has none, and a schedule uses them up).
+                d.propose()?;
+                let Ok(newest) = d.s.schedule().cloned() else {
+                    return Ok(());
+                };
                 let mut victims = chose_victims(&newest);
                 if both && !ahead {
-                    let Ok(second) = d.s.schedule().cloned() else { return Ok(()) };
+                    d.propose()?;
+                    let Ok(second) = d.s.schedule().cloned() else {
+                        return Ok(());
+                    };
                     victims |= chose_victims(&second);
                     d.s.revert().unwrap();
                 }
@@ -492,7 +638,10 @@ proptest! {
                         // in use by the step): its pages and ledger entry come back later
                         // than in the twin, so only their order differs (documented in
                         // docs/internals/scheduler.md).
-                        let finished = before_previous.as_ref().and_then(|(_, u)| u.as_ref()).map_or(&[][..], |u| &u.2[..]);
+                        let finished = before_previous
+                            .as_ref()
+                            .and_then(|(_, u)| u.as_ref())
+                            .map_or(&[][..], |u| &u.2[..]);
                         if finished.iter().any(|&id| mentions(&older, id)) {
                             return Ok(());
                         }
@@ -508,10 +657,20 @@ proptest! {
                     aborted_here.push(d.s.take_output(id).unwrap());
                 }
                 aborted_here.sort_by_key(|output| output.request_id);
-                prop_assert_eq!(aborted_here, aborted_there.into_values().collect::<Vec<_>>());
+                prop_assert_eq!(
+                    aborted_here,
+                    aborted_there.into_values().collect::<Vec<_>>()
+                );
                 prop_assert_eq!(d.s.pending_steps(), expected.pending_steps());
-                prop_assert_eq!(d.s.ledger().state_digest(), expected.ledger().state_digest());
-                prop_assert_eq!(d.s.state_digest(), expected.state_digest(), "state after the reverts");
+                prop_assert_eq!(
+                    d.s.ledger().state_digest(),
+                    expected.ledger().state_digest()
+                );
+                prop_assert_eq!(
+                    d.s.state_digest(),
+                    expected.state_digest(),
+                    "state after the reverts"
+                );
                 d.twin = Some(expected);
             }
             let snapshot = d.s.clone();
@@ -524,4 +683,5 @@ proptest! {
         }
         prop_assert!(false, "run did not finish in 3000 steps");
     }
+    Ok(())
 }

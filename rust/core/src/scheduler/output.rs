@@ -585,8 +585,9 @@ impl ScheduleOutput {
     /// Fails (`InvalidArgument`) unless the arrays fit together the way a schedule makes
     /// them: one value per entry in each of the context, generation, preempted and
     /// suspended groups, `suspended_block_counts` adding up to the suspended pages,
-    /// and `context_lens` to the context tokens (`sample_ids`, computed, fits by
-    /// construction). [`Self::summary`] relies on it; the binding checks an output rebuilt
+    /// `context_lens` to the context tokens, and `generation_draft_counts` (one per
+    /// generation entry, or none: no drafts) to the draft tokens (`sample_ids`, computed,
+    /// fits by construction). [`Self::summary`] relies on it; the binding checks an output rebuilt
     /// from Python (unpickled) with it.
     pub fn check_lengths(&self) -> Result<()> {
         let groups: [(&str, &[usize]); 6] = [
@@ -642,6 +643,7 @@ impl ScheduleOutput {
                 )));
             }
         }
+        self.check_draft_lengths()?;
         let total = |values: &[u64]| values.iter().try_fold(0u64, |sum, &v| sum.checked_add(v));
         let sums = [
             (
@@ -675,6 +677,32 @@ impl ScheduleOutput {
                     "{counts} must add up to the {len} values of {values}"
                 )));
             }
+        }
+        Ok(())
+    }
+
+    /// The draft columns of [`Self::check_lengths`]: `generation_draft_counts` holds one
+    /// value per generation entry (or none: no drafts) and adds up to the draft tokens.
+    fn check_draft_lengths(&self) -> Result<()> {
+        let (entries, counts) = (
+            self.generation_ids.len(),
+            self.generation_draft_counts.len(),
+        );
+        if counts != 0 && counts != entries {
+            return Err(CoreError::InvalidArgument(format!(
+                "generation_draft_counts must have one value per generation entry (or none: no \
+                 drafts), got {counts} for {entries} entries"
+            )));
+        }
+        let total = self
+            .generation_draft_counts
+            .iter()
+            .try_fold(0u64, |sum, &v| sum.checked_add(v));
+        let tokens = self.generation_draft_tokens.len();
+        if total != Some(tokens as u64) {
+            return Err(CoreError::InvalidArgument(format!(
+                "generation_draft_counts must add up to the {tokens} values of generation_draft_tokens"
+            )));
         }
         Ok(())
     }

@@ -20,6 +20,14 @@
 //! sampled tokens. In both modes it keeps a per-batch-slot "device" array, poisoned when a
 //! slot is freed (sit-out, victim, finish, abort), and checks no decode reads a slot that
 //! is poisoned or holds another request.
+//!
+//! With random drafts (`RunOptions::draft_per_mille`, speculative decoding) the harness is
+//! also the drafter and the verifier: before each `schedule()` it proposes drafts for some
+//! requests (a mix of the model's true continuation and wrong tokens, identical on every
+//! rank), writes the KV of every query position of a drafted decode through the slot
+//! mapping, samples the model at each of them from the context read back (the drafts
+//! before it included), accepts the longest prefix of drafts the samples confirm and
+//! calls `update_accepted` with every row. Outputs must still equal the reference.
 #![allow(
     dead_code,
     reason = "each test crate uses its own part of these shared helpers"
@@ -226,6 +234,20 @@ pub struct RunResult {
     pub cached_tokens: u64,
     /// `reset_prefix_cache()` calls that took effect (between steps).
     pub cache_resets: u64,
+    /// Draft tokens proposed, verified in steps that ran, and accepted by the harness's
+    /// verifier there (speculative decoding).
+    pub drafts_proposed: u64,
+    pub drafts_verified: u64,
+    pub drafts_accepted: u64,
+    /// The scheduler's `spec_decode_num_accepted_tokens` and `_trimmed_tokens`, and the
+    /// superblocks drafts took and gave back (`spec_decode_draft_superblocks`,
+    /// `_returned_superblocks`), rank 0's.
+    pub spec_accepted: u64,
+    pub spec_trimmed: u64,
+    pub spec_draft_superblocks: u64,
+    pub spec_returned_superblocks: u64,
+    /// Decodes of a step planned ahead that verified drafts (overlap mode).
+    pub ahead_drafted_decodes: u64,
 }
 
 /// Options of a run beyond the configuration.
@@ -241,6 +263,13 @@ pub struct RunOptions {
     /// this probability in 1/1000 (the ranks must drop the same count; while a step is in
     /// flight, one step ahead, it must be refused and change nothing).
     pub reset_cache_per_mille: u64,
+    /// Speculative decoding (needs `num_speculative_tokens > 0`): before each `schedule()`,
+    /// each live request gets a proposal of `1..=num_speculative_tokens` drafts with this
+    /// probability in 1/1000 (decoding or not: the others ignore theirs).
+    pub draft_per_mille: u64,
+    /// Each draft token is the model's true continuation with this probability in 1/1000
+    /// (else a wrong token), so some drafts are accepted and some rejected.
+    pub draft_true_per_mille: u64,
 }
 
 /// How `Group::run` drives the schedulers.
@@ -301,6 +330,10 @@ pub struct Group {
     device_slots: Vec<Option<RequestId>>,
     /// The batch slot each request's state was last written to on the device.
     slot_of: BTreeMap<RequestId, usize>,
+    /// Each request's original prompt length and `max_new_tokens`.
+    limits: BTreeMap<RequestId, (usize, u32)>,
+    /// The drafts proposed for the next `schedule()`, by request.
+    proposed: BTreeMap<RequestId, Vec<i32>>,
     pub result: RunResult,
 }
 
@@ -310,6 +343,30 @@ struct Flight {
     out: ScheduleOutput,
     tokens: Vec<i32>,
     eos: Vec<bool>,
+    /// Drafts accepted per generation entry.
+    accepted: Vec<u32>,
+    /// The tokens the step appends to each request it samples for (its accepted rows, up
+    /// to an end-of-sequence), in `sample_ids` order.
+    appended: Vec<(RequestId, Vec<i32>)>,
+}
+
+impl Flight {
+    /// What the step appends to `id`, if it samples for it.
+    fn appended_to(&self, id: RequestId) -> Option<&[i32]> {
+        self.appended
+            .iter()
+            .find(|(of, _)| *of == id)
+            .map(|(_, tokens)| tokens.as_slice())
+    }
+
+    /// Whether the step's decode of `id` verifies drafts.
+    fn drafted(&self, id: RequestId) -> bool {
+        self.out
+            .generation_ids
+            .iter()
+            .zip(&self.out.generation_draft_counts)
+            .any(|(&of, &count)| of == id && count > 0)
+    }
 }
 
 impl Group {
@@ -343,6 +400,8 @@ impl Group {
             in_flight: None,
             device_slots: Vec::new(),
             slot_of: BTreeMap::new(),
+            limits: BTreeMap::new(),
+            proposed: BTreeMap::new(),
             result: RunResult::default(),
         }
     }
@@ -352,8 +411,8 @@ impl Group {
     fn view(&self, id: RequestId) -> Vec<i32> {
         let mut tokens = self.known[&id].clone();
         if let Some(flight) = &self.in_flight {
-            if let Some(row) = flight.out.sample_ids().position(|s| s == id) {
-                tokens.push(flight.tokens[row]);
+            if let Some(appended) = flight.appended_to(id) {
+                tokens.extend_from_slice(appended);
             }
         }
         tokens
@@ -424,8 +483,54 @@ impl Group {
         let next = self.arrival.len();
         self.arrival.insert(spec.id, next);
         self.known.insert(spec.id, spec.prompt.clone());
+        self.limits
+            .insert(spec.id, (spec.prompt.len(), spec.max_new_tokens));
         self.prefill_progress.insert(spec.id, 0);
         Ok(())
+    }
+
+    /// Proposes random drafts on every rank (the same on each) for the next `schedule()`:
+    /// each live request with probability `draft_per_mille`, `1..=num_speculative_tokens`
+    /// tokens, each the model's continuation of what the device knows (the request's
+    /// tokens, its token in flight included, and the drafts before it) with probability
+    /// `draft_true_per_mille`, else a wrong one.
+    fn propose_random(&mut self, rng: &mut Rng, options: RunOptions) {
+        self.proposed.clear();
+        let most = self.config.num_speculative_tokens;
+        if options.draft_per_mille == 0 || most == 0 {
+            return;
+        }
+        let (mut ids, mut counts, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+        for id in self.ranks[0].queue_ids() {
+            if rng.below(1000) >= options.draft_per_mille {
+                continue;
+            }
+            let k = u32::try_from(rng.range(1, u64::from(most))).unwrap();
+            let mut seq = self.view(id);
+            let mut drafts = Vec::new();
+            for _ in 0..k {
+                let truth = self.model.next_token(id, &seq);
+                let token = if rng.below(1000) < options.draft_true_per_mille {
+                    truth
+                } else {
+                    let wrong =
+                        (u64::try_from(truth).unwrap() + 1 + rng.below(self.model.vocab - 1))
+                            % self.model.vocab;
+                    i32::try_from(wrong).unwrap()
+                };
+                seq.push(token);
+                drafts.push(token);
+            }
+            ids.push(id);
+            counts.push(k);
+            tokens.extend(&drafts);
+            self.result.drafts_proposed += u64::from(k);
+            self.proposed.insert(id, drafts);
+        }
+        for s in &mut self.ranks {
+            s.propose_drafts(&ids, &counts, &tokens)
+                .expect("proposals for live requests");
+        }
     }
 
     /// Schedules on every rank and checks agreement; all ranks must fail alike.
@@ -666,7 +771,12 @@ impl Group {
         assert!(seen.len() <= self.config.max_batch_size as usize);
         assert!(gen.num_tokens <= u64::from(self.config.max_num_tokens));
         let ctx_tokens: u64 = gen.context_lens.iter().sum();
-        assert_eq!(gen.num_tokens, ctx_tokens + gen.generation_ids.len() as u64);
+        let draft_tokens: u64 = gen.generation_draft_counts.iter().sum();
+        assert_eq!(
+            gen.num_tokens,
+            ctx_tokens + gen.generation_ids.len() as u64 + draft_tokens
+        );
+        self.check_drafts(gen);
         assert_eq!(gen.context_token_ids.len() as u64, ctx_tokens);
         // Victims strictly behind the request that needed their pages.
         for (victims, requesters) in [
@@ -714,6 +824,57 @@ impl Group {
                 ledger.capacity(),
                 "superblocks leaked"
             );
+        }
+    }
+
+    /// The drafts a step verifies: a prefix of each request's proposal, never past its
+    /// `max_new_tokens` (its sampled row and its drafts fit what it may still generate,
+    /// its token in flight counted); one step ahead, no request whose decode in the step
+    /// in flight verifies drafts is decoded or chosen as a victim.
+    fn check_drafts(&self, out: &ScheduleOutput) {
+        assert_eq!(
+            out.generation_draft_counts.len(),
+            out.generation_ids.len(),
+            "one draft count per generation entry"
+        );
+        let mut tokens = out.generation_draft_tokens.iter();
+        for (i, &id) in out.generation_ids.iter().enumerate() {
+            let count = usize::try_from(out.generation_draft_counts[i]).unwrap();
+            let drafts: Vec<i32> = tokens.by_ref().take(count).copied().collect();
+            assert_eq!(drafts.len(), count, "draft tokens of step {}", out.step);
+            if count == 0 {
+                continue;
+            }
+            let proposed = self.proposed.get(&id).map_or(&[][..], Vec::as_slice);
+            assert_eq!(
+                &proposed[..count.min(proposed.len())],
+                &drafts[..],
+                "step {}: drafts of {id} are not its proposal's first {count}",
+                out.step
+            );
+            let (prompt_len, max_new) = self.limits[&id];
+            let generated = self.view(id).len() - prompt_len;
+            assert!(
+                generated + 1 + count <= max_new as usize,
+                "step {}: {id} verifies {count} drafts with {} tokens left",
+                out.step,
+                max_new as usize - generated
+            );
+        }
+        assert!(tokens.next().is_none(), "draft tokens past the counts");
+        if let Some(flight) = &self.in_flight {
+            for &id in out
+                .generation_ids
+                .iter()
+                .chain(&out.preempted_ids)
+                .chain(&out.suspended_ids)
+            {
+                assert!(
+                    !flight.drafted(id),
+                    "step {} (planned ahead) decodes or preempts {id}, whose decode in flight verifies drafts",
+                    out.step
+                );
+            }
         }
     }
 
@@ -870,15 +1031,14 @@ impl Group {
             assert_eq!(input, *known.last().unwrap(), "decode input of {id}");
             inputs.push(input);
         }
+        let (seqs, values) = self.query_tokens(out, &inputs);
         for (rank, sched) in self.ranks.iter().enumerate() {
             let mut ids = out.context_ids.clone();
             let mut starts = out.context_starts.clone();
             let mut counts = out.context_lens.clone();
-            let mut values = out.context_token_ids.clone();
             ids.extend(&out.generation_ids);
             starts.extend(&out.generation_positions);
-            counts.extend(std::iter::repeat_n(1, out.generation_ids.len()));
-            values.extend(&inputs);
+            counts.extend(out.generation_draft_counts.iter().map(|&k| 1 + k));
             let slots = sched
                 .slot_mapping(&ids, &starts, &counts)
                 .expect("slot mapping");
@@ -894,7 +1054,7 @@ impl Group {
                     );
                     if slots[k] >= 0 {
                         let slot = usize::try_from(slots[k]).unwrap();
-                        let tag = self.cell_tag(ids[i], pos);
+                        let tag = self.cell_tag(ids[i], pos, &seqs[i]);
                         self.pools[rank][slot] = Some((tag, pos, values[k]));
                     }
                     k += 1;
@@ -903,14 +1063,35 @@ impl Group {
         }
     }
 
+    /// Each entry's query tokens in entry order (context chunks, then each decode's input
+    /// and drafts), and per entry the tokens its KV depends on (what the device knows of
+    /// the request, then a decode's drafts).
+    fn query_tokens(&self, out: &ScheduleOutput, inputs: &[i32]) -> (Vec<Vec<i32>>, Vec<i32>) {
+        let mut seqs: Vec<Vec<i32>> = out.context_ids.iter().map(|&id| self.view(id)).collect();
+        let mut values = out.context_token_ids.clone();
+        let mut drafts = out.generation_draft_tokens.iter();
+        for (i, &id) in out.generation_ids.iter().enumerate() {
+            let count = usize::try_from(out.generation_draft_counts[i]).unwrap();
+            let mut seq = self.view(id);
+            values.push(inputs[i]);
+            for &draft in drafts.by_ref().take(count) {
+                seq.push(draft);
+                values.push(draft);
+            }
+            seqs.push(seq);
+        }
+        (seqs, values)
+    }
+
     /// Who a KV cell of `id` at `pos` says wrote it: the request, or with prefix caching
     /// a digest of the tokens up to `pos` (KV depends on its whole prefix, so a request
     /// may read a cell another request with the same prefix wrote, and no other).
-    fn cell_tag(&self, id: RequestId, pos: u64) -> RequestId {
+    /// `seq` is the request's tokens as the step sees them (its drafts included).
+    fn cell_tag(&self, id: RequestId, pos: u64, seq: &[i32]) -> RequestId {
         if !self.config.enable_prefix_caching {
             return id;
         }
-        let known = self.view(id);
+        let known = seq;
         let upto = usize::try_from(pos).unwrap() + 1;
         let mut h = 0xcbf2_9ce4_8422_2325_u64;
         for &token in &known[..upto.min(known.len())] {
@@ -920,8 +1101,9 @@ impl Group {
         h | 1 << 63
     }
 
-    /// Reads the context `0..=last` of `id` back from the pools, as attention would.
-    fn read_context(&self, id: RequestId, last: u64) -> Vec<i32> {
+    /// Reads the context `0..=last` of `id` back from the pools, as attention would (`seq`:
+    /// its tokens as the step sees them, for the cell tags).
+    fn read_context(&self, id: RequestId, last: u64, seq: &[i32]) -> Vec<i32> {
         let cp = u64::from(self.config.cp_size);
         let tpb = u64::from(self.config.tokens_per_block);
         let (table, _) = self.ranks[0].block_table(&[id], None).expect("block table");
@@ -939,7 +1121,9 @@ impl Group {
                 let slot = u64::try_from(page).unwrap() * tpb + pos % tpb;
                 let cell = self.pools[owner][usize::try_from(slot).unwrap()];
                 match cell {
-                    Some((who, at, token)) if who == self.cell_tag(id, pos) && at == pos => token,
+                    Some((who, at, token)) if who == self.cell_tag(id, pos, seq) && at == pos => {
+                        token
+                    }
                     other => {
                         panic!("KV of {id} at {pos} on rank {owner} slot {slot} holds {other:?}")
                     }
@@ -948,35 +1132,57 @@ impl Group {
             .collect()
     }
 
-    /// Samples the tokens of a step from the KV read back from the pools.
-    fn sample(&self, out: &ScheduleOutput) -> (Vec<i32>, Vec<bool>) {
+    /// Samples the tokens of a step from the KV read back from the pools: a row per
+    /// `sample_ids` entry (a drafted decode's `1 + k` rows: the model at its input and at
+    /// each draft, the drafts before it read back too), and each generation entry's
+    /// accepted drafts (the longest prefix its rows confirm, as a greedy verifier would;
+    /// an end-of-sequence among them is the scheduler's to cut).
+    fn sample(&self, out: &ScheduleOutput) -> (Vec<i32>, Vec<bool>, Vec<u32>) {
         let mut tokens = Vec::new();
         let mut eos = Vec::new();
-        let mut last_positions: BTreeMap<RequestId, u64> = BTreeMap::new();
-        for i in 0..out.generation_ids.len() {
-            last_positions.insert(out.generation_ids[i], out.generation_positions[i]);
-        }
-        for i in 0..out.context_ids.len() {
-            if out.context_completes[i] {
-                last_positions.insert(
-                    out.context_ids[i],
-                    out.context_starts[i] + out.context_lens[i] - 1,
-                );
-            }
-        }
-        for id in out.sample_ids() {
-            let last = last_positions[&id];
-            let context = self.read_context(id, last);
+        let mut accepted = Vec::new();
+        let mut sample_at = |id: RequestId, last: u64, seq: &[i32], tokens: &mut Vec<i32>| {
+            let context = self.read_context(id, last, seq);
             assert_eq!(
                 context,
-                self.view(id)[..=usize::try_from(last).unwrap()],
+                seq[..=usize::try_from(last).unwrap()],
                 "KV read back for {id} differs from its tokens"
             );
             let token = self.model.next_token(id, &context);
             tokens.push(token);
             eos.push(self.model.eos == Some(token));
+            token
+        };
+        let mut drafts = out.generation_draft_tokens.iter();
+        for i in 0..out.generation_ids.len() {
+            let (id, pos) = (out.generation_ids[i], out.generation_positions[i]);
+            let count = usize::try_from(out.generation_draft_counts[i]).unwrap();
+            let mine: Vec<i32> = drafts.by_ref().take(count).copied().collect();
+            let mut seq = self.view(id);
+            seq.extend(&mine);
+            let mut confirmed = true;
+            let mut took = 0;
+            for j in 0..=count {
+                let token = sample_at(id, pos + j as u64, &seq, &mut tokens);
+                confirmed &= mine.get(j) == Some(&token);
+                took += u32::from(confirmed);
+            }
+            accepted.push(took);
         }
-        (tokens, eos)
+        for i in 0..out.context_ids.len() {
+            if out.context_completes[i] {
+                let id = out.context_ids[i];
+                let seq = self.view(id);
+                sample_at(
+                    id,
+                    out.context_starts[i] + out.context_lens[i] - 1,
+                    &seq,
+                    &mut tokens,
+                );
+            }
+        }
+        assert_eq!(tokens.len(), out.num_samples());
+        (tokens, eos, accepted)
     }
 
     /// Runs the step that was scheduled on the "device": executes and samples it (its
@@ -985,7 +1191,34 @@ impl Group {
     fn run_on_device(&mut self, outs: &[ScheduleOutput]) -> Flight {
         self.execute(outs);
         let out = &outs[0];
-        let (tokens, eos) = self.sample(out);
+        let (tokens, eos, accepted) = self.sample(out);
+        // What the step appends to each request: a decode's accepted rows up to an
+        // end-of-sequence, a completing prompt's one token.
+        let mut appended = Vec::new();
+        let mut row = 0;
+        for (i, &id) in out.generation_ids.iter().enumerate() {
+            let count = usize::try_from(out.generation_draft_counts[i]).unwrap();
+            let kept = usize::try_from(accepted[i]).unwrap() + 1;
+            let end = (row..row + kept)
+                .find(|&r| eos[r])
+                .map_or(row + kept, |r| r + 1);
+            appended.push((id, tokens[row..end].to_vec()));
+            row += 1 + count;
+            self.result.drafts_verified += count as u64;
+            self.result.drafts_accepted += u64::from(accepted[i]);
+            if count > 0 && out.generation_input_refs[i] >= 0 {
+                self.result.ahead_drafted_decodes += 1;
+            }
+        }
+        for (&id, _) in out
+            .context_ids
+            .iter()
+            .zip(&out.context_completes)
+            .filter(|(_, &completes)| completes)
+        {
+            appended.push((id, vec![tokens[row]]));
+            row += 1;
+        }
         for i in 0..out.context_ids.len() {
             let id = out.context_ids[i];
             let end = out.context_starts[i] + out.context_lens[i];
@@ -1003,16 +1236,34 @@ impl Group {
             out: out.clone(),
             tokens,
             eos,
+            accepted,
+            appended,
         }
     }
 
     /// Updates every rank with a step's sampled tokens (the oldest pending step).
     fn commit(&mut self, flight: &Flight) -> Vec<RequestId> {
-        let Flight { out, tokens, eos } = flight;
+        let Flight {
+            out,
+            tokens,
+            eos,
+            accepted,
+            appended,
+        } = flight;
+        let drafted = out.generation_draft_counts.iter().any(|&k| k > 0);
         let finished: Vec<Vec<RequestId>> = self
             .ranks
             .iter_mut()
-            .map(|s| s.update(tokens, Some(eos)).expect("update").to_vec())
+            .map(|s| {
+                // A step without drafts is updated as one always was.
+                if drafted {
+                    s.update_accepted(tokens, Some(eos), Some(accepted))
+                } else {
+                    s.update(tokens, Some(eos))
+                }
+                .expect("update")
+                .to_vec()
+            })
             .collect();
         assert!(
             finished.windows(2).all(|w| w[0] == w[1]),
@@ -1025,10 +1276,10 @@ impl Group {
         );
         // Mirror the step in what the harness knows (an aborted request's token is
         // dropped; one that finished while this step was pending is gone already).
-        for (i, id) in out.sample_ids().enumerate() {
-            if !self.aborting.contains(&id) {
-                if let Some(known) = self.known.get_mut(&id) {
-                    known.push(tokens[i]);
+        for (id, tokens) in appended {
+            if !self.aborting.contains(id) {
+                if let Some(known) = self.known.get_mut(id) {
+                    known.extend_from_slice(tokens);
                 }
             }
         }
@@ -1331,9 +1582,18 @@ impl Group {
         }
     }
 
-    /// Every request this (stopped) run finished has the output it has in `plain`.
+    /// Every request this (stopped) run finished has the output it has in `plain`, or
+    /// extends what it generated there before its abort (aborts land on other tokens
+    /// when the runs' timing differs, as drafts accepted in other steps make it).
     fn assert_finished_match(&self, plain: &RunResult) {
         for (id, got) in &self.result.outputs {
+            if let Some(prefix) = plain.aborted.get(id) {
+                assert!(
+                    got.starts_with(prefix),
+                    "output of {id} does not extend what it generated before its abort in the plain run"
+                );
+                continue;
+            }
             assert_eq!(
                 Some(got),
                 plain.outputs.get(id),
@@ -1349,6 +1609,8 @@ impl Group {
         overlap: bool,
     ) -> Result<RunResult, CoreError> {
         let mut rng = Rng::new(options.seed);
+        // Drafts draw apart, so turning them on leaves the other random decisions alone.
+        let mut draft_rng = Rng::new(options.seed ^ 0x6472_6166_7473);
         let max_steps = if options.max_steps == 0 {
             20_000
         } else {
@@ -1376,6 +1638,7 @@ impl Group {
             {
                 self.reset_prefix_cache();
             }
+            self.propose_random(&mut draft_rng, options);
             let before = self.snapshot();
             let outs = self.schedule()?;
             assert_eq!(
@@ -1443,7 +1706,29 @@ impl Group {
         self.result.sat_out = metrics[0].sat_out;
         assert_eq!(metrics[0].aborts, self.result.aborted.len() as u64);
         assert_eq!(metrics[0].finished, self.result.outputs.len() as u64);
+        self.check_spec_metrics(&metrics[0]);
         Ok(self.result.clone())
+    }
+
+    /// Speculative decoding: the scheduler counts what it verified in steps that ran for
+    /// requests that took their rows (not those aborted or finished meanwhile).
+    fn check_spec_metrics(&mut self, m: &helix_kv_core::SchedulerMetrics) {
+        assert!(m.spec_decode_num_draft_tokens <= self.result.drafts_verified);
+        assert!(m.spec_decode_num_accepted_tokens <= self.result.drafts_accepted);
+        assert!(m.spec_decode_num_accepted_tokens <= m.spec_decode_num_draft_tokens);
+        assert!(m.spec_decode_returned_superblocks <= m.spec_decode_draft_superblocks);
+        let per_position: u64 = self.ranks[0]
+            .spec_decode_accepted_per_position()
+            .iter()
+            .sum();
+        assert_eq!(per_position, m.spec_decode_num_accepted_tokens);
+        if self.result.drafts_proposed == 0 {
+            assert_eq!(m.spec_decode_num_drafts, 0);
+        }
+        self.result.spec_accepted = m.spec_decode_num_accepted_tokens;
+        self.result.spec_trimmed = m.spec_decode_num_trimmed_tokens;
+        self.result.spec_draft_superblocks = m.spec_decode_draft_superblocks;
+        self.result.spec_returned_superblocks = m.spec_decode_returned_superblocks;
     }
 
     /// Live requests (in `specs` order) whose abort is due by `step`, between steps or
