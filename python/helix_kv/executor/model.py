@@ -256,8 +256,17 @@ class TinyTransformer:
         pool.write(layer, batch, key, value)
         outputs, lses = [], []
         for index, group in enumerate(batch.groups):
-            if self.decode_kernel and index == 0 and batch.plan.num_generation:
-                # the decode group (entries [0, num_generation), one query each): paged kernel
+            plan = batch.plan
+            if (
+                self.decode_kernel
+                and index == 0
+                and plan.num_generation
+                and not plan.num_draft_tokens
+            ):
+                # the decode group (entries [0, num_generation), one query each): paged kernel.
+                # Drafted entries (1 + k queries each) take the reference below on this path,
+                # exact with the causal mask on global positions; a decode-only drafted step
+                # runs the kernel on the fast path (one row per query token).
                 part = paged_decode_attention(
                     query[group.query_index[:, 0]],
                     pool.key_cache[layer],
