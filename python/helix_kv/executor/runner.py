@@ -156,7 +156,8 @@ class RunResult:
 
     Speculative decoding (``ExecutorConfig.num_speculative_tokens``): ``decode_tokens``
     counts the tokens the decode steps generated (``1 + accepted`` per entry);
-    ``draft_steps`` the steps that verified drafts, ``proposed_draft_tokens`` the drafts the
+    ``draft_steps`` the steps that verified drafts (``fast_path_draft_steps``: of them, those
+    run on the decode fast path), ``proposed_draft_tokens`` the drafts the
     drafter proposed (the scheduler may trim them; what it scheduled, accepted and trimmed
     is in ``metrics``: ``spec_decode_*``).
     """
@@ -187,6 +188,7 @@ class RunResult:
     metadata_host_us: list[float] = field(default_factory=list)
     host_gap_us: list[float] = field(default_factory=list)
     draft_steps: int = 0
+    fast_path_draft_steps: int = 0
     proposed_draft_tokens: int = 0
 
     rank = Renamed[int]("cp_rank")
@@ -523,6 +525,8 @@ def _launch_decode_step(
         return None
     rows = counts.rows
     result.fast_path_inputs_in_flight += counts.in_flight
+    if rows > len(out.generation_ids):  # one row per query token: drafts to verify
+        result.fast_path_draft_steps += 1
     step_start, build_start = started
     build_start += _start_timeline(timeline)  # instrumentation, not metadata work
     if counts.in_flight:
