@@ -8,6 +8,7 @@ against the plain decode kernel's.
     python benches/gpu_spec_decode.py --path reference   # the general path only
     python benches/gpu_spec_decode.py --overlap          # one step ahead as well
     python benches/gpu_spec_decode.py --dtype bfloat16 --requests 128 --prompt-len 1024
+    python benches/gpu_spec_decode.py --tie-embeddings   # nearly every draft right: the ceiling
     python benches/gpu_spec_decode.py --kernel-only      # only the kernel timing
 
 The workload repeats itself: every prompt is a random pattern of ``--period`` tokens repeated
@@ -21,14 +22,17 @@ differ).
 
 The kernel part times :func:`~helix_kv.executor.paged_attention.paged_decode_attention`
 alone (captured in a CUDA graph, as the fast path runs it): ``requests`` rows of one query
-each (plain decode) against ``requests * (1 + k)`` rows (verification: one row per query token,
-each row's local length its causal mask), and prints µs per call and per query token. CUDA
-only; exits with a message without a GPU.
+each (plain decode) against ``requests * (1 + k)`` rows (verification: one row per query
+token, each row's local length its causal mask), and prints µs per call and per query token,
+for the plain kernel (one program per row) and for the verification kernel that attends a
+request's ``1 + k`` rows in one program (``rows_per_request``, what the fast path runs with
+drafts). CUDA only; exits with a message without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -116,7 +120,12 @@ def report(args: argparse.Namespace, runs: dict[tuple[int, bool], RunResult]) ->
         )
     for (k, overlap), run in runs.items():
         if k:
-            print(f"  k={k} {'overlap' if overlap else 'plain'}: {run.spec_decode}")
+            step_ms = 1e3 * run.decode_s / max(run.decode_steps, 1)
+            print(
+                f"  k={k} {'overlap' if overlap else 'plain'}: {step_ms:.2f} ms per decode step "
+                f"(k=0: {1e3 * base.decode_s / max(base.decode_steps, 1):.2f}), drafting "
+                f"{np.median(run.draft_us):.0f} us per step (median), {run.spec_decode}"
+            )
 
 
 def _decode_entries(run: RunResult) -> int:
@@ -127,11 +136,17 @@ def _decode_entries(run: RunResult) -> int:
 
 
 def kernel_problem(
-    model: TinyConfig, requests: int, local_tokens: int, rows_per_request: int, tpb: int, dtype
+    model: TinyConfig,
+    requests: int,
+    local_tokens: int,
+    rows_per_request: int,
+    tpb: int,
+    cp: int,
+    dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
     """Paged caches with every request's pages scattered, and ``rows_per_request`` query rows
-    per request: row ``j`` of a request sees ``local_tokens - (rows - 1 - j)`` keys (the
-    causal mask of a verified draft on one rank)."""
+    per request at consecutive positions: row ``j`` of a request sees ``local_tokens - (rows
+    - 1 - j)`` keys (about the causal mask of a verified draft on one rank)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     width = -(-local_tokens // tpb)
     pages = requests * width
@@ -140,6 +155,7 @@ def kernel_problem(
     rows = requests * rows_per_request
     within = torch.arange(rows_per_request, device="cuda").repeat(requests)
     lens = local_tokens - (rows_per_request - 1 - within)
+    positions = local_tokens * cp - (rows_per_request - 1 - within)
     return {
         "query": torch.randn(rows, model.num_heads, model.head_dim, device="cuda", generator=gen)
         .to(dtype)
@@ -148,12 +164,21 @@ def kernel_problem(
         "value_cache": torch.randn(shape, device="cuda", generator=gen).to(dtype),
         "block_table": table.repeat_interleave(rows_per_request, dim=0).to(torch.int32),
         "local_lens": lens.clamp(min=0).to(torch.int32),
+        "positions": positions.clamp(min=0).to(torch.int32),
     }
 
 
-def time_kernel(p: dict[str, torch.Tensor], model: TinyConfig, tpb: int, calls: int) -> float:
+def time_kernel(
+    p: dict[str, torch.Tensor],
+    model: TinyConfig,
+    tpb: int,
+    cp: int,
+    calls: int,
+    rows_per_request: int,
+) -> tuple[float, torch.Tensor]:
     """Median µs per call over CUDA-graph replays of ``calls`` calls (default split rule, a
-    workspace as the fast path has)."""
+    workspace as the fast path has), and one call's output. ``rows_per_request`` 1: one
+    program per row; above: a request's rows in one program."""
     rows = p["query"].shape[0]
     workspace = DecodeWorkspace.for_decode(
         rows,
@@ -166,8 +191,8 @@ def time_kernel(p: dict[str, torch.Tensor], model: TinyConfig, tpb: int, calls: 
         "cuda",
     )
 
-    def call() -> None:
-        paged_decode_attention(
+    def call() -> torch.Tensor:
+        return paged_decode_attention(
             p["query"],
             p["key_cache"],
             p["value_cache"],
@@ -175,9 +200,12 @@ def time_kernel(p: dict[str, torch.Tensor], model: TinyConfig, tpb: int, calls: 
             p["local_lens"],
             tpb,
             workspace=workspace,
-        )
+            positions=p["positions"],
+            rows_per_request=rows_per_request,
+            tokens_per_superblock=tpb * cp,
+        ).output
 
-    call()  # compile outside the capture
+    out = call().clone()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -193,7 +221,7 @@ def time_kernel(p: dict[str, torch.Tensor], model: TinyConfig, tpb: int, calls: 
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return statistics.median(times), out
 
 
 def kernel_report(args: argparse.Namespace, model: TinyConfig) -> None:
@@ -205,15 +233,31 @@ def kernel_report(args: argparse.Namespace, model: TinyConfig) -> None:
         f"{args.cp}), q/kv heads {model.num_heads}/{model.num_kv_heads}, head_dim "
         f"{model.head_dim}, {tpb} tokens per page, {args.dtype}"
     )
-    print(f"{'k':>3} {'rows':>6} {'us/call':>9} {'us/query':>9} {'vs k=0/query':>12}")
+    print(
+        "kernel: 'row' one program per query row (the plain decode kernel), 'request' a "
+        "request's 1 + k rows in one program (each key block loaded once for them)"
+    )
+    print(
+        f"{'k':>3} {'kernel':>8} {'rows':>6} {'us/call':>9} {'us/query':>9} "
+        f"{'vs k=0/query':>12} {'max|d|':>9}"
+    )
     plain = None
     for k in sorted({0, *args.k}):
-        p = kernel_problem(model, args.requests, local, 1 + k, tpb, dtype)
-        micros = time_kernel(p, model, tpb, args.calls)
+        p = kernel_problem(model, args.requests, local, 1 + k, tpb, args.cp, dtype)
         rows = p["query"].shape[0]
-        per_query = micros / rows
-        plain = per_query if plain is None else plain
-        print(f"{k:>3} {rows:>6} {micros:>9.1f} {per_query:>9.3f} {per_query / plain:>12.2f}")
+        baseline = None
+        for label, per_request in (("row", 1), ("request", 1 + k)):
+            if label == "request" and k == 0:
+                continue
+            micros, out = time_kernel(p, model, tpb, args.cp, args.calls, per_request)
+            baseline = out if baseline is None else baseline
+            diff = float((out.float() - baseline.float()).abs().max())
+            per_query = micros / rows
+            plain = per_query if plain is None else plain
+            print(
+                f"{k:>3} {label:>8} {rows:>6} {micros:>9.1f} {per_query:>9.3f} "
+                f"{per_query / plain:>12.2f} {diff:>9.2e}"
+            )
         del p
         torch.cuda.empty_cache()
 
@@ -237,6 +281,12 @@ def main() -> None:
     parser.add_argument("--path", default="graphs", choices=["reference", "kernel", "graphs"])
     parser.add_argument("--overlap", action="store_true", help="also run one step ahead")
     parser.add_argument("--small", action="store_true", help="use the tiny test model")
+    parser.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        help="tie the LM head to the embedding: the random model then mostly repeats its "
+        "input, so nearly every draft is right (the ceiling of the drafted path)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--calls", type=int, default=20, help="kernel calls per graph")
     parser.add_argument("--timeout", type=float, default=600.0)
@@ -245,6 +295,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gpu_spec_decode.py needs a CUDA device")
     model = TinyConfig() if args.small else BENCH_MODEL
+    if args.tie_embeddings:
+        model = dataclasses.replace(model, tie_embeddings=True)
     print(
         f"# {torch.cuda.get_device_name()}; cp {args.cp}, {args.dtype}, path {args.path}; "
         f"{args.requests} requests x {args.prompt_len} prompt (period {args.period}) + "

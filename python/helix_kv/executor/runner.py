@@ -159,7 +159,9 @@ class RunResult:
     ``draft_steps`` the steps that verified drafts (``fast_path_draft_steps``: of them, those
     run on the decode fast path), ``proposed_draft_tokens`` the drafts the
     drafter proposed (the scheduler may trim them; what it scheduled, accepted and trimmed
-    is in ``metrics``: ``spec_decode_*``).
+    is in ``metrics``: ``spec_decode_*``); ``draft_us`` the host µs of each step's drafting
+    (reading the requests' tokens, the n-gram search, ``propose_drafts``), part of
+    ``schedule_us``.
     """
 
     cp_rank: int
@@ -190,6 +192,7 @@ class RunResult:
     draft_steps: int = 0
     fast_path_draft_steps: int = 0
     proposed_draft_tokens: int = 0
+    draft_us: list[float] = field(default_factory=list)
 
     rank = Renamed[int]("cp_rank")
 
@@ -322,7 +325,9 @@ def run_rank(
             buckets = tuple(sorted({b for b in buckets if b < max_rows} | {max_rows}))
         metadata = DecodeMetadata(DecodeLayout(max_rows, max_pages), device, buckets)
         # collective when graphed: every rank captures the same buckets in the same order
-        decode_step = DecodeStep(model, pool, combine, metadata, config.cuda_graphs)
+        decode_step = DecodeStep(
+            model, pool, combine, metadata, config.cuda_graphs, rows_per_request=1 + spec_tokens
+        )
     result = RunResult(cp_rank, {}, {}, {}, [], [], helix.capacity_superblocks)
     logits_rows: dict[int, list[np.ndarray]] = {}
     gather, readback, timeline = (
@@ -375,6 +380,7 @@ def run_rank(
         step_start = time.perf_counter()
         if drafter is not None:
             propose(drafter)
+            result.draft_us.append((time.perf_counter() - step_start) * 1e6)
         out = driver.schedule()
         build_start = time.perf_counter()
         result.schedule_us.append((build_start - step_start) * 1e6)
