@@ -189,6 +189,7 @@ def time_kernel(
         tpb,
         p["query"].dtype,
         "cuda",
+        rows_per_request,
     )
 
     def call() -> torch.Tensor:

@@ -17,18 +17,21 @@ from ..helpers.scheduler import needs_scheduler
 def oracle_draft(
     tokens: list[int], k: int, max_n: int, min_n: int, skip: int = 0, max_search: int | None = None
 ) -> list[int]:
-    """Longest n first; of its matches the most recent one whose continuation holds more
-    than ``skip`` tokens; the continuation without its first ``skip`` tokens."""
+    """Longest n first; of its matches the most recent one; what followed it, extended token
+    by token with the period between the match and the tail, without its first ``skip``."""
     seq = tokens[-max_search:] if max_search else list(tokens)
     length = len(seq)
     for n in range(max_n, min_n - 1, -1):
         if length < n + 1:
             continue
         tail = seq[length - n :]
-        for start in range(length - n - 1 - skip, -1, -1):  # window seq[start:start + n]
+        for start in range(length - n - 1, -1, -1):  # window seq[start:start + n]
             if seq[start : start + n] == tail:
-                follow = start + n + skip
-                return seq[follow : follow + k]
+                period = length - (start + n)
+                extended = list(seq)
+                while len(extended) < length + skip + k:
+                    extended.append(extended[-period])
+                return extended[length + skip :]
     return []
 
 
@@ -39,9 +42,11 @@ def test_draft_examples():
     assert d.draft([5, 6, 7]).tolist() == []  # nothing repeats
     assert d.draft([]).tolist() == []
     assert d.draft([4]).tolist() == []
-    assert d.draft([7, 7]).tolist() == [7]  # the continuation may run into the tail
+    assert d.draft([7, 7]).tolist() == [7, 7, 7]  # a cycle of 1 continues
+    assert d.draft([4, 1, 2, 1, 2]).tolist() == [1, 2, 1]  # "1 2" at 1: period 2
     # one step ahead: the continuation's first token guesses the token in flight
     assert d.draft([1, 2, 3, 4, 5, 1, 2], skip=1).tolist() == [4, 5, 1]
+    assert d.draft([9, 5, 5], skip=1).tolist() == [5, 5, 5]
     assert NgramDrafter(2, max_ngram=2, min_ngram=2).draft([3, 1, 4, 1]).tolist() == []
 
 
@@ -65,9 +70,9 @@ def test_draft_matches_brute_force(seed):
 def test_propose_concatenates():
     d = NgramDrafter(2)
     counts, flat = d.propose([[1, 2, 1], [3, 4], [5, 5, 5]], [0, 0, 1])
-    assert counts.tolist() == [2, 0, 1]
+    assert counts.tolist() == [2, 0, 2]
     assert flat.dtype == np.int32
-    assert flat.tolist() == [2, 1, 5]
+    assert flat.tolist() == [2, 1, 5, 5]
 
 
 def test_drafter_refuses_bad_sizes():

@@ -118,6 +118,7 @@ def run(p: dict, dtype: torch.dtype, rows_per_request: int, splits: int | None =
         ([3, 4, 1, 2], 4, 2, 2, 2, 3, 24, 3, False),  # split-K; group, dim not powers of 2
         ([4, 2], 2, 0, 4, 2, 2, 16, None, True),  # adjacent requests sharing a first page
         ([1, 1, 1], 1, 0, 8, 2, 2, 16, None, False),  # no drafts at all
+        ([9, 2], 1, 0, 4, 2, 4, 16, None, False),  # 16 x 4 query slots: one program per row
     ],
 )
 def test_verify_kernel_matches_per_row_kernel_and_reference(

@@ -470,6 +470,7 @@ class DecodeStep:
             pool.placement.tokens_per_block,
             model.dtype,
             device,
+            rows_per_request,
         )
         # One graph per (bucket, staging buffer): its first node copies that buffer's rows.
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}

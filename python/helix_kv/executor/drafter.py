@@ -10,6 +10,10 @@ construction, as :meth:`helix_kv.Scheduler.propose_drafts` requires.
 Greedy verification keeps exactly the tokens the model would have produced without drafts,
 whatever the drafts are: a bad draft costs verification work, never correctness.
 
+When the continuation of the match runs into the request's last tokens (the output has
+fallen into a cycle shorter than the draft), it continues with the same period, so a cycle
+of any length yields full drafts.
+
 One step ahead the newest token of a request may still be in flight (sampled by the step
 on the device). Drafting then starts from the tokens known on the host and skips the first
 proposed token (it guesses the token in flight): ``skip=1``.
@@ -60,19 +64,20 @@ class NgramDrafter:
 
         The last ``n`` tokens are matched against every earlier window of ``n`` tokens, for
         ``n`` from ``max_ngram`` down to ``min_ngram``; the first ``n`` with a match wins, and
-        of its matches the most recent one whose continuation holds more than ``skip``
-        tokens. The drafts are that continuation without its first ``skip`` tokens (``skip =
-        1``: the request's next input is still in flight, the continuation's first token
-        guesses it).
+        of its matches the most recent one. The drafts are the tokens that followed it,
+        repeated with the period ``p`` between the match and the tail where they run out
+        (position ``q`` past the end takes the token at ``q - p``), without the first
+        ``skip`` of them (``skip = 1``: the request's next input is still in flight, the
+        continuation's first token guesses it).
         """
         seq = np.asarray(tokens, dtype=np.int64).ravel()
         if self.max_search is not None and seq.size > self.max_search:
             seq = seq[-self.max_search :]
         length = int(seq.size)
         k = self.num_speculative_tokens
-        # A window ending at e (its last token seq[e]) continues at e + 1; it must leave
-        # more than `skip` tokens before the end: e <= length - 2 - skip.
-        last_end = length - 2 - skip
+        # A window ending at e (its last token seq[e]) continues at e + 1, before the tail's
+        # own window: e <= length - 2.
+        last_end = length - 2
         if last_end < self.min_ngram - 1:
             return np.zeros(0, dtype=np.int64)
         ends = np.arange(last_end + 1, dtype=np.int64)
@@ -94,8 +99,9 @@ class NgramDrafter:
                 best, best_n = found, n
         if best is None or best_n < self.min_ngram:
             return np.zeros(0, dtype=np.int64)
-        start = int(best[-1]) + 1 + skip
-        return seq[start : start + k].copy()
+        period = length - 1 - int(best[-1])
+        wanted = length + skip + np.arange(k, dtype=np.int64)  # the positions drafted
+        return seq[wanted - period * ((wanted - length) // period + 1)]
 
     def propose(
         self, histories: Sequence[npt.ArrayLike], skips: npt.ArrayLike | int = 0

@@ -173,12 +173,20 @@ class DecodeWorkspace:
         tokens_per_block: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        rows_per_request: int = 1,
     ) -> DecodeWorkspace:
         """Scratch for every call :func:`paged_decode_attention` makes with the default split
-        count on up to ``max_rows`` requests and a block table ``width_pages`` wide (e.g. one
-        per executor: its max batch and max pages per request)."""
+        count on up to ``max_rows`` rows and a block table ``width_pages`` wide (e.g. one
+        per executor: its max batch and max pages per request), with ``rows_per_request``."""
         pairs = max(
-            rows * _resolve_splits(rows, kv_heads, width_pages, tokens_per_block, None)[0]
+            rows
+            * _resolve_splits(
+                _split_programs(rows, rows_per_request, q_heads // kv_heads),
+                kv_heads,
+                width_pages,
+                tokens_per_block,
+                None,
+            )[0]
             for rows in range(1, max(1, max_rows) + 1)
         )
         return cls.allocate(pairs, q_heads, head_dim, 1, dtype, device)
@@ -219,6 +227,24 @@ def _splits_override() -> int | None:
     raise ValueError(f"HELIX_KV_DECODE_SPLITS must be auto, off or N >= 1; got {raw!r}")
 
 
+#: Most query slots (rows x query heads of a kv head, padded to powers of two) one program
+#: of the grouped verification kernel holds; a wider group runs one program per row.
+VERIFY_MAX_QUERY_SLOTS = 32
+
+
+def _groups_rows(rows_per_request: int, group: int) -> bool:
+    """Whether a request's rows fit one program of the verification kernel."""
+    return _next_power_of_2(rows_per_request) * _next_power_of_2(group) <= VERIFY_MAX_QUERY_SLOTS
+
+
+def _split_programs(rows: int, rows_per_request: int, group: int) -> int:
+    """The row programs the split rule counts: grouped rows run one program per request
+    (about ``rows / rows_per_request`` of them), otherwise one per row."""
+    if rows_per_request > 1 and _groups_rows(rows_per_request, group):
+        return max(1, -(-rows // rows_per_request))
+    return rows
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -240,8 +266,9 @@ def paged_decode_attention(
     mask inside the draft: every row's KV is written first). With ``rows_per_request > 1``
     (at least the most rows one request has) and the rows' global ``positions``, the rows of
     one request (consecutive rows at consecutive positions with one block table) are
-    attended by one program, which loads each key block once for all of them; the result
-    is the same as one row per program, to rounding.
+    attended by one program, which loads each key block once for all of them (when they fit
+    :data:`VERIFY_MAX_QUERY_SLOTS`; else one program per row), and the split rule counts
+    those programs; the result is the same as one row per program, to rounding.
 
     With one split, one program per (request, kv head) walks the request's local keys. With
     more (flash-decoding), the keys are cut into ``num_splits`` ranges of whole pages, one
@@ -317,8 +344,14 @@ def paged_decode_attention(
         return PartialAttention(output, lse)
     _check_device(query.device)
     width = block_table.shape[1]
+    if rows_per_request > 1 and not _groups_rows(rows_per_request, group):
+        rows_per_request = 1  # too many query slots for one program: one program per row
     splits, pages_per_split = _resolve_splits(
-        requests, kv_heads, width, tokens_per_block, num_splits
+        _split_programs(requests, rows_per_request, group),
+        kv_heads,
+        width,
+        tokens_per_block,
+        num_splits,
     )
     acc_fp64 = compute_dtype == torch.float64
     # tensor-core dots, except float64 on a GPU (the interpreter runs float64 dots exactly)
