@@ -7,6 +7,7 @@ against the plain decode kernel's.
     python benches/gpu_spec_decode.py --path kernel      # eager fast path (no graphs)
     python benches/gpu_spec_decode.py --path reference   # the general path only
     python benches/gpu_spec_decode.py --overlap          # one step ahead as well
+    python benches/gpu_spec_decode.py --group-draft-rows # a request's rows in one program
     python benches/gpu_spec_decode.py --dtype bfloat16 --requests 128 --prompt-len 1024
     python benches/gpu_spec_decode.py --tie-embeddings   # nearly every draft right: the ceiling
     python benches/gpu_spec_decode.py --kernel-only      # only the kernel timing
@@ -78,6 +79,7 @@ def config(args: argparse.Namespace, model: TinyConfig, k: int, overlap: bool) -
         num_speculative_tokens=k,
         drafter_max_ngram=args.max_ngram,
         drafter_min_ngram=args.min_ngram,
+        group_draft_rows=args.group_draft_rows,
     )
 
 
@@ -281,6 +283,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--path", default="graphs", choices=["reference", "kernel", "graphs"])
     parser.add_argument("--overlap", action="store_true", help="also run one step ahead")
+    parser.add_argument(
+        "--group-draft-rows",
+        action="store_true",
+        help="attend a request's draft rows in one kernel program (ExecutorConfig option)",
+    )
     parser.add_argument("--small", action="store_true", help="use the tiny test model")
     parser.add_argument(
         "--tie-embeddings",

@@ -75,6 +75,26 @@ def test_propose_concatenates():
     assert flat.tolist() == [2, 1, 5, 5]
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_propose_equals_draft_of_each(seed):
+    """The batched search gives each history's own drafts (lengths 0 up, shared padding)."""
+    rng = np.random.default_rng(500 + seed)
+    k = int(rng.integers(1, 6))
+    min_n = int(rng.integers(1, 3))
+    max_n = int(rng.integers(min_n, 5))
+    search = None if seed % 4 else int(rng.integers(2, 20))
+    drafter = NgramDrafter(k, max_n, min_n, search)
+    histories = [
+        rng.integers(0, int(rng.integers(1, 6)), size=int(rng.integers(0, 40)))
+        for _ in range(int(rng.integers(1, 9)))
+    ]
+    skips = rng.integers(0, 2, size=len(histories))
+    counts, flat = drafter.propose(histories, skips)
+    want = [drafter.draft(h, int(s)) for h, s in zip(histories, skips)]
+    assert counts.tolist() == [w.size for w in want]
+    assert flat.tolist() == np.concatenate([*want, np.zeros(0, np.int64)]).tolist()
+
+
 def test_drafter_refuses_bad_sizes():
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         NgramDrafter(0)

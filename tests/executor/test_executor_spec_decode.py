@@ -163,27 +163,33 @@ def fast_path_runs() -> dict[tuple[int, str], RunResult]:
     subset = {rid: p for rid, p in prompts().items() if rid in (300, 302, 304, 305)}
     results = {}
     for cp in (1, 2):
+        keys = [(cp, mode, False) for mode in MODES] + [(cp, "plain", True)]
         jobs = [
             (
                 subset,
                 10,
-                config(cp, 1024, K, mode == "overlap").with_(decode_kernel=True),
+                config(cp, 1024, K, mode == "overlap").with_(
+                    decode_kernel=True, group_draft_rows=grouped
+                ),
             )
-            for mode in MODES
+            for _, mode, grouped in keys
         ]
         if cp == 1:
             per_job = [[run_rank(*job)] for job in jobs]
         else:
             per_job = run_group(jobs, cp, backend="gloo", timeout_s=600)
-        for mode, ranks in zip(MODES, per_job):
-            results[cp, mode] = ranks[0]
+        for key, ranks in zip(keys, per_job):
+            results[key] = ranks[0]
     return results
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("mode", "grouped"), [("plain", False), ("overlap", False), ("plain", True)]
+)
 @pytest.mark.parametrize("cp", [1, 2])
-def test_fast_path_verifies_drafts(fast_path_runs, reference, cp, mode):
-    run = fast_path_runs[cp, mode]
+def test_fast_path_verifies_drafts(fast_path_runs, reference, cp, mode, grouped):
+    """One kernel row per query token; ``grouped``: a request's rows in one program."""
+    run = fast_path_runs[cp, mode, grouped]
     assert run.outputs == {rid: reference[rid][:10] for rid in run.outputs}
     assert run.draft_steps > 0
     assert run.metrics["spec_decode_num_accepted_tokens"] > 0

@@ -93,7 +93,10 @@ class ExecutorConfig:
     by a prompt-lookup :class:`~helix_kv.executor.drafter.NgramDrafter` over each request's
     own tokens (``drafter_max_ngram`` down to ``drafter_min_ngram``, matched within the last
     ``drafter_max_search`` tokens, ``None``: all) and verified greedily in the same forward;
-    the outputs are the greedy tokens without drafts, token for token.
+    the outputs are the greedy tokens without drafts, token for token. On the fast path a
+    drafted step is one kernel row per query token; ``group_draft_rows`` attends a request's
+    rows in one kernel program (each key block loaded once for them; measured slower than
+    one program per row on an H200 at k = 4, so off by default: docs/executor.md).
     """
 
     cp_size: int = 1
@@ -122,6 +125,7 @@ class ExecutorConfig:
     drafter_max_ngram: int = 3
     drafter_min_ngram: int = 1
     drafter_max_search: int | None = None
+    group_draft_rows: bool = False
 
     cp = Renamed[int]("cp_size")
 
@@ -326,7 +330,12 @@ def run_rank(
         metadata = DecodeMetadata(DecodeLayout(max_rows, max_pages), device, buckets)
         # collective when graphed: every rank captures the same buckets in the same order
         decode_step = DecodeStep(
-            model, pool, combine, metadata, config.cuda_graphs, rows_per_request=1 + spec_tokens
+            model,
+            pool,
+            combine,
+            metadata,
+            config.cuda_graphs,
+            rows_per_request=1 + spec_tokens if config.group_draft_rows else 1,
         )
     result = RunResult(cp_rank, {}, {}, {}, [], [], helix.capacity_superblocks)
     logits_rows: dict[int, list[np.ndarray]] = {}
