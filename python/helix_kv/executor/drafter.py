@@ -101,7 +101,8 @@ class NgramDrafter:
             return np.zeros(0, dtype=np.int64)
         period = length - 1 - int(best[-1])
         wanted = length + skip + np.arange(k, dtype=np.int64)  # the positions drafted
-        return seq[wanted - period * ((wanted - length) // period + 1)]
+        drafts: IntArray = seq[wanted - period * ((wanted - length) // period + 1)]
+        return drafts
 
     def propose(
         self, histories: Sequence[npt.ArrayLike], skips: npt.ArrayLike | int = 0
