@@ -95,8 +95,8 @@ class ExecutorConfig:
     ``drafter_max_search`` tokens, ``None``: all) and verified greedily in the same forward;
     the outputs are the greedy tokens without drafts, token for token. On the fast path a
     drafted step is one kernel row per query token; ``group_draft_rows`` attends a request's
-    rows in one kernel program (each key block loaded once for them; measured slower than
-    one program per row on an H200 at k = 4, so off by default: docs/executor.md).
+    rows in one kernel program (each key block loaded once for them; off by default: alone
+    it timed slower than one program per row on an H200 at k = 4, docs/gpu-results.md).
     """
 
     cp_size: int = 1
