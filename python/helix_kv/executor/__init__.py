@@ -22,6 +22,7 @@ from helix_kv.executor.decode_step import (
     DecodeStep,
     StagingBufferBusy,
 )
+from helix_kv.executor.drafter import NgramDrafter, greedy_acceptance
 from helix_kv.executor.host_pool import HostKVPool
 from helix_kv.executor.kv_pool import AttentionGroup, KVPool, StepBatch
 from helix_kv.executor.model import DecodeRows, TinyConfig, TinyTransformer, group_combine
@@ -39,6 +40,7 @@ __all__ = [
     "DecodeStep",
     "HostKVPool",
     "KVPool",
+    "NgramDrafter",
     "PartialAttention",
     "RankPlacement",
     "StagingBufferBusy",
@@ -49,6 +51,7 @@ __all__ = [
     "all_gather_combine",
     "combine_partial_list",
     "combine_partials",
+    "greedy_acceptance",
     "group_combine",
     "paged_decode_attention",
     "partial_attention",

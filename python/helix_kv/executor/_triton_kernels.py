@@ -137,6 +137,162 @@ def decode_attention_kernel(
 
 
 @triton.jit
+def verify_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    lens_ptr,
+    pos_ptr,
+    out_ptr,
+    lse_ptr,
+    scale,
+    tokens_per_block,
+    tokens_per_superblock,
+    keys_per_split,
+    group,
+    head_dim,
+    num_rows,
+    table_width,
+    stride_q_row,
+    stride_q_head,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    stride_table_row,
+    stride_lens,
+    stride_pos,
+    stride_out_row,
+    stride_out_head,
+    stride_out_split,
+    stride_lse_row,
+    stride_lse_head,
+    stride_lse_split,
+    ROWS: tl.constexpr,
+    BLOCK_GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC_FP64: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    """:func:`decode_attention_kernel` for rows that verify drafts: a request's ``1 + k``
+    query rows (consecutive rows, consecutive positions, one block table) in one program, so
+    each key and value block is loaded once for all of them.
+
+    One program per (row, kv head, split). A row continuing the row before it (position one
+    more, and the same superblock id at its position's superblock: a superblock a step writes
+    belongs to one request alone) is not a group's first and does nothing; the first row of a
+    group attends for the group's rows (up to ``ROWS``, that continue it the same way), all
+    the kv head's query heads of each: the ``ROWS * BLOCK_GROUP`` query slots of one ``tl.dot``,
+    each masked at its own row's local length (the causal mask inside the draft). Padding
+    rows (local length 0, position 0) are groups of their own that see nothing.
+    """
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    acc_type = tl.float64 if ACC_FP64 else tl.float32
+    pos_row = tl.load(pos_ptr + row * stride_pos).to(tl.int64)
+    sb_row = pos_row // tokens_per_superblock
+    if row > 0:
+        pos_prev = tl.load(pos_ptr + (row - 1) * stride_pos).to(tl.int64)
+        in_table = (sb_row >= 0) & (sb_row < table_width)
+        page_prev = tl.load(
+            table_ptr + (row - 1) * stride_table_row + sb_row, mask=in_table, other=-2
+        )
+        page_row = tl.load(table_ptr + row * stride_table_row + sb_row, mask=in_table, other=-3)
+        if (pos_prev + 1 == pos_row) & (page_prev == page_row):
+            return  # the group's first row attends for this one
+    m = tl.arange(0, ROWS * BLOCK_GROUP)
+    r = m // BLOCK_GROUP
+    g = m % BLOCK_GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    rows_m = row + r
+    in_rows = rows_m < num_rows
+    pos_m = tl.load(pos_ptr + rows_m * stride_pos, mask=in_rows, other=-1).to(tl.int64)
+    sb_m = pos_m // tokens_per_superblock
+    in_table_m = in_rows & (pos_m >= 0) & (sb_m < table_width)
+    page_self = tl.load(table_ptr + row * stride_table_row + sb_m, mask=in_table_m, other=-2)
+    page_m = tl.load(table_ptr + rows_m * stride_table_row + sb_m, mask=in_table_m, other=-3)
+    member = in_rows & (pos_m == pos_row + r) & ((r == 0) | (page_self == page_m))
+    slot_mask = member & (g < group)
+    heads = kv_head * group + g
+    q_mask = slot_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + rows_m[:, None] * stride_q_row + heads[:, None] * stride_q_head + d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    if not USE_DOT:
+        q = q.to(acc_type) * scale
+    lens_m = tl.load(lens_ptr + rows_m * stride_lens, mask=slot_mask, other=0).to(tl.int32)
+    length = tl.max(lens_m, axis=0)
+    first = split * keys_per_split
+    end = tl.minimum(length, first + keys_per_split)
+    m_i = tl.full([ROWS * BLOCK_GROUP], float("-inf"), dtype=acc_type)
+    l_i = tl.zeros([ROWS * BLOCK_GROUP], dtype=acc_type)
+    acc = tl.zeros([ROWS * BLOCK_GROUP, BLOCK_D], dtype=acc_type)
+    for start in range(first, end, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        j_mask = j < end
+        page = tl.load(
+            table_ptr + row * stride_table_row + j // tokens_per_block, mask=j_mask, other=0
+        )
+        slot = page.to(tl.int64) * tokens_per_block + (j % tokens_per_block)
+        kv_mask = j_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_cache_ptr + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if USE_DOT:
+            scores = (
+                tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee", out_dtype=acc_type)
+                * scale
+            )
+        else:
+            scores = tl.sum(q[:, None, :] * k.to(acc_type)[None, :, :], axis=2)  # [M, N]
+        visible = j_mask[None, :] & (j[None, :] < lens_m[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # a query slot may see no key of this block (its row ends earlier): keep it at 0
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee", out_dtype=acc_type)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(acc_type)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    seen = l_i > 0
+    safe_l = tl.where(seen, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    lse = tl.where(seen, m_i + tl.log(safe_l), float("-inf"))
+    tl.store(
+        out_ptr
+        + rows_m[:, None] * stride_out_row
+        + split * stride_out_split
+        + heads[:, None] * stride_out_head
+        + d[None, :],
+        out,
+        mask=q_mask,
+    )
+    tl.store(
+        lse_ptr + rows_m * stride_lse_row + split * stride_lse_split + heads * stride_lse_head,
+        lse,
+        mask=slot_mask,
+    )
+
+
+@triton.jit
 def combine_splits_kernel(
     part_out_ptr,
     part_lse_ptr,

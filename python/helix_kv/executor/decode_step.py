@@ -421,6 +421,9 @@ class DecodeStep:
         cuda_graphs: capture one CUDA graph per bucket now (collective with ``combine``:
             every rank of the CP group constructs its ``DecodeStep`` with the same buckets)
             and replay it per step; otherwise run eagerly.
+        rows_per_request: the most rows one request has in a step (``1 + K`` with
+            speculative decoding, whose rows are one per query token; buckets then count
+            rows, not requests).
     """
 
     def __init__(
@@ -430,8 +433,12 @@ class DecodeStep:
         combine: Combine,
         metadata: DecodeMetadata,
         cuda_graphs: bool = False,
+        rows_per_request: int = 1,
     ) -> None:
         self.model = model
+        #: The most rows one request has in a step (``1 + K`` with speculative decoding:
+        #: one row per query token); above 1 the kernel attends a request's rows together.
+        self.rows_per_request = rows_per_request
         self.pool = pool
         self.combine = combine
         self.metadata = metadata
@@ -463,6 +470,7 @@ class DecodeStep:
             pool.placement.tokens_per_block,
             model.dtype,
             device,
+            rows_per_request,
         )
         # One graph per (bucket, staging buffer): its first node copies that buffer's rows.
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -553,7 +561,9 @@ class DecodeStep:
         refs = self.metadata.input_refs(bucket)
         gathered = self.tokens.index_select(0, refs.clamp(min=0))
         rows = rows._replace(token_ids=torch.where(refs >= 0, gathered, rows.token_ids))
-        hidden = self.model.forward_decode(rows, self.pool, self.combine, self.workspace)
+        hidden = self.model.forward_decode(
+            rows, self.pool, self.combine, self.workspace, self.rows_per_request
+        )
         logits = self.model.logits(hidden)
         self.logits[:bucket].copy_(logits)
         torch.argmax(logits, dim=-1, out=self.tokens[:bucket])

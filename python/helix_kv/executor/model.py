@@ -182,14 +182,22 @@ class TinyTransformer:
         pool: KVPool,
         combine: Combine | None = None,
         workspace: DecodeWorkspace | None = None,
+        rows_per_request: int = 1,
     ) -> torch.Tensor:
-        """One decode token per row, through the Triton paged kernels; hidden states ``[rows, H]``.
+        """One query token per row, through the Triton paged kernels; hidden states ``[rows, H]``.
 
         The fast path of a decode-only step: no host work, no sync and no shape that depends on
         the data, so it can be captured in a CUDA graph (padding rows carry slot ``-1`` and
         local length ``0``: they write nothing and attend to nothing). Numerically the same
         step as :meth:`forward` with ``decode_kernel=True``. ``workspace``: the split-K scratch
         every layer reuses (without one, a step that splits allocates its scratch).
+
+        Speculative decoding: a request verifying ``k`` drafts has ``1 + k`` consecutive rows
+        (``Scheduler.write_decode_rows``: its decode token, then each draft, each row's local
+        length up to and including its position, so the causal mask inside the draft is the
+        lengths'). Every row's KV is written before any row attends. ``rows_per_request``
+        (the most rows one request may have, ``1 + K``) above 1 attends a request's rows in
+        one kernel program (each key block loaded once for all of them).
         """
         combine = combine or all_gather_combine
         c = self.config
@@ -209,6 +217,9 @@ class TinyTransformer:
                 rows.local_lens,
                 tpb,
                 workspace=workspace,
+                positions=rows.positions,
+                rows_per_request=rows_per_request,
+                tokens_per_superblock=pool.placement.tokens_per_superblock,
             )
             combined = combine(part)
             hidden = (
@@ -256,8 +267,17 @@ class TinyTransformer:
         pool.write(layer, batch, key, value)
         outputs, lses = [], []
         for index, group in enumerate(batch.groups):
-            if self.decode_kernel and index == 0 and batch.plan.num_generation:
-                # the decode group (entries [0, num_generation), one query each): paged kernel
+            plan = batch.plan
+            if (
+                self.decode_kernel
+                and index == 0
+                and plan.num_generation
+                and not plan.num_draft_tokens
+            ):
+                # the decode group (entries [0, num_generation), one query each): paged kernel.
+                # Drafted entries (1 + k queries each) take the reference below on this path,
+                # exact with the causal mask on global positions; a decode-only drafted step
+                # runs the kernel on the fast path (one row per query token).
                 part = paged_decode_attention(
                     query[group.query_index[:, 0]],
                     pool.key_cache[layer],

@@ -173,12 +173,20 @@ class DecodeWorkspace:
         tokens_per_block: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        rows_per_request: int = 1,
     ) -> DecodeWorkspace:
         """Scratch for every call :func:`paged_decode_attention` makes with the default split
-        count on up to ``max_rows`` requests and a block table ``width_pages`` wide (e.g. one
-        per executor: its max batch and max pages per request)."""
+        count on up to ``max_rows`` rows and a block table ``width_pages`` wide (e.g. one
+        per executor: its max batch and max pages per request), with ``rows_per_request``."""
         pairs = max(
-            rows * _resolve_splits(rows, kv_heads, width_pages, tokens_per_block, None)[0]
+            rows
+            * _resolve_splits(
+                _split_programs(rows, rows_per_request, q_heads // kv_heads),
+                kv_heads,
+                width_pages,
+                tokens_per_block,
+                None,
+            )[0]
             for rows in range(1, max(1, max_rows) + 1)
         )
         return cls.allocate(pairs, q_heads, head_dim, 1, dtype, device)
@@ -219,6 +227,24 @@ def _splits_override() -> int | None:
     raise ValueError(f"HELIX_KV_DECODE_SPLITS must be auto, off or N >= 1; got {raw!r}")
 
 
+#: Most query slots (rows x query heads of a kv head, padded to powers of two) one program
+#: of the grouped verification kernel holds; a wider group runs one program per row.
+VERIFY_MAX_QUERY_SLOTS = 32
+
+
+def _groups_rows(rows_per_request: int, group: int) -> bool:
+    """Whether a request's rows fit one program of the verification kernel."""
+    return _next_power_of_2(rows_per_request) * _next_power_of_2(group) <= VERIFY_MAX_QUERY_SLOTS
+
+
+def _split_programs(rows: int, rows_per_request: int, group: int) -> int:
+    """The row programs the split rule counts: grouped rows run one program per request
+    (about ``rows / rows_per_request`` of them), otherwise one per row."""
+    if rows_per_request > 1 and _groups_rows(rows_per_request, group):
+        return max(1, -(-rows // rows_per_request))
+    return rows
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -229,8 +255,20 @@ def paged_decode_attention(
     scale: float | None = None,
     num_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
+    positions: torch.Tensor | None = None,
+    rows_per_request: int = 1,
+    tokens_per_superblock: int | None = None,
 ) -> PartialAttention:
-    """Partial attention of one decode query per request over this rank's paged KV.
+    """Partial attention of one decode query per row over this rank's paged KV.
+
+    A row is one query token: a decode entry, or (speculative decoding) one of the ``1 + k``
+    rows of an entry that verifies ``k`` drafts, each with its own local length (the causal
+    mask inside the draft: every row's KV is written first). With ``rows_per_request > 1``
+    (at least the most rows one request has) and the rows' global ``positions``, the rows of
+    one request (consecutive rows at consecutive positions with one block table) are
+    attended by one program, which loads each key block once for all of them (when they fit
+    :data:`VERIFY_MAX_QUERY_SLOTS`; else one program per row), and the split rule counts
+    those programs; the result is the same as one row per program, to rounding.
 
     With one split, one program per (request, kv head) walks the request's local keys. With
     more (flash-decoding), the keys are cut into ``num_splits`` ranges of whole pages, one
@@ -253,6 +291,13 @@ def paged_decode_attention(
             (or ``HELIX_KV_DECODE_SPLITS`` where set); capped at the table's width in pages.
         workspace: scratch for the splits (:class:`DecodeWorkspace`, e.g. one per executor,
             so that captured steps allocate nothing); ``None``: allocated per call.
+        positions: ``[requests]`` global position of each row (any int dtype and stride);
+            needed with ``rows_per_request > 1``.
+        rows_per_request: the most rows (query tokens) one request has (``1 + k``);
+            1: one program per row.
+        tokens_per_superblock: ``tokens_per_block * cp_size`` (with ``rows_per_request >
+            1``: a row continues the one before it when its position is one more and its
+            superblock id, at its position, the same).
 
     Returns:
         :class:`~helix_kv.executor.attention.PartialAttention`: ``output``
@@ -280,6 +325,17 @@ def paged_decode_attention(
         raise ValueError("block_table must have contiguous rows")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    if rows_per_request < 1:
+        raise ValueError(f"rows_per_request must be at least 1, got {rows_per_request}")
+    if rows_per_request > 1 and (
+        positions is None
+        or positions.shape[0] < requests
+        or tokens_per_superblock is None
+        or tokens_per_superblock < 1
+    ):
+        raise ValueError(
+            "rows_per_request > 1 needs the rows' positions and tokens_per_superblock >= 1"
+        )
     group = q_heads // kv_heads
     compute_dtype = accumulation_dtype(query.dtype)
     output = query.new_empty(query.shape, dtype=compute_dtype)
@@ -288,8 +344,14 @@ def paged_decode_attention(
         return PartialAttention(output, lse)
     _check_device(query.device)
     width = block_table.shape[1]
+    if rows_per_request > 1 and not _groups_rows(rows_per_request, group):
+        rows_per_request = 1  # too many query slots for one program: one program per row
     splits, pages_per_split = _resolve_splits(
-        requests, kv_heads, width, tokens_per_block, num_splits
+        _split_programs(requests, rows_per_request, group),
+        kv_heads,
+        width,
+        tokens_per_block,
+        num_splits,
     )
     acc_fp64 = compute_dtype == torch.float64
     # tensor-core dots, except float64 on a GPU (the interpreter runs float64 dots exactly)
@@ -315,41 +377,89 @@ def paged_decode_attention(
         split_out_stride, split_lse_stride = part_out.stride(2), part_lse.stride(2)
         keys_per_split = pages_per_split * tokens_per_block
     kernels = _kernels()
-    kernels.decode_attention_kernel[(requests, kv_heads, splits)](
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        local_lens,
-        part_out,
-        part_lse,
-        1.0 / math.sqrt(head_dim) if scale is None else scale,
-        tokens_per_block,
-        keys_per_split,
-        group,
-        head_dim,
-        # the last dims are contiguous (checked above): their strides are not passed
-        *query.stride()[:2],
-        *key_cache.stride()[:2],
-        *value_cache.stride()[:2],
-        block_table.stride(0),
-        local_lens.stride(0),
-        part_out.stride(0),
-        part_out.stride(1),
-        split_out_stride,
-        part_lse.stride(0),
-        part_lse.stride(1),
-        split_lse_stride,
-        BLOCK_G=max(_DOT_MIN, _next_power_of_2(group)) if use_dot else _next_power_of_2(group),
-        BLOCK_N=max(_DOT_MIN, DECODE_BLOCK_KEYS) if use_dot else DECODE_BLOCK_KEYS,
-        BLOCK_D=max(_DOT_MIN, _next_power_of_2(head_dim))
-        if use_dot
-        else _next_power_of_2(head_dim),
-        ACC_FP64=acc_fp64,
-        USE_DOT=use_dot,
-        num_warps=DECODE_NUM_WARPS,
-        num_stages=DECODE_NUM_STAGES,
-    )
+    if rows_per_request > 1:
+        assert positions is not None
+        assert tokens_per_superblock is not None
+        rows_p2 = _next_power_of_2(rows_per_request)
+        block_group = _next_power_of_2(group)
+        if use_dot:  # the dot's query side (rows x heads) at least _DOT_MIN
+            block_group = max(block_group, -(-_DOT_MIN // rows_p2))
+        kernels.verify_attention_kernel[(requests, kv_heads, splits)](
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            local_lens,
+            positions,
+            part_out,
+            part_lse,
+            1.0 / math.sqrt(head_dim) if scale is None else scale,
+            tokens_per_block,
+            tokens_per_superblock,
+            keys_per_split,
+            group,
+            head_dim,
+            requests,
+            width,
+            *query.stride()[:2],
+            *key_cache.stride()[:2],
+            *value_cache.stride()[:2],
+            block_table.stride(0),
+            local_lens.stride(0),
+            positions.stride(0),
+            part_out.stride(0),
+            part_out.stride(1),
+            split_out_stride,
+            part_lse.stride(0),
+            part_lse.stride(1),
+            split_lse_stride,
+            ROWS=rows_p2,
+            BLOCK_GROUP=block_group,
+            BLOCK_N=max(_DOT_MIN, DECODE_BLOCK_KEYS) if use_dot else DECODE_BLOCK_KEYS,
+            BLOCK_D=max(_DOT_MIN, _next_power_of_2(head_dim))
+            if use_dot
+            else _next_power_of_2(head_dim),
+            ACC_FP64=acc_fp64,
+            USE_DOT=use_dot,
+            num_warps=DECODE_NUM_WARPS,
+            num_stages=DECODE_NUM_STAGES,
+        )
+    else:
+        kernels.decode_attention_kernel[(requests, kv_heads, splits)](
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            local_lens,
+            part_out,
+            part_lse,
+            1.0 / math.sqrt(head_dim) if scale is None else scale,
+            tokens_per_block,
+            keys_per_split,
+            group,
+            head_dim,
+            # the last dims are contiguous (checked above): their strides are not passed
+            *query.stride()[:2],
+            *key_cache.stride()[:2],
+            *value_cache.stride()[:2],
+            block_table.stride(0),
+            local_lens.stride(0),
+            part_out.stride(0),
+            part_out.stride(1),
+            split_out_stride,
+            part_lse.stride(0),
+            part_lse.stride(1),
+            split_lse_stride,
+            BLOCK_G=max(_DOT_MIN, _next_power_of_2(group)) if use_dot else _next_power_of_2(group),
+            BLOCK_N=max(_DOT_MIN, DECODE_BLOCK_KEYS) if use_dot else DECODE_BLOCK_KEYS,
+            BLOCK_D=max(_DOT_MIN, _next_power_of_2(head_dim))
+            if use_dot
+            else _next_power_of_2(head_dim),
+            ACC_FP64=acc_fp64,
+            USE_DOT=use_dot,
+            num_warps=DECODE_NUM_WARPS,
+            num_stages=DECODE_NUM_STAGES,
+        )
     if splits > 1:
         kernels.combine_splits_kernel[(requests, q_heads)](
             part_out,

@@ -45,12 +45,13 @@ from helix_kv.distributed import EngineConfig, HelixKVRank
 from helix_kv.distributed.launch import spawn_group
 from helix_kv.errors import HelixKVError
 from helix_kv.executor.decode_step import DecodeLayout, DecodeMetadata, DecodeStep
+from helix_kv.executor.drafter import NgramDrafter, greedy_acceptance
 from helix_kv.executor.host_pool import HostKVPool
 from helix_kv.executor.kv_pool import KVPool
 from helix_kv.executor.model import TinyConfig, TinyTransformer, group_combine
 from helix_kv.executor.overlap import DecodeInputGather, HostTokens, StepTimeline, TokenReadback
 from helix_kv.executor.placement import RankPlacement
-from helix_kv.executor.step_plan import StepPlan
+from helix_kv.executor.step_plan import StepPlan, generation_draft_counts
 from helix_kv.step_driver import PendingStep, StepDriver
 
 Prompts = Mapping[int, Sequence[int]]
@@ -87,6 +88,15 @@ class ExecutorConfig:
     one graph replay whose first node is the H2D copy of its rows.
     ``step_timeline``: record the device start and end of each step (two CUDA events per
     step, from a ring allocated once; ``RunResult.host_gap_us``); off, a step records none.
+    ``num_speculative_tokens``: speculative decoding with up to that many drafts per request
+    and step (0: off; it becomes the ``EngineConfig``'s ``num_speculative_tokens``), proposed
+    by a prompt-lookup :class:`~helix_kv.executor.drafter.NgramDrafter` over each request's
+    own tokens (``drafter_max_ngram`` down to ``drafter_min_ngram``, matched within the last
+    ``drafter_max_search`` tokens, ``None``: all) and verified greedily in the same forward;
+    the outputs are the greedy tokens without drafts, token for token. On the fast path a
+    drafted step is one kernel row per query token; ``group_draft_rows`` attends a request's
+    rows in one kernel program (each key block loaded once for them; off by default: alone
+    it timed slower than one program per row on an H200 at k = 4, docs/gpu-results.md).
     """
 
     cp_size: int = 1
@@ -111,6 +121,11 @@ class ExecutorConfig:
     overlap: bool = False
     eos_token_id: int | None = None
     step_timeline: bool = True
+    num_speculative_tokens: int = 0
+    drafter_max_ngram: int = 3
+    drafter_min_ngram: int = 1
+    drafter_max_search: int | None = None
+    group_draft_rows: bool = False
 
     cp = Renamed[int]("cp_size")
 
@@ -142,6 +157,15 @@ class RunResult:
     node of the step's graph: both are the host time up to the replay (the fill, and the
     device gather's enqueue for inputs of a step not on the fast path). The step timeline's
     start event (``step_timeline``) is instrumentation and is not counted in either.
+
+    Speculative decoding (``ExecutorConfig.num_speculative_tokens``): ``decode_tokens``
+    counts the tokens the decode steps generated (``1 + accepted`` per entry);
+    ``draft_steps`` the steps that verified drafts (``fast_path_draft_steps``: of them, those
+    run on the decode fast path), ``proposed_draft_tokens`` the drafts the
+    drafter proposed (the scheduler may trim them; what it scheduled, accepted and trimmed
+    is in ``metrics``: ``spec_decode_*``); ``draft_us`` the host µs of each step's drafting
+    (reading the requests' tokens, the n-gram search, ``propose_drafts``), part of
+    ``schedule_us``.
     """
 
     cp_rank: int
@@ -169,6 +193,10 @@ class RunResult:
     table_build_us: list[float] = field(default_factory=list)
     metadata_host_us: list[float] = field(default_factory=list)
     host_gap_us: list[float] = field(default_factory=list)
+    draft_steps: int = 0
+    fast_path_draft_steps: int = 0
+    proposed_draft_tokens: int = 0
+    draft_us: list[float] = field(default_factory=list)
 
     rank = Renamed[int]("cp_rank")
 
@@ -181,6 +209,22 @@ class RunResult:
     def decode_tokens_per_s(self) -> float:
         """Generated tokens per second over steps that ran decode entries only."""
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def tokens_per_decode_step(self) -> float:
+        """Generated tokens per decode-only step (1 per request and step without drafts)."""
+        return self.decode_tokens / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """Accepted drafts over the drafts the scheduler scheduled (0 without drafts)."""
+        drafted = self.metrics.get("spec_decode_num_draft_tokens", 0)
+        return self.metrics.get("spec_decode_num_accepted_tokens", 0) / drafted if drafted else 0.0
+
+    @property
+    def spec_decode(self) -> dict[str, float]:
+        """The scheduler's speculative-decoding metrics (``spec_decode_*``) of the run."""
+        return {k: v for k, v in self.metrics.items() if k.startswith("spec_decode_")}
 
     @property
     def host_gap_us_median(self) -> float:
@@ -209,6 +253,9 @@ def run_rank(
     kv_dtype = getattr(torch, config.kv_dtype) if config.kv_dtype else dtype
     fast_path = config.decode_kernel or config.cuda_graphs
     model = TinyTransformer(config.model, dtype=dtype, device=device, decode_kernel=fast_path)
+    options = dict(config.scheduler_options)
+    if config.num_speculative_tokens:
+        options["num_speculative_tokens"] = config.num_speculative_tokens
     engine = EngineConfig(
         num_layers=config.model.num_layers,
         num_kv_heads=config.model.num_kv_heads,
@@ -217,7 +264,18 @@ def run_rank(
         tokens_per_block=config.tokens_per_block,
         max_batch_size=config.max_batch_size,
         max_num_tokens=config.max_num_tokens,
-        **dict(config.scheduler_options),
+        **options,
+    )
+    spec_tokens = int(engine.num_speculative_tokens)
+    drafter = (
+        NgramDrafter(
+            spec_tokens,
+            config.drafter_max_ngram,
+            config.drafter_min_ngram,
+            config.drafter_max_search,
+        )
+        if spec_tokens
+        else None
     )
     if config.host_tier_pages:
         engine = dataclasses.replace(
@@ -259,11 +317,26 @@ def run_rank(
         budgets = [max_new_tokens] if isinstance(max_new_tokens, int) else max_new_tokens.values()
         longest = max((len(p) for p in prompts.values()), default=1) + max(budgets, default=1)
         max_pages = config.max_pages_per_request or placement.layout.superblocks_for(longest)
-        metadata = DecodeMetadata(
-            DecodeLayout(config.max_batch_size, max_pages), device, config.graph_batch_sizes
-        )
+        # With drafts a row per query token: up to 1 + K per request, within the token budget.
+        max_rows = config.max_batch_size
+        if spec_tokens:
+            max_rows = min(
+                config.max_batch_size * (1 + spec_tokens),
+                max(config.max_batch_size, config.max_num_tokens),
+            )
+        buckets = config.graph_batch_sizes
+        if buckets is not None:
+            buckets = tuple(sorted({b for b in buckets if b < max_rows} | {max_rows}))
+        metadata = DecodeMetadata(DecodeLayout(max_rows, max_pages), device, buckets)
         # collective when graphed: every rank captures the same buckets in the same order
-        decode_step = DecodeStep(model, pool, combine, metadata, config.cuda_graphs)
+        decode_step = DecodeStep(
+            model,
+            pool,
+            combine,
+            metadata,
+            config.cuda_graphs,
+            rows_per_request=1 + spec_tokens if config.group_draft_rows else 1,
+        )
     result = RunResult(cp_rank, {}, {}, {}, [], [], helix.capacity_superblocks)
     logits_rows: dict[int, list[np.ndarray]] = {}
     gather, readback, timeline = (
@@ -273,11 +346,50 @@ def run_rank(
     )
     broadcast_src = dist.get_global_rank(group, 0) if group else 0
     driver: StepDriver[_LaunchedStep] = StepDriver(helix, one_step_ahead=config.overlap)
+    #: The requests of the step closed last that sampled a token in it (drafting candidates).
+    last_sampled: list[int] = []
+
+    def propose(drafter: NgramDrafter) -> None:
+        """Drafts for the requests that may decode in the step scheduled next, from the
+        tokens known on the host (identical on every rank). One step ahead, a request whose
+        newest token is still being sampled by the pending step drafts past it (``skip=1``);
+        one whose pending decode carries drafts is left out (it is not planned again before
+        that step closes)."""
+        skips: dict[int, int] = {}
+        pending = driver.newest
+        if pending is not None:
+            p_out = pending.output
+            p_gen = np.asarray(p_out.generation_ids, dtype=np.int64)
+            p_drafted = generation_draft_counts(p_out, len(p_gen)) > 0
+            p_ctx = np.asarray(p_out.context_ids, dtype=np.int64)
+            p_done = np.asarray(p_out.context_completes, dtype=bool)
+            blocked = set(p_gen[p_drafted].tolist())
+            for rid in p_gen[~p_drafted].tolist() + p_ctx[p_done].tolist():
+                skips[rid] = 1
+            for rid in p_ctx[~p_done].tolist():
+                blocked.add(rid)
+        else:
+            blocked = set()
+        for rid in last_sampled:
+            if rid not in skips and rid not in blocked:
+                skips[rid] = 0
+        ids = [rid for rid in skips if rid not in result.outputs]
+        if not ids:
+            return
+        histories = [helix.scheduler.tokens(rid) for rid in ids]
+        counts, tokens = drafter.propose(histories, [skips[rid] for rid in ids])
+        drafted = counts > 0
+        if drafted.any():
+            driver.propose_drafts(np.asarray(ids, dtype=np.int64)[drafted], counts[drafted], tokens)
+            result.proposed_draft_tokens += int(counts.sum())
 
     def launch() -> _LaunchedStep:
         """Schedules the next step and queues its device work, after the step in flight's
         (overlap mode: its sampled tokens are read on the device)."""
         step_start = time.perf_counter()
+        if drafter is not None:
+            propose(drafter)
+            result.draft_us.append((time.perf_counter() - step_start) * 1e6)
         out = driver.schedule()
         build_start = time.perf_counter()
         result.schedule_us.append((build_start - step_start) * 1e6)
@@ -304,9 +416,10 @@ def run_rank(
         plan = StepPlan.from_schedule(helix.scheduler, out, placement)
         build_start += _start_timeline(timeline)  # instrumentation, not table building
         batch = pool.prepare(plan)
+        token_offsets = plan.token_offsets  # a drafted entry's input token starts its tokens
         driver.gather_inputs(
             lambda entries, rows, previous: gather.apply(
-                batch.token_ids, entries, rows, previous.tokens
+                batch.token_ids, token_offsets[entries], rows, previous.tokens
             )
         )
         if config.time_table_build:
@@ -339,23 +452,46 @@ def run_rank(
         helix.finish_check()  # before blocking on the step's device work (see finish_check)
         tokens = step.host_tokens.wait()
         eos = None if config.eos_token_id is None else tokens == config.eos_token_id
-        finished = driver.complete(tokens, eos)
+        out = step.out
+        num_gen = len(out.generation_ids)
+        drafts = generation_draft_counts(out, num_gen)
+        accepted = kept = None
+        generated = num_gen
+        if drafts.any():
+            # greedy verification on the host: leading drafts equal to the argmax before each
+            accepted, kept = greedy_acceptance(tokens, drafts, out.generation_draft_tokens, eos)
+            generated = num_gen + int(accepted.sum())
+            result.draft_steps += 1
+        finished = driver.complete(tokens, eos, accepted)
         closed = time.perf_counter()
+        sampled_ids = np.asarray(out.generation_ids, dtype=np.int64).tolist()
+        ctx_done = np.asarray(out.context_completes, dtype=bool)
+        sampled_ids += np.asarray(out.context_ids, dtype=np.int64)[ctx_done].tolist()
+        last_sampled[:] = sampled_ids
         if step.logits is not None:
             # A request that finished (EOS) while this step was pending ran in it anyway;
-            # the scheduler dropped that token, so its row is not kept either.
-            ran = np.asarray(step.out.sample_ids, np.int64).tolist()
+            # the scheduler dropped that token, so its row is not kept either; nor are the
+            # rows of rejected drafts.
+            ran = np.asarray(out.sample_ids, np.int64)
+            step_logits = step.logits
+            if kept is not None:
+                ran, step_logits = ran[kept], step_logits[torch.from_numpy(np.flatnonzero(kept))]
+            ran_ids = ran.tolist()
             _record_logits(
-                logits_rows, [rid for rid in ran if rid not in result.outputs], ran, step.logits
+                logits_rows,
+                [rid for rid in ran_ids if rid not in result.outputs],
+                ran_ids,
+                step_logits,
             )
         # One step ahead, a step's host work overlaps the previous one's: its time is what
         # it added after the previous step closed.
         _account_step(
             result,
-            step.out,
+            out,
             step.num_tokens,
             step.num_generation,
             step.num_entries,
+            generated,
             closed - max(step.started, last_close),
         )
         _take_finished(helix, result, finished)
@@ -404,6 +540,8 @@ def _launch_decode_step(
         return None
     rows = counts.rows
     result.fast_path_inputs_in_flight += counts.in_flight
+    if rows > len(out.generation_ids):  # one row per query token: drafts to verify
+        result.fast_path_draft_steps += 1
     step_start, build_start = started
     build_start += _start_timeline(timeline)  # instrumentation, not metadata work
     if counts.in_flight:
@@ -436,7 +574,8 @@ def _launch_decode_step(
     timeline.end()
     # The logits buffer is overwritten by the next step: kept ones are copied.
     logits = step.logits[:rows].clone() if config.record_logits else None
-    return _LaunchedStep(out, rows, rows, rows, tokens, host_tokens, logits, step_start, True)
+    entries = len(out.generation_ids)  # rows: one per query token (1 + drafts per entry)
+    return _LaunchedStep(out, rows, entries, entries, tokens, host_tokens, logits, step_start, True)
 
 
 def _previous_of(driver: StepDriver[_LaunchedStep]) -> _LaunchedStep | None:
@@ -569,6 +708,7 @@ def _account_step(
     num_tokens: int,
     num_generation: int,
     num_entries: int,
+    generated: int,
     seconds: float,
 ) -> None:
     result.digests.append(int(out.digest))
@@ -576,5 +716,5 @@ def _account_step(
     result.tokens_run += num_tokens
     if num_generation and num_generation == num_entries:
         result.decode_steps += 1
-        result.decode_tokens += num_generation
+        result.decode_tokens += generated
         result.decode_s += seconds

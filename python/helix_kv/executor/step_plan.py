@@ -29,16 +29,20 @@ class StepPlan:
     Attributes:
         request_ids: ``[entries]`` request of each entry.
         starts: ``[entries]`` global position of each entry's first new token.
-        counts: ``[entries]`` new tokens per entry (1 for a decode entry).
+        counts: ``[entries]`` new tokens per entry (``1 + drafts`` for a decode entry: its
+            input token, then the drafts it verifies).
         num_generation: entries ``[0, num_generation)`` are decode entries.
-        token_ids: ``[tokens]`` input token ids, entry after entry.
+        token_ids: ``[tokens]`` input token ids, entry after entry (a drafted decode entry:
+            its input token, then its drafts).
         block_table: ``[entries, width]`` superblock (= page) ids, ``-1`` padded.
         slot_mapping: ``[tokens]`` slot of each new token on this rank, ``-1`` if another
             rank owns it.
         local_lens: ``[entries]`` tokens this rank holds of each request after the step.
         past_seen_lens: ``[entries]`` tokens this rank held before the step.
         sample_index: ``[samples]`` flat token rows whose logits are sampled, in
-            ``sample_ids`` order.
+            ``sample_ids`` order (every token of a decode entry, then the last token of
+            each chunk that completes its prompt).
+        num_draft_tokens: draft tokens the decode entries verify (speculative decoding).
     """
 
     placement: RankPlacement
@@ -52,6 +56,7 @@ class StepPlan:
     local_lens: IntArray
     past_seen_lens: IntArray
     sample_index: IntArray
+    num_draft_tokens: int = 0
 
     @property
     def num_entries(self) -> int:
@@ -90,15 +95,23 @@ class StepPlan:
         ctx_starts = np.asarray(out.context_starts, dtype=np.int64)
         ctx_lens = np.asarray(out.context_lens, dtype=np.int64)
         num_gen = int(gen_ids.shape[0])
+        gen_positions = np.asarray(out.generation_positions, dtype=np.int64)
+        gen_inputs = np.asarray(out.generation_input_tokens, dtype=np.int64)
+        drafts = generation_draft_counts(out, num_gen)
+        num_drafts = int(drafts.sum())
         request_ids = np.concatenate([gen_ids, ctx_ids])
-        starts = np.concatenate([np.asarray(out.generation_positions, dtype=np.int64), ctx_starts])
-        counts = np.concatenate([np.ones(num_gen, dtype=np.int64), ctx_lens])
-        token_ids = np.concatenate(
-            [
-                np.asarray(out.generation_input_tokens, dtype=np.int64),
-                np.asarray(out.context_token_ids, dtype=np.int64),
-            ]
-        )
+        starts = np.concatenate([gen_positions, ctx_starts])
+        counts = np.concatenate([1 + drafts, ctx_lens])
+        if num_drafts:
+            # each decode entry's input token, then its drafts (concatenated in entry order)
+            heads = np.zeros(num_gen + num_drafts, dtype=bool)
+            heads[np.cumsum(1 + drafts) - (1 + drafts)] = True
+            gen_tokens = np.empty(num_gen + num_drafts, dtype=np.int64)
+            gen_tokens[heads] = gen_inputs
+            gen_tokens[~heads] = np.asarray(out.generation_draft_tokens, dtype=np.int64)
+        else:
+            gen_tokens = gen_inputs
+        token_ids = np.concatenate([gen_tokens, np.asarray(out.context_token_ids, dtype=np.int64)])
         if request_ids.size:
             block_table = np.asarray(scheduler.block_table(request_ids), dtype=np.int64)
             slot_mapping = np.asarray(
@@ -107,22 +120,20 @@ class StepPlan:
         else:
             block_table = np.zeros((0, 0), dtype=np.int64)
             slot_mapping = np.zeros(0, dtype=np.int64)
-        local_lens = np.concatenate(
-            [
-                np.asarray(out.generation_local_lens, dtype=np.int64),
-                placement.local_lens(ctx_starts + ctx_lens),
-            ]
-        )
-        past_seen_lens = np.concatenate(
-            [
-                np.asarray(out.generation_past_seen_lens, dtype=np.int64),
-                placement.local_lens(ctx_starts),
-            ]
-        )
+        if num_drafts:
+            # the output's lens are the decode position's: a drafted entry ends k later
+            gen_local = placement.local_lens(gen_positions + 1 + drafts)
+            gen_past = placement.local_lens(gen_positions)
+        else:
+            gen_local = np.asarray(out.generation_local_lens, dtype=np.int64)
+            gen_past = np.asarray(out.generation_past_seen_lens, dtype=np.int64)
+        local_lens = np.concatenate([gen_local, placement.local_lens(ctx_starts + ctx_lens)])
+        past_seen_lens = np.concatenate([gen_past, placement.local_lens(ctx_starts)])
         completes = np.asarray(out.context_completes, dtype=bool)
-        chunk_ends = num_gen + np.cumsum(ctx_lens) - 1
+        gen_tokens_run = num_gen + num_drafts
+        chunk_ends = gen_tokens_run + np.cumsum(ctx_lens) - 1
         sample_index = np.concatenate(
-            [np.arange(num_gen, dtype=np.int64), chunk_ends[completes].astype(np.int64)]
+            [np.arange(gen_tokens_run, dtype=np.int64), chunk_ends[completes].astype(np.int64)]
         )
         return cls(
             placement,
@@ -136,6 +147,7 @@ class StepPlan:
             local_lens,
             past_seen_lens,
             sample_index,
+            num_drafts,
         )
 
     @classmethod
@@ -177,3 +189,11 @@ class StepPlan:
             past_seen_lens=placement.local_lens(starts_arr),
             sample_index=np.asarray(sample_index, dtype=np.int64),
         )
+
+
+def generation_draft_counts(out: Any, num_generation: int) -> IntArray:
+    """Drafts per generation entry of ``out`` (zeros without speculative decoding)."""
+    counts = np.asarray(getattr(out, "generation_draft_counts", ()), dtype=np.int64)
+    if counts.shape != (num_generation,):
+        return np.zeros(num_generation, dtype=np.int64)
+    return counts
