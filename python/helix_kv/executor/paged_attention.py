@@ -356,6 +356,9 @@ def paged_decode_attention(
     acc_fp64 = compute_dtype == torch.float64
     # tensor-core dots, except float64 on a GPU (the interpreter runs float64 dots exactly)
     use_dot = not (acc_fp64 and query.device.type == "cuda")
+    # tl.dot needs tiles of at least _DOT_MIN on each side; both kernels take the same tiles.
+    block_n = max(_DOT_MIN, DECODE_BLOCK_KEYS) if use_dot else DECODE_BLOCK_KEYS
+    block_d = max(_DOT_MIN, _next_power_of_2(head_dim)) if use_dot else _next_power_of_2(head_dim)
     if splits == 1:
         # one pass: keys_per_split covers every key the table can hold, results stored directly
         part_out, part_lse = output, lse
@@ -415,10 +418,8 @@ def paged_decode_attention(
             split_lse_stride,
             ROWS=rows_p2,
             BLOCK_GROUP=block_group,
-            BLOCK_N=max(_DOT_MIN, DECODE_BLOCK_KEYS) if use_dot else DECODE_BLOCK_KEYS,
-            BLOCK_D=max(_DOT_MIN, _next_power_of_2(head_dim))
-            if use_dot
-            else _next_power_of_2(head_dim),
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
             ACC_FP64=acc_fp64,
             USE_DOT=use_dot,
             num_warps=DECODE_NUM_WARPS,
@@ -451,10 +452,8 @@ def paged_decode_attention(
             part_lse.stride(1),
             split_lse_stride,
             BLOCK_G=max(_DOT_MIN, _next_power_of_2(group)) if use_dot else _next_power_of_2(group),
-            BLOCK_N=max(_DOT_MIN, DECODE_BLOCK_KEYS) if use_dot else DECODE_BLOCK_KEYS,
-            BLOCK_D=max(_DOT_MIN, _next_power_of_2(head_dim))
-            if use_dot
-            else _next_power_of_2(head_dim),
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
             ACC_FP64=acc_fp64,
             USE_DOT=use_dot,
             num_warps=DECODE_NUM_WARPS,
