@@ -43,6 +43,7 @@ from helix_kv._core import (
 )
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "ConfigGuardError",
     "ConfigMismatchError",
@@ -224,6 +225,31 @@ class TraceError(ValueError):
         self.reason = message
         where = f"{self.path} line {line_number}" if line_number is not None else self.path
         super().__init__(f"trace {where}: {message}")
+
+
+class CheckpointError(ValueError):
+    """A model checkpoint directory the executor cannot load (``python -m helix_kv.executor
+    --model DIR``); the message names the directory and the field or tensor at fault.
+
+    Attributes:
+        path: the checkpoint directory.
+        name: the ``config.json`` field, file or tensor at fault (``None``: the directory).
+        reason: the message without the directory and the name.
+    """
+
+    path: str
+    name: str | None
+    reason: str
+
+    def __init__(self, path: str | Path, reason: str, name: str | None = None) -> None:
+        self.path = str(path)
+        self.name = name
+        self.reason = reason
+        where = f"{self.path}: {name}" if name is not None else self.path
+        super().__init__(f"checkpoint {where}: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.reason, self.name))
 
 
 class PlotUnavailableError(RuntimeError):

@@ -15,7 +15,7 @@ to a bucket, so it is run from buffers allocated once:
   and the in-flight references, padding rows up to the bucket) and **one** ``non_blocking``
   copy moves the bucket's rows to the device. Padding rows (``slot -1``, ``local_len 0``)
   write no KV and attend to nothing.
-* :class:`DecodeStep`: runs :meth:`~helix_kv.executor.model.TinyTransformer.forward_decode`
+* :class:`DecodeStep`: runs :meth:`~helix_kv.executor.model.Transformer.forward_decode`
   on those buffers into persistent logits / token buffers, eagerly or by replaying a CUDA graph
   captured per bucket (batch sizes padded up to the next bucket, as vLLM and TensorRT-LLM do).
   A graphed step allocates nothing and takes no host sync until its tokens are read.
@@ -60,9 +60,8 @@ from helix_kv._core import (
     InvalidTypeError,
 )
 from helix_kv.executor.kv_pool import KVPool
-from helix_kv.executor.model import Combine, DecodeRows, TinyTransformer
+from helix_kv.executor.model import Combine, DecodeRows, Transformer
 from helix_kv.executor.overlap import HostTokens
-from helix_kv.executor.paged_attention import DecodeWorkspace
 
 
 @dataclass(frozen=True)
@@ -416,7 +415,7 @@ class DecodeStep:
     """Runs decode-only steps from :class:`DecodeMetadata` into persistent output buffers.
 
     Args:
-        model, pool, combine: what :meth:`TinyTransformer.forward_decode` takes.
+        model, pool, combine: what :meth:`Transformer.forward_decode` takes.
         metadata: the step's persistent input buffers.
         cuda_graphs: capture one CUDA graph per bucket now (collective with ``combine``:
             every rank of the CP group constructs its ``DecodeStep`` with the same buckets)
@@ -428,7 +427,7 @@ class DecodeStep:
 
     def __init__(
         self,
-        model: TinyTransformer,
+        model: Transformer,
         pool: KVPool,
         combine: Combine,
         metadata: DecodeMetadata,
@@ -458,19 +457,10 @@ class DecodeStep:
         self._readback = [torch.zeros(batch, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._readback_ready = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._readback_next = 0
-        c = model.config
         #: Split-K scratch of the decode kernel, shared by every layer and bucket, so that a
         #: step (graphed or eager) allocates nothing for its splits.
-        self.workspace = DecodeWorkspace.for_decode(
-            batch,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            metadata.layout.max_pages,
-            pool.placement.tokens_per_block,
-            model.dtype,
-            device,
-            rows_per_request,
+        self.workspace = model.decode_workspace(
+            batch, metadata.layout.max_pages, pool.placement.tokens_per_block, rows_per_request
         )
         # One graph per (bucket, staging buffer): its first node copies that buffer's rows.
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}

@@ -41,7 +41,8 @@ class HostKVPool:
         self.num_pages = num_pages
         layers, _, heads, dim = pool.key_cache.shape
         self._tpb = pool.placement.tokens_per_block
-        self._page_shape = (2, layers, self._tpb, heads, dim)  # keys, then values
+        # keys, then values (a latent pool: keys only)
+        self._page_shape = (pool.kv_factor, layers, self._tpb, heads, dim)
         cuda = pool.device.type == "cuda"
         self.pages = torch.zeros(
             (num_pages, *self._page_shape), dtype=pool.key_cache.dtype, pin_memory=cuda
@@ -98,10 +99,10 @@ class HostKVPool:
         if pages.size == 0:
             return
         index = self._index(pages)
-        keys = self._paged(self.pool.key_cache).index_select(1, index)
-        values = self._paged(self.pool.value_cache).index_select(1, index)
-        # [pages, 2, layers, tpb, heads, dim], contiguous: one copy per run of host pages
-        staged = torch.stack((keys, values)).permute(2, 0, 1, 3, 4, 5).contiguous()
+        caches = self._caches()
+        parts = [self._paged(cache).index_select(1, index) for cache in caches]
+        # [pages, kv_factor, layers, tpb, heads, dim], contiguous: one copy per run of host pages
+        staged = torch.stack(parts).permute(2, 0, 1, 3, 4, 5).contiguous()
         for start, end, host_start in _runs(host_pages):
             self.pages[host_start : host_start + end - start].copy_(
                 staged[start:end], non_blocking=True
@@ -118,9 +119,15 @@ class HostKVPool:
                 self.pages[host_start : host_start + end - start], non_blocking=True
             )
         index = self._index(pages)
-        both = staged.permute(1, 2, 0, 3, 4, 5)  # [2, layers, pages, tpb, heads, dim]
-        self._paged(self.pool.key_cache)[:, index] = both[0]
-        self._paged(self.pool.value_cache)[:, index] = both[1]
+        parts = staged.permute(1, 2, 0, 3, 4, 5)  # [kv_factor, layers, pages, tpb, heads, dim]
+        for cache, part in zip(self._caches(), parts):
+            self._paged(cache)[:, index] = part
+
+    def _caches(self) -> list[torch.Tensor]:
+        """The pool's stored tensors: keys and values, or the keys of a latent pool."""
+        if self.pool.latent_dim is not None:
+            return [self.pool.key_cache]
+        return [self.pool.key_cache, self.pool.value_cache]
 
 
 def _runs(host_pages: np.ndarray) -> list[tuple[int, int, int]]:

@@ -99,6 +99,9 @@ class KVPool:
         placement: this rank's Helix placement (cp_size, tokens_per_block, cp_rank).
         capacity_superblocks: ledger capacity; the pool holds one page per superblock.
         dtype, device: storage of the cache tensors.
+        latent_dim: ``None`` for separate keys and values; else the pool stores keys only
+            (multi-head latent attention: one latent plus its RoPE part per token, one head)
+            and :attr:`value_cache` is the view of each key's first ``latent_dim`` elements.
     """
 
     def __init__(
@@ -110,16 +113,27 @@ class KVPool:
         capacity_superblocks: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        latent_dim: int | None = None,
     ) -> None:
         if capacity_superblocks < 1:
             raise ValueError("a KV pool needs at least one superblock")
+        if latent_dim is not None and not 0 < latent_dim <= head_dim:
+            raise ValueError(f"latent_dim {latent_dim} must be in [1, head_dim = {head_dim}]")
+        #: Elements of a cached value that are a key's first ones (MLA), or ``None``.
+        self.latent_dim = latent_dim
         self.placement = placement
         self.num_pages = capacity_superblocks
         self.device = torch.device(device)
         slots = capacity_superblocks * placement.tokens_per_block
         shape = (num_layers, slots, num_kv_heads, head_dim)
         self.key_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.value_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        #: ``[layers, slots, kv_heads, value_dim]``: its own tensor, or (``latent_dim``) a
+        #: view of the keys (nothing is stored twice).
+        self.value_cache = (
+            torch.zeros(shape, dtype=dtype, device=self.device)
+            if latent_dim is None
+            else self.key_cache[..., :latent_dim]
+        )
         self._stager = HostToDeviceStager(self.device)
         self._local_index = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._local_positions = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -132,11 +146,18 @@ class KVPool:
         head_dim: int,
         tokens_per_block: int,
         dtype: torch.dtype,
+        kv_factor: int = 2,
     ) -> int:
-        """Whole pages (= superblocks) one rank's KV byte budget holds (before the MIN sync)."""
+        """Whole pages (= superblocks) one rank's KV byte budget holds (before the MIN sync);
+        ``kv_factor``: 2 for keys and values, 1 for keys only (a latent pool)."""
         element = torch.empty((), dtype=dtype).element_size()
-        page_bytes = 2 * num_layers * tokens_per_block * num_kv_heads * head_dim * element
+        page_bytes = kv_factor * num_layers * tokens_per_block * num_kv_heads * head_dim * element
         return byte_budget // page_bytes
+
+    @property
+    def kv_factor(self) -> int:
+        """Cache tensors stored per head: 2 (keys and values) or 1 (keys only, latent)."""
+        return 2 if self.latent_dim is None else 1
 
     @property
     def num_slots(self) -> int:
@@ -193,13 +214,20 @@ class KVPool:
         visible = self._local_index[:keys] < local_lens[:, None]
         return torch.where(visible, self._local_positions[:keys], PAD_KEY_POSITION)
 
-    def write(self, layer: int, batch: StepBatch, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write(
+        self, layer: int, batch: StepBatch, key: torch.Tensor, value: torch.Tensor | None
+    ) -> None:
         """Store the KV of the step's tokens that this rank owns (``slot_mapping >= 0``).
 
-        ``key`` / ``value``: ``[tokens, kv_heads, head_dim]`` for every token of the step.
+        ``key`` / ``value``: ``[tokens, kv_heads, head_dim]`` for every token of the step;
+        ``value`` ``None`` (and only then) for a latent pool.
         """
+        if (value is None) != (self.latent_dim is not None):
+            raise ValueError("a latent pool takes keys only; a key-value pool takes both")
         index = batch.write_token_index
         self.key_cache[layer].index_copy_(0, batch.write_slots, key[index].to(self.key_cache.dtype))
+        if value is None:
+            return
         self.value_cache[layer].index_copy_(
             0, batch.write_slots, value[index].to(self.value_cache.dtype)
         )
@@ -212,6 +240,8 @@ class KVPool:
         paged_shape = (self.num_pages, tpb, *self.key_cache.shape[2:])
         flat_shape = (entries, width * tpb, *self.key_cache.shape[2:])
         keys = self.key_cache[layer].view(paged_shape)[group.pages].view(flat_shape)
+        if self.latent_dim is not None:
+            return keys, keys[..., : self.latent_dim]
         values = self.value_cache[layer].view(paged_shape)[group.pages].view(flat_shape)
         return keys, values
 

@@ -12,20 +12,24 @@ from collections.abc import Sequence
 
 import torch
 
-from helix_kv.executor.model import TinyTransformer
+from helix_kv.executor.model import LlamaConfig, TinyTransformer
 
 
 @torch.no_grad()
 def dense_logits(model: TinyTransformer, tokens: Sequence[int]) -> torch.Tensor:
     """Logits ``[len(tokens), vocab]`` of every position, causal attention, no KV cache."""
     c = model.config
+    if not isinstance(c, LlamaConfig):
+        raise TypeError("dense_logits runs the Llama family (transformers is the MLA oracle)")
     n = len(tokens)
     dtype, device = model.dtype, model.device
     half = c.head_dim // 2
-    inv_freq = c.rope_theta ** -(torch.arange(half, dtype=torch.float64) * 2 / c.head_dim)
-    angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq
-    cos = angles.cos().to(dtype=dtype, device=device)[:, None]
-    sin = angles.sin().to(dtype=dtype, device=device)[:, None]
+    angles = torch.arange(n, dtype=torch.float64, device=device)[:, None] * model.rope_inv_freq
+    cos = (angles.cos() * model.rope_factor).to(dtype=dtype)[:, None]
+    sin = (angles.sin() * model.rope_factor).to(dtype=dtype)[:, None]
+
+    def linear(x: torch.Tensor, w: dict[str, torch.Tensor], weight: str, bias: str) -> torch.Tensor:
+        return x @ w[weight] + w[bias] if bias in w else x @ w[weight]
 
     def rope(x: torch.Tensor) -> torch.Tensor:
         a, b = x[..., :half], x[..., half:]
@@ -39,15 +43,18 @@ def dense_logits(model: TinyTransformer, tokens: Sequence[int]) -> torch.Tensor:
     repeat = c.num_heads // c.num_kv_heads
     for w in model.layers:
         x = norm(hidden, w["attn_norm"])
-        q = rope((x @ w["wq"]).view(n, c.num_heads, c.head_dim))
-        k = rope((x @ w["wk"]).view(n, c.num_kv_heads, c.head_dim)).repeat_interleave(repeat, 1)
-        v = (x @ w["wv"]).view(n, c.num_kv_heads, c.head_dim).repeat_interleave(repeat, 1)
+        q = rope(linear(x, w, "wq", "bq").view(n, c.num_heads, c.head_dim))
+        k = rope(linear(x, w, "wk", "bk").view(n, c.num_kv_heads, c.head_dim))
+        k = k.repeat_interleave(repeat, 1)
+        v = linear(x, w, "wv", "bv").view(n, c.num_kv_heads, c.head_dim)
+        v = v.repeat_interleave(repeat, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / c.head_dim**0.5
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        hidden = hidden + torch.einsum("hqk,khd->qhd", probs, v).reshape(n, -1) @ w["wo"]
+        attended = torch.einsum("hqk,khd->qhd", probs, v).reshape(n, -1)
+        hidden = hidden + linear(attended, w, "wo", "bo")
         x = norm(hidden, w["mlp_norm"])
-        mlp = torch.nn.functional.silu(x @ w["w_gate"]) * (x @ w["w_up"])
-        hidden = hidden + mlp @ w["w_down"]
+        gate = torch.nn.functional.silu(linear(x, w, "w_gate", "b_gate"))
+        hidden = hidden + linear(gate * linear(x, w, "w_up", "b_up"), w, "w_down", "b_down")
     return norm(hidden, model.final_norm) @ model.lm_head
 
 

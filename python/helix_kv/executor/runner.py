@@ -48,7 +48,7 @@ from helix_kv.executor.decode_step import DecodeLayout, DecodeMetadata, DecodeSt
 from helix_kv.executor.drafter import NgramDrafter, greedy_acceptance
 from helix_kv.executor.host_pool import HostKVPool
 from helix_kv.executor.kv_pool import KVPool
-from helix_kv.executor.model import TinyConfig, TinyTransformer, group_combine
+from helix_kv.executor.model import ModelConfig, TinyConfig, Transformer, group_combine
 from helix_kv.executor.overlap import DecodeInputGather, HostTokens, StepTimeline, TokenReadback
 from helix_kv.executor.placement import RankPlacement
 from helix_kv.executor.step_plan import StepPlan, generation_draft_counts
@@ -63,6 +63,10 @@ class ExecutorConfig:
     """What one run needs besides the prompts (picklable, identical on every rank).
 
     ``cp_size``: the ranks of the CP group (``cp``: its deprecated name, kept for one release).
+    ``model``: a :class:`~helix_kv.executor.model.LlamaConfig` or
+    :class:`~helix_kv.executor.model.MLAConfig` (seeded random weights), or the path of a
+    Hugging Face checkpoint directory (:mod:`helix_kv.executor.checkpoint`; every rank
+    loads it).
     ``kv_superblocks`` is this rank's own KV budget in pages; the group agrees on the minimum
     (``docs/distributed.md``, "Quota sync") through :class:`helix_kv.distributed.HelixKVRank`.
     ``scheduler_options`` go to its ``EngineConfig`` as they are (e.g. ``victim_policy``,
@@ -104,7 +108,7 @@ class ExecutorConfig:
     kv_superblocks: int = 64
     max_batch_size: int = 16
     max_num_tokens: int = 128
-    model: TinyConfig = field(default_factory=TinyConfig)
+    model: ModelConfig | str = field(default_factory=TinyConfig)
     dtype: str = "float64"
     kv_dtype: str | None = None
     device: str = "cpu"
@@ -237,6 +241,22 @@ class RunResult:
         return float(np.median(self.table_build_us)) if self.table_build_us else 0.0
 
 
+def build_model(
+    model: ModelConfig | str,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    decode_kernel: bool = False,
+) -> Transformer:
+    """The model an :class:`ExecutorConfig` names: a config (seeded random weights) or the
+    path of a Hugging Face checkpoint directory (:func:`helix_kv.executor.checkpoint.load_model`;
+    every rank loads it)."""
+    if isinstance(model, str):
+        from helix_kv.executor.checkpoint import load_model
+
+        return load_model(model, dtype, device, decode_kernel)
+    return Transformer(model, dtype=dtype, device=device, decode_kernel=decode_kernel)
+
+
 def run_rank(
     prompts: Prompts,
     max_new_tokens: int | Mapping[int, int],
@@ -252,14 +272,16 @@ def run_rank(
     dtype = getattr(torch, config.dtype)
     kv_dtype = getattr(torch, config.kv_dtype) if config.kv_dtype else dtype
     fast_path = config.decode_kernel or config.cuda_graphs
-    model = TinyTransformer(config.model, dtype=dtype, device=device, decode_kernel=fast_path)
+    model = build_model(config.model, dtype, device, fast_path)
+    geometry = model.config
     options = dict(config.scheduler_options)
     if config.num_speculative_tokens:
         options["num_speculative_tokens"] = config.num_speculative_tokens
     engine = EngineConfig(
-        num_layers=config.model.num_layers,
-        num_kv_heads=config.model.num_kv_heads,
-        head_dim=config.model.head_dim,
+        num_layers=geometry.num_layers,
+        num_kv_heads=geometry.cache_heads,
+        head_dim=geometry.cache_head_dim,
+        kv_factor=geometry.kv_factor,
         dtype_bytes=torch.empty((), dtype=kv_dtype).element_size(),
         tokens_per_block=config.tokens_per_block,
         max_batch_size=config.max_batch_size,
@@ -335,7 +357,8 @@ def run_rank(
             combine,
             metadata,
             config.cuda_graphs,
-            rows_per_request=1 + spec_tokens if config.group_draft_rows else 1,
+            # grouped draft rows: the Llama family's kernel only
+            rows_per_request=1 + spec_tokens if config.group_draft_rows and not model.mla else 1,
         )
     result = RunResult(cp_rank, {}, {}, {}, [], [], helix.capacity_superblocks)
     logits_rows: dict[int, list[np.ndarray]] = {}

@@ -1,0 +1,373 @@
+"""Hugging Face checkpoints of the executor's model families, from a local directory.
+
+A checkpoint directory holds ``config.json`` and its weights as ``*.safetensors`` (one file,
+or shards listed by ``model.safetensors.index.json``); nothing is downloaded. Supported
+architectures (:data:`ARCHITECTURES`):
+
+- ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` -> :class:`LlamaConfig`;
+- ``DeepseekV3ForCausalLM`` (multi-head latent attention, dense MLP layers only) ->
+  :class:`MLAConfig`.
+
+What cannot be run as transformers runs it is refused with a :class:`CheckpointError` that
+names the field or tensor at fault: an architecture not listed, a RoPE type other than
+``default``, ``linear``, ``llama3`` or ``yarn``, an activation other than SiLU, sliding-window
+attention, partial rotary dims, mixture-of-experts layers (``first_k_dense_replace`` below
+``num_hidden_layers``), a missing shard or tensor, a tensor of the wrong shape or of a
+non-float dtype (e.g. FP8 with block scales). ``docs/executor.md`` lists the fields.
+
+Loading reads the safetensors files with the ``safetensors`` library (``pip install
+helix_kv[hf]``). DeepSeek's interleaved RoPE (``rope_interleave``) is folded into the
+weights at load time (the RoPE output columns reordered even-first), so the forward runs one
+RoPE convention.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from helix_kv.errors import CheckpointError
+from helix_kv.executor.model import (
+    ROPE_TYPES,
+    LlamaConfig,
+    MLAConfig,
+    ModelConfig,
+    RopeScaling,
+    Transformer,
+    weight_shapes,
+)
+
+#: ``architectures[0]`` of a supported ``config.json`` -> the family it loads as.
+ARCHITECTURES: Mapping[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "DeepseekV3ForCausalLM": "mla",
+}
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The model config of the checkpoint directory ``path`` (its ``config.json``)."""
+    directory = Path(path)
+    raw = _read_json(directory, directory / "config.json")
+    architectures = raw.get("architectures") or []
+    arch = architectures[0] if isinstance(architectures, list) and architectures else None
+    family = ARCHITECTURES.get(arch) if isinstance(arch, str) else None
+    if family is None:
+        raise CheckpointError(
+            directory,
+            f"architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})",
+            "architectures",
+        )
+    fields = _Fields(directory, raw)
+    if fields.get("hidden_act", "silu") != "silu":
+        raise fields.error("hidden_act", "only silu (SwiGLU) MLPs are supported")
+    if fields.get("partial_rotary_factor", 1.0) not in (1, 1.0):
+        raise fields.error("partial_rotary_factor", "partial rotary dims are not supported")
+    layer_types = fields.get("layer_types")
+    if layer_types and any(kind != "full_attention" for kind in layer_types):
+        raise fields.error("layer_types", "only full attention layers are supported")
+    if fields.get("sliding_window") is not None and (
+        arch != "Qwen2ForCausalLM" or fields.get("use_sliding_window", False)
+    ):
+        raise fields.error("sliding_window", "sliding-window attention is not supported")
+    theta, scaling = _rope(fields)
+    common: dict[str, Any] = {
+        "vocab_size": fields.int("vocab_size"),
+        "hidden_size": fields.int("hidden_size"),
+        "num_layers": fields.int("num_hidden_layers"),
+        "num_heads": fields.int("num_attention_heads"),
+        "intermediate_size": fields.int("intermediate_size"),
+        "rope_theta": theta,
+        "rms_eps": float(fields.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(fields.get("tie_word_embeddings", False)),
+        "rope_scaling": scaling,
+    }
+    try:
+        if family == "llama":
+            heads = common["num_heads"]
+            head_dim = fields.get("head_dim") or common["hidden_size"] // heads
+            bias = bool(fields.get("attention_bias", False))
+            return LlamaConfig(
+                **common,
+                num_kv_heads=fields.int("num_key_value_heads", heads),
+                head_dim=int(head_dim),
+                qkv_bias=bias or arch == "Qwen2ForCausalLM",
+                o_bias=bias,
+                mlp_bias=bool(fields.get("mlp_bias", False)),
+            )
+        experts = fields.get("n_routed_experts") or 0
+        dense = fields.get("first_k_dense_replace")
+        layers = common["num_layers"]
+        if experts and (dense is None or dense < layers):
+            raise fields.error(
+                "first_k_dense_replace",
+                f"{dense} < num_hidden_layers = {layers} with n_routed_experts = {experts}: "
+                "mixture-of-experts layers are not supported (dense MLP layers only)",
+            )
+        q_lora = fields.get("q_lora_rank")
+        return MLAConfig(
+            **common,
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            kv_lora_rank=fields.int("kv_lora_rank"),
+            qk_nope_head_dim=fields.int("qk_nope_head_dim"),
+            qk_rope_head_dim=fields.int("qk_rope_head_dim"),
+            v_head_dim=fields.int("v_head_dim"),
+            attention_bias=bool(fields.get("attention_bias", False)),
+        )
+    except ValueError as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(directory, str(exc), "config.json") from exc
+
+
+def load_weights(path: str | Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The weights of the checkpoint directory ``path`` under helix_kv's names
+    (:func:`~helix_kv.executor.model.weight_shapes`), as stored (dtype and CPU)."""
+    directory = Path(path)
+    try:
+        from safetensors import safe_open
+    except ImportError as exc:
+        raise CheckpointError(
+            directory, "reading safetensors needs the safetensors package (helix_kv[hf])"
+        ) from exc
+    files = _weight_files(directory)
+    located: dict[str, Path] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    located.setdefault(name, file)
+        except Exception as exc:  # a truncated or foreign file: the library's own error
+            raise CheckpointError(directory, f"cannot read {file.name}: {exc}", file.name) from exc
+    interleave = isinstance(config, MLAConfig) and _rope_interleave(directory)
+    names = _hf_names(config)
+    shapes = weight_shapes(config)
+    by_file: dict[Path, list[str]] = {}
+    for hf_name in names.values():
+        file = located.get(hf_name)
+        if file is None:
+            raise CheckpointError(directory, "tensor missing from the checkpoint", hf_name)
+        by_file.setdefault(file, []).append(hf_name)
+    tensors: dict[str, torch.Tensor] = {}
+    for file, wanted in by_file.items():
+        with safe_open(str(file), framework="pt") as handle:
+            for hf_name in wanted:
+                tensors[hf_name] = handle.get_tensor(hf_name)
+    weights: dict[str, torch.Tensor] = {}
+    for ours, hf_name in names.items():
+        tensor = tensors[hf_name]
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(
+                directory,
+                f"dtype {tensor.dtype} is not supported (float16, bfloat16, float32, float64; "
+                "quantised checkpoints are not)",
+                hf_name,
+            )
+        expected = shapes[ours]
+        linear = len(expected) == 2 and ours != "embedding"  # stored [out, in]
+        hf_shape = expected[::-1] if linear else expected
+        if tuple(tensor.shape) != hf_shape:
+            raise CheckpointError(
+                directory,
+                f"shape {tuple(tensor.shape)} does not match the config's {hf_shape}",
+                hf_name,
+            )
+        weights[ours] = tensor.t() if linear else tensor
+    if interleave:
+        assert isinstance(config, MLAConfig)
+        _deinterleave_rope(config, weights)
+    return weights
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    decode_kernel: bool = False,
+) -> Transformer:
+    """The model of the checkpoint directory ``path`` (:func:`read_config` +
+    :func:`load_weights`), its weights cast to ``dtype`` on ``device``."""
+    config = read_config(path)
+    return Transformer(config, dtype, device, decode_kernel, load_weights(path, config))
+
+
+# -- config.json -------------------------------------------------------------------------
+
+
+class _Fields:
+    """``config.json``'s fields, with errors that name the file and the field."""
+
+    def __init__(self, directory: Path, raw: Mapping[str, Any]) -> None:
+        self.directory = directory
+        self.raw = raw
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self.raw.get(name, default)
+        return default if value is None else value
+
+    def int(self, name: str, default: int | None = None) -> int:
+        value = self.raw.get(name, default)
+        if value is None:
+            raise self.error(name, "missing")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self.error(name, f"must be a positive integer, got {value!r}")
+        return value
+
+    def error(self, name: str, reason: str) -> CheckpointError:
+        return CheckpointError(self.directory, reason, name)
+
+
+def _rope(fields: _Fields) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, scaling)`` from ``rope_parameters`` (transformers 5) or the older
+    ``rope_theta`` + ``rope_scaling``."""
+    params = fields.get("rope_parameters")
+    name = "rope_parameters"
+    if not params:
+        params, name = fields.get("rope_scaling"), "rope_scaling"
+    params = dict(params or {})
+    theta = float(params.get("rope_theta") or fields.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise fields.error(
+            name,
+            f"rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})",
+        )
+    if rope_type == "default":
+        return theta, None
+    known = {
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    }
+    values = {k: v for k, v in params.items() if k in known and v is not None}
+    if rope_type in ("llama3", "yarn") and "original_max_position_embeddings" not in values:
+        original = fields.get("original_max_position_embeddings")
+        if original is None:
+            raise fields.error(name, f"{rope_type} needs original_max_position_embeddings")
+        values["original_max_position_embeddings"] = original
+    try:
+        return theta, RopeScaling(rope_type=rope_type, **values)
+    except (TypeError, ValueError) as exc:
+        raise fields.error(name, str(exc)) from exc
+
+
+def _rope_interleave(directory: Path) -> bool:
+    return bool(_read_json(directory, directory / "config.json").get("rope_interleave", True))
+
+
+def _read_json(directory: Path, file: Path) -> dict[str, Any]:
+    if not directory.is_dir():
+        raise CheckpointError(directory, "not a directory")
+    if not file.is_file():
+        raise CheckpointError(directory, "missing", file.name)
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(directory, f"not readable JSON: {exc}", file.name) from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(directory, "not a JSON object", file.name)
+    return raw
+
+
+# -- weights -----------------------------------------------------------------------------
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files: the index's shards (each must exist), else every file."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(directory, index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(directory, "no weight_map", index.name)
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if not (directory / shard).is_file():
+                raise CheckpointError(
+                    directory, f"shard {shard} listed by the index is missing", shard
+                )
+        return [directory / shard for shard in shards]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(directory, "no *.safetensors weights", "*.safetensors")
+    return files
+
+
+def _hf_names(config: ModelConfig) -> dict[str, str]:
+    """helix_kv weight name -> the checkpoint's tensor name, for every weight the model takes."""
+    names = {"embedding": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}
+    if not config.tie_embeddings:
+        names["lm_head"] = "lm_head.weight"
+    llama = {
+        "attn_norm": "input_layernorm.weight",
+        "mlp_norm": "post_attention_layernorm.weight",
+        "wq": "self_attn.q_proj.weight",
+        "wk": "self_attn.k_proj.weight",
+        "wv": "self_attn.v_proj.weight",
+        "wo": "self_attn.o_proj.weight",
+        "bq": "self_attn.q_proj.bias",
+        "bk": "self_attn.k_proj.bias",
+        "bv": "self_attn.v_proj.bias",
+        "bo": "self_attn.o_proj.bias",
+        "w_gate": "mlp.gate_proj.weight",
+        "w_up": "mlp.up_proj.weight",
+        "w_down": "mlp.down_proj.weight",
+        "b_gate": "mlp.gate_proj.bias",
+        "b_up": "mlp.up_proj.bias",
+        "b_down": "mlp.down_proj.bias",
+        # MLA
+        "wq_a": "self_attn.q_a_proj.weight",
+        "bq_a": "self_attn.q_a_proj.bias",
+        "q_a_norm": "self_attn.q_a_layernorm.weight",
+        "wq_b": "self_attn.q_b_proj.weight",
+        "wkv_a": "self_attn.kv_a_proj_with_mqa.weight",
+        "bkv_a": "self_attn.kv_a_proj_with_mqa.bias",
+        "kv_a_norm": "self_attn.kv_a_layernorm.weight",
+        "wkv_b": "self_attn.kv_b_proj.weight",
+    }
+    for ours in weight_shapes(config):
+        if ours.startswith("layers."):
+            _, layer, leaf = ours.split(".", 2)
+            names[ours] = f"model.layers.{layer}.{llama[leaf]}"
+    return names
+
+
+def _deinterleave_rope(config: MLAConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Reorder the RoPE output columns of the query and ``kv_a`` projections from DeepSeek's
+    interleaved pairs ``(x0, x1), (x2, x3)...`` to halves ``x0 x2 ... | x1 x3 ...``, on which
+    rotate-half RoPE computes what transformers' interleaved RoPE does."""
+    rope = config.qk_rope_head_dim
+    order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    qk = config.qk_nope_head_dim + rope
+    for layer in range(config.num_layers):
+        p = f"layers.{layer}."
+        q_name = p + ("wq" if config.q_lora_rank is None else "wq_b")
+        q = weights[q_name]
+        per_head = q.reshape(q.shape[0], config.num_heads, qk)
+        nope, rot = (
+            per_head[..., : config.qk_nope_head_dim],
+            per_head[..., config.qk_nope_head_dim :],
+        )
+        weights[q_name] = torch.cat([nope, rot[..., order]], dim=-1).reshape(q.shape)
+        latent = config.kv_lora_rank
+        kv = weights[p + "wkv_a"]
+        weights[p + "wkv_a"] = torch.cat([kv[:, :latent], kv[:, latent:][:, order]], dim=1)
+        if p + "bkv_a" in weights:
+            bias = weights[p + "bkv_a"]
+            weights[p + "bkv_a"] = torch.cat([bias[:latent], bias[latent:][order]])
+
+
+__all__ = ["ARCHITECTURES", "CheckpointError", "load_model", "load_weights", "read_config"]
