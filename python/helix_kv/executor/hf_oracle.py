@@ -109,7 +109,7 @@ TINY_FAMILIES: Mapping[str, Mapping[str, Any]] = {
         "v_head_dim": 16,
         "first_k_dense_replace": 2,
         "n_routed_experts": 4,
-        "max_position_embeddings": 1024,
+        "max_position_embeddings": 256,
         "rope_parameters": {
             "rope_type": "yarn",
             "rope_theta": 10000.0,
