@@ -29,14 +29,14 @@ import helix_kv
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from helix_kv.executor.hf_oracle import (  # noqa: E402 (after the skips)
+from helix_kv.executor.hf_oracle import (
     TINY_FAMILIES,
     OracleRun,
     first_divergence,
     hf_greedy,
     save_tiny_checkpoint,
 )
-from helix_kv.executor.runner import (  # noqa: E402
+from helix_kv.executor.runner import (
     ExecutorConfig,
     RunResult,
     run_group,
