@@ -26,6 +26,7 @@ CLI_ERRORS = {
     "PlotUnavailableError",
     "ProcsUnavailableError",
     "RankFailedError",
+    "CheckpointError",
 }
 
 
