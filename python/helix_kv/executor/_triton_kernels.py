@@ -375,8 +375,12 @@ def write_kv_kernel(
     stride_v_head,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_VALUE: tl.constexpr,
 ):
-    """One program per token: store its KV at its slot, or nothing where the slot is < 0."""
+    """One program per token: store its KV at its slot, or nothing where the slot is < 0.
+
+    Without ``HAS_VALUE`` only the key is stored (multi-head latent attention: the latent and
+    its RoPE key are one cache); the value pointers are then not read."""
     row = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -388,12 +392,13 @@ def write_kv_kernel(
         mask=mask,
         other=0.0,
     )
-    value = tl.load(
-        value_ptr + row * stride_value_row + h[:, None] * stride_value_head + d[None, :],
-        mask=mask,
-        other=0.0,
-    )
     k_dst = k_cache_ptr + slot * stride_k_slot + h[:, None] * stride_k_head + d[None, :]
-    v_dst = v_cache_ptr + slot * stride_v_slot + h[:, None] * stride_v_head + d[None, :]
     tl.store(k_dst, key.to(k_dst.dtype.element_ty), mask=mask)
-    tl.store(v_dst, value.to(v_dst.dtype.element_ty), mask=mask)
+    if HAS_VALUE:
+        value = tl.load(
+            value_ptr + row * stride_value_row + h[:, None] * stride_value_head + d[None, :],
+            mask=mask,
+            other=0.0,
+        )
+        v_dst = v_cache_ptr + slot * stride_v_slot + h[:, None] * stride_v_head + d[None, :]
+        tl.store(v_dst, value.to(v_dst.dtype.element_ty), mask=mask)

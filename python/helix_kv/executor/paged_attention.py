@@ -480,44 +480,61 @@ def paged_decode_attention(
 
 def write_paged_kv(
     key: torch.Tensor,
-    value: torch.Tensor,
+    value: torch.Tensor | None,
     slots: torch.Tensor,
     key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    value_cache: torch.Tensor | None,
 ) -> None:
     """Store each token's KV at its slot of one layer's caches; a slot ``< 0`` stores nothing.
 
     Args:
-        key, value: ``[tokens, kv_heads, head_dim]`` (last dim contiguous).
+        key, value: ``[tokens, kv_heads, head_dim]`` (last dim contiguous). ``value`` and
+            ``value_cache`` both ``None``: only the keys are stored (multi-head latent
+            attention: ``key`` is each token's latent and RoPE key, ``[tokens, 1, dim]``).
         slots: ``[tokens]`` slot of each token on this rank, ``-1`` where another rank owns
             it (or for a padding row); any int dtype and stride.
         key_cache, value_cache: ``[slots, kv_heads, head_dim]``; values are cast to their dtype.
     """
-    tokens, kv_heads, head_dim = key.shape
-    if value.shape != key.shape or key_cache.shape[1:] != key.shape[1:]:
+    if key.dim() != 3 or key_cache.dim() != 3 or key_cache.shape[1:] != key.shape[1:]:
         raise ValueError(
-            f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match the cache "
-            f"{tuple(key_cache.shape)}"
+            f"key {tuple(key.shape)} does not match the cache {tuple(key_cache.shape)}"
         )
+    if (value is None) != (value_cache is None):
+        raise ValueError("value and value_cache must both be given or both be None")
+    if (
+        value is not None
+        and value_cache is not None
+        and (value.shape != key.shape or value_cache.shape[1:] != key.shape[1:])
+    ):
+        raise ValueError(
+            f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match the caches "
+            f"{tuple(key_cache.shape)} / {tuple(value_cache.shape)}"
+        )
+    tokens, kv_heads, head_dim = key.shape
     if tokens == 0:
         return
     _check_device(key.device)
+    has_value = value is not None and value_cache is not None
+    # keys only: the value arguments point at the keys and are never read
+    value_in = value if value is not None else key
+    value_out = value_cache if value_cache is not None else key_cache
     _kernels().write_kv_kernel[(tokens,)](
         key,
-        value,
+        value_in,
         slots,
         key_cache,
-        value_cache,
+        value_out,
         kv_heads,
         head_dim,
         # the last dims are contiguous (documented): their strides are not passed
         *key.stride()[:2],
-        *value.stride()[:2],
+        *value_in.stride()[:2],
         slots.stride(0),
         *key_cache.stride()[:2],
-        *value_cache.stride()[:2],
+        *value_out.stride()[:2],
         BLOCK_H=_next_power_of_2(kv_heads),
         BLOCK_D=_next_power_of_2(head_dim),
+        HAS_VALUE=has_value,
     )
 
 
