@@ -26,7 +26,11 @@ from helix_kv.executor.drafter import NgramDrafter, greedy_acceptance
 from helix_kv.executor.host_pool import HostKVPool
 from helix_kv.executor.kv_pool import AttentionGroup, KVPool, StepBatch
 from helix_kv.executor.model import DecodeRows, TinyConfig, TinyTransformer, group_combine
-from helix_kv.executor.paged_attention import paged_decode_attention, write_paged_kv
+from helix_kv.executor.paged_attention import (
+    paged_decode_attention,
+    paged_mla_decode_attention,
+    write_paged_kv,
+)
 from helix_kv.executor.placement import RankPlacement
 from helix_kv.executor.step_plan import StepPlan
 
@@ -54,6 +58,7 @@ __all__ = [
     "greedy_acceptance",
     "group_combine",
     "paged_decode_attention",
+    "paged_mla_decode_attention",
     "partial_attention",
     "reference_attention",
     "write_paged_kv",

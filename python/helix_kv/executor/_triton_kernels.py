@@ -293,6 +293,139 @@ def verify_attention_kernel(
 
 
 @triton.jit
+def mla_decode_attention_kernel(
+    q_ptr,
+    cache_ptr,
+    table_ptr,
+    lens_ptr,
+    out_ptr,
+    lse_ptr,
+    scale_hi,
+    scale_lo,
+    tokens_per_block,
+    keys_per_split,
+    num_heads,
+    latent_dim,
+    rope_dim,
+    stride_q_row,
+    stride_q_head,
+    stride_cache_slot,
+    stride_table_row,
+    stride_lens,
+    stride_out_row,
+    stride_out_head,
+    stride_out_split,
+    stride_lse_row,
+    stride_lse_head,
+    stride_lse_split,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    ACC_FP64: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    """Multi-head latent attention (absorbed form): one program per request (axis 0) x tile
+    of ``BLOCK_H`` query heads (axis 1) x split (axis 2) of the request's local keys.
+
+    Every head reads the one latent head of the cache: a slot holds the compressed KV latent
+    (``latent_dim``) followed by its RoPE key (``rope_dim``). The score of a head and a key is
+    ``scale * (q[:latent] . c[:latent] + q[latent:] . c[latent:])``, the two dots taken over
+    their own tiles (``BLOCK_L``, ``BLOCK_R``: powers of two, masked) rather than one padded
+    tile; the value of a key is its latent, the same tile the score read (loaded once per key
+    block, used by both dots). Splits, masks, the online softmax, ``USE_DOT`` and the stores
+    are those of :func:`decode_attention_kernel` (``heads`` in place of a kv head's group).
+    The scale comes in two float32 scalars (a float argument is passed as float32),
+    ``scale_hi + scale_lo``, so that float64 runs take it to about 48 bits.
+    """
+    row = tl.program_id(0)
+    head_tile = tl.program_id(1)
+    split = tl.program_id(2)
+    acc_type = tl.float64 if ACC_FP64 else tl.float32
+    # float64: [BLOCK_H, 1], hi and lo added in float64
+    scale = (
+        (tl.zeros([BLOCK_H, 1], dtype=tl.float64) + scale_hi) + scale_lo if ACC_FP64 else scale_hi
+    )
+    h = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+    dl = tl.arange(0, BLOCK_L)
+    dr = tl.arange(0, BLOCK_R)
+    h_mask = h < num_heads
+    l_mask = dl < latent_dim
+    r_mask = dr < rope_dim
+    q_rows = q_ptr + row * stride_q_row + h[:, None] * stride_q_head
+    ql_mask = h_mask[:, None] & l_mask[None, :]
+    q_lat = tl.load(q_rows + dl[None, :], mask=ql_mask, other=0.0)
+    q_rope = tl.load(
+        q_rows + latent_dim + dr[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0
+    )
+    if not USE_DOT:
+        q_lat = q_lat.to(acc_type) * scale
+        q_rope = q_rope.to(acc_type) * scale
+    length = tl.load(lens_ptr + row * stride_lens).to(tl.int32)
+    first = split * keys_per_split
+    end = tl.minimum(length, first + keys_per_split)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=acc_type)
+    l_i = tl.zeros([BLOCK_H], dtype=acc_type)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=acc_type)
+    for start in range(first, end, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        j_mask = j < end
+        page = tl.load(
+            table_ptr + row * stride_table_row + j // tokens_per_block, mask=j_mask, other=0
+        )
+        slot = page.to(tl.int64) * tokens_per_block + (j % tokens_per_block)
+        c_rows = cache_ptr + slot[:, None] * stride_cache_slot
+        c_lat = tl.load(c_rows + dl[None, :], mask=j_mask[:, None] & l_mask[None, :], other=0.0)
+        c_rope = tl.load(
+            c_rows + latent_dim + dr[None, :], mask=j_mask[:, None] & r_mask[None, :], other=0.0
+        )
+        if USE_DOT:
+            scores = tl.dot(
+                q_lat.to(c_lat.dtype), tl.trans(c_lat), input_precision="ieee", out_dtype=acc_type
+            )
+            scores = tl.dot(
+                q_rope.to(c_rope.dtype),
+                tl.trans(c_rope),
+                acc=scores,
+                input_precision="ieee",
+                out_dtype=acc_type,
+            )
+            scores = scores * scale
+        else:
+            scores = tl.sum(q_lat[:, None, :] * c_lat.to(acc_type)[None, :, :], axis=2)
+            scores += tl.sum(q_rope[:, None, :] * c_rope.to(acc_type)[None, :, :], axis=2)
+        scores = tl.where(j_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: the block has a visible key
+        alpha = tl.exp(m_i - m_new)  # exp(-inf) = 0 on the first block
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            pv = tl.dot(p.to(c_lat.dtype), c_lat, input_precision="ieee", out_dtype=acc_type)
+        else:
+            pv = tl.sum(p[:, :, None] * c_lat.to(acc_type)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    seen = l_i > 0
+    safe_l = tl.where(seen, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    lse = tl.where(seen, m_i + tl.log(safe_l), float("-inf"))
+    tl.store(
+        out_ptr
+        + row * stride_out_row
+        + split * stride_out_split
+        + h[:, None] * stride_out_head
+        + dl[None, :],
+        out,
+        mask=ql_mask,
+    )
+    tl.store(
+        lse_ptr + row * stride_lse_row + split * stride_lse_split + h * stride_lse_head,
+        lse,
+        mask=h_mask,
+    )
+
+
+@triton.jit
 def combine_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -314,16 +447,19 @@ def combine_splits_kernel(
     BLOCK_D: tl.constexpr,
     ACC_FP64: tl.constexpr,
 ):
-    """One program per (request, query head): the exact LSE combine of its split partials.
+    """One program per (request, query head, chunk of ``BLOCK_D`` of the head dim: axis 2,
+    one chunk where the grid has no third axis): the exact LSE combine of its split partials.
 
     ``lse = log(sum_s exp(lse_s))`` and ``out = sum_s exp(lse_s - lse) * out_s``; splits with
     LSE ``-inf`` (no key) weigh 0, and a request no split saw gives output 0 and LSE ``-inf``.
+    Wide heads (an MLA latent) in chunks keep the ``[BLOCK_S, BLOCK_D]`` tile in registers.
     """
     row = tl.program_id(0)
     head = tl.program_id(1)
+    chunk = tl.program_id(2)
     acc_type = tl.float64 if ACC_FP64 else tl.float32
     s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
+    d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     s_mask = s < num_splits
     d_mask = d < head_dim
     lses = tl.load(
@@ -352,7 +488,8 @@ def combine_splits_kernel(
     out = tl.sum(weights[:, None] * parts, axis=0) / safe_total
     lse = tl.where(seen, m_safe + tl.log(safe_total), float("-inf"))
     tl.store(out_ptr + row * stride_out_row + head * stride_out_head + d, out, mask=d_mask)
-    tl.store(lse_ptr + row * stride_lse_row + head * stride_lse_head, lse)
+    if chunk == 0:
+        tl.store(lse_ptr + row * stride_lse_row + head * stride_lse_head, lse)
 
 
 @triton.jit
@@ -375,8 +512,12 @@ def write_kv_kernel(
     stride_v_head,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_VALUE: tl.constexpr,
 ):
-    """One program per token: store its KV at its slot, or nothing where the slot is < 0."""
+    """One program per token: store its KV at its slot, or nothing where the slot is < 0.
+
+    Without ``HAS_VALUE`` only the key is stored (multi-head latent attention: the latent and
+    its RoPE key are one cache); the value pointers are then not read."""
     row = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -388,12 +529,13 @@ def write_kv_kernel(
         mask=mask,
         other=0.0,
     )
-    value = tl.load(
-        value_ptr + row * stride_value_row + h[:, None] * stride_value_head + d[None, :],
-        mask=mask,
-        other=0.0,
-    )
     k_dst = k_cache_ptr + slot * stride_k_slot + h[:, None] * stride_k_head + d[None, :]
-    v_dst = v_cache_ptr + slot * stride_v_slot + h[:, None] * stride_v_head + d[None, :]
     tl.store(k_dst, key.to(k_dst.dtype.element_ty), mask=mask)
-    tl.store(v_dst, value.to(v_dst.dtype.element_ty), mask=mask)
+    if HAS_VALUE:
+        value = tl.load(
+            value_ptr + row * stride_value_row + h[:, None] * stride_value_head + d[None, :],
+            mask=mask,
+            other=0.0,
+        )
+        v_dst = v_cache_ptr + slot * stride_v_slot + h[:, None] * stride_v_head + d[None, :]
+        tl.store(v_dst, value.to(v_dst.dtype.element_ty), mask=mask)

@@ -35,9 +35,10 @@ PAD_QUERY_POSITION = -1
 class PartialAttention(NamedTuple):
     """One rank's attention over the keys it holds.
 
-    ``output``: ``[..., heads, head_dim]``, normalised over this rank's keys (zero where
-    the rank holds no visible key). ``lse``: ``[..., heads]``, log-sum-exp of the scaled
-    scores over this rank's keys (``-inf`` where it holds none).
+    ``output``: ``[..., heads, value_dim]`` (``value_dim`` is ``head_dim``, except in
+    multi-head latent attention, where it is the latent dim), normalised over this rank's
+    keys (zero where the rank holds no visible key). ``lse``: ``[..., heads]``, log-sum-exp
+    of the scaled scores over this rank's keys (``-inf`` where it holds none).
     """
 
     output: torch.Tensor
@@ -61,9 +62,12 @@ def partial_attention(
 
     Args:
         query: ``[batch, q_len, q_heads, head_dim]``.
-        key, value: ``[batch, k_len, kv_heads, head_dim]``; ``q_heads`` must be a multiple of
+        key: ``[batch, k_len, kv_heads, head_dim]``; ``q_heads`` must be a multiple of
             ``kv_heads`` (grouped-query attention: query head ``h`` reads kv head
             ``h // (q_heads // kv_heads)``).
+        value: ``[batch, k_len, kv_heads, value_dim]``; ``value_dim`` may differ from
+            ``head_dim`` (multi-head latent attention: the keys are the latent and its RoPE
+            part, the values the latent alone).
         query_positions: ``[batch, q_len]`` global positions (int64), padding
             :data:`PAD_QUERY_POSITION`.
         key_positions: ``[batch, k_len]`` global positions (int64), padding
@@ -71,16 +75,22 @@ def partial_attention(
         scale: score scale, ``1 / sqrt(head_dim)`` by default.
 
     Returns:
-        :class:`PartialAttention` with ``output`` ``[batch, q_len, q_heads, head_dim]`` and
+        :class:`PartialAttention` with ``output`` ``[batch, q_len, q_heads, value_dim]`` and
         ``lse`` ``[batch, q_len, q_heads]``, both in :func:`accumulation_dtype` of the query.
     """
     batch, q_len, q_heads, head_dim = query.shape
-    k_len, kv_heads = key.shape[1], key.shape[2]
-    if key.shape != value.shape or key.shape[0] != batch or key.shape[3] != head_dim:
+    if (
+        key.dim() != 4
+        or value.dim() != 4
+        or key.shape[:3] != value.shape[:3]
+        or key.shape[0] != batch
+        or key.shape[3] != head_dim
+    ):
         raise ValueError(
             f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match "
             f"query {tuple(query.shape)}"
         )
+    k_len, kv_heads, value_dim = key.shape[1], key.shape[2], value.shape[3]
     if q_heads % kv_heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} kv heads")
     group = q_heads // kv_heads
@@ -89,7 +99,7 @@ def partial_attention(
         scale = 1.0 / math.sqrt(head_dim)
     if k_len == 0:
         return PartialAttention(
-            query.new_zeros(query.shape, dtype=compute_dtype),
+            query.new_zeros((batch, q_len, q_heads, value_dim), dtype=compute_dtype),
             query.new_full((batch, q_len, q_heads), -math.inf, dtype=compute_dtype),
         )
 
@@ -113,11 +123,11 @@ def partial_attention(
     weights = torch.exp(scores - row_max)  # exp(-inf) = 0 for masked keys
     denom = weights.sum(dim=-1, keepdim=True)
     out = torch.matmul(weights.view(batch, kv_heads, group * q_len, k_len), v)
-    out = out.view(batch, kv_heads, group, q_len, head_dim)
+    out = out.view(batch, kv_heads, group, q_len, value_dim)
     out = out / torch.where(denom > 0, denom, torch.ones_like(denom))
     lse = (row_max + torch.log(denom)).squeeze(-1)  # log(0) = -inf for empty rows
 
-    output = out.permute(0, 3, 1, 2, 4).reshape(batch, q_len, q_heads, head_dim)
+    output = out.permute(0, 3, 1, 2, 4).reshape(batch, q_len, q_heads, value_dim)
     return PartialAttention(output, lse.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads))
 
 
@@ -125,11 +135,11 @@ def combine_partials(outputs: torch.Tensor, lses: torch.Tensor) -> PartialAttent
     """Exact combine of stacked partials along dim 0 (one entry per rank, any order).
 
     Args:
-        outputs: ``[ranks, ..., head_dim]`` partial outputs.
+        outputs: ``[ranks, ..., value_dim]`` partial outputs.
         lses: ``[ranks, ...]`` their log-sum-exps (``-inf`` for empty shards).
 
     Returns:
-        The combined output ``[..., head_dim]`` and LSE ``[...]``; rows that no rank could
+        The combined output ``[..., value_dim]`` and LSE ``[...]``; rows that no rank could
         see give output 0 and LSE ``-inf``.
     """
     lse = torch.logsumexp(lses, dim=0)
@@ -190,7 +200,8 @@ def reference_attention(
 ) -> torch.Tensor:
     """Plain softmax attention with the same shapes and mask rules (for tests).
 
-    Rows that see no key give zeros.
+    As in :func:`partial_attention`, ``value`` may have its own last dim ``value_dim``: the
+    output is ``[batch, q_len, q_heads, value_dim]``. Rows that see no key give zeros.
     """
     group = query.shape[2] // key.shape[2]
     compute_dtype = accumulation_dtype(query.dtype)

@@ -12,6 +12,11 @@ A decode query sees every key its rank holds after the step (the step's own toke
 it is written first), so the only mask is the request's local length: local key ``j`` is
 visible iff ``j < local_len``, and sits in slot ``table[j // tpb] * tpb + j % tpb``.
 
+:func:`paged_mla_decode_attention` is the same for multi-head latent attention (DeepSeek-V3,
+absorbed form): one latent head per token (the compressed KV latent and its RoPE key, one
+cache written by ``write_paged_kv(latent, None, slots, cache, None)``), read once per key
+block for every query head of a tile, its latent serving as the value.
+
 The kernels run on CUDA tensors, compiled by Triton. They also run on CPU tensors through
 Triton's interpreter (slow; the CI tests without a GPU use it), which Triton switches on for a
 whole process: ``TRITON_INTERPRET=1`` must be in the environment before triton is first
@@ -27,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import struct
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -49,6 +55,26 @@ DECODE_TARGET_PROGRAMS = 4 * 132
 DECODE_MIN_SPLIT_KEYS = 256
 #: Most splits per request the rule picks.
 DECODE_MAX_SPLITS = 128
+#: Query heads one program of the MLA decode kernel attends for (tensor-core dots; padded
+#: heads past the last): a ``[16, latent]`` float32 accumulator, in registers up to a latent
+#: of 512.
+MLA_BLOCK_HEADS = 16
+#: Most elements of one block of cache rows (latent and RoPE tiles, padded to powers of two)
+#: the MLA decode kernel loads per step, in 16 to 64 keys: 16 keys of DeepSeek-V3's 512 + 64
+#: (sm_90 builds, 4 warps, bf16 and float32: at most about 220 registers a thread and no
+#: spill, from 32 + 16 to 512 + 64; 32 keys of 512 + 64 spill).
+MLA_BLOCK_ELEMENTS = 16 * 576
+#: Most elements of a broadcast product ``[heads, keys, latent]`` without tensor-core dots
+#: (float64 on a GPU).
+MLA_NODOT_ELEMENTS = 16 * 1024
+#: Keys per block of the MLA decode kernel without dots.
+_MLA_NODOT_KEYS = 16
+#: Warps and pipeline stages of the MLA decode kernel.
+MLA_NUM_WARPS = 4
+MLA_NUM_STAGES = 2
+#: Most elements of the ``[splits, latent chunk]`` tile of one split-combine program (a
+#: 128-split combine of a whole 512 latent spills).
+MLA_COMBINE_ELEMENTS = 16 * 512
 
 
 def _kernels() -> ModuleType:
@@ -191,6 +217,28 @@ class DecodeWorkspace:
         )
         return cls.allocate(pairs, q_heads, head_dim, 1, dtype, device)
 
+    @classmethod
+    def for_mla_decode(
+        cls,
+        max_rows: int,
+        heads: int,
+        latent_dim: int,
+        width_pages: int,
+        tokens_per_block: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> DecodeWorkspace:
+        """Scratch for every call :func:`paged_mla_decode_attention` makes with the default
+        split count on up to ``max_rows`` rows of ``heads`` query heads, a latent of
+        ``latent_dim`` and a block table ``width_pages`` wide, queries of ``dtype`` on
+        ``device``."""
+        tiles = _mla_head_tiles(heads, latent_dim, _use_dot(dtype, torch.device(device)))
+        pairs = max(
+            rows * _resolve_splits(rows, tiles, width_pages, tokens_per_block, None)[0]
+            for rows in range(1, max(1, max_rows) + 1)
+        )
+        return cls.allocate(pairs, heads, latent_dim, 1, dtype, device)
+
     def fits(self, rows: int, q_heads: int, head_dim: int, splits: int, dtype: torch.dtype) -> bool:
         """Whether a call of that shape (queries of ``dtype``) can use this scratch."""
         return (
@@ -243,6 +291,32 @@ def _split_programs(rows: int, rows_per_request: int, group: int) -> int:
     if rows_per_request > 1 and _groups_rows(rows_per_request, group):
         return max(1, -(-rows // rows_per_request))
     return rows
+
+
+def _use_dot(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernels take tensor-core dots: always but for float64 on a GPU (the
+    interpreter runs float64 dots exactly)."""
+    return not (accumulation_dtype(dtype) == torch.float64 and device.type == "cuda")
+
+
+def _mla_block_heads(heads: int, latent_dim: int, use_dot: bool) -> int:
+    """Query heads per program of the MLA decode kernel: :data:`MLA_BLOCK_HEADS` with dots
+    (at least the dot's smallest side: a row of fewer heads is padded); without, as many as
+    keep the ``[heads, keys, latent]`` products within :data:`MLA_NODOT_ELEMENTS`, no more
+    than the heads need."""
+    if use_dot:
+        return max(_DOT_MIN, MLA_BLOCK_HEADS)
+    fit = max(1, MLA_NODOT_ELEMENTS // (_MLA_NODOT_KEYS * _next_power_of_2(latent_dim)))
+    return max(1, min(_floor_power_of_2(fit), _next_power_of_2(heads)))
+
+
+def _mla_head_tiles(heads: int, latent_dim: int, use_dot: bool) -> int:
+    """Programs per row of the MLA decode kernel (the split rule counts rows x these)."""
+    return -(-heads // _mla_block_heads(heads, latent_dim, use_dot))
+
+
+def _floor_power_of_2(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
 
 
 def paged_decode_attention(
@@ -478,46 +552,239 @@ def paged_decode_attention(
     return PartialAttention(output, lse)
 
 
+def paged_mla_decode_attention(
+    query: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    local_lens: torch.Tensor,
+    tokens_per_block: int,
+    latent_dim: int,
+    scale: float,
+    num_splits: int | None = None,
+    workspace: DecodeWorkspace | None = None,
+) -> PartialAttention:
+    """Multi-head latent attention (DeepSeek-V3, absorbed form) of one decode query per row
+    over this rank's paged latent cache.
+
+    Every query head attends to the one latent head of the cache: key ``j`` of a row is the
+    cache row ``c`` of its slot (the compressed KV latent, then its RoPE key), its value the
+    latent ``c[:latent_dim]``; ``score = scale * query[row, head] . c`` over the whole row.
+    Masks, slots, splits and results are those of :func:`paged_decode_attention`: local key
+    ``j`` is visible iff ``j < local_lens[row]`` and sits in slot
+    ``block_table[row, j // tokens_per_block] * tokens_per_block + j % tokens_per_block``.
+    One program per (row, tile of query heads, split) loads each block of cache rows once for
+    the score and the value products of all its heads; the split rule
+    (:func:`decode_splits`) counts rows x head tiles as its programs. The same result as
+    :func:`~helix_kv.executor.attention.partial_attention` with ``key`` the gathered cache
+    rows, ``value`` their latents and one kv head, to rounding.
+
+    Args:
+        query: ``[rows, heads, latent_dim + rope_dim]`` (last dim contiguous): each head's
+            absorbed query (its no-RoPE query times its key up-projection) followed by its
+            rotated RoPE query.
+        latent_cache: one layer of the pool, ``[slots, 1, latent_dim + rope_dim]`` (last dim
+            contiguous).
+        block_table: ``[rows, width]`` page ids (any int dtype, any row stride, column stride
+            1); only the first ``ceil(local_len / tokens_per_block)`` are read.
+        local_lens: ``[rows]`` keys this rank holds of each row (any int dtype, any stride);
+            ``0`` gives output 0 and LSE ``-inf`` (e.g. a padding row).
+        tokens_per_block: slots per page.
+        latent_dim: the latent's width (the values' dim); ``rope_dim`` is the rest of the
+            query's last dim, both at least 1.
+        scale: score scale (DeepSeek-V3: ``1 / sqrt(qk_nope_dim + qk_rope_dim)``, times its
+            YaRN factor where it applies).
+        num_splits: splits per row; ``None``: :func:`decode_splits` of the static sizes (or
+            ``HELIX_KV_DECODE_SPLITS`` where set); capped at the table's width in pages.
+        workspace: scratch for the splits (:meth:`DecodeWorkspace.for_mla_decode`, with
+            ``head_dim`` the latent dim); ``None``: allocated per call.
+
+    Returns:
+        :class:`~helix_kv.executor.attention.PartialAttention`: ``output``
+        ``[rows, heads, latent_dim]`` and ``lse`` ``[rows, heads]`` in
+        :func:`~helix_kv.executor.attention.accumulation_dtype` of the query.
+    """
+    if query.dim() != 3 or latent_cache.dim() != 3:
+        raise ValueError(
+            f"query {tuple(query.shape)} / latent cache {tuple(latent_cache.shape)} must be "
+            f"[rows, heads, dim] / [slots, 1, dim]"
+        )
+    rows, heads, dim = query.shape
+    if latent_cache.shape[1] != 1 or latent_cache.shape[2] != dim:
+        raise ValueError(
+            f"latent cache {tuple(latent_cache.shape)} does not match query "
+            f"{tuple(query.shape)}: it must be [slots, 1, {dim}]"
+        )
+    if not 1 <= latent_dim < dim:
+        raise ValueError(
+            f"latent_dim {latent_dim} must leave a RoPE part of at least 1 of the query's {dim}"
+        )
+    if block_table.dim() != 2 or block_table.shape[0] < rows or local_lens.shape[0] < rows:
+        raise ValueError(
+            f"block table {tuple(block_table.shape)} / local lens {tuple(local_lens.shape)} "
+            f"do not cover {rows} rows"
+        )
+    for name, tensor in (("query", query), ("latent_cache", latent_cache)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim")
+    if block_table.shape[1] and block_table.stride(1) != 1:
+        raise ValueError("block_table must have contiguous rows")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    rope_dim = dim - latent_dim
+    compute_dtype = accumulation_dtype(query.dtype)
+    output = query.new_empty((rows, heads, latent_dim), dtype=compute_dtype)
+    lse = query.new_empty((rows, heads), dtype=compute_dtype)
+    if rows == 0 or heads == 0:
+        return PartialAttention(output, lse)
+    _check_device(query.device)
+    width = block_table.shape[1]
+    use_dot = _use_dot(query.dtype, query.device)
+    block_h = _mla_block_heads(heads, latent_dim, use_dot)
+    tiles = -(-heads // block_h)
+    splits, pages_per_split = _resolve_splits(rows, tiles, width, tokens_per_block, num_splits)
+    block_l, block_r = _next_power_of_2(latent_dim), _next_power_of_2(rope_dim)
+    if use_dot:
+        block_l, block_r = max(_DOT_MIN, block_l), max(_DOT_MIN, block_r)
+        fit = max(1, MLA_BLOCK_ELEMENTS // (block_l + block_r))
+        block_n = max(_DOT_MIN, min(64, _floor_power_of_2(fit)))
+    else:
+        block_n = _MLA_NODOT_KEYS
+    if splits == 1:
+        part_out, part_lse = output, lse
+        split_out_stride = split_lse_stride = 0
+        keys_per_split = max(1, width * tokens_per_block)
+    else:
+        if workspace is None:
+            workspace = DecodeWorkspace.allocate(
+                rows, heads, latent_dim, splits, query.dtype, query.device
+            )
+        elif not workspace.fits(rows, heads, latent_dim, splits, query.dtype):
+            raise ValueError(
+                f"workspace of {workspace.row_splits} (request, split) pairs x "
+                f"{workspace.q_heads} heads x {workspace.head_dim} "
+                f"{workspace.output_scratch.dtype} does not fit {rows} rows x "
+                f"{splits} splits x {heads} heads x {latent_dim} of {query.dtype}"
+            )
+        part_out, part_lse = workspace.views(rows, splits)
+        split_out_stride, split_lse_stride = part_out.stride(2), part_lse.stride(2)
+        keys_per_split = pages_per_split * tokens_per_block
+    acc_fp64 = compute_dtype == torch.float64
+    # float arguments reach the kernel in float32: the scale in two parts, hi + lo
+    scale_hi = struct.unpack("f", struct.pack("f", scale))[0]
+    kernels = _kernels()
+    kernels.mla_decode_attention_kernel[(rows, tiles, splits)](
+        query,
+        latent_cache,
+        block_table,
+        local_lens,
+        part_out,
+        part_lse,
+        scale_hi,
+        scale - scale_hi,
+        tokens_per_block,
+        keys_per_split,
+        heads,
+        latent_dim,
+        rope_dim,
+        # the last dims are contiguous (checked above), the cache has one head
+        *query.stride()[:2],
+        latent_cache.stride(0),
+        block_table.stride(0),
+        local_lens.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        split_out_stride,
+        part_lse.stride(0),
+        part_lse.stride(1),
+        split_lse_stride,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_L=block_l,
+        BLOCK_R=block_r,
+        ACC_FP64=acc_fp64,
+        USE_DOT=use_dot,
+        num_warps=MLA_NUM_WARPS,
+        num_stages=MLA_NUM_STAGES,
+    )
+    if splits > 1:
+        block_s = _next_power_of_2(splits)
+        # the latent in chunks: a [splits, chunk] tile of at most MLA_COMBINE_ELEMENTS
+        block_c = min(_next_power_of_2(latent_dim), max(16, MLA_COMBINE_ELEMENTS // block_s))
+        kernels.combine_splits_kernel[(rows, heads, -(-latent_dim // block_c))](
+            part_out,
+            part_lse,
+            output,
+            lse,
+            splits,
+            latent_dim,
+            *part_out.stride()[:3],
+            *part_lse.stride()[:3],
+            *output.stride()[:2],
+            *lse.stride()[:2],
+            BLOCK_S=block_s,
+            BLOCK_D=block_c,
+            ACC_FP64=acc_fp64,
+        )
+    return PartialAttention(output, lse)
+
+
 def write_paged_kv(
     key: torch.Tensor,
-    value: torch.Tensor,
+    value: torch.Tensor | None,
     slots: torch.Tensor,
     key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    value_cache: torch.Tensor | None,
 ) -> None:
     """Store each token's KV at its slot of one layer's caches; a slot ``< 0`` stores nothing.
 
     Args:
-        key, value: ``[tokens, kv_heads, head_dim]`` (last dim contiguous).
+        key, value: ``[tokens, kv_heads, head_dim]`` (last dim contiguous). ``value`` and
+            ``value_cache`` both ``None``: only the keys are stored (multi-head latent
+            attention: ``key`` is each token's latent and RoPE key, ``[tokens, 1, dim]``).
         slots: ``[tokens]`` slot of each token on this rank, ``-1`` where another rank owns
             it (or for a padding row); any int dtype and stride.
         key_cache, value_cache: ``[slots, kv_heads, head_dim]``; values are cast to their dtype.
     """
-    tokens, kv_heads, head_dim = key.shape
-    if value.shape != key.shape or key_cache.shape[1:] != key.shape[1:]:
+    if key.dim() != 3 or key_cache.dim() != 3 or key_cache.shape[1:] != key.shape[1:]:
         raise ValueError(
-            f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match the cache "
-            f"{tuple(key_cache.shape)}"
+            f"key {tuple(key.shape)} does not match the cache {tuple(key_cache.shape)}"
         )
+    if (value is None) != (value_cache is None):
+        raise ValueError("value and value_cache must both be given or both be None")
+    if (
+        value is not None
+        and value_cache is not None
+        and (value.shape != key.shape or value_cache.shape[1:] != key.shape[1:])
+    ):
+        raise ValueError(
+            f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match the caches "
+            f"{tuple(key_cache.shape)} / {tuple(value_cache.shape)}"
+        )
+    tokens, kv_heads, head_dim = key.shape
     if tokens == 0:
         return
     _check_device(key.device)
+    has_value = value is not None and value_cache is not None
+    # keys only: the value arguments point at the keys and are never read
+    value_in = value if value is not None else key
+    value_out = value_cache if value_cache is not None else key_cache
     _kernels().write_kv_kernel[(tokens,)](
         key,
-        value,
+        value_in,
         slots,
         key_cache,
-        value_cache,
+        value_out,
         kv_heads,
         head_dim,
         # the last dims are contiguous (documented): their strides are not passed
         *key.stride()[:2],
-        *value.stride()[:2],
+        *value_in.stride()[:2],
         slots.stride(0),
         *key_cache.stride()[:2],
-        *value_cache.stride()[:2],
+        *value_out.stride()[:2],
         BLOCK_H=_next_power_of_2(kv_heads),
         BLOCK_D=_next_power_of_2(head_dim),
+        HAS_VALUE=has_value,
     )
 
 
@@ -530,5 +797,6 @@ __all__ = [
     "decode_splits",
     "interpreted",
     "paged_decode_attention",
+    "paged_mla_decode_attention",
     "write_paged_kv",
 ]

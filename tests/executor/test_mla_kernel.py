@@ -1,0 +1,419 @@
+"""The MLA (multi-head latent attention) paged decode kernel against the readable reference.
+
+Without a GPU the kernels run in Triton's CPU interpreter (``conftest.py`` sets
+``TRITON_INTERPRET=1``), in float64 and float32 on tiny shapes; on a GPU machine they run
+compiled on CUDA tensors (float64 without tensor-core dots, float32, bf16), and the
+``cuda``-marked test runs DeepSeek-V3's sizes (latent 512 + RoPE 64) and a CUDA graph.
+
+The reference gathers each row's keys by its block table and runs
+:func:`~helix_kv.executor.attention.partial_attention` with one kv head: key = the cache rows
+(latent and RoPE key), value = their latents.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helix_kv.executor import paged_mla_decode_attention as exported
+from helix_kv.executor.attention import (
+    PAD_KEY_POSITION,
+    PAD_QUERY_POSITION,
+    combine_partials,
+    partial_attention,
+    reference_attention,
+)
+from helix_kv.executor.paged_attention import (
+    DecodeWorkspace,
+    _mla_block_heads,
+    _mla_head_tiles,
+    _resolve_splits,
+    interpreted,
+    paged_mla_decode_attention,
+    write_paged_kv,
+)
+
+pytest.importorskip("triton", reason="the paged kernels need triton")
+if torch.cuda.is_available():
+    DEVICE = torch.device("cuda")
+    DTYPES = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}
+elif interpreted():
+    DEVICE = torch.device("cpu")
+    DTYPES = {torch.float64: 1e-12, torch.float32: 1e-5}
+else:  # a CPU-only process that imported triton before conftest could switch the interpreter on
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+
+def mla_problem(
+    seed: int,
+    local_lens: list[int],
+    heads: int,
+    latent: int,
+    rope: int,
+    tpb: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> dict:
+    """Random absorbed queries and latent cache, a scattered block table (-1 past the pages)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    width = max(1, max(-(-n // tpb) for n in local_lens))
+    pages = width * len(local_lens) + 3
+    table = torch.randperm(pages, generator=gen, device=device)[: width * len(local_lens)]
+    table = table.view(-1, width)
+    for row, n in enumerate(local_lens):
+        table[row, -(-n // tpb) :] = -1
+    dim = latent + rope
+    return {
+        "query": torch.randn(len(local_lens), heads, dim, generator=gen, device=device),
+        "cache": torch.randn(pages * tpb, 1, dim, generator=gen, device=device).double(),
+        "block_table": table,
+        "local_lens": torch.tensor(local_lens, device=device),
+        "tpb": tpb,
+        "latent": latent,
+        "scale": 1.0 / math.sqrt(dim),
+        "dtype": dtype,
+    }
+
+
+def gather_keys(p: dict, table: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each row's cache rows (float64, rounded to the kernel's dtype first) and positions."""
+    tpb = p["tpb"]
+    device = table.device
+    slots = (table.clamp(min=0)[:, :, None] * tpb + torch.arange(tpb, device=device)).view(
+        len(lens), -1
+    )
+    local = torch.arange(slots.shape[1], device=device).expand(len(lens), -1)
+    key_positions = torch.where(local < lens[:, None], local, PAD_KEY_POSITION)
+    keys = p["cache"].to(p["dtype"]).double()[slots]  # [rows, keys, 1, dim]
+    return keys, key_positions
+
+
+def reference_partial(p: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The readable path in float64: gathered pages, dense masked attention, one kv head."""
+    table, lens = p["block_table"], p["local_lens"]
+    keys, key_positions = gather_keys(p, table, lens)
+    query_positions = torch.full((len(lens), 1), 1 << 40, device=table.device)
+    part = partial_attention(
+        p["query"].to(p["dtype"]).double()[:, None],
+        keys,
+        keys[..., : p["latent"]],
+        query_positions,
+        key_positions,
+        scale=p["scale"],
+    )
+    return part.output[:, 0], part.lse[:, 0]
+
+
+def run_kernel(p: dict, **options: object) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = p["dtype"]
+    part = paged_mla_decode_attention(
+        p["query"].to(DEVICE, dtype),
+        p["cache"].to(DEVICE, dtype),
+        p["block_table"].to(DEVICE, torch.int32),
+        p["local_lens"].to(DEVICE),
+        p["tpb"],
+        p["latent"],
+        p["scale"],
+        **options,  # type: ignore[arg-type]
+    )
+    return part.output.cpu().double(), part.lse.cpu().double()
+
+
+SHAPES = [
+    # local_lens, heads, latent, rope, tokens per block
+    ([1, 7, 33, 12], 4, 32, 16, 4),  # several pages, partial pages
+    ([0, 5, 0, 64], 5, 24, 8, 8),  # empty rows; heads, latent and RoPE not powers of two
+    ([70, 31], 21, 24, 8, 32),  # two head tiles (16 + 5 heads), blocks spanning pages
+    ([3, 20], 1, 17, 3, 3),  # one head, odd page size and dims
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("local_lens", "heads", "latent", "rope", "tpb"), SHAPES)
+def test_kernel_matches_reference(dtype, local_lens, heads, latent, rope, tpb):
+    """One split, three splits in scratch allocated per call and in a workspace: all equal
+    the dense path (and the empty rows give output 0, LSE -inf)."""
+    p = mla_problem(1, local_lens, heads, latent, rope, tpb, dtype)
+    expected_out, expected_lse = reference_partial(p)
+    atol = DTYPES[dtype]
+    empty = torch.tensor(local_lens) == 0
+    width = p["block_table"].shape[1]
+    workspace = DecodeWorkspace.allocate(len(local_lens), heads, latent, 3, dtype, DEVICE)
+    workspace.output_scratch.fill_(float("nan"))
+    workspace.lse_scratch.fill_(float("nan"))
+    results = [
+        run_kernel(p, num_splits=1),
+        run_kernel(p, num_splits=3),
+        run_kernel(p, num_splits=3, workspace=workspace),
+    ]
+    for out, lse in results:
+        assert out.shape == (len(local_lens), heads, latent)
+        assert lse.shape == (len(local_lens), heads)
+        assert lse[empty].isneginf().all()
+        assert not out[empty].any()
+        torch.testing.assert_close(out, expected_out, atol=atol, rtol=0)
+        torch.testing.assert_close(lse, expected_lse, atol=atol, rtol=0)
+    if width >= 3:  # three splits really ran: the scratch holds finite partials
+        assert workspace.lse_scratch[: len(local_lens) * 3 * heads].isnan().sum() == 0
+
+
+def test_default_splits_and_exported():
+    """The default split count (rows x head tiles as programs) gives the same result."""
+    assert exported is paged_mla_decode_attention
+    dtype = next(iter(DTYPES))
+    p = mla_problem(2, [300, 17, 0], 3, 16, 16, 8, dtype)
+    tiles = _mla_head_tiles(3, 16, True)
+    assert _resolve_splits(3, tiles, p["block_table"].shape[1], 8, None)[0] > 1
+    out, lse = run_kernel(p)
+    expected_out, expected_lse = reference_partial(p)
+    torch.testing.assert_close(out, expected_out, atol=DTYPES[dtype], rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=DTYPES[dtype], rtol=0)
+
+
+def test_split_combine_in_latent_chunks(monkeypatch):
+    """A combine tile smaller than splits x latent: the latent combined in chunks (3 of 16
+    for a latent of 40), the same result."""
+    from helix_kv.executor import paged_attention
+
+    dtype = next(iter(DTYPES))
+    p = mla_problem(8, [40, 0, 13], 3, 40, 8, 4, dtype)
+    expected_out, expected_lse = reference_partial(p)
+    monkeypatch.setattr(paged_attention, "MLA_COMBINE_ELEMENTS", 4 * 16)
+    out, lse = run_kernel(p, num_splits=4)
+    torch.testing.assert_close(out, expected_out, atol=DTYPES[dtype], rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=DTYPES[dtype], rtol=0)
+
+
+def test_head_tiles():
+    """DeepSeek-V3's 512 latent: 16 heads a program (a [16, 512] float32 accumulator)."""
+    assert _mla_block_heads(128, 512, True) == 16
+    assert _mla_head_tiles(128, 512, True) == 8
+    assert _mla_block_heads(16, 512, True) == 16
+    assert _mla_block_heads(5, 512, True) == 16  # padded up for the dot
+    assert _mla_block_heads(70, 24, True) == 16
+    assert _mla_head_tiles(70, 24, True) == 5
+    assert _mla_block_heads(3, 24, True) == 16
+    assert _mla_block_heads(128, 512, False) == 2  # no dots: [2, 16, 512] products
+    assert _mla_block_heads(3, 24, False) == 4
+
+
+def test_workspace_for_mla_decode_fits_every_default_call():
+    dtype = next(iter(DTYPES))
+    for heads, latent, width, tpb in ((16, 512, 66, 32), (128, 512, 512, 32), (5, 24, 3, 16)):
+        workspace = DecodeWorkspace.for_mla_decode(64, heads, latent, width, tpb, dtype, DEVICE)
+        tiles = _mla_head_tiles(
+            heads, latent, not (dtype == torch.float64 and DEVICE.type == "cuda")
+        )
+        needed = [rows * _resolve_splits(rows, tiles, width, tpb, None)[0] for rows in range(1, 65)]
+        assert workspace.row_splits == max(needed)
+        for rows in range(1, 65):
+            splits = _resolve_splits(rows, tiles, width, tpb, None)[0]
+            assert workspace.fits(rows, heads, latent, splits, dtype)
+
+
+def test_lse_combine_over_two_ranks_equals_one_rank():
+    """One request's pages dealt round robin to two "ranks" (their own block tables and local
+    lengths); the exact combine of their partials equals one rank holding every key."""
+    dtype = next(iter(DTYPES))
+    tpb, heads, latent = 4, 6, 24
+    lens = [21, 3, 8]  # the second request's keys all on rank 0
+    p = mla_problem(3, lens, heads, latent, 8, tpb, dtype)
+    whole = run_kernel(p)
+    table = p["block_table"]
+    parts = []
+    for rank in range(2):
+        sub_table = torch.full_like(table, -1)
+        sub_lens = []
+        for row, n in enumerate(lens):
+            pages = list(range(rank, -(-n // tpb), 2))
+            sub_table[row, : len(pages)] = table[row, pages]
+            sub_lens.append(sum(min(tpb, n - page * tpb) for page in pages))
+        q = dict(p, block_table=sub_table, local_lens=torch.tensor(sub_lens))
+        parts.append(run_kernel(q, num_splits=2))
+    assert parts[1][1][1].isneginf().all()  # rank 1 holds none of request 1
+    combined = combine_partials(
+        torch.stack([part[0] for part in parts]), torch.stack([part[1] for part in parts])
+    )
+    torch.testing.assert_close(combined.output, whole[0], atol=DTYPES[dtype], rtol=0)
+    torch.testing.assert_close(combined.lse, whole[1], atol=DTYPES[dtype], rtol=0)
+
+
+def test_kernel_reads_strided_metadata_columns():
+    """Lens and table as columns of one packed int32 buffer (row stride > 1)."""
+    dtype = next(iter(DTYPES))
+    p = mla_problem(4, [9, 4, 17], 3, 16, 16, 4, dtype)
+    packed = torch.zeros(3, 1 + p["block_table"].shape[1], dtype=torch.int32)
+    packed[:, 0] = p["local_lens"]
+    packed[:, 1:] = p["block_table"]
+    packed = packed.to(DEVICE)
+    args = (p["query"].to(DEVICE, dtype), p["cache"].to(DEVICE, dtype))
+    strided = paged_mla_decode_attention(*args, packed[:, 1:], packed[:, 0], 4, 16, p["scale"])
+    dense = run_kernel(p)
+    assert torch.equal(strided.output.cpu().double(), dense[0])
+    assert torch.equal(strided.lse.cpu().double(), dense[1])
+
+
+def test_shape_errors():
+    dtype = next(iter(DTYPES))
+    query = torch.zeros(2, 4, 24, dtype=dtype, device=DEVICE)
+    cache = torch.zeros(16, 1, 24, dtype=dtype, device=DEVICE)
+    table = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(2, dtype=torch.int32, device=DEVICE)
+
+    def call(**changes: object) -> None:
+        args: dict[str, object] = {
+            "query": query,
+            "latent_cache": cache,
+            "block_table": table,
+            "local_lens": lens,
+            "tokens_per_block": 4,
+            "latent_dim": 16,
+            "scale": 0.1,
+        }
+        args.update(changes)
+        paged_mla_decode_attention(**args)  # type: ignore[arg-type]
+
+    with pytest.raises(ValueError, match=r"\[slots, 1, 24\]"):
+        call(latent_cache=torch.zeros(16, 2, 24, dtype=dtype, device=DEVICE))
+    with pytest.raises(ValueError, match=r"\[slots, 1, 24\]"):
+        call(latent_cache=torch.zeros(16, 1, 20, dtype=dtype, device=DEVICE))
+    with pytest.raises(ValueError, match="must be"):
+        call(query=query[0])
+    for latent in (0, 24, 30):
+        with pytest.raises(ValueError, match="latent_dim"):
+            call(latent_dim=latent)
+    with pytest.raises(ValueError, match="do not cover"):
+        call(block_table=table[:1])
+    with pytest.raises(ValueError, match="do not cover"):
+        call(local_lens=lens[:1])
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        call(query=torch.zeros(2, 4, 48, dtype=dtype, device=DEVICE)[..., ::2])
+    with pytest.raises(ValueError, match="at least 1"):
+        call(num_splits=0)
+    small = DecodeWorkspace.allocate(2, 4, 8, 2, dtype, DEVICE)  # head_dim 8, not 16
+    with pytest.raises(ValueError, match="does not fit"):
+        call(num_splits=2, workspace=small)
+    empty = paged_mla_decode_attention(query[:0], cache, table, lens, 4, 16, 0.1)
+    assert empty.output.shape == (0, 4, 16)
+    assert empty.lse.shape == (0, 4)
+
+
+def test_partial_attention_value_dim_differs_from_key_dim():
+    """Values of their own width: a direct softmax per (batch, query, head), and the LSE."""
+    gen = torch.Generator().manual_seed(5)
+    batch, q_len, q_heads, k_len, kv_heads, dim, value_dim = 2, 3, 4, 5, 2, 8, 6
+    query = torch.randn(batch, q_len, q_heads, dim, generator=gen, dtype=torch.float64)
+    key = torch.randn(batch, k_len, kv_heads, dim, generator=gen, dtype=torch.float64)
+    value = torch.randn(batch, k_len, kv_heads, value_dim, generator=gen, dtype=torch.float64)
+    key_positions = torch.tensor([[0, 1, 2, 3, PAD_KEY_POSITION], [4, 5, 6, 7, 8]])
+    query_positions = torch.tensor([[1, 3, PAD_QUERY_POSITION], [6, 8, 3]])
+    scale = 0.3
+    part = partial_attention(query, key, value, query_positions, key_positions, scale=scale)
+    assert part.output.shape == (batch, q_len, q_heads, value_dim)
+    for b in range(batch):
+        for q in range(q_len):
+            visible = key_positions[b] <= query_positions[b, q]
+            for h in range(q_heads):
+                kv = h // (q_heads // kv_heads)
+                if not visible.any():
+                    assert part.lse[b, q, h].isneginf()
+                    assert not part.output[b, q, h].any()
+                    continue
+                z = scale * (key[b, visible, kv] @ query[b, q, h])
+                w = torch.softmax(z, dim=0)
+                torch.testing.assert_close(
+                    part.output[b, q, h], w @ value[b, visible, kv], atol=1e-12, rtol=0
+                )
+                torch.testing.assert_close(
+                    part.lse[b, q, h], torch.logsumexp(z, dim=0), atol=1e-12, rtol=0
+                )
+    dense = reference_attention(query, key, value, query_positions, key_positions, scale=scale)
+    torch.testing.assert_close(dense, part.output, atol=1e-12, rtol=0)
+    nothing = partial_attention(
+        query, key[:, :0], value[:, :0], query_positions, key_positions[:, :0]
+    )
+    assert nothing.output.shape == (batch, q_len, q_heads, value_dim)
+    assert not nothing.output.any()
+    assert nothing.lse.isneginf().all()
+    with pytest.raises(ValueError, match="do not match"):
+        partial_attention(query, key, value[:, :4], query_positions, key_positions)
+    with pytest.raises(ValueError, match="do not match"):
+        partial_attention(query, key, value[:, :, :1], query_positions, key_positions)
+
+
+def test_write_keys_only():
+    """``value=None, value_cache=None``: each owned token's latent row lands in its slot,
+    nothing else changes."""
+    dtype = next(iter(DTYPES))
+    gen = torch.Generator().manual_seed(6)
+    latent = torch.randn(4, 1, 40, generator=gen).to(DEVICE, dtype)
+    cache = torch.full((12, 1, 40), 7.0, dtype=dtype, device=DEVICE)
+    slots = torch.tensor([3, -1, 0, 11], device=DEVICE)
+    write_paged_kv(latent, None, slots, cache, None)
+    expected = torch.full((12, 1, 40), 7.0, dtype=dtype)
+    expected[[3, 0, 11]] = latent.cpu()[[0, 2, 3]]
+    assert torch.equal(cache.cpu(), expected)
+    with pytest.raises(ValueError, match="both"):
+        write_paged_kv(latent, latent, slots, cache, None)
+    with pytest.raises(ValueError, match="both"):
+        write_paged_kv(latent, None, slots, cache, cache)
+    with pytest.raises(ValueError, match="does not match"):
+        write_paged_kv(latent, None, slots, cache[:, :, :32], None)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_deepseek_v3_sizes_on_cuda(dtype, heads):
+    """Latent 512 + RoPE 64, 32 tokens a page, rows of about 1000 keys (and an empty row):
+    default splits and one split equal the float64 reference; a CUDA graph of the call
+    replays to the eager result."""
+    device = torch.device("cuda")
+    lens = [1000, 1024, 0, 777]
+    p = mla_problem(7, lens, heads, 512, 64, 32, dtype, device)
+    p["scale"] = 1.0 / math.sqrt(192)  # DeepSeek-V3's qk head dim (128 + 64)
+    expected_out, expected_lse = (t.cpu() for t in reference_partial(p))
+    atol = {torch.bfloat16: 3e-2, torch.float32: 1e-5}[dtype]
+    query = p["query"].to(dtype)
+    cache = p["cache"].to(dtype)
+    table = p["block_table"].to(torch.int32)
+    lens_t = p["local_lens"].to(torch.int32)
+    width = table.shape[1]
+    workspace = DecodeWorkspace.for_mla_decode(len(lens), heads, 512, width, 32, dtype, device)
+
+    def call(**options: object) -> tuple[torch.Tensor, torch.Tensor]:
+        part = paged_mla_decode_attention(
+            query,
+            cache,
+            table,
+            lens_t,
+            32,
+            512,
+            p["scale"],
+            **options,  # type: ignore[arg-type]
+        )
+        return part.output, part.lse
+
+    splits = _resolve_splits(len(lens), _mla_head_tiles(heads, 512, True), width, 32, None)[0]
+    assert splits > 1
+    for options in ({}, {"workspace": workspace}, {"num_splits": 1}):
+        out, lse = call(**options)
+        assert lse[2].isneginf().all()
+        assert not out[2].any()
+        torch.testing.assert_close(out.cpu().double(), expected_out, atol=atol, rtol=0)
+        torch.testing.assert_close(lse.cpu().double(), expected_lse, atol=atol, rtol=0)
+    eager = call(workspace=workspace)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = call(workspace=workspace)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed[0], eager[0])
+    assert torch.equal(graphed[1], eager[1])
