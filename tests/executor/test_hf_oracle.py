@@ -191,3 +191,20 @@ def test_the_pressure_modes_ran(runs, oracle, family, cp):
         eos_run = runs[cp, family, "eos", mode]
         assert any(len(tokens) < MAX_NEW for tokens in eos_run.outputs.values())
         assert runs[cp, family, "roomy", mode].preemptions == 0
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("family", ["mistral", "deepseek_v3_lora_yarn"])
+def test_the_fast_path_equals_transformers_generate(checkpoints, oracle, family, cp):
+    """The decode fast path (the Triton paged kernels of each family: GQA, and the MLA kernel
+    over one latent head; Triton's interpreter on the CPU), one step ahead under pressure with
+    the host tier: transformers' tokens."""
+    pool = next(p for p in POOLS if p[0] == "host_tier")
+    job = config(cp, checkpoints[family], pool, True, 0).with_(decode_kernel=True)
+    if cp == 1:
+        result = run_rank(prompts(), MAX_NEW, job)
+    else:
+        result = run_group([(prompts(), MAX_NEW, job)], cp, backend="gloo", timeout_s=600)[0][0]
+    assert result.fast_path_steps > 0
+    assert result.metrics["suspensions"] >= 1
+    check_against_oracle(result.outputs, oracle[family], None)

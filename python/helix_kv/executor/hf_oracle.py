@@ -131,7 +131,7 @@ def _transformers() -> Any:
         import transformers
     except ImportError as exc:  # the optional extra
         raise RuntimeError(f"the oracle needs transformers (helix_kv[hf]): {exc}") from exc
-    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     return transformers
 
 

@@ -34,7 +34,6 @@ from typing import Callable, NamedTuple, Union
 import torch
 import torch.distributed as dist
 
-from helix_kv.executor import paged_attention
 from helix_kv.executor.attention import (
     PartialAttention,
     all_gather_combine,
@@ -44,6 +43,7 @@ from helix_kv.executor.kv_pool import KVPool, StepBatch
 from helix_kv.executor.paged_attention import (
     DecodeWorkspace,
     paged_decode_attention,
+    paged_mla_decode_attention,
     write_paged_kv,
 )
 from helix_kv.executor.placement import RankPlacement
@@ -294,7 +294,7 @@ class MLAConfig:
     @property
     def softmax_scale(self) -> float:
         """``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times yarn's mscale squared."""
-        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        scale = 1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)
         return scale * (self.rope_scaling.softmax_scale_factor() if self.rope_scaling else 1.0)
 
     def to_dict(self) -> dict[str, object]:
@@ -405,7 +405,7 @@ class Transformer:
         table ``max_pages`` wide (shared by every layer)."""
         c = self.config
         if isinstance(c, MLAConfig):
-            return paged_attention.DecodeWorkspace.for_mla_decode(
+            return DecodeWorkspace.for_mla_decode(
                 max_rows,
                 c.num_heads,
                 c.kv_lora_rank,
@@ -569,7 +569,7 @@ class Transformer:
         """The paged kernel of the family over one layer of the pool, one query per row."""
         c = self.config
         if isinstance(c, MLAConfig):
-            return paged_attention.paged_mla_decode_attention(
+            return paged_mla_decode_attention(
                 query,
                 pool.key_cache[layer],
                 block_table,
