@@ -79,8 +79,8 @@ class RopeScaling:
     ``yarn``: long wavelengths). ``llama3``: ``low_freq_factor``, ``high_freq_factor``,
     ``original_max_position_embeddings``. ``yarn``: ``original_max_position_embeddings``,
     ``beta_fast`` / ``beta_slow`` (32 / 1 by default), ``mscale`` / ``mscale_all_dim`` (the
-    attention factor on cos / sin and, for MLA, the softmax scale), ``attention_factor``,
-    ``truncate``.
+    attention factor on cos / sin and, for MLA, the softmax scale; 0: not given, as
+    transformers reads a missing one), ``attention_factor``, ``truncate``.
     """
 
     rope_type: str = "default"
@@ -90,7 +90,7 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
+    mscale: float = 0.0
     mscale_all_dim: float = 0.0
     attention_factor: float | None = None
     truncate: bool = True
