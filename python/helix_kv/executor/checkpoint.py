@@ -213,7 +213,7 @@ class _Fields:
         return default if value is None else value
 
     def int(self, name: str, default: int | None = None) -> int:
-        value = self.raw.get(name, default)
+        value = self.get(name, default)  # null: the default, as transformers reads it
         if value is None:
             raise self.error(name, "missing")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
