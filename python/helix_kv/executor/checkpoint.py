@@ -73,7 +73,9 @@ def read_config(path: str | Path) -> ModelConfig:
     layer_types = fields.get("layer_types")
     if layer_types and any(kind != "full_attention" for kind in layer_types):
         raise fields.error("layer_types", "only full attention layers are supported")
-    if fields.get("sliding_window") is not None and (
+    # transformers' Mistral slides over 4096 tokens where config.json has no sliding_window
+    window = raw.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+    if window is not None and (
         arch != "Qwen2ForCausalLM" or fields.get("use_sliding_window", False)
     ):
         raise fields.error("sliding_window", "sliding-window attention is not supported")
