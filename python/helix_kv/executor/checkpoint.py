@@ -241,6 +241,13 @@ def _rope(fields: _Fields) -> tuple[float, RopeScaling | None]:
             name,
             f"rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})",
         )
+    # transformers 5 saves partial_rotary_factor here rather than at the top level
+    if params.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise fields.error(
+            name,
+            f"partial_rotary_factor {params['partial_rotary_factor']!r}: "
+            "partial rotary dims are not supported",
+        )
     if rope_type == "default":
         return theta, None
     known = {
