@@ -153,10 +153,10 @@ def load_weights(path: str | Path, config: ModelConfig) -> dict[str, torch.Tenso
     shapes = weight_shapes(config)
     by_file: dict[Path, list[str]] = {}
     for hf_name in names.values():
-        file = located.get(hf_name)
-        if file is None:
+        holder = located.get(hf_name)
+        if holder is None:
             raise CheckpointError(directory, "tensor missing from the checkpoint", hf_name)
-        by_file.setdefault(file, []).append(hf_name)
+        by_file.setdefault(holder, []).append(hf_name)
     tensors: dict[str, torch.Tensor] = {}
     for file, wanted in by_file.items():
         with safe_open(str(file), framework="pt") as handle:

@@ -294,7 +294,7 @@ class MLAConfig:
     @property
     def softmax_scale(self) -> float:
         """``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times yarn's mscale squared."""
-        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        scale: float = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
         return scale * (self.rope_scaling.softmax_scale_factor() if self.rope_scaling else 1.0)
 
     def to_dict(self) -> dict[str, object]:
