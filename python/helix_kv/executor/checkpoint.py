@@ -73,7 +73,9 @@ def read_config(path: str | Path) -> ModelConfig:
     layer_types = fields.get("layer_types")
     if layer_types and any(kind != "full_attention" for kind in layer_types):
         raise fields.error("layer_types", "only full attention layers are supported")
-    if fields.get("sliding_window") is not None and (
+    # transformers' Mistral slides over 4096 tokens where config.json has no sliding_window
+    window = raw.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+    if window is not None and (
         arch != "Qwen2ForCausalLM" or fields.get("use_sliding_window", False)
     ):
         raise fields.error("sliding_window", "sliding-window attention is not supported")
@@ -102,14 +104,15 @@ def read_config(path: str | Path) -> ModelConfig:
                 o_bias=bias,
                 mlp_bias=bool(fields.get("mlp_bias", False)),
             )
-        experts = fields.get("n_routed_experts") or 0
-        dense = fields.get("first_k_dense_replace")
+        # transformers' DeepSeek-V3 builds a mixture-of-experts MLP in every layer from
+        # first_k_dense_replace (3 when absent) on, whatever n_routed_experts says
+        dense = fields.get("first_k_dense_replace", 3)
         layers = common["num_layers"]
-        if experts and (dense is None or dense < layers):
+        if not _is_int(dense) or dense < layers:
             raise fields.error(
                 "first_k_dense_replace",
-                f"{dense} < num_hidden_layers = {layers} with n_routed_experts = {experts}: "
-                "mixture-of-experts layers are not supported (dense MLP layers only)",
+                f"{dense!r} < num_hidden_layers = {layers}: mixture-of-experts layers are not "
+                "supported (dense MLP layers only)",
             )
         q_lora = fields.get("q_lora_rank")
         return MLAConfig(
@@ -201,6 +204,10 @@ def load_model(
 # -- config.json -------------------------------------------------------------------------
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class _Fields:
     """``config.json``'s fields, with errors that name the file and the field."""
 
@@ -213,7 +220,7 @@ class _Fields:
         return default if value is None else value
 
     def int(self, name: str, default: int | None = None) -> int:
-        value = self.raw.get(name, default)
+        value = self.get(name, default)  # null: the default, as transformers reads it
         if value is None:
             raise self.error(name, "missing")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -238,6 +245,13 @@ def _rope(fields: _Fields) -> tuple[float, RopeScaling | None]:
         raise fields.error(
             name,
             f"rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})",
+        )
+    # transformers 5 saves partial_rotary_factor here rather than at the top level
+    if params.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise fields.error(
+            name,
+            f"partial_rotary_factor {params['partial_rotary_factor']!r}: "
+            "partial rotary dims are not supported",
         )
     if rope_type == "default":
         return theta, None

@@ -181,6 +181,9 @@ def _run(args: argparse.Namespace, world: int) -> int:
         raise _UsageError("--host-tier-tokens and --spec-tokens must not be negative")
     model_config = read_config(args.model)
     prompts = read_prompts(args.prompts, model_config.vocab_size)
+    output = Path(args.output)
+    if output.is_dir() or not output.parent.is_dir():  # before the run, not after it
+        raise _UsageError(f"--output {args.output}: not a file in an existing directory")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise _UsageError("--device cuda but no CUDA device is available")
@@ -222,9 +225,11 @@ def _run(args: argparse.Namespace, world: int) -> int:
     except HelixKVError as exc:  # a request the budget can never hold, a config the core refuses
         raise _UsageError(str(exc)) from exc
     if rank == 0:
-        with open(args.output, "w", encoding="utf-8") as out:
-            for rid in prompts.ids:
-                out.write(json.dumps({"id": rid, "token_ids": result.outputs[rid]}) + "\n")
+        lines = [json.dumps({"id": rid, "token_ids": result.outputs[rid]}) for rid in prompts.ids]
+        try:
+            output.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        except OSError as exc:
+            raise _UsageError(f"--output {args.output}: {exc.strerror or exc}") from exc
         print(_summary(result, cp, len(prompts.ids)))
     return 0
 

@@ -17,6 +17,7 @@ Needs ``transformers`` (``pip install helix_kv[hf]``); imported on first use.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,7 +140,7 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     """transformers' config object of a :data:`TINY_FAMILIES` entry (fields overridable)."""
     if family not in TINY_FAMILIES:
         raise ValueError(f"unknown family {family!r} (known: {', '.join(TINY_FAMILIES)})")
-    fields = {**TINY_FAMILIES[family], **overrides}
+    fields = copy.deepcopy({**TINY_FAMILIES[family], **overrides})  # transformers edits them
     return _transformers().AutoConfig.for_model(**fields)
 
 
@@ -202,6 +203,9 @@ def hf_greedy(
     transformers = _transformers()
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     model = model.to(device).eval()
+    # generate() fills what its config leaves unset from the model's own (DeepSeek's and
+    # Llama's configs name EOS ids 1 and 2): no EOS means none there either
+    model.generation_config.eos_token_id = eos_token_id
     tokens: dict[int, list[int]] = {}
     logits: dict[int, torch.Tensor] = {}
     for rid, prompt in prompts.items():

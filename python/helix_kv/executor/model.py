@@ -79,8 +79,8 @@ class RopeScaling:
     ``yarn``: long wavelengths). ``llama3``: ``low_freq_factor``, ``high_freq_factor``,
     ``original_max_position_embeddings``. ``yarn``: ``original_max_position_embeddings``,
     ``beta_fast`` / ``beta_slow`` (32 / 1 by default), ``mscale`` / ``mscale_all_dim`` (the
-    attention factor on cos / sin and, for MLA, the softmax scale), ``attention_factor``,
-    ``truncate``.
+    attention factor on cos / sin and, for MLA, the softmax scale; 0: not given, as
+    transformers reads a missing one), ``attention_factor``, ``truncate``.
     """
 
     rope_type: str = "default"
@@ -90,7 +90,7 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
+    mscale: float = 0.0
     mscale_all_dim: float = 0.0
     attention_factor: float | None = None
     truncate: bool = True
@@ -294,7 +294,7 @@ class MLAConfig:
     @property
     def softmax_scale(self) -> float:
         """``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times yarn's mscale squared."""
-        scale = 1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)
+        scale: float = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5  # as transformers
         return scale * (self.rope_scaling.softmax_scale_factor() if self.rope_scaling else 1.0)
 
     def to_dict(self) -> dict[str, object]:
