@@ -43,7 +43,9 @@ TPB = 16
 MAX_NEW = 24
 VOCAB = 128
 F32_TIE, F32_LOGITS = 1e-3, 2e-3
-BF16_TIE, BF16_LOGITS = 0.25, 0.25
+#: bf16: 0.25, or 3% of the largest logit where logits are larger (the tied Qwen2 model's
+#: reach about 20: bf16 rounds them to 1/16 and its 8-bit mantissa compounds over the layers)
+BF16_TIE, BF16_LOGITS, BF16_RELATIVE = 0.25, 0.25, 0.03
 #: (name, global KV tokens, host tier pages)
 POOLS = (("roomy", 4096, 0), ("tight", 160, 0), ("host_tier", 160, 64))
 #: (name, decode_kernel, cuda_graphs, overlap)
@@ -96,7 +98,11 @@ def run(path: Path, dtype: str, pool: tuple[str, int, int], mode: tuple) -> RunR
     return run_rank(prompts(), MAX_NEW, config)
 
 
-def check(result: RunResult, expected: OracleRun, tie: float, atol: float) -> None:
+def check(
+    result: RunResult, expected: OracleRun, tie: float, atol: float, relative: float = 0.0
+) -> None:
+    scale = max(float(logits.abs().max()) for logits in expected.logits.values())
+    tie, atol = max(tie, relative * scale), max(atol, relative * scale)
     for rid, tokens in expected.tokens.items():
         ours = result.outputs[rid]
         problem = first_divergence(ours, tokens, expected.logits[rid], tie)
@@ -125,4 +131,4 @@ def test_float32_equals_transformers_on_the_gpu(checkpoints, oracle, family, poo
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_within_a_logit_tolerance_of_transformers(checkpoints, oracle, family, mode):
     result = run(checkpoints[family], "bfloat16", POOLS[1], mode)
-    check(result, oracle[family, "bfloat16"], BF16_TIE, BF16_LOGITS)
+    check(result, oracle[family, "bfloat16"], BF16_TIE, BF16_LOGITS, BF16_RELATIVE)
