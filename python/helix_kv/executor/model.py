@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from helix_kv.executor import fused
 from helix_kv.executor.attention import (
     PartialAttention,
     all_gather_combine,
@@ -24,7 +25,6 @@ from helix_kv.executor.kv_pool import KVPool, StepBatch
 from helix_kv.executor.paged_attention import (
     DecodeWorkspace,
     paged_decode_attention,
-    write_paged_kv,
 )
 from helix_kv.executor.placement import RankPlacement
 
@@ -127,6 +127,8 @@ class TinyTransformer:
             )
         for weights in self.layers:  # one projection for q, k and v (same numbers)
             weights["wqkv"] = torch.cat([weights["wq"], weights["wk"], weights["wv"]], dim=1)
+            # and one for the MLP's gate and up (forward_decode: fused.silu_mul)
+            weights["w_gate_up"] = torch.cat([weights["w_gate"], weights["w_up"]], dim=1)
         self.final_norm = ones(c.hidden_size)
         if c.tie_embeddings:
             self.lm_head = self.embedding.t()
@@ -189,7 +191,8 @@ class TinyTransformer:
         The fast path of a decode-only step: no host work, no sync and no shape that depends on
         the data, so it can be captured in a CUDA graph (padding rows carry slot ``-1`` and
         local length ``0``: they write nothing and attend to nothing). Numerically the same
-        step as :meth:`forward` with ``decode_kernel=True``. ``workspace``: the split-K scratch
+        step as :meth:`forward` with ``decode_kernel=True``, to rounding: the norms, RoPE with
+        the KV write and the MLP activation run fused (:mod:`helix_kv.executor.fused`). ``workspace``: the split-K scratch
         every layer reuses (without one, a step that splits allocates its scratch).
 
         Speculative decoding: a request verifying ``k`` drafts has ``1 + k`` consecutive rows
@@ -204,11 +207,22 @@ class TinyTransformer:
         tpb = pool.placement.tokens_per_block
         hidden = self.embedding[rows.token_ids]
         cos, sin = self._rope_tables(rows.positions)
+        # Fused (helix_kv.executor.fused): each residual add with the norm after it, the
+        # QKV split with RoPE and the KV write, the MLP activation with its product.
+        delta = None  # what the next norm adds to the residual stream first
         for layer, weights in enumerate(self.layers):
-            attn_in = _rms_norm(hidden, weights["attn_norm"], c.rms_eps)
-            query, key, value = self._qkv(weights, attn_in, cos, sin)
+            attn_in, hidden = fused.add_rms_norm(hidden, delta, weights["attn_norm"], c.rms_eps)
             key_cache, value_cache = pool.key_cache[layer], pool.value_cache[layer]
-            write_paged_kv(key, value, rows.slots, key_cache, value_cache)
+            query = fused.rope_split_write(
+                attn_in @ weights["wqkv"],
+                cos,
+                sin,
+                rows.slots,
+                key_cache,
+                value_cache,
+                c.num_heads,
+                c.num_kv_heads,
+            )
             part = paged_decode_attention(
                 query,
                 key_cache,
@@ -222,14 +236,10 @@ class TinyTransformer:
                 tokens_per_superblock=pool.placement.tokens_per_superblock,
             )
             combined = combine(part)
-            hidden = (
-                hidden
-                + combined.output.to(hidden.dtype).reshape(hidden.shape[0], -1) @ weights["wo"]
-            )
-            mlp_in = _rms_norm(hidden, weights["mlp_norm"], c.rms_eps)
-            gate = torch.nn.functional.silu(mlp_in @ weights["w_gate"])
-            hidden = hidden + (gate * (mlp_in @ weights["w_up"])) @ weights["w_down"]
-        return _rms_norm(hidden, self.final_norm, c.rms_eps)
+            delta = combined.output.to(hidden.dtype).reshape(hidden.shape[0], -1) @ weights["wo"]
+            mlp_in, hidden = fused.add_rms_norm(hidden, delta, weights["mlp_norm"], c.rms_eps)
+            delta = fused.silu_mul(mlp_in @ weights["w_gate_up"]) @ weights["w_down"]
+        return fused.add_rms_norm(hidden, delta, self.final_norm, c.rms_eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits of the given hidden rows."""
