@@ -158,3 +158,55 @@ def silu_mul_kernel(
     g = gate.to(acc_type)
     activated = _round(g / (1.0 + tl.exp(-g)), dtype, ROUND)
     tl.store(out_ptr + row * stride_out + cols, (activated * up.to(acc_type)).to(dtype), mask=mask)
+
+
+@triton.jit
+def rope_tables_kernel(
+    positions_ptr,
+    inv_freq_ptr,
+    cos_ptr,
+    sin_ptr,
+    half,
+    stride_positions,
+    stride_cos_row,
+    stride_sin_row,
+    BLOCK_HALF: tl.constexpr,
+):
+    """One program per row: ``angle = position * inv_freq`` in float64, its cosine and sine
+    stored in the tables' dtype."""
+    row = tl.program_id(0)
+    j = tl.arange(0, BLOCK_HALF)
+    mask = j < half
+    position = tl.load(positions_ptr + row * stride_positions).to(tl.float64)
+    inv_freq = tl.load(inv_freq_ptr + j, mask=mask, other=0.0).to(tl.float64)
+    angle = position * inv_freq
+    cos_dst = cos_ptr + row * stride_cos_row + j
+    sin_dst = sin_ptr + row * stride_sin_row + j
+    tl.store(cos_dst, tl.cos(angle).to(cos_dst.dtype.element_ty), mask=mask)
+    tl.store(sin_dst, tl.sin(angle).to(sin_dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def argmax_rows_kernel(
+    x_ptr,
+    out_ptr,
+    width,
+    stride_x,
+    stride_out,
+    BLOCK: tl.constexpr,
+):
+    """One program per row: the first column of the row's largest value (``torch.argmax``
+    on rows without NaN), in blocks of ``BLOCK`` columns."""
+    row = tl.program_id(0)
+    best = tl.full([], float("-inf"), dtype=tl.float32)
+    best_index = tl.zeros([], dtype=tl.int64)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < width, other=float("-inf"))
+        value, index = tl.max(
+            x.to(tl.float32), axis=0, return_indices=True, return_indices_tie_break_left=True
+        )
+        better = value > best  # strictly: an equal value of a later block is not the first
+        best_index = tl.where(better, start + index.to(tl.int64), best_index)
+        best = tl.maximum(best, value)
+    tl.store(out_ptr + row * stride_out, best_index)

@@ -11,11 +11,15 @@ stores a tensor.
 * :func:`rope_split_write`: split a fused QKV projection, rotate q and k (rotate-half RoPE),
   store k and v at their slots of one layer's paged caches; returns the rotated queries.
 * :func:`silu_mul`: ``silu(gate) * up`` of a merged ``[gate | up]`` projection.
+* :func:`rope_tables`: the RoPE cosine and sine tables of a step's positions.
+* :func:`argmax`: the greedy token of each row of logits.
 
-The kernels (``_triton_fused.py``, imported on first use as the paged kernels are) run on
-CUDA tensors, and on CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1`` set
-before triton is first imported: the CPU tests do that); elsewhere (CPU tensors without the
-interpreter) each function runs its torch reference (``*_reference``: the unfused ops, as
+The kernels (``_triton_fused.py``, imported on first use as the paged kernels are) are
+compiled without floating-point contraction (a product fused into the sum after it would skip
+the rounding the unfused ops store). They run on CUDA tensors, and on CPU tensors through
+Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first imported: the CPU
+tests do that); elsewhere (CPU tensors without the interpreter) each function runs its torch
+reference (``*_reference``: the unfused ops, as
 :class:`~helix_kv.executor.model.TinyTransformer` runs them on its general path). None
 allocates anything but its outputs or syncs the host: they are safe to capture in a CUDA
 graph.
@@ -33,6 +37,8 @@ from helix_kv.executor.paged_attention import interpreted
 ROPE_BLOCK_HEADS = 8
 #: Columns one program of :func:`silu_mul` handles.
 SILU_BLOCK = 1024
+#: Columns one block of :func:`argmax` covers (a 32k vocabulary in one).
+ARGMAX_BLOCK = 32768
 
 
 def _kernels() -> ModuleType:
@@ -125,6 +131,7 @@ def add_rms_norm(
         ACC_FP64=acc_fp64,
         ROUND=round_,
         num_warps=max(1, min(16, block // 256)),
+        enable_fp_fusion=False,
     )
     return out, total
 
@@ -237,8 +244,86 @@ def rope_split_write(
         BLOCK_HALF=_next_power_of_2(half),
         ACC_FP64=acc_fp64,
         ROUND=round_,
+        enable_fp_fusion=False,
     )
     return query
+
+
+def rope_tables_reference(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE cosine and sine tables ``[rows, half]`` of ``positions``, unfused (float64
+    angles, cast to ``dtype``)."""
+    angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cosine and sine tables of :func:`rope_split_write` in one kernel.
+
+    Args:
+        positions: ``[rows]`` global positions (any int dtype and stride).
+        inv_freq: ``[half]`` inverse frequencies (float64).
+        dtype: the tables' dtype (the model's).
+
+    Returns:
+        ``cos, sin``: ``[rows, half]`` of ``positions * inv_freq``, computed in float64.
+    """
+    if positions.dim() != 1 or inv_freq.dim() != 1:
+        raise ValueError(
+            f"positions {tuple(positions.shape)} and inv_freq {tuple(inv_freq.shape)} "
+            "must be one-dimensional"
+        )
+    if not use_kernels(positions.device):
+        return rope_tables_reference(positions, inv_freq, dtype)
+    rows, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty((rows, half), dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    if rows == 0 or half == 0:
+        return cos, sin
+    _kernels().rope_tables_kernel[(rows,)](
+        positions,
+        inv_freq,
+        cos,
+        sin,
+        half,
+        positions.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        BLOCK_HALF=_next_power_of_2(half),
+    )
+    return cos, sin
+
+
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.argmax(logits, dim=-1)`` of ``[rows, width]`` rows in one kernel (the first
+    column of the largest value; rows holding NaN are not ranked as torch ranks them).
+
+    ``out``: ``[rows]`` int64 to write into (e.g. a view of a persistent buffer).
+    """
+    _rows(logits, "logits")
+    rows, width = logits.shape
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    elif out.shape != (rows,) or out.dtype != torch.int64:
+        raise ValueError(f"out must be [{rows}] int64, got {tuple(out.shape)} {out.dtype}")
+    if not use_kernels(logits.device) or width == 0:
+        return torch.argmax(logits, dim=-1, out=out)
+    if rows == 0:
+        return out
+    block = min(ARGMAX_BLOCK, _next_power_of_2(width))
+    _kernels().argmax_rows_kernel[(rows,)](
+        logits,
+        out,
+        width,
+        logits.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        num_warps=max(1, min(16, block // 1024)),
+    )
+    return out
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -276,6 +361,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         ACC_FP64=acc_fp64,
         ROUND=round_,
         num_warps=4,
+        enable_fp_fusion=False,
     )
     return out
 
@@ -283,10 +369,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
+    "argmax",
     "rms_norm_reference",
     "rope_reference",
     "rope_split_write",
     "rope_split_write_reference",
+    "rope_tables",
+    "rope_tables_reference",
     "silu_mul",
     "silu_mul_reference",
     "use_kernels",
