@@ -22,6 +22,7 @@ from helix_kv.executor.decode_step import (
 )
 from helix_kv.executor.model import TinyConfig, TinyTransformer
 from helix_kv.executor.paged_attention import (
+    DECODE_FULL_PROGRAMS,
     DECODE_MAX_SPLITS,
     DECODE_MIN_SPLIT_KEYS,
     DECODE_TARGET_PROGRAMS,
@@ -235,6 +236,9 @@ def test_split_rule():
     otherwise enough to reach the target, of whole pages, none wholly past the width."""
     assert decode_splits(256, 4, 66, 32) == 1  # 1024 programs: full already
     assert decode_splits(DECODE_TARGET_PROGRAMS, 1, 1000, 32) == 1
+    assert decode_splits(DECODE_FULL_PROGRAMS, 1, 1000, 32) == 1  # about every SM's fill
+    assert decode_splits(64, 8, 18, 32) == 1  # 512 programs
+    assert decode_splits(DECODE_FULL_PROGRAMS - 1, 1, 1000, 32) == 2  # up to the target
     assert decode_splits(1, 1, 1, 4096) == 1  # one page: nothing to split
     assert decode_splits(8, 2, 64, 4) == 1  # 256 keys: shorter than two minimum splits
     by_length = -(-(66 * 32) // DECODE_MIN_SPLIT_KEYS)
