@@ -169,6 +169,23 @@ def test_split_kernel_matches_reference(dtype, local_lens, kv_heads, group, head
     torch.testing.assert_close(lse, one_lse, atol=DTYPES[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_output_dtype_is_the_accumulation_output_rounded_once(splits):
+    """``out_dtype``: the output stored in that dtype (one rounding of the accumulation-dtype
+    result, as a cast of it), the LSE still in the accumulation dtype."""
+    dtype = next(iter(DTYPES))  # float64 on the CPU, float32 on a GPU
+    narrow = torch.float32 if dtype == torch.float64 else torch.bfloat16
+    p = paged_problem(9, [40, 0, 17, 33], 2, 2, 16, 4, dtype)
+    args = [p[k].to(DEVICE, dtype) for k in ("query", "key_cache", "value_cache")]
+    table, lens = p["block_table"].to(DEVICE, torch.int32), p["local_lens"].to(DEVICE)
+    wide = paged_decode_attention(*args, table, lens, 4, num_splits=splits)
+    part = paged_decode_attention(*args, table, lens, 4, num_splits=splits, out_dtype=narrow)
+    assert part.output.dtype == narrow
+    assert part.lse.dtype == wide.lse.dtype
+    assert torch.equal(part.output, wide.output.to(narrow))
+    assert torch.equal(part.lse, wide.lse)
+
+
 def test_split_kernel_overwrites_reused_scratch():
     """A workspace larger than the call and full of NaN, used twice: every split the combine
     reads is written by this call (empty splits too: LSE -inf, output 0), nothing past it."""

@@ -264,6 +264,7 @@ def paged_decode_attention(
     positions: torch.Tensor | None = None,
     rows_per_request: int = 1,
     tokens_per_superblock: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> PartialAttention:
     """Partial attention of one decode query per row over this rank's paged KV.
 
@@ -304,11 +305,14 @@ def paged_decode_attention(
         tokens_per_superblock: ``tokens_per_block * cp_size`` (with ``rows_per_request >
             1``: a row continues the one before it when its position is one more and its
             superblock id, at its position, the same).
+        out_dtype: dtype of ``output`` (default the accumulation dtype), e.g. the model's
+            at cp = 1, where the output goes straight into the output projection: stored
+            rounded once, as a cast of the accumulation-dtype output would be.
 
     Returns:
         :class:`~helix_kv.executor.attention.PartialAttention`: ``output``
-        ``[requests, q_heads, head_dim]`` and ``lse`` ``[requests, q_heads]`` in
-        :func:`~helix_kv.executor.attention.accumulation_dtype` of the query.
+        ``[requests, q_heads, head_dim]`` (``out_dtype``) and ``lse`` ``[requests, q_heads]``
+        in :func:`~helix_kv.executor.attention.accumulation_dtype` of the query.
     """
     requests, q_heads, head_dim = query.shape
     kv_heads = key_cache.shape[1]
@@ -344,7 +348,7 @@ def paged_decode_attention(
         )
     group = q_heads // kv_heads
     compute_dtype = accumulation_dtype(query.dtype)
-    output = query.new_empty(query.shape, dtype=compute_dtype)
+    output = query.new_empty(query.shape, dtype=out_dtype or compute_dtype)
     lse = query.new_empty((requests, q_heads), dtype=compute_dtype)
     if requests == 0:
         return PartialAttention(output, lse)
