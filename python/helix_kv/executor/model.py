@@ -192,8 +192,9 @@ class TinyTransformer:
         the data, so it can be captured in a CUDA graph (padding rows carry slot ``-1`` and
         local length ``0``: they write nothing and attend to nothing). Numerically the same
         step as :meth:`forward` with ``decode_kernel=True``, to rounding: the norms, RoPE with
-        the KV write and the MLP activation run fused (:mod:`helix_kv.executor.fused`). ``workspace``: the split-K scratch
-        every layer reuses (without one, a step that splits allocates its scratch).
+        the KV write and the MLP activation run fused (:mod:`helix_kv.executor.fused`).
+        ``workspace``: the split-K scratch every layer reuses (without one, a step that
+        splits allocates its scratch).
 
         Speculative decoding: a request verifying ``k`` drafts has ``1 + k`` consecutive rows
         (``Scheduler.write_decode_rows``: its decode token, then each draft, each row's local
@@ -206,7 +207,7 @@ class TinyTransformer:
         c = self.config
         tpb = pool.placement.tokens_per_block
         hidden = self.embedding[rows.token_ids]
-        cos, sin = self._rope_tables(rows.positions)
+        cos, sin = fused.rope_tables(rows.positions, self._inv_freq, self.dtype)
         # Fused (helix_kv.executor.fused): each residual add with the norm after it, the
         # QKV split with RoPE and the KV write, the MLP activation with its product.
         delta = None  # what the next norm adds to the residual stream first
@@ -234,6 +235,8 @@ class TinyTransformer:
                 positions=rows.positions,
                 rows_per_request=rows_per_request,
                 tokens_per_superblock=pool.placement.tokens_per_superblock,
+                # one rank: the output feeds wo as it is (no combine, no cast)
+                out_dtype=self.dtype if pool.placement.cp_size == 1 else None,
             )
             combined = combine(part)
             delta = combined.output.to(hidden.dtype).reshape(hidden.shape[0], -1) @ weights["wo"]
