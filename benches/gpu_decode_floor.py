@@ -163,6 +163,7 @@ def llama_family(args: argparse.Namespace, dtype: torch.dtype, device: torch.dev
     parts = [
         (model_module, "_rms_norm", "norm"),
         (model_module, "_apply_rope", "rope"),
+        (model_module + ".TinyTransformer", "_rope_tables", "rope"),
         (model_module, "write_paged_kv", "kv write"),
         (model_module, "paged_decode_attention", "attention"),
         ("torch.nn.functional", "silu", "activation"),
@@ -170,6 +171,8 @@ def llama_family(args: argparse.Namespace, dtype: torch.dtype, device: torch.dev
         (fused_module, "add_rms_norm", "norm"),
         (fused_module, "rope_split_write", "rope+kv write"),
         (fused_module, "silu_mul", "activation"),
+        (fused_module, "rope_tables", "rope"),
+        (fused_module, "argmax", "lm_head/argmax"),
         (model_module + ".TinyTransformer", "logits", "lm_head/argmax"),
         ("torch", "argmax", "lm_head/argmax"),
     ]
@@ -212,9 +215,16 @@ def _resolve(path: str) -> Any:
             return None
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 @contextlib.contextmanager
 def part_ranges(parts: list[tuple[str, str, str]]) -> Iterator[None]:
-    """While open, each listed function runs inside a ``record_function("part:<part>")``."""
+    """While open, each listed function runs inside a ``record_function("part:<part>")``
+    range, the device synchronized before the range and at its end: every kernel the call
+    launches runs inside the range's time span, and no other kernel does."""
     undo = []
     for path, name, part in parts:
         owner = _resolve(path)
@@ -223,8 +233,11 @@ def part_ranges(parts: list[tuple[str, str, str]]) -> Iterator[None]:
             continue
 
         def wrapped(*a: Any, _f: Any = original, _p: str = part, **k: Any) -> Any:
+            _synchronize()
             with torch.profiler.record_function("part:" + _p):
-                return _f(*a, **k)
+                result = _f(*a, **k)
+                _synchronize()
+            return result
 
         setattr(owner, name, wrapped)
         undo.append((owner, name, original))
@@ -377,16 +390,10 @@ def graph_kernels(setup: Setup, replays: int = 5) -> tuple[float, int, dict[str,
     return sum(by_name.values()), count // replays, dict(by_name)
 
 
-def _part_of(event: Any) -> str | None:
-    while event is not None:
-        if event.name.startswith("part:"):
-            return str(event.name[5:])
-        event = event.cpu_parent
-    return None
-
-
 def eager_parts(family: Family, setup: Setup) -> dict[str, float]:
-    """Kernel seconds of one eager step by part (each kernel under its launching range)."""
+    """Kernel seconds of one eager step by part: a kernel that ran inside a part's range
+    (the innermost) is that part's; any other is a GEMM or other by its name. Triton's
+    launches are no torch ops, so kernels are placed by time, not by their launching op."""
     from torch.profiler import ProfilerActivity, profile
 
     from helix_kv.executor.decode_step import DecodeStep
@@ -396,28 +403,34 @@ def eager_parts(family: Family, setup: Setup) -> dict[str, float]:
         combine = setup.combine
 
         def ranged_combine(partial: Any) -> Any:
+            _synchronize()
             with torch.profiler.record_function("part:combine"):
-                return combine(partial)
+                result = combine(partial)
+                _synchronize()
+            return result
 
         eager.combine = ranged_combine
         eager.launch(setup.rows)  # warm-up
-        torch.cuda.synchronize()
+        _synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             eager.launch(setup.rows)
-            torch.cuda.synchronize()
+            _synchronize()
     setup.metadata.release_all()
+    ranges = [
+        (e.time_range.start, e.time_range.end, e.name[5:])
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("part:")
+    ]
     parts: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CPU or not event.kernels:
+    for kernel in _kernel_events(prof):
+        name = kernel.name.lower()
+        if "memcpy" in name or "memset" in name:
             continue
-        for kernel in event.kernels:
-            name = kernel.name.lower()
-            if "memcpy" in name or "memset" in name:
-                continue
-            part = _part_of(event)
-            if part is None:
-                part = "gemm" if GEMM_KERNEL.search(kernel.name) else "other"
-            parts[part] += kernel.duration / 1e6
+        middle = (kernel.time_range.start + kernel.time_range.end) / 2
+        inside = [(end - start, part) for start, end, part in ranges if start <= middle <= end]
+        by_name = "gemm" if GEMM_KERNEL.search(kernel.name) else "other"
+        part = min(inside)[1] if inside else by_name
+        parts[part] += kernel.time_range.elapsed_us() / 1e6
     return dict(parts)
 
 
