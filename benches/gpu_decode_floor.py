@@ -424,7 +424,8 @@ def eager_parts(family: Family, setup: Setup) -> dict[str, float]:
     parts: dict[str, float] = defaultdict(float)
     for kernel in _kernel_events(prof):
         name = kernel.name.lower()
-        if "memcpy" in name or "memset" in name:
+        # the ranges' own spans on the GPU timeline (user annotations) are no kernels
+        if "memcpy" in name or "memset" in name or kernel.name.startswith("part:"):
             continue
         middle = (kernel.time_range.start + kernel.time_range.end) / 2
         inside = [(end - start, part) for start, end, part in ranges if start <= middle <= end]
