@@ -22,6 +22,7 @@ from helix_kv.executor.decode_step import (
 )
 from helix_kv.executor.model import TinyConfig, TinyTransformer
 from helix_kv.executor.paged_attention import (
+    DECODE_FULL_PROGRAMS,
     DECODE_MAX_SPLITS,
     DECODE_MIN_SPLIT_KEYS,
     DECODE_TARGET_PROGRAMS,
@@ -168,6 +169,23 @@ def test_split_kernel_matches_reference(dtype, local_lens, kv_heads, group, head
     torch.testing.assert_close(lse, one_lse, atol=DTYPES[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_output_dtype_is_the_accumulation_output_rounded_once(splits):
+    """``out_dtype``: the output stored in that dtype (one rounding of the accumulation-dtype
+    result, as a cast of it), the LSE still in the accumulation dtype."""
+    dtype = next(iter(DTYPES))  # float64 on the CPU, float32 on a GPU
+    narrow = torch.float32 if dtype == torch.float64 else torch.bfloat16
+    p = paged_problem(9, [40, 0, 17, 33], 2, 2, 16, 4, dtype)
+    args = [p[k].to(DEVICE, dtype) for k in ("query", "key_cache", "value_cache")]
+    table, lens = p["block_table"].to(DEVICE, torch.int32), p["local_lens"].to(DEVICE)
+    wide = paged_decode_attention(*args, table, lens, 4, num_splits=splits)
+    part = paged_decode_attention(*args, table, lens, 4, num_splits=splits, out_dtype=narrow)
+    assert part.output.dtype == narrow
+    assert part.lse.dtype == wide.lse.dtype
+    assert torch.equal(part.output, wide.output.to(narrow))
+    assert torch.equal(part.lse, wide.lse)
+
+
 def test_split_kernel_overwrites_reused_scratch():
     """A workspace larger than the call and full of NaN, used twice: every split the combine
     reads is written by this call (empty splits too: LSE -inf, output 0), nothing past it."""
@@ -235,6 +253,9 @@ def test_split_rule():
     otherwise enough to reach the target, of whole pages, none wholly past the width."""
     assert decode_splits(256, 4, 66, 32) == 1  # 1024 programs: full already
     assert decode_splits(DECODE_TARGET_PROGRAMS, 1, 1000, 32) == 1
+    assert decode_splits(DECODE_FULL_PROGRAMS, 1, 1000, 32) == 1  # about every SM's fill
+    assert decode_splits(64, 8, 18, 32) == 1  # 512 programs
+    assert decode_splits(DECODE_FULL_PROGRAMS - 1, 1, 1000, 32) == 2  # up to the target
     assert decode_splits(1, 1, 1, 4096) == 1  # one page: nothing to split
     assert decode_splits(8, 2, 64, 4) == 1  # 256 keys: shorter than two minimum splits
     by_length = -(-(66 * 32) // DECODE_MIN_SPLIT_KEYS)

@@ -169,14 +169,16 @@ def all_gather_combine(
     ``all_gather_into_tensor`` on NCCL).
     The gathered list is in rank order on every rank, so every rank computes bit-identical
     combined outputs. Without an initialised process group, or in a group of one, this is
-    the local combine (empty rows become zero).
+    the local combine, which returns ``partial`` itself (one partial combines to itself).
     """
     if not dist.is_available() or not dist.is_initialized():
         world = 1
     else:
         world = dist.get_world_size(group)
     if world == 1:
-        return combine_partials(partial.output.unsqueeze(0), partial.lse.unsqueeze(0))
+        # the combine of one partial is the partial (weight exp(0) = 1; an empty row's
+        # output is already 0): no kernels
+        return partial
     packed = torch.cat([partial.output, partial.lse.unsqueeze(-1)], dim=-1).contiguous()
     if dist.get_backend(group) == dist.Backend.NCCL:
         # one flat receive buffer, no per-rank copies: ranks stacked along dim 0

@@ -59,6 +59,7 @@ from helix_kv._core import (
     InvalidLengthError,
     InvalidTypeError,
 )
+from helix_kv.executor import fused
 from helix_kv.executor.kv_pool import KVPool
 from helix_kv.executor.model import Combine, DecodeRows, Transformer
 from helix_kv.executor.overlap import HostTokens
@@ -556,7 +557,7 @@ class DecodeStep:
         )
         logits = self.model.logits(hidden)
         self.logits[:bucket].copy_(logits)
-        torch.argmax(logits, dim=-1, out=self.tokens[:bucket])
+        fused.argmax(logits, out=self.tokens[:bucket])
 
     def _capture(self) -> None:
         # Every row padding, in both staging buffers: warm-up and capture write no KV and

@@ -34,6 +34,7 @@ from typing import Callable, NamedTuple, Union
 import torch
 import torch.distributed as dist
 
+from helix_kv.executor import fused
 from helix_kv.executor.attention import (
     PartialAttention,
     all_gather_combine,
@@ -463,9 +464,11 @@ class Transformer:
         The fast path of a decode-only step: no host work, no sync and no shape that depends on
         the data, so it can be captured in a CUDA graph (padding rows carry slot ``-1`` and
         local length ``0``: they write nothing and attend to nothing). Numerically the same
-        step as :meth:`forward` with ``decode_kernel=True``. ``workspace``: the split-K scratch
-        every layer reuses (:meth:`decode_workspace`; without one, a step that splits
-        allocates its scratch).
+        step as :meth:`forward` with ``decode_kernel=True``, to rounding: the norms, the Llama
+        family's RoPE with its KV write and the MLP activation run fused
+        (:mod:`helix_kv.executor.fused`). ``workspace``: the split-K scratch every layer
+        reuses (:meth:`decode_workspace`; without one, a step that splits allocates its
+        scratch).
 
         Speculative decoding: a request verifying ``k`` drafts has ``1 + k`` consecutive rows
         (``Scheduler.write_decode_rows``: its decode token, then each draft, each row's local
@@ -475,17 +478,36 @@ class Transformer:
         one kernel program (each key block loaded once for all of them; Llama family only).
         """
         combine = combine or all_gather_combine
-        hidden = self.embedding[rows.token_ids]
-        cos, sin = self._rope_tables(rows.positions)
+        c = self.config
         tpb = pool.placement.tokens_per_block
+        hidden = self.embedding[rows.token_ids]
+        if self.rope_factor == 1.0:
+            cos, sin = fused.rope_tables(rows.positions, self.rope_inv_freq, self.dtype)
+        else:  # yarn's attention factor on the tables
+            cos, sin = self._rope_tables(rows.positions)
+        # one rank: the attention output feeds the output projection as it is (no combine,
+        # no cast)
+        out_dtype = self.dtype if pool.placement.cp_size == 1 and not self.mla else None
+        # Fused (helix_kv.executor.fused): each residual add with the norm after it, the
+        # Llama QKV split with RoPE and the KV write, the MLP activation with its product.
+        delta = None  # what the next norm adds to the residual stream first
         for layer, weights in enumerate(self.layers):
-            attn_in = _rms_norm(hidden, weights["attn_norm"], self.config.rms_eps)
-            query, key, value = self._project(weights, attn_in, cos, sin)
+            attn_in, hidden = fused.add_rms_norm(hidden, delta, weights["attn_norm"], c.rms_eps)
             key_cache, value_cache = pool.key_cache[layer], pool.value_cache[layer]
-            if self.mla:
-                write_paged_kv(key, None, rows.slots, key_cache, None)
+            if isinstance(c, LlamaConfig):
+                query = fused.rope_split_write(
+                    _linear(attn_in, weights["wqkv"], weights.get("bqkv")),
+                    cos,
+                    sin,
+                    rows.slots,
+                    key_cache,
+                    value_cache,
+                    c.num_heads,
+                    c.num_kv_heads,
+                )
             else:
-                write_paged_kv(key, value, rows.slots, key_cache, value_cache)
+                query, key, _ = self._project(weights, attn_in, cos, sin)
+                write_paged_kv(key, None, rows.slots, key_cache, None)
             part = self._decode_attention(
                 query,
                 pool,
@@ -496,10 +518,13 @@ class Transformer:
                 workspace,
                 rows.positions,
                 rows_per_request,
+                out_dtype,
             )
-            hidden = hidden + self._attention_output(weights, combine(part))
-            hidden = hidden + self._mlp(weights, hidden)
-        return _rms_norm(hidden, self.final_norm, self.config.rms_eps)
+            delta = self._attention_output(weights, combine(part))
+            mlp_in, hidden = fused.add_rms_norm(hidden, delta, weights["mlp_norm"], c.rms_eps)
+            gate_up = _linear(mlp_in, weights["w_gate_up"], weights.get("b_gate_up"))
+            delta = _linear(fused.silu_mul(gate_up), weights["w_down"], weights.get("b_down"))
+        return fused.add_rms_norm(hidden, delta, self.final_norm, c.rms_eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits of the given hidden rows."""
@@ -565,8 +590,10 @@ class Transformer:
         workspace: DecodeWorkspace | None = None,
         positions: torch.Tensor | None = None,
         rows_per_request: int = 1,
+        out_dtype: torch.dtype | None = None,
     ) -> PartialAttention:
-        """The paged kernel of the family over one layer of the pool, one query per row."""
+        """The paged kernel of the family over one layer of the pool, one query per row
+        (``out_dtype``: the Llama kernel's output dtype, ``None`` for the accumulation's)."""
         c = self.config
         if isinstance(c, MLAConfig):
             return paged_mla_decode_attention(
@@ -590,6 +617,7 @@ class Transformer:
             positions=positions,
             rows_per_request=rows_per_request,
             tokens_per_superblock=pool.placement.tokens_per_superblock,
+            out_dtype=out_dtype,
         )
 
     def _attend_batch(
@@ -733,10 +761,14 @@ def _random_weights(
 
 
 def _fuse(config: ModelConfig, w: LayerWeights) -> LayerWeights:
-    """A layer's weights plus the fused forms the forward reads: Llama ``wqkv`` (and
-    ``bqkv``); MLA ``w_in`` (the query or ``q_a`` projection beside ``kv_a``, one GEMM),
-    ``b_in``, and the up-projection split per head, ``w_uk`` ``[heads, nope, latent]`` and
-    ``w_uv`` ``[heads, v, latent]``."""
+    """A layer's weights plus the fused forms the forward reads: ``w_gate_up`` (and
+    ``b_gate_up``); Llama ``wqkv`` (and ``bqkv``); MLA ``w_in`` (the query or ``q_a``
+    projection beside ``kv_a``, one GEMM), ``b_in``, and the up-projection split per head,
+    ``w_uk`` ``[heads, nope, latent]`` and ``w_uv`` ``[heads, v, latent]``."""
+    # the MLP's gate and up in one GEMM (forward_decode: fused.silu_mul)
+    w["w_gate_up"] = torch.cat([w["w_gate"], w["w_up"]], dim=1)
+    if config.mlp_bias:
+        w["b_gate_up"] = torch.cat([w["b_gate"], w["b_up"]])
     if isinstance(config, LlamaConfig):
         w["wqkv"] = torch.cat([w["wq"], w["wk"], w["wv"]], dim=1)
         if config.qkv_bias:

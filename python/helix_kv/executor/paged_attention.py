@@ -50,6 +50,11 @@ _DOT_MIN = 16
 #: Programs (request x kv head x split) the split rule aims for: a few per SM of an H200
 #: (132 SMs), so that short batches of long requests still fill the device.
 DECODE_TARGET_PROGRAMS = 4 * 132
+#: Programs at and above which the rule takes one split: about the resident programs of the
+#: device (three per SM at 128-wide heads). Seen on one H200 (Llama shape, 8 kv heads of 128,
+#: bf16, graph replay): 64 requests of 576 keys (512 programs) in one split 43 us, in two
+#: 51 us; of 2112 keys 132 us against 140 us.
+DECODE_FULL_PROGRAMS = 3 * 132
 #: Fewest keys (of the widest request) per split: shorter splits cost more to combine than
 #: they save.
 DECODE_MIN_SPLIT_KEYS = 256
@@ -116,12 +121,13 @@ def decode_splits(
     A deterministic rule on static sizes only (the rows, the kv heads, the block table's width
     in pages: a CUDA graph bucket's capacities), so the count of a captured bucket is fixed and
     the same on every rank. One split while ``requests * kv_heads`` programs already reach
-    :data:`DECODE_TARGET_PROGRAMS`; otherwise enough splits to reach it, no more than
+    :data:`DECODE_FULL_PROGRAMS`; otherwise enough splits to reach
+    :data:`DECODE_TARGET_PROGRAMS`, no more than
     ``max_splits``, none shorter than :data:`DECODE_MIN_SPLIT_KEYS` keys of the widest
     request, and every split a whole number of pages with no split wholly past the width.
     """
     programs = max(1, requests * kv_heads)
-    if width_pages <= 1 or programs >= DECODE_TARGET_PROGRAMS or max_splits <= 1:
+    if width_pages <= 1 or programs >= DECODE_FULL_PROGRAMS or max_splits <= 1:
         return 1
     wanted = -(-DECODE_TARGET_PROGRAMS // programs)
     by_length = -(-(width_pages * tokens_per_block) // DECODE_MIN_SPLIT_KEYS)
@@ -332,6 +338,7 @@ def paged_decode_attention(
     positions: torch.Tensor | None = None,
     rows_per_request: int = 1,
     tokens_per_superblock: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> PartialAttention:
     """Partial attention of one decode query per row over this rank's paged KV.
 
@@ -372,11 +379,14 @@ def paged_decode_attention(
         tokens_per_superblock: ``tokens_per_block * cp_size`` (with ``rows_per_request >
             1``: a row continues the one before it when its position is one more and its
             superblock id, at its position, the same).
+        out_dtype: dtype of ``output`` (default the accumulation dtype), e.g. the model's
+            at cp = 1, where the output goes straight into the output projection: stored
+            rounded once, as a cast of the accumulation-dtype output would be.
 
     Returns:
         :class:`~helix_kv.executor.attention.PartialAttention`: ``output``
-        ``[requests, q_heads, head_dim]`` and ``lse`` ``[requests, q_heads]`` in
-        :func:`~helix_kv.executor.attention.accumulation_dtype` of the query.
+        ``[requests, q_heads, head_dim]`` (``out_dtype``) and ``lse`` ``[requests, q_heads]``
+        in :func:`~helix_kv.executor.attention.accumulation_dtype` of the query.
     """
     requests, q_heads, head_dim = query.shape
     kv_heads = key_cache.shape[1]
@@ -412,7 +422,7 @@ def paged_decode_attention(
         )
     group = q_heads // kv_heads
     compute_dtype = accumulation_dtype(query.dtype)
-    output = query.new_empty(query.shape, dtype=compute_dtype)
+    output = query.new_empty(query.shape, dtype=out_dtype or compute_dtype)
     lse = query.new_empty((requests, q_heads), dtype=compute_dtype)
     if requests == 0:
         return PartialAttention(output, lse)
@@ -790,6 +800,7 @@ def write_paged_kv(
 
 __all__ = [
     "DECODE_BLOCK_KEYS",
+    "DECODE_FULL_PROGRAMS",
     "DECODE_MAX_SPLITS",
     "DECODE_MIN_SPLIT_KEYS",
     "DECODE_TARGET_PROGRAMS",
