@@ -15,6 +15,8 @@ from helix_kv.executor.fused import (
     add_rms_norm,
     add_rms_norm_reference,
     argmax,
+    mla_rope_norm_write,
+    mla_rope_norm_write_reference,
     rope_split_write,
     rope_split_write_reference,
     rope_tables,
@@ -97,6 +99,36 @@ def rope_problem(dtype: torch.dtype, rows: int, q_heads: int, kv_heads: int, hea
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "nope", "latent", "rope"), [(4, 16, 24, 8), (3, 8, 20, 6)])
+def test_mla_rope_norm_write_matches_reference(dtype, heads, nope, latent, rope):
+    """The MLA projection's RoPE, latent norm and write: queries' RoPE parts in place, owned
+    rows' latents normed and keys rotated at their slots, nothing else written."""
+    rows = 5
+    fused_in = randn(rows, heads * (nope + rope) + latent + rope + 3, dtype=dtype, seed=4)
+    q = fused_in[:, : heads * (nope + rope)].view(rows, heads, nope + rope)  # strided rows
+    kv = fused_in[:, heads * (nope + rope) : heads * (nope + rope) + latent + rope]
+    positions = torch.tensor([0, 3, 9, 17, 40], device=device())
+    cos, sin = tables(positions, rope, dtype)
+    slots = torch.tensor([2, -1, 7, 0, -1], device=device())
+    weight = 1 + randn(latent, dtype=dtype, seed=5) / 10
+    caches = [torch.full((10, 1, latent + rope), float("nan"), dtype=dtype, device=device())]
+    caches.append(caches[0].clone())
+    queries = [torch.full((rows, heads, latent + rope), 7.0, dtype=dtype, device=device())]
+    queries.append(queries[0].clone())
+    mla_rope_norm_write(q, kv, cos, sin, slots, caches[0], weight, EPS, queries[0])
+    mla_rope_norm_write_reference(q, kv, cos, sin, slots, caches[1], weight, EPS, queries[1])
+    assert relative(queries[0][..., latent:], queries[1][..., latent:]) < TOL[dtype]
+    assert (queries[0][..., :latent] == 7.0).all()  # the latent part is the caller's
+    owned = slots[slots >= 0].long()
+    assert relative(caches[0][owned], caches[1][owned]) < TOL[dtype]
+    untouched = torch.ones(10, dtype=torch.bool, device=device())
+    untouched[owned] = False
+    assert torch.isnan(caches[0][untouched]).all()
+    with pytest.raises(ValueError, match="latent"):
+        mla_rope_norm_write(q, kv, cos, sin, slots, caches[0], weight, EPS, queries[0][..., 1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(4, 2, 16), (6, 3, 12)])
 def test_rope_split_write_matches_reference(dtype, q_heads, kv_heads, head_dim):
     qkv, cos, sin, slots, (k_cache, v_cache) = rope_problem(dtype, 5, q_heads, kv_heads, head_dim)
@@ -138,13 +170,13 @@ def test_rope_tables_match_the_models(dtype):
 
     model = TinyTransformer(TinyConfig(head_dim=12), dtype=dtype, device=device())
     positions = torch.tensor([0, 5, 1023, 77, 4096], dtype=torch.int32, device=device())
-    cos, sin = rope_tables(positions[::2], model._inv_freq, dtype)  # a strided column
+    cos, sin = rope_tables(positions[::2], model.rope_inv_freq, dtype)  # a strided column
     ref_cos, ref_sin = model._rope_tables(positions[::2])
     assert cos.shape == (3, 6)
     assert cos.dtype == dtype
     assert relative(cos, ref_cos) < TOL[dtype]
     assert relative(sin, ref_sin) < TOL[dtype]
-    ref = rope_tables_reference(positions[::2], model._inv_freq, dtype)
+    ref = rope_tables_reference(positions[::2], model.rope_inv_freq, dtype)
     assert relative(cos, ref[0]) < TOL[dtype]
     assert relative(sin, ref[1]) < TOL[dtype]
 

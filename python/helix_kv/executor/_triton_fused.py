@@ -210,3 +210,77 @@ def argmax_rows_kernel(
         best_index = tl.where(better, start + index.to(tl.int64), best_index)
         best = tl.maximum(best, value)
     tl.store(out_ptr + row * stride_out, best_index)
+
+
+@triton.jit
+def mla_rope_norm_write_kernel(
+    q_ptr,
+    kv_ptr,
+    cos_ptr,
+    sin_ptr,
+    slots_ptr,
+    norm_ptr,
+    query_ptr,
+    cache_ptr,
+    heads,
+    nope,
+    latent,
+    half,
+    eps,
+    stride_q_row,
+    stride_q_head,
+    stride_kv_row,
+    stride_cos_row,
+    stride_sin_row,
+    stride_slots,
+    stride_query_row,
+    stride_query_head,
+    stride_cache_slot,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_LATENT: tl.constexpr,
+    ACC_FP64: tl.constexpr,
+    ROUND: tl.constexpr,
+):
+    """One program per row of an MLA decode step: the query heads' RoPE parts rotated into
+    ``query[:, :, latent:]``; the latent RMS-normed and the shared RoPE key rotated into the
+    row's cache slot (none where it is ``< 0``). Each op rounded as the unfused ones store it."""
+    row = tl.program_id(0)
+    acc_type = tl.float64 if ACC_FP64 else tl.float32
+    j = tl.arange(0, BLOCK_HALF)
+    j_mask = j < half
+    cos = tl.load(cos_ptr + row * stride_cos_row + j, mask=j_mask, other=0.0).to(acc_type)
+    sin = tl.load(sin_ptr + row * stride_sin_row + j, mask=j_mask, other=0.0).to(acc_type)
+    # the query heads' RoPE parts
+    h = tl.arange(0, BLOCK_HEADS)
+    mask = (h < heads)[:, None] & j_mask[None, :]
+    src = q_ptr + row * stride_q_row + h[:, None] * stride_q_head + nope + j[None, :]
+    first = tl.load(src, mask=mask, other=0.0)
+    second = tl.load(src + half, mask=mask, other=0.0)
+    dtype = first.dtype
+    x1, x2 = first.to(acc_type), second.to(acc_type)
+    r1 = _round(x1 * cos[None, :], dtype, ROUND) - _round(x2 * sin[None, :], dtype, ROUND)
+    r2 = _round(x2 * cos[None, :], dtype, ROUND) + _round(x1 * sin[None, :], dtype, ROUND)
+    dst = query_ptr + row * stride_query_row + h[:, None] * stride_query_head + latent + j[None, :]
+    tl.store(dst, r1.to(dtype), mask=mask)
+    tl.store(dst + half, r2.to(dtype), mask=mask)
+    slot = tl.load(slots_ptr + row * stride_slots).to(tl.int64)
+    if slot >= 0:
+        cache_type = cache_ptr.dtype.element_ty
+        # the latent, RMS-normed
+        cols = tl.arange(0, BLOCK_LATENT)
+        c_mask = cols < latent
+        x = tl.load(kv_ptr + row * stride_kv_row + cols, mask=c_mask, other=0.0).to(acc_type)
+        mean_square = tl.sum(x * x, axis=0) / latent
+        normed = _round(x * (1.0 / tl.sqrt(mean_square + eps)), dtype, ROUND)
+        weight = tl.load(norm_ptr + cols, mask=c_mask, other=0.0).to(acc_type)
+        out = cache_ptr + slot * stride_cache_slot
+        tl.store(out + cols, (normed * weight).to(dtype).to(cache_type), mask=c_mask)
+        # the shared RoPE key
+        k1 = tl.load(kv_ptr + row * stride_kv_row + latent + j, mask=j_mask, other=0.0)
+        k2 = tl.load(kv_ptr + row * stride_kv_row + latent + half + j, mask=j_mask, other=0.0)
+        k1, k2 = k1.to(acc_type), k2.to(acc_type)
+        s1 = _round(k1 * cos, dtype, ROUND) - _round(k2 * sin, dtype, ROUND)
+        s2 = _round(k2 * cos, dtype, ROUND) + _round(k1 * sin, dtype, ROUND)
+        tl.store(out + latent + j, s1.to(dtype).to(cache_type), mask=j_mask)
+        tl.store(out + latent + half + j, s2.to(dtype).to(cache_type), mask=j_mask)

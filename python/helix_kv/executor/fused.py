@@ -249,6 +249,115 @@ def rope_split_write(
     return query
 
 
+def mla_rope_norm_write_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    latent_cache: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    query: torch.Tensor,
+) -> None:
+    """:func:`mla_rope_norm_write` unfused."""
+    latent = norm_weight.shape[0]
+    nope = q.shape[-1] - (kv.shape[-1] - latent)
+    query[..., latent:] = rope_reference(q[..., nope:], cos, sin)
+    owned = slots >= 0
+    index = slots[owned].long()
+    work = kv[:, :latent]
+    work = work.float() if work.dtype in (torch.float16, torch.bfloat16) else work
+    normed = work * torch.rsqrt(work.pow(2).mean(dim=-1, keepdim=True) + eps)
+    row = torch.cat(
+        [norm_weight * normed.to(kv.dtype), rope_reference(kv[:, None, latent:], cos, sin)[:, 0]],
+        dim=-1,
+    )
+    latent_cache[index, 0] = row[owned].to(latent_cache.dtype)
+
+
+def mla_rope_norm_write(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    latent_cache: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    query: torch.Tensor,
+) -> None:
+    """The RoPE, norm and KV write of an MLA decode step in one kernel (a program per row).
+
+    Args:
+        q: ``[rows, heads, nope + rope]`` the query projection (last dim contiguous).
+        kv: ``[rows, latent + rope]`` the ``kv_a`` projection (contiguous rows).
+        cos, sin: ``[rows, rope / 2]`` RoPE tables (``q``'s dtype).
+        slots: ``[rows]`` each row's slot on this rank, ``< 0`` for none.
+        latent_cache: one layer of a latent pool, ``[slots, 1, latent + rope]``.
+        norm_weight: ``[latent]`` the latent's RMSNorm weight; ``eps`` its epsilon.
+        query: ``[rows, heads, latent + rope]`` the absorbed query: its RoPE part
+            (``[..., latent:]``) is written here, the rotated ``q[..., nope:]``.
+
+    Stores, at each owned row's slot, the RMS-normed latent and the rotated shared key.
+    """
+    rows, heads, qk = q.shape
+    latent = norm_weight.shape[0]
+    rope = kv.shape[-1] - latent
+    if (
+        rope < 2
+        or rope % 2
+        or qk <= rope
+        or query.shape != (rows, heads, latent + rope)
+        or latent_cache.shape[1:] != (1, latent + rope)
+        or kv.shape[0] != rows
+    ):
+        raise ValueError(
+            f"q {tuple(q.shape)}, kv {tuple(kv.shape)}, query {tuple(query.shape)} and the "
+            f"cache {tuple(latent_cache.shape)} do not fit a latent of {latent}"
+        )
+    half = rope // 2
+    if cos.shape != (rows, half) or sin.shape != (rows, half):
+        raise ValueError(f"tables {tuple(cos.shape)} / {tuple(sin.shape)} are not [{rows}, {half}]")
+    if not use_kernels(q.device):
+        mla_rope_norm_write_reference(q, kv, cos, sin, slots, latent_cache, norm_weight, eps, query)
+        return
+    if rows == 0:
+        return
+    for name, tensor in (("q", q), ("kv", kv), ("query", query), ("latent_cache", latent_cache)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim")
+    acc_fp64, round_ = _flags(q.dtype)
+    _kernels().mla_rope_norm_write_kernel[(rows,)](
+        q,
+        kv,
+        cos,
+        sin,
+        slots,
+        norm_weight,
+        query,
+        latent_cache,
+        heads,
+        qk - rope,
+        latent,
+        half,
+        eps,
+        *q.stride()[:2],
+        kv.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        slots.stride(0),
+        *query.stride()[:2],
+        latent_cache.stride(0),
+        BLOCK_HEADS=_next_power_of_2(heads),
+        BLOCK_HALF=_next_power_of_2(half),
+        BLOCK_LATENT=_next_power_of_2(latent),
+        ACC_FP64=acc_fp64,
+        ROUND=round_,
+        enable_fp_fusion=False,
+    )
+
+
 def rope_tables_reference(
     positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,6 +479,8 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
     "argmax",
+    "mla_rope_norm_write",
+    "mla_rope_norm_write_reference",
     "rms_norm_reference",
     "rope_reference",
     "rope_split_write",

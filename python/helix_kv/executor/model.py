@@ -45,7 +45,6 @@ from helix_kv.executor.paged_attention import (
     DecodeWorkspace,
     paged_decode_attention,
     paged_mla_decode_attention,
-    write_paged_kv,
 )
 from helix_kv.executor.placement import RankPlacement
 
@@ -506,8 +505,7 @@ class Transformer:
                     c.num_kv_heads,
                 )
             else:
-                query, key, _ = self._project(weights, attn_in, cos, sin)
-                write_paged_kv(key, None, rows.slots, key_cache, None)
+                query = self._mla_decode_project(weights, attn_in, cos, sin, rows.slots, key_cache)
             part = self._decode_attention(
                 query,
                 pool,
@@ -566,6 +564,40 @@ class Transformer:
         query = torch.cat([q_latent, _apply_rope(q_rope, cos, sin)], dim=-1)
         key = torch.cat([latent[:, None, :], k_rope], dim=-1)
         return query, key, None
+
+    def _mla_decode_project(
+        self,
+        w: LayerWeights,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        latent_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`_project` of an MLA model on the fast path, the latent written at ``slots``:
+        the RoPE of the query and the key, the latent's norm and the write in one kernel
+        (:func:`~helix_kv.executor.fused.mla_rope_norm_write`); the absorbed query."""
+        c = self.config
+        assert isinstance(c, MLAConfig)
+        tokens = x.shape[0]
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        q_width = c.q_lora_rank if c.q_lora_rank is not None else c.num_heads * qk
+        fused_in = _linear(x, w["w_in"], w.get("b_in"))
+        q_part, kv_part = fused_in[:, :q_width], fused_in[:, q_width:]
+        if c.q_lora_rank is not None:
+            q_normed = fused.add_rms_norm(q_part, None, w["q_a_norm"], c.rms_eps)[0]
+            q_part = _linear(q_normed, w["wq_b"], None)
+        q = q_part.view(tokens, c.num_heads, qk)
+        query = x.new_empty((tokens, c.num_heads, c.cache_head_dim))
+        torch.matmul(
+            q[..., : c.qk_nope_head_dim].transpose(0, 1),
+            w["w_uk"],
+            out=query[..., : c.kv_lora_rank].transpose(0, 1),
+        )
+        fused.mla_rope_norm_write(
+            q, kv_part, cos, sin, slots, latent_cache, w["kv_a_norm"], c.rms_eps, query
+        )
+        return query
 
     def _attention_output(self, w: LayerWeights, combined: PartialAttention) -> torch.Tensor:
         """The combined attention through the output projection: ``[tokens, hidden]``."""
