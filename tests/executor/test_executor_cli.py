@@ -325,3 +325,37 @@ def test_torchrun_two_ranks_equal_one_process(
     assert done.stdout.count("cp 2:") == 1  # rank 0 alone reports
     assert grouped.read_text() == single.read_text()
     check_output(grouped, oracle)
+
+
+def test_random_weights_build_the_config_without_its_weights(
+    model: Path, prompt_file: Path, tmp_path: Path
+) -> None:
+    """``--random-weights SEED``: config.json alone (no safetensors read) with seeded
+    weights: the tokens of the same config and seed run through the Python API."""
+    import dataclasses
+
+    from helix_kv.executor.checkpoint import read_config
+    from helix_kv.executor.runner import ExecutorConfig, run_rank
+
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((model / "config.json").read_text())
+    output = tmp_path / "out.jsonl"
+    assert run_cli(config_only, prompt_file, output, "--random-weights", "9") == 0
+    seeded = dataclasses.replace(read_config(model), seed=9)
+    expected = run_rank(
+        prompts(),
+        BUDGETS,
+        ExecutorConfig(
+            tokens_per_block=16,
+            kv_superblocks=64,
+            max_batch_size=64,
+            max_num_tokens=2048,
+            model=seeded,
+        ),
+    )
+    records = read_output(output)
+    assert {r["id"]: r["token_ids"] for r in records} == expected.outputs
+    # and other seeds give other weights: not the checkpoint's tokens
+    assert run_cli(config_only, prompt_file, output, "--random-weights", "10") == 0
+    assert {r["id"]: r["token_ids"] for r in read_output(output)} != expected.outputs

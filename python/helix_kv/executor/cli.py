@@ -18,6 +18,7 @@ cannot be used; the message says which), 0 otherwise.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -144,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="n-gram drafts verified per request and step (0: off)",
     )
     parser.add_argument(
+        "--random-weights",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="build the model of config.json with seeded random weights (no *.safetensors read)",
+    )
+    parser.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -210,7 +218,11 @@ def _run(args: argparse.Namespace, world: int) -> int:
         kv_superblocks=-(-kv_tokens // superblock_tokens),
         max_batch_size=args.max_batch_size,
         max_num_tokens=args.max_num_tokens,
-        model=str(args.model),
+        model=(
+            str(args.model)
+            if args.random_weights is None
+            else dataclasses.replace(model_config, seed=args.random_weights)
+        ),
         dtype=dtype,
         device=device,
         decode_kernel=device == "cuda",
