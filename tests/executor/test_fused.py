@@ -107,7 +107,7 @@ def test_mla_rope_norm_write_matches_reference(dtype, heads, nope, latent, rope)
     fused_in = randn(rows, heads * (nope + rope) + latent + rope + 3, dtype=dtype, seed=4)
     q = fused_in[:, : heads * (nope + rope)].view(rows, heads, nope + rope)  # strided rows
     kv = fused_in[:, heads * (nope + rope) : heads * (nope + rope) + latent + rope]
-    positions = torch.tensor([0, 3, 9, 17, 40], device=device())
+    positions = torch.tensor([0, 3, 9, 17, 40])  # tables() moves them
     cos, sin = tables(positions, rope, dtype)
     slots = torch.tensor([2, -1, 7, 0, -1], device=device())
     weight = 1 + randn(latent, dtype=dtype, seed=5) / 10
