@@ -198,13 +198,14 @@ def test_the_pressure_modes_ran(runs, oracle, family, cp):
 def test_the_fast_path_equals_transformers_generate(checkpoints, oracle, family, cp):
     """The decode fast path (the Triton paged kernels of each family: GQA, and the MLA kernel
     over one latent head; Triton's interpreter on the CPU), one step ahead under pressure with
-    the host tier: transformers' tokens."""
-    pool = next(p for p in POOLS if p[0] == "host_tier")
+    the host tier and drafts: transformers' tokens."""
+    pool = next(p for p in POOLS if p[0] == "drafts")
     job = config(cp, checkpoints[family], pool, True, 0).with_(decode_kernel=True)
     if cp == 1:
         result = run_rank(prompts(), MAX_NEW, job)
     else:
         result = run_group([(prompts(), MAX_NEW, job)], cp, backend="gloo", timeout_s=600)[0][0]
     assert result.fast_path_steps > 0
+    assert result.fast_path_draft_steps > 0  # drafts verified on the fast path too
     assert result.metrics["suspensions"] >= 1
     check_against_oracle(result.outputs, oracle[family], None)
