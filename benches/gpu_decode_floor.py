@@ -4,6 +4,7 @@
     python benches/gpu_decode_floor.py --profile             # ... and the per-part breakdown
     python benches/gpu_decode_floor.py --shapes 64x576 --replays 500
     python benches/gpu_decode_floor.py --model-family mla    # the MLA stack of the same bytes
+    python benches/gpu_decode_floor.py --model-family mla --mla-block-heads 32 --mla-num-warps 8
     python benches/gpu_decode_floor.py --device cpu --small  # CPU smoke run (interpreter)
 
 A decode step reads every weight once and every cached KV byte once, so no step runs faster
@@ -555,7 +556,22 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="the tiny test model")
     parser.add_argument("--exact-init", action="store_true", help="the model's CPU draws")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--mla-block-heads",
+        type=int,
+        default=None,
+        help="MLA kernel: query heads per program (paged_attention.MLA_BLOCK_HEADS; A/B)",
+    )
+    parser.add_argument(
+        "--mla-num-warps", type=int, default=None, help="MLA kernel: warps per program (A/B)"
+    )
     args = parser.parse_args()
+    from helix_kv.executor import paged_attention
+
+    if args.mla_block_heads is not None:  # before the first call: the kernels read them then
+        paged_attention.MLA_BLOCK_HEADS = args.mla_block_heads
+    if args.mla_num_warps is not None:
+        paged_attention.MLA_NUM_WARPS = args.mla_num_warps
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_decode_floor.py needs a CUDA device (or --device cpu --small)")

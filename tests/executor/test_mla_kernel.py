@@ -186,6 +186,23 @@ def test_split_combine_in_latent_chunks(monkeypatch):
     torch.testing.assert_close(lse, expected_lse, atol=DTYPES[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("block_heads", [32, 64])
+def test_wider_head_tiles_give_the_same_result(monkeypatch, block_heads):
+    """``MLA_BLOCK_HEADS`` (what ``gpu_decode_floor.py --mla-block-heads`` A/Bs): every head
+    of a row in fewer programs, the same result (one split and three)."""
+    from helix_kv.executor import paged_attention
+
+    dtype = next(iter(DTYPES))
+    p = mla_problem(3, [50, 0, 21], 40, 24, 8, 4, dtype)
+    expected_out, expected_lse = reference_partial(p)
+    monkeypatch.setattr(paged_attention, "MLA_BLOCK_HEADS", block_heads)
+    assert _mla_head_tiles(40, 24, True) == -(-40 // block_heads)
+    for splits in (1, 3):
+        out, lse = run_kernel(p, num_splits=splits)
+        torch.testing.assert_close(out, expected_out, atol=DTYPES[dtype], rtol=0)
+        torch.testing.assert_close(lse, expected_lse, atol=DTYPES[dtype], rtol=0)
+
+
 def test_head_tiles():
     """DeepSeek-V3's 512 latent: 16 heads a program (a [16, 512] float32 accumulator)."""
     assert _mla_block_heads(128, 512, True) == 16
