@@ -282,3 +282,48 @@ def test_header_states_the_usable_capacity(cp: str, header: str) -> None:
     done = run("simulate", "--cp", cp, "--requests", "2")
     assert done.returncode == 0, done.stderr
     assert header in done.stdout.splitlines()[0]
+
+
+# --- "-" for stdin and stdout ---------------------------------------------------------------
+
+TRACE_LINE = '{"id": 0, "arrival_step": 0, "prompt_len": 50, "output_len": 5}\n'
+
+
+@needs_scheduler
+def test_trace_dash_reads_stdin_and_events_dash_writes_stdout() -> None:
+    done = subprocess.run(
+        [*HELIX_KV, "simulate", "--trace", "-", "--events", "-", "--json"],
+        input=TRACE_LINE,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert records[0]["type"] == "meta"
+    assert {record["type"] for record in records[1:]} == {"step", "request"}
+    report = json.loads(done.stderr)  # the report goes to stderr: stdout is the events'
+    assert report["config"]["workload"]["path"] == "<stdin>"
+    assert report["requests_finished"] == 1
+
+
+def test_a_bad_trace_on_stdin_is_named_stdin() -> None:
+    done = subprocess.run(
+        [*HELIX_KV, "simulate", "--trace", "-"],
+        input='{"id": 0}\n',
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert assert_one_clean_line(done.stderr).startswith(
+        "helix-kv simulate: error: trace <stdin> line 1: missing keys"
+    )
+
+
+def test_events_dash_with_compare_policies_is_a_usage_error() -> None:
+    done = run("simulate", "--events", "-", "--compare-policies")
+    assert done.returncode == 2
+    assert "--events - writes one run's events to stdout" in assert_one_clean_line(done.stderr)

@@ -66,6 +66,9 @@ FIELD_FLAGS = {
     if field.name not in HAND_DECLARED_FIELDS and (flag := scheduler_flag(field)) is not None
 }
 
+#: ``--trace -`` reads the trace from stdin, ``--events -`` writes the events to stdout.
+STDIO = "-"
+
 #: Flags that shape the synthetic workload (they make no sense with ``--trace``).
 SYNTHETIC_FLAGS = {
     "requests": "--requests",
@@ -249,8 +252,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--trace",
         metavar="FILE",
-        help='JSONL trace, one {"id", "arrival_step", "prompt_len", "output_len"} per line, '
-        'the prompt\'s content optionally as "token_ids" or "hash_ids"',
+        help='JSONL trace ("-": read it from stdin), one {"id", "arrival_step", "prompt_len", '
+        '"output_len"} per line, the prompt\'s content optionally as "token_ids" or "hash_ids"',
     )
     _integer_flag(
         group,
@@ -403,7 +406,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--events",
         metavar="FILE",
         help="write the per-step timeline and per-request outcomes as JSON Lines; with "
-        "--compare-policies one file per policy (FILE.<policy>.jsonl)",
+        "--compare-policies one file per policy (FILE.<policy>.jsonl); '-' writes them to "
+        "stdout, and the report (or --json's object) goes to stderr instead",
     )
     group.add_argument(
         "--step-time",
@@ -512,13 +516,20 @@ def check_combinations(args: argparse.Namespace) -> None:
 
 
 def check_output_combinations(args: argparse.Namespace) -> None:
-    """Reject ``--events`` into a missing folder, and two step-time models."""
-    if args.events is not None:
+    """Reject ``--events`` into a missing folder (or ``-`` with several runs), and two
+    step-time models."""
+    if args.events == STDIO:
+        if args.compare_policies:
+            raise UsageError(
+                "--events - writes one run's events to stdout; --compare-policies runs several "
+                "(give a FILE: one file per policy)"
+            )
+    elif args.events is not None:
         target = Path(args.events).expanduser().resolve()
         parent = target.parent
         if not parent.is_dir():
             raise UsageError(f"--events {args.events}: folder {parent} does not exist")
-        if args.trace is not None and Path(args.trace).resolve() == target:
+        if args.trace not in (None, STDIO) and Path(args.trace).resolve() == target:
             raise UsageError(f"--events {args.events} is the --trace file; give another")
     if args.step_time is not None and args.step_time_profile is not None:
         raise UsageError(

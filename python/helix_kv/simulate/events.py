@@ -26,6 +26,7 @@ from helix_kv.types import FinishReason
 __all__ = [
     "EVENTS_SCHEMA",
     "EVENTS_SCHEMA_VERSION",
+    "STDOUT_TARGET",
     "EventLog",
     "EventSink",
     "JsonlEventWriter",
@@ -37,6 +38,10 @@ __all__ = [
 #: changes when a key is removed or changes meaning (new keys may appear without one).
 EVENTS_SCHEMA = "helix_kv.simulate.events"
 EVENTS_SCHEMA_VERSION = 1
+
+#: ``--events -``: where the CLI passes this string (not a ``Path``: ``Path("-")`` is a file
+#: named ``-``) as the events target, the events go to standard output.
+STDOUT_TARGET = "-"
 
 
 @dataclass(frozen=True)
