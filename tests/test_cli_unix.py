@@ -327,3 +327,15 @@ def test_events_dash_with_compare_policies_is_a_usage_error() -> None:
     done = run("simulate", "--events", "-", "--compare-policies")
     assert done.returncode == 2
     assert "--events - writes one run's events to stdout" in assert_one_clean_line(done.stderr)
+
+
+# --- a value that starts with "-" -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["--step-time", "-1,0,0"], ["--step-time=-1,0,0"]])
+def test_a_negative_step_time_gets_the_real_reason(argv: list[str]) -> None:
+    done = run("simulate", *argv)
+    assert done.returncode == 2
+    assert assert_one_clean_line(done.stderr).startswith(
+        "helix-kv simulate: error: argument --step-time: fixed_ms must be a finite number >= 0"
+    )

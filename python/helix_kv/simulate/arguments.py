@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -86,6 +88,35 @@ SYNTHETIC_FLAGS = {
     "turns": "--turns",
     "think_steps": "--think-steps",
 }
+
+
+#: Flags whose value may start with "-" without being a plain number (``--step-time -1,0,0``),
+#: which argparse would take for a flag; :func:`attach_dash_values` joins them up.
+DASH_VALUE_FLAGS = ("--step-time",)
+
+
+def attach_dash_values(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``FLAG VALUE`` written ``FLAG=VALUE`` for the :data:`DASH_VALUE_FLAGS`
+    whose value starts with ``-`` and a digit or a dot, so that argparse passes the value to the
+    flag's own check instead of refusing it as a missing argument."""
+    joined: list[str] = []
+    values = iter(argv)
+    for arg in values:
+        if arg == "--":
+            joined.append(arg)
+            joined.extend(values)
+            break
+        if arg in DASH_VALUE_FLAGS:
+            value = next(values, None)
+            if value is not None and re.match(r"-[0-9.]", value):
+                joined.append(f"{arg}={value}")
+                continue
+            joined.append(arg)
+            if value is not None:
+                joined.append(value)
+            continue
+        joined.append(arg)
+    return joined
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
