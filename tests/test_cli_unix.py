@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -339,3 +340,21 @@ def test_a_negative_step_time_gets_the_real_reason(argv: list[str]) -> None:
     assert assert_one_clean_line(done.stderr).startswith(
         "helix-kv simulate: error: argument --step-time: fixed_ms must be a finite number >= 0"
     )
+
+
+# --- a trace key the reader does not know ---------------------------------------------------
+
+
+@needs_scheduler
+def test_an_unknown_trace_key_is_named_once_on_stderr(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    line = '{{"id": {0}, "arrival_step": 0, "prompt_len": 50, "output_len": 5, "prio": 3}}\n'
+    trace.write_text(line.format(0) + line.format(1), encoding="utf-8")
+    done = run("simulate", "--trace", str(trace), "--json")
+    assert done.returncode == 0, done.stderr
+    warning = assert_one_clean_line(done.stderr)
+    assert warning.startswith(
+        f'helix-kv simulate: warning: trace {trace}: unknown key "prio" (first on line 1) '
+        "is ignored; the keys read are id, arrival_step, prompt_len, output_len, priority,"
+    )
+    assert json.loads(done.stdout)["requests_finished"] == 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -53,6 +54,7 @@ from helix_kv.simulate.report import (
 from helix_kv.simulate.step_loop import SimulationResult, outputs_match
 from helix_kv.simulate.workload import (
     DEFAULT_HASH_BLOCK_TOKENS,
+    TRACE_KEYS,
     HashBlocks,
     RequestSpec,
     parse_trace,
@@ -74,19 +76,29 @@ def error_object(status: int, error_type: str, message: str) -> str:
     return to_json({"error": {"type": error_type, "message": message, "exit_status": status}})
 
 
-def load_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], dict[str, Any]]:
-    """The workload and its description for the report's ``config.workload``."""
+def load_workload(
+    args: argparse.Namespace, stderr: TextIO | None = None
+) -> tuple[list[RequestSpec], dict[str, Any]]:
+    """The workload and its description for the report's ``config.workload``; a trace's keys
+    that the reader ignores are named on ``stderr``, once each."""
     if args.trace is not None:
         block_tokens = args.hash_block_tokens or DEFAULT_HASH_BLOCK_TOKENS
+        unknown: dict[str, int] = {}
         if args.trace == STDIO:
             path = STDIN_NAME
             try:
-                workload = parse_trace(sys.stdin, path, block_tokens)
+                workload = parse_trace(sys.stdin, path, block_tokens, unknown)
             except UnicodeDecodeError as err:
                 raise TraceError(path, f"not UTF-8 text ({err.reason})") from None
         else:
             path = str(args.trace)
-            workload = read_trace(path, block_tokens)
+            workload = read_trace(path, block_tokens, unknown)
+        for key, line in unknown.items():
+            print(
+                f"{PROG}: warning: trace {path}: unknown key {json.dumps(key)} (first on line "
+                f"{line}) is ignored; the keys read are {', '.join(TRACE_KEYS)}",
+                file=stderr if stderr is not None else sys.stderr,
+            )
         info: dict[str, Any] = {
             "source": "trace",
             "path": path,
@@ -207,7 +219,7 @@ def run_simulate(
 
     try:
         options = simulation_options(args)
-        workload, workload_info = load_workload(args)
+        workload, workload_info = load_workload(args, stderr)
         check_config(options)
         if args.plot is not None:
             check_plot_target(args.plot)
