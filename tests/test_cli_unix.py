@@ -358,3 +358,28 @@ def test_an_unknown_trace_key_is_named_once_on_stderr(tmp_path: Path) -> None:
         "is ignored; the keys read are id, arrival_step, prompt_len, output_len, priority,"
     )
     assert json.loads(done.stdout)["requests_finished"] == 2
+
+
+# --- a trace line past the simulator's limits -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ('"prompt_len": 2000000, "output_len": 5', "'prompt_len' must be in [1, 1048576], got"),
+        ('"prompt_len": 5, "output_len": 2000000', "'output_len' must be in [1, 1048576], got"),
+    ],
+)
+def test_a_trace_line_past_the_length_limit_names_its_line(
+    tmp_path: Path, fields: str, reason: str
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"id": 0, "arrival_step": 0, "prompt_len": 50, "output_len": 5}\n'
+        f'{{"id": 1, "arrival_step": 0, {fields}}}\n',
+        encoding="utf-8",
+    )
+    done = run("simulate", "--trace", str(trace))
+    assert done.returncode == 2
+    line = assert_one_clean_line(done.stderr)
+    assert line.startswith(f"helix-kv simulate: error: trace {trace} line 2: {reason}")

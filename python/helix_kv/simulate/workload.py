@@ -44,6 +44,10 @@ TRACE_REQUIRED_KEYS = ("id", "arrival_step", "prompt_len", "output_len")
 TRACE_OPTIONAL_KEYS = ("priority", "abort_step", "token_ids", "hash_ids")
 TRACE_KEYS = TRACE_REQUIRED_KEYS + TRACE_OPTIONAL_KEYS
 
+#: Longest prompt or output of a request, in tokens, that the simulator takes (synthetic or
+#: from a trace: a trace line over it is refused). Also ``simulate.options.MAX_REQUEST_TOKENS``.
+MAX_REQUEST_TOKENS = 1 << 20
+
 #: Largest step a trace may name.
 MAX_STEP = 2**62
 
@@ -565,14 +569,19 @@ def _prompt_content(
         raise ValueError("give the prompt as 'token_ids' or as 'hash_ids', not both")
     if token_ids is not None:
         tokens = _integer_list(record, "token_ids", _I32_MAX, "token id")
+        if len(tokens) > MAX_REQUEST_TOKENS:
+            raise ValueError(
+                f"'token_ids' has {len(tokens)} tokens; the simulator takes a prompt of at most "
+                f"{MAX_REQUEST_TOKENS}"
+            )
         if "prompt_len" in record:
-            prompt_len = _int_field(record, "prompt_len", 1, _I32_MAX)
+            prompt_len = _int_field(record, "prompt_len", 1, MAX_REQUEST_TOKENS)
             if prompt_len != len(tokens):
                 raise ValueError(
                     f"'prompt_len' ({prompt_len}) must be the number of 'token_ids' ({len(tokens)})"
                 )
         return len(tokens), PromptTokens.of(tokens)
-    prompt_len = _int_field(record, "prompt_len", 1, _I32_MAX)
+    prompt_len = _int_field(record, "prompt_len", 1, MAX_REQUEST_TOKENS)
     if hash_ids is None:
         return prompt_len, None
     ids = _integer_list(record, "hash_ids", _U64_MAX, "hash id")
@@ -634,7 +643,7 @@ def _request_from_record(record: dict[str, Any], hash_block_tokens: int) -> Requ
         request_id=request_id,
         arrival_step=arrival_step,
         prompt_len=prompt_len,
-        output_len=_int_field(record, "output_len", 1, 2**32 - 1),
+        output_len=_int_field(record, "output_len", 1, MAX_REQUEST_TOKENS),
         priority=priority,
         abort_step=abort_step,
         content=content,
