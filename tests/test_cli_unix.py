@@ -383,3 +383,27 @@ def test_a_trace_line_past_the_length_limit_names_its_line(
     assert done.returncode == 2
     line = assert_one_clean_line(done.stderr)
     assert line.startswith(f"helix-kv simulate: error: trace {trace} line 2: {reason}")
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        (
+            '{"id": 1, "arrival_step": 0, "prompt_len": 5, "output_len": 5\n',
+            "not valid JSON (Expecting ',' delimiter at column 62, the end of the line)",
+        ),
+        (
+            '{"id": 1 "arrival_step": 0}\r\n',
+            "not valid JSON (Expecting ',' delimiter at column 10)",
+        ),
+    ],
+)
+def test_a_json_error_names_its_column_on_the_line(tmp_path: Path, text: str, reason: str) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(
+        b'{"id": 0, "arrival_step": 0, "prompt_len": 50, "output_len": 5}\n' + text.encode()
+    )
+    done = run("simulate", "--trace", str(trace))
+    assert done.returncode == 2
+    line = assert_one_clean_line(done.stderr)
+    assert line == f"helix-kv simulate: error: trace {trace} line 2: {reason}"

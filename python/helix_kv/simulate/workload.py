@@ -602,11 +602,16 @@ def parse_trace_line(text: str, hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKE
 
 
 def _decode_line(text: str) -> dict[str, Any]:
-    """One line's JSON object; ``ValueError`` saying what is wrong."""
+    """One line's JSON object; ``ValueError`` saying what is wrong (where the JSON is wrong: the
+    column on the line, its line break left out)."""
+    text = text.rstrip("\r\n")
     try:
         record = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"not valid JSON ({err.msg} at column {err.colno})") from None
+        where = f"column {err.colno}"
+        if err.pos >= len(text):
+            where += ", the end of the line"
+        raise ValueError(f"not valid JSON ({err.msg} at {where})") from None
     except RecursionError:
         raise ValueError("not valid JSON here (nested too deeply)") from None
     if not isinstance(record, dict):
