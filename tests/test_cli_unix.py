@@ -407,3 +407,27 @@ def test_a_json_error_names_its_column_on_the_line(tmp_path: Path, text: str, re
     assert done.returncode == 2
     line = assert_one_clean_line(done.stderr)
     assert line == f"helix-kv simulate: error: trace {trace} line 2: {reason}"
+
+
+# --- the subpackages that need torch, without torch -----------------------------------------
+
+
+@pytest.mark.parametrize("package", ["helix_kv.executor", "helix_kv.distributed"])
+def test_a_torch_subpackage_without_torch_names_the_extra(package: str) -> None:
+    no_torch = "import sys\nsys.modules['torch'] = None  # an import of torch raises\n"
+    check = (
+        f"try:\n    import {package}\nexcept ImportError as err:\n"
+        "    print(type(err).__name__, err.name, err, sep='|')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", no_torch + check],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        f"ModuleNotFoundError|torch|{package} needs torch, which is not installed; "
+        "install it with: pip install 'helix_kv[torch]'"
+    )
