@@ -431,3 +431,19 @@ def test_a_torch_subpackage_without_torch_names_the_extra(package: str) -> None:
         f"ModuleNotFoundError|torch|{package} needs torch, which is not installed; "
         "install it with: pip install 'helix_kv[torch]'"
     )
+
+
+# --- what stderr holds at exit status 0 -----------------------------------------------------
+
+
+@needs_scheduler
+def test_plot_line_on_stderr_at_exit_0_is_in_the_exit_status_table(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "run.png"
+    done = run("simulate", *SMALL, "--kv-tokens", "65536", "--plot", str(target))
+    assert done.returncode == 0, done.stderr
+    assert assert_one_clean_line(done.stderr) == f"plot written to {target}"
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "user-guide.md").read_text("utf-8")
+    table = guide[guide.index("## Exit status and scripting") :]
+    row_0 = next(line for line in table.splitlines() if line.startswith("| `0` |"))
+    assert "`plot written to FILE` for each plot of `--plot`" in row_0.split("|")[4]
