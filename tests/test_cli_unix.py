@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -447,3 +448,17 @@ def test_plot_line_on_stderr_at_exit_0_is_in_the_exit_status_table(tmp_path: Pat
     table = guide[guide.index("## Exit status and scripting") :]
     row_0 = next(line for line in table.splitlines() if line.startswith("| `0` |"))
     assert "`plot written to FILE` for each plot of `--plot`" in row_0.split("|")[4]
+
+
+# --- --help ---------------------------------------------------------------------------------
+
+
+def test_help_of_trace_lists_every_key_the_reader_takes() -> None:
+    from helix_kv.simulate.workload import TRACE_KEYS
+
+    done = run("simulate", "--help")
+    assert done.returncode == 0, done.stderr
+    section = done.stdout[done.stdout.index("  --trace FILE") :]
+    section = " ".join(section[: section.index("\n  --", 1)].split())
+    named = set(re.findall(r"\b[a-z]+(?:_[a-z]+)*\b", section))
+    assert set(TRACE_KEYS) <= named, sorted(set(TRACE_KEYS) - named)

@@ -37,6 +37,8 @@ from helix_kv.simulate.timing import DEFAULT_STEP_TIME, PROFILE_KEYS, StepTimeMo
 from helix_kv.simulate.workload import (
     DEFAULT_HASH_BLOCK_TOKENS,
     MAX_THINK_STEPS,
+    TRACE_OPTIONAL_KEYS,
+    TRACE_REQUIRED_KEYS,
     LengthDistribution,
     WorkloadSpec,
 )
@@ -283,8 +285,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--trace",
         metavar="FILE",
-        help='JSONL trace ("-": read it from stdin), one {"id", "arrival_step", "prompt_len", '
-        '"output_len"} per line, the prompt\'s content optionally as "token_ids" or "hash_ids"',
+        help='JSONL trace ("-": read it from stdin), one JSON object per line: '
+        f"{', '.join(TRACE_REQUIRED_KEYS)} (required; prompt_len may be left out with "
+        f"token_ids) and {', '.join(TRACE_OPTIONAL_KEYS)} (optional; the prompt's content as "
+        "token_ids or hash_ids, not both); other keys are ignored with a warning",
     )
     _integer_flag(
         group,
