@@ -462,3 +462,23 @@ def test_help_of_trace_lists_every_key_the_reader_takes() -> None:
     section = " ".join(section[: section.index("\n  --", 1)].split())
     named = set(re.findall(r"\b[a-z]+(?:_[a-z]+)*\b", section))
     assert set(TRACE_KEYS) <= named, sorted(set(TRACE_KEYS) - named)
+
+
+# --- the events file's floats ----------------------------------------------------------------
+
+
+@needs_scheduler
+def test_events_floats_carry_no_float_noise(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(TRACE_LINE, encoding="utf-8")
+    events = tmp_path / "run.jsonl"
+    argv = ["--trace", str(trace), "--step-time", "default", "--events", str(events)]
+    done = run("simulate", *argv, "--json")
+    assert done.returncode == 0, done.stderr
+    lines = events.read_text(encoding="utf-8").splitlines()
+    steps = [json.loads(line) for line in lines if '"type": "step"' in line]
+    assert steps[1]["duration_ms"] == 5.02102  # the sum itself is 5.021019999999999
+    for record in map(json.loads, lines[1:]):
+        for value in record.values():
+            if isinstance(value, float):
+                assert value == float(f"{value:.10g}"), record
