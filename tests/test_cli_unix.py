@@ -482,3 +482,23 @@ def test_events_floats_carry_no_float_noise(tmp_path: Path) -> None:
         for value in record.values():
             if isinstance(value, float):
                 assert value == float(f"{value:.10g}"), record
+
+
+# --- the report's rows --------------------------------------------------------------------
+
+
+@needs_scheduler
+def test_host_tier_report_rows_cannot_read_as_a_contradiction() -> None:
+    done = run("simulate", *SMALL, "--kv-tokens", "768", "--host-tier-tokens", "4096")
+    assert done.returncode == 0, done.stderr
+    rows = {
+        line[:29].strip(): line[29:].strip()
+        for line in done.stdout.splitlines()
+        if line.startswith("  ")
+    }
+    assert rows["recompute-pauses"] == "0"  # every victim went to the host tier
+    assert int(rows["suspensions"]) > 0
+    assert rows["paused/suspended requests"].endswith("x)")
+    assert int(rows["paused/suspended requests"].split()[0]) > 0
+    assert "preemptions" not in rows
+    assert "preempted requests" not in rows
