@@ -151,7 +151,8 @@ def test_table_shows_every_figure(capsys: pytest.CaptureFixture[str]) -> None:
         "requests finished / total",
         "steps",
         "generated tokens",
-        "preemptions",
+        "recompute-pauses",
+        "paused/suspended requests",
         "recomputed tokens",
         "of computed",
         "KV utilisation peak / mean",
@@ -340,7 +341,7 @@ def test_console_script_with_defaults_finishes_and_preempts() -> None:
     assert done.returncode == 0, done.stderr
     assert elapsed < 60
     assert "rank agreement" in done.stdout
-    preemptions = next(line for line in done.stdout.splitlines() if "preemptions" in line)
+    preemptions = next(line for line in done.stdout.splitlines() if "recompute-pauses" in line)
     assert int(preemptions.split()[1]) > 0
     assert done.stderr == ""  # not a terminal: no progress line
 

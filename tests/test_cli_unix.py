@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -282,3 +284,221 @@ def test_header_states_the_usable_capacity(cp: str, header: str) -> None:
     done = run("simulate", "--cp", cp, "--requests", "2")
     assert done.returncode == 0, done.stderr
     assert header in done.stdout.splitlines()[0]
+
+
+# --- "-" for stdin and stdout ---------------------------------------------------------------
+
+TRACE_LINE = '{"id": 0, "arrival_step": 0, "prompt_len": 50, "output_len": 5}\n'
+
+
+@needs_scheduler
+def test_trace_dash_reads_stdin_and_events_dash_writes_stdout() -> None:
+    done = subprocess.run(
+        [*HELIX_KV, "simulate", "--trace", "-", "--events", "-", "--json"],
+        input=TRACE_LINE,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert records[0]["type"] == "meta"
+    assert {record["type"] for record in records[1:]} == {"step", "request"}
+    report = json.loads(done.stderr)  # the report goes to stderr: stdout is the events'
+    assert report["config"]["workload"]["path"] == "<stdin>"
+    assert report["requests_finished"] == 1
+
+
+def test_a_bad_trace_on_stdin_is_named_stdin() -> None:
+    done = subprocess.run(
+        [*HELIX_KV, "simulate", "--trace", "-"],
+        input='{"id": 0}\n',
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert assert_one_clean_line(done.stderr).startswith(
+        "helix-kv simulate: error: trace <stdin> line 1: missing keys"
+    )
+
+
+def test_events_dash_with_compare_policies_is_a_usage_error() -> None:
+    done = run("simulate", "--events", "-", "--compare-policies")
+    assert done.returncode == 2
+    assert "--events - writes one run's events to stdout" in assert_one_clean_line(done.stderr)
+
+
+# --- a value that starts with "-" -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["--step-time", "-1,0,0"], ["--step-time=-1,0,0"]])
+def test_a_negative_step_time_gets_the_real_reason(argv: list[str]) -> None:
+    done = run("simulate", *argv)
+    assert done.returncode == 2
+    assert assert_one_clean_line(done.stderr).startswith(
+        "helix-kv simulate: error: argument --step-time: fixed_ms must be a finite number >= 0"
+    )
+
+
+# --- a trace key the reader does not know ---------------------------------------------------
+
+
+@needs_scheduler
+def test_an_unknown_trace_key_is_named_once_on_stderr(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    line = '{{"id": {0}, "arrival_step": 0, "prompt_len": 50, "output_len": 5, "prio": 3}}\n'
+    trace.write_text(line.format(0) + line.format(1), encoding="utf-8")
+    done = run("simulate", "--trace", str(trace), "--json")
+    assert done.returncode == 0, done.stderr
+    warning = assert_one_clean_line(done.stderr)
+    assert warning.startswith(
+        f'helix-kv simulate: warning: trace {trace}: unknown key "prio" (first on line 1) '
+        "is ignored; the keys read are id, arrival_step, prompt_len, output_len, priority,"
+    )
+    assert json.loads(done.stdout)["requests_finished"] == 2
+
+
+# --- a trace line past the simulator's limits -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ('"prompt_len": 2000000, "output_len": 5', "'prompt_len' must be in [1, 1048576], got"),
+        ('"prompt_len": 5, "output_len": 2000000', "'output_len' must be in [1, 1048576], got"),
+    ],
+)
+def test_a_trace_line_past_the_length_limit_names_its_line(
+    tmp_path: Path, fields: str, reason: str
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"id": 0, "arrival_step": 0, "prompt_len": 50, "output_len": 5}\n'
+        f'{{"id": 1, "arrival_step": 0, {fields}}}\n',
+        encoding="utf-8",
+    )
+    done = run("simulate", "--trace", str(trace))
+    assert done.returncode == 2
+    line = assert_one_clean_line(done.stderr)
+    assert line.startswith(f"helix-kv simulate: error: trace {trace} line 2: {reason}")
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        (
+            '{"id": 1, "arrival_step": 0, "prompt_len": 5, "output_len": 5\n',
+            "not valid JSON (Expecting ',' delimiter at column 62, the end of the line)",
+        ),
+        (
+            '{"id": 1 "arrival_step": 0}\r\n',
+            "not valid JSON (Expecting ',' delimiter at column 10)",
+        ),
+    ],
+)
+def test_a_json_error_names_its_column_on_the_line(tmp_path: Path, text: str, reason: str) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(
+        b'{"id": 0, "arrival_step": 0, "prompt_len": 50, "output_len": 5}\n' + text.encode()
+    )
+    done = run("simulate", "--trace", str(trace))
+    assert done.returncode == 2
+    line = assert_one_clean_line(done.stderr)
+    assert line == f"helix-kv simulate: error: trace {trace} line 2: {reason}"
+
+
+# --- the subpackages that need torch, without torch -----------------------------------------
+
+
+@pytest.mark.parametrize("package", ["helix_kv.executor", "helix_kv.distributed"])
+def test_a_torch_subpackage_without_torch_names_the_extra(package: str) -> None:
+    no_torch = "import sys\nsys.modules['torch'] = None  # an import of torch raises\n"
+    check = (
+        f"try:\n    import {package}\nexcept ImportError as err:\n"
+        "    print(type(err).__name__, err.name, err, sep='|')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", no_torch + check],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        f"ModuleNotFoundError|torch|{package} needs torch, which is not installed; "
+        "install it with: pip install 'helix_kv[torch]'"
+    )
+
+
+# --- what stderr holds at exit status 0 -----------------------------------------------------
+
+
+@needs_scheduler
+def test_plot_line_on_stderr_at_exit_0_is_in_the_exit_status_table(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "run.png"
+    done = run("simulate", *SMALL, "--kv-tokens", "65536", "--plot", str(target))
+    assert done.returncode == 0, done.stderr
+    assert assert_one_clean_line(done.stderr) == f"plot written to {target}"
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "user-guide.md").read_text("utf-8")
+    table = guide[guide.index("## Exit status and scripting") :]
+    row_0 = next(line for line in table.splitlines() if line.startswith("| `0` |"))
+    assert "`plot written to FILE` for each plot of `--plot`" in row_0.split("|")[4]
+
+
+# --- --help ---------------------------------------------------------------------------------
+
+
+def test_help_of_trace_lists_every_key_the_reader_takes() -> None:
+    from helix_kv.simulate.workload import TRACE_KEYS
+
+    done = run("simulate", "--help")
+    assert done.returncode == 0, done.stderr
+    section = done.stdout[done.stdout.index("  --trace FILE") :]
+    section = " ".join(section[: section.index("\n  --", 1)].split())
+    named = set(re.findall(r"\b[a-z]+(?:_[a-z]+)*\b", section))
+    assert set(TRACE_KEYS) <= named, sorted(set(TRACE_KEYS) - named)
+
+
+# --- the events file's floats ----------------------------------------------------------------
+
+
+@needs_scheduler
+def test_events_floats_carry_no_float_noise(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(TRACE_LINE, encoding="utf-8")
+    events = tmp_path / "run.jsonl"
+    argv = ["--trace", str(trace), "--step-time", "default", "--events", str(events)]
+    done = run("simulate", *argv, "--json")
+    assert done.returncode == 0, done.stderr
+    lines = events.read_text(encoding="utf-8").splitlines()
+    steps = [json.loads(line) for line in lines if '"type": "step"' in line]
+    assert steps[1]["duration_ms"] == 5.02102  # the sum itself is 5.021019999999999
+    for record in map(json.loads, lines[1:]):
+        for value in record.values():
+            if isinstance(value, float):
+                assert value == float(f"{value:.10g}"), record
+
+
+# --- the report's rows --------------------------------------------------------------------
+
+
+@needs_scheduler
+def test_host_tier_report_rows_cannot_read_as_a_contradiction() -> None:
+    done = run("simulate", *SMALL, "--kv-tokens", "768", "--host-tier-tokens", "4096")
+    assert done.returncode == 0, done.stderr
+    rows = {
+        line[:29].strip(): line[29:].strip()
+        for line in done.stdout.splitlines()
+        if line.startswith("  ")
+    }
+    assert rows["recompute-pauses"] == "0"  # every victim went to the host tier
+    assert int(rows["suspensions"]) > 0
+    assert rows["paused/suspended requests"].endswith("x)")
+    assert int(rows["paused/suspended requests"].split()[0]) > 0
+    assert "preemptions" not in rows
+    assert "preempted requests" not in rows

@@ -23,7 +23,11 @@ from collections.abc import Sequence
 
 from helix_kv import __version__
 from helix_kv.errors import UsageError
-from helix_kv.simulate.arguments import OneLineArgumentParser, add_simulate_arguments
+from helix_kv.simulate.arguments import (
+    OneLineArgumentParser,
+    add_simulate_arguments,
+    attach_dash_values,
+)
 from helix_kv.simulate.command import error_object, run_simulate
 
 EXIT_USAGE = 2
@@ -60,7 +64,7 @@ def _asks_for_json(argv: Sequence[str]) -> bool:
 def _run(argv: Sequence[str]) -> int:
     parser = build_parser()
     try:
-        args, extras = parser.parse_known_args(argv)
+        args, extras = parser.parse_known_args(attach_dash_values(argv))
         if args.command is None:
             raise UsageError("choose a command: simulate (see helix-kv --help)", prog="helix-kv")
         if extras:

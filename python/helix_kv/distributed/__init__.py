@@ -16,6 +16,10 @@ See ``docs/distributed.md``: quota and configuration sync, init-status sync, the
 ``HELIX_KV_CHECK_SCHEDULE`` schedule check and the configuration guards.
 """
 
+from helix_kv._needs_torch import require_torch
+
+require_torch("helix_kv.distributed")
+
 from helix_kv.distributed.check import ScheduleChecker
 from helix_kv.distributed.config import (
     CHECK_SCHEDULE_ENV,

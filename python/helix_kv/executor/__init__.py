@@ -6,6 +6,10 @@ This subpackage imports torch; ``import helix_kv`` never imports it. Import it e
     from helix_kv.executor.runner import ExecutorConfig, run_group, run_rank
 """
 
+from helix_kv._needs_torch import require_torch
+
+require_torch("helix_kv.executor")
+
 from helix_kv.executor.attention import (
     PAD_KEY_POSITION,
     PAD_QUERY_POSITION,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -35,6 +37,8 @@ from helix_kv.simulate.timing import DEFAULT_STEP_TIME, PROFILE_KEYS, StepTimeMo
 from helix_kv.simulate.workload import (
     DEFAULT_HASH_BLOCK_TOKENS,
     MAX_THINK_STEPS,
+    TRACE_OPTIONAL_KEYS,
+    TRACE_REQUIRED_KEYS,
     LengthDistribution,
     WorkloadSpec,
 )
@@ -66,6 +70,9 @@ FIELD_FLAGS = {
     if field.name not in HAND_DECLARED_FIELDS and (flag := scheduler_flag(field)) is not None
 }
 
+#: ``--trace -`` reads the trace from stdin, ``--events -`` writes the events to stdout.
+STDIO = "-"
+
 #: Flags that shape the synthetic workload (they make no sense with ``--trace``).
 SYNTHETIC_FLAGS = {
     "requests": "--requests",
@@ -83,6 +90,35 @@ SYNTHETIC_FLAGS = {
     "turns": "--turns",
     "think_steps": "--think-steps",
 }
+
+
+#: Flags whose value may start with "-" without being a plain number (``--step-time -1,0,0``),
+#: which argparse would take for a flag; :func:`attach_dash_values` joins them up.
+DASH_VALUE_FLAGS = ("--step-time",)
+
+
+def attach_dash_values(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``FLAG VALUE`` written ``FLAG=VALUE`` for the :data:`DASH_VALUE_FLAGS`
+    whose value starts with ``-`` and a digit or a dot, so that argparse passes the value to the
+    flag's own check instead of refusing it as a missing argument."""
+    joined: list[str] = []
+    values = iter(argv)
+    for arg in values:
+        if arg == "--":
+            joined.append(arg)
+            joined.extend(values)
+            break
+        if arg in DASH_VALUE_FLAGS:
+            value = next(values, None)
+            if value is not None and re.match(r"-[0-9.]", value):
+                joined.append(f"{arg}={value}")
+                continue
+            joined.append(arg)
+            if value is not None:
+                joined.append(value)
+            continue
+        joined.append(arg)
+    return joined
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -249,8 +285,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--trace",
         metavar="FILE",
-        help='JSONL trace, one {"id", "arrival_step", "prompt_len", "output_len"} per line, '
-        'the prompt\'s content optionally as "token_ids" or "hash_ids"',
+        help='JSONL trace ("-": read it from stdin), one JSON object per line: '
+        f"{', '.join(TRACE_REQUIRED_KEYS)} (required; prompt_len may be left out with "
+        f"token_ids) and {', '.join(TRACE_OPTIONAL_KEYS)} (optional; the prompt's content as "
+        "token_ids or hash_ids, not both); other keys are ignored with a warning",
     )
     _integer_flag(
         group,
@@ -403,7 +441,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--events",
         metavar="FILE",
         help="write the per-step timeline and per-request outcomes as JSON Lines; with "
-        "--compare-policies one file per policy (FILE.<policy>.jsonl)",
+        "--compare-policies one file per policy (FILE.<policy>.jsonl); '-' writes them to "
+        "stdout, and the report (or --json's object) goes to stderr instead",
     )
     group.add_argument(
         "--step-time",
@@ -512,13 +551,20 @@ def check_combinations(args: argparse.Namespace) -> None:
 
 
 def check_output_combinations(args: argparse.Namespace) -> None:
-    """Reject ``--events`` into a missing folder, and two step-time models."""
-    if args.events is not None:
+    """Reject ``--events`` into a missing folder (or ``-`` with several runs), and two
+    step-time models."""
+    if args.events == STDIO:
+        if args.compare_policies:
+            raise UsageError(
+                "--events - writes one run's events to stdout; --compare-policies runs several "
+                "(give a FILE: one file per policy)"
+            )
+    elif args.events is not None:
         target = Path(args.events).expanduser().resolve()
         parent = target.parent
         if not parent.is_dir():
             raise UsageError(f"--events {args.events}: folder {parent} does not exist")
-        if args.trace is not None and Path(args.trace).resolve() == target:
+        if args.trace not in (None, STDIO) and Path(args.trace).resolve() == target:
             raise UsageError(f"--events {args.events} is the --trace file; give another")
     if args.step_time is not None and args.step_time_profile is not None:
         raise UsageError(

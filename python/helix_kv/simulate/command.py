@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -27,7 +28,8 @@ from helix_kv.errors import (
     TraceError,
     UsageError,
 )
-from helix_kv.simulate.arguments import simulation_options, workload_spec
+from helix_kv.simulate.arguments import STDIO, simulation_options, workload_spec
+from helix_kv.simulate.events import STDOUT_TARGET
 from helix_kv.simulate.interrupt import InterruptGuard
 from helix_kv.simulate.options import (
     BASELINES,
@@ -52,8 +54,10 @@ from helix_kv.simulate.report import (
 from helix_kv.simulate.step_loop import SimulationResult, outputs_match
 from helix_kv.simulate.workload import (
     DEFAULT_HASH_BLOCK_TOKENS,
+    TRACE_KEYS,
     HashBlocks,
     RequestSpec,
+    parse_trace,
     read_trace,
     synthetic_workload,
 )
@@ -63,6 +67,8 @@ EXIT_OK = 0
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command ended by Ctrl-C
+#: The trace's name in messages and in ``config.workload.path`` with ``--trace -``.
+STDIN_NAME = "<stdin>"
 
 
 def error_object(status: int, error_type: str, message: str) -> str:
@@ -70,14 +76,32 @@ def error_object(status: int, error_type: str, message: str) -> str:
     return to_json({"error": {"type": error_type, "message": message, "exit_status": status}})
 
 
-def load_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], dict[str, Any]]:
-    """The workload and its description for the report's ``config.workload``."""
+def load_workload(
+    args: argparse.Namespace, stderr: TextIO | None = None
+) -> tuple[list[RequestSpec], dict[str, Any]]:
+    """The workload and its description for the report's ``config.workload``; a trace's keys
+    that the reader ignores are named on ``stderr``, once each."""
     if args.trace is not None:
         block_tokens = args.hash_block_tokens or DEFAULT_HASH_BLOCK_TOKENS
-        workload = read_trace(args.trace, block_tokens)
+        unknown: dict[str, int] = {}
+        if args.trace == STDIO:
+            path = STDIN_NAME
+            try:
+                workload = parse_trace(sys.stdin, path, block_tokens, unknown)
+            except UnicodeDecodeError as err:
+                raise TraceError(path, f"not UTF-8 text ({err.reason})") from None
+        else:
+            path = str(args.trace)
+            workload = read_trace(path, block_tokens, unknown)
+        for key, line in unknown.items():
+            print(
+                f"{PROG}: warning: trace {path}: unknown key {json.dumps(key)} (first on line "
+                f"{line}) is ignored; the keys read are {', '.join(TRACE_KEYS)}",
+                file=stderr if stderr is not None else sys.stderr,
+            )
         info: dict[str, Any] = {
             "source": "trace",
-            "path": str(args.trace),
+            "path": path,
             "requests": len(workload),
         }
         with_content = sum(1 for request in workload if request.content is not None)
@@ -97,10 +121,11 @@ def run_once(
     show_progress: bool,
     label: str = "",
     should_stop: Callable[[], bool] | None = None,
-    events_path: Path | None = None,
+    events_path: Path | str | None = None,
 ) -> SimulationResult:
     """One run, in this process or (``options.procs``) one process per rank; with
-    ``events_path``, its events are written there (by rank 0's process under ``procs``)."""
+    ``events_path``, its events are written there (by rank 0's process under ``procs``;
+    :data:`~.events.STDOUT_TARGET`: to stdout)."""
     config = options.resolved(workload_info)
     if options.procs:
         return run_in_processes(
@@ -150,19 +175,24 @@ def planned_runs(
     return runs
 
 
-def events_paths(path: str | None, policies: list[str | None]) -> dict[str | None, Path]:
+def events_paths(path: str | None, policies: list[str | None]) -> dict[str | None, Path | str]:
     """Where each run's ``--events`` go: the file itself, or with ``--compare-policies`` one
-    file per policy (``run.jsonl`` -> ``run.newest_first.jsonl``, as ``--plot`` names them)."""
+    file per policy (``run.jsonl`` -> ``run.newest_first.jsonl``, as ``--plot`` names them);
+    ``-``: stdout (:data:`~.events.STDOUT_TARGET`, one run)."""
     if path is None:
         return {}
+    if path == STDIO:
+        return {policy: STDOUT_TARGET for policy in policies}
     target = Path(path).expanduser()
     return {policy: _plot_path(str(target), policy) for policy in policies}
 
 
-def check_events_targets(paths: dict[str | None, Path]) -> None:
+def check_events_targets(paths: dict[str | None, Path | str]) -> None:
     """Open each events file for writing once (creating it), so that a file that cannot be
     written stops the command before the run (a usage error naming ``--events``)."""
     for path in paths.values():
+        if path == STDOUT_TARGET:
+            continue
         try:
             with open(path, "a", encoding="utf-8"):
                 pass
@@ -174,8 +204,9 @@ def run_simulate(
     args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None
 ) -> int:
     """Run ``helix-kv simulate`` for parsed ``args``; return the exit status."""
-    stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
+    # --events -: stdout carries the events alone, and the report (or error object) goes to stderr
+    stdout = stderr if args.events == STDIO else stdout if stdout is not None else sys.stdout
 
     def fail(status: int, message: str, error_type: str, detail: str | None = None) -> int:
         """One line on stderr; with ``--json`` also the error object (``detail``: its
@@ -188,7 +219,7 @@ def run_simulate(
 
     try:
         options = simulation_options(args)
-        workload, workload_info = load_workload(args)
+        workload, workload_info = load_workload(args, stderr)
         check_config(options)
         if args.plot is not None:
             check_plot_target(args.plot)
@@ -224,6 +255,8 @@ def run_simulate(
                     interrupted,
                     events_at.get(policy),
                 )
+            except BrokenPipeError:  # stdout closed under --events -: exit status 141
+                raise
             except OSError as err:  # the events file, written as the run goes
                 path = events_at.get(policy)
                 message = f"cannot write the events file {path}: {err.strerror or err}"

@@ -26,6 +26,8 @@ from helix_kv.types import FinishReason
 __all__ = [
     "EVENTS_SCHEMA",
     "EVENTS_SCHEMA_VERSION",
+    "FLOAT_DIGITS",
+    "STDOUT_TARGET",
     "EventLog",
     "EventSink",
     "JsonlEventWriter",
@@ -37,6 +39,10 @@ __all__ = [
 #: changes when a key is removed or changes meaning (new keys may appear without one).
 EVENTS_SCHEMA = "helix_kv.simulate.events"
 EVENTS_SCHEMA_VERSION = 1
+
+#: ``--events -``: where the CLI passes this string (not a ``Path``: ``Path("-")`` is a file
+#: named ``-``) as the events target, the events go to standard output.
+STDOUT_TARGET = "-"
 
 
 @dataclass(frozen=True)
@@ -196,10 +202,25 @@ def meta_record(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+#: Significant digits of the floats of the step and request lines: the last bits of a sum of
+#: modelled step times (``15.410400000000001``) are noise, not precision.
+FLOAT_DIGITS = 10
+
+
+def _rounded(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with each float value cut to :data:`FLOAT_DIGITS` significant digits."""
+    return {
+        key: float(f"{value:.{FLOAT_DIGITS}g}") if isinstance(value, float) else value
+        for key, value in record.items()
+    }
+
+
 class JsonlEventWriter:
     """An :class:`EventSink` writing JSON Lines: the ``"meta"`` line (written when the writer
-    is made), then one line per event. ``target`` is a path (opened, truncated, and closed by
-    :meth:`close`) or an open text file (left open). Use it as a context manager."""
+    is made), then one line per event, its floats to :data:`FLOAT_DIGITS` significant digits
+    (the :class:`EventLog` and the records keep them whole). ``target`` is a path (opened,
+    truncated, and closed by :meth:`close`) or an open text file (left open). Use it as a
+    context manager."""
 
     def __init__(self, target: str | Path | IO[str], config: Mapping[str, Any]) -> None:
         if isinstance(target, (str, Path)):
@@ -215,10 +236,10 @@ class JsonlEventWriter:
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
 
     def on_step(self, event: StepEvent) -> None:
-        self._write(event.to_record())
+        self._write(_rounded(event.to_record()))
 
     def on_request(self, event: RequestEvent) -> None:
-        self._write(event.to_record())
+        self._write(_rounded(event.to_record()))
 
     def close(self) -> None:
         """Flush, and close the file if the writer opened it."""

@@ -19,6 +19,7 @@ from helix_kv.errors import ConfigError, HelixKVError
 from helix_kv.errors import SimulationSetupError as SimulationSetupError  # also from here
 from helix_kv.simulate.drafts import DraftModel
 from helix_kv.simulate.timing import StepTimeModel
+from helix_kv.simulate.workload import MAX_REQUEST_TOKENS as _MAX_REQUEST_TOKENS
 from helix_kv.simulate.workload import RequestSpec
 from helix_kv.types import CapacityPolicy, ServingMode, SuspendPolicy, VictimPolicy
 
@@ -55,8 +56,9 @@ MAX_PROCS_CP = 64
 """Ranks with ``--procs`` (one process each, each loading torch)."""
 MAX_REQUESTS = 1_000_000
 """Requests of a synthetic workload."""
-MAX_REQUEST_TOKENS = 1 << 20
-"""Longest prompt or output of a request, in tokens (synthetic or from a trace)."""
+MAX_REQUEST_TOKENS = _MAX_REQUEST_TOKENS
+"""Longest prompt or output of a request, in tokens (synthetic or from a trace; the trace
+reader refuses a longer one on its line)."""
 MAX_KV_SUPERBLOCKS = 1 << 22
 """Largest KV pool, in superblocks: every rank's ledger allocates a few bytes per superblock
 when it is built (4 MiB-superblock pools already cost tens of MB per rank)."""

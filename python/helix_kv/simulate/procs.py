@@ -18,13 +18,14 @@ ends the ranks with SIGTERM.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from helix_kv.contract import SchedulerProtocol
 from helix_kv.errors import ProcsUnavailableError, RankFailedError
-from helix_kv.simulate.events import JsonlEventWriter
+from helix_kv.simulate.events import STDOUT_TARGET, JsonlEventWriter
 from helix_kv.simulate.options import SimulationOptions
 from helix_kv.simulate.progress import ProgressLine
 from helix_kv.simulate.step_loop import SimulationResult, run_simulation
@@ -118,16 +119,20 @@ def run_with_options(
     config: dict[str, Any],
     *,
     progress_label: str | None,
-    events_path: Path | None,
+    events_path: Path | str | None,
     should_stop: Callable[[], bool] | None,
 ) -> SimulationResult:
     """The step loop, in this process, over the scheduler ``build_scheduler()`` makes (once the
     progress line and the events file are open), with the run's options: a progress line
     labelled ``progress_label`` (none for ``None``) and the events written to ``events_path``
-    (none for ``None``), both closed however the run ends. The in-process run and every
+    (none for ``None``; :data:`~.events.STDOUT_TARGET`: standard output), both closed however
+    the run ends. The in-process run and every
     ``--procs`` rank go through here."""
     progress = ProgressLine(label=progress_label) if progress_label is not None else None
-    events = JsonlEventWriter(events_path, config) if events_path is not None else None
+    events = None
+    if events_path is not None:
+        target = sys.stdout if events_path == STDOUT_TARGET else events_path
+        events = JsonlEventWriter(target, config)
     try:
         return run_simulation(
             build_scheduler(),
@@ -156,7 +161,7 @@ def _rank_worker(
     workload: Sequence[RequestSpec],
     config: dict[str, Any],
     show_progress: bool,
-    events_path: Path | None = None,
+    events_path: Path | str | None = None,
 ) -> SimulationResult | None:
     """One rank process (run by ``spawn_group``): the step loop over this rank; rank 0's
     result goes back to the parent, and rank 0 writes the events (every rank's are the same:
@@ -179,7 +184,7 @@ def run_in_processes(
     config: dict[str, Any] | None = None,
     show_progress: bool = False,
     should_stop: Callable[[], bool] | None = None,
-    events_path: Path | None = None,
+    events_path: Path | str | None = None,
 ) -> SimulationResult:
     """Run the simulation with one process per rank; return rank 0's result.
 

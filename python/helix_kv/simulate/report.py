@@ -262,10 +262,12 @@ ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     ("steps", lambda s: str(s["steps"])),
     ("generated tokens", lambda s: str(s["generated_tokens"])),
     ("computed tokens", lambda s: str(s["computed_tokens"])),
-    ("preemptions", lambda s: str(s["preemptions"])),
+    # JSON "preemptions": recompute-pauses; "preempted_requests": requests chosen as victims
+    # either way (recompute-paused or suspended), hence the rows' names
+    ("recompute-pauses", lambda s: str(s["preemptions"])),
     ("suspensions", lambda s: str(s["suspensions"])),
     (
-        "preempted requests",
+        "paused/suspended requests",
         lambda s: f"{s['preempted_requests']} (at most {s['max_victim_choices_of_a_request']}x)",
     ),
     (
@@ -412,14 +414,14 @@ def table_rows(summary: Summary) -> list[tuple[str, Callable[[Summary], str]]]:
     """The table's rows for ``summary``: :data:`ROWS`, with :data:`PREFIX_CACHE_ROWS` after
     the computed tokens when prefix caching was on, :data:`HOST_TIER_ROWS` after the
     recomputed tokens when a baseline without the host tier ran, :data:`SPECULATIVE_ROWS`
-    before the preemptions when the run had drafts, and :data:`MODELLED_ROWS`
+    before the recompute-pauses when the run had drafts, and :data:`MODELLED_ROWS`
     after the latencies in steps when a step-time model was on."""
     rows = list(ROWS)
     if "prefix_cache_hit_rate" in summary:
         at = next(i for i, (label, _) in enumerate(rows) if label == "computed tokens") + 1
         rows[at:at] = PREFIX_CACHE_ROWS
     if "spec_decode_acceptance_rate" in summary:
-        at = next(i for i, (label, _) in enumerate(rows) if label == "preemptions")
+        at = next(i for i, (label, _) in enumerate(rows) if label == "recompute-pauses")
         rows[at:at] = SPECULATIVE_ROWS
     if "recomputed_tokens_avoided" in summary:
         at = next(i for i, (label, _) in enumerate(rows) if label == "recomputed tokens") + 1

@@ -38,10 +38,15 @@ MAX_REQUEST_ID = 2**64 - 1
 
 #: The keys of one trace line; ``priority`` (default 0), ``abort_step`` (default: never
 #: aborted) and the prompt's content, ``token_ids`` or ``hash_ids`` (default: a prompt of its
-#: own), are optional, other keys are ignored. With ``token_ids``, ``prompt_len`` may be left
-#: out (it is their number).
+#: own), are optional, other keys are ignored (:func:`parse_trace` reports them). With
+#: ``token_ids``, ``prompt_len`` may be left out (it is their number).
 TRACE_REQUIRED_KEYS = ("id", "arrival_step", "prompt_len", "output_len")
 TRACE_OPTIONAL_KEYS = ("priority", "abort_step", "token_ids", "hash_ids")
+TRACE_KEYS = TRACE_REQUIRED_KEYS + TRACE_OPTIONAL_KEYS
+
+#: Longest prompt or output of a request, in tokens, that the simulator takes (synthetic or
+#: from a trace: a trace line over it is refused). Also ``simulate.options.MAX_REQUEST_TOKENS``.
+MAX_REQUEST_TOKENS = 1 << 20
 
 #: Largest step a trace may name.
 MAX_STEP = 2**62
@@ -564,14 +569,19 @@ def _prompt_content(
         raise ValueError("give the prompt as 'token_ids' or as 'hash_ids', not both")
     if token_ids is not None:
         tokens = _integer_list(record, "token_ids", _I32_MAX, "token id")
+        if len(tokens) > MAX_REQUEST_TOKENS:
+            raise ValueError(
+                f"'token_ids' has {len(tokens)} tokens; the simulator takes a prompt of at most "
+                f"{MAX_REQUEST_TOKENS}"
+            )
         if "prompt_len" in record:
-            prompt_len = _int_field(record, "prompt_len", 1, _I32_MAX)
+            prompt_len = _int_field(record, "prompt_len", 1, MAX_REQUEST_TOKENS)
             if prompt_len != len(tokens):
                 raise ValueError(
                     f"'prompt_len' ({prompt_len}) must be the number of 'token_ids' ({len(tokens)})"
                 )
         return len(tokens), PromptTokens.of(tokens)
-    prompt_len = _int_field(record, "prompt_len", 1, _I32_MAX)
+    prompt_len = _int_field(record, "prompt_len", 1, MAX_REQUEST_TOKENS)
     if hash_ids is None:
         return prompt_len, None
     ids = _integer_list(record, "hash_ids", _U64_MAX, "hash id")
@@ -588,14 +598,29 @@ def parse_trace_line(text: str, hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKE
     """Parse one JSONL line into a request; raise ``ValueError`` saying what is wrong.
 
     ``hash_block_tokens``: the tokens one ``hash_ids`` entry stands for."""
+    return _request_from_record(_decode_line(text), hash_block_tokens)
+
+
+def _decode_line(text: str) -> dict[str, Any]:
+    """One line's JSON object; ``ValueError`` saying what is wrong (where the JSON is wrong: the
+    column on the line, its line break left out)."""
+    text = text.rstrip("\r\n")
     try:
         record = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"not valid JSON ({err.msg} at column {err.colno})") from None
+        where = f"column {err.colno}"
+        if err.pos >= len(text):
+            where += ", the end of the line"
+        raise ValueError(f"not valid JSON ({err.msg} at {where})") from None
     except RecursionError:
         raise ValueError("not valid JSON here (nested too deeply)") from None
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def _request_from_record(record: dict[str, Any], hash_block_tokens: int) -> RequestSpec:
+    """The request one line's JSON object describes; ``ValueError`` saying what is wrong."""
     required: tuple[str, ...] = TRACE_REQUIRED_KEYS
     if record.get("token_ids") is not None:  # the prompt's length is theirs
         required = tuple(key for key in required if key != "prompt_len")
@@ -623,7 +648,7 @@ def parse_trace_line(text: str, hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKE
         request_id=request_id,
         arrival_step=arrival_step,
         prompt_len=prompt_len,
-        output_len=_int_field(record, "output_len", 1, 2**32 - 1),
+        output_len=_int_field(record, "output_len", 1, MAX_REQUEST_TOKENS),
         priority=priority,
         abort_step=abort_step,
         content=content,
@@ -634,13 +659,15 @@ def parse_trace(
     lines: Iterable[str],
     path: str | Path = "<trace>",
     hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKENS,
+    unknown_keys: dict[str, int] | None = None,
 ) -> list[RequestSpec]:
     """Parse JSONL trace lines (blank lines are skipped) into a workload in queue order.
 
     Requests are ordered by ``arrival_step``, ties in line order. Raises :class:`TraceError`
     naming the line number and the problem for the first bad line, a duplicate id (naming
     both lines), or an empty trace. ``hash_block_tokens``: the tokens one ``hash_ids`` entry
-    stands for.
+    stands for. ``unknown_keys``: filled with each key not in :data:`TRACE_KEYS` (ignored)
+    and the first line that has it.
     """
     if hash_block_tokens < 1:
         raise ValueError(f"hash_block_tokens must be >= 1, got {hash_block_tokens}")
@@ -650,9 +677,13 @@ def parse_trace(
         if not text.strip():
             continue
         try:
-            request = parse_trace_line(text, hash_block_tokens)
+            record = _decode_line(text)
+            request = _request_from_record(record, hash_block_tokens)
         except ValueError as err:
             raise TraceError(path, str(err), line_number) from None
+        if unknown_keys is not None:
+            for key in (key for key in record if key not in TRACE_KEYS):
+                unknown_keys.setdefault(key, line_number)
         if request.request_id in first_line_of_id:
             raise TraceError(
                 path,
@@ -669,7 +700,9 @@ def parse_trace(
 
 
 def read_trace(
-    path: str | Path, hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKENS
+    path: str | Path,
+    hash_block_tokens: int = DEFAULT_HASH_BLOCK_TOKENS,
+    unknown_keys: dict[str, int] | None = None,
 ) -> list[RequestSpec]:
     """Read a JSONL trace: one ``{"id", "arrival_step", "prompt_len", "output_len"}`` per line.
 
@@ -682,11 +715,11 @@ def read_trace(
     ``"hash_ids"``, one id in ``[0, 2**64)`` per block of ``hash_block_tokens`` tokens, each id
     standing for the same tokens wherever it appears, the last block cut to ``prompt_len``
     (``ceil(prompt_len / hash_block_tokens)`` ids; the Mooncake trace convention), not both.
-    Other keys are ignored.
+    Other keys are ignored (``unknown_keys``: filled with them, as :func:`parse_trace` does).
     """
     try:
         with open(path, encoding="utf-8") as handle:
-            return parse_trace(handle, path, hash_block_tokens)
+            return parse_trace(handle, path, hash_block_tokens, unknown_keys)
     except OSError as err:
         raise TraceError(path, f"cannot read it ({err.strerror or err})") from None
     except UnicodeDecodeError as err:
