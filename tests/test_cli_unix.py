@@ -331,6 +331,17 @@ def test_events_dash_with_compare_policies_is_a_usage_error() -> None:
     assert "--events - writes one run's events to stdout" in assert_one_clean_line(done.stderr)
 
 
+def test_per_policy_events_files_put_the_policy_before_the_extension(tmp_path: Path) -> None:
+    """``--events run.log --compare-policies``: ``run.<policy>.log`` per policy (the name
+    goes before the extension, whatever it is), as ``--help`` says."""
+    done = run("simulate", *SMALL, "--compare-policies", "--events", str(tmp_path / "run.log"))
+    assert done.returncode == 0, done.stderr
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["run.least_computed_first.log", "run.newest_first.log", "run.priority.log"]
+    helped = run("simulate", "--help")
+    assert "run.jsonl -> run.newest_first.jsonl" in " ".join(helped.stdout.split())
+
+
 # --- a value that starts with "-" -----------------------------------------------------------
 
 

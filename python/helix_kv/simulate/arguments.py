@@ -441,7 +441,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--events",
         metavar="FILE",
         help="write the per-step timeline and per-request outcomes as JSON Lines; with "
-        "--compare-policies one file per policy (FILE.<policy>.jsonl); '-' writes them to "
+        "--compare-policies one file per policy, its name put before the extension "
+        "(run.jsonl -> run.newest_first.jsonl); '-' writes them to "
         "stdout, and the report (or --json's object) goes to stderr instead",
     )
     group.add_argument(
