@@ -75,10 +75,10 @@ def test_python_m_helix_kv_is_the_cli() -> None:
             "--kv-tokens 68719476704 is 2147483647 superblocks of 32 tokens; "
             "the simulator holds at most 4194304",
         ),
-        (
+        (  # past the core's int32 page ids too: still the simulator's limit, said once
             ["--kv-tokens", "137438953440"],
-            "capacity_superblocks = 4294967295 is more than 2147483647, the most superblocks "
-            "int32 page ids can name",
+            "--kv-tokens 137438953440 is 4294967295 superblocks of 32 tokens; "
+            "the simulator holds at most 4194304",
         ),
     ],
 )
@@ -340,6 +340,18 @@ def test_per_policy_events_files_put_the_policy_before_the_extension(tmp_path: P
     assert written == ["run.least_computed_first.log", "run.newest_first.log", "run.priority.log"]
     helped = run("simulate", "--help")
     assert "run.jsonl -> run.newest_first.jsonl" in " ".join(helped.stdout.split())
+
+
+@pytest.mark.parametrize("kv_tokens", ["100000000000000", "40000000000", "134217760"])
+def test_a_pool_past_the_limit_gets_the_real_limit_the_first_time(kv_tokens: str) -> None:
+    """Whatever the size (past the core's 2**32 or 2**31 superblocks, or just past the
+    simulator's own limit), one message: the simulator's limit and the largest --kv-tokens."""
+    done = run("simulate", "--kv-tokens", kv_tokens, "--requests", "2")
+    assert done.returncode == 2
+    line = assert_one_clean_line(done.stderr)
+    assert "the simulator holds at most 4194304 superblocks (--kv-tokens 134217728" in line
+    assert "4294967295" not in line
+    assert "2147483647" not in line
 
 
 # --- a value that starts with "-" -----------------------------------------------------------

@@ -243,25 +243,28 @@ def in_flag_terms(message: str) -> str:
     return _FIELD_PATTERN.sub(flag, message)
 
 
+#: ``SchedulerConfig``'s ``tokens_per_block`` when the options leave it out.
+_DEFAULT_TOKENS_PER_BLOCK: int = SchedulerConfig(kv_superblocks=1).tokens_per_block
+
+
 def check_config(options: SimulationOptions) -> None:
     """Build the configuration once (nothing is allocated) and check the pool is within the
     simulator's limit; turn a ``ConfigError`` into a setup error in the flags' terms."""
+    # The simulator's own limit first, whatever the core's limits (a pool past 2**32 or
+    # 2**31 superblocks) would say: one message gives the real largest --kv-tokens.
+    tokens_per_block = options.scheduler.get("tokens_per_block", _DEFAULT_TOKENS_PER_BLOCK)
+    per_superblock = tokens_per_block * options.cp_size if tokens_per_block > 0 else 0
+    if per_superblock > 0 and options.kv_tokens // per_superblock > MAX_KV_SUPERBLOCKS:
+        raise SimulationSetupError(
+            f"--kv-tokens {options.kv_tokens} is {options.kv_tokens // per_superblock} "
+            f"superblocks of {per_superblock} tokens; the simulator holds at most "
+            f"{MAX_KV_SUPERBLOCKS} superblocks (--kv-tokens {MAX_KV_SUPERBLOCKS * per_superblock} "
+            "with this --cp and --tokens-per-block)"
+        )
     try:
-        config = options.scheduler_config()
+        options.scheduler_config()
     except ConfigError as err:
         raise SimulationSetupError(in_flag_terms(_one_line(str(err)))) from None
-    if config.kv_superblocks > MAX_KV_SUPERBLOCKS:
-        largest = SchedulerConfig(
-            cp_size=config.cp_size,
-            tokens_per_block=config.tokens_per_block,
-            kv_superblocks=MAX_KV_SUPERBLOCKS,
-        )
-        raise SimulationSetupError(
-            f"--kv-tokens {options.kv_tokens} is {config.kv_superblocks} superblocks of "
-            f"{config.layout.tokens_per_superblock} tokens; the simulator holds at most "
-            f"{MAX_KV_SUPERBLOCKS} superblocks (--kv-tokens {largest.capacity_tokens} with this "
-            "--cp and --tokens-per-block)"
-        )
 
 
 def preflight(options: SimulationOptions, workload: Sequence[RequestSpec]) -> None:
