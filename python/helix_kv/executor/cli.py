@@ -25,13 +25,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from helix_kv.errors import CheckpointError, HelixKVError, TraceError, UsageError
-from helix_kv.executor.checkpoint import read_config
+from helix_kv.executor.checkpoint import _is_int, read_config
 from helix_kv.executor.runner import ExecutorConfig, RunResult, run_rank
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -87,10 +86,6 @@ def read_prompts(path: str | Path, vocab_size: int) -> PromptFile:
     if not ids:
         raise TraceError(path, "no requests")
     return PromptFile(ids, tokens, budgets)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def build_parser() -> argparse.ArgumentParser:

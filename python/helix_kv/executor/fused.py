@@ -266,11 +266,11 @@ def mla_rope_norm_write_reference(
     query[..., latent:] = rope_reference(q[..., nope:], cos, sin)
     owned = slots >= 0
     index = slots[owned].long()
-    work = kv[:, :latent]
-    work = work.float() if work.dtype in (torch.float16, torch.bfloat16) else work
-    normed = work * torch.rsqrt(work.pow(2).mean(dim=-1, keepdim=True) + eps)
     row = torch.cat(
-        [norm_weight * normed.to(kv.dtype), rope_reference(kv[:, None, latent:], cos, sin)[:, 0]],
+        [
+            rms_norm_reference(kv[:, :latent], norm_weight, eps),
+            rope_reference(kv[:, None, latent:], cos, sin)[:, 0],
+        ],
         dim=-1,
     )
     latent_cache[index, 0] = row[owned].to(latent_cache.dtype)
