@@ -76,6 +76,9 @@ def test_hand_computed_schedule_with_the_idle_jump() -> None:
     assert result.rank_agreement
     summary = summarize(result)
     assert summary["ttft_ms_p50"] == 1.0  # TTFTs 1, 1.5 and 1 ms
+    # queueing: A and C are scheduled as they arrive, B 0.5 ms after
+    assert [outcomes[i].first_scheduled_ms for i in range(3)] == [0.0, 3.0, 100.0]
+    assert summary["queue_ms_p99"] == 0.5
 
 
 def test_arrivals_inside_a_long_step_wait_for_its_end() -> None:

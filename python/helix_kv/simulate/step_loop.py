@@ -106,6 +106,9 @@ class RequestOutcome:
     arrival_ms: float | None = None
     first_token_ms: float | None = None
     finish_ms: float | None = None
+    #: The start of the first step that scheduled it (its first prompt chunk); ``None`` if
+    #: none did (aborted while waiting) or without a model.
+    first_scheduled_ms: float | None = None
 
     @property
     def aborted(self) -> bool:
@@ -282,6 +285,8 @@ class _StepLoop:
         self.step_start_ms = 0.0
         self.arrival_ms: dict[int, float] = {}
         self.first_token_ms: dict[int, float] = {}
+        #: The start of the first step that scheduled each live request (its first chunk).
+        self.first_scheduled_ms: dict[int, float] = {}
         #: For the events only: requests suspended now, and aborts since the last step.
         self.suspended: set[int] = set()
         self.aborted_since_step = 0
@@ -396,6 +401,8 @@ class _StepLoop:
             kv_read = kv_tokens_read(output)
         if self.step_time is not None:
             self.now_ms += self.step_time.step_ms(int(output.num_tokens), kv_read, self.cp_size)
+            for request_id in np.asarray(output.context_ids).tolist():
+                self.first_scheduled_ms.setdefault(request_id, start_ms)
 
         sample_ids = np.asarray(output.sample_ids, dtype=np.int64)
         accepted: np.ndarray | None = None
@@ -512,6 +519,7 @@ class _StepLoop:
             outcome = self.outcomes[-1]
             outcome.arrival_ms = self.arrival_ms.pop(request_id)
             outcome.first_token_ms = self.first_token_ms.pop(request_id, None)
+            outcome.first_scheduled_ms = self.first_scheduled_ms.pop(request_id, None)
             outcome.finish_ms = self.now_ms  # the end of its last step, or its abort
         if self.events is not None:
             self.suspended.discard(request_id)
