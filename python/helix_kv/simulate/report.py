@@ -381,9 +381,7 @@ MODELLED_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     ("modelled run time", lambda s: f"{s['modelled_time_ms'] / 1000.0:.2f} s"),
     (
         "TTFT p50 / p90 / p99 (modelled)",
-        lambda s: (
-            f"{_ms(s['ttft_ms_p50'])} / {_ms(s['ttft_ms_p90'])} / {_ms(s['ttft_ms_p99'])} ms"
-        ),
+        lambda s: f"{_ms(s['ttft_ms_p50'])} / {_ms(s['ttft_ms_p90'])} / {_ms(s['ttft_ms_p99'])} ms",
     ),
     (
         "TPOT p50 / p90 / p99 (modelled)",
