@@ -386,7 +386,8 @@ def format_plan(plan: Plan) -> str:
         return f"  {numbers}  {cells[-1]}"
 
     target = f"{plan.slo.describe()} for at least {100.0 * plan.slo_share:g}% of the requests"
-    lines = [f"{PROG}: {flag} over {len(plan.candidates)} values; SLO {target}"]
+    count = len(plan.candidates)
+    lines = [f"{PROG}: {flag} over {count} value{'s' if count > 1 else ''}; SLO {target}"]
     first = next((c.report for c in plan.candidates if c.report is not None), None)
     if first is not None:
         dest = KNOBS[plan.knob][1]
