@@ -5,6 +5,7 @@ when none is given, and the flags' errors (real subprocesses)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -220,3 +221,20 @@ def test_goodput_in_a_subprocess_json(hand_trace: Path) -> None:
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert (report["goodput_requests"], report["goodput_share"]) == (3, 0.75)
+
+
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "user-guide.md"
+
+
+@needs_scheduler
+def test_user_guide_goodput_sample_is_what_the_command_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    guide = GUIDE.read_text("utf-8")
+    section = guide[guide.index("### Goodput: `--slo-ttft-ms`, `--slo-tpot-ms`") :]
+    command = re.search(r"^```bash\nhelix-kv (.*)\n```", section, re.MULTILINE)
+    sample = re.search(r"^```text\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
+    assert command is not None
+    assert sample is not None
+    assert main(command.group(1).split()) == 0
+    assert sample.group(1) in capsys.readouterr().out

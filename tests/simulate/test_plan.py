@@ -6,6 +6,7 @@ progress and ``--plot`` (real subprocesses)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -277,3 +278,17 @@ def test_subprocess_exit_statuses() -> None:
     table = _run(*argv, "--slo-ttft-ms", "1000")
     assert table.returncode == 0, table.stderr
     assert table.stdout.startswith("helix-kv plan: --kv-tokens over 1 value; SLO TTFT <= 1000 ms")
+
+
+@needs_scheduler
+def test_user_guide_plan_sample_is_what_the_command_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "user-guide.md").read_text("utf-8")
+    section = guide[guide.index("## Planning against SLOs") :]
+    command = re.search(r"^```bash\nhelix-kv (.*)\n```", section, re.MULTILINE)
+    sample = re.search(r"^```text\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
+    assert command is not None
+    assert sample is not None
+    assert main([*command.group(1).split(), "--no-progress"]) == 0
+    assert capsys.readouterr().out == sample.group(1)
