@@ -6,9 +6,12 @@ progress and ``--plot`` (real subprocesses)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -292,3 +295,34 @@ def test_user_guide_plan_sample_is_what_the_command_prints(
     assert sample is not None
     assert main([*command.group(1).split(), "--no-progress"]) == 0
     assert capsys.readouterr().out == sample.group(1)
+
+
+@needs_scheduler
+@pytest.mark.skipif(sys.platform == "win32", reason="process groups and SIGINT are POSIX")
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_ctrl_c_stops_every_candidate_and_exits_130(jobs: str) -> None:
+    """SIGINT to the whole process group, as a terminal sends it, while the candidates run
+    (long ones: 2000 requests each): 130, one line, and no worker outlives the command."""
+    argv = ["--vary", "kv-tokens", "--requests", "2000", "--slo-ttft-ms", "1000"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "helix_kv", "plan", *argv, "--values", "4096,8192", "--jobs", jobs],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    time.sleep(4)  # started, and the workers (or the first run) busy
+    assert process.poll() is None
+    os.killpg(process.pid, signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert stdout == ""
+    assert stderr == "helix-kv plan: interrupted\n"
+    deadline = time.monotonic() + 15
+    while True:  # every process of the group has exited
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "a worker outlived the command"
+        time.sleep(0.1)

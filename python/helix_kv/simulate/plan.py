@@ -332,9 +332,11 @@ def run_candidates(
             for future in as_completed(futures):
                 finished(future.result())
         except BaseException:
-            # Ctrl-C (or a broken pool): stop the candidates still running, start no more
+            # Ctrl-C (or a broken pool): start no more candidates, stop those running (the
+            # workers ignore SIGINT); shutdown forgets the processes, so they are taken first
+            running = list((pool._processes or {}).values())
             pool.shutdown(wait=False, cancel_futures=True)
-            for process in list(pool._processes.values()):
+            for process in running:
                 process.terminate()
             raise
         pool.shutdown()
