@@ -326,3 +326,13 @@ def test_ctrl_c_stops_every_candidate_and_exits_130(jobs: str) -> None:
             break
         assert time.monotonic() < deadline, "a worker outlived the command"
         time.sleep(0.1)
+
+
+def test_help_gives_simulates_defaults_of_the_knobs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--cp N CP ranks (default: 2; not with --vary cp)" in text
+    assert "(default: 16384; not with --vary kv-tokens)" in text
+    assert "--slo-ttft-ms MS" in text

@@ -116,7 +116,13 @@ def add_plan_arguments(parser: OneLineArgumentParser) -> None:
     ones. ``--cp`` and ``--kv-tokens`` default to ``None`` here (not given), so that the one
     the plan varies cannot be given as well."""
     add_simulate_arguments(parser)
-    parser.set_defaults(cp=None, kv_tokens=None)
+    knob_of = {dest: knob for knob, (_, dest, _) in KNOBS.items()}
+    for action in parser._actions:
+        if action.dest in knob_of:
+            # simulate's default, in the help, applies unless the flag is the one varied
+            shown = (action.help or "").replace("%(default)s", str(action.default))
+            action.default = None
+            action.help = f"{shown.removesuffix(')')}; not with --vary {knob_of[action.dest]})"
     group = parser.add_argument_group("planning")
     group.add_argument(
         "--vary",
