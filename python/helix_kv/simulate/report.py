@@ -575,6 +575,8 @@ def describe_config(config: Mapping[str, Any], *, include_policy: bool = True) -
     source = config.get("workload", {})
     if source.get("source") == "trace":
         parts.append(f"trace={source.get('path')}")
+        if source.get("arrivals") == "ms":
+            parts.append("arrivals in ms")
     else:
         described = f"requests={source.get('requests', '?')} seed={source.get('seed', '?')}"
         if source.get("shared_prefix_len"):
@@ -582,6 +584,8 @@ def describe_config(config: Mapping[str, Any], *, include_policy: bool = True) -
             described += f" shared_prefix={source['shared_prefix_len']} share={share:g}"
         if source.get("turns", 1) > 1:
             described += f" turns={source['turns']}"
+        if source.get("request_rate") is not None:
+            described += f" request_rate={source['request_rate']:g}/s"
         parts.append(described)
     return ", ".join(parts)
 
