@@ -104,6 +104,18 @@ def test_cp_pick_on_a_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
 
 
 @needs_scheduler
+def test_kv_tokens_pick_with_arrivals_in_time(capsys: pytest.CaptureFixture[str]) -> None:
+    """A workload timed in modelled seconds (--request-rate): the same rule."""
+    argv = [
+        "--tokens-per-block", "8", "--requests", "16", "--request-rate", "20",
+        "--prompt-len", "48", "--output-len", "16", "--seed", "4", *SLO,
+    ]  # fmt: skip
+    plan = _plan(capsys, "--vary", "kv-tokens", *argv, "--values", KV_VALUES)
+    assert {c["status"] for c in plan["candidates"]} == {"pass", "fail"}, plan
+    _check_against_simulate(capsys, plan, "--kv-tokens", *argv)
+
+
+@needs_scheduler
 def test_parallel_and_serial_give_the_same_table(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--vary", "kv-tokens", *WORKLOAD, *SLO, "--values", KV_VALUES]
     tables = []
