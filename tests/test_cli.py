@@ -76,7 +76,7 @@ def test_bad_arguments_exit_2_with_one_line(
 def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert capsys.readouterr().err.strip() == (
-        "helix-kv: error: choose a command: simulate (see helix-kv --help)"
+        "helix-kv: error: choose a command: simulate or plan (see helix-kv --help)"
     )
 
 

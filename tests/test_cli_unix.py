@@ -53,7 +53,7 @@ def test_python_m_helix_kv_is_the_cli() -> None:
     done = run()
     assert done.returncode == 2
     assert assert_one_clean_line(done.stderr) == (
-        "helix-kv: error: choose a command: simulate (see helix-kv --help)"
+        "helix-kv: error: choose a command: simulate or plan (see helix-kv --help)"
     )
 
 

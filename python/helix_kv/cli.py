@@ -1,9 +1,11 @@
 """The ``helix-kv`` console script (also ``python -m helix_kv``).
 
 ``helix-kv simulate`` runs a simulated CP group of real schedulers over a workload under a
-KV budget and prints what KV pressure did (see ``docs/user-guide.md``). The work lives in
-:mod:`helix_kv.simulate`; this module parses arguments and turns the ways a command-line
-tool can end into exit statuses, never a traceback:
+KV budget and prints what KV pressure did (see ``docs/user-guide.md``); ``helix-kv plan``
+runs it over candidate KV budgets or CP sizes and picks the smallest that meets SLOs
+(:mod:`helix_kv.simulate.plan`, whose exit statuses differ: 1 there means no candidate
+passed). The work lives in :mod:`helix_kv.simulate`; this module parses arguments and turns
+the ways a command-line tool can end into exit statuses, never a traceback:
 
 ====  =========================================================================
 0     the run finished, ranks in agreement, every output exact
@@ -29,6 +31,7 @@ from helix_kv.simulate.arguments import (
     attach_dash_values,
 )
 from helix_kv.simulate.command import error_object, run_simulate
+from helix_kv.simulate.plan import add_plan_arguments, run_plan
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -52,6 +55,14 @@ def build_parser() -> OneLineArgumentParser:
         "and report preemptions, recomputation, KV utilisation and latency in steps.",
     )
     add_simulate_arguments(simulate)
+    plan = commands.add_parser(
+        "plan",
+        help="find the smallest KV budget or CP size that meets SLOs",
+        description="Run helix-kv simulate over candidate --kv-tokens or --cp values (in "
+        "parallel processes) and pick the smallest whose share of requests meeting every SLO "
+        "(--slo-ttft-ms, --slo-tpot-ms, in modelled ms) is at least --slo-share.",
+    )
+    add_plan_arguments(plan)
     return parser
 
 
@@ -66,7 +77,9 @@ def _run(argv: Sequence[str]) -> int:
     try:
         args, extras = parser.parse_known_args(attach_dash_values(argv))
         if args.command is None:
-            raise UsageError("choose a command: simulate (see helix-kv --help)", prog="helix-kv")
+            raise UsageError(
+                "choose a command: simulate or plan (see helix-kv --help)", prog="helix-kv"
+            )
         if extras:
             prog = f"helix-kv {args.command}"
             raise UsageError(
@@ -77,6 +90,8 @@ def _run(argv: Sequence[str]) -> int:
         if _asks_for_json(argv):
             print(error_object(EXIT_USAGE, "UsageError", str(err)))
         return EXIT_USAGE
+    if args.command == "plan":
+        return run_plan(args)
     return run_simulate(args)
 
 
@@ -102,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _discard_stdout()
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:  # before the run started, or a second Ctrl-C
-        command = "helix-kv simulate" if "simulate" in arguments else "helix-kv"
+        named = next((arg for arg in arguments if arg in ("simulate", "plan")), None)
+        command = "helix-kv" if named is None else f"helix-kv {named}"
         # on a terminal the "^C" echo (or a progress line) holds the cursor: start a new line
         lead = "\n" if sys.stderr.isatty() else ""
         print(f"{lead}{command}: interrupted", file=sys.stderr)

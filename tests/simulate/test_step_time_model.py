@@ -35,12 +35,16 @@ SMALL = [
 MODELLED_KEYS = {
     "modelled_time_ms",
     "queue_ms_p50",
+    "queue_ms_p90",
     "queue_ms_p99",
     "ttft_ms_p50",
+    "ttft_ms_p90",
     "ttft_ms_p99",
     "tpot_ms_p50",
+    "tpot_ms_p90",
     "tpot_ms_p99",
     "tpot_steps_p50",
+    "tpot_steps_p90",
     "tpot_steps_p99",
 }
 
@@ -157,9 +161,11 @@ def test_percentiles_are_nearest_rank_over_finished_requests() -> None:
     assert set(figures) == MODELLED_KEYS
     # TTFT over 101 finished requests: 1..100 and 1e6; p50 is the 51st, p99 the 100th
     assert figures["ttft_ms_p50"] == 51.0
+    assert figures["ttft_ms_p90"] == 91.0
     assert figures["ttft_ms_p99"] == 100.0
     # TPOT over the 100 with three tokens: 0.5..50
     assert figures["tpot_ms_p50"] == 25.0
+    assert figures["tpot_ms_p90"] == 45.0
     assert figures["tpot_ms_p99"] == 49.5
     assert figures["tpot_steps_p50"] == 1.0  # finish_step 2, first 0, 2 tokens after the first
     assert figures["modelled_time_ms"] == 1234.5
@@ -192,12 +198,14 @@ def test_with_a_model_the_report_labels_modelled_ms(capsys: pytest.CaptureFixtur
     assert main(["simulate", *SMALL, "--step-time", "default"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[1:] == format_table(report).splitlines()[1:]
-    rows = {line[2:29].strip(): line[29:].strip() for line in table[1:] if line[2:3] != " "}
-    assert rows["TTFT p50 / p99 (modelled)"] == (
-        f"{report['ttft_ms_p50']:.1f} / {report['ttft_ms_p99']:.1f} ms"
+    rows = {line[2:33].strip(): line[33:].strip() for line in table[1:] if line[2:3] != " "}
+    assert rows["TTFT p50 / p90 / p99 (modelled)"] == (
+        f"{report['ttft_ms_p50']:.1f} / {report['ttft_ms_p90']:.1f} / "
+        f"{report['ttft_ms_p99']:.1f} ms"
     )
-    assert rows["TPOT p50 / p99 (modelled)"].endswith(
-        f"({report['tpot_steps_p50']:.2f} / {report['tpot_steps_p99']:.2f} steps)"
+    assert rows["TPOT p50 / p90 / p99 (modelled)"].endswith(
+        f"({report['tpot_steps_p50']:.2f} / {report['tpot_steps_p90']:.2f} / "
+        f"{report['tpot_steps_p99']:.2f} steps)"
     )
     assert table[-1].startswith("  ms figures are modelled, not measured: step = 5 ms")
     assert "illustrative" in table[-1]

@@ -33,6 +33,7 @@ from helix_kv.simulate.options import (
     SimulationOptions,
     scheduler_flag,
 )
+from helix_kv.simulate.report import ServiceLevels
 from helix_kv.simulate.timing import DEFAULT_STEP_TIME, PROFILE_KEYS, StepTimeModel, load_profile
 from helix_kv.simulate.workload import (
     DEFAULT_HASH_BLOCK_TOKENS,
@@ -169,6 +170,14 @@ def _fraction(text: str) -> float:
     value = _number(text)
     if not 0.0 <= value <= 1.0:  # also rejects NaN
         raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
+    return value
+
+
+def _target_ms(text: str) -> float:
+    """An SLO target in ms: a finite number > 0."""
+    value = _number(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of ms > 0, got {text}")
     return value
 
 
@@ -500,6 +509,23 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "per_kv_token_ms and an optional description",
     )
 
+    group = parser.add_argument_group(
+        "service-level objectives (goodput: the requests that meet every one given)"
+    )
+    targets = (
+        ("--slo-ttft-ms", "time to first token (from arrival)"),
+        ("--slo-tpot-ms", "time per output token after the first"),
+    )
+    for flag, what in targets:
+        group.add_argument(
+            flag,
+            type=_target_ms,
+            metavar="MS",
+            help=f"largest {what} in modelled ms a request may take to count towards goodput; "
+            "an aborted request never counts (with neither --step-time nor "
+            "--step-time-profile, times come from the default step-time model)",
+        )
+
 
 def _scheduler_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     given = {"tokens_per_block": args.tokens_per_block}
@@ -626,11 +652,21 @@ def check_output_combinations(args: argparse.Namespace) -> None:
         )
 
 
+def service_levels(args: argparse.Namespace) -> ServiceLevels | None:
+    """The SLO targets ``--slo-ttft-ms`` and ``--slo-tpot-ms`` give (``None``: neither)."""
+    if args.slo_ttft_ms is None and args.slo_tpot_ms is None:
+        return None
+    return ServiceLevels(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
+
+
 def step_time_model(args: argparse.Namespace) -> StepTimeModel | None:
-    """The step-time model the flags ask for (``None``: off); a bad profile is a
+    """The step-time model the flags ask for (``None``: off; with SLOs and no model given,
+    :data:`DEFAULT_STEP_TIME`: goodput needs modelled times); a bad profile is a
     :class:`UsageError` naming the flag and the file."""
     if args.step_time_profile is None:
         model: StepTimeModel | None = args.step_time
+        if model is None and service_levels(args) is not None:
+            return DEFAULT_STEP_TIME
         return model
     try:
         return load_profile(args.step_time_profile)

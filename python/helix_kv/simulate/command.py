@@ -28,7 +28,12 @@ from helix_kv.errors import (
     TraceError,
     UsageError,
 )
-from helix_kv.simulate.arguments import STDIO, simulation_options, workload_spec
+from helix_kv.simulate.arguments import (
+    STDIO,
+    service_levels,
+    simulation_options,
+    workload_spec,
+)
 from helix_kv.simulate.events import STDOUT_TARGET
 from helix_kv.simulate.interrupt import InterruptGuard
 from helix_kv.simulate.options import (
@@ -293,7 +298,8 @@ def run_simulate(
                     result.outputs_match_plain = outputs_match(result, plain)
             results[policy or str(result.config["scheduler"].get("victim_policy"))] = result
 
-    summaries = {name: summarize(result) for name, result in results.items()}
+    slo = service_levels(args)
+    summaries = {name: summarize(result, slo) for name, result in results.items()}
     baseline = summaries.get(RECOMPUTE_ONLY)
     if baseline is not None:
         for name, summary in summaries.items():

@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -67,7 +69,7 @@ def queue_ms(outcome: RequestOutcome) -> float | None:
 
 def modelled_figures(result: SimulationResult) -> Summary:
     """The latencies in modelled milliseconds, over the requests that finished (empty without
-    a step-time model): queueing, TTFT and TPOT p50/p99 in ms, TPOT in steps too (TTFT in
+    a step-time model): queueing, TTFT and TPOT p50/p90/p99 in ms, TPOT in steps too (TTFT in
     steps is ``first_token_steps``), and the modelled length of the run."""
     if result.modelled_time_ms is None:
         return {}
@@ -79,18 +81,79 @@ def modelled_figures(result: SimulationResult) -> Summary:
     return {
         "modelled_time_ms": result.modelled_time_ms,
         "queue_ms_p50": _percentile_float(queued, 50),
+        "queue_ms_p90": _percentile_float(queued, 90),
         "queue_ms_p99": _percentile_float(queued, 99),
         "ttft_ms_p50": _percentile_float(ttft, 50),
+        "ttft_ms_p90": _percentile_float(ttft, 90),
         "ttft_ms_p99": _percentile_float(ttft, 99),
         "tpot_ms_p50": _percentile_float(tpot, 50),
+        "tpot_ms_p90": _percentile_float(tpot, 90),
         "tpot_ms_p99": _percentile_float(tpot, 99),
         "tpot_steps_p50": _percentile_float(tpot_in_steps, 50),
+        "tpot_steps_p90": _percentile_float(tpot_in_steps, 90),
         "tpot_steps_p99": _percentile_float(tpot_in_steps, 99),
     }
 
 
 def _share(part: float, whole: float) -> float:
     return float(part) / float(whole) if whole else 0.0
+
+
+@dataclass(frozen=True)
+class ServiceLevels:
+    """Latency targets a request must meet to count towards goodput, in modelled ms
+    (``None``: no target of that kind; at least one is given)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"the {name} target must be a finite number > 0, got {value}")
+        if self.ttft_ms is None and self.tpot_ms is None:
+            raise ValueError("give a TTFT or a TPOT target (or both)")
+
+    def met_by(self, outcome: RequestOutcome) -> bool:
+        """Whether ``outcome`` meets every target: it finished (not aborted) with a first
+        token, its TTFT is at most ``ttft_ms`` and its TPOT at most ``tpot_ms`` (a request
+        of one token has no TPOT and meets any TPOT target)."""
+        ttft = ttft_ms(outcome)
+        if outcome.aborted or ttft is None:
+            return False
+        if self.ttft_ms is not None and ttft > self.ttft_ms:
+            return False
+        tpot = tpot_ms(outcome)
+        return self.tpot_ms is None or tpot is None or tpot <= self.tpot_ms
+
+    def describe(self) -> str:
+        """``TTFT <= 2000 ms, TPOT <= 50 ms``: the targets given."""
+        targets = [
+            f"{name} <= {value:g} ms"
+            for name, value in (("TTFT", self.ttft_ms), ("TPOT", self.tpot_ms))
+            if value is not None
+        ]
+        return ", ".join(targets)
+
+
+def goodput_figures(result: SimulationResult, slo: ServiceLevels | None) -> Summary:
+    """Goodput under ``slo`` (empty without targets or a step-time model): the targets, the
+    requests that met every one of them (:meth:`ServiceLevels.met_by`), their share of all
+    the workload's requests (those that never finished, aborted or cut off by
+    ``--max-steps``, miss) and their rate per modelled second (``None`` for a run of no
+    modelled time)."""
+    if slo is None or result.modelled_time_ms is None:
+        return {}
+    met = sum(1 for outcome in result.outcomes if slo.met_by(outcome))
+    seconds = result.modelled_time_ms / 1000.0
+    return {
+        "slo_ttft_ms": slo.ttft_ms,
+        "slo_tpot_ms": slo.tpot_ms,
+        "goodput_requests": met,
+        "goodput_share": _share(met, result.requests_total),
+        "goodput_rate_per_s": met / seconds if seconds > 0 else None,
+    }
 
 
 def prefix_cache_figures(result: SimulationResult) -> Summary:
@@ -146,8 +209,9 @@ def speculative_figures(result: SimulationResult) -> Summary:
     }
 
 
-def summarize(result: SimulationResult) -> Summary:
-    """The figures of a run as one flat dict (what ``--json`` prints).
+def summarize(result: SimulationResult, slo: ServiceLevels | None = None) -> Summary:
+    """The figures of a run as one flat dict (what ``--json`` prints); with ``slo``, its
+    goodput too (:func:`goodput_figures`).
 
     Times are in scheduler steps of the simulated clock: ``waiting_steps`` counts the
     steps a request was live but got no work (re-waits after preemption included),
@@ -203,6 +267,7 @@ def summarize(result: SimulationResult) -> Summary:
         "completion_steps_p50": _percentile(completion, 50),
         "completion_steps_p99": _percentile(completion, 99),
         **modelled_figures(result),
+        **goodput_figures(result, slo),
         "rank_agreement": result.rank_agreement,
         "outputs_exact": result.outputs_exact,
         "config": result.config,
@@ -327,20 +392,42 @@ def _steps(value: float | None) -> str:
 MODELLED_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     ("modelled run time", lambda s: f"{s['modelled_time_ms'] / 1000.0:.2f} s"),
     (
-        "queue p50 / p99 (modelled)",
-        lambda s: f"{_ms(s['queue_ms_p50'])} / {_ms(s['queue_ms_p99'])} ms",
-    ),
-    (
-        "TTFT p50 / p99 (modelled)",
-        lambda s: f"{_ms(s['ttft_ms_p50'])} / {_ms(s['ttft_ms_p99'])} ms",
-    ),
-    (
-        "TPOT p50 / p99 (modelled)",
+        "queue p50 / p90 / p99 (modelled)",
         lambda s: (
-            f"{_ms(s['tpot_ms_p50'])} / {_ms(s['tpot_ms_p99'])} ms "
-            f"({_steps(s['tpot_steps_p50'])} / {_steps(s['tpot_steps_p99'])} steps)"
+            f"{_ms(s['queue_ms_p50'])} / {_ms(s['queue_ms_p90'])} / {_ms(s['queue_ms_p99'])} ms"
         ),
     ),
+    (
+        "TTFT p50 / p90 / p99 (modelled)",
+        lambda s: f"{_ms(s['ttft_ms_p50'])} / {_ms(s['ttft_ms_p90'])} / {_ms(s['ttft_ms_p99'])} ms",
+    ),
+    (
+        "TPOT p50 / p90 / p99 (modelled)",
+        lambda s: (
+            f"{_ms(s['tpot_ms_p50'])} / {_ms(s['tpot_ms_p90'])} / {_ms(s['tpot_ms_p99'])} ms "
+            f"({_steps(s['tpot_steps_p50'])} / {_steps(s['tpot_steps_p90'])} / "
+            f"{_steps(s['tpot_steps_p99'])} steps)"
+        ),
+    ),
+]
+
+
+def _goodput(summary: Summary) -> str:
+    rate = summary["goodput_rate_per_s"]
+    shown = "-" if rate is None else f"{rate:.2f}"
+    return (
+        f"{_percent(summary['goodput_share'])} of requests ({summary['goodput_requests']} / "
+        f"{summary['requests_total']}), {shown} req/s"
+    )
+
+
+#: Rows added after the modelled rows when SLOs were given (``--slo-ttft-ms``, ...).
+GOODPUT_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
+    (
+        "SLO targets",
+        lambda s: ServiceLevels(s["slo_ttft_ms"], s["slo_tpot_ms"]).describe(),
+    ),
+    ("goodput (modelled)", _goodput),
 ]
 
 
@@ -430,7 +517,8 @@ def table_rows(summary: Summary) -> list[tuple[str, Callable[[Summary], str]]]:
     the computed tokens when prefix caching was on, :data:`HOST_TIER_ROWS` after the
     recomputed tokens when a baseline without the host tier ran, :data:`SPECULATIVE_ROWS`
     before the recompute-pauses when the run had drafts, and :data:`MODELLED_ROWS`
-    after the latencies in steps when a step-time model was on."""
+    after the latencies in steps when a step-time model was on (then :data:`GOODPUT_ROWS`
+    with SLOs)."""
     rows = list(ROWS)
     if "prefix_cache_hit_rate" in summary:
         at = next(i for i, (label, _) in enumerate(rows) if label == "computed tokens") + 1
@@ -443,7 +531,7 @@ def table_rows(summary: Summary) -> list[tuple[str, Callable[[Summary], str]]]:
         rows[at:at] = HOST_TIER_ROWS
     if "modelled_time_ms" in summary:
         at = next(i for i, (label, _) in enumerate(rows) if label.startswith("completion")) + 1
-        rows[at:at] = MODELLED_ROWS
+        rows[at:at] = MODELLED_ROWS + (GOODPUT_ROWS if "goodput_share" in summary else [])
     return rows
 
 
