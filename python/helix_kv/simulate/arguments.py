@@ -30,6 +30,7 @@ from helix_kv.simulate.options import (
     U64_MAX,
     VERIFY_ALL_UP_TO_CP,
     VERIFY_RANKS_MODES,
+    TOKEN_FLAGS,
     SimulationOptions,
     scheduler_flag,
 )
@@ -250,7 +251,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _integer_flag(
         group,
-        "--kv-tokens",
+        TOKEN_FLAGS["capacity_superblocks"],
         1,
         I64_MAX,
         default=DEFAULT_KV_TOKENS,
@@ -263,7 +264,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         if field.name == "host_tier_superblocks":
             _integer_flag(
                 group,
-                "--host-tier-tokens",
+                TOKEN_FLAGS["host_tier_superblocks"],
                 0,
                 I64_MAX,
                 help="host tier for suspends, in global tokens (rounded down to superblocks; "
