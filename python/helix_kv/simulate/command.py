@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -46,6 +47,7 @@ from helix_kv.simulate.plot import check_plot_target, plot_run
 from helix_kv.simulate.procs import check_procs_available, run_in_processes, run_with_options
 from helix_kv.simulate.progress import progress_wanted
 from helix_kv.simulate.report import (
+    REPORT_WIDTH,
     add_recompute_only,
     format_comparison,
     format_table,
@@ -375,7 +377,7 @@ def run_simulate(
         if args.json:
             print(to_json(report if error is None else {"error": error, **report}), file=stdout)
         else:
-            print(format_comparison(shown, same_as), file=stdout)
+            print(format_comparison(shown, same_as, _report_width(stdout)), file=stdout)
     elif shown:  # a single run's report (it reports its baseline inside its own figures)
         (summary,) = shown.values()
         if args.json:
@@ -406,6 +408,17 @@ def run_simulate(
         return EXIT_INTERRUPTED
     healthy = all(r.rank_agreement and r.outputs_exact for r in results.values())
     return EXIT_OK if healthy else EXIT_RUN_FAILED
+
+
+def _report_width(stream: TextIO) -> int:
+    """The width a comparison fits: the terminal's when ``stream`` is one, else
+    :data:`~.report.REPORT_WIDTH` (a file or a pipe: the same output everywhere)."""
+    try:
+        if stream.isatty():
+            return shutil.get_terminal_size((REPORT_WIDTH, 24)).columns
+    except (AttributeError, ValueError, OSError):  # a closed or unusual stream
+        pass
+    return REPORT_WIDTH
 
 
 def _result_key(run: PlannedRun) -> str:

@@ -79,8 +79,16 @@ TITLE_WIDTH = 120
 
 def steps_per_bin(steps: int, max_bars: int = MAX_BARS) -> int:
     """Steps each bar of the victims panel counts: 1 for a run of up to ``max_bars`` steps,
-    else the fewest that make at most ``max_bars`` bars."""
-    return max(1, -(-steps // max_bars))
+    else the smallest of 2, 5, 10, 20, 50, 100... that makes at most ``max_bars`` bars (a round
+    number, so that the axis reads "per 100 steps")."""
+    if steps <= max_bars:
+        return 1
+    scale = 1
+    while True:
+        for step in (2 * scale, 5 * scale, 10 * scale):
+            if -(-steps // step) <= max_bars:
+                return step
+        scale *= 10
 
 
 def binned_counts(counts: Sequence[int], bin_steps: int) -> list[int]:
