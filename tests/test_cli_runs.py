@@ -32,7 +32,9 @@ NO_PREEMPTIONS = [*TIGHT, "--kv-tokens", "768", "--max-preemptions", "0"]
 #: A disaggregated generation server may not preempt: it runs out of pages.
 GENERATION_SERVER = [*TIGHT, "--mode", "disaggregated_generation"]
 #: Core field names that must not reach the user: each has a flag.
-FIELD_NAMES = ("kv_superblocks", "max_preemptions_per_request", "capacity_policy=", "max_batch_size")
+FIELD_NAMES = (
+    "kv_superblocks", "max_preemptions_per_request", "capacity_policy=", "max_batch_size",
+)  # fmt: skip
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -107,10 +107,13 @@ def test_a_long_run_draws_every_victim_in_bins() -> None:
         assert len(bars) == 2 * 105  # recompute-pauses, then suspensions stacked on them
         paused, stacked = bars[:105], bars[105:]
         heights = [bar.get_height() for bar in paused]
-        assert heights[0] == 2 and heights[1] == 1 and heights[-1] == 1
+        assert heights[0] == 2
+        assert heights[1] == 1
+        assert heights[-1] == 1
         assert sum(heights) == 4
         suspended_heights = [bar.get_height() for bar in stacked]
-        assert suspended_heights[0] == 2 and suspended_heights[2] == 3
+        assert suspended_heights[0] == 2
+        assert suspended_heights[2] == 3
         assert sum(suspended_heights) == 5
         assert stacked[0].get_y() == 2  # on top of that bin's recompute-pauses
         assert all(bar.get_width() == 200 for bar in bars)
@@ -132,9 +135,11 @@ def test_a_run_without_victims_has_an_integer_axis_from_zero() -> None:
         figure.canvas.draw()
         for axis in (victims, totals):
             low, high = axis.get_ylim()
-            assert low == 0 and high >= 1  # not the +-0.045 of an all-zero axis
+            assert low == 0
+            assert high >= 1
             ticks = [tick for tick in axis.get_yticks() if low <= tick <= high]
-            assert ticks and all(float(tick).is_integer() for tick in ticks)
+            assert ticks
+            assert all(float(tick).is_integer() for tick in ticks)
         assert victims.get_ylabel() == "victims per step"
     finally:
         plt.close(figure)
@@ -154,8 +159,10 @@ def test_the_title_stays_inside_the_figure(tmp_path: Path) -> None:
         (text,) = [t for t in figure.texts if t.get_text() == title]
         box = text.get_window_extent(renderer)
         inside = figure.bbox
-        assert inside.x0 <= box.x0 and box.x1 <= inside.x1
-        assert inside.y0 <= box.y0 and box.y1 <= inside.y1
+        assert inside.x0 <= box.x0
+        assert box.x1 <= inside.x1
+        assert inside.y0 <= box.y0
+        assert box.y1 <= inside.y1
     finally:
         plt.close(figure)
     target = tmp_path / "run.png"

@@ -26,11 +26,11 @@ from helix_kv.simulate.options import (
     MAX_REQUEST_TOKENS,
     MAX_REQUESTS,
     MIN_ARRIVAL_RATE,
+    TOKEN_FLAGS,
     U32_MAX,
     U64_MAX,
     VERIFY_ALL_UP_TO_CP,
     VERIFY_RANKS_MODES,
-    TOKEN_FLAGS,
     SimulationOptions,
     scheduler_flag,
 )
@@ -408,8 +408,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare-policies",
         action="store_true",
         help="run the workload under every victim policy and show them side by side; with "
-        "--host-tier-tokens also under every suspend policy and without the host tier; with "
-        "--prefix-caching also once without it (no_prefix_cache)",
+        "--host-tier-tokens also under every suspend policy and without the host tier (each "
+        "column compared with its own run without it; a configuration met twice runs once); "
+        "with --prefix-caching also once without it (no_prefix_cache)",
     )
     group.add_argument(
         "--overlap",
@@ -424,7 +425,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--plot",
         metavar="FILE",
-        help="draw KV utilisation, running/waiting and preemptions per step (needs matplotlib); "
+        help="draw KV utilisation, running/waiting and the victims (recompute-pauses and "
+        "suspensions) per bin of steps (needs matplotlib); "
         "the extension picks the format: .png, .svg, .pdf, ...",
     )
     group.add_argument(

@@ -3,10 +3,13 @@
 Exit status (also in docs/user-guide.md): 0 when the run finished with the ranks in agreement
 and every output exact (with ``--overlap``: also equal to the outputs of the same workload run
 without it); 1 when a run failed (a scheduler error such as ``DeadlockError`` or
-``PreemptionDisabledError``, a rank mismatch, a wrong output); 2 when the arguments, the trace
+``PreemptionDisabledError``, a rank mismatch, a wrong output; a scheduler error mid-run prints
+the step it was raised in, its remedy in the flags' terms and the report of the steps before
+it); 2 when the arguments, the trace
 or the environment do not allow the run to start; 130 when Ctrl-C stopped the run (the report
 of the steps so far is printed first). Errors are one line on stderr; with ``--json`` stdout
-carries one JSON object whatever happens: the report, or ``{"error": {...}}``.
+carries one JSON object whatever happens: the report, or ``{"error": {...}}`` (with the report
+so far beside it, ``"report"`` or ``"policies"``, when a scheduler error ended a run).
 """
 
 from __future__ import annotations
@@ -356,11 +359,11 @@ def run_simulate(
     error: dict[str, Any] | None = None  # the failed run's error object, with its step
     failure_line = ""
     if failed is not None:
-        run, err = failed
-        name = type(err).__name__
+        run, raised = failed
+        name = type(raised).__name__
         step = results[_result_key(run)].failed_step
         prefix = f"[{run.name}] " if run.name else ""
-        reason = in_flag_terms(str(err))
+        reason = in_flag_terms(str(raised))
         failure_line = f"{PROG}: {prefix}{name} in step {step}: {reason}"
         error = {
             "type": name,

@@ -146,9 +146,7 @@ def draw_run(result: SimulationResult) -> Figure:
     paused_total = list(accumulate(series.preempted))
     suspended_total = list(accumulate(series.suspended))
     totals.plot(steps, paused_total, color="black", lw=1, label="recompute-pauses (total)")
-    totals.plot(
-        steps, suspended_total, color="black", lw=1, ls="--", label="suspensions (total)"
-    )
+    totals.plot(steps, suspended_total, color="black", lw=1, ls="--", label="suspensions (total)")
     top = max([1, *paused_total[-1:], *suspended_total[-1:]])
     totals.set_ylim(0, top * 1.05)
     totals.yaxis.set_major_locator(MaxNLocator(integer=True))
