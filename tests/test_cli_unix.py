@@ -102,11 +102,11 @@ def test_json_on_a_failed_run_prints_an_error_object() -> None:
     done = run("simulate", *SMALL, "--mode", "disaggregated_generation", "--json")
     assert done.returncode == 1
     line = assert_one_clean_line(done.stderr)
-    assert line.startswith("helix-kv simulate: PreemptionDisabledError: ")
+    assert line.startswith("helix-kv simulate: PreemptionDisabledError in step ")
     error = json.loads(done.stdout)["error"]
     assert error["type"] == "PreemptionDisabledError"
     assert error["exit_status"] == 1
-    assert "guaranteed_no_evict" in error["message"]
+    assert "--capacity-policy guaranteed_no_evict" in error["message"]
 
 
 @pytest.mark.parametrize(

@@ -204,13 +204,17 @@ def test_wider_head_tiles_give_the_same_result(monkeypatch, block_heads):
 
 
 def test_head_tiles():
-    """DeepSeek-V3's 512 latent: 16 heads a program (a [16, 512] float32 accumulator)."""
-    assert _mla_block_heads(128, 512, True) == 16
-    assert _mla_head_tiles(128, 512, True) == 8
-    assert _mla_block_heads(16, 512, True) == 16
+    """DeepSeek-V3's 512 latent: up to 32 heads a program, a request of fewer heads one tile of
+    its heads padded to a power of two (at least the dot's 16)."""
+    assert _mla_block_heads(128, 512, True) == 32
+    assert _mla_head_tiles(128, 512, True) == 4
+    assert _mla_block_heads(32, 512, True) == 32
+    assert _mla_head_tiles(32, 512, True) == 1
+    assert _mla_block_heads(20, 512, True) == 32  # one tile: 20 heads padded to 32
+    assert _mla_block_heads(16, 512, True) == 16  # a TP-8 shard of 128: no padded heads
     assert _mla_block_heads(5, 512, True) == 16  # padded up for the dot
-    assert _mla_block_heads(70, 24, True) == 16
-    assert _mla_head_tiles(70, 24, True) == 5
+    assert _mla_block_heads(70, 24, True) == 32
+    assert _mla_head_tiles(70, 24, True) == 3
     assert _mla_block_heads(3, 24, True) == 16
     assert _mla_block_heads(128, 512, False) == 2  # no dots: [2, 16, 512] products
     assert _mla_block_heads(3, 24, False) == 4

@@ -18,7 +18,7 @@ import pytest
 import helix_kv
 from helix_kv.simulate.progress import ProgressLine, progress_wanted
 from helix_kv.simulate.report import format_comparison, format_table, summarize, to_json
-from helix_kv.simulate.step_loop import SimulationResult, run_simulation
+from helix_kv.simulate.step_loop import SimulationResult, partial_result, run_simulation
 from helix_kv.simulate.tokens import prompt_tokens
 from helix_kv.simulate.workload import OWN_PROMPT_SALT, RequestSpec
 
@@ -57,6 +57,7 @@ class FakeGroup:
             step=self.step,
             sample_ids=np.array(self._last, dtype=np.int64),
             preempted_ids=np.array([], dtype=np.int64),
+            suspended_ids=np.array([], dtype=np.int64),
             sat_out_ids=np.array([], dtype=np.int64),
             num_tokens=len(decoding) + len(context),
         )
@@ -167,6 +168,33 @@ def test_wrong_output_is_flagged() -> None:
     assert not any(o.output_exact for o in result.outcomes)
 
 
+def test_a_scheduler_error_carries_the_result_of_the_steps_before_it() -> None:
+    class StuckAtStep3(FakeGroup):
+        def schedule(self):
+            if self.step == 3:
+                raise helix_kv.DeadlockError("scheduler deadlock: stuck")
+            return super().schedule()
+
+    with pytest.raises(helix_kv.DeadlockError) as caught:
+        run(StuckAtStep3())
+    result = partial_result(caught.value)
+    assert result is not None
+    assert (result.failed_step, result.failure) == (3, "DeadlockError")
+    # by hand: step 0 prefills request 3 (one token), step 1 decodes it, step 2 decodes it
+    # and prefills request 1 (its one token: finished); step 3, request 3's last, fails
+    assert len(result.series) == 3
+    assert [o.request_id for o in result.outcomes] == [1]
+    assert result.generated_tokens == 3 + 1
+    summary = summarize(result)
+    assert summary["failed"] == {"type": "DeadlockError", "step": 3}
+    assert summary["steps"] == 3
+    assert "failed in step 3 (DeadlockError): the figures cover the 3 steps run" in (
+        format_table(summary)
+    )
+    assert partial_result(helix_kv.DeadlockError("raised elsewhere")) is None
+    assert "failed" not in summarize(run(FakeGroup()))
+
+
 def test_mismatch_stops_the_run() -> None:
     result = run(FakeGroup(mismatch_at_step=2))
     assert not result.rank_agreement
@@ -217,7 +245,8 @@ def test_summary_keys_table_and_comparison() -> None:
     assert re.search(r"requests finished / total +3 / 3\n", table)
     assert re.search(r"KV utilisation peak / mean +50.0% / 25.0%\n", table)
     comparison = format_comparison({"newest_first": summary, "priority": summary})
-    header = comparison.splitlines()[1]
+    # the settings line wraps at 100 characters: the header follows it
+    header = next(line for line in comparison.splitlines() if line.startswith("  policy "))
     assert "newest_first" in header
     assert "priority" in header
     assert "policy=" not in comparison.splitlines()[0]

@@ -60,15 +60,17 @@ DECODE_FULL_PROGRAMS = 3 * 132
 DECODE_MIN_SPLIT_KEYS = 256
 #: Most splits per request the rule picks.
 DECODE_MAX_SPLITS = 128
-#: Query heads one program of the MLA decode kernel attends for (tensor-core dots; padded
-#: heads past the last): a ``[16, latent]`` float32 accumulator, in registers up to a latent
-#: of 512.
-MLA_BLOCK_HEADS = 16
+#: Most query heads one program of the MLA decode kernel attends for (tensor-core dots; a
+#: request of fewer heads gets a tile of its heads, padded to a power of two, at least the
+#: dot's 16). Each head tile of a request reads all of its latents, so the wider the tile, the
+#: fewer times the cache is read: at 32 heads one tile of 32 ran 64 x 2112 in 112 µs a layer
+#: against 174 µs for two tiles of 16 (1 x H200, docs/gpu-results.md).
+MLA_BLOCK_HEADS = 32
 #: Most elements of one block of cache rows (latent and RoPE tiles, padded to powers of two)
-#: the MLA decode kernel loads per step, in 16 to 64 keys: 16 keys of DeepSeek-V3's 512 + 64
-#: (sm_90 builds, 4 warps, bf16 and float32: at most about 220 registers a thread and no
-#: spill, from 32 + 16 to 512 + 64; 32 keys of 512 + 64 spill).
-MLA_BLOCK_ELEMENTS = 16 * 576
+#: the MLA decode kernel loads per step, in 16 to 64 keys: 32 keys of DeepSeek-V3's 512 + 64.
+#: 32 keys spill some registers (16 keys did not), and are still faster at 16 and 32 heads a
+#: tile (145 and 112 µs against 174 and 145 µs at 64 x 2112; 4 warps, bf16).
+MLA_BLOCK_ELEMENTS = 32 * 576
 #: Most elements of a broadcast product ``[heads, keys, latent]`` without tensor-core dots
 #: (float64 on a GPU).
 MLA_NODOT_ELEMENTS = 16 * 1024
@@ -306,12 +308,12 @@ def _use_dot(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _mla_block_heads(heads: int, latent_dim: int, use_dot: bool) -> int:
-    """Query heads per program of the MLA decode kernel: :data:`MLA_BLOCK_HEADS` with dots
-    (at least the dot's smallest side: a row of fewer heads is padded); without, as many as
-    keep the ``[heads, keys, latent]`` products within :data:`MLA_NODOT_ELEMENTS`, no more
-    than the heads need."""
+    """Query heads per program of the MLA decode kernel: with dots, the heads (a power of two)
+    up to :data:`MLA_BLOCK_HEADS`, at least the dot's smallest side (a row of fewer heads is
+    padded); without, as many as keep the ``[heads, keys, latent]`` products within
+    :data:`MLA_NODOT_ELEMENTS`, no more than the heads need."""
     if use_dot:
-        return max(_DOT_MIN, MLA_BLOCK_HEADS)
+        return max(_DOT_MIN, min(MLA_BLOCK_HEADS, _next_power_of_2(heads)))
     fit = max(1, MLA_NODOT_ELEMENTS // (_MLA_NODOT_KEYS * _next_power_of_2(latent_dim)))
     return max(1, min(_floor_power_of_2(fit), _next_power_of_2(heads)))
 

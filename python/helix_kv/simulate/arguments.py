@@ -26,6 +26,7 @@ from helix_kv.simulate.options import (
     MAX_REQUEST_TOKENS,
     MAX_REQUESTS,
     MIN_ARRIVAL_RATE,
+    TOKEN_FLAGS,
     U32_MAX,
     U64_MAX,
     VERIFY_ALL_UP_TO_CP,
@@ -281,7 +282,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _integer_flag(
         group,
-        "--kv-tokens",
+        TOKEN_FLAGS["capacity_superblocks"],
         1,
         I64_MAX,
         default=DEFAULT_KV_TOKENS,
@@ -294,7 +295,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         if field.name == "host_tier_superblocks":
             _integer_flag(
                 group,
-                "--host-tier-tokens",
+                TOKEN_FLAGS["host_tier_superblocks"],
                 0,
                 I64_MAX,
                 help="host tier for suspends, in global tokens (rounded down to superblocks; "
@@ -456,8 +457,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare-policies",
         action="store_true",
         help="run the workload under every victim policy and show them side by side; with "
-        "--host-tier-tokens also under every suspend policy and without the host tier; with "
-        "--prefix-caching also once without it (no_prefix_cache)",
+        "--host-tier-tokens also under every suspend policy and without the host tier (each "
+        "column compared with its own run without it; a configuration met twice runs once); "
+        "with --prefix-caching also once without it (no_prefix_cache)",
     )
     group.add_argument(
         "--overlap",
@@ -472,7 +474,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--plot",
         metavar="FILE",
-        help="draw KV utilisation, running/waiting and preemptions per step (needs matplotlib); "
+        help="draw KV utilisation, running/waiting and the victims (recompute-pauses and "
+        "suspensions) per bin of steps (needs matplotlib); "
         "the extension picks the format: .png, .svg, .pdf, ...",
     )
     group.add_argument(

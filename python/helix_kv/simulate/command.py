@@ -3,10 +3,13 @@
 Exit status (also in docs/user-guide.md): 0 when the run finished with the ranks in agreement
 and every output exact (with ``--overlap``: also equal to the outputs of the same workload run
 without it); 1 when a run failed (a scheduler error such as ``DeadlockError`` or
-``PreemptionDisabledError``, a rank mismatch, a wrong output); 2 when the arguments, the trace
+``PreemptionDisabledError``, a rank mismatch, a wrong output; a scheduler error mid-run prints
+the step it was raised in, its remedy in the flags' terms and the report of the steps before
+it); 2 when the arguments, the trace
 or the environment do not allow the run to start; 130 when Ctrl-C stopped the run (the report
 of the steps so far is printed first). Errors are one line on stderr; with ``--json`` stdout
-carries one JSON object whatever happens: the report, or ``{"error": {...}}``.
+carries one JSON object whatever happens: the report, or ``{"error": {...}}`` (with the report
+so far beside it, ``"report"`` or ``"policies"``, when a scheduler error ended a run).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -44,19 +48,21 @@ from helix_kv.simulate.options import (
     VICTIM_POLICIES,
     SimulationOptions,
     check_config,
+    in_flag_terms,
     preflight,
 )
 from helix_kv.simulate.plot import check_plot_target, plot_run
 from helix_kv.simulate.procs import check_procs_available, run_in_processes, run_with_options
 from helix_kv.simulate.progress import progress_wanted
 from helix_kv.simulate.report import (
+    REPORT_WIDTH,
     add_recompute_only,
     format_comparison,
     format_table,
     summarize,
     to_json,
 )
-from helix_kv.simulate.step_loop import SimulationResult, outputs_match
+from helix_kv.simulate.step_loop import SimulationResult, outputs_match, partial_result
 from helix_kv.simulate.timing import DEFAULT_STEP_TIME
 from helix_kv.simulate.workload import (
     DEFAULT_HASH_BLOCK_TOKENS,
@@ -163,24 +169,66 @@ def _plot_path(path: str, policy: str | None) -> Path:
     return target.with_name(f"{target.stem}.{policy}{target.suffix}")
 
 
-def planned_runs(
-    options: SimulationOptions, compare: bool
-) -> list[tuple[str | None, SimulationOptions]]:
-    """The runs of one command, each with its ``--compare-policies`` column name (``None``
-    for a single run). With a host tier: ``--compare-policies`` adds a run per suspend policy
-    (under the default victim policy) and one without the host tier; a single run is followed
-    by a run without the host tier, the baseline of ``recomputed_tokens_avoided``. With prefix
-    caching, ``--compare-policies`` ends with a run without it (default policies)."""
+@dataclasses.dataclass(frozen=True)
+class PlannedRun:
+    """One run of a command."""
+
+    name: str | None
+    """Its ``--compare-policies`` column (or baseline) name; ``None`` for a single run."""
+    options: SimulationOptions
+    baseline: str | None = None
+    """The run without the host tier that this run's recomputed tokens are compared with:
+    the same options with the host tier off (``None``: no host tier, or a baseline itself)."""
+    shown: bool = True
+    """A column of the report; a baseline run only for another run's figures is not."""
+    same_as: tuple[str, ...] = ()
+    """The columns of the same configuration, run once as this one (under the default policies
+    the ``suspend_first`` column is the ``newest_first`` one)."""
+
+
+def _same_run(first: SimulationOptions, second: SimulationOptions) -> bool:
+    """Whether two runs' options are the same configuration (scheduler defaults resolved)."""
+    return first.resolved({}) == second.resolved({})
+
+
+def planned_runs(options: SimulationOptions, compare: bool) -> list[PlannedRun]:
+    """The runs of one command. With a host tier: ``--compare-policies`` adds a column per
+    suspend policy (under the default victim policy) and one without the host tier; a single
+    run is followed by a run without the host tier, the baseline of
+    ``recomputed_tokens_avoided``. Each run with a host tier is compared with its own options
+    without it (a victim policy's column with that policy's run, which is not a column itself
+    unless it is the ``no_host_tier`` one). With prefix caching, ``--compare-policies`` ends
+    with a run without it (default policies). A configuration met twice (``suspend_first``,
+    the default suspend policy, is the ``newest_first`` column) runs once."""
     if not compare:
-        runs: list[tuple[str | None, SimulationOptions]] = [(None, options)]
+        columns: list[tuple[str | None, SimulationOptions]] = [(None, options)]
     else:
-        runs = [(policy, options.with_victim_policy(policy)) for policy in VICTIM_POLICIES]
+        columns = [(policy, options.with_victim_policy(policy)) for policy in VICTIM_POLICIES]
         if options.has_host_tier:
-            runs += [(policy, options.with_suspend_policy(policy)) for policy in SUSPEND_POLICIES]
+            columns += [
+                (policy, options.with_suspend_policy(policy)) for policy in SUSPEND_POLICIES
+            ]
+            columns.append((RECOMPUTE_ONLY, options.without_host_tier()))
+        if options.has_prefix_caching:
+            columns.append((NO_PREFIX_CACHE, options.without_prefix_caching()))
+    runs: list[PlannedRun] = []
+    for name, run_options in columns:
+        same = next((run for run in runs if _same_run(run.options, run_options)), None)
+        if same is not None and name is not None:
+            runs[runs.index(same)] = dataclasses.replace(same, same_as=(*same.same_as, name))
+        else:
+            runs.append(PlannedRun(name, run_options))
     if options.has_host_tier:
-        runs.append((RECOMPUTE_ONLY, options.without_host_tier()))
-    if compare and options.has_prefix_caching:
-        runs.append((NO_PREFIX_CACHE, options.without_prefix_caching()))
+        for at, run in enumerate(list(runs)):
+            if run.name in BASELINES:  # compared with nothing: they ran on another footing
+                continue
+            plain = run.options.without_host_tier()
+            baseline = next((other for other in runs if _same_run(other.options, plain)), None)
+            if baseline is None:
+                name = RECOMPUTE_ONLY if run.name is None else f"{run.name}.{RECOMPUTE_ONLY}"
+                baseline = PlannedRun(name, plain, shown=False)
+                runs.append(baseline)
+            runs[at] = dataclasses.replace(run, baseline=baseline.name)
     return runs
 
 
@@ -239,7 +287,8 @@ def run_simulate(
             check_procs_available()
         preflight(options, workload)
         runs = planned_runs(options, args.compare_policies)
-        events_at = events_paths(args.events, [name for name, _ in runs if name not in BASELINES])
+        columns = [run.name for run in runs if run.shown and run.name not in BASELINES]
+        events_at = events_paths(args.events, columns)
         check_events_targets(events_at)
     except (
         UsageError,
@@ -252,14 +301,16 @@ def run_simulate(
 
     show_progress = progress_wanted(args.json, args.progress, stderr)
     results: dict[str, SimulationResult] = {}
+    failed: tuple[PlannedRun, HelixKVError] | None = None  # the run a scheduler error ended
     with InterruptGuard() as interrupted:
-        for policy, run_options in runs:
+        for run in runs:
             if interrupted():
                 break
+            policy = run.name
             label = policy or ""
             try:
                 result = run_once(
-                    run_options,
+                    run.options,
                     workload,
                     workload_info,
                     show_progress,
@@ -274,16 +325,22 @@ def run_simulate(
                 message = f"cannot write the events file {path}: {err.strerror or err}"
                 return fail(EXIT_RUN_FAILED, message, "OSError")
             except HelixKVError as err:
-                prefix = f"[{policy}] " if policy else ""
-                name = type(err).__name__
-                return fail(EXIT_RUN_FAILED, f"{prefix}{name}: {err}", name, f"{prefix}{err}")
+                partial = partial_result(err)
+                if partial is None:  # nothing ran: no report to give
+                    prefix = f"[{policy}] " if policy else ""
+                    name = type(err).__name__
+                    message = f"{prefix}{in_flag_terms(str(err))}"
+                    return fail(EXIT_RUN_FAILED, f"{prefix}{name}: {message}", name, message)
+                results[_result_key(run)] = partial
+                failed = (run, err)
+                break  # the runs after it are not made: the report covers those so far
             except RankFailedError as err:
                 return fail(EXIT_RUN_FAILED, str(err), type(err).__name__)
-            if run_options.overlap and not result.interrupted:
+            if run.options.overlap and not result.interrupted:
                 # the same workload without overlap: its outputs are the reference
                 try:
                     plain = run_once(
-                        dataclasses.replace(run_options, overlap=False),
+                        dataclasses.replace(run.options, overlap=False),
                         workload,
                         workload_info,
                         False,
@@ -292,45 +349,96 @@ def run_simulate(
                 except HelixKVError as err:
                     prefix = f"[{policy}] " if policy else ""
                     name = type(err).__name__
-                    message = f"{prefix}the run without --overlap failed: {name}: {err}"
-                    return fail(EXIT_RUN_FAILED, message, name, f"{prefix}{err}")
+                    reason = in_flag_terms(str(err))
+                    message = f"{prefix}the run without --overlap failed: {name}: {reason}"
+                    return fail(EXIT_RUN_FAILED, message, name, f"{prefix}{reason}")
                 if not plain.interrupted:
                     result.outputs_match_plain = outputs_match(result, plain)
-            results[policy or str(result.config["scheduler"].get("victim_policy"))] = result
+            results[_result_key(run)] = result
 
     slo = service_levels(args)
     summaries = {name: summarize(result, slo) for name, result in results.items()}
-    baseline = summaries.get(RECOMPUTE_ONLY)
-    if baseline is not None:
-        for name, summary in summaries.items():
-            if name not in BASELINES:  # the run without caching ran on another footing
-                add_recompute_only(summary, baseline)
-        if not args.compare_policies:
-            del summaries[RECOMPUTE_ONLY]  # a single run reports it inside its own figures
-            del results[RECOMPUTE_ONLY]
+    for run in runs:
+        summary = summaries.get(_result_key(run))
+        baseline = summaries.get(run.baseline) if run.baseline is not None else None
+        if summary is not None and baseline is not None and "failed" not in baseline:
+            add_recompute_only(summary, baseline)
+    shown = {
+        _result_key(run): summaries[_result_key(run)]
+        for run in runs
+        if run.shown and _result_key(run) in summaries
+    }
+    same_as = {alias: run.name for run in runs if run.name is not None for alias in run.same_as}
+    error: dict[str, Any] | None = None  # the failed run's error object, with its step
+    failure_line = ""
+    if failed is not None:
+        run, raised = failed
+        name = type(raised).__name__
+        step = results[_result_key(run)].failed_step
+        prefix = f"[{run.name}] " if run.name else ""
+        reason = in_flag_terms(str(raised))
+        failure_line = f"{PROG}: {prefix}{name} in step {step}: {reason}"
+        error = {
+            "type": name,
+            "message": f"{prefix}{reason}",
+            "exit_status": EXIT_RUN_FAILED,
+            "step": step,
+        }
+        if run.name is not None:
+            error["run"] = run.name
     if args.compare_policies:
+        report: dict[str, Any] = {"policies": shown}
+        if same_as:
+            report["same_as"] = same_as
         if args.json:
-            print(to_json({"policies": summaries}), file=stdout)
+            print(to_json(report if error is None else {"error": error, **report}), file=stdout)
         else:
-            print(format_comparison(summaries), file=stdout)
-    else:
-        (summary,) = summaries.values()
-        print(to_json(summary) if args.json else format_table(summary), file=stdout)
+            print(format_comparison(shown, same_as, _report_width(stdout)), file=stdout)
+    elif shown:  # a single run's report (it reports its baseline inside its own figures)
+        (summary,) = shown.values()
+        if args.json:
+            failed_report = {"error": error, "report": summary}
+            print(to_json(summary if error is None else failed_report), file=stdout)
+        else:
+            print(format_table(summary), file=stdout)
+    elif args.json and error is not None:
+        print(to_json({"error": error}), file=stdout)
 
     if args.plot is not None:
-        for name, result in results.items():
+        for name in shown:
             path = _plot_path(args.plot, name if args.compare_policies else None)
             try:
-                plot_run(result, path)
+                plot_run(results[name], path)
             except OSError as err:  # the report is out already: stderr only
                 print(f"{PROG}: cannot write the plot {path}: {err.strerror or err}", file=stderr)
                 return EXIT_RUN_FAILED
             if not args.json:
                 print(f"plot written to {path}", file=stderr)
 
+    if failed is not None:
+        print(failure_line, file=stderr)
+        return EXIT_RUN_FAILED
     if interrupted():
         steps = sum(len(result.series) for result in results.values())
         print(f"{PROG}: interrupted after {steps} steps; the report covers those", file=stderr)
         return EXIT_INTERRUPTED
     healthy = all(r.rank_agreement and r.outputs_exact for r in results.values())
     return EXIT_OK if healthy else EXIT_RUN_FAILED
+
+
+def _report_width(stream: TextIO) -> int:
+    """The width a comparison fits: the terminal's when ``stream`` is one, else
+    :data:`~.report.REPORT_WIDTH` (a file or a pipe: the same output everywhere)."""
+    try:
+        if stream.isatty():
+            return shutil.get_terminal_size((REPORT_WIDTH, 24)).columns
+    except (AttributeError, ValueError, OSError):  # a closed or unusual stream
+        pass
+    return REPORT_WIDTH
+
+
+def _result_key(run: PlannedRun) -> str:
+    """The name a run's result goes by: its column, or a single run's victim policy."""
+    if run.name is not None:
+        return run.name
+    return str(run.options.resolved({})["scheduler"]["victim_policy"])

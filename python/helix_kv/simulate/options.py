@@ -76,9 +76,9 @@ U64_MAX = (1 << 64) - 1
 FLAG_NAMES: dict[str, str | None] = {
     "cp_size": "--cp",
     "cp_rank": None,  # one scheduler per rank
-    "capacity_superblocks": None,  # --kv-tokens, in global tokens
+    "capacity_superblocks": None,  # --kv-tokens, in global tokens (TOKEN_FLAGS)
     "enable_chunked_prefill": "--no-chunked-prefill",
-    "host_tier_superblocks": None,  # --host-tier-tokens, in global tokens
+    "host_tier_superblocks": None,  # --host-tier-tokens, in global tokens (TOKEN_FLAGS)
     "serving_mode": "--mode",
     "victim_policy": "--policy",
     "max_preemptions_per_request": "--max-preemptions",
@@ -92,18 +92,34 @@ def scheduler_flag(field: ConfigField) -> str | None:
     return FLAG_NAMES.get(field.name, "--" + field.name.replace("_", "-"))
 
 
+#: ``SchedulerConfig`` fields counted in superblocks whose ``helix-kv simulate`` flag takes
+#: global tokens (rounded down to whole superblocks), by field (``kv_superblocks`` is the core's
+#: name of ``capacity_superblocks`` in its keywords and messages); the flags are declared by
+#: hand (:func:`helix_kv.simulate.arguments.add_simulate_arguments`) under these names.
+TOKEN_FLAGS = {
+    "capacity_superblocks": "--kv-tokens",
+    "kv_superblocks": "--kv-tokens",
+    "host_tier_superblocks": "--host-tier-tokens",
+}
+
 #: ``SchedulerConfig`` fields as the ``helix-kv simulate`` flags that give their value, so that
-#: a ``ConfigError`` reads in the user's terms (a switch's flag gives no value).
+#: a core message reads in the user's terms (a switch's flag gives no value).
 FLAG_OF_FIELD = {
-    "kv_tokens": "--kv-tokens",
+    "kv_tokens": TOKEN_FLAGS["kv_superblocks"],
     **{
         field.name: flag
         for field in SchedulerConfig.FIELDS
         if field.type != "bool" and (flag := scheduler_flag(field)) is not None
     },
 }
-_FIELD_PATTERN = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b( == | = )?")
-_HOST_TIER_PATTERN = re.compile(r"\bhost_tier_superblocks = (\d+)")
+# a field, then its value after " = ", " == " or as ="quoted" (capacity_policy="...")
+_FIELD_PATTERN = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r')\b(?:( == | = )|="([^"]*)")?')
+# a superblock field with its count (" = 4", ", now 4"), or named alone
+_SUPERBLOCKS_PATTERN = re.compile(
+    r"\b(?P<field>" + "|".join(TOKEN_FLAGS) + r")\b(?:(?P<sep> = |, now )(?P<count>\d+))?"
+)
+# the same flag twice, as "kv_superblocks / kv_tokens" reads once its fields are flags
+_REPEATED_FLAG = re.compile(r"(--[a-z-]+) / \1\b")
 
 
 @renamed_fields
@@ -163,8 +179,12 @@ class SimulationOptions:
         return dataclasses.replace(self, scheduler={**self.scheduler, "suspend_policy": policy})
 
     def without_host_tier(self) -> SimulationOptions:
-        """The same options with no host tier: every victim is recompute-paused."""
-        return dataclasses.replace(self, scheduler={**self.scheduler, "host_tier_superblocks": 0})
+        """The same options with no host tier: every victim is recompute-paused (so no suspend
+        policy applies: it is left to the default, and the runs of every suspend policy have
+        one baseline)."""
+        scheduler = {**self.scheduler, "host_tier_superblocks": 0}
+        scheduler.pop("suspend_policy", None)
+        return dataclasses.replace(self, scheduler=scheduler)
 
     def without_prefix_caching(self) -> SimulationOptions:
         """The same options with prefix caching off: every prompt token is computed."""
@@ -226,21 +246,32 @@ def verified_ranks(mode: VerifyRanks, cp_size: int) -> tuple[int, ...]:
 
 
 def in_flag_terms(message: str) -> str:
-    """A core ``ConfigError`` message with the ``SchedulerConfig`` fields named by their
-    ``helix-kv simulate`` flags (``cp_size = 3`` reads ``--cp 3``)."""
+    """A core message (a ``ConfigError``, or a scheduler error's remedy) with the
+    ``SchedulerConfig`` fields named by their ``helix-kv simulate`` flags: ``cp_size = 3`` reads
+    ``--cp 3``, ``capacity_policy="guaranteed_no_evict"`` reads ``--capacity-policy
+    guaranteed_no_evict``, a count of superblocks (``host_tier_superblocks = 4``) stays one next
+    to its flag in tokens (``--host-tier-tokens (4 superblocks)``)."""
 
     def flag(match: re.Match[str]) -> str:
-        name, operator = match.group(1), match.group(2)
+        name, operator, quoted = match.group(1), match.group(2), match.group(3)
+        if quoted is not None:
+            return f"{FLAG_OF_FIELD[name]} {quoted}"
         # keep "=" in a product such as "cp_size * tokens_per_block = 32"
         keep = operator is not None and match.string[: match.start()].endswith("* ")
         return FLAG_OF_FIELD[name] + (operator if keep else " " if operator else "")
 
-    message = _HOST_TIER_PATTERN.sub(
-        lambda m: "--host-tier-tokens " + ("0" if m[1] == "0" else f"({m[1]} superblocks)"),
-        message,
-    )
-    message = message.replace("host_tier_superblocks", "--host-tier-tokens")
-    return _FIELD_PATTERN.sub(flag, message)
+    def superblocks(match: re.Match[str]) -> str:
+        name, separator, count = match.group("field", "sep", "count")
+        tokens_flag = TOKEN_FLAGS[name]
+        if count is None:
+            return tokens_flag
+        if separator == " = ":
+            return f"{tokens_flag} " + ("0" if count == "0" else f"({count} superblocks)")
+        return f"{tokens_flag}, now " + ("0" if count == "0" else f"{count} superblocks")
+
+    message = _SUPERBLOCKS_PATTERN.sub(superblocks, message)
+    message = _FIELD_PATTERN.sub(flag, message)
+    return _REPEATED_FLAG.sub(r"\1", message)
 
 
 #: ``SchedulerConfig``'s ``tokens_per_block`` when the options leave it out.

@@ -1,4 +1,4 @@
-"""``--plot FILE``: KV utilisation, running/waiting counts and preemptions per step.
+"""``--plot FILE``: KV utilisation, running/waiting counts and victims over the steps.
 
 The file's extension picks the format (``run.png``, ``run.svg``, ``run.pdf``...); an unknown
 or missing extension is refused before the run. matplotlib is optional
@@ -8,11 +8,18 @@ backend, so plotting works without a display.
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Sequence
+from itertools import accumulate
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from helix_kv.errors import PlotUnavailableError as PlotUnavailableError  # also from here
 from helix_kv.simulate.report import describe_config
 from helix_kv.simulate.step_loop import SimulationResult
+
+if TYPE_CHECKING:  # matplotlib is optional: imported only when a plot is drawn
+    from matplotlib.figure import Figure
 
 MISSING_MATPLOTLIB = (
     "--plot needs matplotlib, which is not installed; "
@@ -62,19 +69,50 @@ def check_plot_target(path: str | Path) -> None:
     plot_format(path)
 
 
-def plot_run(result: SimulationResult, path: str | Path) -> None:
-    """Draw the run's per-step series into ``path``, in the format its extension names."""
-    file_format = plot_format(path)
+#: The most bars the victims panel draws: a longer run's steps are counted in bins of several
+#: steps, so that every bar is wide enough to show (one bar a step of a 20k-step run is
+#: narrower than a pixel).
+MAX_BARS = 200
+#: The title (the run's settings) is wrapped at this many characters to stay inside the figure.
+TITLE_WIDTH = 120
+
+
+def steps_per_bin(steps: int, max_bars: int = MAX_BARS) -> int:
+    """Steps each bar of the victims panel counts: 1 for a run of up to ``max_bars`` steps,
+    else the smallest of 2, 5, 10, 20, 50, 100... that makes at most ``max_bars`` bars (a round
+    number, so that the axis reads "per 100 steps")."""
+    if steps <= max_bars:
+        return 1
+    scale = 1
+    while True:
+        for step in (2 * scale, 5 * scale, 10 * scale):
+            if -(-steps // step) <= max_bars:
+                return step
+        scale *= 10
+
+
+def binned_counts(counts: Sequence[int], bin_steps: int) -> list[int]:
+    """``counts`` (one a step) summed over consecutive bins of ``bin_steps`` steps, the first
+    bin starting at step 0 (the last bin holds what is left)."""
+    if bin_steps < 1:
+        raise ValueError(f"bin_steps must be >= 1, got {bin_steps}")
+    return [sum(counts[start : start + bin_steps]) for start in range(0, len(counts), bin_steps)]
+
+
+def draw_run(result: SimulationResult) -> Figure:
+    """The figure of the run's per-step series: KV utilisation, running and waiting requests,
+    and the victims (recompute-pauses and suspensions) counted per bin of steps, with their
+    running totals. The caller closes it (``matplotlib.pyplot.close``)."""
     _use_agg()
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
     series = result.series
     steps = list(range(len(series)))
-    figure, (kv_axis, queue_axis, preempt_axis) = plt.subplots(
+    figure, (kv_axis, queue_axis, victim_axis) = plt.subplots(
         3, 1, figsize=(10, 8), sharex=True, constrained_layout=True
     )
-    figure.suptitle(describe_config(result.config), fontsize=9)
+    figure.suptitle(textwrap.fill(describe_config(result.config), TITLE_WIDTH), fontsize=9)
 
     kv_axis.plot(steps, [100.0 * u for u in series.kv_utilization], color="tab:blue", lw=1)
     kv_axis.set_ylabel("KV utilisation (%)")
@@ -87,21 +125,46 @@ def plot_run(result: SimulationResult, path: str | Path) -> None:
     queue_axis.legend(loc="upper right")
     queue_axis.grid(alpha=0.3)
 
-    preempt_axis.bar(steps, series.preempted, width=1.0, color="tab:red", label="this step")
-    cumulative = preempt_axis.twinx()
-    total = 0
-    running_total = []
-    for count in series.preempted:
-        total += count
-        running_total.append(total)
-    cumulative.plot(steps, running_total, color="black", lw=1, label="cumulative")
-    cumulative.set_ylim(bottom=0)
-    preempt_axis.yaxis.set_major_locator(MaxNLocator(integer=True))
-    cumulative.yaxis.set_major_locator(MaxNLocator(integer=True))
-    preempt_axis.set_ylabel("preemptions / step")
-    cumulative.set_ylabel("preemptions (total)")
-    preempt_axis.set_xlabel("scheduler step")
-    preempt_axis.grid(alpha=0.3)
+    bin_steps = steps_per_bin(len(series))
+    starts = steps[::bin_steps]
+    paused = binned_counts(series.preempted, bin_steps)
+    suspended = binned_counts(series.suspended, bin_steps)
+    bars = {"align": "edge", "width": bin_steps}
+    victim_axis.bar(starts, paused, color="tab:red", label="recompute-pauses", **bars)
+    victim_axis.bar(
+        starts, suspended, bottom=paused, color="tab:purple", label="suspensions", **bars
+    )
+    peak = max((p + s for p, s in zip(paused, suspended)), default=0)
+    victim_axis.set_ylim(0, max(1, peak) * 1.05)
+    victim_axis.yaxis.set_major_locator(MaxNLocator(integer=True))
+    per = "step" if bin_steps == 1 else f"{bin_steps} steps"
+    victim_axis.set_ylabel(f"victims per {per}")
+    victim_axis.set_xlabel("scheduler step")
+    victim_axis.grid(alpha=0.3)
 
-    figure.savefig(path, format=file_format, dpi=100)
-    plt.close(figure)
+    totals = victim_axis.twinx()
+    paused_total = list(accumulate(series.preempted))
+    suspended_total = list(accumulate(series.suspended))
+    totals.plot(steps, paused_total, color="black", lw=1, label="recompute-pauses (total)")
+    totals.plot(steps, suspended_total, color="black", lw=1, ls="--", label="suspensions (total)")
+    top = max([1, *paused_total[-1:], *suspended_total[-1:]])
+    totals.set_ylim(0, top * 1.05)
+    totals.yaxis.set_major_locator(MaxNLocator(integer=True))
+    totals.set_ylabel("victims (total)")
+    handles, labels = victim_axis.get_legend_handles_labels()
+    more_handles, more_labels = totals.get_legend_handles_labels()
+    victim_axis.legend(handles + more_handles, labels + more_labels, loc="upper left", fontsize=8)
+    return figure
+
+
+def plot_run(result: SimulationResult, path: str | Path) -> None:
+    """Draw the run's per-step series (:func:`draw_run`) into ``path``, in the format its
+    extension names."""
+    file_format = plot_format(path)
+    figure = draw_run(result)
+    import matplotlib.pyplot as plt
+
+    try:
+        figure.savefig(path, format=file_format, dpi=100)
+    finally:
+        plt.close(figure)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -278,6 +279,8 @@ def summarize(result: SimulationResult, slo: ServiceLevels | None = None) -> Sum
         summary["mismatch"] = result.mismatch
     if result.interrupted:
         summary["interrupted"] = True
+    if result.failed_step is not None:  # a scheduler error ended it: the figures so far
+        summary["failed"] = {"type": result.failure, "step": result.failed_step}
     return summary
 
 
@@ -623,7 +626,15 @@ def format_table(summary: Summary) -> str:
         lines.append(f"  mismatch: {summary['mismatch']}")
     if summary.get("interrupted"):
         lines.append(f"  interrupted after {summary['steps']} steps: the figures cover those only")
+    if "failed" in summary:
+        lines.append(f"  {_failure(summary)}: the figures cover the {summary['steps']} steps run")
     return "\n".join(lines)
+
+
+def _failure(summary: Summary) -> str:
+    """``failed in step 57 (DeadlockError)``: where a scheduler error ended the run."""
+    failed = summary["failed"]
+    return f"failed in step {failed['step']} ({failed['type']})"
 
 
 def _cell(show: Callable[[Summary], str], summary: Summary) -> str:
@@ -634,36 +645,71 @@ def _cell(show: Callable[[Summary], str], summary: Summary) -> str:
         return "-"
 
 
-def format_comparison(summaries: Mapping[str, Summary]) -> str:
-    """The same rows for several runs (one per victim policy), side by side."""
+#: The widest line of a comparison (a terminal's width): the columns that do not fit beside
+#: the labels go on in further blocks, each with the labels again.
+REPORT_WIDTH = 100
+
+
+def _column_blocks(widths: Mapping[str, int], room: int) -> list[list[str]]:
+    """The columns (name -> width), in order, in blocks of at most ``room`` characters (two
+    spaces before each column); a column wider than that gets a block of its own."""
+    blocks: list[list[str]] = [[]]
+    used = 0
+    for name, width in widths.items():
+        if blocks[-1] and used + 2 + width > room:
+            blocks.append([])
+            used = 0
+        blocks[-1].append(name)
+        used += 2 + width
+    return blocks
+
+
+def _wrapped(line: str, width: int) -> list[str]:
+    """``line`` wrapped at ``width``, its continuation lines indented by four spaces."""
+    return textwrap.wrap(line, width, subsequent_indent="    ", break_on_hyphens=False)
+
+
+def format_comparison(
+    summaries: Mapping[str, Summary],
+    same_as: Mapping[str, str] | None = None,
+    width: int = REPORT_WIDTH,
+) -> str:
+    """The same rows for several runs (one per policy), side by side, in blocks of columns that
+    fit ``width`` characters. ``same_as`` names the columns left out because they are the same
+    configuration as another (``{"suspend_first": "newest_first"}``); a note says so."""
     names = list(summaries)
     first = next(iter(summaries.values()))
     # every policy ran with the same step-time model, or none; the baseline column (if any)
     # has no host-tier rows, so they come from a column that has them
     rows = table_rows(max(summaries.values(), key=lambda s: len(table_rows(s))))
-    cells = [[_cell(show, summaries[name]) for name in names] for _, show in rows]
-    label_width = max(len(label) for label, _ in rows)
-    widths = [
-        max(len(name), *(len(row[column]) for row in cells)) for column, name in enumerate(names)
-    ]
-    header = "  ".join(f"{name:>{width}}" for name, width in zip(names, widths))
+    cells = {name: [_cell(show, summaries[name]) for _, show in rows] for name in names}
+    label_width = max(len("policy"), *(len(label) for label, _ in rows))
+    widths = {name: max(len(name), *(len(cell) for cell in cells[name])) for name in names}
     setting = describe_config(first["config"], include_policy=False)
-    lines = [
-        f"helix-kv simulate --compare-policies: {setting}",
-        f"  {'policy':<{label_width}}  {header}",
-    ]
-    for (label, _), row in zip(rows, cells):
-        values = "  ".join(f"{cell:>{width}}" for cell, width in zip(row, widths))
-        lines.append(f"  {label:<{label_width}}  {values}")
-    note = model_note(first)
-    if note is not None:
-        lines.append(note)
+    lines = _wrapped(f"helix-kv simulate --compare-policies: {setting}", width)
+    for index, block in enumerate(_column_blocks(widths, width - 2 - label_width)):
+        if index:
+            lines.append("")  # between blocks
+        header = "  ".join(f"{name:>{widths[name]}}" for name in block)
+        lines.append(f"  {'policy':<{label_width}}  {header}")
+        for at, (label, _) in enumerate(rows):
+            values = "  ".join(f"{cells[name][at]:>{widths[name]}}" for name in block)
+            lines.append(f"  {label:<{label_width}}  {values}")
+    notes = [note] if (note := model_note(first)) is not None else []
     if any(summary.get("host_tokens_moved") for summary in summaries.values()):
-        lines.append(BYTES_NOTE)
+        notes.append(BYTES_NOTE)
+    for alias, name in (same_as or {}).items():
+        notes.append(f"  {alias}: the same configuration as {name}, run once (see that column)")
     for name, summary in summaries.items():
         if summary.get("interrupted"):
-            lines.append(
+            notes.append(
                 f"  {name} was interrupted after {summary['steps']} steps: its figures cover "
                 "those only"
             )
+        if "failed" in summary:
+            notes.append(
+                f"  {name} {_failure(summary)}: its figures cover the {summary['steps']} steps run"
+            )
+    for note in notes:
+        lines += _wrapped(note, width)
     return "\n".join(lines)

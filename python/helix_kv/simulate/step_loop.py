@@ -55,7 +55,7 @@ import numpy as np
 from helix_kv._core import ScheduleOutput, SchedulerMetrics
 from helix_kv._renamed import renamed_keywords
 from helix_kv.contract import SchedulerProtocol
-from helix_kv.errors import ScheduleMismatchError, SimulationSetupError
+from helix_kv.errors import HelixKVError, ScheduleMismatchError, SimulationSetupError
 from helix_kv.simulate.drafts import DraftModel, verify
 from helix_kv.simulate.events import EventSink, RequestEvent, StepEvent
 from helix_kv.simulate.timing import StepTimeModel, kv_tokens_read
@@ -76,7 +76,10 @@ class StepSeries:
     kv_utilization: list[float] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
+    #: Victims recompute-paused in the step (``preempted_ids``).
     preempted: list[int] = field(default_factory=list)
+    #: Victims suspended to the host tier in the step (``suspended_ids``).
+    suspended: list[int] = field(default_factory=list)
     sat_out: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
 
@@ -158,6 +161,12 @@ class SimulationResult:
     accepted_per_position: list[int] | None = None
     """With drafts: the scheduler's ``spec_decode_accepted_per_position()`` at the end (times
     draft position ``j``, 0 the first after the decode token, was accepted)."""
+    failed_step: int | None = None
+    """The step (0-based, as ``--events`` numbers them) in which a scheduler error ended the
+    run; the figures cover the steps before it. ``None``: the run did not fail. A failed run's
+    result is only reached through :func:`partial_result` of the error."""
+    failure: str | None = None
+    """The class name of the error that ended the run (with ``failed_step``)."""
 
     @property
     def requests_finished(self) -> int:
@@ -176,6 +185,19 @@ class SimulationResult:
         if self.outputs_match_plain is False:
             return False
         return all(outcome.output_exact for outcome in self.outcomes)
+
+
+#: The attribute of a scheduler error raised by :func:`run_simulation` that holds the result
+#: of the steps before it (it pickles with the error, so a ``--procs`` rank's comes back too).
+_PARTIAL_RESULT = "partial_result"
+
+
+def partial_result(error: BaseException) -> SimulationResult | None:
+    """The result of the steps a run made before ``error``, a scheduler error that
+    :func:`run_simulation` raised, ended it (``failed_step`` says where); ``None`` for an
+    error raised elsewhere."""
+    result = getattr(error, _PARTIAL_RESULT, None)
+    return result if isinstance(result, SimulationResult) else None
 
 
 def outputs_match(overlap: SimulationResult, plain: SimulationResult) -> bool:
@@ -298,6 +320,8 @@ class _StepLoop:
         #: With drafts, for the events: the last step's drafted decodes, draft tokens and
         #: accepted draft tokens.
         self.step_drafts = (0, 0, 0)
+        #: The step being run (0-based): the one a scheduler error is raised in.
+        self.step = 0
 
     def admit_arrivals(self) -> bool:
         """Add the requests that have arrived; jump over idle time. False when all is done."""
@@ -383,6 +407,7 @@ class _StepLoop:
 
     def run_step(self) -> None:
         """Schedule one step on every rank, record it, feed the tokens, collect finishers."""
+        self.step = len(self.series)
         if self.drafts is not None:
             self.propose_drafts()
         output = self.driver.schedule()
@@ -393,6 +418,7 @@ class _StepLoop:
         series.running.append(int(self.group.num_running))
         series.waiting.append(int(self.group.num_waiting))
         series.preempted.append(len(output.preempted_ids))
+        series.suspended.append(len(output.suspended_ids))
         series.sat_out.append(len(output.sat_out_ids))
         series.num_tokens.append(int(output.num_tokens))
         start_ms = self.step_start_ms = self.now_ms
@@ -624,7 +650,8 @@ def run_simulation(
     Stops early (with ``rank_agreement=False`` and the mismatch message) if the ranks
     disagree on any call, or after ``max_steps`` scheduler steps, or (``interrupted=True``)
     when ``should_stop()``, asked before every step, says so: a step is never cut in half.
-    Other scheduler errors (deadlock, preemption disabled) propagate.
+    Other scheduler errors (deadlock, preemption disabled) propagate, each carrying the result
+    of the steps before it (:func:`partial_result`, with ``failed_step``).
 
     A timed workload (its requests carry ``arrival_ms``, see
     :func:`~helix_kv.simulate.workload.is_timed`) is run on the modelled clock: each request is
@@ -669,6 +696,28 @@ def run_simulation(
     mismatch: str | None = None
     interrupted = False
     steps_limit = math.inf if max_steps is None else max_steps
+
+    def result(failed_step: int | None = None, failure: str | None = None) -> SimulationResult:
+        return SimulationResult(
+            requests_total=len(workload),
+            outcomes=loop.outcomes,
+            series=loop.series,
+            final_metrics=group.metrics(),
+            generated_tokens=loop.total_generated,
+            clock=loop.clock,
+            rank_agreement=mismatch is None,
+            mismatch=mismatch,
+            config=dict(config or {}),
+            interrupted=interrupted,
+            modelled_time_ms=loop.now_ms if step_time is not None else None,
+            overlap=overlap,
+            drafts=drafts,
+            decode_entries=loop.decode_entries,
+            accepted_per_position=accepted_per_position(group) if drafts is not None else None,
+            failed_step=failed_step,
+            failure=failure,
+        )
+
     try:
         while len(loop.series) < steps_limit and loop.admit_arrivals():
             if should_stop is not None and should_stop():
@@ -678,27 +727,13 @@ def run_simulation(
             if progress is not None:
                 progress(loop.clock, len(loop.outcomes), len(workload), len(loop.series))
         if not interrupted:
-            loop.flush()
+            loop.flush()  # an error here is the last step's (its update, one step ahead)
     except ScheduleMismatchError as err:
         mismatch = str(err)
-
-    return SimulationResult(
-        requests_total=len(workload),
-        outcomes=loop.outcomes,
-        series=loop.series,
-        final_metrics=group.metrics(),
-        generated_tokens=loop.total_generated,
-        clock=loop.clock,
-        rank_agreement=mismatch is None,
-        mismatch=mismatch,
-        config=dict(config or {}),
-        interrupted=interrupted,
-        modelled_time_ms=loop.now_ms if step_time is not None else None,
-        overlap=overlap,
-        drafts=drafts,
-        decode_entries=loop.decode_entries,
-        accepted_per_position=accepted_per_position(group) if drafts is not None else None,
-    )
+    except HelixKVError as err:  # a scheduler error: it carries the figures of the steps so far
+        setattr(err, _PARTIAL_RESULT, result(loop.step, type(err).__name__))
+        raise
+    return result()
 
 
 def _speculative_tokens(group: SchedulerProtocol) -> int | None:
