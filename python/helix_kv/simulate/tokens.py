@@ -27,14 +27,19 @@ def prompt_tokens(request_id: int, prompt_len: int) -> np.ndarray:
     return ((base + indices * _INDEX_MULTIPLIER) % VOCAB_SIZE).astype(np.int32)
 
 
+# as uint64 scalars once: sampled_tokens runs every step
+_VOCAB_U64 = np.uint64(VOCAB_SIZE)
+_ID_MULTIPLIER_U64 = np.uint64(_ID_MULTIPLIER)
+_INDEX_MULTIPLIER_U64 = np.uint64(_INDEX_MULTIPLIER)
+_ONE_U64 = np.uint64(1)
+
+
 def sampled_tokens(request_ids: np.ndarray, output_indices: np.ndarray) -> np.ndarray:
     """The token each request samples as its ``output_indices``-th output (0-based), int32."""
-    ids = np.asarray(request_ids, dtype=np.uint64) % np.uint64(VOCAB_SIZE)
+    ids = np.asarray(request_ids, dtype=np.uint64) % _VOCAB_U64
     indices = np.asarray(output_indices, dtype=np.uint64)
-    mixed = ids * np.uint64(_ID_MULTIPLIER) + (indices + np.uint64(1)) * np.uint64(
-        _INDEX_MULTIPLIER
-    )
-    return (mixed % np.uint64(VOCAB_SIZE)).astype(np.int32)
+    mixed = ids * _ID_MULTIPLIER_U64 + (indices + _ONE_U64) * _INDEX_MULTIPLIER_U64
+    return (mixed % _VOCAB_U64).astype(np.int32)
 
 
 def expected_output(request_id: int, output_len: int) -> np.ndarray:
