@@ -27,46 +27,39 @@ from pathlib import Path
 from helix_kv.cli import main
 
 #: Small, under KV pressure: preemptions at every ``--cp``.
-PRESSURED = [
-    "--tokens-per-block", "8", "--kv-tokens", "4096", "--requests", "60",
-    "--arrival-rate", "1", "--prompt-len", "160", "--output-len", "64", "--seed", "5",
-]  # fmt: skip
+PRESSURED = (
+    "--tokens-per-block 8 --kv-tokens 4096 --requests 60 --arrival-rate 1 --prompt-len 160 "
+    "--output-len 64 --seed 5"
+)
 
 #: name -> the run's flags.
-RUNS: dict[str, list[str]] = {
-    "default": [],
-    "cp1": ["--cp", "1", *PRESSURED],
-    "cp2": ["--cp", "2", *PRESSURED],
-    "cp4_policy": ["--cp", "4", *PRESSURED, "--policy", "least_computed_first"],
-    "cp8_all": ["--cp", "8", *PRESSURED],
-    "cp8_sample": ["--cp", "8", *PRESSURED, "--verify-ranks", "sample"],
-    "cp16_sample": ["--cp", "16", *PRESSURED],
-    "cp8_none": ["--cp", "8", *PRESSURED, "--verify-ranks", "none"],
-    "drafts": ["--cp", "4", *PRESSURED, "--spec-tokens", "3", "--acceptance", "0.6"],
-    "host_tier": ["--cp", "4", *PRESSURED, "--host-tier-tokens", "2048"],
-    "host_tier_cost": [
-        "--cp", "2", *PRESSURED, "--host-tier-tokens", "1024", "--suspend-policy", "cost",
-    ],  # fmt: skip
-    "non_helix_host": ["--cp", "1", "--mode", "non_helix", *PRESSURED, "--host-tier-tokens", "2048"],
-    "overlap": ["--cp", "4", *PRESSURED, "--overlap"],
-    "overlap_drafts_aborts": [
-        "--cp", "2", *PRESSURED, "--overlap", "--spec-tokens", "2", "--abort-rate", "0.3",
-    ],  # fmt: skip
-    "aborts": ["--cp", "4", *PRESSURED, "--abort-rate", "0.25"],
-    "prefix_shared": [
-        "--cp", "4", *PRESSURED, "--prefix-caching", "--shared-prefix-len", "256",
-        "--shared-prefix-share", "0.7",
-    ],  # fmt: skip
-    "prefix_turns": [
-        "--cp", "8", *PRESSURED, "--prefix-caching", "--turns", "4", "--think-steps", "5",
-    ],  # fmt: skip
-    "prefix_turns_drafts_host": [
-        "--cp", "4", *PRESSURED, "--prefix-caching", "--turns", "3", "--spec-tokens", "2",
-        "--host-tier-tokens", "2048", "--abort-rate", "0.1",
-    ],  # fmt: skip
-    "step_time": ["--cp", "4", *PRESSURED, "--step-time", "default"],
-    "no_chunking": ["--cp", "2", *PRESSURED, "--no-chunked-prefill", "--max-num-tokens", "2048"],
-    "guaranteed": ["--cp", "4", *PRESSURED, "--capacity-policy", "guaranteed_no_evict"],
+RUNS: dict[str, str] = {
+    "default": "",
+    "cp1": f"--cp 1 {PRESSURED}",
+    "cp2": f"--cp 2 {PRESSURED}",
+    "cp4_policy": f"--cp 4 {PRESSURED} --policy least_computed_first",
+    "cp8_all": f"--cp 8 {PRESSURED}",
+    "cp8_sample": f"--cp 8 {PRESSURED} --verify-ranks sample",
+    "cp16_sample": f"--cp 16 {PRESSURED}",
+    "cp8_none": f"--cp 8 {PRESSURED} --verify-ranks none",
+    "drafts": f"--cp 4 {PRESSURED} --spec-tokens 3 --acceptance 0.6",
+    "host_tier": f"--cp 4 {PRESSURED} --host-tier-tokens 2048",
+    "host_tier_cost": f"--cp 2 {PRESSURED} --host-tier-tokens 1024 --suspend-policy cost",
+    "non_helix_host": f"--cp 1 --mode non_helix {PRESSURED} --host-tier-tokens 2048",
+    "overlap": f"--cp 4 {PRESSURED} --overlap",
+    "overlap_drafts_aborts": f"--cp 2 {PRESSURED} --overlap --spec-tokens 2 --abort-rate 0.3",
+    "aborts": f"--cp 4 {PRESSURED} --abort-rate 0.25",
+    "prefix_shared": (
+        f"--cp 4 {PRESSURED} --prefix-caching --shared-prefix-len 256 --shared-prefix-share 0.7"
+    ),
+    "prefix_turns": f"--cp 8 {PRESSURED} --prefix-caching --turns 4 --think-steps 5",
+    "prefix_turns_drafts_host": (
+        f"--cp 4 {PRESSURED} --prefix-caching --turns 3 --spec-tokens 2 "
+        "--host-tier-tokens 2048 --abort-rate 0.1"
+    ),
+    "step_time": f"--cp 4 {PRESSURED} --step-time default",
+    "no_chunking": f"--cp 2 {PRESSURED} --no-chunked-prefill --max-num-tokens 2048",
+    "guaranteed": f"--cp 4 {PRESSURED} --capacity-policy guaranteed_no_evict",
 }
 
 
@@ -100,7 +93,7 @@ def main_fingerprint(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     total = hashlib.sha256()
     for name in args.only or RUNS:
-        line = f"{name:28} {fingerprint(name, RUNS[name], args.out)}"
+        line = f"{name:28} {fingerprint(name, RUNS[name].split(), args.out)}"
         total.update(line.encode() + b"\n")
         print(line, flush=True)
     print(f"{'all':28} {total.hexdigest()}")

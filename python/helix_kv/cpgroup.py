@@ -9,6 +9,11 @@ each decode token; the per-rank lengths add up to the global length). A divergen
 summary entries), built by :func:`helix_kv.mismatch.schedule_mismatch` like the error a real
 group raises through its schedule check.
 
+Every step costs one core call to schedule every rank and one to update them
+(:func:`helix_kv._core.schedule_ranks`, :func:`helix_kv._core.update_ranks`), each of which
+also compares the ranks' results; the comparison here, which builds the message, runs only
+when they disagree, so the message is the one it always was.
+
 A group may also run a subset of the ranks (``ranks=``): every scheduler holds every request's
 tokens, so memory and time grow with the ranks run, and a capacity-planning run at a large
 ``cp_size`` need not pay for all of them. The ranks run are then compared with each other every
