@@ -55,6 +55,8 @@ __all__ = [
     "StepMetadataLayout",
     "UnknownRequestError",
     "__version__",
+    "schedule_ranks",
+    "update_ranks",
 ]
 
 # Argument rules (docs/errors.md; the aliases are helix_kv.types'): integers are ints or
