@@ -92,12 +92,16 @@ def test_arguments_are_read_as_update_reads_them() -> None:
     schedule_ranks(group, None, (0, 1))
     with pytest.raises(helix_kv.InvalidArgumentError, match="sampled tokens must fit int32"):
         update_ranks(group, [2**40])
+    # a bad argument changes nothing: each is checked before any rank is called
     with pytest.raises(helix_kv.InvalidTypeError, match="schedulers"):
         schedule_ranks([group[0], "rank 1"], None, (0, 1))
     with pytest.raises(helix_kv.InvalidTypeError, match="layout"):
         schedule_ranks(group, "4x4", (0, 1))
     with pytest.raises(helix_kv.InvalidArgumentError, match="2 schedulers but 1 ranks"):
         schedule_ranks(group, group[0].config.layout, (0,))
+    with pytest.raises(helix_kv.InvalidTypeError, match="schedulers"):
+        update_ranks([group[0], None], np.zeros(3, dtype=np.int32))
+    assert [s.pending_steps() for s in group] == [1, 1]
 
 
 def python_verdict(outputs: list[helix_kv.ScheduleOutput], cp: int, tpb: int, ranks) -> bool:

@@ -15,27 +15,28 @@ use helix_kv_core::Layout;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::arrays::invalid_type_of;
+use crate::arrays::{invalid_type_of, u64_vec};
 use crate::errors::InvalidArgumentError;
 use crate::layout::PyLayout;
 use crate::schedule_output::{PyScheduleOutput, RankColumns};
 use crate::scheduler::{ids_to_numpy, update_args, PyScheduler};
 
-/// Every scheduler of `schedulers` (a sequence), each handed to `call` in turn (borrowed
-/// mutably for the call only).
-fn on_each_scheduler<'py>(
-    schedulers: &Bound<'py, PyAny>,
-    mut call: impl FnMut(&mut PyScheduler) -> PyResult<()>,
-) -> PyResult<()> {
-    for item in schedulers.try_iter()? {
-        let item = item?;
-        let scheduler = item
-            .cast::<PyScheduler>()
-            .map_err(|_| invalid_type_of("schedulers", "a sequence of Scheduler", &item))?;
-        let mut scheduler = scheduler.try_borrow_mut()?;
-        call(&mut scheduler)?;
-    }
-    Ok(())
+/// The schedulers of `schedulers` (a sequence), every one checked before any is called, so
+/// a bad argument changes nothing.
+fn schedulers_of<'py>(schedulers: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyScheduler>>> {
+    schedulers
+        .try_iter()?
+        .map(|item| {
+            let item = item?;
+            item.cast_into::<PyScheduler>().map_err(|error| {
+                invalid_type_of(
+                    "schedulers",
+                    "a sequence of Scheduler",
+                    error.into_inner().as_any(),
+                )
+            })
+        })
+        .collect()
 }
 
 /// Schedules a step on each of `schedulers` in turn (each as its `schedule()`). Returns each
@@ -48,8 +49,16 @@ pub fn schedule_ranks<'py>(
     py: Python<'py>,
     schedulers: &Bound<'py, PyAny>,
     layout: Option<&Bound<'py, PyAny>>,
-    ranks: Vec<u32>,
+    ranks: &Bound<'py, PyAny>,
 ) -> PyResult<(Bound<'py, PyList>, bool)> {
+    let ranks = u64_vec(ranks, "ranks", false)?
+        .into_iter()
+        .map(|rank| {
+            u32::try_from(rank).map_err(|_| {
+                InvalidArgumentError::new_err(format!("ranks must be in 0..=2**32-1, got {rank}"))
+            })
+        })
+        .collect::<PyResult<Vec<u32>>>()?;
     let layout = layout
         .filter(|layout| !layout.is_none())
         .map(|layout| {
@@ -59,11 +68,19 @@ pub fn schedule_ranks<'py>(
             Ok::<_, PyErr>(layout.get().inner)
         })
         .transpose()?;
+    let schedulers = schedulers_of(schedulers)?;
+    if layout.is_some() && ranks.len() != schedulers.len() {
+        return Err(InvalidArgumentError::new_err(format!(
+            "schedule_ranks: {} schedulers but {} ranks",
+            schedulers.len(),
+            ranks.len()
+        )));
+    }
     let results = PyList::empty(py);
     let mut outputs: Vec<Py<PyScheduleOutput>> = Vec::new();
     let mut all_ok = true;
-    on_each_scheduler(schedulers, |scheduler| {
-        match scheduler.schedule_step(py) {
+    for scheduler in &schedulers {
+        match scheduler.try_borrow_mut()?.schedule_step(py) {
             Ok(output) => {
                 let output = Py::new(py, output)?;
                 results.append(output.clone_ref(py))?;
@@ -74,14 +91,6 @@ pub fn schedule_ranks<'py>(
                 results.append(error.into_value(py))?;
             }
         }
-        Ok(())
-    })?;
-    if layout.is_some() && ranks.len() != results.len() {
-        return Err(InvalidArgumentError::new_err(format!(
-            "schedule_ranks: {} schedulers but {} ranks",
-            results.len(),
-            ranks.len()
-        )));
     }
     let outputs: Vec<&PyScheduleOutput> = outputs.iter().map(Py::get).collect();
     let agree = all_ok && schedules_agree(py, &outputs, layout, &ranks);
@@ -104,11 +113,16 @@ pub fn update_ranks<'py>(
     let (tokens, eos, accepted) = update_args(tokens, eos, accepted)?;
     let tokens = tokens.as_slice()?;
     let eos = eos.as_ref().map(|eos| eos.as_slice()).transpose()?;
+    let schedulers = schedulers_of(schedulers)?;
     let results = PyList::empty(py);
     let mut first: Option<Vec<u64>> = None;
     let mut agree = true;
-    on_each_scheduler(schedulers, |scheduler| {
-        match scheduler.update_step(py, tokens, eos, accepted.as_deref()) {
+    for scheduler in &schedulers {
+        let finished =
+            scheduler
+                .try_borrow_mut()?
+                .update_step(py, tokens, eos, accepted.as_deref());
+        match finished {
             Ok(finished) => {
                 match &first {
                     Some(first) => agree &= *first == finished,
@@ -121,8 +135,7 @@ pub fn update_ranks<'py>(
                 results.append(error.into_value(py))?;
             }
         }
-        Ok(())
-    })?;
+    }
     Ok((results, agree))
 }
 
