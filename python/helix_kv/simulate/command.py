@@ -52,11 +52,13 @@ from helix_kv.simulate.report import (
     to_json,
 )
 from helix_kv.simulate.step_loop import SimulationResult, outputs_match
+from helix_kv.simulate.timing import DEFAULT_STEP_TIME
 from helix_kv.simulate.workload import (
     DEFAULT_HASH_BLOCK_TOKENS,
     TRACE_KEYS,
     HashBlocks,
     RequestSpec,
+    is_timed,
     parse_trace,
     read_trace,
     synthetic_workload,
@@ -104,6 +106,8 @@ def load_workload(
             "path": path,
             "requests": len(workload),
         }
+        if is_timed(workload):  # only then: the description of a step trace is unchanged
+            info["arrivals"] = "ms"
         with_content = sum(1 for request in workload if request.content is not None)
         if with_content:  # only then: the description of a trace without content is unchanged
             info["requests_with_content"] = with_content
@@ -220,6 +224,9 @@ def run_simulate(
     try:
         options = simulation_options(args)
         workload, workload_info = load_workload(args, stderr)
+        if is_timed(workload) and options.step_time is None:
+            # arrivals in time need a modelled clock: the default model, shown in the report
+            options = dataclasses.replace(options, step_time=DEFAULT_STEP_TIME)
         check_config(options)
         if args.plot is not None:
             check_plot_target(args.plot)
