@@ -11,16 +11,21 @@ user time is what its load inflates least).
 
 Target: a ten-point sweep in under a minute, so a point takes about 5 s on a quiet 2-core
 machine, a third of what it took before ``SimulatedCPGroup`` compared its ranks in the core
-(``schedule_ranks`` / ``update_ranks``). Measured on the 2-core development machine, shared
-with other jobs, A/B against the wheel before that change, back to back (3 runs each,
-medians):
+(``schedule_ranks`` / ``update_ranks``) and prompts were built once. Measured on the 2-core
+development machine, shared with other jobs (load average 3 to 5), A/B against the wheel
+before those changes, back to back and interleaved, 3 runs each, medians (the same report,
+byte for byte, every run):
 
-=====================  ===========  ===========
-                        wall (s)     user (s)
-=====================  ===========  ===========
-before                 see below    see below
-after                  see below    see below
-=====================  ===========  ===========
+==========  ========  ========  ======================
+build       wall (s)  user (s)  runs: user (s)
+==========  ========  ========  ======================
+before      162.2     80.1      80.1, 78.8, 83.9
+after       71.2      46.4      45.7, 46.4, 46.4
+==========  ========  ========  ======================
+
+User time is 1.73x less, short of the 3x target: what is left is the core's own work, once
+per rank (each of the 8 schedulers schedules, updates and hashes every prompt for its prefix
+cache: about half of the time), and the step loop's Python (about a third).
 
 Run it with ``python -m pytest benches/bench_simulate_sweep.py --benchmark-enable -s``
 (``PYTHONPATH`` picks the build: the child processes inherit it). Under

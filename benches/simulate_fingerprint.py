@@ -5,8 +5,8 @@ Each run is ``helix-kv simulate ARGV --json --events FILE`` in this process; its
 SHA-256 of the ``--json`` report and of the events file (every step's figures and every
 request's outcome), and the last line the SHA-256 of all of them. The runs cover what the
 simulator can do: every rank verification mode, drafts, a host tier, one step ahead, prefix
-caching with a shared prompt and conversations, client aborts, a modelled step time, each
-under KV pressure (preemptions, recomputation, suspends).
+caching with a shared prompt and conversations, client aborts, a modelled step time, arrivals
+in time, each under KV pressure (preemptions, recomputation, suspends).
 
     PYTHONPATH=SITE python benches/simulate_fingerprint.py [--out DIR] [--only NAME ...]
 
@@ -58,6 +58,10 @@ RUNS: dict[str, str] = {
         "--host-tier-tokens 2048 --abort-rate 0.1"
     ),
     "step_time": f"--cp 4 {PRESSURED} --step-time default",
+    "arrivals_in_time": (
+        "--cp 4 --tokens-per-block 8 --kv-tokens 4096 --requests 60 --prompt-len 160 "
+        "--output-len 64 --seed 5 --request-rate 200 --abort-rate 0.2"
+    ),
     "no_chunking": f"--cp 2 {PRESSURED} --no-chunked-prefill --max-num-tokens 2048",
     "guaranteed": f"--cp 4 {PRESSURED} --capacity-policy guaranteed_no_evict",
 }
