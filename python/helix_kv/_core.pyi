@@ -55,6 +55,8 @@ __all__ = [
     "StepMetadataLayout",
     "UnknownRequestError",
     "__version__",
+    "schedule_ranks",
+    "update_ranks",
 ]
 
 # Argument rules (docs/errors.md; the aliases are helix_kv.types'): integers are ints or
@@ -745,3 +747,15 @@ class Scheduler:
     def has_unfinished(self) -> bool: ...
     def queue_ids(self) -> npt.NDArray[np.uint64]: ...
     def state_digest(self) -> int: ...
+
+# The in-process CP group's calls on every rank (helix_kv.SimulatedCPGroup): each returns
+# every rank's result, or the exception that rank raised, and whether the ranks agree.
+def schedule_ranks(
+    schedulers: Sequence[Scheduler], layout: Layout | None, ranks: Sequence[int]
+) -> tuple[list[ScheduleOutput | Exception], bool]: ...
+def update_ranks(
+    schedulers: Sequence[Scheduler],
+    tokens: _TokenArray,
+    eos: _FlagArray | None = None,
+    accepted: _IntArray | None = None,
+) -> tuple[list[npt.NDArray[np.uint64] | Exception], bool]: ...

@@ -9,6 +9,11 @@ each decode token; the per-rank lengths add up to the global length). A divergen
 summary entries), built by :func:`helix_kv.mismatch.schedule_mismatch` like the error a real
 group raises through its schedule check.
 
+Every step costs one core call to schedule every rank and one to update them
+(:func:`helix_kv._core.schedule_ranks`, :func:`helix_kv._core.update_ranks`), each of which
+also compares the ranks' results; the comparison here, which builds the message, runs only
+when they disagree, so the message is the one it always was.
+
 A group may also run a subset of the ranks (``ranks=``): every scheduler holds every request's
 tokens, so memory and time grow with the ranks run, and a capacity-planning run at a large
 ``cp_size`` need not pay for all of them. The ranks run are then compared with each other every
@@ -19,7 +24,7 @@ rank (the sums over all ranks need them all); the ranks left out are not verifie
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +36,8 @@ from helix_kv._core import (
     Scheduler,
     SchedulerConfig,
     SchedulerMetrics,
+    schedule_ranks,
+    update_ranks,
 )
 from helix_kv._renamed import Renamed
 from helix_kv.errors import ConfigError, ScheduleMismatchError
@@ -109,6 +116,20 @@ class SimulatedCPGroup:
             except Exception as error:  # compared below, re-raised unchanged if all agree
                 results.append(None)
                 errors.append(error)
+        return self._settle(call, results, errors)
+
+    def _settled(self, call: str, outcomes: Sequence[Any]) -> list[Any]:
+        """:meth:`_settle` of what the core's group calls (``schedule_ranks``,
+        ``update_ranks``) return: each rank's result, or the exception it raised."""
+        errors = [o if isinstance(o, Exception) else None for o in outcomes]
+        results = [None if e is not None else o for o, e in zip(outcomes, errors)]
+        return self._settle(call, results, errors)
+
+    def _settle(
+        self, call: str, results: list[Any], errors: Sequence[BaseException | None]
+    ) -> list[Any]:
+        """The results of ``call`` on every rank if all succeeded; the error unchanged if all
+        failed alike; else a mismatch naming the ranks."""
         outcomes = [None if e is None else (type(e), str(e)) for e in errors]
         if all(outcome == outcomes[0] for outcome in outcomes):
             if errors[0] is not None:
@@ -162,7 +183,13 @@ class SimulatedCPGroup:
     def schedule_per_rank(self) -> list[ScheduleOutput]:
         """Schedules a step on every rank, checks agreement, returns the per-rank outputs
         (those of :attr:`ranks`, in rank order)."""
-        outputs: list[ScheduleOutput] = self._on_every_rank("schedule", Scheduler.schedule)
+        # One core call schedules every rank and compares them; the detailed comparison (and
+        # its message) runs only where they do not agree.
+        layout = self.config.layout if self.check_rank_fields else None
+        outcomes, agree = schedule_ranks(self.schedulers, layout, self.ranks)
+        if agree:
+            return cast("list[ScheduleOutput]", outcomes)  # every one succeeded
+        outputs: list[ScheduleOutput] = self._settled("schedule", outcomes)
         self._check(outputs)
         return outputs
 
@@ -174,10 +201,11 @@ class SimulatedCPGroup:
     ) -> npt.NDArray[np.uint64]:
         """Feeds the same sampled tokens (eos flags, accepted draft counts) to every rank;
         returns the finished ids (equal on every rank)."""
-        finished = self._on_every_rank("update", lambda s: s.update(tokens, eos, accepted))
-        self._agree("update", finished, "finished_ids")
-        result: npt.NDArray[np.uint64] = finished[0]
-        return result
+        outcomes, agree = update_ranks(self.schedulers, tokens, eos, accepted)
+        if not agree:
+            finished = self._settled("update", outcomes)
+            self._agree("update", finished, "finished_ids")
+        return cast("npt.NDArray[np.uint64]", outcomes[0])
 
     def revert(self) -> npt.NDArray[np.uint64]:
         """Reverts the scheduled step on every rank; returns the ids of requests whose

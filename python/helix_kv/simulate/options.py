@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 from helix_kv._core import ConfigField, Scheduler, SchedulerConfig
 from helix_kv._renamed import Renamed, renamed_fields, renamed_keywords
 from helix_kv.errors import ConfigError, HelixKVError
@@ -302,8 +304,12 @@ def preflight(options: SimulationOptions, workload: Sequence[RequestSpec]) -> No
     """Add every request to a throwaway scheduler so a request that can never run is
     reported before the run starts, with the core's own reason (``RequestTooLargeError``:
     longer than ``max_seq_len`` or the whole KV pool, or an unchunked re-prefill that
-    cannot fit ``max_num_tokens``)."""
-    config = options.scheduler_config()
+    cannot fit ``max_num_tokens``).
+
+    Those reasons read the lengths, never the tokens, so each request is added with a
+    prompt of zeros of its length and prefix caching off: the prompts are built once, for the
+    run, and hashed only by its schedulers."""
+    config = options.without_prefix_caching().scheduler_config()
     for request in workload:
         # checked before any prompt is built: a trace may give lengths up to 2**31
         longest = max(request.prompt_len, request.output_len)
@@ -313,13 +319,14 @@ def preflight(options: SimulationOptions, workload: Sequence[RequestSpec]) -> No
                 f"{request.prompt_len} prompt and {request.output_len} output tokens; the "
                 f"simulator takes at most {MAX_REQUEST_TOKENS} of each"
             )
+    zeros = np.zeros(max((request.prompt_len for request in workload), default=0), np.int32)
     for start in range(0, len(workload), _PREFLIGHT_BATCH):
         scheduler = Scheduler(config)
         for request in workload[start : start + _PREFLIGHT_BATCH]:
             try:
                 scheduler.add_request(
                     request.request_id,
-                    request.prompt(),
+                    zeros[: request.prompt_len],
                     request.output_len,
                     request.priority,
                     cache_salt=request.cache_salt,

@@ -225,7 +225,8 @@ def outputs_match(overlap: SimulationResult, plain: SimulationResult) -> bool:
 
 
 def _sample_indices(ids: np.ndarray, generated: dict[int, int]) -> np.ndarray:
-    return np.fromiter((generated[i] for i in ids.tolist()), dtype=np.uint64, count=len(ids))
+    # map over the bound lookup: no generator frame per sampled id
+    return np.fromiter(map(generated.__getitem__, ids.tolist()), dtype=np.uint64, count=len(ids))
 
 
 def _row_indices(

@@ -27,14 +27,19 @@ def prompt_tokens(request_id: int, prompt_len: int) -> np.ndarray:
     return ((base + indices * _INDEX_MULTIPLIER) % VOCAB_SIZE).astype(np.int32)
 
 
+# as uint64 scalars once: sampled_tokens runs every step
+_VOCAB_U64 = np.uint64(VOCAB_SIZE)
+_ID_MULTIPLIER_U64 = np.uint64(_ID_MULTIPLIER)
+_INDEX_MULTIPLIER_U64 = np.uint64(_INDEX_MULTIPLIER)
+_ONE_U64 = np.uint64(1)
+
+
 def sampled_tokens(request_ids: np.ndarray, output_indices: np.ndarray) -> np.ndarray:
     """The token each request samples as its ``output_indices``-th output (0-based), int32."""
-    ids = np.asarray(request_ids, dtype=np.uint64) % np.uint64(VOCAB_SIZE)
+    ids = np.asarray(request_ids, dtype=np.uint64) % _VOCAB_U64
     indices = np.asarray(output_indices, dtype=np.uint64)
-    mixed = ids * np.uint64(_ID_MULTIPLIER) + (indices + np.uint64(1)) * np.uint64(
-        _INDEX_MULTIPLIER
-    )
-    return (mixed % np.uint64(VOCAB_SIZE)).astype(np.int32)
+    mixed = ids * _ID_MULTIPLIER_U64 + (indices + _ONE_U64) * _INDEX_MULTIPLIER_U64
+    return (mixed % _VOCAB_U64).astype(np.int32)
 
 
 def expected_output(request_id: int, output_len: int) -> np.ndarray:
@@ -61,41 +66,53 @@ _DOMAIN_HASH_BLOCK = 0x484153485F424C4B  # "HASH_BLK"
 
 
 def _mix(values: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer, elementwise on uint64 (wrapping arithmetic)."""
+    """splitmix64's finalizer, elementwise on uint64 (wrapping arithmetic); ``values`` is left
+    as it was."""
     z = values + _U64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
-    result: np.ndarray = z ^ (z >> _U64(31))
-    return result
+    # in place from here on: a prompt's worth of uint64 is mixed per request
+    z ^= z >> _U64(30)
+    z *= _U64(0xBF58476D1CE4E5B9)
+    z ^= z >> _U64(27)
+    z *= _U64(0x94D049BB133111EB)
+    z ^= z >> _U64(31)
+    return z
 
 
-def _mixed_tokens(domain: int, sources: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """Token ``indices[k]`` of source ``sources[k]`` in ``domain``, as int32."""
-    seeds = _mix(np.asarray(sources, dtype=np.uint64) ^ _U64(domain))
+def _seeds(domain: int, sources: np.ndarray) -> np.ndarray:
+    """The seed of each source in ``domain`` (uint64)."""
+    return _mix(np.asarray(sources, dtype=np.uint64) ^ _U64(domain))
+
+
+def _tokens_of_seeds(seeds: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """Token ``indices[k]`` of the source seeded ``seeds[k]`` (or of one seed, a scalar), as
+    int32."""
     mixed = _mix(seeds + np.asarray(indices, dtype=np.uint64))
-    return (mixed % _U64(VOCAB_SIZE)).astype(np.int32)
+    mixed %= _U64(VOCAB_SIZE)
+    return mixed.astype(np.int32)
+
+
+def _source_tokens(domain: int, source: int, length: int) -> np.ndarray:
+    """Tokens ``0 .. length - 1`` of one source in ``domain``, its seed mixed once."""
+    (seed,) = _seeds(domain, np.array([source], dtype=np.uint64))
+    return _tokens_of_seeds(seed, np.arange(length, dtype=np.uint64))
 
 
 def shared_prefix_tokens(prefix_id: int, length: int) -> np.ndarray:
     """The shared system prompt ``prefix_id``: ``length`` int32 token ids."""
-    return _mixed_tokens(
-        _DOMAIN_SHARED, np.full(length, prefix_id, dtype=np.uint64), np.arange(length)
-    )
+    return _source_tokens(_DOMAIN_SHARED, prefix_id, length)
 
 
 def user_tokens(request_id: int, length: int) -> np.ndarray:
     """The new user tokens of ``request_id`` (a turn of a conversation, or what follows a
     shared system prompt): ``length`` int32 token ids, its own."""
-    return _mixed_tokens(
-        _DOMAIN_USER, np.full(length, request_id, dtype=np.uint64), np.arange(length)
-    )
+    return _source_tokens(_DOMAIN_USER, request_id, length)
 
 
 def hash_block_tokens(hash_ids: np.ndarray, block_tokens: int, length: int) -> np.ndarray:
     """A trace's ``hash_ids`` as a prompt of ``length`` tokens: block ``i`` is the
     ``block_tokens`` tokens of hash id ``hash_ids[i]`` (the same wherever the id appears), the
     last block cut so the prompt has ``length`` tokens."""
-    blocks = np.asarray(hash_ids, dtype=np.uint64)
-    sources = np.repeat(blocks, block_tokens)[:length]
-    indices = np.tile(np.arange(block_tokens, dtype=np.uint64), len(blocks))[:length]
-    return _mixed_tokens(_DOMAIN_HASH_BLOCK, sources, indices)
+    seeds = _seeds(_DOMAIN_HASH_BLOCK, np.asarray(hash_ids, dtype=np.uint64))
+    per_token = np.repeat(seeds, block_tokens)[:length]
+    indices = np.tile(np.arange(block_tokens, dtype=np.uint64), len(seeds))[:length]
+    return _tokens_of_seeds(per_token, indices)

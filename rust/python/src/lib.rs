@@ -9,6 +9,7 @@ mod arrays;
 mod errors;
 mod layout;
 mod ledger;
+mod rank_group;
 mod request_output;
 mod schedule_output;
 mod scheduler;
@@ -29,6 +30,8 @@ mod _core {
     use crate::layout::PyLayout;
     #[pymodule_export]
     use crate::ledger::{PyDecodeView, PyLedger, PyRequestHoldings};
+    #[pymodule_export]
+    use crate::rank_group::{schedule_ranks, update_ranks};
     #[pymodule_export]
     use crate::records::{PyRequestMetrics, PySchedulerMetrics};
     #[pymodule_export]

@@ -572,6 +572,88 @@ impl PyScheduleOutput {
     }
 }
 
+/// `generation_owner_ranks` of `positions`, as numpy holds it.
+fn owner_column(placement: RankPlacement, positions: &[u64]) -> Vec<i32> {
+    let owners = placement.owner_ranks(positions);
+    owners.map(<u32 as Exposed<i32>>::to_numpy).collect()
+}
+
+/// `generation_active` of `positions` on the placement's rank.
+fn active_column(placement: RankPlacement, positions: &[u64]) -> Vec<bool> {
+    placement.active(positions).collect()
+}
+
+/// `generation_local_lens` of `positions` on the placement's rank, as numpy holds them.
+fn local_len_column(placement: RankPlacement, positions: &[u64]) -> Vec<i64> {
+    let lens = placement.local_lens(positions);
+    lens.map(<u64 as Exposed<i64>>::to_numpy).collect()
+}
+
+/// `generation_past_seen_lens` of `positions` on the placement's rank, as numpy holds them.
+fn past_seen_len_column(placement: RankPlacement, positions: &[u64]) -> Vec<i64> {
+    let lens = placement.past_seen_lens(positions);
+    lens.map(<u64 as Exposed<i64>>::to_numpy).collect()
+}
+
+/// What the cross-rank check of an in-process group reads of one output
+/// ([`crate::rank_group`]): the values Python would read, without making a numpy array.
+pub struct RankColumns {
+    /// `generation_positions`.
+    pub positions: Vec<i64>,
+    /// `generation_owner_ranks`.
+    pub owners: Vec<i32>,
+    /// `generation_active`.
+    pub active: Vec<bool>,
+    /// `generation_local_lens`.
+    pub local_lens: Vec<i64>,
+    /// `generation_past_seen_lens`.
+    pub past_seen_lens: Vec<i64>,
+}
+
+impl PyScheduleOutput {
+    /// The step's digest.
+    pub fn digest_value(&self) -> u64 {
+        self.digest
+    }
+
+    /// The values of `cell`'s computed array: the array's own where Python read it (so what
+    /// Python sees), else computed by `column` from the positions and the placement.
+    fn column_values<N: Element + Copy>(
+        &self,
+        py: Python<'_>,
+        cell: &PyOnceLock<Py<PyArray1<N>>>,
+        column: impl FnOnce(RankPlacement, &[u64]) -> Vec<N>,
+    ) -> Vec<N> {
+        if let Some(array) = cell.get(py) {
+            // a read-only array the binding made (contiguous): else nothing, which no check
+            // accepts
+            return array.bind(py).to_vec().unwrap_or_default();
+        }
+        let positions = self.generation_positions.lend(py);
+        column(self.rank_placement, positions.as_slice())
+    }
+
+    /// The positions and the computed columns, as Python would read them.
+    pub fn rank_columns(&self, py: Python<'_>) -> RankColumns {
+        // collected first: the lent positions hold the field's lock, which each column takes
+        let positions = self.generation_positions.lend(py).as_slice().to_vec();
+        RankColumns {
+            positions: positions
+                .into_iter()
+                .map(<u64 as Exposed<i64>>::to_numpy)
+                .collect(),
+            owners: self.column_values(py, &self.computed.owner_ranks, owner_column),
+            active: self.column_values(py, &self.computed.active, active_column),
+            local_lens: self.column_values(py, &self.computed.local_lens, local_len_column),
+            past_seen_lens: self.column_values(
+                py,
+                &self.computed.past_seen_lens,
+                past_seen_len_column,
+            ),
+        }
+    }
+}
+
 /// The core's computed column names, in its order: the getters below are these names.
 const COMPUTED_NAMES: [&str; 5] = [
     ScheduleOutput::COMPUTED_FIELDS[0].0,
@@ -650,36 +732,25 @@ impl PyScheduleOutput {
     /// placement on first read, then cached.
     #[getter]
     fn generation_owner_ranks<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        self.computed_array(py, &self.computed.owner_ranks, |placement, positions| {
-            let owners = placement.owner_ranks(positions);
-            owners.map(<u32 as Exposed<i32>>::to_numpy).collect()
-        })
+        self.computed_array(py, &self.computed.owner_ranks, owner_column)
     }
     /// Per rank: whether this rank is the owner (appends the token's KV). Computed from
     /// `generation_positions` and the placement on first read, then cached.
     #[getter]
     fn generation_active<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<bool>> {
-        self.computed_array(py, &self.computed.active, |placement, positions| {
-            placement.active(positions).collect()
-        })
+        self.computed_array(py, &self.computed.active, active_column)
     }
     /// Per rank: tokens this rank holds after the append. Computed from
     /// `generation_positions` and the placement on first read, then cached.
     #[getter]
     fn generation_local_lens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        self.computed_array(py, &self.computed.local_lens, |placement, positions| {
-            let lens = placement.local_lens(positions);
-            lens.map(<u64 as Exposed<i64>>::to_numpy).collect()
-        })
+        self.computed_array(py, &self.computed.local_lens, local_len_column)
     }
     /// Per rank: tokens this rank holds before the append. Computed from
     /// `generation_positions` and the placement on first read, then cached.
     #[getter]
     fn generation_past_seen_lens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        self.computed_array(py, &self.computed.past_seen_lens, |placement, positions| {
-            let lens = placement.past_seen_lens(positions);
-            lens.map(<u64 as Exposed<i64>>::to_numpy).collect()
-        })
+        self.computed_array(py, &self.computed.past_seen_lens, past_seen_len_column)
     }
     /// The rank this output is for.
     #[getter]

@@ -5,7 +5,7 @@ use helix_kv_core::Scheduler;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::prelude::*;
 
-use crate::arrays::{flags, id_arg, int_arg, invalid_type_of, token_ids, u64_vec};
+use crate::arrays::{flags, id_arg, int_arg, invalid_type_of, token_ids, u64_vec, Flags, TokenIds};
 use crate::errors::{IntoPyResult, InvalidArgumentError, InvalidLengthError};
 use crate::ledger::{block_table, slot_mapping};
 use crate::records::{PyRequestMetrics, PySchedulerMetrics};
@@ -34,7 +34,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Priority {
 }
 
 /// Request ids out: uint64, the whole id range (an id is never shown as a negative int64).
-fn ids_to_numpy(py: Python<'_>, ids: Vec<u64>) -> Bound<'_, PyArray1<u64>> {
+pub fn ids_to_numpy(py: Python<'_>, ids: Vec<u64>) -> Bound<'_, PyArray1<u64>> {
     PyArray1::from_vec(py, ids)
 }
 
@@ -113,22 +113,7 @@ impl PyScheduler {
 
     /// Decides the next step; allowed while one step is pending (one step ahead), not two.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyScheduleOutput> {
-        let inner = &mut self.inner;
-        let spare = self.spare.take();
-        let output = py
-            .detach(|| {
-                if let Some(spare) = spare {
-                    inner.recycle_output(spare);
-                }
-                inner.schedule()?;
-                Ok(inner.take_last_output())
-            })
-            .py()?;
-        Ok(PyScheduleOutput::recycled_into(
-            output,
-            self.fingerprint,
-            &self.spare,
-        ))
+        self.schedule_step(py)
     }
 
     /// Applies the step that ran: one token per `sample_ids` entry (int32) and optional
@@ -145,21 +130,9 @@ impl PyScheduler {
         eos: Option<&Bound<'py, PyAny>>,
         accepted: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray1<u64>>> {
-        let tokens = token_ids(tokens, "sampled tokens")?;
-        let eos = eos.map(|eos| flags(eos, "eos")).transpose()?;
-        let accepted = accepted
-            .map(|counts| draft_counts(counts, "accepted counts"))
-            .transpose()?;
-        let tokens = tokens.as_slice()?;
+        let (tokens, eos, accepted) = update_args(tokens, eos, accepted)?;
         let eos = eos.as_ref().map(|eos| eos.as_slice()).transpose()?;
-        let inner = &mut self.inner;
-        let finished = py
-            .detach(|| {
-                inner
-                    .update_accepted(tokens, eos, accepted.as_deref())
-                    .map(<[u64]>::to_vec)
-            })
-            .py()?;
+        let finished = self.update_step(py, tokens.as_slice()?, eos, accepted.as_deref())?;
         Ok(ids_to_numpy(py, finished))
     }
 
@@ -403,6 +376,62 @@ impl PyScheduler {
             self.inner.ledger().capacity()
         )
     }
+}
+
+/// The calls the in-process CP group makes on every rank at once (see
+/// [`crate::rank_group`]), shared with the methods above.
+impl PyScheduler {
+    /// `schedule()`: decides the next step, with the GIL released.
+    pub fn schedule_step(&mut self, py: Python<'_>) -> PyResult<PyScheduleOutput> {
+        let inner = &mut self.inner;
+        let spare = self.spare.take();
+        let output = py
+            .detach(|| {
+                if let Some(spare) = spare {
+                    inner.recycle_output(spare);
+                }
+                inner.schedule()?;
+                Ok(inner.take_last_output())
+            })
+            .py()?;
+        Ok(PyScheduleOutput::recycled_into(
+            output,
+            self.fingerprint,
+            &self.spare,
+        ))
+    }
+
+    /// `update()` with its arguments read: the ids of the requests that finished.
+    pub fn update_step(
+        &mut self,
+        py: Python<'_>,
+        tokens: &[i32],
+        eos: Option<&[bool]>,
+        accepted: Option<&[u32]>,
+    ) -> PyResult<Vec<u64>> {
+        let inner = &mut self.inner;
+        py.detach(|| {
+            inner
+                .update_accepted(tokens, eos, accepted)
+                .map(<[u64]>::to_vec)
+        })
+        .py()
+    }
+}
+
+/// `update()`'s arguments read, as every rank reads them: the sampled tokens, the optional
+/// end-of-sequence flags and accepted draft counts.
+pub fn update_args<'py>(
+    tokens: &Bound<'py, PyAny>,
+    eos: Option<&Bound<'py, PyAny>>,
+    accepted: Option<&Bound<'py, PyAny>>,
+) -> PyResult<(TokenIds<'py>, Option<Flags<'py>>, Option<Vec<u32>>)> {
+    let tokens = token_ids(tokens, "sampled tokens")?;
+    let eos = eos.map(|eos| flags(eos, "eos")).transpose()?;
+    let accepted = accepted
+        .map(|counts| draft_counts(counts, "accepted counts"))
+        .transpose()?;
+    Ok((tokens, eos, accepted))
 }
 
 /// The longest cache salt accepted, in bytes (a tenant or adapter name, not a payload).

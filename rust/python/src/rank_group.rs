@@ -1,0 +1,244 @@
+//! The calls an in-process CP group (`helix_kv.SimulatedCPGroup`) makes on every rank of a
+//! step, in one crossing each: `schedule_ranks` and `update_ranks` call every rank's
+//! scheduler in turn, as its own `schedule()` and `update()` would, and compare the ranks'
+//! results here. Each returns every rank's result, or the exception that rank raised, and
+//! whether they agree; the group builds its detailed mismatch message from those results
+//! only when they do not, so the message is the one it always built, and the check on every
+//! step costs no numpy array.
+//!
+//! Agreement is exactly what the group checks: every call succeeded, the digests are equal
+//! (they cover every rank-invariant field) and, when the group's layout is given, the
+//! per-rank fields are what the layout gives (see [`rank_fields_fit`]); for `update`, every
+//! call succeeded with the same finished ids.
+
+use helix_kv_core::Layout;
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::arrays::{invalid_type_of, u64_vec};
+use crate::errors::InvalidArgumentError;
+use crate::layout::PyLayout;
+use crate::schedule_output::{PyScheduleOutput, RankColumns};
+use crate::scheduler::{ids_to_numpy, update_args, PyScheduler};
+
+/// The schedulers of `schedulers` (a sequence), every one checked before any is called, so
+/// a bad argument changes nothing.
+fn schedulers_of<'py>(schedulers: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyScheduler>>> {
+    schedulers
+        .try_iter()?
+        .map(|item| {
+            let item = item?;
+            item.cast_into::<PyScheduler>().map_err(|error| {
+                invalid_type_of(
+                    "schedulers",
+                    "a sequence of Scheduler",
+                    error.into_inner().as_any(),
+                )
+            })
+        })
+        .collect()
+}
+
+/// Schedules a step on each of `schedulers` in turn (each as its `schedule()`). Returns each
+/// one's output, or the exception it raised, in order, and whether they agree: every call
+/// succeeded and the digests are equal, and, with `layout` (the group's) and `ranks` (each
+/// scheduler's rank), the per-rank fields fit the layout, as `SimulatedCPGroup` checks them.
+#[pyfunction]
+#[pyo3(signature = (schedulers, layout, ranks))]
+pub fn schedule_ranks<'py>(
+    py: Python<'py>,
+    schedulers: &Bound<'py, PyAny>,
+    layout: Option<&Bound<'py, PyAny>>,
+    ranks: &Bound<'py, PyAny>,
+) -> PyResult<(Bound<'py, PyList>, bool)> {
+    let ranks = u64_vec(ranks, "ranks", false)?
+        .into_iter()
+        .map(|rank| {
+            u32::try_from(rank).map_err(|_| {
+                InvalidArgumentError::new_err(format!("ranks must be in 0..=2**32-1, got {rank}"))
+            })
+        })
+        .collect::<PyResult<Vec<u32>>>()?;
+    let layout = layout
+        .filter(|layout| !layout.is_none())
+        .map(|layout| {
+            let layout = layout
+                .cast::<PyLayout>()
+                .map_err(|_| invalid_type_of("layout", "a Layout or None", layout))?;
+            Ok::<_, PyErr>(layout.get().inner)
+        })
+        .transpose()?;
+    let schedulers = schedulers_of(schedulers)?;
+    if layout.is_some() && ranks.len() != schedulers.len() {
+        return Err(InvalidArgumentError::new_err(format!(
+            "schedule_ranks: {} schedulers but {} ranks",
+            schedulers.len(),
+            ranks.len()
+        )));
+    }
+    let results = PyList::empty(py);
+    let mut outputs: Vec<Py<PyScheduleOutput>> = Vec::new();
+    let mut all_ok = true;
+    for scheduler in &schedulers {
+        match scheduler.try_borrow_mut()?.schedule_step(py) {
+            Ok(output) => {
+                let output = Py::new(py, output)?;
+                results.append(output.clone_ref(py))?;
+                outputs.push(output);
+            }
+            Err(error) => {
+                all_ok = false;
+                results.append(error.into_value(py))?;
+            }
+        }
+    }
+    let outputs: Vec<&PyScheduleOutput> = outputs.iter().map(Py::get).collect();
+    let agree = all_ok && schedules_agree(py, &outputs, layout, &ranks);
+    Ok((results, agree))
+}
+
+/// Feeds the same sampled tokens (end-of-sequence flags, accepted draft counts; read once,
+/// as each `update()` reads them) to each of `schedulers` in turn. Returns each one's
+/// finished ids (uint64), or the exception it raised, in order, and whether they agree:
+/// every call succeeded with the same ids.
+#[pyfunction]
+#[pyo3(signature = (schedulers, tokens, eos = None, accepted = None))]
+pub fn update_ranks<'py>(
+    py: Python<'py>,
+    schedulers: &Bound<'py, PyAny>,
+    tokens: &Bound<'py, PyAny>,
+    eos: Option<&Bound<'py, PyAny>>,
+    accepted: Option<&Bound<'py, PyAny>>,
+) -> PyResult<(Bound<'py, PyList>, bool)> {
+    let (tokens, eos, accepted) = update_args(tokens, eos, accepted)?;
+    let tokens = tokens.as_slice()?;
+    let eos = eos.as_ref().map(|eos| eos.as_slice()).transpose()?;
+    let schedulers = schedulers_of(schedulers)?;
+    let results = PyList::empty(py);
+    let mut first: Option<Vec<u64>> = None;
+    let mut agree = true;
+    for scheduler in &schedulers {
+        let finished =
+            scheduler
+                .try_borrow_mut()?
+                .update_step(py, tokens, eos, accepted.as_deref());
+        match finished {
+            Ok(finished) => {
+                match &first {
+                    Some(first) => agree &= *first == finished,
+                    None => first = Some(finished.clone()),
+                }
+                results.append(ids_to_numpy(py, finished))?;
+            }
+            Err(error) => {
+                agree = false;
+                results.append(error.into_value(py))?;
+            }
+        }
+    }
+    Ok((results, agree))
+}
+
+/// Whether one step's outputs agree: equal digests and, with `layout`, per-rank fields that
+/// fit it.
+fn schedules_agree(
+    py: Python<'_>,
+    outputs: &[&PyScheduleOutput],
+    layout: Option<Layout>,
+    ranks: &[u32],
+) -> bool {
+    let Some(first) = outputs.first() else {
+        return true;
+    };
+    if outputs
+        .iter()
+        .any(|output| output.digest_value() != first.digest_value())
+    {
+        return false;
+    }
+    let Some(layout) = layout else {
+        return true;
+    };
+    let columns: Vec<RankColumns> = outputs.iter().map(|o| o.rank_columns(py)).collect();
+    rank_fields_fit(&columns, layout, ranks)
+}
+
+/// The group's per-rank check (`SimulatedCPGroup._check_rank_fields`), exactly: the first
+/// output's owner ranks are the layout's owners of its positions; then with every rank of
+/// the layout here (`ranks` is `0..cp_size`), each decode is active on its owner alone, the
+/// local lengths add up to position + 1 and the past-seen ones to the position, and only
+/// the owner's length grows; with some ranks here, each one's fields are exactly the
+/// layout's for that rank. No decode: nothing to check. Lengths that do not fit together
+/// (or a rank outside the layout) do not fit either.
+fn rank_fields_fit(columns: &[RankColumns], layout: Layout, ranks: &[u32]) -> bool {
+    let Some(reference) = columns.first() else {
+        return true;
+    };
+    let n = reference.positions.len();
+    if n == 0 {
+        return true;
+    }
+    let Ok(positions) = reference
+        .positions
+        .iter()
+        .map(|&p| u64::try_from(p))
+        .collect::<Result<Vec<u64>, _>>()
+    else {
+        return false;
+    };
+    let owners: Vec<u32> = positions.iter().map(|&p| layout.owner_rank(p)).collect();
+    let sized = |column_len: usize| column_len == n;
+    if !sized(reference.owners.len())
+        || reference
+            .owners
+            .iter()
+            .zip(&owners)
+            .any(|(&given, &owner)| i64::from(given) != i64::from(owner))
+    {
+        return false;
+    }
+    if columns.len() != ranks.len() || ranks.iter().any(|&rank| rank >= layout.cp()) {
+        return false;
+    }
+    let every_rank = ranks.len() == layout.cp() as usize;
+    if every_rank {
+        let mut local_sums = vec![0i128; n];
+        let mut past_sums = vec![0i128; n];
+        for (index, column) in columns.iter().enumerate() {
+            if !(sized(column.active.len())
+                && sized(column.local_lens.len())
+                && sized(column.past_seen_lens.len()))
+            {
+                return false;
+            }
+            for i in 0..n {
+                let owns = owners[i] as usize == index;
+                let (after, before) = (column.local_lens[i], column.past_seen_lens[i]);
+                if column.active[i] != owns
+                    || i128::from(after) - i128::from(before) != i128::from(owns)
+                {
+                    return false;
+                }
+                local_sums[i] += i128::from(after);
+                past_sums[i] += i128::from(before);
+            }
+        }
+        return positions
+            .iter()
+            .enumerate()
+            .all(|(i, &p)| local_sums[i] == i128::from(p) + 1 && past_sums[i] == i128::from(p));
+    }
+    columns.iter().zip(ranks).all(|(column, &rank)| {
+        sized(column.active.len())
+            && sized(column.local_lens.len())
+            && sized(column.past_seen_lens.len())
+            && positions.iter().enumerate().all(|(i, &p)| {
+                let Some(after) = p.checked_add(1) else {
+                    return false;
+                };
+                column.active[i] == (owners[i] == rank)
+                    && i128::from(column.local_lens[i]) == i128::from(layout.local_len(after, rank))
+                    && i128::from(column.past_seen_lens[i]) == i128::from(layout.local_len(p, rank))
+            })
+    })
+}
