@@ -231,6 +231,8 @@ class RequestSpec:
     ``content``: what its prompt holds (``len(content) == prompt_len``); ``None``, a prompt of
     its own (:func:`~helix_kv.simulate.tokens.prompt_tokens`) that shares nothing with any
     other request's (see :attr:`cache_salt`). :meth:`prompt` gives the tokens either way.
+    ``arrival_ms`` / ``abort_ms``: the modelled time of its arrival / its client's abort (a
+    timed workload: every request has an ``arrival_ms``; ``None``: it arrives at a step).
     """
 
     request_id: int
@@ -240,6 +242,8 @@ class RequestSpec:
     priority: int = 0
     abort_step: int | None = None
     content: PromptContent | None = None
+    arrival_ms: float | None = None
+    abort_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.content is not None and len(self.content) != self.prompt_len:
