@@ -44,10 +44,10 @@ import itertools
 import json
 import math
 import re
+import warnings
 from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -106,13 +106,6 @@ MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 #: Keys of the helix format that tell a JSON line is one (with those of main's timed traces).
 _HELIX_MARKS = frozenset(TRACE_KEYS) | {"arrival_ms", "arrival_s", "abort_ms", "abort_s"}
 
-#: A date and time: ``YYYY-MM-DD HH:MM:SS[.fraction][Z|+HH:MM|-HH:MM]`` (or ``T`` between).
-_DATETIME = re.compile(
-    r"(\d{4}-\d\d-\d\d)[ T](\d\d):(\d\d):(\d\d(?:\.\d{1,9})?)(Z|[+-]\d\d:\d\d)?",
-    re.ASCII,
-)
-_MS_PER_DAY = 86_400_000.0
-
 
 @dataclass(frozen=True)
 class TraceRead:
@@ -154,7 +147,9 @@ class TraceSelection:
         if self.window_s is not None:
             start, end = self.window_s
             if not (math.isfinite(start) and start >= 0 and end > start):  # end: NaN fails
-                raise ValueError(f"window_s must be (start, end) with 0 <= start < end, got {self.window_s}")
+                raise ValueError(
+                    f"window_s must be (start, end) with 0 <= start < end, got {self.window_s}"
+                )
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
 
@@ -189,6 +184,24 @@ class _Rows:
         else:
             self.skip.append(0)
 
+    def extend(
+        self,
+        arrival_ms: np.ndarray,
+        prompt_len: np.ndarray,
+        output_len: np.ndarray,
+        failed: np.ndarray,
+    ) -> None:
+        """Add rows column by column (as :meth:`add` adds one)."""
+        skip = np.zeros(len(failed), dtype=np.int8)
+        # the later reasons first: the earlier ones, written over them, win
+        skip[prompt_len == 0] = _SKIP_CODE[SKIP_ZERO_PROMPT]
+        skip[output_len == 0] = _SKIP_CODE[SKIP_ZERO_RESPONSE]
+        skip[failed] = _SKIP_CODE[SKIP_FAILED_LOG_TYPE]
+        self.arrival_ms.frombytes(np.ascontiguousarray(arrival_ms, dtype=np.float64).tobytes())
+        self.prompt_len.frombytes(np.ascontiguousarray(prompt_len, dtype=np.int64).tobytes())
+        self.output_len.frombytes(np.ascontiguousarray(output_len, dtype=np.int64).tobytes())
+        self.skip.frombytes(skip.tobytes())
+
     def __len__(self) -> int:
         return len(self.skip)
 
@@ -204,7 +217,11 @@ def detect_format(first_line: str) -> TraceFormat | None:
             record = json.loads(text)
         except (ValueError, RecursionError):
             return TraceFormat.HELIX  # the helix reader says what is wrong with it
-        if isinstance(record, dict) and "input_length" in record and not _HELIX_MARKS & record.keys():
+        if (
+            isinstance(record, dict)
+            and "input_length" in record
+            and not _HELIX_MARKS & record.keys()
+        ):
             return TraceFormat.MOONCAKE
         return TraceFormat.HELIX
     header = set(_header(text))
@@ -323,7 +340,9 @@ def _read_helix(
                 path,
                 "its requests arrive at steps, not times: a time scale or window does not apply",
             )
-        return TraceRead(requests[: selection.limit], TraceFormat.HELIX, detected, rows, {}, unknown)
+        return TraceRead(
+            requests[: selection.limit], TraceFormat.HELIX, detected, rows, {}, unknown
+        )
     timed = _Rows()
     for request in requests:
         timed.add(request.arrival_ms, request.prompt_len, request.output_len, False)
@@ -346,11 +365,23 @@ def _read_rows(lines: Iterable[str], trace_format: TraceFormat, hash_block_token
     return _read_csv(lines, trace_format)
 
 
+#: Rows converted at a time (column by column, in numpy): bounds what a CSV's text costs.
+_CHUNK_ROWS = 1 << 16
+
+#: What an Azure ``TIMESTAMP`` starts with: ``YYYY-MM-DD HH:MM:SS`` (``d``: a digit, ``?``: a
+#: space or ``T``); the rest (a fraction, an offset) and the ranges are numpy's to parse.
+_DATETIME_SHAPE = "dddd-dd-dd?dd:dd:dd"
+_UTC_OFFSET = re.compile(r"[+-]\d\d:\d\d", re.ASCII)
+
+
 def _tokens(text: str, column: str) -> int:
     """A CSV token count: a whole number in ``[0, MAX_REQUEST_TOKENS]``."""
-    if not (text.isdigit() and text.isascii()):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
         raise ValueError(f"{column!r} must be a whole number of tokens >= 0, got {_shown(text)}")
-    value = int(text)
     if value > MAX_REQUEST_TOKENS:
         raise ValueError(
             f"{column!r} is {value} tokens; the simulator takes at most {MAX_REQUEST_TOKENS}"
@@ -358,39 +389,140 @@ def _tokens(text: str, column: str) -> int:
     return value
 
 
-class _AzureClock:
-    """Azure ``TIMESTAMP`` text to ms after midnight (UTC) of the trace's first day, keeping
-    the values small so that a float holds them to well under a microsecond."""
+def _seconds(text: str) -> float:
+    """A BurstGPT ``Timestamp``: seconds, a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"'Timestamp' must be a number of seconds >= 0, got {_shown(text)}")
+    return value
 
-    def __init__(self) -> None:
-        self.first_day: int | None = None
-        self.days: dict[str, float] = {}  # date text -> ms of its midnight
 
-    def ms(self, text: str) -> float:
-        match = _DATETIME.fullmatch(text.strip())
-        if match is None:
-            raise ValueError(
-                "'TIMESTAMP' must be a date and time such as 2023-11-16 18:15:46.6805900, got "
-                f"{_shown(text)}"
-            )
-        day_text, hours, minutes, seconds, offset = match.groups()
-        midnight = self.days.get(day_text)
-        if midnight is None:
+def _datetime_ns(texts: list[str]) -> np.ndarray:
+    """Azure ``TIMESTAMP`` texts as ns since the epoch, UTC (a time without an offset is
+    UTC); ``ValueError`` if one is not a date and time."""
+    shaped = np.array(texts)
+    if shaped.dtype.itemsize < 4 * len(_DATETIME_SHAPE):
+        raise ValueError("too short for a date and time")
+    codes = shaped.view(np.uint32).reshape(len(texts), -1)[:, : len(_DATETIME_SHAPE)]
+    for at, kind in enumerate(_DATETIME_SHAPE):
+        column = codes[:, at]
+        if kind == "d":
+            good = (column >= ord("0")) & (column <= ord("9"))
+        elif kind == "?":
+            good = (column == ord(" ")) | (column == ord("T"))
+        else:
+            good = column == ord(kind)
+        if not good.all():
+            raise ValueError("not a date and time")
+    shift_ns = 0
+    tails = {text[-6:] for text in texts}
+    if len(tails) == 1 and _UTC_OFFSET.fullmatch(tail := tails.pop()):
+        # one offset for all (the 2024 traces: +00:00): numpy's own parse of it is slow
+        texts = [text[:-6] for text in texts]
+        sign = 1 if tail[0] == "-" else -1  # 10:00+02:00 is 08:00 UTC
+        shift_ns = sign * (int(tail[1:3]) * 60 + int(tail[4:6])) * 60 * 10**9
+    with warnings.catch_warnings():  # numpy applies an offset, then warns that it drops it
+        warnings.filterwarnings("ignore", "no explicit representation of timezones")
+        stamps = np.array(texts, dtype="datetime64[ns]")
+    ns: np.ndarray = stamps.astype(np.int64) + shift_ns
+    return ns
+
+
+def _timestamp(text: str) -> None:
+    """Check one Azure ``TIMESTAMP`` (``ValueError`` saying what is wrong)."""
+    try:
+        _datetime_ns([text])
+    except (ValueError, OverflowError):
+        raise ValueError(
+            "'TIMESTAMP' must be a date and time such as 2023-11-16 18:15:46.6805900, got "
+            f"{_shown(text)}"
+        ) from None
+
+
+class _CsvRows:
+    """Azure or BurstGPT rows, converted a chunk at a time (numpy) into :class:`_Rows`; a
+    chunk that does not convert is read again row by row to name its first bad row."""
+
+    def __init__(self, trace_format: TraceFormat, names: list[str]) -> None:
+        self.azure = trace_format is TraceFormat.AZURE
+        self.columns = AZURE_COLUMNS if self.azure else BURSTGPT_COLUMNS
+        self.places = [names.index(name) for name in self.columns]
+        self.log_type_at = names.index(BURSTGPT_LOG_TYPE) if BURSTGPT_LOG_TYPE in names else None
+        self.rows = _Rows()
+        self.origin_ns: int | None = None  # Azure: the first row's time; ms count from it
+
+    def add(self, chunk: list[list[str]], lines: list[int]) -> None:
+        """Add ``chunk``, the rows read on ``lines`` (none empty)."""
+        width = max(self.places) + 1
+        if min(map(len, chunk), default=width) < width:
+            chunk, lines = self._full_rows(chunk, lines, width)
+        if not chunk:
+            return
+        time_at, prompt_at, output_at = self.places
+        times = [row[time_at] for row in chunk]
+        try:
+            if self.azure:
+                ns = _datetime_ns(times)
+                if self.origin_ns is None:
+                    self.origin_ns = int(ns[0])
+                arrival_ms = (ns - self.origin_ns) / 1e6
+            else:
+                arrival_ms = np.array(times, dtype=np.float64) * 1000.0
+                if not (np.isfinite(arrival_ms).all() and (arrival_ms >= 0).all()):
+                    raise ValueError("a time that is not a number of seconds >= 0")
+            prompts = np.array([row[prompt_at] for row in chunk], dtype=np.int64)
+            outputs = np.array([row[output_at] for row in chunk], dtype=np.int64)
+            for tokens in (prompts, outputs):
+                if tokens.min() < 0 or tokens.max() > MAX_REQUEST_TOKENS:
+                    raise ValueError("a token count out of range")
+        except (ValueError, OverflowError):
+            self._raise_first_bad_row(chunk, lines)
+            raise  # not reached: a row of the chunk is bad
+        failed = np.zeros(len(chunk), dtype=bool)
+        if self.log_type_at is not None:
+            at = self.log_type_at
+            kinds = [row[at] if at < len(row) else "" for row in chunk]
+            failures = [kind for kind in set(kinds) if "fail" in kind.lower()]
+            if failures:
+                failed = np.isin(np.array(kinds), failures)
+        self.rows.extend(arrival_ms, prompts, outputs, failed)
+
+    def _full_rows(
+        self, chunk: list[list[str]], lines: list[int], width: int
+    ) -> tuple[list[list[str]], list[int]]:
+        """``chunk`` without its blank rows; a short row that is not blank is a bad row."""
+        kept: list[list[str]] = []
+        kept_lines: list[int] = []
+        for row, line in zip(chunk, lines):
+            if len(row) < width:
+                if len(row) == 1 and not row[0].strip():
+                    continue  # a line of spaces
+                absent = [name for name, at in zip(self.columns, self.places) if at >= len(row)]
+                raise _RowError(
+                    line,
+                    f"the row has {len(row)} field{'s' if len(row) > 1 else ''}; it lacks "
+                    f"{', '.join(map(repr, absent))}",
+                )
+            kept.append(row)
+            kept_lines.append(line)
+        return kept, kept_lines
+
+    def _raise_first_bad_row(self, chunk: list[list[str]], lines: list[int]) -> None:
+        _, prompt_column, output_column = self.columns
+        time_at, prompt_at, output_at = self.places
+        for row, line in zip(chunk, lines):
             try:
-                day = date.fromisoformat(day_text).toordinal()
-            except ValueError:
-                raise ValueError(f"'TIMESTAMP' has no such date: {_shown(text)}") from None
-            if self.first_day is None:
-                self.first_day = day
-            midnight = self.days[day_text] = (day - self.first_day) * _MS_PER_DAY
-        hour, minute, second = int(hours), int(minutes), float(seconds)
-        if hour > 23 or minute > 59 or second >= 61:  # 60.x: a leap second
-            raise ValueError(f"'TIMESTAMP' has no such time of day: {_shown(text)}")
-        ms = midnight + ((hour * 60 + minute) * 60 + second) * 1000.0
-        if offset and offset != "Z":
-            sign = -1 if offset[0] == "+" else 1  # 10:00+02:00 is 08:00 UTC
-            ms += sign * (int(offset[1:3]) * 60 + int(offset[4:6])) * 60_000.0
-        return ms
+                if self.azure:
+                    _timestamp(row[time_at])
+                else:
+                    _seconds(row[time_at])
+                _tokens(row[prompt_at], prompt_column)
+                _tokens(row[output_at], output_column)
+            except ValueError as err:
+                raise _RowError(line, str(err)) from None
 
 
 def _read_csv(lines: Iterable[str], trace_format: TraceFormat) -> _Rows:
@@ -410,44 +542,18 @@ def _read_csv(lines: Iterable[str], trace_format: TraceFormat) -> _Rows:
             f"the header lacks the column{'s' if len(missing) > 1 else ''} "
             f"{', '.join(map(repr, missing))} (it is {_shown(','.join(names))}){hint}",
         )
-    columns = [names.index(name) for name in wanted]
-    log_type = names.index(BURSTGPT_LOG_TYPE) if BURSTGPT_LOG_TYPE in names else None
-    width = max(columns) + 1
-    rows = _Rows()
-    clock = _AzureClock()
-    time_at, prompt_at, output_at = columns
+    rows = _CsvRows(trace_format, names)
+    chunk: list[list[str]] = []
+    chunk_lines: list[int] = []
     for row in reader:
-        if not row or (len(row) == 1 and not row[0].strip()):
-            continue
-        try:
-            if len(row) < width:
-                absent = [name for name, at in zip(wanted, columns) if at >= len(row)]
-                raise ValueError(
-                    f"the row has {len(row)} fields; {', '.join(map(repr, absent))} is missing"
-                )
-            if trace_format is TraceFormat.AZURE:
-                arrival_ms = clock.ms(row[time_at])
-                failed = False
-            else:
-                arrival_ms = _seconds(row[time_at]) * 1000.0
-                failed = log_type is not None and log_type < len(row) and "fail" in row[log_type].lower()
-            prompt_len = _tokens(row[prompt_at].strip(), wanted[1])
-            output_len = _tokens(row[output_at].strip(), wanted[2])
-        except ValueError as err:
-            raise _RowError(reader.line_num, str(err)) from None
-        rows.add(arrival_ms, prompt_len, output_len, failed)
-    return rows
-
-
-def _seconds(text: str) -> float:
-    """A BurstGPT ``Timestamp``: seconds, a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"'Timestamp' must be a number of seconds >= 0, got {_shown(text)}")
-    return value
+        if row:  # [] is a blank line
+            chunk.append(row)
+            chunk_lines.append(reader.line_num)
+            if len(chunk) == _CHUNK_ROWS:
+                rows.add(chunk, chunk_lines)
+                chunk, chunk_lines = [], []
+    rows.add(chunk, chunk_lines)
+    return rows.rows
 
 
 def _read_mooncake(lines: Iterable[str], hash_block_tokens: int) -> _Rows:
@@ -461,13 +567,17 @@ def _read_mooncake(lines: Iterable[str], hash_block_tokens: int) -> _Rows:
             missing = [key for key in MOONCAKE_KEYS[:3] if key not in record]
             if missing:
                 raise ValueError(
-                    "missing key" + ("s " if len(missing) > 1 else " ") + ", ".join(map(repr, missing))
+                    "missing key"
+                    + ("s " if len(missing) > 1 else " ")
+                    + ", ".join(map(repr, missing))
                 )
             timestamp = record["timestamp"]
             if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)):
                 raise ValueError(f"'timestamp' must be a number of ms, got {_shown(timestamp)}")
             if not (math.isfinite(timestamp) and timestamp >= 0):
-                raise ValueError(f"'timestamp' must be a number of ms >= 0, got {_shown(timestamp)}")
+                raise ValueError(
+                    f"'timestamp' must be a number of ms >= 0, got {_shown(timestamp)}"
+                )
             prompt_len = _json_tokens(record, "input_length")
             output_len = _json_tokens(record, "output_length")
             content: PromptContent | None = None
@@ -492,7 +602,9 @@ def _json_tokens(record: dict[str, Any], key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{key!r} must be a whole number of tokens >= 0, got {_shown(value)}")
     if value > MAX_REQUEST_TOKENS:
-        raise ValueError(f"{key!r} is {value} tokens; the simulator takes at most {MAX_REQUEST_TOKENS}")
+        raise ValueError(
+            f"{key!r} is {value} tokens; the simulator takes at most {MAX_REQUEST_TOKENS}"
+        )
     return value
 
 
@@ -520,7 +632,9 @@ def _select(
         order = order[: kept_at[selection.limit - 1] + 1]  # skips counted up to the last kept
         kept_at = kept_at[: selection.limit]
     reasons = np.bincount(skip[order], minlength=len(SKIP_REASONS) + 1)
-    skipped = {reason: int(reasons[1 + i]) for i, reason in enumerate(SKIP_REASONS) if reasons[1 + i]}
+    skipped = {
+        reason: int(reasons[1 + i]) for i, reason in enumerate(SKIP_REASONS) if reasons[1 + i]
+    }
     kept = order[kept_at]
     if not len(kept):
         if not len(order):
@@ -536,7 +650,9 @@ def _select(
             moved: dict[str, Any] = {"arrival_ms": arrival_ms}
             abort_ms = getattr(request, "abort_ms", None)
             if abort_ms is not None:
-                moved["abort_ms"] = arrival_ms + (abort_ms - request.arrival_ms) * selection.time_scale
+                moved["abort_ms"] = (
+                    arrival_ms + (abort_ms - request.arrival_ms) * selection.time_scale
+                )
             requests.append(dataclasses.replace(request, **moved))
         return requests, skipped
     ids = np.empty(len(kept), dtype=np.int64)
