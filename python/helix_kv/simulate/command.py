@@ -28,7 +28,12 @@ from helix_kv.errors import (
     TraceError,
     UsageError,
 )
-from helix_kv.simulate.arguments import STDIO, simulation_options, workload_spec
+from helix_kv.simulate.arguments import (
+    STDIO,
+    simulation_options,
+    trace_selection,
+    workload_spec,
+)
 from helix_kv.simulate.events import STDOUT_TARGET
 from helix_kv.simulate.interrupt import InterruptGuard
 from helix_kv.simulate.options import (
@@ -52,13 +57,12 @@ from helix_kv.simulate.report import (
     to_json,
 )
 from helix_kv.simulate.step_loop import SimulationResult, outputs_match
+from helix_kv.simulate.trace_formats import TraceFormat, parse_trace_lines, read_trace_file
 from helix_kv.simulate.workload import (
     DEFAULT_HASH_BLOCK_TOKENS,
     TRACE_KEYS,
     HashBlocks,
     RequestSpec,
-    parse_trace,
-    read_trace,
     synthetic_workload,
 )
 
@@ -80,30 +84,47 @@ def load_workload(
     args: argparse.Namespace, stderr: TextIO | None = None
 ) -> tuple[list[RequestSpec], dict[str, Any]]:
     """The workload and its description for the report's ``config.workload``; a trace's keys
-    that the reader ignores are named on ``stderr``, once each."""
+    that the reader ignores and the rows it skipped are named on ``stderr``, once each."""
     if args.trace is not None:
         block_tokens = args.hash_block_tokens or DEFAULT_HASH_BLOCK_TOKENS
-        unknown: dict[str, int] = {}
+        trace_format = args.trace_format or TraceFormat.AUTO.value
+        selection = trace_selection(args)
         if args.trace == STDIO:
             path = STDIN_NAME
-            try:
-                workload = parse_trace(sys.stdin, path, block_tokens, unknown)
-            except UnicodeDecodeError as err:
-                raise TraceError(path, f"not UTF-8 text ({err.reason})") from None
+            read = parse_trace_lines(sys.stdin, path, trace_format, selection, block_tokens)
         else:
             path = str(args.trace)
-            workload = read_trace(path, block_tokens, unknown)
-        for key, line in unknown.items():
+            read = read_trace_file(path, trace_format, selection, block_tokens)
+        workload = read.requests
+        out = stderr if stderr is not None else sys.stderr
+        for key, line in read.unknown_keys.items():
             print(
                 f"{PROG}: warning: trace {path}: unknown key {json.dumps(key)} (first on line "
                 f"{line}) is ignored; the keys read are {', '.join(TRACE_KEYS)}",
-                file=stderr if stderr is not None else sys.stderr,
+                file=out,
+            )
+        if read.skipped:
+            counts = ", ".join(f"{count} {reason}" for reason, count in read.skipped.items())
+            print(
+                f"{PROG}: note: trace {path}: skipped {sum(read.skipped.values())} of its "
+                f"{read.rows} rows ({counts})",
+                file=out,
             )
         info: dict[str, Any] = {
             "source": "trace",
             "path": path,
+            "format": read.trace_format.value,
             "requests": len(workload),
         }
+        if read.trace_format is not TraceFormat.HELIX:
+            info["rows"] = read.rows
+            info["skipped"] = read.skipped
+        if args.time_scale is not None:
+            info["time_scale"] = selection.time_scale
+        if selection.window_s is not None:
+            info["window_s"] = list(selection.window_s)
+        if selection.limit is not None:
+            info["limit"] = selection.limit
         with_content = sum(1 for request in workload if request.content is not None)
         if with_content:  # only then: the description of a trace without content is unchanged
             info["requests_with_content"] = with_content

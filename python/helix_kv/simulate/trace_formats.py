@@ -291,19 +291,25 @@ def parse_trace_lines(
         all_lines = itertools.chain(head, rest)
         if trace_format is TraceFormat.HELIX:
             return _read_helix(all_lines, path, selection, hash_block_tokens, detected)
-        how = "detected from its first line" if detected else f"as told: {trace_format.value}"
         try:
             rows = _read_rows(all_lines, trace_format, hash_block_tokens)
         except _RowError as err:
-            raise TraceError(
-                path, f"{err.reason} (read as a {trace_format.value} trace, {how})", err.line
-            ) from None
+            where = _format_named(trace_format, len(head) if detected else None)
+            raise TraceError(path, f"{err.reason} ({where})", err.line) from None
     except UnicodeDecodeError as err:
         raise TraceError(path, f"not UTF-8 text ({err.reason})") from None
     if not len(rows):
         raise TraceError(path, f"no requests (a {trace_format.value} trace with no rows)")
     requests, skipped = _select(rows, selection, path)
     return TraceRead(requests, trace_format, detected, len(rows), skipped)
+
+
+def _format_named(trace_format: TraceFormat, detected_on: int | None) -> str:
+    """How a message names the format a trace was read in (``detected_on``: the line it was
+    told from; ``None``: it was given)."""
+    if detected_on is None:
+        return f"format {trace_format.value}, as given"
+    return f"format {trace_format.value}, detected from line {detected_on}"
 
 
 def _first_line(lines: Iterator[str]) -> tuple[list[str], str | None, Iterator[str]]:
@@ -331,10 +337,10 @@ def _read_helix(
         if detected:
             raise
         raise TraceError(
-            path, f"{err.reason} (read as a helix trace, as told: helix)", err.line_number
+            path, f"{err.reason} ({_format_named(TraceFormat.HELIX, None)})", err.line_number
         ) from None
     rows = len(requests)
-    if any(getattr(request, "arrival_ms", None) is None for request in requests):
+    if any(request.arrival_ms is None for request in requests):
         if selection.moves_time:
             raise TraceError(
                 path,
@@ -345,6 +351,7 @@ def _read_helix(
         )
     timed = _Rows()
     for request in requests:
+        assert request.arrival_ms is not None  # every one has it: checked above
         timed.add(request.arrival_ms, request.prompt_len, request.output_len, False)
     chosen, _ = _select(timed, selection, path, keep_ids=requests)
     return TraceRead(chosen, TraceFormat.HELIX, detected, rows, {}, unknown)
@@ -536,11 +543,11 @@ def _read_csv(lines: Iterable[str], trace_format: TraceFormat) -> _Rows:
     missing = [name for name in wanted if name not in names]
     if missing:
         other = detect_format(",".join(names))
-        hint = f"; it looks like a {other.value} trace" if other is not None else ""
+        hint = f"; it looks like format {other.value}" if other is not None else ""
         raise _RowError(
             reader.line_num,
             f"the header lacks the column{'s' if len(missing) > 1 else ''} "
-            f"{', '.join(map(repr, missing))} (it is {_shown(','.join(names))}){hint}",
+            f"{', '.join(map(repr, missing))} (it has {', '.join(map(repr, names))[:120]}){hint}",
         )
     rows = _CsvRows(trace_format, names)
     chunk: list[list[str]] = []
@@ -648,11 +655,9 @@ def _select(
         for at, arrival_ms in zip(kept.tolist(), times):
             request = keep_ids[at]
             moved: dict[str, Any] = {"arrival_ms": arrival_ms}
-            abort_ms = getattr(request, "abort_ms", None)
-            if abort_ms is not None:
-                moved["abort_ms"] = (
-                    arrival_ms + (abort_ms - request.arrival_ms) * selection.time_scale
-                )
+            if request.abort_ms is not None and request.arrival_ms is not None:
+                ahead_ms = request.abort_ms - request.arrival_ms
+                moved["abort_ms"] = arrival_ms + ahead_ms * selection.time_scale
             requests.append(dataclasses.replace(request, **moved))
         return requests, skipped
     ids = np.empty(len(kept), dtype=np.int64)
