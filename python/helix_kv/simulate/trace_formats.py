@@ -103,8 +103,14 @@ BURSTGPT_LOG_TYPE = "Log Type"
 #: The keys of a Mooncake line that are read (others are ignored); ``hash_ids`` is optional.
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 
-#: Keys of the helix format that tell a JSON line is one (with those of main's timed traces).
-_HELIX_MARKS = frozenset(TRACE_KEYS) | {"arrival_ms", "arrival_s", "abort_ms", "abort_s"}
+#: Keys that tell a JSON line is a helix one: its own (``hash_ids`` is Mooncake's too), those
+#: of a timed helix trace included.
+_HELIX_MARKS = (frozenset(TRACE_KEYS) - {"hash_ids"}) | {
+    "arrival_ms",
+    "arrival_s",
+    "abort_ms",
+    "abort_s",
+}
 
 
 @dataclass(frozen=True)
@@ -538,6 +544,8 @@ def _read_csv(lines: Iterable[str], trace_format: TraceFormat) -> _Rows:
     for header in reader:
         if header:
             break
+    else:
+        return _Rows()  # no header: no rows
     names = [name.strip().lstrip("\ufeff") for name in header]
     wanted = AZURE_COLUMNS if trace_format is TraceFormat.AZURE else BURSTGPT_COLUMNS
     missing = [name for name in wanted if name not in names]
@@ -635,7 +643,7 @@ def _select(
         since_s = (arrivals[order] - arrivals[order[0]]) / 1000.0
         order = order[(since_s >= start) & (since_s < end)]
     kept_at = np.flatnonzero(skip[order] == 0)
-    if selection.limit is not None and len(kept_at) > selection.limit:
+    if selection.limit is not None and len(kept_at) >= selection.limit:
         order = order[: kept_at[selection.limit - 1] + 1]  # skips counted up to the last kept
         kept_at = kept_at[: selection.limit]
     reasons = np.bincount(skip[order], minlength=len(SKIP_REASONS) + 1)
