@@ -110,12 +110,10 @@ def load_workload(
                 f"{read.rows} rows ({counts})",
                 file=out,
             )
-        info: dict[str, Any] = {
-            "source": "trace",
-            "path": path,
-            "format": read.trace_format.value,
-            "requests": len(workload),
-        }
+        info: dict[str, Any] = {"source": "trace", "path": path}
+        if read.trace_format is not TraceFormat.HELIX:  # a helix trace's description is as it was
+            info["format"] = read.trace_format.value
+        info["requests"] = len(workload)
         if read.trace_format is not TraceFormat.HELIX:
             info["rows"] = read.rows
             info["skipped"] = read.skipped
