@@ -615,3 +615,10 @@ def test_cli_a_timed_trace_starts_each_request_after_its_arrival(tmp_path: Path)
     assert len(finished) == 4
     for record in finished:  # halved: 0, 5267.5, 13741, 15500 ms
         assert record["first_token_ms"] >= arrived[record["request_id"]] * 0.5
+
+
+def test_cli_a_run_that_cannot_start_has_its_error_alone_not_the_skipped_note() -> None:
+    trace = fixture("azure_2023.csv")  # skips 2 rows; a 418-token request needs a bigger pool
+    line = one_error_line(simulate("--trace", str(trace), "--kv-tokens", "256"))
+    assert line.startswith("helix-kv simulate: error: ")
+    assert "note" not in line

@@ -84,7 +84,8 @@ def load_workload(
     args: argparse.Namespace, stderr: TextIO | None = None
 ) -> tuple[list[RequestSpec], dict[str, Any]]:
     """The workload and its description for the report's ``config.workload``; a trace's keys
-    that the reader ignores and the rows it skipped are named on ``stderr``, once each."""
+    that the reader ignores are named on ``stderr``, once each (the rows it skipped are in the
+    description: :func:`skipped_rows_note`)."""
     if args.trace is not None:
         block_tokens = args.hash_block_tokens or DEFAULT_HASH_BLOCK_TOKENS
         trace_format = args.trace_format or TraceFormat.AUTO.value
@@ -101,13 +102,6 @@ def load_workload(
             print(
                 f"{PROG}: warning: trace {path}: unknown key {json.dumps(key)} (first on line "
                 f"{line}) is ignored; the keys read are {', '.join(TRACE_KEYS)}",
-                file=out,
-            )
-        if read.skipped:
-            counts = ", ".join(f"{count} {reason}" for reason, count in read.skipped.items())
-            print(
-                f"{PROG}: note: trace {path}: skipped {sum(read.skipped.values())} of its "
-                f"{read.rows} rows ({counts})",
                 file=out,
             )
         info: dict[str, Any] = {"source": "trace", "path": path}
@@ -131,6 +125,18 @@ def load_workload(
         return workload, info
     spec = workload_spec(args)
     return synthetic_workload(spec), spec.to_dict()
+
+
+def skipped_rows_note(workload_info: dict[str, Any]) -> str | None:
+    """The note on stderr that a trace's rows were skipped, by reason (``None``: none were)."""
+    skipped: dict[str, int] = workload_info.get("skipped") or {}
+    if not skipped:
+        return None
+    counts = ", ".join(f"{count} {reason}" for reason, count in skipped.items())
+    return (
+        f"{PROG}: note: trace {workload_info['path']}: skipped {sum(skipped.values())} of its "
+        f"{workload_info['rows']} rows ({counts})"
+    )
 
 
 def run_once(
@@ -256,6 +262,9 @@ def run_simulate(
         ProcsUnavailableError,
     ) as err:
         return fail(EXIT_USAGE, str(err), "UsageError")
+    note = skipped_rows_note(workload_info)  # once the run can start: an error stays one line
+    if note is not None:
+        print(note, file=stderr)
 
     show_progress = progress_wanted(args.json, args.progress, stderr)
     results: dict[str, SimulationResult] = {}

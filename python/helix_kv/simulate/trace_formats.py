@@ -65,6 +65,7 @@ from helix_kv.simulate.workload import (
     _integer_list,
     _shown,
     parse_trace,
+    require_keys,
 )
 
 
@@ -579,13 +580,7 @@ def _read_mooncake(lines: Iterable[str], hash_block_tokens: int) -> _Rows:
             continue
         try:
             record = _decode_line(text)
-            missing = [key for key in MOONCAKE_KEYS[:3] if key not in record]
-            if missing:
-                raise ValueError(
-                    "missing key"
-                    + ("s " if len(missing) > 1 else " ")
-                    + ", ".join(map(repr, missing))
-                )
+            require_keys(record, MOONCAKE_KEYS[:3])
             timestamp = record["timestamp"]
             if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)):
                 raise ValueError(f"'timestamp' must be a number of ms, got {_shown(timestamp)}")

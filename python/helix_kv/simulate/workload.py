@@ -623,16 +623,21 @@ def _decode_line(text: str) -> dict[str, Any]:
     return record
 
 
+def require_keys(record: dict[str, Any], keys: Iterable[str]) -> None:
+    """``ValueError`` naming the ``keys`` that ``record`` lacks (none: nothing)."""
+    missing = [key for key in keys if key not in record]
+    if missing:
+        raise ValueError(
+            "missing key" + ("s " if len(missing) > 1 else " ") + ", ".join(map(repr, missing))
+        )
+
+
 def _request_from_record(record: dict[str, Any], hash_block_tokens: int) -> RequestSpec:
     """The request one line's JSON object describes; ``ValueError`` saying what is wrong."""
     required: tuple[str, ...] = TRACE_REQUIRED_KEYS
     if record.get("token_ids") is not None:  # the prompt's length is theirs
         required = tuple(key for key in required if key != "prompt_len")
-    missing = [key for key in required if key not in record]
-    if missing:
-        raise ValueError(
-            "missing key" + ("s " if len(missing) > 1 else " ") + ", ".join(map(repr, missing))
-        )
+    require_keys(record, required)
     priority = record.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ValueError(f"'priority' must be an integer, got {json.dumps(priority)}")
