@@ -34,6 +34,8 @@ SMALL = [
 ]  # fmt: skip
 MODELLED_KEYS = {
     "modelled_time_ms",
+    "queue_ms_p50",
+    "queue_ms_p99",
     "ttft_ms_p50",
     "ttft_ms_p99",
     "tpot_ms_p50",

@@ -188,6 +188,27 @@ def test_helix_traces_read_as_before() -> None:
         parse_trace_lines(lines, "h.jsonl", selection=TraceSelection(time_scale=2.0))
 
 
+def test_a_timed_helix_trace_keeps_its_times_unless_a_time_option_moves_them() -> None:
+    lines = [
+        '{"id": 5, "arrival_ms": 100, "prompt_len": 8, "output_len": 2, "abort_ms": 900}\n',
+        '{"id": 6, "arrival_s": 2.1, "prompt_len": 8, "output_len": 2}\n',
+        '{"id": 7, "arrival_ms": 4100, "prompt_len": 8, "output_len": 2}\n',
+    ]
+    as_written = parse_trace_lines(lines, "h.jsonl").requests
+    assert as_written == workload.parse_trace(lines, "h.jsonl")
+    assert arrivals(as_written) == [100.0, 2100.0, 4100.0]
+    # the window [1, 5) s after the earliest row keeps 6 and 7; 6 is then time 0, scaled by 2
+    selection = TraceSelection(time_scale=2.0, window_s=(1.0, 5.0))
+    moved = parse_trace_lines(lines, "h.jsonl", selection=selection).requests
+    assert [(r.request_id, r.arrival_ms) for r in moved] == [(6, 0.0), (7, 4000.0)]
+    whole = parse_trace_lines(lines, "h.jsonl", selection=TraceSelection(time_scale=0.5))
+    assert [(r.arrival_ms, r.abort_ms) for r in whole.requests] == [
+        (0.0, 400.0),  # the abort keeps its distance after the arrival, scaled
+        (1000.0, None),
+        (2000.0, None),
+    ]
+
+
 # --- detection ---------------------------------------------------------------------------------
 
 
@@ -352,8 +373,8 @@ def test_the_first_bad_row_is_named_across_columns_and_chunks() -> None:
         (
             "mooncake.jsonl",
             "helix",
-            "missing keys 'id', 'arrival_step', 'prompt_len', 'output_len' (format helix, as "
-            "given)",
+            "missing keys 'id', 'arrival_step', 'prompt_len', 'output_len' (the arrival may be "
+            "in time instead: 'arrival_ms' or 'arrival_s') (format helix, as given)",
         ),
         ("mooncake.jsonl", "azure", "the header lacks the columns 'TIMESTAMP'"),
     ],
@@ -492,6 +513,7 @@ def test_cli_reads_an_azure_trace_and_describes_it() -> None:
         "path": str(trace),
         "format": "azure",
         "requests": 4,
+        "arrivals": "ms",
         "rows": 6,
         "skipped": {"zero_response_tokens": 1, "zero_prompt_tokens": 1},
     }
@@ -514,6 +536,7 @@ def test_cli_window_limit_and_time_scale_are_in_the_report() -> None:
         "path": str(trace),
         "format": "burstgpt",
         "requests": 1,
+        "arrivals": "ms",
         "rows": 6,
         "skipped": {},
         "time_scale": 0.25,
@@ -591,16 +614,10 @@ def test_cli_a_time_scale_on_a_trace_of_steps_is_refused(tmp_path: Path) -> None
     )
 
 
-# --- timed runs: these need main's step loop for arrivals in time ------------------------------
-
-needs_timed_step_loop = pytest.mark.skipif(
-    not hasattr(workload, "is_timed"),
-    reason="needs main's arrivals in time (workload.is_timed and the step loop's clock)",
-)
+# --- timed runs ------------------------------------------------------------------------------
 
 
 @needs_scheduler
-@needs_timed_step_loop
 def test_cli_a_timed_trace_starts_each_request_after_its_arrival(tmp_path: Path) -> None:
     events = tmp_path / "events.jsonl"
     trace = fixture("mooncake.jsonl")

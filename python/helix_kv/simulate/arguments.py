@@ -37,6 +37,8 @@ from helix_kv.simulate.timing import DEFAULT_STEP_TIME, PROFILE_KEYS, StepTimeMo
 from helix_kv.simulate.trace_formats import TRACE_FORMATS, TraceSelection
 from helix_kv.simulate.workload import (
     DEFAULT_HASH_BLOCK_TOKENS,
+    MAX_REQUEST_RATE,
+    MAX_THINK_S,
     MAX_THINK_STEPS,
     TRACE_OPTIONAL_KEYS,
     TRACE_REQUIRED_KEYS,
@@ -90,6 +92,8 @@ SYNTHETIC_FLAGS = {
     "shared_prefix_share": "--shared-prefix-share",
     "turns": "--turns",
     "think_steps": "--think-steps",
+    "request_rate": "--request-rate",
+    "think_s": "--think-s",
 }
 
 
@@ -174,6 +178,24 @@ def _think_steps(text: str) -> float:
     if not 0.0 <= value <= MAX_THINK_STEPS:  # also rejects NaN
         raise argparse.ArgumentTypeError(
             f"must be a number of steps in [0, {MAX_THINK_STEPS}], got {text}"
+        )
+    return value
+
+
+def _request_rate(text: str) -> float:
+    value = _number(text)
+    if not 0.0 < value <= MAX_REQUEST_RATE:  # also rejects NaN
+        raise argparse.ArgumentTypeError(
+            f"must be a number of requests per second in (0, {MAX_REQUEST_RATE:g}], got {text}"
+        )
+    return value
+
+
+def _think_s(text: str) -> float:
+    value = _number(text)
+    if not 0.0 <= value <= MAX_THINK_S:  # also rejects NaN
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds in [0, {MAX_THINK_S:g}], got {text}"
         )
     return value
 
@@ -290,7 +312,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "one JSON object per line: "
         f"{', '.join(TRACE_REQUIRED_KEYS)} (required; prompt_len may be left out with "
         f"token_ids) and {', '.join(TRACE_OPTIONAL_KEYS)} (optional; the prompt's content as "
-        "token_ids or hash_ids, not both); other keys are ignored with a warning",
+        "token_ids or hash_ids, not both); or arrivals in time: arrival_ms or arrival_s "
+        "instead of arrival_step (abort_ms or abort_s instead of abort_step), run on the "
+        "modelled clock of --step-time (default: the default model); other keys are ignored "
+        "with a warning",
     )
     _integer_flag(
         group,
@@ -312,6 +337,14 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="RATE",
         help="mean arrivals per step (Poisson); 0 puts every request at step 0 "
         f"(default {workload.arrival_rate})",
+    )
+    group.add_argument(
+        "--request-rate",
+        type=_request_rate,
+        metavar="PER_S",
+        help="arrivals in time instead: mean requests per second of modelled time (Poisson), "
+        "run on the modelled clock of --step-time (default: the default model); with --turns "
+        "the rate of new conversations",
     )
     _integer_flag(
         group,
@@ -391,6 +424,13 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="STEPS",
         help="mean of the exponential gap between a turn's earliest finish and the next "
         f"turn's arrival (default {workload.think_steps:g}; needs --turns)",
+    )
+    group.add_argument(
+        "--think-s",
+        type=_think_s,
+        metavar="SECONDS",
+        help="with --request-rate: mean of the exponential gap between a turn's arrival and "
+        f"the next turn's, in modelled seconds (default {workload.think_s:g}; needs --turns)",
     )
 
     group = parser.add_argument_group("run and output")
@@ -519,6 +559,19 @@ def check_combinations(args: argparse.Namespace) -> None:
         )
     if args.think_steps is not None and (args.turns or 1) < 2:
         raise UsageError("--think-steps is the gap between turns; give --turns 2 or more")
+    if args.request_rate is not None and args.arrival_rate is not None:
+        raise UsageError(
+            "--arrival-rate (per step) and --request-rate (per second) each give the arrival "
+            "rate; give one"
+        )
+    if args.request_rate is not None and args.think_steps is not None:
+        raise UsageError(
+            "--think-steps is a gap in steps; with --request-rate (arrivals in time) give --think-s"
+        )
+    if args.think_s is not None and (args.request_rate is None or (args.turns or 1) < 2):
+        raise UsageError(
+            "--think-s is the gap between turns in time; give --request-rate and --turns 2 or more"
+        )
     if args.procs and args.cp > MAX_PROCS_CP:
         raise UsageError(
             f"--cp {args.cp} with --procs starts {args.cp} processes, each loading torch; "
@@ -648,6 +701,8 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
         shared_prefix_share=pick(args.shared_prefix_share, defaults.shared_prefix_share),
         turns=pick(args.turns, defaults.turns),
         think_steps=pick(args.think_steps, defaults.think_steps),
+        request_rate=args.request_rate,
+        think_s=pick(args.think_s, defaults.think_s),
     )
     try:
         spec.validate()

@@ -57,12 +57,14 @@ from helix_kv.simulate.report import (
     to_json,
 )
 from helix_kv.simulate.step_loop import SimulationResult, outputs_match
+from helix_kv.simulate.timing import DEFAULT_STEP_TIME
 from helix_kv.simulate.trace_formats import TraceFormat, parse_trace_lines, read_trace_file
 from helix_kv.simulate.workload import (
     DEFAULT_HASH_BLOCK_TOKENS,
     TRACE_KEYS,
     HashBlocks,
     RequestSpec,
+    is_timed,
     synthetic_workload,
 )
 
@@ -108,6 +110,8 @@ def load_workload(
         if read.trace_format is not TraceFormat.HELIX:  # a helix trace's description is as it was
             info["format"] = read.trace_format.value
         info["requests"] = len(workload)
+        if is_timed(workload):  # only then: the description of a step trace is unchanged
+            info["arrivals"] = "ms"
         if read.trace_format is not TraceFormat.HELIX:
             info["rows"] = read.rows
             info["skipped"] = read.skipped
@@ -245,6 +249,9 @@ def run_simulate(
     try:
         options = simulation_options(args)
         workload, workload_info = load_workload(args, stderr)
+        if is_timed(workload) and options.step_time is None:
+            # arrivals in time need a modelled clock: the default model, shown in the report
+            options = dataclasses.replace(options, step_time=DEFAULT_STEP_TIME)
         check_config(options)
         if args.plot is not None:
             check_plot_target(args.plot)

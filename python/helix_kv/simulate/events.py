@@ -148,7 +148,8 @@ class RequestEvent:
     """It generated exactly the tokens it would have without any preemption (an aborted
     request: exactly their start)."""
     arrival_ms: float | None = None
-    """Modelled time of its arrival: the start of its arrival clock step."""
+    """Modelled time of its arrival: the start of its arrival clock step (a timed workload:
+    its ``arrival_ms`` itself, which may fall inside a step: it waits for the next one)."""
     first_token_ms: float | None = None
     """Modelled time its first token was sampled: the end of that step."""
     finish_ms: float | None = None

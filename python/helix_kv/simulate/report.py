@@ -57,18 +57,29 @@ def tpot_steps(outcome: RequestOutcome) -> float | None:
     return (outcome.finish_step - outcome.first_token_step) / (outcome.generated_tokens - 1)
 
 
+def queue_ms(outcome: RequestOutcome) -> float | None:
+    """Modelled queueing: from its arrival to the start of the first step that scheduled it
+    (``None`` if none did, or without a step-time model)."""
+    if outcome.first_scheduled_ms is None or outcome.arrival_ms is None:
+        return None
+    return outcome.first_scheduled_ms - outcome.arrival_ms
+
+
 def modelled_figures(result: SimulationResult) -> Summary:
     """The latencies in modelled milliseconds, over the requests that finished (empty without
-    a step-time model): TTFT and TPOT p50/p99 in ms, TPOT in steps too (TTFT in steps is
-    ``first_token_steps``), and the modelled length of the run."""
+    a step-time model): queueing, TTFT and TPOT p50/p99 in ms, TPOT in steps too (TTFT in
+    steps is ``first_token_steps``), and the modelled length of the run."""
     if result.modelled_time_ms is None:
         return {}
     completed = [o for o in result.outcomes if not o.aborted]
     ttft = [t for t in map(ttft_ms, completed) if t is not None]
     tpot = [t for t in map(tpot_ms, completed) if t is not None]
     tpot_in_steps = [t for t in map(tpot_steps, completed) if t is not None]
+    queued = [t for t in map(queue_ms, completed) if t is not None]
     return {
         "modelled_time_ms": result.modelled_time_ms,
+        "queue_ms_p50": _percentile_float(queued, 50),
+        "queue_ms_p99": _percentile_float(queued, 99),
         "ttft_ms_p50": _percentile_float(ttft, 50),
         "ttft_ms_p99": _percentile_float(ttft, 99),
         "tpot_ms_p50": _percentile_float(tpot, 50),
@@ -316,6 +327,10 @@ def _steps(value: float | None) -> str:
 MODELLED_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     ("modelled run time", lambda s: f"{s['modelled_time_ms'] / 1000.0:.2f} s"),
     (
+        "queue p50 / p99 (modelled)",
+        lambda s: f"{_ms(s['queue_ms_p50'])} / {_ms(s['queue_ms_p99'])} ms",
+    ),
+    (
         "TTFT p50 / p99 (modelled)",
         lambda s: f"{_ms(s['ttft_ms_p50'])} / {_ms(s['ttft_ms_p99'])} ms",
     ),
@@ -490,6 +505,8 @@ def describe_config(config: Mapping[str, Any], *, include_policy: bool = True) -
     source = config.get("workload", {})
     if source.get("source") == "trace":
         parts.append(f"trace={source.get('path')}")
+        if source.get("arrivals") == "ms":
+            parts.append("arrivals in ms")
     else:
         described = f"requests={source.get('requests', '?')} seed={source.get('seed', '?')}"
         if source.get("shared_prefix_len"):
@@ -497,6 +514,8 @@ def describe_config(config: Mapping[str, Any], *, include_policy: bool = True) -
             described += f" shared_prefix={source['shared_prefix_len']} share={share:g}"
         if source.get("turns", 1) > 1:
             described += f" turns={source['turns']}"
+        if source.get("request_rate") is not None:
+            described += f" request_rate={source['request_rate']:g}/s"
         parts.append(described)
     return ", ".join(parts)
 

@@ -8,7 +8,11 @@ step:
 
 1. requests whose ``arrival_step`` has come are added (on every rank, in queue order);
    then live requests whose ``abort_step`` has come are aborted (one ``abort_many`` on
-   every rank, in queue order); when nothing is live the clock jumps to the next arrival;
+   every rank, in queue order); when nothing is live the clock jumps to the next arrival
+   (a timed workload: its ``arrival_ms`` and ``abort_ms`` against the modelled clock at the
+   step's start, which a step-time model advances by every step's modelled duration and an
+   idle group moves to the next arrival; every rank computes the same clock from the same
+   schedules, so it is rank-invariant like the step count);
 2. ``schedule()`` on every rank; the group checks that the ranks agree;
 3. one deterministic token per ``sample_ids`` entry (see :mod:`.tokens`) goes to ``update``;
 4. finished requests have their metrics read and their output checked against the output
@@ -56,7 +60,7 @@ from helix_kv.simulate.drafts import DraftModel, verify
 from helix_kv.simulate.events import EventSink, RequestEvent, StepEvent
 from helix_kv.simulate.timing import StepTimeModel, kv_tokens_read
 from helix_kv.simulate.tokens import expected_output, sampled_tokens
-from helix_kv.simulate.workload import RequestSpec
+from helix_kv.simulate.workload import RequestSpec, is_timed
 from helix_kv.step_driver import StepDriver
 from helix_kv.types import FinishReason
 
@@ -102,6 +106,9 @@ class RequestOutcome:
     arrival_ms: float | None = None
     first_token_ms: float | None = None
     finish_ms: float | None = None
+    #: The start of the first step that scheduled it (its first prompt chunk); ``None`` if
+    #: none did (aborted while waiting) or without a model.
+    first_scheduled_ms: float | None = None
 
     @property
     def aborted(self) -> bool:
@@ -256,8 +263,13 @@ class _StepLoop:
         self.workload = workload
         self.by_id = {request.request_id: request for request in workload}
         self.generated: dict[int, int] = {}
-        #: Live requests that will be aborted, in queue order, with their abort step.
-        self.abort_steps: dict[int, int] = {}
+        #: The workload arrives in modelled time (``arrival_ms``), not at steps.
+        self.timed = is_timed(workload)
+        #: Live requests that will be aborted, in queue order, with their abort step (timed:
+        #: their abort time in ms).
+        self.abort_at: dict[int, float] = {}
+        #: Timed: the clock step at which each live request was added.
+        self.added_step: dict[int, int] = {}
         self.first_token_step: dict[int, int] = {}
         self.outcomes: list[RequestOutcome] = []
         self.series = StepSeries()
@@ -269,8 +281,12 @@ class _StepLoop:
         self.cp_size = cp_size
         #: Modelled time at the start of the current clock step (stays 0 without a model).
         self.now_ms = 0.0
+        #: The start of the last step scheduled, in modelled ms.
+        self.step_start_ms = 0.0
         self.arrival_ms: dict[int, float] = {}
         self.first_token_ms: dict[int, float] = {}
+        #: The start of the first step that scheduled each live request (its first chunk).
+        self.first_scheduled_ms: dict[int, float] = {}
         #: For the events only: requests suspended now, and aborts since the last step.
         self.suspended: set[int] = set()
         self.aborted_since_step = 0
@@ -286,9 +302,8 @@ class _StepLoop:
     def admit_arrivals(self) -> bool:
         """Add the requests that have arrived; jump over idle time. False when all is done."""
         while True:
-            while (
-                self.next_arrival < len(self.workload)
-                and self.workload[self.next_arrival].arrival_step <= self.clock
+            while self.next_arrival < len(self.workload) and self.arrived(
+                self.workload[self.next_arrival]
             ):
                 request = self.workload[self.next_arrival]
                 self.group.add_request(
@@ -299,10 +314,14 @@ class _StepLoop:
                     cache_salt=request.cache_salt,
                 )
                 self.generated[request.request_id] = 0
-                if self.step_time is not None:
+                if request.arrival_ms is not None:  # timed: it waited since then
+                    self.arrival_ms[request.request_id] = request.arrival_ms
+                    self.added_step[request.request_id] = self.clock
+                elif self.step_time is not None:
                     self.arrival_ms[request.request_id] = self.now_ms
-                if request.abort_step is not None:
-                    self.abort_steps[request.request_id] = request.abort_step
+                abort_at = request.abort_step if request.abort_ms is None else request.abort_ms
+                if abort_at is not None:
+                    self.abort_at[request.request_id] = abort_at
                 self.next_arrival += 1
             if not self.overlap:
                 self.apply_aborts()
@@ -310,14 +329,32 @@ class _StepLoop:
                 return True
             if self.next_arrival >= len(self.workload):
                 return False
-            idle_steps = self.workload[self.next_arrival].arrival_step - self.clock
+            upcoming = self.workload[self.next_arrival]
+            if upcoming.arrival_ms is not None:  # idle: the modelled clock jumps ahead
+                self.now_ms = max(self.now_ms, upcoming.arrival_ms)
+                continue
+            idle_steps = upcoming.arrival_step - self.clock
             if self.step_time is not None:
                 self.now_ms += idle_steps * self.step_time.idle_step_ms
             self.clock += idle_steps  # idle: jump ahead
 
+    def arrived(self, request: RequestSpec) -> bool:
+        """Whether ``request`` has arrived by the start of the current clock step."""
+        if request.arrival_ms is not None:
+            return request.arrival_ms <= self.now_ms
+        return request.arrival_step <= self.clock
+
     def apply_aborts(self) -> None:
-        """Abort the live requests whose abort step has come (one call, queue order)."""
-        due = [rid for rid, step in self.abort_steps.items() if step <= self.clock]
+        """Abort the live requests whose abort step (timed: time) has come (one call, queue
+        order)."""
+        # one step ahead, they are applied after the step of this clock step was scheduled:
+        # due by its start, as in the plain loop
+        now = (
+            (self.step_start_ms if self.driver.pending else self.now_ms)
+            if self.timed
+            else self.clock
+        )
+        due = [rid for rid, at in self.abort_at.items() if at <= now]
         if not due:
             return
         self.group.abort_many(np.asarray(due, dtype=np.int64))
@@ -325,7 +362,7 @@ class _StepLoop:
         if self.driver.pending:
             # one step ahead: they finish when the pending step closes (update's ids)
             for request_id in due:
-                del self.abort_steps[request_id]
+                del self.abort_at[request_id]
             self.aborting.update(due)
             return
         for request_id in due:
@@ -358,12 +395,14 @@ class _StepLoop:
         series.preempted.append(len(output.preempted_ids))
         series.sat_out.append(len(output.sat_out_ids))
         series.num_tokens.append(int(output.num_tokens))
-        start_ms = self.now_ms
+        start_ms = self.step_start_ms = self.now_ms
         kv_read = 0
         if self.step_time is not None or self.events is not None:
             kv_read = kv_tokens_read(output)
         if self.step_time is not None:
             self.now_ms += self.step_time.step_ms(int(output.num_tokens), kv_read, self.cp_size)
+            for request_id in np.asarray(output.context_ids).tolist():
+                self.first_scheduled_ms.setdefault(request_id, start_ms)
 
         sample_ids = np.asarray(output.sample_ids, dtype=np.int64)
         accepted: np.ndarray | None = None
@@ -461,7 +500,7 @@ class _StepLoop:
         self.outcomes.append(
             RequestOutcome(
                 request_id=request_id,
-                arrival_step=request.arrival_step,
+                arrival_step=self.added_step.pop(request_id, request.arrival_step),
                 first_token_step=self.first_token_step.get(request_id),
                 finish_step=self.clock,
                 generated_tokens=int(request_metrics.generated_tokens),
@@ -474,12 +513,13 @@ class _StepLoop:
             )
         )
         del self.generated[request_id]
-        self.abort_steps.pop(request_id, None)
+        self.abort_at.pop(request_id, None)
         self.aborting.discard(request_id)
         if self.step_time is not None:
             outcome = self.outcomes[-1]
             outcome.arrival_ms = self.arrival_ms.pop(request_id)
             outcome.first_token_ms = self.first_token_ms.pop(request_id, None)
+            outcome.first_scheduled_ms = self.first_scheduled_ms.pop(request_id, None)
             outcome.finish_ms = self.now_ms  # the end of its last step, or its abort
         if self.events is not None:
             self.suspended.discard(request_id)
@@ -586,6 +626,13 @@ def run_simulation(
     when ``should_stop()``, asked before every step, says so: a step is never cut in half.
     Other scheduler errors (deadlock, preemption disabled) propagate.
 
+    A timed workload (its requests carry ``arrival_ms``, see
+    :func:`~helix_kv.simulate.workload.is_timed`) is run on the modelled clock: each request is
+    added at the first step that starts at or after its arrival, an idle group jumps to the
+    next arrival, and its ``arrival_ms`` (not the step that added it) is its outcome's; it
+    needs ``step_time`` (else :class:`SimulationSetupError`). Its outcomes' ``arrival_step`` is
+    the clock step that added it.
+
     ``events``: an :class:`~helix_kv.simulate.events.EventSink` called after every step and
     for every request outcome. ``step_time``: a
     :class:`~helix_kv.simulate.timing.StepTimeModel`; its per-KV-token term divides by
@@ -596,6 +643,15 @@ def run_simulation(
     speculative decoding with this draft model (the group's ``num_speculative_tokens`` must
     be at least its ``num_tokens``, else :class:`SimulationSetupError`).
     """
+    try:
+        timed = is_timed(workload)
+    except ValueError as err:
+        raise SimulationSetupError(f"run_simulation: {err}") from None
+    if timed and step_time is None:
+        raise SimulationSetupError(
+            "run_simulation: the workload arrives in time (arrival_ms); its clock needs a "
+            "step-time model: pass step_time= (e.g. timing.DEFAULT_STEP_TIME)"
+        )
     if cp_size is None and config is not None and "cp" in config:
         cp_size = int(config["cp"])
     if step_time is not None and (cp_size is None or cp_size < 1):

@@ -32,7 +32,9 @@ their file order), ``window_s`` keeps the rows whose arrival, in seconds after t
 earliest row, is in ``[start, end)``, the skipped rows are left out, ``limit`` keeps the first
 requests, and each kept request's ``arrival_ms`` is its time after the first kept one
 multiplied by ``time_scale`` (below 1 replays faster). The public formats have no ids: the
-kept requests are numbered 0, 1, ... in file order.
+kept requests are numbered 0, 1, ... in file order. A helix trace keeps its ids, and its times
+(``arrival_ms``) stand as written unless ``time_scale`` or ``window_s`` is given; one of
+arrival steps takes neither.
 """
 
 from __future__ import annotations
@@ -353,6 +355,10 @@ def _read_helix(
                 path,
                 "its requests arrive at steps, not times: a time scale or window does not apply",
             )
+        return TraceRead(
+            requests[: selection.limit], TraceFormat.HELIX, detected, rows, {}, unknown
+        )
+    if not selection.moves_time:  # a timed helix trace's times stand as written
         return TraceRead(
             requests[: selection.limit], TraceFormat.HELIX, detected, rows, {}, unknown
         )

@@ -17,7 +17,7 @@ import dataclasses
 import enum
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +39,18 @@ MAX_REQUEST_ID = 2**64 - 1
 #: The keys of one trace line; ``priority`` (default 0), ``abort_step`` (default: never
 #: aborted) and the prompt's content, ``token_ids`` or ``hash_ids`` (default: a prompt of its
 #: own), are optional, other keys are ignored (:func:`parse_trace` reports them). With
-#: ``token_ids``, ``prompt_len`` may be left out (it is their number).
+#: ``token_ids``, ``prompt_len`` may be left out (it is their number). ``arrival_step`` may be
+#: given in time instead, as one of :data:`TRACE_TIME_KEYS` (``arrival_ms`` or ``arrival_s``,
+#: with ``abort_ms`` or ``abort_s``): the trace is then *timed* (every line in time).
 TRACE_REQUIRED_KEYS = ("id", "arrival_step", "prompt_len", "output_len")
 TRACE_OPTIONAL_KEYS = ("priority", "abort_step", "token_ids", "hash_ids")
-TRACE_KEYS = TRACE_REQUIRED_KEYS + TRACE_OPTIONAL_KEYS
+#: A timed trace line's arrival (one of the first two) and abort (one of the last two).
+TRACE_TIME_KEYS = ("arrival_ms", "arrival_s", "abort_ms", "abort_s")
+TRACE_KEYS = TRACE_REQUIRED_KEYS + TRACE_OPTIONAL_KEYS + TRACE_TIME_KEYS
+
+#: Latest arrival a timed trace may name, in ms (about 31,700 years: far past any trace, and
+#: modelled times stay exact to well under a microsecond).
+MAX_ARRIVAL_MS = 1e15
 
 #: Longest prompt or output of a request, in tokens, that the simulator takes (synthetic or
 #: from a trace: a trace line over it is refused). Also ``simulate.options.MAX_REQUEST_TOKENS``.
@@ -243,7 +251,11 @@ class RequestSpec:
     abort_step: int | None = None
     content: PromptContent | None = None
     arrival_ms: float | None = None
+    """A timed request's arrival in modelled ms (``arrival_step`` is then 0 and unused): it is
+    added at the first step that starts at or after it (see :func:`is_timed`)."""
     abort_ms: float | None = None
+    """A timed request's abort (``>= arrival_ms``; ``None``: never): the client aborts it
+    before the first step that starts at or after this time."""
 
     def __post_init__(self) -> None:
         if self.content is not None and len(self.content) != self.prompt_len:
@@ -251,6 +263,30 @@ class RequestSpec:
                 f"request {self.request_id}: its content has {len(self.content)} tokens, "
                 f"its prompt_len is {self.prompt_len}"
             )
+        if self.arrival_ms is None:
+            if self.abort_ms is not None:
+                raise ValueError(f"request {self.request_id}: abort_ms needs an arrival_ms")
+            return
+        if not 0.0 <= self.arrival_ms <= MAX_ARRIVAL_MS:  # also rejects NaN
+            raise ValueError(
+                f"request {self.request_id}: arrival_ms must be in [0, {MAX_ARRIVAL_MS:g}], "
+                f"got {self.arrival_ms}"
+            )
+        if self.arrival_step != 0 or self.abort_step is not None:
+            raise ValueError(
+                f"request {self.request_id}: a timed request (arrival_ms) has no arrival_step "
+                "or abort_step"
+            )
+        if self.abort_ms is not None and not self.arrival_ms <= self.abort_ms <= MAX_ARRIVAL_MS:
+            raise ValueError(
+                f"request {self.request_id}: abort_ms ({self.abort_ms}) must be in "
+                f"[arrival_ms ({self.arrival_ms}), {MAX_ARRIVAL_MS:g}]"
+            )
+
+    @property
+    def timed(self) -> bool:
+        """Whether it arrives in modelled time (``arrival_ms``) rather than at a step."""
+        return self.arrival_ms is not None
 
     @property
     def total_len(self) -> int:
@@ -275,6 +311,23 @@ class RequestSpec:
         return OWN_PROMPT_SALT + self.request_id.to_bytes(8, "little")
 
 
+def is_timed(workload: Sequence[RequestSpec]) -> bool:
+    """Whether ``workload`` arrives in time (every request has ``arrival_ms``) rather than at
+    steps (none has); a mix raises ``ValueError`` naming the first request of the other
+    kind. An empty workload is not timed."""
+    if not workload:
+        return False
+    timed = workload[0].timed
+    for request in workload:
+        if request.timed != timed:
+            kind = "arrival_ms" if request.timed else "arrival_step"
+            raise ValueError(
+                f"request {request.request_id} arrives by {kind}, request "
+                f"{workload[0].request_id} does not: a workload arrives in steps or in time"
+            )
+    return timed
+
+
 class LengthDistribution(str, enum.Enum):
     """How synthetic prompt and output lengths are drawn around their mean."""
 
@@ -292,6 +345,12 @@ LOGNORMAL_SIGMA = 0.6
 DEFAULT_THINK_STEPS = 16.0
 #: Longest mean think gap: arrival steps must stay well within int64.
 MAX_THINK_STEPS = 1_000_000_000
+#: Mean think gap between a conversation's turns in a timed workload (``request_rate``), in s.
+DEFAULT_THINK_S = 10.0
+#: Longest mean think gap in a timed workload, in s (a day).
+MAX_THINK_S = 86_400.0
+#: Highest ``request_rate`` (requests per modelled second).
+MAX_REQUEST_RATE = 1e6
 #: The id of the synthetic shared system prompt.
 SHARED_PREFIX_ID = 0
 
@@ -317,6 +376,15 @@ class WorkloadSpec:
     ``output_len`` steps after turn t-1 (the earliest it could have finished) plus a think gap
     drawn from an exponential of mean ``think_steps`` (rounded down). A conversation's turns
     share its system prompt or none. Ids are then given in arrival order.
+
+    In time (``request_rate`` given, in requests per modelled second; ``arrival_rate`` is then
+    unused): arrivals are a Poisson process in modelled time, each request's ``arrival_ms``
+    set (the workload is timed, see :func:`is_timed`), and an abort lands at
+    ``arrival_ms + offset * 1000 / request_rate`` for an offset drawn as above (so an abort
+    comes within about ``output_len`` mean inter-arrival gaps). With turns, turn t arrives a
+    think gap (exponential, mean ``think_s`` seconds) after turn t-1's arrival, whether or not
+    turn t-1 has finished by then in the run; ``request_rate`` is then the rate of new
+    conversations.
     """
 
     num_requests: int = 96
@@ -333,6 +401,13 @@ class WorkloadSpec:
     shared_prefix_share: float = 1.0
     turns: int = 1
     think_steps: float = DEFAULT_THINK_STEPS
+    request_rate: float | None = None
+    think_s: float = DEFAULT_THINK_S
+
+    @property
+    def timed(self) -> bool:
+        """Whether its requests arrive in modelled time (``request_rate`` given)."""
+        return self.request_rate is not None
 
     @property
     def shares_content(self) -> bool:
@@ -372,6 +447,13 @@ class WorkloadSpec:
             raise ValueError(
                 f"think steps must be in [0, {MAX_THINK_STEPS}], got {self.think_steps}"
             )
+        if self.request_rate is not None and not 0.0 < self.request_rate <= MAX_REQUEST_RATE:
+            raise ValueError(
+                f"request rate must be in (0, {MAX_REQUEST_RATE:g}] requests per second, got "
+                f"{self.request_rate}"
+            )
+        if not 0.0 <= self.think_s <= MAX_THINK_S:
+            raise ValueError(f"think seconds must be in [0, {MAX_THINK_S:g}], got {self.think_s}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (for the report's resolved configuration)."""
@@ -379,7 +461,11 @@ class WorkloadSpec:
             "source": "synthetic",
             "requests": self.num_requests,
             "seed": self.seed,
-            "arrival_rate": self.arrival_rate,
+            **(
+                {"request_rate": self.request_rate}
+                if self.request_rate is not None
+                else {"arrival_rate": self.arrival_rate}
+            ),
             "prompt_len_mean": self.prompt_len_mean,
             "prompt_len_max": self.prompt_len_max,
             "output_len_mean": self.output_len_mean,
@@ -396,8 +482,16 @@ class WorkloadSpec:
                 if self.shared_prefix_len
                 else {}
             ),
-            **({"turns": self.turns, "think_steps": self.think_steps} if self.turns > 1 else {}),
+            **({"turns": self.turns, self._think_key: self._think_value} if self.turns > 1 else {}),
         }
+
+    @property
+    def _think_key(self) -> str:
+        return "think_s" if self.timed else "think_steps"
+
+    @property
+    def _think_value(self) -> float:
+        return self.think_s if self.timed else self.think_steps
 
 
 def _draw_lengths(
@@ -438,6 +532,8 @@ def synthetic_workload(spec: WorkloadSpec) -> list[RequestSpec]:
     count = spec.num_requests
     turns = min(spec.turns, count)
     conversations = -(-count // turns)
+    if spec.request_rate is not None:
+        return _timed_workload(spec, streams, count, turns, conversations)
     starts = _draw_arrivals(arrival_rng, conversations, spec.arrival_rate)
     prompts = _draw_lengths(
         prompt_rng, count, spec.prompt_len_mean, spec.prompt_len_max, spec.length_distribution
@@ -473,6 +569,68 @@ def synthetic_workload(spec: WorkloadSpec) -> list[RequestSpec]:
                 priority=int(priorities[g]),
                 abort_step=int(arrivals[g] + abort_offsets[g]) if aborted[g] else None,
                 content=content,
+            )
+        )
+    return requests
+
+
+def _timed_workload(
+    spec: WorkloadSpec,
+    streams: list[np.random.Generator],
+    count: int,
+    turns: int,
+    conversations: int,
+) -> list[RequestSpec]:
+    """:func:`synthetic_workload` in time: the same draws (lengths, priorities, aborts,
+    sharing) from the same streams, arrivals a Poisson process of ``request_rate`` per second
+    and think gaps of ``think_s`` seconds, in ms."""
+    assert spec.request_rate is not None
+    arrival_rng, prompt_rng, output_rng, priority_rng, abort_rng, share_rng, think_rng = streams
+    gap_ms = 1000.0 / spec.request_rate
+    gaps = arrival_rng.exponential(gap_ms, size=conversations)
+    gaps[0] = 0.0  # the first request opens the run
+    starts = np.cumsum(gaps)
+    prompts = _draw_lengths(
+        prompt_rng, count, spec.prompt_len_mean, spec.prompt_len_max, spec.length_distribution
+    )
+    outputs = _draw_lengths(
+        output_rng, count, spec.output_len_mean, spec.output_len_max, spec.length_distribution
+    )
+    priorities = priority_rng.integers(0, spec.priority_levels, size=count)
+    aborted = abort_rng.random(count) < spec.abort_rate
+    abort_offsets = np.floor(abort_rng.random(count) * outputs) * gap_ms
+    conversation, turn = np.divmod(np.arange(count, dtype=np.int64), turns)
+    arrivals = starts[conversation]
+    if turn.any():
+        think = think_rng.exponential(spec.think_s * 1000.0, size=count)
+        think[turn == 0] = 0.0
+        offsets = np.cumsum(think)
+        first = np.flatnonzero(turn == 0)
+        arrivals = arrivals + offsets - offsets[first][conversation]
+    arrivals = np.minimum(arrivals, MAX_ARRIVAL_MS)
+    shares = np.zeros(conversations, dtype=bool)
+    if spec.shared_prefix_len:
+        shares = share_rng.random(conversations) < spec.shared_prefix_share
+    order = np.argsort(arrivals, kind="stable")
+    ids = np.empty(count, dtype=np.int64)
+    ids[order] = np.arange(count, dtype=np.int64)
+    contents = _contents(spec, ids, turn, conversation, shares, prompts, outputs)
+    requests = []
+    for g in order.tolist():
+        content = contents[g]
+        arrival = float(arrivals[g])
+        requests.append(
+            RequestSpec(
+                request_id=int(ids[g]),
+                arrival_step=0,
+                prompt_len=int(prompts[g]) if content is None else len(content),
+                output_len=int(outputs[g]),
+                priority=int(priorities[g]),
+                content=content,
+                arrival_ms=arrival,
+                abort_ms=min(arrival + float(abort_offsets[g]), MAX_ARRIVAL_MS)
+                if aborted[g]
+                else None,
             )
         )
     return requests
@@ -637,20 +795,42 @@ def _request_from_record(record: dict[str, Any], hash_block_tokens: int) -> Requ
     required: tuple[str, ...] = TRACE_REQUIRED_KEYS
     if record.get("token_ids") is not None:  # the prompt's length is theirs
         required = tuple(key for key in required if key != "prompt_len")
-    require_keys(record, required)
+    timed = any(key in record for key in _TIMED_ARRIVAL_KEYS)
+    if timed:  # the arrival is in time
+        required = tuple(key for key in required if key != "arrival_step")
+    missing = [key for key in required if key not in record]
+    if missing:
+        message = (
+            "missing key" + ("s " if len(missing) > 1 else " ") + ", ".join(map(repr, missing))
+        )
+        if "arrival_step" in missing:
+            message += " (the arrival may be in time instead: 'arrival_ms' or 'arrival_s')"
+        raise ValueError(message)
     priority = record.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ValueError(f"'priority' must be an integer, got {json.dumps(priority)}")
     if not -(2**31) <= priority < 2**31:
         raise ValueError(f"'priority' must fit in 32 bits, got {priority}")
-    arrival_step = _int_field(record, "arrival_step", 0, MAX_STEP)
-    abort_step = record.get("abort_step")
-    if abort_step is not None:
-        abort_step = _int_field(record, "abort_step", 0, MAX_STEP)
-        if abort_step < arrival_step:
-            raise ValueError(
-                f"'abort_step' ({abort_step}) must be >= 'arrival_step' ({arrival_step})"
-            )
+    arrival_step = 0
+    abort_step = None
+    arrival_ms = abort_ms = None
+    if timed:
+        arrival_ms, abort_ms = _timed_arrival(record)
+    else:
+        arrival_step = _int_field(record, "arrival_step", 0, MAX_STEP)
+        for key in ("abort_ms", "abort_s"):
+            if record.get(key) is not None:
+                raise ValueError(
+                    f"{key!r} is a timed line's abort; this line arrives by 'arrival_step' "
+                    "(give 'abort_step', or the arrival as 'arrival_ms' or 'arrival_s')"
+                )
+        abort_step = record.get("abort_step")
+        if abort_step is not None:
+            abort_step = _int_field(record, "abort_step", 0, MAX_STEP)
+            if abort_step < arrival_step:
+                raise ValueError(
+                    f"'abort_step' ({abort_step}) must be >= 'arrival_step' ({arrival_step})"
+                )
     request_id = _int_field(record, "id", 0, MAX_REQUEST_ID)
     prompt_len, content = _prompt_content(record, hash_block_tokens)
     return RequestSpec(
@@ -661,7 +841,54 @@ def _request_from_record(record: dict[str, Any], hash_block_tokens: int) -> Requ
         priority=priority,
         abort_step=abort_step,
         content=content,
+        arrival_ms=arrival_ms,
+        abort_ms=abort_ms,
     )
+
+
+#: The keys of a timed line's arrival, and the ms in one of their unit.
+_TIMED_ARRIVAL_KEYS = {"arrival_ms": 1.0, "arrival_s": 1000.0}
+_TIMED_ABORT_KEYS = {"abort_ms": 1.0, "abort_s": 1000.0}
+
+
+def _time_field(record: dict[str, Any], units: dict[str, float], what: str) -> float | None:
+    """The one key of ``units`` that ``record`` gives (``None``: neither, or null), in ms: a
+    finite number >= 0 that is at most :data:`MAX_ARRIVAL_MS` in ms."""
+    given = [key for key in units if record.get(key) is not None]
+    if len(given) > 1:
+        raise ValueError(f"give the {what} as {' or as '.join(map(repr, given))}, not both")
+    if not given:
+        return None
+    (key,) = given
+    value = record[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key!r} must be a number, got {_shown(value)}")
+    limit = MAX_ARRIVAL_MS / units[key]
+    if not 0 <= value <= limit:  # also rejects NaN and infinities
+        raise ValueError(f"{key!r} must be a number in [0, {limit:g}], got {_shown(value)}")
+    return float(value) * units[key]
+
+
+def _timed_arrival(record: dict[str, Any]) -> tuple[float, float | None]:
+    """A timed line's arrival and abort, in ms."""
+    if record.get("arrival_step") is not None:
+        raise ValueError(
+            "give the arrival as 'arrival_step' or in time ('arrival_ms' or 'arrival_s'), not both"
+        )
+    if record.get("abort_step") is not None:
+        raise ValueError(
+            "'abort_step' is a step line's abort; this line arrives in time (give 'abort_ms' "
+            "or 'abort_s')"
+        )
+    arrival_ms = _time_field(record, _TIMED_ARRIVAL_KEYS, "arrival")
+    if arrival_ms is None:  # every arrival key null
+        raise ValueError("'arrival_ms' must be a number, got null")
+    abort_ms = _time_field(record, _TIMED_ABORT_KEYS, "abort")
+    if abort_ms is not None and abort_ms < arrival_ms:
+        raise ValueError(
+            f"the abort ({abort_ms:g} ms) must be at or after the arrival ({arrival_ms:g} ms)"
+        )
+    return arrival_ms, abort_ms
 
 
 def parse_trace(
@@ -672,7 +899,9 @@ def parse_trace(
 ) -> list[RequestSpec]:
     """Parse JSONL trace lines (blank lines are skipped) into a workload in queue order.
 
-    Requests are ordered by ``arrival_step``, ties in line order. Raises :class:`TraceError`
+    Requests are ordered by ``arrival_step`` (a timed trace: ``arrival_ms``), ties in line
+    order; every line arrives by step or every line in time, else the first line that differs
+    is refused. Raises :class:`TraceError`
     naming the line number and the problem for the first bad line, a duplicate id (naming
     both lines), or an empty trace. ``hash_block_tokens``: the tokens one ``hash_ids`` entry
     stands for. ``unknown_keys``: filled with each key not in :data:`TRACE_KEYS` (ignored)
@@ -682,6 +911,7 @@ def parse_trace(
         raise ValueError(f"hash_block_tokens must be >= 1, got {hash_block_tokens}")
     requests: list[RequestSpec] = []
     first_line_of_id: dict[int, int] = {}
+    first_line = 0
     for line_number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
@@ -690,6 +920,16 @@ def parse_trace(
             request = _request_from_record(record, hash_block_tokens)
         except ValueError as err:
             raise TraceError(path, str(err), line_number) from None
+        if requests and request.timed != requests[0].timed:
+            kinds = ("in time ('arrival_ms' or 'arrival_s')", "by 'arrival_step'")
+            this, first = kinds if request.timed else kinds[::-1]
+            raise TraceError(
+                path,
+                f"this line arrives {this}, line {first_line} {first}: a trace gives every "
+                "arrival in steps or every arrival in time",
+                line_number,
+            )
+        first_line = first_line or line_number
         if unknown_keys is not None:
             for key in (key for key in record if key not in TRACE_KEYS):
                 unknown_keys.setdefault(key, line_number)
@@ -704,7 +944,10 @@ def parse_trace(
         requests.append(request)
     if not requests:
         raise TraceError(path, "no requests (the file is empty or only blank lines)")
-    requests.sort(key=lambda r: r.arrival_step)  # stable: ties keep line order
+    if requests[0].timed:
+        requests.sort(key=lambda r: r.arrival_ms or 0.0)  # stable: ties keep line order
+    else:
+        requests.sort(key=lambda r: r.arrival_step)
     return requests
 
 
@@ -724,6 +967,10 @@ def read_trace(
     ``"hash_ids"``, one id in ``[0, 2**64)`` per block of ``hash_block_tokens`` tokens, each id
     standing for the same tokens wherever it appears, the last block cut to ``prompt_len``
     (``ceil(prompt_len / hash_block_tokens)`` ids; the Mooncake trace convention), not both.
+    A timed trace gives each arrival in time instead of ``arrival_step``: ``"arrival_ms"`` or
+    ``"arrival_s"`` (a number >= 0), with ``"abort_ms"`` or ``"abort_s"`` (at or after the
+    arrival) instead of ``abort_step``; its requests carry ``arrival_ms`` (see
+    :func:`is_timed`), and every line of the file must arrive in time.
     Other keys are ignored (``unknown_keys``: filled with them, as :func:`parse_trace` does).
     """
     try:
@@ -749,15 +996,18 @@ def write_trace(
     """
     with open(path, "w", encoding="utf-8") as handle:
         for request in requests:
-            record: dict[str, Any] = {
-                "id": request.request_id,
-                "arrival_step": request.arrival_step,
-                "prompt_len": request.prompt_len,
-                "output_len": request.output_len,
-                "priority": request.priority,
-            }
+            record: dict[str, Any] = {"id": request.request_id}
+            if request.arrival_ms is not None:
+                record["arrival_ms"] = request.arrival_ms
+            else:
+                record["arrival_step"] = request.arrival_step
+            record["prompt_len"] = request.prompt_len
+            record["output_len"] = request.output_len
+            record["priority"] = request.priority
             if request.abort_step is not None:
                 record["abort_step"] = request.abort_step
+            if request.abort_ms is not None:
+                record["abort_ms"] = request.abort_ms
             content = request.content
             if isinstance(content, HashBlocks) and content.block_tokens == hash_block_tokens:
                 record["hash_ids"] = list(content.hash_ids)
