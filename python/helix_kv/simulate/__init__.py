@@ -4,6 +4,8 @@ The pieces are small and importable on their own:
 
 - :mod:`.workload` makes a seeded synthetic workload (shared system prompts and conversations
   included) or reads a JSONL trace (with the prompts' ``token_ids`` or ``hash_ids``);
+- :mod:`.trace_formats` reads the public production traces (Azure, Mooncake, BurstGPT) as
+  they are published, and any trace with a window, a limit and a time scale;
 - :mod:`.step_loop` runs the step loop over ``cp_size`` schedulers (one per rank) and checks
   that the ranks agree every step;
 - :mod:`.drafts` is the draft model of speculative decoding (``--spec-tokens``): seeded
@@ -17,6 +19,13 @@ The pieces are small and importable on their own:
 Nothing here imports torch or matplotlib at import time.
 """
 
+from helix_kv.simulate.trace_formats import (
+    TraceFormat,
+    TraceRead,
+    TraceSelection,
+    parse_trace_lines,
+    read_trace_file,
+)
 from helix_kv.simulate.workload import (
     HashBlocks,
     LengthDistribution,
@@ -39,8 +48,13 @@ __all__ = [
     "PromptTokens",
     "RequestSpec",
     "TraceError",
+    "TraceFormat",
+    "TraceRead",
+    "TraceSelection",
     "WorkloadSpec",
+    "parse_trace_lines",
     "read_trace",
+    "read_trace_file",
     "synthetic_workload",
     "write_trace",
 ]

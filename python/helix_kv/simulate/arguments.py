@@ -36,6 +36,7 @@ from helix_kv.simulate.options import (
 )
 from helix_kv.simulate.report import ServiceLevels
 from helix_kv.simulate.timing import DEFAULT_STEP_TIME, PROFILE_KEYS, StepTimeModel, load_profile
+from helix_kv.simulate.trace_formats import TRACE_FORMATS, TraceSelection
 from helix_kv.simulate.workload import (
     DEFAULT_HASH_BLOCK_TOKENS,
     MAX_REQUEST_RATE,
@@ -317,7 +318,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--trace",
         metavar="FILE",
-        help='JSONL trace ("-": read it from stdin), one JSON object per line: '
+        help='a trace ("-": read it from stdin) in any --trace-format; the helix JSONL holds '
+        "one JSON object per line: "
         f"{', '.join(TRACE_REQUIRED_KEYS)} (required; prompt_len may be left out with "
         f"token_ids) and {', '.join(TRACE_OPTIONAL_KEYS)} (optional; the prompt's content as "
         "token_ids or hash_ids, not both); or arrivals in time: arrival_ms or arrival_s "
@@ -333,6 +335,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens one id of a trace line's hash_ids stands for (default "
         f"{DEFAULT_HASH_BLOCK_TOKENS}, the Mooncake traces')",
     )
+    add_trace_flags(group)
     workload = DEFAULT_WORKLOAD
     _integer_flag(
         group, "--requests", 1, MAX_REQUESTS, help=f"requests (default {workload.num_requests})"
@@ -577,6 +580,7 @@ def check_combinations(args: argparse.Namespace) -> None:
             )
     if args.hash_block_tokens is not None and args.trace is None:
         raise UsageError("--hash-block-tokens reads the hash_ids of a --trace; give --trace")
+    check_trace_flags(args)
     if args.shared_prefix_share is not None and not args.shared_prefix_len:
         raise UsageError(
             "--shared-prefix-share needs a --shared-prefix-len above 0 (it is the share of "
@@ -744,3 +748,90 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
     except ValueError as err:
         raise UsageError(str(err)) from None
     return spec
+
+
+# --- the trace's format and which of its requests to replay ---------------------------------
+
+#: The flags that read a ``--trace`` (beyond ``--hash-block-tokens``), by ``args`` name.
+TRACE_FLAGS = {
+    "trace_format": "--trace-format",
+    "time_scale": "--time-scale",
+    "trace_window": "--trace-window",
+    "trace_limit": "--trace-limit",
+}
+#: Largest ``--time-scale``: a trace slowed down a million times is still a trace.
+MAX_TIME_SCALE = 1e6
+
+
+def _time_scale(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= MAX_TIME_SCALE:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be a number in (0, {MAX_TIME_SCALE:g}], got {text}")
+    return value
+
+
+def _trace_window(text: str) -> tuple[float, float]:
+    """``--trace-window START,END`` (seconds; ``START,``: to the end)."""
+    start_text, comma, end_text = text.partition(",")
+    if not comma:
+        raise argparse.ArgumentTypeError(f"expected START,END in seconds, got {text!r}")
+    start = _number(start_text)
+    end = _number(end_text) if end_text.strip() else math.inf
+    if not (math.isfinite(start) and start >= 0):
+        raise argparse.ArgumentTypeError(f"START must be a number of seconds >= 0, got {text!r}")
+    if not end > start:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"END must be after START, got {text!r}")
+    return start, end
+
+
+def add_trace_flags(group: argparse._ArgumentGroup) -> None:
+    """Declare the flags that say how to read a ``--trace`` and which requests to replay."""
+    group.add_argument(
+        "--trace-format",
+        choices=TRACE_FORMATS,
+        help="the --trace file's format (default auto: told from its first line): helix (the "
+        "JSONL above), azure (Azure LLM inference CSV: TIMESTAMP,ContextTokens,"
+        "GeneratedTokens), mooncake (JSONL: timestamp ms, input_length, output_length, "
+        "hash_ids), burstgpt (CSV: Timestamp s, Request tokens, Response tokens, Log Type); "
+        "the public formats arrive in time, and rows of a failed request or an empty prompt "
+        "are skipped and counted",
+    )
+    group.add_argument(
+        "--time-scale",
+        type=_time_scale,
+        metavar="F",
+        help="multiply every arrival time of the --trace by F (below 1 replays it faster: 0.5 "
+        "doubles the rate; default 1)",
+    )
+    group.add_argument(
+        "--trace-window",
+        type=_trace_window,
+        metavar="START,END",
+        help="keep the --trace rows that arrive in [START, END) seconds after its earliest row "
+        "(its own time, before --time-scale; 'START,' to the end)",
+    )
+    _integer_flag(
+        group,
+        "--trace-limit",
+        1,
+        I64_MAX,
+        help="replay only the first N requests of the --trace (in arrival order, after the "
+        "window and the skipped rows)",
+    )
+
+
+def check_trace_flags(args: argparse.Namespace) -> None:
+    """The trace flags need a ``--trace``."""
+    if args.trace is None:
+        given = [flag for dest, flag in TRACE_FLAGS.items() if getattr(args, dest) is not None]
+        if given:
+            raise UsageError(f"{given[0]} reads a --trace; give --trace")
+
+
+def trace_selection(args: argparse.Namespace) -> TraceSelection:
+    """Which of the ``--trace`` requests to replay, and how fast."""
+    return TraceSelection(
+        time_scale=args.time_scale if args.time_scale is not None else 1.0,
+        window_s=args.trace_window,
+        limit=args.trace_limit,
+    )

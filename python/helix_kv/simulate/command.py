@@ -36,6 +36,7 @@ from helix_kv.simulate.arguments import (
     STDIO,
     service_levels,
     simulation_options,
+    trace_selection,
     workload_spec,
 )
 from helix_kv.simulate.events import STDOUT_TARGET
@@ -64,14 +65,13 @@ from helix_kv.simulate.report import (
 )
 from helix_kv.simulate.step_loop import SimulationResult, outputs_match, partial_result
 from helix_kv.simulate.timing import DEFAULT_STEP_TIME
+from helix_kv.simulate.trace_formats import TraceFormat, parse_trace_lines, read_trace_file
 from helix_kv.simulate.workload import (
     DEFAULT_HASH_BLOCK_TOKENS,
     TRACE_KEYS,
     HashBlocks,
     RequestSpec,
     is_timed,
-    parse_trace,
-    read_trace,
     synthetic_workload,
 )
 
@@ -93,32 +93,41 @@ def load_workload(
     args: argparse.Namespace, stderr: TextIO | None = None
 ) -> tuple[list[RequestSpec], dict[str, Any]]:
     """The workload and its description for the report's ``config.workload``; a trace's keys
-    that the reader ignores are named on ``stderr``, once each."""
+    that the reader ignores are named on ``stderr``, once each (the rows it skipped are in the
+    description: :func:`skipped_rows_note`)."""
     if args.trace is not None:
         block_tokens = args.hash_block_tokens or DEFAULT_HASH_BLOCK_TOKENS
-        unknown: dict[str, int] = {}
+        trace_format = args.trace_format or TraceFormat.AUTO.value
+        selection = trace_selection(args)
         if args.trace == STDIO:
             path = STDIN_NAME
-            try:
-                workload = parse_trace(sys.stdin, path, block_tokens, unknown)
-            except UnicodeDecodeError as err:
-                raise TraceError(path, f"not UTF-8 text ({err.reason})") from None
+            read = parse_trace_lines(sys.stdin, path, trace_format, selection, block_tokens)
         else:
             path = str(args.trace)
-            workload = read_trace(path, block_tokens, unknown)
-        for key, line in unknown.items():
+            read = read_trace_file(path, trace_format, selection, block_tokens)
+        workload = read.requests
+        out = stderr if stderr is not None else sys.stderr
+        for key, line in read.unknown_keys.items():
             print(
                 f"{PROG}: warning: trace {path}: unknown key {json.dumps(key)} (first on line "
                 f"{line}) is ignored; the keys read are {', '.join(TRACE_KEYS)}",
-                file=stderr if stderr is not None else sys.stderr,
+                file=out,
             )
-        info: dict[str, Any] = {
-            "source": "trace",
-            "path": path,
-            "requests": len(workload),
-        }
+        info: dict[str, Any] = {"source": "trace", "path": path}
+        if read.trace_format is not TraceFormat.HELIX:  # a helix trace's description is as it was
+            info["format"] = read.trace_format.value
+        info["requests"] = len(workload)
         if is_timed(workload):  # only then: the description of a step trace is unchanged
             info["arrivals"] = "ms"
+        if read.trace_format is not TraceFormat.HELIX:
+            info["rows"] = read.rows
+            info["skipped"] = read.skipped
+        if args.time_scale is not None:
+            info["time_scale"] = selection.time_scale
+        if selection.window_s is not None:
+            info["window_s"] = list(selection.window_s)
+        if selection.limit is not None:
+            info["limit"] = selection.limit
         with_content = sum(1 for request in workload if request.content is not None)
         if with_content:  # only then: the description of a trace without content is unchanged
             info["requests_with_content"] = with_content
@@ -127,6 +136,18 @@ def load_workload(
         return workload, info
     spec = workload_spec(args)
     return synthetic_workload(spec), spec.to_dict()
+
+
+def skipped_rows_note(workload_info: dict[str, Any]) -> str | None:
+    """The note on stderr that a trace's rows were skipped, by reason (``None``: none were)."""
+    skipped: dict[str, int] = workload_info.get("skipped") or {}
+    if not skipped:
+        return None
+    counts = ", ".join(f"{count} {reason}" for reason, count in skipped.items())
+    return (
+        f"{PROG}: note: trace {workload_info['path']}: skipped {sum(skipped.values())} of its "
+        f"{workload_info['rows']} rows ({counts})"
+    )
 
 
 def run_once(
@@ -298,6 +319,9 @@ def run_simulate(
         ProcsUnavailableError,
     ) as err:
         return fail(EXIT_USAGE, str(err), "UsageError")
+    note = skipped_rows_note(workload_info)  # once the run can start: an error stays one line
+    if note is not None:
+        print(note, file=stderr)
 
     show_progress = progress_wanted(args.json, args.progress, stderr)
     results: dict[str, SimulationResult] = {}

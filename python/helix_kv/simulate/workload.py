@@ -239,6 +239,8 @@ class RequestSpec:
     ``content``: what its prompt holds (``len(content) == prompt_len``); ``None``, a prompt of
     its own (:func:`~helix_kv.simulate.tokens.prompt_tokens`) that shares nothing with any
     other request's (see :attr:`cache_salt`). :meth:`prompt` gives the tokens either way.
+    ``arrival_ms`` / ``abort_ms``: the modelled time of its arrival / its client's abort (a
+    timed workload: every request has an ``arrival_ms``; ``None``: it arrives at a step).
     """
 
     request_id: int
@@ -777,6 +779,15 @@ def _decode_line(text: str) -> dict[str, Any]:
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     return record
+
+
+def require_keys(record: dict[str, Any], keys: Iterable[str]) -> None:
+    """``ValueError`` naming the ``keys`` that ``record`` lacks (none: nothing)."""
+    missing = [key for key in keys if key not in record]
+    if missing:
+        raise ValueError(
+            "missing key" + ("s " if len(missing) > 1 else " ") + ", ".join(map(repr, missing))
+        )
 
 
 def _request_from_record(record: dict[str, Any], hash_block_tokens: int) -> RequestSpec:
