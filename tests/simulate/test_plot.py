@@ -168,3 +168,37 @@ def test_the_title_stays_inside_the_figure(tmp_path: Path) -> None:
     target = tmp_path / "run.png"
     plot_run(_result([1, 0, 2], [0, 1, 0]), target)
     assert target.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_a_modelled_run_has_its_time_along_the_top() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from helix_kv.simulate.plot import modelled_seconds
+
+    result = _result([0, 1, 0, 0], [0, 0, 0, 1])
+    assert modelled_seconds(result) is None  # no step-time model: no time axis
+    figure = draw_run(result)
+    try:
+        assert not _time_axes(figure)
+    finally:
+        plt.close(figure)
+    result.series.start_ms.extend([0.0, 500.0, 1500.0, 4000.0])
+    assert modelled_seconds(result) == [0.0, 0.5, 1.5, 4.0]
+    figure = draw_run(result)
+    try:
+        (time_axis,) = _time_axes(figure)
+        # the axis maps step 2 to its start, 1.5 s, and back
+        forward, inverse = time_axis._functions
+        assert forward(2.0) == pytest.approx(1.5)
+        assert inverse(1.0) == pytest.approx(1.5)  # halfway through step 1
+    finally:
+        plt.close(figure)
+    result.series.start_ms[2] = 500.0  # a step of no modelled time: no axis can follow
+    assert modelled_seconds(result) is None
+
+
+def _time_axes(figure):  # type: ignore[no-untyped-def]
+    """The figure's secondary axes labelled with modelled time (children of a panel)."""
+    children = [child for axis in figure.axes for child in axis.child_axes]
+    return [axis for axis in children if axis.get_xlabel() == "modelled time (s)"]

@@ -1,4 +1,5 @@
-"""``--plot FILE``: KV utilisation, running/waiting counts and victims over the steps.
+"""``--plot FILE``: KV utilisation, running/waiting counts and victims over the steps (with a
+step-time model, the steps' modelled time along the top as well).
 
 The file's extension picks the format (``run.png``, ``run.svg``, ``run.pdf``...); an unknown
 or missing extension is refused before the run. matplotlib is optional
@@ -13,6 +14,8 @@ from collections.abc import Sequence
 from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from helix_kv.errors import PlotUnavailableError as PlotUnavailableError  # also from here
 from helix_kv.simulate.report import describe_config
@@ -99,6 +102,18 @@ def binned_counts(counts: Sequence[int], bin_steps: int) -> list[int]:
     return [sum(counts[start : start + bin_steps]) for start in range(0, len(counts), bin_steps)]
 
 
+def modelled_seconds(result: SimulationResult) -> list[float] | None:
+    """Each step's modelled start in seconds, for the plot's time axis: ``None`` without a
+    step-time model, or when the starts do not increase step after step (a model that gives
+    some step no time), where no axis of time can follow the steps."""
+    starts = result.series.start_ms
+    if len(starts) != len(result.series) or len(starts) < 2:
+        return None
+    if any(later <= earlier for earlier, later in zip(starts, starts[1:])):
+        return None
+    return [start / 1000.0 for start in starts]
+
+
 def draw_run(result: SimulationResult) -> Figure:
     """The figure of the run's per-step series: KV utilisation, running and waiting requests,
     and the victims (recompute-pauses and suspensions) counted per bin of steps, with their
@@ -118,6 +133,16 @@ def draw_run(result: SimulationResult) -> Figure:
     kv_axis.set_ylabel("KV utilisation (%)")
     kv_axis.set_ylim(0, 105)
     kv_axis.grid(alpha=0.3)
+    seconds = modelled_seconds(result)
+    if seconds is not None:  # the steps' modelled start times along the top
+        time_axis = kv_axis.secondary_xaxis(
+            "top",
+            functions=(
+                lambda step: np.interp(step, steps, seconds),
+                lambda second: np.interp(second, seconds, steps),
+            ),
+        )
+        time_axis.set_xlabel("modelled time (s)")
 
     queue_axis.plot(steps, series.running, label="running", color="tab:green", lw=1)
     queue_axis.plot(steps, series.waiting, label="waiting", color="tab:orange", lw=1)
