@@ -308,7 +308,7 @@ def parse_trace_lines(
     except UnicodeDecodeError as err:
         raise TraceError(path, f"not UTF-8 text ({err.reason})") from None
     if not len(rows):
-        raise TraceError(path, f"no requests (a {trace_format.value} trace with no rows)")
+        raise TraceError(path, f"no requests (the {trace_format.value} trace has no rows)")
     requests, skipped = _select(rows, selection, path)
     return TraceRead(requests, trace_format, detected, len(rows), skipped)
 
