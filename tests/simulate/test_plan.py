@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from helix_kv.cli import main
-from helix_kv.simulate.plan import LADDER_POINTS, default_values
+from helix_kv.simulate.plan import LADDER_POINTS, Candidate, default_values, refined_values
 from helix_kv.simulate.workload import RequestSpec, WorkloadSpec, synthetic_workload, write_trace
 
 from ..helpers.scheduler import needs_scheduler
@@ -222,6 +222,9 @@ def test_bad_plan_arguments_exit_2(
     [
         (["--vary", "cp", "--cp", "2"], "--vary cp tries the --cp values itself; drop --cp"),
         (["--vary", "cp", "--values", "1,300"], "--values: --cp takes at most 256, got 300"),
+        (["--vary", "cp", "--refine", "2"], "--refine searches between the default --vary kv"),
+        (["--vary", "kv-tokens", "--values", "512,1024", "--refine", "1"], "without --values"),
+        (["--vary", "kv-tokens", "--refine", "9"], "argument --refine: must be at most 8, got 9"),
     ],
 )
 def test_bad_cp_plan_arguments_exit_2(
@@ -348,3 +351,40 @@ def test_help_gives_simulates_defaults_of_the_knobs(capsys: pytest.CaptureFixtur
     assert "--cp N CP ranks (default: 2; not with --vary cp)" in text
     assert "(default: 16384; not with --vary kv-tokens)" in text
     assert "--slo-ttft-ms MS" in text
+
+
+def _row(value: int, status: str) -> Candidate:
+    return Candidate(value, status)  # type: ignore[arg-type]
+
+
+def test_refined_values_search_the_gap_below_the_pick() -> None:
+    # superblocks of 32 tokens: 8672 failed (271 superblocks), 12896 passed (403)
+    rows = [_row(5824, "fail"), _row(8672, "fail"), _row(12896, "pass"), _row(19168, "pass")]
+    values = refined_values(rows, 32)
+    # seven budgets evenly inside (271, 403), whole superblocks
+    assert values == [b * 32 for b in (288, 304, 320, 337, 353, 369, 385)]
+    # a gap of fewer superblocks than points: every one of them
+    assert refined_values([_row(320, "error"), _row(480, "pass")], 32) == [352, 384, 416, 448]
+    # a budget already tried is not tried again; nothing between adjacent superblocks
+    assert refined_values([_row(320, "fail"), _row(352, "pass")], 32) == []
+    assert refined_values([_row(320, "fail"), _row(384, "pass")], 32, points=3) == [352]
+    # nothing to refine: the smallest passes, or none does
+    assert refined_values([_row(320, "pass"), _row(640, "pass")], 32) == []
+    assert refined_values([_row(320, "fail"), _row(640, "error")], 32) == []
+
+
+@needs_scheduler
+def test_the_refining_round_narrows_the_pick(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--vary", "kv-tokens", *WORKLOAD, *SLO, "--slo-share", str(SHARE)]
+    ladder = _plan(capsys, *argv, "--refine", "0")
+    refined = _plan(capsys, *argv)
+    ladder_values = [c["value"] for c in ladder["candidates"]]
+    values = [c["value"] for c in refined["candidates"]]
+    added = sorted(set(values) - set(ladder_values))
+    assert set(ladder_values) <= set(values)
+    assert 0 < len(added) <= 7
+    # the added budgets lie between the ladder's largest failure below its pick and its pick
+    below = max(v for v in ladder_values if v < ladder["pick"])
+    assert all(below < value < ladder["pick"] for value in added)
+    assert refined["pick"] <= ladder["pick"]
+    _check_against_simulate(capsys, refined, "--kv-tokens", *WORKLOAD, *SLO, "--cp", "2")

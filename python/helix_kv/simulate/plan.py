@@ -83,6 +83,11 @@ KNOBS: dict[str, tuple[str, str, int]] = {
 DEFAULT_SLO_SHARE = 0.99
 #: Points of the default ``--kv-tokens`` ladder.
 LADDER_POINTS = 8
+#: Budgets one refining round adds between the largest failing budget below the pick and the
+#: pick (``--refine``): the gap shrinks about eightfold a round.
+REFINE_POINTS = 7
+#: ``--refine``'s default: one round after the default ladder.
+DEFAULT_REFINE = 1
 #: ``--max-cp``'s default: the default ``--cp`` ladder is 1, 2, 4, 8.
 DEFAULT_MAX_CP = 8
 #: Most processes ``--jobs`` starts.
@@ -137,6 +142,15 @@ def add_plan_arguments(parser: OneLineArgumentParser) -> None:
         help="the candidate values (default for kv-tokens: a geometric ladder of about "
         f"{LADDER_POINTS} budgets from the largest request's tokens to the whole workload's; "
         "for cp: 1, 2, 4, ... up to --max-cp)",
+    )
+    _integer_flag(
+        group,
+        "--refine",
+        0,
+        8,
+        help="with --vary kv-tokens and the default ladder: rounds that search between the "
+        f"largest failing budget below the pick and the pick, {REFINE_POINTS} budgets a round "
+        f"in whole superblocks (default {DEFAULT_REFINE}; 0: the ladder alone)",
     )
     _integer_flag(
         group,
@@ -250,6 +264,30 @@ def default_values(
         for i in range(LADDER_POINTS)
     }
     return sorted(min(value, largest) for value in ladder)
+
+
+def refined_values(
+    candidates: Sequence[Candidate], tokens_per_superblock: int, points: int = REFINE_POINTS
+) -> list[int]:
+    """Budgets to try next: up to ``points`` whole-superblock budgets evenly spread strictly
+    between the largest candidate below the pick that does not pass and the pick (none when
+    nothing passes, the smallest candidate passes, or no superblock lies between)."""
+    values = [candidate.value for candidate in candidates]
+    passed = [i for i, candidate in enumerate(candidates) if candidate.status == "pass"]
+    if not passed or passed[0] == 0:
+        return []
+    low, high = values[passed[0] - 1], values[passed[0]]
+    first = low // tokens_per_superblock + 1  # superblock counts strictly between
+    last = -(-high // tokens_per_superblock) - 1
+    if last < first:
+        return []
+    if last - first + 1 <= points:
+        chosen = set(range(first, last + 1))
+    else:  # evenly spread inside the gap
+        chosen = {first + (last - first) * (k + 1) // (points + 1) for k in range(points)}
+    tried = set(values)
+    budgets = (count * tokens_per_superblock for count in chosen)
+    return sorted(budget for budget in budgets if budget not in tried)
 
 
 def evaluate(
@@ -471,6 +509,12 @@ def _check_flags(args: argparse.Namespace) -> None:
             "without --values",
             prog=PROG,
         )
+    if args.refine is not None and (args.vary != "kv-tokens" or args.values is not None):
+        raise UsageError(
+            "--refine searches between the default --vary kv-tokens ladder's budgets; give it "
+            "with --vary kv-tokens and without --values",
+            prog=PROG,
+        )
     if args.values is not None and max(args.values) > maximum:
         raise UsageError(
             f"--values: {flag} takes at most {maximum}, got {max(args.values)}", prog=PROG
@@ -516,10 +560,18 @@ def run_plan(
         values = default_values(args.vary, workload, per_superblock, args.max_cp or DEFAULT_MAX_CP)
     jobs = args.jobs or os.cpu_count() or 1
     progress = None if args.progress is False else stderr
+    refine = DEFAULT_REFINE if args.refine is None else args.refine
+    if args.values is not None or args.vary != "kv-tokens":
+        refine = 0  # candidates given, or CP sizes (powers of two): tried as they are
+    run = (workload, workload_info, slo, args.slo_share, jobs, progress)
     try:
-        candidates = run_candidates(
-            base, args.vary, values, workload, workload_info, slo, args.slo_share, jobs, progress
-        )
+        candidates = run_candidates(base, args.vary, values, *run)
+        for _ in range(refine):
+            more = refined_values(candidates, base.tokens_per_block * base.cp)
+            if not more:
+                break
+            found = candidates + run_candidates(base, args.vary, more, *run)
+            candidates = sorted(found, key=lambda candidate: candidate.value)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=stderr)
         return EXIT_INTERRUPTED
