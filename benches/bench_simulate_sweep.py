@@ -23,6 +23,14 @@ before      162.2     80.1      80.1, 78.8, 83.9
 after       71.2      46.4      45.7, 46.4, 46.4
 ==========  ========  ========  ======================
 
+A cut of the same shape (``--requests 1200``: 18,611 steps), user time, 3 runs each at
+``7dc0ee4`` against the same "before" wheel, the machine again shared: with
+``--prefix-caching`` 7.76 / 7.96 / 8.03 s before, 4.50 / 4.42 / 4.16 s after (1.8x); without
+it 5.93 / 6.30 / 6.21 s before, 2.71 / 2.80 / 3.42 s after (2.2x). With one rank verified
+(``--verify-ranks none``) the cut without prefix caching takes 2.2 s of user time, of which
+0.5 s is the interpreter and imports: the step loop's Python, not the ranks, is most of what
+is left there.
+
 User time is 1.73x less, short of the 3x target: what is left is the core's own work, once
 per rank (each of the 8 schedulers schedules, updates and hashes every prompt for its prefix
 cache: about half of the time), and the step loop's Python (about a third).
