@@ -184,6 +184,8 @@ def test_a_modelled_run_has_its_time_along_the_top() -> None:
     finally:
         plt.close(figure)
     result.series.start_ms.extend([0.0, 500.0, 1500.0, 4000.0])
+    assert modelled_seconds(result) is None  # still no model: the run's time is unknown
+    result.modelled_time_ms = 5000.0
     assert modelled_seconds(result) == [0.0, 0.5, 1.5, 4.0]
     figure = draw_run(result)
     try:

@@ -107,7 +107,7 @@ def modelled_seconds(result: SimulationResult) -> list[float] | None:
     step-time model, or when the starts do not increase step after step (a model that gives
     some step no time), where no axis of time can follow the steps."""
     starts = result.series.start_ms
-    if len(starts) != len(result.series) or len(starts) < 2:
+    if result.modelled_time_ms is None or len(starts) != len(result.series) or len(starts) < 2:
         return None
     if any(later <= earlier for earlier, later in zip(starts, starts[1:])):
         return None

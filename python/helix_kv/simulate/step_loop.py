@@ -82,7 +82,7 @@ class StepSeries:
     suspended: list[int] = field(default_factory=list)
     sat_out: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
-    #: With a step-time model: each step's modelled start, in ms (empty without one).
+    #: Each step's modelled start, in ms (0.0 every step without a step-time model).
     start_ms: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -425,8 +425,7 @@ class _StepLoop:
         series.sat_out.append(len(output.sat_out_ids))
         series.num_tokens.append(int(output.num_tokens))
         start_ms = self.step_start_ms = self.now_ms
-        if self.step_time is not None:
-            series.start_ms.append(start_ms)
+        series.start_ms.append(start_ms)
         kv_read = 0
         if self.step_time is not None or self.events is not None:
             kv_read = kv_tokens_read(output)
