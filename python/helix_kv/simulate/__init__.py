@@ -14,7 +14,8 @@ The pieces are small and importable on their own:
 - :mod:`.timing` is the optional step-time model (``--step-time``): modelled milliseconds;
 - :mod:`.report` turns a run into figures, a text table and JSON;
 - :mod:`.plot` draws a run with matplotlib (optional);
-- :mod:`.procs` runs the ranks as real processes over gloo (needs torch).
+- :mod:`.procs` runs the ranks as real processes over gloo (needs torch);
+- :mod:`.plan` is ``helix-kv plan``: the smallest KV budget or CP size that meets SLOs.
 
 Nothing here imports torch or matplotlib at import time.
 """
@@ -35,6 +36,7 @@ from helix_kv.simulate.workload import (
     RequestSpec,
     TraceError,
     WorkloadSpec,
+    is_timed,
     read_trace,
     synthetic_workload,
     write_trace,
@@ -52,6 +54,7 @@ __all__ = [
     "TraceRead",
     "TraceSelection",
     "WorkloadSpec",
+    "is_timed",
     "parse_trace_lines",
     "read_trace",
     "read_trace_file",
