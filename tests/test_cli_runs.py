@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +15,13 @@ import pytest
 
 import helix_kv
 
+from .helpers.cli import run_command, small_workload
 from .helpers.scheduler import needs_scheduler
 
 pytestmark = needs_scheduler
 
-HELIX_KV = [sys.executable, "-m", "helix_kv", "simulate"]
 #: 24 requests at once on 2 ranks of 8-token pages, 1024 tokens of KV: it preempts.
-TIGHT = [
-    "--cp", "2", "--tokens-per-block", "8", "--requests", "24", "--arrival-rate", "0",
-    "--prompt-len", "96", "--output-len", "48", "--seed", "3", "--kv-tokens", "1024",
-]  # fmt: skip
+TIGHT = [*small_workload(), "--kv-tokens", "1024"]
 HOST_TIER = [*TIGHT, "--host-tier-tokens", "256"]
 #: No request may be preempted, and 768 tokens of KV: the scheduler deadlocks (in step 106).
 NO_PREEMPTIONS = [*TIGHT, "--kv-tokens", "768", "--max-preemptions", "0"]
@@ -40,9 +36,7 @@ FIELD_NAMES = (
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
     """The command with ``argv``; not a terminal, whatever the ``COLUMNS`` of the tests."""
     env = {key: value for key, value in os.environ.items() if key != "COLUMNS"}
-    return subprocess.run(
-        [*HELIX_KV, *argv], capture_output=True, text=True, timeout=300, check=False, env=env
-    )
+    return run_command("simulate", *argv, env=env)
 
 
 def report(*argv: str) -> dict[str, Any]:
@@ -115,14 +109,7 @@ def test_the_comparison_fits_100_columns_and_shows_a_configuration_once() -> Non
 def test_a_terminal_width_widens_nothing_off_a_terminal() -> None:
     # COLUMNS is a terminal's setting: piped, the comparison keeps its 100 characters
     env = {**os.environ, "COLUMNS": "300"}
-    done = subprocess.run(
-        [*HELIX_KV, *HOST_TIER, "--compare-policies"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env=env,
-    )
+    done = run_command("simulate", *HOST_TIER, "--compare-policies", env=env)
     assert done.returncode == 0, done.stderr
     assert max(len(line) for line in done.stdout.splitlines()) <= 100
 

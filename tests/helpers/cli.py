@@ -1,9 +1,13 @@
-"""``helix-kv simulate`` run in-process (``helix_kv.cli.main``) from the tests: a small
-workload's flags and the runners that check the exit status."""
+"""``helix-kv simulate`` run in-process (``helix_kv.cli.main``) or as a real subprocess from
+the tests: a small workload's flags and the runners that check the exit status."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,3 +42,34 @@ def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     lines = captured.err.splitlines()
     assert len(lines) == 1, captured.err
     return lines[0]
+
+
+def run_command(
+    *argv: str,
+    stdin: str | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
+    """``python -m helix_kv ARGV`` (``simulate ...``, ``plan ...``) in a fresh interpreter; its
+    exit status and text output, whatever the status."""
+    return subprocess.run(
+        [sys.executable, "-m", "helix_kv", *argv],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
+        cwd=cwd,
+    )
+
+
+def one_usage_line(done: subprocess.CompletedProcess[str], prog: str = "helix-kv simulate") -> str:
+    """A subprocess that exited 2 with nothing on stdout and one ``PROG: error: ...`` line on
+    stderr; returns that line."""
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"{prog}: error: ")
+    return line

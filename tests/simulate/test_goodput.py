@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ from helix_kv.simulate.step_loop import RequestOutcome, SimulationResult, StepSe
 from helix_kv.simulate.timing import DEFAULT_STEP_TIME
 from helix_kv.simulate.workload import RequestSpec, write_trace
 
+from ..helpers.cli import one_usage_line, run_command
 from ..helpers.scheduler import needs_scheduler
 
 #: Under ``--step-time 0,1,0`` (a step lasts its scheduled tokens in ms), cp 1, a roomy pool:
@@ -195,28 +194,15 @@ def test_summarize_without_a_model_has_no_goodput() -> None:
     ],
 )
 def test_bad_targets_exit_2_in_a_subprocess(argv: list[str], message: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "helix_kv", "simulate", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 2, done.stderr
-    assert done.stdout == ""
-    (line,) = done.stderr.splitlines()
-    assert line.startswith("helix-kv simulate: error: ")
+    line = one_usage_line(run_command("simulate", *argv))
     assert message in line
 
 
 @needs_scheduler
 def test_goodput_in_a_subprocess_json(hand_trace: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable, "-m", "helix_kv", "simulate", "--trace", str(hand_trace),
-            *HAND_FLAGS, *HAND_MODEL, "--slo-ttft-ms", "15", "--json",
-        ],
-        capture_output=True, text=True, timeout=120, check=False,
+    done = run_command(
+        "simulate", "--trace", str(hand_trace), *HAND_FLAGS, *HAND_MODEL, "--slo-ttft-ms", "15",
+        "--json",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)

@@ -21,6 +21,7 @@ from helix_kv.cli import main
 from helix_kv.simulate.plan import LADDER_POINTS, Candidate, default_values, refined_values
 from helix_kv.simulate.workload import RequestSpec, WorkloadSpec, synthetic_workload, write_trace
 
+from ..helpers.cli import run_command
 from ..helpers.scheduler import needs_scheduler
 
 #: 16 requests arriving about one a step, prompts ~48 and outputs ~16 tokens, 8-token pages.
@@ -245,14 +246,7 @@ def test_vary_is_required(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def _run(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "helix_kv", "plan", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=cwd,
-    )
+    return run_command("plan", *argv, cwd=cwd)
 
 
 @needs_scheduler

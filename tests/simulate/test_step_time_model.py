@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from helix_kv.simulate.timing import (
 )
 from helix_kv.simulate.workload import RequestSpec
 
+from ..helpers.cli import one_usage_line, run_command
 from ..helpers.scheduler import needs_scheduler
 
 SMALL = [
@@ -329,17 +328,7 @@ def test_bad_step_time_flags_are_one_usage_line(
         ),
     }
     argv = [arg.format(**files) for arg in argv]
-    done = subprocess.run(
-        [sys.executable, "-m", "helix_kv", "simulate", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 2, done.stderr
-    assert done.stdout == ""
-    (line,) = done.stderr.splitlines()
-    assert line.startswith("helix-kv simulate: error: ")
+    line = one_usage_line(run_command("simulate", *argv))
     assert message in line
     if "--step-time-profile" in argv and "--step-time" not in argv:
         assert line.startswith(f"helix-kv simulate: error: --step-time-profile {argv[-1]}: ")

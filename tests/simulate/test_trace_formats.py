@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +23,10 @@ from helix_kv.simulate.trace_formats import (
 )
 from helix_kv.simulate.workload import HashBlocks, RequestSpec
 
+from ..helpers.cli import run_command
 from ..helpers.scheduler import needs_scheduler
 
 FIXTURES = Path(__file__).parent / "fixtures"
-HELIX_KV = [sys.executable, "-m", "helix_kv"]
 
 
 def fixture(name: str) -> Path:
@@ -479,14 +478,7 @@ def test_unsorted_rows_sort_stably() -> None:
 
 
 def simulate(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*HELIX_KV, "simulate", *argv],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return run_command("simulate", *argv, stdin=stdin)
 
 
 def one_error_line(done: subprocess.CompletedProcess[str]) -> str:
