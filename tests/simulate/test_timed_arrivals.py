@@ -145,6 +145,8 @@ def test_a_workload_of_steps_and_times_is_refused() -> None:
         ({"arrival_ms": 5.0, "abort_ms": 4.0}, "abort_ms"),
         ({"abort_ms": 4.0}, "abort_ms needs an arrival_ms"),
         ({"arrival_ms": 1.0, "arrival_step": 3}, "no arrival_step"),
+        ({"arrival_ms": True}, "arrival_ms must be a number, got True"),
+        ({"arrival_ms": 1.0, "abort_ms": "2"}, "abort_ms must be a number, got '2'"),
     ],
 )
 def test_bad_timed_request_specs_are_refused(fields: dict, message: str) -> None:

@@ -263,6 +263,14 @@ class RequestSpec:
                 f"request {self.request_id}: its content has {len(self.content)} tokens, "
                 f"its prompt_len is {self.prompt_len}"
             )
+        for name in ("arrival_ms", "abort_ms"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+            ):
+                raise ValueError(
+                    f"request {self.request_id}: {name} must be a number, got {value!r}"
+                )
         if self.arrival_ms is None:
             if self.abort_ms is not None:
                 raise ValueError(f"request {self.request_id}: abort_ms needs an arrival_ms")
@@ -532,9 +540,6 @@ def synthetic_workload(spec: WorkloadSpec) -> list[RequestSpec]:
     count = spec.num_requests
     turns = min(spec.turns, count)
     conversations = -(-count // turns)
-    if spec.request_rate is not None:
-        return _timed_workload(spec, streams, count, turns, conversations)
-    starts = _draw_arrivals(arrival_rng, conversations, spec.arrival_rate)
     prompts = _draw_lengths(
         prompt_rng, count, spec.prompt_len_mean, spec.prompt_len_max, spec.length_distribution
     )
@@ -542,13 +547,18 @@ def synthetic_workload(spec: WorkloadSpec) -> list[RequestSpec]:
         output_rng, count, spec.output_len_mean, spec.output_len_max, spec.length_distribution
     )
     priorities = priority_rng.integers(0, spec.priority_levels, size=count)
-    # Drawn for every request whatever the rate, so a request's abort step depends only on
-    # the seed and its own output length.
+    # Drawn for every request whatever the rate, so a request's abort depends only on the seed
+    # and its own output length: this many steps after its arrival (in time: this many mean
+    # inter-arrival gaps).
     aborted = abort_rng.random(count) < spec.abort_rate
-    abort_offsets = np.floor(abort_rng.random(count) * outputs).astype(np.int64)
+    abort_offsets = np.floor(abort_rng.random(count) * outputs)
     # Request g (in generation order) is turn g % turns of conversation g // turns.
     conversation, turn = np.divmod(np.arange(count, dtype=np.int64), turns)
-    arrivals = _turn_arrivals(think_rng, starts, conversation, turn, outputs, spec.think_steps)
+    if spec.request_rate is None:
+        starts = _draw_arrivals(arrival_rng, conversations, spec.arrival_rate)
+        arrivals = _turn_arrivals(think_rng, starts, conversation, turn, outputs, spec.think_steps)
+    else:
+        arrivals = _timed_arrivals(arrival_rng, think_rng, spec, conversation, turn)
     shares = np.zeros(conversations, dtype=bool)
     if spec.shared_prefix_len:
         shares = share_rng.random(conversations) < spec.shared_prefix_share
@@ -560,80 +570,52 @@ def synthetic_workload(spec: WorkloadSpec) -> list[RequestSpec]:
     requests = []
     for g in order.tolist():
         content = contents[g]
-        requests.append(
-            RequestSpec(
-                request_id=int(ids[g]),
-                arrival_step=int(arrivals[g]),
-                prompt_len=int(prompts[g]) if content is None else len(content),
-                output_len=int(outputs[g]),
-                priority=int(priorities[g]),
-                abort_step=int(arrivals[g] + abort_offsets[g]) if aborted[g] else None,
-                content=content,
+        common: dict[str, Any] = {
+            "request_id": int(ids[g]),
+            "prompt_len": int(prompts[g]) if content is None else len(content),
+            "output_len": int(outputs[g]),
+            "priority": int(priorities[g]),
+            "content": content,
+        }
+        if spec.request_rate is None:
+            abort_step = int(arrivals[g] + int(abort_offsets[g])) if aborted[g] else None
+            requests.append(
+                RequestSpec(arrival_step=int(arrivals[g]), abort_step=abort_step, **common)
             )
-        )
+        else:
+            arrival = float(arrivals[g])
+            abort_ms = None
+            if aborted[g]:
+                gap_ms = 1000.0 / spec.request_rate
+                abort_ms = min(arrival + float(abort_offsets[g] * gap_ms), MAX_ARRIVAL_MS)
+            requests.append(
+                RequestSpec(arrival_step=0, arrival_ms=arrival, abort_ms=abort_ms, **common)
+            )
     return requests
 
 
-def _timed_workload(
+def _timed_arrivals(
+    arrival_rng: np.random.Generator,
+    think_rng: np.random.Generator,
     spec: WorkloadSpec,
-    streams: list[np.random.Generator],
-    count: int,
-    turns: int,
-    conversations: int,
-) -> list[RequestSpec]:
-    """:func:`synthetic_workload` in time: the same draws (lengths, priorities, aborts,
-    sharing) from the same streams, arrivals a Poisson process of ``request_rate`` per second
-    and think gaps of ``think_s`` seconds, in ms."""
+    conversation: np.ndarray,
+    turn: np.ndarray,
+) -> np.ndarray:
+    """Arrival times in ms, generation order: conversations start as a Poisson process of
+    ``request_rate`` per second, and each later turn comes a think gap (exponential, mean
+    ``think_s`` seconds) after the turn before it."""
     assert spec.request_rate is not None
-    arrival_rng, prompt_rng, output_rng, priority_rng, abort_rng, share_rng, think_rng = streams
-    gap_ms = 1000.0 / spec.request_rate
-    gaps = arrival_rng.exponential(gap_ms, size=conversations)
+    gaps = arrival_rng.exponential(1000.0 / spec.request_rate, size=int(conversation[-1]) + 1)
     gaps[0] = 0.0  # the first request opens the run
-    starts = np.cumsum(gaps)
-    prompts = _draw_lengths(
-        prompt_rng, count, spec.prompt_len_mean, spec.prompt_len_max, spec.length_distribution
-    )
-    outputs = _draw_lengths(
-        output_rng, count, spec.output_len_mean, spec.output_len_max, spec.length_distribution
-    )
-    priorities = priority_rng.integers(0, spec.priority_levels, size=count)
-    aborted = abort_rng.random(count) < spec.abort_rate
-    abort_offsets = np.floor(abort_rng.random(count) * outputs) * gap_ms
-    conversation, turn = np.divmod(np.arange(count, dtype=np.int64), turns)
-    arrivals = starts[conversation]
+    arrivals: np.ndarray = np.cumsum(gaps)[conversation]
     if turn.any():
-        think = think_rng.exponential(spec.think_s * 1000.0, size=count)
+        think = think_rng.exponential(spec.think_s * 1000.0, size=len(turn))
         think[turn == 0] = 0.0
         offsets = np.cumsum(think)
         first = np.flatnonzero(turn == 0)
         arrivals = arrivals + offsets - offsets[first][conversation]
-    arrivals = np.minimum(arrivals, MAX_ARRIVAL_MS)
-    shares = np.zeros(conversations, dtype=bool)
-    if spec.shared_prefix_len:
-        shares = share_rng.random(conversations) < spec.shared_prefix_share
-    order = np.argsort(arrivals, kind="stable")
-    ids = np.empty(count, dtype=np.int64)
-    ids[order] = np.arange(count, dtype=np.int64)
-    contents = _contents(spec, ids, turn, conversation, shares, prompts, outputs)
-    requests = []
-    for g in order.tolist():
-        content = contents[g]
-        arrival = float(arrivals[g])
-        requests.append(
-            RequestSpec(
-                request_id=int(ids[g]),
-                arrival_step=0,
-                prompt_len=int(prompts[g]) if content is None else len(content),
-                output_len=int(outputs[g]),
-                priority=int(priorities[g]),
-                content=content,
-                arrival_ms=arrival,
-                abort_ms=min(arrival + float(abort_offsets[g]), MAX_ARRIVAL_MS)
-                if aborted[g]
-                else None,
-            )
-        )
-    return requests
+    capped: np.ndarray = np.minimum(arrivals, MAX_ARRIVAL_MS)
+    return capped
 
 
 def _turn_arrivals(
