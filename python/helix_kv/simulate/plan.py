@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from helix_kv._core import Layout
 from helix_kv.errors import (
+    ConfigError,
     HelixKVError,
     PlotUnavailableError,
     SimulationSetupError,
@@ -547,16 +549,23 @@ def run_plan(
         base.cp = DEFAULT_CP if args.cp is None else args.cp
         base.kv_tokens = DEFAULT_KV_TOKENS if args.kv_tokens is None else args.kv_tokens
         simulation_options(base)  # the flags' own checks, once, before any candidate runs
+        # the budgets go in whole superblocks of the layout of --cp and --tokens-per-block
+        per_superblock = Layout(base.cp, base.tokens_per_block).tokens_per_superblock
         workload, workload_info = load_workload(base, stderr)
         if args.plot is not None:
             check_plot_target(args.plot)
-    except (UsageError, SimulationSetupError, TraceError, PlotUnavailableError) as err:
+    except (
+        UsageError,
+        SimulationSetupError,
+        TraceError,
+        PlotUnavailableError,
+        ConfigError,
+    ) as err:
         return fail(EXIT_USAGE, str(err), "UsageError")
 
     if args.values is not None:
         values = sorted(set(args.values))
     else:
-        per_superblock = base.tokens_per_block * base.cp
         values = default_values(args.vary, workload, per_superblock, args.max_cp or DEFAULT_MAX_CP)
     jobs = args.jobs or os.cpu_count() or 1
     progress = None if args.progress is False else stderr
@@ -567,7 +576,7 @@ def run_plan(
     try:
         candidates = run_candidates(base, args.vary, values, *run)
         for _ in range(refine):
-            more = refined_values(candidates, base.tokens_per_block * base.cp)
+            more = refined_values(candidates, per_superblock)
             if not more:
                 break
             found = candidates + run_candidates(base, args.vary, more, *run)
