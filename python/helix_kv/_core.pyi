@@ -55,6 +55,7 @@ __all__ = [
     "StepMetadataLayout",
     "UnknownRequestError",
     "__version__",
+    "add_request_ranks",
     "schedule_ranks",
     "update_ranks",
 ]
@@ -749,7 +750,17 @@ class Scheduler:
     def state_digest(self) -> int: ...
 
 # The in-process CP group's calls on every rank (helix_kv.SimulatedCPGroup): each returns
-# every rank's result, or the exception that rank raised, and whether the ranks agree.
+# every rank's result, or the exception that rank raised (and, for a step, whether the ranks
+# agree).
+def add_request_ranks(
+    schedulers: Sequence[Scheduler],
+    request_id: int,
+    prompt: _TokenArray,
+    max_new_tokens: int,
+    priority: int = 0,
+    *,
+    cache_salt: str | bytes | None = None,
+) -> list[Exception | None]: ...
 def schedule_ranks(
     schedulers: Sequence[Scheduler], layout: Layout | None, ranks: Sequence[int]
 ) -> tuple[list[ScheduleOutput | Exception], bool]: ...

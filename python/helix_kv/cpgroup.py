@@ -12,7 +12,9 @@ group raises through its schedule check.
 Every step costs one core call to schedule every rank and one to update them
 (:func:`helix_kv._core.schedule_ranks`, :func:`helix_kv._core.update_ranks`), each of which
 also compares the ranks' results; the comparison here, which builds the message, runs only
-when they disagree, so the message is the one it always was.
+when they disagree, so the message is the one it always was. A request is added to every rank
+in one call too (:func:`helix_kv._core.add_request_ranks`), which checks its arguments and keys
+its prompt for the prefix cache once.
 
 A group may also run a subset of the ranks (``ranks=``): every scheduler holds every request's
 tokens, so memory and time grow with the ranks run, and a capacity-planning run at a large
@@ -36,6 +38,7 @@ from helix_kv._core import (
     Scheduler,
     SchedulerConfig,
     SchedulerMetrics,
+    add_request_ranks,
     schedule_ranks,
     update_ranks,
 )
@@ -154,12 +157,12 @@ class SimulatedCPGroup:
         cache_salt: str | bytes | None = None,
     ) -> None:
         """Queues the request on every rank."""
-        self._on_every_rank(
-            "add_request",
-            lambda s: s.add_request(
-                request_id, prompt, max_new_tokens, priority, cache_salt=cache_salt
-            ),
+        # One core call adds it to every rank, checking the arguments and keying the prompt
+        # for the prefix cache once (the keys are a pure function of the tokens and salt).
+        outcomes = add_request_ranks(
+            self.schedulers, request_id, prompt, max_new_tokens, priority, cache_salt=cache_salt
         )
+        self._settled("add_request", outcomes)
 
     def propose_drafts(self, request_ids: IntArray, counts: IntArray, tokens: TokenArray) -> None:
         """Proposes the same draft tokens to every rank (see

@@ -1,5 +1,5 @@
-"""``schedule_ranks`` and ``update_ranks``: the in-process group's calls on every rank in one
-crossing, and their verdict on whether the ranks agree.
+"""``add_request_ranks``, ``schedule_ranks`` and ``update_ranks``: the in-process group's calls
+on every rank in one crossing, and their verdict on whether the ranks agree.
 
 The verdict must be exactly the group's own checks: equal digests, the per-rank fields that
 ``SimulatedCPGroup._check_rank_fields`` accepts (the oracle here, on every layout and rank
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import helix_kv
-from helix_kv._core import schedule_ranks, update_ranks
+from helix_kv._core import add_request_ranks, schedule_ranks, update_ranks
 
 
 def config(cp: int, tpb: int, rank: int = 0) -> helix_kv.SchedulerConfig:
@@ -137,3 +137,58 @@ def test_the_rank_field_verdict_is_the_python_checks(cp: int, tpb: int) -> None:
                 verdicts.append(agree)
     assert True in verdicts
     assert False in verdicts
+
+
+def caching(cp: int, rank: int) -> helix_kv.SchedulerConfig:
+    return helix_kv.SchedulerConfig(
+        cp_size=cp, tokens_per_block=4, kv_tokens=4096, cp_rank=rank, enable_prefix_caching=True
+    )
+
+
+def test_add_request_ranks_adds_as_each_rank_s_own_add_request() -> None:
+    # Ranks of two groups of different superblock sizes in one call: the prompt is keyed
+    # once, and each scheduler must still hit exactly as its own add_request makes it hit.
+    made = [helix_kv.Scheduler(caching(cp, rank)) for cp in (2, 1) for rank in range(cp)]
+    alone = [helix_kv.Scheduler(caching(cp, rank)) for cp in (2, 1) for rank in range(cp)]
+    shared = np.arange(100, 140, dtype=np.int32)
+    for request_id, own in ((1, 3), (2, 9)):
+        prompt = np.concatenate([shared, np.arange(own, dtype=np.int32) + 1000 * request_id])
+        outcomes = add_request_ranks(made, request_id, prompt, 4, 2, cache_salt="tenant")
+        assert outcomes == [None] * len(made)
+        for scheduler in alone:
+            scheduler.add_request(request_id, prompt, 4, 2, cache_salt="tenant")
+        for a, b in zip(made, alone):
+            output = a.schedule()
+            assert output == b.schedule()
+            tokens = np.zeros(output.num_samples, dtype=np.int32)
+            a.update(tokens)
+            b.update(tokens)
+            assert a.state_digest() == b.state_digest()
+    assert all(s.metrics().prefix_cache_hits > 0 for s in made)
+
+
+def test_add_request_ranks_returns_each_rank_s_refusal_and_raises_a_bad_argument_first() -> None:
+    made = [helix_kv.Scheduler(config(2, 4, rank)) for rank in (0, 1)]
+    made[1].add_request(5, np.arange(3, dtype=np.int32), 2)  # rank 1 only
+    outcomes = add_request_ranks(made, 5, np.arange(3, dtype=np.int32), 2)
+    assert outcomes[0] is None
+    assert isinstance(outcomes[1], helix_kv.DuplicateRequestError)
+    digests = [s.state_digest() for s in made]
+    for bad, error in (
+        (dict(max_new_tokens=0), helix_kv.InvalidLengthError),
+        (dict(prompt=np.array([], dtype=np.int32)), helix_kv.InvalidLengthError),
+        (dict(cache_salt=3), helix_kv.InvalidArgumentError),
+        (dict(schedulers=[made[0], "rank 1"]), helix_kv.InvalidArgumentError),
+    ):
+        args: dict[str, object] = dict(
+            schedulers=made, request_id=6, prompt=np.arange(3, dtype=np.int32), max_new_tokens=2
+        )
+        args.update(bad)
+        if "max_new_tokens" in bad or "prompt" in bad:
+            # Refused by each scheduler (as its own add_request refuses it), not up front.
+            outcomes = add_request_ranks(**args)  # type: ignore[arg-type]
+            assert all(isinstance(o, error) for o in outcomes), outcomes
+        else:
+            with pytest.raises(error):
+                add_request_ranks(**args)  # type: ignore[arg-type]
+    assert [s.state_digest() for s in made] == digests

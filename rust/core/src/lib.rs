@@ -39,9 +39,10 @@ pub use layout::Layout;
 pub use ledger::{DecodeView, Ledger, RequestKv};
 pub use scheduler::{
     decode_row, CapacityPolicy, ConfigDefault, ConfigField, ConfigValue, DecodeRowCounts,
-    FieldScope, FieldValue, FinishReason, RankPlacement, RequestMetrics, RequestOutput,
-    RequestState, ScheduleOutput, Scheduler, SchedulerConfig, SchedulerMetrics, ServingMode,
-    StepMetadata, StepMetadataLayout, StepMetadataSection, StepSource, SuspendPolicy, VictimPolicy,
+    FieldScope, FieldValue, FinishReason, PreparedPrompt, RankPlacement, RequestMetrics,
+    RequestOutput, RequestState, ScheduleOutput, Scheduler, SchedulerConfig, SchedulerMetrics,
+    ServingMode, StepMetadata, StepMetadataLayout, StepMetadataSection, StepSource, SuspendPolicy,
+    VictimPolicy,
 };
 
 /// A request's id, chosen by the caller; unique among live requests.

@@ -17,7 +17,9 @@ use common::{
     assert_matches_reference, assert_matches_reference_with_aborts, Group, Model, RunMode,
     RunOptions, Spec,
 };
-use helix_kv_core::{CoreError, RequestId, Scheduler, SchedulerConfig, ServingMode};
+use helix_kv_core::{
+    CoreError, PreparedPrompt, RequestId, Scheduler, SchedulerConfig, ServingMode,
+};
 
 /// `cp` ranks, 4 tokens a page (`4 * cp` a superblock), `superblocks` of them, caching on.
 fn cached(cp: u32, superblocks: u32) -> SchedulerConfig {
@@ -106,6 +108,65 @@ fn salts_keep_tenants_apart() {
     assert_eq!(common::step(&mut s, 7).context_starts, vec![0]);
     s.add_request_salted(3, &p, 2, 0, b"tenant-a").unwrap();
     assert_eq!(common::step(&mut s, 7).context_starts, vec![12]);
+}
+
+#[test]
+fn a_prepared_prompt_is_added_as_add_request_salted_adds_it_whatever_the_superblock_size() {
+    // One prepared prompt (keyed once, for the first scheduler's superblock size) added to
+    // schedulers of three superblock sizes and one with caching off; each must run exactly
+    // as a twin that was given the prompt by `add_request_salted`: the same hits, the same
+    // state every step.
+    let configs = [
+        cached(2, 64),
+        cached(2, 64),
+        cached(1, 64),
+        cached(4, 64),
+        common::config(2, 4, 64),
+    ];
+    let mut prepared_side: Vec<Scheduler> = configs
+        .iter()
+        .map(|c| Scheduler::new(c.clone()).unwrap())
+        .collect();
+    let mut salted_side: Vec<Scheduler> = configs
+        .iter()
+        .map(|c| Scheduler::new(c.clone()).unwrap())
+        .collect();
+    let first = prompt(40, 3, 1);
+    let second = prompt(40, 7, 2);
+    let prepared = [
+        PreparedPrompt::new(&first, b"t"),
+        PreparedPrompt::new(&second, b"t"),
+    ];
+    assert_eq!(prepared[0].tokens(), first.as_slice());
+    for (id, (tokens, prepared)) in [&first, &second].into_iter().zip(&prepared).enumerate() {
+        let id = id as u64 + 1;
+        for (a, b) in prepared_side.iter_mut().zip(salted_side.iter_mut()) {
+            a.add_prepared(id, prepared, 3, 0).unwrap();
+            b.add_request_salted(id, tokens, 3, 0, b"t").unwrap();
+            assert_eq!(a.state_digest(), b.state_digest());
+            let (out_a, out_b) = (common::step(a, 7), common::step(b, 7));
+            assert_eq!(out_a.context_starts, out_b.context_starts);
+            assert_eq!(a.state_digest(), b.state_digest());
+        }
+    }
+    // The second prompt hit the first one's superblocks wherever caching is on.
+    for (a, config) in prepared_side.iter().zip(&configs) {
+        let hits = a.metrics().prefix_cache_hits;
+        assert_eq!(hits > 0, config.enable_prefix_caching, "{config:?}");
+    }
+    // Refusals are `add_request_salted`'s, and change nothing.
+    let mut s = Scheduler::new(cached(2, 64)).unwrap();
+    let before = s.state_digest();
+    let empty = PreparedPrompt::new(&[], b"");
+    assert!(matches!(
+        s.add_prepared(1, &empty, 3, 0),
+        Err(CoreError::InvalidLength(_))
+    ));
+    assert!(matches!(
+        s.add_prepared(1, &prepared[0], 0, 0),
+        Err(CoreError::InvalidLength(_))
+    ));
+    assert_eq!(s.state_digest(), before);
 }
 
 #[test]

@@ -31,7 +31,7 @@ mod _core {
     #[pymodule_export]
     use crate::ledger::{PyDecodeView, PyLedger, PyRequestHoldings};
     #[pymodule_export]
-    use crate::rank_group::{schedule_ranks, update_ranks};
+    use crate::rank_group::{add_request_ranks, schedule_ranks, update_ranks};
     #[pymodule_export]
     use crate::records::{PyRequestMetrics, PySchedulerMetrics};
     #[pymodule_export]

@@ -1,10 +1,10 @@
-//! The calls an in-process CP group (`helix_kv.SimulatedCPGroup`) makes on every rank of a
-//! step, in one crossing each: `schedule_ranks` and `update_ranks` call every rank's
-//! scheduler in turn, as its own `schedule()` and `update()` would, and compare the ranks'
-//! results here. Each returns every rank's result, or the exception that rank raised, and
-//! whether they agree; the group builds its detailed mismatch message from those results
-//! only when they do not, so the message is the one it always built, and the check on every
-//! step costs no numpy array.
+//! The calls an in-process CP group (`helix_kv.SimulatedCPGroup`) makes on every rank, in
+//! one crossing each: `add_request_ranks`, `schedule_ranks` and `update_ranks` call every
+//! rank's scheduler in turn, as its own `add_request()`, `schedule()` and `update()` would.
+//! Each returns every rank's result, or the exception that rank raised; `schedule_ranks` and
+//! `update_ranks` also compare the ranks' results here and say whether they agree, and the
+//! group builds its detailed mismatch message from those results only when they do not, so
+//! the message is the one it always built, and the check on every step costs no numpy array.
 //!
 //! Agreement is exactly what the group checks: every call succeeded, the digests are equal
 //! (they cover every rank-invariant field) and, when the group's layout is given, the
@@ -19,7 +19,7 @@ use crate::arrays::{invalid_type_of, u64_vec};
 use crate::errors::InvalidArgumentError;
 use crate::layout::PyLayout;
 use crate::schedule_output::{PyScheduleOutput, RankColumns};
-use crate::scheduler::{ids_to_numpy, update_args, PyScheduler};
+use crate::scheduler::{ids_to_numpy, update_args, NewRequest, Priority, PyScheduler};
 
 /// The schedulers of `schedulers` (a sequence), every one checked before any is called, so
 /// a bad argument changes nothing.
@@ -37,6 +37,37 @@ fn schedulers_of<'py>(schedulers: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py,
             })
         })
         .collect()
+}
+
+/// Adds a request to each of `schedulers` in turn (each as its `add_request()`): the
+/// arguments are checked once, and the prompt's prefix-cache keys computed once for all of
+/// them (they are a pure function of the tokens, the salt and the superblock size; see
+/// `PreparedPrompt`). Returns each one's `None`, or the exception it raised, in order. An
+/// argument every `add_request()` would refuse is raised here, before any is called.
+#[pyfunction]
+#[pyo3(
+    signature = (schedulers, request_id, prompt, max_new_tokens, priority = Priority::default(), *, cache_salt = None),
+    text_signature = "(schedulers, request_id, prompt, max_new_tokens, priority=0, *, cache_salt=None)"
+)]
+pub fn add_request_ranks<'py>(
+    py: Python<'py>,
+    schedulers: &Bound<'py, PyAny>,
+    request_id: &Bound<'py, PyAny>,
+    prompt: &Bound<'py, PyAny>,
+    max_new_tokens: &Bound<'py, PyAny>,
+    priority: Priority,
+    cache_salt: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyList>> {
+    let schedulers = schedulers_of(schedulers)?;
+    let request = NewRequest::parse(request_id, prompt, max_new_tokens, priority, cache_salt)?;
+    let results = PyList::empty(py);
+    for scheduler in &schedulers {
+        match scheduler.try_borrow_mut()?.add_new(&request) {
+            Ok(()) => results.append(py.None())?,
+            Err(error) => results.append(error.into_value(py))?,
+        }
+    }
+    Ok(results)
 }
 
 /// Schedules a step on each of `schedulers` in turn (each as its `schedule()`). Returns each

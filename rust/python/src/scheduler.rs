@@ -1,7 +1,7 @@
 //! `Scheduler` (one rank's preemptive, rank-invariant scheduler) and its metrics. One
 //! crossing per `schedule()` and per `update()`; arrays in and out are numpy.
 
-use helix_kv_core::Scheduler;
+use helix_kv_core::{PreparedPrompt, Scheduler};
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::prelude::*;
 
@@ -16,8 +16,8 @@ use crate::step_metadata::{self, PyDecodeRowCounts, PyStepMetadata, PyStepMetada
 
 /// A request priority (int32), checked like every other integer argument (a keyword with
 /// a default cannot be taken as a `Bound`, so it is its own type).
-#[derive(Clone, Copy)]
-struct Priority(i32);
+#[derive(Clone, Copy, Default)]
+pub struct Priority(i32);
 
 impl<'a, 'py> FromPyObject<'a, 'py> for Priority {
     type Error = PyErr;
@@ -30,6 +30,43 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Priority {
             InvalidArgumentError::new_err,
         )
         .map(Self)
+    }
+}
+
+/// `add_request`'s arguments, checked (in the order `add_request` checks them) and the
+/// prompt prepared once, so an in-process group adds it to every rank's scheduler
+/// ([`crate::rank_group::add_request_ranks`]) without checking or keying it again.
+pub struct NewRequest {
+    id: u64,
+    prompt: PreparedPrompt,
+    max_new_tokens: u32,
+    priority: i32,
+}
+
+impl NewRequest {
+    pub fn parse(
+        request_id: &Bound<'_, PyAny>,
+        prompt: &Bound<'_, PyAny>,
+        max_new_tokens: &Bound<'_, PyAny>,
+        priority: Priority,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let salt = salt_arg(cache_salt)?;
+        let id = id_arg(request_id)?;
+        let prompt = token_ids(prompt, "prompt tokens")?;
+        let max_new_tokens = int_arg::<u32>(
+            max_new_tokens,
+            "max_new_tokens",
+            "1..=2**32-1",
+            InvalidLengthError::new_err,
+        )?;
+        let Priority(priority) = priority;
+        Ok(Self {
+            id,
+            prompt: PreparedPrompt::new(prompt.as_slice()?, &salt),
+            max_new_tokens,
+            priority,
+        })
     }
 }
 
@@ -78,7 +115,7 @@ impl PyScheduler {
     /// `cache_salt` (a `str` or `bytes`, at most 4096 bytes): with prefix caching, the
     /// request shares cached KV only with requests of the same salt (a tenant, an adapter).
     #[pyo3(
-        signature = (request_id, prompt, max_new_tokens, priority = Priority(0), *, cache_salt = None),
+        signature = (request_id, prompt, max_new_tokens, priority = Priority::default(), *, cache_salt = None),
         text_signature = "($self, request_id, prompt, max_new_tokens, priority=0, *, cache_salt=None)"
     )]
     fn add_request(
@@ -89,19 +126,8 @@ impl PyScheduler {
         priority: Priority,
         cache_salt: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let salt = salt_arg(cache_salt)?;
-        let id = id_arg(request_id)?;
-        let prompt = token_ids(prompt, "prompt tokens")?;
-        let max_new = int_arg::<u32>(
-            max_new_tokens,
-            "max_new_tokens",
-            "1..=2**32-1",
-            InvalidLengthError::new_err,
-        )?;
-        let Priority(priority) = priority;
-        self.inner
-            .add_request_salted(id, prompt.as_slice()?, max_new, priority, &salt)
-            .py()
+        let request = NewRequest::parse(request_id, prompt, max_new_tokens, priority, cache_salt)?;
+        self.add_new(&request)
     }
 
     /// Drops every cached superblock no request references (identically on every rank);
@@ -381,6 +407,18 @@ impl PyScheduler {
 /// The calls the in-process CP group makes on every rank at once (see
 /// [`crate::rank_group`]), shared with the methods above.
 impl PyScheduler {
+    /// `add_request()` of checked arguments.
+    pub fn add_new(&mut self, request: &NewRequest) -> PyResult<()> {
+        self.inner
+            .add_prepared(
+                request.id,
+                &request.prompt,
+                request.max_new_tokens,
+                request.priority,
+            )
+            .py()
+    }
+
     /// `schedule()`: decides the next step, with the GIL released.
     pub fn schedule_step(&mut self, py: Python<'_>) -> PyResult<PyScheduleOutput> {
         let inner = &mut self.inner;

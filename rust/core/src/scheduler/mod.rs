@@ -50,6 +50,63 @@ use placement::Placement;
 use request::{Request, RequestIndex, TokenLog};
 use slots::BatchSlots;
 
+/// A prompt and its cache salt, prepared once to be added to several schedulers
+/// ([`Scheduler::add_prepared`]), as an in-process CP group adds a request to every rank's.
+///
+/// Its prefix-cache keys are a pure function of the tokens, the salt and the superblock
+/// size (BLAKE3, no per-process state; see [`crate::prefix_cache`]), so the keys the first
+/// scheduler computes are every rank's: they are computed once, on first use, and kept for
+/// that superblock size (a scheduler of another size computes its own). A rank in its own
+/// process prepares its own prompt and computes the same keys.
+#[derive(Debug, Clone)]
+pub struct PreparedPrompt {
+    tokens: Vec<i32>,
+    chain_seed: crate::prefix_cache::BlockKey,
+    /// The keys of the full superblocks and the superblock size they were computed for.
+    keys: std::cell::OnceCell<(u64, Vec<crate::prefix_cache::BlockKey>)>,
+}
+
+impl PreparedPrompt {
+    /// Prepares `prompt` with `cache_salt` (empty for none). Checks nothing: the scheduler
+    /// checks a request when it is added.
+    pub fn new(prompt: &[i32], cache_salt: &[u8]) -> Self {
+        Self {
+            tokens: prompt.to_vec(),
+            chain_seed: crate::prefix_cache::chain_seed(cache_salt),
+            keys: std::cell::OnceCell::new(),
+        }
+    }
+
+    /// The prompt's token ids.
+    pub fn tokens(&self) -> &[i32] {
+        &self.tokens
+    }
+
+    /// The keys of the prompt's full superblocks of `tokens_per_superblock` tokens: the kept
+    /// ones if they are of that size, else computed (and kept if none were).
+    fn block_keys(
+        &self,
+        tokens_per_superblock: u64,
+    ) -> std::borrow::Cow<'_, [crate::prefix_cache::BlockKey]> {
+        let compute = || {
+            let mut keys = Vec::new();
+            crate::prefix_cache::chain_keys(
+                self.chain_seed,
+                &self.tokens,
+                tokens_per_superblock,
+                &mut keys,
+            );
+            keys
+        };
+        let (per, keys) = self.keys.get_or_init(|| (tokens_per_superblock, compute()));
+        if *per == tokens_per_superblock {
+            std::borrow::Cow::Borrowed(keys.as_slice())
+        } else {
+            std::borrow::Cow::Owned(compute())
+        }
+    }
+}
+
 /// The scheduler of one rank. See the module docs.
 ///
 /// Its state is the queue and the requests, the ledger and the host tier, the batch
@@ -186,6 +243,26 @@ impl Scheduler {
         priority: i32,
         cache_salt: &[u8],
     ) -> Result<()> {
+        self.add_prepared(
+            id,
+            &PreparedPrompt::new(prompt, cache_salt),
+            max_new_tokens,
+            priority,
+        )
+    }
+
+    /// [`Self::add_request_salted`] with a prompt prepared once for several schedulers: the
+    /// schedulers of every rank of a group in one process share its prefix-cache keys, which
+    /// it computes for the first one that needs them (see [`PreparedPrompt`]). The same
+    /// checks and errors, in the same order.
+    pub fn add_prepared(
+        &mut self,
+        id: RequestId,
+        prepared: &PreparedPrompt,
+        max_new_tokens: u32,
+        priority: i32,
+    ) -> Result<()> {
+        let prompt = prepared.tokens();
         if self.index.contains_key(&id) || self.finished.contains_key(&id) {
             return Err(CoreError::DuplicateRequest(id));
         }
@@ -209,10 +286,10 @@ impl Scheduler {
             self.first_step_for_new_request(),
         );
         if self.config.enable_prefix_caching {
-            let seed = crate::prefix_cache::chain_seed(cache_salt);
-            request.cold.chain_seed = seed;
-            let per = self.layout.tokens_per_superblock();
-            crate::prefix_cache::chain_keys(seed, prompt, per, &mut request.cold.block_keys);
+            request.cold.chain_seed = prepared.chain_seed;
+            request.cold.block_keys = prepared
+                .block_keys(self.layout.tokens_per_superblock())
+                .to_vec();
         }
         let req = if let Some(req) = self.vacant.pop() {
             self.requests[req as usize] = request;
