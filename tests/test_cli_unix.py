@@ -26,8 +26,8 @@ SMALL = [
     "--cp", "2", "--tokens-per-block", "8", "--requests", "24", "--arrival-rate", "0",
     "--prompt-len", "96", "--output-len", "48", "--seed", "3", "--kv-tokens", "1024",
 ]  # fmt: skip
-#: Long enough that a Ctrl-C lands mid-run: thousands of steps.
-LONG = ["--requests", "3000", "--progress"]
+#: Long enough (about ten seconds here) that no run ends before the Ctrl-C a test sends it.
+LONG = ["--requests", "30000", "--progress"]
 
 
 def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -224,8 +224,8 @@ def test_ctrl_c_prints_the_report_so_far_and_exits_130() -> None:
     assert f"  steps                       {steps}\n" in stdout
     assert f"interrupted after {steps} steps: the figures cover those only" in stdout
     finished = next(line for line in stdout.splitlines() if "requests finished" in line)
-    assert finished.split()[-1] == "3000"
-    assert int(finished.split()[-3]) < 3000
+    assert finished.split()[-1] == LONG[1]
+    assert int(finished.split()[-3]) < int(LONG[1])
 
 
 @needs_scheduler
@@ -235,7 +235,7 @@ def test_ctrl_c_with_json_prints_the_partial_report() -> None:
     report = json.loads(stdout)
     assert report["interrupted"] is True
     assert report["steps"] == _interrupted_steps(_last_line(stderr))
-    assert report["requests_finished"] < report["requests_total"] == 3000
+    assert report["requests_finished"] < report["requests_total"] == int(LONG[1])
     assert report["rank_agreement"] is True
 
 

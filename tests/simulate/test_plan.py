@@ -311,8 +311,9 @@ def test_user_guide_plan_sample_is_what_the_command_prints(
 @pytest.mark.parametrize("jobs", ["1", "2"])
 def test_ctrl_c_stops_every_candidate_and_exits_130(jobs: str) -> None:
     """SIGINT to the whole process group, as a terminal sends it, while the candidates run
-    (long ones: 2000 requests each): 130, one line, and no worker outlives the command."""
-    argv = ["--vary", "kv-tokens", "--requests", "2000", "--slo-ttft-ms", "1000"]
+    (long ones: 100,000 requests each, minutes of work, so none can finish first however fast
+    the machine): 130, one line, and no worker outlives the command."""
+    argv = ["--vary", "kv-tokens", "--requests", "100000", "--slo-ttft-ms", "1000"]
     process = subprocess.Popen(
         [sys.executable, "-m", "helix_kv", "plan", *argv, "--values", "4096,8192", "--jobs", jobs],
         stdout=subprocess.PIPE,

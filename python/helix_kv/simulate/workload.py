@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -203,12 +204,24 @@ class Segment:
         return f"Segment(SegmentKind.{self.kind.name}, {self.source}, {self.length})"
 
     def tokens(self) -> np.ndarray:
-        """The segment's ``length`` int32 token ids."""
-        if self.kind is SegmentKind.SHARED:
-            return shared_prefix_tokens(self.source, self.length)
-        if self.kind is SegmentKind.USER:
-            return user_tokens(self.source, self.length)
-        return expected_output(self.source, self.length)
+        """The segment's ``length`` int32 token ids (an array of its own)."""
+        return _segment_tokens(self).copy()
+
+
+@functools.lru_cache(maxsize=2048)
+def _segment_tokens(segment: Segment) -> np.ndarray:
+    """:meth:`Segment.tokens`, read-only and kept for the segments used last: every turn of a
+    conversation repeats the segments of the turns before it, and a long run would otherwise
+    regenerate each of them once per later turn (a pure function of the segment, so what is
+    kept is what would be made again)."""
+    if segment.kind is SegmentKind.SHARED:
+        tokens = shared_prefix_tokens(segment.source, segment.length)
+    elif segment.kind is SegmentKind.USER:
+        tokens = user_tokens(segment.source, segment.length)
+    else:
+        tokens = expected_output(segment.source, segment.length)
+    tokens.flags.writeable = False
+    return tokens
 
 
 @dataclass(frozen=True, eq=False)
@@ -227,7 +240,7 @@ class PromptParts(PromptContent):
         return sum(segment.length for segment in self.segments)
 
     def tokens(self) -> np.ndarray:
-        return np.concatenate([segment.tokens() for segment in self.segments])
+        return np.concatenate([_segment_tokens(segment) for segment in self.segments])
 
 
 @dataclass(frozen=True)

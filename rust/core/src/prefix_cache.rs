@@ -58,13 +58,37 @@ pub fn chain_keys(
         clippy::cast_possible_truncation,
         reason = "a superblock's tokens fit a slice of `tokens`, so their count fits usize"
     )]
+    let keyed = keys.len().saturating_mul(tokens_per_superblock as usize);
+    extend_keys(
+        seed,
+        &tokens[keyed.min(tokens.len())..],
+        tokens_per_superblock,
+        keys,
+    );
+}
+
+/// Appends to `keys` the keys of the full superblocks of `tail`: the tokens that follow the
+/// `keys.len()` superblocks already keyed (so a caller need not gather the tokens before
+/// them). `seed` is the chain's seed ([`chain_seed`]).
+pub fn extend_keys(
+    seed: BlockKey,
+    tail: &[i32],
+    tokens_per_superblock: u64,
+    keys: &mut Vec<BlockKey>,
+) {
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "a superblock's tokens fit a slice of `tokens`, so their count fits usize"
+    )]
     let per = tokens_per_superblock as usize;
-    let full = tokens.len() / per;
+    if tail.len() < per {
+        return;
+    }
     let mut parent = keys.last().copied().unwrap_or(seed);
     let mut bytes = Vec::with_capacity(per * 4);
-    for block in keys.len()..full {
+    for superblock in tail.chunks_exact(per) {
         bytes.clear();
-        for &token in &tokens[block * per..(block + 1) * per] {
+        for &token in superblock {
             bytes.extend_from_slice(&token.to_le_bytes());
         }
         let mut h = blake3::Hasher::new();
@@ -310,6 +334,17 @@ mod tests {
         chain_keys(seed, &[1, 2, 3], 3, &mut again);
         chain_keys(seed, &[1, 2, 3, 4, 5, 6, 7, 8, 9], 3, &mut again);
         assert_eq!(&again[..2], &keys[..]);
+        // Extended from only the tokens past the keyed superblocks: the same chain again.
+        let mut tail = Vec::new();
+        chain_keys(seed, &[1, 2, 3, 4], 3, &mut tail);
+        extend_keys(seed, &[4, 5], 3, &mut tail);
+        assert_eq!(
+            tail.len(),
+            1,
+            "a tail shorter than a superblock adds no key"
+        );
+        extend_keys(seed, &[4, 5, 6, 7, 8, 9, 10], 3, &mut tail);
+        assert_eq!(tail, again);
         // The same tokens after another prefix: another key.
         let mut other = Vec::new();
         chain_keys(seed, &[9, 9, 9, 4, 5, 6], 3, &mut other);

@@ -10,7 +10,7 @@ use super::victim::VictimKey;
 use super::Scheduler;
 use crate::error::{CoreError, Result};
 use crate::ledger::{page_id, superblock_count, DecodeLane, OlderUndo};
-use crate::prefix_cache::chain_keys;
+use crate::prefix_cache::{chain_keys, extend_keys};
 use crate::{RequestId, SuperblockId};
 
 impl Scheduler {
@@ -223,11 +223,36 @@ impl Scheduler {
         if full == 0 {
             return;
         }
-        if request.cold.block_keys.len() < full {
-            let mut tokens = request.cold.tokens.clone();
-            self.token_log.append_to(req, request, &mut tokens);
+        let keyed = request.cold.block_keys.len();
+        if keyed < full {
+            // Only the tokens past the keyed superblocks, not a copy of the whole prompt
+            // (every request retires through here, on every rank).
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "keyed superblocks of its tokens, within a slice length"
+            )]
+            let start = keyed * per as usize;
+            let known = &request.cold.tokens;
+            let mut tail = known[start.min(known.len())..].to_vec();
+            if start > known.len() {
+                let mut logged = Vec::new();
+                self.token_log.append_to(req, request, &mut logged);
+                tail.extend_from_slice(&logged[(start - known.len()).min(logged.len())..]);
+            } else {
+                self.token_log.append_to(req, request, &mut tail);
+            }
             let cold = &mut *self.requests[req as usize].cold;
-            chain_keys(cold.chain_seed, &tokens, per, &mut cold.block_keys);
+            extend_keys(cold.chain_seed, &tail, per, &mut cold.block_keys);
+            #[cfg(debug_assertions)]
+            {
+                // The oracle: the chain over every token the request knows, from the seed.
+                let request = &self.requests[req as usize];
+                let mut all = request.cold.tokens.clone();
+                self.token_log.append_to(req, request, &mut all);
+                let mut oracle = Vec::new();
+                chain_keys(request.cold.chain_seed, &all, per, &mut oracle);
+                debug_assert_eq!(request.cold.block_keys, oracle);
+            }
         }
         let request = &self.requests[req as usize];
         // A suspended request holds nothing here (its KV is in the host tier).
