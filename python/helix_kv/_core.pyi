@@ -56,7 +56,10 @@ __all__ = [
     "UnknownRequestError",
     "__version__",
     "add_request_ranks",
+    "affine_tokens",
+    "mixed_tokens",
     "schedule_ranks",
+    "splitmix64",
     "update_ranks",
 ]
 
@@ -770,3 +773,16 @@ def update_ranks(
     eos: _FlagArray | None = None,
     accepted: _IntArray | None = None,
 ) -> tuple[list[npt.NDArray[np.uint64] | Exception], bool]: ...
+
+# The simulator's pretend model as kernels (helix_kv.simulate.tokens defines it).
+def splitmix64(values: _IntArray) -> npt.NDArray[np.uint64]: ...
+def mixed_tokens(
+    seeds: _IntArray, block_tokens: int, length: int, vocab: int
+) -> npt.NDArray[np.int32]: ...
+def affine_tokens(
+    request_ids: _IntArray,
+    output_indices: _IntArray,
+    vocab: int,
+    id_multiplier: int,
+    index_multiplier: int,
+) -> npt.NDArray[np.int32]: ...

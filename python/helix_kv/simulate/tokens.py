@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from helix_kv._core import affine_tokens, mixed_tokens, splitmix64
+
 #: Size of the pretend vocabulary; token ids are in ``[0, VOCAB_SIZE)``.
 VOCAB_SIZE = 32_000
 
@@ -27,19 +29,11 @@ def prompt_tokens(request_id: int, prompt_len: int) -> np.ndarray:
     return ((base + indices * _INDEX_MULTIPLIER) % VOCAB_SIZE).astype(np.int32)
 
 
-# as uint64 scalars once: sampled_tokens runs every step
-_VOCAB_U64 = np.uint64(VOCAB_SIZE)
-_ID_MULTIPLIER_U64 = np.uint64(_ID_MULTIPLIER)
-_INDEX_MULTIPLIER_U64 = np.uint64(_INDEX_MULTIPLIER)
-_ONE_U64 = np.uint64(1)
-
-
 def sampled_tokens(request_ids: np.ndarray, output_indices: np.ndarray) -> np.ndarray:
-    """The token each request samples as its ``output_indices``-th output (0-based), int32."""
-    ids = np.asarray(request_ids, dtype=np.uint64) % _VOCAB_U64
-    indices = np.asarray(output_indices, dtype=np.uint64)
-    mixed = ids * _ID_MULTIPLIER_U64 + (indices + _ONE_U64) * _INDEX_MULTIPLIER_U64
-    return (mixed % _VOCAB_U64).astype(np.int32)
+    """The token each request samples as its ``output_indices``-th output (0-based), int32:
+    ``((id % VOCAB_SIZE) * 1_000_003 + (index + 1) * 7_919) % VOCAB_SIZE`` (uint64, wrapping),
+    in one pass (it runs every step)."""
+    return affine_tokens(request_ids, output_indices, VOCAB_SIZE, _ID_MULTIPLIER, _INDEX_MULTIPLIER)
 
 
 def expected_output(request_id: int, output_len: int) -> np.ndarray:
@@ -66,16 +60,9 @@ _DOMAIN_HASH_BLOCK = 0x484153485F424C4B  # "HASH_BLK"
 
 
 def _mix(values: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer, elementwise on uint64 (wrapping arithmetic); ``values`` is left
-    as it was."""
-    z = values + _U64(0x9E3779B97F4A7C15)
-    # in place from here on: a prompt's worth of uint64 is mixed per request
-    z ^= z >> _U64(30)
-    z *= _U64(0xBF58476D1CE4E5B9)
-    z ^= z >> _U64(27)
-    z *= _U64(0x94D049BB133111EB)
-    z ^= z >> _U64(31)
-    return z
+    """splitmix64's finalizer, elementwise on uint64 (wrapping arithmetic), as a new array
+    (``values`` is left as it was)."""
+    return splitmix64(values)
 
 
 def _seeds(domain: int, sources: np.ndarray) -> np.ndarray:
@@ -83,18 +70,12 @@ def _seeds(domain: int, sources: np.ndarray) -> np.ndarray:
     return _mix(np.asarray(sources, dtype=np.uint64) ^ _U64(domain))
 
 
-def _tokens_of_seeds(seeds: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """Token ``indices[k]`` of the source seeded ``seeds[k]`` (or of one seed, a scalar), as
-    int32."""
-    mixed = _mix(seeds + np.asarray(indices, dtype=np.uint64))
-    mixed %= _U64(VOCAB_SIZE)
-    return mixed.astype(np.int32)
-
-
 def _source_tokens(domain: int, source: int, length: int) -> np.ndarray:
-    """Tokens ``0 .. length - 1`` of one source in ``domain``, its seed mixed once."""
-    (seed,) = _seeds(domain, np.array([source], dtype=np.uint64))
-    return _tokens_of_seeds(seed, np.arange(length, dtype=np.uint64))
+    """Tokens ``0 .. length - 1`` of one source in ``domain`` (token ``i`` is
+    ``_mix(seed + i) % VOCAB_SIZE``, int32), its seed mixed once."""
+    return mixed_tokens(
+        _seeds(domain, np.array([source], dtype=np.uint64)), max(length, 1), length, VOCAB_SIZE
+    )
 
 
 def shared_prefix_tokens(prefix_id: int, length: int) -> np.ndarray:
@@ -113,6 +94,4 @@ def hash_block_tokens(hash_ids: np.ndarray, block_tokens: int, length: int) -> n
     ``block_tokens`` tokens of hash id ``hash_ids[i]`` (the same wherever the id appears), the
     last block cut so the prompt has ``length`` tokens."""
     seeds = _seeds(_DOMAIN_HASH_BLOCK, np.asarray(hash_ids, dtype=np.uint64))
-    per_token = np.repeat(seeds, block_tokens)[:length]
-    indices = np.tile(np.arange(block_tokens, dtype=np.uint64), len(seeds))[:length]
-    return _tokens_of_seeds(per_token, indices)
+    return mixed_tokens(seeds, block_tokens, length, VOCAB_SIZE)

@@ -1106,6 +1106,13 @@ impl Ledger {
     #[inline(always)]
     fn grow_entry(&mut self, entry: EntryIndex, new_len: u64) -> bool {
         if self.cache.is_some() {
+            // The usual grow (a decode token inside the last superblock) takes no page, so
+            // it evicts nothing: settled here, not in the cold path.
+            let record = &mut self.requests.records[entry];
+            if new_len <= u64::from(record.held) * self.layout.tokens_per_superblock() {
+                record.len = new_len;
+                return true;
+            }
             return self.grow_entry_cached(entry, new_len);
         }
         grow_record(

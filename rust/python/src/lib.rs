@@ -14,6 +14,7 @@ mod request_output;
 mod schedule_output;
 mod scheduler;
 mod scheduler_config;
+mod simulate_tokens;
 mod step_metadata;
 
 #[pyo3::pymodule]
@@ -42,6 +43,8 @@ mod _core {
     use crate::scheduler::PyScheduler;
     #[pymodule_export]
     use crate::scheduler_config::{PyConfigField, PySchedulerConfig};
+    #[pymodule_export]
+    use crate::simulate_tokens::{affine_tokens, mixed_tokens, splitmix64};
     #[pymodule_export]
     use crate::step_metadata::{PyDecodeRowCounts, PyStepMetadata, PyStepMetadataLayout};
 
