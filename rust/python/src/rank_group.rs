@@ -18,8 +18,9 @@ use pyo3::types::PyList;
 use crate::arrays::{invalid_type_of, u64_vec};
 use crate::errors::InvalidArgumentError;
 use crate::layout::PyLayout;
-use crate::schedule_output::{PyScheduleOutput, RankColumns};
+use crate::schedule_output::PyScheduleOutput;
 use crate::scheduler::{ids_to_numpy, update_args, NewRequest, Priority, PyScheduler};
+use helix_kv_core::RankPlacement;
 
 /// The schedulers of `schedulers` (a sequence), every one checked before any is called, so
 /// a bad argument changes nothing.
@@ -190,8 +191,10 @@ fn schedules_agree(
     let Some(layout) = layout else {
         return true;
     };
-    let columns: Vec<RankColumns> = outputs.iter().map(|o| o.rank_columns(py)).collect();
-    rank_fields_fit(&columns, layout, ranks)
+    // Equal digests: every output has these positions.
+    let positions = first.positions(py);
+    let placements: Vec<RankPlacement> = outputs.iter().map(|o| o.unread_placement(py)).collect();
+    rank_fields_fit(positions.as_slice(), &placements, layout, ranks)
 }
 
 /// The group's per-rank check (`SimulatedCPGroup._check_rank_fields`), exactly: the first
@@ -200,76 +203,57 @@ fn schedules_agree(
 /// local lengths add up to position + 1 and the past-seen ones to the position, and only
 /// the owner's length grows; with some ranks here, each one's fields are exactly the
 /// layout's for that rank. No decode: nothing to check. Lengths that do not fit together
-/// (or a rank outside the layout) do not fit either.
-fn rank_fields_fit(columns: &[RankColumns], layout: Layout, ranks: &[u32]) -> bool {
-    let Some(reference) = columns.first() else {
+/// (or a rank outside the layout, or a position numpy cannot hold) do not fit either. Read
+/// row by row: no column is copied.
+fn rank_fields_fit(
+    positions: &[u64],
+    placements: &[RankPlacement],
+    layout: Layout,
+    ranks: &[u32],
+) -> bool {
+    let Some(reference) = placements.first() else {
         return true;
     };
-    let n = reference.positions.len();
-    if n == 0 {
+    if positions.is_empty() {
         return true;
     }
-    let Ok(positions) = reference
-        .positions
-        .iter()
-        .map(|&p| u64::try_from(p))
-        .collect::<Result<Vec<u64>, _>>()
-    else {
-        return false;
-    };
-    let owners: Vec<u32> = positions.iter().map(|&p| layout.owner_rank(p)).collect();
-    let sized = |column_len: usize| column_len == n;
-    if !sized(reference.owners.len())
-        || reference
-            .owners
+    // Python reads positions as int64.
+    if positions.iter().any(|&p| i64::try_from(p).is_err())
+        || positions
             .iter()
-            .zip(&owners)
-            .any(|(&given, &owner)| i64::from(given) != i64::from(owner))
+            .any(|&p| reference.decode_at(p).owner != layout.owner_rank(p))
     {
         return false;
     }
-    if columns.len() != ranks.len() || ranks.iter().any(|&rank| rank >= layout.cp()) {
+    if placements.len() != ranks.len() || ranks.iter().any(|&rank| rank >= layout.cp()) {
         return false;
     }
-    let every_rank = ranks.len() == layout.cp() as usize;
-    if every_rank {
-        let mut local_sums = vec![0i128; n];
-        let mut past_sums = vec![0i128; n];
-        for (index, column) in columns.iter().enumerate() {
-            if !(sized(column.active.len())
-                && sized(column.local_lens.len())
-                && sized(column.past_seen_lens.len()))
-            {
-                return false;
-            }
-            for i in 0..n {
-                let owns = owners[i] as usize == index;
-                let (after, before) = (column.local_lens[i], column.past_seen_lens[i]);
-                if column.active[i] != owns
-                    || i128::from(after) - i128::from(before) != i128::from(owns)
+    if ranks.len() == layout.cp() as usize {
+        return positions.iter().all(|&p| {
+            let owner = layout.owner_rank(p) as usize;
+            let (mut local_sum, mut past_sum) = (0u128, 0u128);
+            for (index, placement) in placements.iter().enumerate() {
+                let placed = placement.decode_at(p);
+                let owns = owner == index;
+                let active = placed.owner == placement.cp_rank();
+                if active != owns
+                    || i128::from(placed.local_len) - i128::from(placed.past_seen_len)
+                        != i128::from(owns)
                 {
                     return false;
                 }
-                local_sums[i] += i128::from(after);
-                past_sums[i] += i128::from(before);
+                local_sum += u128::from(placed.local_len);
+                past_sum += u128::from(placed.past_seen_len);
             }
-        }
-        return positions
-            .iter()
-            .enumerate()
-            .all(|(i, &p)| local_sums[i] == i128::from(p) + 1 && past_sums[i] == i128::from(p));
+            local_sum == u128::from(p) + 1 && past_sum == u128::from(p)
+        });
     }
-    columns.iter().zip(ranks).all(|(column, &rank)| {
-        sized(column.active.len())
-            && sized(column.local_lens.len())
-            && sized(column.past_seen_lens.len())
-            && positions.iter().enumerate().all(|(i, &p)| {
-                let Some(after) = p.checked_add(1) else {
-                    return false;
-                };
-                column.active[i] == (owners[i] == rank)
-                    && i128::from(column.local_lens[i]) == i128::from(layout.local_len(after, rank))
-                    && i128::from(column.past_seen_lens[i]) == i128::from(layout.local_len(p, rank))
-            })
+    placements.iter().zip(ranks).all(|(placement, &rank)| {
+        positions.iter().all(|&p| {
+            let placed = placement.decode_at(p);
+            (placed.owner == placement.cp_rank()) == (layout.owner_rank(p) == rank)
+                && placed.local_len == layout.local_len(p + 1, rank)
+                && placed.past_seen_len == layout.local_len(p, rank)
+        })
     })
 }

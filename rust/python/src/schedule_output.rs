@@ -595,62 +595,31 @@ fn past_seen_len_column(placement: RankPlacement, positions: &[u64]) -> Vec<i64>
     lens.map(<u64 as Exposed<i64>>::to_numpy).collect()
 }
 
-/// What the cross-rank check of an in-process group reads of one output
-/// ([`crate::rank_group`]): the values Python would read, without making a numpy array.
-pub struct RankColumns {
-    /// `generation_positions`.
-    pub positions: Vec<i64>,
-    /// `generation_owner_ranks`.
-    pub owners: Vec<i32>,
-    /// `generation_active`.
-    pub active: Vec<bool>,
-    /// `generation_local_lens`.
-    pub local_lens: Vec<i64>,
-    /// `generation_past_seen_lens`.
-    pub past_seen_lens: Vec<i64>,
-}
-
 impl PyScheduleOutput {
     /// The step's digest.
     pub fn digest_value(&self) -> u64 {
         self.digest
     }
 
-    /// The values of `cell`'s computed array: the array's own where Python read it (so what
-    /// Python sees), else computed by `column` from the positions and the placement.
-    fn column_values<N: Element + Copy>(
-        &self,
-        py: Python<'_>,
-        cell: &PyOnceLock<Py<PyArray1<N>>>,
-        column: impl FnOnce(RankPlacement, &[u64]) -> Vec<N>,
-    ) -> Vec<N> {
-        if let Some(array) = cell.get(py) {
-            // a read-only array the binding made (contiguous): else nothing, which no check
-            // accepts
-            return array.bind(py).to_vec().unwrap_or_default();
-        }
-        let positions = self.generation_positions.lend(py);
-        column(self.rank_placement, positions.as_slice())
+    /// The positions of the step's decodes, as Python would read them.
+    pub fn positions(&self, py: Python<'_>) -> Lent<'_, u64> {
+        self.generation_positions.lend(py)
     }
 
-    /// The positions and the computed columns, as Python would read them.
-    pub fn rank_columns(&self, py: Python<'_>) -> RankColumns {
-        // collected first: the lent positions hold the field's lock, which each column takes
-        let positions = self.generation_positions.lend(py).as_slice().to_vec();
-        RankColumns {
-            positions: positions
-                .into_iter()
-                .map(<u64 as Exposed<i64>>::to_numpy)
-                .collect(),
-            owners: self.column_values(py, &self.computed.owner_ranks, owner_column),
-            active: self.column_values(py, &self.computed.active, active_column),
-            local_lens: self.column_values(py, &self.computed.local_lens, local_len_column),
-            past_seen_lens: self.column_values(
-                py,
-                &self.computed.past_seen_lens,
-                past_seen_len_column,
-            ),
-        }
+    /// The placement its per-rank columns are computed from, for the cross-rank check of an
+    /// in-process group ([`crate::rank_group`]), which reads them row by row from it: that
+    /// check runs on outputs made in the same call, whose columns Python has not read, so
+    /// the placement's values are the columns Python would read.
+    pub fn unread_placement(&self, py: Python<'_>) -> RankPlacement {
+        let computed = &self.computed;
+        debug_assert!(
+            computed.owner_ranks.get(py).is_none()
+                && computed.active.get(py).is_none()
+                && computed.local_lens.get(py).is_none()
+                && computed.past_seen_lens.get(py).is_none(),
+            "a column of an output made in this call was read"
+        );
+        self.rank_placement
     }
 }
 

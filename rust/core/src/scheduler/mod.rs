@@ -36,7 +36,7 @@ pub use metadata::{
 };
 pub use metrics::{RequestMetrics, SchedulerMetrics};
 pub use output::{FieldScope, ScheduleOutput};
-pub use placement::RankPlacement;
+pub use placement::{DecodePlacement, RankPlacement};
 pub use request::{FinishReason, RequestOutput, RequestState};
 
 use crate::digest::{bits, Fnv64};

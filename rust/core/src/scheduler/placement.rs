@@ -55,7 +55,7 @@ impl Divisor {
 
 /// Where a decode token goes and what one rank holds around it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct DecodePlacement {
+pub struct DecodePlacement {
     /// Rank that appends the token.
     pub owner: u32,
     /// Tokens the viewing rank holds before the token.
@@ -192,6 +192,12 @@ impl RankPlacement {
         positions
             .iter()
             .map(move |&p| self.placement.decode(p, self.cp_rank))
+    }
+
+    /// The decode token at `position` seen from this rank: what the columns below give for
+    /// it, one row at a time.
+    pub fn decode_at(self, position: u64) -> DecodePlacement {
+        self.placement.decode(position, self.cp_rank)
     }
 
     /// For each decode token at `positions`: the rank that appends it (its owner,
