@@ -170,6 +170,65 @@ fn a_prepared_prompt_is_added_as_add_request_salted_adds_it_whatever_the_superbl
 }
 
 #[test]
+fn requests_added_from_one_prepared_prompt_share_it_until_they_change_it() {
+    // Two schedulers take each request from one prepared prompt (sharing its tokens), in a
+    // pool tight enough that requests are recompute-paused (their generated tokens folded
+    // into their prompt, a write to the shared tokens); a third, the twin, is given its own
+    // copies. Every step and every output is the twin's, on both, and the prompt is as made.
+    let config = || {
+        let mut config = cached(1, 12);
+        config.max_preemptions_per_request = 1000;
+        config
+    };
+    let mut shared: Vec<Scheduler> = (0..2).map(|_| Scheduler::new(config()).unwrap()).collect();
+    let mut twin = Scheduler::new(config()).unwrap();
+    let prompts: Vec<Vec<i32>> = (1..=3).map(|id| prompt(8, 2, id)).collect();
+    let prepared: Vec<PreparedPrompt> = prompts
+        .iter()
+        .map(|p| PreparedPrompt::new(p, b""))
+        .collect();
+    for (id, (tokens, prepared)) in prompts.iter().zip(&prepared).enumerate() {
+        let id = id as u64 + 1;
+        for s in &mut shared {
+            s.add_prepared(id, prepared, 20, 0).unwrap();
+        }
+        twin.add_request_salted(id, tokens, 20, 0, b"").unwrap();
+    }
+    let mut finished = Vec::new();
+    for step in 0..1000u32 {
+        if twin.queue_ids().is_empty() {
+            break;
+        }
+        let expected = twin.schedule().unwrap().clone();
+        let tokens: Vec<i32> = (0..expected.num_samples() as i32)
+            .map(|i| i + step as i32)
+            .collect();
+        let done = twin.update(&tokens, None).unwrap().to_vec();
+        for s in &mut shared {
+            assert_eq!(s.schedule().unwrap(), &expected, "step {step}");
+            assert_eq!(s.update(&tokens, None).unwrap(), done.as_slice());
+            assert_eq!(s.state_digest(), twin.state_digest());
+        }
+        for id in done {
+            let output = twin.take_output(id).unwrap();
+            for s in &mut shared {
+                assert_eq!(s.take_output(id).unwrap(), output);
+            }
+            finished.push(id);
+        }
+    }
+    finished.sort_unstable();
+    assert_eq!(finished, vec![1, 2, 3]);
+    assert!(
+        twin.metrics().preemptions > 0,
+        "the pool made no recompute-pause"
+    );
+    for (prepared, tokens) in prepared.iter().zip(&prompts) {
+        assert_eq!(prepared.tokens(), tokens.as_slice());
+    }
+}
+
+#[test]
 fn eviction_takes_the_least_recently_released_and_a_request_tail_first() {
     let mut s = Scheduler::new(cached(1, 6)).unwrap();
     // Request 1: 3 full superblocks of prompt, then request 2: 2 more, both finish.

@@ -483,10 +483,14 @@ impl Scheduler {
             clippy::cast_possible_truncation,
             reason = "the original prompt length was a slice length"
         )]
-        let mut generated = request
-            .cold
-            .tokens
-            .split_off(request.cold.original_prompt_len as usize);
+        let prompt_len = request.cold.original_prompt_len as usize;
+        // A prompt still shared holds no generated token (a request copies it before it
+        // adds one): nothing to split off, and nothing to copy.
+        let mut generated = if request.cold.tokens.len() > prompt_len {
+            std::sync::Arc::make_mut(&mut request.cold.tokens).split_off(prompt_len)
+        } else {
+            Vec::new()
+        };
         self.token_log.drain_into(req, request, &mut generated);
         self.state_counts[request.state.index()] -= 1;
         self.index.remove(&id);

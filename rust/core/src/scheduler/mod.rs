@@ -60,7 +60,9 @@ use slots::BatchSlots;
 /// process prepares its own prompt and computes the same keys.
 #[derive(Debug, Clone)]
 pub struct PreparedPrompt {
-    tokens: Vec<i32>,
+    /// Shared with every request added from it (on every rank of an in-process group): a
+    /// request copies its tokens only if it must change them (`RequestCold::tokens`).
+    tokens: std::sync::Arc<Vec<i32>>,
     chain_seed: crate::prefix_cache::BlockKey,
     /// The keys of the full superblocks and the superblock size they were computed for.
     keys: std::cell::OnceCell<(u64, Vec<crate::prefix_cache::BlockKey>)>,
@@ -71,7 +73,7 @@ impl PreparedPrompt {
     /// checks a request when it is added.
     pub fn new(prompt: &[i32], cache_salt: &[u8]) -> Self {
         Self {
-            tokens: prompt.to_vec(),
+            tokens: std::sync::Arc::new(prompt.to_vec()),
             chain_seed: crate::prefix_cache::chain_seed(cache_salt),
             keys: std::cell::OnceCell::new(),
         }
@@ -278,9 +280,9 @@ impl Scheduler {
         }
         self.check_fits(id, prompt.len() as u64, u64::from(max_new_tokens))?;
         self.ledger.add(id, prompt.len() as u64)?;
-        let mut request = Request::new(
+        let mut request = Request::with_tokens(
             id,
-            prompt,
+            std::sync::Arc::clone(&prepared.tokens),
             max_new_tokens,
             priority,
             self.first_step_for_new_request(),
@@ -554,7 +556,7 @@ impl Scheduler {
     pub fn tokens(&self, id: RequestId) -> Result<Vec<i32>> {
         let req = self.request_index(id)?;
         let request = &self.requests[req as usize];
-        let mut tokens = request.cold.tokens.clone();
+        let mut tokens = request.cold.tokens.to_vec();
         self.token_log.append_to(req, request, &mut tokens);
         Ok(tokens)
     }

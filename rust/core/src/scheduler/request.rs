@@ -177,8 +177,10 @@ pub(super) struct RequestCold {
     /// Prompt (with folded tokens), then the tokens sampled before the log last moved
     /// them here; the newer ones wait in the [`TokenLog`] (its chunks, then its row).
     /// A re-prefill reads its chunks straight from this vector (a request that re-prefills
-    /// has nothing in the log: it is flushed when recompute-paused).
-    pub tokens: Vec<i32>,
+    /// has nothing in the log: it is flushed when recompute-paused). Shared, copy on
+    /// write: a request added from a `PreparedPrompt` shares its prompt with every other
+    /// request added from it (the ranks of an in-process group), until it changes it.
+    pub tokens: std::sync::Arc<Vec<i32>>,
     /// Last step that preempted or suspended it.
     pub victim_step: u64,
     /// Last step that resumed it from the host tier.
@@ -208,6 +210,7 @@ pub(super) struct RequestCold {
 }
 
 impl Request {
+    #[cfg(test)]
     pub fn new(
         id: RequestId,
         prompt: &[i32],
@@ -215,14 +218,25 @@ impl Request {
         priority: i32,
         first_step: u64,
     ) -> Self {
-        // Room for a modest output up front; a long one grows by doubling as usual.
-        let mut tokens = Vec::with_capacity(prompt.len() + max_new_tokens.min(256) as usize);
-        tokens.extend_from_slice(prompt);
+        let tokens = std::sync::Arc::new(prompt.to_vec());
+        Self::with_tokens(id, tokens, max_new_tokens, priority, first_step)
+    }
+
+    /// A new request whose prompt is `tokens` (shared until it changes them).
+    pub fn with_tokens(
+        id: RequestId,
+        tokens: std::sync::Arc<Vec<i32>>,
+        max_new_tokens: u32,
+        priority: i32,
+        first_step: u64,
+    ) -> Self {
+        let last_token = tokens.last().copied().unwrap_or_default();
+        let original_prompt_len = tokens.len() as u64;
         Self {
             id,
             state: RequestState::Waiting,
             abort_requested: false,
-            last_token: prompt.last().copied().unwrap_or_default(),
+            last_token,
             logged: 0,
             last_chunk: NO_CHUNK,
             chunks: 0,
@@ -235,7 +249,7 @@ impl Request {
                 priority,
                 victim_choices: 0,
                 tokens,
-                original_prompt_len: prompt.len() as u64,
+                original_prompt_len,
                 suspended_from: RequestState::Waiting,
                 recomputed_tokens: 0,
                 steps_waited: 0,
@@ -255,7 +269,7 @@ impl Request {
     /// tokens must all be there; it has nothing in the log).
     pub fn push_token_unlogged(&mut self, token: i32) {
         debug_assert_eq!((self.logged, self.chunks), (0, 0));
-        self.cold.tokens.push(token);
+        std::sync::Arc::make_mut(&mut self.cold.tokens).push(token);
         self.note_token(token);
     }
 
@@ -546,8 +560,11 @@ impl TokenLog {
 
     /// Moves what the log holds of the request at index `req` to its token vector.
     pub fn flush(&mut self, req: RequestIndex, request: &mut Request) {
+        if request.logged_len() == 0 {
+            return; // nothing to move: a shared prompt stays shared
+        }
         let mut tokens = std::mem::take(&mut request.cold.tokens);
-        self.drain_into(req, request, &mut tokens);
+        self.drain_into(req, request, std::sync::Arc::make_mut(&mut tokens));
         request.cold.tokens = tokens;
     }
 }

@@ -247,7 +247,7 @@ impl Scheduler {
             {
                 // The oracle: the chain over every token the request knows, from the seed.
                 let request = &self.requests[req as usize];
-                let mut all = request.cold.tokens.clone();
+                let mut all = request.cold.tokens.to_vec();
                 self.token_log.append_to(req, request, &mut all);
                 let mut oracle = Vec::new();
                 chain_keys(request.cold.chain_seed, &all, per, &mut oracle);
