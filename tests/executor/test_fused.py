@@ -262,3 +262,72 @@ def test_bf16_kernels_match_the_unfused_ops_on_cuda():
         rope_tables(positions, inv_freq, dtype), rope_tables_reference(positions, inv_freq, dtype)
     ):
         close(out, ref, 0.999)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_head_matmul_matches_the_per_head_products(rows, transposed):
+    # The kernel (interpreter on the CPU, float32) against a float64 product per head: rows
+    # past one tile, columns past one tile, an inner dim that is not a tile's multiple, a
+    # transposed weight view, an input of another dtype and an output inside a wider tensor.
+    heads, inner, cols = 3, 40, 70
+    x = randn(rows, heads, inner, dtype=torch.float64, seed=1)
+    stored = randn(heads, cols, inner, dtype=torch.float32, seed=2)
+    weight = stored.transpose(1, 2) if transposed else stored.transpose(1, 2).contiguous()
+    wide = torch.full((rows, heads, cols + 6), 7.0, dtype=torch.float32, device=device())
+    out = fused.head_matmul(x, weight, out=wide[..., 3 : 3 + cols])
+    expected = torch.stack(
+        [x.float().double()[:, h] @ weight.double()[h] for h in range(heads)], dim=1
+    )
+    assert out.data_ptr() == wide[..., 3:].data_ptr()
+    assert relative(out, expected) < TOL[torch.float32]
+    assert bool((wide[..., :3] == 7.0).all())
+    assert bool((wide[..., 3 + cols :] == 7.0).all())
+    fresh = fused.head_matmul(x.float(), weight)
+    assert fresh.shape == (rows, heads, cols)
+    assert torch.equal(fresh, out)
+    reference = fused.head_matmul_reference(x.double(), weight.double())
+    assert torch.allclose(fused.head_matmul(x.double(), weight.double()), reference)
+
+
+def test_head_matmul_refuses_shapes_that_do_not_chain():
+    x = torch.zeros(4, 2, 8)
+    with pytest.raises(ValueError, match="must be \\[rows, heads, inner\\]"):
+        fused.head_matmul(x, torch.zeros(2, 9, 5))
+    with pytest.raises(ValueError, match="must be \\[rows, heads, inner\\]"):
+        fused.head_matmul(x, torch.zeros(3, 8, 5))
+    with pytest.raises(ValueError, match="out"):
+        fused.head_matmul(x, torch.zeros(2, 8, 5), out=torch.zeros(4, 2, 6))
+    with pytest.raises(ValueError, match="out"):
+        fused.head_matmul(x, torch.zeros(2, 8, 5), out=torch.zeros(4, 2, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        fused.head_matmul(torch.zeros(4, 8, 2).transpose(1, 2), torch.zeros(2, 8, 5))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", [64, 256])
+def test_bf16_head_matmul_matches_cublas_at_the_mla_shapes(rows):
+    # DeepSeek-V3's absorbed products at 32 heads: the key up-projection (nope 128 -> latent
+    # 512, into a slice of the query) and the value one (latent 512 -> v 128, a transposed
+    # weight view, from the float32 combine output), against cuBLAS's batched GEMMs.
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dtype = torch.bfloat16
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32)
+
+    q = draw(rows, 32, 192).to(dtype)
+    w_uk = (draw(32, 128, 512) / 12).to(dtype)
+    query = torch.zeros(rows, 32, 576, dtype=dtype, device="cuda")
+    fused.head_matmul(q[..., :128], w_uk, out=query[..., :512])
+    ref = torch.matmul(q[..., :128].transpose(0, 1), w_uk).transpose(0, 1)
+    diff = (query[..., :512].float() - ref.float()).abs()
+    assert bool((diff <= ref.float().abs() * 2.0**-7 + 1e-3).all())
+    assert bool((query[..., 512:] == 0).all())
+    latent_out = draw(rows, 32, 512)
+    w_uv = (draw(32, 128, 512) / 22).to(dtype)
+    out = fused.head_matmul(latent_out, w_uv.transpose(1, 2))
+    ref = torch.einsum("thl,hvl->thv", latent_out.to(dtype), w_uv)
+    diff = (out.float() - ref.float()).abs()
+    assert bool((diff <= ref.float().abs() * 2.0**-7 + 1e-3).all())

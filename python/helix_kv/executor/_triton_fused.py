@@ -284,3 +284,55 @@ def mla_rope_norm_write_kernel(
         s2 = _round(k2 * cos, dtype, ROUND) + _round(k1 * sin, dtype, ROUND)
         tl.store(out + latent + j, s1.to(dtype).to(cache_type), mask=j_mask)
         tl.store(out + latent + half + j, s2.to(dtype).to(cache_type), mask=j_mask)
+
+
+@triton.jit
+def head_matmul_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    rows,
+    inner,
+    cols,
+    stride_x_row,
+    stride_x_head,
+    stride_w_head,
+    stride_w_inner,
+    stride_w_col,
+    stride_y_row,
+    stride_y_head,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One program per head (axis 0) x tile of rows (axis 1) x tile of columns (axis 2):
+    ``y[r, h, c] = sum_k x[r, h, k] * w[h, k, c]``, accumulated in float32 (``x`` rounded
+    to ``w``'s dtype first, as the unfused ops cast it), rounded to ``y``'s dtype once.
+    ``x`` and ``y`` have contiguous last dims; ``w`` any strides (a transposed weight)."""
+    head = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_mask = r < rows
+    c_mask = c < cols
+    x_rows = x_ptr + r[:, None] * stride_x_row + head * stride_x_head
+    w_head = w_ptr + head * stride_w_head + c[None, :] * stride_w_col
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for start in range(0, inner, BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
+        k_mask = k < inner
+        w = tl.load(
+            w_head + k[:, None] * stride_w_inner,
+            mask=k_mask[:, None] & c_mask[None, :],
+            other=0.0,
+        )
+        x = tl.load(x_rows + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(x.to(w.dtype), w, acc=acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x.to(w.dtype), w, acc=acc)
+    tl.store(
+        y_ptr + r[:, None] * stride_y_row + head * stride_y_head + c[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=r_mask[:, None] & c_mask[None, :],
+    )

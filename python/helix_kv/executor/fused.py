@@ -13,6 +13,8 @@ stores a tensor.
 * :func:`silu_mul`: ``silu(gate) * up`` of a merged ``[gate | up]`` projection.
 * :func:`rope_tables`: the RoPE cosine and sine tables of a step's positions.
 * :func:`argmax`: the greedy token of each row of logits.
+* :func:`head_matmul`: one small matrix product per head (MLA's absorbed key and value
+  up-projections), read and written in the layouts the step holds, in one kernel.
 
 The kernels (``_triton_fused.py``, imported on first use as the paged kernels are) are
 compiled without floating-point contraction (a product fused into the sum after it would skip
@@ -39,6 +41,9 @@ ROPE_BLOCK_HEADS = 8
 SILU_BLOCK = 1024
 #: Columns one block of :func:`argmax` covers (a 32k vocabulary in one).
 ARGMAX_BLOCK = 32768
+#: Rows, columns and inner elements of one :func:`head_matmul` program's tiles (the inner
+#: loop steps by the last).
+HEAD_MATMUL_BLOCKS = (64, 64, 64)
 
 
 def _kernels() -> ModuleType:
@@ -475,10 +480,100 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def head_matmul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``y[r, h, c] = sum_k x[r, h, k] * weight[h, k, c]`` by torch (``x`` cast to the
+    weight's dtype first): ``[rows, heads, cols]``."""
+    return torch.einsum("rhk,hkc->rhc", x.to(weight.dtype), weight)
+
+
+def head_matmul(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One matrix product per head: ``out[r, h, c] = sum_k x[r, h, k] * weight[h, k, c]``.
+
+    MLA's absorbed up-projections are one small product per head (a step's rows times a
+    ``[nope, latent]`` or ``[latent, v]`` matrix); as batched GEMMs they need the rows
+    transposed to heads-first and back, each a copy. Here one kernel reads ``x`` and writes
+    ``out`` in the step's own ``[rows, heads, ...]`` layout, accumulating in float32 (in
+    float64 for float64, on the torch path) and rounding once.
+
+    Args:
+        x: ``[rows, heads, inner]`` (contiguous last dim, any other strides; any float dtype:
+            cast to the weight's, as ``x.to(weight.dtype)`` would).
+        weight: ``[heads, inner, cols]``, any strides (a transposed view of a
+            ``[heads, cols, inner]`` weight is read as it lies).
+        out: ``[rows, heads, cols]`` of the weight's dtype with a contiguous last dim (a
+            view into a wider tensor is fine), or ``None`` for a new one.
+
+    The kernel runs on CUDA (float16, bfloat16, float32 with IEEE dots) and on the CPU under
+    Triton's interpreter; elsewhere, and in float64, :func:`head_matmul_reference`.
+    """
+    if (
+        x.dim() != 3
+        or weight.dim() != 3
+        or weight.shape[0] != x.shape[1]
+        or (weight.shape[1] != x.shape[2])
+    ):
+        raise ValueError(
+            f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [rows, heads, inner] "
+            "and [heads, inner, cols]"
+        )
+    rows, heads, inner = x.shape
+    cols = weight.shape[2]
+    if out is not None and (
+        tuple(out.shape) != (rows, heads, cols)
+        or out.dtype != weight.dtype
+        or (cols > 1 and out.stride(2) != 1)
+    ):
+        raise ValueError(
+            f"out {tuple(out.shape)} {out.dtype} must be [{rows}, {heads}, {cols}] of "
+            f"{weight.dtype} with a contiguous last dim"
+        )
+    if inner > 1 and x.stride(2) != 1:
+        raise ValueError("x must have a contiguous last dim")
+    if not use_kernels(x.device) or weight.dtype == torch.float64:
+        result = head_matmul_reference(x, weight)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+    if out is None:
+        out = weight.new_empty((rows, heads, cols))
+    if rows == 0 or heads == 0 or cols == 0:
+        return out
+    if inner == 0:
+        return out.zero_()
+    block_r, block_c, block_k = HEAD_MATMUL_BLOCKS
+    block_r = max(16, min(block_r, _next_power_of_2(rows)))
+    grid = (heads, -(-rows // block_r), -(-cols // block_c))
+    _kernels().head_matmul_kernel[grid](
+        x,
+        weight,
+        out,
+        rows,
+        inner,
+        cols,
+        x.stride(0),
+        x.stride(1),
+        *weight.stride(),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        BLOCK_K=block_k,
+        IEEE=weight.dtype == torch.float32,
+        num_warps=4,
+        num_stages=3,
+    )
+    return out
+
+
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
     "argmax",
+    "head_matmul",
+    "head_matmul_reference",
     "mla_rope_norm_write",
     "mla_rope_norm_write_reference",
     "rms_norm_reference",

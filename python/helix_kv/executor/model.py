@@ -594,11 +594,8 @@ class Transformer:
             q_part = _linear(q_normed, w["wq_b"], None)
         q = q_part.view(tokens, c.num_heads, qk)
         query = x.new_empty((tokens, c.num_heads, c.cache_head_dim))
-        torch.matmul(
-            q[..., : c.qk_nope_head_dim].transpose(0, 1),
-            w["w_uk"],
-            out=query[..., : c.kv_lora_rank].transpose(0, 1),
-        )
+        # the absorbed query, written in place: no transposes to heads-first and back
+        fused.head_matmul(q[..., : c.qk_nope_head_dim], w["w_uk"], out=query[..., : c.kv_lora_rank])
         fused.mla_rope_norm_write(
             q, kv_part, cos, sin, slots, latent_cache, w["kv_a_norm"], c.rms_eps, query
         )
@@ -606,9 +603,10 @@ class Transformer:
 
     def _attention_output(self, w: LayerWeights, combined: PartialAttention) -> torch.Tensor:
         """The combined attention through the output projection: ``[tokens, hidden]``."""
-        out = combined.output.to(self.dtype)
-        if self.mla:  # the value up-projection of the output latent, per head
-            out = torch.einsum("thl,hvl->thv", out, w["w_uv"])
+        if self.mla:  # the value up-projection of the output latent, per head, in one kernel
+            out = fused.head_matmul(combined.output, w["w_uv"].transpose(1, 2))
+        else:
+            out = combined.output.to(self.dtype)
         return _linear(out.reshape(out.shape[0], -1), w["wo"], w.get("bo"))
 
     def _mlp(self, w: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
