@@ -2,6 +2,7 @@
 
     python benches/gpu_decode_gemms.py                     # rows 64 and 256
     python benches/gpu_decode_gemms.py --rows 64 --calls 50
+    python benches/gpu_decode_gemms.py --head-blocks 64,64,64 32,128,64   # head_matmul tiles
 
 Two tables per row count:
 
@@ -13,7 +14,8 @@ Two tables per row count:
   512, v 128): the key up-projection into the query (the old path: a batched matmul on the
   heads-first views, written through a transposed ``out``) and the value up-projection of
   the float32 combine output (the old path: a cast, an ``einsum`` and the copy the output
-  projection's ``reshape`` makes), against :func:`helix_kv.executor.fused.head_matmul`.
+  projection's ``reshape`` makes), against :func:`helix_kv.executor.fused.head_matmul` with
+  each ``--head-blocks`` tiling (rows, columns, inner: ``HEAD_MATMUL_BLOCKS``).
 
 Each op is captured ``--calls`` times in one CUDA graph and replayed; µs = median replay /
 calls. CUDA only.
@@ -112,7 +114,7 @@ def gemm_rows(rows: int, calls: int, bandwidth: float) -> list[str]:
     return lines
 
 
-def product_rows(rows: int, calls: int) -> list[str]:
+def product_rows(rows: int, calls: int, tilings: list[tuple[int, int, int]]) -> list[str]:
     heads, nope, latent, v = 32, 128, 512, 128
     q = torch.randn(rows, heads, nope + 64, device="cuda", dtype=torch.bfloat16)
     query = torch.empty(rows, heads, latent + 64, device="cuda", dtype=torch.bfloat16)
@@ -144,12 +146,17 @@ def product_rows(rows: int, calls: int) -> list[str]:
         flat.copy_(out.reshape(rows, -1))  # a view: the copy stands for wo reading it
 
     lines = [f"rows {rows}: MLA per-head products at 32 heads (µs a call)"]
+    kept = fused.HEAD_MATMUL_BLOCKS
     for name, old, new in (
         ("w_uk (into the query)", uk_old, uk_new),
         ("w_uv (+ reshape)", uv_old, uv_new),
     ):
-        before, after = graph_us(old, calls), graph_us(new, calls)
-        lines.append(f"  {name:<24} torch {before:7.1f}   head_matmul {after:7.1f}")
+        cells = [f"torch {graph_us(old, calls):7.1f}"]
+        for tiling in tilings:
+            fused.HEAD_MATMUL_BLOCKS = tiling
+            cells.append(f"{','.join(map(str, tiling))} {graph_us(new, calls):7.1f}")
+        fused.HEAD_MATMUL_BLOCKS = kept
+        lines.append(f"  {name:<24} " + "   ".join(cells))
     return lines
 
 
@@ -157,14 +164,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument(
+        "--head-blocks",
+        nargs="+",
+        default=[",".join(map(str, fused.HEAD_MATMUL_BLOCKS))],
+        help="head_matmul tilings to time: rows,columns,inner",
+    )
+    parser.add_argument("--products-only", action="store_true", help="skip the GEMM table")
     args = parser.parse_args()
+    tilings = [tuple(int(v) for v in text.split(",")) for text in args.head_blocks]
     if not torch.cuda.is_available():
         sys.exit("gpu_decode_gemms.py needs a CUDA device")
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
     for rows in args.rows:
-        print("\n".join(gemm_rows(rows, args.calls, bandwidth)))
-        print("\n".join(product_rows(rows, args.calls)))
+        if not args.products_only:
+            print("\n".join(gemm_rows(rows, args.calls, bandwidth)))
+        print("\n".join(product_rows(rows, args.calls, tilings)))  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
