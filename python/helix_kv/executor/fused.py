@@ -13,8 +13,8 @@ stores a tensor.
 * :func:`silu_mul`: ``silu(gate) * up`` of a merged ``[gate | up]`` projection.
 * :func:`rope_tables`: the RoPE cosine and sine tables of a step's positions.
 * :func:`argmax`: the greedy token of each row of logits.
-* :func:`head_matmul`: one small matrix product per head (MLA's absorbed key and value
-  up-projections), read and written in the layouts the step holds, in one kernel.
+* :func:`head_matmul`: one small matrix product per head (MLA's absorbed value
+  up-projection), read and written in the layouts the step holds, in one kernel.
 
 The kernels (``_triton_fused.py``, imported on first use as the paged kernels are) are
 compiled without floating-point contraction (a product fused into the sum after it would skip
@@ -42,8 +42,9 @@ SILU_BLOCK = 1024
 #: Columns one block of :func:`argmax` covers (a 32k vocabulary in one).
 ARGMAX_BLOCK = 32768
 #: Rows, columns and inner elements of one :func:`head_matmul` program's tiles (the inner
-#: loop steps by the last).
-HEAD_MATMUL_BLOCKS = (64, 64, 64)
+#: loop steps by the last); the fastest of seven tilings at MLA's value up-projection, 64 and
+#: 256 rows (``benches/gpu_decode_gemms.py --head-blocks``).
+HEAD_MATMUL_BLOCKS = (64, 128, 64)
 
 
 def _kernels() -> ModuleType:
@@ -493,9 +494,10 @@ def head_matmul(
 
     MLA's absorbed up-projections are one small product per head (a step's rows times a
     ``[nope, latent]`` or ``[latent, v]`` matrix); as batched GEMMs they need the rows
-    transposed to heads-first and back, each a copy. Here one kernel reads ``x`` and writes
-    ``out`` in the step's own ``[rows, heads, ...]`` layout, accumulating in float32 (in
-    float64 for float64, on the torch path) and rounding once.
+    transposed to heads-first and back, each a copy (the model runs the value one here).
+    Here one kernel reads ``x`` and writes ``out`` in the step's own ``[rows, heads, ...]``
+    layout, accumulating in float32 (in float64 for float64, on the torch path) and rounding
+    once.
 
     Args:
         x: ``[rows, heads, inner]`` (contiguous last dim, any other strides; any float dtype:

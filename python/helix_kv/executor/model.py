@@ -594,8 +594,13 @@ class Transformer:
             q_part = _linear(q_normed, w["wq_b"], None)
         q = q_part.view(tokens, c.num_heads, qk)
         query = x.new_empty((tokens, c.num_heads, c.cache_head_dim))
-        # the absorbed query, written in place: no transposes to heads-first and back
-        fused.head_matmul(q[..., : c.qk_nope_head_dim], w["w_uk"], out=query[..., : c.kv_lora_rank])
+        # cuBLAS's batched GEMM on the heads-first views is as fast as fused.head_matmul here
+        # (3.3 us a layer at 64 rows, 5.8 against 6.4 at 256: benches/gpu_decode_gemms.py)
+        torch.matmul(
+            q[..., : c.qk_nope_head_dim].transpose(0, 1),
+            w["w_uk"],
+            out=query[..., : c.kv_lora_rank].transpose(0, 1),
+        )
         fused.mla_rope_norm_write(
             q, kv_part, cos, sin, slots, latent_cache, w["kv_a_norm"], c.rms_eps, query
         )
@@ -603,7 +608,10 @@ class Transformer:
 
     def _attention_output(self, w: LayerWeights, combined: PartialAttention) -> torch.Tensor:
         """The combined attention through the output projection: ``[tokens, hidden]``."""
-        if self.mla:  # the value up-projection of the output latent, per head, in one kernel
+        if self.mla:
+            # The value up-projection of the output latent, per head, in one kernel that
+            # writes [rows, heads, v] as wo reads it (an einsum wrote it heads-first, and the
+            # reshape copied it: 16.1 against 8.7 us a layer at 256 rows).
             out = fused.head_matmul(combined.output, w["w_uv"].transpose(1, 2))
         else:
             out = combined.output.to(self.dtype)
