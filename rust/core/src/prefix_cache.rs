@@ -18,15 +18,20 @@
 //! in a `BTreeMap` ordered by their release stamp, a counter of the ledger's releases
 //! (never a clock), so the least recently released page is evicted first on every rank.
 
+use std::collections::hash_map::Entry;
 use std::collections::BTreeMap;
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 
 use crate::digest::Fnv64;
 use crate::SuperblockId;
 
 /// The key of a full superblock's token prefix (128 bits of BLAKE3).
 pub type BlockKey = u128;
+
+/// The `lookup` value of a key evicted by a pending step (no page: a pool has fewer than
+/// 2^31 superblocks).
+const EVICTED: SuperblockId = SuperblockId::MAX;
 
 /// The seed of a request's key chain: BLAKE3 of a domain tag and the request's cache salt
 /// (empty for none), so requests with different salts never share a key.
@@ -118,13 +123,15 @@ pub struct PrefixCache {
     /// hit, nor by a release that undoes one), its place in `evictable` once nobody
     /// references it.
     stamps: Vec<u64>,
-    /// Key -> page; looked up, never iterated.
+    /// Key -> page, or [`EVICTED`] for a key evicted by a step still pending: no hit finds
+    /// such a key, and no registration takes it, until that step is updated (it is gone) or
+    /// reverted (cached again). So an update of the older step, one step ahead, registers
+    /// what it would have without the newer step, and the newer step's revert is exact. The
+    /// mark sits in the key's own entry, so an eviction and its end are one probe each.
+    /// Looked up, never iterated.
     lookup: FxHashMap<BlockKey, SuperblockId>,
-    /// Keys evicted by a step still pending: no hit finds them, and no registration takes
-    /// them, until that step is updated (they are gone) or reverted (cached again). So an
-    /// update of the older step, one step ahead, registers what it would have without the
-    /// newer step, and the newer step's revert is exact. Looked up, never iterated.
-    evicted_keys: FxHashSet<BlockKey>,
+    /// Keys marked [`EVICTED`] in `lookup`.
+    evicted_keys: u64,
     /// Registered pages no table names, by release stamp: the first is evicted first.
     evictable: BTreeMap<u64, SuperblockId>,
     next_stamp: u64,
@@ -142,7 +149,7 @@ impl PrefixCache {
             keys: vec![None; n],
             stamps: vec![0; n],
             lookup: FxHashMap::default(),
-            evicted_keys: FxHashSet::default(),
+            evicted_keys: 0,
             evictable: BTreeMap::new(),
             next_stamp: 0,
             evicted: Vec::new(),
@@ -162,7 +169,10 @@ impl PrefixCache {
 
     /// The page holding `key`'s prefix, if cached.
     pub fn lookup(&self, key: BlockKey) -> Option<SuperblockId> {
-        self.lookup.get(&key).copied()
+        self.lookup
+            .get(&key)
+            .copied()
+            .filter(|&page| page != EVICTED)
     }
 
     /// The key `page` is registered under (`None` for a page outside the pool).
@@ -218,10 +228,7 @@ impl PrefixCache {
     pub(crate) fn register(&mut self, page: SuperblockId, key: BlockKey) {
         let p = page as usize;
         debug_assert!(self.refs[p] > 0);
-        if self.keys[p].is_some()
-            || self.lookup.contains_key(&key)
-            || self.evicted_keys.contains(&key)
-        {
+        if self.keys[p].is_some() || self.lookup.contains_key(&key) {
             return;
         }
         self.keys[p] = Some(key);
@@ -235,8 +242,12 @@ impl PrefixCache {
         let key = self.keys[page as usize]
             .take()
             .expect("an evictable page is registered");
-        self.lookup.remove(&key);
-        self.evicted_keys.insert(key);
+        let entry = self
+            .lookup
+            .get_mut(&key)
+            .expect("a registered page's key is looked up");
+        *entry = EVICTED;
+        self.evicted_keys += 1;
         self.evicted.push(Eviction { page, key, stamp });
         Some(page)
     }
@@ -249,7 +260,13 @@ impl PrefixCache {
     /// The evictions of a step that ran: their keys are gone for good.
     pub(crate) fn forget_evictions(&mut self, evictions: &[Eviction]) {
         for eviction in evictions {
-            self.evicted_keys.remove(&eviction.key);
+            // Only its mark: a key restored since (a revert) is cached again.
+            if let Entry::Occupied(entry) = self.lookup.entry(eviction.key) {
+                if *entry.get() == EVICTED {
+                    entry.remove();
+                    self.evicted_keys -= 1;
+                }
+            }
         }
     }
 
@@ -257,16 +274,18 @@ impl PrefixCache {
     /// the caller). Its key cannot have been registered again meanwhile (it was held as
     /// evicted); `false` only for an eviction the cache does not hold as pending.
     pub(crate) fn restore(&mut self, eviction: Eviction) -> bool {
-        if !self.evicted_keys.remove(&eviction.key) {
-            debug_assert!(false, "an eviction restored twice or never made");
-            return false;
+        match self.lookup.get_mut(&eviction.key) {
+            Some(entry) if *entry == EVICTED => *entry = eviction.page,
+            _ => {
+                debug_assert!(false, "an eviction restored twice or never made");
+                return false;
+            }
         }
-        debug_assert!(!self.lookup.contains_key(&eviction.key));
+        self.evicted_keys -= 1;
         let p = eviction.page as usize;
         debug_assert_eq!(self.refs[p], 0);
         self.keys[p] = Some(eviction.key);
         self.stamps[p] = eviction.stamp;
-        self.lookup.insert(eviction.key, eviction.page);
         self.evictable.insert(eviction.stamp, eviction.page);
         true
     }
@@ -311,7 +330,7 @@ impl PrefixCache {
             h.u64(u64::from(page));
         }
         h.u64(self.next_stamp);
-        h.u64(self.evicted_keys.len() as u64);
+        h.u64(self.evicted_keys);
     }
 }
 
