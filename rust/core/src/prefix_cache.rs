@@ -14,12 +14,12 @@
 //! nothing of requests or steps. A step's evictions are logged ([`PrefixCache::take_evictions`])
 //! for the scheduler to keep with the step and undo if it is reverted.
 //!
-//! Decisions look keys up (`lookup`), never iterate a hash map: the evictable pages sit
-//! in a `BTreeMap` ordered by their release stamp, a counter of the ledger's releases
-//! (never a clock), so the least recently released page is evicted first on every rank.
+//! Decisions look keys up (`lookup`), never iterate a hash map: the evictable pages are
+//! ordered by their release stamp, a counter of the ledger's releases (never a clock), so
+//! the least recently released page is evicted first on every rank ([`ReleaseOrder`]).
 
 use std::collections::hash_map::Entry;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use rustc_hash::FxHashMap;
 
@@ -112,8 +112,115 @@ pub(crate) struct Eviction {
     pub stamp: u64,
 }
 
+/// The evictable pages in release-stamp order, least recently released first: what one
+/// ordered map of stamp -> page would hold, without its O(log n) per release and hit.
+///
+/// Releases stamp pages in increasing order, so almost every insert is at the end: those go
+/// on `queue`; the few that are not (a revert putting a page back at its kept stamp) go in
+/// `late`, an ordered map, and the first of the two is the first page. Removals are lazy:
+/// an entry stands while its page is evictable under its stamp (the cache's
+/// `in_order`), and stale ones are dropped when met at the front, or all at once when they
+/// outnumber the standing ones. A page put back at the stamp it had may stand twice (a
+/// stale copy come back); copies are one entry (they are equal), and taking one makes the
+/// other stale.
+#[derive(Debug, Clone, Default)]
+struct ReleaseOrder {
+    queue: VecDeque<(u64, SuperblockId)>,
+    late: BTreeMap<u64, SuperblockId>,
+    /// Standing entries (copies counted once).
+    len: usize,
+}
+
+impl ReleaseOrder {
+    /// Adds `page` at `stamp` (it is not in the order now).
+    fn insert(&mut self, stamp: u64, page: SuperblockId) {
+        match self.queue.back() {
+            Some(&(last, _)) if stamp <= last => {
+                self.late.insert(stamp, page);
+            }
+            _ => self.queue.push_back((stamp, page)),
+        }
+        self.len += 1;
+    }
+
+    /// A page left the order (the caller made its entries stale).
+    fn removed(&mut self) {
+        self.len -= 1;
+    }
+
+    /// Takes the first standing entry; `stands` says whether an entry stands.
+    fn pop_first(
+        &mut self,
+        stands: impl Fn(u64, SuperblockId) -> bool,
+    ) -> Option<(u64, SuperblockId)> {
+        while let Some(&(stamp, page)) = self.queue.front() {
+            if stands(stamp, page) {
+                break;
+            }
+            self.queue.pop_front();
+        }
+        while let Some((&stamp, &page)) = self.late.first_key_value() {
+            if stands(stamp, page) {
+                break;
+            }
+            self.late.pop_first();
+        }
+        let first = match (self.queue.front(), self.late.first_key_value()) {
+            (None, None) => return None,
+            (Some(&queued), None) => queued,
+            (None, Some((&stamp, &page))) => (stamp, page),
+            (Some(&queued), Some((&stamp, &page))) => queued.min((stamp, page)),
+        };
+        if self.queue.front() == Some(&first) {
+            self.queue.pop_front();
+        } else {
+            self.late.pop_first();
+        }
+        self.len -= 1;
+        Some(first)
+    }
+
+    /// The standing entries in order, each once.
+    fn standing(&self, stands: impl Fn(u64, SuperblockId) -> bool) -> Vec<(u64, SuperblockId)> {
+        let mut late = self
+            .late
+            .iter()
+            .map(|(&stamp, &page)| (stamp, page))
+            .peekable();
+        let mut merged = Vec::with_capacity(self.len);
+        for &queued in &self.queue {
+            while let Some(&next) = late.peek() {
+                if next >= queued {
+                    break;
+                }
+                merged.push(next);
+                late.next();
+            }
+            merged.push(queued);
+        }
+        merged.extend(late);
+        merged.retain(|&(stamp, page)| stands(stamp, page));
+        merged.dedup();
+        merged
+    }
+
+    /// Drops the stale entries once they outnumber the standing ones (so the order's memory
+    /// stays within twice what stands, and each stale entry is dropped once).
+    fn compact(&mut self, stands: impl Fn(u64, SuperblockId) -> bool) {
+        if self.queue.len() + self.late.len() <= 2 * self.len + 64 {
+            return;
+        }
+        let standing = self.standing(stands);
+        debug_assert_eq!(standing.len(), self.len);
+        self.queue = standing.into();
+        self.late.clear();
+    }
+}
+
 /// References, keys and the eviction order of a ledger's superblocks (see the module doc).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Equal when they hold the same references, keys, stamps and eviction order, however the
+/// order is stored.
+#[derive(Debug, Clone)]
 pub struct PrefixCache {
     /// Per page: the block tables that name it.
     refs: Vec<u32>,
@@ -133,7 +240,7 @@ pub struct PrefixCache {
     /// Keys marked [`EVICTED`] in `lookup`.
     evicted_keys: u64,
     /// Registered pages no table names, by release stamp: the first is evicted first.
-    evictable: BTreeMap<u64, SuperblockId>,
+    evictable: ReleaseOrder,
     next_stamp: u64,
     /// Evictions since the last `take_evictions`, oldest first.
     evicted: Vec<Eviction>,
@@ -150,7 +257,7 @@ impl PrefixCache {
             stamps: vec![0; n],
             lookup: FxHashMap::default(),
             evicted_keys: 0,
-            evictable: BTreeMap::new(),
+            evictable: ReleaseOrder::default(),
             next_stamp: 0,
             evicted: Vec::new(),
             restoring: false,
@@ -159,7 +266,32 @@ impl PrefixCache {
 
     /// Registered superblocks no request references (free capacity, evicted on demand).
     pub fn evictable_len(&self) -> u32 {
-        crate::ledger::superblock_count(self.evictable.len())
+        crate::ledger::superblock_count(self.evictable.len)
+    }
+
+    /// Whether an entry of the eviction order stands: `page` is evictable (registered,
+    /// unreferenced) under `stamp`.
+    fn stands<'a>(
+        refs: &'a [u32],
+        keys: &'a [Option<BlockKey>],
+        stamps: &'a [u64],
+    ) -> impl Fn(u64, SuperblockId) -> bool + 'a {
+        move |stamp, page| {
+            let p = page as usize;
+            refs[p] == 0 && keys[p].is_some() && stamps[p] == stamp
+        }
+    }
+
+    /// The eviction order, each page once.
+    fn eviction_order(&self) -> Vec<(u64, SuperblockId)> {
+        self.evictable
+            .standing(Self::stands(&self.refs, &self.keys, &self.stamps))
+    }
+
+    /// Takes the least recently released evictable page off the order.
+    fn pop_evictable(&mut self) -> Option<(u64, SuperblockId)> {
+        self.evictable
+            .pop_first(Self::stands(&self.refs, &self.keys, &self.stamps))
     }
 
     /// Block tables naming `page` (0 for a page outside the pool).
@@ -192,10 +324,12 @@ impl PrefixCache {
     pub(crate) fn share(&mut self, page: SuperblockId) {
         let p = page as usize;
         if self.refs[p] == 0 {
-            let removed = self.evictable.remove(&self.stamps[p]);
-            debug_assert_eq!(removed, Some(page));
+            debug_assert!(self.keys[p].is_some(), "a hit on an unregistered page");
+            self.evictable.removed(); // its entry is stale from here on (referenced)
         }
         self.refs[p] += 1;
+        self.evictable
+            .compact(Self::stands(&self.refs, &self.keys, &self.stamps));
     }
 
     /// One table lets go of `page`. Returns whether it is free now (unregistered and
@@ -238,7 +372,7 @@ impl PrefixCache {
     /// Evicts the least recently released page (logged), for the caller to put on the
     /// free list; `None` when none is evictable.
     pub(crate) fn evict_one(&mut self) -> Option<SuperblockId> {
-        let (stamp, page) = self.evictable.pop_first()?;
+        let (stamp, page) = self.pop_evictable()?;
         let key = self.keys[page as usize]
             .take()
             .expect("an evictable page is registered");
@@ -299,7 +433,7 @@ impl PrefixCache {
     /// `free` in that order. Referenced pages keep their keys.
     pub(crate) fn drop_unreferenced(&mut self, free: &mut Vec<SuperblockId>) -> u32 {
         let mut dropped = 0;
-        while let Some((_, page)) = self.evictable.pop_first() {
+        while let Some((_, page)) = self.pop_evictable() {
             let key = self.keys[page as usize]
                 .take()
                 .expect("an evictable page is registered");
@@ -325,7 +459,7 @@ impl PrefixCache {
             h.u64(u64::from_le_bytes(high.try_into().expect("8 bytes")));
         }
         h.u64(u64::MAX);
-        for (&stamp, &page) in &self.evictable {
+        for (stamp, page) in self.eviction_order() {
             h.u64(stamp);
             h.u64(u64::from(page));
         }
@@ -333,6 +467,22 @@ impl PrefixCache {
         h.u64(self.evicted_keys);
     }
 }
+
+impl PartialEq for PrefixCache {
+    fn eq(&self, other: &Self) -> bool {
+        self.refs == other.refs
+            && self.keys == other.keys
+            && self.stamps == other.stamps
+            && self.lookup == other.lookup
+            && self.evicted_keys == other.evicted_keys
+            && self.next_stamp == other.next_stamp
+            && self.evicted == other.evicted
+            && self.restoring == other.restoring
+            && self.eviction_order() == other.eviction_order()
+    }
+}
+
+impl Eq for PrefixCache {}
 
 #[cfg(test)]
 mod tests {
@@ -373,6 +523,68 @@ mod tests {
         assert_ne!(salted[0], keys[0]);
         // Fixed across processes and platforms (no seeded hasher): a pinned value.
         assert_eq!(chain_seed(b""), chain_seed(b""));
+    }
+
+    #[test]
+    fn the_release_order_is_an_ordered_map_of_the_standing_entries() {
+        // The oracle: one BTreeMap of stamp -> page, changed as the cache changes the
+        // order; the order under test sees only whether an entry stands (`stamp_of`: the
+        // stamp a page stands at, if it stands).
+        let mut next = crate::test_rng::xorshift(0x5eed_0dd5);
+        for round in 0..40u64 {
+            let pages = 1 + (round % 7) as u32 * 5;
+            let mut order = ReleaseOrder::default();
+            let mut oracle: BTreeMap<u64, SuperblockId> = BTreeMap::new();
+            let mut stamp_of: Vec<Option<u64>> = vec![None; pages as usize];
+            let mut last_stamp: Vec<Option<u64>> = vec![None; pages as usize];
+            let mut clock = 0u64;
+            for _ in 0..600 {
+                let page = SuperblockId::try_from(next() % u64::from(pages)).unwrap();
+                let p = page as usize;
+                let stands = |stamp_of: &Vec<Option<u64>>| {
+                    let copy = stamp_of.clone();
+                    move |stamp: u64, page: SuperblockId| copy[page as usize] == Some(stamp)
+                };
+                match next() % 6 {
+                    // a release: a new stamp, at the end
+                    0 | 1 if stamp_of[p].is_none() => {
+                        clock += 1 + next() % 3;
+                        order.insert(clock, page);
+                        oracle.insert(clock, page);
+                        stamp_of[p] = Some(clock);
+                        last_stamp[p] = Some(clock);
+                    }
+                    // a revert: back at the stamp it had (a stale copy may come back)
+                    2 if stamp_of[p].is_none() && last_stamp[p].is_some() => {
+                        let stamp = last_stamp[p].unwrap();
+                        order.insert(stamp, page);
+                        oracle.insert(stamp, page);
+                        stamp_of[p] = Some(stamp);
+                    }
+                    // a hit: out of the order
+                    3 if stamp_of[p].is_some() => {
+                        oracle.remove(&stamp_of[p].unwrap());
+                        stamp_of[p] = None;
+                        order.removed();
+                        order.compact(stands(&stamp_of));
+                    }
+                    // an eviction: the first
+                    4 => {
+                        let got = order.pop_first(stands(&stamp_of));
+                        assert_eq!(got, oracle.pop_first());
+                        if let Some((_, page)) = got {
+                            stamp_of[page as usize] = None;
+                        }
+                    }
+                    _ => {}
+                }
+                assert_eq!(order.len, oracle.len());
+                let standing = order.standing(stands(&stamp_of));
+                let expected: Vec<_> = oracle.iter().map(|(&s, &p)| (s, p)).collect();
+                assert_eq!(standing, expected);
+            }
+            assert!(order.queue.len() + order.late.len() <= 2 * order.len + 64 + pages as usize);
+        }
     }
 
     #[test]
