@@ -9,31 +9,47 @@ Each run is a fresh process (``python -m helix_kv``, interpreter start-up includ
 figures are the median of three runs, wall and user CPU time (the machine may be shared:
 user time is what its load inflates least).
 
-Target: a ten-point sweep in under a minute, so a point takes about 5 s on a quiet 2-core
-machine, a third of what it took before ``SimulatedCPGroup`` compared its ranks in the core
-(``schedule_ranks`` / ``update_ranks``) and prompts were built once. Measured on the 2-core
-development machine, shared with other jobs (load average 3 to 5), A/B against the wheel
-before those changes, back to back and interleaved, 3 runs each, medians (the same report,
-byte for byte, every run):
+Target: a third of the time of the wheel of the day the target was set, so that a
+ten-point sweep takes under a minute. Measured on the 2-core development machine, quiet
+(load average under 1 before each set), A/B/C interleaved, 3 runs each, medians, the same
+report byte for byte from all three builds:
 
-==========  ========  ========  ======================
-build       wall (s)  user (s)  runs: user (s)
-==========  ========  ========  ======================
-before      162.2     80.1      80.1, 78.8, 83.9
-after       71.2      46.4      45.7, 46.4, 46.4
-==========  ========  ========  ======================
+===================================  ========  ========  ==========================
+build                                wall (s)  user (s)  runs: wall (s)
+===================================  ========  ========  ==========================
+``62ac591`` (before any of this)     29.9      29.8      29.75, 30.86, 29.89
+``acedc3e`` (ranks in one crossing)  19.8      19.7      19.77, 19.84, 19.47
+``333537e``                          8.6       8.6       8.77, 8.61, 8.44
+===================================  ========  ========  ==========================
 
-A cut of the same shape (``--requests 1200``: 18,611 steps), user time, 3 runs each at
-``7dc0ee4`` against the same "before" wheel, the machine again shared: with
-``--prefix-caching`` 7.76 / 7.96 / 8.03 s before, 4.50 / 4.42 / 4.16 s after (1.8x); without
-it 5.93 / 6.30 / 6.21 s before, 2.71 / 2.80 / 3.42 s after (2.2x). With one rank verified
-(``--verify-ranks none``) the cut without prefix caching takes 2.2 s of user time, of which
-0.5 s is the interpreter and imports: the step loop's Python, not the ranks, is most of what
-is left there.
+3.5x less than ``62ac591`` (2.3x less than ``acedc3e``). The target's "about 5 s" came from
+a 14 s figure taken on another machine; here the wheel of that day takes 30 s (34 s in an
+earlier quiet set), so a third of it is 10 s. A ten-point ``helix-kv plan`` over this shape
+(``--vary kv-tokens`` from 1.25M to 4M tokens, ``--slo-ttft-ms 2000 --slo-tpot-ms 50``, the
+default step-time model, two candidates at a time) takes 50.7 s wall at ``333537e`` (57.2 s
+at ``7522dc3``; ``62ac591`` has no ``plan``: ten of its runs two at a time take about 150 s).
 
-User time is 1.73x less, short of the 3x target: what is left is the core's own work, once
-per rank (each of the 8 schedulers schedules, updates and hashes every prompt for its prefix
-cache: about half of the time), and the step loop's Python (about a third).
+Where the time went, profiled (``perf``, ``py-spy``) and taken out a commit each, each
+checked by ``benches/simulate_fingerprint.py`` (unchanged) and wall times of single runs:
+``f7718fe`` a request is added to every rank in one crossing with its prefix-cache keys
+computed once (``add_request_ranks``, ``PreparedPrompt``); ``bc0cce1`` a retiring request
+keys only its tokens past its keyed superblocks, and a conversation's earlier segments are
+not regenerated every turn; ``b31b694`` the synthetic tokens are Rust kernels
+(``_core.mixed_tokens``, ``affine_tokens``, ``splitmix64``) and a cached grow inside the last
+superblock skips the eviction path (14.0 -> 13.1 s); ``4a262dd`` the per-rank field check
+reads each output's placement row by row instead of copying five columns per rank per step
+(-> 11.9 s); ``7522dc3`` the ranks share a prepared prompt's tokens, copy on write, instead
+of each copying 12k tokens (-> 10.2 s); ``b66cbf8`` an eviction marks its key in place
+(one hash probe instead of three); ``333537e`` the prefix cache's eviction order is a queue
+of releases with lazy removal instead of a ``BTreeMap`` (-> 9.1 s, 8.6 in the set above).
+
+What is left (``--verify-ranks none`` takes 4.7 s at ``7522dc3``): the other seven ranks'
+schedulers, about 4 µs each a step (the step's digest, the output object, the decode loop,
+the eviction's hash probe, which misses the cache), and per request BLAKE3 over its prompt for
+the prefix-cache keys (once, not per rank: 7 % of the run), and the step loop's Python
+(about 8 µs a step: the sampled tokens' output indices, the series, the finish checks).
+The table this one replaces was taken with the machine shared (load 3 to 5) and is not
+comparable with it: 162.2 s wall / 80.1 s user before the first round, 71.2 / 46.4 after.
 
 Run it with ``python -m pytest benches/bench_simulate_sweep.py --benchmark-enable -s``
 (``PYTHONPATH`` picks the build: the child processes inherit it). Under
@@ -85,5 +101,6 @@ def test_bench_simulate_sweep_point(benchmark) -> None:
     print(
         f"\nsimulate sweep point (--cp 8, {SWEEP_REQUESTS} requests, 4 turns): median of "
         f"{ROUNDS}: {wall:.1f} s wall, {user:.1f} s user, {reports[0]['steps']} steps "
-        f"(target about 5 s on a quiet 2-core machine)"
+        f"(target: a third of the 62ac591 wheel's time on the same machine, 30 s on the quiet "
+        f"2-core development machine)"
     )
