@@ -118,9 +118,9 @@ pub(crate) struct Eviction {
 /// Releases stamp pages in increasing order, so almost every insert is at the end: those go
 /// on `queue`; the few that are not (a revert putting a page back at its kept stamp) go in
 /// `late`, an ordered map, and the first of the two is the first page. Removals are lazy:
-/// an entry stands while its page is evictable under its stamp (the cache's
-/// `in_order`), and stale ones are dropped when met at the front, or all at once when they
-/// outnumber the standing ones. A page put back at the stamp it had may stand twice (a
+/// an entry stands while its page is evictable under its stamp (`PrefixCache::stands`),
+/// and stale ones are dropped when met at the front, or all at once when they outnumber the
+/// standing ones. A page put back at the stamp it had may stand twice (a
 /// stale copy come back); copies are one entry (they are equal), and taking one makes the
 /// other stale.
 #[derive(Debug, Clone, Default)]
