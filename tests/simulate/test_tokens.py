@@ -103,3 +103,13 @@ def test_bad_arguments_are_typed_errors() -> None:
         splitmix64(np.array([-1], dtype=np.int64))
     with pytest.raises(helix_kv.InvalidTypeError):
         splitmix64(np.array([1.5]))
+    with pytest.raises(helix_kv.InvalidArgumentError, match="vocab"):
+        mixed_tokens(seeds, 1, 1, -5)
+    with pytest.raises(helix_kv.InvalidTypeError):
+        mixed_tokens(seeds, 1, 1, 3.0)
+    with pytest.raises(helix_kv.InvalidArgumentError, match="id_multiplier"):
+        affine_tokens([1], [1], T.VOCAB_SIZE, -1, 5)
+    with pytest.raises(helix_kv.InvalidLengthError, match="too large"):
+        mixed_tokens(np.array([1], dtype=U), 2**62, 2**62, T.VOCAB_SIZE)
+    with pytest.raises(helix_kv.InvalidLengthError):
+        mixed_tokens(seeds, 1, -1, T.VOCAB_SIZE)

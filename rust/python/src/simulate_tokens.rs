@@ -7,7 +7,7 @@
 use numpy::PyArray1;
 use pyo3::prelude::*;
 
-use crate::arrays::{length_arg, u64_vec};
+use crate::arrays::{length_arg, try_capacity, u64_arg, u64_vec};
 use crate::errors::InvalidArgumentError;
 
 /// splitmix64's finalizer (wrapping arithmetic): the counter-based mix of every synthetic
@@ -20,8 +20,9 @@ fn mix(value: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// `vocab` as a token modulus: in `1..=2**31`, so every token fits int32.
-fn vocab_arg(vocab: u64) -> PyResult<u64> {
+/// `vocab` as a token modulus: an integer in `1..=2**31`, so every token fits int32.
+fn vocab_arg(vocab: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let vocab = u64_arg(vocab, "vocab")?;
     if (1..=1 << 31).contains(&vocab) {
         Ok(vocab)
     } else {
@@ -62,7 +63,7 @@ pub fn mixed_tokens<'py>(
     seeds: &Bound<'py, PyAny>,
     block_tokens: &Bound<'py, PyAny>,
     length: &Bound<'py, PyAny>,
-    vocab: u64,
+    vocab: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyArray1<i32>>> {
     let seeds = u64_vec(seeds, "seeds", false)?;
     let block_tokens = length_arg(block_tokens, "block_tokens")?;
@@ -78,9 +79,9 @@ pub fn mixed_tokens<'py>(
             seeds.len()
         )));
     }
-    let length = usize::try_from(length).expect("at most the seeds' tokens, which fit memory");
+    let (mut tokens, length) =
+        try_capacity(usize::try_from(length).ok(), || format!("{length} tokens"))?;
     let block = usize::try_from(block_tokens).unwrap_or(usize::MAX);
-    let mut tokens = Vec::with_capacity(length);
     for &seed in &seeds {
         let take = block.min(length - tokens.len());
         tokens.extend((0..take as u64).map(|i| token(mix(seed.wrapping_add(i)), vocab)));
@@ -99,13 +100,15 @@ pub fn affine_tokens<'py>(
     py: Python<'py>,
     request_ids: &Bound<'py, PyAny>,
     output_indices: &Bound<'py, PyAny>,
-    vocab: u64,
-    id_multiplier: u64,
-    index_multiplier: u64,
+    vocab: &Bound<'py, PyAny>,
+    id_multiplier: &Bound<'py, PyAny>,
+    index_multiplier: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyArray1<i32>>> {
     let ids = u64_vec(request_ids, "request_ids", false)?;
     let indices = u64_vec(output_indices, "output_indices", false)?;
     let vocab = vocab_arg(vocab)?;
+    let id_multiplier = u64_arg(id_multiplier, "id_multiplier")?;
+    let index_multiplier = u64_arg(index_multiplier, "index_multiplier")?;
     if ids.len() != indices.len() {
         return Err(InvalidArgumentError::new_err(format!(
             "{} request ids but {} output indices",
