@@ -436,9 +436,12 @@ class _StepLoop:
 
         sample_ids = np.asarray(output.sample_ids, dtype=np.int64)
         accepted: np.ndarray | None = None
+        kept: np.ndarray | None = None
         if self.drafts is None:
-            tokens = sampled_tokens(sample_ids, _sample_indices(sample_ids, self.generated))
-            kept = sample_ids
+            # One sample a request: its output index is its count so far, taken and counted
+            # in one pass (close_due below reads no count).
+            counts = self.note_tokens(sample_ids.tolist())
+            tokens = sampled_tokens(sample_ids, np.array(counts, dtype=np.uint64))
         else:
             generation_ids = np.asarray(output.generation_ids, dtype=np.int64)
             self.decode_entries += int(generation_ids.size)
@@ -466,18 +469,30 @@ class _StepLoop:
             self.check_inputs_in_flight()
         self.driver.launched(_Launched(tokens, accepted))
         finished = self.close_due()
-        for request_id in kept.tolist():
-            if self.generated[request_id] == 0:
-                self.first_token_step[request_id] = self.clock
-                if self.step_time is not None:
-                    self.first_token_ms[request_id] = self.now_ms  # the end of this step
-            self.generated[request_id] += 1
-        self.total_generated += len(kept)
+        if kept is not None:  # with drafts: each accepted row is a token
+            self.note_tokens(kept.tolist())
+        self.total_generated += len(sample_ids if kept is None else kept)
         if self.events is not None:
             self.emit_step(output, metrics, kv_read, len(finished), start_ms)
         for request_id in np.asarray(finished).tolist():
             self.collect(request_id)
         self.clock += 1
+
+    def note_tokens(self, request_ids: list[int]) -> list[int]:
+        """Counts one generated token for each of ``request_ids`` (in order; a request once
+        per token), noting each request's first; returns each token's output index (the
+        request's count before it)."""
+        generated = self.generated
+        indices = []
+        for request_id in request_ids:
+            count = generated[request_id]
+            indices.append(count)
+            generated[request_id] = count + 1
+            if count == 0:
+                self.first_token_step[request_id] = self.clock
+                if self.step_time is not None:
+                    self.first_token_ms[request_id] = self.now_ms  # the end of this step
+        return indices
 
     def check_inputs_in_flight(self) -> None:
         """Overlap: each input of the step just scheduled that is still in flight names a row
