@@ -29,10 +29,6 @@ use crate::SuperblockId;
 /// The key of a full superblock's token prefix (128 bits of BLAKE3).
 pub type BlockKey = u128;
 
-/// The `lookup` value of a key evicted by a pending step (no page: a pool has fewer than
-/// 2^31 superblocks).
-const EVICTED: SuperblockId = SuperblockId::MAX;
-
 /// The seed of a request's key chain: BLAKE3 of a domain tag and the request's cache salt
 /// (empty for none), so requests with different salts never share a key.
 pub fn chain_seed(salt: &[u8]) -> BlockKey {
@@ -230,14 +226,15 @@ pub struct PrefixCache {
     /// hit, nor by a release that undoes one), its place in `evictable` once nobody
     /// references it.
     stamps: Vec<u64>,
-    /// Key -> page, or [`EVICTED`] for a key evicted by a step still pending: no hit finds
-    /// such a key, and no registration takes it, until that step is updated (it is gone) or
-    /// reverted (cached again). So an update of the older step, one step ahead, registers
-    /// what it would have without the newer step, and the newer step's revert is exact. The
-    /// mark sits in the key's own entry, so an eviction and its end are one probe each.
+    /// Key -> page. A key is cached while its page is registered under it (`keys`); a key
+    /// whose page no longer is (taken by an eviction) was evicted by a step still pending:
+    /// no hit finds it, and no registration takes it, until that step is updated (its entry
+    /// goes) or reverted (its page is registered under it again). So an update of the older
+    /// step, one step ahead, registers what it would have without the newer step, and the
+    /// newer step's revert is exact. An eviction touches no entry; its end is one probe.
     /// Looked up, never iterated.
     lookup: FxHashMap<BlockKey, SuperblockId>,
-    /// Keys marked [`EVICTED`] in `lookup`.
+    /// Keys in `lookup` evicted by a pending step.
     evicted_keys: u64,
     /// Registered pages no table names, by release stamp: the first is evicted first.
     evictable: ReleaseOrder,
@@ -304,7 +301,7 @@ impl PrefixCache {
         self.lookup
             .get(&key)
             .copied()
-            .filter(|&page| page != EVICTED)
+            .filter(|&page| self.keys[page as usize] == Some(key))
     }
 
     /// The key `page` is registered under (`None` for a page outside the pool).
@@ -373,14 +370,11 @@ impl PrefixCache {
     /// free list; `None` when none is evictable.
     pub(crate) fn evict_one(&mut self) -> Option<SuperblockId> {
         let (stamp, page) = self.pop_evictable()?;
+        // Its key stays in `lookup`, now evicted (its page is no longer registered under it).
         let key = self.keys[page as usize]
             .take()
             .expect("an evictable page is registered");
-        let entry = self
-            .lookup
-            .get_mut(&key)
-            .expect("a registered page's key is looked up");
-        *entry = EVICTED;
+        debug_assert_eq!(self.lookup.get(&key), Some(&page));
         self.evicted_keys += 1;
         self.evicted.push(Eviction { page, key, stamp });
         Some(page)
@@ -394,9 +388,9 @@ impl PrefixCache {
     /// The evictions of a step that ran: their keys are gone for good.
     pub(crate) fn forget_evictions(&mut self, evictions: &[Eviction]) {
         for eviction in evictions {
-            // Only its mark: a key restored since (a revert) is cached again.
+            // Only an evicted key: one restored since (a revert) is cached again.
             if let Entry::Occupied(entry) = self.lookup.entry(eviction.key) {
-                if *entry.get() == EVICTED {
+                if self.keys[*entry.get() as usize] != Some(eviction.key) {
                     entry.remove();
                     self.evicted_keys -= 1;
                 }
@@ -408,15 +402,14 @@ impl PrefixCache {
     /// the caller). Its key cannot have been registered again meanwhile (it was held as
     /// evicted); `false` only for an eviction the cache does not hold as pending.
     pub(crate) fn restore(&mut self, eviction: Eviction) -> bool {
-        match self.lookup.get_mut(&eviction.key) {
-            Some(entry) if *entry == EVICTED => *entry = eviction.page,
-            _ => {
-                debug_assert!(false, "an eviction restored twice or never made");
-                return false;
-            }
+        let p = eviction.page as usize;
+        if self.lookup.get(&eviction.key) != Some(&eviction.page)
+            || self.keys[p] == Some(eviction.key)
+        {
+            debug_assert!(false, "an eviction restored twice or never made");
+            return false;
         }
         self.evicted_keys -= 1;
-        let p = eviction.page as usize;
         debug_assert_eq!(self.refs[p], 0);
         self.keys[p] = Some(eviction.key);
         self.stamps[p] = eviction.stamp;
