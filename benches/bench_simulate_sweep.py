@@ -41,12 +41,16 @@ reads each output's placement row by row instead of copying five columns per ran
 (-> 11.9 s); ``7522dc3`` the ranks share a prepared prompt's tokens, copy on write, instead
 of each copying 12k tokens (-> 10.2 s); ``b66cbf8`` an eviction marks its key in place
 (one hash probe instead of three); ``333537e`` the prefix cache's eviction order is a queue
-of releases with lazy removal instead of a ``BTreeMap`` (-> 9.1 s, 8.6 in the set above).
+of releases with lazy removal instead of a ``BTreeMap`` (-> 9.1 s, 8.6 in the set above);
+``2b90aa3`` an eviction touches no hash entry (its key stays, evicted while its page is not
+registered under it): 8.91 / 8.82 / 8.87 s in three single runs, against 9.25 / 9.00 / 8.93
+for ``642f8ab`` just before (the machine then about 4 % slower than for the table).
 
 What is left (``--verify-ranks none`` takes 4.7 s at ``7522dc3``): the other seven ranks'
 schedulers, about 4 µs each a step (the step's digest, the output object, the decode loop,
-the eviction's hash probe, which misses the cache), and per request BLAKE3 over its prompt for
-the prefix-cache keys (once, not per rank: 7 % of the run), and the step loop's Python
+the eviction's page bookkeeping and, at the step's update, one hash probe an eviction), and
+per request BLAKE3 over its prompt for the prefix-cache keys (once, not per rank: 7 % of the
+run), and the step loop's Python
 (about 8 µs a step: the sampled tokens' output indices, the series, the finish checks).
 The table this one replaces was taken with the machine shared (load 3 to 5) and is not
 comparable with it: 162.2 s wall / 80.1 s user before the first round, 71.2 / 46.4 after.

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from gpu_decode_floor import copy_bandwidth  # a sibling script: benches/ is on sys.path
 from helix_kv.executor import fused
 
 #: (name, K, N) of each weight GEMM: the Llama stack's, then the MLA stack's (its fused input
@@ -45,22 +46,6 @@ GEMMS = [
     ("lm head", 4096, 32000),
 ]
 COPIES = 4
-
-
-def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second (median)."""
-    n = int(gib * 2**30) // 4
-    src = torch.randn(n, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * n * 4 / statistics.median(times[3:])
 
 
 def graph_us(op: Callable[[int], object], calls: int, replays: int = 20) -> float:
@@ -175,7 +160,7 @@ def main() -> None:
     tilings = [tuple(int(v) for v in text.split(",")) for text in args.head_blocks]
     if not torch.cuda.is_available():
         sys.exit("gpu_decode_gemms.py needs a CUDA device")
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
     for rows in args.rows:
         if not args.products_only:

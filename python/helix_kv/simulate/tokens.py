@@ -31,8 +31,8 @@ def prompt_tokens(request_id: int, prompt_len: int) -> np.ndarray:
 
 def sampled_tokens(request_ids: np.ndarray, output_indices: np.ndarray) -> np.ndarray:
     """The token each request samples as its ``output_indices``-th output (0-based), int32:
-    ``((id % VOCAB_SIZE) * 1_000_003 + (index + 1) * 7_919) % VOCAB_SIZE`` (uint64, wrapping),
-    in one pass (it runs every step)."""
+    ``((id % VOCAB_SIZE) * _ID_MULTIPLIER + (index + 1) * _INDEX_MULTIPLIER) % VOCAB_SIZE``
+    (uint64, wrapping), in one pass (it runs every step)."""
     return affine_tokens(request_ids, output_indices, VOCAB_SIZE, _ID_MULTIPLIER, _INDEX_MULTIPLIER)
 
 
