@@ -565,6 +565,12 @@ def main() -> None:
     parser.add_argument(
         "--mla-num-warps", type=int, default=None, help="MLA kernel: warps per program (A/B)"
     )
+    parser.add_argument(
+        "--mla-wide-block-heads",
+        type=int,
+        default=None,
+        help="MLA kernel: heads a wide tile (paged_attention.MLA_WIDE_BLOCK_HEADS; 0: off)",
+    )
     args = parser.parse_args()
     from helix_kv.executor import paged_attention
 
@@ -572,6 +578,8 @@ def main() -> None:
         paged_attention.MLA_BLOCK_HEADS = args.mla_block_heads
     if args.mla_num_warps is not None:
         paged_attention.MLA_NUM_WARPS = args.mla_num_warps
+    if args.mla_wide_block_heads is not None:
+        paged_attention.MLA_WIDE_BLOCK_HEADS = args.mla_wide_block_heads
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_decode_floor.py needs a CUDA device (or --device cpu --small)")

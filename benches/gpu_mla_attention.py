@@ -5,6 +5,7 @@ shard of 128) and all 128, one split against split-K.
     python benches/gpu_mla_attention.py                          # 64 x 4096 and 8 x 32768
     python benches/gpu_mla_attention.py --heads 16 --shapes 1x131072 --splits off auto 32
     python benches/gpu_mla_attention.py --block-heads 16 --num-warps 8   # kernel tuning
+    python benches/gpu_mla_attention.py --heads 128 --wide-block-heads 64   # wide tiles on
 
 Each shape is ``rows x tokens`` (every row ``tokens`` local keys, pages scattered over the
 pool). Each split setting (``off``: one split, ``auto``: the rule on rows x head tiles, ``N``)
@@ -26,8 +27,7 @@ import torch
 from helix_kv.executor import paged_attention
 from helix_kv.executor.paged_attention import (
     DecodeWorkspace,
-    _mla_head_tiles,
-    _resolve_splits,
+    _mla_splits,
     paged_mla_decode_attention,
 )
 
@@ -59,8 +59,7 @@ def split_count(setting: str, p: dict[str, torch.Tensor], heads: int) -> int:
         return 1
     if setting == "auto":
         rows, width = p["block_table"].shape
-        tiles = _mla_head_tiles(heads, LATENT, True)
-        return _resolve_splits(rows, tiles, width, TOKENS_PER_BLOCK, None)[0]
+        return _mla_splits(rows, heads, LATENT, True, width, TOKENS_PER_BLOCK, None)[0]
     return int(setting)
 
 
@@ -114,6 +113,13 @@ def main() -> None:
     parser.add_argument("--block-elements", type=int, default=paged_attention.MLA_BLOCK_ELEMENTS)
     parser.add_argument("--num-warps", type=int, default=paged_attention.MLA_NUM_WARPS)
     parser.add_argument("--num-stages", type=int, default=paged_attention.MLA_NUM_STAGES)
+    parser.add_argument(
+        "--wide-block-heads",
+        type=int,
+        default=paged_attention.MLA_WIDE_BLOCK_HEADS,
+        help="heads a wide tile, for requests of at least that many (0: off)",
+    )
+    parser.add_argument("--wide-num-warps", type=int, default=paged_attention.MLA_WIDE_NUM_WARPS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_mla_attention.py needs a CUDA device")
@@ -121,11 +127,14 @@ def main() -> None:
     paged_attention.MLA_BLOCK_ELEMENTS = args.block_elements
     paged_attention.MLA_NUM_WARPS = args.num_warps
     paged_attention.MLA_NUM_STAGES = args.num_stages
+    paged_attention.MLA_WIDE_BLOCK_HEADS = args.wide_block_heads
+    paged_attention.MLA_WIDE_NUM_WARPS = args.wide_num_warps
     print(
         f"# {torch.cuda.get_device_name()}; latent {LATENT} + rope {ROPE}, "
         f"{TOKENS_PER_BLOCK} tokens per page, bf16; {args.block_heads} heads per program, "
         f"{args.block_elements} cache elements per key block, {args.num_warps} warps, "
-        f"{args.num_stages} stages"
+        f"{args.num_stages} stages; wide tiles {args.wide_block_heads or 'off'} heads in "
+        f"{args.wide_num_warps} warps"
     )
     print(f"{'heads':>5} {'shape':>10} {'splits':>8} {'us':>9} {'GB/s':>8} {'max|d|':>9}")
     for heads in args.heads:

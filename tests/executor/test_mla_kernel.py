@@ -29,7 +29,7 @@ from helix_kv.executor.paged_attention import (
     DecodeWorkspace,
     _mla_block_heads,
     _mla_head_tiles,
-    _resolve_splits,
+    _mla_splits,
     interpreted,
     paged_mla_decode_attention,
     write_paged_kv,
@@ -130,11 +130,20 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("block_elements", [16, None])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("local_lens", "heads", "latent", "rope", "tpb"), SHAPES)
-def test_kernel_matches_reference(dtype, local_lens, heads, latent, rope, tpb):
+def test_kernel_matches_reference(
+    monkeypatch, dtype, local_lens, heads, latent, rope, tpb, block_elements
+):
     """One split, three splits in scratch allocated per call and in a workspace: all equal
-    the dense path (and the empty rows give output 0, LSE -inf)."""
+    the dense path (and the empty rows give output 0, LSE -inf). With a block budget of 16
+    elements (key blocks of the dot's 16, what a GPU's float64 path always takes) the online
+    softmax rescales across several blocks of a split."""
+    if block_elements is not None:
+        from helix_kv.executor import paged_attention
+
+        monkeypatch.setattr(paged_attention, "MLA_BLOCK_ELEMENTS", block_elements)
     p = mla_problem(1, local_lens, heads, latent, rope, tpb, dtype)
     expected_out, expected_lse = reference_partial(p)
     atol = DTYPES[dtype]
@@ -164,8 +173,7 @@ def test_default_splits_and_exported():
     assert exported is paged_mla_decode_attention
     dtype = next(iter(DTYPES))
     p = mla_problem(2, [300, 17, 0], 3, 16, 16, 8, dtype)
-    tiles = _mla_head_tiles(3, 16, True)
-    assert _resolve_splits(3, tiles, p["block_table"].shape[1], 8, None)[0] > 1
+    assert _mla_splits(3, 3, 16, True, p["block_table"].shape[1], 8, None)[0] > 1
     out, lse = run_kernel(p)
     expected_out, expected_lse = reference_partial(p)
     torch.testing.assert_close(out, expected_out, atol=DTYPES[dtype], rtol=0)
@@ -203,9 +211,29 @@ def test_wider_head_tiles_give_the_same_result(monkeypatch, block_heads):
         torch.testing.assert_close(lse, expected_lse, atol=DTYPES[dtype], rtol=0)
 
 
-def test_head_tiles():
+@pytest.mark.parametrize("wide_block_heads", [64, 0])
+def test_wide_head_tiles_give_the_same_result(monkeypatch, wide_block_heads):
+    """A request of 70 heads: two wide tiles of 64 (the second of 6 heads and 58 masked) or,
+    wide tiles off, three of 32; the same result, one split and the default rule's."""
+    from helix_kv.executor import paged_attention
+
+    dtype = next(iter(DTYPES))
+    p = mla_problem(4, [40, 9, 0], 70, 24, 8, 4, dtype)
+    expected_out, expected_lse = reference_partial(p)
+    monkeypatch.setattr(paged_attention, "MLA_WIDE_BLOCK_HEADS", wide_block_heads)
+    assert _mla_head_tiles(70, 24, True) == -(-70 // (wide_block_heads or 32))
+    for splits in (1, None):
+        out, lse = run_kernel(p, num_splits=splits)
+        torch.testing.assert_close(out, expected_out, atol=DTYPES[dtype], rtol=0)
+        torch.testing.assert_close(lse, expected_lse, atol=DTYPES[dtype], rtol=0)
+
+
+def test_head_tiles(monkeypatch):
     """DeepSeek-V3's 512 latent: up to 32 heads a program, a request of fewer heads one tile of
-    its heads padded to a power of two (at least the dot's 16)."""
+    its heads padded to a power of two (at least the dot's 16); with wide tiles of 64 on, a
+    request of 64 heads or more in tiles of 64."""
+    from helix_kv.executor import paged_attention
+
     assert _mla_block_heads(128, 512, True) == 32
     assert _mla_head_tiles(128, 512, True) == 4
     assert _mla_block_heads(32, 512, True) == 32
@@ -218,19 +246,37 @@ def test_head_tiles():
     assert _mla_block_heads(3, 24, True) == 16
     assert _mla_block_heads(128, 512, False) == 2  # no dots: [2, 16, 512] products
     assert _mla_block_heads(3, 24, False) == 4
+    monkeypatch.setattr(paged_attention, "MLA_WIDE_BLOCK_HEADS", 64)
+    assert _mla_block_heads(128, 512, True) == 64
+    assert _mla_head_tiles(128, 512, True) == 2
+    assert _mla_block_heads(64, 512, True) == 64
+    assert _mla_block_heads(63, 512, True) == 32  # no wide tile of padded heads
+    assert _mla_head_tiles(63, 512, True) == 2
+    assert _mla_block_heads(32, 512, True) == 32
+    assert _mla_head_tiles(32, 512, True) == 1
+    assert _mla_block_heads(20, 512, True) == 32  # one tile: 20 heads padded to 32
+    assert _mla_block_heads(16, 512, True) == 16  # a TP-8 shard of 128: no padded heads
+    assert _mla_block_heads(5, 512, True) == 16  # padded up for the dot
+    assert _mla_block_heads(70, 24, True) == 64
+    assert _mla_head_tiles(70, 24, True) == 2
+    assert _mla_block_heads(3, 24, True) == 16
+    assert _mla_block_heads(128, 512, False) == 2  # no dots: wide tiles do not apply
+    monkeypatch.setattr(paged_attention, "MLA_WIDE_BLOCK_HEADS", 32)  # no wider than narrow: off
+    assert _mla_block_heads(128, 512, True) == 32
 
 
 def test_workspace_for_mla_decode_fits_every_default_call():
     dtype = next(iter(DTYPES))
     for heads, latent, width, tpb in ((16, 512, 66, 32), (128, 512, 512, 32), (5, 24, 3, 16)):
         workspace = DecodeWorkspace.for_mla_decode(64, heads, latent, width, tpb, dtype, DEVICE)
-        tiles = _mla_head_tiles(
-            heads, latent, not (dtype == torch.float64 and DEVICE.type == "cuda")
-        )
-        needed = [rows * _resolve_splits(rows, tiles, width, tpb, None)[0] for rows in range(1, 65)]
+        use_dot = not (dtype == torch.float64 and DEVICE.type == "cuda")
+        needed = [
+            rows * _mla_splits(rows, heads, latent, use_dot, width, tpb, None)[0]
+            for rows in range(1, 65)
+        ]
         assert workspace.row_splits == max(needed)
         for rows in range(1, 65):
-            splits = _resolve_splits(rows, tiles, width, tpb, None)[0]
+            splits = _mla_splits(rows, heads, latent, use_dot, width, tpb, None)[0]
             assert workspace.fits(rows, heads, latent, splits, dtype)
 
 
@@ -390,11 +436,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads", [16, 128])
-def test_deepseek_v3_sizes_on_cuda(dtype, heads):
+@pytest.mark.parametrize(("heads", "wide_block_heads"), [(16, 0), (128, 0), (128, 64)])
+def test_deepseek_v3_sizes_on_cuda(monkeypatch, dtype, heads, wide_block_heads):
     """Latent 512 + RoPE 64, 32 tokens a page, rows of about 1000 keys (and an empty row):
     default splits and one split equal the float64 reference; a CUDA graph of the call
-    replays to the eager result."""
+    replays to the eager result. 128 heads also in wide tiles of 64 (8 warps)."""
+    from helix_kv.executor import paged_attention
+
+    monkeypatch.setattr(paged_attention, "MLA_WIDE_BLOCK_HEADS", wide_block_heads)
     device = torch.device("cuda")
     lens = [1000, 1024, 0, 777]
     p = mla_problem(7, lens, heads, 512, 64, 32, dtype, device)
@@ -421,7 +470,7 @@ def test_deepseek_v3_sizes_on_cuda(dtype, heads):
         )
         return part.output, part.lse
 
-    splits = _resolve_splits(len(lens), _mla_head_tiles(heads, 512, True), width, 32, None)[0]
+    splits = _mla_splits(len(lens), heads, 512, True, width, 32, None)[0]
     assert splits > 1
     for options in ({}, {"workspace": workspace}, {"num_splits": 1}):
         out, lse = call(**options)

@@ -79,6 +79,15 @@ _MLA_NODOT_KEYS = 16
 #: Warps and pipeline stages of the MLA decode kernel.
 MLA_NUM_WARPS = 4
 MLA_NUM_STAGES = 2
+#: Wide tiles of the MLA decode kernel, off while 0: a request of at least this many heads
+#: (DeepSeek-V3's 128 on a Helix rank, whose attention is not split by heads) runs tiles of
+#: this many in :data:`MLA_WIDE_NUM_WARPS` warps, a tile that takes Hopper's warpgroup MMA.
+#: Timed on one H200 at 128 heads, 64 heads in 8 warps (bf16, auto split): 64 x 2112 in 327 µs
+#: a layer against 359 for four 32-head tiles, 256 x 576 in 323 against 372, 8 x 32768 in 527
+#: against 753 (docs/gpu-results.md). Off by default until the GPU tests have run with it
+#: (``test_mla_kernel.py`` runs both on CUDA); 64 turns it on.
+MLA_WIDE_BLOCK_HEADS = 0
+MLA_WIDE_NUM_WARPS = 8
 #: Most elements of the ``[splits, latent chunk]`` tile of one split-combine program (a
 #: 128-split combine of a whole 512 latent spills).
 MLA_COMBINE_ELEMENTS = 16 * 512
@@ -240,9 +249,10 @@ class DecodeWorkspace:
         split count on up to ``max_rows`` rows of ``heads`` query heads, a latent of
         ``latent_dim`` and a block table ``width_pages`` wide, queries of ``dtype`` on
         ``device``."""
-        tiles = _mla_head_tiles(heads, latent_dim, _use_dot(dtype, torch.device(device)))
+        use_dot = _use_dot(dtype, torch.device(device))
         pairs = max(
-            rows * _resolve_splits(rows, tiles, width_pages, tokens_per_block, None)[0]
+            rows
+            * _mla_splits(rows, heads, latent_dim, use_dot, width_pages, tokens_per_block, None)[0]
             for rows in range(1, max(1, max_rows) + 1)
         )
         return cls.allocate(pairs, heads, latent_dim, 1, dtype, device)
@@ -308,11 +318,14 @@ def _use_dot(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _mla_block_heads(heads: int, latent_dim: int, use_dot: bool) -> int:
-    """Query heads per program of the MLA decode kernel: with dots, the heads (a power of two)
-    up to :data:`MLA_BLOCK_HEADS`, at least the dot's smallest side (a row of fewer heads is
-    padded); without, as many as keep the ``[heads, keys, latent]`` products within
-    :data:`MLA_NODOT_ELEMENTS`, no more than the heads need."""
+    """Query heads per program of the MLA decode kernel: with dots,
+    :data:`MLA_WIDE_BLOCK_HEADS` (where on) for a request of at least that many heads, else
+    the heads (a power of two) up to :data:`MLA_BLOCK_HEADS`, at least the dot's smallest side
+    (a row of fewer heads is padded); without, as many as keep the ``[heads, keys, latent]``
+    products within :data:`MLA_NODOT_ELEMENTS`, no more than the heads need."""
     if use_dot:
+        if heads >= MLA_WIDE_BLOCK_HEADS > MLA_BLOCK_HEADS:
+            return MLA_WIDE_BLOCK_HEADS
         return max(_DOT_MIN, min(MLA_BLOCK_HEADS, _next_power_of_2(heads)))
     fit = max(1, MLA_NODOT_ELEMENTS // (_MLA_NODOT_KEYS * _next_power_of_2(latent_dim)))
     return max(1, min(_floor_power_of_2(fit), _next_power_of_2(heads)))
@@ -321,6 +334,26 @@ def _mla_block_heads(heads: int, latent_dim: int, use_dot: bool) -> int:
 def _mla_head_tiles(heads: int, latent_dim: int, use_dot: bool) -> int:
     """Programs per row of the MLA decode kernel (the split rule counts rows x these)."""
     return -(-heads // _mla_block_heads(heads, latent_dim, use_dot))
+
+
+def _mla_wide(block_heads: int) -> bool:
+    """Whether a tile of ``block_heads`` runs as a wide one (:data:`MLA_WIDE_BLOCK_HEADS`)."""
+    return block_heads >= MLA_WIDE_BLOCK_HEADS > MLA_BLOCK_HEADS
+
+
+def _mla_splits(
+    rows: int,
+    heads: int,
+    latent_dim: int,
+    use_dot: bool,
+    width_pages: int,
+    tokens_per_block: int,
+    asked: int | None,
+) -> tuple[int, int]:
+    """The splits an MLA decode call runs and the pages of each: :func:`_resolve_splits` with
+    rows x head tiles as the programs. Static sizes only, like :func:`decode_splits`."""
+    tiles = _mla_head_tiles(heads, latent_dim, use_dot)
+    return _resolve_splits(rows, tiles, width_pages, tokens_per_block, asked)
 
 
 def _floor_power_of_2(n: int) -> int:
@@ -653,7 +686,9 @@ def paged_mla_decode_attention(
     use_dot = _use_dot(query.dtype, query.device)
     block_h = _mla_block_heads(heads, latent_dim, use_dot)
     tiles = -(-heads // block_h)
-    splits, pages_per_split = _resolve_splits(rows, tiles, width, tokens_per_block, num_splits)
+    splits, pages_per_split = _mla_splits(
+        rows, heads, latent_dim, use_dot, width, tokens_per_block, num_splits
+    )
     block_l, block_r = _next_power_of_2(latent_dim), _next_power_of_2(rope_dim)
     if use_dot:
         block_l, block_r = max(_DOT_MIN, block_l), max(_DOT_MIN, block_r)
@@ -715,7 +750,7 @@ def paged_mla_decode_attention(
         BLOCK_R=block_r,
         ACC_FP64=acc_fp64,
         USE_DOT=use_dot,
-        num_warps=MLA_NUM_WARPS,
+        num_warps=MLA_WIDE_NUM_WARPS if _mla_wide(block_h) else MLA_NUM_WARPS,
         num_stages=MLA_NUM_STAGES,
     )
     if splits > 1:
