@@ -1,4 +1,4 @@
-"""The executor's graphed decode step against its HBM floor (one GPU, cp = 1).
+"""The executor's graphed decode step against its HBM floor (cp = 1, or one GPU a CP rank).
 
     python benches/gpu_decode_floor.py                       # 64 x 576, 64 x 2112, 256 x 576
     python benches/gpu_decode_floor.py --profile             # ... and the per-part breakdown
@@ -6,6 +6,8 @@
     python benches/gpu_decode_floor.py --model-family mla    # the MLA stack of the same bytes
     python benches/gpu_decode_floor.py --model-family mla --mla-block-heads 32 --mla-num-warps 8
     python benches/gpu_decode_floor.py --device cpu --small  # CPU smoke run (interpreter)
+    python benches/gpu_decode_floor.py --cp 2                # 2 GPUs, NCCL (NCCL_NVLS_ENABLE=0)
+    python benches/gpu_decode_floor.py --cp 2 --device cpu --small --shapes 4x64  # gloo
 
 A decode step reads every weight once and every cached KV byte once, so no step runs faster
 than ``(weight bytes + KV bytes read) / HBM bandwidth``. Per shape (``requests x context``:
@@ -36,6 +38,15 @@ Llama-shaped stack above) or ``mla`` (a DeepSeek-V3-style MLA stack of about the
 bytes, :func:`mla_config`); each returns a :class:`Family` with the model, its bytes per step
 and its profiled parts.
 
+``--cp N`` runs one rank a GPU (``helix_kv.distributed.launch.spawn_group``: NCCL on GPUs,
+gloo on the CPU). Every rank holds the whole model and its share of each request's keys
+(``RankPlacement``: whole pages dealt round robin, the step's new token written by its
+owner), and the step ends with the executor's cross-rank combine (an all-gather of each
+layer's partial output and LSE, in the graph). A rank's floor counts the weights and the KV
+it holds; the table gives the slowest rank's step and the largest floor (the rank with the
+most keys), and ``ratio`` their quotient, so the combine's communication is in the step but
+not in the floor. ``--profile`` runs at cp = 1 only.
+
 Weights are seeded random numbers. ``--exact-init`` draws them as the model does everywhere
 else (float64 on the CPU, about a minute for this size); by default the bench draws the same
 normal weights (another seeded stream) on the GPU, which changes no timing.
@@ -56,6 +67,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 #: Step parts of the breakdown, in print order.
@@ -381,7 +393,14 @@ class Setup:
     """A KV pool of random KV for one shape, its decode metadata and the graphed step."""
 
     def __init__(
-        self, family: Family, shape: Shape, tpb: int, device: torch.device, graphs: bool
+        self,
+        family: Family,
+        shape: Shape,
+        tpb: int,
+        device: torch.device,
+        graphs: bool,
+        cp_size: int = 1,
+        cp_rank: int = 0,
     ) -> None:
         from helix_kv.executor.decode_step import DecodeLayout, DecodeMetadata, DecodeStep
         from helix_kv.executor.model import group_combine
@@ -389,9 +408,12 @@ class Setup:
 
         model = family.model
         self.shape = shape
-        pages = -(-shape.context // tpb)
+        placement = RankPlacement(cp_size, tpb, cp_rank)
+        # one page a superblock on every rank (at cp = 1 a superblock is a page)
+        pages = int(placement.superblocks_for(shape.context))
+        self.local_len = int(placement.local_lens(shape.context))
         total = shape.rows * pages
-        self.pool = model.new_kv_pool(RankPlacement(1, tpb, 0), total)
+        self.pool = model.new_kv_pool(placement, total)
         generator = torch.Generator(device=device).manual_seed(1)
         for cache in (self.pool.key_cache, self.pool.value_cache):
             for layer in range(cache.shape[0]):  # random KV, never zeros
@@ -399,16 +421,17 @@ class Setup:
         order = torch.randperm(total, generator=torch.Generator().manual_seed(2))
         table = order.view(shape.rows, pages).numpy()  # scattered pages
         position = shape.context - 1  # the step's token, written first, then attended to
-        slots = table[:, position // tpb] * tpb + position % tpb
+        # its slot on the rank that owns it, -1 on the others
+        slots = placement.slot_mapping(table, np.arange(shape.rows), np.full(shape.rows, position))
         tokens = torch.randint(
             model.config.vocab_size, (shape.rows,), generator=torch.Generator().manual_seed(3)
         )
         self.metadata = DecodeMetadata(DecodeLayout(shape.rows, pages), device, [shape.rows])
-        # the executor's combine at cp = 1 (no process group: the local combine)
+        # the executor's combine: over the default group (cp = 1, none: the local combine)
         self.combine = group_combine(None)
         self.step = DecodeStep(model, self.pool, self.combine, self.metadata, cuda_graphs=graphs)
         self.rows = self.metadata.fill(
-            tokens.numpy(), position, slots, shape.context, position, table
+            tokens.numpy(), position, slots, self.local_len, position, table
         )
 
     def launch(self) -> None:
@@ -416,9 +439,18 @@ class Setup:
         self.step.launch(self.rows)
 
     def check(self) -> None:
+        """Finite logits and, across a CP group, the same on every rank (each rank's LM head
+        reads the combined attention of all ranks' keys)."""
+        import torch.distributed as dist
+
         logits = self.step.logits[: self.rows]
         if not bool(torch.isfinite(logits).all()):
             raise RuntimeError(f"{self.shape}: non-finite logits")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, logits.contiguous())
+            if not all(torch.equal(other, gathered[0]) for other in gathered):
+                raise RuntimeError(f"{self.shape}: the ranks' logits differ")
 
 
 def time_steps(setup: Setup, replays: int, device: torch.device) -> float:
@@ -543,7 +575,7 @@ def gemm_table(family: Family, rows: int, bandwidth: float, device: torch.device
     return lines
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-family", default="llama", choices=sorted(FAMILIES))
     parser.add_argument("--shapes", default="64x576,64x2112,256x576")
@@ -571,35 +603,56 @@ def main() -> None:
         default=None,
         help="MLA kernel: heads a wide tile (paged_attention.MLA_WIDE_BLOCK_HEADS; 0: off)",
     )
+    parser.add_argument("--cp", type=int, default=1, help="CP ranks, one GPU each")
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="rendezvous and collective timeout, s"
+    )
     args = parser.parse_args()
+    if args.cp < 1:
+        parser.error(f"--cp must be at least 1, got {args.cp}")
+    if args.cp > 1 and args.profile:
+        parser.error("--profile runs at --cp 1 only")
+    return args
+
+
+def apply_kernel_options(args: argparse.Namespace) -> None:
+    """The MLA kernel's A/B options, set before the first call (the kernels read them then)."""
     from helix_kv.executor import paged_attention
 
-    if args.mla_block_heads is not None:  # before the first call: the kernels read them then
+    if args.mla_block_heads is not None:
         paged_attention.MLA_BLOCK_HEADS = args.mla_block_heads
     if args.mla_num_warps is not None:
         paged_attention.MLA_NUM_WARPS = args.mla_num_warps
     if args.mla_wide_block_heads is not None:
         paged_attention.MLA_WIDE_BLOCK_HEADS = args.mla_wide_block_heads
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("gpu_decode_floor.py needs a CUDA device (or --device cpu --small)")
-    if device.type == "cpu":
-        # before triton is first imported: the kernels run in its interpreter
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        args.replays = min(args.replays, 3)
+
+
+#: One shape's figures: shape, weight bytes, KV bytes (this rank's), floor s, step s, copy
+#: bandwidth B/s, the GEMMs' FLOPs at the matmul rate s.
+Row = tuple[str, int, int, float, float, float, float]
+
+
+def measure(
+    args: argparse.Namespace,
+    device: torch.device,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    log: Callable[[str], None] = lambda line: print(line, flush=True),
+) -> tuple[list[Row], list[Any], Family, float]:
+    """Build the family on ``device`` and time every shape as rank ``cp_rank`` of
+    ``cp_size``: the rows, the breakdowns (``--profile``), the family and the bandwidth."""
     dtype = getattr(torch, args.dtype)
     shapes = [Shape.parse(s) for s in args.shapes.split(",")]
     graphs = device.type == "cuda"
-
     t0 = time.perf_counter()
     family = FAMILIES[args.model_family](args, dtype, device)
     built = time.perf_counter() - t0
     bandwidth = copy_bandwidth(device) if graphs else float("nan")
     rate = matmul_rate(device) if graphs else float("nan")
     name = torch.cuda.get_device_name(device) if graphs else "cpu"
-    print(
+    log(
         f"{family.name} model, {args.layers} layers, {args.dtype}, tokens_per_block "
-        f"{args.tokens_per_block}, {name}; built in {built:.1f} s; "
+        f"{args.tokens_per_block}, cp {cp_size}, {name}; built in {built:.1f} s; "
         f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
         f"bf16 matmul {rate / 1e12:.0f} TFLOP/s (8192^3)"
     )
@@ -608,42 +661,119 @@ def main() -> None:
     breakdowns = []
     for shape in shapes:
         t0 = time.perf_counter()
-        setup = Setup(family, shape, args.tokens_per_block, device, graphs)
+        setup = Setup(family, shape, args.tokens_per_block, device, graphs, cp_size, cp_rank)
         seconds = time_steps(setup, args.replays, device)
         setup.check()
         weights = family.weight_bytes + shape.rows * family.embedding_row_bytes
-        kv = shape.rows * shape.context * family.kv_bytes_per_token
+        kv = shape.rows * setup.local_len * family.kv_bytes_per_token  # this rank's keys
         floor = (weights + kv) / bandwidth
         # the GEMMs' arithmetic (2 FLOP per weight and row) at the matmul rate: past the
         # ridge point (rows > rate / bw FLOP per byte) the weights take longer than reading
         compute = 2 * shape.rows * (family.weight_bytes / esize) / rate
-        rows.append((shape, weights, kv, floor, seconds, bandwidth, compute))
-        print(
+        rows.append((str(shape), weights, kv, floor, seconds, bandwidth, compute))
+        log(
             f"{shape}: step {seconds * 1e3:.3f} ms, floor {floor * 1e3:.3f} ms, "
-            f"ratio {seconds / floor:.2f} (set up and timed in {time.perf_counter() - t0:.1f} s)",
-            flush=True,
+            f"ratio {seconds / floor:.2f} (set up and timed in {time.perf_counter() - t0:.1f} s)"
         )
         if args.profile and graphs:
             try:
                 kernel_s, kernels, by_name = graph_kernels(setup)
                 parts = eager_parts(family, setup)
             except Exception as exc:  # a profiler failure keeps the timings
-                print(f"{shape}: profile failed: {exc!r}")
+                log(f"{shape}: profile failed: {exc!r}")
             else:
                 breakdowns.append((shape, seconds, kernel_s, kernels, by_name, parts))
         del setup
         if graphs:
             torch.cuda.empty_cache()
 
+    return rows, breakdowns, family, bandwidth
+
+
+def measure_rank(rank: int, world_size: int, options: dict[str, Any]) -> list[Row]:
+    """One CP rank of ``--cp``, run by ``spawn_group`` inside its process group (NCCL ranks
+    on GPU ``rank``): its rows; rank 0 prints its progress."""
+    args = argparse.Namespace(**options)
+    apply_kernel_options(args)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if args.device == "cuda"
+        else torch.device("cpu")
+    )
+    with torch.no_grad():
+        if rank == 0:
+            rows, _, _, _ = measure(args, device, world_size, rank)
+        else:
+            rows, _, _, _ = measure(args, device, world_size, rank, log=lambda line: None)
+    return rows
+
+
+def combine_ranks(per_rank: list[list[Row]]) -> list[Row]:
+    """One row a shape over the ranks: the slowest rank's step, the largest floor (with its
+    KV bytes and bandwidth), the largest FLOP time."""
+    rows = []
+    for shape_rows in zip(*per_rank):
+        bound = max(shape_rows, key=lambda row: row[3])
+        rows.append(
+            (
+                bound[0],
+                bound[1],
+                bound[2],
+                bound[3],
+                max(row[4] for row in shape_rows),
+                bound[5],
+                max(row[6] for row in shape_rows),
+            )
+        )
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    apply_kernel_options(args)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_decode_floor.py needs a CUDA device (or --device cpu --small)")
+    if device.type == "cuda" and torch.cuda.device_count() < args.cp:
+        sys.exit(
+            f"--cp {args.cp} needs {args.cp} GPUs, this machine has {torch.cuda.device_count()}"
+        )
+    if device.type == "cpu":
+        # before triton is first imported: the kernels run in its interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        args.replays = min(args.replays, 3)
+    shapes = [Shape.parse(s) for s in args.shapes.split(",")]
+    graphs = device.type == "cuda"
+    breakdowns: list[Any] = []
+    if args.cp == 1:
+        rows, breakdowns, family, bandwidth = measure(args, device)
+    else:
+        from helix_kv.distributed.launch import spawn_group
+
+        per_rank = spawn_group(
+            measure_rank,
+            args.cp,
+            (vars(args),),
+            backend="nccl" if graphs else "gloo",
+            timeout_s=args.timeout,
+            env={"TRITON_INTERPRET": "1"} if not graphs else None,
+        )
+        for rank, rank_rows in enumerate(per_rank):
+            for shape, _, kv, floor, seconds, _, _ in rank_rows:
+                print(
+                    f"rank {rank}: {shape}: step {seconds * 1e3:.3f} ms, KV {kv / 1e6:.0f} MB, "
+                    f"floor {floor * 1e3:.3f} ms"
+                )
+        rows = combine_ranks(per_rank)
     print()
     print(
         "| requests x context | weights MB | KV MB | bw TB/s | floor ms | step ms | ratio "
         "| GEMM FLOPs at matmul rate ms |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for shape, weights, kv, floor, seconds, bw, compute in rows:
+    for shape_name, weights, kv, floor, seconds, bw, compute in rows:
         print(
-            f"| {shape} | {weights / 1e6:.0f} | {kv / 1e6:.0f} | {bw / 1e12:.2f} | "
+            f"| {shape_name} | {weights / 1e6:.0f} | {kv / 1e6:.0f} | {bw / 1e12:.2f} | "
             f"{floor * 1e3:.3f} | {seconds * 1e3:.3f} | {seconds / floor:.2f} | "
             f"{compute * 1e3:.3f} |"
         )
