@@ -11,6 +11,7 @@ executor, plain and (with ``--overlap``) one step ahead.
     python benches/gpu_executor.py --cuda-graphs --split-k off   # ... one split per request
     python benches/gpu_executor.py --cuda-graphs --requests 256 --prompt-len 4096 \
         --max-batch-size 256
+    python benches/gpu_executor.py --shared-prefix-len 448 [--prefix-caching]  # prefix reuse
     python benches/gpu_executor.py --device cpu --cp 2 --requests 8 --prompt-len 64 \
         --new-tokens 16 --small                         # CPU/gloo smoke run
 
@@ -21,7 +22,11 @@ rows, one H2D copy, sync), the host gap between GPU steps (CUDA events: from the
 t's last kernel to the start of step t + 1's first; ``nan`` on the CPU) and the preemptions the
 run needed. ``--overlap`` runs the workload once more one step ahead (step t + 1 scheduled and
 queued while step t runs) and adds its ``overlap_*`` figures: decode tokens/s, host gap,
-speedup, and whether its tokens equal the plain run's.
+speedup, and whether its tokens equal the plain run's. ``--shared-prefix-len N`` starts every
+prompt with the first ``N`` tokens of one of ``--system-prompts`` random system prompts;
+with ``--prefix-caching`` their pages are reused: ``prefix_cache_hits`` (of
+``prefix_cache_queries``) and fewer ``tokens_run`` than the same workload without it, and
+``run_s`` the whole run's wall time.
 """
 
 from __future__ import annotations
@@ -79,6 +84,16 @@ def main() -> None:
         help="each rank's host KV tier in pages: suspend to host instead of recomputing",
     )
     parser.add_argument(
+        "--prefix-caching", action="store_true", help="the scheduler's prefix cache on"
+    )
+    parser.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=defaults.shared_prefix_len,
+        help="leading tokens each prompt shares with one of --system-prompts (0: none)",
+    )
+    parser.add_argument("--system-prompts", type=int, default=defaults.system_prompts)
+    parser.add_argument(
         "--split-k",
         default="auto",
         help="splits of the paged decode kernel: auto (the static rule), off (one) or N; "
@@ -102,6 +117,9 @@ def main() -> None:
         cuda_graphs=args.cuda_graphs,
         overlap=args.overlap,
         host_tier_pages=args.host_tier_pages,
+        prefix_caching=args.prefix_caching,
+        shared_prefix_len=args.shared_prefix_len,
+        system_prompts=args.system_prompts,
     )
     print(format_figures(spec, measure(spec, single_run=args.single_run)))
 

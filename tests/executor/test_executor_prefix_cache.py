@@ -113,3 +113,51 @@ def test_the_tight_pool_preempts_and_the_host_tier_suspends(runs):
         assert runs[cp, "tight", "plain", True].metrics["preemptions"] > 0, cp
         host = runs[cp, "host_tier", "plain", True].metrics
         assert host["preemptions"] + host["suspensions"] > 0, cp
+
+
+def test_bench_prompts_share_their_system_prompts():
+    """``synthetic_prompts`` with a shared prefix: prompt ``i`` starts with system prompt
+    ``i % system_prompts``, its own tokens differ; without one, nothing is shared; a
+    ``BenchSpec`` refuses a shared prefix longer than the prompt."""
+    from helix_kv.executor.bench import BenchSpec, synthetic_prompts
+
+    shared = synthetic_prompts(6, 20, 1000, seed=3, shared_prefix_len=12, system_prompts=2)
+    assert all(len(p) == 20 for p in shared.values())
+    assert shared[0][:12] == shared[2][:12] == shared[4][:12]
+    assert shared[1][:12] == shared[3][:12] != shared[0][:12]
+    assert shared[0][12:] != shared[2][12:]
+    plain = synthetic_prompts(6, 20, 1000, seed=3)
+    assert len({tuple(p[:12]) for p in plain.values()}) == 6
+    with pytest.raises(ValueError, match="shared_prefix_len"):
+        BenchSpec(prompt_len=16, shared_prefix_len=17)
+    with pytest.raises(ValueError, match="system_prompts"):
+        BenchSpec(system_prompts=0)
+
+
+def test_bench_prefix_caching_reuses_the_shared_pages():
+    """The executor bench's workload with shared system prompts: with prefix caching the
+    later requests hit the cached superblocks and the forward runs fewer tokens; without it,
+    no query and no hit."""
+    from helix_kv.executor.bench import BenchSpec, measure
+
+    figures = {}
+    for caching in (False, True):
+        spec = BenchSpec(
+            cp_size=1,
+            requests=6,
+            prompt_len=80,
+            new_tokens=4,
+            max_num_tokens=96,  # one prompt a step: the later ones find the cached pages
+            dtype="float32",
+            device="cpu",
+            model=MODEL,
+            prefix_caching=caching,
+            shared_prefix_len=64,
+            system_prompts=2,
+        )
+        figures[caching] = measure(spec, single_run=True)
+    assert figures[False]["prefix_cache_queries"] == figures[False]["prefix_cache_hits"] == 0
+    assert figures[True]["prefix_cache_hits"] > 0
+    # every hit token is one the forward did not run (a roomy pool: no recompute)
+    saved = figures[False]["tokens_run"] - figures[True]["tokens_run"]
+    assert saved == figures[True]["prefix_cache_hits"]

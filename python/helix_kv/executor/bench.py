@@ -52,14 +52,42 @@ class BenchSpec:
     cuda_graphs: bool = False  # replay decode-only steps from CUDA graphs (implies the kernel)
     overlap: bool = False  # also run the workload one step ahead and report both
     host_tier_pages: int = 0  # each rank's host KV tier (suspend to host under pressure)
+    prefix_caching: bool = False  # the scheduler's prefix cache (enable_prefix_caching)
+    shared_prefix_len: int = 0  # leading tokens each prompt shares with others (0: none)
+    system_prompts: int = 4  # distinct shared prefixes, dealt round robin over the prompts
 
     cp = Renamed[int]("cp_size")
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.shared_prefix_len <= self.prompt_len:
+            raise ValueError(
+                f"shared_prefix_len {self.shared_prefix_len} must be within the prompt's "
+                f"{self.prompt_len} tokens"
+            )
+        if self.system_prompts < 1:
+            raise ValueError(f"system_prompts must be at least 1, got {self.system_prompts}")
 
-def synthetic_prompts(count: int, length: int, vocab_size: int, seed: int) -> dict[int, list[int]]:
-    """``count`` random prompts of ``length`` tokens, ids ``0..count-1``."""
+
+def synthetic_prompts(
+    count: int,
+    length: int,
+    vocab_size: int,
+    seed: int,
+    shared_prefix_len: int = 0,
+    system_prompts: int = 1,
+) -> dict[int, list[int]]:
+    """``count`` random prompts of ``length`` tokens, ids ``0..count-1``; with
+    ``shared_prefix_len``, prompt ``i`` starts with the first that many tokens of system prompt
+    ``i % system_prompts`` (random too), then its own random tokens."""
     rng = np.random.default_rng(seed)
-    return {i: rng.integers(0, vocab_size, size=length).tolist() for i in range(count)}
+    if not shared_prefix_len:
+        return {i: rng.integers(0, vocab_size, size=length).tolist() for i in range(count)}
+    systems = rng.integers(0, vocab_size, size=(system_prompts, shared_prefix_len))
+    return {
+        i: systems[i % system_prompts].tolist()
+        + rng.integers(0, vocab_size, size=length - shared_prefix_len).tolist()
+        for i in range(count)
+    }
 
 
 def executor_config(
@@ -86,6 +114,7 @@ def executor_config(
         cuda_graphs=spec.cuda_graphs,
         overlap=overlap,
         host_tier_pages=spec.host_tier_pages,
+        scheduler_options={"enable_prefix_caching": True} if spec.prefix_caching else {},
     )
 
 
@@ -96,7 +125,14 @@ def measure(
     once untimed for throughput and host gap (``single_run``: only the timed run, which gives
     both), and with ``spec.overlap`` once more, untimed, one step ahead. Returns rank 0's
     figures (``overlap_*`` for the overlap run)."""
-    prompts = synthetic_prompts(spec.requests, spec.prompt_len, spec.model.vocab_size, spec.seed)
+    prompts = synthetic_prompts(
+        spec.requests,
+        spec.prompt_len,
+        spec.model.vocab_size,
+        spec.seed,
+        spec.shared_prefix_len,
+        spec.system_prompts,
+    )
     jobs = [(prompts, spec.new_tokens, executor_config(spec, time_table_build=True))]
     if not single_run:
         jobs.append((prompts, spec.new_tokens, executor_config(spec, time_table_build=False)))
@@ -134,6 +170,11 @@ def figures(timed: RunResult, untimed: RunResult) -> dict[str, float]:
         "suspensions": float(untimed.metrics.get("suspensions", 0)),
         "recomputed_tokens": float(untimed.metrics.get("recomputed_tokens", 0)),
         "capacity_superblocks": float(untimed.capacity_superblocks),
+        # tokens the forward ran (prompts, recomputes, decodes): prefix-cache hits skip theirs
+        "tokens_run": float(untimed.tokens_run),
+        "run_s": untimed.total_s,
+        "prefix_cache_hits": float(untimed.metrics.get("prefix_cache_hits", 0)),
+        "prefix_cache_queries": float(untimed.metrics.get("prefix_cache_queries", 0)),
     }
 
 
@@ -174,6 +215,13 @@ def format_figures(spec: BenchSpec, numbers: dict[str, float]) -> str:
         f"decode kernel {'on' if spec.decode_kernel or spec.cuda_graphs else 'off'}, "
         f"CUDA graphs {'on' if spec.cuda_graphs else 'off'}"
         + (", plain and overlap" if spec.overlap else "")
+        + (", prefix caching" if spec.prefix_caching else "")
+        + (
+            f", prompts share {spec.shared_prefix_len} tokens with one of "
+            f"{spec.system_prompts} system prompts"
+            if spec.shared_prefix_len
+            else ""
+        )
     )
     lines = [head] + [f"  {name}: {value:,.1f}" for name, value in numbers.items()]
     return "\n".join(lines)
