@@ -986,9 +986,21 @@ class env_var:
 
 
 def scenario_rank_dies(rank: int, world: int, backend: str) -> dict[str, Any]:
-    """The last rank dies before construction; its peers raise InitSyncError, never hang."""
+    """The last rank dies before construction; its peers raise InitSyncError, never hang.
+
+    It dies only once every peer has said (through the group's store, not a collective) that
+    its own process-group init returned: a rank that died while a peer was still connecting
+    its gloo mesh failed that peer's ``init_process_group`` instead, a crash this scenario is
+    not about (a CI run lost to it when the machine was loaded)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
     if rank == world - 1:
+        store.wait([f"rank_dies/initialised/{peer}" for peer in range(world - 1)])
         os._exit(17)
+    store.set(f"rank_dies/initialised/{rank}", "1")
+    assert dist.is_initialized()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = attempt(lambda: HelixKVRank.create(engine_config(), 64 * PAGE_BYTES))
