@@ -6,12 +6,14 @@
 #   bash benches/gpu_cp_plan.sh tests 2        # tests/executor + tests/distributed on 2 GPUs
 #   bash benches/gpu_cp_plan.sh executor 2     # decode step shapes, plain and one step ahead
 #   bash benches/gpu_cp_plan.sh features 2     # floor, schedule check, host tier, prefix, drafts
+#   bash benches/gpu_cp_plan.sh mla 1          # one GPU: the MLA kernel's GPU tests (wide tiles
+#                                              # among them) and its tile and split sweeps
 #   DRY_RUN=1 bash benches/gpu_cp_plan.sh features 4   # print the commands only
 #
 # A part runs every command even if one fails, and exits non-zero if any did.
 set -u
-part=${1:?usage: gpu_cp_plan.sh tests|executor|features CP}
-cp=${2:?usage: gpu_cp_plan.sh tests|executor|features CP}
+part=${1:?usage: gpu_cp_plan.sh tests|executor|features|mla CP}
+cp=${2:?usage: gpu_cp_plan.sh tests|executor|features|mla CP}
 out=${OUT:-gpu-plan-out}
 export NCCL_NVLS_ENABLE=0
 mkdir -p "$out"
@@ -41,8 +43,17 @@ case "$part" in
     commands+=("python3 benches/gpu_host_tier.py --scattered")
     commands+=("python3 benches/gpu_executor.py --dtype bfloat16 --cp $cp --kv-tokens 20000 --host-tier-pages 512 --single-run")
     ;;
+  mla)
+    commands+=("python3 -m pytest -o addopts= -p no:cacheprovider tests/executor/test_mla_kernel.py tests/executor/test_fused.py -q -rs")
+    for wide in 0 64; do
+      commands+=("python3 benches/gpu_mla_attention.py --heads 32 128 --shapes 64x2112 256x576 64x576 8x32768 --splits auto 1 2 3 4 5 6 8 --wide-block-heads $wide")
+    done
+    for target in 528 256; do
+      commands+=("python3 benches/gpu_decode_floor.py --model-family mla --mla-target-programs $target --mla-full-programs $target")
+    done
+    ;;
   *)
-    echo "unknown part $part: tests, executor or features" >&2
+    echo "unknown part $part: tests, executor, features or mla" >&2
     exit 2
     ;;
 esac

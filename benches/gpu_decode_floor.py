@@ -603,6 +603,18 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="MLA kernel: heads a wide tile (paged_attention.MLA_WIDE_BLOCK_HEADS; 0: off)",
     )
+    parser.add_argument(
+        "--mla-target-programs",
+        type=int,
+        default=None,
+        help="MLA kernel: programs its auto split aims for (MLA_TARGET_PROGRAMS; A/B)",
+    )
+    parser.add_argument(
+        "--mla-full-programs",
+        type=int,
+        default=None,
+        help="MLA kernel: programs at which its auto split takes one (MLA_FULL_PROGRAMS; A/B)",
+    )
     parser.add_argument("--cp", type=int, default=1, help="CP ranks, one GPU each")
     parser.add_argument(
         "--timeout", type=float, default=900.0, help="rendezvous and collective timeout, s"
@@ -625,6 +637,10 @@ def apply_kernel_options(args: argparse.Namespace) -> None:
         paged_attention.MLA_NUM_WARPS = args.mla_num_warps
     if args.mla_wide_block_heads is not None:
         paged_attention.MLA_WIDE_BLOCK_HEADS = args.mla_wide_block_heads
+    if args.mla_target_programs is not None:
+        paged_attention.MLA_TARGET_PROGRAMS = args.mla_target_programs
+    if args.mla_full_programs is not None:
+        paged_attention.MLA_FULL_PROGRAMS = args.mla_full_programs
 
 
 #: One shape's figures: shape, weight bytes, KV bytes (this rank's), floor s, step s, copy

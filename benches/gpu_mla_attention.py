@@ -120,6 +120,18 @@ def main() -> None:
         help="heads a wide tile, for requests of at least that many (0: off)",
     )
     parser.add_argument("--wide-num-warps", type=int, default=paged_attention.MLA_WIDE_NUM_WARPS)
+    parser.add_argument(
+        "--target-programs",
+        type=int,
+        default=paged_attention.MLA_TARGET_PROGRAMS,
+        help="programs the auto split aims for (paged_attention.MLA_TARGET_PROGRAMS)",
+    )
+    parser.add_argument(
+        "--full-programs",
+        type=int,
+        default=paged_attention.MLA_FULL_PROGRAMS,
+        help="programs at which the auto split takes one (paged_attention.MLA_FULL_PROGRAMS)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_mla_attention.py needs a CUDA device")
@@ -129,12 +141,15 @@ def main() -> None:
     paged_attention.MLA_NUM_STAGES = args.num_stages
     paged_attention.MLA_WIDE_BLOCK_HEADS = args.wide_block_heads
     paged_attention.MLA_WIDE_NUM_WARPS = args.wide_num_warps
+    paged_attention.MLA_TARGET_PROGRAMS = args.target_programs
+    paged_attention.MLA_FULL_PROGRAMS = args.full_programs
     print(
         f"# {torch.cuda.get_device_name()}; latent {LATENT} + rope {ROPE}, "
         f"{TOKENS_PER_BLOCK} tokens per page, bf16; {args.block_heads} heads per program, "
         f"{args.block_elements} cache elements per key block, {args.num_warps} warps, "
         f"{args.num_stages} stages; wide tiles {args.wide_block_heads or 'off'} heads in "
-        f"{args.wide_num_warps} warps"
+        f"{args.wide_num_warps} warps; auto split aims for {args.target_programs} programs, "
+        f"one at {args.full_programs}"
     )
     print(f"{'heads':>5} {'shape':>10} {'splits':>8} {'us':>9} {'GB/s':>8} {'max|d|':>9}")
     for heads in args.heads:

@@ -265,6 +265,25 @@ def test_head_tiles(monkeypatch):
     assert _mla_block_heads(128, 512, True) == 32
 
 
+def test_mla_split_rule_takes_its_own_targets(monkeypatch):
+    """``MLA_TARGET_PROGRAMS`` / ``MLA_FULL_PROGRAMS`` (the decode kernel's by default): enough
+    splits for rows x head tiles to reach the target, as long as the keys allow, and one split
+    at the full count; the decode kernel's rule is untouched."""
+    from helix_kv.executor import paged_attention
+    from helix_kv.executor.paged_attention import DECODE_TARGET_PROGRAMS, decode_splits
+
+    assert paged_attention.MLA_TARGET_PROGRAMS == DECODE_TARGET_PROGRAMS
+    assert _mla_splits(64, 32, 512, True, 66, 32, None)[0] == decode_splits(64, 1, 66, 32)
+    monkeypatch.setattr(paged_attention, "MLA_TARGET_PROGRAMS", 256)
+    monkeypatch.setattr(paged_attention, "MLA_FULL_PROGRAMS", 256)
+    assert _mla_splits(64, 32, 512, True, 66, 32, None)[0] == 4  # 64 rows x 4 = 256 programs
+    assert _mla_splits(256, 32, 512, True, 66, 32, None)[0] == 1  # full already
+    assert _mla_splits(255, 32, 512, True, 66, 32, None)[0] == 2
+    assert _mla_splits(16, 128, 512, True, 66, 32, None)[0] == 4  # 16 rows x 4 tiles x 4
+    assert _mla_splits(8, 32, 512, True, 18, 32, None)[0] == 3  # 576 keys: 3 splits of 256
+    assert decode_splits(64, 1, 66, 32) == -(-DECODE_TARGET_PROGRAMS // 64)
+
+
 def test_workspace_for_mla_decode_fits_every_default_call():
     dtype = next(iter(DTYPES))
     for heads, latent, width, tpb in ((16, 512, 66, 32), (128, 512, 512, 32), (5, 24, 3, 16)):

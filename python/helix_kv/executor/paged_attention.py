@@ -88,6 +88,13 @@ MLA_NUM_STAGES = 2
 #: (``test_mla_kernel.py`` runs both on CUDA); 64 turns it on.
 MLA_WIDE_BLOCK_HEADS = 0
 MLA_WIDE_NUM_WARPS = 8
+#: The MLA split rule's programs (request x head tile x split) to aim for and at which it takes
+#: one split: the decode kernel's, for now. At 32 heads a tile on one H200, 64 x 2112 ran in 99
+#: µs in 4 splits (256 programs) against 112 µs in the rule's 9, and 256 x 576 in 133 µs in the
+#: rule's 3 against 144 in 4: no one target gives both (docs/gpu-results.md), and the counts
+#: between were not timed.
+MLA_TARGET_PROGRAMS = DECODE_TARGET_PROGRAMS
+MLA_FULL_PROGRAMS = DECODE_FULL_PROGRAMS
 #: Most elements of the ``[splits, latent chunk]`` tile of one split-combine program (a
 #: 128-split combine of a whole 512 latent spills).
 MLA_COMBINE_ELEMENTS = 16 * 512
@@ -126,21 +133,25 @@ def decode_splits(
     width_pages: int,
     tokens_per_block: int,
     max_splits: int = DECODE_MAX_SPLITS,
+    target_programs: int | None = None,
+    full_programs: int | None = None,
 ) -> int:
     """How many splits (flash-decoding) :func:`paged_decode_attention` cuts each request into.
 
     A deterministic rule on static sizes only (the rows, the kv heads, the block table's width
     in pages: a CUDA graph bucket's capacities), so the count of a captured bucket is fixed and
     the same on every rank. One split while ``requests * kv_heads`` programs already reach
-    :data:`DECODE_FULL_PROGRAMS`; otherwise enough splits to reach
-    :data:`DECODE_TARGET_PROGRAMS`, no more than
+    ``full_programs`` (default :data:`DECODE_FULL_PROGRAMS`); otherwise enough splits to reach
+    ``target_programs`` (default :data:`DECODE_TARGET_PROGRAMS`), no more than
     ``max_splits``, none shorter than :data:`DECODE_MIN_SPLIT_KEYS` keys of the widest
     request, and every split a whole number of pages with no split wholly past the width.
     """
     programs = max(1, requests * kv_heads)
-    if width_pages <= 1 or programs >= DECODE_FULL_PROGRAMS or max_splits <= 1:
+    full = DECODE_FULL_PROGRAMS if full_programs is None else full_programs
+    target = DECODE_TARGET_PROGRAMS if target_programs is None else target_programs
+    if width_pages <= 1 or programs >= full or max_splits <= 1:
         return 1
-    wanted = -(-DECODE_TARGET_PROGRAMS // programs)
+    wanted = -(-target // programs)
     by_length = -(-(width_pages * tokens_per_block) // DECODE_MIN_SPLIT_KEYS)
     splits = max(1, min(wanted, by_length, max_splits, width_pages))
     pages_per_split = -(-width_pages // splits)
@@ -148,13 +159,25 @@ def decode_splits(
 
 
 def _resolve_splits(
-    requests: int, kv_heads: int, width_pages: int, tokens_per_block: int, asked: int | None
+    requests: int,
+    kv_heads: int,
+    width_pages: int,
+    tokens_per_block: int,
+    asked: int | None,
+    target_programs: int | None = None,
+    full_programs: int | None = None,
 ) -> tuple[int, int]:
     """The splits a call runs and the pages of each: ``asked``, else the environment's
-    override, else :func:`decode_splits`; then whole pages, none wholly past the width."""
+    override, else :func:`decode_splits` (with its program targets); then whole pages, none
+    wholly past the width."""
     if asked is None:
         asked = _splits_override() or decode_splits(
-            requests, kv_heads, width_pages, tokens_per_block
+            requests,
+            kv_heads,
+            width_pages,
+            tokens_per_block,
+            target_programs=target_programs,
+            full_programs=full_programs,
         )
     pages_per_split = max(1, -(-width_pages // asked))
     return max(1, -(-width_pages // pages_per_split)), pages_per_split
@@ -351,9 +374,18 @@ def _mla_splits(
     asked: int | None,
 ) -> tuple[int, int]:
     """The splits an MLA decode call runs and the pages of each: :func:`_resolve_splits` with
-    rows x head tiles as the programs. Static sizes only, like :func:`decode_splits`."""
+    rows x head tiles as the programs and :data:`MLA_TARGET_PROGRAMS` /
+    :data:`MLA_FULL_PROGRAMS` as its targets. Static sizes only, like :func:`decode_splits`."""
     tiles = _mla_head_tiles(heads, latent_dim, use_dot)
-    return _resolve_splits(rows, tiles, width_pages, tokens_per_block, asked)
+    return _resolve_splits(
+        rows,
+        tiles,
+        width_pages,
+        tokens_per_block,
+        asked,
+        target_programs=MLA_TARGET_PROGRAMS,
+        full_programs=MLA_FULL_PROGRAMS,
+    )
 
 
 def _floor_power_of_2(n: int) -> int:
