@@ -48,9 +48,8 @@ case "$part" in
     for wide in 0 64; do
       commands+=("python3 benches/gpu_mla_attention.py --heads 32 128 --shapes 64x2112 256x576 64x576 8x32768 --splits auto 1 2 3 4 5 6 8 --wide-block-heads $wide")
     done
-    for target in 528 256; do
-      commands+=("python3 benches/gpu_decode_floor.py --model-family mla --mla-target-programs $target --mla-full-programs $target")
-    done
+    commands+=("python3 benches/gpu_decode_floor.py --model-family mla")
+    commands+=("python3 benches/gpu_decode_floor.py --model-family mla --mla-target-programs 256 --mla-full-programs 256")
     ;;
   *)
     echo "unknown part $part: tests, executor, features or mla" >&2
