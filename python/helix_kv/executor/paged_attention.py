@@ -82,9 +82,9 @@ MLA_NUM_STAGES = 2
 #: Wide tiles of the MLA decode kernel, off while 0: a request of at least this many heads
 #: (DeepSeek-V3's 128 on a Helix rank, whose attention is not split by heads) runs tiles of
 #: this many in :data:`MLA_WIDE_NUM_WARPS` warps, a tile that takes Hopper's warpgroup MMA.
-#: Timed on one H200 at 128 heads, 64 heads in 8 warps (bf16, auto split): 64 x 2112 in 327 µs
-#: a layer against 359 for four 32-head tiles, 256 x 576 in 323 against 372, 8 x 32768 in 527
-#: against 753 (docs/gpu-results.md). Off by default until the GPU tests have run with it
+#: Timed on one H200 at 128 heads, 64 heads in 8 warps (bf16, auto split; both arms with bf16
+#: split partials): 64 x 2112 in 327 µs a layer against 359 for four 32-head tiles, 256 x 576
+#: in 323 against 372, 8 x 32768 in 527 against 753 (docs/gpu-results.md). Off by default until the GPU tests have run with it
 #: (``test_mla_kernel.py`` runs both on CUDA); 64 turns it on.
 MLA_WIDE_BLOCK_HEADS = 0
 MLA_WIDE_NUM_WARPS = 8
