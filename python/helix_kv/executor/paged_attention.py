@@ -84,8 +84,9 @@ MLA_NUM_STAGES = 2
 #: this many in :data:`MLA_WIDE_NUM_WARPS` warps, a tile that takes Hopper's warpgroup MMA.
 #: Timed on one H200 at 128 heads, 64 heads in 8 warps (bf16, auto split; both arms with bf16
 #: split partials): 64 x 2112 in 327 µs a layer against 359 for four 32-head tiles, 256 x 576
-#: in 323 against 372, 8 x 32768 in 527 against 753 (docs/gpu-results.md). Off by default until the GPU tests have run with it
-#: (``test_mla_kernel.py`` runs both on CUDA); 64 turns it on.
+#: in 323 against 372, 8 x 32768 in 527 against 753 (docs/gpu-results.md). Off by default
+#: until the GPU tests have run with it (``test_mla_kernel.py`` runs both on CUDA); 64 turns
+#: it on.
 MLA_WIDE_BLOCK_HEADS = 0
 MLA_WIDE_NUM_WARPS = 8
 #: The MLA split rule's programs (request x head tile x split) to aim for and at which it takes
