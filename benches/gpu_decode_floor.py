@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import os
 import re
@@ -69,6 +70,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 #: Step parts of the breakdown, in print order.
 PARTS = (
@@ -441,8 +443,6 @@ class Setup:
     def check(self) -> None:
         """Finite logits and, across a CP group, the same on every rank (each rank's LM head
         reads the combined attention of all ranks' keys)."""
-        import torch.distributed as dist
-
         logits = self.step.logits[: self.rows]
         if not bool(torch.isfinite(logits).all()):
             raise RuntimeError(f"{self.shape}: non-finite logits")
@@ -653,7 +653,7 @@ def measure(
     device: torch.device,
     cp_size: int = 1,
     cp_rank: int = 0,
-    log: Callable[[str], None] = lambda line: print(line, flush=True),
+    log: Callable[[str], None] = functools.partial(print, flush=True),
 ) -> tuple[list[Row], list[Any], Family, float]:
     """Build the family on ``device`` and time every shape as rank ``cp_rank`` of
     ``cp_size``: the rows, the breakdowns (``--profile``), the family and the bandwidth."""
@@ -716,12 +716,9 @@ def measure_rank(rank: int, world_size: int, options: dict[str, Any]) -> list[Ro
         if args.device == "cuda"
         else torch.device("cpu")
     )
+    log = functools.partial(print, flush=True) if rank == 0 else (lambda line: None)
     with torch.no_grad():
-        if rank == 0:
-            rows, _, _, _ = measure(args, device, world_size, rank)
-        else:
-            rows, _, _, _ = measure(args, device, world_size, rank, log=lambda line: None)
-    return rows
+        return measure(args, device, world_size, rank, log)[0]
 
 
 def combine_ranks(per_rank: list[list[Row]]) -> list[Row]:

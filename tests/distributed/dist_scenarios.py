@@ -992,7 +992,6 @@ def scenario_rank_dies(rank: int, world: int, backend: str) -> dict[str, Any]:
     its own process-group init returned: a rank that died while a peer was still connecting
     its gloo mesh failed that peer's ``init_process_group`` instead, a crash this scenario is
     not about (a CI run lost to it when the machine was loaded)."""
-    import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = _get_default_store()
@@ -1000,7 +999,6 @@ def scenario_rank_dies(rank: int, world: int, backend: str) -> dict[str, Any]:
         store.wait([f"rank_dies/initialised/{peer}" for peer in range(world - 1)])
         os._exit(17)
     store.set(f"rank_dies/initialised/{rank}", "1")
-    assert dist.is_initialized()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = attempt(lambda: HelixKVRank.create(engine_config(), 64 * PAGE_BYTES))

@@ -234,33 +234,34 @@ def test_head_tiles(monkeypatch):
     request of 64 heads or more in tiles of 64."""
     from helix_kv.executor import paged_attention
 
+    # (heads, latent, use_dot) -> heads a tile, with wide tiles off
+    narrow = {
+        (32, 512, True): 32,
+        (20, 512, True): 32,  # one tile: 20 heads padded to 32
+        (16, 512, True): 16,  # a TP-8 shard of 128: no padded heads
+        (5, 512, True): 16,  # padded up for the dot
+        (3, 24, True): 16,
+        (128, 512, False): 2,  # no dots: [2, 16, 512] products (wide tiles do not apply)
+        (3, 24, False): 4,
+    }
+    for args, block in narrow.items():
+        assert _mla_block_heads(*args) == block, args
+    assert _mla_head_tiles(32, 512, True) == 1
     assert _mla_block_heads(128, 512, True) == 32
     assert _mla_head_tiles(128, 512, True) == 4
-    assert _mla_block_heads(32, 512, True) == 32
-    assert _mla_head_tiles(32, 512, True) == 1
-    assert _mla_block_heads(20, 512, True) == 32  # one tile: 20 heads padded to 32
-    assert _mla_block_heads(16, 512, True) == 16  # a TP-8 shard of 128: no padded heads
-    assert _mla_block_heads(5, 512, True) == 16  # padded up for the dot
     assert _mla_block_heads(70, 24, True) == 32
     assert _mla_head_tiles(70, 24, True) == 3
-    assert _mla_block_heads(3, 24, True) == 16
-    assert _mla_block_heads(128, 512, False) == 2  # no dots: [2, 16, 512] products
-    assert _mla_block_heads(3, 24, False) == 4
     monkeypatch.setattr(paged_attention, "MLA_WIDE_BLOCK_HEADS", 64)
+    for args, block in narrow.items():  # fewer than 64 heads, or no dots: as they were
+        assert _mla_block_heads(*args) == block, args
     assert _mla_block_heads(128, 512, True) == 64
     assert _mla_head_tiles(128, 512, True) == 2
     assert _mla_block_heads(64, 512, True) == 64
     assert _mla_block_heads(63, 512, True) == 32  # no wide tile of padded heads
     assert _mla_head_tiles(63, 512, True) == 2
-    assert _mla_block_heads(32, 512, True) == 32
     assert _mla_head_tiles(32, 512, True) == 1
-    assert _mla_block_heads(20, 512, True) == 32  # one tile: 20 heads padded to 32
-    assert _mla_block_heads(16, 512, True) == 16  # a TP-8 shard of 128: no padded heads
-    assert _mla_block_heads(5, 512, True) == 16  # padded up for the dot
     assert _mla_block_heads(70, 24, True) == 64
     assert _mla_head_tiles(70, 24, True) == 2
-    assert _mla_block_heads(3, 24, True) == 16
-    assert _mla_block_heads(128, 512, False) == 2  # no dots: wide tiles do not apply
     monkeypatch.setattr(paged_attention, "MLA_WIDE_BLOCK_HEADS", 32)  # no wider than narrow: off
     assert _mla_block_heads(128, 512, True) == 32
 

@@ -348,7 +348,7 @@ def _mla_block_heads(heads: int, latent_dim: int, use_dot: bool) -> int:
     (a row of fewer heads is padded); without, as many as keep the ``[heads, keys, latent]``
     products within :data:`MLA_NODOT_ELEMENTS`, no more than the heads need."""
     if use_dot:
-        if heads >= MLA_WIDE_BLOCK_HEADS > MLA_BLOCK_HEADS:
+        if _mla_wide(heads):
             return MLA_WIDE_BLOCK_HEADS
         return max(_DOT_MIN, min(MLA_BLOCK_HEADS, _next_power_of_2(heads)))
     fit = max(1, MLA_NODOT_ELEMENTS // (_MLA_NODOT_KEYS * _next_power_of_2(latent_dim)))
@@ -360,9 +360,9 @@ def _mla_head_tiles(heads: int, latent_dim: int, use_dot: bool) -> int:
     return -(-heads // _mla_block_heads(heads, latent_dim, use_dot))
 
 
-def _mla_wide(block_heads: int) -> bool:
-    """Whether a tile of ``block_heads`` runs as a wide one (:data:`MLA_WIDE_BLOCK_HEADS`)."""
-    return block_heads >= MLA_WIDE_BLOCK_HEADS > MLA_BLOCK_HEADS
+def _mla_wide(heads: int) -> bool:
+    """Whether wide tiles are on (wider than :data:`MLA_BLOCK_HEADS`) and ``heads`` fill one."""
+    return heads >= MLA_WIDE_BLOCK_HEADS > MLA_BLOCK_HEADS
 
 
 def _mla_splits(
@@ -783,7 +783,8 @@ def paged_mla_decode_attention(
         BLOCK_R=block_r,
         ACC_FP64=acc_fp64,
         USE_DOT=use_dot,
-        num_warps=MLA_WIDE_NUM_WARPS if _mla_wide(block_h) else MLA_NUM_WARPS,
+        # wide tiles are a tensor-core tiling; the float64 path keeps its warps
+        num_warps=MLA_WIDE_NUM_WARPS if use_dot and _mla_wide(block_h) else MLA_NUM_WARPS,
         num_stages=MLA_NUM_STAGES,
     )
     if splits > 1:
