@@ -25,13 +25,21 @@ from helix_kv.executor.attention import (
     partial_attention,
     reference_attention,
 )
+from helix_kv.executor import paged_attention
 from helix_kv.executor.paged_attention import (
+    DECODE_FULL_PROGRAMS,
+    DECODE_TARGET_PROGRAMS,
+    MLA_TILINGS,
     DecodeWorkspace,
+    MLATiling,
     _mla_block_heads,
     _mla_head_tiles,
     _mla_splits,
+    decode_splits,
     interpreted,
+    mla_tiling,
     paged_mla_decode_attention,
+    parse_mla_tiling_table,
     write_paged_kv,
 )
 
@@ -121,29 +129,44 @@ def run_kernel(p: dict, **options: object) -> tuple[torch.Tensor, torch.Tensor]:
     return part.output.cpu().double(), part.lse.cpu().double()
 
 
+def use_tilings(monkeypatch, *entries: tuple[int, MLATiling]) -> None:
+    """Make the kernel take these tilings (``(min_heads, tiling)``, as the table's entries),
+    registered under their names for the test."""
+    for _, tiling in entries:
+        monkeypatch.setitem(paged_attention.MLA_TILINGS, tiling.name, tiling)
+    table = tuple((heads, tiling.name) for heads, tiling in entries)
+    monkeypatch.setattr(paged_attention, "MLA_TILING_TABLE", table)
+
+
+#: The loops and blocks the interpreter checks: 16 and 32 keys a block (16: several blocks a
+#: split, the online softmax rescaling across them), the loop that looks each block's slots
+#: up in its own iteration and the one that looks them up a block ahead.
+LOOPS = {
+    "k16": MLATiling(32, 16, 4, 2, prefetch=False),
+    "k16-pf": MLATiling(32, 16, 4, 3, prefetch=True),
+    "k32-pf": MLATiling(32, 32, 4, 3, prefetch=True),
+}
+
 SHAPES = [
     # local_lens, heads, latent, rope, tokens per block
     ([1, 7, 33, 12], 4, 32, 16, 4),  # several pages, partial pages
     ([0, 5, 0, 64], 5, 24, 8, 8),  # empty rows; heads, latent and RoPE not powers of two
     ([70, 31], 21, 24, 8, 32),  # two head tiles (16 + 5 heads), blocks spanning pages
     ([3, 20], 1, 17, 3, 3),  # one head, odd page size and dims
+    ([37, 0, 64], 128, 16, 8, 8),  # DeepSeek-V3's 128 heads on a Helix rank: 4 tiles of 32
 ]
 
 
-@pytest.mark.parametrize("block_elements", [16, None])
+@pytest.mark.parametrize("loop", [*LOOPS, None])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("local_lens", "heads", "latent", "rope", "tpb"), SHAPES)
-def test_kernel_matches_reference(
-    monkeypatch, dtype, local_lens, heads, latent, rope, tpb, block_elements
-):
+def test_kernel_matches_reference(monkeypatch, dtype, local_lens, heads, latent, rope, tpb, loop):
     """One split, three splits in scratch allocated per call and in a workspace: all equal
-    the dense path (and the empty rows give output 0, LSE -inf). With a block budget of 16
-    elements (key blocks of the dot's 16, what a GPU's float64 path always takes) the online
-    softmax rescales across several blocks of a split."""
-    if block_elements is not None:
-        from helix_kv.executor import paged_attention
-
-        monkeypatch.setattr(paged_attention, "MLA_BLOCK_ELEMENTS", block_elements)
+    the dense path (and the empty rows give output 0, LSE -inf), with the default tiling and
+    with the loops of :data:`LOOPS` (blocks of 16 keys: what a GPU's float64 path always
+    takes; slots looked up a block ahead)."""
+    if loop is not None:
+        use_tilings(monkeypatch, (1, LOOPS[loop]))
     p = mla_problem(1, local_lens, heads, latent, rope, tpb, dtype)
     expected_out, expected_lse = reference_partial(p)
     atol = DTYPES[dtype]
@@ -194,16 +217,14 @@ def test_split_combine_in_latent_chunks(monkeypatch):
     torch.testing.assert_close(lse, expected_lse, atol=DTYPES[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("block_heads", [32, 64])
+@pytest.mark.parametrize("block_heads", [16, 32, 64])
 def test_wider_head_tiles_give_the_same_result(monkeypatch, block_heads):
-    """``MLA_BLOCK_HEADS`` (what ``gpu_decode_floor.py --mla-block-heads`` A/Bs): every head
-    of a row in fewer programs, the same result (one split and three)."""
-    from helix_kv.executor import paged_attention
-
+    """A tiling's ``block_heads``: every head of a row in fewer programs, the same result
+    (one split and three)."""
     dtype = next(iter(DTYPES))
     p = mla_problem(3, [50, 0, 21], 40, 24, 8, 4, dtype)
     expected_out, expected_lse = reference_partial(p)
-    monkeypatch.setattr(paged_attention, "MLA_BLOCK_HEADS", block_heads)
+    use_tilings(monkeypatch, (1, MLATiling(block_heads, 16, 4, 3, prefetch=True)))
     assert _mla_head_tiles(40, 24, True) == -(-40 // block_heads)
     for splits in (1, 3):
         out, lse = run_kernel(p, num_splits=splits)
@@ -211,17 +232,18 @@ def test_wider_head_tiles_give_the_same_result(monkeypatch, block_heads):
         torch.testing.assert_close(lse, expected_lse, atol=DTYPES[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("wide_block_heads", [64, 0])
-def test_wide_head_tiles_give_the_same_result(monkeypatch, wide_block_heads):
-    """A request of 70 heads: two wide tiles of 64 (the second of 6 heads and 58 masked) or,
-    wide tiles off, three of 32; the same result, one split and the default rule's."""
-    from helix_kv.executor import paged_attention
-
+@pytest.mark.parametrize("wide", [True, False])
+def test_table_picks_wide_tiles_by_head_count(monkeypatch, wide):
+    """A table of 32-head tiles from one head and 64-head tiles from 64: a request of 70
+    heads runs two tiles of 64 (the second of 6 heads and 58 masked), or, with the 32-head
+    entry alone, three of 32; the same result, one split and the default rule's."""
     dtype = next(iter(DTYPES))
     p = mla_problem(4, [40, 9, 0], 70, 24, 8, 4, dtype)
     expected_out, expected_lse = reference_partial(p)
-    monkeypatch.setattr(paged_attention, "MLA_WIDE_BLOCK_HEADS", wide_block_heads)
-    assert _mla_head_tiles(70, 24, True) == -(-70 // (wide_block_heads or 32))
+    narrow = (1, MLATiling(32, 16, 4, 2, prefetch=False))
+    entries = [narrow, (64, MLATiling(64, 16, 8, 3, prefetch=True))] if wide else [narrow]
+    use_tilings(monkeypatch, *entries)
+    assert _mla_head_tiles(70, 24, True) == (2 if wide else 3)
     for splits in (1, None):
         out, lse = run_kernel(p, num_splits=splits)
         torch.testing.assert_close(out, expected_out, atol=DTYPES[dtype], rtol=0)
@@ -229,21 +251,20 @@ def test_wide_head_tiles_give_the_same_result(monkeypatch, wide_block_heads):
 
 
 def test_head_tiles(monkeypatch):
-    """DeepSeek-V3's 512 latent: up to 32 heads a program, a request of fewer heads one tile of
-    its heads padded to a power of two (at least the dot's 16); with wide tiles of 64 on, a
-    request of 64 heads or more in tiles of 64."""
-    from helix_kv.executor import paged_attention
-
-    # (heads, latent, use_dot) -> heads a tile, with wide tiles off
+    """DeepSeek-V3's 512 latent: up to the tiling's heads a program, a request of fewer heads
+    one tile of its heads padded to a power of two (at least the dot's 16); with a 64-head
+    entry from 64 heads, a request of 64 heads or more in tiles of 64."""
+    # (heads, latent, use_dot) -> heads a tile, with the default table (32-head tiles)
     narrow = {
         (32, 512, True): 32,
         (20, 512, True): 32,  # one tile: 20 heads padded to 32
         (16, 512, True): 16,  # a TP-8 shard of 128: no padded heads
         (5, 512, True): 16,  # padded up for the dot
         (3, 24, True): 16,
-        (128, 512, False): 2,  # no dots: [2, 16, 512] products (wide tiles do not apply)
+        (128, 512, False): 2,  # no dots: [2, 16, 512] products (the tiling does not apply)
         (3, 24, False): 4,
     }
+    assert paged_attention.MLA_TILING_TABLE == ((1, "h32-k32-w4-s2"),)
     for args, block in narrow.items():
         assert _mla_block_heads(*args) == block, args
     assert _mla_head_tiles(32, 512, True) == 1
@@ -251,7 +272,9 @@ def test_head_tiles(monkeypatch):
     assert _mla_head_tiles(128, 512, True) == 4
     assert _mla_block_heads(70, 24, True) == 32
     assert _mla_head_tiles(70, 24, True) == 3
-    monkeypatch.setattr(paged_attention, "MLA_WIDE_BLOCK_HEADS", 64)
+    monkeypatch.setattr(
+        paged_attention, "MLA_TILING_TABLE", ((1, "h32-k32-w4-s2"), (64, "h64-k32-w8-s2"))
+    )
     for args, block in narrow.items():  # fewer than 64 heads, or no dots: as they were
         assert _mla_block_heads(*args) == block, args
     assert _mla_block_heads(128, 512, True) == 64
@@ -259,24 +282,61 @@ def test_head_tiles(monkeypatch):
     assert _mla_block_heads(64, 512, True) == 64
     assert _mla_block_heads(63, 512, True) == 32  # no wide tile of padded heads
     assert _mla_head_tiles(63, 512, True) == 2
-    assert _mla_head_tiles(32, 512, True) == 1
     assert _mla_block_heads(70, 24, True) == 64
     assert _mla_head_tiles(70, 24, True) == 2
-    monkeypatch.setattr(paged_attention, "MLA_WIDE_BLOCK_HEADS", 32)  # no wider than narrow: off
-    assert _mla_block_heads(128, 512, True) == 32
+    monkeypatch.setattr(paged_attention, "MLA_TILING_TABLE", ((1, "h16-k32-w4-s3-pf"),))
+    assert _mla_block_heads(128, 512, True) == 16
+    assert _mla_head_tiles(128, 512, True) == 8
 
 
-def test_mla_split_rule_takes_its_own_targets(monkeypatch):
-    """``MLA_TARGET_PROGRAMS`` / ``MLA_FULL_PROGRAMS`` (the decode kernel's by default): enough
-    splits for rows x head tiles to reach the target, as long as the keys allow, and one split
-    at the full count; the decode kernel's rule is untouched."""
-    from helix_kv.executor import paged_attention
-    from helix_kv.executor.paged_attention import DECODE_TARGET_PROGRAMS, decode_splits
+def test_tiling_table_and_names(monkeypatch):
+    """Every named tiling is valid and named by its fields; a table entry applies from its
+    head count on (the first below it); bad tables and tilings are refused."""
+    for name, tiling in MLA_TILINGS.items():
+        assert tiling.name == name
+        assert name.startswith(f"h{tiling.block_heads}-k{tiling.block_keys}-")
+        assert ("-pf" in name) == tiling.prefetch
+    assert MLATiling(32, 32, 4, 3, True, 264, 264).name == "h32-k32-w4-s3-pf-t264-f264"
+    table = parse_mla_tiling_table("4:h32-k32-w4-s2, 64:h64-k32-w8-s3-pf")
+    assert table == ((4, "h32-k32-w4-s2"), (64, "h64-k32-w8-s3-pf"))
+    assert parse_mla_tiling_table("h16-k32-w4-s3-pf") == ((1, "h16-k32-w4-s3-pf"),)
+    monkeypatch.setattr(paged_attention, "MLA_TILING_TABLE", table)
+    assert mla_tiling(1).name == "h32-k32-w4-s2"  # below the first entry: the first
+    assert mla_tiling(63).name == "h32-k32-w4-s2"
+    assert mla_tiling(64).name == "h64-k32-w8-s3-pf"
+    assert mla_tiling(128).name == "h64-k32-w8-s3-pf"
+    for bad in ("nope", "0:h32-k32-w4-s2", "x:h32-k32-w4-s2", "64:h32-k32-w4-s2,1:h32-k32-w4-s2"):
+        with pytest.raises(ValueError):
+            parse_mla_tiling_table(bad)
+    for fields in ((24, 32, 4, 2), (32, 8, 4, 2), (32, 32, 3, 2), (32, 32, 4, 0)):
+        with pytest.raises(ValueError):
+            MLATiling(*fields, prefetch=False)
+    with pytest.raises(ValueError):
+        MLATiling(32, 32, 4, 2, False, target_programs=0)
 
-    assert paged_attention.MLA_TARGET_PROGRAMS == DECODE_TARGET_PROGRAMS
+
+def test_tiling_override_from_the_environment(monkeypatch):
+    """``HELIX_KV_MLA_TILINGS`` replaces the table for the process (read once)."""
+    paged_attention._tiling_override.cache_clear()
+    monkeypatch.setenv("HELIX_KV_MLA_TILINGS", "1:h16-k32-w4-s3-pf,64:h64-k16-w8-s4-pf")
+    try:
+        assert mla_tiling(32).name == "h16-k32-w4-s3-pf"
+        assert mla_tiling(128).name == "h64-k16-w8-s4-pf"
+    finally:
+        paged_attention._tiling_override.cache_clear()
+    monkeypatch.delenv("HELIX_KV_MLA_TILINGS")
+    assert mla_tiling(128).name == paged_attention.MLA_TILING_TABLE[-1][1]
+    paged_attention._tiling_override.cache_clear()
+
+
+def test_mla_split_rule_takes_the_tilings_targets(monkeypatch):
+    """A tiling's ``target_programs`` / ``full_programs`` (the decode kernel's by default):
+    enough splits for rows x head tiles to reach the target, as long as the keys allow, and
+    one split at the full count; the decode kernel's rule is untouched."""
+    assert mla_tiling(32).target_programs == DECODE_TARGET_PROGRAMS
+    assert mla_tiling(32).full_programs == DECODE_FULL_PROGRAMS
     assert _mla_splits(64, 32, 512, True, 66, 32, None)[0] == decode_splits(64, 1, 66, 32)
-    monkeypatch.setattr(paged_attention, "MLA_TARGET_PROGRAMS", 256)
-    monkeypatch.setattr(paged_attention, "MLA_FULL_PROGRAMS", 256)
+    use_tilings(monkeypatch, (1, MLATiling(32, 32, 4, 3, True, 256, 256)))
     assert _mla_splits(64, 32, 512, True, 66, 32, None)[0] == 4  # 64 rows x 4 = 256 programs
     assert _mla_splits(256, 32, 512, True, 66, 32, None)[0] == 1  # full already
     assert _mla_splits(255, 32, 512, True, 66, 32, None)[0] == 2
@@ -453,17 +513,30 @@ def test_write_keys_only():
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+#: (dtype, heads, tiling) of the GPU test: 16 heads (a TP-8 shard of 128) with the default
+#: tiling, 128 heads (DeepSeek-V3's on a Helix rank) in every named tiling in bf16, and float32
+#: (16 keys a block, at most two buffers) in the tilings of the most shared memory.
+CUDA_CASES = [
+    (torch.bfloat16, 16, None),
+    (torch.float32, 16, None),
+    *[(torch.bfloat16, 128, name) for name in MLA_TILINGS],
+    *[
+        (torch.float32, 128, name)
+        for name in ("h32-k32-w4-s2", "h32-k32-w4-s3-pf", "h64-k32-w8-s3-pf", "h64-k64-w8-s2-pf")
+    ],
+]
+
+
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("heads", "wide_block_heads"), [(16, 0), (128, 0), (128, 64)])
-def test_deepseek_v3_sizes_on_cuda(monkeypatch, dtype, heads, wide_block_heads):
+@pytest.mark.parametrize(("dtype", "heads", "tiling"), CUDA_CASES)
+def test_deepseek_v3_sizes_on_cuda(monkeypatch, dtype, heads, tiling):
     """Latent 512 + RoPE 64, 32 tokens a page, rows of about 1000 keys (and an empty row):
-    default splits and one split equal the float64 reference; a CUDA graph of the call
-    replays to the eager result. 128 heads also in wide tiles of 64 (8 warps)."""
-    from helix_kv.executor import paged_attention
-
-    monkeypatch.setattr(paged_attention, "MLA_WIDE_BLOCK_HEADS", wide_block_heads)
+    default splits and one split equal the float64 reference (and within 1e-2 of it
+    relative to its norm in bf16); a CUDA graph of the call replays to the eager result;
+    the split scratch is poisoned with NaN first."""
+    if tiling is not None:
+        monkeypatch.setattr(paged_attention, "MLA_TILING_TABLE", ((1, tiling),))
     device = torch.device("cuda")
     lens = [1000, 1024, 0, 777]
     p = mla_problem(7, lens, heads, 512, 64, 32, dtype, device)
@@ -493,11 +566,15 @@ def test_deepseek_v3_sizes_on_cuda(monkeypatch, dtype, heads, wide_block_heads):
     splits = _mla_splits(len(lens), heads, 512, True, width, 32, None)[0]
     assert splits > 1
     for options in ({}, {"workspace": workspace}, {"num_splits": 1}):
+        workspace.output_scratch.fill_(float("nan"))
+        workspace.lse_scratch.fill_(float("nan"))
         out, lse = call(**options)
         assert lse[2].isneginf().all()
         assert not out[2].any()
-        torch.testing.assert_close(out.cpu().double(), expected_out, atol=atol, rtol=0)
+        out64 = out.cpu().double()
+        torch.testing.assert_close(out64, expected_out, atol=atol, rtol=0)
         torch.testing.assert_close(lse.cpu().double(), expected_lse, atol=atol, rtol=0)
+        assert float((out64 - expected_out).norm() / expected_out.norm()) < 1e-2
     eager = call(workspace=workspace)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

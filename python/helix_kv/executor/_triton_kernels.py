@@ -8,6 +8,57 @@ import triton.language as tl
 
 
 @triton.jit
+def _block_slots(table_row_ptr, start, end, tokens_per_block, BLOCK_N: tl.constexpr):
+    """The cache slots of local keys ``[start, start + BLOCK_N)`` of one row (its block table
+    row at ``table_row_ptr``) and which of them are below ``end``; a key at or past ``end``
+    gets slot 0 (its table entry is not read)."""
+    j = start + tl.arange(0, BLOCK_N)
+    j_mask = j < end
+    page = tl.load(table_row_ptr + j // tokens_per_block, mask=j_mask, other=0)
+    return page.to(tl.int64) * tokens_per_block + (j % tokens_per_block), j_mask
+
+
+@triton.jit
+def _online_softmax_step(
+    scores, values, m_i, l_i, acc, USE_DOT: tl.constexpr, GUARD_EMPTY: tl.constexpr
+):
+    """One key block of the online softmax shared by the attention kernels: ``scores``
+    ``[M, N]`` (keys a query slot does not see at ``-inf``), ``values`` ``[N, D]``; returns
+    the running max, sum and output ``[M, D]`` (unnormalised) with the block added.
+
+    ``USE_DOT``: ``p @ values`` on tensor cores, the probabilities rounded to the values'
+    dtype first (as flash attention does); otherwise a broadcast product in the
+    accumulator's dtype. ``GUARD_EMPTY``: a query slot may see no key of the block (its max
+    stays ``-inf``): it is kept at 0 instead of turning to NaN; without it every slot must
+    see a key of every block (the decode kernels' blocks: one row, keys below its length).
+    """
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    if GUARD_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new  # finite: the block has a visible key
+    alpha = tl.exp(m_i - m_ref)  # exp(-inf) = 0 on the first block
+    p = tl.exp(scores - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if USE_DOT:
+        pv = tl.dot(p.to(values.dtype), values, input_precision="ieee", out_dtype=acc.dtype)
+    else:
+        pv = tl.sum(p[:, :, None] * values.to(acc.dtype)[None, :, :], axis=1)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _store_partial(out_ptrs, lse_ptrs, acc, l_i, m_i, out_mask, lse_mask):
+    """Store a partial attention: the output normalised over the keys seen and its LSE;
+    a query slot that saw no key stores output 0 and LSE ``-inf``."""
+    seen = l_i > 0
+    safe_l = tl.where(seen, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    tl.store(out_ptrs, out, mask=out_mask)  # cast to the output's dtype
+    tl.store(lse_ptrs, tl.where(seen, m_i + tl.log(safe_l), float("-inf")), mask=lse_mask)
+
+
+@triton.jit
 def decode_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -81,12 +132,9 @@ def decode_attention_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=acc_type)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=acc_type)
     for start in range(first, end, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        j_mask = j < end
-        page = tl.load(
-            table_ptr + row * stride_table_row + j // tokens_per_block, mask=j_mask, other=0
+        slot, j_mask = _block_slots(
+            table_ptr + row * stride_table_row, start, end, tokens_per_block, BLOCK_N
         )
-        slot = page.to(tl.int64) * tokens_per_block + (j % tokens_per_block)
         kv_mask = j_mask[:, None] & d_mask[None, :]
         k = tl.load(
             k_cache_ptr + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
@@ -106,33 +154,19 @@ def decode_attention_kernel(
         else:
             scores = tl.sum(q[:, None, :] * k.to(acc_type)[None, :, :], axis=2)  # [G, N]
         scores = tl.where(j_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: the block has a visible key
-        alpha = tl.exp(m_i - m_new)  # exp(-inf) = 0 on the first block
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee", out_dtype=acc_type)
-        else:
-            pv = tl.sum(p[:, :, None] * v.to(acc_type)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    seen = l_i > 0
-    safe_l = tl.where(seen, l_i, 1.0)
-    out = acc / safe_l[:, None]
-    lse = tl.where(seen, m_i + tl.log(safe_l), float("-inf"))
-    tl.store(
+        m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc, USE_DOT, False)
+    _store_partial(
         out_ptr
         + row * stride_out_row
         + split * stride_out_split
         + heads[:, None] * stride_out_head
         + d[None, :],
-        out,
-        mask=q_mask,
-    )
-    tl.store(
         lse_ptr + row * stride_lse_row + split * stride_lse_split + heads * stride_lse_head,
-        lse,
-        mask=g_mask,
+        acc,
+        l_i,
+        m_i,
+        q_mask,
+        g_mask,
     )
 
 
@@ -235,11 +269,9 @@ def verify_attention_kernel(
     acc = tl.zeros([ROWS * BLOCK_GROUP, BLOCK_D], dtype=acc_type)
     for start in range(first, end, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
-        j_mask = j < end
-        page = tl.load(
-            table_ptr + row * stride_table_row + j // tokens_per_block, mask=j_mask, other=0
+        slot, j_mask = _block_slots(
+            table_ptr + row * stride_table_row, start, end, tokens_per_block, BLOCK_N
         )
-        slot = page.to(tl.int64) * tokens_per_block + (j % tokens_per_block)
         kv_mask = j_mask[:, None] & d_mask[None, :]
         k = tl.load(
             k_cache_ptr + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
@@ -260,35 +292,20 @@ def verify_attention_kernel(
             scores = tl.sum(q[:, None, :] * k.to(acc_type)[None, :, :], axis=2)  # [M, N]
         visible = j_mask[None, :] & (j[None, :] < lens_m[:, None])
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # a query slot may see no key of this block (its row ends earlier): keep it at 0
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee", out_dtype=acc_type)
-        else:
-            pv = tl.sum(p[:, :, None] * v.to(acc_type)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    seen = l_i > 0
-    safe_l = tl.where(seen, l_i, 1.0)
-    out = acc / safe_l[:, None]
-    lse = tl.where(seen, m_i + tl.log(safe_l), float("-inf"))
-    tl.store(
+        # a query slot may see no key of this block (its row ends earlier): guarded
+        m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc, USE_DOT, True)
+    _store_partial(
         out_ptr
         + rows_m[:, None] * stride_out_row
         + split * stride_out_split
         + heads[:, None] * stride_out_head
         + d[None, :],
-        out,
-        mask=q_mask,
-    )
-    tl.store(
         lse_ptr + rows_m * stride_lse_row + split * stride_lse_split + heads * stride_lse_head,
-        lse,
-        mask=slot_mask,
+        acc,
+        l_i,
+        m_i,
+        q_mask,
+        slot_mask,
     )
 
 
@@ -324,6 +341,7 @@ def mla_decode_attention_kernel(
     BLOCK_R: tl.constexpr,
     ACC_FP64: tl.constexpr,
     USE_DOT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Multi-head latent attention (absorbed form): one program per request (axis 0) x tile
     of ``BLOCK_H`` query heads (axis 1) x split (axis 2) of the request's local keys.
@@ -337,6 +355,13 @@ def mla_decode_attention_kernel(
     are those of :func:`decode_attention_kernel` (``heads`` in place of a kv head's group).
     The scale comes in two float32 scalars (a float argument is passed as float32),
     ``scale_hi + scale_lo``, so that float64 runs take it to about 48 bits.
+
+    ``PREFETCH``: each block's slots are looked up one block ahead (loop-carried), so that
+    the cache rows' addresses depend on no load of the same iteration; Triton's pipeliner
+    then keeps ``num_stages - 1`` key blocks in flight while a block computes (seen in the
+    compiled kernel: two or three shared-memory buffers). Without it the block's page
+    lookup feeds its own copy, the pipeliner keeps one buffer and each block waits for its
+    copy before it computes.
     """
     row = tl.program_id(0)
     head_tile = tl.program_id(1)
@@ -367,18 +392,23 @@ def mla_decode_attention_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=acc_type)
     l_i = tl.zeros([BLOCK_H], dtype=acc_type)
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=acc_type)
+    table_row = table_ptr + row * stride_table_row
+    if PREFETCH:
+        slot_next, mask_next = _block_slots(table_row, first, end, tokens_per_block, BLOCK_N)
     for start in range(first, end, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        j_mask = j < end
-        page = tl.load(
-            table_ptr + row * stride_table_row + j // tokens_per_block, mask=j_mask, other=0
-        )
-        slot = page.to(tl.int64) * tokens_per_block + (j % tokens_per_block)
+        if PREFETCH:
+            slot, j_mask = slot_next, mask_next
+        else:
+            slot, j_mask = _block_slots(table_row, start, end, tokens_per_block, BLOCK_N)
         c_rows = cache_ptr + slot[:, None] * stride_cache_slot
         c_lat = tl.load(c_rows + dl[None, :], mask=j_mask[:, None] & l_mask[None, :], other=0.0)
         c_rope = tl.load(
             c_rows + latent_dim + dr[None, :], mask=j_mask[:, None] & r_mask[None, :], other=0.0
         )
+        if PREFETCH:  # the next block's slots, looked up while this block computes
+            slot_next, mask_next = _block_slots(
+                table_row, start + BLOCK_N, end, tokens_per_block, BLOCK_N
+            )
         if USE_DOT:
             scores = tl.dot(
                 q_lat.to(c_lat.dtype), tl.trans(c_lat), input_precision="ieee", out_dtype=acc_type
@@ -395,33 +425,19 @@ def mla_decode_attention_kernel(
             scores = tl.sum(q_lat[:, None, :] * c_lat.to(acc_type)[None, :, :], axis=2)
             scores += tl.sum(q_rope[:, None, :] * c_rope.to(acc_type)[None, :, :], axis=2)
         scores = tl.where(j_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: the block has a visible key
-        alpha = tl.exp(m_i - m_new)  # exp(-inf) = 0 on the first block
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            pv = tl.dot(p.to(c_lat.dtype), c_lat, input_precision="ieee", out_dtype=acc_type)
-        else:
-            pv = tl.sum(p[:, :, None] * c_lat.to(acc_type)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    seen = l_i > 0
-    safe_l = tl.where(seen, l_i, 1.0)
-    out = acc / safe_l[:, None]
-    lse = tl.where(seen, m_i + tl.log(safe_l), float("-inf"))
-    tl.store(
+        m_i, l_i, acc = _online_softmax_step(scores, c_lat, m_i, l_i, acc, USE_DOT, False)
+    _store_partial(
         out_ptr
         + row * stride_out_row
         + split * stride_out_split
         + h[:, None] * stride_out_head
         + dl[None, :],
-        out,
-        mask=ql_mask,
-    )
-    tl.store(
         lse_ptr + row * stride_lse_row + split * stride_lse_split + h * stride_lse_head,
-        lse,
-        mask=h_mask,
+        acc,
+        l_i,
+        m_i,
+        ql_mask,
+        h_mask,
     )
 
 

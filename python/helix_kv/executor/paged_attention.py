@@ -60,42 +60,145 @@ DECODE_FULL_PROGRAMS = 3 * 132
 DECODE_MIN_SPLIT_KEYS = 256
 #: Most splits per request the rule picks.
 DECODE_MAX_SPLITS = 128
-#: Most query heads one program of the MLA decode kernel attends for (tensor-core dots; a
-#: request of fewer heads gets a tile of its heads, padded to a power of two, at least the
-#: dot's 16). Each head tile of a request reads all of its latents, so the wider the tile, the
-#: fewer times the cache is read: at 32 heads one tile of 32 ran 64 x 2112 in 112 µs a layer
-#: against 174 µs for two tiles of 16 (1 x H200, docs/gpu-results.md).
-MLA_BLOCK_HEADS = 32
-#: Most elements of one block of cache rows (latent and RoPE tiles, padded to powers of two)
-#: the MLA decode kernel loads per step, in 16 to 64 keys: 32 keys of DeepSeek-V3's 512 + 64.
-#: 32 keys spill some registers (16 keys did not), and are still faster at 16 and 32 heads a
-#: tile (145 and 112 µs against 174 and 145 µs at 64 x 2112; 4 warps, bf16).
-MLA_BLOCK_ELEMENTS = 32 * 576
 #: Most elements of a broadcast product ``[heads, keys, latent]`` without tensor-core dots
 #: (float64 on a GPU).
 MLA_NODOT_ELEMENTS = 16 * 1024
-#: Keys per block of the MLA decode kernel without dots.
+#: Keys per block, warps and pipeline stages of the MLA decode kernel without dots.
 _MLA_NODOT_KEYS = 16
-#: Warps and pipeline stages of the MLA decode kernel.
-MLA_NUM_WARPS = 4
-MLA_NUM_STAGES = 2
-#: Wide tiles of the MLA decode kernel, off while 0: a request of at least this many heads
-#: (DeepSeek-V3's 128 on a Helix rank, whose attention is not split by heads) runs tiles of
-#: this many in :data:`MLA_WIDE_NUM_WARPS` warps, a tile that takes Hopper's warpgroup MMA.
-#: Timed on one H200 at 128 heads, 64 heads in 8 warps (bf16, auto split; both arms with bf16
-#: split partials): 64 x 2112 in 327 µs a layer against 359 for four 32-head tiles, 256 x 576
-#: in 323 against 372, 8 x 32768 in 527 against 753 (docs/gpu-results.md). Off by default
-#: until the GPU tests have run with it (``test_mla_kernel.py`` runs both on CUDA); 64 turns
-#: it on.
-MLA_WIDE_BLOCK_HEADS = 0
-MLA_WIDE_NUM_WARPS = 8
-#: The MLA split rule's programs (request x head tile x split) to aim for and at which it takes
-#: one split: the decode kernel's, for now. At 32 heads a tile on one H200, 64 x 2112 ran in 99
-#: µs in 4 splits (256 programs) against 112 µs in the rule's 9, and 256 x 576 in 133 µs in the
-#: rule's 3 against 144 in 4: no one target gives both (docs/gpu-results.md), and the counts
-#: between were not timed.
-MLA_TARGET_PROGRAMS = DECODE_TARGET_PROGRAMS
-MLA_FULL_PROGRAMS = DECODE_FULL_PROGRAMS
+_MLA_NODOT_WARPS = 4
+_MLA_NODOT_STAGES = 2
+
+
+@dataclass(frozen=True)
+class MLATiling:
+    """How :func:`paged_mla_decode_attention` tiles a call on tensor cores.
+
+    ``block_heads`` query heads a program (a request of fewer heads gets a tile of its heads
+    padded to a power of two, at least 16; each tile of a request reads all of its latents,
+    so the wider the tile the fewer times the cache is read), ``block_keys`` keys a block of
+    the online softmax, ``num_warps`` and ``num_stages`` the launch's, ``prefetch`` the
+    kernel's loop with each block's slots looked up one block ahead (the pipeliner then
+    keeps ``num_stages - 1`` blocks in flight; without it one buffer, each block's copy
+    waited for before it computes), and the split rule's programs (request x head tile x
+    split) to aim for and at which it takes one split (:func:`decode_splits`).
+    """
+
+    block_heads: int
+    block_keys: int
+    num_warps: int
+    num_stages: int
+    prefetch: bool
+    target_programs: int = DECODE_TARGET_PROGRAMS
+    full_programs: int = DECODE_FULL_PROGRAMS
+
+    def __post_init__(self) -> None:
+        for name in ("block_heads", "block_keys"):
+            value = getattr(self, name)
+            if value < _DOT_MIN or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= {_DOT_MIN}, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(
+                f"num_warps must be 1, 2, 4, 8 or 16 and num_stages >= 1, got "
+                f"{self.num_warps} / {self.num_stages}"
+            )
+        if min(self.target_programs, self.full_programs) < 1:
+            raise ValueError("the split rule's program counts must be at least 1")
+
+    @property
+    def name(self) -> str:
+        """``h<heads>-k<keys>-w<warps>-s<stages>``, ``-pf`` with prefetch, ``-t<target>-f<full>``
+        where the split rule's programs are not the decode kernel's."""
+        name = f"h{self.block_heads}-k{self.block_keys}-w{self.num_warps}-s{self.num_stages}"
+        if self.prefetch:
+            name += "-pf"
+        if (self.target_programs, self.full_programs) != (
+            DECODE_TARGET_PROGRAMS,
+            DECODE_FULL_PROGRAMS,
+        ):
+            name += f"-t{self.target_programs}-f{self.full_programs}"
+        return name
+
+
+def _tilings(*tilings: MLATiling) -> dict[str, MLATiling]:
+    return {tiling.name: tiling for tiling in tilings}
+
+
+#: The MLA kernel's candidate tilings by name (``benches/gpu_mla_attention.py`` times them;
+#: ``benches/triton_kernel_resources.py`` reads what Triton 3.6 compiles each to for
+#: ``cuda:90``, DeepSeek-V3's 512 + 64 in bf16: registers, stack, shared memory, and so the
+#: programs an SM holds). Without prefetch (one shared-memory buffer):
+#:
+#: - ``h32-k32-w4-s2``: 255 registers, 104 bytes of stack, 74 KB, 2 programs an SM; at 32
+#:   heads 64 x 2112 in 112.8 µs a layer on one H200 (1.4 TB/s of latents), 98.7 in 4
+#:   splits (docs/gpu-results.md);
+#: - ``h64-k32-w8-s2``: warpgroup MMAs, 229 registers, 144 KB, 1 an SM; at 128 heads 9 to
+#:   30 % faster than four 32-head tiles (the "wide tiles" of docs/gpu-results.md).
+#:
+#: With prefetch: ``h32-k32-w4-s3-pf`` (2 buffers, 80 bytes of stack, 110 KB, 2 an SM),
+#: ``h32-k16-w4-s3-pf`` (2 buffers, no stack, 73 KB, 2), ``h32-k16-w4-s4-pf`` (3 buffers,
+#: 91 KB, 2), ``h16-k32-w4-s3-pf`` (230 registers, 91 KB, 2), ``h64-k32-w8-s3-pf`` (3
+#: buffers, 180 KB, 1), ``h64-k16-w8-s4-pf`` (4 buffers, 144 KB, 1), ``h64-k64-w8-s2-pf``
+#: (2 buffers, 216 KB, 1), and two with the split rule aimed at about one wave of resident
+#: programs (264 for two an SM of 132, 132 for one).
+MLA_TILINGS: dict[str, MLATiling] = _tilings(
+    MLATiling(32, 32, 4, 2, prefetch=False),
+    MLATiling(64, 32, 8, 2, prefetch=False),
+    MLATiling(32, 32, 4, 3, prefetch=True),
+    MLATiling(32, 16, 4, 3, prefetch=True),
+    MLATiling(32, 16, 4, 4, prefetch=True),
+    MLATiling(16, 32, 4, 3, prefetch=True),
+    MLATiling(64, 32, 8, 3, prefetch=True),
+    MLATiling(64, 16, 8, 4, prefetch=True),
+    MLATiling(64, 64, 8, 2, prefetch=True),
+    MLATiling(32, 32, 4, 3, prefetch=True, target_programs=264, full_programs=264),
+    MLATiling(64, 32, 8, 3, prefetch=True, target_programs=132, full_programs=132),
+)
+
+#: Which tiling a call takes: ``(min_heads, name)`` entries in increasing ``min_heads``; a
+#: call of ``heads`` query heads a row takes the last entry it reaches (the first if it
+#: reaches none). The default is the kernel measured so far (one tiling for every head
+#: count); a measured win moves an entry here (``benches/gpu_mla_attention.py --best-out``
+#: prints the entries its sweep would pick). ``HELIX_KV_MLA_TILINGS`` overrides it for a
+#: process (:func:`parse_mla_tiling_table`'s form, e.g. ``1:h32-k32-w4-s3-pf,64:h64-k32-w8-s3-pf``).
+MLA_TILING_TABLE: tuple[tuple[int, str], ...] = ((1, "h32-k32-w4-s2"),)
+
+
+def parse_mla_tiling_table(spec: str) -> tuple[tuple[int, str], ...]:
+    """A tiling table from ``MIN_HEADS:NAME,...`` (or a bare ``NAME``: every head count):
+    entries of known names (:data:`MLA_TILINGS`) in increasing ``MIN_HEADS`` >= 1."""
+    entries = []
+    for part in (p.strip() for p in spec.split(",")):
+        heads_text, sep, name = part.rpartition(":")
+        if not sep:
+            heads_text = "1"
+        if name not in MLA_TILINGS:
+            raise ValueError(f"unknown MLA tiling {name!r} (known: {', '.join(MLA_TILINGS)})")
+        if not heads_text.isdigit() or int(heads_text) < 1:
+            raise ValueError(f"MLA tiling entry {part!r}: the head count must be an integer >= 1")
+        entries.append((int(heads_text), name))
+    if [heads for heads, _ in entries] != sorted({heads for heads, _ in entries}):
+        raise ValueError(f"MLA tiling table {spec!r}: head counts must increase")
+    return tuple(entries)
+
+
+@functools.cache
+def _tiling_override() -> tuple[tuple[int, str], ...] | None:
+    """``HELIX_KV_MLA_TILINGS`` (read once per process; spawned ranks inherit it)."""
+    raw = os.environ.get("HELIX_KV_MLA_TILINGS", "").strip()
+    return parse_mla_tiling_table(raw) if raw else None
+
+
+def mla_tiling(heads: int) -> MLATiling:
+    """The tiling :func:`paged_mla_decode_attention` takes for rows of ``heads`` query heads
+    on tensor cores (``HELIX_KV_MLA_TILINGS``, else :data:`MLA_TILING_TABLE`)."""
+    table = _tiling_override() or MLA_TILING_TABLE
+    chosen = table[0][1]
+    for min_heads, name in table:
+        if heads >= min_heads:
+            chosen = name
+    return MLA_TILINGS[chosen]
+
+
 #: Most elements of the ``[splits, latent chunk]`` tile of one split-combine program (a
 #: 128-split combine of a whole 512 latent spills).
 MLA_COMBINE_ELEMENTS = 16 * 512
@@ -342,15 +445,12 @@ def _use_dot(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _mla_block_heads(heads: int, latent_dim: int, use_dot: bool) -> int:
-    """Query heads per program of the MLA decode kernel: with dots,
-    :data:`MLA_WIDE_BLOCK_HEADS` (where on) for a request of at least that many heads, else
-    the heads (a power of two) up to :data:`MLA_BLOCK_HEADS`, at least the dot's smallest side
-    (a row of fewer heads is padded); without, as many as keep the ``[heads, keys, latent]``
-    products within :data:`MLA_NODOT_ELEMENTS`, no more than the heads need."""
+    """Query heads per program of the MLA decode kernel: with dots, the heads (a power of
+    two) up to the tiling's (:func:`mla_tiling`), at least the dot's smallest side (a row of
+    fewer heads is padded); without, as many as keep the ``[heads, keys, latent]`` products
+    within :data:`MLA_NODOT_ELEMENTS`, no more than the heads need."""
     if use_dot:
-        if _mla_wide(heads):
-            return MLA_WIDE_BLOCK_HEADS
-        return max(_DOT_MIN, min(MLA_BLOCK_HEADS, _next_power_of_2(heads)))
+        return max(_DOT_MIN, min(mla_tiling(heads).block_heads, _next_power_of_2(heads)))
     fit = max(1, MLA_NODOT_ELEMENTS // (_MLA_NODOT_KEYS * _next_power_of_2(latent_dim)))
     return max(1, min(_floor_power_of_2(fit), _next_power_of_2(heads)))
 
@@ -358,11 +458,6 @@ def _mla_block_heads(heads: int, latent_dim: int, use_dot: bool) -> int:
 def _mla_head_tiles(heads: int, latent_dim: int, use_dot: bool) -> int:
     """Programs per row of the MLA decode kernel (the split rule counts rows x these)."""
     return -(-heads // _mla_block_heads(heads, latent_dim, use_dot))
-
-
-def _mla_wide(heads: int) -> bool:
-    """Whether wide tiles are on (wider than :data:`MLA_BLOCK_HEADS`) and ``heads`` fill one."""
-    return heads >= MLA_WIDE_BLOCK_HEADS > MLA_BLOCK_HEADS
 
 
 def _mla_splits(
@@ -375,17 +470,18 @@ def _mla_splits(
     asked: int | None,
 ) -> tuple[int, int]:
     """The splits an MLA decode call runs and the pages of each: :func:`_resolve_splits` with
-    rows x head tiles as the programs and :data:`MLA_TARGET_PROGRAMS` /
-    :data:`MLA_FULL_PROGRAMS` as its targets. Static sizes only, like :func:`decode_splits`."""
+    rows x head tiles as the programs and the tiling's program targets (:func:`mla_tiling`).
+    Static sizes only, like :func:`decode_splits`."""
     tiles = _mla_head_tiles(heads, latent_dim, use_dot)
+    tiling = mla_tiling(heads)
     return _resolve_splits(
         rows,
         tiles,
         width_pages,
         tokens_per_block,
         asked,
-        target_programs=MLA_TARGET_PROGRAMS,
-        full_programs=MLA_FULL_PROGRAMS,
+        target_programs=tiling.target_programs,
+        full_programs=tiling.full_programs,
     )
 
 
@@ -722,13 +818,17 @@ def paged_mla_decode_attention(
     splits, pages_per_split = _mla_splits(
         rows, heads, latent_dim, use_dot, width, tokens_per_block, num_splits
     )
+    tiling = mla_tiling(heads)
     block_l, block_r = _next_power_of_2(latent_dim), _next_power_of_2(rope_dim)
     if use_dot:
         block_l, block_r = max(_DOT_MIN, block_l), max(_DOT_MIN, block_r)
-        fit = max(1, MLA_BLOCK_ELEMENTS // (block_l + block_r))
-        block_n = max(_DOT_MIN, min(64, _floor_power_of_2(fit)))
-    else:
-        block_n = _MLA_NODOT_KEYS
+        block_n, num_warps, num_stages = tiling.block_keys, tiling.num_warps, tiling.num_stages
+        if max(query.element_size(), latent_cache.element_size()) > 2:
+            # float32 tiles take twice the shared memory: 16 keys a block and at most two
+            # buffers keep every tiling within Hopper's 227 KB a program (64 heads: 221 KB)
+            block_n, num_stages = _DOT_MIN, min(num_stages, 3)
+    else:  # float64 on a GPU: broadcast products, their own tiles (the loop is the tiling's)
+        block_n, num_warps, num_stages = _MLA_NODOT_KEYS, _MLA_NODOT_WARPS, _MLA_NODOT_STAGES
     if splits == 1:
         part_out, part_lse = output, lse
         split_out_stride = split_lse_stride = 0
@@ -783,9 +883,9 @@ def paged_mla_decode_attention(
         BLOCK_R=block_r,
         ACC_FP64=acc_fp64,
         USE_DOT=use_dot,
-        # wide tiles are a tensor-core tiling; the float64 path keeps its warps
-        num_warps=MLA_WIDE_NUM_WARPS if use_dot and _mla_wide(block_h) else MLA_NUM_WARPS,
-        num_stages=MLA_NUM_STAGES,
+        PREFETCH=tiling.prefetch,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if splits > 1:
         block_s = _next_power_of_2(splits)
@@ -870,15 +970,20 @@ def write_paged_kv(
 
 
 __all__ = [
+    "MLA_TILINGS",
+    "MLA_TILING_TABLE",
     "DECODE_BLOCK_KEYS",
     "DECODE_FULL_PROGRAMS",
     "DECODE_MAX_SPLITS",
     "DECODE_MIN_SPLIT_KEYS",
     "DECODE_TARGET_PROGRAMS",
     "DecodeWorkspace",
+    "MLATiling",
     "decode_splits",
     "interpreted",
+    "mla_tiling",
     "paged_decode_attention",
     "paged_mla_decode_attention",
+    "parse_mla_tiling_table",
     "write_paged_kv",
 ]
