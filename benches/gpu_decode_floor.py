@@ -4,7 +4,7 @@
     python benches/gpu_decode_floor.py --profile             # ... and the per-part breakdown
     python benches/gpu_decode_floor.py --shapes 64x576 --replays 500
     python benches/gpu_decode_floor.py --model-family mla    # the MLA stack of the same bytes
-    python benches/gpu_decode_floor.py --model-family mla --mla-block-heads 32 --mla-num-warps 8
+    python benches/gpu_decode_floor.py --model-family mla --mla-tilings h32-k32-w4-s3-pf
     python benches/gpu_decode_floor.py --device cpu --small  # CPU smoke run (interpreter)
     python benches/gpu_decode_floor.py --cp 2                # 2 GPUs, NCCL (NCCL_NVLS_ENABLE=0)
     python benches/gpu_decode_floor.py --cp 2 --device cpu --small --shapes 4x64  # gloo
@@ -22,8 +22,15 @@ values on scattered pages, and prints:
 * ``weights``: weight bytes one step reads (every layer weight the decode path reads, the
   final norm and the LM head; of the embedding table only the gathered rows);
 * ``kv``: KV bytes the attention reads (every request's keys and values, every layer);
-* ``floor`` = (weights + kv) / bw, ``step``: the median of many graph replays (CUDA events
-  around each ``DecodeStep.launch``), and ``ratio`` = step / floor.
+* ``byte floor`` = (weights + kv) / bw;
+* ``roofline floor`` = max(weights / bw, weight-GEMM FLOPs / rate) + max(kv / bw, attention
+  FLOPs / rate), ``rate`` the bf16 matmul rate measured in the same run (an 8192^3 product):
+  past the ridge point (the GEMMs at 256 rows, MLA's attention at about 128 heads, which
+  does about 2 x heads FLOPs a latent byte) a part takes its arithmetic's time, not its
+  bytes'; the weight GEMMs count 2 FLOPs a weight and row, the attention 2 a multiply-add
+  of its scores and values (MLA's absorbed form: latent + RoPE and latent a head and key);
+* ``step``: the median of many graph replays (CUDA events around each
+  ``DecodeStep.launch``), and the two ratios, step / byte floor and step / roofline floor.
 
 ``--profile`` adds a per-part breakdown: the kernels of a few graph replays
 (``torch.profiler``) give the kernel time per step and the launch gaps (step time minus
@@ -66,7 +73,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -104,6 +111,9 @@ class Family:
     weight_bytes: int
     embedding_row_bytes: int
     kv_bytes_per_token: int
+    #: attention FLOPs of one decode row and one key it reads, every layer (scores and
+    #: values: 2 FLOPs a multiply-add)
+    attention_flops_per_key: int = 0
     parts: list[tuple[str, str, str]] = field(default_factory=list)
     gemm_weights: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
@@ -199,6 +209,8 @@ def llama_family(args: argparse.Namespace, dtype: torch.dtype, device: torch.dev
         weight_bytes=weights * esize,
         embedding_row_bytes=c.hidden_size * esize,
         kv_bytes_per_token=c.num_layers * 2 * kv_width * esize,
+        # every query head: q . k and p * v over head_dim
+        attention_flops_per_key=c.num_layers * 4 * c.num_heads * c.head_dim,
         parts=parts,
         gemm_weights=gemms,
     )
@@ -283,6 +295,11 @@ def mla_family(args: argparse.Namespace, dtype: torch.dtype, device: torch.devic
         weight_bytes=weights * esize,
         embedding_row_bytes=c.hidden_size * esize,
         kv_bytes_per_token=c.num_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * esize,
+        # absorbed form, every query head: its score over latent + RoPE, its value the latent
+        attention_flops_per_key=c.num_layers
+        * 2
+        * c.num_heads
+        * (2 * c.kv_lora_rank + c.qk_rope_head_dim),
         parts=parts,
         gemm_weights=gemms,
     )
@@ -589,31 +606,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--exact-init", action="store_true", help="the model's CPU draws")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(
-        "--mla-block-heads",
-        type=int,
+        "--mla-tilings",
         default=None,
-        help="MLA kernel: query heads per program (paged_attention.MLA_BLOCK_HEADS; A/B)",
-    )
-    parser.add_argument(
-        "--mla-num-warps", type=int, default=None, help="MLA kernel: warps per program (A/B)"
-    )
-    parser.add_argument(
-        "--mla-wide-block-heads",
-        type=int,
-        default=None,
-        help="MLA kernel: heads a wide tile (paged_attention.MLA_WIDE_BLOCK_HEADS; 0: off)",
-    )
-    parser.add_argument(
-        "--mla-target-programs",
-        type=int,
-        default=None,
-        help="MLA kernel: programs its auto split aims for (MLA_TARGET_PROGRAMS; A/B)",
-    )
-    parser.add_argument(
-        "--mla-full-programs",
-        type=int,
-        default=None,
-        help="MLA kernel: programs at which its auto split takes one (MLA_FULL_PROGRAMS; A/B)",
+        help="MLA kernel: its tiling table, MIN_HEADS:NAME,... or one NAME "
+        "(paged_attention.MLA_TILINGS; A/B of paged_attention.MLA_TILING_TABLE)",
     )
     parser.add_argument("--cp", type=int, default=1, help="CP ranks, one GPU each")
     parser.add_argument(
@@ -628,24 +624,39 @@ def parse_args() -> argparse.Namespace:
 
 
 def apply_kernel_options(args: argparse.Namespace) -> None:
-    """The MLA kernel's A/B options, set before the first call (the kernels read them then)."""
+    """The MLA kernel's A/B option, set before the first call (the kernel reads it then)."""
     from helix_kv.executor import paged_attention
 
-    if args.mla_block_heads is not None:
-        paged_attention.MLA_BLOCK_HEADS = args.mla_block_heads
-    if args.mla_num_warps is not None:
-        paged_attention.MLA_NUM_WARPS = args.mla_num_warps
-    if args.mla_wide_block_heads is not None:
-        paged_attention.MLA_WIDE_BLOCK_HEADS = args.mla_wide_block_heads
-    if args.mla_target_programs is not None:
-        paged_attention.MLA_TARGET_PROGRAMS = args.mla_target_programs
-    if args.mla_full_programs is not None:
-        paged_attention.MLA_FULL_PROGRAMS = args.mla_full_programs
+    if args.mla_tilings is not None:
+        table = paged_attention.parse_mla_tiling_table(args.mla_tilings)
+        paged_attention.MLA_TILING_TABLE = table
 
 
-#: One shape's figures: shape, weight bytes, KV bytes (this rank's), floor s, step s, copy
-#: bandwidth B/s, the GEMMs' FLOPs at the matmul rate s.
-Row = tuple[str, int, int, float, float, float, float]
+class Row(NamedTuple):
+    """One shape's figures (one rank's: its KV; across ranks :func:`combine_ranks`)."""
+
+    shape: str
+    weight_bytes: int
+    kv_bytes: int
+    step_s: float
+    bandwidth: float  # copy bandwidth, B/s (read + write)
+    matmul_rate: float  # bf16 FLOP/s of the 8192^3 product
+    gemm_s: float  # the weight GEMMs' FLOPs (2 a weight and row) at the matmul rate
+    attention_s: float  # the attention's FLOPs at the matmul rate
+
+    @property
+    def byte_floor_s(self) -> float:
+        """Every weight and KV byte read once at the copy bandwidth."""
+        return (self.weight_bytes + self.kv_bytes) / self.bandwidth
+
+    @property
+    def roofline_floor_s(self) -> float:
+        """Each part at the larger of its bytes at the copy bandwidth and its FLOPs at the
+        matmul rate: ``max(weights / bw, GEMM FLOPs / rate) + max(KV / bw, attention
+        FLOPs / rate)``."""
+        return max(self.weight_bytes / self.bandwidth, self.gemm_s) + max(
+            self.kv_bytes / self.bandwidth, self.attention_s
+        )
 
 
 def measure(
@@ -682,14 +693,17 @@ def measure(
         setup.check()
         weights = family.weight_bytes + shape.rows * family.embedding_row_bytes
         kv = shape.rows * setup.local_len * family.kv_bytes_per_token  # this rank's keys
-        floor = (weights + kv) / bandwidth
         # the GEMMs' arithmetic (2 FLOP per weight and row) at the matmul rate: past the
         # ridge point (rows > rate / bw FLOP per byte) the weights take longer than reading
-        compute = 2 * shape.rows * (family.weight_bytes / esize) / rate
-        rows.append((str(shape), weights, kv, floor, seconds, bandwidth, compute))
+        gemm_s = 2 * shape.rows * (family.weight_bytes / esize) / rate
+        attention_s = shape.rows * setup.local_len * family.attention_flops_per_key / rate
+        row = Row(str(shape), weights, kv, seconds, bandwidth, rate, gemm_s, attention_s)
+        rows.append(row)
         log(
-            f"{shape}: step {seconds * 1e3:.3f} ms, floor {floor * 1e3:.3f} ms, "
-            f"ratio {seconds / floor:.2f} (set up and timed in {time.perf_counter() - t0:.1f} s)"
+            f"{shape}: step {seconds * 1e3:.3f} ms, byte floor {row.byte_floor_s * 1e3:.3f} ms "
+            f"(ratio {seconds / row.byte_floor_s:.2f}), roofline floor "
+            f"{row.roofline_floor_s * 1e3:.3f} ms (ratio {seconds / row.roofline_floor_s:.2f}) "
+            f"(set up and timed in {time.perf_counter() - t0:.1f} s)"
         )
         if args.profile and graphs:
             try:
@@ -706,7 +720,7 @@ def measure(
     return rows, breakdowns, family, bandwidth
 
 
-def measure_rank(rank: int, world_size: int, options: dict[str, Any]) -> list[Row]:
+def measure_rank(rank: int, world_size: int, options: dict[str, Any]) -> list[tuple[Any, ...]]:
     """One CP rank of ``--cp``, run by ``spawn_group`` inside its process group (NCCL ranks
     on GPU ``rank``): its rows; rank 0 prints its progress."""
     args = argparse.Namespace(**options)
@@ -718,27 +732,39 @@ def measure_rank(rank: int, world_size: int, options: dict[str, Any]) -> list[Ro
     )
     log = functools.partial(print, flush=True) if rank == 0 else (lambda line: None)
     with torch.no_grad():
-        return measure(args, device, world_size, rank, log)[0]
+        # plain tuples: the parent rebuilds the rows (no class crosses the processes)
+        return [tuple(row) for row in measure(args, device, world_size, rank, log)[0]]
 
 
 def combine_ranks(per_rank: list[list[Row]]) -> list[Row]:
-    """One row a shape over the ranks: the slowest rank's step, the largest floor (with its
-    KV bytes and bandwidth), the largest FLOP time."""
+    """One row a shape over the ranks: the slowest rank's step, and the bytes, rates and
+    FLOP times of the rank of the largest roofline floor (the rank with the most keys)."""
     rows = []
     for shape_rows in zip(*per_rank):
-        bound = max(shape_rows, key=lambda row: row[3])
-        rows.append(
-            (
-                bound[0],
-                bound[1],
-                bound[2],
-                bound[3],
-                max(row[4] for row in shape_rows),
-                bound[5],
-                max(row[6] for row in shape_rows),
-            )
-        )
+        bound = max(shape_rows, key=lambda row: row.roofline_floor_s)
+        rows.append(bound._replace(step_s=max(row.step_s for row in shape_rows)))
     return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    """The floors and ratios, one line a shape."""
+    print(
+        "| requests x context | weights MB | KV MB | bw TB/s | bf16 TFLOP/s | weights: bytes / "
+        "FLOPs ms | KV: bytes / FLOPs ms | byte floor ms | roofline floor ms | step ms "
+        "| ratio (byte floor) | ratio (roofline floor) |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        bw = row.bandwidth
+        print(
+            f"| {row.shape} | {row.weight_bytes / 1e6:.0f} | {row.kv_bytes / 1e6:.0f} | "
+            f"{bw / 1e12:.2f} | {row.matmul_rate / 1e12:.0f} | "
+            f"{row.weight_bytes / bw * 1e3:.3f} / {row.gemm_s * 1e3:.3f} | "
+            f"{row.kv_bytes / bw * 1e3:.3f} / {row.attention_s * 1e3:.3f} | "
+            f"{row.byte_floor_s * 1e3:.3f} | {row.roofline_floor_s * 1e3:.3f} | "
+            f"{row.step_s * 1e3:.3f} | {row.step_s / row.byte_floor_s:.2f} | "
+            f"**{row.step_s / row.roofline_floor_s:.2f}** |"
+        )
 
 
 def main() -> None:
@@ -771,25 +797,17 @@ def main() -> None:
             timeout_s=args.timeout,
             env={"TRITON_INTERPRET": "1"} if not graphs else None,
         )
+        per_rank = [[Row(*row) for row in rank_rows] for rank_rows in per_rank]
         for rank, rank_rows in enumerate(per_rank):
-            for shape, _, kv, floor, seconds, _, _ in rank_rows:
+            for row in rank_rows:
                 print(
-                    f"rank {rank}: {shape}: step {seconds * 1e3:.3f} ms, KV {kv / 1e6:.0f} MB, "
-                    f"floor {floor * 1e3:.3f} ms"
+                    f"rank {rank}: {row.shape}: step {row.step_s * 1e3:.3f} ms, KV "
+                    f"{row.kv_bytes / 1e6:.0f} MB, roofline floor "
+                    f"{row.roofline_floor_s * 1e3:.3f} ms"
                 )
         rows = combine_ranks(per_rank)
     print()
-    print(
-        "| requests x context | weights MB | KV MB | bw TB/s | floor ms | step ms | ratio "
-        "| GEMM FLOPs at matmul rate ms |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for shape_name, weights, kv, floor, seconds, bw, compute in rows:
-        print(
-            f"| {shape_name} | {weights / 1e6:.0f} | {kv / 1e6:.0f} | {bw / 1e12:.2f} | "
-            f"{floor * 1e3:.3f} | {seconds * 1e3:.3f} | {seconds / floor:.2f} | "
-            f"{compute * 1e3:.3f} |"
-        )
+    print_table(rows)
     for shape, seconds, kernel_s, kernels, by_name, parts in breakdowns:
         print()
         print(

@@ -2,9 +2,8 @@
 registers and spills a thread, shared memory a program, and which tensor-core instructions
 and asynchronous copies the compiled kernel issues.
 
-    python benches/triton_kernel_resources.py                       # the defaults
-    python benches/triton_kernel_resources.py --block-heads 64 --num-warps 8
-    python benches/triton_kernel_resources.py --block-keys 16 32 64 --num-stages 1 2 3
+    python benches/triton_kernel_resources.py                 # every tiling of MLA_TILINGS
+    python benches/triton_kernel_resources.py --tilings h32-k16-w4-s5-pf h64-k32-w8-s2
 
 It compiles :func:`helix_kv.executor._triton_kernels.mla_decode_attention_kernel` for the
 target ``cuda:90`` (an H100 / H200) with the integer arguments a DeepSeek-V3 call
@@ -13,13 +12,14 @@ them), and reads the cubin with the ``cuobjdump`` that Triton ships. It needs tr
 GPU, so a tiling can be ruled out before device time is spent on it: a device run is still
 what times it (``benches/gpu_mla_attention.py``). ``wgmma`` counts warpgroup MMAs (Hopper's),
 ``mma.sync`` warp-level ones; ``cp.async`` is the pipeliner's asynchronous copies (none: the
-loads are not pipelined).
+loads are not pipelined); ``buffers`` the shared-memory buffers of the cache rows (one: each
+key block waits for its own copy); ``per SM`` the programs an SM holds by registers and
+shared memory (228 KB an SM, 1 KB reserved a program; 64 K registers).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import re
 import subprocess
@@ -55,18 +55,17 @@ DIVISIBLE_BY_16 = {
 POINTER_TYPES = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*fp32", "lse_ptr": "*fp32"}
 
 
-def compile_kernel(
-    block_heads: int, block_keys: int, num_warps: int, num_stages: int
-) -> triton.compiler.CompiledKernel:
+def compile_kernel(tiling: paged_attention.MLATiling) -> triton.compiler.CompiledKernel:
     """The MLA decode kernel compiled for ``cuda:90`` at one tiling (bf16, tensor-core dots)."""
     kernel = _triton_kernels.mla_decode_attention_kernel
     constants = {
-        "BLOCK_H": block_heads,
-        "BLOCK_N": block_keys,
+        "BLOCK_H": tiling.block_heads,
+        "BLOCK_N": tiling.block_keys,
         "BLOCK_L": LATENT,
         "BLOCK_R": ROPE,
         "ACC_FP64": False,
         "USE_DOT": True,
+        "PREFETCH": tiling.prefetch,
     }
     signature = {}
     for name in kernel.arg_names:
@@ -87,7 +86,7 @@ def compile_kernel(
     return triton.compile(
         source,
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
+        options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages},
     )
 
 
@@ -105,10 +104,16 @@ def resources(compiled: triton.compiler.CompiledKernel) -> dict[str, int]:
     if match is None:
         raise RuntimeError(f"cuobjdump printed no resource usage: {usage[-500:]}")
     ptx = compiled.asm["ptx"]
+    buffers = re.search(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x512x", compiled.asm["ttgir"])
+    registers, shared = int(match.group(1)), compiled.metadata.shared
+    warps = compiled.metadata.num_warps
+    per_warp = -(-registers // 8) * 8 * 32  # registers are allocated 8 a thread at a time
     return {
-        "registers": int(match.group(1)),
+        "registers": registers,
         "stack": int(match.group(2)),
-        "shared": compiled.metadata.shared,
+        "shared": shared,
+        "buffers": int(buffers.group(1)) if buffers else 0,
+        "per SM": min(65536 // (per_warp * warps), (228 << 10) // (shared + 1024), 64 // warps),
         "wgmma": ptx.count("wgmma.mma_async"),
         "mma.sync": ptx.count("mma.sync"),
         "cp.async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
@@ -118,30 +123,16 @@ def resources(compiled: triton.compiler.CompiledKernel) -> dict[str, int]:
 def main() -> None:
     """Parse, compile every tiling asked for, print a table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_keys = paged_attention.MLA_BLOCK_ELEMENTS // (LATENT + ROPE)
     parser.add_argument(
-        "--block-heads", type=int, nargs="+", default=[paged_attention.MLA_BLOCK_HEADS]
-    )
-    parser.add_argument("--block-keys", type=int, nargs="+", default=[default_keys])
-    parser.add_argument("--num-warps", type=int, nargs="+", default=[paged_attention.MLA_NUM_WARPS])
-    parser.add_argument(
-        "--num-stages", type=int, nargs="+", default=[paged_attention.MLA_NUM_STAGES]
+        "--tilings", nargs="+", default=list(paged_attention.MLA_TILINGS), help="tiling names"
     )
     args = parser.parse_args()
     print(f"# triton {triton.__version__}, target cuda:90, latent {LATENT} + rope {ROPE}, bf16")
-    columns = ["registers", "stack", "shared", "wgmma", "mma.sync", "cp.async"]
-    print(
-        f"{'heads':>5} {'keys':>5} {'warps':>5} {'stages':>6} "
-        + " ".join(f"{c:>9}" for c in columns)
-    )
-    for heads, keys, warps, stages in itertools.product(
-        args.block_heads, args.block_keys, args.num_warps, args.num_stages
-    ):
-        found = resources(compile_kernel(heads, keys, warps, stages))
-        print(
-            f"{heads:>5} {keys:>5} {warps:>5} {stages:>6} "
-            + " ".join(f"{found[c]:>9}" for c in columns)
-        )
+    columns = ["registers", "stack", "shared", "buffers", "per SM", "wgmma", "mma.sync", "cp.async"]
+    print(f"{'tiling':>26} " + " ".join(f"{c:>9}" for c in columns))
+    for name in args.tilings:
+        found = resources(compile_kernel(paged_attention.MLATiling.from_name(name)))
+        print(f"{name:>26} " + " ".join(f"{found[c]:>9}" for c in columns), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+from helix_kv.executor import paged_attention
 from helix_kv.executor import paged_mla_decode_attention as exported
 from helix_kv.executor.attention import (
     PAD_KEY_POSITION,
@@ -25,7 +26,6 @@ from helix_kv.executor.attention import (
     partial_attention,
     reference_attention,
 )
-from helix_kv.executor import paged_attention
 from helix_kv.executor.paged_attention import (
     DECODE_FULL_PROGRAMS,
     DECODE_TARGET_PROGRAMS,
@@ -153,7 +153,6 @@ SHAPES = [
     ([0, 5, 0, 64], 5, 24, 8, 8),  # empty rows; heads, latent and RoPE not powers of two
     ([70, 31], 21, 24, 8, 32),  # two head tiles (16 + 5 heads), blocks spanning pages
     ([3, 20], 1, 17, 3, 3),  # one head, odd page size and dims
-    ([37, 0, 64], 128, 16, 8, 8),  # DeepSeek-V3's 128 heads on a Helix rank: 4 tiles of 32
 ]
 
 
@@ -189,6 +188,23 @@ def test_kernel_matches_reference(monkeypatch, dtype, local_lens, heads, latent,
         torch.testing.assert_close(lse, expected_lse, atol=atol, rtol=0)
     if width >= 3:  # three splits really ran: the scratch holds finite partials
         assert workspace.lse_scratch[: len(local_lens) * 3 * heads].isnan().sum() == 0
+
+
+@pytest.mark.parametrize("loop", ["k16-pf", None])
+def test_128_heads(monkeypatch, loop):
+    """DeepSeek-V3's 128 heads on a Helix rank (four tiles of 32), ragged pages, an empty row:
+    one split and two equal the dense path."""
+    if loop is not None:
+        use_tilings(monkeypatch, (1, LOOPS[loop]))
+    dtype = next(iter(DTYPES))
+    p = mla_problem(9, [37, 0, 50], 128, 16, 8, 8, dtype)
+    expected_out, expected_lse = reference_partial(p)
+    for splits in (1, 2):
+        out, lse = run_kernel(p, num_splits=splits)
+        assert lse[1].isneginf().all()
+        assert not out[1].any()
+        torch.testing.assert_close(out, expected_out, atol=DTYPES[dtype], rtol=0)
+        torch.testing.assert_close(lse, expected_lse, atol=DTYPES[dtype], rtol=0)
 
 
 def test_default_splits_and_exported():
@@ -305,13 +321,21 @@ def test_tiling_table_and_names(monkeypatch):
     assert mla_tiling(63).name == "h32-k32-w4-s2"
     assert mla_tiling(64).name == "h64-k32-w8-s3-pf"
     assert mla_tiling(128).name == "h64-k32-w8-s3-pf"
-    for bad in ("nope", "0:h32-k32-w4-s2", "x:h32-k32-w4-s2", "64:h32-k32-w4-s2,1:h32-k32-w4-s2"):
-        with pytest.raises(ValueError):
+    custom = MLATiling.from_name("h16-k64-w2-s5-pf-t100-f50")
+    assert custom == MLATiling(16, 64, 2, 5, True, 100, 50)
+    assert MLATiling.from_name("h64-k16-w8-s1") == MLATiling(64, 16, 8, 1, False)
+    assert parse_mla_tiling_table("2:h16-k64-w2-s5-pf") == ((2, "h16-k64-w2-s5-pf"),)
+    monkeypatch.setattr(paged_attention, "MLA_TILING_TABLE", ((1, custom.name),))
+    assert mla_tiling(8) == custom  # a name not in MLA_TILINGS: the tiling it describes
+    monkeypatch.setattr(paged_attention, "MLA_TILING_TABLE", table)
+    bad_tables = ("nope", "h32-k32-w4", "h24-k32-w4-s2", "0:h32-k32-w4-s2", "x:h32-k32-w4-s2")
+    for bad in (*bad_tables, "64:h32-k32-w4-s2,1:h32-k32-w4-s2"):
+        with pytest.raises(ValueError, match="MLA tiling|must be"):
             parse_mla_tiling_table(bad)
     for fields in ((24, 32, 4, 2), (32, 8, 4, 2), (32, 32, 3, 2), (32, 32, 4, 0)):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="must be"):
             MLATiling(*fields, prefetch=False)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="at least 1"):
         MLATiling(32, 32, 4, 2, False, target_programs=0)
 
 

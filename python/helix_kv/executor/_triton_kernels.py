@@ -33,10 +33,8 @@ def _online_softmax_step(
     see a key of every block (the decode kernels' blocks: one row, keys below its length).
     """
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    if GUARD_EMPTY:
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_ref = m_new  # finite: the block has a visible key
+    # without GUARD_EMPTY the max is finite: the block has a visible key
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if GUARD_EMPTY else m_new
     alpha = tl.exp(m_i - m_ref)  # exp(-inf) = 0 on the first block
     p = tl.exp(scores - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -48,14 +46,14 @@ def _online_softmax_step(
 
 
 @triton.jit
-def _store_partial(out_ptrs, lse_ptrs, acc, l_i, m_i, out_mask, lse_mask):
-    """Store a partial attention: the output normalised over the keys seen and its LSE;
-    a query slot that saw no key stores output 0 and LSE ``-inf``."""
+def _partial_result(acc, l_i, m_i):
+    """A partial attention's output, normalised over the keys seen, and its LSE; a query
+    slot that saw no key gets output 0 and LSE ``-inf``. (The kernels compute their store
+    addresses after this: made before, a ``[M, D]`` tile of pointers would be live across
+    the division, which spilled registers of the MLA kernel.)"""
     seen = l_i > 0
     safe_l = tl.where(seen, l_i, 1.0)
-    out = acc / safe_l[:, None]
-    tl.store(out_ptrs, out, mask=out_mask)  # cast to the output's dtype
-    tl.store(lse_ptrs, tl.where(seen, m_i + tl.log(safe_l), float("-inf")), mask=lse_mask)
+    return acc / safe_l[:, None], tl.where(seen, m_i + tl.log(safe_l), float("-inf"))
 
 
 @triton.jit
@@ -155,18 +153,20 @@ def decode_attention_kernel(
             scores = tl.sum(q[:, None, :] * k.to(acc_type)[None, :, :], axis=2)  # [G, N]
         scores = tl.where(j_mask[None, :], scores, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc, USE_DOT, False)
-    _store_partial(
+    out, lse = _partial_result(acc, l_i, m_i)
+    tl.store(
         out_ptr
         + row * stride_out_row
         + split * stride_out_split
         + heads[:, None] * stride_out_head
         + d[None, :],
+        out,
+        mask=q_mask,
+    )
+    tl.store(
         lse_ptr + row * stride_lse_row + split * stride_lse_split + heads * stride_lse_head,
-        acc,
-        l_i,
-        m_i,
-        q_mask,
-        g_mask,
+        lse,
+        mask=g_mask,
     )
 
 
@@ -294,18 +294,20 @@ def verify_attention_kernel(
         scores = tl.where(visible, scores, float("-inf"))
         # a query slot may see no key of this block (its row ends earlier): guarded
         m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc, USE_DOT, True)
-    _store_partial(
+    out, lse = _partial_result(acc, l_i, m_i)
+    tl.store(
         out_ptr
         + rows_m[:, None] * stride_out_row
         + split * stride_out_split
         + heads[:, None] * stride_out_head
         + d[None, :],
+        out,
+        mask=q_mask,
+    )
+    tl.store(
         lse_ptr + rows_m * stride_lse_row + split * stride_lse_split + heads * stride_lse_head,
-        acc,
-        l_i,
-        m_i,
-        q_mask,
-        slot_mask,
+        lse,
+        mask=slot_mask,
     )
 
 
@@ -426,18 +428,20 @@ def mla_decode_attention_kernel(
             scores += tl.sum(q_rope[:, None, :] * c_rope.to(acc_type)[None, :, :], axis=2)
         scores = tl.where(j_mask[None, :], scores, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(scores, c_lat, m_i, l_i, acc, USE_DOT, False)
-    _store_partial(
+    out, lse = _partial_result(acc, l_i, m_i)
+    tl.store(
         out_ptr
         + row * stride_out_row
         + split * stride_out_split
         + h[:, None] * stride_out_head
         + dl[None, :],
+        out,
+        mask=ql_mask,
+    )
+    tl.store(
         lse_ptr + row * stride_lse_row + split * stride_lse_split + h * stride_lse_head,
-        acc,
-        l_i,
-        m_i,
-        ql_mask,
-        h_mask,
+        lse,
+        mask=h_mask,
     )
 
 

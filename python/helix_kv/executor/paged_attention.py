@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from types import ModuleType
@@ -104,6 +105,27 @@ class MLATiling:
         if min(self.target_programs, self.full_programs) < 1:
             raise ValueError("the split rule's program counts must be at least 1")
 
+    @classmethod
+    def from_name(cls, name: str) -> MLATiling:
+        """The tiling a :attr:`name` describes (any fields, named in :data:`MLA_TILINGS` or
+        not), e.g. ``h32-k16-w4-s4-pf``; ``ValueError`` if it describes none."""
+        match = _TILING_NAME.fullmatch(name)
+        if match is None:
+            raise ValueError(
+                f"MLA tiling {name!r} is not h<heads>-k<keys>-w<warps>-s<stages>[-pf]"
+                f"[-t<target>-f<full>] (named ones: {', '.join(MLA_TILINGS)})"
+            )
+        heads, keys, warps, stages, prefetch, target, full = match.groups()
+        return cls(
+            int(heads),
+            int(keys),
+            int(warps),
+            int(stages),
+            prefetch is not None,
+            DECODE_TARGET_PROGRAMS if target is None else int(target),
+            DECODE_FULL_PROGRAMS if full is None else int(full),
+        )
+
     @property
     def name(self) -> str:
         """``h<heads>-k<keys>-w<warps>-s<stages>``, ``-pf`` with prefetch, ``-t<target>-f<full>``
@@ -117,6 +139,9 @@ class MLATiling:
         ):
             name += f"-t{self.target_programs}-f{self.full_programs}"
         return name
+
+
+_TILING_NAME = re.compile(r"h(\d+)-k(\d+)-w(\d+)-s(\d+)(-pf)?(?:-t(\d+)-f(\d+))?")
 
 
 def _tilings(*tilings: MLATiling) -> dict[str, MLATiling]:
@@ -165,14 +190,14 @@ MLA_TILING_TABLE: tuple[tuple[int, str], ...] = ((1, "h32-k32-w4-s2"),)
 
 def parse_mla_tiling_table(spec: str) -> tuple[tuple[int, str], ...]:
     """A tiling table from ``MIN_HEADS:NAME,...`` (or a bare ``NAME``: every head count):
-    entries of known names (:data:`MLA_TILINGS`) in increasing ``MIN_HEADS`` >= 1."""
+    tiling names (:meth:`MLATiling.from_name`: those of :data:`MLA_TILINGS` or any other
+    fields) in increasing ``MIN_HEADS`` >= 1."""
     entries = []
     for part in (p.strip() for p in spec.split(",")):
         heads_text, sep, name = part.rpartition(":")
         if not sep:
             heads_text = "1"
-        if name not in MLA_TILINGS:
-            raise ValueError(f"unknown MLA tiling {name!r} (known: {', '.join(MLA_TILINGS)})")
+        _tiling_named(name)  # a name that describes no tiling is refused here
         if not heads_text.isdigit() or int(heads_text) < 1:
             raise ValueError(f"MLA tiling entry {part!r}: the head count must be an integer >= 1")
         entries.append((int(heads_text), name))
@@ -196,7 +221,13 @@ def mla_tiling(heads: int) -> MLATiling:
     for min_heads, name in table:
         if heads >= min_heads:
             chosen = name
-    return MLA_TILINGS[chosen]
+    return _tiling_named(chosen)
+
+
+def _tiling_named(name: str) -> MLATiling:
+    """:data:`MLA_TILINGS`' tiling of that name, else the one the name describes."""
+    tiling = MLA_TILINGS.get(name)
+    return tiling if tiling is not None else MLATiling.from_name(name)
 
 
 #: Most elements of the ``[splits, latent chunk]`` tile of one split-combine program (a
@@ -970,13 +1001,13 @@ def write_paged_kv(
 
 
 __all__ = [
-    "MLA_TILINGS",
-    "MLA_TILING_TABLE",
     "DECODE_BLOCK_KEYS",
     "DECODE_FULL_PROGRAMS",
     "DECODE_MAX_SPLITS",
     "DECODE_MIN_SPLIT_KEYS",
     "DECODE_TARGET_PROGRAMS",
+    "MLA_TILINGS",
+    "MLA_TILING_TABLE",
     "DecodeWorkspace",
     "MLATiling",
     "decode_splits",
