@@ -14,6 +14,7 @@ executor, plain and (with ``--overlap``) one step ahead.
     python benches/gpu_executor.py --shared-prefix-len 448 [--prefix-caching]  # prefix reuse
     python benches/gpu_executor.py --device cpu --cp 2 --requests 8 --prompt-len 64 \
         --new-tokens 16 --small                         # CPU/gloo smoke run
+    python benches/gpu_executor.py --export-step-time-profile llama.json [--model-family mla]
 
 Prints decode tokens/s (steps that only decode), the median / p90 µs per step to build the
 step's device tables (plan from the scheduler's arrays, pinned staging, async copy, device
@@ -27,12 +28,21 @@ prompt with the first ``N`` tokens of one of ``--system-prompts`` random system 
 with ``--prefix-caching`` their pages are reused: ``prefix_cache_hits`` (of
 ``prefix_cache_queries``) and fewer ``tokens_run`` than the same workload without it, and
 ``run_s`` the whole run's wall time.
+
+``--export-step-time-profile FILE`` instead measures a sweep of workloads step by step (one
+rank, ``--model-family``'s stack of ``benches/gpu_decode_floor.py`` at ``--layers`` layers,
+CUDA graphs unless ``--no-cuda-graphs``), fits the step-time model's three coefficients and
+writes them as a profile ``helix-kv simulate --step-time-profile`` reads
+(``benches/gpu_step_profile.py`` says how); with ``--device cpu --small``, the tiny models.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+
+import torch
 
 from helix_kv.executor.bench import BenchSpec, format_figures, measure
 from helix_kv.executor.model import TinyConfig
@@ -99,8 +109,26 @@ def main() -> None:
         help="splits of the paged decode kernel: auto (the static rule), off (one) or N; "
         "sets HELIX_KV_DECODE_SPLITS for the ranks",
     )
+    profile = parser.add_argument_group("step-time profile (--export-step-time-profile)")
+    profile.add_argument(
+        "--export-step-time-profile",
+        metavar="FILE",
+        default=None,
+        help="measure a sweep of steps, fit the step-time model, write its profile to FILE",
+    )
+    profile.add_argument("--model-family", default="llama", choices=["llama", "mla"])
+    profile.add_argument("--layers", type=int, default=32, help="layers of the profiled stack")
+    profile.add_argument(
+        "--no-cuda-graphs", dest="profile_graphs", action="store_false", help="eager decode steps"
+    )
+    profile.add_argument(
+        "--time-budget", type=float, default=120.0, help="seconds; later workloads are skipped"
+    )
     args = parser.parse_args()
     os.environ["HELIX_KV_DECODE_SPLITS"] = args.split_k
+    if args.export_step_time_profile:
+        export_profile(args)
+        return
     spec = BenchSpec(
         cp_size=args.cp,
         requests=args.requests,
@@ -122,6 +150,19 @@ def main() -> None:
         system_prompts=args.system_prompts,
     )
     print(format_figures(spec, measure(spec, single_run=args.single_run)))
+
+
+def export_profile(args: argparse.Namespace) -> None:
+    """``--export-step-time-profile``: :func:`gpu_step_profile.export` with this run's options."""
+    if args.device == "cpu":  # before triton is first imported: the kernels' interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--export-step-time-profile needs a CUDA device (or --device cpu --small)")
+    from gpu_step_profile import export  # benches/ is on sys.path
+
+    args.cuda_graphs = args.profile_graphs
+    args.dtype = "float32" if args.device == "cpu" and args.dtype == "bfloat16" else args.dtype
+    export(args)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import helix_kv
@@ -18,9 +19,12 @@ from helix_kv.simulate.step_loop import RequestOutcome, SimulationResult, StepSe
 from helix_kv.simulate.timing import (
     DEFAULT_STEP_TIME,
     MAX_COEFFICIENT_MS,
+    PROFILE_KEYS,
     StepTimeModel,
+    fit_step_time,
     kv_tokens_read,
     load_profile,
+    save_profile,
 )
 from helix_kv.simulate.workload import RequestSpec
 
@@ -345,3 +349,66 @@ def test_user_guide_modelled_sample_is_what_the_command_prints(
     assert main(["simulate", "--step-time", "default"]) == 0
     printed = capsys.readouterr().out
     assert printed.endswith(sample)
+
+
+def test_fit_recovers_exact_coefficients_and_round_trips(tmp_path: Path) -> None:
+    """Steps made by a model are fitted back to it; the profile written reads back equal."""
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(1, 4096, size=60)
+    kv = rng.integers(0, 400_000, size=60)
+    truth = StepTimeModel(2.5, 0.012, 3e-5)
+    fitted = fit_step_time(tokens, kv, truth.predict_ms(tokens, kv), description="exact")
+    for name in ("fixed_ms", "per_token_ms", "per_kv_token_ms"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-9)
+    path = tmp_path / "fitted.json"
+    save_profile(fitted, path)
+    back = load_profile(path)
+    assert (back.fixed_ms, back.per_token_ms, back.per_kv_token_ms) == (
+        fitted.fixed_ms,
+        fitted.per_token_ms,
+        fitted.per_kv_token_ms,
+    )
+    assert back.description == "exact"
+    assert json.loads(path.read_text()).keys() == {*PROFILE_KEYS, "description"}
+
+
+def test_fit_counts_kv_per_rank_and_weighs_relative_error() -> None:
+    """The KV term is per rank (``cp_size``); a relative fit keeps small steps' errors small
+    where an absolute one would give them away to the large steps."""
+    tokens = np.array([1, 1, 1, 2048, 2048])
+    kv = np.array([1000, 2000, 4000, 2048, 8192])
+    cp2 = fit_step_time(tokens, kv, StepTimeModel(1, 0.01, 1e-4).predict_ms(tokens, kv, 2), 2)
+    assert cp2.per_kv_token_ms == pytest.approx(1e-4)
+    # a small step (0.5 ms) next to large ones (100 ms) that a line cannot fit exactly
+    measured = np.array([0.5, 0.6, 0.7, 100.0, 140.0])
+    fitted = fit_step_time(tokens, kv, measured)
+    relative = np.abs(fitted.predict_ms(tokens, kv) - measured) / measured
+    assert relative[:3].max() < 0.5
+
+
+def test_fit_keeps_coefficients_non_negative() -> None:
+    """Times that fall as tokens grow would fit a negative per-token cost: it is 0 instead,
+    and the rest is the best fit of what remains."""
+    tokens = np.array([10, 100, 1000])
+    kv = np.zeros(3)
+    fitted = fit_step_time(tokens, kv, [5.0, 4.0, 3.0])
+    assert fitted.per_token_ms == 0
+    assert fitted.per_kv_token_ms == 0
+    assert fitted.fixed_ms > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (([], [], []), "at least one"),
+        (([1, 2], [1], [1, 2]), "as many"),
+        (([1], [1], [0.0]), "finite numbers > 0"),
+        (([1], [1], [float("nan")]), "finite numbers > 0"),
+        (([-1], [1], [1.0]), "counts must be finite and >= 0"),
+    ],
+)
+def test_fit_refuses_bad_input(args: tuple[list[float], ...], message: str) -> None:
+    with pytest.raises(SimulationSetupError, match=message):
+        fit_step_time(*args)
+    with pytest.raises(SimulationSetupError, match="cp_size"):
+        fit_step_time([1], [1], [1.0], cp_size=0)

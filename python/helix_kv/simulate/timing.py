@@ -27,7 +27,9 @@ A clock step in which nothing is scheduled (the simulator skips idle time to the
 lasts ``fixed_ms``. This is a model, not a measurement: a linear cost with three coefficients,
 blind to kernels, batching efficiency, communication and everything else a real engine does.
 :data:`DEFAULT_STEP_TIME` is illustrative; fit the coefficients to step times measured on your
-own engine (``--step-time`` or ``--step-time-profile``).
+own engine (``--step-time`` or ``--step-time-profile``): :func:`fit_step_time` fits them to
+measured steps and :func:`save_profile` writes the profile ``--step-time-profile`` reads
+(``benches/gpu_executor.py --export-step-time-profile`` does both on the reference executor).
 """
 
 from __future__ import annotations
@@ -49,8 +51,10 @@ __all__ = [
     "MAX_COEFFICIENT_MS",
     "PROFILE_KEYS",
     "StepTimeModel",
+    "fit_step_time",
     "kv_tokens_read",
     "load_profile",
+    "save_profile",
 ]
 
 #: Largest coefficient accepted, in ms (over 16 minutes per unit): modelled times stay finite.
@@ -120,6 +124,20 @@ class StepTimeModel:
             record["description"] = self.description
         return record
 
+    def to_profile(self) -> dict[str, Any]:
+        """The profile :func:`load_profile` reads back: the coefficients, and the
+        description where there is one."""
+        record: dict[str, Any] = {name: getattr(self, name) for name in PROFILE_KEYS}
+        if self.description is not None:
+            record["description"] = self.description
+        return record
+
+    def predict_ms(self, scheduled_tokens: Any, kv_tokens: Any, cp_size: int = 1) -> np.ndarray:
+        """:meth:`step_ms` of many steps at once (float64 array of the steps' shape)."""
+        tokens = np.asarray(scheduled_tokens, dtype=np.float64)
+        kv = np.asarray(kv_tokens, dtype=np.float64)
+        return self.fixed_ms + self.per_token_ms * tokens + self.per_kv_token_ms * kv / cp_size
+
     def describe(self) -> str:
         """One line: the formula with the coefficients."""
         return (
@@ -185,4 +203,66 @@ def load_profile(path: str | Path) -> StepTimeModel:
         per_kv_token_ms=profile["per_kv_token_ms"],
         source=str(path),
         description=description,
+    )
+
+
+def fit_step_time(
+    scheduled_tokens: Any,
+    kv_tokens: Any,
+    step_ms: Any,
+    cp_size: int = 1,
+    source: str = "fitted",
+    description: str | None = None,
+) -> StepTimeModel:
+    """The coefficients that best fit measured steps: non-negative least squares of the
+    relative error, ``sum(((model(step) - step_ms) / step_ms) ** 2)``, over steps that
+    scheduled ``scheduled_tokens`` and read ``kv_tokens`` global KV tokens (as
+    :func:`kv_tokens_read` counts them) in a group of ``cp_size`` ranks.
+
+    Relative error, so that a 0.3 ms decode step weighs as much as a 30 ms prefill one; the
+    coefficients non-negative, as :class:`StepTimeModel` needs them (each of the seven
+    supports of the three is solved exactly and the best non-negative one kept). Bad input
+    (no steps, arrays of different lengths, a time that is not a finite number > 0, a
+    negative count, a ``cp_size`` below 1) raises :class:`SimulationSetupError`; so does a fit
+    whose coefficients exceed :data:`MAX_COEFFICIENT_MS`.
+    """
+    tokens = np.asarray(scheduled_tokens, dtype=np.float64).reshape(-1)
+    kv = np.asarray(kv_tokens, dtype=np.float64).reshape(-1)
+    measured = np.asarray(step_ms, dtype=np.float64).reshape(-1)
+    if not (tokens.size == kv.size == measured.size) or measured.size == 0:
+        raise SimulationSetupError(
+            f"fit_step_time needs as many token counts, KV counts and times, at least one: "
+            f"got {tokens.size}, {kv.size} and {measured.size}"
+        )
+    if not np.all(np.isfinite(measured)) or np.any(measured <= 0):
+        raise SimulationSetupError("fit_step_time: step times must be finite numbers > 0 ms")
+    if not np.all(np.isfinite(tokens) & np.isfinite(kv)) or np.any(tokens < 0) or np.any(kv < 0):
+        raise SimulationSetupError("fit_step_time: token and KV counts must be finite and >= 0")
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise SimulationSetupError(
+            f"fit_step_time: cp_size must be an integer >= 1, got {cp_size!r}"
+        )
+    # rows scaled by 1 / measured: the residuals are relative errors
+    design = np.stack([np.ones_like(tokens), tokens, kv / cp_size], axis=1) / measured[:, None]
+    target = np.ones_like(measured)
+    best: tuple[float, np.ndarray] | None = None
+    for support in ((0,), (1,), (2,), (0, 1), (0, 2), (1, 2), (0, 1, 2)):
+        columns = list(support)
+        solution, *_ = np.linalg.lstsq(design[:, columns], target, rcond=None)
+        if np.any(solution < 0):
+            continue
+        coefficients = np.zeros(3)
+        coefficients[columns] = solution
+        residual = float(np.sum((design @ coefficients - target) ** 2))
+        if best is None or residual < best[0]:
+            best = (residual, coefficients)
+    assert best is not None  # a one-column fit of positive times is never negative
+    fixed, per_token, per_kv = (float(c) for c in best[1])
+    return StepTimeModel(fixed, per_token, per_kv, source=source, description=description)
+
+
+def save_profile(model: StepTimeModel, path: str | Path) -> None:
+    """Write ``model`` as a profile :func:`load_profile` (``--step-time-profile``) reads."""
+    Path(path).expanduser().write_text(
+        json.dumps(model.to_profile(), indent=2) + "\n", encoding="utf-8"
     )
