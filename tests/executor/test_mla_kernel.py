@@ -330,7 +330,7 @@ def test_tiling_table_and_names(monkeypatch):
     monkeypatch.setattr(paged_attention, "MLA_TILING_TABLE", table)
     bad_tables = ("nope", "h32-k32-w4", "h24-k32-w4-s2", "0:h32-k32-w4-s2", "x:h32-k32-w4-s2")
     for bad in (*bad_tables, "64:h32-k32-w4-s2,1:h32-k32-w4-s2"):
-        with pytest.raises(ValueError, match="MLA tiling|must be"):
+        with pytest.raises(ValueError, match=r"MLA tiling|must be"):
             parse_mla_tiling_table(bad)
     for fields in ((24, 32, 4, 2), (32, 8, 4, 2), (32, 32, 3, 2), (32, 32, 4, 0)):
         with pytest.raises(ValueError, match="must be"):
