@@ -6,8 +6,9 @@
 #   bash benches/gpu_cp_plan.sh tests 2        # tests/executor + tests/distributed on 2 GPUs
 #   bash benches/gpu_cp_plan.sh executor 2     # decode step shapes, plain and one step ahead
 #   bash benches/gpu_cp_plan.sh features 2     # floor, schedule check, host tier, prefix, drafts
-#   bash benches/gpu_cp_plan.sh mla 1          # one GPU: the MLA kernel's GPU tests (wide tiles
-#                                              # among them) and its tile and split sweeps
+#   bash benches/gpu_cp_plan.sh mla 1          # one GPU: the MLA kernel's GPU tests (every
+#                                              # tiling) and its tiling and split sweeps
+#                                              # (benches/gpu_mla_plan.sh: issue 43's one call)
 #   DRY_RUN=1 bash benches/gpu_cp_plan.sh features 4   # print the commands only
 #
 # A part runs every command even if one fails, and exits non-zero if any did.
@@ -45,11 +46,8 @@ case "$part" in
     ;;
   mla)
     commands+=("python3 -m pytest -o addopts= -p no:cacheprovider tests/executor/test_mla_kernel.py tests/executor/test_fused.py -q -rs")
-    for wide in 0 64; do
-      commands+=("python3 benches/gpu_mla_attention.py --heads 32 128 --shapes 64x2112 256x576 64x576 8x32768 --splits auto 1 2 3 4 5 6 8 --wide-block-heads $wide")
-    done
-    commands+=("python3 benches/gpu_decode_floor.py --model-family mla")
-    commands+=("python3 benches/gpu_decode_floor.py --model-family mla --mla-target-programs 256 --mla-full-programs 256")
+    commands+=("python3 benches/gpu_mla_attention.py --heads 32 128 --shapes 64x2112 256x576 64x576 8x32768 --split-sweep 1 2 3 4 5 6 8")
+    commands+=("python3 benches/gpu_decode_floor.py --model-family mla --mla-tilings h32-k32-w4-s2 h32-k32-w4-s3-pf 1:h32-k32-w4-s3-pf,64:h64-k32-w8-s3-pf")
     ;;
   *)
     echo "unknown part $part: tests, executor, features or mla" >&2

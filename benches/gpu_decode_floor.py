@@ -607,9 +607,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(
         "--mla-tilings",
+        nargs="+",
         default=None,
-        help="MLA kernel: its tiling table, MIN_HEADS:NAME,... or one NAME "
-        "(paged_attention.MLA_TILINGS; A/B of paged_attention.MLA_TILING_TABLE)",
+        help="MLA kernel: tiling tables, each MIN_HEADS:NAME,... or one NAME "
+        "(paged_attention.MLA_TILINGS; A/B of paged_attention.MLA_TILING_TABLE): every shape "
+        "is timed with each in turn, one model build",
     )
     parser.add_argument("--cp", type=int, default=1, help="CP ranks, one GPU each")
     parser.add_argument(
@@ -623,13 +625,21 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def apply_kernel_options(args: argparse.Namespace) -> None:
-    """The MLA kernel's A/B option, set before the first call (the kernel reads it then)."""
+def kernel_options(args: argparse.Namespace) -> list[str | None]:
+    """The MLA tiling tables to time in turn (``None``: the module's own), each checked."""
     from helix_kv.executor import paged_attention
 
-    if args.mla_tilings is not None:
-        table = paged_attention.parse_mla_tiling_table(args.mla_tilings)
-        paged_attention.MLA_TILING_TABLE = table
+    for spec in args.mla_tilings or []:
+        paged_attention.parse_mla_tiling_table(spec)  # a bad name fails before device time
+    return list(args.mla_tilings or [None])
+
+
+def apply_kernel_options(spec: str | None) -> None:
+    """One MLA tiling table, set before the step is built (its graph captures the kernel)."""
+    from helix_kv.executor import paged_attention
+
+    if spec is not None:
+        paged_attention.MLA_TILING_TABLE = paged_attention.parse_mla_tiling_table(spec)
 
 
 class Row(NamedTuple):
@@ -686,7 +696,10 @@ def measure(
     esize = torch.empty((), dtype=dtype).element_size()
     rows = []
     breakdowns = []
-    for shape in shapes:
+    specs = kernel_options(args)
+    for spec, shape in ((spec, shape) for spec in specs for shape in shapes):
+        apply_kernel_options(spec)
+        label = f"{shape}" if len(specs) == 1 or spec is None else f"{shape} [{spec}]"
         t0 = time.perf_counter()
         setup = Setup(family, shape, args.tokens_per_block, device, graphs, cp_size, cp_rank)
         seconds = time_steps(setup, args.replays, device)
@@ -697,10 +710,10 @@ def measure(
         # ridge point (rows > rate / bw FLOP per byte) the weights take longer than reading
         gemm_s = 2 * shape.rows * (family.weight_bytes / esize) / rate
         attention_s = shape.rows * setup.local_len * family.attention_flops_per_key / rate
-        row = Row(str(shape), weights, kv, seconds, bandwidth, rate, gemm_s, attention_s)
+        row = Row(label, weights, kv, seconds, bandwidth, rate, gemm_s, attention_s)
         rows.append(row)
         log(
-            f"{shape}: step {seconds * 1e3:.3f} ms, byte floor {row.byte_floor_s * 1e3:.3f} ms "
+            f"{label}: step {seconds * 1e3:.3f} ms, byte floor {row.byte_floor_s * 1e3:.3f} ms "
             f"(ratio {seconds / row.byte_floor_s:.2f}), roofline floor "
             f"{row.roofline_floor_s * 1e3:.3f} ms (ratio {seconds / row.roofline_floor_s:.2f}) "
             f"(set up and timed in {time.perf_counter() - t0:.1f} s)"
@@ -710,9 +723,9 @@ def measure(
                 kernel_s, kernels, by_name = graph_kernels(setup)
                 parts = eager_parts(family, setup)
             except Exception as exc:  # a profiler failure keeps the timings
-                log(f"{shape}: profile failed: {exc!r}")
+                log(f"{label}: profile failed: {exc!r}")
             else:
-                breakdowns.append((shape, seconds, kernel_s, kernels, by_name, parts))
+                breakdowns.append((label, seconds, kernel_s, kernels, by_name, parts))
         del setup
         if graphs:
             torch.cuda.empty_cache()
@@ -724,7 +737,6 @@ def measure_rank(rank: int, world_size: int, options: dict[str, Any]) -> list[tu
     """One CP rank of ``--cp``, run by ``spawn_group`` inside its process group (NCCL ranks
     on GPU ``rank``): its rows; rank 0 prints its progress."""
     args = argparse.Namespace(**options)
-    apply_kernel_options(args)
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if args.device == "cuda"
@@ -769,7 +781,7 @@ def print_table(rows: list[Row]) -> None:
 
 def main() -> None:
     args = parse_args()
-    apply_kernel_options(args)
+    kernel_options(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_decode_floor.py needs a CUDA device (or --device cpu --small)")
