@@ -30,8 +30,9 @@ xdist=""
 if [ -z "${DRY_RUN:-}" ] && python3 -c "import xdist" 2> /dev/null; then
   xdist="-n 4"
 fi
-tilings="h32-k32-w4-s2 h64-k32-w8-s2 h32-k32-w4-s3-pf h32-k16-w4-s3-pf h32-k16-w4-s4-pf \
-h16-k32-w4-s3-pf h64-k32-w8-s3-pf h64-k16-w8-s4-pf h64-k64-w8-s2-pf"
+# the baseline first, the new loop's tilings, the wide tiles of a95b95d last
+tilings="h32-k32-w4-s2 h32-k32-w4-s3-pf h32-k16-w4-s3-pf h32-k16-w4-s4-pf h32-k16-w4-s5-pf \
+h16-k16-w4-s4-pf h16-k32-w4-s3-pf h64-k32-w8-s3-pf h64-k16-w8-s4-pf h64-k64-w8-s2-pf h64-k32-w8-s2"
 
 summary="$out/summary.txt"
 : > "$summary"
@@ -65,7 +66,7 @@ run tests "${LIMIT_TESTS:-80}" "$out/tests.txt" \
 # shellcheck disable=SC2086
 run sweep "${LIMIT_SWEEP:-140}" "$out/sweep.txt" \
   python3 benches/gpu_mla_attention.py --heads 32 128 --shapes 64x2112 8x32768 256x576 \
-  --tilings $tilings --split-sweep 2 4 8 16 --calls 10 \
+  --tilings $tilings --split-sweep 2 4 8 --calls 10 \
   --json "$out/sweep.jsonl" --best-out "$scratch/best.txt"
 best=$(cat "$scratch/best.txt" 2> /dev/null || true)
 

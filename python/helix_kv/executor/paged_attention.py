@@ -161,17 +161,20 @@ def _tilings(*tilings: MLATiling) -> dict[str, MLATiling]:
 #:
 #: With prefetch: ``h32-k32-w4-s3-pf`` (2 buffers, 80 bytes of stack, 110 KB, 2 an SM),
 #: ``h32-k16-w4-s3-pf`` (2 buffers, no stack, 73 KB, 2), ``h32-k16-w4-s4-pf`` (3 buffers,
-#: 91 KB, 2), ``h16-k32-w4-s3-pf`` (230 registers, 91 KB, 2), ``h64-k32-w8-s3-pf`` (3
-#: buffers, 180 KB, 1), ``h64-k16-w8-s4-pf`` (4 buffers, 144 KB, 1), ``h64-k64-w8-s2-pf``
-#: (2 buffers, 216 KB, 1), and two with the split rule aimed at about one wave of resident
-#: programs (264 for two an SM of 132, 132 for one).
+#: 91 KB, 2), ``h32-k16-w4-s5-pf`` (4 buffers, 109 KB, 2), ``h16-k32-w4-s3-pf`` (230
+#: registers, 91 KB, 2), ``h16-k16-w4-s4-pf`` (154 registers, 3 buffers, 73 KB, 3),
+#: ``h64-k32-w8-s3-pf`` (3 buffers, 180 KB, 1), ``h64-k16-w8-s4-pf`` (4 buffers, 144 KB,
+#: 1), ``h64-k64-w8-s2-pf`` (2 buffers, 216 KB, 1), and two with the split rule aimed at
+#: about one wave of resident programs (264 for two an SM of 132, 132 for one).
 MLA_TILINGS: dict[str, MLATiling] = _tilings(
     MLATiling(32, 32, 4, 2, prefetch=False),
     MLATiling(64, 32, 8, 2, prefetch=False),
     MLATiling(32, 32, 4, 3, prefetch=True),
     MLATiling(32, 16, 4, 3, prefetch=True),
     MLATiling(32, 16, 4, 4, prefetch=True),
+    MLATiling(32, 16, 4, 5, prefetch=True),
     MLATiling(16, 32, 4, 3, prefetch=True),
+    MLATiling(16, 16, 4, 4, prefetch=True),
     MLATiling(64, 32, 8, 3, prefetch=True),
     MLATiling(64, 16, 8, 4, prefetch=True),
     MLATiling(64, 64, 8, 2, prefetch=True),
