@@ -151,13 +151,13 @@ def _tilings(*tilings: MLATiling) -> dict[str, MLATiling]:
 #: The MLA kernel's candidate tilings by name (``benches/gpu_mla_attention.py`` times them;
 #: ``benches/triton_kernel_resources.py`` reads what Triton 3.6 compiles each to for
 #: ``cuda:90``, DeepSeek-V3's 512 + 64 in bf16: registers, stack, shared memory, and so the
-#: programs an SM holds). Without prefetch (one shared-memory buffer):
+#: programs an SM holds). Without prefetch:
 #:
-#: - ``h32-k32-w4-s2``: 255 registers, 104 bytes of stack, 74 KB, 2 programs an SM; at 32
-#:   heads 64 x 2112 in 112.8 µs a layer on one H200 (1.4 TB/s of latents), 98.7 in 4
-#:   splits (docs/gpu-results.md);
-#: - ``h64-k32-w8-s2``: warpgroup MMAs, 229 registers, 144 KB, 1 an SM; at 128 heads 9 to
-#:   30 % faster than four 32-head tiles (the "wide tiles" of docs/gpu-results.md).
+#: - ``h32-k32-w4-s2``: one buffer, 255 registers, 104 bytes of stack, 74 KB, 2 programs an
+#:   SM; at 32 heads 64 x 2112 in 112.8 µs a layer on one H200 (1.4 TB/s of latents), 98.7
+#:   in 4 splits (docs/gpu-results.md);
+#: - ``h64-k32-w8-s2``: warpgroup MMAs, two buffers, 229 registers, 144 KB, 1 an SM; at 128
+#:   heads 9 to 30 % faster than four 32-head tiles (the "wide tiles" of docs/gpu-results.md).
 #:
 #: With prefetch: ``h32-k32-w4-s3-pf`` (2 buffers, 80 bytes of stack, 110 KB, 2 an SM),
 #: ``h32-k16-w4-s3-pf`` (2 buffers, no stack, 73 KB, 2), ``h32-k16-w4-s4-pf`` (3 buffers,
