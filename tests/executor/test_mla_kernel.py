@@ -270,7 +270,7 @@ def test_head_tiles(monkeypatch):
     """DeepSeek-V3's 512 latent: up to the tiling's heads a program, a request of fewer heads
     one tile of its heads padded to a power of two (at least the dot's 16); with a 64-head
     entry from 64 heads, a request of 64 heads or more in tiles of 64."""
-    # (heads, latent, use_dot) -> heads a tile, with the default table (32-head tiles)
+    # (heads, latent, use_dot) -> heads a tile, with a table of 32-head tiles
     narrow = {
         (32, 512, True): 32,
         (20, 512, True): 32,  # one tile: 20 heads padded to 32
@@ -280,7 +280,7 @@ def test_head_tiles(monkeypatch):
         (128, 512, False): 2,  # no dots: [2, 16, 512] products (the tiling does not apply)
         (3, 24, False): 4,
     }
-    assert paged_attention.MLA_TILING_TABLE == ((1, "h32-k32-w4-s2"),)
+    monkeypatch.setattr(paged_attention, "MLA_TILING_TABLE", ((1, "h32-k32-w4-s2"),))
     for args, block in narrow.items():
         assert _mla_block_heads(*args) == block, args
     assert _mla_head_tiles(32, 512, True) == 1
@@ -357,6 +357,7 @@ def test_mla_split_rule_takes_the_tilings_targets(monkeypatch):
     """A tiling's ``target_programs`` / ``full_programs`` (the decode kernel's by default):
     enough splits for rows x head tiles to reach the target, as long as the keys allow, and
     one split at the full count; the decode kernel's rule is untouched."""
+    use_tilings(monkeypatch, (1, MLATiling(32, 32, 4, 2, prefetch=False)))
     assert mla_tiling(32).target_programs == DECODE_TARGET_PROGRAMS
     assert mla_tiling(32).full_programs == DECODE_FULL_PROGRAMS
     assert _mla_splits(64, 32, 512, True, 66, 32, None)[0] == decode_splits(64, 1, 66, 32)
