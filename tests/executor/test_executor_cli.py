@@ -265,7 +265,11 @@ def test_cuda_graphs_on_the_cpu(refused: Callable[..., str]) -> None:
 
 def test_bad_eos_token_id(refused: Callable[..., str]) -> None:
     # BASE's "none" comes first; the last --eos-token-id wins
-    refused("--eos-token-id must be auto, none or an integer", options=("--eos-token-id", "x"))
+    refused(
+        "--eos-token-id must be auto, none or non-negative integers",
+        options=("--eos-token-id", "x"),
+    )
+    refused("got '-1'", options=("--eos-token-id", "-1"))
 
 
 def test_output_path_checked_before_the_run(
