@@ -8,12 +8,18 @@ architectures (:data:`ARCHITECTURES`):
 - ``DeepseekV3ForCausalLM`` (multi-head latent attention, dense MLP layers only) ->
   :class:`MLAConfig`.
 
-What cannot be run as transformers runs it is refused with a :class:`CheckpointError` that
-names the field or tensor at fault: an architecture not listed, a RoPE type other than
-``default``, ``linear``, ``llama3`` or ``yarn``, an activation other than SiLU, sliding-window
-attention, partial rotary dims, mixture-of-experts layers (``first_k_dense_replace`` below
-``num_hidden_layers``), a missing shard or tensor, a tensor of the wrong shape or of a
-non-float dtype (e.g. FP8 with block scales). ``docs/executor.md`` lists the fields.
+``config.json`` is read as transformers reads it: the defaults of the model type's config
+class, the biases each class really builds, the priority of its RoPE fields (``rope_scaling``
+over ``rope_parameters``, a top-level ``original_max_position_embeddings`` first), a stored
+``lm_head.weight`` that transformers runs although ``tie_word_embeddings`` is set, DeepSeek's
+latent norms at eps 1e-6; :func:`eos_token_ids` gives the ids its ``generate`` stops at. What
+cannot be run as transformers runs it is refused with a :class:`CheckpointError` that names
+the field or tensor at fault: an architecture not listed (or a ``model_type`` not its own), a
+RoPE type other than ``default``, ``linear``, ``llama3`` or ``yarn``, an activation other than
+SiLU, sliding-window attention, partial rotary dims, mixture-of-experts layers
+(``first_k_dense_replace`` below ``num_hidden_layers``), a missing shard or tensor, a tensor of
+the wrong shape or of a non-float dtype (e.g. FP8 with block scales). ``docs/executor.md``
+lists the fields.
 
 Loading reads the safetensors files with the ``safetensors`` library (``pip install
 helix_kv[hf]``). DeepSeek's interleaved RoPE (``rope_interleave``) is folded into the
@@ -198,7 +204,8 @@ def _mla_config(fields: _Fields, common: dict[str, Any], kv_heads: Any) -> MLACo
 
 def load_weights(path: str | Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     """The weights of the checkpoint directory ``path`` under helix_kv's names
-    (:func:`~helix_kv.executor.model.weight_shapes`), as stored (dtype and CPU)."""
+    (:func:`~helix_kv.executor.model.weight_shapes`), as stored (dtype and CPU); the tensors
+    the model of ``config`` has no use for are not read."""
     directory = Path(path)
     try:
         from safetensors import safe_open
