@@ -198,6 +198,13 @@ def test_non_positive_or_non_integer_field(
     refused(path, field, "must be a positive integer", repr(value))
 
 
+@pytest.mark.parametrize("eps", [0, -1e-6, "1e-6", True])
+def test_rms_norm_eps_must_be_a_positive_number(copy: Callable[[str], Path], eps: object) -> None:
+    path = copy("llama")
+    edit_config(path, rms_norm_eps=eps)
+    refused(path, "rms_norm_eps", "must be a positive number", repr(eps))
+
+
 def test_null_num_key_value_heads_means_one_per_head(copy: Callable[[str], Path]) -> None:
     """transformers reads ``num_key_value_heads: null`` as ``num_attention_heads``."""
     path = copy("llama")

@@ -112,7 +112,7 @@ def read_config(path: str | Path) -> ModelConfig:
         "num_heads": fields.int("num_attention_heads"),
         "intermediate_size": fields.int("intermediate_size"),
         "rope_theta": theta,
-        "rms_eps": float(fields.get("rms_norm_eps", 1e-6)),
+        "rms_eps": _positive_number(fields, "rms_norm_eps", fields.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": _ties_embeddings(directory, fields),
         "rope_scaling": scaling,
     }
@@ -303,6 +303,13 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive_number(fields: _Fields, name: str, value: Any) -> float:
+    """``value`` (read from the field ``name``) as a positive float, else an error naming it."""
+    if not _is_number(value) or not value > 0:
+        raise fields.error(name, f"must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _positive(fields: _Fields, name: str, value: Any) -> int:
