@@ -235,6 +235,26 @@ def test_absent_num_key_value_heads_is_the_model_types_default(
     assert config.num_kv_heads == expected
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "deepseek_v3"])
+def test_absent_fields_take_the_installed_transformers_defaults(
+    copy: Callable[[str], Path], family: str
+) -> None:
+    """``tie_word_embeddings``, ``rms_norm_eps`` and ``max_position_embeddings`` left out:
+    the loader's defaults are those of the transformers installed here (its config class)."""
+    path = copy(family)
+    fields = ("tie_word_embeddings", "rms_norm_eps", "max_position_embeddings")
+    edit_config(path, drop=tuple(f for f in fields if f in config_of(path)))
+    theirs = AutoConfig.from_pretrained(path)
+    config = read_config(path)
+    assert config.tie_embeddings == theirs.tie_word_embeddings
+    assert config.rms_eps == theirs.rms_norm_eps
+    rope = {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 64}
+    edit_config(path, rope_parameters=rope)  # yarn's null factor reads max_position_embeddings
+    scaling = read_config(path).rope_scaling
+    assert scaling is not None
+    assert scaling.factor == theirs.max_position_embeddings / 64
+
+
 def test_deepseek_with_fewer_kv_heads_than_heads_is_refused(copy: Callable[[str], Path]) -> None:
     """transformers' DeepSeek-V3 attention repeats its expanded heads
     ``num_attention_heads // num_key_value_heads`` times: it fails on such a config."""
