@@ -11,12 +11,14 @@
 #   bash benches/gpu_test_suite.sh distributed      # tests/distributed + tests/test_step_driver.py
 #   bash benches/gpu_test_suite.sh rest             # everything else (binding, simulate, ...)
 #   bash benches/gpu_test_suite.sh all              # the four parts one after another
+#   bash benches/gpu_test_suite.sh custom NAME ARGS...  # pytest ARGS, reported as NAME (a part
+#                                                   # that ran out of time, split by file)
 #   NO_INSTALL=1 bash benches/gpu_test_suite.sh check   # here: the source tree's helix_kv
 #
 # A part is stopped with SIGINT at PART_TIMEOUT_S (default 530 s): pytest then writes what ran
 # to the JUnit file and the line says "interrupted". Exit status: 0 when every part run passed.
 set -u
-part=${1:?usage: gpu_test_suite.sh check|oracle|executor|distributed|rest|all}
+part=${1:?usage: gpu_test_suite.sh check|oracle|executor|distributed|rest|all|custom NAME ARGS}
 out=${OUT:-gpu-suite-out}
 budget=${PART_TIMEOUT_S:-530}
 mkdir -p "$out"
@@ -129,13 +131,19 @@ case "$part" in
   oracle | executor | distributed | rest)
     run_part "$part"
     ;;
+  custom)
+    name=${2:?usage: gpu_test_suite.sh custom NAME ARGS...}
+    shift 2
+    selection[$name]="$*"
+    run_part "$name"
+    ;;
   all)
     failed=0
     for name in "${parts[@]}"; do run_part "$name" || failed=1; done
     exit "$failed"
     ;;
   *)
-    echo "unknown part $part: check, oracle, executor, distributed, rest or all" >&2
+    echo "unknown part $part: check, oracle, executor, distributed, rest, all or custom" >&2
     exit 2
     ;;
 esac
