@@ -28,6 +28,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
@@ -197,6 +198,13 @@ def test_non_positive_or_non_integer_field(
     refused(path, field, "must be a positive integer", repr(value))
 
 
+@pytest.mark.parametrize("eps", [0, -1e-6, "1e-6", True])
+def test_rms_norm_eps_must_be_a_positive_number(copy: Callable[[str], Path], eps: object) -> None:
+    path = copy("llama")
+    edit_config(path, rms_norm_eps=eps)
+    refused(path, "rms_norm_eps", "must be a positive number", repr(eps))
+
+
 def test_null_num_key_value_heads_means_one_per_head(copy: Callable[[str], Path]) -> None:
     """transformers reads ``num_key_value_heads: null`` as ``num_attention_heads``."""
     path = copy("llama")
@@ -205,6 +213,65 @@ def test_null_num_key_value_heads_means_one_per_head(copy: Callable[[str], Path]
     assert isinstance(config, LlamaConfig)
     assert config.num_kv_heads == config.num_heads == 4
     assert tiny_config("llama", num_key_value_heads=None).num_key_value_heads == 4
+
+
+@pytest.mark.parametrize(
+    ("family", "heads", "expected"),
+    [("llama", 4, 4), ("mistral", 16, 8), ("qwen2", 64, 32), ("deepseek_v3", 4, 128)],
+)
+def test_absent_num_key_value_heads_is_the_model_types_default(
+    copy: Callable[[str], Path], family: str, heads: int, expected: int
+) -> None:
+    """transformers' default where config.json has no ``num_key_value_heads``: Llama one per
+    head, Mistral 8, Qwen2 32, DeepSeek-V3 128 (its MLA reads none of them)."""
+    path = copy(family)
+    edit_config(path, drop=("num_key_value_heads",), num_attention_heads=heads, head_dim=4)
+    assert AutoConfig.from_pretrained(path).num_key_value_heads == expected
+    if family == "deepseek_v3":
+        assert isinstance(read_config(path), MLAConfig)
+        return
+    config = read_config(path)
+    assert isinstance(config, LlamaConfig)
+    assert config.num_kv_heads == expected
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "deepseek_v3"])
+def test_absent_fields_take_the_installed_transformers_defaults(
+    copy: Callable[[str], Path], family: str
+) -> None:
+    """``tie_word_embeddings``, ``rms_norm_eps`` and ``max_position_embeddings`` left out:
+    the loader's defaults are those of the transformers installed here (its config class)."""
+    path = copy(family)
+    fields = ("tie_word_embeddings", "rms_norm_eps", "max_position_embeddings")
+    edit_config(path, drop=tuple(f for f in fields if f in config_of(path)))
+    theirs = AutoConfig.from_pretrained(path)
+    config = read_config(path)
+    assert config.tie_embeddings == theirs.tie_word_embeddings
+    assert config.rms_eps == theirs.rms_norm_eps
+    rope = {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 64}
+    edit_config(path, rope_parameters=rope)  # yarn's null factor reads max_position_embeddings
+    scaling = read_config(path).rope_scaling
+    assert scaling is not None
+    assert scaling.factor == theirs.max_position_embeddings / 64
+
+
+def test_deepseek_with_fewer_kv_heads_than_heads_is_refused(copy: Callable[[str], Path]) -> None:
+    """transformers' DeepSeek-V3 attention repeats its expanded heads
+    ``num_attention_heads // num_key_value_heads`` times: it fails on such a config."""
+    path = copy("deepseek_v3")
+    edit_config(path, num_key_value_heads=2)
+    refused(path, "num_key_value_heads", "2 < num_attention_heads = 4")
+
+
+def test_a_model_type_other_than_the_architectures_is_refused(
+    copy: Callable[[str], Path],
+) -> None:
+    """transformers builds the class of ``model_type`` (here Qwen2's, with q/k/v biases)."""
+    path = copy("llama")
+    edit_config(path, model_type="qwen2")
+    refused(path, "model_type", "'qwen2' is not LlamaForCausalLM's 'llama'")
+    edit_config(path, drop=("model_type",))
+    assert isinstance(read_config(path), LlamaConfig)
 
 
 def test_inconsistent_geometry_names_config_json(copy: Callable[[str], Path]) -> None:
@@ -249,17 +316,87 @@ def test_legacy_rope_scaling_unsupported_names_rope_scaling(copy: Callable[[str]
     refused(path, "rope_scaling", "'dynamic' is not supported")
 
 
-def test_llama3_without_original_max_position_embeddings(copy: Callable[[str], Path]) -> None:
+def test_llama3_context_as_transformers_takes_it(copy: Callable[[str], Path]) -> None:
+    """``original_max_position_embeddings``: a top-level one first (transformers overwrites
+    the RoPE dict's with it), then the RoPE dict's, then ``max_position_embeddings``."""
     path = copy("llama")
     rope = dict(config_of(path)["rope_parameters"])
     del rope["original_max_position_embeddings"]
-    edit_config(path, rope_parameters=rope)
-    refused(path, "rope_parameters", "llama3 needs original_max_position_embeddings")
-    # a top-level original_max_position_embeddings is what transformers takes then
-    edit_config(path, original_max_position_embeddings=32)
+    for fields, expected in (
+        ({"rope_parameters": rope}, 256),  # max_position_embeddings
+        ({"rope_parameters": rope, "max_position_embeddings": 512}, 512),
+        ({"rope_parameters": {**rope, "original_max_position_embeddings": 48}}, 48),
+        (
+            {
+                "rope_parameters": {**rope, "original_max_position_embeddings": 48},
+                "original_max_position_embeddings": 32,
+            },
+            32,
+        ),
+    ):
+        edit_config(path, **fields)
+        scaling = read_config(path).rope_scaling
+        assert scaling is not None
+        assert scaling.original_max_position_embeddings == expected, fields
+        theirs = tiny_config("llama", **config_of(path))
+        theirs.standardize_rope_params()  # as transformers' llama3 RoPE does at model build
+        assert theirs.rope_parameters["original_max_position_embeddings"] == expected
+
+
+def test_llama_without_max_position_embeddings_takes_the_model_types_default(
+    copy: Callable[[str], Path],
+) -> None:
+    path = copy("llama")
+    rope = dict(config_of(path)["rope_parameters"])
+    del rope["original_max_position_embeddings"]
+    edit_config(path, drop=("max_position_embeddings",), rope_parameters=rope)
     scaling = read_config(path).rope_scaling
     assert scaling is not None
-    assert scaling.original_max_position_embeddings == 32
+    assert scaling.original_max_position_embeddings == 2048  # LlamaConfig's default
+
+
+@pytest.mark.parametrize(
+    ("rope", "missing"),
+    [
+        ({"rope_type": "linear"}, "factor"),
+        ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, "low_freq_factor"),
+        (
+            {"rope_type": "llama3", "factor": None, "low_freq_factor": 1, "high_freq_factor": 4},
+            "factor",
+        ),
+        ({"rope_type": "yarn", "original_max_position_embeddings": 64}, "factor"),
+    ],
+)
+def test_rope_without_a_field_transformers_needs(
+    copy: Callable[[str], Path], rope: dict[str, Any], missing: str
+) -> None:
+    path = copy("llama")
+    edit_config(path, rope_parameters={**rope, "rope_theta": 10000.0})
+    refused(path, "rope_parameters", f"{rope['rope_type']} needs {missing}")
+
+
+def test_rope_scaling_replaces_rope_parameters(copy: Callable[[str], Path]) -> None:
+    """transformers takes ``rope_scaling`` when it is set, whatever ``rope_parameters`` say."""
+    path = copy("llama")
+    edit_config(path, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    config = read_config(path)
+    assert config.rope_scaling == RopeScaling(rope_type="linear", factor=2.0)
+    assert tiny_config("llama", **config_of(path)).rope_parameters["rope_type"] == "linear"
+    edit_config(path, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    refused(path, "rope_scaling", "'dynamic' is not supported")
+
+
+@pytest.mark.parametrize("theta", [0, -1.0, "1e4", True])
+def test_non_positive_rope_theta_is_refused(copy: Callable[[str], Path], theta: object) -> None:
+    path = copy("mistral")
+    edit_config(path, rope_parameters={"rope_type": "default", "rope_theta": theta})
+    refused(path, "rope_parameters", "rope_theta must be a positive number", repr(theta))
+
+
+def test_rope_parameters_per_layer_type_are_refused(copy: Callable[[str], Path]) -> None:
+    path = copy("qwen2")
+    edit_config(path, rope_parameters={"full_attention": {"rope_type": "default"}})
+    refused(path, "rope_parameters", "only one flat dict of RoPE parameters")
 
 
 def test_invalid_llama3_parameters_name_rope_parameters(copy: Callable[[str], Path]) -> None:
@@ -458,6 +595,31 @@ def test_tied_embeddings_without_lm_head_load(tiny: dict[str, Path]) -> None:
     assert torch.equal(model.lm_head, model.embedding.t())
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_tied_config_with_a_stored_head_unties(copy: Callable[[str], Path], sharded: bool) -> None:
+    """transformers does not tie where ``lm_head.weight`` is stored (it warns): neither does
+    the loader, from the file's header or the shards' index."""
+    path = copy("llama")
+    edit_config(path, tie_word_embeddings=True)
+    if sharded:
+        shard(path)
+    config = read_config(path)
+    assert not config.tie_embeddings
+    assert "lm_head" in load_weights(path, config)
+    alone = path.parent / "config_only"
+    alone.mkdir()
+    shutil.copy(path / "config.json", alone / "config.json")
+    assert read_config(alone).tie_embeddings  # no weights to look at: as the config says
+
+
+def test_tied_config_with_an_unreadable_header_is_refused(copy: Callable[[str], Path]) -> None:
+    path = copy("qwen2")
+    (path / WEIGHTS).write_bytes((2**40).to_bytes(8, "little") + b"{}")
+    refused(path, WEIGHTS, "cannot read", "no safetensors header")
+    (path / WEIGHTS).write_bytes((4).to_bytes(8, "little") + b"{ x ")
+    refused(path, WEIGHTS, "cannot read")
+
+
 def test_untied_embeddings_without_lm_head_are_refused(copy: Callable[[str], Path]) -> None:
     path = copy("llama")
     edit_weights(path, lambda tensors: drop(tensors, "lm_head.weight"))
@@ -576,6 +738,34 @@ def test_read_config_maps_the_family(tiny: dict[str, Path], family: str) -> None
     # the weights the config asks for are exactly there, and a model builds from them
     model = load_model(tiny[family], dtype=torch.float64)
     assert model.config == config
+
+
+@pytest.mark.parametrize(
+    ("family", "qkv", "o", "mlp"), [("mistral", False, False, False), ("qwen2", True, False, False)]
+)
+def test_bias_fields_as_each_class_builds_them(
+    copy: Callable[[str], Path], family: str, qkv: bool, o: bool, mlp: bool
+) -> None:
+    """Mistral's transformers class has no biases and Qwen2's only q/k/v biases, whatever
+    ``attention_bias`` and ``mlp_bias`` say (tests/executor/test_hf_oracle_configs.py runs
+    them against transformers)."""
+    path = copy(family)
+    edit_config(path, attention_bias=True, mlp_bias=True)
+    config = read_config(path)
+    assert isinstance(config, LlamaConfig)
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (qkv, o, mlp)
+    load_model(path)  # the tensors the class has are all there
+
+
+def test_mla_latent_norms_keep_eps_1e_6(copy: Callable[[str], Path]) -> None:
+    path = copy("deepseek_v3_lora_yarn")
+    edit_config(path, rms_norm_eps=0.05)
+    config = read_config(path)
+    assert isinstance(config, MLAConfig)
+    assert (config.rms_eps, config.latent_norm_eps) == (0.05, 1e-6)
+    attention = DeepseekV3Attention(tiny_config("deepseek_v3_lora_yarn", rms_norm_eps=0.05), 0)
+    assert attention.q_a_layernorm.variance_epsilon == 1e-6
+    assert attention.kv_a_layernorm.variance_epsilon == 1e-6
 
 
 def test_llama_attention_bias_sets_qkv_and_o_bias(copy: Callable[[str], Path]) -> None:

@@ -28,7 +28,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from helix_kv.executor.cli import main
-from helix_kv.executor.hf_oracle import OracleRun, first_divergence, hf_greedy, save_tiny_checkpoint
+from helix_kv.executor.hf_oracle import (
+    CHECKPOINT_EOS,
+    OracleRun,
+    first_divergence,
+    hf_greedy,
+    save_tiny_checkpoint,
+)
 
 pytestmark = pytest.mark.skipif(
     not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler binding not built yet"
@@ -265,7 +271,11 @@ def test_cuda_graphs_on_the_cpu(refused: Callable[..., str]) -> None:
 
 def test_bad_eos_token_id(refused: Callable[..., str]) -> None:
     # BASE's "none" comes first; the last --eos-token-id wins
-    refused("--eos-token-id must be auto, none or an integer", options=("--eos-token-id", "x"))
+    refused(
+        "--eos-token-id must be auto, none or non-negative integers",
+        options=("--eos-token-id", "x"),
+    )
+    refused("got '-1'", options=("--eos-token-id", "-1"))
 
 
 def test_output_path_checked_before_the_run(
@@ -359,3 +369,135 @@ def test_random_weights_build_the_config_without_its_weights(
     # and other seeds give other weights: not the checkpoint's tokens
     assert run_cli(config_only, prompt_file, output, "--random-weights", "10") == 0
     assert {r["id"]: r["token_ids"] for r in read_output(output)} != expected.outputs
+
+
+# -- prefix caching, drafts, the summary, EOS ----------------------------------------------
+
+#: Prompts sharing a 24-token prefix (six 4-token blocks), each with its own tail.
+SHARED_PREFIX = np.random.default_rng(11).integers(0, VOCAB, size=24).tolist()
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_prompts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    rng = np.random.default_rng(12)
+    tokens = {
+        rid: SHARED_PREFIX + rng.integers(0, VOCAB, size=3 + rid).tolist() for rid in range(4)
+    }
+    path = tmp_path_factory.mktemp("shared") / "in.jsonl"
+    lines = [json.dumps({"id": r, "token_ids": t, "max_new_tokens": 8}) for r, t in tokens.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path, tokens
+
+
+def check_tokens(path: Path, oracle: OracleRun) -> dict[int, list[int]]:
+    outputs = {int(r["id"]): list(r["token_ids"]) for r in read_output(path)}  # type: ignore[arg-type]
+    for rid, tokens in oracle.tokens.items():
+        problem = first_divergence(outputs[rid], tokens, oracle.logits[rid], TIE_TOLERANCE)
+        assert problem is None, f"request {rid}: {problem}"
+    return outputs
+
+
+def test_prefix_caching_reuses_the_shared_prefix(
+    model: Path, shared_prefix_prompts, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--prefix-caching``: the requests after the first find the shared prefix cached (one
+    request at a time: ``--max-batch-size 1``); tokens as transformers'; the summary line
+    counts the hits."""
+    prompt_path, tokens = shared_prefix_prompts
+    expected = hf_greedy(model, tokens, 8)
+    options = ("--tokens-per-block", "4", "--max-batch-size", "1")
+    output = tmp_path / "out.jsonl"
+    assert run_cli(model, prompt_path, output, *options, "--prefix-caching") == 0
+    check_tokens(output, expected)
+    line = capsys.readouterr().out
+    found = re.search(r"prefix cache (\d+) of (\d+) prompt tokens hit \((\d+\.\d)%\)", line)
+    assert found, line
+    hits, queries = int(found[1]), int(found[2])
+    assert queries == sum(len(t) for t in tokens.values())
+    assert hits >= 3 * 24  # the three requests after the first: the whole shared prefix
+    assert found[3] == f"{100 * hits / queries:.1f}"
+    assert run_cli(model, prompt_path, output, *options) == 0  # off: no such counters
+    assert "prefix cache" not in capsys.readouterr().out
+
+
+def test_drafts_are_counted_in_the_summary(
+    model: Path, oracle: OracleRun, prompt_file: Path, tmp_path: Path, capsys
+) -> None:
+    output = tmp_path / "out.jsonl"
+    assert run_cli(model, prompt_file, output, "--spec-tokens", "3") == 0
+    check_output(output, oracle)
+    line = capsys.readouterr().out
+    found = re.search(r"drafts (\d+) of (\d+) accepted \((\d+\.\d)%\) in (\d+) steps", line)
+    assert found, line
+    accepted, drafted, steps = int(found[1]), int(found[2]), int(found[4])
+    assert drafted > 0
+    assert steps > 0
+    assert 0 <= accepted <= drafted
+    assert found[3] == f"{100 * accepted / drafted:.1f}"
+
+
+def test_json_summary(
+    model: Path, shared_prefix_prompts, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--json``: one JSON object on stdout and nothing else, the counters of the run."""
+    prompt_path, tokens = shared_prefix_prompts
+    output = tmp_path / "out.jsonl"
+    options = ("--tokens-per-block", "4", "--max-batch-size", "1", "--prefix-caching")
+    assert run_cli(model, prompt_path, output, *options, "--spec-tokens", "2", "--json") == 0
+    stdout = capsys.readouterr().out
+    assert stdout.count("\n") == 1
+    summary = json.loads(stdout)
+    outputs = {r["id"]: r["token_ids"] for r in read_output(output)}
+    assert summary["cp_size"] == 1
+    assert summary["requests"] == len(tokens)
+    assert summary["generated_tokens"] == sum(len(t) for t in outputs.values()) == 4 * 8
+    assert summary["total_s"] > 0
+    assert summary["tokens_per_s"] == pytest.approx(32 / summary["total_s"])
+    assert summary["steps"] > 0
+    assert summary["preemptions"] == summary["suspensions"] == summary["resumes"] == 0
+    prefix = summary["prefix_cache"]
+    assert prefix["enabled"]
+    assert prefix["queries"] == sum(len(t) for t in tokens.values())
+    assert prefix["hits"] >= 3 * 24
+    assert prefix["hit_rate"] == pytest.approx(prefix["hits"] / prefix["queries"])
+    assert {"recompute_queries", "recompute_hits", "evictions"} <= prefix.keys()
+    spec = summary["spec_decode"]
+    assert spec["num_speculative_tokens"] == 2
+    assert spec["drafted"] > 0
+    assert spec["draft_steps"] > 0
+    assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["drafted"])
+    # and the same run without --json prints the line instead, the same outputs
+    again = tmp_path / "again.jsonl"
+    assert run_cli(model, prompt_path, again, *options, "--spec-tokens", "2") == 0
+    assert capsys.readouterr().out.startswith("cp 1: 4 requests, 32 tokens generated")
+    assert again.read_text() == output.read_text()
+
+
+def test_auto_eos_stops_on_any_id_of_config_json(
+    model: Path, oracle: OracleRun, prompt_file: Path, tmp_path: Path
+) -> None:
+    """``--eos-token-id auto`` with a list in config.json (no generation_config.json): a
+    request ends at any of them, as transformers' ``generate`` does; ``2,7``-style ids
+    give the same."""
+    generated = [t for tokens in oracle.tokens.values() for t in tokens]
+    first = int(np.bincount(generated, minlength=VOCAB).argmax())
+    # and a token some request samples second, before any `first`
+    second = [t[1] for t in oracle.tokens.values() if first not in t[:2] and t[1:]]
+    ids = [first, *second[:1]]
+    assert len(ids) == 2
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    raw = json.loads((model / "config.json").read_text())
+    (listed / "config.json").write_text(json.dumps({**raw, "eos_token_id": ids}))
+    (listed / "model.safetensors").symlink_to(model / "model.safetensors")
+    expected = hf_greedy(listed, prompts(), BUDGETS, eos_token_id=CHECKPOINT_EOS)
+    ended = [tokens[-1] for rid, tokens in expected.tokens.items() if len(tokens) < BUDGETS[rid]]
+    assert set(ids) <= set(ended), (ids, ended)  # each id ended a request
+    auto, explicit = tmp_path / "auto.jsonl", tmp_path / "explicit.jsonl"
+    assert main(["--model", str(listed), "--prompts", str(prompt_file), "--output", str(auto),
+                 "--device", "cpu", "--dtype", "float64"]) == 0  # fmt: skip
+    check_tokens(auto, expected)
+    assert {r["id"]: r["token_ids"] for r in read_output(auto)} == expected.tokens
+    option = ",".join(map(str, ids))
+    assert run_cli(listed, prompt_file, explicit, "--eos-token-id", option) == 0
+    assert explicit.read_text() == auto.read_text()

@@ -196,3 +196,25 @@ def test_suspend_and_resume_through_the_host_tier_change_no_output(runs, cp, mod
     assert suspended.host_bytes_out == metrics["suspended_superblocks"] * page_bytes > 0
     assert suspended.host_bytes_in == metrics["resumed_superblocks"] * page_bytes
     assert metrics["recomputed_tokens"] < runs[cp]["tight", mode].metrics["recomputed_tokens"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_request_ends_at_any_of_several_eos_ids(reference, mode):
+    """``eos_token_id`` as a tuple (transformers' EOS list): a request ends at the first of
+    any of them, under pressure, plain and one step ahead; one id in a tuple is that id."""
+    # EOS_TOKEN, and a token a request that never samples it samples early
+    second = next(t[2] for t in reference.values() if EOS_TOKEN not in t)
+    ids = (EOS_TOKEN, second)
+    tight = POOLS[1][1]
+    result = run_rank(
+        prompts(), MAX_NEW, config(1, tight, mode == "overlap").with_(eos_token_id=ids)
+    )
+    for rid, tokens in reference.items():
+        ends = [i for i, t in enumerate(tokens) if t in ids]
+        assert result.outputs[rid] == (tokens[: ends[0] + 1] if ends else tokens), rid
+    assert any(len(t) < MAX_NEW and t[-1] == ids[0] for t in result.outputs.values())
+    assert any(len(t) < MAX_NEW and t[-1] == ids[1] for t in result.outputs.values())
+    single = run_rank(prompts(), MAX_NEW, config(1, tight).with_(eos_token_id=(EOS_TOKEN,)))
+    assert single.outputs == {rid: cut_after_eos(t) for rid, t in reference.items()}
+    with pytest.raises(TypeError, match="eos_token_id"):
+        run_rank(prompts(), MAX_NEW, config(1, tight).with_(eos_token_id=(EOS_TOKEN, "2")))

@@ -7,13 +7,11 @@ the n-gram drafter finds matches and many drafts are accepted. For cp = 1, 2 and
 with a roomy pool, a pool tight enough to recompute-pause (drafts trimmed there: they are
 allocated last, from free pages only), the tight pool with a host tier (suspend / resume) and
 an EOS token, the outputs must equal the run without drafts and the dense reference. The decode
-fast path (``decode_kernel``: one kernel row per query token, Triton's interpreter on the CPU)
-must give the same tokens too.
+fast path (``decode_kernel``: one kernel row per query token; Triton's interpreter on the CPU,
+CUDA tensors on a GPU machine: ``devices.py``) must give the same tokens too.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
@@ -23,6 +21,7 @@ from helix_kv.executor.reference import greedy_generate
 from helix_kv.executor.runner import ExecutorConfig, RunResult, run_group, run_rank
 
 from ..helpers.scheduler import needs_scheduler
+from .devices import run_fast_path
 
 pytestmark = needs_scheduler
 
@@ -160,12 +159,10 @@ def test_rejected_drafts_return_superblocks(runs, cp):
 
 
 @pytest.fixture(scope="module")
-def fast_path_runs() -> dict[tuple[int, str], RunResult]:
-    """The decode fast path with drafts (Triton's interpreter on the CPU: few tokens)."""
-    if not os.environ.get("TRITON_INTERPRET"):
-        # a CUDA host: the kernels take no CPU tensors there (test_spec_decode_cuda.py runs
-        # the fast path with drafts on the GPU)
-        pytest.skip("the CPU fast path needs Triton's interpreter, which is off with CUDA")
+def fast_path_runs() -> dict[tuple[int, str, bool], RunResult]:
+    """The decode fast path with drafts, few tokens: float64 on CUDA tensors where there is a
+    GPU (cp = 2: on two GPUs, else in spawned ranks through Triton's interpreter), else on the
+    CPU through the interpreter (``tests/executor/devices.py``)."""
     subset = {rid: p for rid, p in prompts().items() if rid in (300, 302, 304, 305)}
     results = {}
     for cp in (1, 2):
@@ -180,12 +177,7 @@ def fast_path_runs() -> dict[tuple[int, str], RunResult]:
             )
             for _, mode, grouped in keys
         ]
-        if cp == 1:
-            per_job = [[run_rank(*job)] for job in jobs]
-        else:
-            per_job = run_group(jobs, cp, backend="gloo", timeout_s=600)
-        for key, ranks in zip(keys, per_job):
-            results[key] = ranks[0]
+        results.update(zip(keys, run_fast_path(jobs, cp)))
     return results
 
 

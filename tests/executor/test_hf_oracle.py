@@ -43,6 +43,8 @@ from helix_kv.executor.runner import (
     run_rank,
 )
 
+from .devices import run_fast_path
+
 pytestmark = pytest.mark.skipif(
     not hasattr(helix_kv, "Scheduler"), reason="helix_kv.Scheduler binding not built yet"
 )
@@ -197,14 +199,13 @@ def test_the_pressure_modes_ran(runs, oracle, family, cp):
 @pytest.mark.parametrize("family", ["mistral", "deepseek_v3_lora_yarn"])
 def test_the_fast_path_equals_transformers_generate(checkpoints, oracle, family, cp):
     """The decode fast path (the Triton paged kernels of each family: GQA, and the MLA kernel
-    over one latent head; Triton's interpreter on the CPU), one step ahead under pressure with
-    the host tier and drafts: transformers' tokens."""
+    over one latent head), one step ahead under pressure with the host tier and drafts:
+    transformers' tokens. float64 on CUDA tensors where there is a GPU (cp = 2: on two GPUs,
+    else in spawned ranks through Triton's interpreter), else on the CPU through the
+    interpreter (``tests/executor/devices.py``)."""
     pool = next(p for p in POOLS if p[0] == "drafts")
     job = config(cp, checkpoints[family], pool, True, 0).with_(decode_kernel=True)
-    if cp == 1:
-        result = run_rank(prompts(), MAX_NEW, job)
-    else:
-        result = run_group([(prompts(), MAX_NEW, job)], cp, backend="gloo", timeout_s=600)[0][0]
+    (result,) = run_fast_path([(prompts(), MAX_NEW, job)], cp)
     assert result.fast_path_steps > 0
     assert result.fast_path_draft_steps > 0  # drafts verified on the fast path too
     assert result.metrics["suspensions"] >= 1

@@ -189,6 +189,11 @@ class OracleRun:
     logits: dict[int, torch.Tensor]  # [generated, vocab], float64 on the CPU
 
 
+#: ``hf_greedy(eos_token_id=CHECKPOINT_EOS)``: stop where ``generate`` stops by default, at
+#: the EOS ids of the checkpoint's own generation config.
+CHECKPOINT_EOS = "checkpoint"
+
+
 @torch.no_grad()
 def hf_greedy(
     directory: str | Path,
@@ -196,16 +201,21 @@ def hf_greedy(
     max_new_tokens: int | Mapping[int, int],
     dtype: torch.dtype = torch.float64,
     device: str = "cpu",
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | str | None = None,
 ) -> OracleRun:
     """transformers' ``generate(do_sample=False)`` of each prompt alone (no padding), from
-    the checkpoint ``directory``; stops at ``eos_token_id`` (kept) or ``max_new_tokens``."""
+    the checkpoint ``directory``; stops at ``eos_token_id`` (an id or a list, any of them;
+    kept; :data:`CHECKPOINT_EOS`: the checkpoint's own) or ``max_new_tokens``."""
     transformers = _transformers()
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     model = model.to(device).eval()
-    # generate() fills what its config leaves unset from the model's own (DeepSeek's and
-    # Llama's configs name EOS ids 1 and 2): no EOS means none there either
-    model.generation_config.eos_token_id = eos_token_id
+    if eos_token_id == CHECKPOINT_EOS:
+        eos = None  # unset here: generate() takes the model's generation config's
+    else:
+        # generate() fills what its config leaves unset from the model's own (DeepSeek's
+        # and Llama's configs name EOS ids 1 and 2): no EOS means none there either
+        eos = None if eos_token_id is None else list(_ids(eos_token_id))
+        model.generation_config.eos_token_id = eos
     tokens: dict[int, list[int]] = {}
     logits: dict[int, torch.Tensor] = {}
     for rid, prompt in prompts.items():
@@ -214,8 +224,8 @@ def hf_greedy(
             do_sample=False,
             max_new_tokens=budget,
             min_new_tokens=0,
-            eos_token_id=eos_token_id,
-            pad_token_id=eos_token_id if eos_token_id is not None else 0,
+            eos_token_id=eos,
+            pad_token_id=0,  # one prompt at a time: nothing is padded
             return_dict_in_generate=True,
             output_logits=True,
         )
@@ -224,6 +234,12 @@ def hf_greedy(
         tokens[rid] = out.sequences[0, len(prompt) :].tolist()
         logits[rid] = torch.stack([step[0] for step in out.logits]).double().cpu()
     return OracleRun(tokens, logits)
+
+
+def _ids(eos_token_id: int | Sequence[int] | str) -> tuple[int, ...]:
+    if isinstance(eos_token_id, str):
+        raise ValueError(f"eos_token_id {eos_token_id!r}: an id, ids or {CHECKPOINT_EOS!r}")
+    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
 
 
 def first_divergence(
@@ -245,6 +261,7 @@ def first_divergence(
 
 
 __all__ = [
+    "CHECKPOINT_EOS",
     "TINY_FAMILIES",
     "OracleRun",
     "first_divergence",

@@ -241,6 +241,10 @@ class MLAConfig:
     ``kv_lora_rank``: the cached latent; ``qk_nope_head_dim`` / ``qk_rope_head_dim``: the
     query-key dims without and with RoPE; ``v_head_dim``: per head value dim.
     ``attention_bias``: biases on ``q_a``/``kv_a``/``o`` projections (as transformers').
+    ``rms_eps``: the layer and final norms' epsilon; ``latent_norm_eps``: the epsilon of the
+    norms on the query bottleneck and the KV latent (``q_a_layernorm`` / ``kv_a_layernorm``),
+    which transformers (and DeepSeek's own code) build with 1e-6 whatever ``rms_norm_eps``
+    says.
     """
 
     vocab_size: int = 96
@@ -260,6 +264,7 @@ class MLAConfig:
     rope_scaling: RopeScaling | None = None
     attention_bias: bool = False
     mlp_bias: bool = field(default=False, repr=False)
+    latent_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         _check_positive(
@@ -559,10 +564,10 @@ class Transformer:
         fused = _linear(x, w["w_in"], w.get("b_in"))  # [q or q_a | kv_a]
         q_part, kv_part = fused[:, :q_width], fused[:, q_width:]
         if c.q_lora_rank is not None:
-            q_part = _linear(_rms_norm(q_part, w["q_a_norm"], c.rms_eps), w["wq_b"], None)
+            q_part = _linear(_rms_norm(q_part, w["q_a_norm"], c.latent_norm_eps), w["wq_b"], None)
         q = q_part.view(tokens, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim)
         q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
-        latent = _rms_norm(kv_part[:, : c.kv_lora_rank], w["kv_a_norm"], c.rms_eps)
+        latent = _rms_norm(kv_part[:, : c.kv_lora_rank], w["kv_a_norm"], c.latent_norm_eps)
         k_rope = _apply_rope(kv_part[:, None, c.kv_lora_rank :], cos, sin)
         # absorbed query: q_nope through the key up-projection, into the latent space
         q_latent = torch.einsum("thn,hnl->thl", q_nope, w["w_uk"])
@@ -590,7 +595,7 @@ class Transformer:
         fused_in = _linear(x, w["w_in"], w.get("b_in"))
         q_part, kv_part = fused_in[:, :q_width], fused_in[:, q_width:]
         if c.q_lora_rank is not None:
-            q_normed = fused.add_rms_norm(q_part, None, w["q_a_norm"], c.rms_eps)[0]
+            q_normed = fused.add_rms_norm(q_part, None, w["q_a_norm"], c.latent_norm_eps)[0]
             q_part = _linear(q_normed, w["wq_b"], None)
         q = q_part.view(tokens, c.num_heads, qk)
         query = x.new_empty((tokens, c.num_heads, c.cache_head_dim))
@@ -602,7 +607,7 @@ class Transformer:
             out=query[..., : c.kv_lora_rank].transpose(0, 1),
         )
         fused.mla_rope_norm_write(
-            q, kv_part, cos, sin, slots, latent_cache, w["kv_a_norm"], c.rms_eps, query
+            q, kv_part, cos, sin, slots, latent_cache, w["kv_a_norm"], c.latent_norm_eps, query
         )
         return query
 

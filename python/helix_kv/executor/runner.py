@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
@@ -84,8 +85,10 @@ class ExecutorConfig:
     turns on helix_kv's own host tier (``EngineConfig.aggregated_host_tier``); the group
     agrees on the minimum, and suspended pages are copied through a :class:`HostKVPool`.
     ``overlap``: schedule step ``t + 1`` while step ``t`` runs (one step ahead; see the
-    module docs). ``eos_token_id``: a sampled token equal to it ends its request (``None``:
-    requests run to their ``max_new_tokens``). The fast path
+    module docs). ``eos_token_id``: an id, or a tuple of ids, a sampled token equal to any of
+    which ends its request, as transformers' ``generate`` stops on any of a list (``None``
+    or ``()``: requests run to their ``max_new_tokens``;
+    :func:`~helix_kv.executor.checkpoint.eos_token_ids` reads a checkpoint's). The fast path
     (``decode_kernel`` / ``cuda_graphs``) takes every decode-only step, with ``overlap`` too:
     its rows carry the in-flight references and its graph gathers those inputs from the
     previous step's samples on the device. A graphed fast-path step is one fill (Rust) and
@@ -123,7 +126,7 @@ class ExecutorConfig:
     scheduler_options: Mapping[str, Any] = field(default_factory=dict)
     host_tier_pages: int = 0
     overlap: bool = False
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
     step_timeline: bool = True
     num_speculative_tokens: int = 0
     drafter_max_ngram: int = 3
@@ -257,6 +260,16 @@ def build_model(
     return Transformer(model, dtype=dtype, device=device, decode_kernel=decode_kernel)
 
 
+def _eos_ids(eos_token_id: int | Sequence[int] | None) -> npt.NDArray[np.int64] | None:
+    """The EOS ids of ``ExecutorConfig.eos_token_id`` as an array (``None``: no EOS)."""
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, (int, np.integer)) else list(eos_token_id)
+    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+        raise TypeError(f"eos_token_id must be an int or a tuple of ints, got {eos_token_id!r}")
+    return np.asarray(ids, dtype=np.int64) if ids else None
+
+
 def run_rank(
     prompts: Prompts,
     max_new_tokens: int | Mapping[int, int],
@@ -289,6 +302,7 @@ def run_rank(
         **options,
     )
     spec_tokens = int(engine.num_speculative_tokens)
+    eos_ids = _eos_ids(config.eos_token_id)
     drafter = (
         NgramDrafter(
             spec_tokens,
@@ -474,7 +488,7 @@ def run_rank(
         """Feeds the oldest pending step its sampled tokens; returns when it closed."""
         helix.finish_check()  # before blocking on the step's device work (see finish_check)
         tokens = step.host_tokens.wait()
-        eos = None if config.eos_token_id is None else tokens == config.eos_token_id
+        eos = None if eos_ids is None else np.isin(tokens, eos_ids)
         out = step.out
         num_gen = len(out.generation_ids)
         drafts = generation_draft_counts(out, num_gen)
