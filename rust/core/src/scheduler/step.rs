@@ -569,6 +569,11 @@ impl Scheduler {
         }
         let unit = u64::from(self.config.effective_chunk_unit());
         let max_tokens = u64::from(self.config.max_num_tokens);
+        // The most prompt tokens one request takes while others are live (none: uncapped).
+        let cap = self
+            .config
+            .prefill_cap(self.queue.len())
+            .unwrap_or(u64::MAX);
         for queue_pos in 0..self.queue.len() {
             let req = self.queue[queue_pos];
             let request = &self.requests[req as usize];
@@ -610,11 +615,13 @@ impl Scheduler {
             let cached = hits.len() as u64 * self.layout.tokens_per_superblock();
             start += cached;
             let remaining = request.prefill_len() - start;
-            let budget = max_tokens - self.builder.tokens;
-            let chunk = if remaining <= budget {
+            // The cap is at least one unit (and needs chunked prefill), so only the step's
+            // budget can leave a request no chunk.
+            let allowed = (max_tokens - self.builder.tokens).min(cap);
+            let chunk = if remaining <= allowed {
                 remaining
             } else if self.config.enable_chunked_prefill {
-                budget - budget % unit
+                allowed - allowed % unit
             } else {
                 0
             };
