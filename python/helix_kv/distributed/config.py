@@ -89,9 +89,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = _DEFAULTS["enable_chunked_prefill"]
     chunk_unit: int | None = _DEFAULTS["chunk_unit"]
     long_prefill_token_threshold: int = _DEFAULTS["long_prefill_token_threshold"]
-    long_prefill_token_threshold_adaptive: bool = _DEFAULTS[
-        "long_prefill_token_threshold_adaptive"
-    ]
+    long_prefill_token_threshold_adaptive: bool = _DEFAULTS["long_prefill_token_threshold_adaptive"]
     max_seq_len: int = _DEFAULTS["max_seq_len"]
     capacity_policy: CapacityPolicy = _DEFAULTS["capacity_policy"]
     serving_mode: ServingMode = _DEFAULTS["serving_mode"]

@@ -1097,7 +1097,7 @@ fn under_priority_admission_a_victim_is_never_more_important_than_its_requester(
         let out = s.schedule().unwrap().clone();
         assert_eq!(out.preempted_ids.first(), Some(&victim), "{policy:?}");
         assert_eq!(out.preempted_requester_ids.first(), Some(&4), "{policy:?}");
-        let priority = |id: u64| requests[id as usize].1;
+        let priority = |id: u64| requests[usize::try_from(id).unwrap()].1;
         for (v, r) in out.preempted_ids.iter().zip(&out.preempted_requester_ids) {
             assert!(priority(*v) <= priority(*r), "{policy:?}: {v} for {r}");
         }
@@ -1133,6 +1133,35 @@ fn under_priority_admission_the_most_important_waiting_request_holds_the_line() 
         assert!(out.preempted_ids.is_empty(), "{admission:?}");
         let n = out.num_samples();
         s.update(&vec![1; n], None).unwrap();
+        run_to_end(&mut s);
+    }
+}
+
+#[test]
+fn under_priority_admission_a_held_admission_lets_the_prompts_admitted_behind_it_go_on() {
+    // Request 0 prefills in chunks of 12 and holds pages request 1, more important, queued
+    // ahead of it, needs: under guaranteed_no_evict it reserved the whole pool; with
+    // preemption off (bound 0) it holds 12 of 18 and request 1 needs 7. Neither configuration
+    // preempts, so request 0 goes on (waiting for it would wait for good), then request 1 is
+    // admitted.
+    for (capacity_policy, bound, newcomer) in [
+        (CapacityPolicy::GuaranteedNoEvict, 8, 1),
+        (CapacityPolicy::MaxUtilization, 0, 7),
+    ] {
+        let mut config = config(1, 1, 18);
+        config.admission_policy = AdmissionPolicy::Priority;
+        config.capacity_policy = capacity_policy;
+        config.max_preemptions_per_request = bound;
+        config.max_num_tokens = 12;
+        config.chunk_unit = Some(1);
+        config.deadlock_steps = 3;
+        let mut s = Scheduler::new(config).unwrap();
+        s.add_request(0, &prompt(17), 1, 0).unwrap();
+        assert_eq!(chunks(&mut s), [(0, 0, 12)]);
+        s.add_request(1, &prompt(newcomer), 1, 1).unwrap();
+        assert_eq!(s.queue_ids(), vec![1, 0]);
+        assert_eq!(chunks(&mut s), [(0, 12, 5)], "{capacity_policy:?}");
+        assert_eq!(chunks(&mut s)[0].0, 1, "{capacity_policy:?}");
         run_to_end(&mut s);
     }
 }

@@ -318,7 +318,7 @@ macro_rules! scheduler_config_fields {
             /// While other requests are live, the most prompt tokens one request computes in a step (at least one chunk unit); 0 turns the cap off.
             #[range(0, u32::MAX)]
             long_prefill_token_threshold: u32 = 0,
-            /// Whether the prefill cap is at least the step's fair share: max_num_tokens divided by the live requests.
+            /// Whether the prefill cap is at least the step's fair share: `max_num_tokens` divided by the live requests.
             long_prefill_token_threshold_adaptive: bool = false,
             /// Longest request (prompt + `max_new_tokens`) accepted.
             #[range(1, u64::MAX)]
@@ -676,7 +676,7 @@ impl SchedulerConfig {
         if self.long_prefill_token_threshold > 0 && !self.enable_chunked_prefill {
             return fail(format!(
                 "long_prefill_token_threshold = {} splits long prompts over several steps, which needs chunked \
-                 prefill: set enable_chunked_prefill = true, or long_prefill_token_threshold = 0",
+                 prefill: enable chunked prefill, or set long_prefill_token_threshold = 0",
                 self.long_prefill_token_threshold
             ));
         }

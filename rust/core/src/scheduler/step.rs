@@ -1,7 +1,7 @@
 //! Building one step: the generation phase, the context phase, the preemption ladder
 //! and the output arrays.
 
-use super::config::{CapacityPolicy, ServingMode, SuspendPolicy, VictimPolicy};
+use super::config::{AdmissionPolicy, CapacityPolicy, ServingMode, SuspendPolicy, VictimPolicy};
 use super::output::ScheduleOutput;
 use super::pending::{ContextEntry, JournalEntry, SatOut, StepRecord};
 use super::request::{AheadMark, Request, RequestIndex, RequestState, NO_STEP};
@@ -574,6 +574,10 @@ impl Scheduler {
             .config
             .prefill_cap(self.queue.len())
             .unwrap_or(u64::MAX);
+        // Under priority admission an admission that found no pages holds back the
+        // admissions behind it, not the prompts already admitted (see the stop below).
+        let admitted_go_on = self.config.admission_policy == AdmissionPolicy::Priority;
+        let mut admissions_held = false;
         for queue_pos in 0..self.queue.len() {
             let req = self.queue[queue_pos];
             let request = &self.requests[req as usize];
@@ -598,7 +602,9 @@ impl Scheduler {
                 }
             }
             if request.cold.victim_step == step
-                || (admitting && self.builder.preempted && !self.config.admit_after_preemption)
+                || (admitting
+                    && (admissions_held
+                        || (self.builder.preempted && !self.config.admit_after_preemption)))
             {
                 continue;
             }
@@ -638,6 +644,13 @@ impl Scheduler {
                     self.ledger.shrink_restoring(id, 0)?;
                 }
                 // Head of line: nothing behind may take budget or pages this one could not.
+                // Under priority admission a request may be queued ahead of prompts already
+                // admitted, which hold pages: they go on (a capacity policy or mode that never
+                // preempts would otherwise wait on them for good), only admissions wait.
+                if admitting && admitted_go_on {
+                    admissions_held = true;
+                    continue;
+                }
                 break;
             }
             self.push_context_entry(step, req, start, chunk);
