@@ -9,6 +9,7 @@ import numpy.typing as npt
 from typing_extensions import TypeAlias, deprecated, final
 
 from helix_kv.types import (
+    AdmissionPolicy,
     CapacityPolicy,
     FinishReason,
     FlagArray,
@@ -261,6 +262,7 @@ class SchedulerConfig:
     DEFAULTS: ClassVar[Mapping[str, Any]]
     FIELDS: ClassVar[tuple[ConfigField, ...]]
     __signature__: ClassVar[inspect.Signature]
+    ADMISSION_POLICIES: ClassVar[tuple[AdmissionPolicy, ...]]
     VICTIM_POLICIES: ClassVar[tuple[VictimPolicy, ...]]
     SERVING_MODES: ClassVar[tuple[ServingMode, ...]]
     CAPACITY_POLICIES: ClassVar[tuple[CapacityPolicy, ...]]
@@ -277,6 +279,8 @@ class SchedulerConfig:
         max_num_tokens: int = 8192,
         enable_chunked_prefill: bool = True,
         chunk_unit: int | None = None,
+        long_prefill_token_threshold: int = 0,
+        long_prefill_token_threshold_adaptive: bool = False,
         max_seq_len: int = 131072,
         capacity_policy: CapacityPolicy = "max_utilization",
         serving_mode: ServingMode = "aggregated_helix",
@@ -284,6 +288,7 @@ class SchedulerConfig:
         suspend_policy: SuspendPolicy = "suspend_first",
         suspend_cost_per_token: int = 1,
         recompute_cost_per_token: int = 4,
+        admission_policy: AdmissionPolicy = "fcfs",
         victim_policy: VictimPolicy = "newest_first",
         max_preemptions_per_request: int = 8,
         admit_after_preemption: bool = False,
@@ -321,6 +326,10 @@ class SchedulerConfig:
     @property
     def chunk_unit(self) -> int | None: ...
     @property
+    def long_prefill_token_threshold(self) -> int: ...
+    @property
+    def long_prefill_token_threshold_adaptive(self) -> bool: ...
+    @property
     def max_seq_len(self) -> int: ...
     @property
     def capacity_policy(self) -> CapacityPolicy: ...
@@ -334,6 +343,8 @@ class SchedulerConfig:
     def suspend_cost_per_token(self) -> int: ...
     @property
     def recompute_cost_per_token(self) -> int: ...
+    @property
+    def admission_policy(self) -> AdmissionPolicy: ...
     @property
     def victim_policy(self) -> VictimPolicy: ...
     @property

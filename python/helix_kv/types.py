@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "AdmissionPolicy",
     "CapacityPolicy",
     "FinishReason",
     "FlagArray",
@@ -32,6 +33,8 @@ __all__ = [
 
 # Runtime aliases (module-level expressions, evaluated on Python 3.9): ``Union``, not ``|``.
 
+#: The queue's order: arrival, or priority then arrival (``SchedulerConfig.admission_policy``).
+AdmissionPolicy = Literal["fcfs", "priority"]
 #: Which running request a KV-starved request preempts (``SchedulerConfig.victim_policy``).
 VictimPolicy = Literal["newest_first", "least_computed_first", "priority"]
 #: Whether a victim the host tier has room for is suspended or recompute-paused

@@ -58,6 +58,9 @@ def test_config_defaults_and_attributes() -> None:
     assert cfg.capacity_policy == "max_utilization"
     assert cfg.serving_mode == "aggregated_helix"
     assert cfg.victim_policy == "newest_first"
+    assert cfg.admission_policy == "fcfs"
+    assert cfg.long_prefill_token_threshold == 0
+    assert cfg.long_prefill_token_threshold_adaptive is False
     assert (cfg.max_preemptions_per_request, cfg.deadlock_steps) == (8, 64)
     assert cfg.admit_after_preemption is False
     assert cfg.kv_superblocks == cfg.capacity_superblocks == 64
@@ -96,6 +99,16 @@ def test_kv_tokens_round_down_to_superblocks() -> None:
         ),
         ({"kv_superblocks": 4, "serving_mode": "non_helix", "cp_size": 2}, "cp_size == 1"),
         ({"kv_superblocks": 4, "deadlock_steps": 0}, "deadlock_steps"),
+        ({"kv_superblocks": 4, "admission_policy": "lifo"}, "fcfs, priority"),
+        ({"kv_superblocks": 4, "long_prefill_token_threshold": -1}, r"in 0\.\.=2\*\*32-1, got -1"),
+        (
+            {
+                "kv_superblocks": 4,
+                "long_prefill_token_threshold": 64,
+                "enable_chunked_prefill": False,
+            },
+            "long_prefill_token_threshold = 64 .* needs chunked prefill",
+        ),
     ],
 )
 def test_config_errors_name_the_field(kwargs: dict, needle: str) -> None:
@@ -476,3 +489,47 @@ def test_abort_answers_whether_each_id_was_live_and_unknown_ids_are_no_ops() -> 
     assert s.abort_many([1, 1]).tolist() == [True, True], "marked while the step is pending"
     assert s.is_abort_requested(1)
     assert s.metrics().aborts == 1
+
+
+# -- admission order and the prefill cap (their rules: rust/core/tests/scheduler_rules.rs) --
+
+
+def test_priority_admission_orders_the_queue_and_the_admissions() -> None:
+    """``admission_policy="priority"``: higher priority first, ties in arrival order; the
+    queue, the admissions and ``update``'s finished ids follow it."""
+    priorities = [0, 5, 1, 5, -2, 1]
+    for policy, order in (("fcfs", [0, 1, 2, 3, 4, 5]), ("priority", [1, 3, 2, 5, 0, 4])):
+        # a budget of one unchunked prompt a step: one admission each, each done at once
+        s = scheduler(
+            1, 4, 16, admission_policy=policy, max_num_tokens=8, enable_chunked_prefill=False
+        )
+        for request_id, priority in enumerate(priorities):
+            s.add_request(request_id, prompt(8, request_id), 1, priority)
+        assert s.queue_ids().tolist() == order, policy
+        admitted = []
+        for _ in priorities:
+            out = s.schedule()
+            admitted += out.context_ids.tolist()
+            finished = s.update(np.full(out.num_samples, 7, dtype=np.int32))
+            assert finished.tolist() == out.context_ids.tolist()
+        assert admitted == order, policy
+        assert helix_kv.SchedulerConfig.ADMISSION_POLICIES == ("fcfs", "priority")
+
+
+def test_the_prefill_cap_shares_a_step_and_leaves_a_lone_request_alone() -> None:
+    s = scheduler(1, 4, 64, max_num_tokens=64, long_prefill_token_threshold=16)
+    s.add_request(0, prompt(40, 0), 2)
+    s.add_request(1, prompt(40, 1), 2)
+    out = step(s)
+    assert out.context_lens.tolist() == [16, 16]
+    assert out.context_completes.tolist() == [False, False]
+    alone = scheduler(1, 4, 64, max_num_tokens=64, long_prefill_token_threshold=16)
+    alone.add_request(0, prompt(40, 0), 2)
+    assert step(alone).context_lens.tolist() == [40]
+    fair = scheduler(
+        1, 4, 64, max_num_tokens=64, long_prefill_token_threshold=8,
+        long_prefill_token_threshold_adaptive=True,
+    )  # fmt: skip
+    fair.add_request(0, prompt(40, 0), 2)
+    fair.add_request(1, prompt(40, 1), 2)
+    assert step(fair).context_lens.tolist() == [32, 32]  # max(8, 64 // 2)

@@ -156,7 +156,8 @@ class Executor:
         self.host: dict[int, list[int]] = {}
         #: Which request holds each host page: a copy-out onto a held page is a race.
         self.host_holder: dict[int, int] = {}
-        self.arrival: dict[int, int] = {}
+        #: Queue order: ``(0, arrival)``, or under priority admission ``(-priority, arrival)``.
+        self.arrival: dict[int, tuple[int, int]] = {}
         self.known: dict[int, list[int]] = {}
         self.prefilled: dict[int, int] = {}
         self.specs: Sequence[Spec] = ()
@@ -223,7 +224,10 @@ class Executor:
 
     def add(self, spec: Spec) -> None:
         self.group.add_request(spec.request_id, spec.prompt(), spec.max_new_tokens, spec.priority)
-        self.arrival[spec.request_id] = len(self.arrival)
+        rank = -spec.priority if self.config.admission_policy == "priority" else 0
+        self.arrival[spec.request_id] = (rank, len(self.arrival))
+        queue = self.group.schedulers[0].queue_ids().tolist()
+        assert queue == sorted(queue, key=self.arrival.__getitem__), ("queue order", queue)
         self.known[spec.request_id] = spec.prompt().tolist()
         self.prefilled[spec.request_id] = 0
 

@@ -15,7 +15,13 @@ from typing import Any
 
 from helix_kv._core import SchedulerConfig
 from helix_kv.errors import ConfigError, ConfigGuardError
-from helix_kv.types import CapacityPolicy, ServingMode, SuspendPolicy, VictimPolicy
+from helix_kv.types import (
+    AdmissionPolicy,
+    CapacityPolicy,
+    ServingMode,
+    SuspendPolicy,
+    VictimPolicy,
+)
 
 logger = logging.getLogger("helix_kv")
 
@@ -82,12 +88,15 @@ class EngineConfig:
     max_num_tokens: int = _DEFAULTS["max_num_tokens"]
     enable_chunked_prefill: bool = _DEFAULTS["enable_chunked_prefill"]
     chunk_unit: int | None = _DEFAULTS["chunk_unit"]
+    long_prefill_token_threshold: int = _DEFAULTS["long_prefill_token_threshold"]
+    long_prefill_token_threshold_adaptive: bool = _DEFAULTS["long_prefill_token_threshold_adaptive"]
     max_seq_len: int = _DEFAULTS["max_seq_len"]
     capacity_policy: CapacityPolicy = _DEFAULTS["capacity_policy"]
     serving_mode: ServingMode = _DEFAULTS["serving_mode"]
     suspend_policy: SuspendPolicy = _DEFAULTS["suspend_policy"]
     suspend_cost_per_token: int = _DEFAULTS["suspend_cost_per_token"]
     recompute_cost_per_token: int = _DEFAULTS["recompute_cost_per_token"]
+    admission_policy: AdmissionPolicy = _DEFAULTS["admission_policy"]
     victim_policy: VictimPolicy = _DEFAULTS["victim_policy"]
     max_preemptions_per_request: int = _DEFAULTS["max_preemptions_per_request"]
     admit_after_preemption: bool = _DEFAULTS["admit_after_preemption"]

@@ -89,6 +89,16 @@ FLAG_NAMES: dict[str, str | None] = {
 }
 
 
+#: ``SchedulerConfig`` fields the report's ``config.scheduler`` shows only when they differ from
+#: their default (options added after the report took its form, off by default), so the report
+#: of a run without them is unchanged, as with ``step_time_model``, ``overlap`` and ``drafts``.
+SHOWN_WHEN_SET = (
+    "long_prefill_token_threshold",
+    "long_prefill_token_threshold_adaptive",
+    "admission_policy",
+)
+
+
 def scheduler_flag(field: ConfigField) -> str | None:
     """The ``helix-kv simulate`` flag that sets ``field`` (``None``: none sets it as such)."""
     return FLAG_NAMES.get(field.name, "--" + field.name.replace("_", "-"))
@@ -216,7 +226,11 @@ class SimulationOptions:
             "verify_ranks": self.verify_mode,
             "verified_ranks": list(self.verified_ranks()),
             "max_steps": self.max_steps,
-            "scheduler": dict(config.to_dict()),
+            "scheduler": {
+                name: value
+                for name, value in config.to_dict().items()
+                if name not in SHOWN_WHEN_SET or value != SchedulerConfig.DEFAULTS[name]
+            },
             "workload": workload_info,
         }
         if self.step_time is not None:  # only then: the report without a model is unchanged

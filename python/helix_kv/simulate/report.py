@@ -580,6 +580,12 @@ def describe_config(config: Mapping[str, Any], *, include_policy: bool = True) -
     ]
     if include_policy:
         parts.append(f"policy={scheduler.get('victim_policy', '?')}")
+    if scheduler.get("admission_policy", "fcfs") != "fcfs":
+        parts.append(f"admission={scheduler['admission_policy']}")
+    threshold = int(scheduler.get("long_prefill_token_threshold", 0))
+    if threshold:
+        adaptive = " (adaptive)" if scheduler.get("long_prefill_token_threshold_adaptive") else ""
+        parts.append(f"long_prefill_token_threshold={threshold}{adaptive}")
     host_tier = int(scheduler.get("host_tier_superblocks", 0))
     if host_tier:
         parts.append(f"host_tier_superblocks={host_tier}")

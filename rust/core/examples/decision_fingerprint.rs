@@ -21,7 +21,8 @@
 //! state, slot, tokens, counters and ledger holdings, block tables and slot mappings, and
 //! every error's message. The ledger workloads drive a bare `Ledger` the same way. The
 //! speculative shapes (appended, so the others keep their hashes) also propose random drafts
-//! before each schedule and update with random accepted counts (some refused).
+//! before each schedule and update with random accepted counts (some refused); the shapes of
+//! priority admission and the prefill cap are appended after them.
 //!
 //! Only the public API is used, so the same file runs before and after a refactor.
 #![expect(
@@ -34,8 +35,8 @@ use std::fmt::{self, Debug};
 use std::process::ExitCode;
 
 use helix_kv_core::{
-    decode_row, CapacityPolicy, Layout, Ledger, RequestId, ScheduleOutput, Scheduler,
-    SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy,
+    decode_row, AdmissionPolicy, CapacityPolicy, Layout, Ledger, RequestId, ScheduleOutput,
+    Scheduler, SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy,
 };
 
 /// FNV-1a over 64-bit words (bytes packed little-endian, eight to a word; text is fed
@@ -305,6 +306,41 @@ fn shapes() -> Vec<Shape> {
         20,
         24,
         50,
+        300,
+    );
+    // Priority admission and the prefill cap (appended: the shapes above keep their hashes).
+    let mut c = config(2, 4, 12, 8, 40, true, Agg, 0);
+    c.admission_policy = AdmissionPolicy::Priority;
+    add("agg-cp2-tpb4-priority-admission", c, 30, 24, 45, 300);
+    let mut c = config(1, 4, 14, 8, 32, true, NonHelix, 10);
+    c.admission_policy = AdmissionPolicy::Priority;
+    c.victim_policy = VictimPolicy::LeastComputedFirst;
+    c.suspend_policy = SuspendPolicy::Cost;
+    add(
+        "nonhelix-tpb4-priority-admission-least-computed-host",
+        c,
+        30,
+        24,
+        45,
+        300,
+    );
+    let mut c = config(2, 2, 16, 10, 48, true, Agg, 0);
+    c.chunk_unit = Some(4);
+    c.long_prefill_token_threshold = 10;
+    add("agg-cp2-tpb2-unit4-long-prefill", c, 60, 20, 45, 300);
+    let mut c = config(4, 2, 12, 8, 48, true, Agg, 6);
+    c.admission_policy = AdmissionPolicy::Priority;
+    c.long_prefill_token_threshold = 6;
+    c.long_prefill_token_threshold_adaptive = true;
+    c.enable_prefix_caching = true;
+    c.num_speculative_tokens = 2;
+    c.cp_rank = 1;
+    add(
+        "agg-cp4-tpb2-priority-long-prefill-adaptive-caching-drafts-host",
+        c,
+        40,
+        20,
+        45,
         300,
     );
     shapes

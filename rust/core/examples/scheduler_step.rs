@@ -1,7 +1,9 @@
 //! Cost of one scheduler step (`schedule()` + `update()`) per running decode request,
 //! without and with steady KV pressure. Run with
 //! `cargo run --release -p helix-kv-core --example scheduler_step [N ...]` (env `ONLY=free`
-//! or `ONLY=pressure`, `WORK=` request-steps per run).
+//! or `ONLY=pressure`, `WORK=` request-steps per run; `PRIORITY_LEVELS=K` runs priority
+//! admission with request `i` at priority `i * 7 % K`, so under pressure replacements are
+//! placed all along the queue).
 #![expect(clippy::cast_precision_loss, reason = "timings and rates for printing")]
 #![expect(
     clippy::disallowed_methods,
@@ -10,7 +12,7 @@
 
 use std::time::Instant;
 
-use helix_kv_core::{Scheduler, SchedulerConfig};
+use helix_kv_core::{AdmissionPolicy, Scheduler, SchedulerConfig};
 
 const CP: u32 = 4;
 const TOKENS_PER_BLOCK: u32 = 32;
@@ -25,11 +27,18 @@ fn measure(n: u32, superblocks: u32, max_new: u32, steps: u32) -> (f64, u64) {
     config.max_batch_size = n;
     config.max_num_tokens = n + 4096;
     config.max_preemptions_per_request = 1_000_000;
+    let levels: u64 = std::env::var("PRIORITY_LEVELS").map_or(0, |k| k.parse().expect("K"));
+    if levels > 0 {
+        config.admission_policy = AdmissionPolicy::Priority;
+    }
+    let priority = |id: u64| i32::try_from((id * 7) % levels.max(1)).expect("a small level");
     let mut scheduler = Scheduler::new(config).unwrap();
     let prompt: Vec<i32> = (0..i32::try_from(PROMPT).unwrap()).collect();
     let mut next_id = 0u64;
     for _ in 0..n {
-        scheduler.add_request(next_id, &prompt, max_new, 0).unwrap();
+        scheduler
+            .add_request(next_id, &prompt, max_new, priority(next_id))
+            .unwrap();
         next_id += 1;
     }
     let mut tokens = Vec::new();
@@ -41,7 +50,9 @@ fn measure(n: u32, superblocks: u32, max_new: u32, steps: u32) -> (f64, u64) {
             let finished = scheduler.update(&tokens, None).unwrap().to_vec();
             for id in finished {
                 scheduler.take_output(id).unwrap();
-                scheduler.add_request(next_id, &prompt, max_new, 0).unwrap();
+                scheduler
+                    .add_request(next_id, &prompt, max_new, priority(next_id))
+                    .unwrap();
                 next_id += 1;
             }
         }

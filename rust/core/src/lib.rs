@@ -38,11 +38,11 @@ pub use error::{CoreError, Result};
 pub use layout::Layout;
 pub use ledger::{DecodeView, Ledger, RequestKv};
 pub use scheduler::{
-    decode_row, CapacityPolicy, ConfigDefault, ConfigField, ConfigValue, DecodePlacement,
-    DecodeRowCounts, FieldScope, FieldValue, FinishReason, PreparedPrompt, RankPlacement,
-    RequestMetrics, RequestOutput, RequestState, ScheduleOutput, Scheduler, SchedulerConfig,
-    SchedulerMetrics, ServingMode, StepMetadata, StepMetadataLayout, StepMetadataSection,
-    StepSource, SuspendPolicy, VictimPolicy,
+    decode_row, AdmissionPolicy, CapacityPolicy, ConfigDefault, ConfigField, ConfigValue,
+    DecodePlacement, DecodeRowCounts, FieldScope, FieldValue, FinishReason, PreparedPrompt,
+    RankPlacement, RequestMetrics, RequestOutput, RequestState, ScheduleOutput, Scheduler,
+    SchedulerConfig, SchedulerMetrics, ServingMode, StepMetadata, StepMetadataLayout,
+    StepMetadataSection, StepSource, SuspendPolicy, VictimPolicy,
 };
 
 /// A request's id, chosen by the caller; unique among live requests.

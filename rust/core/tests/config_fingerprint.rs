@@ -2,8 +2,8 @@
 //! every step from the first and the scheduler's state digest; `cp_rank` does not.
 
 use helix_kv_core::{
-    CapacityPolicy, FieldValue, Scheduler, SchedulerConfig, ServingMode, SuspendPolicy,
-    VictimPolicy,
+    AdmissionPolicy, CapacityPolicy, FieldValue, Scheduler, SchedulerConfig, ServingMode,
+    SuspendPolicy, VictimPolicy,
 };
 
 /// A small CP-2 group configuration every single-field change below keeps valid.
@@ -67,6 +67,16 @@ fn single_field_changes() -> Vec<(&'static str, SchedulerConfig, SchedulerConfig
             changed(&b, |c| c.chunk_unit = Some(8)),
         ),
         (
+            "long_prefill_token_threshold",
+            b.clone(),
+            changed(&b, |c| c.long_prefill_token_threshold = 8),
+        ),
+        (
+            "long_prefill_token_threshold_adaptive",
+            b.clone(),
+            changed(&b, |c| c.long_prefill_token_threshold_adaptive = true),
+        ),
+        (
             "max_seq_len",
             b.clone(),
             changed(&b, |c| c.max_seq_len = 257),
@@ -104,6 +114,11 @@ fn single_field_changes() -> Vec<(&'static str, SchedulerConfig, SchedulerConfig
             "recompute_cost_per_token",
             b.clone(),
             changed(&b, |c| c.recompute_cost_per_token = 7),
+        ),
+        (
+            "admission_policy",
+            b.clone(),
+            changed(&b, |c| c.admission_policy = AdmissionPolicy::Priority),
         ),
         (
             "victim_policy",

@@ -11,7 +11,7 @@
 mod common;
 
 use common::{assert_matches_reference, gate_config, Group, Model, RunOptions, Spec};
-use helix_kv_core::{CoreError, SchedulerConfig, ServingMode, VictimPolicy};
+use helix_kv_core::{AdmissionPolicy, CoreError, SchedulerConfig, ServingMode, VictimPolicy};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -23,7 +23,7 @@ struct Case {
 
 /// Under pressure: a pool that holds the largest request (so every request fits alone)
 /// plus a small share of the rest, a small preemption bound, any victim policy, chunked
-/// prefill on or off. `host_tiers` empty: aggregated Helix at cp 1..4; otherwise
+/// prefill on or off, either admission policy, a prefill cap or none. `host_tiers` empty: aggregated Helix at cp 1..4; otherwise
 /// `non_helix` (cp 1) with one of these host tiers.
 fn case(host_tiers: &'static [u32]) -> impl Strategy<Value = Case> {
     let max_cp = if host_tiers.is_empty() { 5 } else { 2 };
@@ -35,8 +35,15 @@ fn case(host_tiers: &'static [u32]) -> impl Strategy<Value = Case> {
             prop::collection::vec((1usize..48, 1u32..32, -2i32..3, 0u64..6), 2..12),
             0usize..host_tiers.len().max(1),
         ),
+        // Priority admission (a new head may arrive at any time) and the prefill cap, drawn
+        // last so the draws above keep their values.
+        (
+            any::<bool>(),
+            prop_oneof![2 => Just(0u32), 1 => 1u32..32],
+            any::<bool>(),
+        ),
     )
-        .prop_map(move |(shape, budget, rest)| {
+        .prop_map(move |(shape, budget, rest, admission)| {
             let (cp, tpb, spare_percent, bound, policy) = shape;
             let (max_batch_size, max_num_tokens, chunked, chunk_unit, admit) = budget;
             let (revert, requests, host_tier) = rest;
@@ -78,6 +85,14 @@ fn case(host_tiers: &'static [u32]) -> impl Strategy<Value = Case> {
                 chunked || longest_reprefill > u64::from(config.max_num_tokens);
             config.max_preemptions_per_request = bound;
             config.admit_after_preemption = admit;
+            let (priority, threshold, adaptive) = admission;
+            if priority {
+                config.admission_policy = AdmissionPolicy::Priority;
+            }
+            if config.enable_chunked_prefill {
+                config.long_prefill_token_threshold = threshold;
+                config.long_prefill_token_threshold_adaptive = adaptive;
+            }
             config.deadlock_steps = 8;
             Case {
                 config,

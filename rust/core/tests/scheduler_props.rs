@@ -10,8 +10,8 @@ use common::{
     RunOptions, Spec,
 };
 use helix_kv_core::{
-    CapacityPolicy, CoreError, RequestId, RequestOutput, ScheduleOutput, Scheduler,
-    SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy,
+    AdmissionPolicy, CapacityPolicy, CoreError, RequestId, RequestOutput, ScheduleOutput,
+    Scheduler, SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy,
 };
 use std::collections::{BTreeMap, VecDeque};
 
@@ -34,6 +34,43 @@ fn mode() -> impl Strategy<Value = (ServingMode, u32)> {
     ]
 }
 
+/// The queue's order and the prefill cap of a drawn configuration.
+#[derive(Debug, Clone, Copy)]
+struct Admission {
+    priority: bool,
+    threshold: u32,
+    adaptive: bool,
+}
+
+impl Admission {
+    /// Sets them on `config` (the cap only with chunked prefill, which it needs).
+    fn apply(self, config: &mut SchedulerConfig) {
+        config.admission_policy = if self.priority {
+            AdmissionPolicy::Priority
+        } else {
+            AdmissionPolicy::Fcfs
+        };
+        if config.enable_chunked_prefill {
+            config.long_prefill_token_threshold = self.threshold;
+            config.long_prefill_token_threshold_adaptive = self.adaptive;
+        }
+    }
+}
+
+/// Priority admission in half the cases, a prefill cap (adaptive or not) in a third.
+fn admission() -> impl Strategy<Value = Admission> {
+    (
+        any::<bool>(),
+        prop_oneof![2 => Just(0u32), 1 => 1u32..24],
+        any::<bool>(),
+    )
+        .prop_map(|(priority, threshold, adaptive)| Admission {
+            priority,
+            threshold,
+            adaptive,
+        })
+}
+
 fn spec() -> impl Strategy<Value = (usize, u32, i32, u64)> {
     (1usize..40, 1u32..24, -3i32..4, 0u64..4)
 }
@@ -53,83 +90,89 @@ fn case() -> impl Strategy<Value = Case> {
         // Prefix caching (on in about half the cases), and a shared start of every
         // prompt so requests hit each other's superblocks, not only their own.
         (any::<bool>(), 0usize..40),
+        // Priority admission and the prefill cap (drawn last, so the draws above and the
+        // persisted cases keep their values).
+        admission(),
     )
-        .prop_map(|(shape, budget, rules, requests, (caching, shared))| {
-            let (cp, tpb, (serving_mode, host_tier), no_evict, policy) = shape;
-            let (spare_percent, max_batch_size, max_num_tokens, chunked, chunk_unit) = budget;
-            let (bound, admit_after_preemption, eos, revert, suspend_policy) = rules;
-            let cp = if serving_mode == ServingMode::NonHelix {
-                1
-            } else {
-                cp
-            };
-            let specs: Vec<Spec> = requests
-                .iter()
-                .enumerate()
-                .map(|(i, &(prompt, max_new, priority, at))| {
-                    let mut spec = Spec::new(i as u64 + 1, prompt, max_new)
-                        .priority(priority)
-                        .at(at);
-                    if caching {
-                        let common = (500..).take(shared);
-                        spec.prompt = common.chain(spec.prompt).collect();
+        .prop_map(
+            |(shape, budget, rules, requests, (caching, shared), admission)| {
+                let (cp, tpb, (serving_mode, host_tier), no_evict, policy) = shape;
+                let (spare_percent, max_batch_size, max_num_tokens, chunked, chunk_unit) = budget;
+                let (bound, admit_after_preemption, eos, revert, suspend_policy) = rules;
+                let cp = if serving_mode == ServingMode::NonHelix {
+                    1
+                } else {
+                    cp
+                };
+                let specs: Vec<Spec> = requests
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(prompt, max_new, priority, at))| {
+                        let mut spec = Spec::new(i as u64 + 1, prompt, max_new)
+                            .priority(priority)
+                            .at(at);
+                        if caching {
+                            let common = (500..).take(shared);
+                            spec.prompt = common.chain(spec.prompt).collect();
+                        }
+                        spec
+                    })
+                    .collect();
+                // A pool that holds the largest request (so every request can run) plus a
+                // share of the rest: mostly under pressure.
+                let per_superblock = u64::from(cp * tpb);
+                let sizes = specs
+                    .iter()
+                    .map(|s| s.prompt.len() as u64 + u64::from(s.max_new_tokens));
+                let largest = sizes.clone().max().unwrap();
+                let rest = sizes.sum::<u64>() - largest;
+                let superblocks = (largest + rest * spare_percent / 100).div_ceil(per_superblock);
+                let mut config = SchedulerConfig::new(u32::try_from(superblocks).unwrap());
+                config.cp_size = cp;
+                config.tokens_per_block = tpb;
+                config.serving_mode = serving_mode;
+                config.host_tier_superblocks = host_tier;
+                config.suspend_policy = [
+                    SuspendPolicy::SuspendFirst,
+                    SuspendPolicy::RecomputeFirst,
+                    SuspendPolicy::Cost,
+                ][suspend_policy];
+                config.capacity_policy = if no_evict {
+                    CapacityPolicy::GuaranteedNoEvict
+                } else {
+                    CapacityPolicy::MaxUtilization
+                };
+                config.victim_policy = [
+                    VictimPolicy::NewestFirst,
+                    VictimPolicy::LeastComputedFirst,
+                    VictimPolicy::Priority,
+                    VictimPolicy::NewestFirst,
+                ][policy as usize];
+                config.max_batch_size = max_batch_size;
+                config.enable_chunked_prefill = chunked;
+                config.chunk_unit = Some(chunk_unit);
+                config.max_num_tokens = max_num_tokens.max(chunk_unit);
+                config.max_preemptions_per_request = if bound >= 6 { 1000 } else { bound };
+                config.admit_after_preemption = admit_after_preemption;
+                config.enable_prefix_caching = caching;
+                admission.apply(&mut config);
+                config.deadlock_steps = 12;
+                let model = if eos {
+                    Model {
+                        vocab: 24,
+                        eos: Some(5),
                     }
-                    spec
-                })
-                .collect();
-            // A pool that holds the largest request (so every request can run) plus a
-            // share of the rest: mostly under pressure.
-            let per_superblock = u64::from(cp * tpb);
-            let sizes = specs
-                .iter()
-                .map(|s| s.prompt.len() as u64 + u64::from(s.max_new_tokens));
-            let largest = sizes.clone().max().unwrap();
-            let rest = sizes.sum::<u64>() - largest;
-            let superblocks = (largest + rest * spare_percent / 100).div_ceil(per_superblock);
-            let mut config = SchedulerConfig::new(u32::try_from(superblocks).unwrap());
-            config.cp_size = cp;
-            config.tokens_per_block = tpb;
-            config.serving_mode = serving_mode;
-            config.host_tier_superblocks = host_tier;
-            config.suspend_policy = [
-                SuspendPolicy::SuspendFirst,
-                SuspendPolicy::RecomputeFirst,
-                SuspendPolicy::Cost,
-            ][suspend_policy];
-            config.capacity_policy = if no_evict {
-                CapacityPolicy::GuaranteedNoEvict
-            } else {
-                CapacityPolicy::MaxUtilization
-            };
-            config.victim_policy = [
-                VictimPolicy::NewestFirst,
-                VictimPolicy::LeastComputedFirst,
-                VictimPolicy::Priority,
-                VictimPolicy::NewestFirst,
-            ][policy as usize];
-            config.max_batch_size = max_batch_size;
-            config.enable_chunked_prefill = chunked;
-            config.chunk_unit = Some(chunk_unit);
-            config.max_num_tokens = max_num_tokens.max(chunk_unit);
-            config.max_preemptions_per_request = if bound >= 6 { 1000 } else { bound };
-            config.admit_after_preemption = admit_after_preemption;
-            config.enable_prefix_caching = caching;
-            config.deadlock_steps = 12;
-            let model = if eos {
-                Model {
-                    vocab: 24,
-                    eos: Some(5),
+                } else {
+                    Model::default()
+                };
+                Case {
+                    config,
+                    specs,
+                    model,
+                    revert_per_mille: revert * 120,
                 }
-            } else {
-                Model::default()
-            };
-            Case {
-                config,
-                specs,
-                model,
-                revert_per_mille: revert * 120,
-            }
-        })
+            },
+        )
 }
 
 /// Keeps the requests the configuration accepts (the others are refused at add, which

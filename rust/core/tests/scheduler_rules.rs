@@ -7,7 +7,8 @@ use common::{
     assert_matches_reference, config, observable, prompt, step, Group, Model, Rng, RunOptions, Spec,
 };
 use helix_kv_core::{
-    CapacityPolicy, CoreError, RequestState, ScheduleOutput, Scheduler, ServingMode, VictimPolicy,
+    AdmissionPolicy, CapacityPolicy, CoreError, RequestState, ScheduleOutput, Scheduler,
+    SchedulerConfig, ServingMode, VictimPolicy,
 };
 
 /// Requests 0..=4 all prefilled and decoding in a pool that is then exactly full, so the
@@ -992,5 +993,326 @@ fn only_the_queue_head_takes_a_victim_at_its_bound() {
     assert!(
         s.metrics().sat_out > 0,
         "1 must have sat out rather than take 2"
+    );
+}
+
+// -- Priority admission (`admission_policy`) ---------------------------------------------
+
+/// A scheduler of `config` with `admission` and requests `0..` of the given prompt lengths
+/// and priorities (each `max_new` tokens), added in id order.
+fn admitted_in(
+    mut config: SchedulerConfig,
+    admission: AdmissionPolicy,
+    requests: &[(usize, i32)],
+    max_new: u32,
+) -> Scheduler {
+    config.admission_policy = admission;
+    let mut s = Scheduler::new(config).unwrap();
+    for (id, &(len, priority)) in requests.iter().enumerate() {
+        s.add_request(id as u64, &prompt(len), max_new, priority)
+            .unwrap();
+    }
+    s
+}
+
+#[test]
+fn priority_admission_admits_the_most_important_waiting_request_first() {
+    // One prompt per step (a budget of one prompt, unchunked); each finishes at once.
+    let mut one_at_a_time = config(1, 4, 16);
+    one_at_a_time.max_num_tokens = 8;
+    one_at_a_time.enable_chunked_prefill = false;
+    let priorities = [0, 5, 1, 5, -2, 1];
+    let requests: Vec<(usize, i32)> = priorities.iter().map(|&p| (8, p)).collect();
+    for (admission, order) in [
+        (AdmissionPolicy::Fcfs, vec![0, 1, 2, 3, 4, 5]),
+        // Higher first, ties in arrival order.
+        (AdmissionPolicy::Priority, vec![1, 3, 2, 5, 0, 4]),
+    ] {
+        let mut s = admitted_in(one_at_a_time.clone(), admission, &requests, 1);
+        assert_eq!(s.queue_ids(), order, "{admission:?}");
+        let admitted: Vec<u64> = (0..6).flat_map(|_| step(&mut s, 1).context_ids).collect();
+        assert_eq!(admitted, order, "{admission:?}");
+        assert!(!s.has_unfinished());
+    }
+}
+
+#[test]
+fn priority_admission_orders_extreme_priorities_and_keeps_arrival_order_within_one() {
+    let priorities = [0, i32::MIN, i32::MAX, 0, i32::MIN, i32::MAX, -1, 1];
+    let requests: Vec<(usize, i32)> = priorities.iter().map(|&p| (4, p)).collect();
+    let s = admitted_in(config(1, 4, 16), AdmissionPolicy::Priority, &requests, 1);
+    assert_eq!(s.queue_ids(), vec![2, 5, 7, 0, 3, 6, 1, 4]);
+}
+
+#[test]
+fn under_priority_admission_a_more_important_arrival_preempts_and_a_less_important_one_waits() {
+    // Pool of 4 superblocks (4 tokens each): request 0 takes 3, the newcomer needs 2.
+    for (first, newcomer, preempts) in [(0, 5, true), (5, 0, false), (3, 3, false)] {
+        let mut config = config(1, 4, 4);
+        config.admission_policy = AdmissionPolicy::Priority;
+        let mut s = Scheduler::new(config).unwrap();
+        s.add_request(0, &prompt(12), 4, first).unwrap();
+        step(&mut s, 1);
+        s.add_request(1, &prompt(8), 4, newcomer).unwrap();
+        let out = step(&mut s, 1);
+        if preempts {
+            assert_eq!(s.queue_ids(), vec![1, 0], "the newcomer is the queue head");
+            assert_eq!(out.preempted_ids, vec![0]);
+            assert_eq!(out.preempted_requester_ids, vec![1]);
+            assert_eq!(out.context_ids, vec![1]);
+        } else {
+            // As under fcfs: nothing behind it to take pages from.
+            assert_eq!(s.queue_ids(), vec![0, 1], "priorities {first}, {newcomer}");
+            assert!(out.preempted_ids.is_empty() && out.suspended_ids.is_empty());
+            assert!(!out.context_ids.contains(&1));
+        }
+        run_to_end(&mut s);
+    }
+    // Under fcfs the same newcomer waits (it is behind request 0 in arrival order).
+    let mut s = Scheduler::new(config(1, 4, 4)).unwrap();
+    s.add_request(0, &prompt(12), 4, 0).unwrap();
+    step(&mut s, 1);
+    s.add_request(1, &prompt(8), 4, 5).unwrap();
+    assert!(step(&mut s, 1).preempted_ids.is_empty());
+}
+
+#[test]
+fn under_priority_admission_a_victim_is_never_more_important_than_its_requester() {
+    // Prompts that fill whole superblocks in a pool they fill exactly: every first decode
+    // needs a superblock, so the queue head (the most important) must preempt.
+    // Priorities of 0..=4: 0, -3, 0, -3, 1 -> queue 4, 0, 2, 1, 3.
+    let requests = [(4, 0), (8, -3), (4, 0), (12, -3), (8, 1)];
+    for (policy, victim) in [
+        // vLLM's choice under policy="priority": the least important, newest among equals.
+        (VictimPolicy::NewestFirst, 3),
+        (VictimPolicy::Priority, 3),
+        // The fewest computed tokens behind the head: 0 and 2 (4 each), the newer.
+        (VictimPolicy::LeastComputedFirst, 2),
+    ] {
+        let mut config = config(1, 4, 9);
+        config.victim_policy = policy;
+        let mut s = admitted_in(config, AdmissionPolicy::Priority, &requests, 10);
+        assert_eq!(s.queue_ids(), vec![4, 0, 2, 1, 3]);
+        assert_eq!(step(&mut s, 7).context_ids, vec![4, 0, 2, 1, 3]);
+        let out = s.schedule().unwrap().clone();
+        assert_eq!(out.preempted_ids.first(), Some(&victim), "{policy:?}");
+        assert_eq!(out.preempted_requester_ids.first(), Some(&4), "{policy:?}");
+        let priority = |id: u64| requests[usize::try_from(id).unwrap()].1;
+        for (v, r) in out.preempted_ids.iter().zip(&out.preempted_requester_ids) {
+            assert!(priority(*v) <= priority(*r), "{policy:?}: {v} for {r}");
+        }
+        // The victim keeps its place for its re-prefill.
+        assert_eq!(s.queue_ids(), vec![4, 0, 2, 1, 3], "{policy:?}");
+        let n = out.num_samples();
+        s.update(&vec![1; n], None).unwrap();
+        run_to_end(&mut s);
+    }
+}
+
+#[test]
+fn under_priority_admission_the_most_important_waiting_request_holds_the_line() {
+    // Request 0 (most important) holds 3 of 4 superblocks; request 1 (priority 1, needs one)
+    // arrives before request 2 (priority 5, needs two). Under fcfs request 1 is admitted into
+    // the free superblock; under priority request 2 goes first, cannot get its pages (no
+    // victim behind it holds any) and nothing behind it may take them.
+    for (admission, admitted) in [
+        (AdmissionPolicy::Fcfs, true),
+        (AdmissionPolicy::Priority, false),
+    ] {
+        let mut config = config(1, 4, 4);
+        config.admission_policy = admission;
+        let mut s = Scheduler::new(config).unwrap();
+        s.add_request(0, &prompt(12), 1, 10).unwrap();
+        s.add_request(1, &prompt(4), 1, 1).unwrap();
+        s.add_request(2, &prompt(8), 1, 5).unwrap();
+        s.schedule().unwrap();
+        let out = s.last_output().clone();
+        assert_eq!(out.context_ids[0], 0, "{admission:?}");
+        assert_eq!(out.context_ids.contains(&1), admitted, "{admission:?}");
+        assert!(!out.context_ids.contains(&2), "{admission:?}");
+        assert!(out.preempted_ids.is_empty(), "{admission:?}");
+        let n = out.num_samples();
+        s.update(&vec![1; n], None).unwrap();
+        run_to_end(&mut s);
+    }
+}
+
+#[test]
+fn under_priority_admission_a_held_admission_lets_the_prompts_admitted_behind_it_go_on() {
+    // Request 0 prefills in chunks of 12 and holds pages request 1, more important, queued
+    // ahead of it, needs: under guaranteed_no_evict it reserved the whole pool; with
+    // preemption off (bound 0) it holds 12 of 18 and request 1 needs 7. Neither configuration
+    // preempts, so request 0 goes on (waiting for it would wait for good), then request 1 is
+    // admitted.
+    for (capacity_policy, bound, newcomer) in [
+        (CapacityPolicy::GuaranteedNoEvict, 8, 1),
+        (CapacityPolicy::MaxUtilization, 0, 7),
+    ] {
+        let mut config = config(1, 1, 18);
+        config.admission_policy = AdmissionPolicy::Priority;
+        config.capacity_policy = capacity_policy;
+        config.max_preemptions_per_request = bound;
+        config.max_num_tokens = 12;
+        config.chunk_unit = Some(1);
+        config.deadlock_steps = 3;
+        let mut s = Scheduler::new(config).unwrap();
+        s.add_request(0, &prompt(17), 1, 0).unwrap();
+        assert_eq!(chunks(&mut s), [(0, 0, 12)]);
+        s.add_request(1, &prompt(newcomer), 1, 1).unwrap();
+        assert_eq!(s.queue_ids(), vec![1, 0]);
+        assert_eq!(chunks(&mut s), [(0, 12, 5)], "{capacity_policy:?}");
+        assert_eq!(chunks(&mut s)[0].0, 1, "{capacity_policy:?}");
+        run_to_end(&mut s);
+    }
+}
+
+#[test]
+fn priority_admission_keeps_every_step_exact_when_a_request_cuts_in_while_a_step_is_pending() {
+    // Added between two schedules of one step ahead, the newcomer goes ahead of the queue:
+    // the pending step's update still finds its entries, and the newcomer is first admitted in
+    // the next step.
+    let mut config = config(1, 4, 32);
+    config.admission_policy = AdmissionPolicy::Priority;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(0, &prompt(6), 3, 0).unwrap();
+    s.add_request(1, &prompt(6), 3, 0).unwrap();
+    let first = s.schedule().unwrap().clone();
+    assert_eq!(first.context_ids, vec![0, 1]);
+    s.add_request(2, &prompt(5), 2, 9).unwrap();
+    assert_eq!(s.queue_ids(), vec![2, 0, 1]);
+    let ahead = s.schedule().unwrap().clone();
+    assert_eq!(ahead.generation_ids, vec![0, 1]);
+    assert_eq!(ahead.context_ids, vec![2], "admitted at its place, first");
+    assert!(s.update(&[7, 8], None).unwrap().is_empty());
+    assert_eq!(s.tokens(0).unwrap(), [prompt(6), vec![7]].concat());
+    assert_eq!(s.tokens(1).unwrap(), [prompt(6), vec![8]].concat());
+    s.update(&[1, 2, 3], None).unwrap();
+    assert_eq!(s.tokens(2).unwrap(), [prompt(5), vec![3]].concat());
+    run_to_end(&mut s);
+}
+
+// -- The prefill cap (`long_prefill_token_threshold`) --------------------------------------
+
+/// The context entries of the next step as `(id, start, len)`.
+fn chunks(s: &mut Scheduler) -> Vec<(u64, u64, u64)> {
+    let out = step(s, 1);
+    (0..out.context_ids.len())
+        .map(|i| {
+            (
+                out.context_ids[i],
+                out.context_starts[i],
+                out.context_lens[i],
+            )
+        })
+        .collect()
+}
+
+/// cp 1, 4 tokens per block (the chunk unit), a roomy pool, 64 tokens a step.
+fn capped(threshold: u32, adaptive: bool) -> SchedulerConfig {
+    let mut config = config(1, 4, 64);
+    config.max_num_tokens = 64;
+    config.long_prefill_token_threshold = threshold;
+    config.long_prefill_token_threshold_adaptive = adaptive;
+    config
+}
+
+#[test]
+fn the_prefill_cap_shares_the_budget_while_others_are_live() {
+    let mut s = Scheduler::new(capped(16, false)).unwrap();
+    s.add_request(0, &prompt(40), 2, 0).unwrap();
+    s.add_request(1, &prompt(40), 2, 0).unwrap();
+    assert_eq!(chunks(&mut s), [(0, 0, 16), (1, 0, 16)]);
+    assert_eq!(chunks(&mut s), [(0, 16, 16), (1, 16, 16)]);
+    // A rest within the cap completes in one chunk.
+    assert_eq!(chunks(&mut s), [(0, 32, 8), (1, 32, 8)]);
+    run_to_end(&mut s);
+    // Without the cap the first takes the budget.
+    let mut s = Scheduler::new(capped(0, false)).unwrap();
+    s.add_request(0, &prompt(40), 2, 0).unwrap();
+    s.add_request(1, &prompt(40), 2, 0).unwrap();
+    assert_eq!(chunks(&mut s), [(0, 0, 40), (1, 0, 24)]);
+}
+
+#[test]
+fn a_request_alone_is_not_capped() {
+    let mut s = Scheduler::new(capped(16, false)).unwrap();
+    s.add_request(0, &prompt(60), 2, 0).unwrap();
+    assert_eq!(chunks(&mut s), [(0, 0, 60)]);
+    // A decoding request counts as another live one.
+    s.add_request(1, &prompt(60), 2, 0).unwrap();
+    assert_eq!(chunks(&mut s), [(1, 0, 16)]);
+}
+
+#[test]
+fn the_prefill_cap_rounds_a_partial_chunk_to_whole_units_and_has_a_floor_of_one() {
+    // Threshold 18, unit 4: a rest of 18 completes, a rest of 19 gets 16.
+    let mut s = Scheduler::new(capped(18, false)).unwrap();
+    s.add_request(0, &prompt(18), 2, 0).unwrap();
+    s.add_request(1, &prompt(19), 2, 0).unwrap();
+    assert_eq!(chunks(&mut s), [(0, 0, 18), (1, 0, 16)]);
+    // A threshold below the unit counts as one unit.
+    let mut s = Scheduler::new(capped(3, false)).unwrap();
+    s.add_request(0, &prompt(10), 2, 0).unwrap();
+    s.add_request(1, &prompt(2), 2, 0).unwrap();
+    assert_eq!(chunks(&mut s), [(0, 0, 4), (1, 0, 2)]);
+    assert_eq!(chunks(&mut s), [(0, 4, 4)]);
+}
+
+#[test]
+fn the_adaptive_prefill_cap_is_at_least_the_fair_share() {
+    for (live, cap) in [(2u64, 32), (4, 16), (16, 8)] {
+        let mut s = Scheduler::new(capped(8, true)).unwrap();
+        for id in 0..live {
+            s.add_request(id, &prompt(40), 2, 0).unwrap();
+        }
+        let first = chunks(&mut s);
+        assert_eq!(first[0], (0, 0, cap), "{live} live");
+        assert!(first.iter().all(|&(_, _, len)| len <= cap));
+    }
+}
+
+#[test]
+fn the_prefill_cap_caps_a_re_prefill_too() {
+    // Request 0 decodes long in a pool of 8 superblocks and recompute-pauses request 1, which
+    // then re-prefills its prompt and generated tokens in chunks of at most the cap while
+    // request 0 is live.
+    let mut config = capped(4, false);
+    config.capacity_superblocks = 8;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(0, &prompt(4), 20, 0).unwrap();
+    s.add_request(1, &prompt(8), 16, 0).unwrap();
+    let mut preempted = false;
+    let mut refill = Vec::new();
+    for _ in 0..200 {
+        if !s.has_unfinished() {
+            break;
+        }
+        let live = s.num_live();
+        let out = step(&mut s, 1);
+        for (i, &id) in out.context_ids.iter().enumerate() {
+            if id == 1 && preempted && live > 1 {
+                refill.push((out.context_starts[i], out.context_lens[i]));
+            }
+        }
+        preempted |= out.preempted_ids.contains(&1);
+    }
+    assert!(!s.has_unfinished());
+    assert!(preempted);
+    assert!(refill.iter().all(|&(_, len)| len <= 4), "{refill:?}");
+    assert!(
+        refill.iter().any(|&(start, _)| start >= 8),
+        "the re-prefill covers generated tokens: {refill:?}"
+    );
+}
+
+#[test]
+fn a_prefill_cap_without_chunked_prefill_is_refused() {
+    let mut config = capped(16, false);
+    config.enable_chunked_prefill = false;
+    let err = Scheduler::new(config).unwrap_err();
+    assert!(matches!(err, CoreError::Config(_)), "{err}");
+    assert!(
+        err.to_string().contains("long_prefill_token_threshold"),
+        "{err}"
     );
 }

@@ -9,8 +9,8 @@
 //! `kv_superblocks` or `kv_tokens`.
 
 use helix_kv_core::{
-    CapacityPolicy, ConfigDefault, ConfigField, FieldValue, SchedulerConfig, ServingMode,
-    SuspendPolicy, VictimPolicy,
+    AdmissionPolicy, CapacityPolicy, ConfigDefault, ConfigField, FieldValue, SchedulerConfig,
+    ServingMode, SuspendPolicy, VictimPolicy,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -104,7 +104,13 @@ macro_rules! option_settings {
     )*};
 }
 
-option_settings!(CapacityPolicy, ServingMode, VictimPolicy, SuspendPolicy);
+option_settings!(
+    CapacityPolicy,
+    ServingMode,
+    AdmissionPolicy,
+    VictimPolicy,
+    SuspendPolicy
+);
 
 /// A core field as the class stores it; its getter (`#[pyo3(get)]`) shows it through
 /// [`Setting::object`].
@@ -341,6 +347,12 @@ impl PySchedulerConfig {
                 .iter()
                 .map(|&field| PyConfigField { field }),
         )
+    }
+    /// The accepted `admission_policy` names, in declaration order.
+    #[classattr]
+    #[expect(non_snake_case, reason = "a Python class constant")]
+    fn ADMISSION_POLICIES(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+        PyTuple::new(py, AdmissionPolicy::NAMES)
     }
     /// The accepted `victim_policy` names, in declaration order.
     #[classattr]

@@ -53,6 +53,18 @@ pub enum VictimPolicy {
     Priority,
 }
 
+/// The order of the queue, which every phase walks: which waiting request is admitted first,
+/// whose decode gets the step's budget first, and who may preempt whom (a victim is always
+/// behind its requester).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AdmissionPolicy {
+    /// Arrival order: first come, first served.
+    Fcfs,
+    /// Higher `priority` first, ties in arrival order (vLLM's `policy="priority"`, whose
+    /// lower value is the more important one).
+    Priority,
+}
+
 /// Whether a victim with room in the host tier is suspended (its KV copied to host and
 /// back) or recompute-paused (its KV thrown away and prefilled again). Every input is
 /// rank-invariant: the victim's state, its global token count and superblocks, and the
@@ -131,6 +143,10 @@ snake_case_names!(ServingMode, "serving_mode",
 snake_case_names!(VictimPolicy, "victim_policy",
     NewestFirst => "newest_first",
     LeastComputedFirst => "least_computed_first",
+    Priority => "priority",
+);
+snake_case_names!(AdmissionPolicy, "admission_policy",
+    Fcfs => "fcfs",
     Priority => "priority",
 );
 snake_case_names!(SuspendPolicy, "suspend_policy",
@@ -299,6 +315,11 @@ macro_rules! scheduler_config_fields {
             #[range(1, u32::MAX)]
             #[decision(effective_chunk_unit)]
             chunk_unit: Option<u32> = None,
+            /// While other requests are live, the most prompt tokens one request computes in a step (at least one chunk unit); 0 turns the cap off.
+            #[range(0, u32::MAX)]
+            long_prefill_token_threshold: u32 = 0,
+            /// Whether the prefill cap is at least the step's fair share: `max_num_tokens` divided by the live requests.
+            long_prefill_token_threshold_adaptive: bool = false,
             /// Longest request (prompt + `max_new_tokens`) accepted.
             #[range(1, u64::MAX)]
             max_seq_len: u64 = 131_072,
@@ -317,6 +338,8 @@ macro_rules! scheduler_config_fields {
             /// Cost of computing one token again after a recompute-pause, in the same unit.
             #[range(0, u32::MAX)]
             recompute_cost_per_token: u32 = 4,
+            /// The queue's order: arrival (fcfs), or higher priority first with ties in arrival order (priority).
+            admission_policy: AdmissionPolicy = Fcfs,
             /// Which request gives up its pages when a request ahead of it needs them.
             victim_policy: VictimPolicy = NewestFirst,
             /// A request chosen as a victim this many times is chosen again only by the queue head; 0 turns preemption off.
@@ -552,6 +575,29 @@ impl SchedulerConfig {
         self.chunk_unit.unwrap_or(self.tokens_per_block)
     }
 
+    /// The most prompt tokens one request may compute in a step that starts with `live` live
+    /// requests (`long_prefill_token_threshold`), or `None` when nothing caps it: the cap is
+    /// off, or the request is alone, with nobody to keep waiting. With
+    /// `long_prefill_token_threshold_adaptive` it is at least the step's fair share,
+    /// `max_num_tokens / live`; it is never below one chunk unit (a chunk that does not
+    /// complete its prompt is a multiple of the unit).
+    pub fn prefill_cap(&self, live: usize) -> Option<u64> {
+        let threshold = u64::from(self.long_prefill_token_threshold);
+        if threshold == 0 || live <= 1 {
+            return None;
+        }
+        let fair_share = if self.long_prefill_token_threshold_adaptive {
+            u64::from(self.max_num_tokens) / live as u64
+        } else {
+            0
+        };
+        Some(
+            threshold
+                .max(fair_share)
+                .max(u64::from(self.effective_chunk_unit())),
+        )
+    }
+
     /// The token placement of this group.
     pub fn layout(&self) -> Result<Layout> {
         Layout::new(self.cp_size, self.tokens_per_block)
@@ -572,8 +618,16 @@ impl SchedulerConfig {
         let mut h = Fnv64::new();
         h.bytes(b"helix_kv.SchedulerConfig");
         for (name, value) in self.decision_fields() {
-            let off = (name == "enable_prefix_caching" && value == FieldValue::Bool(false))
-                || (name == "num_speculative_tokens" && value == FieldValue::Int(0));
+            let off = matches!(
+                (name, value),
+                (
+                    "enable_prefix_caching" | "long_prefill_token_threshold_adaptive",
+                    FieldValue::Bool(false)
+                ) | (
+                    "num_speculative_tokens" | "long_prefill_token_threshold",
+                    FieldValue::Int(0)
+                ) | ("admission_policy", FieldValue::Name("fcfs"))
+            );
             if off {
                 // A feature off hashes as if it did not exist, so configurations from
                 // before it keep their fingerprint (and every digest its value).
@@ -617,6 +671,13 @@ impl SchedulerConfig {
             return fail(format!(
                 "max_num_tokens = {} is below chunk_unit = {unit}: no partial chunk could ever be scheduled; raise max_num_tokens or lower chunk_unit",
                 self.max_num_tokens
+            ));
+        }
+        if self.long_prefill_token_threshold > 0 && !self.enable_chunked_prefill {
+            return fail(format!(
+                "long_prefill_token_threshold = {} splits long prompts over several steps, which needs chunked \
+                 prefill: enable chunked prefill, or set long_prefill_token_threshold = 0",
+                self.long_prefill_token_threshold
             ));
         }
         match self.serving_mode {
@@ -777,6 +838,9 @@ mod tests {
         for name in SuspendPolicy::NAMES {
             assert_eq!(name.parse::<SuspendPolicy>().unwrap().as_str(), *name);
         }
+        for name in AdmissionPolicy::NAMES {
+            assert_eq!(name.parse::<AdmissionPolicy>().unwrap().as_str(), *name);
+        }
         let err = "oldest".parse::<VictimPolicy>().unwrap_err().to_string();
         assert!(err.contains("newest_first"), "{err}");
     }
@@ -817,6 +881,13 @@ mod tests {
             (changed(|c| c.max_num_tokens = 0), "max_num_tokens"),
             (changed(|c| c.max_num_tokens = 16), "chunk_unit"),
             (changed(|c| c.chunk_unit = Some(0)), "chunk_unit"),
+            (
+                changed(|c| {
+                    c.enable_chunked_prefill = false;
+                    c.long_prefill_token_threshold = 64;
+                }),
+                "long_prefill_token_threshold = 64 splits long prompts over several steps, which needs chunked prefill",
+            ),
             (changed(|c| c.max_seq_len = 0), "max_seq_len"),
             (changed(|c| c.deadlock_steps = 0), "deadlock_steps"),
             (
@@ -889,6 +960,45 @@ mod tests {
         })
         .validate()
         .unwrap();
+    }
+
+    #[test]
+    fn the_prefill_cap_applies_while_others_are_live_and_keeps_a_floor() {
+        let config = changed(|c| {
+            c.tokens_per_block = 16;
+            c.max_num_tokens = 1024;
+        });
+        assert_eq!(config.prefill_cap(5), None, "off by default");
+        let capped = SchedulerConfig {
+            long_prefill_token_threshold: 100,
+            ..config.clone()
+        };
+        assert_eq!(capped.prefill_cap(0), None);
+        assert_eq!(capped.prefill_cap(1), None, "alone: nobody waits");
+        assert_eq!(capped.prefill_cap(2), Some(100));
+        assert_eq!(capped.prefill_cap(1000), Some(100));
+        let adaptive = SchedulerConfig {
+            long_prefill_token_threshold_adaptive: true,
+            ..capped.clone()
+        };
+        assert_eq!(adaptive.prefill_cap(1), None);
+        assert_eq!(adaptive.prefill_cap(2), Some(512), "the fair share");
+        assert_eq!(adaptive.prefill_cap(10), Some(102));
+        assert_eq!(adaptive.prefill_cap(11), Some(100), "the threshold");
+        let tiny = SchedulerConfig {
+            long_prefill_token_threshold: 3,
+            ..config.clone()
+        };
+        assert_eq!(tiny.prefill_cap(2), Some(16), "at least one chunk unit");
+        let adaptive_off = SchedulerConfig {
+            long_prefill_token_threshold_adaptive: true,
+            ..config
+        };
+        assert_eq!(
+            adaptive_off.prefill_cap(2),
+            None,
+            "adaptive alone caps nothing"
+        );
     }
 
     #[test]

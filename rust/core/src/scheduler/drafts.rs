@@ -9,8 +9,8 @@
 //!   chunk as it would without drafts; only then, in queue order, does it extend each
 //!   decode with its drafts, from the free list alone (no eviction, no preemption, no
 //!   suspend) and within the token budget left, and never past `max_new_tokens`. So under
-//!   pressure the newest requests lose their drafts first (queue order is arrival order,
-//!   the order every other decision follows) and a request whose drafts were trimmed still
+//!   pressure the last in queue order lose their drafts first (the newest; under priority
+//!   admission the least important: the order every other decision follows) and a request whose drafts were trimmed still
 //!   decodes its one token.
 //! - **Update** takes `1 + drafts` sampled rows per generation entry and how many drafts
 //!   were accepted; the accepted prefix (cut at an end-of-sequence) is appended and the

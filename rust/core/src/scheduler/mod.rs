@@ -1,7 +1,7 @@
 //! The preemptive, rank-invariant scheduler (docs/internals/scheduler.md).
 //!
 //! Every rank of a CP group runs its own [`Scheduler`] over its own copy of the
-//! [`Ledger`]. A decision reads only the queue (arrival order), request sizes in global
+//! [`Ledger`]. A decision reads only the queue (arrival order, or priority then arrival), request sizes in global
 //! tokens, priorities, the configuration and the ledger, all identical on every rank by
 //! construction, so every rank schedules, preempts and places tokens identically
 //! without talking to the others. `cp_rank` selects which per-rank fields a schedule
@@ -28,8 +28,9 @@ mod victim;
 use rustc_hash::FxHashMap;
 
 pub use config::{
-    CapacityPolicy, ConfigDefault, ConfigField, ConfigValue, FieldValue, SchedulerConfig,
-    ServingMode, SuspendPolicy, VictimPolicy, DECISION_FIELDS, MAX_SPECULATIVE_TOKENS,
+    AdmissionPolicy, CapacityPolicy, ConfigDefault, ConfigField, ConfigValue, FieldValue,
+    SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy, DECISION_FIELDS,
+    MAX_SPECULATIVE_TOKENS,
 };
 pub use metadata::{
     decode_row, DecodeRowCounts, StepMetadata, StepMetadataLayout, StepMetadataSection, StepSource,
@@ -133,7 +134,8 @@ pub struct Scheduler {
     /// Stack of vacant indices in `requests`, in step with the ledger's vacant entries.
     vacant: Vec<RequestIndex>,
     index: FxHashMap<RequestId, RequestIndex>,
-    /// Live requests in arrival order: the queue order every decision walks.
+    /// Live requests in queue order, which every decision walks: arrival order, or
+    /// descending priority then arrival order (`admission_policy`; see `enqueue`).
     queue: Vec<RequestIndex>,
     state_counts: [usize; RequestState::COUNT],
     /// Finished requests whose output has not been taken yet.
@@ -310,9 +312,31 @@ impl Scheduler {
         // request's index is also its ledger entry (the decode path's lookup hint).
         debug_assert_eq!(self.ledger.entry_of(id).ok(), Some(req as usize));
         self.index.insert(id, req);
-        self.queue.push(req);
+        self.enqueue(req, priority);
         self.state_counts[RequestState::Waiting.index()] += 1;
         Ok(())
+    }
+
+    /// Puts the request at `req` in the queue at its place for its whole life: behind every
+    /// live request (`fcfs`), or behind every live request at least as important
+    /// (`priority`: the queue is kept in descending priority, arrival order within one). A
+    /// place is found by a binary search over a queue already in order, never a sort; the
+    /// common case (no more important than the last) appends.
+    fn enqueue(&mut self, req: RequestIndex, priority: i32) {
+        let at = match self.config.admission_policy {
+            AdmissionPolicy::Fcfs => self.queue.len(),
+            AdmissionPolicy::Priority => {
+                let requests = &self.requests;
+                let priority_of = |r: RequestIndex| requests[r as usize].cold.priority;
+                match self.queue.last() {
+                    Some(&last) if priority_of(last) < priority => {
+                        self.queue.partition_point(|&r| priority_of(r) >= priority)
+                    }
+                    _ => self.queue.len(),
+                }
+            }
+        };
+        self.queue.insert(at, req);
     }
 
     /// A request added while a step is pending did not take part in it.

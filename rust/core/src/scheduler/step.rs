@@ -1,7 +1,7 @@
 //! Building one step: the generation phase, the context phase, the preemption ladder
 //! and the output arrays.
 
-use super::config::{CapacityPolicy, ServingMode, SuspendPolicy, VictimPolicy};
+use super::config::{AdmissionPolicy, CapacityPolicy, ServingMode, SuspendPolicy, VictimPolicy};
 use super::output::ScheduleOutput;
 use super::pending::{ContextEntry, JournalEntry, SatOut, StepRecord};
 use super::request::{AheadMark, Request, RequestIndex, RequestState, NO_STEP};
@@ -569,6 +569,15 @@ impl Scheduler {
         }
         let unit = u64::from(self.config.effective_chunk_unit());
         let max_tokens = u64::from(self.config.max_num_tokens);
+        // The most prompt tokens one request takes while others are live (none: uncapped).
+        let cap = self
+            .config
+            .prefill_cap(self.queue.len())
+            .unwrap_or(u64::MAX);
+        // Under priority admission an admission that found no pages holds back the
+        // admissions behind it, not the prompts already admitted (see the stop below).
+        let admitted_go_on = self.config.admission_policy == AdmissionPolicy::Priority;
+        let mut admissions_held = false;
         for queue_pos in 0..self.queue.len() {
             let req = self.queue[queue_pos];
             let request = &self.requests[req as usize];
@@ -593,7 +602,9 @@ impl Scheduler {
                 }
             }
             if request.cold.victim_step == step
-                || (admitting && self.builder.preempted && !self.config.admit_after_preemption)
+                || (admitting
+                    && (admissions_held
+                        || (self.builder.preempted && !self.config.admit_after_preemption)))
             {
                 continue;
             }
@@ -610,11 +621,13 @@ impl Scheduler {
             let cached = hits.len() as u64 * self.layout.tokens_per_superblock();
             start += cached;
             let remaining = request.prefill_len() - start;
-            let budget = max_tokens - self.builder.tokens;
-            let chunk = if remaining <= budget {
+            // The cap is at least one unit (and needs chunked prefill), so only the step's
+            // budget can leave a request no chunk.
+            let allowed = (max_tokens - self.builder.tokens).min(cap);
+            let chunk = if remaining <= allowed {
                 remaining
             } else if self.config.enable_chunked_prefill {
-                budget - budget % unit
+                allowed - allowed % unit
             } else {
                 0
             };
@@ -631,6 +644,13 @@ impl Scheduler {
                     self.ledger.shrink_restoring(id, 0)?;
                 }
                 // Head of line: nothing behind may take budget or pages this one could not.
+                // Under priority admission a request may be queued ahead of prompts already
+                // admitted, which hold pages: they go on (a capacity policy or mode that never
+                // preempts would otherwise wait on them for good), only admissions wait.
+                if admitting && admitted_go_on {
+                    admissions_held = true;
+                    continue;
+                }
                 break;
             }
             self.push_context_entry(step, req, start, chunk);

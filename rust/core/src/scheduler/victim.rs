@@ -10,7 +10,10 @@
 //! until they free enough, and only then preempts them. If they cannot, it puts them
 //! back (`rollback` to a `checkpoint`). That happens at most once per phase with a
 //! candidate taken: a decode token needs one superblock and every candidate holds at
-//! least one, and a context request that cannot be served ends the context phase.
+//! least one, and a context request that cannot be served ends the context phase (under
+//! priority admission an admission that cannot be served ends the admissions only: the
+//! prompts already admitted behind it go on, and the first of them that cannot be served
+//! ends the phase, so twice at most).
 
 use super::config::VictimPolicy;
 

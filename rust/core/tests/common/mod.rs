@@ -36,8 +36,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use helix_kv_core::{
-    CoreError, FinishReason, RankPlacement, RequestId, RequestOutput, RequestState, ScheduleOutput,
-    Scheduler, SchedulerConfig, ServingMode,
+    AdmissionPolicy, CoreError, FinishReason, RankPlacement, RequestId, RequestOutput,
+    RequestState, ScheduleOutput, Scheduler, SchedulerConfig, ServingMode,
 };
 
 /// The property tests' configuration: a gate that fails only on a change, never on the
@@ -314,8 +314,9 @@ pub struct Group {
     /// scheduler's `suspended_superblocks` / `resumed_superblocks` against.
     copied_out: u64,
     copied_in: u64,
-    /// Arrival order (queue order) of every request ever added.
-    arrival: BTreeMap<RequestId, usize>,
+    /// Queue order of every request ever added: `(0, arrival)`, or under priority admission
+    /// `(-priority, arrival)`.
+    arrival: BTreeMap<RequestId, (i64, usize)>,
     /// What the harness knows each live request holds: prompt + tokens it sampled.
     known: BTreeMap<RequestId, Vec<i32>>,
     /// Tokens a request's current (re-)prefill has been fed so far.
@@ -481,7 +482,19 @@ impl Group {
         );
         results[0].clone()?;
         let next = self.arrival.len();
-        self.arrival.insert(spec.id, next);
+        let rank = match self.config.admission_policy {
+            AdmissionPolicy::Fcfs => 0,
+            AdmissionPolicy::Priority => -i64::from(spec.priority),
+        };
+        self.arrival.insert(spec.id, (rank, next));
+        let queue = self.ranks[0].queue_ids();
+        assert!(
+            queue
+                .windows(2)
+                .all(|w| self.arrival[&w[0]] < self.arrival[&w[1]]),
+            "the queue is out of admission order after adding {}: {queue:?}",
+            spec.id
+        );
         self.known.insert(spec.id, spec.prompt.clone());
         self.limits
             .insert(spec.id, (spec.prompt.len(), spec.max_new_tokens));
@@ -536,6 +549,7 @@ impl Group {
     /// Schedules on every rank and checks agreement; all ranks must fail alike.
     pub fn schedule(&mut self) -> Result<Vec<ScheduleOutput>, CoreError> {
         let slots_before = self.batch_slots();
+        let live = self.ranks[0].num_live();
         let outs: Vec<Result<ScheduleOutput, CoreError>> = self
             .ranks
             .iter_mut()
@@ -552,7 +566,30 @@ impl Group {
         self.check_agreement(&outs);
         self.check_ladder(&outs[0]);
         self.check_slot_order(&slots_before, &outs[0]);
+        self.check_prefill_cap(live, &outs[0]);
         Ok(outs)
+    }
+
+    /// With `long_prefill_token_threshold`, no prompt chunk of a step scheduled while more
+    /// than `live == 1` requests were live is longer than the cap: the threshold, raised to
+    /// `max_num_tokens / live` when adaptive, and to one chunk unit.
+    fn check_prefill_cap(&self, live: usize, out: &ScheduleOutput) {
+        let c = &self.config;
+        if c.long_prefill_token_threshold == 0 || live <= 1 {
+            return;
+        }
+        let mut cap = u64::from(c.long_prefill_token_threshold);
+        if c.long_prefill_token_threshold_adaptive {
+            cap = cap.max(u64::from(c.max_num_tokens) / live as u64);
+        }
+        cap = cap.max(u64::from(c.effective_chunk_unit()));
+        for (id, &len) in out.context_ids.iter().zip(&out.context_lens) {
+            assert!(
+                len <= cap,
+                "step {}: a chunk of {len} tokens for request {id}, past the prefill cap {cap}",
+                out.step
+            );
+        }
     }
 
     /// The batch slot of every live request (rank 0; `check_agreement` compares the
