@@ -717,6 +717,9 @@ class Scheduler:
     def block_table(
         self, request_ids: _IntArray, width: int | None = None
     ) -> npt.NDArray[np.int32]: ...
+    def block_table_tails(
+        self, request_ids: _IntArray, starts: _IntArray
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]: ...
     def slot_mapping(
         self, request_ids: _IntArray, starts: _IntArray, counts: _IntArray
     ) -> npt.NDArray[np.int64]: ...

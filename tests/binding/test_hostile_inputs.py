@@ -420,6 +420,7 @@ SCHEDULER_CALLS = [
     Call("idle", "tokens", (1,), (ID,)),
     Call("idle", "request_state", (1,), (ID,)),
     Call("idle", "block_table", ([1, 2], 4), (IDS, WIDTH)),
+    Call("pending", "block_table_tails", ([1, MAX_ID], [0, 1]), (IDS, LENGTHS), paired=(0, 1)),
     Call(
         "pending",
         "slot_mapping",
