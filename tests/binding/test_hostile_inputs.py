@@ -488,6 +488,7 @@ NO_ARGUMENTS = {
         "metrics",
         "has_unfinished",
         "queue_ids",
+        "queue_holdings",
         "state_digest",
         "pending_steps",
         "write_decode_rows",  # needs a decode-only step: tests/binding/test_step_metadata.py

@@ -219,6 +219,23 @@ def test_block_table_tails_show_a_superblock_rejected_drafts_gave_back() -> None
     assert after.tolist() == [-1]  # every draft rejected: the superblock went back
 
 
+def test_queue_holdings_follow_admission_and_aborts() -> None:
+    s = scheduler(tpb=4, superblocks=4, max_num_tokens=8)
+    for request_id in (1, 2, 3):
+        s.add_request(request_id, prompt(4, request_id), 4)
+    ids, held, aborting = s.queue_holdings()
+    assert (ids.dtype, held.dtype, aborting.dtype) == (np.uint64, np.int64, np.bool_)
+    assert (ids.tolist(), held.tolist(), aborting.tolist()) == ([1, 2, 3], [0] * 3, [False] * 3)
+    s.schedule()  # admits 1 and 2: they hold their superblocks while the step is pending
+    assert s.queue_holdings()[1].tolist() == [1, 1, 0]
+    s.abort(2)  # deferred: the step is pending
+    ids, held, aborting = s.queue_holdings()
+    assert (held.tolist(), aborting.tolist()) == ([1, 1, 0], [False, True, False])
+    assert s.update(np.zeros(2, np.int32)).tolist() == [2]  # the abort took effect
+    ids, held, aborting = s.queue_holdings()
+    assert (ids.tolist(), held.tolist(), aborting.tolist()) == ([1, 3], [1, 0], [False, False])
+
+
 def test_block_table_tails_refuse_bad_arguments() -> None:
     s = scheduler()
     s.add_request(1, prompt(3), 2)

@@ -427,6 +427,29 @@ impl PyScheduler {
     fn queue_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
         ids_to_numpy(py, self.inner.queue_ids())
     }
+    /// The live requests in queue order with what each holds, in one crossing:
+    /// `(ids, superblocks, abort_requested)` (uint64, int64, bool). A request holds
+    /// superblocks from the step that admits it (while that step is still pending too)
+    /// until it finishes or is recompute-paused; `abort_requested` marks an abort waiting
+    /// for the pending step to close. An engine reads its running and waiting requests off
+    /// these (vLLM's `running`: holding superblocks, no abort requested).
+    fn queue_holdings<'py>(&self, py: Python<'py>) -> PyResult<QueueHoldings<'py>> {
+        let ids = self.inner.queue_ids();
+        let ledger = self.inner.ledger();
+        let mut held = Vec::with_capacity(ids.len());
+        let mut aborting = Vec::with_capacity(ids.len());
+        for &id in &ids {
+            held.push(i64::from(superblock_count(
+                ledger.request(id).py()?.table().len(),
+            )));
+            aborting.push(self.inner.is_abort_requested(id).py()?);
+        }
+        Ok((
+            ids_to_numpy(py, ids),
+            PyArray1::from_vec(py, held),
+            PyArray1::from_vec(py, aborting),
+        ))
+    }
     /// Fingerprint of everything that drives decisions (equal on every rank fed the
     /// same calls; unchanged by a schedule + revert that preempted nothing).
     fn state_digest(&self) -> u64 {
@@ -520,6 +543,20 @@ pub fn update_args<'py>(
 /// `block_table_tails()`'s result: the pages past each start, concatenated, and each
 /// request's count past its start.
 type TableTails<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i64>>);
+
+/// `queue_holdings()`'s result: the live ids in queue order, the superblocks each holds and
+/// whether its abort waits for the pending step.
+type QueueHoldings<'py> = (
+    Bound<'py, PyArray1<u64>>,
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray1<bool>>,
+);
+
+/// A table's length as a superblock count (tables hold at most 2**31-1 superblocks, the
+/// pool's bound).
+fn superblock_count(len: usize) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX)
+}
 
 /// `held - start` for a table of `held` superblocks (at most 2**31-1, the pool's bound) and
 /// a start of at most 2**63-1 (a length argument): both fit i64, so the difference does.
