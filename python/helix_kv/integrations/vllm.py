@@ -92,9 +92,10 @@ class _Step:
     drafted_hids: _Ids | None
     #: Admissions of requests never run before, and of preempted ones (prefix-cache stats).
     admissions: tuple[int, int]
-    #: Every entry's request and tokens (vLLM's in-flight token count drops by them).
-    reqs: list[Any]
-    counts: list[int]
+    #: The tokens each sample entry ran (vLLM's in-flight count drops by them), and the
+    #: context chunks that sample nothing with theirs.
+    sample_counts: list[int]
+    partial: list[tuple[Any, int]]
 
 
 @dataclass
@@ -187,12 +188,17 @@ class HelixScheduler(_SchedulerInterface):
         self._known = np.zeros(capacity, np.int64)
         self._last_scheduled = np.full(capacity, -2, np.int64)
         self._replace = np.zeros(capacity, np.bool_)
+        # The runner's last page of each table, and a page it holds past helix's table end
+        # (rejected drafts gave it back): -1 for none.
+        self._last_page = np.full(capacity, -1, np.int64)
+        self._stale = np.full(capacity, -1, np.int64)
         self._free: list[int] = list(range(capacity - 1, -1, -1))
 
     def _grow_ids(self) -> None:
         old = len(self._req_of)
         new = old * 2
-        for name in ("_req_of", "_rid_of", "_prompt_len", "_known", "_last_scheduled"):
+        names = ("_req_of", "_rid_of", "_prompt_len", "_known", "_last_scheduled")
+        for name in (*names, "_last_page", "_stale"):
             array = getattr(self, name)
             grown = np.empty(new, dtype=array.dtype)
             grown[:old] = array
@@ -200,6 +206,8 @@ class HelixScheduler(_SchedulerInterface):
         self._prompt_len[old:] = 0
         self._known[old:] = 0
         self._last_scheduled[old:] = -2
+        self._last_page[old:] = -1
+        self._stale[old:] = -1
         replace = np.zeros(new, np.bool_)
         replace[:old] = self._replace
         self._replace = replace
@@ -215,6 +223,8 @@ class HelixScheduler(_SchedulerInterface):
         self._known[hid] = 0
         self._last_scheduled[hid] = -2
         self._replace[hid] = False
+        self._last_page[hid] = -1
+        self._stale[hid] = -1
         return hid
 
     def _retire(self, hid: int) -> None:
@@ -468,26 +478,37 @@ class HelixScheduler(_SchedulerInterface):
         new_reqs, cached = self._split(rows, block_ids, seq)
         output = self._make_output(rows, new_reqs, cached, spec_tokens, block_ids)
         self._after_schedule(out, rows, seq)
-        num_gen = len(out.generation_ids)
-        completing = [
-            rows.reqs[num_gen + i] for i in np.flatnonzero(out.context_completes).tolist()
-        ]
-        drafts = out.generation_draft_counts
-        drafted = bool(num_gen) and bool(drafts.any())
-        self._pending.append(
-            _Step(
-                output=output,
-                helix=out,
-                sample_reqs=rows.reqs[:num_gen] + completing,
-                drafts=drafts if drafted else None,
-                drafted_hids=rows.hids[:num_gen][drafts > 0] if drafted else None,
-                admissions=admissions,
-                reqs=rows.reqs,
-                counts=rows.counts,
-            )
-        )
+        self._pending.append(self._step_record(out, rows, output, admissions))
         self._close_empty_steps()
         return output
+
+    def _step_record(
+        self, out: ScheduleOutput, rows: _Rows, output: Any, admissions: tuple[int, int]
+    ) -> _Step:
+        g = rows.num_generation
+        sample_reqs = rows.reqs[:g]
+        sample_counts = rows.counts[:g]
+        partial = []
+        for request, count, complete in zip(
+            rows.reqs[g:], rows.counts[g:], out.context_completes.tolist()
+        ):
+            if complete:
+                sample_reqs.append(request)
+                sample_counts.append(count)
+            else:
+                partial.append((request, count))
+        drafts = out.generation_draft_counts
+        drafted = bool(g) and bool(drafts.any())
+        return _Step(
+            output=output,
+            helix=out,
+            sample_reqs=sample_reqs,
+            drafts=drafts if drafted else None,
+            drafted_hids=rows.hids[:g][drafts > 0] if drafted else None,
+            admissions=admissions,
+            sample_counts=sample_counts,
+            partial=partial,
+        )
 
     def _close_empty_steps(self) -> None:
         """Closes the oldest pending steps while they schedule nothing: the model runner
@@ -520,6 +541,8 @@ class HelixScheduler(_SchedulerInterface):
             self._preempted_ids.add(request.request_id)
             self._known[hid] = 0
             self._replace[hid] = False
+            self._last_page[hid] = -1
+            self._stale[hid] = -1
 
     def _rows(self, out: ScheduleOutput) -> tuple[_Rows, tuple[int, int]]:
         """The step's entries as rows, with vLLM's view of each admission applied."""
@@ -528,7 +551,7 @@ class HelixScheduler(_SchedulerInterface):
         rids: list[str] = self._rid_of[gen].tolist()
         counts: list[int] = (out.generation_draft_counts + 1).tolist()
         computed = [out.generation_positions]
-        kinds = [self._replace[gen].astype(np.int8) * 2]
+        kinds = [np.zeros(len(gen), np.int8)]
         ctx = out.context_ids.view(np.int64)
         new = resumed = 0
         if len(ctx):
@@ -591,22 +614,52 @@ class HelixScheduler(_SchedulerInterface):
             return []
         starts = np.where(rows.kinds == 0, self._known[hids], 0)
         pages, tails = self.helix.block_table_tails(hids, starts)
-        if (tails < 0).any():  # a table shrank without update seeing it: send it whole
-            shrunk = tails < 0
-            rows.kinds[shrunk] = 2
-            starts[shrunk] = 0
+        skip = self._regrown(hids, rows.kinds, pages, tails)
+        if skip is None:  # a table changed under the runner: it goes whole, as resumed
+            starts = np.where(rows.kinds == 0, self._known[hids], 0)
             pages, tails = self.helix.block_table_tails(hids, starts)
-        self._known[hids] = starts + tails
+            skip = np.zeros(len(hids), np.bool_)
+        held = starts + tails
+        self._known[hids] = held
+        self._replace[hids] = False
         block_ids: list[tuple[list[int], ...] | None] = [None] * len(hids)
         grown = np.flatnonzero(tails > 0)
         if len(grown):
+            ends = np.cumsum(tails[grown])
+            self._last_page[hids[grown]] = pages[ends - 1]
+            self._stale[hids[grown]] = -1
             ids: list[int] = (pages + 1).tolist()
-            ends = np.cumsum(tails[grown]).tolist()
-            begin = 0
-            for row, end in zip(grown.tolist(), ends):
-                block_ids[row] = (ids[begin:end],)
-                begin = end
+            firsts = (ends - tails[grown] + skip[grown]).tolist()
+            for row, first, end in zip(grown.tolist(), firsts, ends.tolist()):
+                if first < end:
+                    block_ids[row] = (ids[first:end],)
         return block_ids
+
+    def _regrown(
+        self,
+        hids: _Ids,
+        kinds: npt.NDArray[np.int8],
+        pages: npt.NDArray[np.int32],
+        tails: _Ids,
+    ) -> npt.NDArray[np.bool_] | None:
+        """Rows whose first new page is the one the runner still holds past the table's end
+        (the page rejected drafts gave back, handed to the same request again): it is not
+        new to the runner. None when some row's table changed otherwise (a table shorter
+        than the runner's, or regrown with another page): those rows become resumed (kind
+        2) and every table is read again."""
+        skip = np.zeros(len(hids), np.bool_)
+        changed = (kinds == 0) & ((tails < 0) | self._replace[hids])
+        stale = np.flatnonzero((kinds == 0) & (tails > 0) & (self._stale[hids] >= 0))
+        if len(stale):
+            firsts = np.cumsum(np.maximum(tails, 0)) - np.maximum(tails, 0)
+            same = pages[firsts[stale]] == self._stale[hids[stale]]
+            skip[stale[same]] = True
+            changed[stale[~same]] = True
+        if not changed.any():
+            return skip
+        kinds[changed] = 2
+        self._stale[hids[changed]] = -1
+        return None
 
     def _split(
         self, rows: _Rows, block_ids: list[tuple[list[int], ...] | None], seq: int
@@ -791,7 +844,7 @@ class HelixScheduler(_SchedulerInterface):
             tokens, eos = self._apply_tokens(step, runner, outputs)
         else:
             tokens, eos, accepted, spec_stats = self._apply_drafts(step, runner, outputs)
-        for request, count in zip(step.reqs, step.counts):
+        for request, count in step.partial:
             request.num_in_flight_tokens -= count
         released, self._retired = self._retired, []
         finished = self.helix.update(tokens, eos, accepted)
@@ -821,24 +874,32 @@ class HelixScheduler(_SchedulerInterface):
         self._retire(hid)
 
     def _note_shrunk_tables(self, hids: _Ids) -> None:
-        """Marks the tables rejected drafts made shorter: the model runner appends to its
-        copy, so such a table goes to it whole (as resumed) the next time it is scheduled."""
+        """Tables rejected drafts made shorter: the model runner appends to its copy, so it
+        keeps the page given back past the new end. One page (drafts reach one superblock
+        at most, unless they are many) is remembered: if the same request gets it back, the
+        runner's copy is right again; otherwise the table goes to it whole (as resumed) the
+        next time it is scheduled."""
         live = [h for h in hids.tolist() if self._req_of[h] is not None]
         if not live:
             return
         hids = np.asarray(live, dtype=np.int64)
         _, tails = self.helix.block_table_tails(hids, self._known[hids])
         shrunk = tails < 0
-        if shrunk.any():
-            self._known[hids[shrunk]] += tails[shrunk]
-            self._replace[hids[shrunk]] = True
+        if not shrunk.any():
+            return
+        hids, tails = hids[shrunk], tails[shrunk]
+        one = (tails == -1) & (self._stale[hids] < 0) & (self._last_page[hids] >= 0)
+        self._stale[hids[one]] = self._last_page[hids[one]]
+        self._last_page[hids] = -1
+        self._known[hids] += tails
+        self._replace[hids[~one]] = True
 
     def _apply_tokens(
         self, step: _Step, runner: Any, outputs: defaultdict[int, list[Any]]
     ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_] | None]:
-        """One token per sample row (no drafts): appended, stop-checked, reported."""
-        reqs = step.sample_reqs
-        tokens = [0] * len(reqs)
+        """One token per sample row (no drafts): appended, stop-checked, reported. The
+        common case (no stop, no event, nothing else to report) builds the smallest output."""
+        tokens: list[int] = []
         stops: list[int] = []
         sampled = runner.sampled_token_ids
         index = runner.req_id_to_index
@@ -847,28 +908,42 @@ class HelixScheduler(_SchedulerInterface):
         running = RequestStatus.RUNNING
         max_model_len = self.max_model_len
         placeholders = self._async
-        for row, request in enumerate(reqs):
+        for row, (request, count) in enumerate(zip(step.sample_reqs, step.sample_counts)):
+            request.num_in_flight_tokens -= count
             status = request.status
             if status > preempted:  # finished meanwhile (an abort): helix drops its token
+                tokens.append(0)
                 continue
             rid = request.request_id
             j = index.get(rid)
             new = sampled[j] if j is not None and sampled else None
             if not new:
+                tokens.append(0)
                 self._fail_unsampled(request, outputs)
                 continue
             token = new[0]
-            tokens[row] = token
+            tokens.append(token)
             request.append_output_token_ids(token)
             if placeholders and status == running:
                 request.num_output_placeholders -= 1
             stopped = check_stop(request, max_model_len)
             if stopped:
                 stops.append(row)
-            outputs[request.client_index].append(self._output(request, [token], stopped, j, extras))
+            elif (
+                extras is None
+                and not request.events
+                and request.prefill_stats is None
+                and request.trace_headers is None
+                and not request.num_nans_in_logits
+            ):
+                outputs[request.client_index].append(
+                    EngineCoreOutput(request_id=rid, new_token_ids=new)
+                )
+                continue
+            outputs[request.client_index].append(self._output(request, new, stopped, j, extras))
         eos = None
         if stops:
-            eos = np.zeros(len(reqs), np.bool_)
+            eos = np.zeros(len(tokens), np.bool_)
             eos[stops] = True
         return np.asarray(tokens, dtype=np.int32), eos
 
@@ -943,7 +1018,8 @@ class HelixScheduler(_SchedulerInterface):
         extras = _Extras.of(runner, self._return_sampling_mask)
         verify = _Verify(self, step.output.num_invalid_spec_tokens or {})
         row = 0
-        for i, request in enumerate(reqs):
+        for i, (request, count) in enumerate(zip(reqs, step.sample_counts)):
+            request.num_in_flight_tokens -= count
             width = widths[i]
             first, row = row, row + width
             if request.is_finished():
@@ -1043,7 +1119,9 @@ class HelixScheduler(_SchedulerInterface):
                 if request.spec_token_ids:
                     request.spec_token_ids = []
                 continue
-            drafts = strip_speculative_padding(drafts)[:limit]
+            if drafts and min(drafts) < 0:  # the GPU n-gram drafter pads with -1
+                drafts = strip_speculative_padding(drafts)
+            drafts = list(drafts[:limit])
             request.spec_token_ids = drafts
             if drafts:
                 hids.append(hid)
