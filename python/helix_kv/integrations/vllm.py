@@ -20,7 +20,6 @@ still hold it (one ``update_from_output`` after its request finished).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import defaultdict, deque
@@ -92,10 +91,6 @@ class _Step:
     drafted_hids: _Ids | None
     #: Admissions of requests never run before, and of preempted ones (prefix-cache stats).
     admissions: tuple[int, int]
-    #: The tokens each sample entry ran (vLLM's in-flight count drops by them), and the
-    #: context chunks that sample nothing with theirs.
-    sample_counts: list[int]
-    partial: list[tuple[Any, int]]
 
 
 @dataclass
@@ -176,6 +171,9 @@ class HelixScheduler(_SchedulerInterface):
         self._rejected: list[tuple[Any, str]] = []
         self._retired: list[int] = []
         self._proposed: list[Any] = []
+        # Live requests with trace headers, or another client than 0: while there are none,
+        # a decode's output is built in the fewest steps.
+        self._unusual = 0
         self._steps = 0
         self._stats = _StatsBase(self.helix)
 
@@ -188,6 +186,7 @@ class HelixScheduler(_SchedulerInterface):
         self._known = np.zeros(capacity, np.int64)
         self._last_scheduled = np.full(capacity, -2, np.int64)
         self._replace = np.zeros(capacity, np.bool_)
+        self._alive = np.zeros(capacity, np.bool_)
         # The runner's last page of each table, and a page it holds past helix's table end
         # (rejected drafts gave it back): -1 for none.
         self._last_page = np.full(capacity, -1, np.int64)
@@ -208,9 +207,10 @@ class HelixScheduler(_SchedulerInterface):
         self._last_scheduled[old:] = -2
         self._last_page[old:] = -1
         self._stale[old:] = -1
-        replace = np.zeros(new, np.bool_)
-        replace[:old] = self._replace
-        self._replace = replace
+        for flag in ("_replace", "_alive"):
+            grown_flags = np.zeros(new, np.bool_)
+            grown_flags[:old] = getattr(self, flag)
+            setattr(self, flag, grown_flags)
         self._free.extend(range(new - 1, old - 1, -1))
 
     def _new_hid(self, request: Any) -> int:
@@ -225,6 +225,7 @@ class HelixScheduler(_SchedulerInterface):
         self._replace[hid] = False
         self._last_page[hid] = -1
         self._stale[hid] = -1
+        self._alive[hid] = True
         return hid
 
     def _retire(self, hid: int) -> None:
@@ -234,8 +235,11 @@ class HelixScheduler(_SchedulerInterface):
         request = self._req_of[hid]
         self._req_of[hid] = None
         self._rid_of[hid] = None
+        self._alive[hid] = False
         if self._hid_of.get(request.request_id) == hid:
             del self._hid_of[request.request_id]
+        if request.trace_headers is not None or request.client_index != 0:
+            self._unusual -= 1
         self._retired.append(hid)
 
     # -- requests -------------------------------------------------------------------------
@@ -303,9 +307,12 @@ class HelixScheduler(_SchedulerInterface):
         except (HelixKVError, OverflowError) as error:
             self._req_of[hid] = None
             self._rid_of[hid] = None
+            self._alive[hid] = False
             self._free.append(hid)
             return f"{type(error).__name__}: {error}"
         self._hid_of[request.request_id] = hid
+        if request.trace_headers is not None or request.client_index != 0:
+            self._unusual += 1
         return None
 
     def finish_requests(
@@ -487,16 +494,9 @@ class HelixScheduler(_SchedulerInterface):
     ) -> _Step:
         g = rows.num_generation
         sample_reqs = rows.reqs[:g]
-        sample_counts = rows.counts[:g]
-        partial = []
-        for request, count, complete in zip(
-            rows.reqs[g:], rows.counts[g:], out.context_completes.tolist()
-        ):
+        for request, complete in zip(rows.reqs[g:], out.context_completes.tolist()):
             if complete:
                 sample_reqs.append(request)
-                sample_counts.append(count)
-            else:
-                partial.append((request, count))
         drafts = out.generation_draft_counts
         drafted = bool(g) and bool(drafts.any())
         return _Step(
@@ -506,8 +506,6 @@ class HelixScheduler(_SchedulerInterface):
             drafts=drafts if drafted else None,
             drafted_hids=rows.hids[:g][drafts > 0] if drafted else None,
             admissions=admissions,
-            sample_counts=sample_counts,
-            partial=partial,
         )
 
     def _close_empty_steps(self) -> None:
@@ -598,12 +596,17 @@ class HelixScheduler(_SchedulerInterface):
         counts = out.generation_draft_counts
         if not len(counts) or not counts.any():
             return {}
-        drafted = np.flatnonzero(counts).tolist()
+        rids = rows.rids
         if self._async:
-            return {rows.rids[i]: [-1] * int(counts[i]) for i in drafted}
+            return {rids[i]: [-1] * d for i, d in enumerate(counts.tolist()) if d}
         tokens: list[int] = out.generation_draft_tokens.tolist()
-        ends = np.cumsum(counts).tolist()
-        return {rows.rids[i]: tokens[ends[i] - int(counts[i]) : ends[i]] for i in drafted}
+        spec: dict[str, list[int]] = {}
+        end = 0
+        for rid, d in zip(rids, counts.tolist()):
+            if d:
+                spec[rid] = tokens[end : end + d]
+                end += d
+        return spec
 
     def _new_block_ids(self, rows: _Rows) -> list[tuple[list[int], ...] | None]:
         """Each row's new vLLM block ids (helix page + 1, block 0 being vLLM's null block):
@@ -739,11 +742,16 @@ class HelixScheduler(_SchedulerInterface):
     ) -> Any:
         if not isinstance(cached, CachedRequestData):
             cached = CachedRequestData.make_empty()
+        total = sum(rows.counts)
+        if total == len(rows.rids):  # one token each (a decode step): the cheapest dict
+            scheduled = dict.fromkeys(rows.rids, 1)
+        else:
+            scheduled = dict(zip(rows.rids, rows.counts))
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=dict(zip(rows.rids, rows.counts)),
-            total_num_scheduled_tokens=sum(rows.counts),
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=total,
             scheduled_spec_decode_tokens=spec_tokens,
             scheduled_encoder_inputs={},
             finished_req_ids=self._finished_ids,
@@ -762,9 +770,8 @@ class HelixScheduler(_SchedulerInterface):
         g = rows.num_generation
         reqs = rows.reqs
         after = (rows.computed + np.asarray(rows.counts, dtype=np.int64)).tolist()
-        for request, computed, count in zip(reqs, after, rows.counts):
+        for request, computed in zip(reqs, after):
             request.num_computed_tokens = computed
-            request.num_in_flight_tokens += count
         for request, complete in zip(reqs[g:], out.context_completes.tolist()):
             request.is_prefill_chunk = not complete
         if self._async:
@@ -830,7 +837,7 @@ class HelixScheduler(_SchedulerInterface):
         if self._pending and self._pending[0].output is scheduler_output:
             return self._pending.popleft()
         if not scheduler_output.total_num_scheduled_tokens:  # closed when scheduled
-            return _Step(scheduler_output, None, [], None, None, (0, 0), [], [])
+            return _Step(scheduler_output, None, [], None, None, (0, 0))
         raise ValueError(
             "update_from_output() must close the oldest pending schedule() output, "
             f"in order ({len(self._pending)} pending)"
@@ -844,8 +851,6 @@ class HelixScheduler(_SchedulerInterface):
             tokens, eos = self._apply_tokens(step, runner, outputs)
         else:
             tokens, eos, accepted, spec_stats = self._apply_drafts(step, runner, outputs)
-        for request, count in step.partial:
-            request.num_in_flight_tokens -= count
         released, self._retired = self._retired, []
         finished = self.helix.update(tokens, eos, accepted)
         # Ids retired before this update: no pending step holds them any more.
@@ -879,10 +884,9 @@ class HelixScheduler(_SchedulerInterface):
         at most, unless they are many) is remembered: if the same request gets it back, the
         runner's copy is right again; otherwise the table goes to it whole (as resumed) the
         next time it is scheduled."""
-        live = [h for h in hids.tolist() if self._req_of[h] is not None]
-        if not live:
+        hids = hids[self._alive[hids]]  # not retired in this update
+        if not len(hids):
             return
-        hids = np.asarray(live, dtype=np.int64)
         _, tails = self.helix.block_table_tails(hids, self._known[hids])
         shrunk = tails < 0
         if not shrunk.any():
@@ -897,26 +901,68 @@ class HelixScheduler(_SchedulerInterface):
     def _apply_tokens(
         self, step: _Step, runner: Any, outputs: defaultdict[int, list[Any]]
     ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_] | None]:
-        """One token per sample row (no drafts): appended, stop-checked, reported. The
-        common case (no stop, no event, nothing else to report) builds the smallest output."""
+        """One token per sample row (no drafts): appended, stop-checked, reported."""
+        reqs = step.sample_reqs
         tokens: list[int] = []
         stops: list[int] = []
+        extras = _Extras.of(runner, self._return_sampling_mask)
+        g = 0
+        if extras is None and not self._unusual and not self._async:
+            g = len(reqs) if step.helix is None else len(step.helix.generation_ids)
+            self._decode_outputs(reqs[:g], runner, outputs, tokens, stops)
         sampled = runner.sampled_token_ids
         index = runner.req_id_to_index
-        extras = _Extras.of(runner, self._return_sampling_mask)
         preempted = RequestStatus.PREEMPTED
         running = RequestStatus.RUNNING
-        max_model_len = self.max_model_len
-        placeholders = self._async
-        for row, (request, count) in enumerate(zip(step.sample_reqs, step.sample_counts)):
-            request.num_in_flight_tokens -= count
+        for row in range(g, len(reqs)):
+            request = reqs[row]
             status = request.status
             if status > preempted:  # finished meanwhile (an abort): helix drops its token
                 tokens.append(0)
                 continue
+            j = index.get(request.request_id)
+            new = sampled[j] if j is not None and sampled else None
+            if not new:
+                tokens.append(0)
+                self._fail_unsampled(request, outputs)
+                continue
+            tokens.append(new[0])
+            request.append_output_token_ids(new[0])
+            if self._async and status == running:
+                request.num_output_placeholders -= 1
+            stopped = check_stop(request, self.max_model_len)
+            if stopped:
+                stops.append(row)
+            outputs[request.client_index].append(self._output(request, new, stopped, j, extras))
+        eos = None
+        if stops:
+            eos = np.zeros(len(tokens), np.bool_)
+            eos[stops] = True
+        return np.asarray(tokens, dtype=np.int32), eos
+
+    def _decode_outputs(
+        self,
+        reqs: list[Any],
+        runner: Any,
+        outputs: defaultdict[int, list[Any]],
+        tokens: list[int],
+        stops: list[int],
+    ) -> None:
+        """The decodes' tokens in the common case (one step at a time, one client, no trace
+        headers, nothing else from the runner): a decode has no event and no prefill
+        statistics, so its output is its token, or the full one when it stops."""
+        sampled = runner.sampled_token_ids
+        index = runner.req_id_to_index
+        preempted = RequestStatus.PREEMPTED
+        max_model_len = self.max_model_len
+        emit = outputs[0].append
+        for row, request in enumerate(reqs):
+            if request.status > preempted:
+                tokens.append(0)
+                continue
             rid = request.request_id
             j = index.get(rid)
-            new = sampled[j] if j is not None and sampled else None
+            new = sampled[j] if j is not None else None
             if not new:
                 tokens.append(0)
                 self._fail_unsampled(request, outputs)
@@ -924,28 +970,11 @@ class HelixScheduler(_SchedulerInterface):
             token = new[0]
             tokens.append(token)
             request.append_output_token_ids(token)
-            if placeholders and status == running:
-                request.num_output_placeholders -= 1
-            stopped = check_stop(request, max_model_len)
-            if stopped:
+            if check_stop(request, max_model_len):
                 stops.append(row)
-            elif (
-                extras is None
-                and not request.events
-                and request.prefill_stats is None
-                and request.trace_headers is None
-                and not request.num_nans_in_logits
-            ):
-                outputs[request.client_index].append(
-                    EngineCoreOutput(request_id=rid, new_token_ids=new)
-                )
-                continue
-            outputs[request.client_index].append(self._output(request, new, stopped, j, extras))
-        eos = None
-        if stops:
-            eos = np.zeros(len(tokens), np.bool_)
-            eos[stops] = True
-        return np.asarray(tokens, dtype=np.int32), eos
+                emit(self._output(request, new, True, j, None))
+            else:
+                emit(EngineCoreOutput(request_id=rid, new_token_ids=new))
 
     def _output(
         self, request: Any, new: list[int], stopped: bool, index: int, extras: _Extras | None
@@ -1005,56 +1034,66 @@ class HelixScheduler(_SchedulerInterface):
         self, step: _Step, runner: Any, outputs: defaultdict[int, list[Any]]
     ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_] | None, list[int], Any]:
         """A step whose decodes verify drafts: a generation entry has ``1 + drafts`` rows and
-        keeps its accepted tokens (the model runner's list: accepted drafts, then one)."""
+        keeps its accepted tokens (the model runner's list: accepted drafts, then one);
+        rejected drafts were not computed after all."""
         assert step.drafts is not None
         drafts: list[int] = step.drafts.tolist()
+        g = len(drafts)
         reqs = step.sample_reqs
-        widths = [d + 1 for d in drafts] + [1] * (len(reqs) - len(drafts))
-        tokens = [0] * sum(widths)
-        accepted = [0] * len(drafts)
+        tokens = [0] * (sum(drafts) + len(reqs))
+        accepted = [0] * g
         stops: list[int] = []
         sampled = runner.sampled_token_ids
         index = runner.req_id_to_index
         extras = _Extras.of(runner, self._return_sampling_mask)
         verify = _Verify(self, step.output.num_invalid_spec_tokens or {})
+        fast = extras is None and not self._unusual and not self._async
+        emit = outputs[0].append
+        running = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
         row = 0
-        for i, (request, count) in enumerate(zip(reqs, step.sample_counts)):
-            request.num_in_flight_tokens -= count
-            width = widths[i]
-            first, row = row, row + width
-            if request.is_finished():
+        for i, request in enumerate(reqs):
+            width = drafts[i] + 1 if i < g else 1
+            first = row
+            row += width
+            status = request.status
+            if status > RequestStatus.PREEMPTED:
                 continue
-            j = index.get(request.request_id)
-            new = list(sampled[j][:width]) if j is not None and sampled else []
+            rid = request.request_id
+            j = index.get(rid)
+            new = sampled[j] if j is not None and sampled else None
             if not new:
                 self._fail_unsampled(request, outputs)
                 continue
-            tokens[first : first + len(new)] = new
-            live = request.status == RequestStatus.RUNNING
-            if i < len(drafts):
-                accepted[i] = len(new) - 1
-                verify.verified(request, drafts[i], len(new) - 1, live)
-            stopped = self._append_checked(request, new)
-            if stopped:
-                stops.append(first + len(new) - 1)
+            n = len(new)
+            if n > width:
+                new = new[:width]
+                n = width
+            tokens[first : first + n] = new
+            live = status == running
+            if i < g and width > 1:
+                accepted[i] = n - 1
+                verify.verified(request, width - 1, n - 1, live)
+            append = request.append_output_token_ids
+            stopped = False
+            for kept, token in enumerate(new, 1):
+                append(token)
+                if check_stop(request, max_model_len):
+                    del new[kept:]
+                    stopped = True
+                    stops.append(first + kept - 1)
+                    break
             if self._async and live:
                 request.num_output_placeholders -= len(new)
-            outputs[request.client_index].append(self._output(request, new, stopped, j, extras))
+            if fast and i < g and not stopped:
+                emit(EngineCoreOutput(request_id=rid, new_token_ids=new))
+            else:
+                outputs[request.client_index].append(self._output(request, new, stopped, j, extras))
         eos = None
         if stops:
             eos = np.zeros(len(tokens), np.bool_)
             eos[stops] = True
         return np.asarray(tokens, dtype=np.int32), eos, accepted, verify.stats
-
-    def _append_checked(self, request: Any, new: list[int]) -> bool:
-        """Appends ``new`` to the request up to vLLM's stop check (``new`` is cut there);
-        whether it stopped."""
-        for kept, token in enumerate(new, 1):
-            request.append_output_token_ids(token)
-            if check_stop(request, self.max_model_len):
-                del new[kept:]
-                return True
-        return False
 
     def _engine_outputs(self, outputs: defaultdict[int, list[Any]], spec_stats: Any) -> Any:
         """The step's outputs by client, with the finished ids and the scheduler stats."""
@@ -1105,33 +1144,37 @@ class HelixScheduler(_SchedulerInterface):
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
         """The drafter's proposals for the next step, handed to helix, which decides how
         many of them each decode verifies (drafts take free pages only, last)."""
+        hid_of = self._hid_of
+        found = np.fromiter((hid_of.get(rid, -1) for rid in draft_token_ids.req_ids), np.int64)
+        proposals = draft_token_ids.draft_token_ids
+        if (found < 0).any():
+            keep = (found >= 0).tolist()
+            proposals = [d for d, k in zip(proposals, keep) if k]
+            found = found[found >= 0]
+        limit = self.num_spec_tokens
         hids: list[int] = []
         counts: list[int] = []
-        tokens: list[list[int]] = []
+        tokens: list[int] = []
         proposed: list[Any] = []
-        limit = self.num_spec_tokens
-        for request_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
-            hid = self._hid_of.get(request_id)
-            if hid is None:
-                continue
-            request = self._req_of[hid]
+        for hid, request, drafts in zip(found.tolist(), self._req_of[found].tolist(), proposals):
             if request.is_prefill_chunk:
                 if request.spec_token_ids:
                     request.spec_token_ids = []
                 continue
-            if drafts and min(drafts) < 0:  # the GPU n-gram drafter pads with -1
+            if drafts and drafts[-1] < 0:  # the GPU n-gram drafter pads with -1
                 drafts = strip_speculative_padding(drafts)
-            drafts = list(drafts[:limit])
+            if len(drafts) > limit:
+                drafts = drafts[:limit]
             request.spec_token_ids = drafts
             if drafts:
                 hids.append(hid)
                 counts.append(len(drafts))
-                tokens.append(drafts)
+                tokens += drafts
                 proposed.append(request)
         self.helix.propose_drafts(
             np.asarray(hids, dtype=np.int64),
             np.asarray(counts, dtype=np.int64),
-            np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int32),
+            np.asarray(tokens, dtype=np.int32),
         )
         self._proposed = proposed
 
@@ -1158,17 +1201,15 @@ class _Verify:
         self.stats: Any = None
 
     def verified(self, request: Any, drafts: int, accepted: int, live: bool) -> None:
-        if not drafts:
-            return
         if live:  # a request preempted meanwhile restarts from nothing anyway
             request.num_computed_tokens -= drafts - accepted
             if self._async:
                 request.num_output_placeholders -= drafts - accepted
-        counted = drafts - self._invalid.get(request.request_id, 0)
+        counted = drafts - self._invalid.get(request.request_id, 0) if self._invalid else drafts
         if self._log and counted:
             if self.stats is None:
                 self.stats = SpecDecodingStats.new(self._num_spec)
-            self.stats.observe_draft(num_draft_tokens=counted, num_accepted_tokens=accepted)
+            self.stats.observe_draft(counted, accepted)
         if request.spec_decode_metrics is not None:
             request.spec_decode_metrics.observe(
                 num_draft_tokens=counted, num_accepted=accepted, detailed=self._detailed
