@@ -98,7 +98,9 @@ def run(
         "block_size": BLOCK,
         "enforce_eager": True,
         "seed": 0,
-        "gpu_memory_utilization": 0.05,
+        # the share of CPU memory vLLM lets the worker use, KV included (the KV is what
+        # num_gpu_blocks_override says): room for what earlier engines of the process left
+        "gpu_memory_utilization": 0.15,
         "disable_log_stats": False,
         "max_model_len": 256,
         "num_gpu_blocks_override": 64,

@@ -195,6 +195,10 @@ NOT_APPLICABLE: dict[str, tuple[str, ...]] = {
         "test_memory_leak",
         "test_cached_request_data_resumed_all_token_ids_mrv1_only",
     ),
+    "reads `Request.num_in_flight_tokens`, a counter only vLLM's own KV cache manager "
+    "reads; the adapter does not keep it (two writes per request per step)": (
+        "test_num_in_flight_tokens_accounting",
+    ),
     "writes vLLM's scheduler state directly and hands `update_from_output` a "
     "SchedulerOutput no `schedule()` made": (
         "test_scheduler_ec_connector_stats",
