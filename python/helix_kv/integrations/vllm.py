@@ -20,6 +20,7 @@ still hold it (one ``update_from_output`` after its request finished).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import defaultdict, deque
@@ -170,7 +171,10 @@ class HelixScheduler(_SchedulerInterface):
         self._preempted_ids: set[str] = set()
         self._rejected: list[tuple[Any, str]] = []
         self._retired: list[int] = []
-        self._proposed: list[Any] = []
+        # Bumped whenever a request id is mapped or unmapped; the drafter's last ids with
+        # their helix ids, valid while it stands.
+        self._ids_version = 0
+        self._draft_ids: tuple[list[str], int, _Ids] = ([], -1, np.zeros(0, np.int64))
         # Live requests with trace headers, or another client than 0: while there are none,
         # a decode's output is built in the fewest steps.
         self._unusual = 0
@@ -238,6 +242,7 @@ class HelixScheduler(_SchedulerInterface):
         self._alive[hid] = False
         if self._hid_of.get(request.request_id) == hid:
             del self._hid_of[request.request_id]
+            self._ids_version += 1
         if request.trace_headers is not None or request.client_index != 0:
             self._unusual -= 1
         self._retired.append(hid)
@@ -311,6 +316,7 @@ class HelixScheduler(_SchedulerInterface):
             self._free.append(hid)
             return f"{type(error).__name__}: {error}"
         self._hid_of[request.request_id] = hid
+        self._ids_version += 1
         if request.trace_headers is not None or request.client_index != 0:
             self._unusual += 1
         return None
@@ -330,6 +336,7 @@ class HelixScheduler(_SchedulerInterface):
             ids = set(request_ids)
         finished: list[Any] = []
         hids: list[int] = []
+        self._ids_version += 1
         for request_id in ids:
             hid = self._hid_of.pop(request_id, None)
             if hid is None:
@@ -599,13 +606,13 @@ class HelixScheduler(_SchedulerInterface):
         rids = rows.rids
         if self._async:
             return {rids[i]: [-1] * d for i, d in enumerate(counts.tolist()) if d}
-        tokens: list[int] = out.generation_draft_tokens.tolist()
+        # helix verifies the first d drafts proposed (its generation_draft_tokens): the
+        # request's own list when they are all of it
         spec: dict[str, list[int]] = {}
-        end = 0
-        for rid, d in zip(rids, counts.tolist()):
+        for rid, request, d in zip(rids, rows.reqs, counts.tolist()):
             if d:
-                spec[rid] = tokens[end : end + d]
-                end += d
+                drafts = request.spec_token_ids
+                spec[rid] = drafts if len(drafts) == d else drafts[:d]
         return spec
 
     def _new_block_ids(self, rows: _Rows) -> list[tuple[list[int], ...] | None]:
@@ -742,11 +749,12 @@ class HelixScheduler(_SchedulerInterface):
     ) -> Any:
         if not isinstance(cached, CachedRequestData):
             cached = CachedRequestData.make_empty()
-        total = sum(rows.counts)
-        if total == len(rows.rids):  # one token each (a decode step): the cheapest dict
-            scheduled = dict.fromkeys(rows.rids, 1)
+        counts = rows.counts
+        total = sum(counts)
+        if counts and total == counts[0] * len(counts) and min(counts) == counts[0]:
+            scheduled = dict.fromkeys(rows.rids, counts[0])  # as many tokens each: the cheapest
         else:
-            scheduled = dict(zip(rows.rids, rows.counts))
+            scheduled = dict(zip(rows.rids, counts))
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -770,16 +778,18 @@ class HelixScheduler(_SchedulerInterface):
         g = rows.num_generation
         reqs = rows.reqs
         after = (rows.computed + np.asarray(rows.counts, dtype=np.int64)).tolist()
-        for request, computed in zip(reqs, after):
-            request.num_computed_tokens = computed
+        if self.num_spec_tokens and not self._async:
+            # the drafts a request verifies are in the output; the next ones come later
+            for request, computed in zip(reqs, after):
+                request.num_computed_tokens = computed
+                request.spec_token_ids = []
+        else:
+            for request, computed in zip(reqs, after):
+                request.num_computed_tokens = computed
         for request, complete in zip(reqs[g:], out.context_completes.tolist()):
             request.is_prefill_chunk = not complete
         if self._async:
             self._add_placeholders(out, rows)
-        elif self._proposed:
-            for request in self._proposed:
-                request.spec_token_ids = []
-            self._proposed = []
         self._last_scheduled[rows.hids] = seq
 
     def _add_placeholders(self, out: ScheduleOutput, rows: _Rows) -> None:
@@ -1017,6 +1027,7 @@ class HelixScheduler(_SchedulerInterface):
         step without one, so the request ends in error (through vLLM's error path)."""
         logger.error("the model runner sampled no token for request %s", request.request_id)
         hid = self._hid_of.pop(request.request_id)
+        self._ids_version += 1
         self.helix.abort(hid)
         request.status = RequestStatus.FINISHED_ERROR
         self._note_finished(request)
@@ -1052,7 +1063,14 @@ class HelixScheduler(_SchedulerInterface):
         running = RequestStatus.RUNNING
         max_model_len = self.max_model_len
         row = 0
-        for i, request in enumerate(reqs):
+        start = 0
+        if fast:
+            verify.stats = self._verify_outputs(
+                reqs[:g], drafts, runner, outputs, tokens, accepted, stops, verify
+            )
+            start, row = g, g + sum(drafts)
+        for i in range(start, len(reqs)):
+            request = reqs[i]
             width = drafts[i] + 1 if i < g else 1
             first = row
             row += width
@@ -1094,6 +1112,66 @@ class HelixScheduler(_SchedulerInterface):
             eos = np.zeros(len(tokens), np.bool_)
             eos[stops] = True
         return np.asarray(tokens, dtype=np.int32), eos, accepted, verify.stats
+
+    def _verify_outputs(
+        self,
+        reqs: list[Any],
+        drafts: list[int],
+        runner: Any,
+        outputs: defaultdict[int, list[Any]],
+        tokens: list[int],
+        accepted: list[int],
+        stops: list[int],
+        verify: _Verify,
+    ) -> Any:
+        """The decodes' verifications in the common case (one step at a time, one client,
+        no trace headers, nothing else from the runner): each keeps its accepted tokens up
+        to vLLM's stop check; returns the step's spec-decode statistics (None without any)."""
+        sampled = runner.sampled_token_ids
+        index = runner.req_id_to_index
+        preempted = RequestStatus.PREEMPTED
+        max_model_len = self.max_model_len
+        emit = outputs[0].append
+        invalid = verify.invalid
+        log = self.log_stats
+        stats = verify.stats
+        row = 0
+        for i, (request, d) in enumerate(zip(reqs, drafts)):
+            first = row
+            row += d + 1
+            if request.status > preempted:
+                continue
+            rid = request.request_id
+            j = index.get(rid)
+            new = sampled[j] if j is not None else None
+            if not new:
+                self._fail_unsampled(request, outputs)
+                continue
+            n = len(new)
+            if n > d + 1:
+                new, n = new[: d + 1], d + 1
+            tokens[first : first + n] = new
+            if d:
+                accepted[i] = n - 1
+                request.num_computed_tokens -= d + 1 - n
+                counted = d - invalid.get(rid, 0) if invalid else d
+                if log and counted:
+                    if stats is None:
+                        stats = SpecDecodingStats.new(self.num_spec_tokens)
+                    stats.observe_draft(counted, n - 1)
+                if request.spec_decode_metrics is not None:
+                    verify.observe_request(request, counted, n - 1)
+            append = request.append_output_token_ids
+            for kept, token in enumerate(new, 1):
+                append(token)
+                if check_stop(request, max_model_len):
+                    del new[kept:]
+                    stops.append(first + kept - 1)
+                    emit(self._output(request, new, True, j, None))
+                    break
+            else:
+                emit(EngineCoreOutput(request_id=rid, new_token_ids=new))
+        return stats
 
     def _engine_outputs(self, outputs: defaultdict[int, list[Any]], spec_stats: Any) -> Any:
         """The step's outputs by client, with the finished ids and the scheduler stats."""
@@ -1145,38 +1223,31 @@ class HelixScheduler(_SchedulerInterface):
         """The drafter's proposals for the next step, handed to helix, which decides how
         many of them each decode verifies (drafts take free pages only, last)."""
         hid_of = self._hid_of
-        found = np.fromiter((hid_of.get(rid, -1) for rid in draft_token_ids.req_ids), np.int64)
+        ids = draft_token_ids.req_ids
+        # the drafter names the same requests step after step: their ids are looked up once
+        cached_ids, cached_version, found = self._draft_ids
+        if cached_version != self._ids_version or ids != cached_ids:
+            found = np.fromiter((hid_of.get(rid, -1) for rid in ids), np.int64, len(ids))
+            self._draft_ids = (list(ids), self._ids_version, found)
         proposals = draft_token_ids.draft_token_ids
-        if (found < 0).any():
-            keep = (found >= 0).tolist()
-            proposals = [d for d, k in zip(proposals, keep) if k]
+        if (found < 0).any():  # finished meanwhile
+            proposals = [d for d, hid in zip(proposals, found.tolist()) if hid >= 0]
             found = found[found >= 0]
         limit = self.num_spec_tokens
-        hids: list[int] = []
-        counts: list[int] = []
-        tokens: list[int] = []
-        proposed: list[Any] = []
-        for hid, request, drafts in zip(found.tolist(), self._req_of[found].tolist(), proposals):
-            if request.is_prefill_chunk:
-                if request.spec_token_ids:
-                    request.spec_token_ids = []
-                continue
-            if drafts and drafts[-1] < 0:  # the GPU n-gram drafter pads with -1
-                drafts = strip_speculative_padding(drafts)
-            if len(drafts) > limit:
-                drafts = drafts[:limit]
+        kept: list[list[int]] = []
+        for request, drafts in zip(self._req_of[found].tolist(), proposals):
+            if request.is_prefill_chunk:  # vLLM ignores drafts for prefill chunks
+                drafts = []
+            elif drafts and (drafts[-1] < 0 or len(drafts) > limit):
+                # the GPU n-gram drafter pads with -1
+                drafts = strip_speculative_padding(drafts)[:limit]
             request.spec_token_ids = drafts
-            if drafts:
-                hids.append(hid)
-                counts.append(len(drafts))
-                tokens += drafts
-                proposed.append(request)
+            kept.append(drafts)
         self.helix.propose_drafts(
-            np.asarray(hids, dtype=np.int64),
-            np.asarray(counts, dtype=np.int64),
-            np.asarray(tokens, dtype=np.int32),
+            found,
+            np.fromiter(map(len, kept), np.int64, len(kept)),
+            np.fromiter(itertools.chain.from_iterable(kept), np.int32),
         )
-        self._proposed = proposed
 
     def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> None:
         """One step ahead the drafts fill the placeholders of the step already scheduled
@@ -1197,7 +1268,7 @@ class _Verify:
         self._num_spec = scheduler.num_spec_tokens
         self._log = scheduler.log_stats
         self._detailed = scheduler.spec_decode_metrics_level == "detailed"
-        self._invalid = invalid
+        self.invalid = invalid
         self.stats: Any = None
 
     def verified(self, request: Any, drafts: int, accepted: int, live: bool) -> None:
@@ -1205,15 +1276,19 @@ class _Verify:
             request.num_computed_tokens -= drafts - accepted
             if self._async:
                 request.num_output_placeholders -= drafts - accepted
-        counted = drafts - self._invalid.get(request.request_id, 0) if self._invalid else drafts
+        counted = drafts - self.invalid.get(request.request_id, 0) if self.invalid else drafts
         if self._log and counted:
             if self.stats is None:
                 self.stats = SpecDecodingStats.new(self._num_spec)
             self.stats.observe_draft(counted, accepted)
         if request.spec_decode_metrics is not None:
-            request.spec_decode_metrics.observe(
-                num_draft_tokens=counted, num_accepted=accepted, detailed=self._detailed
-            )
+            self.observe_request(request, counted, accepted)
+
+    def observe_request(self, request: Any, drafts: int, accepted: int) -> None:
+        """The request's own acceptance record (``per_request_spec_decode_metrics``)."""
+        request.spec_decode_metrics.observe(
+            num_draft_tokens=drafts, num_accepted=accepted, detailed=self._detailed
+        )
 
 
 class _Extras:
