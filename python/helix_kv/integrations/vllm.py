@@ -20,7 +20,6 @@ still hold it (one ``update_from_output`` after its request finished).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import defaultdict, deque
@@ -1243,11 +1242,10 @@ class HelixScheduler(_SchedulerInterface):
                 drafts = strip_speculative_padding(drafts)[:limit]
             request.spec_token_ids = drafts
             kept.append(drafts)
-        self.helix.propose_drafts(
-            found,
-            np.fromiter(map(len, kept), np.int64, len(kept)),
-            np.fromiter(itertools.chain.from_iterable(kept), np.int32),
-        )
+        counts = np.fromiter(map(len, kept), np.int64, len(kept))
+        # helix decides on the counts; the drafts themselves go to the model runner in the
+        # requests' own lists (``scheduled_spec_decode_tokens``), so helix gets placeholders
+        self.helix.propose_drafts(found, counts, np.full(int(counts.sum()), -1, np.int32))
 
     def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> None:
         """One step ahead the drafts fill the placeholders of the step already scheduled
