@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -193,40 +194,61 @@ class Floor:
         self.computed = computed + 1 + (len(sampled[0]) - 1 if k else 0)
 
 
-@pytest.mark.parametrize("impl", ["vllm", "helix", "floor"])
+def _median(values: list[float]) -> float:
+    return float(np.median(np.asarray(values)))
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("collector", ["engine", "frozen"])
 def test_bench_vllm_step(
-    benchmark: Any,
-    report_figure: Any,
-    model_dir: str,
-    collector: str,
-    n: int,
-    variant: str,
-    impl: str,
+    benchmark: Any, model_dir: str, collector: str, n: int, variant: str
 ) -> None:
+    """vLLM's own step, the adapter's and the floor, one after the other in every round, so
+    that the machine's load (shared, here) weighs on the three alike; each one's median and
+    the median of the per-round ratios are reported."""
     gc.collect()
     gc.freeze()  # the start-up heap, as vLLM's engine core freezes it after start-up
     try:
-        work: Workload | Floor = (
-            Floor(n, variant, model_dir)
-            if impl == "floor"
-            else Workload(n, variant, impl, model_dir)
-        )
+        works: dict[str, Workload | Floor] = {
+            "vllm": Workload(n, variant, "vllm", model_dir),
+            "helix": Workload(n, variant, "helix", model_dir),
+            "floor": Floor(n, variant, model_dir),
+        }
         if collector == "frozen":
             gc.collect()
             gc.freeze()
-        benchmark.group = f"vllm step {variant} N={n} gc={collector}"
-        benchmark.pedantic(work.step, rounds=ROUNDS, warmup_rounds=WARMUP)
+        times: dict[str, list[float]] = {impl: [] for impl in works}
+
+        def round_of_three() -> None:
+            for impl, work in works.items():
+                started = time.perf_counter()
+                work.step()
+                times[impl].append(time.perf_counter() - started)
+
+        benchmark.group = f"vllm step gc={collector}"
+        benchmark.pedantic(round_of_three, rounds=ROUNDS, warmup_rounds=WARMUP)
     finally:
         gc.unfreeze()
-    if impl == "helix":
-        helix = work.s.helix.metrics()
-        assert helix.preemptions == 0
-        if variant == "drafts" and benchmark.stats is not None:
-            assert helix.spec_decode_num_accepted_tokens > 0
-    report_figure(
-        benchmark, f"{impl} step, {variant}, N={n}, gc {collector}", n, "request",
-        ">= 10x under vLLM's own at N >= 1024, <= 1.5x the floor",
-    )  # fmt: skip
+    helix = works["helix"].s.helix.metrics()
+    assert helix.preemptions == 0
+    if variant == "drafts":
+        assert helix.spec_decode_num_accepted_tokens > 0
+    if benchmark.stats is None:  # --benchmark-disable: one untimed round
+        return
+    timed = {impl: values[WARMUP:] for impl, values in times.items()}
+    medians = {impl: _median(values) for impl, values in timed.items()}
+    speedup = _median([v / h for v, h in zip(timed["vllm"], timed["helix"])])
+    over_floor = _median([h / f for h, f in zip(timed["helix"], timed["floor"])])
+    benchmark.extra_info.update(
+        {f"{impl}_us": round(median * 1e6, 1) for impl, median in medians.items()}
+    )
+    benchmark.extra_info.update(
+        vllm_over_helix=round(speedup, 2), helix_over_floor=round(over_floor, 2)
+    )
+    print(
+        f"\nvLLM step, {variant}, N={n}, gc {collector}: vLLM {medians['vllm'] * 1e3:.2f} ms, "
+        f"helix {medians['helix'] * 1e3:.2f} ms, floor {medians['floor'] * 1e3:.2f} ms; "
+        f"vLLM/helix {speedup:.1f}x, helix/floor {over_floor:.2f} (goal: >= 10x at N >= 1024, "
+        "<= 1.5)"
+    )
