@@ -24,7 +24,8 @@ scheduler costs); ``frozen``, every object alive when the timing starts frozen (
 too), so that only each scheduler's own work is timed.
 
 Goal (issue 40): helix_kv >= 10x less time than vLLM's own at N = 1024 and 4096, and within
-1.5x of the floor. The floor bounds the first: vLLM/helix is at most vLLM/floor, printed too. Skipped without vLLM. Run with
+1.5x of the floor. The floor bounds the first: vLLM/helix is at most vLLM/floor, printed too.
+Skipped without vLLM. Run with
 ``python -m pytest benches/bench_vllm_adapter.py --benchmark-enable -s``; the figures are in
 ``docs/vllm.md``.
 """
