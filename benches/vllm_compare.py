@@ -53,14 +53,27 @@ OPT_CONFIG = {
 }
 
 
-def vllm_scheduler(
-    n: int, model_dir: str, prefix_caching: bool = False, prompts: list[list[int]] | None = None
-) -> Any:
+def vllm_configs(
+    n: int,
+    model_dir: str,
+    prefix_caching: bool = False,
+    *,
+    num_speculative_tokens: int | None = None,
+    blocks: int | None = None,
+) -> tuple[Any, Any]:
+    """vLLM's engine configuration and KV cache configuration of a scheduler for ``n``
+    running requests of ``PROMPT`` tokens (by default room for ``ROUNDS`` decodes each and
+    more), with an n-gram drafter proposing ``num_speculative_tokens`` when given."""
     import torch
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
 
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", seed=0)
     sched = SchedulerConfig(
@@ -70,13 +83,20 @@ def vllm_scheduler(
         is_encoder_decoder=False,
     )
     cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching)
+    speculative = None
+    if num_speculative_tokens:
+        speculative = SpeculativeConfig(
+            model="ngram", num_speculative_tokens=num_speculative_tokens
+        )
     config = VllmConfig(
         scheduler_config=sched,
         model_config=model,
         cache_config=cache,
         device_config=DeviceConfig("cpu"),
+        speculative_config=speculative,
     )
-    blocks = n * (PROMPT + ROUNDS + 64) // BLOCK_SIZE + n + 16
+    if blocks is None:
+        blocks = n * (PROMPT + ROUNDS + 64) // BLOCK_SIZE + n + 16
     cache.num_gpu_blocks = blocks
     spec = FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float16
@@ -84,12 +104,35 @@ def vllm_scheduler(
     kv = KVCacheConfig(
         num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
     )
-    scheduler = Scheduler(
+    return config, kv
+
+
+def vllm_scheduler(
+    n: int,
+    model_dir: str,
+    prefix_caching: bool = False,
+    prompts: list[list[int]] | None = None,
+    *,
+    scheduler_cls: Any = None,
+    num_speculative_tokens: int | None = None,
+    blocks: int | None = None,
+    log_stats: bool | None = None,
+) -> Any:
+    """vLLM's own scheduler (or ``scheduler_cls``, built as vLLM's engine core builds it)
+    with ``n`` requests added, or none when ``prompts`` is given; statistics on when
+    ``log_stats`` (default: for the hit-rate workload)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config, kv = vllm_configs(
+        n, model_dir, prefix_caching, num_speculative_tokens=num_speculative_tokens, blocks=blocks
+    )
+    scheduler = (scheduler_cls or Scheduler)(
         vllm_config=config,
         kv_cache_config=kv,
         structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK_SIZE,
-        log_stats=prompts is not None,
+        log_stats=prompts is not None if log_stats is None else log_stats,
     )
     if prompts is not None:
         return scheduler

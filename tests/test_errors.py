@@ -228,6 +228,9 @@ def test_init_sync_errors_carry_their_ranks_and_reasons() -> None:
         errors.ScheduleMismatchError("m", step=3, ranks=[1], fields=["f"], summaries={0: "s"}),
         errors.InitSyncError("i", failed_ranks=[0], reasons={0: "r"}),
         errors.InitSyncConfigMismatchError("c", ranks=[1], fields={"x": {0: 1, 1: 2}}),
+        errors.EngineOptionError(
+            "no", engine="vllm", option="enable_lora", value="True", reason="LoRA"
+        ),
         errors.UsageError("bad flag", prog="helix-kv"),
         helix_kv.DeadlockError("stuck"),
     ],

@@ -49,6 +49,7 @@ __all__ = [
     "ConfigMismatchError",
     "DeadlockError",
     "DuplicateRequestError",
+    "EngineOptionError",
     "HelixKVError",
     "InitSyncConfigError",
     "InitSyncConfigGuardError",
@@ -83,6 +84,33 @@ class ConfigGuardError(HelixKVError):
 class ConfigMismatchError(ConfigError):
     """The ranks of a CP group were built from different configurations (raised as
     :class:`InitSyncConfigMismatchError`, which carries the ranks and fields)."""
+
+
+class EngineOptionError(ConfigError):
+    """A serving engine's option (or a combination of options) that helix_kv cannot serve,
+    refused when the engine builds its scheduler (``helix_kv.integrations.vllm``).
+
+    Attributes:
+        engine: the engine, ``"vllm"``.
+        option: the option as the engine's users set it (``"enable_lora"``,
+            ``"kv_transfer_config"``, ``"policy"``...).
+        value: its value, as text.
+        reason: why helix_kv cannot serve it, and what to do instead.
+    """
+
+    engine: str
+    option: str
+    value: str
+    reason: str
+
+    def __init__(
+        self, message: str, *, engine: str = "", option: str = "", value: str = "", reason: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.option = option
+        self.value = value
+        self.reason = reason
 
 
 class ScheduleMismatchError(HelixKVError):

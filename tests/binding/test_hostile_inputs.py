@@ -420,6 +420,7 @@ SCHEDULER_CALLS = [
     Call("idle", "tokens", (1,), (ID,)),
     Call("idle", "request_state", (1,), (ID,)),
     Call("idle", "block_table", ([1, 2], 4), (IDS, WIDTH)),
+    Call("pending", "block_table_tails", ([1, MAX_ID], [0, 1]), (IDS, LENGTHS), paired=(0, 1)),
     Call(
         "pending",
         "slot_mapping",
@@ -487,6 +488,7 @@ NO_ARGUMENTS = {
         "metrics",
         "has_unfinished",
         "queue_ids",
+        "queue_holdings",
         "state_digest",
         "pending_steps",
         "write_decode_rows",  # needs a decode-only step: tests/binding/test_step_metadata.py

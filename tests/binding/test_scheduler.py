@@ -202,6 +202,64 @@ def test_block_table_and_slot_mapping_follow_the_layout() -> None:
     assert s.block_table([1], width=4)[0, 2:].tolist() == [-1, -1]
 
 
+def test_block_table_tails_give_each_table_past_its_start() -> None:
+    s = scheduler(tpb=2, superblocks=8)
+    s.add_request(1, prompt(5), 4)
+    s.add_request(2, prompt(2, 2), 4)
+    step(s)
+    full = s.block_table([1, 2])
+    pages, counts = s.block_table_tails(np.array([1, 2], dtype=np.uint64), [1, 0])
+    assert (pages.dtype, counts.dtype) == (np.int32, np.int64)
+    assert counts.tolist() == [2, 1]  # 3 superblocks past 1, 1 past 0
+    assert pages.tolist() == [*full[0, 1:3].tolist(), full[1, 0]]
+    pages, counts = s.block_table_tails([1, 2], [3, 4])
+    assert (pages.tolist(), counts.tolist()) == ([], [0, -3])  # request 2 holds 1, not 4
+    pages, counts = s.block_table_tails([], [])
+    assert (pages.shape, counts.shape) == ((0,), (0,))
+
+
+def test_block_table_tails_show_a_superblock_rejected_drafts_gave_back() -> None:
+    s = scheduler(tpb=4, superblocks=8, num_speculative_tokens=3)
+    s.add_request(1, prompt(3), 8)
+    step(s)  # prefill: positions 0..2 in superblock 0, token 3 sampled
+    _, held = s.block_table_tails([1], [0])
+    s.propose_drafts([1], [3], [5, 6, 7])
+    out = s.schedule()  # position 3 and drafts 4..6: a second superblock
+    _, grown = s.block_table_tails([1], held)
+    assert (held.tolist(), grown.tolist()) == ([1], [1])
+    s.update(np.zeros(out.num_samples, np.int32), accepted=[0])
+    _, after = s.block_table_tails([1], held + grown)
+    assert after.tolist() == [-1]  # every draft rejected: the superblock went back
+
+
+def test_queue_holdings_follow_admission_and_aborts() -> None:
+    s = scheduler(tpb=4, superblocks=4, max_num_tokens=8)
+    for request_id in (1, 2, 3):
+        s.add_request(request_id, prompt(4, request_id), 4)
+    ids, held, aborting = s.queue_holdings()
+    assert (ids.dtype, held.dtype, aborting.dtype) == (np.uint64, np.int64, np.bool_)
+    assert (ids.tolist(), held.tolist(), aborting.tolist()) == ([1, 2, 3], [0] * 3, [False] * 3)
+    s.schedule()  # admits 1 and 2: they hold their superblocks while the step is pending
+    assert s.queue_holdings()[1].tolist() == [1, 1, 0]
+    s.abort(2)  # deferred: the step is pending
+    ids, held, aborting = s.queue_holdings()
+    assert (held.tolist(), aborting.tolist()) == ([1, 1, 0], [False, True, False])
+    assert s.update(np.zeros(2, np.int32)).tolist() == [2]  # the abort took effect
+    ids, held, aborting = s.queue_holdings()
+    assert (ids.tolist(), held.tolist(), aborting.tolist()) == ([1, 3], [1, 0], [False, False])
+
+
+def test_block_table_tails_refuse_bad_arguments() -> None:
+    s = scheduler()
+    s.add_request(1, prompt(3), 2)
+    with pytest.raises(helix_kv.UnknownRequestError):
+        s.block_table_tails([1, 5], [0, 0])
+    with pytest.raises(helix_kv.InvalidArgumentError, match="2 request ids and 1 starts"):
+        s.block_table_tails([1, 1], [0])
+    with pytest.raises(helix_kv.InvalidLengthError):
+        s.block_table_tails([1], [-1])
+
+
 def test_summary_lines_are_stable() -> None:
     s = scheduler(cp=2, tpb=2, superblocks=64, max_num_tokens=10, chunk_unit=4)
     s.add_request(0, prompt(21), 2)

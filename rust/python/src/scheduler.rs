@@ -260,6 +260,51 @@ impl PyScheduler {
         block_table(py, self.inner.ledger(), request_ids, width)
     }
 
+    /// The tails of the page tables of `request_ids` past `starts` (one crossing for a
+    /// whole step, for an engine that keeps each request's table and appends to it, as
+    /// vLLM's model runner does): returns `(pages, counts)`, where `counts[i]` (int64) is
+    /// `held - starts[i]` for request `request_ids[i]` holding `held` superblocks, and
+    /// `pages` (int32) concatenates, in order, the superblocks `starts[i]..held` of each
+    /// request with a positive count. A negative count says the table is shorter than
+    /// `starts[i]` (rejected drafts gave a superblock back, or the request let go of its
+    /// KV): the pages past its new end are no longer its own. `UnknownRequestError` for an
+    /// id the ledger does not hold, `InvalidArgumentError` for arrays of different
+    /// lengths; nothing is read before every id is checked.
+    fn block_table_tails<'py>(
+        &self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+        starts: &Bound<'py, PyAny>,
+    ) -> PyResult<TableTails<'py>> {
+        let ids = u64_vec(request_ids, "request ids", false)?;
+        let starts = u64_vec(starts, "starts", true)?;
+        if ids.len() != starts.len() {
+            return Err(InvalidArgumentError::new_err(format!(
+                "block_table_tails() got {} request ids and {} starts",
+                ids.len(),
+                starts.len()
+            )));
+        }
+        let ledger = self.inner.ledger();
+        let tables = ids
+            .iter()
+            .map(|&id| ledger.request(id).map(|request| request.table()))
+            .collect::<helix_kv_core::Result<Vec<_>>>()
+            .py()?;
+        let mut counts = Vec::with_capacity(ids.len());
+        let mut pages = Vec::new();
+        for (table, &start) in tables.iter().zip(&starts) {
+            counts.push(table_tail_count(table.len(), start));
+            if let Some(tail) = usize::try_from(start).ok().and_then(|s| table.get(s..)) {
+                pages.extend(tail.iter().map(|&page| page_id(page)));
+            }
+        }
+        Ok((
+            PyArray1::from_vec(py, pages),
+            PyArray1::from_vec(py, counts),
+        ))
+    }
+
     /// This rank's slot per new token (int64; -1 where another rank owns it).
     fn slot_mapping<'py>(
         &self,
@@ -382,6 +427,29 @@ impl PyScheduler {
     fn queue_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
         ids_to_numpy(py, self.inner.queue_ids())
     }
+    /// The live requests in queue order with what each holds, in one crossing:
+    /// `(ids, superblocks, abort_requested)` (uint64, int64, bool). A request holds
+    /// superblocks from the step that admits it (while that step is still pending too)
+    /// until it finishes or is recompute-paused; `abort_requested` marks an abort waiting
+    /// for the pending step to close. An engine reads its running and waiting requests off
+    /// these (vLLM's `running`: holding superblocks, no abort requested).
+    fn queue_holdings<'py>(&self, py: Python<'py>) -> PyResult<QueueHoldings<'py>> {
+        let ids = self.inner.queue_ids();
+        let ledger = self.inner.ledger();
+        let mut held = Vec::with_capacity(ids.len());
+        let mut aborting = Vec::with_capacity(ids.len());
+        for &id in &ids {
+            held.push(i64::from(superblock_count(
+                ledger.request(id).py()?.table().len(),
+            )));
+            aborting.push(self.inner.is_abort_requested(id).py()?);
+        }
+        Ok((
+            ids_to_numpy(py, ids),
+            PyArray1::from_vec(py, held),
+            PyArray1::from_vec(py, aborting),
+        ))
+    }
     /// Fingerprint of everything that drives decisions (equal on every rank fed the
     /// same calls; unchanged by a schedule + revert that preempted nothing).
     fn state_digest(&self) -> u64 {
@@ -470,6 +538,44 @@ pub fn update_args<'py>(
         .map(|counts| draft_counts(counts, "accepted counts"))
         .transpose()?;
     Ok((tokens, eos, accepted))
+}
+
+/// `block_table_tails()`'s result: the pages past each start, concatenated, and each
+/// request's count past its start.
+type TableTails<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i64>>);
+
+/// `queue_holdings()`'s result: the live ids in queue order, the superblocks each holds and
+/// whether its abort waits for the pending step.
+type QueueHoldings<'py> = (
+    Bound<'py, PyArray1<u64>>,
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray1<bool>>,
+);
+
+/// A table's length as a superblock count (tables hold at most 2**31-1 superblocks, the
+/// pool's bound).
+fn superblock_count(len: usize) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX)
+}
+
+/// `held - start` for a table of `held` superblocks (at most 2**31-1, the pool's bound) and
+/// a start of at most 2**63-1 (a length argument): both fit i64, so the difference does.
+#[expect(
+    clippy::cast_possible_wrap,
+    reason = "both values are at most 2**63-1 (a table length, a length argument)"
+)]
+fn table_tail_count(held: usize, start: u64) -> i64 {
+    held as i64 - start as i64
+}
+
+/// A superblock id as the int32 page id numpy arrays carry (ids are below the pool's
+/// capacity, at most 2**31-1).
+#[expect(
+    clippy::cast_possible_wrap,
+    reason = "superblock ids are below the pool's capacity, at most i32::MAX"
+)]
+fn page_id(superblock: u32) -> i32 {
+    superblock as i32
 }
 
 /// The longest cache salt accepted, in bytes (a tenant or adapter name, not a payload).
