@@ -44,7 +44,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from helix_kv.errors import EngineOptionError  # noqa: E402
-from helix_kv.integrations._vllm_config import core_fields, helix_config  # noqa: E402
+from helix_kv.integrations._vllm_config import helix_config  # noqa: E402
 from helix_kv.integrations.vllm import HelixScheduler  # noqa: E402
 
 OPT = {
@@ -190,24 +190,6 @@ def test_what_it_cannot_serve_is_refused_naming_the_option(model_dir: str, optio
     assert error.value.reason in str(error.value)
 
 
-@pytest.mark.skipif("admission_policy" in core_fields(), reason="the core admits by priority")
-def test_priority_is_refused_until_the_core_has_it(model_dir: str) -> None:
-    config, kv = configs(model_dir, policy="priority")
-    with pytest.raises(EngineOptionError, match="admission_policy") as error:
-        build(config, kv)
-    assert error.value.option == "policy"
-
-
-@pytest.mark.skipif(
-    "long_prefill_token_threshold" in core_fields(), reason="the core caps prefill chunks"
-)
-def test_long_prefill_threshold_is_refused_until_the_core_has_it(model_dir: str) -> None:
-    config, kv = configs(model_dir, long_prefill_token_threshold=32)
-    with pytest.raises(EngineOptionError) as error:
-        build(config, kv)
-    assert error.value.option == "long_prefill_token_threshold"
-
-
 # -- what maps to what --------------------------------------------------------------------
 
 
@@ -229,6 +211,45 @@ def test_configuration_maps_onto_helix(model_dir: str) -> None:
     pages = scheduler.helix.block_table(np.array([0], np.uint64))[0]
     assert new.block_ids == ((pages + 1).tolist(),)
     assert 0 not in new.block_ids[0]
+
+
+def test_priority_and_the_prefill_cap_map_onto_the_core(model_dir: str) -> None:
+    config, kv = configs(
+        model_dir, policy="priority", long_prefill_token_threshold=48,
+        long_prefill_token_threshold_adaptive=True,
+    )  # fmt: skip
+    helix, mapping = helix_config(config, kv, 16)
+    assert (helix.admission_policy, helix.victim_policy) == ("priority", "priority")
+    assert helix.long_prefill_token_threshold == 48
+    assert helix.long_prefill_token_threshold_adaptive is True
+    assert mapping.priority
+    config, kv = configs(model_dir, long_prefill_token_threshold=48)
+    helix, mapping = helix_config(config, kv, 16)
+    assert (helix.admission_policy, helix.victim_policy) == ("fcfs", "newest_first")
+    assert (helix.long_prefill_token_threshold, helix.long_prefill_token_threshold_adaptive) == (
+        48,
+        False,
+    )
+    assert not mapping.priority
+    # vLLM documents the threshold as a chunked-prefill option; the core caps chunks only
+    config, kv = configs(
+        model_dir, long_prefill_token_threshold=48, enable_chunked_prefill=False,
+        max_num_batched_tokens=1024,
+    )  # fmt: skip
+    helix, _ = helix_config(config, kv, 16)
+    assert (helix.enable_chunked_prefill, helix.long_prefill_token_threshold) == (False, 0)
+
+
+def test_priority_admits_by_vllm_priority_then_arrival(model_dir: str) -> None:
+    config, kv = configs(model_dir, policy="priority", max_num_seqs=1)
+    scheduler = build(config, kv)
+    for name, priority in (("a", 2), ("b", 0), ("c", 1), ("d", 0)):
+        req = request(name, list(range(20)), 3, caching=False)
+        req.priority = priority
+        scheduler.add_request(req)
+    out = scheduler.schedule()
+    assert [new.req_id for new in out.scheduled_new_reqs] == ["b"]
+    assert [r.request_id for r in scheduler.waiting] == ["d", "c", "a"]
 
 
 def test_decode_context_parallelism_is_helix_round_robin(model_dir: str) -> None:
@@ -282,8 +303,14 @@ def check_tables(scheduler: HelixScheduler, runner: Runner, out: Any) -> None:
         assert runner.tables[rid][: len(held)] == held, rid
 
 
-def check_views(scheduler: HelixScheduler) -> None:
+def check_views(scheduler: HelixScheduler, arrival: dict[str, int] | None = None) -> None:
+    """The views agree with the counts and the statuses; with ``arrival`` (each request's
+    place in the order it was added), each view is in vLLM's priority order."""
     running, waiting = scheduler.running, scheduler.waiting
+    if arrival is not None:
+        for view in (running, waiting):
+            order = [(r.priority, arrival[r.request_id]) for r in view]
+            assert order == sorted(order)
     assert (len(running), len(waiting)) == scheduler.get_request_counts()
     assert all(r.status == RequestStatus.RUNNING for r in running)
     assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in waiting)
@@ -319,19 +346,39 @@ def propose(scheduler: HelixScheduler, rng: random.Random) -> None:
 def test_random_runs_keep_the_runner_in_step(
     model_dir: str, v2: bool, ahead: bool, caching: bool
 ) -> None:
-    rng = random.Random(hash((v2, ahead, caching)) & 0xFFFF)
+    random_run(model_dir, v2=v2, ahead=ahead, caching=caching, priority=False)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["plain", "one_ahead"])
+def test_random_runs_by_priority_keep_the_runner_in_step_and_the_queue_ordered(
+    model_dir: str, ahead: bool
+) -> None:
+    random_run(model_dir, v2=ahead, ahead=ahead, caching=True, priority=True)
+
+
+def random_run(model_dir: str, *, v2: bool, ahead: bool, caching: bool, priority: bool) -> None:
+    """Requests arriving at random (with random vLLM priorities under ``policy="priority"``),
+    drafts, aborts while a step is pending, under KV pressure: after every call the runner
+    holds helix's tables, the views agree (waiting requests by vLLM priority, then
+    arrival), and the run ends with nothing left behind."""
+    rng = random.Random(hash((v2, ahead, caching, priority)) & 0xFFFF)
+    options: dict[str, Any] = {"policy": "priority"} if priority else {}
     config, kv = configs(
         model_dir, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=64, caching=caching,
-        num_spec=3, async_scheduling=ahead,
+        num_spec=3, async_scheduling=ahead, long_prefill_token_threshold=24, **options,
     )  # fmt: skip
     scheduler, runner = build(config, kv, v2=v2), Runner(v2)
     system = [rng.randrange(5, 900) for _ in range(40)]
+    arrival: dict[str, int] = {}
     pending: list[Any] = []
-    added = finished = 0
+    added = 0
     for _step in range(400):
         if added < 30 and rng.random() < 0.4:
             prompt = system + [rng.randrange(5, 900) for _ in range(rng.randint(1, 60))]
-            scheduler.add_request(request(f"q{added}", prompt, rng.randint(1, 40), caching))
+            new = request(f"q{added}", prompt, rng.randint(1, 40), caching)
+            new.priority = rng.randint(-2, 2) if priority else 0
+            arrival[new.request_id] = added
+            scheduler.add_request(new)
             added += 1
         if not ahead:
             propose(scheduler, rng)
@@ -343,12 +390,11 @@ def test_random_runs_keep_the_runner_in_step(
             scheduler.finish_requests(
                 rng.choice(sorted(scheduler.requests)), RequestStatus.FINISHED_ABORTED
             )
-        check_views(scheduler)
+        check_views(scheduler, arrival)
         if len(pending) == (2 if ahead else 1):
             done = pending.pop(0)
-            outputs = scheduler.update_from_output(done, sampled_for(scheduler, done, rng))
-            finished += sum(o.finished for eco in outputs.values() for o in eco.outputs)
-            check_views(scheduler)
+            scheduler.update_from_output(done, sampled_for(scheduler, done, rng))
+            check_views(scheduler, arrival)
         if added == 30 and not scheduler.has_unfinished_requests() and not pending:
             break
     for done in pending:

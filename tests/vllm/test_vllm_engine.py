@@ -26,8 +26,9 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (see .ci/vllm_e
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler  # noqa: E402
+
 from helix_kv.errors import EngineOptionError  # noqa: E402
-from helix_kv.integrations._vllm_config import core_fields  # noqa: E402
 from helix_kv.integrations.vllm import HelixScheduler  # noqa: E402
 
 ADAPTER = "helix_kv.integrations.vllm.HelixScheduler"
@@ -198,10 +199,25 @@ class ChunkRecorder(HelixScheduler):
         return output
 
 
+class VllmChunkRecorder(VllmScheduler):  # type: ignore[misc]
+    """vLLM's own scheduler, recording as :class:`ChunkRecorder` does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps: list[dict[str, int]] = []
+
+    def schedule(self, throttle_prefills: bool = False) -> Any:
+        output = super().schedule(throttle_prefills)
+        self.steps.append(dict(output.num_scheduled_tokens))
+        return output
+
+
 def recorded_steps(llm: Any) -> list[dict[str, int]]:
-    scheduler = scheduler_of(llm)
-    assert isinstance(scheduler, ChunkRecorder)
-    return scheduler.steps
+    """Each step's scheduled tokens by request, the request named by its index in the batch
+    (``LLM.generate``'s ids start with it; the rest is random)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    assert isinstance(scheduler, (ChunkRecorder, VllmChunkRecorder))
+    return [{rid.split("-")[0]: n for rid, n in step.items()} for step in scheduler.steps]
 
 
 def test_chunked_prefill_cuts_long_prompts_and_keeps_the_tokens(model_dir: Path) -> None:
@@ -315,27 +331,50 @@ def test_an_option_it_cannot_serve_is_refused_at_construction(model_dir: Path) -
     assert cause is None or cause.option == "enable_lora"
 
 
-@pytest.mark.skipif(
-    "admission_policy" not in core_fields(),
-    reason="this core has no priority admission yet (issue 40 part 2)",
-)
 def test_priority_admits_the_most_important_first(model_dir: Path) -> None:
     batch = prompts(3, 16, seed=9)
+    expected = [reference(model_dir, prompt, 8) for prompt in batch]
     sampling = vllm.SamplingParams(max_tokens=8, temperature=0.0)
 
-    def body(llm: Any) -> list[dict[str, int]]:
-        llm.generate(
+    def body(llm: Any) -> tuple[list[list[int]], list[dict[str, int]]]:
+        outputs = llm.generate(
             [{"prompt_token_ids": prompt} for prompt in batch],
             sampling,
             priority=[2, 0, 1],
             use_tqdm=False,
         )
-        return recorded_steps(llm)
+        return [list(out.outputs[0].token_ids) for out in outputs], recorded_steps(llm)
 
-    steps = run(model_dir, body, scheduler_cls=ChunkRecorder, policy="priority", max_num_seqs=1)
+    options = {"scheduling_policy": "priority", "max_num_seqs": 1}
+    tokens, steps = run(model_dir, body, scheduler_cls=ChunkRecorder, **options)
+    _, theirs = run(model_dir, body, scheduler_cls=VllmChunkRecorder, **options)
     admitted = list(dict.fromkeys(next(iter(step)) for step in steps if step))
-    # vLLM: the lower the value, the earlier; LLM.generate's request ids start with the index.
-    assert [int(rid.split("-")[0]) for rid in admitted] == [1, 2, 0]
+    # vLLM: the lower the value, the earlier
+    assert admitted == ["1", "2", "0"]
+    assert tokens == expected
+    assert steps == theirs  # step by step, the requests and token counts of vLLM's own
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["cap", "fair_share_floor"])
+def test_long_prefill_threshold_caps_chunks_as_vllm_does(model_dir: Path, adaptive: bool) -> None:
+    batch = prompts(3, 150, seed=11)
+    expected = [reference(model_dir, prompt, 6) for prompt in batch]
+
+    def body(llm: Any) -> tuple[list[list[int]], list[dict[str, int]]]:
+        outputs = generate(llm, batch, 6)
+        return [list(out.token_ids) for out in outputs], recorded_steps(llm)
+
+    options = {
+        "long_prefill_token_threshold": 40,
+        "long_prefill_token_threshold_adaptive": adaptive,
+        "max_num_batched_tokens": 256 if adaptive else 128,
+    }
+    tokens, steps = run(model_dir, body, scheduler_cls=ChunkRecorder, **options)
+    _, theirs = run(model_dir, body, scheduler_cls=VllmChunkRecorder, **options)
+    assert tokens == expected
+    # the cap binds (at the fair share 256 // 3 = 85 with the floor) while others are live
+    assert max(n for step in steps for n in step.values()) == (85 if adaptive else 40)
+    assert steps == theirs
 
 
 def test_ngram_drafts_are_proposed_and_accepted(model_dir: Path) -> None:

@@ -28,9 +28,11 @@ _MULTIMODAL = (
     "needs a multimodal model or encoder inputs (refused; its Hugging Face config is not "
     "in the offline cache either)"
 )
-_PRIORITY = "`policy='priority'`: refused until the core admits by priority (issue 40 part 2)"
-_LONG_PREFILL = (
-    "`long_prefill_token_threshold`: refused until the core caps prefill chunks (issue 40 part 2)"
+_ARRIVAL = (
+    "a policy helix_kv decides differently on purpose: under `policy='priority'` equal "
+    "priorities go in the order vLLM adds the requests (its engine adds them as they "
+    "arrive), not by the `arrival_time` field; these tests give arrival times out of the "
+    "order they add the requests"
 )
 
 #: reason -> the test functions it covers.
@@ -100,29 +102,7 @@ NOT_APPLICABLE: dict[str, tuple[str, ...]] = {
         "test_scheduled_encoder_input_stats_disabled_without_log_stats",
         "test_mamba_align_eagle_schedules_encoder_at_boundary",
         "test_mamba_align_encoder_cache_cap_makes_progress",
-    ),
-    _PRIORITY: (
         "test_priority_scheduling_blast",
-        "test_allocation_retry_waits_for_fence_then_succeeds",
-        "test_priority_scheduler_preempt_skipped_request",
-        "test_priority_scheduling_arrival_time_tiebreaker",
-        "test_priority_scheduling_basic_ordering",
-        "test_priority_scheduling_equal_priority_preemption",
-        "test_priority_scheduling_fcfs_fallback",
-        "test_priority_scheduling_heap_property",
-        "test_priority_scheduling_mixed_priority_and_arrival",
-        "test_priority_scheduling_no_preemption_when_space_available",
-        "test_priority_scheduling_preemption",
-        "test_priority_scheduling_preemption_victim_selection",
-        "test_priority_scheduling_waiting_queue_order",
-        "test_priority_scheduling_with_limited_slots",
-        "test_reset_prefix_cache_priority_does_not_over_admit_worker_slot",
-    ),
-    _LONG_PREFILL: (
-        "test_long_prefill_threshold_applies_with_other_requests",
-        "test_long_prefill_threshold_floored_by_fair_share",
-        "test_long_prefill_threshold_ignored_when_alone",
-        "test_schedule_concurrent_partial_requests",
     ),
     "needs a hybrid, sliding-window or chunked-local KV cache, which helix_kv refuses": (
         "test_chunked_local_free_waits_for_in_flight_step",
@@ -195,6 +175,7 @@ NOT_APPLICABLE: dict[str, tuple[str, ...]] = {
         "test_scheduler_stats_waiting_queues",
         "test_memory_leak",
         "test_cached_request_data_resumed_all_token_ids_mrv1_only",
+        "test_allocation_retry_waits_for_fence_then_succeeds",
     ),
     "reads `Request.num_in_flight_tokens`, a counter only vLLM's own KV cache manager "
     "reads; the adapter does not keep it (two writes per request per step)": (
@@ -212,6 +193,13 @@ NOT_APPLICABLE: dict[str, tuple[str, ...]] = {
     "helix_kv offers no such preemption, so it resets nothing and returns False": (
         "test_scheduler_reset_prefix_cache",
         "test_reset_prefix_cache_same_step_resume_purges_then_re_adds",
+        "test_reset_prefix_cache_priority_does_not_over_admit_worker_slot",
+    ),
+    _ARRIVAL: (
+        "test_priority_scheduling_arrival_time_tiebreaker",
+        "test_priority_scheduling_equal_priority_preemption",
+        "test_priority_scheduling_fcfs_fallback",
+        "test_priority_scheduling_mixed_priority_and_arrival",
     ),
     "a policy helix_kv decides differently on purpose: a second `schedule()` while a step "
     "is in flight plans the in-flight prefill's decode one step ahead (it takes the block "

@@ -8,22 +8,20 @@ nothing of vLLM but the KV-cache spec classes, when it checks a KV cache configu
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from helix_kv._core import SchedulerConfig
 from helix_kv.errors import EngineOptionError
 
+logger = logging.getLogger(__name__)
+
 #: The vLLM release the adapter is written against (its scheduler interface is not public).
 VLLM_VERSION = "0.32.0"
 
 #: The largest ``num_speculative_tokens`` the core verifies in one step.
 MAX_SPECULATIVE_TOKENS = 64
-
-
-def core_fields() -> frozenset[str]:
-    """The fields the built core's :class:`~helix_kv.SchedulerConfig` has."""
-    return frozenset(field.name for field in SchedulerConfig.FIELDS)
 
 
 def refuse(option: str, value: Any, reason: str) -> EngineOptionError:
@@ -131,25 +129,6 @@ def _refused_options(vllm_config: Any) -> list[tuple[str, Any, str]]:
     return [(option, value, reason) for bad, option, value, reason in checks if bad]
 
 
-def _check_core_options(vllm_config: Any, fields: frozenset[str]) -> None:
-    """Refuses the scheduling options only a newer core serves (until it is built)."""
-    scheduler = vllm_config.scheduler_config
-    if scheduler.policy == "priority" and "admission_policy" not in fields:
-        raise refuse(
-            "policy",
-            "priority",
-            "this helix_kv core orders admissions first come, first served only "
-            "(SchedulerConfig has no admission_policy); use policy='fcfs'",
-        )
-    if scheduler.long_prefill_token_threshold > 0 and "long_prefill_token_threshold" not in fields:
-        raise refuse(
-            "long_prefill_token_threshold",
-            scheduler.long_prefill_token_threshold,
-            "this helix_kv core has no per-request prefill cap "
-            "(SchedulerConfig has no long_prefill_token_threshold); leave it 0",
-        )
-
-
 def _check_kv_cache(kv_cache_config: Any) -> Any:
     """The one full-attention KV spec of ``kv_cache_config``; refuses any other layout."""
     full_attention = importlib.import_module("vllm.v1.kv_cache_interface").FullAttentionSpec
@@ -178,6 +157,29 @@ def _check_kv_cache(kv_cache_config: Any) -> Any:
     return specs[0]
 
 
+def _prefill_cap(scheduler: Any) -> dict[str, Any]:
+    """vLLM's ``long_prefill_token_threshold`` (and its fair-share floor) as the core's
+    per-request prefill cap: the same rule (prompt tokens one request computes in a step
+    while others are live; a request alone is not capped). vLLM documents the threshold as
+    a chunked-prefill option, and the core caps chunks only: without chunked prefill it is
+    off (``docs/vllm.md``)."""
+    threshold = int(scheduler.long_prefill_token_threshold)
+    if threshold <= 0 or not scheduler.enable_chunked_prefill:
+        if threshold > 0:
+            logger.warning(
+                "long_prefill_token_threshold=%d has no effect without chunked prefill "
+                "under helix_kv's scheduler",
+                threshold,
+            )
+        return {}
+    return {
+        "long_prefill_token_threshold": threshold,
+        "long_prefill_token_threshold_adaptive": bool(
+            scheduler.long_prefill_token_threshold_adaptive
+        ),
+    }
+
+
 def helix_config(
     vllm_config: Any, kv_cache_config: Any, block_size: int
 ) -> tuple[SchedulerConfig, VllmMapping]:
@@ -186,8 +188,6 @@ def helix_config(
     refused = _refused_options(vllm_config)
     if refused:
         raise refuse(*refused[0])
-    fields = core_fields()
-    _check_core_options(vllm_config, fields)
     spec = _check_kv_cache(kv_cache_config)
     parallel = vllm_config.parallel_config
     dcp = parallel.decode_context_parallel_size if getattr(spec, "dcp_sharded", True) else 1
@@ -218,15 +218,14 @@ def helix_config(
         # vLLM cuts a chunk at any token.
         "chunk_unit": 1,
         "max_seq_len": vllm_config.model_config.max_model_len,
-        # vLLM preempts the newest running request (with priorities, the least important).
+        # vLLM admits by (priority, arrival) and preempts the least important running
+        # request (first come, first served: the newest); helix priority = -vLLM priority.
+        "admission_policy": "priority" if priority else "fcfs",
         "victim_policy": "priority" if priority else "newest_first",
         "enable_prefix_caching": bool(vllm_config.cache_config.enable_prefix_caching),
         "num_speculative_tokens": num_spec,
     }
-    if priority:
-        options["admission_policy"] = "priority"
-    if scheduler.long_prefill_token_threshold > 0:
-        options["long_prefill_token_threshold"] = scheduler.long_prefill_token_threshold
+    options.update(_prefill_cap(scheduler))
     mapping = VllmMapping(
         block_size=block_size,
         max_model_len=vllm_config.model_config.max_model_len,
