@@ -102,52 +102,50 @@ class Workload:
 
 
 class Floor:
-    """The objects a decode step of ``n`` requests must build, from arrays (see the module
-    docstring)."""
+    """The objects a decode step of ``n`` requests must build, and only those (see the module
+    docstring), from arrays it already holds, the cheapest way vLLM's types allow."""
 
     def __init__(self, n: int, variant: str, model_dir: str) -> None:
-        self.s = vllm_scheduler(n, model_dir, variant == "prefix_caching", log_stats=True)
-        prefill = self.s.schedule()
+        from vllm.v1.outputs import DraftTokenIds
+
+        s = vllm_scheduler(n, model_dir, variant == "prefix_caching", log_stats=True)
+        prefill = s.schedule()
         ids = list(prefill.num_scheduled_tokens)
-        self.s.update_from_output(prefill, runner_output(ids, [[7]] * n))
-        self.reqs = [self.s.requests[rid] for rid in ids]
+        s.update_from_output(prefill, runner_output(ids, [[7]] * n))
+        reqs = [s.requests[rid] for rid in ids]
         self.ids = ids
         self.k = DRAFTS if variant == "drafts" else 0
-        self.computed = np.array([r.num_computed_tokens for r in self.reqs], dtype=np.int64)
-        self.prompt = np.array([r.num_prompt_tokens for r in self.reqs], dtype=np.int64)
+        self.computed = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        self.prompt = np.array([r.num_prompt_tokens for r in reqs], dtype=np.int64)
         self.output = runner_output(ids, [[5, 9] if self.k else [7] for _ in ids])
-        self.drafts = [[5, 6, 7]] * n
+        self.draft_ids = DraftTokenIds(ids, [[5, 6, 7]] * n) if self.k else None
 
     def step(self) -> None:
         from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
-        from vllm.v1.core.sched.utils import check_stop
         from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
         from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
         from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
-        reqs, ids, k = self.reqs, self.ids, self.k
+        ids, k, computed = self.ids, self.k, self.computed
+        # the drafter's proposals, as the model runner reads them
         spec: dict[str, list[int]] = {}
-        if k:
-            for request, drafts in zip(reqs, self.drafts):
-                request.spec_token_ids = drafts
-            spec = {rid: request.spec_token_ids for rid, request in zip(ids, reqs)}
-        computed = self.computed
-        starts = computed % BLOCK_SIZE == 0  # a decode entering a new block gets one
-        new_blocks: list[Any] = [None] * len(reqs)
-        for row in np.flatnonzero(starts).tolist():
+        if self.draft_ids is not None:
+            spec = dict(zip(self.draft_ids.req_ids, self.draft_ids.draft_token_ids))
+        # a decode entering a new block gets one (block ids stand for any)
+        new_blocks: list[Any] = [None] * len(ids)
+        for row in np.flatnonzero(computed % BLOCK_SIZE == 0).tolist():
             new_blocks[row] = ([row + 1],)
-        cached = CachedRequestData(
-            req_ids=ids,
-            resumed_req_ids=set(),
-            new_token_ids=[],
-            all_token_ids={},
-            new_block_ids=new_blocks,
-            num_computed_tokens=computed.tolist(),
-            num_output_tokens=(computed + 1 - self.prompt).tolist(),
-        )
         output = SchedulerOutput(
             scheduled_new_reqs=[],
-            scheduled_cached_reqs=cached,
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=ids,
+                resumed_req_ids=set(),
+                new_token_ids=[],
+                all_token_ids={},
+                new_block_ids=new_blocks,
+                num_computed_tokens=computed.tolist(),
+                num_output_tokens=(computed + 1 - self.prompt).tolist(),
+            ),
             num_scheduled_tokens=dict.fromkeys(ids, 1 + k),
             total_num_scheduled_tokens=len(ids) * (1 + k),
             scheduled_spec_decode_tokens=spec,
@@ -157,42 +155,34 @@ class Floor:
             preempted_req_ids=set(),
             num_spec_tokens_to_schedule=k,
         )
-        for request, after in zip(reqs, (computed + 1 + k).tolist()):
-            request.num_computed_tokens = after
-            if k:
-                request.spec_token_ids = []
         assert output.total_num_scheduled_tokens
+        # each request's tokens, as the runner returned them, in the runner's order
         runner = self.output
-        sampled, index = runner.sampled_token_ids, runner.req_id_to_index
-        outputs = []
-        stats = SpecDecodingStats.new(k) if k else None
-        for request in reqs:
-            new = sampled[index[request.request_id]]
-            if k:
-                request.num_computed_tokens -= k + 1 - len(new)
-                assert stats is not None
-                stats.observe_draft(num_draft_tokens=k, num_accepted_tokens=len(new) - 1)
-            for token in new:
-                request.append_output_token_ids(token)
-                check_stop(request, 1 << 30)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=new,
-                    stop_reason=request.stop_reason,
-                    trace_headers=request.trace_headers,
-                    num_nans_in_logits=request.num_nans_in_logits,
-                )
-            )
-        engine = {0: EngineCoreOutputs(outputs=outputs)}
-        engine[0].scheduler_stats = SchedulerStats(
-            num_running_reqs=len(reqs),
-            num_waiting_reqs=0,
-            kv_cache_usage=0.5,
-            prefix_cache_stats=PrefixCacheStats(),
-            spec_decoding_stats=stats,
+        outputs = list(map(EngineCoreOutput, runner.req_ids, runner.sampled_token_ids))
+        stats = None
+        advance: Any = 1
+        if k:
+            kept = np.fromiter(map(len, runner.sampled_token_ids), np.int64, len(ids))
+            stats = SpecDecodingStats.new(k)
+            accepted = kept - 1
+            stats.num_drafts = len(ids)
+            stats.num_draft_tokens = k * len(ids)
+            stats.num_accepted_tokens = int(accepted.sum())
+            at_least = np.bincount(accepted, minlength=k + 1)[::-1].cumsum()[::-1]
+            stats.num_accepted_tokens_per_pos = at_least[1:].tolist()
+            stats.num_draft_tokens_per_pos = [len(ids)] * k
+            advance = kept  # (the runner's order is the scheduler's here)
+        EngineCoreOutputs(
+            outputs=outputs,
+            scheduler_stats=SchedulerStats(
+                num_running_reqs=len(ids),
+                num_waiting_reqs=0,
+                kv_cache_usage=0.5,
+                prefix_cache_stats=PrefixCacheStats(),
+                spec_decoding_stats=stats,
+            ),
         )
-        self.computed = computed + 1 + (len(sampled[0]) - 1 if k else 0)
+        self.computed = computed + advance
 
 
 def _median(values: list[float]) -> float:

@@ -33,6 +33,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.interface import PauseState  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -135,14 +136,26 @@ def build(config: Any, kv: Any, block_size: int = 16, v2: bool = False) -> Helix
 _HASHER: list[Any] = []
 
 
-def request(request_id: str, prompt: list[int], max_tokens: int, caching: bool) -> Request:
+#: With ``stops``: the end-of-sequence token and the stop tokens of a request (random
+#: tokens are drawn from 5..899, so about 1 in 80 stops it).
+EOS, STOP_TOKENS = 7, list(range(10, 20))
+
+
+def request(
+    request_id: str, prompt: list[int], max_tokens: int, caching: bool, stops: bool = False
+) -> Request:
     if caching and not _HASHER:
         init_none_hash(sha256)
         _HASHER.append(get_request_block_hasher(16, sha256))
+    if stops:
+        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=STOP_TOKENS)
+        params.update_from_generation_config({}, EOS)
+    else:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt,
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        sampling_params=params,
         pooling_params=None,
         block_hasher=_HASHER[0] if caching else None,
     )
@@ -274,6 +287,8 @@ class Runner:
 
     v2: bool
     tables: dict[str, list[int]] = field(default_factory=dict)
+    #: the tokens each scheduled request has computed before the step, as the runner reads
+    computed: dict[str, int] = field(default_factory=dict)
 
     def apply(self, out: Any) -> None:
         for rid in out.finished_req_ids:
@@ -281,10 +296,13 @@ class Runner:
         if self.v2:
             for rid in out.preempted_req_ids or ():
                 self.tables.pop(rid, None)
+        self.computed = {}
         for new in out.scheduled_new_reqs:
             assert self.v2 or new.req_id not in self.tables
             self.tables[new.req_id] = list(new.block_ids[0])
+            self.computed[new.req_id] = new.num_computed_tokens
         cached = out.scheduled_cached_reqs
+        self.computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         for rid, blocks in zip(cached.req_ids, cached.new_block_ids):
             if rid in cached.resumed_req_ids:
                 assert not self.v2
@@ -295,8 +313,11 @@ class Runner:
 
 def check_tables(scheduler: HelixScheduler, runner: Runner, out: Any) -> None:
     """Every scheduled request's table in the runner starts with helix's (it may hold a
-    page past the end: one rejected drafts gave back)."""
-    for rid in out.num_scheduled_tokens:
+    page past the end: one rejected drafts gave back), and the runner computes from where
+    the request stands (vLLM's ``num_computed_tokens`` counts the scheduled tokens)."""
+    for rid, scheduled in out.num_scheduled_tokens.items():
+        req = scheduler._req_of[scheduler._hid_of[rid]]
+        assert runner.computed[rid] + scheduled == req.num_computed_tokens, rid
         hid = scheduler._hid_of[rid]
         table = scheduler.helix.block_table(np.array([hid], np.uint64))[0]
         held = (table[table >= 0] + 1).tolist()
@@ -317,10 +338,35 @@ def check_views(scheduler: HelixScheduler, arrival: dict[str, int] | None = None
     assert set(scheduler.requests) == {r.request_id for r in running + waiting}
 
 
+def check_requests(
+    scheduler: HelixScheduler,
+    seen: dict[str, Request],
+    tokens: dict[str, list[int]],
+    ahead: bool,
+) -> None:
+    """vLLM's Request objects hold what vLLM's scheduler would have written: every token
+    the outputs reported (helix's tokens, for a live request), and between steps a running
+    decode has computed all its tokens but the last sampled one."""
+    for rid, req in seen.items():
+        assert list(req.all_token_ids) == tokens[rid], rid
+        assert list(req.output_token_ids) == tokens[rid][req.num_prompt_tokens :], rid
+        assert req.num_tokens == len(tokens[rid])
+        hid = scheduler._hid_of.get(rid)
+        if hid is not None:
+            assert scheduler.helix.tokens(hid).tolist() == tokens[rid], rid
+            if not ahead and req.status == RequestStatus.RUNNING and not req.is_prefill_chunk:
+                assert req.num_computed_tokens == req.num_tokens - 1, rid
+        else:  # finished: vLLM's own class again, its fields written in
+            assert type(req) is Request, rid
+
+
 def sampled_for(scheduler: HelixScheduler, out: Any, rng: random.Random) -> Any:
     """A model runner's output: each request sampling (accepting a random number of its
-    drafts), partial prefill chunks sampling nothing."""
+    drafts), partial prefill chunks sampling nothing; its rows in the scheduled order or
+    (half the time) another."""
     ids = list(out.num_scheduled_tokens)
+    if rng.random() < 0.5:
+        rng.shuffle(ids)
     sampled = []
     for rid in ids:
         req = scheduler._req_of[scheduler._hid_of[rid]] if rid in scheduler._hid_of else None
@@ -357,27 +403,32 @@ def test_random_runs_by_priority_keep_the_runner_in_step_and_the_queue_ordered(
 
 
 def random_run(model_dir: str, *, v2: bool, ahead: bool, caching: bool, priority: bool) -> None:
-    """Requests arriving at random (with random vLLM priorities under ``policy="priority"``),
-    drafts, aborts while a step is pending, under KV pressure: after every call the runner
-    holds helix's tables, the views agree (waiting requests by vLLM priority, then
-    arrival), and the run ends with nothing left behind."""
+    """Requests arriving at random (with random vLLM priorities under ``policy="priority"``;
+    with caching, stop tokens and an end-of-sequence token), drafts, aborts while a step is
+    pending, under KV pressure: after every call the runner holds helix's tables, the views
+    agree (waiting requests by vLLM priority, then arrival), vLLM's requests hold what the
+    outputs reported, and the run ends with nothing left behind."""
     rng = random.Random(hash((v2, ahead, caching, priority)) & 0xFFFF)
     options: dict[str, Any] = {"policy": "priority"} if priority else {}
     config, kv = configs(
-        model_dir, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=64, caching=caching,
-        num_spec=3, async_scheduling=ahead, long_prefill_token_threshold=24, **options,
+        model_dir, num_blocks=20 if caching else 24, max_num_seqs=6, caching=caching,
+        max_num_batched_tokens=64, num_spec=3, async_scheduling=ahead,
+        long_prefill_token_threshold=24, **options,
     )  # fmt: skip
     scheduler, runner = build(config, kv, v2=v2), Runner(v2)
     system = [rng.randrange(5, 900) for _ in range(40)]
     arrival: dict[str, int] = {}
+    seen: dict[str, Request] = {}
+    tokens: dict[str, list[int]] = {}  # each request's prompt, then the outputs' tokens
     pending: list[Any] = []
     added = 0
     for _step in range(400):
         if added < 30 and rng.random() < 0.4:
             prompt = system + [rng.randrange(5, 900) for _ in range(rng.randint(1, 60))]
-            new = request(f"q{added}", prompt, rng.randint(1, 40), caching)
+            new = request(f"q{added}", prompt, rng.randint(1, 40), caching, stops=caching)
             new.priority = rng.randint(-2, 2) if priority else 0
             arrival[new.request_id] = added
+            seen[new.request_id], tokens[new.request_id] = new, list(prompt)
             scheduler.add_request(new)
             added += 1
         if not ahead:
@@ -393,17 +444,27 @@ def random_run(model_dir: str, *, v2: bool, ahead: bool, caching: bool, priority
         check_views(scheduler, arrival)
         if len(pending) == (2 if ahead else 1):
             done = pending.pop(0)
-            scheduler.update_from_output(done, sampled_for(scheduler, done, rng))
+            outputs = scheduler.update_from_output(done, sampled_for(scheduler, done, rng))
+            for eco in outputs.values():
+                for out in eco.outputs:
+                    tokens[out.request_id] += out.new_token_ids
             check_views(scheduler, arrival)
+            check_requests(scheduler, seen, tokens, ahead)
         if added == 30 and not scheduler.has_unfinished_requests() and not pending:
             break
     for done in pending:
-        scheduler.update_from_output(done, sampled_for(scheduler, done, rng))
+        outputs = scheduler.update_from_output(done, sampled_for(scheduler, done, rng))
+        for eco in outputs.values():
+            for out in eco.outputs:
+                tokens[out.request_id] += out.new_token_ids
+    check_requests(scheduler, seen, tokens, ahead)
     assert added == 30
     assert not scheduler.has_unfinished_requests()
     metrics = scheduler.helix.metrics()
     assert metrics.preemptions > 0, "the run must be under KV pressure"
     assert metrics.spec_decode_num_drafts > 0 or ahead
+    reasons = {req.get_finished_reason() for req in seen.values()}
+    assert not caching or {FinishReason.STOP, FinishReason.LENGTH} <= reasons
     assert not scheduler.helix.has_unfinished()
     assert scheduler.helix.pending_steps() == 0
     assert metrics.kv_used_superblocks == 0 or caching  # cached pages stay, unreferenced
@@ -430,6 +491,31 @@ def test_an_abort_between_schedule_and_update_holds_the_pages_until_the_update(
     scheduler.update_from_output(out, sampled_for(scheduler, out, random.Random(0)))
     assert scheduler.helix.metrics().kv_used_superblocks == 2
     assert "a" in scheduler.schedule().finished_req_ids
+
+
+def test_an_abort_with_two_steps_in_flight_drops_its_tokens_of_both(model_dir: str) -> None:
+    config, kv = configs(model_dir, async_scheduling=True)
+    scheduler = build(config, kv)
+    for name in ("a", "b"):
+        scheduler.add_request(request(name, list(range(20)), 10, caching=False))
+    first = scheduler.schedule()  # both prompts
+    second = scheduler.schedule()  # both decodes, planned one step ahead
+    assert set(second.num_scheduled_tokens) == {"a", "b"}
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    rng = random.Random(3)
+    reported: dict[str, list[int]] = {"a": [], "b": []}
+    for out in (first, second):
+        runner = ModelRunnerOutput(
+            req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1},
+            sampled_token_ids=[[rng.randrange(5, 900)], [rng.randrange(5, 900)]],
+        )  # fmt: skip
+        for eco in scheduler.update_from_output(out, runner).values():
+            for o in eco.outputs:
+                reported[o.request_id] += o.new_token_ids
+    assert reported["a"] == []
+    assert len(reported["b"]) == 2
+    assert scheduler.helix.metrics().kv_used_superblocks == 2  # b's, a's given back
+    assert set(scheduler.requests) == {"b"}
 
 
 def test_a_request_it_cannot_serve_ends_through_vllms_error_path(model_dir: str) -> None:

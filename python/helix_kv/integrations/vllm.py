@@ -25,6 +25,8 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain, compress, repeat
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,6 +34,8 @@ import numpy.typing as npt
 
 from helix_kv._core import ScheduleOutput, Scheduler
 from helix_kv.errors import HelixKVError
+from helix_kv.integrations import _vllm_lockstep as lockstep
+from helix_kv.integrations._vllm_batch import StopFilter
 from helix_kv.integrations._vllm_config import (
     VLLM_VERSION,
     VllmMapping,
@@ -72,7 +76,35 @@ __all__ = ["VLLM_VERSION", "HelixScheduler"]
 
 logger = logging.getLogger(__name__)
 
+#: The adapter's arrays by helix id: (attribute, dtype, the value of an unused id).
+_COLUMNS: tuple[tuple[str, Any, Any], ...] = (
+    ("_req_of", object, None),
+    ("_rid_of", object, None),
+    ("_prompt_len", np.int64, 0),
+    # blocks of the request's table the model runner holds
+    ("_known", np.int64, 0),
+    ("_last_scheduled", np.int64, -2),
+    ("_replace", np.bool_, False),
+    ("_alive", np.bool_, False),
+    # finished in vLLM's view (an abort, no token sampled) while helix still holds it
+    ("_ended", np.bool_, False),
+    # The runner's last page of each table, and a page it holds past helix's table end
+    # (rejected drafts gave it back): -1 for none.
+    ("_last_page", np.int64, -1),
+    ("_stale", np.int64, -1),
+    # vLLM's Request fields that change every step (``_vllm_lockstep``): computed tokens,
+    # a prefill chunk, the drafts, the count of tokens in vLLM's view
+    ("_computed", np.int64, 0),
+    ("_chunk", np.bool_, False),
+    ("_spec", object, None),
+    ("_ntokens", np.int64, 0),
+)
+
 _Ids = npt.NDArray[np.int64]
+_Objects = npt.NDArray[np.object_]
+_FIRST = itemgetter(0)
+#: Rows whose tokens of a step are not yet in their request's lists, and how many each.
+_Lazy = tuple[_Ids, "_Ids | int"]
 
 
 @dataclass
@@ -82,9 +114,13 @@ class _Step:
     output: Any
     #: helix's schedule; None for a step helix did not schedule (vLLM paused everything).
     helix: ScheduleOutput | None
-    #: The request of each helix sample entry: the generation entries, then the context
-    #: chunks completing their prompt (helix's ``sample_ids`` order).
-    sample_reqs: list[Any]
+    #: The generation entries' helix ids and vLLM ids (an id is not reused before the
+    #: update of every pending step that holds it).
+    gen_hids: _Ids
+    gen_rids: list[str]
+    #: The requests of the context chunks completing their prompt: they sample too, after
+    #: the generation entries (helix's ``sample_ids`` order).
+    ctx_reqs: list[Any]
     #: Drafts of each generation entry, or None when no entry carries any.
     drafts: npt.NDArray[np.int64] | None
     #: Helix ids of the generation entries carrying drafts (their tables may shrink).
@@ -92,26 +128,48 @@ class _Step:
     #: Admissions of requests never run before, and of preempted ones (prefix-cache stats).
     admissions: tuple[int, int]
 
+    @classmethod
+    def unscheduled(cls, output: Any) -> _Step:
+        """A step helix did not schedule (it scheduled nothing)."""
+        nothing = np.zeros(0, np.int64)
+        return cls(output, None, nothing, [], [], None, None, (0, 0))
+
+    def gen_reqs(self, req_of: _Objects, rows: _Ids | None = None) -> list[Any]:
+        """The generation entries' requests (of ``rows``), None for one retired meanwhile
+        (an abort that took effect at an earlier update)."""
+        hids = self.gen_hids if rows is None else self.gen_hids[rows]
+        return req_of[hids].tolist()  # type: ignore[no-any-return]
+
+    def sample_reqs(self, req_of: _Objects) -> list[Any]:
+        """The request of each helix sample entry (helix's ``sample_ids`` order)."""
+        return [*self.gen_reqs(req_of), *self.ctx_reqs]
+
 
 @dataclass
 class _Rows:
     """One schedule's entries as vLLM rows: generation entries, then context chunks."""
 
     hids: _Ids
-    reqs: list[Any]
     rids: list[str]
     #: Tokens each entry runs (a generation entry's includes its drafts).
-    counts: list[int]
+    counts: _Ids
     #: vLLM's ``num_computed_tokens`` of each entry before the step.
     computed: _Ids
     #: 0 running, 1 new, 2 resumed (a preempted request re-admitted, or a table replaced).
     kinds: npt.NDArray[np.int8]
     num_generation: int
+    #: The context entries' requests.
+    ctx_reqs: list[Any]
 
     @classmethod
     def empty(cls) -> _Rows:
         nothing = np.zeros(0, np.int64)
-        return cls(nothing, [], [], [], nothing, np.zeros(0, np.int8), 0)
+        return cls(nothing, [], nothing, nothing, np.zeros(0, np.int8), 0, [])
+
+    def request(self, hid: int, row: int, req_of: _Objects) -> Any:
+        """Row ``row``'s request (helix id ``hid``)."""
+        g = self.num_generation
+        return self.ctx_reqs[row - g] if row >= g else req_of[hid]
 
 
 class HelixScheduler(_SchedulerInterface):
@@ -122,6 +180,22 @@ class HelixScheduler(_SchedulerInterface):
     cannot serve. A request it cannot serve is finished through vLLM's own error path
     (``FINISHED_ERROR`` in the next ``update_from_output``), never by an exception.
     """
+
+    # The arrays by helix id (``_COLUMNS``).
+    _req_of: _Objects
+    _rid_of: _Objects
+    _prompt_len: _Ids
+    _known: _Ids
+    _last_scheduled: _Ids
+    _replace: npt.NDArray[np.bool_]
+    _alive: npt.NDArray[np.bool_]
+    _ended: npt.NDArray[np.bool_]
+    _last_page: _Ids
+    _stale: _Ids
+    _computed: _Ids
+    _chunk: npt.NDArray[np.bool_]
+    _spec: _Objects
+    _ntokens: _Ids
 
     def __init__(
         self,
@@ -177,65 +251,86 @@ class HelixScheduler(_SchedulerInterface):
         # Live requests with trace headers, or another client than 0: while there are none,
         # a decode's output is built in the fewest steps.
         self._unusual = 0
+        # Requests finished in vLLM's view that helix still holds (until their step closes).
+        self._ended_live = 0
         self._steps = 0
         self._stats = _StatsBase(self.helix)
 
     # -- ids ----------------------------------------------------------------------------
 
     def _init_ids(self, capacity: int) -> None:
-        self._req_of = np.empty(capacity, dtype=object)
-        self._rid_of = np.empty(capacity, dtype=object)
-        self._prompt_len = np.zeros(capacity, np.int64)
-        self._known = np.zeros(capacity, np.int64)
-        self._last_scheduled = np.full(capacity, -2, np.int64)
-        self._replace = np.zeros(capacity, np.bool_)
-        self._alive = np.zeros(capacity, np.bool_)
-        # The runner's last page of each table, and a page it holds past helix's table end
-        # (rejected drafts gave it back): -1 for none.
-        self._last_page = np.full(capacity, -1, np.int64)
-        self._stale = np.full(capacity, -1, np.int64)
+        for name, dtype, free in _COLUMNS:
+            setattr(self, name, np.full(capacity, free, dtype))
+        self._stops = StopFilter(capacity)
         self._free: list[int] = list(range(capacity - 1, -1, -1))
 
     def _grow_ids(self) -> None:
         old = len(self._req_of)
         new = old * 2
-        names = ("_req_of", "_rid_of", "_prompt_len", "_known", "_last_scheduled")
-        for name in (*names, "_last_page", "_stale"):
-            array = getattr(self, name)
-            grown = np.empty(new, dtype=array.dtype)
-            grown[:old] = array
+        for name, dtype, free in _COLUMNS:
+            grown = np.full(new, free, dtype)
+            grown[:old] = getattr(self, name)
             setattr(self, name, grown)
-        self._prompt_len[old:] = 0
-        self._known[old:] = 0
-        self._last_scheduled[old:] = -2
-        self._last_page[old:] = -1
-        self._stale[old:] = -1
-        for flag in ("_replace", "_alive"):
-            grown_flags = np.zeros(new, np.bool_)
-            grown_flags[:old] = getattr(self, flag)
-            setattr(self, flag, grown_flags)
+        self._stops.grow(new)
         self._free.extend(range(new - 1, old - 1, -1))
 
     def _new_hid(self, request: Any) -> int:
         if not self._free:
             self._grow_ids()
         hid = self._free.pop()
+        for name, _, free in _COLUMNS:
+            getattr(self, name)[hid] = free
         self._req_of[hid] = request
         self._rid_of[hid] = request.request_id
         self._prompt_len[hid] = request.num_prompt_tokens
-        self._known[hid] = 0
-        self._last_scheduled[hid] = -2
-        self._replace[hid] = False
-        self._last_page[hid] = -1
-        self._stale[hid] = -1
         self._alive[hid] = True
         return hid
+
+    def _attach(self, hid: int, request: Any) -> None:
+        """helix took the request: its per-step fields now live here (``_vllm_lockstep``),
+        and its stop conditions are registered for the step's stop filter."""
+        params = request.sampling_params
+        limit = min(self.max_model_len, request.num_prompt_tokens + request.max_tokens)
+        self._stops.add(
+            hid,
+            params.eos_token_id,
+            params.stop_token_ids or (),
+            limit,
+            params.repetition_detection is not None,
+        )
+        lockstep.attach(request, self, hid)
+
+    def _detach(self, hid: int, request: Any, generated: Any = None) -> None:
+        """The request leaves helix_kv (finished in vLLM's view or in helix): its fields are
+        written back into it, its tokens brought up to date (from ``generated``, its output
+        tokens, once helix no longer holds it)."""
+        if lockstep.LINK in request.__dict__:
+            self._sync_tokens(request, hid, generated)
+            lockstep.detach(request)
+        self._stops.remove(hid)
+
+    def _sync_tokens(self, request: Any, hid: int, generated: Any = None) -> None:
+        """Appends to ``request``'s token lists the tokens of vLLM's view they lack (helix
+        holds the same tokens: it was given them)."""
+        have = len(request.__dict__["_all_token_ids"])
+        total = int(self._ntokens[hid])
+        if have >= total:
+            return
+        if generated is None:
+            missing = self.helix.tokens(hid)[have:total]
+        else:
+            prompt = int(self._prompt_len[hid])
+            missing = generated[have - prompt : total - prompt]
+        lockstep.append_tokens(request, missing.tolist())
 
     def _retire(self, hid: int) -> None:
         """Lets go of a request helix finished: its output, its maps; the id is reused
         after the next update (a step still pending may hold it until then)."""
-        self.helix.take_output(hid)
+        output = self.helix.take_output(hid)
         request = self._req_of[hid]
+        self._detach(hid, request, output.token_ids)
+        if self._ended[hid]:
+            self._ended_live -= 1
         self._req_of[hid] = None
         self._rid_of[hid] = None
         self._alive[hid] = False
@@ -316,6 +411,7 @@ class HelixScheduler(_SchedulerInterface):
             return f"{type(error).__name__}: {error}"
         self._hid_of[request.request_id] = hid
         self._ids_version += 1
+        self._attach(hid, request)
         if request.trace_headers is not None or request.client_index != 0:
             self._unusual += 1
         return None
@@ -347,6 +443,7 @@ class HelixScheduler(_SchedulerInterface):
                 if request.is_finished():
                     continue
                 hids.append(hid)
+                self._end(hid, request)
             request.status = finished_status
             self._note_finished(request)
             finished.append(request)
@@ -356,6 +453,13 @@ class HelixScheduler(_SchedulerInterface):
                 for hid in hids:
                     self._retire(hid)
         return finished
+
+    def _end(self, hid: int, request: Any) -> None:
+        """The request finishes in vLLM's view while helix still holds it (until its abort
+        takes effect): its fields are frozen into it now."""
+        self._detach(hid, request)
+        self._ended[hid] = True
+        self._ended_live += 1
 
     def _take_rejected(self, request_id: str) -> Any:
         for i, (request, _) in enumerate(self._rejected):
@@ -407,7 +511,14 @@ class HelixScheduler(_SchedulerInterface):
 
     def get_request_counts(self) -> tuple[int, int]:
         """(running, waiting), as :attr:`running` and :attr:`waiting` count them."""
-        _, held, aborting = self.helix.queue_holdings()
+        helix = self.helix
+        if not self._pending and not self._ended_live:
+            # between steps, with no abort pending, helix's counts are vLLM's (a request
+            # admitted by a pending step holds KV but is waiting in helix until it ran)
+            running, waiting = helix.num_running, helix.num_waiting
+            if running + waiting == helix.num_live:
+                return running, waiting + len(self._rejected)
+        _, held, aborting = helix.queue_holdings()
         keep = ~aborting
         running = int(np.count_nonzero(keep & (held > 0)))
         waiting = int(np.count_nonzero(keep)) - running + len(self._rejected)
@@ -499,18 +610,18 @@ class HelixScheduler(_SchedulerInterface):
         self, out: ScheduleOutput, rows: _Rows, output: Any, admissions: tuple[int, int]
     ) -> _Step:
         g = rows.num_generation
-        sample_reqs = rows.reqs[:g]
-        for request, complete in zip(rows.reqs[g:], out.context_completes.tolist()):
-            if complete:
-                sample_reqs.append(request)
+        gen = rows.hids[:g]
+        completes = out.context_completes.tolist()
         drafts = out.generation_draft_counts
         drafted = bool(g) and bool(drafts.any())
         return _Step(
             output=output,
             helix=out,
-            sample_reqs=sample_reqs,
+            gen_hids=gen,
+            gen_rids=rows.rids[:g] if len(rows.rids) > g else rows.rids,
+            ctx_reqs=[request for request, done in zip(rows.ctx_reqs, completes) if done],
             drafts=drafts if drafted else None,
-            drafted_hids=rows.hids[:g][drafts > 0] if drafted else None,
+            drafted_hids=gen[drafts > 0] if drafted else None,
             admissions=admissions,
         )
 
@@ -551,37 +662,36 @@ class HelixScheduler(_SchedulerInterface):
     def _rows(self, out: ScheduleOutput) -> tuple[_Rows, tuple[int, int]]:
         """The step's entries as rows, with vLLM's view of each admission applied."""
         gen = out.generation_ids.view(np.int64)
-        reqs: list[Any] = self._req_of[gen].tolist()
         rids: list[str] = self._rid_of[gen].tolist()
-        counts: list[int] = (out.generation_draft_counts + 1).tolist()
-        computed = [out.generation_positions]
-        kinds = [np.zeros(len(gen), np.int8)]
+        counts = out.generation_draft_counts + 1
         ctx = out.context_ids.view(np.int64)
+        if not len(ctx):
+            kinds = np.zeros(len(gen), np.int8)
+            rows = _Rows(gen, rids, counts, out.generation_positions, kinds, len(gen), [])
+            return rows, (0, 0)
         new = resumed = 0
-        if len(ctx):
-            timestamp = time.monotonic()
-            ctx_kinds = np.zeros(len(ctx), np.int8)
-            for i, (hid, start, cached) in enumerate(
-                zip(ctx.tolist(), out.context_starts.tolist(), out.context_cached_lens.tolist())
-            ):
-                request = self._req_of[hid]
-                reqs.append(request)
-                rids.append(request.request_id)
-                if request.status == RequestStatus.WAITING:
-                    ctx_kinds[i] = 1
-                    new += 1
-                    self._admit(request, cached, timestamp)
-                elif request.status == RequestStatus.PREEMPTED:
-                    ctx_kinds[i] = 2
-                    resumed += 1
-                    self._admit(request, cached, timestamp)
-                request.num_computed_tokens = start
-            counts += out.context_lens.tolist()
-            computed.append(out.context_starts)
-            kinds.append(ctx_kinds)
-        hids = np.concatenate([gen, ctx]) if len(ctx) else gen
+        timestamp = time.monotonic()
+        self._computed[ctx] = out.context_starts  # what a new request's data carries
+        ctx_reqs: list[Any] = self._req_of[ctx].tolist()
+        ctx_kinds = np.zeros(len(ctx), np.int8)
+        for i, (request, cached) in enumerate(zip(ctx_reqs, out.context_cached_lens.tolist())):
+            rids.append(request.request_id)
+            if request.status == RequestStatus.WAITING:
+                ctx_kinds[i] = 1
+                new += 1
+                self._admit(request, cached, timestamp)
+            elif request.status == RequestStatus.PREEMPTED:
+                ctx_kinds[i] = 2
+                resumed += 1
+                self._admit(request, cached, timestamp)
         rows = _Rows(
-            hids, reqs, rids, counts, np.concatenate(computed), np.concatenate(kinds), len(gen)
+            np.concatenate([gen, ctx]),
+            rids,
+            np.concatenate([counts, out.context_lens]),
+            np.concatenate([out.generation_positions, out.context_starts]),
+            np.concatenate([np.zeros(len(gen), np.int8), ctx_kinds]),
+            len(gen),
+            ctx_reqs,
         )
         return rows, (new, resumed)
 
@@ -602,17 +712,25 @@ class HelixScheduler(_SchedulerInterface):
         counts = out.generation_draft_counts
         if not len(counts) or not counts.any():
             return {}
+        rows_drafted = np.flatnonzero(counts)
         rids = rows.rids
         if self._async:
-            return {rids[i]: [-1] * d for i, d in enumerate(counts.tolist()) if d}
+            return {rids[i]: [-1] * int(counts[i]) for i in rows_drafted.tolist()}
         # helix verifies the first d drafts proposed (its generation_draft_tokens): the
         # request's own list when they are all of it
-        spec: dict[str, list[int]] = {}
-        for rid, request, d in zip(rids, rows.reqs, counts.tolist()):
-            if d:
-                drafts = request.spec_token_ids
-                spec[rid] = drafts if len(drafts) == d else drafts[:d]
-        return spec
+        lists: list[list[int]] = self._spec[rows.hids[rows_drafted]].tolist()
+        drafted = counts[rows_drafted]
+        whole = np.fromiter(map(len, lists), np.int64, len(lists)) == drafted
+        if len(rows_drafted) == len(counts):  # every decode verifies drafts
+            names = rids[: len(counts)]
+        else:
+            names = [rids[i] for i in rows_drafted.tolist()]
+        if whole.all():
+            return dict(zip(names, lists))
+        return {
+            rid: drafts if full else drafts[:d]
+            for rid, drafts, full, d in zip(names, lists, whole.tolist(), drafted.tolist())
+        }
 
     def _new_block_ids(self, rows: _Rows) -> list[tuple[list[int], ...] | None]:
         """Each row's new vLLM block ids (helix page + 1, block 0 being vLLM's null block):
@@ -679,15 +797,14 @@ class HelixScheduler(_SchedulerInterface):
         kinds = rows.kinds
         v2 = self.use_v2_model_runner
         new_rows = np.flatnonzero(kinds != 0 if v2 else kinds == 1).tolist()
-        new_reqs = [
-            NewRequestData.from_request(
-                rows.reqs[i],
-                block_ids[i],
-                rows.reqs[i]._all_token_ids if v2 else None,
-                uses_mrope=False,
+        new_reqs = []
+        for i in new_rows:
+            request = rows.request(int(rows.hids[i]), i, self._req_of)
+            new_reqs.append(
+                NewRequestData.from_request(
+                    request, block_ids[i], request._all_token_ids if v2 else None, uses_mrope=False
+                )
             )
-            for i in new_rows
-        ]
         outputs = self._num_output_tokens(rows)
         if not kinds.any():
             order: list[int] | None = None
@@ -723,8 +840,7 @@ class HelixScheduler(_SchedulerInterface):
         g = rows.num_generation
         outputs = np.empty(len(rows.hids), np.int64)
         outputs[:g] = rows.computed[:g] + 1 - self._prompt_len[rows.hids[:g]]
-        for i in range(g, len(rows.hids)):
-            request = rows.reqs[i]
+        for i, request in enumerate(rows.ctx_reqs, g):
             outputs[i] = request.num_output_tokens + request.num_output_placeholders
         return outputs
 
@@ -733,8 +849,9 @@ class HelixScheduler(_SchedulerInterface):
         scheduled in the previous step, and every resumed one."""
         kinds = rows.kinds
         missing = (kinds == 2) | ((kinds == 0) & (self._last_scheduled[rows.hids] != seq - 1))
+        hids = rows.hids.tolist()
         return {
-            rows.rids[i]: rows.reqs[i].all_token_ids.copy()
+            rows.rids[i]: rows.request(hids[i], i, self._req_of).all_token_ids.copy()
             for i in np.flatnonzero(missing).tolist()
         }
 
@@ -749,11 +866,12 @@ class HelixScheduler(_SchedulerInterface):
         if not isinstance(cached, CachedRequestData):
             cached = CachedRequestData.make_empty()
         counts = rows.counts
-        total = sum(counts)
-        if counts and total == counts[0] * len(counts) and min(counts) == counts[0]:
-            scheduled = dict.fromkeys(rows.rids, counts[0])  # as many tokens each: the cheapest
+        total = int(counts.sum())
+        if len(counts) and counts.min() == counts.max():
+            # as many tokens each: the cheapest
+            scheduled = dict.fromkeys(rows.rids, int(counts[0]))
         else:
-            scheduled = dict(zip(rows.rids, counts))
+            scheduled = dict(zip(rows.rids, counts.tolist()))
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -771,34 +889,28 @@ class HelixScheduler(_SchedulerInterface):
         return output
 
     def _after_schedule(self, out: ScheduleOutput, rows: _Rows, seq: int) -> None:
-        """vLLM's lockstep after a schedule: computed tokens count the scheduled ones
-        (rejected drafts are given back at update); one step ahead, the tokens in flight are
-        output placeholders."""
-        g = rows.num_generation
-        reqs = rows.reqs
-        after = (rows.computed + np.asarray(rows.counts, dtype=np.int64)).tolist()
+        """vLLM's lockstep after a schedule, written for the whole step at once: computed
+        tokens count the scheduled ones (rejected drafts are given back at update), the
+        drafts a request verifies are in the output (the next ones come later); one step
+        ahead, the tokens in flight are output placeholders."""
+        hids = rows.hids
+        self._computed[hids] = rows.computed + rows.counts
         if self.num_spec_tokens and not self._async:
-            # the drafts a request verifies are in the output; the next ones come later
-            for request, computed in zip(reqs, after):
-                request.num_computed_tokens = computed
-                request.spec_token_ids = []
-        else:
-            for request, computed in zip(reqs, after):
-                request.num_computed_tokens = computed
-        for request, complete in zip(reqs[g:], out.context_completes.tolist()):
-            request.is_prefill_chunk = not complete
+            self._spec[hids] = None
+        g = rows.num_generation
+        self._chunk[hids[g:]] = ~out.context_completes
         if self._async:
             self._add_placeholders(out, rows)
-        self._last_scheduled[rows.hids] = seq
+        self._last_scheduled[hids] = seq
 
     def _add_placeholders(self, out: ScheduleOutput, rows: _Rows) -> None:
         """AsyncScheduler's placeholders: each sampling row's token (and drafts) in flight."""
         g = rows.num_generation
         placeholders = [-1] * self.num_spec_tokens
-        sampling = rows.reqs[:g] + [
-            rows.reqs[g + i] for i in np.flatnonzero(out.context_completes).tolist()
+        sampling = self._req_of[rows.hids[:g]].tolist() + [
+            rows.ctx_reqs[i] for i in np.flatnonzero(out.context_completes).tolist()
         ]
-        counts = rows.counts[:g] + [1] * (len(sampling) - g)
+        counts = rows.counts[:g].tolist() + [1] * (len(sampling) - g)
         for request, count in zip(sampling, counts):
             request.num_output_placeholders += count
             if placeholders:
@@ -846,7 +958,7 @@ class HelixScheduler(_SchedulerInterface):
         if self._pending and self._pending[0].output is scheduler_output:
             return self._pending.popleft()
         if not scheduler_output.total_num_scheduled_tokens:  # closed when scheduled
-            return _Step(scheduler_output, None, [], None, None, (0, 0))
+            return _Step.unscheduled(scheduler_output)
         raise ValueError(
             "update_from_output() must close the oldest pending schedule() output, "
             f"in order ({len(self._pending)} pending)"
@@ -854,14 +966,16 @@ class HelixScheduler(_SchedulerInterface):
 
     def _close(self, step: _Step, runner: Any, outputs: defaultdict[int, list[Any]]) -> Any:
         """Applies the step's tokens to vLLM's requests and to helix."""
-        accepted: list[int] | None = None
+        accepted: _Ids | None = None
         spec_stats = None
         if step.drafts is None:
-            tokens, eos = self._apply_tokens(step, runner, outputs)
+            tokens, eos, lazy = self._apply_tokens(step, runner, outputs)
         else:
-            tokens, eos, accepted, spec_stats = self._apply_drafts(step, runner, outputs)
+            tokens, eos, accepted, spec_stats, lazy = self._apply_drafts(step, runner, outputs)
         released, self._retired = self._retired, []
         finished = self.helix.update(tokens, eos, accepted)
+        if lazy is not None:  # tokens helix now holds, not yet in vLLM's lists
+            self._ntokens[lazy[0]] += lazy[1]
         # Ids retired before this update: no pending step holds them any more.
         self._free.extend(released)
         for hid in finished.tolist():
@@ -909,23 +1023,30 @@ class HelixScheduler(_SchedulerInterface):
 
     def _apply_tokens(
         self, step: _Step, runner: Any, outputs: defaultdict[int, list[Any]]
-    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_] | None]:
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_] | None, _Lazy | None]:
         """One token per sample row (no drafts): appended, stop-checked, reported."""
-        reqs = step.sample_reqs
         tokens: list[int] = []
         stops: list[int] = []
         extras = _Extras.of(runner, self._return_sampling_mask)
-        g = 0
+        head = np.zeros(0, np.int32)
+        lazy = None
+        reqs = step.ctx_reqs
+        first = len(step.gen_hids)
         if extras is None and not self._unusual and not self._async:
-            g = len(reqs) if step.helix is None else len(step.helix.generation_ids)
-            self._decode_outputs(reqs[:g], runner, outputs, tokens, stops)
+            batch = self._decode_batch(step, runner, outputs)
+            if batch is None:
+                gen_reqs = step.gen_reqs(self._req_of)
+                self._decode_outputs(gen_reqs, runner, outputs, tokens, stops)
+            else:
+                head, stops, lazy = batch
+        else:
+            reqs, first = step.sample_reqs(self._req_of), 0
         sampled = runner.sampled_token_ids
         index = runner.req_id_to_index
         preempted = RequestStatus.PREEMPTED
         running = RequestStatus.RUNNING
-        for row in range(g, len(reqs)):
-            request = reqs[row]
-            status = request.status
+        for row, request in enumerate(reqs, first):
+            status = RequestStatus.FINISHED_ABORTED if request is None else request.status
             if status > preempted:  # finished meanwhile (an abort): helix drops its token
                 tokens.append(0)
                 continue
@@ -943,11 +1064,53 @@ class HelixScheduler(_SchedulerInterface):
             if stopped:
                 stops.append(row)
             outputs[request.client_index].append(self._output(request, new, stopped, j, extras))
+        all_tokens = np.concatenate([head, np.asarray(tokens, dtype=np.int32)])
         eos = None
         if stops:
-            eos = np.zeros(len(tokens), np.bool_)
+            eos = np.zeros(len(all_tokens), np.bool_)
             eos[stops] = True
-        return np.asarray(tokens, dtype=np.int32), eos
+        return all_tokens, eos, lazy
+
+    def _decode_batch(
+        self, step: _Step, runner: Any, outputs: defaultdict[int, list[Any]]
+    ) -> tuple[npt.NDArray[np.int32], list[int], _Lazy] | None:
+        """The decodes' tokens in one pass over arrays, in the common case (one step at a
+        time, one client, no trace headers, nothing else from the runner): vLLM's stop check
+        runs on the rows the stop filter flags, each appending its token first; every other
+        decode's output is its token, and its lists get it when read (``_vllm_lockstep``).
+        Returns the tokens, the rows that stopped and the rows whose lists lack their token;
+        None when a row needs the per-row path (finished meanwhile, or no token sampled)."""
+        hids, rids = step.gen_hids, step.gen_rids
+        g = len(hids)
+        if not g:
+            return np.zeros(0, np.int32), [], (hids, 1)
+        if self._ended[hids].any():
+            return None
+        news = _sampled_lists(runner, rids)
+        if news is None:
+            return None
+        try:
+            tokens = np.fromiter(map(_FIRST, news), np.int32, g)
+        except IndexError:  # an empty list: the runner sampled nothing for a decode
+            return None
+        flagged = self._stops.candidates(hids, tokens, None, self._ntokens[hids] + 1)
+        if not flagged.any():
+            outputs[0].extend(map(EngineCoreOutput, rids, news))
+            return tokens, [], (hids, 1)
+        keep = ~flagged
+        outputs[0].extend(map(EngineCoreOutput, compress(rids, keep), compress(news, keep)))
+        stops: list[int] = []
+        emit = outputs[0].append
+        rows = np.flatnonzero(flagged)
+        for row, request in zip(rows.tolist(), step.gen_reqs(self._req_of, rows)):
+            new = news[row]
+            request.append_output_token_ids(new[0])
+            if check_stop(request, self.max_model_len):
+                stops.append(row)
+                emit(self._output(request, new, True, row, None))
+            else:
+                emit(EngineCoreOutput(request_id=request.request_id, new_token_ids=new))
+        return tokens, stops, (hids[keep], 1)
 
     def _decode_outputs(
         self,
@@ -966,7 +1129,7 @@ class HelixScheduler(_SchedulerInterface):
         max_model_len = self.max_model_len
         emit = outputs[0].append
         for row, request in enumerate(reqs):
-            if request.status > preempted:
+            if request is None or request.status > preempted:  # finished meanwhile
                 tokens.append(0)
                 continue
             rid = request.request_id
@@ -1042,42 +1205,47 @@ class HelixScheduler(_SchedulerInterface):
 
     def _apply_drafts(
         self, step: _Step, runner: Any, outputs: defaultdict[int, list[Any]]
-    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_] | None, list[int], Any]:
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_] | None, _Ids, Any, _Lazy | None]:
         """A step whose decodes verify drafts: a generation entry has ``1 + drafts`` rows and
         keeps its accepted tokens (the model runner's list: accepted drafts, then one);
         rejected drafts were not computed after all."""
         assert step.drafts is not None
         drafts: list[int] = step.drafts.tolist()
         g = len(drafts)
-        reqs = step.sample_reqs
-        tokens = [0] * (sum(drafts) + len(reqs))
-        accepted = [0] * g
+        tokens = np.zeros(sum(drafts) + g + len(step.ctx_reqs), np.int32)
+        accepted = np.zeros(g, np.int64)
         stops: list[int] = []
         sampled = runner.sampled_token_ids
         index = runner.req_id_to_index
         extras = _Extras.of(runner, self._return_sampling_mask)
         verify = _Verify(self, step.output.num_invalid_spec_tokens or {})
-        fast = extras is None and not self._unusual and not self._async
-        emit = outputs[0].append
+        lazy = None
+        if extras is None and not self._unusual and not self._async:
+            lazy = self._verify_batch(step, runner, outputs, tokens, accepted, stops, verify)
+            if lazy is None:
+                verify.stats = self._verify_outputs(
+                    step.gen_reqs(self._req_of),
+                    drafts,
+                    runner,
+                    outputs,
+                    tokens,
+                    accepted,
+                    stops,
+                    verify,
+                )
+            reqs, start, row = step.ctx_reqs, g, g + sum(drafts)
+        else:
+            reqs, start, row = step.sample_reqs(self._req_of), 0, 0
         running = RequestStatus.RUNNING
         max_model_len = self.max_model_len
-        row = 0
-        start = 0
-        if fast:
-            verify.stats = self._verify_outputs(
-                reqs[:g], drafts, runner, outputs, tokens, accepted, stops, verify
-            )
-            start, row = g, g + sum(drafts)
-        for i in range(start, len(reqs)):
-            request = reqs[i]
+        for i, request in enumerate(reqs, start):
             width = drafts[i] + 1 if i < g else 1
             first = row
             row += width
-            status = request.status
-            if status > RequestStatus.PREEMPTED:
+            status = RequestStatus.FINISHED_ABORTED if request is None else request.status
+            if status > RequestStatus.PREEMPTED:  # finished meanwhile
                 continue
-            rid = request.request_id
-            j = index.get(rid)
+            j = index.get(request.request_id)
             new = sampled[j] if j is not None and sampled else None
             if not new:
                 self._fail_unsampled(request, outputs)
@@ -1102,15 +1270,87 @@ class HelixScheduler(_SchedulerInterface):
                     break
             if self._async and live:
                 request.num_output_placeholders -= len(new)
-            if fast and i < g and not stopped:
-                emit(EngineCoreOutput(request_id=rid, new_token_ids=new))
-            else:
-                outputs[request.client_index].append(self._output(request, new, stopped, j, extras))
+            outputs[request.client_index].append(self._output(request, new, stopped, j, extras))
         eos = None
         if stops:
             eos = np.zeros(len(tokens), np.bool_)
             eos[stops] = True
-        return np.asarray(tokens, dtype=np.int32), eos, accepted, verify.stats
+        return tokens, eos, accepted, verify.stats, lazy
+
+    def _verify_batch(
+        self,
+        step: _Step,
+        runner: Any,
+        outputs: defaultdict[int, list[Any]],
+        tokens: npt.NDArray[np.int32],
+        accepted: _Ids,
+        stops: list[int],
+        verify: _Verify,
+    ) -> _Lazy | None:
+        """The decodes' verifications in one pass over arrays (the common case, as
+        :meth:`_decode_batch`): each keeps its accepted tokens; rows the stop filter flags
+        go through vLLM's stop check token by token. Returns the rows whose lists lack
+        their tokens, and how many; None when a row needs the per-row path."""
+        hids, rids = step.gen_hids, step.gen_rids
+        assert step.drafts is not None
+        widths = step.drafts + 1
+        g = len(hids)
+        if self._ended[hids].any() or verify.invalid or verify.per_request:
+            return None
+        news = _sampled_lists(runner, rids)
+        if news is None:
+            return None
+        kept = np.fromiter(map(len, news), np.int64, g)
+        if not kept.all() or (kept > widths).any():
+            return None
+        flat = np.fromiter(chain.from_iterable(news), np.int32, int(kept.sum()))
+        owner = np.repeat(np.arange(g), kept)
+        firsts = np.cumsum(widths) - widths
+        offsets = np.arange(len(flat)) - np.repeat(np.cumsum(kept) - kept, kept)
+        tokens[firsts[owner] + offsets] = flat
+        accepted[:] = kept - 1
+        flagged = self._stops.candidates(hids, flat, owner, self._ntokens[hids] + kept)
+        keep = ~flagged
+        fast = np.flatnonzero(keep)
+        # rejected drafts were not computed after all
+        self._computed[hids[fast]] -= (widths - kept)[fast]
+        verify.observe_many(widths[fast] - 1, kept[fast] - 1)
+        outputs[0].extend(map(EngineCoreOutput, compress(rids, keep), compress(news, keep)))
+        if flagged.any():
+            rows = np.flatnonzero(flagged)
+            self._verify_flagged(step, rows, news, firsts, outputs, stops, verify)
+        return hids[fast], kept[fast]
+
+    def _verify_flagged(
+        self,
+        step: _Step,
+        rows: _Ids,
+        news: list[list[int]],
+        firsts: _Ids,
+        outputs: defaultdict[int, list[Any]],
+        stops: list[int],
+        verify: _Verify,
+    ) -> None:
+        """The verified rows the stop filter flagged: their tokens appended one by one, each
+        through vLLM's stop check (the tokens after a stop are dropped)."""
+        assert step.drafts is not None
+        emit = outputs[0].append
+        drafts = step.drafts[rows].tolist()
+        reqs = step.gen_reqs(self._req_of, rows)
+        for row, request, d, first in zip(rows.tolist(), reqs, drafts, firsts[rows].tolist()):
+            new = news[row]
+            if d:
+                verify.verified(request, d, len(new) - 1, True)
+            append = request.append_output_token_ids
+            for kept, token in enumerate(new, 1):
+                append(token)
+                if check_stop(request, self.max_model_len):
+                    del new[kept:]
+                    stops.append(first + kept - 1)
+                    emit(self._output(request, new, True, row, None))
+                    break
+            else:
+                emit(EngineCoreOutput(request_id=request.request_id, new_token_ids=new))
 
     def _verify_outputs(
         self,
@@ -1118,8 +1358,8 @@ class HelixScheduler(_SchedulerInterface):
         drafts: list[int],
         runner: Any,
         outputs: defaultdict[int, list[Any]],
-        tokens: list[int],
-        accepted: list[int],
+        tokens: npt.NDArray[np.int32],
+        accepted: _Ids,
         stops: list[int],
         verify: _Verify,
     ) -> Any:
@@ -1138,7 +1378,7 @@ class HelixScheduler(_SchedulerInterface):
         for i, (request, d) in enumerate(zip(reqs, drafts)):
             first = row
             row += d + 1
-            if request.status > preempted:
+            if request is None or request.status > preempted:  # finished meanwhile
                 continue
             rid = request.request_id
             j = index.get(rid)
@@ -1232,19 +1472,27 @@ class HelixScheduler(_SchedulerInterface):
         if (found < 0).any():  # finished meanwhile
             proposals = [d for d, hid in zip(proposals, found.tolist()) if hid >= 0]
             found = found[found >= 0]
-        limit = self.num_spec_tokens
-        kept: list[list[int]] = []
-        for request, drafts in zip(self._req_of[found].tolist(), proposals):
-            if request.is_prefill_chunk:  # vLLM ignores drafts for prefill chunks
-                drafts = []
-            elif drafts and (drafts[-1] < 0 or len(drafts) > limit):
-                # the GPU n-gram drafter pads with -1
-                drafts = strip_speculative_padding(drafts)[:limit]
-            request.spec_token_ids = drafts
-            kept.append(drafts)
-        counts = np.fromiter(map(len, kept), np.int64, len(kept))
-        # helix decides on the counts; the drafts themselves go to the model runner in the
-        # requests' own lists (``scheduled_spec_decode_tokens``), so helix gets placeholders
+        n = len(found)
+        counts = np.fromiter(map(len, proposals), np.int64, n)
+        # vLLM ignores drafts for prefill chunks; the GPU n-gram drafter pads with -1
+        odd = self._chunk[found] | (counts > self.num_spec_tokens)
+        if counts.any():
+            ends = np.cumsum(counts)
+            flat = np.fromiter(chain.from_iterable(proposals), np.int64, int(ends[-1]))
+            odd[counts > 0] |= flat[ends[counts > 0] - 1] < 0
+        if odd.any():
+            proposals = list(proposals)
+            for i in np.flatnonzero(odd).tolist():
+                drafts = proposals[i]
+                if self._chunk[found[i]]:
+                    drafts = []
+                else:
+                    drafts = strip_speculative_padding(drafts)[: self.num_spec_tokens]
+                proposals[i] = drafts
+                counts[i] = len(drafts)
+        # the requests' spec_token_ids (``_vllm_lockstep``), which go to the model runner
+        # (``scheduled_spec_decode_tokens``); helix decides on the counts, given placeholders
+        self._spec[found] = np.fromiter(proposals, object, n)
         self.helix.propose_drafts(found, counts, np.full(int(counts.sum()), -1, np.int32))
 
     def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> None:
@@ -1266,8 +1514,32 @@ class _Verify:
         self._num_spec = scheduler.num_spec_tokens
         self._log = scheduler.log_stats
         self._detailed = scheduler.spec_decode_metrics_level == "detailed"
+        #: whether each request keeps its own acceptance record
+        self.per_request = scheduler.spec_decode_metrics_level != "none"
         self.invalid = invalid
         self.stats: Any = None
+
+    def observe_many(self, drafts: _Ids, accepted: _Ids) -> None:
+        """The statistics of many verifications at once (drafts none invalidated, no
+        per-request record): what ``observe_draft`` adds for each, summed."""
+        verified = drafts > 0
+        if not self._log or not verified.any():
+            return
+        drafts, accepted = drafts[verified], accepted[verified]
+        if self.stats is None:
+            self.stats = SpecDecodingStats.new(self._num_spec)
+        stats = self.stats
+        k = self._num_spec
+        stats.num_drafts += len(drafts)
+        stats.num_draft_tokens += int(drafts.sum())
+        stats.num_accepted_tokens += int(accepted.sum())
+        for name, values in (
+            ("num_accepted_tokens_per_pos", accepted),
+            ("num_draft_tokens_per_pos", drafts),
+        ):
+            # position i counts the verifications with more than i of them
+            above = np.cumsum(np.bincount(values, minlength=k + 1)[::-1])[::-1][1 : k + 1]
+            setattr(stats, name, (np.asarray(getattr(stats, name)) + above).tolist())
 
     def verified(self, request: Any, drafts: int, accepted: int, live: bool) -> None:
         if live:  # a request preempted meanwhile restarts from nothing anyway
@@ -1360,6 +1632,20 @@ class _StatsBase:
         self.reset = False
         self._requests = self._preempted_requests = 0
         return stats
+
+
+def _sampled_lists(runner: Any, rids: list[str]) -> list[list[int]] | None:
+    """The model runner's sampled lists of requests ``rids``, in that order; None when it
+    has none for one of them."""
+    sampled: list[list[int]] = runner.sampled_token_ids
+    req_ids: list[str] = runner.req_ids
+    n = len(rids)
+    if req_ids[:n] == rids and len(sampled) >= n:  # the runner's rows in the same order
+        return sampled if len(sampled) == n else sampled[:n]
+    rows = np.fromiter(map(runner.req_id_to_index.get, rids, repeat(-1)), np.int64, n)
+    if not sampled or (rows < 0).any():
+        return None
+    return [sampled[j] for j in rows.tolist()]
 
 
 def _prefix_totals(metrics: Any) -> tuple[int, int, int, int]:
