@@ -4,18 +4,25 @@ against vLLM 0.32's own scheduler, side by side in one run, and against the floo
 types impose.
 
 N = 256 / 1024 / 4096 requests, all decoding (prompts of ``PROMPT`` tokens, prefilled before
-the timing), synthetic model-runner outputs (built once: the model runner's work is not the
-scheduler's): ``plain``; ``prefix_caching`` (on, every prompt its own: the cache's
-bookkeeping alone); ``drafts`` (the n-gram drafter's 3 drafts for every request every step,
-1 accepted).
+the timing), synthetic model-runner outputs: ``plain``; ``prefix_caching`` (on, every
+prompt its own: the cache's bookkeeping alone); ``drafts`` (the n-gram drafter's 3 drafts for
+every request every step, 1 accepted). Before each timed step, untimed, the model runner's
+output (and the drafter's proposals) of that step is built fresh, as vLLM's runner builds it
+(``tolist()`` of its sampled-token tensor, copies of its id list and map) just before the
+engine core hands it to the scheduler.
 
-The floor (``impl="floor"``) is what any scheduler of vLLM 0.32 must do per step, timed
-alone from arrays it already holds, deciding nothing: build the step's ``SchedulerOutput``
-(``num_scheduled_tokens``, the cached requests' ``CachedRequestData`` lists, the drafts'
-``scheduled_spec_decode_tokens``) and set each request's ``num_computed_tokens``; take the
-drafter's proposals into each request's ``spec_token_ids``; then per request append its
-tokens, run vLLM's stop check and build its ``EngineCoreOutput``, and the step's
-``EngineCoreOutputs`` with ``SchedulerStats``. It runs on requests of the same shape.
+The floor (``impl="floor"``) is what any scheduler of vLLM 0.32 must build per step: the
+objects vLLM's engine core and model runner read, and only those, built the cheapest way
+vLLM's types allow from arrays the floor already holds, deciding nothing. The model runner
+reads the step's ``SchedulerOutput``: ``num_scheduled_tokens`` (a dict of equal counts, by
+``dict.fromkeys``), the cached requests' ``CachedRequestData`` (their ids, new block ids,
+computed and output token counts: lists made by ``tolist()``; ``None`` where no block is
+new) and the drafts' ``scheduled_spec_decode_tokens`` (the drafter's lists, zipped with its
+ids). The engine core and the output processor read the step's ``EngineCoreOutputs``: one
+``EngineCoreOutput`` per request naming the runner's own list of its tokens, and the
+``SchedulerStats`` (the spec-decode counts summed from the accepted lengths). Nothing reads
+vLLM's ``Request`` objects but its own scheduler, so the floor writes none, and it runs no
+stop check (stopping is a decision).
 
 Two settings of Python's garbage collector: ``engine``, as vLLM's engine core runs (its
 start-up heap frozen, ``gc.freeze()``, the requests arriving afterwards not: a collection
@@ -24,8 +31,7 @@ scheduler costs); ``frozen``, every object alive when the timing starts frozen (
 too), so that only each scheduler's own work is timed.
 
 Goal (issue 40): helix_kv >= 10x less time than vLLM's own at N = 1024 and 4096, and within
-1.5x of the floor. The floor bounds the first: vLLM/helix is at most vLLM/floor, printed too.
-Skipped without vLLM. Run with
+1.5x of the floor. Skipped without vLLM. Run with
 ``python -m pytest benches/bench_vllm_adapter.py --benchmark-enable -s``; the figures are in
 ``docs/vllm.md``.
 """
@@ -70,12 +76,35 @@ def runner_output(req_ids: list[str], sampled: list[list[int]]) -> Any:
     )
 
 
+class Step:
+    """One step of ``n`` decoding requests: the model runner's output and the drafter's
+    proposals of the step, built fresh by :meth:`prepare` (untimed), as vLLM's runner
+    builds them just before the scheduler reads them."""
+
+    def __init__(self, ids: list[str], variant: str) -> None:
+        self.ids = ids
+        self.k = DRAFTS if variant == "drafts" else 0
+        self.index = {rid: i for i, rid in enumerate(ids)}
+        self.output: Any = None
+        self.draft_ids: Any = None
+
+    def prepare(self) -> None:
+        from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+        n = len(self.ids)
+        # one accepted draft and the bonus token with drafts, else one token
+        sampled = np.tile(np.array([5, 9] if self.k else [7]), (n, 1)).tolist()
+        self.output = ModelRunnerOutput(
+            req_ids=list(self.ids), req_id_to_index=dict(self.index), sampled_token_ids=sampled
+        )
+        if self.k:
+            self.draft_ids = DraftTokenIds(list(self.ids), np.tile([5, 6, 7], (n, 1)).tolist())
+
+
 class Workload:
     """A scheduler (vLLM's or the adapter) with ``n`` requests decoding, and its step."""
 
     def __init__(self, n: int, variant: str, impl: str, model_dir: str) -> None:
-        from vllm.v1.outputs import DraftTokenIds
-
         drafts = variant == "drafts"
         steps = 4 + WARMUP + ROUNDS + 5
         per_request = PROMPT + (1 + DRAFTS) * steps + 2 * BLOCK_SIZE
@@ -91,14 +120,17 @@ class Workload:
         prefill = self.s.schedule()
         ids = list(prefill.num_scheduled_tokens)
         self.s.update_from_output(prefill, runner_output(ids, [[7]] * n))
-        self.draft_ids = DraftTokenIds(ids, [[5, 6, 7]] * n) if drafts else None
-        self.output = runner_output(ids, [[5, 9] if drafts else [7] for _ in ids])
+        self.inputs = Step(ids, variant)
+
+    def prepare(self) -> None:
+        self.inputs.prepare()
 
     def step(self) -> None:
-        if self.draft_ids is not None:
-            self.s.update_draft_token_ids(self.draft_ids)
+        inputs = self.inputs
+        if inputs.draft_ids is not None:
+            self.s.update_draft_token_ids(inputs.draft_ids)
         out = self.s.schedule()
-        self.s.update_from_output(out, self.output)
+        self.s.update_from_output(out, inputs.output)
 
 
 class Floor:
@@ -106,8 +138,6 @@ class Floor:
     docstring), from arrays it already holds, the cheapest way vLLM's types allow."""
 
     def __init__(self, n: int, variant: str, model_dir: str) -> None:
-        from vllm.v1.outputs import DraftTokenIds
-
         s = vllm_scheduler(n, model_dir, variant == "prefix_caching", log_stats=True)
         prefill = s.schedule()
         ids = list(prefill.num_scheduled_tokens)
@@ -117,8 +147,10 @@ class Floor:
         self.k = DRAFTS if variant == "drafts" else 0
         self.computed = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
         self.prompt = np.array([r.num_prompt_tokens for r in reqs], dtype=np.int64)
-        self.output = runner_output(ids, [[5, 9] if self.k else [7] for _ in ids])
-        self.draft_ids = DraftTokenIds(ids, [[5, 6, 7]] * n) if self.k else None
+        self.inputs = Step(ids, variant)
+
+    def prepare(self) -> None:
+        self.inputs.prepare()
 
     def step(self) -> None:
         from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
@@ -129,8 +161,9 @@ class Floor:
         ids, k, computed = self.ids, self.k, self.computed
         # the drafter's proposals, as the model runner reads them
         spec: dict[str, list[int]] = {}
-        if self.draft_ids is not None:
-            spec = dict(zip(self.draft_ids.req_ids, self.draft_ids.draft_token_ids))
+        if self.inputs.draft_ids is not None:
+            draft_ids = self.inputs.draft_ids
+            spec = dict(zip(draft_ids.req_ids, draft_ids.draft_token_ids))
         # a decode entering a new block gets one (block ids stand for any)
         new_blocks: list[Any] = [None] * len(ids)
         for row in np.flatnonzero(computed % BLOCK_SIZE == 0).tolist():
@@ -157,21 +190,21 @@ class Floor:
         )
         assert output.total_num_scheduled_tokens
         # each request's tokens, as the runner returned them, in the runner's order
-        runner = self.output
+        runner = self.inputs.output
         outputs = list(map(EngineCoreOutput, runner.req_ids, runner.sampled_token_ids))
         stats = None
         advance: Any = 1
         if k:
             kept = np.fromiter(map(len, runner.sampled_token_ids), np.int64, len(ids))
-            stats = SpecDecodingStats.new(k)
             accepted = kept - 1
+            stats = SpecDecodingStats.new(k)
             stats.num_drafts = len(ids)
             stats.num_draft_tokens = k * len(ids)
             stats.num_accepted_tokens = int(accepted.sum())
-            at_least = np.bincount(accepted, minlength=k + 1)[::-1].cumsum()[::-1]
-            stats.num_accepted_tokens_per_pos = at_least[1:].tolist()
+            at_least = np.cumsum(np.bincount(accepted, minlength=k + 1)[::-1])[::-1]
+            stats.num_accepted_tokens_per_pos = at_least[1 : k + 1].tolist()
             stats.num_draft_tokens_per_pos = [len(ids)] * k
-            advance = kept  # (the runner's order is the scheduler's here)
+            advance = kept  # (the runner's rows are in the scheduler's order here)
         EngineCoreOutputs(
             outputs=outputs,
             scheduler_stats=SchedulerStats(
@@ -213,6 +246,7 @@ def test_bench_vllm_step(
 
         def round_of_three() -> None:
             for impl, work in works.items():
+                work.prepare()
                 started = time.perf_counter()
                 work.step()
                 times[impl].append(time.perf_counter() - started)

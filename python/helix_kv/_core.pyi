@@ -58,6 +58,7 @@ __all__ = [
     "__version__",
     "add_request_ranks",
     "affine_tokens",
+    "flatten_token_lists",
     "mixed_tokens",
     "schedule_ranks",
     "splitmix64",
@@ -803,3 +804,9 @@ def affine_tokens(
     id_multiplier: int,
     index_multiplier: int,
 ) -> npt.NDArray[np.int32]: ...
+
+# An engine's token lists (a model runner's sampled tokens, a drafter's proposals: one list
+# of ints per request) as arrays: the tokens one list after another, and each list's length.
+def flatten_token_lists(
+    lists: Sequence[Sequence[int]],
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]: ...

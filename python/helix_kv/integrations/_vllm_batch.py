@@ -20,23 +20,23 @@ NO_TOKEN = -(1 << 40)
 
 class StopFilter:
     """Per request (by the adapter's dense id): the end-of-sequence token, the stop tokens,
-    the token count at which the length cap stops it, and whether its stop check reads more
-    than the last token (repetition detection). :meth:`candidates` flags every row whose
-    tokens vLLM's ``check_stop`` could stop at: a superset of its stops, exact for every
-    condition but repetition detection (always flagged)."""
+    and the token count at which the length cap stops it (0 for a request whose stop check
+    reads more than its last token: repetition detection). :meth:`candidates` flags every
+    row whose tokens vLLM's ``check_stop`` could stop at: a superset of its stops, exact for
+    every condition but repetition detection (always flagged)."""
 
     def __init__(self, capacity: int) -> None:
         self.eos = np.full(capacity, NO_TOKEN, np.int64)
         #: vLLM stops when ``num_tokens >= max_model_len`` or ``num_output_tokens >=
         #: max_tokens``: the smaller of ``max_model_len`` and ``prompt + max_tokens``.
         self.limit = np.zeros(capacity, np.int64)
-        self.always = np.zeros(capacity, np.bool_)
+        self._with_eos = 0
         self._stop_tokens: dict[int, tuple[int, ...]] = {}
         self._keys: _Ids | None = np.zeros(0, np.int64)
 
     def grow(self, capacity: int) -> None:
         old = len(self.eos)
-        for name, fill in (("eos", NO_TOKEN), ("limit", 0), ("always", False)):
+        for name, fill in (("eos", NO_TOKEN), ("limit", 0)):
             array = getattr(self, name)
             grown = np.full(capacity, fill, array.dtype)
             grown[:old] = array
@@ -45,19 +45,23 @@ class StopFilter:
     def add(
         self, hid: int, eos: int | None, stop_tokens: Iterable[int], limit: int, always: bool
     ) -> None:
-        """Registers request ``hid``'s stop conditions (vLLM's ``SamplingParams``)."""
-        self.eos[hid] = NO_TOKEN if eos is None else eos
-        self.limit[hid] = limit
-        self.always[hid] = always
+        """Registers request ``hid``'s stop conditions (vLLM's ``SamplingParams``); with
+        ``always``, every token of it is flagged."""
+        self.remove(hid)
+        if eos is not None:
+            self.eos[hid] = eos
+            self._with_eos += 1
+        self.limit[hid] = 0 if always else limit
         tokens = tuple(sorted({int(t) for t in stop_tokens if 0 <= int(t) < 1 << 32}))
         if tokens:
             self._stop_tokens[hid] = tokens
             self._keys = None
 
     def remove(self, hid: int) -> None:
-        self.eos[hid] = NO_TOKEN
+        if self.eos[hid] != NO_TOKEN:
+            self.eos[hid] = NO_TOKEN
+            self._with_eos -= 1
         self.limit[hid] = 0
-        self.always[hid] = False
         if self._stop_tokens.pop(hid, None) is not None:
             self._keys = None
 
@@ -73,23 +77,24 @@ class StopFilter:
         self,
         hids: _Ids,
         tokens: npt.NDArray[np.int32],
-        rows: _Ids | None,
+        counts: _Ids | None,
         totals: _Ids,
     ) -> npt.NDArray[np.bool_]:
         """Per row (request ``hids[i]``, ``totals[i]`` tokens once its tokens of the step are
-        appended): whether vLLM's stop check could stop it at one of its ``tokens`` (token
-        ``j`` belongs to row ``rows[j]``; ``rows`` None: one token per row)."""
-        hit = (totals >= self.limit[hids]) | self.always[hids]
-        owner = hids if rows is None else hids[rows]
-        sampled = tokens.astype(np.int64)
-        match = sampled == self.eos[owner]
+        appended): whether vLLM's stop check could stop it at one of its ``tokens``, row
+        ``i`` having ``counts[i]`` of them, one after another (``counts`` None: one each)."""
+        hit = totals >= self.limit[hids]
         keys = self._sorted_keys()
+        if not self._with_eos and not len(keys):
+            return hit
+        owner = hids if counts is None else np.repeat(hids, counts)
+        match = tokens == self.eos[owner]
         if len(keys):
-            probe = (owner << 32) | sampled
+            probe = (owner << 32) | tokens
             at = np.minimum(np.searchsorted(keys, probe), len(keys) - 1)
             match |= keys[at] == probe
-        if rows is None:
+        if counts is None:
             hit |= match
-        else:
-            hit[rows[match]] = True
+        elif match.any():
+            hit[np.repeat(np.arange(len(hids)), counts)[match]] = True
         return hit

@@ -25,14 +25,13 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import chain, compress, repeat
-from operator import itemgetter
+from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from helix_kv._core import ScheduleOutput, Scheduler
+from helix_kv._core import ScheduleOutput, Scheduler, flatten_token_lists
 from helix_kv.errors import HelixKVError
 from helix_kv.integrations import _vllm_lockstep as lockstep
 from helix_kv.integrations._vllm_batch import StopFilter
@@ -102,7 +101,6 @@ _COLUMNS: tuple[tuple[str, Any, Any], ...] = (
 
 _Ids = npt.NDArray[np.int64]
 _Objects = npt.NDArray[np.object_]
-_FIRST = itemgetter(0)
 #: Rows whose tokens of a step are not yet in their request's lists, and how many each.
 _Lazy = tuple[_Ids, "_Ids | int"]
 
@@ -160,6 +158,14 @@ class _Rows:
     num_generation: int
     #: The context entries' requests.
     ctx_reqs: list[Any]
+    #: Whether any row is not a running one (``kinds.any()``).
+    any_kind: bool = False
+    #: The tokens of every entry when they all run as many (0 when they do not).
+    uniform: int = 0
+    #: Whether the generation entries are the previous step's, in the same order.
+    repeated: bool = False
+    #: The generation entries' prompt lengths.
+    gen_prompts: _Ids | None = None
 
     @classmethod
     def empty(cls) -> _Rows:
@@ -253,6 +259,12 @@ class HelixScheduler(_SchedulerInterface):
         self._unusual = 0
         # Requests finished in vLLM's view that helix still holds (until their step closes).
         self._ended_live = 0
+        # Whether some table may differ from the runner's copy (``_stale``, ``_replace``),
+        # and the superblocks rejected drafts gave back so far.
+        self._tables_changed = False
+        self._returned = 0
+        # The previous step's generation entries: helix ids, vLLM ids, prompt lengths.
+        self._last_gen: tuple[_Ids, list[str], _Ids] | None = None
         self._steps = 0
         self._stats = _StatsBase(self.helix)
 
@@ -307,6 +319,7 @@ class HelixScheduler(_SchedulerInterface):
         if lockstep.LINK in request.__dict__:
             self._sync_tokens(request, hid, generated)
             lockstep.detach(request)
+            self._chunk[hid] = False
         self._stops.remove(hid)
 
     def _sync_tokens(self, request: Any, hid: int, generated: Any = None) -> None:
@@ -588,6 +601,9 @@ class HelixScheduler(_SchedulerInterface):
         """helix's next step as vLLM's ``SchedulerOutput`` (``throttle_prefills`` is data
         parallelism's, which is refused)."""
         if self._pause_state == PauseState.PAUSED_ALL:
+            # a step the runner sees too: no request of it ran in the previous one
+            self._steps += 1
+            self._last_gen = None
             return self._make_output(_Rows.empty(), [], [], {}, [])
         if self._async and self.num_spec_tokens:
             self._propose_placeholders()
@@ -611,15 +627,18 @@ class HelixScheduler(_SchedulerInterface):
     ) -> _Step:
         g = rows.num_generation
         gen = rows.hids[:g]
-        completes = out.context_completes.tolist()
+        ctx_reqs = rows.ctx_reqs
+        if ctx_reqs:
+            completes = out.context_completes.tolist()
+            ctx_reqs = [request for request, done in zip(ctx_reqs, completes) if done]
         drafts = out.generation_draft_counts
-        drafted = bool(g) and bool(drafts.any())
+        drafted = bool(self.num_spec_tokens) and bool(g) and bool(drafts.any())
         return _Step(
             output=output,
             helix=out,
             gen_hids=gen,
             gen_rids=rows.rids[:g] if len(rows.rids) > g else rows.rids,
-            ctx_reqs=[request for request, done in zip(rows.ctx_reqs, completes) if done],
+            ctx_reqs=ctx_reqs,
             drafts=drafts if drafted else None,
             drafted_hids=gen[drafts > 0] if drafted else None,
             admissions=admissions,
@@ -662,13 +681,26 @@ class HelixScheduler(_SchedulerInterface):
     def _rows(self, out: ScheduleOutput) -> tuple[_Rows, tuple[int, int]]:
         """The step's entries as rows, with vLLM's view of each admission applied."""
         gen = out.generation_ids.view(np.int64)
-        rids: list[str] = self._rid_of[gen].tolist()
+        last = self._last_gen
+        repeated = last is not None and len(last[0]) == len(gen) and np.array_equal(last[0], gen)
+        if repeated:  # the same decodes as in the previous step (the common case)
+            assert last is not None
+            gen_rids, prompts = last[1], last[2]
+        else:
+            gen_rids, prompts = self._rid_of[gen].tolist(), self._prompt_len[gen]
+        self._last_gen = (gen, gen_rids, prompts)
         counts = out.generation_draft_counts + 1
         ctx = out.context_ids.view(np.int64)
         if not len(ctx):
             kinds = np.zeros(len(gen), np.int8)
-            rows = _Rows(gen, rids, counts, out.generation_positions, kinds, len(gen), [])
+            rows = _Rows(gen, gen_rids, counts, out.generation_positions, kinds, len(gen), [])
+            rows.repeated, rows.gen_prompts = repeated, prompts
+            if not self.num_spec_tokens:  # one token each
+                rows.uniform = 1
+            elif len(counts) and counts.min() == counts.max():
+                rows.uniform = int(counts[0])
             return rows, (0, 0)
+        rids = list(gen_rids)
         new = resumed = 0
         timestamp = time.monotonic()
         self._computed[ctx] = out.context_starts  # what a new request's data carries
@@ -692,6 +724,8 @@ class HelixScheduler(_SchedulerInterface):
             np.concatenate([np.zeros(len(gen), np.int8), ctx_kinds]),
             len(gen),
             ctx_reqs,
+            any_kind=bool(new or resumed),
+            repeated=repeated,
         )
         return rows, (new, resumed)
 
@@ -710,7 +744,7 @@ class HelixScheduler(_SchedulerInterface):
         """The drafts each generation entry verifies (placeholders one step ahead, where the
         model runner fills them in)."""
         counts = out.generation_draft_counts
-        if not len(counts) or not counts.any():
+        if not self.num_spec_tokens or not len(counts) or not counts.any():
             return {}
         rows_drafted = np.flatnonzero(counts)
         rids = rows.rids
@@ -739,27 +773,35 @@ class HelixScheduler(_SchedulerInterface):
         hids = rows.hids
         if not len(hids):
             return []
-        starts = np.where(rows.kinds == 0, self._known[hids], 0)
+        known = self._known[hids]
+        starts = np.where(rows.kinds == 0, known, 0) if rows.any_kind else known
         pages, tails = self.helix.block_table_tails(hids, starts)
-        skip = self._regrown(hids, rows.kinds, pages, tails)
-        if skip is None:  # a table changed under the runner: it goes whole, as resumed
-            starts = np.where(rows.kinds == 0, self._known[hids], 0)
-            pages, tails = self.helix.block_table_tails(hids, starts)
-            skip = np.zeros(len(hids), np.bool_)
-        held = starts + tails
-        self._known[hids] = held
-        self._replace[hids] = False
+        skip: npt.NDArray[np.bool_] | None = None
+        # a table shorter than the runner's, or one rejected drafts changed: read closer
+        suspect = self._tables_changed or bool((tails < 0).any())
+        if suspect:
+            skip = self._regrown(hids, rows.kinds, pages, tails)
+            if skip is None:  # a table changed under the runner: it goes whole, as resumed
+                rows.any_kind = True
+                starts = np.where(rows.kinds == 0, known, 0)
+                pages, tails = self.helix.block_table_tails(hids, starts)
+            self._replace[hids] = False
+        self._known[hids] = starts + tails
         block_ids: list[tuple[list[int], ...] | None] = [None] * len(hids)
         grown = np.flatnonzero(tails > 0)
         if len(grown):
             ends = np.cumsum(tails[grown])
             self._last_page[hids[grown]] = pages[ends - 1]
-            self._stale[hids[grown]] = -1
+            if suspect:
+                self._stale[hids[grown]] = -1
             ids: list[int] = (pages + 1).tolist()
-            firsts = (ends - tails[grown] + skip[grown]).tolist()
+            firsts_at = ends - tails[grown]
+            firsts = (firsts_at if skip is None else firsts_at + skip[grown]).tolist()
             for row, first, end in zip(grown.tolist(), firsts, ends.tolist()):
                 if first < end:
                     block_ids[row] = (ids[first:end],)
+        if suspect:
+            self._tables_changed = bool(self._replace.any() or (self._stale >= 0).any())
         return block_ids
 
     def _regrown(
@@ -796,7 +838,9 @@ class HelixScheduler(_SchedulerInterface):
         replaced) as cached with its whole table, V2 as a new request with its tokens."""
         kinds = rows.kinds
         v2 = self.use_v2_model_runner
-        new_rows = np.flatnonzero(kinds != 0 if v2 else kinds == 1).tolist()
+        new_rows = (
+            np.flatnonzero(kinds != 0 if v2 else kinds == 1).tolist() if rows.any_kind else []
+        )
         new_reqs = []
         for i in new_rows:
             request = rows.request(int(rows.hids[i]), i, self._req_of)
@@ -806,7 +850,7 @@ class HelixScheduler(_SchedulerInterface):
                 )
             )
         outputs = self._num_output_tokens(rows)
-        if not kinds.any():
+        if not rows.any_kind:
             order: list[int] | None = None
             resumed: set[str] = set()
         else:
@@ -837,10 +881,12 @@ class HelixScheduler(_SchedulerInterface):
     def _num_output_tokens(self, rows: _Rows) -> _Ids:
         """vLLM's ``num_output_tokens + num_output_placeholders`` of each row before the step:
         a decode at position p has p + 1 tokens, the prompt's among them."""
-        g = rows.num_generation
-        outputs = np.empty(len(rows.hids), np.int64)
-        outputs[:g] = rows.computed[:g] + 1 - self._prompt_len[rows.hids[:g]]
-        for i, request in enumerate(rows.ctx_reqs, g):
+        if rows.gen_prompts is not None and not rows.ctx_reqs:
+            outputs = rows.computed - rows.gen_prompts
+        else:
+            outputs = rows.computed - self._prompt_len[rows.hids]
+        outputs += 1
+        for i, request in enumerate(rows.ctx_reqs, rows.num_generation):
             outputs[i] = request.num_output_tokens + request.num_output_placeholders
         return outputs
 
@@ -848,7 +894,13 @@ class HelixScheduler(_SchedulerInterface):
         """V1's tokens of the cached requests the model runner may not hold: the ones not
         scheduled in the previous step, and every resumed one."""
         kinds = rows.kinds
-        missing = (kinds == 2) | ((kinds == 0) & (self._last_scheduled[rows.hids] != seq - 1))
+        if rows.repeated and not rows.any_kind and not rows.ctx_reqs:
+            return {}  # every row ran in the previous step
+        missing = self._last_scheduled[rows.hids] != seq - 1
+        if rows.any_kind:
+            missing = (kinds == 2) | ((kinds == 0) & missing)
+        if not missing.any():
+            return {}
         hids = rows.hids.tolist()
         return {
             rows.rids[i]: rows.request(hids[i], i, self._req_of).all_token_ids.copy()
@@ -866,11 +918,11 @@ class HelixScheduler(_SchedulerInterface):
         if not isinstance(cached, CachedRequestData):
             cached = CachedRequestData.make_empty()
         counts = rows.counts
-        total = int(counts.sum())
-        if len(counts) and counts.min() == counts.max():
-            # as many tokens each: the cheapest
-            scheduled = dict.fromkeys(rows.rids, int(counts[0]))
+        if rows.uniform:  # as many tokens each: the cheapest
+            total = rows.uniform * len(counts)
+            scheduled = dict.fromkeys(rows.rids, rows.uniform)
         else:
+            total = int(counts.sum())
             scheduled = dict(zip(rows.rids, counts.tolist()))
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -897,8 +949,8 @@ class HelixScheduler(_SchedulerInterface):
         self._computed[hids] = rows.computed + rows.counts
         if self.num_spec_tokens and not self._async:
             self._spec[hids] = None
-        g = rows.num_generation
-        self._chunk[hids[g:]] = ~out.context_completes
+        if rows.ctx_reqs:
+            self._chunk[hids[rows.num_generation :]] = ~out.context_completes
         if self._async:
             self._add_placeholders(out, rows)
         self._last_scheduled[hids] = seq
@@ -981,7 +1033,10 @@ class HelixScheduler(_SchedulerInterface):
         for hid in finished.tolist():
             self._finish(hid, outputs)
         if step.drafted_hids is not None:
-            self._note_shrunk_tables(step.drafted_hids)
+            returned = self.helix.metrics().spec_decode_returned_superblocks
+            if returned != self._returned:  # rejected drafts gave superblocks back
+                self._returned = returned
+                self._note_shrunk_tables(step.drafted_hids)
         self._stats.admitted(*step.admissions)
         return spec_stats
 
@@ -1020,6 +1075,7 @@ class HelixScheduler(_SchedulerInterface):
         self._last_page[hids] = -1
         self._known[hids] += tails
         self._replace[hids[~one]] = True
+        self._tables_changed = True
 
     def _apply_tokens(
         self, step: _Step, runner: Any, outputs: defaultdict[int, list[Any]]
@@ -1089,11 +1145,12 @@ class HelixScheduler(_SchedulerInterface):
         news = _sampled_lists(runner, rids)
         if news is None:
             return None
-        try:
-            tokens = np.fromiter(map(_FIRST, news), np.int32, g)
-        except IndexError:  # an empty list: the runner sampled nothing for a decode
+        tokens, counts = flatten_token_lists(news)
+        if len(tokens) != g or not counts.all():  # a decode the runner sampled nothing for
             return None
-        flagged = self._stops.candidates(hids, tokens, None, self._ntokens[hids] + 1)
+        totals = self._ntokens[hids]
+        totals += 1
+        flagged = self._stops.candidates(hids, tokens, None, totals)
         if not flagged.any():
             outputs[0].extend(map(EngineCoreOutput, rids, news))
             return tokens, [], (hids, 1)
@@ -1291,35 +1348,35 @@ class HelixScheduler(_SchedulerInterface):
         :meth:`_decode_batch`): each keeps its accepted tokens; rows the stop filter flags
         go through vLLM's stop check token by token. Returns the rows whose lists lack
         their tokens, and how many; None when a row needs the per-row path."""
-        hids, rids = step.gen_hids, step.gen_rids
-        assert step.drafts is not None
-        widths = step.drafts + 1
-        g = len(hids)
+        hids, rids, drafts = step.gen_hids, step.gen_rids, step.drafts
+        assert drafts is not None
         if self._ended[hids].any() or verify.invalid or verify.per_request:
             return None
         news = _sampled_lists(runner, rids)
         if news is None:
             return None
-        kept = np.fromiter(map(len, news), np.int64, g)
-        if not kept.all() or (kept > widths).any():
+        flat, kept = flatten_token_lists(news)
+        rejected = drafts + 1 - kept
+        if not kept.all() or (rejected < 0).any():
             return None
-        flat = np.fromiter(chain.from_iterable(news), np.int32, int(kept.sum()))
-        owner = np.repeat(np.arange(g), kept)
-        firsts = np.cumsum(widths) - widths
-        offsets = np.arange(len(flat)) - np.repeat(np.cumsum(kept) - kept, kept)
-        tokens[firsts[owner] + offsets] = flat
+        # each entry's kept tokens at the start of its 1 + drafts rows
+        ends = np.cumsum(drafts + 1)
+        gaps = ends - np.cumsum(kept)
+        tokens[np.arange(len(flat)) + np.repeat(gaps - rejected, kept)] = flat
         accepted[:] = kept - 1
-        flagged = self._stops.candidates(hids, flat, owner, self._ntokens[hids] + kept)
-        keep = ~flagged
-        fast = np.flatnonzero(keep)
-        # rejected drafts were not computed after all
-        self._computed[hids[fast]] -= (widths - kept)[fast]
-        verify.observe_many(widths[fast] - 1, kept[fast] - 1)
-        outputs[0].extend(map(EngineCoreOutput, compress(rids, keep), compress(news, keep)))
+        flagged = self._stops.candidates(hids, flat, kept, self._ntokens[hids] + kept)
         if flagged.any():
+            keep = ~flagged
+            outputs[0].extend(map(EngineCoreOutput, compress(rids, keep), compress(news, keep)))
             rows = np.flatnonzero(flagged)
-            self._verify_flagged(step, rows, news, firsts, outputs, stops, verify)
-        return hids[fast], kept[fast]
+            self._verify_flagged(step, rows, news, ends - drafts - 1, outputs, stops, verify)
+            hids, drafts, kept, rejected = hids[keep], drafts[keep], kept[keep], rejected[keep]
+        else:
+            outputs[0].extend(map(EngineCoreOutput, rids, news))
+        # rejected drafts were not computed after all
+        self._computed[hids] -= rejected
+        verify.observe_many(drafts, kept - 1)
+        return hids, kept
 
     def _verify_flagged(
         self,
@@ -1468,20 +1525,31 @@ class HelixScheduler(_SchedulerInterface):
         if cached_version != self._ids_version or ids != cached_ids:
             found = np.fromiter((hid_of.get(rid, -1) for rid in ids), np.int64, len(ids))
             self._draft_ids = (list(ids), self._ids_version, found)
-        proposals = draft_token_ids.draft_token_ids
+        proposals = list(draft_token_ids.draft_token_ids)
         if (found < 0).any():  # finished meanwhile
             proposals = [d for d, hid in zip(proposals, found.tolist()) if hid >= 0]
             found = found[found >= 0]
         n = len(found)
-        counts = np.fromiter(map(len, proposals), np.int64, n)
+        flat, counts = flatten_token_lists(proposals)
         # vLLM ignores drafts for prefill chunks; the GPU n-gram drafter pads with -1
+        limit = self.num_spec_tokens
+        if self._chunk.any() or (len(flat) and (flat.min() < 0 or counts.max() > limit)):
+            self._clean_proposals(found, proposals, flat, counts)
+        # the requests' spec_token_ids (``_vllm_lockstep``), which go to the model runner
+        # (``scheduled_spec_decode_tokens``); helix decides on the counts, given placeholders
+        self._spec[found] = np.fromiter(proposals, object, n)
+        self.helix.propose_drafts(found, counts, np.full(int(counts.sum()), -1, np.int32))
+
+    def _clean_proposals(
+        self, found: _Ids, proposals: list[list[int]], flat: npt.NDArray[np.int32], counts: _Ids
+    ) -> None:
+        """The proposals of prefill chunks emptied, padded ones stripped, each cut to
+        ``num_speculative_tokens`` (in place, with their counts)."""
         odd = self._chunk[found] | (counts > self.num_spec_tokens)
-        if counts.any():
+        if len(flat):
             ends = np.cumsum(counts)
-            flat = np.fromiter(chain.from_iterable(proposals), np.int64, int(ends[-1]))
             odd[counts > 0] |= flat[ends[counts > 0] - 1] < 0
         if odd.any():
-            proposals = list(proposals)
             for i in np.flatnonzero(odd).tolist():
                 drafts = proposals[i]
                 if self._chunk[found[i]]:
@@ -1490,10 +1558,6 @@ class HelixScheduler(_SchedulerInterface):
                     drafts = strip_speculative_padding(drafts)[: self.num_spec_tokens]
                 proposals[i] = drafts
                 counts[i] = len(drafts)
-        # the requests' spec_token_ids (``_vllm_lockstep``), which go to the model runner
-        # (``scheduled_spec_decode_tokens``); helix decides on the counts, given placeholders
-        self._spec[found] = np.fromiter(proposals, object, n)
-        self.helix.propose_drafts(found, counts, np.full(int(counts.sum()), -1, np.int32))
 
     def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> None:
         """One step ahead the drafts fill the placeholders of the step already scheduled
@@ -1522,24 +1586,29 @@ class _Verify:
     def observe_many(self, drafts: _Ids, accepted: _Ids) -> None:
         """The statistics of many verifications at once (drafts none invalidated, no
         per-request record): what ``observe_draft`` adds for each, summed."""
-        verified = drafts > 0
-        if not self._log or not verified.any():
+        if not self._log or not len(drafts):
             return
-        drafts, accepted = drafts[verified], accepted[verified]
-        if self.stats is None:
-            self.stats = SpecDecodingStats.new(self._num_spec)
-        stats = self.stats
         k = self._num_spec
+        by_drafts = np.bincount(drafts, minlength=k + 1)
+        if by_drafts[0]:  # a decode without drafts verifies nothing
+            verified = drafts > 0
+            drafts, accepted = drafts[verified], accepted[verified]
+            by_drafts[0] = 0
+        if not len(drafts):
+            return
+        if self.stats is None:
+            self.stats = SpecDecodingStats.new(k)
+        stats = self.stats
         stats.num_drafts += len(drafts)
         stats.num_draft_tokens += int(drafts.sum())
         stats.num_accepted_tokens += int(accepted.sum())
-        for name, values in (
-            ("num_accepted_tokens_per_pos", accepted),
-            ("num_draft_tokens_per_pos", drafts),
+        for name, counts in (
+            ("num_accepted_tokens_per_pos", np.bincount(accepted, minlength=k + 1)),
+            ("num_draft_tokens_per_pos", by_drafts),
         ):
             # position i counts the verifications with more than i of them
-            above = np.cumsum(np.bincount(values, minlength=k + 1)[::-1])[::-1][1 : k + 1]
-            setattr(stats, name, (np.asarray(getattr(stats, name)) + above).tolist())
+            above = counts[::-1].cumsum()[::-1][1 : k + 1].tolist()
+            setattr(stats, name, [a + b for a, b in zip(getattr(stats, name), above)])
 
     def verified(self, request: Any, drafts: int, accepted: int, live: bool) -> None:
         if live:  # a request preempted meanwhile restarts from nothing anyway

@@ -16,6 +16,7 @@ mod scheduler;
 mod scheduler_config;
 mod simulate_tokens;
 mod step_metadata;
+mod token_lists;
 
 #[pyo3::pymodule]
 mod _core {
@@ -47,6 +48,8 @@ mod _core {
     use crate::simulate_tokens::{affine_tokens, mixed_tokens, splitmix64};
     #[pymodule_export]
     use crate::step_metadata::{PyDecodeRowCounts, PyStepMetadata, PyStepMetadataLayout};
+    #[pymodule_export]
+    use crate::token_lists::flatten_token_lists;
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
