@@ -18,7 +18,7 @@ use common::{
     RunOptions, Spec,
 };
 use helix_kv_core::{
-    CoreError, PreparedPrompt, RequestId, Scheduler, SchedulerConfig, ServingMode,
+    CoreError, PreparedPrompt, RequestId, RequestState, Scheduler, SchedulerConfig, ServingMode,
 };
 
 /// `cp` ranks, 4 tokens a page (`4 * cp` a superblock), `superblocks` of them, caching on.
@@ -576,4 +576,90 @@ fn attaching_pages_that_are_not_cached_is_refused_unchanged() {
     assert_eq!(ledger.prefix_cache().unwrap().refs(u32::MAX), 0);
     ledger.attach_cached(5, &[cached_page]).unwrap();
     assert_eq!(ledger.prefix_cache().unwrap().refs(cached_page), 1);
+}
+
+/// The configuration of the issue-39 scenarios: one rank, 2 tokens a superblock, 4
+/// superblocks, a host tier of 4, prefix caching on.
+fn tiny_tiered() -> SchedulerConfig {
+    let mut config = common::config(1, 2, 4);
+    config.enable_prefix_caching = true;
+    config.host_tier_superblocks = 4;
+    config
+}
+
+/// Runs steps 0 and 1 of the issue-39 scenario on `s`: B (id 2) and R (id 3) decode, A
+/// (id 1) finishes in step 1 and leaves its first superblock cached; R was suspended in
+/// step 1 (for B), and its first superblock (keyed then) was evicted by A. Returns the
+/// page caching A's prefix.
+fn a_cached_and_r_suspended(s: &mut Scheduler) -> u32 {
+    s.add_request(2, &[20, 21], 6, 0).unwrap();
+    s.add_request(1, &[10, 11], 2, 0).unwrap();
+    s.add_request(3, &[30, 31, 32], 5, 0).unwrap();
+    common::step(s, 7); // every prompt completes
+    let out = common::step(s, 7);
+    assert_eq!(out.suspended_ids, vec![3], "R is suspended for B");
+    assert!(s.take_output(1).is_ok(), "A finished");
+    let cache = s.ledger().prefix_cache().unwrap();
+    let cached: Vec<u32> = (0..4)
+        .filter(|&p| cache.key_of(p).is_some() && cache.refs(p) == 0)
+        .collect();
+    assert_eq!(cached.len(), 1, "A's first superblock is cached, unreferenced");
+    cached[0]
+}
+
+/// Issue 39: a request resumed in step t onto a page that still held another request's
+/// cached KV, recompute-paused by step t+1 (planned while t is pending), then both steps
+/// reverted. Neither step ran, so the page never held the resumed request's KV (and a
+/// copy-in that did happen overwrote the other request's): nothing may be served from
+/// it as a hit, neither to the paused request's re-prefill nor to one with A's prefix.
+#[test]
+fn a_resume_reverted_under_a_recompute_pause_keys_nothing_it_did_not_copy_in() {
+    let mut s = Scheduler::new(tiny_tiered()).unwrap();
+    let a_page = a_cached_and_r_suspended(&mut s);
+    let t = s.schedule().unwrap().clone();
+    assert_eq!(t.resumed_ids, vec![3]);
+    assert!(t.resumed_block_ids.contains(&(a_page as i32)), "R resumes onto A's page");
+    let ahead = s.schedule().unwrap().clone();
+    assert_eq!(ahead.preempted_ids, vec![3], "step t+1 recompute-pauses R");
+    s.revert().unwrap();
+    s.revert().unwrap();
+    // A request with A's prefix: A's page may hold R's KV now (a copy-in that ran), or
+    // still A's (one that did not). No hit is right in this workload: nobody else has
+    // R's tokens, and A's page is not known to hold A's KV any more.
+    s.add_request(4, &[10, 11, 12], 2, 0).unwrap();
+    let mut admitted = Vec::new();
+    for _ in 0..100 {
+        if s.queue_ids().is_empty() {
+            break;
+        }
+        let out = common::step(&mut s, 7);
+        for (i, &id) in out.context_ids.iter().enumerate() {
+            assert_eq!(
+                out.context_cached_lens[i], 0,
+                "request {id} hits a superblock whose KV was never written: {out:?}"
+            );
+            admitted.push(id);
+        }
+    }
+    assert!(admitted.contains(&3) && admitted.contains(&4), "{admitted:?}");
+}
+
+/// The same scenario: once both steps are reverted, the recompute-paused request
+/// re-prefills and nothing will read its host copy (the resume that would have was
+/// reverted): its host pages are free again, not held until it retires.
+#[test]
+fn a_resume_reverted_under_a_recompute_pause_frees_its_host_pages() {
+    let mut s = Scheduler::new(tiny_tiered()).unwrap();
+    a_cached_and_r_suspended(&mut s);
+    assert_eq!(s.host_used_superblocks(), 2);
+    s.schedule().unwrap();
+    let ahead = s.schedule().unwrap().clone();
+    assert_eq!(ahead.preempted_ids, vec![3]);
+    s.revert().unwrap();
+    assert_eq!(s.host_used_superblocks(), 2, "step t's copy-in may still read them");
+    s.revert().unwrap();
+    assert_eq!(s.request_state(3).unwrap(), RequestState::Waiting);
+    assert_eq!(s.host_used_superblocks(), 0, "R re-prefills: its host copy is free");
+    drain(&mut s);
+    assert_eq!(s.metrics().resumed_superblocks, 0, "nothing was copied back in");
 }
