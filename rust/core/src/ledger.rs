@@ -721,7 +721,8 @@ impl Ledger {
     }
 
     /// Registers the first `keys.len()` superblocks of `id`'s table under those keys (a
-    /// superblock already registered, or a key another superblock has, is left as is).
+    /// superblock already registered, or a key another superblock has, is left as is; so
+    /// is a superblock a pending step copies KV into, whose content is not known yet).
     pub fn register_prefix(&mut self, id: RequestId, keys: &[BlockKey]) -> Result<()> {
         let table = self.request(id)?.table();
         if keys.len() > table.len() {
@@ -756,7 +757,11 @@ impl Ledger {
     }
 
     /// Puts back what `evictions` (a reverted step's, oldest first) took out of the cache,
-    /// newest first: each page leaves the free list and is cached again.
+    /// newest first: each page leaves the free list and is cached again. Except a page a
+    /// pending step copies KV into (a resume of the reverted step, see
+    /// [`Self::set_copy_in`]): a reverted copy-in may have overwritten it, so it holds
+    /// neither the evicted prefix for sure nor anything keyed: its key is forgotten, as if
+    /// the step had run, and the page stays free.
     pub(crate) fn restore_evictions(&mut self, evictions: &[Eviction]) {
         let Some(cache) = self.cache.as_mut() else {
             return;
@@ -766,8 +771,23 @@ impl Ledger {
                 debug_assert!(false, "an undone step's evicted page is free again");
                 continue;
             };
-            if cache.restore(eviction) {
+            if cache.copies_in(eviction.page) {
+                cache.forget_evictions(&[eviction]);
+            } else if cache.restore(eviction) {
                 self.free.remove(at);
+            }
+        }
+    }
+
+    /// With the prefix cache: a pending step copies KV into `pages` from the host tier
+    /// (`on`, as it resumes a request onto them), or that step closed (`!on`: updated or
+    /// reverted, after its evictions were settled). While a copy-in is pending the page's
+    /// content is not known, so it is never registered (keyed) and a reverted step does not
+    /// put back a prefix it evicted from it.
+    pub(crate) fn set_copy_in(&mut self, pages: &[SuperblockId], on: bool) {
+        if let Some(cache) = self.cache.as_mut() {
+            for &page in pages {
+                cache.set_copy_in(page, on);
             }
         }
     }

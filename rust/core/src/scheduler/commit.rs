@@ -39,9 +39,11 @@ impl Scheduler {
         };
         // The fast path reads one row per entry: a step with drafts takes the general one.
         let plain_rows = record.drafts.is_empty();
-        // The step ran: what it evicted is gone (before this update registers anything,
-        // so a superblock the step computed again may take an evicted key).
+        // The step ran: what it evicted is gone, and its copy-ins wrote the resumed KV
+        // (both before this update registers anything, so a superblock the step computed
+        // again may take an evicted key, and a resumed one may be keyed).
         self.ledger.forget_evictions(&record.evictions);
+        self.ledger.set_copy_in(&record.copy_in_pages, false);
         // Only this step holds requests that finished while it was pending: a newer one
         // gets its first ones in this pass.
         debug_assert!(!self.pending.has_zombies());
@@ -527,7 +529,15 @@ impl Scheduler {
         self.undo_step_restoring(record);
         self.ledger
             .sink_returned_pages(record.free_len, free_before_undo);
+        // A reverted copy-in may or may not have run: the pages it copies into are not put
+        // back in the cache (`restore_evictions`). One step ahead, the older pending step
+        // may have evicted a prefix from one of them too: the pages stay marked until that
+        // step closes, so its revert does not put it back either.
         self.ledger.restore_evictions(&record.evictions);
+        match self.pending.newest_mut() {
+            Some(older) => older.copy_in_pages.extend_from_slice(&record.copy_in_pages),
+            None => self.ledger.set_copy_in(&record.copy_in_pages, false),
+        }
         self.stalled_steps = record.stalled_steps_before;
         self.close_drafts(record.step, &record.generation_reqs, &record.drafts);
         self.finished_ids.clear();

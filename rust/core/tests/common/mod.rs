@@ -292,6 +292,8 @@ pub struct RankSnapshot {
     state_digest: u64,
     ledger_digest: u64,
     holdings: Vec<(RequestId, u32)>,
+    /// Superblocks caching a prefix (prefix caching).
+    cached: BTreeSet<u32>,
 }
 
 /// A slot of a simulated per-rank KV pool: which request's token at which position.
@@ -1455,11 +1457,29 @@ impl Group {
                 state_digest,
                 ledger_digest,
                 holdings,
+                cached,
             } = &before[rank];
+            // A prefix the step evicted from a page it resumed a request onto is not put
+            // back (its copy-in may have overwritten the page): the one inexact undo.
+            let overwritten: Vec<u32> = out
+                .resumed_block_ids
+                .iter()
+                .map(|&page| u32::try_from(page).unwrap())
+                .filter(|page| cached.contains(page))
+                .collect();
+            for &page in &overwritten {
+                assert_eq!(
+                    s.ledger().prefix_cache().unwrap().key_of(page),
+                    None,
+                    "step {}: page {page} caches a prefix again after a revert of a copy-in onto it",
+                    out.step
+                );
+            }
             if !marked
                 && aborted.is_empty()
                 && out.preempted_ids.is_empty()
                 && out.suspended_ids.is_empty()
+                && overwritten.is_empty()
             {
                 assert_eq!(
                     s.ledger().state_digest(),
@@ -1541,6 +1561,14 @@ impl Group {
                 state_digest: s.state_digest(),
                 ledger_digest: s.ledger().state_digest(),
                 holdings: s.ledger().holdings(),
+                cached: s
+                    .ledger()
+                    .prefix_cache()
+                    .map_or_else(BTreeSet::new, |cache| {
+                        (0..s.ledger().capacity())
+                            .filter(|&page| cache.key_of(page).is_some())
+                            .collect()
+                    }),
             })
             .collect()
     }
