@@ -245,8 +245,8 @@ pub struct PrefixCache {
     restoring: bool,
     /// Per page: the pending steps that copy KV into it (resumes from the host tier). Its
     /// content is not known until they close: a step that runs writes the resumed KV, a
-    /// reverted one may or may not have. Such a page is never registered, and a reverted
-    /// step's eviction of it is never undone (see [`Self::copies_in`]).
+    /// reverted one may or may not have. Such a page is never registered (see
+    /// [`Self::copies_in`]).
     incoming: Vec<u8>,
 }
 

@@ -19,7 +19,8 @@ use common::{
 };
 use helix_kv_core::prefix_cache::{chain_keys, chain_seed};
 use helix_kv_core::{
-    CoreError, PreparedPrompt, RequestId, RequestState, Scheduler, SchedulerConfig, ServingMode,
+    CoreError, PreparedPrompt, RequestId, RequestState, ScheduleOutput, Scheduler, SchedulerConfig,
+    ServingMode,
 };
 
 /// `cp` ranks, 4 tokens a page (`4 * cp` a superblock), `superblocks` of them, caching on.
@@ -688,18 +689,16 @@ fn a_resume_reverted_under_a_recompute_pause_frees_its_host_pages() {
     assert_eq!(s.host_used_superblocks(), 0);
 }
 
-/// Issue 39, the same class through another path: a request resumed by the step planned
-/// ahead and aborted while it is pending is retired by the older step's update (held for
-/// the newer step). What it computed is kept cached as it retires, but its pages hold its
-/// KV only once the newer step's copy-in ran: reverted, they may hold anything.
-#[test]
-fn an_abort_retiring_a_request_whose_resume_is_pending_keys_nothing_of_it() {
-    let mut s = Scheduler::new(tiny_tiered()).unwrap();
+/// The abort scenario of issue 39 (one step ahead): R (id 3), suspended in step 1, is
+/// resumed by step 4, planned ahead of step 3 (F finished at step 2's update and made room);
+/// its abort is requested while both are pending, and step 3's update retires it, held for
+/// step 4 (still pending). Returns step 4.
+fn r_resumed_ahead_then_retired(s: &mut Scheduler) -> ScheduleOutput {
     s.add_request(1, &[40, 41], 3, 0).unwrap(); // F: finishes at step 2's update
     s.add_request(2, &[20, 21, 22], 5, 0).unwrap(); // H
     s.add_request(3, &[30, 31], 5, 0).unwrap(); // R
-    common::step(&mut s, 7);
-    let out = common::step(&mut s, 7);
+    common::step(s, 7);
+    let out = common::step(s, 7);
     assert_eq!(out.suspended_ids, vec![3], "R is suspended for F");
     let older = s.schedule().unwrap().clone(); // step 2: F's last token; H sits out
     assert!(older.resumed_ids.is_empty(), "no room for R yet: {older:?}");
@@ -712,9 +711,21 @@ fn an_abort_retiring_a_request_whose_resume_is_pending_keys_nothing_of_it() {
     s.abort(3).unwrap();
     s.update(&vec![7; ahead.num_samples()], None).unwrap(); // retires R, held for step 4
     assert!(s.take_output(3).is_ok());
-    s.revert().unwrap(); // step 4 did not run: R's copy-in may or may not have
-                         // Nothing is cached under R's prefix (its own superblock was evicted by F in step 1),
-                         // and the page its resume copied into caches nothing: it may hold R's KV or F's.
+    resuming
+}
+
+/// Issue 39, the same class through another path: a request resumed by the step planned
+/// ahead and aborted while it is pending is retired by the older step's update (held for
+/// the newer step). What it computed is kept cached as it retires, but its pages hold its
+/// KV only once the newer step's copy-in ran: reverted, they may hold anything.
+#[test]
+fn an_abort_retiring_a_request_whose_resume_is_pending_keys_nothing_of_it() {
+    let mut s = Scheduler::new(tiny_tiered()).unwrap();
+    let resuming = r_resumed_ahead_then_retired(&mut s);
+    // Step 4 did not run: R's copy-in may or may not have. Nothing is cached under R's
+    // prefix (its own superblock was evicted by F in step 1), and the page its resume
+    // copied into caches nothing: it may hold R's KV or F's.
+    s.revert().unwrap();
     let cache = s.ledger().prefix_cache().unwrap();
     let mut r_keys = Vec::new();
     chain_keys(chain_seed(b""), &[30, 31], 2, &mut r_keys);
@@ -728,6 +739,30 @@ fn an_abort_retiring_a_request_whose_resume_is_pending_keys_nothing_of_it() {
             cache.key_of(u32::try_from(page).unwrap()),
             None,
             "page {page} may hold R's KV or F's"
+        );
+    }
+}
+
+/// The same scenario, the host tier: the retired request's host copy is what step 4's
+/// copy-in reads, so it stays taken until step 4 closes (no suspend planned meanwhile may
+/// be given its host pages), and it counts as copied back in only if step 4 runs.
+#[test]
+fn a_request_retired_while_its_resume_is_pending_keeps_its_host_copy_until_the_resume_closes() {
+    for runs in [false, true] {
+        let mut s = Scheduler::new(tiny_tiered()).unwrap();
+        let resuming = r_resumed_ahead_then_retired(&mut s);
+        assert_eq!(s.host_used_superblocks(), 1, "step 4's copy-in reads it");
+        assert_eq!(s.metrics().resumed_superblocks, 0);
+        if runs {
+            s.update(&vec![7; resuming.num_samples()], None).unwrap();
+        } else {
+            s.revert().unwrap();
+        }
+        assert_eq!(s.host_used_superblocks(), 0, "runs={runs}");
+        assert_eq!(
+            s.metrics().resumed_superblocks,
+            u64::from(runs),
+            "copied back in only by a step that ran (runs={runs})"
         );
     }
 }

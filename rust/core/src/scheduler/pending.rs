@@ -126,10 +126,12 @@ pub(super) struct StepRecord {
     /// The pages the step's resumes copy KV into from the host tier, marked in the ledger
     /// while the step is pending (`Ledger::set_copy_in`): nothing keys them, and a revert
     /// does not put back a prefix evicted from them, since a reverted copy-in may or may
-    /// not have overwritten them. The older of two pending steps also keeps here the pages
-    /// of the newer one if it was reverted: their marks stay until this step closes, so
-    /// its own revert does not put back a prefix it evicted from them either.
+    /// not have overwritten them.
     pub copy_in_pages: Vec<SuperblockId>,
+    /// The pages a step planned ahead of this one copied into before it was reverted: its
+    /// copy-ins may have overwritten them too, so this step's revert does not put back a
+    /// prefix it evicted from them either.
+    pub newer_copy_in_pages: Vec<SuperblockId>,
     /// The generation entries that verify drafts, in entry order (empty without drafts).
     pub drafts: Vec<DraftEntry>,
     /// Draft tokens proposed for the step's decodes that it did not schedule (the pool,
@@ -150,6 +152,7 @@ impl StepRecord {
         self.sat_out.clear();
         self.evictions.clear();
         self.copy_in_pages.clear();
+        self.newer_copy_in_pages.clear();
         self.drafts.clear();
         self.drafts_trimmed = 0;
         self.draft_superblocks = 0;

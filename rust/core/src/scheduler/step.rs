@@ -172,7 +172,7 @@ impl Scheduler {
         self.undo_step_restoring(&record);
         // No executor saw the step: its copy-ins never ran, so every eviction is undone.
         self.ledger.set_copy_in(&record.copy_in_pages, false);
-        self.ledger.restore_evictions(&record.evictions);
+        self.ledger.restore_evictions(&record.evictions, &[]);
         self.builder.put_back(record);
     }
 
