@@ -1659,7 +1659,13 @@ impl Group {
                 "host tier leaked"
             );
             assert!(s.host_used_superblocks() <= self.config.host_tier_superblocks);
-            for (id, pages) in &self.host {
+            // A request retired while a pending step resumes it is no longer live, but its
+            // host copy is held until that step closes (counted in the use above).
+            for (id, pages) in self
+                .host
+                .iter()
+                .filter(|(id, _)| self.known.contains_key(id))
+            {
                 let held: Vec<i32> = s
                     .host_pages(*id)
                     .unwrap()
