@@ -1576,16 +1576,19 @@ impl Group {
         self.prefill_progress.remove(&id);
         // Retired while a pending step resumes it, it keeps its host copy until that step
         // closes (the step's copy-in reads it).
-        let resumed_by_pending = self
-            .in_flight
+        if !self.resumed_by_pending_step(id) {
+            self.release_host(id);
+        }
+    }
+
+    /// Whether a pending step (in flight, or failed and not reverted yet) resumes `id`.
+    fn resumed_by_pending_step(&self, id: RequestId) -> bool {
+        self.in_flight
             .as_ref()
             .map(|flight| &flight.out)
             .into_iter()
             .chain(&self.failed)
-            .any(|out| out.resumed_ids.contains(&id));
-        if !resumed_by_pending {
-            self.release_host(id);
-        }
+            .any(|out| out.resumed_ids.contains(&id))
     }
 
     /// Aborts `ids` on every rank (all must agree); between steps their outputs are
@@ -1704,6 +1707,9 @@ impl Group {
     fn forget_released_host_copies(&mut self) {
         let holders: Vec<RequestId> = self.host.keys().copied().collect();
         for id in holders {
+            if self.resumed_by_pending_step(id) {
+                continue; // that step's copy-in reads it until it closes
+            }
             if !self.known.contains_key(&id) {
                 // Retired while the reverted step resumed it: its copy is free now.
                 self.release_host(id);
@@ -1988,10 +1994,11 @@ impl Group {
                 1 + u32::from(self.in_flight.is_some() || self.failed.is_some())
             );
             self.abort(&self.due_aborts(specs, step, true))?;
-            if let Some(failed) = self.failed.take() {
+            if let Some(failed) = self.failed.clone() {
                 // The step before this one failed on the device: this one is reverted
                 // (it cannot run without that one's tokens), then that one.
                 self.revert_step(&outs[0], &before);
+                self.failed = None;
                 self.revert_newest(&failed, None);
                 continue;
             }
@@ -2003,10 +2010,11 @@ impl Group {
                 // It fails: its copies were made as it was launched, its KV writes never
                 // happen; the step in flight before it ran and is updated.
                 self.copy_reverted(&outs[0]);
+                // Pending (and holding what it resumes) while the step before it closes.
+                self.failed = Some(outs[0].clone());
                 if let Some(older) = self.in_flight.take() {
                     self.commit(&older);
                 }
-                self.failed = Some(outs[0].clone());
                 self.result.failed_steps += 1;
                 continue;
             }
