@@ -152,4 +152,5 @@ def test_caching_with_a_host_tier_reads_only_kv_that_was_written(
     )  # fmt: skip
     result = executor.run(specs, revert_every=revert_every, fail_every=fail_every)
     assert_matches_reference_with_aborts(specs, result, model)
-    assert result.kv_reads > 0
+    if result.outputs:
+        assert result.kv_reads > 0, "every sampled token read its context back"
