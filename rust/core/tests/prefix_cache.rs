@@ -822,8 +822,14 @@ fn a_reverted_resume_does_not_put_back_the_prefix_it_evicted_from_its_pages() {
     );
     let out = s.schedule().unwrap().clone();
     assert!(out.resumed_block_ids.contains(&(a_page as i32)), "{out:?}");
+    let pending = s.ledger().prefix_cache().unwrap();
+    assert!(
+        pending.copies_in(a_page),
+        "marked while the copy-in is pending"
+    );
     s.revert().unwrap();
     let cache = s.ledger().prefix_cache().unwrap();
+    assert!(!cache.copies_in(a_page), "the mark ends with the step");
     assert_eq!(
         cache.lookup(a_keys[0]),
         None,
