@@ -412,11 +412,17 @@ def _checked_ranks(ranks: Sequence[int], cp_size: int) -> tuple[int, ...]:
     """``ranks`` as a tuple, if it is a non-empty increasing list of ranks of the group."""
     chosen = tuple(int(rank) for rank in ranks)
     if not chosen:
-        raise ConfigError("ranks must name at least one rank")
+        raise ConfigError("ranks must name at least one rank", field="ranks", value=[])
     if any(not 0 <= rank < cp_size for rank in chosen):
         raise ConfigError(
-            f"ranks must be in [0, {cp_size}) for cp_size = {cp_size}, got {list(chosen)}"
+            f"ranks must be in [0, {cp_size}) for cp_size = {cp_size}, got {list(chosen)}",
+            field="ranks",
+            value=list(chosen),
         )
     if any(a >= b for a, b in zip(chosen, chosen[1:])):
-        raise ConfigError(f"ranks must be strictly increasing, got {list(chosen)}")
+        raise ConfigError(
+            f"ranks must be strictly increasing, got {list(chosen)}",
+            field="ranks",
+            value=list(chosen),
+        )
     return chosen

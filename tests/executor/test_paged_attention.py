@@ -579,6 +579,39 @@ def test_fill_from_schedule_is_one_core_call_with_padding_and_refs():
     assert metadata.upload(counts.rows) == 4
 
 
+@needs_scheduler
+def test_fill_if_fits_gives_up_only_on_the_layout_and_raises_the_rest():
+    """``None`` (nothing written, the general path) for a step with more rows or a request
+    with more pages than the layout holds; any other error of the fill propagates (it was
+    once hidden with the layout's: an error of ``write_decode_rows`` of any kind)."""
+    import helix_kv
+
+    def decoding_scheduler() -> tuple[helix_kv.Scheduler, helix_kv.ScheduleOutput]:
+        cfg = helix_kv.SchedulerConfig(
+            cp_size=1, tokens_per_block=TPB, kv_superblocks=32, max_batch_size=8
+        )
+        s = helix_kv.Scheduler(cfg)
+        for i in range(3):
+            s.add_request(i, np.arange(1, 10, dtype=np.int32), 6)  # 9 tokens: 3 pages of 4
+        s.update(np.full(s.schedule().num_samples, 5, dtype=np.int32))
+        return s, s.schedule()
+
+    s, decode = decoding_scheduler()
+    fits = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
+    counts = fits.fill_if_fits(s, decode)
+    assert counts is not None
+    assert counts.rows == 3
+    for layout in (DecodeLayout(max_batch=2, max_pages=4), DecodeLayout(max_batch=8, max_pages=2)):
+        narrow = DecodeMetadata(layout, DEVICE)
+        before = [buffer.clone() for buffer in narrow._staging]
+        assert narrow.fill_if_fits(s, decode) is None
+        assert all(torch.equal(b, a) for b, a in zip(before, narrow._staging))
+    other, _ = decoding_scheduler()
+    other.update(np.full(decode.num_samples, 7, dtype=np.int32))  # its step, not `decode`
+    with pytest.raises(helix_kv.InvalidStateError, match="no step is pending"):
+        fits.fill_if_fits(other, decode)  # not this scheduler's pending step
+
+
 def decode_columns(decode: StepPlan) -> tuple:
     return (
         decode.token_ids,

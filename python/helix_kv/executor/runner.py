@@ -44,7 +44,6 @@ import torch.distributed as dist
 from helix_kv._renamed import Renamed, renamed_fields, renamed_keywords
 from helix_kv.distributed import EngineConfig, HelixKVRank
 from helix_kv.distributed.launch import spawn_group
-from helix_kv.errors import HelixKVError
 from helix_kv.executor.decode_step import DecodeLayout, DecodeMetadata, DecodeStep
 from helix_kv.executor.drafter import NgramDrafter, greedy_acceptance
 from helix_kv.executor.host_pool import HostKVPool
@@ -571,9 +570,8 @@ def _launch_decode_step(
     step ahead) are gathered on the device from the previous step's samples."""
     if len(out.context_ids) or not len(out.generation_ids):
         return None
-    try:
-        counts = step.metadata.fill_from_schedule(scheduler, out)
-    except (ValueError, HelixKVError):
+    counts = step.metadata.fill_if_fits(scheduler, out)
+    if counts is None:  # more rows or pages than the layout holds
         return None
     rows = counts.rows
     result.fast_path_inputs_in_flight += counts.in_flight

@@ -353,7 +353,7 @@ def run_simulate(
                 if partial is None:  # nothing ran: no report to give
                     prefix = f"[{policy}] " if policy else ""
                     name = type(err).__name__
-                    message = f"{prefix}{in_flag_terms(str(err))}"
+                    message = f"{prefix}{in_flag_terms(err)}"
                     return fail(EXIT_RUN_FAILED, f"{prefix}{name}: {message}", name, message)
                 results[_result_key(run)] = partial
                 failed = (run, err)
@@ -373,7 +373,7 @@ def run_simulate(
                 except HelixKVError as err:
                     prefix = f"[{policy}] " if policy else ""
                     name = type(err).__name__
-                    reason = in_flag_terms(str(err))
+                    reason = in_flag_terms(err)
                     message = f"{prefix}the run without --overlap failed: {name}: {reason}"
                     return fail(EXIT_RUN_FAILED, message, name, f"{prefix}{reason}")
                 if not plain.interrupted:
@@ -400,7 +400,7 @@ def run_simulate(
         name = type(raised).__name__
         step = results[_result_key(run)].failed_step
         prefix = f"[{run.name}] " if run.name else ""
-        reason = in_flag_terms(str(raised))
+        reason = in_flag_terms(raised)
         failure_line = f"{PROG}: {prefix}{name} in step {step}: {reason}"
         error = {
             "type": name,
