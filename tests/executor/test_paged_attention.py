@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import helix_kv
-from helix_kv.executor.attention import PAD_KEY_POSITION, partial_attention
+from helix_kv.executor.attention import PAD_KEY_POSITION, PartialAttention, partial_attention
 from helix_kv.executor.decode_step import (
     DecodeLayout,
     DecodeMetadata,
@@ -26,6 +26,7 @@ from helix_kv.executor.paged_attention import (
     DECODE_MAX_SPLITS,
     DECODE_MIN_SPLIT_KEYS,
     DECODE_TARGET_PROGRAMS,
+    DecodeAttentionPlan,
     DecodeWorkspace,
     decode_splits,
     interpreted,
@@ -320,6 +321,85 @@ def test_kernel_reads_strided_metadata_columns():
     )
     assert torch.equal(strided.output, dense.output)
     assert torch.equal(strided.lse, dense.lse)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_plan_made_once_runs_every_layer_as_one_call_does(monkeypatch, splits):
+    """Planned once for the step's metadata (the split count resolved once), run per layer
+    with only that layer's query and caches: each run equals the one-call form."""
+    from helix_kv.executor import paged_attention
+
+    dtype = next(iter(DTYPES))
+    layers = [paged_problem(20 + layer, [40, 0, 17, 33], 2, 2, 16, 4, dtype) for layer in (0, 1)]
+    table = layers[0]["block_table"].to(DEVICE, torch.int32)  # every layer's: the same rows
+    lens = layers[0]["local_lens"].to(DEVICE)
+    resolved = []
+    resolve = paged_attention._resolve_splits
+    monkeypatch.setattr(
+        paged_attention,
+        "_resolve_splits",
+        lambda *args, **kw: resolved.append(args) or resolve(*args, **kw),
+    )
+    plan = DecodeAttentionPlan(
+        table, lens, 4, q_heads=4, kv_heads=2, head_dim=16, dtype=dtype, num_splits=splits
+    )
+    assert len(resolved) == 1
+    for p in layers:
+        args = [p[k].to(DEVICE, dtype) for k in ("query", "key_cache", "value_cache")]
+        part = plan.run(*args)
+        one_call = paged_decode_attention(*args, table, lens, 4, num_splits=splits)
+        assert torch.equal(part.output, one_call.output)
+        assert torch.equal(part.lse, one_call.lse)
+    assert len(resolved) == 1 + len(layers)  # the one-call forms' plans only
+
+
+def test_a_plan_refuses_a_layer_it_was_not_made_for():
+    dtype = next(iter(DTYPES))
+    p = paged_problem(3, [9, 4], 2, 2, 16, 4, dtype)
+    table, lens = p["block_table"].to(DEVICE, torch.int32), p["local_lens"].to(DEVICE)
+    query, key, value = (p[k].to(DEVICE, dtype) for k in ("query", "key_cache", "value_cache"))
+    plan = DecodeAttentionPlan(table, lens, 4, q_heads=4, kv_heads=2, head_dim=16, dtype=dtype)
+    plan.run(query, key, value)
+    with pytest.raises(ValueError, match=r"query \(1, 4, 16\) must be \[2, 4, 16\]"):
+        plan.run(query[:1], key, value)
+    with pytest.raises(ValueError, match=r"key_cache .* must be \[\*, 2, 16\]"):
+        plan.run(query, key[:, :1], value)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        plan.run(query, key, torch.cat([value, value], dim=-1)[..., ::2])
+    other = torch.float32 if dtype == torch.float64 else torch.bfloat16
+    with pytest.raises(ValueError, match="the plan's of"):
+        plan.run(query.to(other), key, value)
+    with pytest.raises(ValueError, match="multiple"):
+        DecodeAttentionPlan(table, lens, 4, q_heads=3, kv_heads=2, head_dim=16, dtype=dtype)
+    with pytest.raises(ValueError, match="do not cover the same rows"):
+        DecodeAttentionPlan(table, lens[:1], 4, q_heads=4, kv_heads=2, head_dim=16, dtype=dtype)
+
+
+def test_the_model_plans_once_a_step_and_runs_the_plan_per_layer(monkeypatch):
+    """forward_decode and forward (with the kernel) plan the step's attention once, before
+    the layers, and run it in each."""
+    from helix_kv.executor import model as model_module
+
+    made, runs = [], []
+
+    class Counted(DecodeAttentionPlan):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            made.append(1)
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+        def run(self, *args: torch.Tensor) -> PartialAttention:
+            runs.append(1)
+            return super().run(*args)
+
+    monkeypatch.setattr(model_module, "DecodeAttentionPlan", Counted)
+    model, pool, decode = prefilled()
+    model.decode_kernel = True
+    model.forward(pool.prepare(decode), pool)
+    assert (len(made), len(runs)) == (1, MODEL.num_layers)
+    metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
+    rows = metadata.fill(*decode_columns(decode))
+    model.forward_decode(metadata.rows(metadata.upload(rows)), pool, lambda part: part)
+    assert (len(made), len(runs)) == (2, 2 * MODEL.num_layers)
 
 
 def test_write_stores_owned_tokens_only():

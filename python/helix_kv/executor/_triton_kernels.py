@@ -177,17 +177,13 @@ def verify_attention_kernel(
     v_cache_ptr,
     table_ptr,
     lens_ptr,
-    pos_ptr,
     out_ptr,
     lse_ptr,
     scale,
     tokens_per_block,
-    tokens_per_superblock,
     keys_per_split,
     group,
     head_dim,
-    num_rows,
-    table_width,
     stride_q_row,
     stride_q_head,
     stride_k_slot,
@@ -196,13 +192,17 @@ def verify_attention_kernel(
     stride_v_head,
     stride_table_row,
     stride_lens,
-    stride_pos,
     stride_out_row,
     stride_out_head,
     stride_out_split,
     stride_lse_row,
     stride_lse_head,
     stride_lse_split,
+    pos_ptr,
+    stride_pos,
+    tokens_per_superblock,
+    num_rows,
+    table_width,
     ROWS: tl.constexpr,
     BLOCK_GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -212,7 +212,8 @@ def verify_attention_kernel(
 ):
     """:func:`decode_attention_kernel` for rows that verify drafts: a request's ``1 + k``
     query rows (consecutive rows, consecutive positions, one block table) in one program, so
-    each key and value block is loaded once for all of them.
+    each key and value block is loaded once for all of them. Its arguments are that
+    kernel's, then the rows' positions and what reads them.
 
     One program per (row, kv head, split). A row continuing the row before it (position one
     more, and the same superblock id at its position's superblock: a superblock a step writes
