@@ -72,9 +72,8 @@ pytestmark = needs_scheduler
                 "raise the KV budget (kv_superblocks / kv_tokens) or max_preemptions_per_request "
                 '(now 2), a larger host tier (host_tier_superblocks, now 4) or capacity_policy="x"'
             ),
-            "raise the KV budget (--kv-tokens in superblocks / --kv-tokens) or "
-            "--max-preemptions (now 2), a larger host tier (--host-tier-tokens in superblocks, "
-            'now 4) or --capacity-policy="x"',
+            "raise the KV budget (--kv-tokens) or --max-preemptions (now 2), a larger host tier "
+            "(--host-tier-tokens in superblocks, now 4) or --capacity-policy x",
         ),
         (helix_kv.ConfigError("max_num_tokens_x stays"), "max_num_tokens_x stays"),  # names only
         (helix_kv.ConfigError("a\n  b"), "a b"),  # one line

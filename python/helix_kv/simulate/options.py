@@ -126,12 +126,15 @@ FLAG_OF_FIELD = {
 }
 #: Every ``SchedulerConfig`` setting a core message may name, as the ``helix-kv simulate`` flag
 #: that sets it: a count of superblocks as its flag in tokens "in superblocks" (a count beside
-#: it stays one); the switches, and the settings no flag gives, keep their names.
+#: it stays one; ``kv_superblocks``, the keyword the messages pair with ``kv_tokens``, as the
+#: one flag of the two); the switches, and the settings no flag gives, keep their names.
 FLAG_TERMS: dict[str, str] = {
     **FLAG_OF_FIELD,
     **{name: f"{flag} in superblocks" for name, flag in TOKEN_FLAGS.items()},
+    "kv_superblocks": TOKEN_FLAGS["kv_superblocks"],
 }
-_WORD = re.compile(r"\w+")
+# a word (a setting's name where FLAG_TERMS has it), and a value the core gives it as ="..."
+_WORD = re.compile(r'(\w+)(?:="([^"]*)")?')
 
 
 @renamed_fields
@@ -264,15 +267,25 @@ def verified_ranks(mode: VerifyRanks, cp_size: int) -> tuple[int, ...]:
 def in_flag_terms(error: BaseException) -> str:
     """The message of a core error (a ``ConfigError``, or a scheduler error's remedy) in the
     ``helix-kv simulate`` flags' terms, on one line: each ``SchedulerConfig`` setting it names
-    by its flag (:data:`FLAG_TERMS`, looked up word by word), and the setting at fault
-    (``ConfigError.field``) with its value as its flag takes it: ``max_num_tokens = 8`` reads
-    ``--max-num-tokens 8``, ``host_tier_superblocks = 4`` reads ``--host-tier-tokens (4
-    superblocks)``."""
+    by its flag (:data:`FLAG_TERMS`, looked up word by word; ``capacity_policy="x"`` reads
+    ``--capacity-policy x``), and the setting at fault (``ConfigError.field``) with its value
+    as its flag takes it: ``max_num_tokens = 8`` reads ``--max-num-tokens 8``,
+    ``host_tier_superblocks = 4`` reads ``--host-tier-tokens (4 superblocks)``."""
     message = " ".join(str(error).split())
     if isinstance(error, ConfigError) and error.field in FLAG_TERMS:
         given = _flag_with_value(error.field, error.value)
         message = message.replace(f"{error.field} = {error.value}", given, 1)
-    return _WORD.sub(lambda word: FLAG_TERMS.get(word[0], word[0]), message)
+
+    def flag(word: re.Match[str]) -> str:
+        name, value = word[1], word[2]
+        if name not in FLAG_TERMS:
+            return word[0]
+        return FLAG_TERMS[name] if value is None else f"{FLAG_TERMS[name]} {value}"
+
+    message = _WORD.sub(flag, message)
+    # the KV budget, named by both of its keywords, has one flag
+    kv_tokens = TOKEN_FLAGS["kv_superblocks"]
+    return message.replace(f"{kv_tokens} / {kv_tokens}", kv_tokens)
 
 
 def _flag_with_value(field: str, value: object) -> str:
