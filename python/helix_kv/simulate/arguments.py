@@ -168,11 +168,31 @@ def _arrival_rate(text: str) -> float:
     return value
 
 
-def _fraction(text: str) -> float:
-    value = _number(text)
-    if not 0.0 <= value <= 1.0:  # also rejects NaN
-        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
-    return value
+def _number_in(low: float, high: float, what: str, *, open_low: bool = False) -> Any:
+    """A parser of a number in ``[low, high]`` (``(low, high]`` with ``open_low``; NaN is
+    in neither), refused as ``must be {what} in [low, high], got TEXT``."""
+    bounds = f"{'(' if open_low else '['}{_shown(low)}, {_shown(high)}]"
+
+    def parse(text: str) -> float:
+        value = _number(text)
+        above = value > low if open_low else value >= low
+        if not (above and value <= high):  # also rejects NaN
+            raise argparse.ArgumentTypeError(f"must be {what} in {bounds}, got {text}")
+        return value
+
+    parse.__name__ = f"{what} in {bounds}"
+    return parse
+
+
+def _shown(bound: float) -> str:
+    """A bound as the messages write it (a float in its shortest form, ``1e+06``)."""
+    return f"{bound:g}" if isinstance(bound, float) else str(bound)
+
+
+_fraction = _number_in(0, 1, "a fraction")
+_think_steps = _number_in(0, MAX_THINK_STEPS, "a number of steps")
+_request_rate = _number_in(0, MAX_REQUEST_RATE, "a number of requests per second", open_low=True)
+_think_s = _number_in(0, MAX_THINK_S, "a number of seconds")
 
 
 def _target_ms(text: str) -> float:
@@ -180,33 +200,6 @@ def _target_ms(text: str) -> float:
     value = _number(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number of ms > 0, got {text}")
-    return value
-
-
-def _think_steps(text: str) -> float:
-    value = _number(text)
-    if not 0.0 <= value <= MAX_THINK_STEPS:  # also rejects NaN
-        raise argparse.ArgumentTypeError(
-            f"must be a number of steps in [0, {MAX_THINK_STEPS}], got {text}"
-        )
-    return value
-
-
-def _request_rate(text: str) -> float:
-    value = _number(text)
-    if not 0.0 < value <= MAX_REQUEST_RATE:  # also rejects NaN
-        raise argparse.ArgumentTypeError(
-            f"must be a number of requests per second in (0, {MAX_REQUEST_RATE:g}], got {text}"
-        )
-    return value
-
-
-def _think_s(text: str) -> float:
-    value = _number(text)
-    if not 0.0 <= value <= MAX_THINK_S:  # also rejects NaN
-        raise argparse.ArgumentTypeError(
-            f"must be a number of seconds in [0, {MAX_THINK_S:g}], got {text}"
-        )
     return value
 
 
