@@ -777,43 +777,45 @@ class DecodeAttentionPlan:
         if self.rows == 0:
             return PartialAttention(output, lse)
         part_out, part_lse, part_strides = self.splits.targets(output, lse)
-        args = (
-            query,
-            key_cache,
-            value_cache,
-            self.block_table,
-            self.local_lens,
-            part_out,
-            part_lse,
-            self.scale,
-            self.tokens_per_block,
-            self.splits.keys_per_split,
-            self.group,
-            self.head_dim,
-            # the last dims are contiguous (checked): their strides are not passed
-            *query.stride()[:2],
-            *key_cache.stride()[:2],
-            *value_cache.stride()[:2],
-            self.block_table.stride(0),
-            self.local_lens.stride(0),
-            *part_strides,
-        )
+        table, lens = self.block_table, self.local_lens
+        tensors = (query, key_cache, value_cache, table, lens)
+        # the last dims are contiguous (checked): their strides are not passed
+        strides = (*query.stride()[:2], *key_cache.stride()[:2], *value_cache.stride()[:2])
+        strides += (table.stride(0), lens.stride(0))
+        sizes = (self.splits.keys_per_split, self.group, self.head_dim)
         grid = (self.rows, self.kv_heads, self.splits.count)
         kernels = _kernels()
-        if self.grouped:
-            positions = self.positions
-            assert positions is not None  # checked by the plan
-            kernels.verify_attention_kernel[grid](
-                *args,
-                positions,
-                positions.stride(0),
-                self.tokens_per_superblock,
-                self.rows,
-                self.block_table.shape[1],
+        if not self.grouped:
+            kernels.decode_attention_kernel[grid](
+                *tensors,
+                part_out,
+                part_lse,
+                self.scale,
+                self.tokens_per_block,
+                *sizes,
+                *strides,
+                *part_strides,
                 **self.tiles,
             )
         else:
-            kernels.decode_attention_kernel[grid](*args, **self.tiles)
+            positions = self.positions
+            assert positions is not None  # checked by the plan
+            kernels.verify_attention_kernel[grid](
+                *tensors,
+                positions,
+                part_out,
+                part_lse,
+                self.scale,
+                self.tokens_per_block,
+                self.tokens_per_superblock,
+                *sizes,
+                self.rows,
+                table.shape[1],
+                *strides,
+                positions.stride(0),
+                *part_strides,
+                **self.tiles,
+            )
         if self.splits.count > 1:
             block_d = _next_power_of_2(self.head_dim)
             _combine_splits(part_out, part_lse, output, lse, block_d, self.tiles["ACC_FP64"])
