@@ -10,9 +10,23 @@ new prompt end), that victims are strictly behind the request that needed their 
 each such request is served in the step that preempted for it (no futile preemption), and
 that a victim goes past ``max_preemptions_per_request`` only for the queue head.
 
+The pools are a **KV-content model**: every slot of every rank (and of its host tier) holds
+the request, position and token whose KV the executor wrote there, a digest of what that KV
+depends on (the request's cache salt and its tokens up to the position, drafts included) and
+whether it is valid, or is unknown (a reverted step's copy-in may or may not have overwritten
+it). Writes go through the slot mappings of steps that ran; copies to and from the host tier
+copy slots; a reverted step makes its copy-outs, and its copy-ins as ``reverted_copy_ins`` says
+(``"done"``, ``"not_done"``, or ``"either"``: the slots become unknown); a draft the verifier
+rejected is marked not valid when its step completes. Every prefix-cache hit is read back
+before the step writes anything, every chunk's context after its writes and every sampled
+row's context as it is sampled, each slot checked against the reader's salt and tokens (and,
+without prefix caching, its own request).
+
 The executor drives the group through :class:`helix_kv.StepDriver`. With ``overlap=True`` it
 runs one step ahead, as an overlapping engine does (step t+1 is scheduled and run before step t
-is updated); the outputs must be those of the plain run.
+is updated); the outputs must be those of the plain run. One step ahead, ``fail_every`` makes a
+step fail on the device: its copies are made, its KV writes are not, the step planned after it
+is scheduled and reverted, then it (both pending steps reverted, newest first).
 
 Requests may be aborted (:attr:`Spec.abort_step`): between steps or while a step is pending,
 optionally only once seen in a given state. Aborted outputs must be the start of the output
@@ -63,6 +77,8 @@ class Spec:
     #: Tokens of a system prompt every request with this field shares, before its own
     #: ``prompt_len`` (for prefix caching).
     shared_prefix: int = 0
+    #: Its cache salt: prefix caching shares KV only between requests of the same salt.
+    cache_salt: str | None = None
 
     def prompt(self) -> np.ndarray:
         own = prompt_tokens(self.request_id, self.prompt_len)
@@ -73,6 +89,25 @@ class Spec:
 
 #: The request id whose prompt tokens are the shared system prompt (no request uses it).
 SYSTEM_PROMPT_ID = 2**40
+
+#: Owners of a pool slot that holds no request's KV: never written, or unknown (a reverted
+#: step's copy-in may or may not have overwritten it).
+NEVER_WRITTEN = -1
+UNKNOWN = -2
+
+_MASK = (1 << 64) - 1
+
+
+def _digest_seed(salt: bytes) -> int:
+    h = 0xCBF29CE484222325 ^ len(salt)
+    for byte in salt:
+        h = ((h ^ byte) * 0x100000001B3) & _MASK
+    return h
+
+
+def _digest_next(h: int, token: int) -> int:
+    h = ((h ^ (token & 0xFFFFFFFF)) * 0x100000001B3) & _MASK
+    return h ^ (h >> 29)
 
 
 @dataclass(frozen=True)
@@ -112,6 +147,14 @@ class HarnessResult:
     #: Draft tokens verified, and accepted (speculative decoding).
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    #: KV tokens read back and checked against the KV-content model.
+    kv_reads: int = 0
+    #: Steps that failed on the device one step ahead (``fail_every``), and pool slots a
+    #: reverted step's copy-ins touched.
+    failed: int = 0
+    reverted_copy_in_slots: int = 0
+    #: Draft KV slots marked not valid when their drafts were rejected.
+    rejected_draft_slots: int = 0
     metrics: helix_kv.SchedulerMetrics | None = None
 
 
@@ -125,7 +168,10 @@ class Executor:
         overlap: bool = False,
         drafts: int = 0,
         seed: int = 0,
+        reverted_copy_ins: str = "either",
     ) -> None:
+        assert reverted_copy_ins in ("either", "done", "not_done")
+        self.reverted_copy_ins = reverted_copy_ins
         self.group = helix_kv.SimulatedCPGroup(config)
         self.overlap = overlap
         assert drafts <= int(config.num_speculative_tokens)
@@ -143,15 +189,28 @@ class Executor:
         self.cp = int(config.cp_size)
         self.tpb = int(config.tokens_per_block)
         slots = int(config.kv_superblocks) * self.tpb
-        # Per rank and slot: token, owning request, position (-1: never written).
+        # Per rank and slot (the KV-content model): token, owning request (NEVER_WRITTEN,
+        # UNKNOWN), position, the digest of the salt and tokens its KV was computed over, and
+        # whether it is valid (not a rejected draft's).
         self.token = np.full((self.cp, slots), -1, dtype=np.int64)
-        self.owner = np.full((self.cp, slots), -1, dtype=np.int64)
+        self.owner = np.full((self.cp, slots), NEVER_WRITTEN, dtype=np.int64)
         self.position = np.full((self.cp, slots), -1, dtype=np.int64)
+        self.prefix = np.zeros((self.cp, slots), dtype=np.uint64)
+        self.valid = np.zeros((self.cp, slots), dtype=bool)
         host_slots = int(config.host_tier_superblocks) * self.tpb
         # Each rank's host KV pool, written and read only through the schedules' host page ids.
         self.host_token = np.full((self.cp, host_slots), -1, dtype=np.int64)
-        self.host_owner = np.full((self.cp, host_slots), -1, dtype=np.int64)
+        self.host_owner = np.full((self.cp, host_slots), NEVER_WRITTEN, dtype=np.int64)
         self.host_position = np.full((self.cp, host_slots), -1, dtype=np.int64)
+        self.host_prefix = np.zeros((self.cp, host_slots), dtype=np.uint64)
+        self.host_valid = np.zeros((self.cp, host_slots), dtype=bool)
+        #: Each request's cache salt, and the prefix digests of the tokens seen so far.
+        self.salts: dict[int, bytes] = {}
+        self._digests: dict[int, tuple[list[int], list[int]]] = {}
+        #: Steps that failed on the device (never sampled), and the slots each launched step
+        #: wrote drafts' KV into: (request, position, rank, slot) arrays.
+        self._failed: set[int] = set()
+        self._draft_slots: dict[int, tuple[np.ndarray, ...]] = {}
         #: Host pages each suspended (or just resumed) request holds, in table order.
         self.host: dict[int, list[int]] = {}
         #: Which request holds each host page: a copy-out onto a held page is a race.
@@ -172,7 +231,7 @@ class Executor:
         step in flight (one that ran and awaits its update), if any."""
         tokens = list(self.known[request_id])
         for step in self.driver.steps:
-            if step.launched:
+            if step.launched and int(step.output.step) not in self._failed:
                 rows = np.flatnonzero(step.output.sample_ids == request_id)
                 if rows.size:
                     tokens.extend(self._kept(step, request_id, rows).tolist())
@@ -223,7 +282,14 @@ class Executor:
             self.driver.propose_drafts(ids, counts, np.asarray(tokens, np.int32))
 
     def add(self, spec: Spec) -> None:
-        self.group.add_request(spec.request_id, spec.prompt(), spec.max_new_tokens, spec.priority)
+        self.group.add_request(
+            spec.request_id,
+            spec.prompt(),
+            spec.max_new_tokens,
+            spec.priority,
+            cache_salt=spec.cache_salt,
+        )
+        self.salts[spec.request_id] = (spec.cache_salt or "").encode()
         rank = -spec.priority if self.config.admission_policy == "priority" else 0
         self.arrival[spec.request_id] = (rank, len(self.arrival))
         queue = self.group.schedulers[0].queue_ids().tolist()
@@ -282,7 +348,11 @@ class Executor:
         known = self.known.pop(request_id)
         assert known[len(known) - len(generated) :] == generated
         self.prefilled.pop(request_id, None)
-        self._release_host(request_id)
+        self._digests.pop(request_id, None)
+        # Retired while a pending step resumes it, it keeps its host copy until that step
+        # closes (the step's copy-in reads it).
+        if not any(request_id in s.output.resumed_ids.tolist() for s in self.driver.steps):
+            self._release_host(request_id)
         if output.finish_reason == "aborted":
             self.result.aborted[request_id] = generated
             self.aborting.discard(request_id)
@@ -300,7 +370,23 @@ class Executor:
         for scheduler in self.group.schedulers:
             assert scheduler.host_used_superblocks == len(self.host_holder), "host tier leaked"
 
-    def step(self, revert: bool = False, index: int = 0) -> None:
+    def _forget_released_host_copies(self) -> None:
+        """After a revert: a host copy the scheduler gave back without a resume (a request
+        retired while the reverted step resumed it, or one that re-prefills now)."""
+        scheduler = self.group.schedulers[0]
+        for request_id in list(self.host):
+            if any(request_id in s.output.resumed_ids.tolist() for s in self.driver.steps):
+                continue  # a pending step's copy-in reads it until that step closes
+            if request_id not in self.known:
+                self._release_host(request_id)
+            elif scheduler.request_state(request_id) == "waiting":
+                self._release_host(request_id)
+                self.prefilled[request_id] = 0
+
+    def step(self, revert: bool = False, index: int = 0, fail: bool = False) -> None:
+        """Schedules one step and runs it, reverts it (``revert``), or, one step ahead, lets
+        it fail on the device (``fail``); after a failed step the next one is reverted, then
+        the failed one."""
         before = [
             (s.state_digest(), s.metrics().kv_used_superblocks) for s in self.group.schedulers
         ]
@@ -311,35 +397,33 @@ class Executor:
         self._copy_out_suspended(out)
         for victim in out.preempted_ids.tolist():
             self.prefilled[victim] = 0
+        older = self.driver.steps[0] if self.driver.pending > 1 else None
+        if older is not None and int(older.output.step) in self._failed:
+            self._copy_in_resumed(out, self.reverted_copy_ins)
+            self._revert(out, before)
+            self._revert(older.output, None)
+            return
         if revert:
-            aborted = self.driver.revert().tolist()
-            # with an older step still pending, requested aborts wait for its close
-            still_pending = self.group.pending_steps() > 0
-            assert still_pending == (self.driver.pending > 0)
-            queue_order = (
-                [] if still_pending else sorted(self.aborting, key=self.arrival.__getitem__)
-            )
-            assert aborted == queue_order, "revert aborts the requested ones, in queue order"
-            for request_id in aborted:
-                self._collect(request_id)
-            self._check_host_tier()
-            if (
-                not self.aborting
-                and not aborted
-                and out.preempted_ids.size == 0
-                and out.suspended_ids.size == 0
-            ):
-                after = [
-                    (s.state_digest(), s.metrics().kv_used_superblocks)
-                    for s in self.group.schedulers
-                ]
-                assert after == before, "revert must restore the scheduler and ledger"
-            self.result.reverted += 1
+            self._copy_in_resumed(out, self.reverted_copy_ins)
+            self._revert(out, before)
+            return
+        if fail and self.overlap:
+            # launched, but its attention never runs: copies made, KV not written
+            self._copy_in_resumed(out, self.reverted_copy_ins)
+            self._failed.add(int(out.step))
+            self.accepted[int(out.step)] = np.zeros(out.generation_ids.size, np.int64)
+            self.driver.launched(np.zeros(out.num_samples, np.int32))
+            self.result.failed += 1
+            due = self.driver.due()  # the step before it, which ran
+            if due is not None and due.output is not out:
+                self._commit(due)
             return
         inputs = self._check_replay(out)
         self._copy_in_resumed(out)
         self.result.resumed += out.resumed_ids.size
+        self._check_hits(out)
         self._write_kv(out, inputs)
+        self._check_chunks(out)
         tokens, accepted = self._sample(out)
         self.accepted[int(out.step)] = accepted
         ends = (out.context_starts + out.context_lens).tolist()
@@ -352,9 +436,43 @@ class Executor:
         if due is not None:
             self._commit(due)
 
+    def _revert(self, out: helix_kv.ScheduleOutput, before: list[tuple[int, int]] | None) -> None:
+        """Reverts the newest pending step (``out``); ``before``: the ranks' state before it
+        was scheduled, when nothing closed since (not for a failed step one step ahead)."""
+        aborted = self.driver.revert().tolist()
+        # with an older step still pending, requested aborts wait for its close
+        still_pending = self.group.pending_steps() > 0
+        assert still_pending == (self.driver.pending > 0)
+        queue_order = [] if still_pending else sorted(self.aborting, key=self.arrival.__getitem__)
+        assert aborted == queue_order, "revert aborts the requested ones, in queue order"
+        for request_id in aborted:
+            self._collect(request_id)
+        self._forget_released_host_copies()
+        self._check_host_tier()
+        self._failed.discard(int(out.step))
+        self.accepted.pop(int(out.step), None)
+        # A prefix the step evicted from a page it resumed a request onto is not put back
+        # (the copy-in may have overwritten it): the one inexact undo besides victims.
+        exact = (
+            before is not None
+            and not self.aborting
+            and not aborted
+            and out.preempted_ids.size == 0
+            and out.suspended_ids.size == 0
+            and not (self.caching and out.resumed_ids.size)
+        )
+        if exact:
+            after = [
+                (s.state_digest(), s.metrics().kv_used_superblocks) for s in self.group.schedulers
+            ]
+            assert after == before, "revert must restore the scheduler and ledger"
+        self.result.reverted += 1
+
     def _commit(self, step: helix_kv.PendingStep[np.ndarray]) -> None:
         """Updates the group with a step's sampled tokens (the oldest pending step)."""
         out, tokens = step.output, step.sampled
+        assert int(out.step) not in self._failed, "a failed step is reverted, never updated"
+        self._reject_drafts(out)
         eos = None if self.model.eos is None else tokens == self.model.eos
         kept = {}
         for request_id in dict.fromkeys(out.sample_ids.tolist()):
@@ -382,7 +500,11 @@ class Executor:
             )
 
     def run(
-        self, specs: Sequence[Spec], revert_every: int = 0, max_steps: int = 5_000
+        self,
+        specs: Sequence[Spec],
+        revert_every: int = 0,
+        max_steps: int = 5_000,
+        fail_every: int = 0,
     ) -> HarnessResult:
         pending = sorted(specs, key=lambda s: s.arrival_step)
         self.specs = pending
@@ -393,13 +515,20 @@ class Executor:
                 next_spec += 1
             self.abort(self._due_aborts(step, pending=False))
             if next_spec == len(pending) and not self.group.has_unfinished():
-                for step in self.driver.drain():
-                    self._commit(step)
+                newest = self.driver.newest
+                if newest is not None and int(newest.output.step) in self._failed:
+                    self._revert(newest.output, None)
+                    continue
+                for pending_step in self.driver.drain():
+                    self._commit(pending_step)
                 break
             assert step < max_steps, f"no completion in {max_steps} steps"
             scheduled += 1
             if revert_every and scheduled % revert_every == 0:
                 self.step(revert=True, index=step)
+                continue
+            if fail_every and scheduled % fail_every == 0:
+                self.step(index=step, fail=True)
                 continue
             self.step(index=step)
             step += 1
@@ -506,9 +635,13 @@ class Executor:
             self.host_token[:, dst] = self.token[:, src]
             self.host_owner[:, dst] = self.owner[:, src]
             self.host_position[:, dst] = self.position[:, src]
+            self.host_prefix[:, dst] = self.prefix[:, src]
+            self.host_valid[:, dst] = self.valid[:, src]
 
-    def _copy_in_resumed(self, out: helix_kv.ScheduleOutput) -> None:
-        """Each rank copies its share of every resumed page back from its host page."""
+    def _copy_in_resumed(self, out: helix_kv.ScheduleOutput, reverted: str | None = None) -> None:
+        """Each rank copies its share of every resumed page back from its host page, in a step
+        that runs (``reverted`` None), or as a reverted step's copy-ins did: ``"done"``,
+        ``"not_done"``, or ``"either"`` (the slots become unknown: nothing may read them)."""
         assert out.resumed_host_block_ids.size == out.resumed_block_ids.size
         offset = 0
         for request_id, count in zip(out.resumed_ids.tolist(), out.resumed_block_counts.tolist()):
@@ -516,12 +649,40 @@ class Executor:
             host_pages = out.resumed_host_block_ids[offset : offset + count].astype(np.int64)
             offset += count
             assert self.host[request_id] == host_pages.tolist(), "resumes from its host pages"
-            table = self.group.schedulers[0].block_table([request_id])[0]
-            assert table[:count].tolist() == pages.tolist(), "resumes into its first pages"
+            if reverted is None:
+                table = self.group.schedulers[0].block_table([request_id])[0]
+                assert table[:count].tolist() == pages.tolist(), "resumes into its first pages"
             src, dst = self._pages(host_pages), self._pages(pages)
+            if reverted is not None:
+                self.result.reverted_copy_in_slots += dst.size * self.cp
+            if reverted == "not_done":
+                continue
+            if reverted == "either":
+                self.owner[:, dst] = UNKNOWN
+                self.valid[:, dst] = False
+                continue
             self.token[:, dst] = self.host_token[:, src]
             self.owner[:, dst] = self.host_owner[:, src]
             self.position[:, dst] = self.host_position[:, src]
+            self.prefix[:, dst] = self.host_prefix[:, src]
+            self.valid[:, dst] = self.host_valid[:, src]
+
+    def _prefix_digests(self, request_id: int, seq: Sequence[int]) -> np.ndarray:
+        """The digest of each prefix of ``seq`` (the request's tokens as a step sees them)
+        under the request's salt: entry ``i`` covers ``seq[: i + 1]``, what the KV of position
+        ``i`` depends on. Kept per request and extended as its tokens grow."""
+        tokens, digests = self._digests.get(request_id, ([], []))
+        common = min(len(tokens), len(seq))
+        if tokens[:common] != list(seq[:common]):  # drafts since rejected: recompute past them
+            common = next(i for i, (a, b) in enumerate(zip(tokens, seq)) if a != b)
+        tokens, digests = tokens[:common], digests[:common]
+        h = digests[-1] if digests else _digest_seed(self.salts[request_id])
+        for token in seq[common:]:
+            h = _digest_next(h, int(token))
+            tokens.append(int(token))
+            digests.append(h)
+        self._digests[request_id] = (tokens, digests)
+        return np.asarray(digests[: len(seq)], dtype=np.uint64)
 
     def _write_kv(self, out: helix_kv.ScheduleOutput, inputs: np.ndarray) -> None:
         ids = np.concatenate([out.context_ids, out.generation_ids])
@@ -540,7 +701,18 @@ class Executor:
         first = np.repeat(np.cumsum(counts) - counts, counts)
         positions = np.repeat(starts, counts) + np.arange(total) - first
         who = np.repeat(ids, counts)
+        is_draft = np.concatenate([np.zeros(out.context_token_ids.size, bool), ~is_first])
+        prefix = np.concatenate(
+            [
+                self._prefix_digests(int(request_id), seq)[start : start + count]
+                for request_id, seq, start, count in zip(
+                    ids.tolist(), self._entry_seqs(out), starts.tolist(), counts.tolist()
+                )
+            ]
+            or [np.zeros(0, np.uint64)]
+        )
         owners = (positions // self.tpb) % self.cp
+        drafted = []
         for rank, scheduler in enumerate(self.group.schedulers):
             slots = scheduler.slot_mapping(ids, starts, counts)
             assert slots.dtype == np.int64
@@ -550,6 +722,62 @@ class Executor:
             self.token[rank, slots[mine]] = values[mine]
             self.owner[rank, slots[mine]] = who[mine]
             self.position[rank, slots[mine]] = positions[mine]
+            self.prefix[rank, slots[mine]] = prefix[mine]
+            self.valid[rank, slots[mine]] = True
+            take = mine & is_draft
+            drafted.append((who[take], positions[take], np.full(take.sum(), rank), slots[take]))
+        self._draft_slots[int(out.step)] = tuple(
+            np.concatenate([d[k] for d in drafted]) for k in range(4)
+        )
+
+    def _entry_seqs(self, out: helix_kv.ScheduleOutput) -> list[list[int]]:
+        """Each entry's tokens as the step sees them (context entries, then generation
+        entries with their drafts): what its KV depends on."""
+        seqs = [self.view(request_id) for request_id in out.context_ids.tolist()]
+        offset = 0
+        for request_id, count in zip(
+            out.generation_ids.tolist(), out.generation_draft_counts.tolist()
+        ):
+            drafts = out.generation_draft_tokens[offset : offset + count].tolist()
+            offset += count
+            seqs.append(self.view(request_id) + drafts)
+        return seqs
+
+    def _check_hits(self, out: helix_kv.ScheduleOutput) -> None:
+        """Before the step writes anything, each admission's cached tokens hold the KV it
+        would compute there (its tokens at the same positions under its salt)."""
+        for request_id, cached in zip(out.context_ids.tolist(), out.context_cached_lens.tolist()):
+            if cached:
+                self._read_context(request_id, cached - 1)
+
+    def _check_chunks(self, out: helix_kv.ScheduleOutput) -> None:
+        """Each chunk's tokens read the context before them (a completing chunk's last token
+        reads it all again when it is sampled)."""
+        ends = out.context_starts + out.context_lens
+        for request_id, end, completes in zip(
+            out.context_ids.tolist(), ends.tolist(), out.context_completes.tolist()
+        ):
+            if not completes:
+                self._read_context(request_id, end - 1)
+
+    def _reject_drafts(self, out: helix_kv.ScheduleOutput) -> None:
+        """A completing step's rejected drafts (past each entry's accepted ones): their KV
+        was written and is not the request's; the slots still hold that write."""
+        who, positions, ranks, slots = self._draft_slots.pop(
+            int(out.step), (np.zeros(0, np.int64),) * 4
+        )
+        if not who.size:
+            return
+        accepted = self.accepted[int(out.step)]
+        kept_to = dict(
+            zip(out.generation_ids.tolist(), (out.generation_positions + accepted).tolist())
+        )
+        rejected = positions > np.asarray([kept_to[int(r)] for r in who.tolist()], np.int64)
+        ranks, slots = ranks[rejected], slots[rejected]
+        assert np.array_equal(self.owner[ranks, slots], who[rejected]), "a draft overwritten"
+        assert np.array_equal(self.position[ranks, slots], positions[rejected])
+        self.valid[ranks, slots] = False
+        self.result.rejected_draft_slots += int(rejected.sum())
 
     def known_room(self, request_id: int) -> int:
         """How many more tokens the request may take (its ``max_new_tokens`` left)."""
@@ -558,6 +786,10 @@ class Executor:
         return prompt + spec.max_new_tokens - len(self.known[request_id])
 
     def _read_context(self, request_id: int, last: int, drafts: Sequence[int] = ()) -> np.ndarray:
+        """Reads positions ``0..=last`` of the request back through its block table, as
+        attention would, and checks each slot against the KV-content model: the KV of the
+        request's token there (``drafts`` after what the device knows of it), valid, computed
+        over the same salt and tokens before it, and without prefix caching its own."""
         tables = [s.block_table([request_id])[0] for s in self.group.schedulers]
         for table in tables[1:]:
             assert np.array_equal(table, tables[0]), "every rank holds the same table"
@@ -565,18 +797,27 @@ class Executor:
         owners = (positions // self.tpb) % self.cp
         pages = tables[0][positions // (self.tpb * self.cp)].astype(np.int64)
         slots = pages * self.tpb + positions % self.tpb
-        if self.caching:
-            # Cached slots were written by another request with the same tokens before:
-            # the content must be this request's own tokens, position by position.
-            known = np.asarray([*self.view(request_id), *drafts][: last + 1], dtype=np.int64)
-            assert np.array_equal(self.token[owners, slots], known), (
-                f"stale KV read for {request_id}"
+        seq = [*self.view(request_id), *drafts][: last + 1]
+        expected = self._prefix_digests(request_id, seq)
+        owner = self.owner[owners, slots]
+        wrong = (
+            (owner < 0)
+            | ~self.valid[owners, slots]
+            | (self.position[owners, slots] != positions)
+            | (self.token[owners, slots] != np.asarray(seq, dtype=np.int64))
+            | (self.prefix[owners, slots] != expected)
+        )
+        if not self.caching:
+            wrong |= owner != request_id
+        if wrong.any():
+            at = int(np.flatnonzero(wrong)[0])
+            raise AssertionError(
+                f"KV of {request_id} at {at} (token {seq[at]}) is not there: rank "
+                f"{owners[at]} slot {slots[at]} holds owner {owner[at]}, position "
+                f"{self.position[owners[at], slots[at]]}, token {self.token[owners[at], slots[at]]}"
+                f", valid {self.valid[owners[at], slots[at]]}"
             )
-        else:
-            assert np.all(self.owner[owners, slots] == request_id), (
-                f"stale KV read for {request_id}"
-            )
-        assert np.array_equal(self.position[owners, slots], positions)
+        self.result.kv_reads += last + 1
         return self.token[owners, slots]
 
     def _sample(self, out: helix_kv.ScheduleOutput) -> tuple[np.ndarray, np.ndarray]:

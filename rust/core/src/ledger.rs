@@ -617,18 +617,19 @@ impl Ledger {
     /// that cannot be allocated is a `Config` error, not an abort.
     pub fn new(layout: Layout, capacity: u32) -> Result<Self> {
         if capacity == 0 {
-            return Err(CoreError::Config(
-                "ledger capacity must be at least one superblock".into(),
+            return Err(CoreError::config(
+                "capacity_superblocks",
+                "ledger capacity must be at least one superblock",
             ));
         }
         if capacity > MAX_CAPACITY {
-            return Err(CoreError::Config(format!(
+            return Err(CoreError::config("capacity_superblocks", format!(
                 "ledger capacity {capacity} exceeds {MAX_CAPACITY} superblocks: page ids are int32 in block tables"
             )));
         }
         let mut free = Vec::new();
         free.try_reserve_exact(capacity as usize).map_err(|_| {
-            CoreError::Config(format!(
+            CoreError::config("capacity_superblocks", format!(
                 "a ledger of {capacity} superblocks cannot be allocated (its free list needs {} bytes)",
                 u64::from(capacity) * 4
             ))
@@ -721,7 +722,8 @@ impl Ledger {
     }
 
     /// Registers the first `keys.len()` superblocks of `id`'s table under those keys (a
-    /// superblock already registered, or a key another superblock has, is left as is).
+    /// superblock already registered, or a key another superblock has, is left as is; so
+    /// is a superblock a pending step copies KV into, whose content is not known yet).
     pub fn register_prefix(&mut self, id: RequestId, keys: &[BlockKey]) -> Result<()> {
         let table = self.request(id)?.table();
         if keys.len() > table.len() {
@@ -756,8 +758,15 @@ impl Ledger {
     }
 
     /// Puts back what `evictions` (a reverted step's, oldest first) took out of the cache,
-    /// newest first: each page leaves the free list and is cached again.
-    pub(crate) fn restore_evictions(&mut self, evictions: &[Eviction]) {
+    /// newest first: each page leaves the free list and is cached again. Except a page in
+    /// `overwritten` (one a reverted copy-in may have overwritten, see
+    /// [`Self::set_copy_in`]): it holds neither the evicted prefix for sure nor anything
+    /// keyed, so its key is forgotten, as if the step had run, and the page stays free.
+    pub(crate) fn restore_evictions(
+        &mut self,
+        evictions: &[Eviction],
+        overwritten: &[SuperblockId],
+    ) {
         let Some(cache) = self.cache.as_mut() else {
             return;
         };
@@ -766,8 +775,23 @@ impl Ledger {
                 debug_assert!(false, "an undone step's evicted page is free again");
                 continue;
             };
-            if cache.restore(eviction) {
+            if overwritten.contains(&eviction.page) {
+                cache.forget_evictions(&[eviction]);
+            } else if cache.restore(eviction) {
                 self.free.remove(at);
+            }
+        }
+    }
+
+    /// With the prefix cache: a pending step copies KV into `pages` from the host tier
+    /// (`on`, as it resumes a request onto them), or that step closed (`!on`: updated or
+    /// reverted, after its evictions were settled). While a copy-in is pending the page's
+    /// content is not known, so it is never registered (keyed); a reverted step does not
+    /// put back a prefix evicted from it (`restore_evictions`).
+    pub(crate) fn set_copy_in(&mut self, pages: &[SuperblockId], on: bool) {
+        if let Some(cache) = self.cache.as_mut() {
+            for &page in pages {
+                cache.set_copy_in(page, on);
             }
         }
     }

@@ -243,6 +243,11 @@ pub struct PrefixCache {
     evicted: Vec<Eviction>,
     /// Releases put pages back at their kept stamp (undoing a step) instead of a new one.
     restoring: bool,
+    /// Per page: the pending steps that copy KV into it (resumes from the host tier). Its
+    /// content is not known until they close: a step that runs writes the resumed KV, a
+    /// reverted one may or may not have. Such a page is never registered (see
+    /// [`Self::copies_in`]).
+    incoming: Vec<u8>,
 }
 
 impl PrefixCache {
@@ -258,6 +263,7 @@ impl PrefixCache {
             next_stamp: 0,
             evicted: Vec::new(),
             restoring: false,
+            incoming: vec![0; n],
         }
     }
 
@@ -355,11 +361,12 @@ impl PrefixCache {
     }
 
     /// Registers `page` (referenced) under `key`, unless the key is taken (another page
-    /// caches the same prefix: this one stays unregistered) or the page already has one.
+    /// caches the same prefix: this one stays unregistered), the page already has one, or
+    /// a pending step copies KV into it (its content is not known yet).
     pub(crate) fn register(&mut self, page: SuperblockId, key: BlockKey) {
         let p = page as usize;
         debug_assert!(self.refs[p] > 0);
-        if self.keys[p].is_some() || self.lookup.contains_key(&key) {
+        if self.keys[p].is_some() || self.incoming[p] > 0 || self.lookup.contains_key(&key) {
             return;
         }
         self.keys[p] = Some(key);
@@ -417,6 +424,22 @@ impl PrefixCache {
         true
     }
 
+    /// A pending step copies KV into `page` (`on`), or that step closed (`!on`).
+    pub(crate) fn set_copy_in(&mut self, page: SuperblockId, on: bool) {
+        let incoming = &mut self.incoming[page as usize];
+        if on {
+            *incoming += 1;
+        } else {
+            debug_assert!(*incoming > 0, "page {page}: a copy-in ended twice");
+            *incoming -= 1;
+        }
+    }
+
+    /// Whether a pending step copies KV into `page` (`false` for a page outside the pool).
+    pub fn copies_in(&self, page: SuperblockId) -> bool {
+        self.incoming.get(page as usize).is_some_and(|&n| n > 0)
+    }
+
     /// Releases put pages back at their kept stamps while `on` (the undo of a step).
     pub(crate) fn set_restoring(&mut self, on: bool) {
         self.restoring = on;
@@ -441,11 +464,12 @@ impl PrefixCache {
     /// the next stamp), for `Ledger::state_digest`.
     pub(crate) fn digest_into(&self, h: &mut Fnv64) {
         for (page, (&refs, key)) in self.refs.iter().zip(&self.keys).enumerate() {
-            if refs == 0 && key.is_none() {
+            let incoming = self.incoming[page];
+            if refs == 0 && key.is_none() && incoming == 0 {
                 continue;
             }
             h.u64(page as u64);
-            h.u64(u64::from(refs));
+            h.u64(u64::from(refs) | u64::from(incoming) << 32);
             let bytes = key.unwrap_or(0).to_le_bytes();
             let (low, high) = bytes.split_at(8);
             h.u64(u64::from_le_bytes(low.try_into().expect("8 bytes")));
@@ -471,6 +495,7 @@ impl PartialEq for PrefixCache {
             && self.next_stamp == other.next_stamp
             && self.evicted == other.evicted
             && self.restoring == other.restoring
+            && self.incoming == other.incoming
             && self.eviction_order() == other.eviction_order()
     }
 }

@@ -17,8 +17,10 @@ use common::{
     assert_matches_reference, assert_matches_reference_with_aborts, Group, Model, RunMode,
     RunOptions, Spec,
 };
+use helix_kv_core::prefix_cache::{chain_keys, chain_seed};
 use helix_kv_core::{
-    CoreError, PreparedPrompt, RequestId, Scheduler, SchedulerConfig, ServingMode,
+    CoreError, PreparedPrompt, RequestId, RequestState, ScheduleOutput, Scheduler, SchedulerConfig,
+    ServingMode,
 };
 
 /// `cp` ranks, 4 tokens a page (`4 * cp` a superblock), `superblocks` of them, caching on.
@@ -576,4 +578,271 @@ fn attaching_pages_that_are_not_cached_is_refused_unchanged() {
     assert_eq!(ledger.prefix_cache().unwrap().refs(u32::MAX), 0);
     ledger.attach_cached(5, &[cached_page]).unwrap();
     assert_eq!(ledger.prefix_cache().unwrap().refs(cached_page), 1);
+}
+
+/// The configuration of the issue-39 scenarios: one rank, 2 tokens a superblock, 4
+/// superblocks, a host tier of 4, prefix caching on.
+fn tiny_tiered() -> SchedulerConfig {
+    let mut config = common::config(1, 2, 4);
+    config.enable_prefix_caching = true;
+    config.host_tier_superblocks = 4;
+    config
+}
+
+/// Runs steps 0 and 1 of the issue-39 scenario on `s`: B (id 2) and R (id 3) decode, A
+/// (id 1) finishes in step 1 and leaves its first superblock cached; R was suspended in
+/// step 1 (for B), and its first superblock (keyed then) was evicted by A. Returns the
+/// page caching A's prefix.
+fn a_cached_and_r_suspended(s: &mut Scheduler) -> u32 {
+    s.add_request(2, &[20, 21], 6, 0).unwrap();
+    s.add_request(1, &[10, 11], 2, 0).unwrap();
+    s.add_request(3, &[30, 31, 32], 5, 0).unwrap();
+    common::step(s, 7); // every prompt completes
+    let out = common::step(s, 7);
+    assert_eq!(out.suspended_ids, vec![3], "R is suspended for B");
+    assert!(s.take_output(1).is_ok(), "A finished");
+    let cache = s.ledger().prefix_cache().unwrap();
+    let cached: Vec<u32> = (0..4)
+        .filter(|&p| cache.key_of(p).is_some() && cache.refs(p) == 0)
+        .collect();
+    assert_eq!(
+        cached.len(),
+        1,
+        "A's first superblock is cached, unreferenced"
+    );
+    cached[0]
+}
+
+/// Issue 39: a request resumed in step t onto a page that still held another request's
+/// cached KV, recompute-paused by step t+1 (planned while t is pending), then both steps
+/// reverted. Neither step ran, so the page never held the resumed request's KV (and a
+/// copy-in that did happen overwrote the other request's): nothing may be served from
+/// it as a hit, neither to the paused request's re-prefill nor to one with A's prefix.
+#[test]
+fn a_resume_reverted_under_a_recompute_pause_keys_nothing_it_did_not_copy_in() {
+    let mut s = Scheduler::new(tiny_tiered()).unwrap();
+    let a_page = a_cached_and_r_suspended(&mut s);
+    let t = s.schedule().unwrap().clone();
+    assert_eq!(t.resumed_ids, vec![3]);
+    assert!(
+        t.resumed_block_ids.contains(&(a_page as i32)),
+        "R resumes onto A's page"
+    );
+    let ahead = s.schedule().unwrap().clone();
+    assert_eq!(ahead.preempted_ids, vec![3], "step t+1 recompute-pauses R");
+    s.revert().unwrap();
+    s.revert().unwrap();
+    // A request with A's prefix: A's page may hold R's KV now (a copy-in that ran), or
+    // still A's (one that did not). No hit is right in this workload: nobody else has
+    // R's tokens, and A's page is not known to hold A's KV any more.
+    s.add_request(4, &[10, 11, 12], 2, 0).unwrap();
+    let mut admitted = Vec::new();
+    for _ in 0..100 {
+        if s.queue_ids().is_empty() {
+            break;
+        }
+        let out = common::step(&mut s, 7);
+        for (i, &id) in out.context_ids.iter().enumerate() {
+            assert_eq!(
+                out.context_cached_lens[i], 0,
+                "request {id} hits a superblock whose KV was never written: {out:?}"
+            );
+            admitted.push(id);
+        }
+    }
+    assert!(
+        admitted.contains(&3) && admitted.contains(&4),
+        "{admitted:?}"
+    );
+}
+
+/// The same scenario: once both steps are reverted, the recompute-paused request
+/// re-prefills and nothing will read its host copy (the resume that would have was
+/// reverted): its host pages are free again, not held until it retires.
+#[test]
+fn a_resume_reverted_under_a_recompute_pause_frees_its_host_pages() {
+    let mut s = Scheduler::new(tiny_tiered()).unwrap();
+    a_cached_and_r_suspended(&mut s);
+    assert_eq!(s.host_used_superblocks(), 2);
+    s.schedule().unwrap();
+    let ahead = s.schedule().unwrap().clone();
+    assert_eq!(ahead.preempted_ids, vec![3]);
+    s.revert().unwrap();
+    assert_eq!(
+        s.host_used_superblocks(),
+        2,
+        "step t's copy-in may still read them"
+    );
+    s.revert().unwrap();
+    assert_eq!(s.request_state(3).unwrap(), RequestState::Waiting);
+    assert_eq!(
+        s.host_used_superblocks(),
+        0,
+        "R re-prefills: its host copy is free"
+    );
+    assert_eq!(
+        s.metrics().resumed_superblocks,
+        0,
+        "nothing was copied back in"
+    );
+    drain(&mut s);
+    assert_eq!(s.host_used_superblocks(), 0);
+}
+
+/// The abort scenario of issue 39 (one step ahead): R (id 3), suspended in step 1, is
+/// resumed by step 4, planned ahead of step 3 (F finished at step 2's update and made room);
+/// its abort is requested while both are pending, and step 3's update retires it, held for
+/// step 4 (still pending). Returns step 4.
+fn r_resumed_ahead_then_retired(s: &mut Scheduler) -> ScheduleOutput {
+    s.add_request(1, &[40, 41], 3, 0).unwrap(); // F: finishes at step 2's update
+    s.add_request(2, &[20, 21, 22], 5, 0).unwrap(); // H
+    s.add_request(3, &[30, 31], 5, 0).unwrap(); // R
+    common::step(s, 7);
+    let out = common::step(s, 7);
+    assert_eq!(out.suspended_ids, vec![3], "R is suspended for F");
+    let older = s.schedule().unwrap().clone(); // step 2: F's last token; H sits out
+    assert!(older.resumed_ids.is_empty(), "no room for R yet: {older:?}");
+    let ahead = s.schedule().unwrap().clone(); // step 3, planned ahead of step 2
+    assert!(ahead.resumed_ids.is_empty(), "{ahead:?}");
+    s.update(&vec![7; older.num_samples()], None).unwrap(); // F finishes: room
+    s.take_output(1).unwrap();
+    let resuming = s.schedule().unwrap().clone(); // step 4, planned ahead of step 3
+    assert_eq!(resuming.resumed_ids, vec![3], "{resuming:?}");
+    s.abort(3).unwrap();
+    s.update(&vec![7; ahead.num_samples()], None).unwrap(); // retires R, held for step 4
+    assert!(s.take_output(3).is_ok());
+    resuming
+}
+
+/// Issue 39, the same class through another path: a request resumed by the step planned
+/// ahead and aborted while it is pending is retired by the older step's update (held for
+/// the newer step). What it computed is kept cached as it retires, but its pages hold its
+/// KV only once the newer step's copy-in ran: reverted, they may hold anything.
+#[test]
+fn an_abort_retiring_a_request_whose_resume_is_pending_keys_nothing_of_it() {
+    let mut s = Scheduler::new(tiny_tiered()).unwrap();
+    let resuming = r_resumed_ahead_then_retired(&mut s);
+    // Step 4 did not run: R's copy-in may or may not have. Nothing is cached under R's
+    // prefix (its own superblock was evicted by F in step 1), and the page its resume
+    // copied into caches nothing: it may hold R's KV or F's.
+    s.revert().unwrap();
+    let cache = s.ledger().prefix_cache().unwrap();
+    let mut r_keys = Vec::new();
+    chain_keys(chain_seed(b""), &[30, 31], 2, &mut r_keys);
+    assert_eq!(
+        cache.lookup(r_keys[0]),
+        None,
+        "R's reverted copy-in is keyed"
+    );
+    for &page in &resuming.resumed_block_ids {
+        assert_eq!(
+            cache.key_of(u32::try_from(page).unwrap()),
+            None,
+            "page {page} may hold R's KV or F's"
+        );
+    }
+}
+
+/// The same scenario, the host tier: the retired request's host copy is what step 4's
+/// copy-in reads, so it stays taken until step 4 closes (no suspend planned meanwhile may
+/// be given its host pages), and it counts as copied back in only if step 4 runs.
+#[test]
+fn a_request_retired_while_its_resume_is_pending_keeps_its_host_copy_until_the_resume_closes() {
+    for runs in [false, true] {
+        let mut s = Scheduler::new(tiny_tiered()).unwrap();
+        let resuming = r_resumed_ahead_then_retired(&mut s);
+        assert_eq!(s.host_used_superblocks(), 1, "step 4's copy-in reads it");
+        assert_eq!(s.metrics().resumed_superblocks, 0);
+        if runs {
+            s.update(&vec![7; resuming.num_samples()], None).unwrap();
+        } else {
+            s.revert().unwrap();
+        }
+        assert_eq!(s.host_used_superblocks(), 0, "runs={runs}");
+        assert_eq!(
+            s.metrics().resumed_superblocks,
+            u64::from(runs),
+            "copied back in only by a step that ran (runs={runs})"
+        );
+    }
+}
+
+/// Issue 39, one step ahead: the older step evicts a cached prefix from page P for a decode;
+/// the step planned ahead frees P (its victim) and resumes a request onto it. Both are
+/// reverted: the newer step's copy-in may have overwritten P, so the older step's revert
+/// must not give P its evicted prefix back either.
+#[test]
+fn reverting_both_steps_puts_no_prefix_back_on_a_page_the_newer_step_copied_into() {
+    let mut config = tiny_tiered();
+    config.victim_policy = helix_kv_core::VictimPolicy::Priority;
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_request(1, &[50], 6, 0).unwrap(); // H: stops on EOS at step 1
+    s.add_request(2, &[60, 61, 62], 5, -1).unwrap(); // R: the victim of choice
+    s.add_request(3, &[70], 6, 0).unwrap(); // X
+    common::step(&mut s, 7); // every prompt completes; R's first superblock is keyed
+    let older_of_all = s.schedule().unwrap().clone(); // step 1: H's token is EOS
+    let t = s.schedule().unwrap().clone(); // step 2: H suspends R, X evicts R's cached page
+    assert_eq!(t.suspended_ids, vec![2], "{t:?}");
+    let eos: Vec<bool> = older_of_all.sample_ids().map(|id| id == 1).collect();
+    s.update(&vec![7; older_of_all.num_samples()], Some(&eos))
+        .unwrap();
+    s.take_output(1).unwrap();
+    let ahead = s.schedule().unwrap().clone(); // step 3: R (now the head) resumes over X
+    assert_eq!(ahead.resumed_ids, vec![2], "{ahead:?}");
+    let mut r_keys = Vec::new();
+    chain_keys(chain_seed(b""), &[60, 61], 2, &mut r_keys);
+    s.revert().unwrap();
+    s.revert().unwrap();
+    let cache = s.ledger().prefix_cache().unwrap();
+    for &page in &ahead.resumed_block_ids {
+        assert_eq!(
+            cache.key_of(u32::try_from(page).unwrap()),
+            None,
+            "page {page} may hold R's resumed KV: {t:?} {ahead:?}"
+        );
+    }
+    if let Some(page) = cache.lookup(r_keys[0]) {
+        assert!(!ahead.resumed_block_ids.contains(&(page as i32)));
+    }
+}
+
+/// Issue 39, the copy-in rule alone (plain): a step resumes a request onto a page caching
+/// another request's prefix, evicting it, and is reverted. Whether its copy-in ran or not
+/// is the executor's (docs/internals/scheduler.md): the page may hold either KV, so the
+/// revert does not put the evicted prefix back (every other eviction it does).
+#[test]
+fn a_reverted_resume_does_not_put_back_the_prefix_it_evicted_from_its_pages() {
+    let mut s = Scheduler::new(tiny_tiered()).unwrap();
+    let a_page = a_cached_and_r_suspended(&mut s);
+    let mut a_keys = Vec::new();
+    chain_keys(chain_seed(b""), &[10, 11], 2, &mut a_keys);
+    assert_eq!(
+        s.ledger().prefix_cache().unwrap().lookup(a_keys[0]),
+        Some(a_page)
+    );
+    let out = s.schedule().unwrap().clone();
+    assert!(out.resumed_block_ids.contains(&(a_page as i32)), "{out:?}");
+    let pending = s.ledger().prefix_cache().unwrap();
+    assert!(
+        pending.copies_in(a_page),
+        "marked while the copy-in is pending"
+    );
+    s.revert().unwrap();
+    let cache = s.ledger().prefix_cache().unwrap();
+    assert!(!cache.copies_in(a_page), "the mark ends with the step");
+    assert_eq!(
+        cache.lookup(a_keys[0]),
+        None,
+        "A's prefix is served from a page R's copy-in may have overwritten"
+    );
+    assert_eq!(cache.key_of(a_page), None);
+    assert_eq!(
+        s.ledger().free_superblocks(),
+        2,
+        "the page is free, as a page nobody caches"
+    );
+    // A request with A's prompt computes it again (and caches it again).
+    s.add_request(4, &[10, 11, 12], 1, 0).unwrap();
+    let out = s.schedule().unwrap().clone();
+    assert_eq!(out.context_cached_lens.iter().sum::<u64>(), 0, "{out:?}");
 }

@@ -6,14 +6,14 @@
 mod common;
 
 use common::{
-    assert_matches_reference, assert_matches_reference_with_aborts, gate_config, Group, Model, Rng,
-    RunOptions, Spec,
+    assert_matches_reference, assert_matches_reference_with_aborts, gate_config, Group, Model,
+    RevertedCopyIns, Rng, RunOptions, Spec,
 };
 use helix_kv_core::{
     AdmissionPolicy, CapacityPolicy, CoreError, RequestId, RequestOutput, ScheduleOutput,
     Scheduler, SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy,
 };
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use proptest::prelude::*;
 
@@ -23,6 +23,28 @@ struct Case {
     specs: Vec<Spec>,
     model: Model,
     revert_per_mille: u64,
+    /// One step ahead: steps that fail on the device (both pending steps reverted).
+    fail_per_mille: u64,
+    reverted_copy_ins: RevertedCopyIns,
+}
+
+impl Case {
+    /// The run options of the case (`seed`), its reverts and failures included.
+    fn options(&self, seed: u64) -> RunOptions {
+        RunOptions {
+            revert_per_mille: self.revert_per_mille,
+            fail_per_mille: self.fail_per_mille,
+            reverted_copy_ins: self.reverted_copy_ins,
+            seed,
+            max_steps: 5_000,
+            reset_cache_per_mille: if self.config.enable_prefix_caching {
+                40
+            } else {
+                0
+            },
+            ..RunOptions::default()
+        }
+    }
 }
 
 fn mode() -> impl Strategy<Value = (ServingMode, u32)> {
@@ -75,6 +97,36 @@ fn spec() -> impl Strategy<Value = (usize, u32, i32, u64)> {
     (1usize..40, 1u32..24, -3i32..4, 0u64..4)
 }
 
+/// What a reverted step's copy-ins did, by index.
+const COPY_INS: [RevertedCopyIns; 3] = [
+    RevertedCopyIns::Either,
+    RevertedCopyIns::Done,
+    RevertedCopyIns::NotDone,
+];
+
+/// The requests of a case: with prefix caching, every prompt starts with `shared` common
+/// tokens (so requests hit each other's superblocks, not only their own); a salt of 0 is
+/// none, another one of two tenants.
+fn workload(requests: &[(usize, u32, i32, u64)], shared: Option<usize>, salts: &[u8]) -> Vec<Spec> {
+    requests
+        .iter()
+        .enumerate()
+        .map(|(i, &(prompt, max_new, priority, at))| {
+            let mut spec = Spec::new(i as u64 + 1, prompt, max_new)
+                .priority(priority)
+                .at(at);
+            if let Some(shared) = shared {
+                let common = (500..).take(shared);
+                spec.prompt = common.chain(spec.prompt).collect();
+            }
+            match salts[i] {
+                0 => spec,
+                tenant => spec.salt(&[b't', tenant]),
+            }
+        })
+        .collect()
+}
+
 fn case() -> impl Strategy<Value = Case> {
     (
         (
@@ -90,12 +142,20 @@ fn case() -> impl Strategy<Value = Case> {
         // Prefix caching (on in about half the cases), and a shared start of every
         // prompt so requests hit each other's superblocks, not only their own.
         (any::<bool>(), 0usize..40),
-        // Priority admission and the prefill cap (drawn last, so the draws above and the
-        // persisted cases keep their values).
+        // Drawn last, so the cases persisted before they were added draw the same
+        // configurations and workloads: steps that fail one step ahead, what a reverted
+        // copy-in did, and each request's cache salt (none, or one of two tenants); then
+        // priority admission and the prefill cap.
+        (
+            0u64..4,
+            0usize..3,
+            prop::collection::vec(prop::sample::select(vec![0u8, 0, 1, 2]), 10),
+        ),
         admission(),
     )
         .prop_map(
-            |(shape, budget, rules, requests, (caching, shared), admission)| {
+            |(shape, budget, rules, requests, (caching, shared), failures, admission)| {
+                let (fail, copy_ins, salts) = failures;
                 let (cp, tpb, (serving_mode, host_tier), no_evict, policy) = shape;
                 let (spare_percent, max_batch_size, max_num_tokens, chunked, chunk_unit) = budget;
                 let (bound, admit_after_preemption, eos, revert, suspend_policy) = rules;
@@ -104,20 +164,7 @@ fn case() -> impl Strategy<Value = Case> {
                 } else {
                     cp
                 };
-                let specs: Vec<Spec> = requests
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &(prompt, max_new, priority, at))| {
-                        let mut spec = Spec::new(i as u64 + 1, prompt, max_new)
-                            .priority(priority)
-                            .at(at);
-                        if caching {
-                            let common = (500..).take(shared);
-                            spec.prompt = common.chain(spec.prompt).collect();
-                        }
-                        spec
-                    })
-                    .collect();
+                let specs = workload(&requests, caching.then_some(shared), &salts);
                 // A pool that holds the largest request (so every request can run) plus a
                 // share of the rest: mostly under pressure.
                 let per_superblock = u64::from(cp * tpb);
@@ -170,6 +217,8 @@ fn case() -> impl Strategy<Value = Case> {
                     specs,
                     model,
                     revert_per_mille: revert * 120,
+                    fail_per_mille: fail * 60,
+                    reverted_copy_ins: COPY_INS[copy_ins],
                 }
             },
         )
@@ -205,8 +254,7 @@ proptest! {
         let specs = accepted(config, &case.specs);
         prop_assume!(!specs.is_empty());
         let mut group = Group::new(config, case.model);
-        let reset_cache_per_mille = if config.enable_prefix_caching { 40 } else { 0 };
-        let options = RunOptions { revert_per_mille: case.revert_per_mille, seed: specs.len() as u64, max_steps: 5_000, reset_cache_per_mille, ..RunOptions::default() };
+        let options = case.options(specs.len() as u64);
         match group.run(&specs, options) {
             Ok(result) => {
                 assert_matches_reference(&specs, case.model, &result);
@@ -256,15 +304,10 @@ proptest! {
         let specs = accepted(config, &case.specs);
         prop_assume!(!specs.is_empty());
         let mut group = Group::new(config, case.model);
-        let reset_cache_per_mille = if config.enable_prefix_caching { 40 } else { 0 };
         let options = RunOptions {
-            revert_per_mille: case.revert_per_mille,
-            seed: specs.len() as u64,
-            max_steps: 5_000,
-            reset_cache_per_mille,
             draft_per_mille,
             draft_true_per_mille,
-            ..RunOptions::default()
+            ..case.options(specs.len() as u64)
         };
         let result = match group.run(&specs, options) {
             Ok(result) => result,
@@ -295,6 +338,58 @@ fn case_with_aborts() -> impl Strategy<Value = Case> {
             }
             case
         })
+}
+
+/// A case of the combination issue 39's defect hid in: prefix caching on, a host tier as
+/// large as the pool (victims that share no superblock are suspended and resumed), pressure
+/// that preempts, one step ahead with steps failing on the device (both pending steps
+/// reverted) besides plain reverts, aborts, EOS, and drafts (`num_speculative_tokens`, 0
+/// for none) proposed with the returned probability in 1/1000.
+fn caching_host_tier_case() -> impl Strategy<Value = (Case, u64)> {
+    (case_with_aborts(), 0u32..4, 1u64..6, 100u64..1001).prop_map(
+        |(mut case, k, fail, draft_per_mille)| {
+            let config = &mut case.config;
+            config.enable_prefix_caching = true;
+            if config.serving_mode == ServingMode::DisaggregatedGeneration {
+                config.serving_mode = ServingMode::AggregatedHelix;
+            }
+            config.capacity_policy = CapacityPolicy::MaxUtilization;
+            config.host_tier_superblocks = config.capacity_superblocks;
+            config.max_preemptions_per_request = config.max_preemptions_per_request.max(1);
+            config.num_speculative_tokens = k;
+            case.fail_per_mille = fail * 80;
+            (case, if k == 0 { 0 } else { draft_per_mille })
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(gate_config(150))]
+
+    /// Every prefix-cache hit and every attention read finds the KV it needs (the group's
+    /// KV-content model), under prefix caching with a host tier, one step ahead with failing
+    /// steps, reverts (a reverted step's copy-ins done, not done, or either), aborts, EOS and
+    /// drafts, and the outputs equal the reference decoded without pressure.
+    #[test]
+    fn caching_with_a_host_tier_reads_only_kv_that_was_written(
+        (case, draft_per_mille) in caching_host_tier_case(),
+        draft_true_per_mille in 0u64..1001,
+    ) {
+        let config = &case.config;
+        let specs = accepted(config, &case.specs);
+        prop_assume!(!specs.is_empty());
+        let mut group = Group::new(config, case.model);
+        let options = RunOptions {
+            draft_per_mille,
+            draft_true_per_mille,
+            ..case.options(specs.len() as u64)
+        };
+        let result = match group.run(&specs, options) {
+            Ok(result) => result,
+            Err(err) => return check_early_stop(config, &group, &err),
+        };
+        assert_matches_reference_with_aborts(&specs, case.model, &result);
+    }
 }
 
 /// The errors a run may end with (see the test above).
@@ -336,8 +431,7 @@ proptest! {
         let specs = accepted(config, &case.specs);
         prop_assume!(!specs.is_empty());
         let mut group = Group::new(config, case.model);
-        let reset_cache_per_mille = if config.enable_prefix_caching { 40 } else { 0 };
-        let options = RunOptions { revert_per_mille: case.revert_per_mille, seed: specs.len() as u64, max_steps: 5_000, reset_cache_per_mille, ..RunOptions::default() };
+        let options = case.options(specs.len() as u64);
         let result = match group.run(&specs, options) {
             Ok(result) => result,
             Err(err) => return check_early_stop(config, &group, &err),
@@ -390,6 +484,17 @@ fn mentions(out: &ScheduleOutput, id: RequestId) -> bool {
 
 fn chose_victims(out: &ScheduleOutput) -> bool {
     !out.preempted_ids.is_empty() || !out.suspended_ids.is_empty()
+}
+
+/// The superblocks caching a prefix (none without prefix caching).
+fn cached_pages(s: &Scheduler) -> BTreeSet<u32> {
+    s.ledger()
+        .prefix_cache()
+        .map_or_else(BTreeSet::new, |cache| {
+            (0..s.ledger().capacity())
+                .filter(|&page| cache.key_of(page).is_some())
+                .collect()
+        })
 }
 
 /// The tokens and EOS flags `update` is given for one step, the requests it finished, and
@@ -623,7 +728,13 @@ fn check_reverts(
             if let Some(expected) = expected.as_mut() {
                 for spec in specs.iter().filter(|spec| spec.arrival_step == step) {
                     expected
-                        .add_request(spec.id, &spec.prompt, spec.max_new_tokens, spec.priority)
+                        .add_request_salted(
+                            spec.id,
+                            &spec.prompt,
+                            spec.max_new_tokens,
+                            spec.priority,
+                            &spec.salt,
+                        )
                         .unwrap();
                 }
                 let due: Vec<RequestId> = due
@@ -638,7 +749,13 @@ fn check_reverts(
             }
             for spec in specs.iter().filter(|spec| spec.arrival_step == step) {
                 d.both(|s| {
-                    s.add_request(spec.id, &spec.prompt, spec.max_new_tokens, spec.priority)
+                    s.add_request_salted(
+                        spec.id,
+                        &spec.prompt,
+                        spec.max_new_tokens,
+                        spec.priority,
+                        &spec.salt,
+                    )
                 })?
                 .unwrap();
             }
@@ -663,19 +780,30 @@ fn check_reverts(
                 let Ok(newest) = d.s.schedule().cloned() else {
                     return Ok(());
                 };
-                let mut victims = chose_victims(&newest);
+                // A prefix a reverted step evicted from a page it resumed a request onto
+                // is not put back (the copy-in may have overwritten the page): the
+                // documented inexact undo, like victims.
+                let cached = cached_pages(&expected);
+                let inexact = |out: &ScheduleOutput| {
+                    chose_victims(out)
+                        || out
+                            .resumed_block_ids
+                            .iter()
+                            .any(|&page| cached.contains(&u32::try_from(page).unwrap()))
+                };
+                let mut victims = inexact(&newest);
                 if both && !ahead {
                     d.propose()?;
                     let Ok(second) = d.s.schedule().cloned() else {
                         return Ok(());
                     };
-                    victims |= chose_victims(&second);
+                    victims |= inexact(&second);
                     d.s.revert().unwrap();
                 }
                 d.s.revert().unwrap();
                 if both && ahead {
                     if let Some(older) = d.pending.pop_back() {
-                        victims |= chose_victims(&older);
+                        victims |= inexact(&older);
                         // A request the older step refers to that the update between the
                         // two schedules finished was held until that step closed (its KV
                         // in use by the step): its pages and ledger entry come back later

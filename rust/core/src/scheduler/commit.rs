@@ -39,9 +39,11 @@ impl Scheduler {
         };
         // The fast path reads one row per entry: a step with drafts takes the general one.
         let plain_rows = record.drafts.is_empty();
-        // The step ran: what it evicted is gone (before this update registers anything,
-        // so a superblock the step computed again may take an evicted key).
+        // The step ran: what it evicted is gone, and its copy-ins wrote the resumed KV
+        // (both before this update registers anything, so a superblock the step computed
+        // again may take an evicted key, and a resumed one may be keyed).
         self.ledger.forget_evictions(&record.evictions);
+        self.ledger.set_copy_in(&record.copy_in_pages, false);
         // Only this step holds requests that finished while it was pending: a newer one
         // gets its first ones in this pass.
         debug_assert!(!self.pending.has_zombies());
@@ -180,7 +182,7 @@ impl Scheduler {
             }
         }
         if has_zombies {
-            self.release_zombies(&record.zombies);
+            self.release_zombies(&record.zombies, true);
         }
         self.metrics.prefix_cache_evictions += record.evictions.len() as u64;
         self.close_drafts(step, generation, &record.drafts);
@@ -435,9 +437,15 @@ impl Scheduler {
     }
 
     /// Frees what the requests a closed step held (its `zombies`, see `retire`) kept
-    /// until it closed, in the order they finished.
-    fn release_zombies(&mut self, zombies: &[RequestIndex]) {
+    /// until it closed, in the order they finished; `ran`: the step was updated (so a
+    /// zombie it resumed was copied in), else reverted.
+    fn release_zombies(&mut self, zombies: &[RequestIndex], ran: bool) {
         for &req in zombies {
+            if ran {
+                self.release_host_pages(req);
+            } else {
+                self.host.release(req);
+            }
             let request = &mut self.requests[req as usize];
             request.cold.zombie = false;
             if let Some(slot) = request.batch_slot.take() {
@@ -467,8 +475,12 @@ impl Scheduler {
                 self.batch_slots.release(slot);
             }
         }
-        // Only a suspended (or just resumed) request holds host-tier superblocks.
-        self.release_host_pages(req);
+        // Only a suspended (or just resumed) request holds host-tier superblocks. One
+        // resumed by the pending step it is held for keeps them until that step closes:
+        // its copy-in reads them (and counts only if it runs).
+        if hold.is_none_or(|step| request.cold.resumed_step != step) {
+            self.release_host_pages(req);
+        }
         // What it computed stays cached for the next request with its prefix (a turn of
         // the same conversation).
         self.register_computed(req);
@@ -527,11 +539,27 @@ impl Scheduler {
         self.undo_step_restoring(record);
         self.ledger
             .sink_returned_pages(record.free_len, free_before_undo);
-        self.ledger.restore_evictions(&record.evictions);
+        // A reverted copy-in may or may not have run: a prefix evicted from a page it copies
+        // into (by this step, or by the older pending step: told below) is not put back.
+        if record.newer_copy_in_pages.is_empty() {
+            self.ledger
+                .restore_evictions(&record.evictions, &record.copy_in_pages);
+        } else {
+            let mut overwritten = record.newer_copy_in_pages.clone();
+            overwritten.extend_from_slice(&record.copy_in_pages);
+            self.ledger
+                .restore_evictions(&record.evictions, &overwritten);
+        }
+        self.ledger.set_copy_in(&record.copy_in_pages, false);
+        if let Some(older) = self.pending.newest_mut() {
+            older
+                .newer_copy_in_pages
+                .extend_from_slice(&record.copy_in_pages);
+        }
         self.stalled_steps = record.stalled_steps_before;
         self.close_drafts(record.step, &record.generation_reqs, &record.drafts);
         self.finished_ids.clear();
-        self.release_zombies(&record.zombies);
+        self.release_zombies(&record.zombies, false);
     }
 }
 

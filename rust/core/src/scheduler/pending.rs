@@ -13,6 +13,7 @@ use super::request::{AheadMark, RequestIndex};
 use super::victim::VictimFinder;
 use crate::ledger::OlderUndo;
 use crate::prefix_cache::Eviction;
+use crate::SuperblockId;
 
 /// A context entry of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -120,8 +121,17 @@ pub(super) struct StepRecord {
     /// slot and index stay held until this step is updated or reverted.
     pub zombies: Vec<RequestIndex>,
     /// Cached superblocks the step's allocations evicted, oldest first (put back by its
-    /// revert).
+    /// revert, except those its resumes copy into).
     pub evictions: Vec<Eviction>,
+    /// The pages the step's resumes copy KV into from the host tier, marked in the ledger
+    /// while the step is pending (`Ledger::set_copy_in`): nothing keys them, and a revert
+    /// does not put back a prefix evicted from them, since a reverted copy-in may or may
+    /// not have overwritten them.
+    pub copy_in_pages: Vec<SuperblockId>,
+    /// The pages a step planned ahead of this one copied into before it was reverted: its
+    /// copy-ins may have overwritten them too, so this step's revert does not put back a
+    /// prefix it evicted from them either.
+    pub newer_copy_in_pages: Vec<SuperblockId>,
     /// The generation entries that verify drafts, in entry order (empty without drafts).
     pub drafts: Vec<DraftEntry>,
     /// Draft tokens proposed for the step's decodes that it did not schedule (the pool,
@@ -141,6 +151,8 @@ impl StepRecord {
         self.new_slot_reqs.clear();
         self.sat_out.clear();
         self.evictions.clear();
+        self.copy_in_pages.clear();
+        self.newer_copy_in_pages.clear();
         self.drafts.clear();
         self.drafts_trimmed = 0;
         self.draft_superblocks = 0;

@@ -170,7 +170,9 @@ impl Scheduler {
         let mut record = self.builder.take_record();
         self.ledger.take_evictions(&mut record.evictions);
         self.undo_step_restoring(&record);
-        self.ledger.restore_evictions(&record.evictions);
+        // No executor saw the step: its copy-ins never ran, so every eviction is undone.
+        self.ledger.set_copy_in(&record.copy_in_pages, false);
+        self.ledger.restore_evictions(&record.evictions, &[]);
         self.builder.put_back(record);
     }
 
@@ -552,6 +554,14 @@ impl Scheduler {
             out.resumed_host_block_ids
                 .extend(host_pages.iter().copied().map(page_id));
             out.resumed_block_counts.push(table.len() as u64);
+            // Its pages hold its KV only once this step's copy-in has run: until the step
+            // is updated nothing keys them (a recompute-pause by the step planned ahead, an
+            // abort), and its revert does not give them back a prefix they were evicted of.
+            let record = &mut self.builder.record;
+            let from = record.copy_in_pages.len();
+            record.copy_in_pages.extend_from_slice(table);
+            self.ledger
+                .set_copy_in(&self.builder.record.copy_in_pages[from..], true);
         }
         Ok(())
     }
@@ -1155,12 +1165,16 @@ impl Scheduler {
             // Its reservations went with the preemption. One suspended by a step
             // planned ahead (since reverted) took this step's work to the host tier:
             // that work never ran, so it re-prefills what it has instead.
-            if !zombie
-                && request.cold.victim_step > step
-                && request.state == RequestState::Suspended
-                && !matches!(entry, JournalEntry::Resume(_))
-            {
-                self.recompute_instead_of_resume(req);
+            if !zombie && request.cold.victim_step > step {
+                let resume = matches!(entry, JournalEntry::Resume(_));
+                if request.state == RequestState::Suspended && !resume {
+                    self.recompute_instead_of_resume(req);
+                } else if resume && request.state == RequestState::Waiting {
+                    // Resumed by this step, recompute-paused by the one planned ahead:
+                    // it re-prefills, and no copy-in will read its host copy any more
+                    // (none counts as resumed: this step did not run).
+                    self.host.release(req);
+                }
             }
             return;
         }

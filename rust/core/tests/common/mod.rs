@@ -5,6 +5,20 @@
 //! changes every later token, so comparing outputs with a run without pressure checks
 //! replay end to end.
 //!
+//! The pools are a **KV-content model**: every slot of every rank (and of every rank's host
+//! tier) holds what the executor would have written there ([`KvCell`]): the request, the
+//! position and the token whose KV it is, and a digest of what that KV depends on (the
+//! request's cache salt and its tokens up to the position, drafts included), or `Unknown`
+//! where a reverted step's copy-in may or may not have overwritten it. Writes go through the
+//! slot mappings of steps that ran (a step that is reverted ran nothing: only its copy-outs
+//! happen, and its copy-ins as [`RevertedCopyIns`] says: done, not done, or either), copies
+//! to and from the host tier copy cells, and the KV of a draft the verifier rejected is
+//! marked not valid when its step is updated. Every prefix-cache hit (the cached tokens of an
+//! admission) and every attention read (each context chunk's and decode's tokens read their
+//! context back through the block table) is checked against what is there: a cell holds the
+//! reader's token at that position, valid, computed over the same salt and tokens before it
+//! (any request's with prefix caching, only the reader's own without).
+//!
 //! Every step it checks: identical rank-invariant outputs, digests and state digests on
 //! every rank; per-rank fields consistent with the Helix layout; victims strictly
 //! behind their requesters; no futile preemption (each requester is served in the step
@@ -109,6 +123,8 @@ pub struct Spec {
     pub arrival_step: u64,
     /// When the client aborts it, if it does (and it is still live then).
     pub abort: Option<AbortAt>,
+    /// Its cache salt (prefix caching shares KV only between requests of the same salt).
+    pub salt: Vec<u8>,
 }
 
 /// When a request is aborted: before step `step` is scheduled, or while it is pending
@@ -133,6 +149,7 @@ impl Spec {
             priority: 0,
             arrival_step: 0,
             abort: None,
+            salt: Vec::new(),
         }
     }
     /// Aborted before step `step` is scheduled.
@@ -169,6 +186,10 @@ impl Spec {
     }
     pub fn priority(mut self, priority: i32) -> Self {
         self.priority = priority;
+        self
+    }
+    pub fn salt(mut self, salt: &[u8]) -> Self {
+        self.salt = salt.to_vec();
         self
     }
 }
@@ -232,6 +253,15 @@ pub struct RunResult {
     pub inputs_in_flight: u64,
     /// Prompt tokens admissions found in the prefix cache (their chunks started after).
     pub cached_tokens: u64,
+    /// KV tokens read back and checked against the KV-content model (hits and attention).
+    pub kv_reads: u64,
+    /// Steps that failed on the device one step ahead: their copies made, their KV writes
+    /// not, the step planned ahead of them reverted, then they (`RunOptions::fail_per_mille`).
+    pub failed_steps: u64,
+    /// Pool cells a reverted step's copy-in left `Unknown` (or wrote, or left alone).
+    pub reverted_copy_ins: u64,
+    /// Draft KV cells marked not valid when their drafts were rejected.
+    pub rejected_draft_cells: u64,
     /// `reset_prefix_cache()` calls that took effect (between steps).
     pub cache_resets: u64,
     /// Draft tokens proposed, verified in steps that ran, and accepted by the harness's
@@ -270,6 +300,27 @@ pub struct RunOptions {
     /// Each draft token is the model's true continuation with this probability in 1/1000
     /// (else a wrong token), so some drafts are accepted and some rejected.
     pub draft_true_per_mille: u64,
+    /// One step ahead: a step fails on the device with this probability in 1/1000. Its
+    /// copies to and from the host tier were made (copy-ins as `reverted_copy_ins` says), its
+    /// KV writes were not; the step planned ahead of it is scheduled, then reverted, then it
+    /// is (so both pending steps are reverted, newest first). Plain runs ignore it.
+    pub fail_per_mille: u64,
+    /// What a reverted step's copy-ins did to their destination pages.
+    pub reverted_copy_ins: RevertedCopyIns,
+}
+
+/// What the copy-ins of a reverted step did to the pages they copy into: the contract lets
+/// an executor do either (docs/internals/scheduler.md), so the scheduler may count on
+/// neither the old content nor the copied one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RevertedCopyIns {
+    /// Either: the cells become `Unknown`, and any read of one fails.
+    #[default]
+    Either,
+    /// They ran: the pages hold the resumed KV.
+    Done,
+    /// They did not: the pages hold what they held.
+    NotDone,
 }
 
 /// How `Group::run` drives the schedulers.
@@ -292,10 +343,51 @@ pub struct RankSnapshot {
     state_digest: u64,
     ledger_digest: u64,
     holdings: Vec<(RequestId, u32)>,
+    /// Superblocks caching a prefix (prefix caching).
+    cached: BTreeSet<u32>,
 }
 
-/// A slot of a simulated per-rank KV pool: which request's token at which position.
-type KvCell = Option<(RequestId, u64, i32)>;
+/// A slot of a simulated per-rank KV pool (see the module doc: the KV-content model).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvCell {
+    /// Never written.
+    Empty,
+    /// The KV the executor wrote.
+    Kv(Kv),
+    /// A reverted step's copy-in may or may not have overwritten it (the old KV or the
+    /// copied one): nothing may read it.
+    Unknown { step: u64 },
+}
+
+/// The KV of one token: whose (`request`), where (`position`), of which `token`, computed
+/// over `prefix` (a digest of the request's cache salt and its tokens `0..=position` as
+/// the step saw them, drafts included); `valid` is false once the token was a rejected
+/// draft.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kv {
+    pub request: RequestId,
+    pub position: u64,
+    pub token: i32,
+    pub prefix: u64,
+    pub valid: bool,
+}
+
+/// The digest of each prefix of `seq` under `salt`: entry `i` covers `seq[..=i]` (what the
+/// KV of position `i` depends on; two requests share it only with the same salt and tokens).
+pub fn prefix_digests(salt: &[u8], seq: &[i32]) -> Vec<u64> {
+    let mut h = 0xcbf2_9ce4_8422_2325_u64 ^ salt.len() as u64;
+    for &byte in salt {
+        h = (h ^ u64::from(byte)).wrapping_mul(0x100_0000_01b3);
+    }
+    seq.iter()
+        .map(|&token| {
+            h = (h ^ u64::from(u32::from_le_bytes(token.to_le_bytes())))
+                .wrapping_mul(0x100_0000_01b3);
+            h ^= h >> 29;
+            h
+        })
+        .collect()
+}
 
 /// A CP group of schedulers, one per rank, plus their simulated KV pools.
 pub struct Group {
@@ -335,6 +427,15 @@ pub struct Group {
     limits: BTreeMap<RequestId, (usize, u32)>,
     /// The drafts proposed for the next `schedule()`, by request.
     proposed: BTreeMap<RequestId, Vec<i32>>,
+    /// Each request's cache salt.
+    salts: BTreeMap<RequestId, Vec<u8>>,
+    /// Overlap mode: the step that failed on the device (`RunOptions::fail_per_mille`),
+    /// pending until the step planned ahead of it is reverted, then it.
+    failed: Option<ScheduleOutput>,
+    /// What a reverted step's copy-ins do (`RunOptions::reverted_copy_ins`).
+    reverted_copy_ins: RevertedCopyIns,
+    /// KV tokens read back and checked (`RunResult::kv_reads`).
+    kv_reads: std::cell::Cell<u64>,
     pub result: RunResult,
 }
 
@@ -349,6 +450,8 @@ struct Flight {
     /// The tokens the step appends to each request it samples for (its accepted rows, up
     /// to an end-of-sequence), in `sample_ids` order.
     appended: Vec<(RequestId, Vec<i32>)>,
+    /// The cells the step wrote a draft's KV into: (request, position, rank, slot).
+    draft_cells: Vec<(RequestId, u64, usize, usize)>,
 }
 
 impl Flight {
@@ -381,10 +484,10 @@ impl Group {
             ranks,
             config: config.clone(),
             model,
-            pools: vec![vec![None; slots]; cp as usize],
+            pools: vec![vec![KvCell::Empty; slots]; cp as usize],
             host_pools: vec![
                 vec![
-                    None;
+                    KvCell::Empty;
                     config.host_tier_superblocks as usize
                         * config.tokens_per_block as usize
                 ];
@@ -403,6 +506,10 @@ impl Group {
             slot_of: BTreeMap::new(),
             limits: BTreeMap::new(),
             proposed: BTreeMap::new(),
+            salts: BTreeMap::new(),
+            failed: None,
+            reverted_copy_ins: RevertedCopyIns::default(),
+            kv_reads: std::cell::Cell::new(0),
             result: RunResult::default(),
         }
     }
@@ -474,7 +581,15 @@ impl Group {
         let results: Vec<_> = self
             .ranks
             .iter_mut()
-            .map(|s| s.add_request(spec.id, &spec.prompt, spec.max_new_tokens, spec.priority))
+            .map(|s| {
+                s.add_request_salted(
+                    spec.id,
+                    &spec.prompt,
+                    spec.max_new_tokens,
+                    spec.priority,
+                    &spec.salt,
+                )
+            })
             .collect();
         assert!(
             results.windows(2).all(|w| w[0] == w[1]),
@@ -499,6 +614,7 @@ impl Group {
         self.limits
             .insert(spec.id, (spec.prompt.len(), spec.max_new_tokens));
         self.prefill_progress.insert(spec.id, 0);
+        self.salts.insert(spec.id, spec.salt.clone());
         Ok(())
     }
 
@@ -899,7 +1015,19 @@ impl Group {
             );
         }
         assert!(tokens.next().is_none(), "draft tokens past the counts");
-        if let Some(flight) = &self.in_flight {
+        let older = self
+            .in_flight
+            .as_ref()
+            .map(|flight| &flight.out)
+            .or(self.failed.as_ref());
+        if let Some(older) = older {
+            let drafted = |id: RequestId| {
+                older
+                    .generation_ids
+                    .iter()
+                    .zip(&older.generation_draft_counts)
+                    .any(|(&of, &count)| of == id && count > 0)
+            };
             for &id in out
                 .generation_ids
                 .iter()
@@ -907,7 +1035,7 @@ impl Group {
                 .chain(&out.suspended_ids)
             {
                 assert!(
-                    !flight.drafted(id),
+                    !drafted(id),
                     "step {} (planned ahead) decodes or preempts {id}, whose decode in flight verifies drafts",
                     out.step
                 );
@@ -954,8 +1082,10 @@ impl Group {
         assert_eq!(offset, out.suspended_block_ids.len());
     }
 
-    /// Copies resumed requests' KV back from their host pages into their new pages.
-    fn copy_in_resumed(&mut self, out: &ScheduleOutput) {
+    /// Copies resumed requests' KV back from their host pages into their new pages, in a
+    /// step that runs (`reverted`: `None`), or as a reverted step's copy-ins did
+    /// ([`RevertedCopyIns`]).
+    fn copy_in_resumed(&mut self, out: &ScheduleOutput, reverted: Option<RevertedCopyIns>) {
         let tpb = self.config.tokens_per_block as usize;
         assert_eq!(
             out.resumed_block_ids.len(),
@@ -972,17 +1102,30 @@ impl Group {
                 Some(host_pages),
                 "{id} resumes from the host pages it was suspended to"
             );
-            // A resumed prefill may also take a chunk (and more pages) in this step.
-            let (table, _) = self.ranks[0].block_table(&[*id], None).unwrap();
-            assert_eq!(&table[..count], pages, "{id} resumes into its first pages");
-            self.copied_in += count as u64;
+            if reverted.is_none() {
+                // A resumed prefill may also take a chunk (and more pages) in this step. A
+                // reverted step's tables are gone (or, one step ahead, changed) by now.
+                let (table, _) = self.ranks[0].block_table(&[*id], None).unwrap();
+                assert_eq!(&table[..count], pages, "{id} resumes into its first pages");
+                self.copied_in += count as u64;
+            } else {
+                self.result.reverted_copy_ins += (count * tpb * self.pools.len()) as u64;
+            }
             for (&page, &host_page) in pages.iter().zip(host_pages) {
                 let (src, dst) = (
                     usize::try_from(host_page).unwrap() * tpb,
                     usize::try_from(page).unwrap() * tpb,
                 );
                 for (pool, host_pool) in self.pools.iter_mut().zip(&self.host_pools) {
-                    pool[dst..dst + tpb].copy_from_slice(&host_pool[src..src + tpb]);
+                    match reverted {
+                        None | Some(RevertedCopyIns::Done) => {
+                            pool[dst..dst + tpb].copy_from_slice(&host_pool[src..src + tpb]);
+                        }
+                        Some(RevertedCopyIns::NotDone) => {}
+                        Some(RevertedCopyIns::Either) => {
+                            pool[dst..dst + tpb].fill(KvCell::Unknown { step: out.step });
+                        }
+                    }
                 }
             }
         }
@@ -996,16 +1139,35 @@ impl Group {
         }
     }
 
-    /// Writes the step's KV into each rank's pool, as the owner rank would. Decode inputs
-    /// still in flight are gathered from the step in flight's sampled tokens.
-    fn execute(&mut self, outs: &[ScheduleOutput]) {
+    /// Runs the step's copies, checks its prefix-cache hits, writes its KV into each rank's
+    /// pool (as the owner rank would) and checks what each chunk reads back; decodes read
+    /// theirs when they are sampled. Decode inputs still in flight are gathered from the
+    /// step in flight's sampled tokens. Returns the cells it wrote drafts' KV into.
+    fn execute(&mut self, outs: &[ScheduleOutput]) -> Vec<(RequestId, u64, usize, usize)> {
         let out = &outs[0];
         self.copy_out_suspended(out);
-        self.copy_in_resumed(out);
+        self.copy_in_resumed(out, None);
         self.check_device_slots(out);
-        let cp = self.config.cp_size as usize;
+        self.check_context_entries(out);
+        let inputs = self.decode_inputs(out);
+        let (seqs, values) = self.query_tokens(out, &inputs);
+        let draft_cells = self.write_kv(out, &seqs, &values);
+        // Attention: each chunk's tokens read the context before them, its own included
+        // (a completing chunk's last token reads everything again when it is sampled).
+        let chunks = out.context_ids.iter().zip(&seqs).enumerate();
+        for (i, (&id, seq)) in chunks.filter(|&(i, _)| !out.context_completes[i]) {
+            let end = out.context_starts[i] + out.context_lens[i];
+            self.read_context(id, end - 1, seq);
+        }
+        draft_cells
+    }
+
+    /// Replay checks of the step's context entries against what the harness knows (each
+    /// chunk continues its prefill with the request's tokens), and the KV each admission's
+    /// prefix-cache hit attaches, read back before anything of the step runs.
+    fn check_context_entries(&mut self, out: &ScheduleOutput) {
+        let cp = u64::from(self.config.cp_size);
         let tpb = u64::from(self.config.tokens_per_block);
-        // Replay checks against what the harness knows.
         let mut offset = 0usize;
         for i in 0..out.context_ids.len() {
             let id = out.context_ids[i];
@@ -1018,16 +1180,25 @@ impl Group {
             offset += to - from;
             let known = self.view(id);
             let progress = self.prefill_progress[&id];
-            if self.config.enable_prefix_caching && progress == 0 && start > 0 {
-                // An admission that found its first superblocks cached: their KV is read
-                // from the pool (written by whoever computed it), so a wrong hit shows
-                // up as a wrong output.
-                let per = tpb * cp as u64;
+            let cached = out.context_cached_lens[i];
+            assert_eq!(
+                cached > 0,
+                self.config.enable_prefix_caching && progress == 0 && start > 0,
+                "step {}: {id} starts at {start} (fed {progress}), {cached} cached",
+                out.step
+            );
+            if cached > 0 {
+                // An admission that found its first superblocks cached: before anything of
+                // the step runs, they must hold the KV this request would compute there
+                // (its own tokens at the same positions under its salt), whoever wrote it.
+                let per = tpb * cp;
+                assert_eq!(start, cached, "{id}'s chunk starts after its hit");
                 assert_eq!(start % per, 0, "a hit of {id} ends inside a superblock");
                 assert!(
                     start < known.len() as u64,
                     "{id}'s last token is always computed"
                 );
+                self.read_context(id, start - 1, &known);
                 self.result.cached_tokens += start;
             } else {
                 assert_eq!(
@@ -1039,6 +1210,11 @@ impl Group {
             let end = start + len;
             assert_eq!(out.context_completes[i], end == known.len() as u64);
         }
+    }
+
+    /// Each decode's input token (one still in flight gathered from the step in flight's
+    /// sampled tokens), checked against what the harness knows.
+    fn decode_inputs(&mut self, out: &ScheduleOutput) -> Vec<i32> {
         let mut inputs = Vec::with_capacity(out.generation_ids.len());
         for i in 0..out.generation_ids.len() {
             let id = out.generation_ids[i];
@@ -1068,7 +1244,29 @@ impl Group {
             assert_eq!(input, *known.last().unwrap(), "decode input of {id}");
             inputs.push(input);
         }
-        let (seqs, values) = self.query_tokens(out, &inputs);
+        inputs
+    }
+
+    /// Writes the step's KV into each rank's pool through its slot mapping, as the owner
+    /// rank would: the KV of each entry's tokens (`seqs`: what it depends on; `values`:
+    /// every query token in entry order). Returns the cells it wrote drafts' KV into.
+    fn write_kv(
+        &mut self,
+        out: &ScheduleOutput,
+        seqs: &[Vec<i32>],
+        values: &[i32],
+    ) -> Vec<(RequestId, u64, usize, usize)> {
+        let cp = self.config.cp_size as usize;
+        let tpb = u64::from(self.config.tokens_per_block);
+        let digests: Vec<Vec<u64>> = out
+            .context_ids
+            .iter()
+            .chain(&out.generation_ids)
+            .zip(seqs)
+            .map(|(id, seq)| prefix_digests(&self.salts[id], seq))
+            .collect();
+        let first_draft = out.context_ids.len();
+        let mut draft_cells = Vec::new();
         for (rank, sched) in self.ranks.iter().enumerate() {
             let mut ids = out.context_ids.clone();
             let mut starts = out.context_starts.clone();
@@ -1089,15 +1287,26 @@ impl Group {
                         "slot of {} pos {pos} on rank {rank}",
                         ids[i]
                     );
+                    let at = usize::try_from(pos).unwrap();
+                    assert_eq!(values[k], seqs[i][at], "the token of {} at {pos}", ids[i]);
                     if slots[k] >= 0 {
                         let slot = usize::try_from(slots[k]).unwrap();
-                        let tag = self.cell_tag(ids[i], pos, &seqs[i]);
-                        self.pools[rank][slot] = Some((tag, pos, values[k]));
+                        self.pools[rank][slot] = KvCell::Kv(Kv {
+                            request: ids[i],
+                            position: pos,
+                            token: values[k],
+                            prefix: digests[i][at],
+                            valid: true,
+                        });
+                        if i >= first_draft && pos > starts[i] {
+                            draft_cells.push((ids[i], pos, rank, slot));
+                        }
                     }
                     k += 1;
                 }
             }
         }
+        draft_cells
     }
 
     /// Each entry's query tokens in entry order (context chunks, then each decode's input
@@ -1120,26 +1329,11 @@ impl Group {
         (seqs, values)
     }
 
-    /// Who a KV cell of `id` at `pos` says wrote it: the request, or with prefix caching
-    /// a digest of the tokens up to `pos` (KV depends on its whole prefix, so a request
-    /// may read a cell another request with the same prefix wrote, and no other).
-    /// `seq` is the request's tokens as the step sees them (its drafts included).
-    fn cell_tag(&self, id: RequestId, pos: u64, seq: &[i32]) -> RequestId {
-        if !self.config.enable_prefix_caching {
-            return id;
-        }
-        let known = seq;
-        let upto = usize::try_from(pos).unwrap() + 1;
-        let mut h = 0xcbf2_9ce4_8422_2325_u64;
-        for &token in &known[..upto.min(known.len())] {
-            h = (h ^ u64::from(u32::from_le_bytes(token.to_le_bytes())))
-                .wrapping_mul(0x100_0000_01b3);
-        }
-        h | 1 << 63
-    }
-
-    /// Reads the context `0..=last` of `id` back from the pools, as attention would (`seq`:
-    /// its tokens as the step sees them, for the cell tags).
+    /// Reads the context `0..=last` of `id` back from the pools through its block table, as
+    /// attention would, and checks every cell against the KV-content model: the KV of the
+    /// token `seq` has at that position, valid, computed over the same salt and tokens
+    /// before it (`seq`: the request's tokens as the step sees them, drafts included).
+    /// Without prefix caching the cell must also be the request's own.
     fn read_context(&self, id: RequestId, last: u64, seq: &[i32]) -> Vec<i32> {
         let cp = u64::from(self.config.cp_size);
         let tpb = u64::from(self.config.tokens_per_block);
@@ -1151,19 +1345,30 @@ impl Group {
                 "ranks hold different tables"
             );
         }
+        let upto = usize::try_from(last).unwrap() + 1;
+        let digests = prefix_digests(&self.salts[&id], &seq[..upto]);
+        self.kv_reads.set(self.kv_reads.get() + last + 1);
         (0..=last)
             .map(|pos| {
+                let at = usize::try_from(pos).unwrap();
                 let owner = usize::try_from((pos / tpb) % cp).unwrap();
                 let page = table[usize::try_from(pos / (tpb * cp)).unwrap()];
                 let slot = u64::try_from(page).unwrap() * tpb + pos % tpb;
                 let cell = self.pools[owner][usize::try_from(slot).unwrap()];
                 match cell {
-                    Some((who, at, token)) if who == self.cell_tag(id, pos, seq) && at == pos => {
-                        token
+                    KvCell::Kv(kv)
+                        if kv.valid
+                            && kv.position == pos
+                            && kv.token == seq[at]
+                            && kv.prefix == digests[at]
+                            && (self.config.enable_prefix_caching || kv.request == id) =>
+                    {
+                        kv.token
                     }
-                    other => {
-                        panic!("KV of {id} at {pos} on rank {owner} slot {slot} holds {other:?}")
-                    }
+                    other => panic!(
+                        "KV of {id} at {pos} (token {}) is not there: rank {owner} page {page} slot {slot} holds {other:?}",
+                        seq[at]
+                    ),
                 }
             })
             .collect()
@@ -1226,7 +1431,7 @@ impl Group {
     /// prefill progress and victims are mirrored now: the next step may be planned before
     /// this one is updated).
     fn run_on_device(&mut self, outs: &[ScheduleOutput]) -> Flight {
-        self.execute(outs);
+        let draft_cells = self.execute(outs);
         let out = &outs[0];
         let (tokens, eos, accepted) = self.sample(out);
         // What the step appends to each request: a decode's accepted rows up to an
@@ -1275,6 +1480,7 @@ impl Group {
             eos,
             accepted,
             appended,
+            draft_cells,
         }
     }
 
@@ -1286,7 +1492,9 @@ impl Group {
             eos,
             accepted,
             appended,
+            draft_cells,
         } = flight;
+        self.reject_drafts(out, accepted, draft_cells);
         let drafted = out.generation_draft_counts.iter().any(|&k| k > 0);
         let finished: Vec<Vec<RequestId>> = self
             .ranks
@@ -1343,6 +1551,35 @@ impl Group {
         finished[0].clone()
     }
 
+    /// Marks the KV of the drafts the verifier rejected (those past each entry's accepted
+    /// ones) not valid: written, but not the request's tokens. Only cells that still hold
+    /// that write (nothing else may have written them since: the request holds them).
+    fn reject_drafts(
+        &mut self,
+        out: &ScheduleOutput,
+        accepted: &[u32],
+        cells: &[(RequestId, u64, usize, usize)],
+    ) {
+        for &(id, pos, rank, slot) in cells {
+            let entry = out.generation_ids.iter().position(|&g| g == id).unwrap();
+            let kept_to = out.generation_positions[entry] + u64::from(accepted[entry]);
+            if pos <= kept_to {
+                continue;
+            }
+            match &mut self.pools[rank][slot] {
+                KvCell::Kv(kv) if kv.request == id && kv.position == pos => {
+                    assert!(kv.valid);
+                    kv.valid = false;
+                    self.result.rejected_draft_cells += 1;
+                }
+                other => panic!(
+                    "step {}: the KV of {id}'s draft at {pos} was overwritten before its update: {other:?}",
+                    out.step
+                ),
+            }
+        }
+    }
+
     /// Takes a finished request's output on every rank and checks it against what the
     /// harness knows.
     fn collect(&mut self, id: RequestId) {
@@ -1374,7 +1611,21 @@ impl Group {
             }
         }
         self.prefill_progress.remove(&id);
-        self.release_host(id);
+        // Retired while a pending step resumes it, it keeps its host copy until that step
+        // closes (the step's copy-in reads it).
+        if !self.resumed_by_pending_step(id) {
+            self.release_host(id);
+        }
+    }
+
+    /// Whether a pending step (in flight, or failed and not reverted yet) resumes `id`.
+    fn resumed_by_pending_step(&self, id: RequestId) -> bool {
+        self.in_flight
+            .as_ref()
+            .map(|flight| &flight.out)
+            .into_iter()
+            .chain(&self.failed)
+            .any(|out| out.resumed_ids.contains(&id))
     }
 
     /// Aborts `ids` on every rank (all must agree); between steps their outputs are
@@ -1448,7 +1699,13 @@ impl Group {
                 "host tier leaked"
             );
             assert!(s.host_used_superblocks() <= self.config.host_tier_superblocks);
-            for (id, pages) in &self.host {
+            // A request retired while a pending step resumes it is no longer live, but its
+            // host copy is held until that step closes (counted in the use above).
+            for (id, pages) in self
+                .host
+                .iter()
+                .filter(|(id, _)| self.known.contains_key(id))
+            {
                 let held: Vec<i32> = s
                     .host_pages(*id)
                     .unwrap()
@@ -1460,9 +1717,15 @@ impl Group {
         }
     }
 
+    /// A reverted step's copies, as an executor makes them whether the step runs or not:
+    /// its copy-outs, then its copy-ins as `reverted_copy_ins` says.
+    fn copy_reverted(&mut self, out: &ScheduleOutput) {
+        self.copy_out_suspended(out);
+        self.copy_in_resumed(out, Some(self.reverted_copy_ins));
+    }
+
     /// Preempted victims of a step that is being reverted still restart their prefill.
     fn note_reverted_victims(&mut self, out: &ScheduleOutput) {
-        self.copy_out_suspended(out);
         for id in out.preempted_ids.iter().chain(&out.suspended_ids) {
             self.poison_slot(*id);
         }
@@ -1475,53 +1738,60 @@ impl Group {
         }
     }
 
-    /// Reverts the scheduled step on every rank and checks the ledger is back where it
-    /// was (`before`: per-rank ledger digests and holdings before `schedule`).
+    /// After a revert: a request whose host pages the scheduler gave back without resuming
+    /// it re-prefills (suspended by a reverted step with work of an older reverted step in
+    /// its host copy, or resumed by the older step and recompute-paused by the newer).
+    fn forget_released_host_copies(&mut self) {
+        let holders: Vec<RequestId> = self.host.keys().copied().collect();
+        for id in holders {
+            if self.resumed_by_pending_step(id) {
+                continue; // that step's copy-in reads it until it closes
+            }
+            if !self.known.contains_key(&id) {
+                // Retired while the reverted step resumed it: its copy is free now.
+                self.release_host(id);
+                continue;
+            }
+            if self.ranks[0]
+                .host_pages(id)
+                .is_ok_and(|pages| !pages.is_empty())
+            {
+                continue;
+            }
+            assert_eq!(
+                self.ranks[0].request_state(id).ok(),
+                Some(RequestState::Waiting),
+                "{id} lost its host copy without re-prefilling"
+            );
+            self.release_host(id);
+            self.prefill_progress.insert(id, 0);
+        }
+    }
+
+    /// Reverts the newest pending step on every rank and checks the ledger is back where it
+    /// was (`before`: per-rank ledger digests and holdings before `schedule`). The executor
+    /// made its copies (it may have started them before it knew the step would not run).
     pub fn revert_step(&mut self, out: &ScheduleOutput, before: &[RankSnapshot]) {
+        self.copy_reverted(out);
+        self.revert_newest(out, Some(before));
+    }
+
+    /// Reverts the newest pending step; `before` (per-rank snapshots before it was
+    /// scheduled) when nothing closed since (the step planned last), else `None` (a failed
+    /// step one step ahead: the update of the step before it came in between).
+    fn revert_newest(&mut self, out: &ScheduleOutput, before: Option<&[RankSnapshot]>) {
         let mut aborted = Vec::new();
         // Abort marks (deferred while an older step stays pending) are state too.
         let marked = !self.aborting.is_empty();
-        for (rank, s) in self.ranks.iter_mut().enumerate() {
-            let closed = s.revert().expect("revert").to_vec();
+        for rank in 0..self.ranks.len() {
+            let closed = self.ranks[rank].revert().expect("revert").to_vec();
             assert!(
                 rank == 0 || closed == aborted,
                 "ranks abort different requests"
             );
             aborted = closed;
-            let RankSnapshot {
-                state_digest,
-                ledger_digest,
-                holdings,
-            } = &before[rank];
-            if !marked
-                && aborted.is_empty()
-                && out.preempted_ids.is_empty()
-                && out.suspended_ids.is_empty()
-            {
-                assert_eq!(
-                    s.ledger().state_digest(),
-                    *ledger_digest,
-                    "revert must restore the ledger"
-                );
-                assert_eq!(
-                    s.state_digest(),
-                    *state_digest,
-                    "revert must restore the scheduler"
-                );
-            } else {
-                // Victims and aborted requests hold nothing; the rest is as before.
-                let now = s.ledger().holdings();
-                for &(id, held) in holdings {
-                    let freed = out.preempted_ids.contains(&id)
-                        || out.suspended_ids.contains(&id)
-                        || aborted.contains(&id);
-                    let expected = if freed { 0 } else { held };
-                    let got = now.iter().find(|h| h.0 == id).map_or(0, |h| h.1);
-                    assert_eq!(got, expected, "request {id} after revert");
-                }
-                for &id in &aborted {
-                    assert!(now.iter().all(|h| h.0 != id), "aborted {id} still held");
-                }
+            if let Some(before) = before {
+                Self::check_reverted(&self.ranks[rank], out, &before[rank], &aborted, marked);
             }
         }
         self.note_reverted_victims(out);
@@ -1540,8 +1810,73 @@ impl Group {
             self.poison_slot(id);
             self.collect(id);
         }
+        self.forget_released_host_copies();
         self.result.reverted_steps += 1;
         self.check_host_tier();
+    }
+
+    /// One rank after the revert of `out`: as it was before the step (`before`), except
+    /// for its victims and the requests aborted by the revert, which hold nothing, and the
+    /// prefixes it evicted from the pages it resumed requests onto, which are gone.
+    fn check_reverted(
+        s: &Scheduler,
+        out: &ScheduleOutput,
+        before: &RankSnapshot,
+        aborted: &[RequestId],
+        marked: bool,
+    ) {
+        let RankSnapshot {
+            state_digest,
+            ledger_digest,
+            holdings,
+            cached,
+        } = before;
+        // A prefix the step evicted from a page it resumed a request onto is not put
+        // back (its copy-in may have overwritten the page): the one inexact undo.
+        let overwritten: Vec<u32> = out
+            .resumed_block_ids
+            .iter()
+            .map(|&page| u32::try_from(page).unwrap())
+            .filter(|page| cached.contains(page))
+            .collect();
+        for &page in &overwritten {
+            assert_eq!(
+                s.ledger().prefix_cache().unwrap().key_of(page),
+                None,
+                "step {}: page {page} caches a prefix again after a revert of a copy-in onto it",
+                out.step
+            );
+        }
+        if !marked
+            && aborted.is_empty()
+            && out.preempted_ids.is_empty()
+            && out.suspended_ids.is_empty()
+            && overwritten.is_empty()
+        {
+            assert_eq!(
+                s.ledger().state_digest(),
+                *ledger_digest,
+                "revert must restore the ledger"
+            );
+            assert_eq!(
+                s.state_digest(),
+                *state_digest,
+                "revert must restore the scheduler"
+            );
+            return;
+        }
+        let now = s.ledger().holdings();
+        for &(id, held) in holdings {
+            let freed = out.preempted_ids.contains(&id)
+                || out.suspended_ids.contains(&id)
+                || aborted.contains(&id);
+            let expected = if freed { 0 } else { held };
+            let got = now.iter().find(|h| h.0 == id).map_or(0, |h| h.1);
+            assert_eq!(got, expected, "request {id} after revert");
+        }
+        for &id in aborted {
+            assert!(now.iter().all(|h| h.0 != id), "aborted {id} still held");
+        }
     }
 
     /// `reset_prefix_cache()` on every rank: the same count everywhere between steps; while
@@ -1553,7 +1888,7 @@ impl Group {
             .iter_mut()
             .map(Scheduler::reset_prefix_cache)
             .collect();
-        if self.in_flight.is_some() {
+        if self.in_flight.is_some() || self.failed.is_some() {
             assert!(dropped
                 .iter()
                 .all(|r| matches!(r, Err(CoreError::InvalidState(_)))));
@@ -1578,6 +1913,14 @@ impl Group {
                 state_digest: s.state_digest(),
                 ledger_digest: s.ledger().state_digest(),
                 holdings: s.ledger().holdings(),
+                cached: s
+                    .ledger()
+                    .prefix_cache()
+                    .map_or_else(BTreeSet::new, |cache| {
+                        (0..s.ledger().capacity())
+                            .filter(|&page| cache.key_of(page).is_some())
+                            .collect()
+                    }),
             })
             .collect()
     }
@@ -1646,6 +1989,7 @@ impl Group {
         overlap: bool,
     ) -> Result<RunResult, CoreError> {
         let mut rng = Rng::new(options.seed);
+        self.reverted_copy_ins = options.reverted_copy_ins;
         // Drafts draw apart, so turning them on leaves the other random decisions alone.
         let mut draft_rng = Rng::new(options.seed ^ 0x6472_6166_7473);
         let max_steps = if options.max_steps == 0 {
@@ -1668,6 +2012,10 @@ impl Group {
                     self.commit(&flight);
                     continue;
                 }
+                if let Some(failed) = self.failed.take() {
+                    self.revert_newest(&failed, None);
+                    continue;
+                }
                 break;
             }
             assert!(step < max_steps, "run did not finish in {max_steps} steps");
@@ -1680,11 +2028,31 @@ impl Group {
             let outs = self.schedule()?;
             assert_eq!(
                 self.ranks[0].pending_steps(),
-                1 + u32::from(self.in_flight.is_some())
+                1 + u32::from(self.in_flight.is_some() || self.failed.is_some())
             );
             self.abort(&self.due_aborts(specs, step, true))?;
+            if let Some(failed) = self.failed.clone() {
+                // The step before this one failed on the device: this one is reverted
+                // (it cannot run without that one's tokens), then that one.
+                self.revert_step(&outs[0], &before);
+                self.failed = None;
+                self.revert_newest(&failed, None);
+                continue;
+            }
             if options.revert_per_mille > 0 && rng.below(1000) < options.revert_per_mille {
                 self.revert_step(&outs[0], &before);
+                continue;
+            }
+            if overlap && options.fail_per_mille > 0 && rng.below(1000) < options.fail_per_mille {
+                // It fails: its copies were made as it was launched, its KV writes never
+                // happen; the step in flight before it ran and is updated.
+                self.copy_reverted(&outs[0]);
+                // Pending (and holding what it resumes) while the step before it closes.
+                self.failed = Some(outs[0].clone());
+                if let Some(older) = self.in_flight.take() {
+                    self.commit(&older);
+                }
+                self.result.failed_steps += 1;
                 continue;
             }
             let flight = self.run_on_device(&outs);
@@ -1700,6 +2068,12 @@ impl Group {
             step += 1;
             self.check_bound();
         }
+        self.check_the_end();
+        Ok(self.result.clone())
+    }
+
+    /// A run's end: nothing leaked, the ranks agree on their metrics, and the scheduler counted the copies the executor made.
+    fn check_the_end(&mut self) {
         for s in &self.ranks {
             assert_eq!(
                 s.ledger().free_superblocks(),
@@ -1741,10 +2115,10 @@ impl Group {
         assert!(metrics[0].resumed_superblocks <= metrics[0].suspended_superblocks);
         self.result.recomputed_tokens = metrics[0].recomputed_tokens;
         self.result.sat_out = metrics[0].sat_out;
+        self.result.kv_reads = self.kv_reads.get();
         assert_eq!(metrics[0].aborts, self.result.aborted.len() as u64);
         assert_eq!(metrics[0].finished, self.result.outputs.len() as u64);
         self.check_spec_metrics(&metrics[0]);
-        Ok(self.result.clone())
     }
 
     /// Speculative decoding: the scheduler counts what it verified in steps that ran for
