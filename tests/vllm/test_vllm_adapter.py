@@ -286,11 +286,18 @@ class Runner:
     """What vLLM's model runner keeps of each request: its block table, V1 or V2 style."""
 
     v2: bool
+    #: one step ahead (vLLM's V1 runner then rebuilds a resumed request's outputs from the
+    #: tokens the scheduler sends)
+    ahead: bool = False
     tables: dict[str, list[int]] = field(default_factory=dict)
     #: the tokens each scheduled request has computed before the step, as the runner reads
     computed: dict[str, int] = field(default_factory=dict)
+    #: the requests of the previous step
+    previous: set[str] = field(default_factory=set)
 
     def apply(self, out: Any) -> None:
+        self.check_tokens_sent(out.scheduled_cached_reqs)
+        self.previous = set(out.num_scheduled_tokens)
         for rid in out.finished_req_ids:
             self.tables.pop(rid, None)
         if self.v2:
@@ -309,6 +316,17 @@ class Runner:
                 self.tables[rid] = list(blocks[0])
             elif blocks is not None:
                 self.tables[rid].extend(blocks[0])
+
+    def check_tokens_sent(self, cached: Any) -> None:
+        """V1: a cached request's tokens go to the runner when it was not in the previous
+        step (vLLM's own scheduler's rule) and, one step ahead, when it resumes (the runner
+        reads them there); no others (a table replaced under a request that ran in the
+        previous step costs no token list one step at a time). V2 reads none."""
+        expected = set()
+        if not self.v2:
+            resumed = cached.resumed_req_ids if self.ahead else set()
+            expected = {r for r in cached.req_ids if r not in self.previous or r in resumed}
+        assert set(cached.all_token_ids) == expected
 
 
 def check_tables(scheduler: HelixScheduler, runner: Runner, out: Any) -> None:
@@ -415,7 +433,7 @@ def random_run(model_dir: str, *, v2: bool, ahead: bool, caching: bool, priority
         max_num_batched_tokens=64, num_spec=3, async_scheduling=ahead,
         long_prefill_token_threshold=24, **options,
     )  # fmt: skip
-    scheduler, runner = build(config, kv, v2=v2), Runner(v2)
+    scheduler, runner = build(config, kv, v2=v2), Runner(v2, ahead)
     system = [rng.randrange(5, 900) for _ in range(40)]
     arrival: dict[str, int] = {}
     seen: dict[str, Request] = {}
@@ -436,6 +454,8 @@ def random_run(model_dir: str, *, v2: bool, ahead: bool, caching: bool, priority
         out = scheduler.schedule()
         runner.apply(out)
         check_tables(scheduler, runner, out)
+        for rid, sent in out.scheduled_cached_reqs.all_token_ids.items():
+            assert sent == list(seen[rid].all_token_ids), rid
         pending.append(out)
         if rng.random() < 0.05 and scheduler.requests:  # an abort while a step is pending
             scheduler.finish_requests(

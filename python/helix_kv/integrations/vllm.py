@@ -892,13 +892,18 @@ class HelixScheduler(_SchedulerInterface):
 
     def _all_token_ids(self, rows: _Rows, seq: int) -> dict[str, list[int]]:
         """V1's tokens of the cached requests the model runner may not hold: the ones not
-        scheduled in the previous step, and every resumed one."""
+        scheduled in the previous step (vLLM's own rule), and one step ahead every resumed
+        one (the runner rebuilds a resumed request's outputs from them there; one step at
+        a time it keeps its own, so a table replaced under a request that ran in the
+        previous step sends none)."""
         kinds = rows.kinds
         if rows.repeated and not rows.any_kind and not rows.ctx_reqs:
             return {}  # every row ran in the previous step
         missing = self._last_scheduled[rows.hids] != seq - 1
         if rows.any_kind:
-            missing = (kinds == 2) | ((kinds == 0) & missing)
+            missing &= kinds != 1  # (a new request's tokens go in its own data)
+            if self._async:
+                missing |= kinds == 2
         if not missing.any():
             return {}
         hids = rows.hids.tolist()
