@@ -30,6 +30,14 @@ def test_numpy_integer_scalars_are_tokens() -> None:
     assert (tokens.tolist(), counts.tolist()) == ([5, 7], [2, 0])
 
 
+def test_a_form_met_midway_is_read_whole_again() -> None:
+    """Plain lists of ints are read by a fast path that gives up at anything else (a numpy
+    scalar, a tuple row) after some rows: what it read must not be kept twice."""
+    tokens, counts = flatten_token_lists([[1, 2], [3], [np.int64(4)], (5, 6), []])
+    assert tokens.tolist() == [1, 2, 3, 4, 5, 6]
+    assert counts.tolist() == [2, 1, 1, 2, 0]
+
+
 @pytest.mark.parametrize("token", [2**31, -(2**31) - 1, 2**70])
 def test_a_token_beyond_int32_is_refused_naming_its_place(token: int) -> None:
     with pytest.raises(InvalidArgumentError, match=r"lists\[1\]\[0\] must fit int32"):

@@ -4,6 +4,7 @@
 //! Python step per list (`helix_kv.integrations.vllm`).
 
 use numpy::PyArray1;
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt, PyList, PyTuple};
 
@@ -61,6 +62,50 @@ fn out_of_range(list: usize, position: usize, item: &Bound<'_, PyAny>) -> PyErr 
     ))
 }
 
+/// The common form read without a reference count per item: a list of lists of exact
+/// ints that fit int32 (what vLLM's runner returns, `tolist()` of a tensor). Returns false,
+/// with `tokens` and `counts` partly filled, at the first thing of another form (the general
+/// path then reads the whole of it again, with its errors).
+fn flatten_exact(list: &Bound<'_, PyList>, tokens: &mut Vec<i32>, counts: &mut Vec<i64>) -> bool {
+    counts.reserve(list.len());
+    tokens.reserve(list.len());
+    let list_type = std::ptr::addr_of_mut!(ffi::PyList_Type);
+    let int_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
+    // SAFETY: the GIL is held throughout and no Python code runs in this loop (no item's
+    // method is called: only exact lists and ints are read, by the C API), so nothing can
+    // change `list` or its rows while the borrowed references are read; every index is
+    // below the length just read.
+    unsafe {
+        let outer = list.as_ptr();
+        for i in 0..ffi::PyList_Size(outer) {
+            let row = ffi::PyList_GetItem(outer, i);
+            if row.is_null() || ffi::Py_TYPE(row) != list_type {
+                ffi::PyErr_Clear();
+                return false;
+            }
+            let len = ffi::PyList_Size(row);
+            for j in 0..len {
+                let item = ffi::PyList_GetItem(row, j);
+                if item.is_null() || ffi::Py_TYPE(item) != int_type {
+                    ffi::PyErr_Clear();
+                    return false;
+                }
+                let value = ffi::PyLong_AsLong(item);
+                if value == -1 && !ffi::PyErr_Occurred().is_null() {
+                    ffi::PyErr_Clear();
+                    return false;
+                }
+                match i32::try_from(value) {
+                    Ok(token) => tokens.push(token),
+                    Err(_) => return false,
+                }
+            }
+            counts.push(i64::try_from(len).unwrap_or(i64::MAX));
+        }
+    }
+    true
+}
+
 /// Flattened tokens (int32) and each list's length (int64).
 type Flattened<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i64>>);
 
@@ -75,6 +120,16 @@ pub fn flatten_token_lists<'py>(
 ) -> PyResult<Flattened<'py>> {
     let mut counts = Vec::new();
     let mut tokens = Vec::new();
+    if let Ok(list) = lists.cast::<PyList>() {
+        if flatten_exact(list, &mut tokens, &mut counts) {
+            return Ok((
+                PyArray1::from_vec(py, tokens),
+                PyArray1::from_vec(py, counts),
+            ));
+        }
+        tokens.clear();
+        counts.clear();
+    }
     let mut push = |i: usize, row: &Bound<'py, PyAny>| -> PyResult<()> {
         let before = tokens.len();
         push_row(row, i, &mut tokens)?;
