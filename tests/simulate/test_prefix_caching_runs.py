@@ -29,6 +29,7 @@ PREFIX_KEYS = {
     "prefix_cache_hit_rate",
     "prefix_cache_recompute_queries",
     "prefix_cache_recompute_hits",
+    "prefix_cache_same_step_hits",
     "prefill_tokens_saved",
     "prefix_cache_evictions",
 }
