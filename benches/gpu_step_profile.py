@@ -97,7 +97,6 @@ def run_workload(model: Any, index: int, workload: Workload, tpb: int, graphs: b
     """Run one workload to completion on one rank, plain mode; its steps' records."""
     from helix_kv import StepDriver
     from helix_kv.distributed import EngineConfig, HelixKVRank
-    from helix_kv.errors import HelixKVError
     from helix_kv.executor import RankPlacement, StepPlan, group_combine
     from helix_kv.executor.decode_step import DecodeLayout, DecodeMetadata, DecodeStep
     from helix_kv.simulate.timing import kv_tokens_read
@@ -146,10 +145,8 @@ def run_workload(model: Any, index: int, workload: Workload, tpb: int, graphs: b
             start_event.record()
         host = None
         if kind == "decode":
-            try:
-                counts = metadata.fill_from_schedule(helix.scheduler, out)
-            except (ValueError, HelixKVError):
-                counts = None  # wider than the layout: the general path
+            # None: more rows or pages than the layout holds, the general path
+            counts = metadata.fill_if_fits(helix.scheduler, out)
             if counts is not None:
                 fast.launch(counts.rows)
                 if end_event is not None:

@@ -249,7 +249,7 @@ def test_request_that_can_never_run_is_rejected_up_front(
 def test_bad_scheduler_config_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     # the core's ConfigError, with its fields named by the flags that set them
     line = usage_error(capsys, *SMALL, "--mode", "non_helix")
-    assert "--mode non_helix needs --cp 1 (got 2)" in line
+    assert "--mode non_helix needs --cp == 1 (got 2)" in line
     assert "cp_size" not in line
     line = usage_error(capsys, *SMALL, "--kv-tokens", "8")
     assert (
@@ -257,12 +257,12 @@ def test_bad_scheduler_config_is_a_usage_error(capsys: pytest.CaptureFixture[str
         in line
     )
     line = usage_error(capsys, *SMALL, "--max-num-tokens", "8", "--chunk-unit", "16")
-    assert "--max-num-tokens 8 is below --chunk-unit 16" in line
+    assert "--max-num-tokens 8 is below --chunk-unit = 16" in line
     line = usage_error(
         capsys, *SMALL, "--mode", "disaggregated_generation", "--host-tier-tokens", "64"
     )
     assert "--host-tier-tokens (4 superblocks) is rejected for a disaggregated generation" in line
-    assert "set --host-tier-tokens 0" in line
+    assert "set --host-tier-tokens in superblocks = 0" in line
 
 
 @needs_scheduler

@@ -202,6 +202,24 @@ def test_schedule_mismatch_attributes_come_from_the_constructor() -> None:
     assert (bare.step, bare.ranks, bare.fields, bare.summaries) == (None, [], [], {})
 
 
+def test_config_error_attributes_come_from_the_constructor() -> None:
+    error = helix_kv.ConfigError("max_num_tokens = 8 is too few", field="max_num_tokens", value=8)
+    assert str(error) == "max_num_tokens = 8 is too few"
+    assert (error.field, error.value) == ("max_num_tokens", 8)
+    bare = helix_kv.ConfigError("no one setting")
+    assert (bare.field, bare.value) == (None, None)
+    with pytest.raises(TypeError):
+        helix_kv.ConfigError("m", "max_num_tokens")  # type: ignore[misc]  # keywords only
+    # a subclass's own attributes name its field the same way
+    option = errors.EngineOptionError(
+        "no", engine="vllm", option="enable_lora", value="True", reason="LoRA"
+    )
+    assert (option.field, option.value, option.option) == ("enable_lora", "True", "enable_lora")
+    assert errors.EngineOptionError("no", engine="vllm").field is None
+    aggregate = errors.InitSyncConfigError("ranks failed", failed_ranks=[1])
+    assert (aggregate.field, aggregate.value, aggregate.failed_ranks) == (None, None, [1])
+
+
 def test_init_sync_errors_carry_their_ranks_and_reasons() -> None:
     error = errors.InitSyncConfigGuardError(
         "stopped", failed_ranks=[2], reasons={2: "ConfigGuardError: no"}
@@ -232,6 +250,8 @@ def test_init_sync_errors_carry_their_ranks_and_reasons() -> None:
             "no", engine="vllm", option="enable_lora", value="True", reason="LoRA"
         ),
         errors.UsageError("bad flag", prog="helix-kv"),
+        helix_kv.ConfigError("m", field="max_num_tokens", value=8),
+        errors.InitSyncConfigError("i", failed_ranks=[0]),
         helix_kv.DeadlockError("stuck"),
     ],
 )

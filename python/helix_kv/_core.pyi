@@ -71,7 +71,18 @@ _IntArray: TypeAlias = IntArray
 _FinishReason: TypeAlias = FinishReason
 
 class HelixKVError(Exception): ...
-class ConfigError(HelixKVError): ...
+
+class ConfigError(HelixKVError):
+    """A configuration value is out of range or inconsistent with another; ``field`` is the
+    setting at fault (``None`` where no one setting is), ``value`` its value (``None`` where
+    the raiser does not have it)."""
+
+    field: str | None
+    value: Any
+    def __init__(
+        self, message: str = "", *, field: str | None = None, value: Any = None
+    ) -> None: ...
+
 class InvalidArgumentError(HelixKVError): ...
 class InvalidTypeError(InvalidArgumentError, TypeError): ...
 class InvalidLengthError(HelixKVError): ...

@@ -235,8 +235,8 @@ class SimulatedCPGroup:
         return answer
 
     def take_output(self, request_id: int) -> RequestOutput:
-        """The output of a finished request: tokens, finish reason and counters (checked
-        equal on every rank)."""
+        """:meth:`~helix_kv.contract.SchedulerProtocol.take_output`, checked equal on
+        every rank (tokens and finish reason)."""
         outputs = self._on_every_rank("take_output", lambda s: s.take_output(request_id))
         self._agree("take_output", [o.token_ids for o in outputs], "generated_tokens")
         reasons = [np.asarray([o.finish_reason]) for o in outputs]
@@ -247,18 +247,18 @@ class SimulatedCPGroup:
     # -- views (the first rank run; the state digests agree after every call) ------------
 
     def has_unfinished(self) -> bool:
-        """Whether any request is still live."""
+        """:meth:`~helix_kv.contract.SchedulerProtocol.has_unfinished` (the first rank's)."""
         return self.schedulers[0].has_unfinished()
 
     def pending_steps(self) -> int:
-        """How many scheduled steps await ``update()`` or ``revert()`` (0, 1 or 2; equal on
-        every rank)."""
+        """:meth:`~helix_kv.contract.SchedulerProtocol.pending_steps`, checked equal on
+        every rank."""
         counts = [np.asarray([s.pending_steps()]) for s in self.schedulers]
         self._agree("pending_steps", counts, "pending_steps")
         return int(counts[0][0])
 
     def metrics(self) -> SchedulerMetrics:
-        """The scheduler's totals (equal on every rank)."""
+        """:meth:`~helix_kv.contract.SchedulerProtocol.metrics` (the first rank's)."""
         return self.schedulers[0].metrics()
 
     def spec_decode_accepted_per_position(self) -> npt.NDArray[np.uint64]:
@@ -272,12 +272,12 @@ class SimulatedCPGroup:
 
     @property
     def num_running(self) -> int:
-        """Requests holding KV (prefilling or decoding)."""
+        """:attr:`~helix_kv.contract.SchedulerProtocol.num_running` (the first rank's)."""
         return self.schedulers[0].num_running
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting for (re-)admission."""
+        """:attr:`~helix_kv.contract.SchedulerProtocol.num_waiting` (the first rank's)."""
         return self.schedulers[0].num_waiting
 
     def state_digests(self) -> list[int]:
@@ -412,11 +412,17 @@ def _checked_ranks(ranks: Sequence[int], cp_size: int) -> tuple[int, ...]:
     """``ranks`` as a tuple, if it is a non-empty increasing list of ranks of the group."""
     chosen = tuple(int(rank) for rank in ranks)
     if not chosen:
-        raise ConfigError("ranks must name at least one rank")
+        raise ConfigError("ranks must name at least one rank", field="ranks", value=[])
     if any(not 0 <= rank < cp_size for rank in chosen):
         raise ConfigError(
-            f"ranks must be in [0, {cp_size}) for cp_size = {cp_size}, got {list(chosen)}"
+            f"ranks must be in [0, {cp_size}) for cp_size = {cp_size}, got {list(chosen)}",
+            field="ranks",
+            value=list(chosen),
         )
     if any(a >= b for a, b in zip(chosen, chosen[1:])):
-        raise ConfigError(f"ranks must be strictly increasing, got {list(chosen)}")
+        raise ConfigError(
+            f"ranks must be strictly increasing, got {list(chosen)}",
+            field="ranks",
+            value=list(chosen),
+        )
     return chosen

@@ -3,7 +3,8 @@
 - The Rust core's errors: one class per core error kind, plus :class:`InvalidTypeError` for
   the binding's type checks, created by the extension (``helix_kv._core``) under
   :class:`HelixKVError` and re-exported here unchanged: the extension defines only classes
-  that Rust raises (and their base).
+  that Rust raises (and their base). :class:`ConfigError` carries the setting at fault as
+  data, ``field`` and ``value`` (keywords of its constructor), as every subclass does.
 - The group errors, which only the Python layer raises, defined here: the ones with
   structured attributes (:class:`ScheduleMismatchError`, :class:`InitSyncError` and its
   ``InitSync*`` subclasses) set them in their one constructor, declared with their types
@@ -93,7 +94,8 @@ class EngineOptionError(ConfigError):
     Attributes:
         engine: the engine, ``"vllm"``.
         option: the option as the engine's users set it (``"enable_lora"``,
-            ``"kv_transfer_config"``, ``"policy"``...).
+            ``"kv_transfer_config"``, ``"policy"``...); also its ``field``, as on every
+            :class:`ConfigError` (``None`` where no option is named).
         value: its value, as text.
         reason: why helix_kv cannot serve it, and what to do instead.
     """
@@ -106,10 +108,9 @@ class EngineOptionError(ConfigError):
     def __init__(
         self, message: str, *, engine: str = "", option: str = "", value: str = "", reason: str = ""
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, field=option or None, value=value)
         self.engine = engine
         self.option = option
-        self.value = value
         self.reason = reason
 
 

@@ -93,12 +93,17 @@ def test_each_declared_range_is_enforced(field: ConfigField) -> None:
     base: dict[str, Any] = {"kv_superblocks": 4}
     assert field.minimum is not None
     if field.minimum > 0:
-        with pytest.raises(helix_kv.ConfigError, match=field.name):
+        with pytest.raises(helix_kv.ConfigError, match=field.name) as below:
             SchedulerConfig(**{**base, keyword: field.minimum - 1})
+        # the field and its value as data, not only in the message
+        assert (below.value.field, below.value.value) == (field.name, field.minimum - 1)
     assert field.maximum is not None
     if field.maximum < TYPE_MAX[field.type]:
-        with pytest.raises(helix_kv.ConfigError, match=f"{field.name} = {field.maximum + 1}"):
+        with pytest.raises(
+            helix_kv.ConfigError, match=f"{field.name} = {field.maximum + 1}"
+        ) as above:
             SchedulerConfig(**{**base, keyword: field.maximum + 1})
+        assert (above.value.field, above.value.value) == (field.name, field.maximum + 1)
         assert getattr(SchedulerConfig(**{**base, keyword: field.maximum}), field.name) == (
             field.maximum
         )
@@ -119,8 +124,9 @@ def test_option_names_are_exactly_the_accepted_ones(keyword: str, names: tuple) 
     assert DEFAULTS[keyword] in names
     for name in names:
         assert getattr(SchedulerConfig(kv_superblocks=4, **{keyword: name}), keyword) == name
-    with pytest.raises(helix_kv.ConfigError, match=", ".join(names)):
+    with pytest.raises(helix_kv.ConfigError, match=", ".join(names)) as unknown:
         SchedulerConfig(kv_superblocks=4, **{keyword: "no_such_name"})
+    assert (unknown.value.field, unknown.value.value) == (keyword, "no_such_name")
 
 
 def test_option_literal_aliases_are_the_core_names() -> None:
@@ -378,3 +384,38 @@ def test_the_python_surface_listing_gives_every_keyword_its_default() -> None:
         elif ast.literal_eval(shown[keyword].strip()) != parameter.default:
             problems.append(f"{keyword}: scheduler.md's listing shows {shown[keyword].strip()}")
     assert not problems, report(problems)
+
+
+@pytest.mark.parametrize(
+    ("build", "field", "value"),
+    [
+        # the rules between fields name the field the message leads with, and its value
+        (
+            lambda: SchedulerConfig(kv_superblocks=4, max_num_tokens=8, chunk_unit=16),
+            "max_num_tokens",
+            8,
+        ),
+        (
+            lambda: SchedulerConfig(kv_superblocks=4, serving_mode="non_helix", cp_size=2),
+            "serving_mode",
+            "non_helix",
+        ),
+        (lambda: SchedulerConfig(kv_superblocks=4, cp_size=2, cp_rank=2), "cp_rank", 2),
+        (lambda: SchedulerConfig(kv_superblocks=4).with_rank(5), "cp_rank", 5),
+        (lambda: helix_kv.Layout(2, 2**24), "tokens_per_block", 2**24),
+        (lambda: SchedulerConfig(kv_superblocks=0), "capacity_superblocks", 0),
+        # the KV pool in tokens: the keyword, as given
+        (lambda: SchedulerConfig(kv_tokens=8, cp_size=2, tokens_per_block=8), "kv_tokens", 8),
+        (lambda: SchedulerConfig(kv_superblocks=4, kv_tokens=64), "kv_superblocks", None),
+        # read from the keyword: the object given
+        (lambda: SchedulerConfig(kv_superblocks=4, max_batch_size=-1), "max_batch_size", -1),
+        (lambda: SchedulerConfig(kv_tokens=-3), "kv_tokens", -3),
+        (lambda: helix_kv.Layout(0, 16), "cp_size", 0),
+        (lambda: helix_kv.Layout(2, 2**33), "tokens_per_block", 2**33),
+        (lambda: helix_kv.Ledger(helix_kv.Layout(1, 4), 0), "capacity_superblocks", 0),
+    ],
+)
+def test_config_errors_carry_their_field_and_value(build: Any, field: str, value: Any) -> None:
+    with pytest.raises(helix_kv.ConfigError) as caught:
+        build()
+    assert (caught.value.field, caught.value.value) == (field, value)

@@ -31,6 +31,7 @@ from helix_kv.executor.paged_attention import (
     DECODE_TARGET_PROGRAMS,
     MLA_TILINGS,
     DecodeWorkspace,
+    MLADecodeAttentionPlan,
     MLATiling,
     _mla_block_heads,
     _mla_head_tiles,
@@ -425,6 +426,43 @@ def test_kernel_reads_strided_metadata_columns():
     dense = run_kernel(p)
     assert torch.equal(strided.output.cpu().double(), dense[0])
     assert torch.equal(strided.lse.cpu().double(), dense[1])
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_a_plan_made_once_runs_every_layer_as_one_call_does(splits):
+    """The step's metadata planned once (splits, scratch, tiles), each layer's query and
+    cache run through it: the one-call form's result, layer by layer; a layer of another
+    shape or dtype than the plan's is refused."""
+    dtype = next(iter(DTYPES))
+    layers = [mla_problem(30 + layer, [9, 0, 17], 4, 16, 8, 4, dtype) for layer in (0, 1)]
+    table = layers[0]["block_table"].to(DEVICE, torch.int32)
+    lens = layers[0]["local_lens"].to(DEVICE)
+    scale = layers[0]["scale"]
+    plan = MLADecodeAttentionPlan(
+        table,
+        lens,
+        4,
+        heads=4,
+        head_dim=24,
+        latent_dim=16,
+        dtype=dtype,
+        scale=scale,
+        num_splits=splits,
+    )
+    assert plan.splits.count == splits
+    for p in layers:
+        query, cache = p["query"].to(DEVICE, dtype), p["cache"].to(DEVICE, dtype)
+        part = plan.run(query, cache)
+        one_call = paged_mla_decode_attention(
+            query, cache, table, lens, 4, 16, scale, num_splits=splits
+        )
+        assert torch.equal(part.output, one_call.output)
+        assert torch.equal(part.lse, one_call.lse)
+    with pytest.raises(ValueError, match=r"latent_cache .* must be \[\*, 1, 24\]"):
+        plan.run(query, cache[..., :20])
+    other = torch.float32 if dtype == torch.float64 else torch.bfloat16
+    with pytest.raises(ValueError, match="the plan's of"):
+        plan.run(query, cache.to(other))
 
 
 def test_shape_errors():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import helix_kv
-from helix_kv.executor.attention import PAD_KEY_POSITION, partial_attention
+from helix_kv.executor.attention import PAD_KEY_POSITION, PartialAttention, partial_attention
 from helix_kv.executor.decode_step import (
     DecodeLayout,
     DecodeMetadata,
@@ -26,6 +26,7 @@ from helix_kv.executor.paged_attention import (
     DECODE_MAX_SPLITS,
     DECODE_MIN_SPLIT_KEYS,
     DECODE_TARGET_PROGRAMS,
+    DecodeAttentionPlan,
     DecodeWorkspace,
     decode_splits,
     interpreted,
@@ -322,6 +323,85 @@ def test_kernel_reads_strided_metadata_columns():
     assert torch.equal(strided.lse, dense.lse)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_plan_made_once_runs_every_layer_as_one_call_does(monkeypatch, splits):
+    """Planned once for the step's metadata (the split count resolved once), run per layer
+    with only that layer's query and caches: each run equals the one-call form."""
+    from helix_kv.executor import paged_attention
+
+    dtype = next(iter(DTYPES))
+    layers = [paged_problem(20 + layer, [40, 0, 17, 33], 2, 2, 16, 4, dtype) for layer in (0, 1)]
+    table = layers[0]["block_table"].to(DEVICE, torch.int32)  # every layer's: the same rows
+    lens = layers[0]["local_lens"].to(DEVICE)
+    resolved = []
+    resolve = paged_attention._resolve_splits
+    monkeypatch.setattr(
+        paged_attention,
+        "_resolve_splits",
+        lambda *args, **kw: resolved.append(args) or resolve(*args, **kw),
+    )
+    plan = DecodeAttentionPlan(
+        table, lens, 4, q_heads=4, kv_heads=2, head_dim=16, dtype=dtype, num_splits=splits
+    )
+    assert len(resolved) == 1
+    for p in layers:
+        args = [p[k].to(DEVICE, dtype) for k in ("query", "key_cache", "value_cache")]
+        part = plan.run(*args)
+        one_call = paged_decode_attention(*args, table, lens, 4, num_splits=splits)
+        assert torch.equal(part.output, one_call.output)
+        assert torch.equal(part.lse, one_call.lse)
+    assert len(resolved) == 1 + len(layers)  # the one-call forms' plans only
+
+
+def test_a_plan_refuses_a_layer_it_was_not_made_for():
+    dtype = next(iter(DTYPES))
+    p = paged_problem(3, [9, 4], 2, 2, 16, 4, dtype)
+    table, lens = p["block_table"].to(DEVICE, torch.int32), p["local_lens"].to(DEVICE)
+    query, key, value = (p[k].to(DEVICE, dtype) for k in ("query", "key_cache", "value_cache"))
+    plan = DecodeAttentionPlan(table, lens, 4, q_heads=4, kv_heads=2, head_dim=16, dtype=dtype)
+    plan.run(query, key, value)
+    with pytest.raises(ValueError, match=r"query \(1, 4, 16\) must be \[2, 4, 16\]"):
+        plan.run(query[:1], key, value)
+    with pytest.raises(ValueError, match=r"key_cache .* must be \[\*, 2, 16\]"):
+        plan.run(query, key[:, :1], value)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        plan.run(query, key, torch.cat([value, value], dim=-1)[..., ::2])
+    other = torch.float32 if dtype == torch.float64 else torch.bfloat16
+    with pytest.raises(ValueError, match="the plan's of"):
+        plan.run(query.to(other), key, value)
+    with pytest.raises(ValueError, match="multiple"):
+        DecodeAttentionPlan(table, lens, 4, q_heads=3, kv_heads=2, head_dim=16, dtype=dtype)
+    with pytest.raises(ValueError, match="do not cover the same rows"):
+        DecodeAttentionPlan(table, lens[:1], 4, q_heads=4, kv_heads=2, head_dim=16, dtype=dtype)
+
+
+def test_the_model_plans_once_a_step_and_runs_the_plan_per_layer(monkeypatch):
+    """forward_decode and forward (with the kernel) plan the step's attention once, before
+    the layers, and run it in each."""
+    from helix_kv.executor import model as model_module
+
+    made, runs = [], []
+
+    class Counted(DecodeAttentionPlan):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            made.append(1)
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+        def run(self, *args: torch.Tensor) -> PartialAttention:
+            runs.append(1)
+            return super().run(*args)
+
+    monkeypatch.setattr(model_module, "DecodeAttentionPlan", Counted)
+    model, pool, decode = prefilled()
+    model.decode_kernel = True
+    model.forward(pool.prepare(decode), pool)
+    assert (len(made), len(runs)) == (1, MODEL.num_layers)
+    metadata = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
+    rows = metadata.fill(*decode_columns(decode))
+    model.forward_decode(metadata.rows(metadata.upload(rows)), pool, lambda part: part)
+    assert (len(made), len(runs)) == (2, 2 * MODEL.num_layers)
+
+
 def test_write_stores_owned_tokens_only():
     dtype = next(iter(DTYPES))
     gen = torch.Generator().manual_seed(3)
@@ -577,6 +657,39 @@ def test_fill_from_schedule_is_one_core_call_with_padding_and_refs():
     np.testing.assert_array_equal(host[:3], expected[:3])
     assert torch.equal(metadata._staging[0], before)  # the other buffer: untouched
     assert metadata.upload(counts.rows) == 4
+
+
+@needs_scheduler
+def test_fill_if_fits_gives_up_only_on_the_layout_and_raises_the_rest():
+    """``None`` (nothing written, the general path) for a step with more rows or a request
+    with more pages than the layout holds; any other error of the fill propagates (it was
+    once hidden with the layout's: an error of ``write_decode_rows`` of any kind)."""
+    import helix_kv
+
+    def decoding_scheduler() -> tuple[helix_kv.Scheduler, helix_kv.ScheduleOutput]:
+        cfg = helix_kv.SchedulerConfig(
+            cp_size=1, tokens_per_block=TPB, kv_superblocks=32, max_batch_size=8
+        )
+        s = helix_kv.Scheduler(cfg)
+        for i in range(3):
+            s.add_request(i, np.arange(1, 10, dtype=np.int32), 6)  # 9 tokens: 3 pages of 4
+        s.update(np.full(s.schedule().num_samples, 5, dtype=np.int32))
+        return s, s.schedule()
+
+    s, decode = decoding_scheduler()
+    fits = DecodeMetadata(DecodeLayout(max_batch=8, max_pages=4), DEVICE)
+    counts = fits.fill_if_fits(s, decode)
+    assert counts is not None
+    assert counts.rows == 3
+    for layout in (DecodeLayout(max_batch=2, max_pages=4), DecodeLayout(max_batch=8, max_pages=2)):
+        narrow = DecodeMetadata(layout, DEVICE)
+        before = [buffer.clone() for buffer in narrow._staging]
+        assert narrow.fill_if_fits(s, decode) is None
+        assert all(torch.equal(b, a) for b, a in zip(before, narrow._staging))
+    other, _ = decoding_scheduler()
+    other.update(np.full(decode.num_samples, 7, dtype=np.int32))  # its step, not `decode`
+    with pytest.raises(helix_kv.InvalidStateError, match="no step is pending"):
+        fits.fill_if_fits(other, decode)  # not this scheduler's pending step
 
 
 def decode_columns(decode: StepPlan) -> tuple:

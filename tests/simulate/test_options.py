@@ -26,26 +26,60 @@ pytestmark = needs_scheduler
     ("core", "cli"),
     [
         (
-            "serving_mode non_helix needs cp_size == 1 (got 2)",
-            "--mode non_helix needs --cp 1 (got 2)",
+            helix_kv.ConfigError(
+                "serving_mode non_helix needs cp_size == 1 (got 2)",
+                field="serving_mode",
+                value="non_helix",
+            ),
+            "--mode non_helix needs --cp == 1 (got 2)",
         ),
         (
-            "kv_tokens = 8 is less than one superblock (16 tokens = tokens_per_block 8 x "
-            "cp_size 2)",
+            helix_kv.ConfigError(
+                "kv_tokens = 8 is less than one superblock (16 tokens = tokens_per_block 8 x "
+                "cp_size 2)",
+                field="kv_tokens",
+                value=8,
+            ),
             "--kv-tokens 8 is less than one superblock (16 tokens = --tokens-per-block 8 x --cp 2)",
         ),
         (
-            "cp_size * tokens_per_block = 33554432 exceeds 16777216",
+            helix_kv.ConfigError(
+                "cp_size * tokens_per_block = 33554432 exceeds 16777216",
+                field="tokens_per_block",
+                value=2**23,
+            ),
             "--cp * --tokens-per-block = 33554432 exceeds 16777216",
         ),
         (
-            "host_tier_superblocks = 4 is rejected; set host_tier_superblocks = 0",
-            "--host-tier-tokens (4 superblocks) is rejected; set --host-tier-tokens 0",
+            # the field at fault by its value, a count of superblocks beside its tokens flag
+            helix_kv.ConfigError(
+                "host_tier_superblocks = 4 is rejected; set host_tier_superblocks = 0",
+                field="host_tier_superblocks",
+                value=4,
+            ),
+            "--host-tier-tokens (4 superblocks) is rejected; set --host-tier-tokens in "
+            "superblocks = 0",
         ),
-        ("max_num_tokens_x stays", "max_num_tokens_x stays"),  # whole names only
+        (
+            helix_kv.ConfigError(
+                "max_num_tokens = 8 is below chunk_unit = 16", field="max_num_tokens", value=8
+            ),
+            "--max-num-tokens 8 is below --chunk-unit = 16",
+        ),
+        # a scheduler error's remedy: every setting by its flag, the superblocks said
+        (
+            helix_kv.DeadlockError(
+                "raise the KV budget (kv_superblocks / kv_tokens) or max_preemptions_per_request "
+                '(now 2), a larger host tier (host_tier_superblocks, now 4) or capacity_policy="x"'
+            ),
+            "raise the KV budget (--kv-tokens) or --max-preemptions (now 2), a larger host tier "
+            "(--host-tier-tokens in superblocks, now 4) or --capacity-policy x",
+        ),
+        (helix_kv.ConfigError("max_num_tokens_x stays"), "max_num_tokens_x stays"),  # names only
+        (helix_kv.ConfigError("a\n  b"), "a b"),  # one line
     ],
 )
-def test_core_messages_read_in_flags(core: str, cli: str) -> None:
+def test_core_messages_read_in_flags(core: helix_kv.HelixKVError, cli: str) -> None:
     assert in_flag_terms(core) == cli
 
 

@@ -114,24 +114,36 @@ class EngineConfig:
         for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "tokens_per_block"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"EngineConfig.{name} = {value!r} must be an integer >= 1")
+                raise ConfigError(
+                    f"EngineConfig.{name} = {value!r} must be an integer >= 1",
+                    field=name,
+                    value=value,
+                )
         if self.kv_factor not in (1, 2):
             raise ConfigError(
                 f"EngineConfig.kv_factor = {self.kv_factor!r} must be 2 (separate K and V) "
-                "or 1 (one latent vector per token, e.g. MLA)"
+                "or 1 (one latent vector per token, e.g. MLA)",
+                field="kv_factor",
+                value=self.kv_factor,
             )
         for name in ("host_cache_bytes", "disk_cache_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ConfigError(f"EngineConfig.{name} = {value!r} must be an integer")
+                raise ConfigError(
+                    f"EngineConfig.{name} = {value!r} must be an integer", field=name, value=value
+                )
             if value is not None and value < 0:
-                raise ConfigError(f"EngineConfig.{name} = {value} must be >= 0")
+                raise ConfigError(
+                    f"EngineConfig.{name} = {value} must be >= 0", field=name, value=value
+                )
         if self.kv_connector is not None and not (
             isinstance(self.kv_connector, str) and self.kv_connector
         ):
             raise ConfigError(
                 f"EngineConfig.kv_connector = {self.kv_connector!r} must be a connector name "
-                "or None"
+                "or None",
+                field="kv_connector",
+                value=self.kv_connector,
             )
 
     @classmethod
@@ -142,7 +154,9 @@ class EngineConfig:
         if unknown:
             raise ConfigError(
                 f"unknown EngineConfig field(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
+                f"known: {', '.join(sorted(known))}",
+                field=unknown[0],
+                value=values[unknown[0]],
             )
         return cls(**values)
 
@@ -197,14 +211,20 @@ def superblocks_for_budget(config: EngineConfig, kv_budget_bytes: int) -> int:
     superblocks it can hold. Raises :class:`~helix_kv.ConfigError` if not even one page fits.
     """
     if isinstance(kv_budget_bytes, bool) or not isinstance(kv_budget_bytes, int):
-        raise ConfigError(f"kv_budget_bytes = {kv_budget_bytes!r} must be an integer")
+        raise ConfigError(
+            f"kv_budget_bytes = {kv_budget_bytes!r} must be an integer",
+            field="kv_budget_bytes",
+            value=kv_budget_bytes,
+        )
     pages = kv_budget_bytes // config.page_bytes
     if pages < 1:
         raise ConfigError(
             f"kv_budget_bytes = {kv_budget_bytes} holds no KV page: one page is "
             f"{config.page_bytes} bytes (tokens_per_block {config.tokens_per_block} x "
             f"{config.bytes_per_token} bytes per token); raise the KV budget or lower "
-            "tokens_per_block"
+            "tokens_per_block",
+            field="kv_budget_bytes",
+            value=kv_budget_bytes,
         )
     return min(pages, 2**32 - 1)
 
@@ -299,5 +319,7 @@ def schedule_check_requested(environ: Mapping[str, str] | None = None) -> bool:
         return False
     raise ConfigError(
         f"{CHECK_SCHEDULE_ENV} = {value!r} is not understood; set it to 1 (check every step) "
-        "or 0 (off) on every rank"
+        "or 0 (off) on every rank",
+        field=CHECK_SCHEDULE_ENV,
+        value=value,
     )

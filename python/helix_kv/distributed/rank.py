@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -26,6 +27,50 @@ from helix_kv.distributed.sync import ConfigIdentity, GroupSync
 from helix_kv.types import FlagArray, IntArray, TokenArray
 
 logger = logging.getLogger("helix_kv")
+
+
+@dataclass
+class _LocalSetup:
+    """Step 1 of :meth:`HelixKVRank.create`, on this rank alone: the schedule check asked
+    for, the guards, this rank's budget in superblocks (KV and host), the scheduler's
+    keywords and the configuration's identity; ``failure``: what stopped it (every rank
+    learns of it in the quota sync)."""
+
+    check: bool = False
+    superblocks: int | None = None
+    host_superblocks: int = 0
+    scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
+    identity: ConfigIdentity | None = None
+    failure: BaseException | None = None
+
+    @classmethod
+    def of(
+        cls,
+        config: EngineConfig,
+        kv_budget_bytes: int,
+        rank: int,
+        size: int,
+        check_schedule: bool | None,
+    ) -> _LocalSetup:
+        setup = cls()
+        try:
+            setup.check = (
+                schedule_check_requested() if check_schedule is None else bool(check_schedule)
+            )
+            check_config_guards(config, size)
+            setup.superblocks = superblocks_for_budget(config, kv_budget_bytes)
+            setup.host_superblocks = host_tier_superblocks(config, kv_budget_bytes)
+            setup.scheduler_kwargs = dict(
+                config.scheduler_kwargs(), cp_size=size, cp_rank=rank,
+                host_tier_superblocks=setup.host_superblocks,
+            )  # fmt: skip
+            local_config = helix_kv.SchedulerConfig(
+                **setup.scheduler_kwargs, kv_superblocks=setup.superblocks
+            )
+            setup.identity = ConfigIdentity(rank, size, group_fields(config, local_config))
+        except Exception as exc:
+            setup.failure = exc
+        return setup
 
 
 class HelixKVRank:
@@ -139,62 +184,30 @@ class HelixKVRank:
         """
         group, rank, size = resolve_group(group)
         sync = GroupSync(group)
-
-        local_superblocks: int | None = None
-        host_superblocks = 0
-        scheduler_kwargs: dict[str, Any] = {}
-        identity: ConfigIdentity | None = None
-        check = False
+        local = _LocalSetup.of(config, kv_budget_bytes, rank, size, check_schedule)
+        capacity, check, host_superblocks = sync.agree_quota(
+            local.superblocks,
+            local.check,
+            local.failure,
+            local.identity,
+            local_host_superblocks=local.host_superblocks,
+        )
+        assert local.superblocks is not None  # agree_quota raised otherwise
+        local.scheduler_kwargs["host_tier_superblocks"] = host_superblocks
+        built: HelixKVRank | None = None
         failure: BaseException | None = None
         try:
-            check = schedule_check_requested() if check_schedule is None else bool(check_schedule)
-            check_config_guards(config, size)
-            local_superblocks = superblocks_for_budget(config, kv_budget_bytes)
-            host_superblocks = host_tier_superblocks(config, kv_budget_bytes)
-            scheduler_kwargs = dict(
-                config.scheduler_kwargs(), cp_size=size, cp_rank=rank,
-                host_tier_superblocks=host_superblocks,
-            )  # fmt: skip
-            local_config = helix_kv.SchedulerConfig(
-                **scheduler_kwargs, kv_superblocks=local_superblocks
-            )
-            identity = ConfigIdentity(rank, size, group_fields(config, local_config))
-        except Exception as exc:
-            failure = exc
-        capacity, check, host_superblocks = sync.agree_quota(
-            local_superblocks, check, failure, identity, local_host_superblocks=host_superblocks
-        )
-        assert local_superblocks is not None  # agree_quota raised otherwise
-        scheduler_kwargs["host_tier_superblocks"] = host_superblocks
-
-        built: HelixKVRank | None = None
-        checker: ScheduleChecker | None = None
-        try:
-            scheduler_config = helix_kv.SchedulerConfig(**scheduler_kwargs, kv_superblocks=capacity)
-            if size > 1:
-                logger.info(
-                    "KV quota agreed by %d CP ranks: %d superblocks = %d global tokens "
-                    "(tokens_per_block %d x cp_size %d per superblock); rank %d offered %d; "
-                    "host tier %d superblocks (the group's minimum); "
-                    "configuration fingerprint %016x",
-                    size, capacity, scheduler_config.kv_tokens, scheduler_config.tokens_per_block,
-                    size, rank, local_superblocks, host_superblocks, scheduler_config.fingerprint,
-                )  # fmt: skip
-            # Inside the sync, so its failure on one rank reaches every rank; its collective
-            # part (NCCL) waits until every rank is known to have got this far.
-            checker = ScheduleChecker(group, connect=False) if check else None
-            built = cls(config, scheduler_config, group, local_superblocks, checker)
-            if allocate is not None:
-                built.kv_storage = allocate(built)
+            built = cls._build(config, local, capacity, group, check, allocate)
         except Exception as exc:
             failure = exc
             # A KV pool allocated in part lives on in the failed frames' locals; let it go.
             traceback.clear_frames(exc.__traceback__)
         try:
             sync.agree_status(failure, "scheduler, schedule check and KV allocation")
-            if checker is not None:
+            assert built is not None  # agree_status raised otherwise
+            if built.checker is not None:
                 try:
-                    checker.connect()
+                    built.checker.connect()
                 except Exception as exc:
                     failure = exc
                 sync.agree_status(failure, "schedule check connection")
@@ -204,9 +217,43 @@ class HelixKVRank:
             # ``except`` block would otherwise hold two pools.
             if built is not None:
                 built.kv_storage = built.checker = None
-            built = checker = None
+            built = None
             raise
-        assert built is not None
+        return built
+
+    @classmethod
+    def _build(
+        cls,
+        config: EngineConfig,
+        local: _LocalSetup,
+        capacity: int,
+        group: ProcessGroup | None,
+        check: bool,
+        allocate: Callable[[HelixKVRank], Any] | None,
+    ) -> HelixKVRank:
+        """This rank with the agreed capacity (step 3 of :meth:`create`, inside the sync,
+        so that its failure on one rank reaches every rank): the scheduler, the checker's
+        local part, ``allocate``'s storage."""
+        scheduler_config = helix_kv.SchedulerConfig(
+            **local.scheduler_kwargs, kv_superblocks=capacity
+        )
+        size = scheduler_config.cp_size
+        if size > 1:
+            logger.info(
+                "KV quota agreed by %d CP ranks: %d superblocks = %d global tokens "
+                "(tokens_per_block %d x cp_size %d per superblock); rank %d offered %d; "
+                "host tier %d superblocks (the group's minimum); "
+                "configuration fingerprint %016x",
+                size, capacity, scheduler_config.kv_tokens, scheduler_config.tokens_per_block,
+                size, scheduler_config.cp_rank, local.superblocks,
+                scheduler_config.host_tier_superblocks, scheduler_config.fingerprint,
+            )  # fmt: skip
+        # its collective part (NCCL) waits until every rank is known to have got this far
+        checker = ScheduleChecker(group, connect=False) if check else None
+        assert local.superblocks is not None
+        built = cls(config, scheduler_config, group, local.superblocks, checker)
+        if allocate is not None:
+            built.kv_storage = allocate(built)
         return built
 
     @property
@@ -332,27 +379,27 @@ class HelixKVRank:
         return self.scheduler.abort_many(request_ids)
 
     def take_output(self, request_id: int) -> RequestOutput:
-        """The output of a finished request (see :meth:`helix_kv.Scheduler.take_output`)."""
+        """:meth:`~helix_kv.contract.SchedulerProtocol.take_output`."""
         return self.scheduler.take_output(request_id)
 
     def metrics(self) -> SchedulerMetrics:
-        """The scheduler's totals (equal on every rank)."""
+        """:meth:`~helix_kv.contract.SchedulerProtocol.metrics`."""
         return self.scheduler.metrics()
 
     def has_unfinished(self) -> bool:
-        """Whether any request is still live."""
+        """:meth:`~helix_kv.contract.SchedulerProtocol.has_unfinished`."""
         return self.scheduler.has_unfinished()
 
     def pending_steps(self) -> int:
-        """How many scheduled steps await ``update()`` or ``revert()`` (0, 1 or 2)."""
+        """:meth:`~helix_kv.contract.SchedulerProtocol.pending_steps`."""
         return self.scheduler.pending_steps()
 
     @property
     def num_running(self) -> int:
-        """Requests holding KV (prefilling or decoding)."""
+        """:attr:`~helix_kv.contract.SchedulerProtocol.num_running`."""
         return self.scheduler.num_running
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting for (re-)admission."""
+        """:attr:`~helix_kv.contract.SchedulerProtocol.num_waiting`."""
         return self.scheduler.num_waiting

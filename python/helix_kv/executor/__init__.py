@@ -31,6 +31,8 @@ from helix_kv.executor.host_pool import HostKVPool
 from helix_kv.executor.kv_pool import AttentionGroup, KVPool, StepBatch
 from helix_kv.executor.model import DecodeRows, TinyConfig, TinyTransformer, group_combine
 from helix_kv.executor.paged_attention import (
+    DecodeAttentionPlan,
+    MLADecodeAttentionPlan,
     paged_decode_attention,
     paged_mla_decode_attention,
     write_paged_kv,
@@ -42,12 +44,14 @@ __all__ = [
     "PAD_KEY_POSITION",
     "PAD_QUERY_POSITION",
     "AttentionGroup",
+    "DecodeAttentionPlan",
     "DecodeLayout",
     "DecodeMetadata",
     "DecodeRows",
     "DecodeStep",
     "HostKVPool",
     "KVPool",
+    "MLADecodeAttentionPlan",
     "NgramDrafter",
     "PartialAttention",
     "RankPlacement",

@@ -57,6 +57,151 @@ def _partial_result(acc, l_i, m_i):
 
 
 @triton.jit
+def _split_range(split, keys_per_split, length):
+    """Split ``split``'s local keys of a row of ``length`` keys: ``[first, end)`` (empty past
+    the row's end)."""
+    first = split * keys_per_split
+    return first, tl.minimum(length, first + keys_per_split)
+
+
+@triton.jit
+def _softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC_FP64: tl.constexpr):
+    """The online softmax's running max, sum and output of ``BLOCK_M`` query slots, before
+    any key."""
+    acc_type = tl.float64 if ACC_FP64 else tl.float32
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=acc_type)
+    l_i = tl.zeros([BLOCK_M], dtype=acc_type)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_type)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _load_query(
+    q_ptr,
+    q_rows,
+    heads,
+    d,
+    q_mask,
+    stride_q_head,
+    scale,
+    ACC_FP64: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    """The query slots of a program (``q_rows``: each slot's row offset), ``[M, D]``; without
+    dots already scaled, in the accumulator's dtype."""
+    q = tl.load(
+        q_ptr + q_rows + heads[:, None] * stride_q_head + d[None, :], mask=q_mask, other=0.0
+    )
+    if not USE_DOT:
+        q = q.to(tl.float64 if ACC_FP64 else tl.float32) * scale
+    return q
+
+
+@triton.jit
+def _scores_and_values(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot,
+    kv_mask,
+    kv_head,
+    d,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    scale,
+    ACC_FP64: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    """One key block of a kv head: the scores ``[M, N]`` of the query slots against its keys
+    (scaled; not yet masked) and its values ``[N, D]``."""
+    acc_type = tl.float64 if ACC_FP64 else tl.float32
+    k = tl.load(
+        k_cache_ptr + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        v_cache_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    if USE_DOT:
+        scores = (
+            tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee", out_dtype=acc_type) * scale
+        )
+    else:
+        scores = tl.sum(q[:, None, :] * k.to(acc_type)[None, :, :], axis=2)  # [M, N]
+    return scores, v
+
+
+@triton.jit
+def _store_partial(
+    out_ptr,
+    lse_ptr,
+    rows,
+    split,
+    heads,
+    cols,
+    out,
+    lse,
+    out_mask,
+    lse_mask,
+    stride_out_row,
+    stride_out_head,
+    stride_out_split,
+    stride_lse_row,
+    stride_lse_head,
+    stride_lse_split,
+    ROW_PER_SLOT: tl.constexpr,
+):
+    """Stores a program's partial output ``[M, D]`` and LSE ``[M]`` at its split: ``rows``
+    the program's row, or (``ROW_PER_SLOT``) each query slot's ``[M]``. (Each address is
+    made where it is stored, after the division of :func:`_partial_result`.)"""
+    out_rows = rows[:, None] * stride_out_row if ROW_PER_SLOT else rows * stride_out_row
+    tl.store(
+        out_ptr
+        + out_rows
+        + split * stride_out_split
+        + heads[:, None] * stride_out_head
+        + cols[None, :],
+        out,
+        mask=out_mask,
+    )
+    tl.store(
+        lse_ptr + rows * stride_lse_row + split * stride_lse_split + heads * stride_lse_head,
+        lse,
+        mask=lse_mask,
+    )
+
+
+@triton.jit
+def _latent_scores(
+    q_lat, q_rope, c_lat, c_rope, scale, ACC_FP64: tl.constexpr, USE_DOT: tl.constexpr
+):
+    """The MLA scores ``[H, N]`` of a block of cache rows: the latent and the RoPE parts,
+    each over its own tile (with dots, then scaled; without, the queries came scaled)."""
+    acc_type = tl.float64 if ACC_FP64 else tl.float32
+    if USE_DOT:
+        scores = tl.dot(
+            q_lat.to(c_lat.dtype), tl.trans(c_lat), input_precision="ieee", out_dtype=acc_type
+        )
+        scores = tl.dot(
+            q_rope.to(c_rope.dtype),
+            tl.trans(c_rope),
+            acc=scores,
+            input_precision="ieee",
+            out_dtype=acc_type,
+        )
+        scores = scores * scale
+    else:
+        scores = tl.sum(q_lat[:, None, :] * c_lat.to(acc_type)[None, :, :], axis=2)
+        scores += tl.sum(q_rope[:, None, :] * c_rope.to(acc_type)[None, :, :], axis=2)
+    return scores
+
+
+@triton.jit
 def decode_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -109,64 +254,59 @@ def decode_attention_kernel(
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    acc_type = tl.float64 if ACC_FP64 else tl.float32
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     g_mask = g < group
     d_mask = d < head_dim
     heads = kv_head * group + g
     q_mask = g_mask[:, None] & d_mask[None, :]
-    q = tl.load(
-        q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + d[None, :],
-        mask=q_mask,
-        other=0.0,
+    q = _load_query(
+        q_ptr, row * stride_q_row, heads, d, q_mask, stride_q_head, scale, ACC_FP64, USE_DOT
     )
-    if not USE_DOT:
-        q = q.to(acc_type) * scale
     length = tl.load(lens_ptr + row * stride_lens).to(tl.int32)
-    first = split * keys_per_split
-    end = tl.minimum(length, first + keys_per_split)
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=acc_type)
-    l_i = tl.zeros([BLOCK_G], dtype=acc_type)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=acc_type)
+    first, end = _split_range(split, keys_per_split, length)
+    m_i, l_i, acc = _softmax_start(BLOCK_G, BLOCK_D, ACC_FP64)
     for start in range(first, end, BLOCK_N):
         slot, j_mask = _block_slots(
             table_ptr + row * stride_table_row, start, end, tokens_per_block, BLOCK_N
         )
-        kv_mask = j_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        scores, v = _scores_and_values(
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            slot,
+            j_mask[:, None] & d_mask[None, :],
+            kv_head,
+            d,
+            stride_k_slot,
+            stride_k_head,
+            stride_v_slot,
+            stride_v_head,
+            scale,
+            ACC_FP64,
+            USE_DOT,
         )
-        v = tl.load(
-            v_cache_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if USE_DOT:
-            scores = (
-                tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee", out_dtype=acc_type)
-                * scale
-            )
-        else:
-            scores = tl.sum(q[:, None, :] * k.to(acc_type)[None, :, :], axis=2)  # [G, N]
         scores = tl.where(j_mask[None, :], scores, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc, USE_DOT, False)
     out, lse = _partial_result(acc, l_i, m_i)
-    tl.store(
-        out_ptr
-        + row * stride_out_row
-        + split * stride_out_split
-        + heads[:, None] * stride_out_head
-        + d[None, :],
+    _store_partial(
+        out_ptr,
+        lse_ptr,
+        row,
+        split,
+        heads,
+        d,
         out,
-        mask=q_mask,
-    )
-    tl.store(
-        lse_ptr + row * stride_lse_row + split * stride_lse_split + heads * stride_lse_head,
         lse,
-        mask=g_mask,
+        q_mask,
+        g_mask,
+        stride_out_row,
+        stride_out_head,
+        stride_out_split,
+        stride_lse_row,
+        stride_lse_head,
+        stride_lse_split,
+        False,
     )
 
 
@@ -225,7 +365,6 @@ def verify_attention_kernel(
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    acc_type = tl.float64 if ACC_FP64 else tl.float32
     pos_row = tl.load(pos_ptr + row * stride_pos).to(tl.int64)
     sb_row = pos_row // tokens_per_superblock
     if row > 0:
@@ -253,61 +392,65 @@ def verify_attention_kernel(
     slot_mask = member & (g < group)
     heads = kv_head * group + g
     q_mask = slot_mask[:, None] & d_mask[None, :]
-    q = tl.load(
-        q_ptr + rows_m[:, None] * stride_q_row + heads[:, None] * stride_q_head + d[None, :],
-        mask=q_mask,
-        other=0.0,
+    q = _load_query(
+        q_ptr,
+        rows_m[:, None] * stride_q_row,
+        heads,
+        d,
+        q_mask,
+        stride_q_head,
+        scale,
+        ACC_FP64,
+        USE_DOT,
     )
-    if not USE_DOT:
-        q = q.to(acc_type) * scale
     lens_m = tl.load(lens_ptr + rows_m * stride_lens, mask=slot_mask, other=0).to(tl.int32)
     length = tl.max(lens_m, axis=0)
-    first = split * keys_per_split
-    end = tl.minimum(length, first + keys_per_split)
-    m_i = tl.full([ROWS * BLOCK_GROUP], float("-inf"), dtype=acc_type)
-    l_i = tl.zeros([ROWS * BLOCK_GROUP], dtype=acc_type)
-    acc = tl.zeros([ROWS * BLOCK_GROUP, BLOCK_D], dtype=acc_type)
+    first, end = _split_range(split, keys_per_split, length)
+    m_i, l_i, acc = _softmax_start(ROWS * BLOCK_GROUP, BLOCK_D, ACC_FP64)
     for start in range(first, end, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         slot, j_mask = _block_slots(
             table_ptr + row * stride_table_row, start, end, tokens_per_block, BLOCK_N
         )
-        kv_mask = j_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr + slot[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        scores, v = _scores_and_values(
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            slot,
+            j_mask[:, None] & d_mask[None, :],
+            kv_head,
+            d,
+            stride_k_slot,
+            stride_k_head,
+            stride_v_slot,
+            stride_v_head,
+            scale,
+            ACC_FP64,
+            USE_DOT,
         )
-        v = tl.load(
-            v_cache_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if USE_DOT:
-            scores = (
-                tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee", out_dtype=acc_type)
-                * scale
-            )
-        else:
-            scores = tl.sum(q[:, None, :] * k.to(acc_type)[None, :, :], axis=2)  # [M, N]
         visible = j_mask[None, :] & (j[None, :] < lens_m[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         # a query slot may see no key of this block (its row ends earlier): guarded
         m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc, USE_DOT, True)
     out, lse = _partial_result(acc, l_i, m_i)
-    tl.store(
-        out_ptr
-        + rows_m[:, None] * stride_out_row
-        + split * stride_out_split
-        + heads[:, None] * stride_out_head
-        + d[None, :],
+    _store_partial(
+        out_ptr,
+        lse_ptr,
+        rows_m,
+        split,
+        heads,
+        d,
         out,
-        mask=q_mask,
-    )
-    tl.store(
-        lse_ptr + rows_m * stride_lse_row + split * stride_lse_split + heads * stride_lse_head,
         lse,
-        mask=slot_mask,
+        q_mask,
+        slot_mask,
+        stride_out_row,
+        stride_out_head,
+        stride_out_split,
+        stride_lse_row,
+        stride_lse_head,
+        stride_lse_split,
+        True,
     )
 
 
@@ -389,11 +532,8 @@ def mla_decode_attention_kernel(
         q_lat = q_lat.to(acc_type) * scale
         q_rope = q_rope.to(acc_type) * scale
     length = tl.load(lens_ptr + row * stride_lens).to(tl.int32)
-    first = split * keys_per_split
-    end = tl.minimum(length, first + keys_per_split)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=acc_type)
-    l_i = tl.zeros([BLOCK_H], dtype=acc_type)
-    acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=acc_type)
+    first, end = _split_range(split, keys_per_split, length)
+    m_i, l_i, acc = _softmax_start(BLOCK_H, BLOCK_L, ACC_FP64)
     table_row = table_ptr + row * stride_table_row
     if PREFETCH:
         slot_next, mask_next = _block_slots(table_row, first, end, tokens_per_block, BLOCK_N)
@@ -411,37 +551,28 @@ def mla_decode_attention_kernel(
             slot_next, mask_next = _block_slots(
                 table_row, start + BLOCK_N, end, tokens_per_block, BLOCK_N
             )
-        if USE_DOT:
-            scores = tl.dot(
-                q_lat.to(c_lat.dtype), tl.trans(c_lat), input_precision="ieee", out_dtype=acc_type
-            )
-            scores = tl.dot(
-                q_rope.to(c_rope.dtype),
-                tl.trans(c_rope),
-                acc=scores,
-                input_precision="ieee",
-                out_dtype=acc_type,
-            )
-            scores = scores * scale
-        else:
-            scores = tl.sum(q_lat[:, None, :] * c_lat.to(acc_type)[None, :, :], axis=2)
-            scores += tl.sum(q_rope[:, None, :] * c_rope.to(acc_type)[None, :, :], axis=2)
+        scores = _latent_scores(q_lat, q_rope, c_lat, c_rope, scale, ACC_FP64, USE_DOT)
         scores = tl.where(j_mask[None, :], scores, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(scores, c_lat, m_i, l_i, acc, USE_DOT, False)
     out, lse = _partial_result(acc, l_i, m_i)
-    tl.store(
-        out_ptr
-        + row * stride_out_row
-        + split * stride_out_split
-        + h[:, None] * stride_out_head
-        + dl[None, :],
+    _store_partial(
+        out_ptr,
+        lse_ptr,
+        row,
+        split,
+        h,
+        dl,
         out,
-        mask=ql_mask,
-    )
-    tl.store(
-        lse_ptr + row * stride_lse_row + split * stride_lse_split + h * stride_lse_head,
         lse,
-        mask=h_mask,
+        ql_mask,
+        h_mask,
+        stride_out_row,
+        stride_out_head,
+        stride_out_split,
+        stride_lse_row,
+        stride_lse_head,
+        stride_lse_split,
+        False,
     )
 
 

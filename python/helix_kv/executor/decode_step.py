@@ -116,6 +116,15 @@ def _check_int32(name: str, values: np.ndarray, out_of_range: type[HelixKVError]
         raise out_of_range(f"{name} must fit int32, got {low if low < -(2**31) else high}")
 
 
+def _widest_holding(scheduler: Any, request_ids: npt.ArrayLike) -> int:
+    """The most superblocks (pages on every rank) one of ``request_ids`` holds."""
+    ids = np.asarray(request_ids, dtype=np.int64)
+    if not ids.size:
+        return 0
+    _, held = scheduler.block_table_tails(ids, np.zeros(ids.size, dtype=np.int64))
+    return int(held.max())
+
+
 def _int32_column(
     name: str, values: npt.ArrayLike, rows: int, out_of_range: type[HelixKVError]
 ) -> np.ndarray:
@@ -368,6 +377,21 @@ class DecodeMetadata:
             raise
         self._padded_to = counts.padded_to
         return counts
+
+    def fill_if_fits(self, scheduler: Any, out: Any) -> DecodeRowCounts | None:
+        """:meth:`fill_from_schedule`, or ``None`` (nothing written) for a step the layout
+        cannot hold: more rows than its largest bucket, or a request holding more than
+        ``max_pages`` pages (the core's ``InvalidLengthError``, told from the others by the
+        requests' holdings). The caller runs such a step on the general path; every other
+        error, a caller's mistake or a bug, propagates."""
+        if out.num_samples > self.layout.max_batch:
+            return None
+        try:
+            return self.fill_from_schedule(scheduler, out)
+        except InvalidLengthError:
+            if _widest_holding(scheduler, out.generation_ids) <= self.layout.max_pages:
+                raise
+            return None
 
     def upload(self, rows: int) -> int:
         """Pad rows ``[rows, bucket)`` (unless the fill did) and copy rows ``[0, bucket)`` to

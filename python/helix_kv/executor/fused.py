@@ -487,29 +487,8 @@ def head_matmul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return torch.einsum("rhk,hkc->rhc", x.to(weight.dtype), weight)
 
 
-def head_matmul(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """One matrix product per head: ``out[r, h, c] = sum_k x[r, h, k] * weight[h, k, c]``.
-
-    MLA's absorbed up-projections are one small product per head (a step's rows times a
-    ``[nope, latent]`` or ``[latent, v]`` matrix); as batched GEMMs they need the rows
-    transposed to heads-first and back, each a copy (the model runs the value one here).
-    Here one kernel reads ``x`` and writes ``out`` in the step's own ``[rows, heads, ...]``
-    layout, accumulating in float32 (in float64 for float64, on the torch path) and rounding
-    once.
-
-    Args:
-        x: ``[rows, heads, inner]`` (contiguous last dim, any other strides; any float dtype:
-            cast to the weight's, as ``x.to(weight.dtype)`` would).
-        weight: ``[heads, inner, cols]``, any strides (a transposed view of a
-            ``[heads, cols, inner]`` weight is read as it lies).
-        out: ``[rows, heads, cols]`` of the weight's dtype with a contiguous last dim (a
-            view into a wider tensor is fine), or ``None`` for a new one.
-
-    The kernel runs on CUDA (float16, bfloat16, float32 with IEEE dots) and on the CPU under
-    Triton's interpreter; elsewhere, and in float64, :func:`head_matmul_reference`.
-    """
+def _check_head_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> None:
+    """:func:`head_matmul`'s shapes, dtypes and contiguous last dims."""
     if (
         x.dim() != 3
         or weight.dim() != 3
@@ -533,6 +512,34 @@ def head_matmul(
         )
     if inner > 1 and x.stride(2) != 1:
         raise ValueError("x must have a contiguous last dim")
+
+
+def head_matmul(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One matrix product per head: ``out[r, h, c] = sum_k x[r, h, k] * weight[h, k, c]``.
+
+    MLA's absorbed up-projections are one small product per head (a step's rows times a
+    ``[nope, latent]`` or ``[latent, v]`` matrix); as batched GEMMs they need the rows
+    transposed to heads-first and back, each a copy (the model runs the value one here).
+    Here one kernel reads ``x`` and writes ``out`` in the step's own ``[rows, heads, ...]``
+    layout, accumulating in float32 (in float64 for float64, on the torch path) and rounding
+    once.
+
+    Args:
+        x: ``[rows, heads, inner]`` (contiguous last dim, any other strides; any float dtype:
+            cast to the weight's, as ``x.to(weight.dtype)`` would).
+        weight: ``[heads, inner, cols]``, any strides (a transposed view of a
+            ``[heads, cols, inner]`` weight is read as it lies).
+        out: ``[rows, heads, cols]`` of the weight's dtype with a contiguous last dim (a
+            view into a wider tensor is fine), or ``None`` for a new one.
+
+    The kernel runs on CUDA (float16, bfloat16, float32 with IEEE dots) and on the CPU under
+    Triton's interpreter; elsewhere, and in float64, :func:`head_matmul_reference`.
+    """
+    _check_head_matmul(x, weight, out)
+    rows, heads, inner = x.shape
+    cols = weight.shape[2]
     if not use_kernels(x.device) or weight.dtype == torch.float64:
         result = head_matmul_reference(x, weight)
         if out is None:

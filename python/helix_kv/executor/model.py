@@ -47,14 +47,16 @@ from helix_kv.executor.fused import rms_norm_reference as _rms_norm
 from helix_kv.executor.fused import rope_reference as _apply_rope
 from helix_kv.executor.kv_pool import KVPool, StepBatch
 from helix_kv.executor.paged_attention import (
+    DecodeAttentionPlan,
     DecodeWorkspace,
-    paged_decode_attention,
-    paged_mla_decode_attention,
+    MLADecodeAttentionPlan,
 )
 from helix_kv.executor.placement import RankPlacement
 
 #: Turns this rank's partial attention into the CP group's combined attention.
 Combine = Callable[[PartialAttention], PartialAttention]
+#: A step's paged decode attention of either family, planned once and run per layer.
+DecodeAttention = Union[DecodeAttentionPlan, MLADecodeAttentionPlan]
 
 #: The RoPE scaling types :class:`RopeScaling` computes (Hugging Face's ``rope_type`` names).
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -450,11 +452,12 @@ class Transformer:
         combine = combine or all_gather_combine
         hidden = self.embedding[batch.token_ids]
         cos, sin = self._rope_tables(batch.positions)
+        decode = self._plan_batch_decode(batch, pool)
         for layer, weights in enumerate(self.layers):
             attn_in = _rms_norm(hidden, weights["attn_norm"], self.config.rms_eps)
             query, key, value = self._project(weights, attn_in, cos, sin)
             pool.write(layer, batch, key, value)
-            part = self._attend_batch(layer, query, batch, pool)
+            part = self._attend_batch(layer, query, batch, pool, decode)
             hidden = hidden + self._attention_output(weights, combine(part))
             hidden = hidden + self._mlp(weights, hidden)
         return _rms_norm(hidden, self.final_norm, self.config.rms_eps)
@@ -488,7 +491,6 @@ class Transformer:
         """
         combine = combine or all_gather_combine
         c = self.config
-        tpb = pool.placement.tokens_per_block
         hidden = self.embedding[rows.token_ids]
         if self.rope_factor == 1.0:
             cos, sin = fused.rope_tables(rows.positions, self.rope_inv_freq, self.dtype)
@@ -497,6 +499,16 @@ class Transformer:
         # one rank: the attention output feeds the output projection as it is (no combine,
         # no cast)
         out_dtype = self.dtype if pool.placement.cp_size == 1 and not self.mla else None
+        # the paged kernel planned once for the step's rows (splits, scratch, tiles)
+        attention = self.plan_decode_attention(
+            rows.block_table,
+            rows.local_lens,
+            pool,
+            workspace,
+            rows.positions,
+            rows_per_request,
+            out_dtype,
+        )
         # Fused (helix_kv.executor.fused): each residual add with the norm after it, the
         # Llama QKV split with RoPE and the KV write, the MLP activation with its product.
         delta = None  # what the next norm adds to the residual stream first
@@ -516,18 +528,7 @@ class Transformer:
                 )
             else:
                 query = self._mla_decode_project(weights, attn_in, cos, sin, rows.slots, key_cache)
-            part = self._decode_attention(
-                query,
-                pool,
-                layer,
-                rows.block_table,
-                rows.local_lens,
-                tpb,
-                workspace,
-                rows.positions,
-                rows_per_request,
-                out_dtype,
-            )
+            part = self._attend_decode(attention, query, pool, layer)
             delta = self._attention_output(weights, combine(part))
             mlp_in, hidden = fused.add_rms_norm(hidden, delta, weights["mlp_norm"], c.rms_eps)
             gate_up = _linear(mlp_in, weights["w_gate_up"], weights.get("b_gate_up"))
@@ -627,40 +628,42 @@ class Transformer:
         gate = torch.nn.functional.silu(_linear(x, w["w_gate"], w.get("b_gate")))
         return _linear(gate * _linear(x, w["w_up"], w.get("b_up")), w["w_down"], w.get("b_down"))
 
-    def _decode_attention(
+    def plan_decode_attention(
         self,
-        query: torch.Tensor,
-        pool: KVPool,
-        layer: int,
         block_table: torch.Tensor,
         local_lens: torch.Tensor,
-        tokens_per_block: int,
+        pool: KVPool,
         workspace: DecodeWorkspace | None = None,
         positions: torch.Tensor | None = None,
         rows_per_request: int = 1,
         out_dtype: torch.dtype | None = None,
-    ) -> PartialAttention:
-        """The paged kernel of the family over one layer of the pool, one query per row
-        (``out_dtype``: the Llama kernel's output dtype, ``None`` for the accumulation's)."""
+    ) -> DecodeAttention:
+        """The paged kernel of the family planned once for a step's rows (every layer runs
+        it: :meth:`_attend_decode`); ``out_dtype``: the Llama kernel's output dtype,
+        ``None`` for the accumulation's."""
         c = self.config
+        tpb = pool.placement.tokens_per_block
         if isinstance(c, MLAConfig):
-            return paged_mla_decode_attention(
-                query,
-                pool.key_cache[layer],
+            return MLADecodeAttentionPlan(
                 block_table,
                 local_lens,
-                tokens_per_block,
-                c.kv_lora_rank,
-                c.softmax_scale,
+                tpb,
+                heads=c.num_heads,
+                head_dim=c.cache_head_dim,
+                latent_dim=c.kv_lora_rank,
+                dtype=self.dtype,
+                scale=c.softmax_scale,
+                kv_dtype=pool.key_cache.dtype,
                 workspace=workspace,
             )
-        return paged_decode_attention(
-            query,
-            pool.key_cache[layer],
-            pool.value_cache[layer],
+        return DecodeAttentionPlan(
             block_table,
             local_lens,
-            tokens_per_block,
+            tpb,
+            q_heads=c.num_heads,
+            kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=self.dtype,
             workspace=workspace,
             positions=positions,
             rows_per_request=rows_per_request,
@@ -668,32 +671,42 @@ class Transformer:
             out_dtype=out_dtype,
         )
 
-    def _attend_batch(
-        self, layer: int, query: torch.Tensor, batch: StepBatch, pool: KVPool
+    @staticmethod
+    def _attend_decode(
+        plan: DecodeAttention, query: torch.Tensor, pool: KVPool, layer: int
     ) -> PartialAttention:
-        """This rank's partial attention of every query of the step (general path)."""
-        outputs, lses = [], []
+        """One layer's run of a step's :meth:`plan_decode_attention`."""
+        if isinstance(plan, MLADecodeAttentionPlan):
+            return plan.run(query, pool.key_cache[layer])
+        return plan.run(query, pool.key_cache[layer], pool.value_cache[layer])
+
+    def _plan_batch_decode(self, batch: StepBatch, pool: KVPool) -> DecodeAttention | None:
+        """The paged kernel of the step's decode group (entries ``[0, num_generation)``,
+        one query each), planned once for every layer, with ``decode_kernel``; ``None``:
+        every group takes the reference. Drafted entries (``1 + k`` queries each) take the
+        reference on this path, exact with the causal mask on global positions; a
+        decode-only drafted step runs the kernel on the fast path (one row per query token)."""
         plan = batch.plan
+        if not (self.decode_kernel and plan.num_generation and not plan.num_draft_tokens):
+            return None
+        return self.plan_decode_attention(batch.groups[0].pages, batch.local_lens, pool)
+
+    def _attend_batch(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        batch: StepBatch,
+        pool: KVPool,
+        decode: DecodeAttention | None = None,
+    ) -> PartialAttention:
+        """This rank's partial attention of every query of the step (general path): the
+        first group through ``decode`` where the step planned it, the others (and every
+        group without it) through the reference gather and dense attention."""
+        outputs, lses = [], []
         scale = self.config.softmax_scale if isinstance(self.config, MLAConfig) else None
         for index, group in enumerate(batch.groups):
-            if (
-                self.decode_kernel
-                and index == 0
-                and plan.num_generation
-                and not plan.num_draft_tokens
-            ):
-                # the decode group (entries [0, num_generation), one query each): paged kernel.
-                # Drafted entries (1 + k queries each) take the reference below on this path,
-                # exact with the causal mask on global positions; a decode-only drafted step
-                # runs the kernel on the fast path (one row per query token).
-                part = self._decode_attention(
-                    query[group.query_index[:, 0]],
-                    pool,
-                    layer,
-                    group.pages,
-                    batch.local_lens,
-                    pool.placement.tokens_per_block,
-                )
+            if decode is not None and index == 0:
+                part = self._attend_decode(decode, query[group.query_index[:, 0]], pool, layer)
                 outputs.append(part.output)
                 lses.append(part.lse)
                 continue

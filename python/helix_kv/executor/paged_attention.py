@@ -36,6 +36,7 @@ import re
 import struct
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -523,6 +524,304 @@ def _floor_power_of_2(n: int) -> int:
     return 1 << max(0, n.bit_length() - 1)
 
 
+@dataclass(frozen=True)
+class _Splits:
+    """How a plan cuts each row's keys: ``count`` ranges of ``keys_per_split`` keys (one
+    range covering every key the table can hold when ``count`` is 1), and where the
+    ranges' partial outputs and LSEs go: ``partials`` (views of the workspace, ``[rows,
+    heads, splits, dim]`` and ``[rows, heads, splits]``), or, with one split, straight into
+    the call's result."""
+
+    count: int
+    keys_per_split: int
+    partials: tuple[torch.Tensor, torch.Tensor] | None
+
+    def targets(
+        self, output: torch.Tensor, lse: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        """Where a call stores its partials, and the kernels' row, head and split strides
+        of them (output, then LSE; a split stride of 0 with one split)."""
+        if self.partials is None:
+            return output, lse, (*output.stride()[:2], 0, *lse.stride()[:2], 0)
+        part_out, part_lse = self.partials
+        return part_out, part_lse, (*part_out.stride()[:3], *part_lse.stride()[:3])
+
+
+def _plan_splits(
+    rows: int,
+    heads: int,
+    dim: int,
+    splits: tuple[int, int],
+    width: int,
+    tokens_per_block: int,
+    workspace: DecodeWorkspace | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> _Splits:
+    """The :class:`_Splits` of ``splits`` (the count and the pages of each), their partials
+    in ``workspace`` (checked to fit; ``None``: allocated here, once for the plan)."""
+    count, pages_per_split = splits
+    if count == 1:
+        return _Splits(1, max(1, width * tokens_per_block), None)
+    if workspace is None:
+        workspace = DecodeWorkspace.allocate(rows, heads, dim, count, dtype, device)
+    elif not workspace.fits(rows, heads, dim, count, dtype):
+        raise ValueError(
+            f"workspace of {workspace.row_splits} (request, split) pairs x "
+            f"{workspace.q_heads} heads x {workspace.head_dim} "
+            f"{workspace.output_scratch.dtype} does not fit {rows} rows x "
+            f"{count} splits x {heads} heads x {dim} of {dtype}"
+        )
+    return _Splits(count, pages_per_split * tokens_per_block, workspace.views(rows, count))
+
+
+def _check_step_rows(
+    block_table: torch.Tensor, local_lens: torch.Tensor, num_splits: int | None
+) -> int:
+    """The rows of a step's metadata (the block table's), checked: a ``[rows, width]``
+    table of contiguous rows, a length per row, a split count of at least 1."""
+    if block_table.dim() != 2 or local_lens.dim() != 1 or local_lens.shape[0] < len(block_table):
+        raise ValueError(
+            f"block table {tuple(block_table.shape)} / local lens {tuple(local_lens.shape)} "
+            "do not cover the same rows: [rows, width] / [rows]"
+        )
+    if block_table.shape[1] and block_table.stride(1) != 1:
+        raise ValueError("block_table must have contiguous rows")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    return len(block_table)
+
+
+def _check_layer_tensor(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """One layer's tensor of a planned call: its shape (``-1``: any size) and a contiguous
+    last dim."""
+    if tensor.dim() != len(shape) or any(
+        want not in (-1, got) for want, got in zip(shape, tensor.shape)
+    ):
+        wanted = ", ".join("*" if size == -1 else str(size) for size in shape)
+        raise ValueError(f"{name} {tuple(tensor.shape)} must be [{wanted}] (the plan's)")
+    if tensor.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim")
+
+
+def _combine_splits(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    output: torch.Tensor,
+    lse: torch.Tensor,
+    block_d: int,
+    acc_fp64: bool,
+) -> None:
+    """The exact LSE combine of the split partials into the result: one program per (row,
+    head, chunk of ``block_d`` of the head dim)."""
+    rows, heads, splits, dim = part_out.shape
+    _kernels().combine_splits_kernel[(rows, heads, -(-dim // block_d))](
+        part_out,
+        part_lse,
+        output,
+        lse,
+        splits,
+        dim,
+        *part_out.stride()[:3],
+        *part_lse.stride()[:3],
+        *output.stride()[:2],
+        *lse.stride()[:2],
+        BLOCK_S=_next_power_of_2(splits),
+        BLOCK_D=block_d,
+        ACC_FP64=acc_fp64,
+    )
+
+
+class DecodeAttentionPlan:
+    """One step's paged decode attention, planned once and run once per layer (FlashInfer's
+    ``plan()`` / ``run()``): the partial attention of one query token per row over this
+    rank's paged KV, as :func:`paged_decode_attention` describes.
+
+    Made from the step's metadata (every layer reads the same block table, lengths and
+    positions), it checks them, resolves the split count (:func:`decode_splits`, static
+    sizes only) and its scratch, and picks the tiles; :meth:`run` then takes only a layer's
+    query and caches, checks their shapes against the plan and launches the kernels. The
+    metadata tensors are read by every run: a step captured in a CUDA graph plans on its
+    persistent buffers, and its runs do no host work but the launches.
+
+    Args:
+        block_table: ``[rows, width]`` page ids (any int dtype, any row stride, column
+            stride 1), on the device the kernels run on; only the first
+            ``ceil(local_len / tokens_per_block)`` of a row are read, so every ``local_len``
+            must be at most ``width * tokens_per_block``.
+        local_lens: ``[>= rows]`` keys this rank holds of each row (any int dtype, any
+            stride); ``0`` gives output 0 and LSE ``-inf`` (e.g. a padding row).
+        tokens_per_block: slots per page.
+        q_heads, kv_heads, head_dim: the queries' heads (a multiple of ``kv_heads``: query
+            head ``h`` reads kv head ``h // (q_heads // kv_heads)``), the caches' heads, and
+            the dim of both.
+        dtype: the queries' dtype (the result is in its
+            :func:`~helix_kv.executor.attention.accumulation_dtype`).
+        scale: score scale, ``1 / sqrt(head_dim)`` by default.
+        num_splits: splits per row; ``None``: :func:`decode_splits` of the static sizes (or
+            ``HELIX_KV_DECODE_SPLITS`` where set); capped at the table's width in pages.
+        workspace: scratch for the splits (:class:`DecodeWorkspace`, e.g. one per executor,
+            so that captured steps allocate nothing); ``None``: allocated by the plan.
+        positions: ``[>= rows]`` global position of each row (any int dtype and stride);
+            needed with ``rows_per_request > 1``.
+        rows_per_request: the most rows (query tokens) one request has (``1 + k``); above
+            1, the rows of one request (consecutive rows at consecutive positions with one
+            block table) are attended by one program, which loads each key block once for
+            all of them (when they fit :data:`VERIFY_MAX_QUERY_SLOTS`; else one program per
+            row), and the split rule counts those programs.
+        tokens_per_superblock: ``tokens_per_block * cp_size`` (with ``rows_per_request >
+            1``: a row continues the one before it when its position is one more and its
+            superblock id, at its position, the same).
+        out_dtype: dtype of ``output`` (default the accumulation dtype), e.g. the model's
+            at cp = 1, where the output goes straight into the output projection: stored
+            rounded once, as a cast of the accumulation-dtype output would be.
+    """
+
+    def __init__(
+        self,
+        block_table: torch.Tensor,
+        local_lens: torch.Tensor,
+        tokens_per_block: int,
+        *,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        scale: float | None = None,
+        num_splits: int | None = None,
+        workspace: DecodeWorkspace | None = None,
+        positions: torch.Tensor | None = None,
+        rows_per_request: int = 1,
+        tokens_per_superblock: int | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> None:
+        rows = _check_step_rows(block_table, local_lens, num_splits)
+        if min(q_heads, kv_heads, head_dim) < 1 or q_heads % kv_heads:
+            raise ValueError(
+                f"{q_heads} query heads are not a multiple of {kv_heads} kv heads "
+                f"(of dim {head_dim})"
+            )
+        if rows_per_request < 1:
+            raise ValueError(f"rows_per_request must be at least 1, got {rows_per_request}")
+        if rows_per_request > 1 and (
+            positions is None
+            or positions.shape[0] < rows
+            or tokens_per_superblock is None
+            or tokens_per_superblock < 1
+        ):
+            raise ValueError(
+                "rows_per_request > 1 needs the rows' positions and tokens_per_superblock >= 1"
+            )
+        self.block_table, self.local_lens, self.positions = block_table, local_lens, positions
+        self.tokens_per_block = tokens_per_block
+        self.tokens_per_superblock = tokens_per_superblock or 0
+        self.rows, self.q_heads, self.kv_heads, self.head_dim = rows, q_heads, kv_heads, head_dim
+        self.dtype = dtype
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        compute_dtype = accumulation_dtype(dtype)
+        self.out_dtype, self.lse_dtype = out_dtype or compute_dtype, compute_dtype
+        self.group = group = q_heads // kv_heads
+        if rows == 0:  # nothing to attend: the runs return empty results
+            return
+        device = block_table.device
+        _check_device(device)
+        width = block_table.shape[1]
+        #: Whether a request's rows run in one program (else one program per row).
+        self.grouped = rows_per_request > 1 and _groups_rows(rows_per_request, group)
+        programs = _split_programs(rows, rows_per_request if self.grouped else 1, group)
+        splits = _resolve_splits(programs, kv_heads, width, tokens_per_block, num_splits)
+        self.splits = _plan_splits(
+            rows, q_heads, head_dim, splits, width, tokens_per_block, workspace, dtype, device
+        )
+        self.tiles = self._tiles(dtype, device, rows_per_request)
+
+    def _tiles(
+        self, dtype: torch.dtype, device: torch.device, rows_per_request: int
+    ) -> dict[str, Any]:
+        """The kernel's tile sizes and launch options (tensor-core dots, except float64 on a
+        GPU: the interpreter runs float64 dots exactly; a dot's sides at least 16)."""
+        use_dot = _use_dot(dtype, device)
+        floor = _DOT_MIN if use_dot else 1
+        tiles: dict[str, Any] = {
+            "BLOCK_N": max(floor, DECODE_BLOCK_KEYS),
+            "BLOCK_D": max(floor, _next_power_of_2(self.head_dim)),
+            "ACC_FP64": accumulation_dtype(dtype) == torch.float64,
+            "USE_DOT": use_dot,
+            "num_warps": DECODE_NUM_WARPS,
+            "num_stages": DECODE_NUM_STAGES,
+        }
+        if not self.grouped:
+            tiles["BLOCK_G"] = max(floor, _next_power_of_2(self.group))
+            return tiles
+        rows_p2 = _next_power_of_2(rows_per_request)
+        # the dot's query side (rows x heads) at least _DOT_MIN
+        block_group = max(_next_power_of_2(self.group), -(-floor // rows_p2))
+        tiles.update(ROWS=rows_p2, BLOCK_GROUP=block_group)
+        return tiles
+
+    def run(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+    ) -> PartialAttention:
+        """This rank's partial attention of one layer: ``query`` ``[rows, q_heads,
+        head_dim]`` and the layer's caches ``[slots, kv_heads, head_dim]`` (last dims
+        contiguous, any number of slots); ``output`` ``[rows, q_heads, head_dim]`` (the
+        plan's ``out_dtype``) and ``lse`` ``[rows, q_heads]``."""
+        _check_layer_tensor("query", query, (self.rows, self.q_heads, self.head_dim))
+        cache_shape = (-1, self.kv_heads, self.head_dim)
+        _check_layer_tensor("key_cache", key_cache, cache_shape)
+        _check_layer_tensor("value_cache", value_cache, cache_shape)
+        if query.dtype != self.dtype:
+            raise ValueError(f"query of {query.dtype}, the plan's of {self.dtype}")
+        output = query.new_empty(query.shape, dtype=self.out_dtype)
+        lse = query.new_empty((self.rows, self.q_heads), dtype=self.lse_dtype)
+        if self.rows == 0:
+            return PartialAttention(output, lse)
+        part_out, part_lse, part_strides = self.splits.targets(output, lse)
+        table, lens = self.block_table, self.local_lens
+        tensors = (query, key_cache, value_cache, table, lens)
+        # the last dims are contiguous (checked): their strides are not passed
+        strides = (*query.stride()[:2], *key_cache.stride()[:2], *value_cache.stride()[:2])
+        strides += (table.stride(0), lens.stride(0))
+        sizes = (self.splits.keys_per_split, self.group, self.head_dim)
+        grid = (self.rows, self.kv_heads, self.splits.count)
+        kernels = _kernels()
+        if not self.grouped:
+            kernels.decode_attention_kernel[grid](
+                *tensors,
+                part_out,
+                part_lse,
+                self.scale,
+                self.tokens_per_block,
+                *sizes,
+                *strides,
+                *part_strides,
+                **self.tiles,
+            )
+        else:
+            positions = self.positions
+            assert positions is not None  # checked by the plan
+            kernels.verify_attention_kernel[grid](
+                *tensors,
+                positions,
+                part_out,
+                part_lse,
+                self.scale,
+                self.tokens_per_block,
+                self.tokens_per_superblock,
+                *sizes,
+                self.rows,
+                table.shape[1],
+                *strides,
+                positions.stride(0),
+                *part_strides,
+                **self.tiles,
+            )
+        if self.splits.count > 1:
+            block_d = _next_power_of_2(self.head_dim)
+            _combine_splits(part_out, part_lse, output, lse, block_d, self.tiles["ACC_FP64"])
+        return PartialAttention(output, lse)
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -530,24 +829,15 @@ def paged_decode_attention(
     block_table: torch.Tensor,
     local_lens: torch.Tensor,
     tokens_per_block: int,
-    scale: float | None = None,
-    num_splits: int | None = None,
-    workspace: DecodeWorkspace | None = None,
-    positions: torch.Tensor | None = None,
-    rows_per_request: int = 1,
-    tokens_per_superblock: int | None = None,
-    out_dtype: torch.dtype | None = None,
+    **options: Any,
 ) -> PartialAttention:
-    """Partial attention of one decode query per row over this rank's paged KV.
+    """Partial attention of one decode query per row over this rank's paged KV, in one call:
+    a :class:`DecodeAttentionPlan` of the query's rows, run once (a model plans once a step
+    and runs the plan per layer).
 
     A row is one query token: a decode entry, or (speculative decoding) one of the ``1 + k``
     rows of an entry that verifies ``k`` drafts, each with its own local length (the causal
-    mask inside the draft: every row's KV is written first). With ``rows_per_request > 1``
-    (at least the most rows one request has) and the rows' global ``positions``, the rows of
-    one request (consecutive rows at consecutive positions with one block table) are
-    attended by one program, which loads each key block once for all of them (when they fit
-    :data:`VERIFY_MAX_QUERY_SLOTS`; else one program per row), and the split rule counts
-    those programs; the result is the same as one row per program, to rounding.
+    mask inside the draft: every row's KV is written first).
 
     With one split, one program per (request, kv head) walks the request's local keys. With
     more (flash-decoding), the keys are cut into ``num_splits`` ranges of whole pages, one
@@ -557,207 +847,191 @@ def paged_decode_attention(
     Args:
         query: ``[requests, q_heads, head_dim]`` (last dim contiguous).
         key_cache, value_cache: one layer of the pool, ``[slots, kv_heads, head_dim]`` (last
-            dim contiguous); ``q_heads`` a multiple of ``kv_heads`` (query head ``h`` reads kv
-            head ``h // (q_heads // kv_heads)``).
-        block_table: ``[requests, width]`` page ids (any int dtype, any row stride, column
-            stride 1); only the first ``ceil(local_len / tokens_per_block)`` are read, so
-            every ``local_len`` must be at most ``width * tokens_per_block``.
-        local_lens: ``[requests]`` keys this rank holds of each request (any int dtype,
-            any stride); ``0`` gives output 0 and LSE ``-inf`` (e.g. a padding row).
-        tokens_per_block: slots per page.
-        scale: score scale, ``1 / sqrt(head_dim)`` by default.
-        num_splits: splits per request; ``None``: :func:`decode_splits` of the static sizes
-            (or ``HELIX_KV_DECODE_SPLITS`` where set); capped at the table's width in pages.
-        workspace: scratch for the splits (:class:`DecodeWorkspace`, e.g. one per executor,
-            so that captured steps allocate nothing); ``None``: allocated per call.
-        positions: ``[requests]`` global position of each row (any int dtype and stride);
-            needed with ``rows_per_request > 1``.
-        rows_per_request: the most rows (query tokens) one request has (``1 + k``);
-            1: one program per row.
-        tokens_per_superblock: ``tokens_per_block * cp_size`` (with ``rows_per_request >
-            1``: a row continues the one before it when its position is one more and its
-            superblock id, at its position, the same).
-        out_dtype: dtype of ``output`` (default the accumulation dtype), e.g. the model's
-            at cp = 1, where the output goes straight into the output projection: stored
-            rounded once, as a cast of the accumulation-dtype output would be.
+            dim contiguous).
+        block_table, local_lens, tokens_per_block: the rows' metadata, as
+            :class:`DecodeAttentionPlan` takes it (at least ``requests`` rows; the first
+            ``requests`` are read).
+        options: the plan's keywords (``scale``, ``num_splits``, ``workspace``,
+            ``positions``, ``rows_per_request``, ``tokens_per_superblock``, ``out_dtype``).
 
     Returns:
         :class:`~helix_kv.executor.attention.PartialAttention`: ``output``
         ``[requests, q_heads, head_dim]`` (``out_dtype``) and ``lse`` ``[requests, q_heads]``
         in :func:`~helix_kv.executor.attention.accumulation_dtype` of the query.
     """
-    requests, q_heads, head_dim = query.shape
-    kv_heads = key_cache.shape[1]
-    if key_cache.shape != value_cache.shape or key_cache.shape[2] != head_dim:
+    if query.dim() != 3 or key_cache.dim() != 3:
         raise ValueError(
-            f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} do not match "
-            f"query {tuple(query.shape)}"
+            f"query {tuple(query.shape)} / key cache {tuple(key_cache.shape)} must be "
+            "[requests, q_heads, head_dim] / [slots, kv_heads, head_dim]"
         )
-    if q_heads % kv_heads:
-        raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} kv heads")
-    if block_table.dim() != 2 or block_table.shape[0] < requests or local_lens.shape[0] < requests:
+    rows, q_heads, head_dim = query.shape
+    plan = DecodeAttentionPlan(
+        *_first_rows(rows, block_table, local_lens),
+        tokens_per_block,
+        q_heads=q_heads,
+        kv_heads=key_cache.shape[1],
+        head_dim=head_dim,
+        dtype=query.dtype,
+        **options,
+    )
+    return plan.run(query, key_cache, value_cache)
+
+
+def _first_rows(
+    rows: int, block_table: torch.Tensor, local_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The metadata of a one-shot call's ``rows`` rows (views), if the tables cover them."""
+    if block_table.dim() != 2 or len(block_table) < rows or local_lens.shape[0] < rows:
         raise ValueError(
             f"block table {tuple(block_table.shape)} / local lens {tuple(local_lens.shape)} "
-            f"do not cover {requests} requests"
+            f"do not cover {rows} rows"
         )
-    for name, tensor in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim")
-    if block_table.shape[1] and block_table.stride(1) != 1:
-        raise ValueError("block_table must have contiguous rows")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
-    if rows_per_request < 1:
-        raise ValueError(f"rows_per_request must be at least 1, got {rows_per_request}")
-    if rows_per_request > 1 and (
-        positions is None
-        or positions.shape[0] < requests
-        or tokens_per_superblock is None
-        or tokens_per_superblock < 1
-    ):
-        raise ValueError(
-            "rows_per_request > 1 needs the rows' positions and tokens_per_superblock >= 1"
-        )
-    group = q_heads // kv_heads
-    compute_dtype = accumulation_dtype(query.dtype)
-    output = query.new_empty(query.shape, dtype=out_dtype or compute_dtype)
-    lse = query.new_empty((requests, q_heads), dtype=compute_dtype)
-    if requests == 0:
-        return PartialAttention(output, lse)
-    _check_device(query.device)
-    width = block_table.shape[1]
-    if rows_per_request > 1 and not _groups_rows(rows_per_request, group):
-        rows_per_request = 1  # too many query slots for one program: one program per row
-    splits, pages_per_split = _resolve_splits(
-        _split_programs(requests, rows_per_request, group),
-        kv_heads,
-        width,
-        tokens_per_block,
-        num_splits,
-    )
-    acc_fp64 = compute_dtype == torch.float64
-    # tensor-core dots, except float64 on a GPU (the interpreter runs float64 dots exactly)
-    use_dot = not (acc_fp64 and query.device.type == "cuda")
-    # tl.dot needs tiles of at least _DOT_MIN on each side; both kernels take the same tiles.
-    block_n = max(_DOT_MIN, DECODE_BLOCK_KEYS) if use_dot else DECODE_BLOCK_KEYS
-    block_d = max(_DOT_MIN, _next_power_of_2(head_dim)) if use_dot else _next_power_of_2(head_dim)
-    if splits == 1:
-        # one pass: keys_per_split covers every key the table can hold, results stored directly
-        part_out, part_lse = output, lse
-        split_out_stride = split_lse_stride = 0
-        keys_per_split = max(1, width * tokens_per_block)
-    else:
-        if workspace is None:
-            workspace = DecodeWorkspace.allocate(
-                requests, q_heads, head_dim, splits, query.dtype, query.device
-            )
-        elif not workspace.fits(requests, q_heads, head_dim, splits, query.dtype):
+    return block_table[:rows], local_lens[:rows]
+
+
+class MLADecodeAttentionPlan:
+    """One step's multi-head latent attention (DeepSeek-V3, absorbed form), planned once and
+    run once per layer, as :class:`DecodeAttentionPlan` is (its ``block_table``,
+    ``local_lens``, ``tokens_per_block``, ``num_splits`` and ``workspace``, with
+    :meth:`DecodeWorkspace.for_mla_decode`'s scratch: ``head_dim`` the latent dim).
+
+    Every query head attends to the one latent head of the cache: key ``j`` of a row is the
+    cache row ``c`` of its slot (the compressed KV latent, then its RoPE key), its value the
+    latent ``c[:latent_dim]``; ``score = scale * query[row, head] . c`` over the whole row.
+    One program per (row, tile of query heads, split) loads each block of cache rows once for
+    the score and the value products of all its heads; the split rule
+    (:func:`decode_splits`) counts rows x head tiles as its programs, with the tiling's
+    program targets (:func:`mla_tiling`).
+
+    Args:
+        heads: query heads per row.
+        head_dim: the cache rows' and the queries' width, ``latent_dim + rope_dim``.
+        latent_dim: the latent's width (the values' dim); ``rope_dim`` is the rest, both at
+            least 1.
+        dtype: the queries' dtype; ``kv_dtype``: the cache's (default ``dtype``), which
+            the tiles depend on.
+        scale: score scale (DeepSeek-V3: ``1 / sqrt(qk_nope_dim + qk_rope_dim)``, times its
+            YaRN factor where it applies).
+    """
+
+    def __init__(
+        self,
+        block_table: torch.Tensor,
+        local_lens: torch.Tensor,
+        tokens_per_block: int,
+        *,
+        heads: int,
+        head_dim: int,
+        latent_dim: int,
+        dtype: torch.dtype,
+        scale: float,
+        kv_dtype: torch.dtype | None = None,
+        num_splits: int | None = None,
+        workspace: DecodeWorkspace | None = None,
+    ) -> None:
+        rows = _check_step_rows(block_table, local_lens, num_splits)
+        if not 1 <= latent_dim < head_dim:
             raise ValueError(
-                f"workspace of {workspace.row_splits} (request, split) pairs x "
-                f"{workspace.q_heads} heads x {workspace.head_dim} "
-                f"{workspace.output_scratch.dtype} does not fit {requests} requests x "
-                f"{splits} splits x {q_heads} heads x {head_dim} of {query.dtype}"
+                f"latent_dim {latent_dim} must leave a RoPE part of at least 1 of the "
+                f"query's {head_dim}"
             )
-        part_out, part_lse = workspace.views(requests, splits)
-        split_out_stride, split_lse_stride = part_out.stride(2), part_lse.stride(2)
-        keys_per_split = pages_per_split * tokens_per_block
-    kernels = _kernels()
-    if rows_per_request > 1:
-        assert positions is not None
-        assert tokens_per_superblock is not None
-        rows_p2 = _next_power_of_2(rows_per_request)
-        block_group = _next_power_of_2(group)
-        if use_dot:  # the dot's query side (rows x heads) at least _DOT_MIN
-            block_group = max(block_group, -(-_DOT_MIN // rows_p2))
-        kernels.verify_attention_kernel[(requests, kv_heads, splits)](
+        self.block_table, self.local_lens = block_table, local_lens
+        self.tokens_per_block = tokens_per_block
+        self.rows, self.heads, self.head_dim, self.latent_dim = rows, heads, head_dim, latent_dim
+        self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
+        # float arguments reach the kernel in float32: the scale in two parts, hi + lo
+        self.scale_hi = struct.unpack("f", struct.pack("f", scale))[0]
+        self.scale_lo = scale - self.scale_hi
+        self.lse_dtype = accumulation_dtype(dtype)
+        if rows == 0 or heads == 0:  # nothing to attend: the runs return empty results
+            return
+        device = block_table.device
+        _check_device(device)
+        width = block_table.shape[1]
+        use_dot = _use_dot(dtype, device)
+        self.block_heads = _mla_block_heads(heads, latent_dim, use_dot)
+        splits = _mla_splits(rows, heads, latent_dim, use_dot, width, tokens_per_block, num_splits)
+        self.splits = _plan_splits(
+            rows, heads, latent_dim, splits, width, tokens_per_block, workspace, dtype, device
+        )
+        self.tiles = self._tiles(use_dot)
+
+    def _tiles(self, use_dot: bool) -> dict[str, Any]:
+        """The kernel's tile sizes and launch options: the tiling's (:func:`mla_tiling`)
+        with dots, their own without (float64 on a GPU: broadcast products)."""
+        block_l = _next_power_of_2(self.latent_dim)
+        block_r = _next_power_of_2(self.head_dim - self.latent_dim)
+        tiling = mla_tiling(self.heads)
+        if use_dot:
+            block_l, block_r = max(_DOT_MIN, block_l), max(_DOT_MIN, block_r)
+            block_n, num_warps, num_stages = tiling.block_keys, tiling.num_warps, tiling.num_stages
+            if max(self.dtype.itemsize, self.kv_dtype.itemsize) > 2:
+                # float32 tiles take twice the shared memory: 16 keys a block and at most two
+                # buffers keep every tiling within Hopper's 227 KB a program (64 heads: 221 KB)
+                block_n, num_stages = _DOT_MIN, min(num_stages, 3)
+        else:  # float64 on a GPU: broadcast products, their own tiles (the loop is the tiling's)
+            block_n, num_warps, num_stages = _MLA_NODOT_KEYS, _MLA_NODOT_WARPS, _MLA_NODOT_STAGES
+        return {
+            "BLOCK_H": self.block_heads,
+            "BLOCK_N": block_n,
+            "BLOCK_L": block_l,
+            "BLOCK_R": block_r,
+            "ACC_FP64": self.lse_dtype == torch.float64,
+            "USE_DOT": use_dot,
+            "PREFETCH": tiling.prefetch,
+            "num_warps": num_warps,
+            "num_stages": num_stages,
+        }
+
+    def run(self, query: torch.Tensor, latent_cache: torch.Tensor) -> PartialAttention:
+        """This rank's partial attention of one layer: ``query`` ``[rows, heads,
+        head_dim]`` (each head's absorbed query, its no-RoPE query times its key
+        up-projection, then its rotated RoPE query) and the layer's cache ``[slots, 1,
+        head_dim]`` (last dims contiguous); ``output`` ``[rows, heads, latent_dim]`` and
+        ``lse`` ``[rows, heads]`` in the accumulation dtype."""
+        _check_layer_tensor("query", query, (self.rows, self.heads, self.head_dim))
+        _check_layer_tensor("latent_cache", latent_cache, (-1, 1, self.head_dim))
+        if (query.dtype, latent_cache.dtype) != (self.dtype, self.kv_dtype):
+            raise ValueError(
+                f"query / cache of {query.dtype} / {latent_cache.dtype}, the plan's of "
+                f"{self.dtype} / {self.kv_dtype}"
+            )
+        output = query.new_empty((self.rows, self.heads, self.latent_dim), dtype=self.lse_dtype)
+        lse = query.new_empty((self.rows, self.heads), dtype=self.lse_dtype)
+        if self.rows == 0 or self.heads == 0:
+            return PartialAttention(output, lse)
+        part_out, part_lse, part_strides = self.splits.targets(output, lse)
+        grid = (self.rows, -(-self.heads // self.block_heads), self.splits.count)
+        _kernels().mla_decode_attention_kernel[grid](
             query,
-            key_cache,
-            value_cache,
-            block_table,
-            local_lens,
-            positions,
+            latent_cache,
+            self.block_table,
+            self.local_lens,
             part_out,
             part_lse,
-            1.0 / math.sqrt(head_dim) if scale is None else scale,
-            tokens_per_block,
-            tokens_per_superblock,
-            keys_per_split,
-            group,
-            head_dim,
-            requests,
-            width,
+            self.scale_hi,
+            self.scale_lo,
+            self.tokens_per_block,
+            self.splits.keys_per_split,
+            self.heads,
+            self.latent_dim,
+            self.head_dim - self.latent_dim,
+            # the last dims are contiguous (checked), the cache has one head
             *query.stride()[:2],
-            *key_cache.stride()[:2],
-            *value_cache.stride()[:2],
-            block_table.stride(0),
-            local_lens.stride(0),
-            positions.stride(0),
-            part_out.stride(0),
-            part_out.stride(1),
-            split_out_stride,
-            part_lse.stride(0),
-            part_lse.stride(1),
-            split_lse_stride,
-            ROWS=rows_p2,
-            BLOCK_GROUP=block_group,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            ACC_FP64=acc_fp64,
-            USE_DOT=use_dot,
-            num_warps=DECODE_NUM_WARPS,
-            num_stages=DECODE_NUM_STAGES,
+            latent_cache.stride(0),
+            self.block_table.stride(0),
+            self.local_lens.stride(0),
+            *part_strides,
+            **self.tiles,
         )
-    else:
-        kernels.decode_attention_kernel[(requests, kv_heads, splits)](
-            query,
-            key_cache,
-            value_cache,
-            block_table,
-            local_lens,
-            part_out,
-            part_lse,
-            1.0 / math.sqrt(head_dim) if scale is None else scale,
-            tokens_per_block,
-            keys_per_split,
-            group,
-            head_dim,
-            # the last dims are contiguous (checked above): their strides are not passed
-            *query.stride()[:2],
-            *key_cache.stride()[:2],
-            *value_cache.stride()[:2],
-            block_table.stride(0),
-            local_lens.stride(0),
-            part_out.stride(0),
-            part_out.stride(1),
-            split_out_stride,
-            part_lse.stride(0),
-            part_lse.stride(1),
-            split_lse_stride,
-            BLOCK_G=max(_DOT_MIN, _next_power_of_2(group)) if use_dot else _next_power_of_2(group),
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            ACC_FP64=acc_fp64,
-            USE_DOT=use_dot,
-            num_warps=DECODE_NUM_WARPS,
-            num_stages=DECODE_NUM_STAGES,
-        )
-    if splits > 1:
-        kernels.combine_splits_kernel[(requests, q_heads)](
-            part_out,
-            part_lse,
-            output,
-            lse,
-            splits,
-            head_dim,
-            *part_out.stride()[:3],
-            *part_lse.stride()[:3],
-            *output.stride()[:2],
-            *lse.stride()[:2],
-            BLOCK_S=_next_power_of_2(splits),
-            BLOCK_D=_next_power_of_2(head_dim),
-            ACC_FP64=acc_fp64,
-        )
-    return PartialAttention(output, lse)
+        if self.splits.count > 1:
+            # the latent in chunks: a [splits, chunk] tile of at most MLA_COMBINE_ELEMENTS
+            block_s = _next_power_of_2(self.splits.count)
+            block_c = min(
+                _next_power_of_2(self.latent_dim), max(16, MLA_COMBINE_ELEMENTS // block_s)
+            )
+            _combine_splits(part_out, part_lse, output, lse, block_c, self.tiles["ACC_FP64"])
+        return PartialAttention(output, lse)
 
 
 def paged_mla_decode_attention(
@@ -772,39 +1046,21 @@ def paged_mla_decode_attention(
     workspace: DecodeWorkspace | None = None,
 ) -> PartialAttention:
     """Multi-head latent attention (DeepSeek-V3, absorbed form) of one decode query per row
-    over this rank's paged latent cache.
+    over this rank's paged latent cache, in one call: an :class:`MLADecodeAttentionPlan` of
+    the query's rows, run once (a model plans once a step and runs the plan per layer).
 
-    Every query head attends to the one latent head of the cache: key ``j`` of a row is the
-    cache row ``c`` of its slot (the compressed KV latent, then its RoPE key), its value the
-    latent ``c[:latent_dim]``; ``score = scale * query[row, head] . c`` over the whole row.
-    Masks, slots, splits and results are those of :func:`paged_decode_attention`: local key
-    ``j`` is visible iff ``j < local_lens[row]`` and sits in slot
-    ``block_table[row, j // tokens_per_block] * tokens_per_block + j % tokens_per_block``.
-    One program per (row, tile of query heads, split) loads each block of cache rows once for
-    the score and the value products of all its heads; the split rule
-    (:func:`decode_splits`) counts rows x head tiles as its programs. The same result as
-    :func:`~helix_kv.executor.attention.partial_attention` with ``key`` the gathered cache
-    rows, ``value`` their latents and one kv head, to rounding.
+    Masks, slots, splits and results are those of :func:`paged_decode_attention`; the same
+    result as :func:`~helix_kv.executor.attention.partial_attention` with ``key`` the
+    gathered cache rows, ``value`` their latents and one kv head, to rounding.
 
     Args:
         query: ``[rows, heads, latent_dim + rope_dim]`` (last dim contiguous): each head's
-            absorbed query (its no-RoPE query times its key up-projection) followed by its
-            rotated RoPE query.
+            absorbed query followed by its rotated RoPE query.
         latent_cache: one layer of the pool, ``[slots, 1, latent_dim + rope_dim]`` (last dim
             contiguous).
-        block_table: ``[rows, width]`` page ids (any int dtype, any row stride, column stride
-            1); only the first ``ceil(local_len / tokens_per_block)`` are read.
-        local_lens: ``[rows]`` keys this rank holds of each row (any int dtype, any stride);
-            ``0`` gives output 0 and LSE ``-inf`` (e.g. a padding row).
-        tokens_per_block: slots per page.
-        latent_dim: the latent's width (the values' dim); ``rope_dim`` is the rest of the
-            query's last dim, both at least 1.
-        scale: score scale (DeepSeek-V3: ``1 / sqrt(qk_nope_dim + qk_rope_dim)``, times its
-            YaRN factor where it applies).
-        num_splits: splits per row; ``None``: :func:`decode_splits` of the static sizes (or
-            ``HELIX_KV_DECODE_SPLITS`` where set); capped at the table's width in pages.
-        workspace: scratch for the splits (:meth:`DecodeWorkspace.for_mla_decode`, with
-            ``head_dim`` the latent dim); ``None``: allocated per call.
+        block_table, local_lens, tokens_per_block, latent_dim, scale, num_splits,
+            workspace: as :class:`MLADecodeAttentionPlan` takes them (the tables at least
+            ``rows`` rows; the first ``rows`` are read).
 
     Returns:
         :class:`~helix_kv.executor.attention.PartialAttention`: ``output``
@@ -817,130 +1073,24 @@ def paged_mla_decode_attention(
             f"[rows, heads, dim] / [slots, 1, dim]"
         )
     rows, heads, dim = query.shape
-    if latent_cache.shape[1] != 1 or latent_cache.shape[2] != dim:
+    if latent_cache.shape[1:] != (1, dim):
         raise ValueError(
             f"latent cache {tuple(latent_cache.shape)} does not match query "
             f"{tuple(query.shape)}: it must be [slots, 1, {dim}]"
         )
-    if not 1 <= latent_dim < dim:
-        raise ValueError(
-            f"latent_dim {latent_dim} must leave a RoPE part of at least 1 of the query's {dim}"
-        )
-    if block_table.dim() != 2 or block_table.shape[0] < rows or local_lens.shape[0] < rows:
-        raise ValueError(
-            f"block table {tuple(block_table.shape)} / local lens {tuple(local_lens.shape)} "
-            f"do not cover {rows} rows"
-        )
-    for name, tensor in (("query", query), ("latent_cache", latent_cache)):
-        if tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim")
-    if block_table.shape[1] and block_table.stride(1) != 1:
-        raise ValueError("block_table must have contiguous rows")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
-    rope_dim = dim - latent_dim
-    compute_dtype = accumulation_dtype(query.dtype)
-    output = query.new_empty((rows, heads, latent_dim), dtype=compute_dtype)
-    lse = query.new_empty((rows, heads), dtype=compute_dtype)
-    if rows == 0 or heads == 0:
-        return PartialAttention(output, lse)
-    _check_device(query.device)
-    width = block_table.shape[1]
-    use_dot = _use_dot(query.dtype, query.device)
-    block_h = _mla_block_heads(heads, latent_dim, use_dot)
-    tiles = -(-heads // block_h)
-    splits, pages_per_split = _mla_splits(
-        rows, heads, latent_dim, use_dot, width, tokens_per_block, num_splits
-    )
-    tiling = mla_tiling(heads)
-    block_l, block_r = _next_power_of_2(latent_dim), _next_power_of_2(rope_dim)
-    if use_dot:
-        block_l, block_r = max(_DOT_MIN, block_l), max(_DOT_MIN, block_r)
-        block_n, num_warps, num_stages = tiling.block_keys, tiling.num_warps, tiling.num_stages
-        if max(query.element_size(), latent_cache.element_size()) > 2:
-            # float32 tiles take twice the shared memory: 16 keys a block and at most two
-            # buffers keep every tiling within Hopper's 227 KB a program (64 heads: 221 KB)
-            block_n, num_stages = _DOT_MIN, min(num_stages, 3)
-    else:  # float64 on a GPU: broadcast products, their own tiles (the loop is the tiling's)
-        block_n, num_warps, num_stages = _MLA_NODOT_KEYS, _MLA_NODOT_WARPS, _MLA_NODOT_STAGES
-    if splits == 1:
-        part_out, part_lse = output, lse
-        split_out_stride = split_lse_stride = 0
-        keys_per_split = max(1, width * tokens_per_block)
-    else:
-        if workspace is None:
-            workspace = DecodeWorkspace.allocate(
-                rows, heads, latent_dim, splits, query.dtype, query.device
-            )
-        elif not workspace.fits(rows, heads, latent_dim, splits, query.dtype):
-            raise ValueError(
-                f"workspace of {workspace.row_splits} (request, split) pairs x "
-                f"{workspace.q_heads} heads x {workspace.head_dim} "
-                f"{workspace.output_scratch.dtype} does not fit {rows} rows x "
-                f"{splits} splits x {heads} heads x {latent_dim} of {query.dtype}"
-            )
-        part_out, part_lse = workspace.views(rows, splits)
-        split_out_stride, split_lse_stride = part_out.stride(2), part_lse.stride(2)
-        keys_per_split = pages_per_split * tokens_per_block
-    acc_fp64 = compute_dtype == torch.float64
-    # float arguments reach the kernel in float32: the scale in two parts, hi + lo
-    scale_hi = struct.unpack("f", struct.pack("f", scale))[0]
-    kernels = _kernels()
-    kernels.mla_decode_attention_kernel[(rows, tiles, splits)](
-        query,
-        latent_cache,
-        block_table,
-        local_lens,
-        part_out,
-        part_lse,
-        scale_hi,
-        scale - scale_hi,
+    plan = MLADecodeAttentionPlan(
+        *_first_rows(rows, block_table, local_lens),
         tokens_per_block,
-        keys_per_split,
-        heads,
-        latent_dim,
-        rope_dim,
-        # the last dims are contiguous (checked above), the cache has one head
-        *query.stride()[:2],
-        latent_cache.stride(0),
-        block_table.stride(0),
-        local_lens.stride(0),
-        part_out.stride(0),
-        part_out.stride(1),
-        split_out_stride,
-        part_lse.stride(0),
-        part_lse.stride(1),
-        split_lse_stride,
-        BLOCK_H=block_h,
-        BLOCK_N=block_n,
-        BLOCK_L=block_l,
-        BLOCK_R=block_r,
-        ACC_FP64=acc_fp64,
-        USE_DOT=use_dot,
-        PREFETCH=tiling.prefetch,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        heads=heads,
+        head_dim=dim,
+        latent_dim=latent_dim,
+        dtype=query.dtype,
+        scale=scale,
+        kv_dtype=latent_cache.dtype,
+        num_splits=num_splits,
+        workspace=workspace,
     )
-    if splits > 1:
-        block_s = _next_power_of_2(splits)
-        # the latent in chunks: a [splits, chunk] tile of at most MLA_COMBINE_ELEMENTS
-        block_c = min(_next_power_of_2(latent_dim), max(16, MLA_COMBINE_ELEMENTS // block_s))
-        kernels.combine_splits_kernel[(rows, heads, -(-latent_dim // block_c))](
-            part_out,
-            part_lse,
-            output,
-            lse,
-            splits,
-            latent_dim,
-            *part_out.stride()[:3],
-            *part_lse.stride()[:3],
-            *output.stride()[:2],
-            *lse.stride()[:2],
-            BLOCK_S=block_s,
-            BLOCK_D=block_c,
-            ACC_FP64=acc_fp64,
-        )
-    return PartialAttention(output, lse)
+    return plan.run(query, latent_cache)
 
 
 def write_paged_kv(
@@ -1011,7 +1161,9 @@ __all__ = [
     "DECODE_TARGET_PROGRAMS",
     "MLA_TILINGS",
     "MLA_TILING_TABLE",
+    "DecodeAttentionPlan",
     "DecodeWorkspace",
+    "MLADecodeAttentionPlan",
     "MLATiling",
     "decode_splits",
     "interpreted",

@@ -44,7 +44,6 @@ import torch.distributed as dist
 from helix_kv._renamed import Renamed, renamed_fields, renamed_keywords
 from helix_kv.distributed import EngineConfig, HelixKVRank
 from helix_kv.distributed.launch import spawn_group
-from helix_kv.errors import HelixKVError
 from helix_kv.executor.decode_step import DecodeLayout, DecodeMetadata, DecodeStep
 from helix_kv.executor.drafter import NgramDrafter, greedy_acceptance
 from helix_kv.executor.host_pool import HostKVPool
@@ -281,37 +280,27 @@ def run_rank(
     With ``config.cp_size > 1`` a process group of ``cp_size`` ranks must be initialised
     (``group`` or the default group); this process is its rank ``dist.get_rank(group)``.
     """
-    device = _device(config.device)
-    dtype = getattr(torch, config.dtype)
-    kv_dtype = getattr(torch, config.kv_dtype) if config.kv_dtype else dtype
-    fast_path = config.decode_kernel or config.cuda_graphs
-    model = build_model(config.model, dtype, device, fast_path)
-    geometry = model.config
+    return _RankRun(prompts, max_new_tokens, config, group).run()
+
+
+def _engine_config(
+    config: ExecutorConfig, model: ModelConfig, kv_dtype: torch.dtype
+) -> EngineConfig:
+    """The ``EngineConfig`` of a run: the model's KV geometry, the run's batch limits and
+    scheduler options (its drafts; its host tier, in pages, as helix_kv's own)."""
     options = dict(config.scheduler_options)
     if config.num_speculative_tokens:
         options["num_speculative_tokens"] = config.num_speculative_tokens
     engine = EngineConfig(
-        num_layers=geometry.num_layers,
-        num_kv_heads=geometry.cache_heads,
-        head_dim=geometry.cache_head_dim,
-        kv_factor=geometry.kv_factor,
+        num_layers=model.num_layers,
+        num_kv_heads=model.cache_heads,
+        head_dim=model.cache_head_dim,
+        kv_factor=model.kv_factor,
         dtype_bytes=torch.empty((), dtype=kv_dtype).element_size(),
         tokens_per_block=config.tokens_per_block,
         max_batch_size=config.max_batch_size,
         max_num_tokens=config.max_num_tokens,
         **options,
-    )
-    spec_tokens = int(engine.num_speculative_tokens)
-    eos_ids = _eos_ids(config.eos_token_id)
-    drafter = (
-        NgramDrafter(
-            spec_tokens,
-            config.drafter_max_ngram,
-            config.drafter_min_ngram,
-            config.drafter_max_search,
-        )
-        if spec_tokens
-        else None
     )
     if config.host_tier_pages:
         engine = dataclasses.replace(
@@ -319,159 +308,216 @@ def run_rank(
             aggregated_host_tier=True,
             host_cache_bytes=config.host_tier_pages * engine.page_bytes,
         )
+    return engine
 
-    def allocate_pool(built: HelixKVRank) -> KVPool:
-        placement = RankPlacement(built.cp_size, config.tokens_per_block, built.cp_rank)
-        return model.new_kv_pool(placement, built.capacity_superblocks, kv_dtype)
 
-    # quota sync (MIN over the ranks' budgets) + init-status sync + optional schedule check
-    helix = HelixKVRank.create(
-        engine,
-        config.kv_superblocks * engine.page_bytes,
-        group,
-        allocate=allocate_pool,
-        check_schedule=config.check_schedule,
-    )
-    if helix.cp_size != config.cp_size:
-        raise ValueError(
-            f"cp_size = {config.cp_size} but the process group has {helix.cp_size} ranks"
+class _RankRun:
+    """One rank's run: its model, its :class:`HelixKVRank` and pools, the step driver and
+    the decode fast path, and what the run records (:attr:`result`). :meth:`run` is the
+    loop; :meth:`launch` queues a step, :meth:`close` feeds one its tokens."""
+
+    def __init__(
+        self,
+        prompts: Prompts,
+        max_new_tokens: int | Mapping[int, int],
+        config: ExecutorConfig,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.config = config
+        self.group = group
+        self.device = _device(config.device)
+        dtype = getattr(torch, config.dtype)
+        self.kv_dtype = getattr(torch, config.kv_dtype) if config.kv_dtype else dtype
+        fast_path = config.decode_kernel or config.cuda_graphs
+        self.model = build_model(config.model, dtype, self.device, fast_path)
+        engine = _engine_config(config, self.model.config, self.kv_dtype)
+        self.spec_tokens = int(engine.num_speculative_tokens)
+        self.eos_ids = _eos_ids(config.eos_token_id)
+        self.drafter = (
+            NgramDrafter(
+                self.spec_tokens,
+                config.drafter_max_ngram,
+                config.drafter_min_ngram,
+                config.drafter_max_search,
+            )
+            if self.spec_tokens
+            else None
         )
-    cp_rank, pool = helix.cp_rank, helix.kv_storage
-    placement = pool.placement
-    host_pool = (
-        HostKVPool(pool, helix.host_tier_superblocks) if helix.host_tier_superblocks else None
-    )
-    # The loop drives the scheduler contract (helix_kv.contract.SchedulerProtocol) through
-    # ``helix``; only the step plan reads this rank's block tables from its scheduler.
-    for request_id, prompt in prompts.items():
-        budget = max_new_tokens if isinstance(max_new_tokens, int) else max_new_tokens[request_id]
-        helix.add_request(int(request_id), np.asarray(prompt, dtype=np.int32), budget)
+        # quota sync (MIN over the ranks' budgets) + init-status sync + optional schedule check
+        self.helix = HelixKVRank.create(
+            engine,
+            config.kv_superblocks * engine.page_bytes,
+            group,
+            allocate=self._allocate_pool,
+            check_schedule=config.check_schedule,
+        )
+        helix = self.helix
+        if helix.cp_size != config.cp_size:
+            raise ValueError(
+                f"cp_size = {config.cp_size} but the process group has {helix.cp_size} ranks"
+            )
+        self.pool: KVPool = helix.kv_storage
+        self.host_pool = (
+            HostKVPool(self.pool, helix.host_tier_superblocks)
+            if helix.host_tier_superblocks
+            else None
+        )
+        # The loop drives the scheduler contract (helix_kv.contract.SchedulerProtocol) through
+        # ``helix``; only the step plan reads this rank's block tables from its scheduler.
+        for request_id, prompt in prompts.items():
+            budget = (
+                max_new_tokens if isinstance(max_new_tokens, int) else max_new_tokens[request_id]
+            )
+            helix.add_request(int(request_id), np.asarray(prompt, dtype=np.int32), budget)
+        self.combine = group_combine(group)
+        self.decode_step = self._decode_step(prompts, max_new_tokens) if fast_path else None
+        self.result = RunResult(helix.cp_rank, {}, {}, {}, [], [], helix.capacity_superblocks)
+        self.logits_rows: dict[int, list[np.ndarray]] = {}
+        self.gather = DecodeInputGather(self.device)
+        self.readback = TokenReadback(self.device)
+        self.timeline = StepTimeline(self.device, enabled=config.step_timeline)
+        self.broadcast_src = dist.get_global_rank(group, 0) if group else 0
+        self.driver: StepDriver[_LaunchedStep] = StepDriver(helix, one_step_ahead=config.overlap)
+        #: The requests of the step closed last that sampled a token in it (drafting candidates).
+        self.last_sampled: list[int] = []
 
-    combine = group_combine(group)
-    decode_step = None
-    if fast_path:
+    def _allocate_pool(self, built: HelixKVRank) -> KVPool:
+        placement = RankPlacement(built.cp_size, self.config.tokens_per_block, built.cp_rank)
+        return self.model.new_kv_pool(placement, built.capacity_superblocks, self.kv_dtype)
+
+    def _decode_step(self, prompts: Prompts, max_new_tokens: int | Mapping[int, int]) -> DecodeStep:
+        """The decode fast path's buffers (and graphs): a row per query token, a block table
+        as wide as the longest request (prompt and new tokens) needs."""
+        config = self.config
         budgets = [max_new_tokens] if isinstance(max_new_tokens, int) else max_new_tokens.values()
         longest = max((len(p) for p in prompts.values()), default=1) + max(budgets, default=1)
+        placement = self.pool.placement
         max_pages = config.max_pages_per_request or placement.layout.superblocks_for(longest)
         # With drafts a row per query token: up to 1 + K per request, within the token budget.
         max_rows = config.max_batch_size
-        if spec_tokens:
+        if self.spec_tokens:
             max_rows = min(
-                config.max_batch_size * (1 + spec_tokens),
+                config.max_batch_size * (1 + self.spec_tokens),
                 max(config.max_batch_size, config.max_num_tokens),
             )
         buckets = config.graph_batch_sizes
         if buckets is not None:
             buckets = tuple(sorted({b for b in buckets if b < max_rows} | {max_rows}))
-        metadata = DecodeMetadata(DecodeLayout(max_rows, max_pages), device, buckets)
+        metadata = DecodeMetadata(DecodeLayout(max_rows, max_pages), self.device, buckets)
+        # grouped draft rows: the Llama family's kernel only
+        grouped = config.group_draft_rows and not self.model.mla
         # collective when graphed: every rank captures the same buckets in the same order
-        decode_step = DecodeStep(
-            model,
-            pool,
-            combine,
+        return DecodeStep(
+            self.model,
+            self.pool,
+            self.combine,
             metadata,
             config.cuda_graphs,
-            # grouped draft rows: the Llama family's kernel only
-            rows_per_request=1 + spec_tokens if config.group_draft_rows and not model.mla else 1,
+            rows_per_request=1 + self.spec_tokens if grouped else 1,
         )
-    result = RunResult(cp_rank, {}, {}, {}, [], [], helix.capacity_superblocks)
-    logits_rows: dict[int, list[np.ndarray]] = {}
-    gather, readback, timeline = (
-        DecodeInputGather(device),
-        TokenReadback(device),
-        StepTimeline(device, enabled=config.step_timeline),
-    )
-    broadcast_src = dist.get_global_rank(group, 0) if group else 0
-    driver: StepDriver[_LaunchedStep] = StepDriver(helix, one_step_ahead=config.overlap)
-    #: The requests of the step closed last that sampled a token in it (drafting candidates).
-    last_sampled: list[int] = []
 
-    def propose(drafter: NgramDrafter) -> None:
+    def run(self) -> RunResult:
+        """Launch and close steps until every request finished; the run's record."""
+        helix, driver, result = self.helix, self.driver, self.result
+        started = last_close = time.perf_counter()
+        while helix.has_unfinished() or driver.pending:
+            if helix.has_unfinished():
+                if len(result.digests) + driver.pending >= self.config.max_steps:
+                    raise RuntimeError(f"no completion after {self.config.max_steps} steps")
+                driver.launched(self.launch())
+            due = driver.due(final=not helix.has_unfinished())
+            if due is not None:
+                last_close = self.close(due.sampled, last_close)
+        result.total_s = time.perf_counter() - started
+        result.host_gap_us = self.timeline.gaps_us()
+        result.metrics = dict(helix.metrics().to_dict())
+        if self.host_pool is not None:
+            result.host_tier_superblocks = self.host_pool.num_pages
+            result.host_bytes_out = self.host_pool.bytes_out
+            result.host_bytes_in = self.host_pool.bytes_in
+        result.logits = {rid: np.stack(rows) for rid, rows in self.logits_rows.items()}
+        return result
+
+    def propose(self, drafter: NgramDrafter) -> None:
         """Drafts for the requests that may decode in the step scheduled next, from the
         tokens known on the host (identical on every rank). One step ahead, a request whose
         newest token is still being sampled by the pending step drafts past it (``skip=1``);
         one whose pending decode carries drafts is left out (it is not planned again before
         that step closes)."""
         skips: dict[int, int] = {}
-        pending = driver.newest
+        blocked: set[int] = set()
+        pending = self.driver.newest
         if pending is not None:
             p_out = pending.output
             p_gen = np.asarray(p_out.generation_ids, dtype=np.int64)
             p_drafted = generation_draft_counts(p_out, len(p_gen)) > 0
             p_ctx = np.asarray(p_out.context_ids, dtype=np.int64)
             p_done = np.asarray(p_out.context_completes, dtype=bool)
-            blocked = set(p_gen[p_drafted].tolist())
+            blocked.update(p_gen[p_drafted].tolist())
             for rid in p_gen[~p_drafted].tolist() + p_ctx[p_done].tolist():
                 skips[rid] = 1
-            for rid in p_ctx[~p_done].tolist():
-                blocked.add(rid)
-        else:
-            blocked = set()
-        for rid in last_sampled:
+            blocked.update(p_ctx[~p_done].tolist())
+        for rid in self.last_sampled:
             if rid not in skips and rid not in blocked:
                 skips[rid] = 0
-        ids = [rid for rid in skips if rid not in result.outputs]
+        ids = [rid for rid in skips if rid not in self.result.outputs]
         if not ids:
             return
-        histories = [helix.scheduler.tokens(rid) for rid in ids]
+        histories = [self.helix.scheduler.tokens(rid) for rid in ids]
         counts, tokens = drafter.propose(histories, [skips[rid] for rid in ids])
         drafted = counts > 0
         if drafted.any():
-            driver.propose_drafts(np.asarray(ids, dtype=np.int64)[drafted], counts[drafted], tokens)
-            result.proposed_draft_tokens += int(counts.sum())
+            ids_drafted = np.asarray(ids, dtype=np.int64)[drafted]
+            self.driver.propose_drafts(ids_drafted, counts[drafted], tokens)
+            self.result.proposed_draft_tokens += int(counts.sum())
 
-    def launch() -> _LaunchedStep:
+    def launch(self) -> _LaunchedStep:
         """Schedules the next step and queues its device work, after the step in flight's
-        (overlap mode: its sampled tokens are read on the device)."""
+        (overlap mode: its sampled tokens are read on the device): on the decode fast path
+        where it takes the step (also one step ahead: inputs in flight gathered in its
+        graph), else on the general path."""
+        result = self.result
         step_start = time.perf_counter()
-        if drafter is not None:
-            propose(drafter)
+        if self.drafter is not None:
+            self.propose(self.drafter)
             result.draft_us.append((time.perf_counter() - step_start) * 1e6)
-        out = driver.schedule()
+        out = self.driver.schedule()
         build_start = time.perf_counter()
         result.schedule_us.append((build_start - step_start) * 1e6)
-        _count_victims_that_generated(helix, out, result)
-        if host_pool is not None:
-            host_pool.copy_step(out)  # queued before anything of the step writes KV
-        if decode_step is not None:
-            # The fast path, also one step ahead (inputs in flight gathered in its graph).
-            launched = _launch_decode_step(
-                decode_step,
-                helix.scheduler,
-                out,
-                config,
-                result,
-                _previous_of(driver),
-                timeline,
-                (step_start, build_start),
-                group,
-                broadcast_src,
-            )
+        _count_victims_that_generated(self.helix, out, result)
+        if self.host_pool is not None:
+            self.host_pool.copy_step(out)  # queued before anything of the step writes KV
+        if self.decode_step is not None:
+            launched = self._launch_fast(self.decode_step, out, step_start, build_start)
             if launched is not None:
                 result.fast_path_steps += 1
                 return launched
-        plan = StepPlan.from_schedule(helix.scheduler, out, placement)
-        build_start += _start_timeline(timeline)  # instrumentation, not table building
+        return self._launch_general(out, step_start, build_start)
+
+    def _launch_general(self, out: Any, step_start: float, build_start: float) -> _LaunchedStep:
+        """Queues a step on the general path: its plan, the pool's staged tables, the
+        forward over every token, greedy samples."""
+        config, pool, model = self.config, self.pool, self.model
+        plan = StepPlan.from_schedule(self.helix.scheduler, out, pool.placement)
+        build_start += _start_timeline(self.timeline)  # instrumentation, not table building
         batch = pool.prepare(plan)
         token_offsets = plan.token_offsets  # a drafted entry's input token starts its tokens
-        driver.gather_inputs(
-            lambda entries, rows, previous: gather.apply(
+        self.driver.gather_inputs(
+            lambda entries, rows, previous: self.gather.apply(
                 batch.token_ids, token_offsets[entries], rows, previous.tokens
             )
         )
         if config.time_table_build:
-            _synchronize(device)
-            result.table_build_us.append((time.perf_counter() - build_start) * 1e6)
-        tokens = torch.zeros(out.num_samples, dtype=torch.int64, device=device)
+            _synchronize(self.device)
+            self.result.table_build_us.append((time.perf_counter() - build_start) * 1e6)
+        tokens = torch.zeros(out.num_samples, dtype=torch.int64, device=self.device)
         logits = None
         if plan.num_tokens:
-            logits = model.logits(model.forward(batch, pool, combine)[batch.sample_index])
+            logits = model.logits(model.forward(batch, pool, self.combine)[batch.sample_index])
             tokens = logits.argmax(dim=-1)
-        if config.cp_size > 1 and out.num_samples:
-            # ranks compute identical logits; broadcasting makes identical tokens a guarantee
-            dist.broadcast(tokens, src=broadcast_src, group=group)
-        host_tokens = readback.start(tokens)
-        timeline.end()
+        self._agree_on(tokens, out.num_samples)
+        host_tokens = self.readback.start(tokens)
+        self.timeline.end()
         kept_logits = logits if config.record_logits else None
         return _LaunchedStep(
             out,
@@ -484,11 +530,75 @@ def run_rank(
             step_start,
         )
 
-    def close(step: _LaunchedStep, last_close: float) -> float:
+    def _launch_fast(
+        self, step: DecodeStep, out: Any, step_start: float, build_start: float
+    ) -> _LaunchedStep | None:
+        """Queues a decode-only step on the fast path (its rows written by one core call, one
+        H2D copy, a graph replay); ``None`` (nothing queued) when the step has context chunks
+        or more rows or pages than the layout holds. Inputs still in flight (a previous step
+        pending, one step ahead) are gathered on the device from its samples."""
+        if len(out.context_ids) or not len(out.generation_ids):
+            return None
+        counts = step.metadata.fill_if_fits(self.helix.scheduler, out)
+        if counts is None:  # more rows or pages than the layout holds
+            return None
+        config, result = self.config, self.result
+        rows = counts.rows
+        result.fast_path_inputs_in_flight += counts.in_flight
+        if rows > len(out.generation_ids):  # one row per query token: drafts to verify
+            result.fast_path_draft_steps += 1
+        build_start += _start_timeline(self.timeline)  # instrumentation, not metadata work
+        if counts.in_flight:
+            previous = _previous_of(self.driver)
+            if previous is None:
+                raise RuntimeError(
+                    "the step reads sampled tokens of a previous step, but none is in flight"
+                )
+            if not previous.fast:  # a fast-path step sampled into step.tokens already
+                step.take_previous(previous.tokens)
+        self._run_rows(step, rows, build_start)
+        tokens = step.tokens[:rows]
+        self._agree_on(tokens, rows)
+        host_tokens = step.start_readback(rows)
+        self.timeline.end()
+        # The logits buffer is overwritten by the next step: kept ones are copied.
+        logits = step.logits[:rows].clone() if config.record_logits else None
+        entries = len(out.generation_ids)  # rows: one per query token (1 + drafts per entry)
+        return _LaunchedStep(
+            out, rows, entries, entries, tokens, host_tokens, logits, step_start, True
+        )
+
+    def _run_rows(self, step: DecodeStep, rows: int, build_start: float) -> None:
+        """Runs the fast-path step of the ``rows`` just filled, timing its tables if asked."""
+        result = self.result
+        if self.config.time_table_build and not step.graphed:
+            bucket = step.metadata.upload(rows)
+            result.metadata_host_us.append((time.perf_counter() - build_start) * 1e6)
+            step.metadata.wait_uploaded()
+            result.table_build_us.append((time.perf_counter() - build_start) * 1e6)
+            step.run(bucket)
+            return
+        if self.config.time_table_build:  # graphed: the copy is the graph's first node
+            ready_us = (time.perf_counter() - build_start) * 1e6
+            result.metadata_host_us.append(ready_us)
+            result.table_build_us.append(ready_us)
+        # Graphed: one replay (the H2D copy of the rows, then the forward), no event; the
+        # staging buffer is released when this step's readback is waited (close), before
+        # the step after next fills it (checked: StagingBufferBusy).
+        step.launch(rows)
+
+    def _agree_on(self, tokens: torch.Tensor, samples: int) -> None:
+        """Rank 0's samples on every rank: the ranks compute identical logits, and the
+        broadcast makes identical tokens a guarantee."""
+        if self.config.cp_size > 1 and samples:
+            dist.broadcast(tokens, src=self.broadcast_src, group=self.group)
+
+    def close(self, step: _LaunchedStep, last_close: float) -> float:
         """Feeds the oldest pending step its sampled tokens; returns when it closed."""
+        helix, result = self.helix, self.result
         helix.finish_check()  # before blocking on the step's device work (see finish_check)
         tokens = step.host_tokens.wait()
-        eos = None if eos_ids is None else np.isin(tokens, eos_ids)
+        eos = None if self.eos_ids is None else np.isin(tokens, self.eos_ids)
         out = step.out
         num_gen = len(out.generation_ids)
         drafts = generation_draft_counts(out, num_gen)
@@ -499,27 +609,14 @@ def run_rank(
             accepted, kept = greedy_acceptance(tokens, drafts, out.generation_draft_tokens, eos)
             generated = num_gen + int(accepted.sum())
             result.draft_steps += 1
-        finished = driver.complete(tokens, eos, accepted)
+        finished = self.driver.complete(tokens, eos, accepted)
         closed = time.perf_counter()
         sampled_ids = np.asarray(out.generation_ids, dtype=np.int64).tolist()
         ctx_done = np.asarray(out.context_completes, dtype=bool)
         sampled_ids += np.asarray(out.context_ids, dtype=np.int64)[ctx_done].tolist()
-        last_sampled[:] = sampled_ids
+        self.last_sampled[:] = sampled_ids
         if step.logits is not None:
-            # A request that finished (EOS) while this step was pending ran in it anyway;
-            # the scheduler dropped that token, so its row is not kept either; nor are the
-            # rows of rejected drafts.
-            ran = np.asarray(out.sample_ids, np.int64)
-            step_logits = step.logits
-            if kept is not None:
-                ran, step_logits = ran[kept], step_logits[torch.from_numpy(np.flatnonzero(kept))]
-            ran_ids = ran.tolist()
-            _record_logits(
-                logits_rows,
-                [rid for rid in ran_ids if rid not in result.outputs],
-                ran_ids,
-                step_logits,
-            )
+            self._keep_logits(out, step.logits, kept)
         # One step ahead, a step's host work overlaps the previous one's: its time is what
         # it added after the previous step closed.
         _account_step(
@@ -534,85 +631,18 @@ def run_rank(
         _take_finished(helix, result, finished)
         return closed
 
-    started = last_close = time.perf_counter()
-    while helix.has_unfinished() or driver.pending:
-        if helix.has_unfinished():
-            if len(result.digests) + driver.pending >= config.max_steps:
-                raise RuntimeError(f"no completion after {config.max_steps} steps")
-            driver.launched(launch())
-        due = driver.due(final=not helix.has_unfinished())
-        if due is not None:
-            last_close = close(due.sampled, last_close)
-    result.total_s = time.perf_counter() - started
-    result.host_gap_us = timeline.gaps_us()
-    result.metrics = dict(helix.metrics().to_dict())
-    if host_pool is not None:
-        result.host_tier_superblocks = host_pool.num_pages
-        result.host_bytes_out, result.host_bytes_in = host_pool.bytes_out, host_pool.bytes_in
-    result.logits = {rid: np.stack(rows) for rid, rows in logits_rows.items()}
-    return result
-
-
-def _launch_decode_step(
-    step: DecodeStep,
-    scheduler: Any,
-    out: Any,
-    config: ExecutorConfig,
-    result: RunResult,
-    previous: _LaunchedStep | None,
-    timeline: StepTimeline,
-    started: tuple[float, float],
-    group: dist.ProcessGroup | None,
-    broadcast_src: int,
-) -> _LaunchedStep | None:
-    """Queues a decode-only step on the fast path (its rows written by one core call, one
-    H2D copy, a graph replay); ``None`` (nothing queued) when the step has context chunks
-    or a request wider than the layout. Inputs still in flight (``previous`` pending, one
-    step ahead) are gathered on the device from the previous step's samples."""
-    if len(out.context_ids) or not len(out.generation_ids):
-        return None
-    try:
-        counts = step.metadata.fill_from_schedule(scheduler, out)
-    except (ValueError, HelixKVError):
-        return None
-    rows = counts.rows
-    result.fast_path_inputs_in_flight += counts.in_flight
-    if rows > len(out.generation_ids):  # one row per query token: drafts to verify
-        result.fast_path_draft_steps += 1
-    step_start, build_start = started
-    build_start += _start_timeline(timeline)  # instrumentation, not metadata work
-    if counts.in_flight:
-        if previous is None:
-            raise RuntimeError(
-                "the step reads sampled tokens of a previous step, but none is in flight"
-            )
-        if not previous.fast:  # a fast-path step sampled into step.tokens already
-            step.take_previous(previous.tokens)
-    if config.time_table_build and not step.graphed:
-        bucket = step.metadata.upload(rows)
-        result.metadata_host_us.append((time.perf_counter() - build_start) * 1e6)
-        step.metadata.wait_uploaded()
-        result.table_build_us.append((time.perf_counter() - build_start) * 1e6)
-        step.run(bucket)
-    else:
-        if config.time_table_build:  # graphed: the copy is the graph's first node
-            ready_us = (time.perf_counter() - build_start) * 1e6
-            result.metadata_host_us.append(ready_us)
-            result.table_build_us.append(ready_us)
-        # Graphed: one replay (the H2D copy of the rows, then the forward), no event; the
-        # staging buffer is released when this step's readback is waited (close), before
-        # the step after next fills it (checked: StagingBufferBusy).
-        step.launch(rows)
-    tokens = step.tokens[:rows]
-    if config.cp_size > 1:
-        # ranks compute identical logits; broadcasting makes identical tokens a guarantee
-        dist.broadcast(tokens, src=broadcast_src, group=group)
-    host_tokens = step.start_readback(rows)
-    timeline.end()
-    # The logits buffer is overwritten by the next step: kept ones are copied.
-    logits = step.logits[:rows].clone() if config.record_logits else None
-    entries = len(out.generation_ids)  # rows: one per query token (1 + drafts per entry)
-    return _LaunchedStep(out, rows, entries, entries, tokens, host_tokens, logits, step_start, True)
+    def _keep_logits(
+        self, out: Any, logits: torch.Tensor, kept: npt.NDArray[np.bool_] | None
+    ) -> None:
+        """Records the logits rows of a closed step (``record_logits``). A request that
+        finished (EOS) while this step was pending ran in it anyway; the scheduler dropped
+        that token, so its row is not kept either; nor are the rows of rejected drafts."""
+        ran = np.asarray(out.sample_ids, np.int64)
+        if kept is not None:
+            ran, logits = ran[kept], logits[torch.from_numpy(np.flatnonzero(kept))]
+        ran_ids = ran.tolist()
+        live = [rid for rid in ran_ids if rid not in self.result.outputs]
+        _record_logits(self.logits_rows, live, ran_ids, logits)
 
 
 def _previous_of(driver: StepDriver[_LaunchedStep]) -> _LaunchedStep | None:

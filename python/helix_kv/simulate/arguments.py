@@ -168,11 +168,31 @@ def _arrival_rate(text: str) -> float:
     return value
 
 
-def _fraction(text: str) -> float:
-    value = _number(text)
-    if not 0.0 <= value <= 1.0:  # also rejects NaN
-        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
-    return value
+def _number_in(low: float, high: float, what: str, *, open_low: bool = False) -> Any:
+    """A parser of a number in ``[low, high]`` (``(low, high]`` with ``open_low``; NaN is
+    in neither), refused as ``must be {what} in [low, high], got TEXT``."""
+    bounds = f"{'(' if open_low else '['}{_shown(low)}, {_shown(high)}]"
+
+    def parse(text: str) -> float:
+        value = _number(text)
+        above = value > low if open_low else value >= low
+        if not (above and value <= high):  # also rejects NaN
+            raise argparse.ArgumentTypeError(f"must be {what} in {bounds}, got {text}")
+        return value
+
+    parse.__name__ = f"{what} in {bounds}"
+    return parse
+
+
+def _shown(bound: float) -> str:
+    """A bound as the messages write it (a float in its shortest form, ``1e+06``)."""
+    return f"{bound:g}" if isinstance(bound, float) else str(bound)
+
+
+_fraction = _number_in(0, 1, "a fraction")
+_think_steps = _number_in(0, MAX_THINK_STEPS, "a number of steps")
+_request_rate = _number_in(0, MAX_REQUEST_RATE, "a number of requests per second", open_low=True)
+_think_s = _number_in(0, MAX_THINK_S, "a number of seconds")
 
 
 def _target_ms(text: str) -> float:
@@ -180,33 +200,6 @@ def _target_ms(text: str) -> float:
     value = _number(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number of ms > 0, got {text}")
-    return value
-
-
-def _think_steps(text: str) -> float:
-    value = _number(text)
-    if not 0.0 <= value <= MAX_THINK_STEPS:  # also rejects NaN
-        raise argparse.ArgumentTypeError(
-            f"must be a number of steps in [0, {MAX_THINK_STEPS}], got {text}"
-        )
-    return value
-
-
-def _request_rate(text: str) -> float:
-    value = _number(text)
-    if not 0.0 < value <= MAX_REQUEST_RATE:  # also rejects NaN
-        raise argparse.ArgumentTypeError(
-            f"must be a number of requests per second in (0, {MAX_REQUEST_RATE:g}], got {text}"
-        )
-    return value
-
-
-def _think_s(text: str) -> float:
-    value = _number(text)
-    if not 0.0 <= value <= MAX_THINK_S:  # also rejects NaN
-        raise argparse.ArgumentTypeError(
-            f"must be a number of seconds in [0, {MAX_THINK_S:g}], got {text}"
-        )
     return value
 
 
@@ -268,8 +261,29 @@ def _field_flag(group: argparse._ArgumentGroup, field: ConfigField, flag: str) -
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare every flag of ``helix-kv simulate`` on ``parser``."""
-    group = parser.add_argument_group("CP group and KV budget")
+    """Declare every flag of ``helix-kv simulate`` on ``parser``, group by group (the order
+    of ``--help``)."""
+    _add_group_flags(parser.add_argument_group("CP group and KV budget"))
+    _add_scheduler_flags(
+        parser.add_argument_group("scheduler (unset flags take the scheduler's defaults)")
+    )
+    workload = parser.add_argument_group("workload (synthetic unless --trace)")
+    _add_trace_source_flags(workload)
+    _add_arrival_flags(workload)
+    _add_length_flags(workload)
+    _add_conversation_flags(workload)
+    run = parser.add_argument_group("run and output")
+    _add_run_flags(run)
+    _add_record_flags(run)
+    _add_slo_flags(
+        parser.add_argument_group(
+            "service-level objectives (goodput: the requests that meet every one given)"
+        )
+    )
+
+
+def _add_group_flags(group: argparse._ArgumentGroup) -> None:
+    """The CP group, its page size and the KV budget (the simulator's own defaults)."""
     _integer_flag(
         group, "--cp", 1, MAX_CP, default=DEFAULT_CP, help="CP ranks (default: %(default)s)"
     )
@@ -291,7 +305,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "tokens_per_block*cp tokens (default: %(default)s)",
     )
 
-    group = parser.add_argument_group("scheduler (unset flags take the scheduler's defaults)")
+
+def _add_scheduler_flags(group: argparse._ArgumentGroup) -> None:
+    """A flag for every ``SchedulerConfig`` field (declared from the core's field, or by
+    hand: the host tier in tokens), and the draft model's acceptance."""
     for field in SchedulerConfig.FIELDS:
         if field.name == "host_tier_superblocks":
             _integer_flag(
@@ -314,7 +331,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         f"successes (default {DEFAULT_ACCEPTANCE})",
     )
 
-    group = parser.add_argument_group("workload (synthetic unless --trace)")
+
+def _add_trace_source_flags(group: argparse._ArgumentGroup) -> None:
+    """The trace a workload is read from and how its lines are read."""
     group.add_argument(
         "--trace",
         metavar="FILE",
@@ -336,6 +355,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_HASH_BLOCK_TOKENS}, the Mooncake traces')",
     )
     add_trace_flags(group)
+
+
+def _add_arrival_flags(group: argparse._ArgumentGroup) -> None:
+    """The synthetic workload's requests and when they arrive."""
     workload = DEFAULT_WORKLOAD
     _integer_flag(
         group, "--requests", 1, MAX_REQUESTS, help=f"requests (default {workload.num_requests})"
@@ -356,6 +379,11 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "run on the modelled clock of --step-time (default: the default model); with --turns "
         "the rate of new conversations",
     )
+
+
+def _add_length_flags(group: argparse._ArgumentGroup) -> None:
+    """The synthetic requests' lengths, priorities and aborts."""
+    workload = DEFAULT_WORKLOAD
     _integer_flag(
         group,
         "--prompt-len",
@@ -405,6 +433,11 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of requests their client aborts, each at a seeded random step between "
         f"its arrival and its earliest possible finish (default {workload.abort_rate})",
     )
+
+
+def _add_conversation_flags(group: argparse._ArgumentGroup) -> None:
+    """A shared system prompt, and requests in conversations of several turns."""
+    workload = DEFAULT_WORKLOAD
     _integer_flag(
         group,
         "--shared-prefix-len",
@@ -443,7 +476,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         f"the next turn's, in modelled seconds (default {workload.think_s:g}; needs --turns)",
     )
 
-    group = parser.add_argument_group("run and output")
+
+def _add_run_flags(group: argparse._ArgumentGroup) -> None:
+    """How the ranks run, what is compared, and how the report is shown."""
     group.add_argument(
         "--procs",
         action="store_true",
@@ -492,6 +527,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-progress", dest="progress", action="store_false", help="never show progress"
     )
     _integer_flag(group, "--max-steps", 1, I64_MAX, help="stop after this many scheduler steps")
+
+
+def _add_record_flags(group: argparse._ArgumentGroup) -> None:
+    """The events file and the step-time model of the figures in ms."""
     group.add_argument(
         "--events",
         metavar="FILE",
@@ -515,9 +554,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "per_kv_token_ms and an optional description",
     )
 
-    group = parser.add_argument_group(
-        "service-level objectives (goodput: the requests that meet every one given)"
-    )
+
+def _add_slo_flags(group: argparse._ArgumentGroup) -> None:
+    """The service-level objectives goodput counts against."""
     targets = (
         ("--slo-ttft-ms", "time to first token (from arrival)"),
         ("--slo-tpot-ms", "time per output token after the first"),

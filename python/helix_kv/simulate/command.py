@@ -282,22 +282,88 @@ def run_simulate(
     args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None
 ) -> int:
     """Run ``helix-kv simulate`` for parsed ``args``; return the exit status."""
-    stderr = stderr if stderr is not None else sys.stderr
-    # --events -: stdout carries the events alone, and the report (or error object) goes to stderr
-    stdout = stderr if args.events == STDIO else stdout if stdout is not None else sys.stdout
+    return _SimulateCommand(args, stdout, stderr).run()
 
-    def fail(status: int, message: str, error_type: str, detail: str | None = None) -> int:
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """What a command runs, once every check before the runs passed."""
+
+    workload: list[RequestSpec]
+    workload_info: dict[str, Any]
+    runs: list[PlannedRun]
+    events_at: dict[str | None, Path | str]
+
+
+class _SimulateCommand:
+    """One ``helix-kv simulate`` command: its streams, its planned runs, their results and the
+    run a scheduler error ended (:meth:`run` goes from the arguments to the exit status)."""
+
+    def __init__(
+        self, args: argparse.Namespace, stdout: TextIO | None, stderr: TextIO | None
+    ) -> None:
+        self.args = args
+        self.stderr = stderr if stderr is not None else sys.stderr
+        # --events -: stdout carries the events alone, and the report (or error object) goes
+        # to stderr
+        self.stdout = (
+            self.stderr if args.events == STDIO else stdout if stdout is not None else sys.stdout
+        )
+        self.results: dict[str, SimulationResult] = {}
+        #: The run a scheduler error ended, and the error (the runs after it are not made).
+        self.failed: tuple[PlannedRun, HelixKVError] | None = None
+
+    def fail(self, status: int, message: str, error_type: str, detail: str | None = None) -> int:
         """One line on stderr; with ``--json`` also the error object (``detail``: its
-        message when the line says more, e.g. the error's class)."""
+        message when the line says more, e.g. the error's class). Returns ``status``."""
         label = "error: " if status == EXIT_USAGE else ""
-        print(f"{PROG}: {label}{message}", file=stderr)
-        if args.json:
-            print(error_object(status, error_type, detail or message), file=stdout)
+        print(f"{PROG}: {label}{message}", file=self.stderr)
+        if self.args.json:
+            print(error_object(status, error_type, detail or message), file=self.stdout)
         return status
 
-    try:
+    def run(self) -> int:
+        """The command: check, run, report, plot; the exit status."""
+        try:
+            prepared = self._prepare()
+        except (
+            UsageError,
+            SimulationSetupError,
+            TraceError,
+            PlotUnavailableError,
+            ProcsUnavailableError,
+        ) as err:
+            return self.fail(EXIT_USAGE, str(err), "UsageError")
+        note = skipped_rows_note(prepared.workload_info)  # once the run can start
+        if note is not None:
+            print(note, file=self.stderr)
+        with InterruptGuard() as interrupted:
+            status = self._run_all(prepared, interrupted)
+        if status is not None:
+            return status
+        shown = self._report(prepared.runs)
+        status = self._plot(shown)
+        if status is not None:
+            return status
+        if self.failed is not None:
+            print(self._failure()[1], file=self.stderr)
+            return EXIT_RUN_FAILED
+        if interrupted():
+            steps = sum(len(result.series) for result in self.results.values())
+            print(
+                f"{PROG}: interrupted after {steps} steps; the report covers those",
+                file=self.stderr,
+            )
+            return EXIT_INTERRUPTED
+        healthy = all(r.rank_agreement and r.outputs_exact for r in self.results.values())
+        return EXIT_OK if healthy else EXIT_RUN_FAILED
+
+    def _prepare(self) -> _Prepared:
+        """The options, the workload and the runs, every check made before a run starts
+        (an error here is a usage error: exit status 2)."""
+        args = self.args
         options = simulation_options(args)
-        workload, workload_info = load_workload(args, stderr)
+        workload, workload_info = load_workload(args, self.stderr)
         if is_timed(workload) and options.step_time is None:
             # arrivals in time need a modelled clock: the default model, shown in the report
             options = dataclasses.replace(options, step_time=DEFAULT_STEP_TIME)
@@ -311,98 +377,88 @@ def run_simulate(
         columns = [run.name for run in runs if run.shown and run.name not in BASELINES]
         events_at = events_paths(args.events, columns)
         check_events_targets(events_at)
-    except (
-        UsageError,
-        SimulationSetupError,
-        TraceError,
-        PlotUnavailableError,
-        ProcsUnavailableError,
-    ) as err:
-        return fail(EXIT_USAGE, str(err), "UsageError")
-    note = skipped_rows_note(workload_info)  # once the run can start: an error stays one line
-    if note is not None:
-        print(note, file=stderr)
+        return _Prepared(workload, workload_info, runs, events_at)
 
-    show_progress = progress_wanted(args.json, args.progress, stderr)
-    results: dict[str, SimulationResult] = {}
-    failed: tuple[PlannedRun, HelixKVError] | None = None  # the run a scheduler error ended
-    with InterruptGuard() as interrupted:
-        for run in runs:
+    def _run_all(self, prepared: _Prepared, interrupted: Callable[[], bool]) -> int | None:
+        """Makes the runs in order into :attr:`results`, until one fails or ``interrupted()``
+        says so; an exit status where the command ends here (nothing to report)."""
+        show_progress = progress_wanted(self.args.json, self.args.progress, self.stderr)
+        for run in prepared.runs:
             if interrupted():
                 break
             policy = run.name
-            label = policy or ""
+            prefix = f"[{policy}] " if policy else ""
             try:
                 result = run_once(
                     run.options,
-                    workload,
-                    workload_info,
+                    prepared.workload,
+                    prepared.workload_info,
                     show_progress,
-                    label,
+                    policy or "",
                     interrupted,
-                    events_at.get(policy),
+                    prepared.events_at.get(policy),
                 )
             except BrokenPipeError:  # stdout closed under --events -: exit status 141
                 raise
             except OSError as err:  # the events file, written as the run goes
-                path = events_at.get(policy)
+                path = prepared.events_at.get(policy)
                 message = f"cannot write the events file {path}: {err.strerror or err}"
-                return fail(EXIT_RUN_FAILED, message, "OSError")
+                return self.fail(EXIT_RUN_FAILED, message, "OSError")
             except HelixKVError as err:
                 partial = partial_result(err)
                 if partial is None:  # nothing ran: no report to give
-                    prefix = f"[{policy}] " if policy else ""
                     name = type(err).__name__
-                    message = f"{prefix}{in_flag_terms(str(err))}"
-                    return fail(EXIT_RUN_FAILED, f"{prefix}{name}: {message}", name, message)
-                results[_result_key(run)] = partial
-                failed = (run, err)
+                    message = f"{prefix}{in_flag_terms(err)}"
+                    return self.fail(EXIT_RUN_FAILED, f"{prefix}{name}: {message}", name, message)
+                self.results[_result_key(run)] = partial
+                self.failed = (run, err)
                 break  # the runs after it are not made: the report covers those so far
             except RankFailedError as err:
-                return fail(EXIT_RUN_FAILED, str(err), type(err).__name__)
+                return self.fail(EXIT_RUN_FAILED, str(err), type(err).__name__)
             if run.options.overlap and not result.interrupted:
-                # the same workload without overlap: its outputs are the reference
-                try:
-                    plain = run_once(
-                        dataclasses.replace(run.options, overlap=False),
-                        workload,
-                        workload_info,
-                        False,
-                        should_stop=interrupted,
-                    )
-                except HelixKVError as err:
-                    prefix = f"[{policy}] " if policy else ""
-                    name = type(err).__name__
-                    reason = in_flag_terms(str(err))
-                    message = f"{prefix}the run without --overlap failed: {name}: {reason}"
-                    return fail(EXIT_RUN_FAILED, message, name, f"{prefix}{reason}")
-                if not plain.interrupted:
-                    result.outputs_match_plain = outputs_match(result, plain)
-            results[_result_key(run)] = result
+                status = self._compare_with_plain(run, result, prepared, interrupted, prefix)
+                if status is not None:
+                    return status
+            self.results[_result_key(run)] = result
+        return None
 
-    slo = service_levels(args)
-    summaries = {name: summarize(result, slo) for name, result in results.items()}
-    for run in runs:
-        summary = summaries.get(_result_key(run))
-        baseline = summaries.get(run.baseline) if run.baseline is not None else None
-        if summary is not None and baseline is not None and "failed" not in baseline:
-            add_recompute_only(summary, baseline)
-    shown = {
-        _result_key(run): summaries[_result_key(run)]
-        for run in runs
-        if run.shown and _result_key(run) in summaries
-    }
-    same_as = {alias: run.name for run in runs if run.name is not None for alias in run.same_as}
-    error: dict[str, Any] | None = None  # the failed run's error object, with its step
-    failure_line = ""
-    if failed is not None:
-        run, raised = failed
+    def _compare_with_plain(
+        self,
+        run: PlannedRun,
+        result: SimulationResult,
+        prepared: _Prepared,
+        interrupted: Callable[[], bool],
+        prefix: str,
+    ) -> int | None:
+        """Runs an ``--overlap`` run's workload without overlap, whose outputs are the
+        reference, and records whether they match; an exit status where that run failed."""
+        try:
+            plain = run_once(
+                dataclasses.replace(run.options, overlap=False),
+                prepared.workload,
+                prepared.workload_info,
+                False,
+                should_stop=interrupted,
+            )
+        except HelixKVError as err:
+            name = type(err).__name__
+            reason = in_flag_terms(err)
+            message = f"{prefix}the run without --overlap failed: {name}: {reason}"
+            return self.fail(EXIT_RUN_FAILED, message, name, f"{prefix}{reason}")
+        if not plain.interrupted:
+            result.outputs_match_plain = outputs_match(result, plain)
+        return None
+
+    def _failure(self) -> tuple[dict[str, Any] | None, str]:
+        """The failed run's error object (with its step) and its line on stderr."""
+        if self.failed is None:
+            return None, ""
+        run, raised = self.failed
         name = type(raised).__name__
-        step = results[_result_key(run)].failed_step
+        step = self.results[_result_key(run)].failed_step
         prefix = f"[{run.name}] " if run.name else ""
-        reason = in_flag_terms(str(raised))
-        failure_line = f"{PROG}: {prefix}{name} in step {step}: {reason}"
-        error = {
+        reason = in_flag_terms(raised)
+        error: dict[str, Any] = {
             "type": name,
             "message": f"{prefix}{reason}",
             "exit_status": EXIT_RUN_FAILED,
@@ -410,44 +466,62 @@ def run_simulate(
         }
         if run.name is not None:
             error["run"] = run.name
-    if args.compare_policies:
-        report: dict[str, Any] = {"policies": shown}
-        if same_as:
-            report["same_as"] = same_as
-        if args.json:
-            print(to_json(report if error is None else {"error": error, **report}), file=stdout)
-        else:
-            print(format_comparison(shown, same_as, _report_width(stdout)), file=stdout)
-    elif shown:  # a single run's report (it reports its baseline inside its own figures)
-        (summary,) = shown.values()
-        if args.json:
-            failed_report = {"error": error, "report": summary}
-            print(to_json(summary if error is None else failed_report), file=stdout)
-        else:
-            print(format_table(summary), file=stdout)
-    elif args.json and error is not None:
-        print(to_json({"error": error}), file=stdout)
+        return error, f"{PROG}: {prefix}{name} in step {step}: {reason}"
 
-    if args.plot is not None:
+    def _report(self, runs: list[PlannedRun]) -> dict[str, dict[str, Any]]:
+        """Prints the report of the runs made (a table, a comparison, or ``--json``'s
+        object, with the failed run's error where one failed); the summaries shown."""
+        args, stdout = self.args, self.stdout
+        slo = service_levels(args)
+        summaries = {name: summarize(result, slo) for name, result in self.results.items()}
+        for run in runs:
+            summary = summaries.get(_result_key(run))
+            baseline = summaries.get(run.baseline) if run.baseline is not None else None
+            if summary is not None and baseline is not None and "failed" not in baseline:
+                add_recompute_only(summary, baseline)
+        shown = {
+            _result_key(run): summaries[_result_key(run)]
+            for run in runs
+            if run.shown and _result_key(run) in summaries
+        }
+        same_as = {alias: run.name for run in runs if run.name is not None for alias in run.same_as}
+        error = self._failure()[0]
+        if args.compare_policies:
+            report: dict[str, Any] = {"policies": shown}
+            if same_as:
+                report["same_as"] = same_as
+            if args.json:
+                print(to_json(report if error is None else {"error": error, **report}), file=stdout)
+            else:
+                print(format_comparison(shown, same_as, _report_width(stdout)), file=stdout)
+        elif shown:  # a single run's report (it reports its baseline inside its own figures)
+            (summary,) = shown.values()
+            if args.json:
+                failed_report = {"error": error, "report": summary}
+                print(to_json(summary if error is None else failed_report), file=stdout)
+            else:
+                print(format_table(summary), file=stdout)
+        elif args.json and error is not None:
+            print(to_json({"error": error}), file=stdout)
+        return shown
+
+    def _plot(self, shown: dict[str, dict[str, Any]]) -> int | None:
+        """Draws ``--plot`` for each run shown; an exit status where a plot cannot be
+        written (the report is out already: stderr only)."""
+        if self.args.plot is None:
+            return None
         for name in shown:
-            path = _plot_path(args.plot, name if args.compare_policies else None)
+            path = _plot_path(self.args.plot, name if self.args.compare_policies else None)
             try:
-                plot_run(results[name], path)
-            except OSError as err:  # the report is out already: stderr only
-                print(f"{PROG}: cannot write the plot {path}: {err.strerror or err}", file=stderr)
+                plot_run(self.results[name], path)
+            except OSError as err:
+                print(
+                    f"{PROG}: cannot write the plot {path}: {err.strerror or err}", file=self.stderr
+                )
                 return EXIT_RUN_FAILED
-            if not args.json:
-                print(f"plot written to {path}", file=stderr)
-
-    if failed is not None:
-        print(failure_line, file=stderr)
-        return EXIT_RUN_FAILED
-    if interrupted():
-        steps = sum(len(result.series) for result in results.values())
-        print(f"{PROG}: interrupted after {steps} steps; the report covers those", file=stderr)
-        return EXIT_INTERRUPTED
-    healthy = all(r.rank_agreement and r.outputs_exact for r in results.values())
-    return EXIT_OK if healthy else EXIT_RUN_FAILED
+            if not self.args.json:
+                print(f"plot written to {path}", file=self.stderr)
+        return None
 
 
 def _report_width(stream: TextIO) -> int:

@@ -124,14 +124,17 @@ FLAG_OF_FIELD = {
         if field.type != "bool" and (flag := scheduler_flag(field)) is not None
     },
 }
-# a field, then its value after " = ", " == " or as ="quoted" (capacity_policy="...")
-_FIELD_PATTERN = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r')\b(?:( == | = )|="([^"]*)")?')
-# a superblock field with its count (" = 4", ", now 4"), or named alone
-_SUPERBLOCKS_PATTERN = re.compile(
-    r"\b(?P<field>" + "|".join(TOKEN_FLAGS) + r")\b(?:(?P<sep> = |, now )(?P<count>\d+))?"
-)
-# the same flag twice, as "kv_superblocks / kv_tokens" reads once its fields are flags
-_REPEATED_FLAG = re.compile(r"(--[a-z-]+) / \1\b")
+#: Every ``SchedulerConfig`` setting a core message may name, as the ``helix-kv simulate`` flag
+#: that sets it: a count of superblocks as its flag in tokens "in superblocks" (a count beside
+#: it stays one; ``kv_superblocks``, the keyword the messages pair with ``kv_tokens``, as the
+#: one flag of the two); the switches, and the settings no flag gives, keep their names.
+FLAG_TERMS: dict[str, str] = {
+    **FLAG_OF_FIELD,
+    **{name: f"{flag} in superblocks" for name, flag in TOKEN_FLAGS.items()},
+    "kv_superblocks": TOKEN_FLAGS["kv_superblocks"],
+}
+# a word (a setting's name where FLAG_TERMS has it), and a value the core gives it as ="..."
+_WORD = re.compile(r'(\w+)(?:="([^"]*)")?')
 
 
 @renamed_fields
@@ -261,33 +264,36 @@ def verified_ranks(mode: VerifyRanks, cp_size: int) -> tuple[int, ...]:
     raise ValueError(f"verify_ranks must be one of {VERIFY_RANKS_MODES}, got {mode!r}")
 
 
-def in_flag_terms(message: str) -> str:
-    """A core message (a ``ConfigError``, or a scheduler error's remedy) with the
-    ``SchedulerConfig`` fields named by their ``helix-kv simulate`` flags: ``cp_size = 3`` reads
-    ``--cp 3``, ``capacity_policy="guaranteed_no_evict"`` reads ``--capacity-policy
-    guaranteed_no_evict``, a count of superblocks (``host_tier_superblocks = 4``) stays one next
-    to its flag in tokens (``--host-tier-tokens (4 superblocks)``)."""
+def in_flag_terms(error: BaseException) -> str:
+    """The message of a core error (a ``ConfigError``, or a scheduler error's remedy) in the
+    ``helix-kv simulate`` flags' terms, on one line: each ``SchedulerConfig`` setting it names
+    by its flag (:data:`FLAG_TERMS`, looked up word by word; ``capacity_policy="x"`` reads
+    ``--capacity-policy x``), and the setting at fault (``ConfigError.field``) with its value
+    as its flag takes it: ``max_num_tokens = 8`` reads ``--max-num-tokens 8``,
+    ``host_tier_superblocks = 4`` reads ``--host-tier-tokens (4 superblocks)``."""
+    message = " ".join(str(error).split())
+    if isinstance(error, ConfigError) and error.field in FLAG_TERMS:
+        given = _flag_with_value(error.field, error.value)
+        message = message.replace(f"{error.field} = {error.value}", given, 1)
 
-    def flag(match: re.Match[str]) -> str:
-        name, operator, quoted = match.group(1), match.group(2), match.group(3)
-        if quoted is not None:
-            return f"{FLAG_OF_FIELD[name]} {quoted}"
-        # keep "=" in a product such as "cp_size * tokens_per_block = 32"
-        keep = operator is not None and match.string[: match.start()].endswith("* ")
-        return FLAG_OF_FIELD[name] + (operator if keep else " " if operator else "")
+    def flag(word: re.Match[str]) -> str:
+        name, value = word[1], word[2]
+        if name not in FLAG_TERMS:
+            return word[0]
+        return FLAG_TERMS[name] if value is None else f"{FLAG_TERMS[name]} {value}"
 
-    def superblocks(match: re.Match[str]) -> str:
-        name, separator, count = match.group("field", "sep", "count")
-        tokens_flag = TOKEN_FLAGS[name]
-        if count is None:
-            return tokens_flag
-        if separator == " = ":
-            return f"{tokens_flag} " + ("0" if count == "0" else f"({count} superblocks)")
-        return f"{tokens_flag}, now " + ("0" if count == "0" else f"{count} superblocks")
+    message = _WORD.sub(flag, message)
+    # the KV budget, named by both of its keywords, has one flag
+    kv_tokens = TOKEN_FLAGS["kv_superblocks"]
+    return message.replace(f"{kv_tokens} / {kv_tokens}", kv_tokens)
 
-    message = _SUPERBLOCKS_PATTERN.sub(superblocks, message)
-    message = _FIELD_PATTERN.sub(flag, message)
-    return _REPEATED_FLAG.sub(r"\1", message)
+
+def _flag_with_value(field: str, value: object) -> str:
+    """``field`` set to ``value`` as the flag that gives it (a count of superblocks stays
+    one beside its flag in tokens)."""
+    if field in TOKEN_FLAGS:
+        return f"{TOKEN_FLAGS[field]} " + ("0" if value == 0 else f"({value} superblocks)")
+    return f"{FLAG_TERMS[field]} {value}"
 
 
 #: ``SchedulerConfig``'s ``tokens_per_block`` when the options leave it out.
@@ -311,7 +317,7 @@ def check_config(options: SimulationOptions) -> None:
     try:
         options.scheduler_config()
     except ConfigError as err:
-        raise SimulationSetupError(in_flag_terms(_one_line(str(err)))) from None
+        raise SimulationSetupError(in_flag_terms(err)) from None
 
 
 def preflight(options: SimulationOptions, workload: Sequence[RequestSpec]) -> None:

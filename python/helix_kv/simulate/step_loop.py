@@ -326,6 +326,67 @@ class _StepLoop:
         #: The step being run (0-based): the one a scheduler error is raised in.
         self.step = 0
 
+    def run_to_end(
+        self,
+        config: dict[str, Any] | None,
+        progress: ProgressCallback | None,
+        max_steps: int | None,
+        should_stop: Callable[[], bool] | None,
+    ) -> SimulationResult:
+        """Runs steps until the workload is done, ``max_steps``, ``should_stop()`` or a
+        mismatch (see :func:`run_simulation`); a scheduler error carries the result so far."""
+        mismatch: str | None = None
+        interrupted = False
+        steps_limit = math.inf if max_steps is None else max_steps
+        try:
+            while len(self.series) < steps_limit and self.admit_arrivals():
+                if should_stop is not None and should_stop():
+                    interrupted = True
+                    break
+                self.run_step()
+                if progress is not None:
+                    progress(self.clock, len(self.outcomes), len(self.workload), len(self.series))
+            if not interrupted:
+                self.flush()  # an error here is the last step's (its update, one step ahead)
+        except ScheduleMismatchError as err:
+            mismatch = str(err)
+        except HelixKVError as err:  # a scheduler error: it carries the figures so far
+            failed = self.result(config, mismatch, interrupted, self.step, type(err).__name__)
+            setattr(err, _PARTIAL_RESULT, failed)
+            raise
+        return self.result(config, mismatch, interrupted)
+
+    def result(
+        self,
+        config: dict[str, Any] | None,
+        mismatch: str | None,
+        interrupted: bool,
+        failed_step: int | None = None,
+        failure: str | None = None,
+    ) -> SimulationResult:
+        """What the run did so far."""
+        return SimulationResult(
+            requests_total=len(self.workload),
+            outcomes=self.outcomes,
+            series=self.series,
+            final_metrics=self.group.metrics(),
+            generated_tokens=self.total_generated,
+            clock=self.clock,
+            rank_agreement=mismatch is None,
+            mismatch=mismatch,
+            config=dict(config or {}),
+            interrupted=interrupted,
+            modelled_time_ms=self.now_ms if self.step_time is not None else None,
+            overlap=self.overlap,
+            drafts=self.drafts,
+            decode_entries=self.decode_entries,
+            accepted_per_position=(
+                accepted_per_position(self.group) if self.drafts is not None else None
+            ),
+            failed_step=failed_step,
+            failure=failure,
+        )
+
     def admit_arrivals(self) -> bool:
         """Add the requests that have arrived; jump over idle time. False when all is done."""
         while True:
@@ -689,6 +750,28 @@ def run_simulation(
     speculative decoding with this draft model (the group's ``num_speculative_tokens`` must
     be at least its ``num_tokens``, else :class:`SimulationSetupError`).
     """
+    loop = _StepLoop(
+        group,
+        workload,
+        events,
+        step_time,
+        _checked_cp_size(group, workload, config, step_time, cp_size, drafts),
+        overlap,
+        drafts,
+    )
+    return loop.run_to_end(config, progress, max_steps, should_stop)
+
+
+def _checked_cp_size(
+    group: SchedulerProtocol,
+    workload: Sequence[RequestSpec],
+    config: dict[str, Any] | None,
+    step_time: StepTimeModel | None,
+    cp_size: int | None,
+    drafts: DraftModel | None,
+) -> int:
+    """The group's CP size for the step-time model (``cp_size``, else ``config["cp"]``; 1
+    without a model), once :func:`run_simulation`'s inputs are checked to fit together."""
     try:
         timed = is_timed(workload)
     except ValueError as err:
@@ -711,48 +794,7 @@ def run_simulation(
                 f"run_simulation: the draft model proposes {drafts.num_tokens} drafts, the "
                 f"scheduler takes at most num_speculative_tokens = {allowed}"
             )
-    loop = _StepLoop(group, workload, events, step_time, cp_size or 1, overlap, drafts)
-    mismatch: str | None = None
-    interrupted = False
-    steps_limit = math.inf if max_steps is None else max_steps
-
-    def result(failed_step: int | None = None, failure: str | None = None) -> SimulationResult:
-        return SimulationResult(
-            requests_total=len(workload),
-            outcomes=loop.outcomes,
-            series=loop.series,
-            final_metrics=group.metrics(),
-            generated_tokens=loop.total_generated,
-            clock=loop.clock,
-            rank_agreement=mismatch is None,
-            mismatch=mismatch,
-            config=dict(config or {}),
-            interrupted=interrupted,
-            modelled_time_ms=loop.now_ms if step_time is not None else None,
-            overlap=overlap,
-            drafts=drafts,
-            decode_entries=loop.decode_entries,
-            accepted_per_position=accepted_per_position(group) if drafts is not None else None,
-            failed_step=failed_step,
-            failure=failure,
-        )
-
-    try:
-        while len(loop.series) < steps_limit and loop.admit_arrivals():
-            if should_stop is not None and should_stop():
-                interrupted = True
-                break
-            loop.run_step()
-            if progress is not None:
-                progress(loop.clock, len(loop.outcomes), len(workload), len(loop.series))
-        if not interrupted:
-            loop.flush()  # an error here is the last step's (its update, one step ahead)
-    except ScheduleMismatchError as err:
-        mismatch = str(err)
-    except HelixKVError as err:  # a scheduler error: it carries the figures of the steps so far
-        setattr(err, _PARTIAL_RESULT, result(loop.step, type(err).__name__))
-        raise
-    return result()
+    return cp_size or 1
 
 
 def _speculative_tokens(group: SchedulerProtocol) -> int | None:

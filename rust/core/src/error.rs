@@ -7,9 +7,14 @@ use crate::RequestId;
 /// Why a call into the core was refused. A call that returns an error has changed nothing.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CoreError {
-    /// A configuration value is out of range or inconsistent with another.
-    #[error("invalid configuration: {0}")]
-    Config(String),
+    /// A configuration value is out of range or inconsistent with another. `field` is the
+    /// setting at fault (a `SchedulerConfig` field, or an argument such as `kv_tokens`), the
+    /// one the message leads with, as data: a caller maps it without reading the message.
+    #[error("invalid configuration: {message}")]
+    Config {
+        field: &'static str,
+        message: String,
+    },
     /// An argument is malformed: mismatched array lengths, a rank outside the group,
     /// a repeated id inside one batch.
     #[error("invalid argument: {0}")]
@@ -35,6 +40,16 @@ pub enum CoreError {
     /// A call arrived in the wrong order (update without schedule, revert twice...).
     #[error("invalid state: {0}")]
     InvalidState(String),
+}
+
+impl CoreError {
+    /// A [`CoreError::Config`] about `field`.
+    pub fn config(field: &'static str, message: impl Into<String>) -> Self {
+        Self::Config {
+            field,
+            message: message.into(),
+        }
+    }
 }
 
 /// Shorthand for results of the core.

@@ -18,18 +18,23 @@ impl Layout {
     /// A layout for `cp >= 1` ranks and pages of `tokens_per_block >= 1` tokens.
     pub fn new(cp: u32, tokens_per_block: u32) -> Result<Self> {
         if cp == 0 {
-            return Err(CoreError::Config("cp_size must be at least 1".into()));
+            return Err(CoreError::config("cp_size", "cp_size must be at least 1"));
         }
         if tokens_per_block == 0 {
-            return Err(CoreError::Config(
-                "tokens_per_block must be at least 1".into(),
+            return Err(CoreError::config(
+                "tokens_per_block",
+                "tokens_per_block must be at least 1",
             ));
         }
         if u64::from(cp) * u64::from(tokens_per_block) > MAX_TOKENS_PER_SUPERBLOCK {
-            return Err(CoreError::Config(format!(
-                "cp_size * tokens_per_block = {} exceeds {MAX_TOKENS_PER_SUPERBLOCK}",
-                u64::from(cp) * u64::from(tokens_per_block)
-            )));
+            // the page size is the setting to lower: the group's size is given
+            return Err(CoreError::config(
+                "tokens_per_block",
+                format!(
+                    "cp_size * tokens_per_block = {} exceeds {MAX_TOKENS_PER_SUPERBLOCK}",
+                    u64::from(cp) * u64::from(tokens_per_block)
+                ),
+            ));
         }
         Ok(Self {
             cp,
@@ -335,11 +340,11 @@ mod tests {
 
     #[test]
     fn rejects_degenerate_layouts() {
-        assert!(matches!(Layout::new(0, 4), Err(CoreError::Config(_))));
-        assert!(matches!(Layout::new(2, 0), Err(CoreError::Config(_))));
+        assert!(matches!(Layout::new(0, 4), Err(CoreError::Config { .. })));
+        assert!(matches!(Layout::new(2, 0), Err(CoreError::Config { .. })));
         assert!(matches!(
             Layout::new(1 << 16, 1 << 16),
-            Err(CoreError::Config(_))
+            Err(CoreError::Config { .. })
         ));
         assert!(Layout::new(2, 4).unwrap().check_rank(2).is_err());
     }

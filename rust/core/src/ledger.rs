@@ -617,18 +617,19 @@ impl Ledger {
     /// that cannot be allocated is a `Config` error, not an abort.
     pub fn new(layout: Layout, capacity: u32) -> Result<Self> {
         if capacity == 0 {
-            return Err(CoreError::Config(
-                "ledger capacity must be at least one superblock".into(),
+            return Err(CoreError::config(
+                "capacity_superblocks",
+                "ledger capacity must be at least one superblock",
             ));
         }
         if capacity > MAX_CAPACITY {
-            return Err(CoreError::Config(format!(
+            return Err(CoreError::config("capacity_superblocks", format!(
                 "ledger capacity {capacity} exceeds {MAX_CAPACITY} superblocks: page ids are int32 in block tables"
             )));
         }
         let mut free = Vec::new();
         free.try_reserve_exact(capacity as usize).map_err(|_| {
-            CoreError::Config(format!(
+            CoreError::config("capacity_superblocks", format!(
                 "a ledger of {capacity} superblocks cannot be allocated (its free list needs {} bytes)",
                 u64::from(capacity) * 4
             ))

@@ -319,5 +319,8 @@ fn oversized_outputs_are_errors_not_aborts() {
 fn a_pool_whose_page_ids_do_not_fit_int32_is_refused() {
     let layout = Layout::new(1, 1).unwrap();
     let err = Ledger::new(layout, (1 << 31) + 1).unwrap_err();
-    assert!(matches!(err, helix_kv_core::CoreError::Config(_)), "{err}");
+    assert!(
+        matches!(err, helix_kv_core::CoreError::Config { .. }),
+        "{err}"
+    );
 }

@@ -1069,7 +1069,7 @@ fn num_speculative_tokens_is_bounded() {
     assert!(Scheduler::new(spec_config(1, 4, 8, 64)).is_ok());
     assert!(matches!(
         Scheduler::new(spec_config(1, 4, 8, 65)),
-        Err(CoreError::Config(_))
+        Err(CoreError::Config { .. })
     ));
 }
 

@@ -104,10 +104,29 @@ const COPY_INS: [RevertedCopyIns; 3] = [
     RevertedCopyIns::NotDone,
 ];
 
-#[expect(
-    clippy::too_many_lines,
-    reason = "one strategy: the draws in their persisted order, then the case built from them"
-)]
+/// The requests of a case: with prefix caching, every prompt starts with `shared` common
+/// tokens (so requests hit each other's superblocks, not only their own); a salt of 0 is
+/// none, another one of two tenants.
+fn workload(requests: &[(usize, u32, i32, u64)], shared: Option<usize>, salts: &[u8]) -> Vec<Spec> {
+    requests
+        .iter()
+        .enumerate()
+        .map(|(i, &(prompt, max_new, priority, at))| {
+            let mut spec = Spec::new(i as u64 + 1, prompt, max_new)
+                .priority(priority)
+                .at(at);
+            if let Some(shared) = shared {
+                let common = (500..).take(shared);
+                spec.prompt = common.chain(spec.prompt).collect();
+            }
+            match salts[i] {
+                0 => spec,
+                tenant => spec.salt(&[b't', tenant]),
+            }
+        })
+        .collect()
+}
+
 fn case() -> impl Strategy<Value = Case> {
     (
         (
@@ -145,23 +164,7 @@ fn case() -> impl Strategy<Value = Case> {
                 } else {
                     cp
                 };
-                let specs: Vec<Spec> = requests
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &(prompt, max_new, priority, at))| {
-                        let mut spec = Spec::new(i as u64 + 1, prompt, max_new)
-                            .priority(priority)
-                            .at(at);
-                        if caching {
-                            let common = (500..).take(shared);
-                            spec.prompt = common.chain(spec.prompt).collect();
-                        }
-                        match salts[i] {
-                            0 => spec,
-                            tenant => spec.salt(&[b't', tenant]),
-                        }
-                    })
-                    .collect();
+                let specs = workload(&requests, caching.then_some(shared), &salts);
                 // A pool that holds the largest request (so every request can run) plus a
                 // share of the rest: mostly under pressure.
                 let per_superblock = u64::from(cp * tpb);

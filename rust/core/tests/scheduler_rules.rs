@@ -1310,7 +1310,7 @@ fn a_prefill_cap_without_chunked_prefill_is_refused() {
     let mut config = capped(16, false);
     config.enable_chunked_prefill = false;
     let err = Scheduler::new(config).unwrap_err();
-    assert!(matches!(err, CoreError::Config(_)), "{err}");
+    assert!(matches!(err, CoreError::Config { .. }), "{err}");
     assert!(
         err.to_string().contains("long_prefill_token_threshold"),
         "{err}"

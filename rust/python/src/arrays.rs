@@ -106,7 +106,7 @@ pub fn int_arg<T: for<'a, 'py> FromPyObject<'a, 'py>>(
     obj: &Bound<'_, PyAny>,
     what: &str,
     range: &str,
-    out_of_range: fn(String) -> PyErr,
+    out_of_range: impl FnOnce(String) -> PyErr,
 ) -> PyResult<T> {
     let int = python_int(obj, what)?;
     int.extract::<T>().map_err(|_| {

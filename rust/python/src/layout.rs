@@ -10,8 +10,10 @@ use pyo3::prelude::*;
 
 use pyo3::types::PyTuple;
 
-use crate::arrays::{int_arg, length_arg, rank_arg, table_arg, u64_vec};
-use crate::errors::{invalid_type, ConfigError, IntoPyResult, InvalidLengthError};
+use crate::arrays::{length_arg, rank_arg, table_arg, u64_vec};
+use crate::errors::{
+    config_error, int_setting, invalid_type, with_config_value, IntoPyResult, InvalidLengthError,
+};
 
 /// Token placement for `cp_size` ranks with pages of `tokens_per_block` tokens (frozen, hashable,
 /// picklable).
@@ -31,7 +33,7 @@ impl PyLayout {
         tokens_per_block: Option<&Bound<'_, PyAny>>,
         cp: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let setting = |obj, name| int_arg::<u32>(obj, name, "1..=2**32-1", ConfigError::new_err);
+        let setting = |obj, name| int_setting::<u32>(obj, name, "1..=2**32-1");
         // Not given and given as None read alike (None is the keyword's default).
         let missing = |name: &str| {
             invalid_type(format!(
@@ -40,8 +42,10 @@ impl PyLayout {
         };
         let cp_size = match (cp_size, cp) {
             (Some(_), Some(_)) => {
-                return Err(ConfigError::new_err(
+                return Err(config_error(
                     "Layout() got both cp_size and its deprecated name cp; give cp_size only",
+                    Some("cp_size"),
+                    cp_size,
                 ))
             }
             (Some(cp_size), None) => setting(cp_size, "cp_size")?,
@@ -51,10 +55,21 @@ impl PyLayout {
             }
             (None, None) => return Err(missing("cp_size")),
         };
-        let tokens_per_block = tokens_per_block.ok_or_else(|| missing("tokens_per_block"))?;
-        Ok(Self {
-            inner: Layout::new(cp_size, setting(tokens_per_block, "tokens_per_block")?).py()?,
-        })
+        let tokens_per_block = setting(
+            tokens_per_block.ok_or_else(|| missing("tokens_per_block"))?,
+            "tokens_per_block",
+        )?;
+        let inner = Layout::new(cp_size, tokens_per_block).py().map_err(|err| {
+            with_config_value(err, py, |field| {
+                let value = if field == "cp_size" {
+                    cp_size
+                } else {
+                    tokens_per_block
+                };
+                Ok(Some(value.into_pyobject(py)?.into_any()))
+            })
+        })?;
+        Ok(Self { inner })
     }
 
     /// Ranks in the CP group.

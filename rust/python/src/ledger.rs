@@ -7,10 +7,10 @@ use pyo3::marker::Ungil;
 use pyo3::prelude::*;
 
 use crate::arrays::{
-    id_arg, int_arg, invalid_type_of, is_readable, length_arg, rank_arg, try_capacity, u64_arg,
-    u64_vec, MAX_LENGTH,
+    id_arg, invalid_type_of, is_readable, length_arg, rank_arg, try_capacity, u64_arg, u64_vec,
+    MAX_LENGTH,
 };
-use crate::errors::{ConfigError, IntoPyResult, InvalidArgumentError};
+use crate::errors::{int_setting, with_config_value, IntoPyResult, InvalidArgumentError};
 use crate::layout::PyLayout;
 
 /// The superblock ledger: a fixed pool of superblocks, identical on every rank, and a page
@@ -233,14 +233,15 @@ impl PyLedger {
             .map_err(|_| invalid_type_of("layout", "a Layout", layout))?
             .get()
             .inner;
-        let capacity = int_arg::<u32>(
-            capacity_superblocks,
-            "capacity_superblocks",
-            "1..=2**32-1",
-            ConfigError::new_err,
-        )?;
+        let capacity =
+            int_setting::<u32>(capacity_superblocks, "capacity_superblocks", "1..=2**32-1")?;
+        let inner = Ledger::new(layout, capacity).py().map_err(|err| {
+            with_config_value(err, capacity_superblocks.py(), |_| {
+                Ok(Some(capacity_superblocks.clone()))
+            })
+        })?;
         Ok(Self {
-            inner: Ledger::new(layout, capacity).py()?,
+            inner,
             buffers: Buffers::default(),
         })
     }

@@ -23,7 +23,7 @@ mod _core {
 
     #[pymodule_export]
     use crate::errors::{
-        ConfigError, DeadlockError, DuplicateRequestError, HelixKVError, InvalidArgumentError,
+        DeadlockError, DuplicateRequestError, HelixKVError, InvalidArgumentError,
         InvalidLengthError, InvalidStateError, PreemptionDisabledError, RequestTooLargeError,
         UnknownRequestError,
     };
@@ -59,6 +59,6 @@ mod _core {
             "DECODE_ROW_PADDING",
             pyo3::types::PyTuple::new(m.py(), helix_kv_core::decode_row::PADDING)?,
         )?;
-        crate::errors::add_invalid_type_error(m)
+        crate::errors::add_run_time_errors(m)
     }
 }

@@ -1,5 +1,5 @@
 //! `SchedulerConfig`: the scheduler's configuration, built from keyword arguments and
-//! validated once (every rule error is a `ConfigError` naming the field).
+//! validated once (every rule error is a `ConfigError` naming the field, with its value).
 //!
 //! The class is built from the core's one field list
 //! (`helix_kv_core::scheduler_config_fields!`): its stored fields and their getters (with the
@@ -16,8 +16,8 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
 
-use crate::arrays::{flag_arg, int_arg, str_arg};
-use crate::errors::{ConfigError, IntoPyResult};
+use crate::arrays::{flag_arg, str_arg};
+use crate::errors::{config_error, int_setting, with_config_value, IntoPyResult};
 use crate::layout::PyLayout;
 use crate::records::{reduce_by_keywords, repr_of};
 
@@ -35,23 +35,25 @@ pub trait Setting: Sized + Copy {
     fn object(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>>;
 }
 
-/// A non-negative integer setting that must fit `u32` (a `ConfigError` naming it if not;
+/// A non-negative integer setting that must fit `u32` (a `ConfigError` about it if not;
 /// an `InvalidTypeError` for a float, bool, str or `None`).
-fn int_setting(value: &Bound<'_, PyAny>, name: &str) -> PyResult<u32> {
-    int_arg(value, name, "0..=2**32-1", ConfigError::new_err)
+fn u32_setting(value: &Bound<'_, PyAny>, name: &str) -> PyResult<u32> {
+    int_setting(value, name, "0..=2**32-1")
 }
 
 /// A non-negative integer setting (`0..=2**63-1`, like every length).
 fn u64_setting(value: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
-    int_arg::<i64>(value, name, "0..=2**63-1", ConfigError::new_err).and_then(|v| {
-        u64::try_from(v)
-            .map_err(|_| ConfigError::new_err(format!("{name} must be non-negative, got {v}")))
+    int_setting::<i64>(value, name, "0..=2**63-1").and_then(|v| {
+        u64::try_from(v).map_err(|_| {
+            let message = format!("{name} must be non-negative, got {v}");
+            config_error(message, Some(name), Some(value))
+        })
     })
 }
 
 impl Setting for u32 {
     fn read(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
-        int_setting(value, name)
+        u32_setting(value, name)
     }
     fn object(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
         Ok(self.into_pyobject(py)?.into_any())
@@ -82,7 +84,7 @@ impl Setting for Option<u32> {
         if value.is_none() {
             Ok(None)
         } else {
-            int_setting(value, name).map(Some)
+            u32_setting(value, name).map(Some)
         }
     }
     fn object(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
@@ -95,7 +97,9 @@ macro_rules! option_settings {
     ($($ty:ty),* $(,)?) => {$(
         impl Setting for $ty {
             fn read(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
-                str_arg(value, name)?.parse::<Self>().py()
+                str_arg(value, name)?.parse::<Self>().py().map_err(|err| {
+                    with_config_value(err, value.py(), |_| Ok(Some(value.clone())))
+                })
             }
             fn object(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
                 Ok(PyString::new(py, self.as_str()).into_any())
@@ -142,10 +146,10 @@ macro_rules! keyword {
 /// pool from `kv_superblocks` or `kv_tokens`, with the `cp_size` and `tokens_per_block`
 /// read before it (the core declares them first).
 macro_rules! read_keyword {
-    ($kwargs:ident, $config:ident, $name:ident : $ty:ty = required) => {
-        $config.$name = read_pool($kwargs, &$config)?;
+    ($py:ident, $kwargs:ident, $config:ident, $name:ident : $ty:ty = required) => {
+        $config.$name = read_pool($py, $kwargs, &$config)?;
     };
-    ($kwargs:ident, $config:ident, $name:ident : $ty:ty = $default:tt) => {
+    ($py:ident, $kwargs:ident, $config:ident, $name:ident : $ty:ty = $default:tt) => {
         if let Some(value) = given($kwargs, stringify!($name))? {
             $config.$name = <$ty as Setting>::read(&value, stringify!($name))?;
         }
@@ -183,9 +187,12 @@ macro_rules! define_py_scheduler_config {
 
         /// The core's defaults with every keyword given in `kwargs` read over them, in the
         /// core's field order (not yet validated).
-        fn read_keywords(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<SchedulerConfig> {
+        fn read_keywords(
+            py: Python<'_>,
+            kwargs: Option<&Bound<'_, PyDict>>,
+        ) -> PyResult<SchedulerConfig> {
             let mut config = SchedulerConfig::new(0);
-            $( read_keyword!(kwargs, config, $name : $ty = $default); )*
+            $( read_keyword!(py, kwargs, config, $name : $ty = $default); )*
             Ok(config)
         }
 
@@ -211,15 +218,21 @@ fn given<'py>(
 
 /// The KV pool in superblocks, from exactly one of `kv_superblocks` and `kv_tokens` (`None`
 /// counts as not given), the tokens rounded down by `config`'s layout.
-fn read_pool(kwargs: Option<&Bound<'_, PyDict>>, config: &SchedulerConfig) -> PyResult<u32> {
+fn read_pool(
+    py: Python<'_>,
+    kwargs: Option<&Bound<'_, PyDict>>,
+    config: &SchedulerConfig,
+) -> PyResult<u32> {
     let optional = |name: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
         Ok(given(kwargs, name)?.filter(|value| !value.is_none()))
     };
     let superblocks = optional(KV_SUPERBLOCKS)?
-        .map(|v| int_setting(&v, KV_SUPERBLOCKS))
+        .map(|v| u32_setting(&v, KV_SUPERBLOCKS))
         .transpose()?;
-    let tokens = optional(KV_TOKENS)?
-        .map(|v| u64_setting(&v, KV_TOKENS))
+    let tokens_given = optional(KV_TOKENS)?;
+    let tokens = tokens_given
+        .as_ref()
+        .map(|v| u64_setting(v, KV_TOKENS))
         .transpose()?;
     match (superblocks, tokens) {
         (Some(superblocks), None) => Ok(superblocks),
@@ -228,12 +241,45 @@ fn read_pool(kwargs: Option<&Bound<'_, PyDict>>, config: &SchedulerConfig) -> Py
             config.tokens_per_block,
             tokens,
         )
-        .py(),
-        _ => Err(ConfigError::new_err(
+        .py()
+        .map_err(|err| {
+            with_config_value(err, py, |field| match field {
+                KV_TOKENS => Ok(tokens_given.clone()),
+                _ => setting_value(py, config, field),
+            })
+        }),
+        _ => Err(config_error(
             "give the KV pool as exactly one of kv_superblocks (superblocks, the group's \
              agreed minimum) or kv_tokens (global tokens)",
+            Some(KV_SUPERBLOCKS),
+            None,
         )),
     }
+}
+
+/// The value `config` holds for `field` (a core field, or the keyword that gives it), as
+/// Python sees it.
+fn setting_value<'py>(
+    py: Python<'py>,
+    config: &SchedulerConfig,
+    field: &str,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let keyword = if field == "capacity_superblocks" {
+        KV_SUPERBLOCKS
+    } else {
+        field
+    };
+    keywords(py, config)?.get_item(keyword)
+}
+
+/// `config` once the core has validated it; its `ConfigError` with the value of the field
+/// it names.
+fn validated(py: Python<'_>, config: SchedulerConfig) -> PyResult<SchedulerConfig> {
+    config
+        .validate()
+        .py()
+        .map_err(|err| with_config_value(err, py, |field| setting_value(py, &config, field)))?;
+    Ok(config)
 }
 
 /// Every keyword the constructor takes, in signature order, with its default (`None` for
@@ -272,7 +318,7 @@ impl PySchedulerConfig {
     /// as for any Python function.
     #[new]
     #[pyo3(signature = (**kwargs))]
-    fn new(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+    fn new(py: Python<'_>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
         if let Some(kwargs) = kwargs {
             for key in kwargs.keys() {
                 let known = key
@@ -286,9 +332,8 @@ impl PySchedulerConfig {
                 }
             }
         }
-        let config = read_keywords(kwargs)?;
-        config.validate().py()?;
-        Ok(config.into())
+        let config = read_keywords(py, kwargs)?;
+        validated(py, config).map(Self::from)
     }
 
     /// The constructor's keyword-only parameters with their defaults, from the core's field
@@ -310,9 +355,8 @@ impl PySchedulerConfig {
 
     /// The same configuration for rank `cp_rank` of the group.
     fn with_rank(&self, cp_rank: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let config = self.config().with_rank(int_setting(cp_rank, "cp_rank")?);
-        config.validate().py()?;
-        Ok(config.into())
+        let config = self.config().with_rank(u32_setting(cp_rank, "cp_rank")?);
+        validated(cp_rank.py(), config).map(Self::from)
     }
 
     /// The keyword arguments that rebuild this configuration (`kv_superblocks`, and the

@@ -120,7 +120,7 @@ macro_rules! snake_case_names {
             fn from_str(s: &str) -> Result<Self> {
                 match s {
                     $($name => Ok(Self::$variant),)+
-                    _ => Err(CoreError::Config(format!(
+                    _ => Err(CoreError::config($what, format!(
                         "unknown {} {s:?}; expected one of {}",
                         $what,
                         Self::NAMES.join(", ")
@@ -510,7 +510,7 @@ scheduler_config_fields!(define_scheduler_config! {});
 /// A `Config` error naming `name` when `value` is outside `min..=max` (`why`, empty or one
 /// reason, says why `max` is the most); nothing to check for an unset option (`None`).
 fn check_range<V: RangedValue>(
-    name: &str,
+    name: &'static str,
     value: V,
     min: V::Bound,
     max: V::Bound,
@@ -518,13 +518,19 @@ fn check_range<V: RangedValue>(
 ) -> Result<()> {
     let (min, max) = (min.into(), max.into());
     match value.ranged() {
-        Some(v) if v < min => Err(CoreError::Config(format!("{name} must be at least {min}"))),
-        Some(v) if v > max => Err(CoreError::Config(format!(
-            "{name} = {v} is more than {max}{}",
-            why.first()
-                .map(|why| format!(", {why}"))
-                .unwrap_or_default()
-        ))),
+        Some(v) if v < min => Err(CoreError::config(
+            name,
+            format!("{name} must be at least {min}"),
+        )),
+        Some(v) if v > max => Err(CoreError::config(
+            name,
+            format!(
+                "{name} = {v} is more than {max}{}",
+                why.first()
+                    .map(|why| format!(", {why}"))
+                    .unwrap_or_default()
+            ),
+        )),
         _ => Ok(()),
     }
 }
@@ -549,16 +555,19 @@ impl SchedulerConfig {
         let layout = Layout::new(cp_size, tokens_per_block)?;
         let superblocks = kv_tokens / layout.tokens_per_superblock();
         if superblocks == 0 {
-            return Err(CoreError::Config(format!(
+            return Err(CoreError::config("kv_tokens", format!(
                 "kv_tokens = {kv_tokens} is less than one superblock ({} tokens = tokens_per_block {tokens_per_block} x cp_size {cp_size})",
                 layout.tokens_per_superblock()
             )));
         }
         u32::try_from(superblocks).map_err(|_| {
-            CoreError::Config(format!(
-                "kv_tokens = {kv_tokens} gives more than {} superblocks",
-                u32::MAX
-            ))
+            CoreError::config(
+                "kv_tokens",
+                format!(
+                    "kv_tokens = {kv_tokens} gives more than {} superblocks",
+                    u32::MAX
+                ),
+            )
         })
     }
 
@@ -658,23 +667,26 @@ impl SchedulerConfig {
     /// error names the field and what to do.
     pub fn validate(&self) -> Result<()> {
         self.check_ranges()?;
-        let fail = |msg: String| Err(CoreError::Config(msg));
+        let fail = |field, msg: String| Err(CoreError::config(field, msg));
         let layout = self.layout()?;
         layout.check_rank(self.cp_rank).map_err(|_| {
-            CoreError::Config(format!(
-                "cp_rank = {} must be below cp_size = {}",
-                self.cp_rank, self.cp_size
-            ))
+            CoreError::config(
+                "cp_rank",
+                format!(
+                    "cp_rank = {} must be below cp_size = {}",
+                    self.cp_rank, self.cp_size
+                ),
+            )
         })?;
         let unit = self.effective_chunk_unit();
         if self.enable_chunked_prefill && self.max_num_tokens < unit {
-            return fail(format!(
+            return fail("max_num_tokens", format!(
                 "max_num_tokens = {} is below chunk_unit = {unit}: no partial chunk could ever be scheduled; raise max_num_tokens or lower chunk_unit",
                 self.max_num_tokens
             ));
         }
         if self.long_prefill_token_threshold > 0 && !self.enable_chunked_prefill {
-            return fail(format!(
+            return fail("long_prefill_token_threshold", format!(
                 "long_prefill_token_threshold = {} splits long prompts over several steps, which needs chunked \
                  prefill: enable chunked prefill, or set long_prefill_token_threshold = 0",
                 self.long_prefill_token_threshold
@@ -682,13 +694,13 @@ impl SchedulerConfig {
         }
         match self.serving_mode {
             ServingMode::NonHelix if self.cp_size != 1 => {
-                return fail(format!(
+                return fail("serving_mode", format!(
                     "serving_mode non_helix needs cp_size == 1 (got {}); use aggregated_helix or disaggregated_generation for a CP group",
                     self.cp_size
                 ));
             }
             ServingMode::DisaggregatedGeneration if self.host_tier_superblocks > 0 => {
-                return fail(format!(
+                return fail("host_tier_superblocks", format!(
                     "host_tier_superblocks = {} is rejected for a disaggregated generation server, which never suspends \
                      or preempts; set host_tier_superblocks = 0 and size the GPU KV budget for the load",
                     self.host_tier_superblocks
@@ -819,6 +831,7 @@ mod tests {
                 Err(err) => {
                     assert!(!(min..=max).contains(&value), "{name} = {value}: {err}");
                     assert!(err.to_string().contains(name), "{err}");
+                    assert!(matches!(err, CoreError::Config { field, .. } if field == name));
                 }
             }
         }
@@ -855,50 +868,58 @@ mod tests {
     fn validation_names_the_field() {
         SchedulerConfig::new(4).validate().unwrap();
         let cases = [
-            (changed(|c| c.cp_size = 0), "cp_size"),
-            (changed(|c| c.cp_rank = 1), "cp_rank"),
-            (changed(|c| c.tokens_per_block = 0), "tokens_per_block"),
+            (changed(|c| c.cp_size = 0), "cp_size", "cp_size"),
+            (changed(|c| c.cp_rank = 1), "cp_rank", "cp_rank"),
+            (changed(|c| c.tokens_per_block = 0), "tokens_per_block", "tokens_per_block"),
             (
                 changed(|c| c.capacity_superblocks = 0),
+                "capacity_superblocks",
                 "capacity_superblocks",
             ),
             (
                 changed(|c| c.capacity_superblocks = MAX_CAPACITY + 1),
+                "capacity_superblocks",
                 "capacity_superblocks = 2147483648 is more than 2147483647",
             ),
             (
                 changed(|c| c.capacity_superblocks = u32::MAX),
+                "capacity_superblocks",
                 "int32 page ids",
             ),
             (
                 changed(|c| c.max_batch_size = 0),
+                "max_batch_size",
                 "max_batch_size must be at least 1",
             ),
             (
                 changed(|c| c.max_batch_size = 1 << 31),
+                "max_batch_size",
                 "max_batch_size = 2147483648 is more than 2147483647",
             ),
-            (changed(|c| c.max_num_tokens = 0), "max_num_tokens"),
-            (changed(|c| c.max_num_tokens = 16), "chunk_unit"),
-            (changed(|c| c.chunk_unit = Some(0)), "chunk_unit"),
+            (changed(|c| c.max_num_tokens = 0), "max_num_tokens", "max_num_tokens"),
+            (changed(|c| c.max_num_tokens = 16), "max_num_tokens", "chunk_unit"),
+            (changed(|c| c.chunk_unit = Some(0)), "chunk_unit", "chunk_unit"),
             (
                 changed(|c| {
                     c.enable_chunked_prefill = false;
                     c.long_prefill_token_threshold = 64;
                 }),
+                "long_prefill_token_threshold",
                 "long_prefill_token_threshold = 64 splits long prompts over several steps, which needs chunked prefill",
             ),
-            (changed(|c| c.max_seq_len = 0), "max_seq_len"),
-            (changed(|c| c.deadlock_steps = 0), "deadlock_steps"),
+            (changed(|c| c.max_seq_len = 0), "max_seq_len", "max_seq_len"),
+            (changed(|c| c.deadlock_steps = 0), "deadlock_steps", "deadlock_steps"),
             (
                 changed(|c| {
                     c.serving_mode = ServingMode::NonHelix;
                     c.cp_size = 2;
                 }),
+                "serving_mode",
                 "non_helix needs cp_size == 1",
             ),
             (
                 changed(|c| c.host_tier_superblocks = MAX_CAPACITY + 1),
+                "host_tier_superblocks",
                 "host_tier_superblocks",
             ),
             (
@@ -906,12 +927,17 @@ mod tests {
                     c.serving_mode = ServingMode::DisaggregatedGeneration;
                     c.host_tier_superblocks = 2;
                 }),
+                "host_tier_superblocks",
                 "disaggregated",
             ),
         ];
-        for (config, needle) in cases {
+        for (config, named, needle) in cases {
             let err = config.validate().unwrap_err();
-            assert!(matches!(err, CoreError::Config(_)));
+            let CoreError::Config { field, .. } = &err else {
+                panic!("{err} is not a Config error");
+            };
+            assert_eq!(*field, named, "{err}");
+            assert!(err.to_string().contains(named), "{err} should name {named}");
             assert!(
                 err.to_string().contains(needle),
                 "{err} should mention {needle}"
@@ -932,7 +958,7 @@ mod tests {
     fn a_scheduler_past_the_int32_page_ids_is_refused_by_its_config() {
         let err = super::super::Scheduler::new(changed(|c| c.capacity_superblocks = u32::MAX))
             .unwrap_err();
-        assert!(matches!(err, CoreError::Config(_)));
+        assert!(matches!(err, CoreError::Config { .. }));
         assert!(
             err.to_string()
                 .contains("capacity_superblocks = 4294967295 is more than 2147483647"),
