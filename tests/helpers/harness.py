@@ -932,7 +932,12 @@ def reference_outputs(specs: Sequence[Spec], model: Model = Model()) -> dict[int
     )
     at_once = [
         Spec(
-            s.request_id, s.prompt_len, s.max_new_tokens, s.priority, shared_prefix=s.shared_prefix
+            s.request_id,
+            s.prompt_len,
+            s.max_new_tokens,
+            s.priority,
+            shared_prefix=s.shared_prefix,
+            twin_of=s.twin_of,
         )
         for s in specs
     ]
