@@ -404,14 +404,13 @@ fn burst_case() -> impl Strategy<Value = Case> {
     )
         .prop_map(|(mut case, twins)| {
             case.config.enable_prefix_caching = true;
-            for i in 1..case.specs.len() {
-                if twins[i] {
-                    let before = case.specs[i - 1].clone();
-                    let spec = &mut case.specs[i];
-                    spec.prompt = before.prompt;
-                    spec.salt = before.salt;
-                    spec.arrival_step = before.arrival_step;
-                }
+            let twins = twins.iter().enumerate().take(case.specs.len()).skip(1);
+            for (i, _) in twins.filter(|&(_, &twin)| twin) {
+                let before = case.specs[i - 1].clone();
+                let spec = &mut case.specs[i];
+                spec.prompt = before.prompt;
+                spec.salt = before.salt;
+                spec.arrival_step = before.arrival_step;
             }
             case
         })
