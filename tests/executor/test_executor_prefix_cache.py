@@ -241,17 +241,36 @@ def test_bench_prefix_caching_reuses_the_shared_pages():
     assert saved == figures[True]["prefix_cache_hits"]
 
 
-@pytest.mark.parametrize("cp", [1, 2])
-def test_a_burst_matches_transformers_generate(tmp_path, cp):
-    """A tiny Llama saved by transformers: the burst shares its system prompt in its first
-    step, plain and one step ahead, and the greedy tokens equal transformers' ``generate``."""
+def _hf_burst(tmp_path, family: str):
+    """A tiny checkpoint of ``family`` saved by transformers, the burst's prompts in its
+    vocabulary and transformers' greedy tokens and logits for them."""
     pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
-    from helix_kv.executor.hf_oracle import first_divergence, hf_greedy, save_tiny_checkpoint
+    from helix_kv.executor.hf_oracle import hf_greedy, save_tiny_checkpoint
 
-    path = save_tiny_checkpoint("llama", tmp_path / "llama", seed=11)
+    path = save_tiny_checkpoint(family, tmp_path / family, seed=11)
     burst = burst_prompts(vocab=128)
-    oracle = hf_greedy(path, burst, MAX_NEW)
+    return path, burst, hf_greedy(path, burst, MAX_NEW)
+
+
+def _check_burst(result: RunResult, burst: dict[int, list[int]], oracle, cp: int) -> None:
+    from helix_kv.executor.hf_oracle import first_divergence
+
+    expected_hits = burst_hits(burst, 4 * cp)
+    assert result.metrics["prefix_cache_same_step_hits"] == expected_hits > 0
+    for rid, tokens in oracle.tokens.items():
+        problem = first_divergence(result.outputs[rid], tokens, oracle.logits[rid], 1e-5)
+        assert problem is None, f"request {rid}: {problem}"
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_burst_matches_transformers_generate(tmp_path, cp, family):
+    """Tiny models saved by transformers (GQA, and MLA: one latent KV per token): the burst
+    shares its system prompt in its first step, plain and one step ahead, on the general path
+    (every entry's KV written to the pool before any entry's attention, layer by layer), and
+    the greedy tokens equal transformers' ``generate``."""
+    path, burst, oracle = _hf_burst(tmp_path, family)
     jobs = [
         (
             burst,
@@ -266,10 +285,23 @@ def test_a_burst_matches_transformers_generate(tmp_path, cp):
         per_job = [[run_rank(*j)] for j in jobs]
     else:
         per_job = run_group(jobs, cp, backend="gloo", timeout_s=300)
-    expected_hits = burst_hits(burst, 4 * cp)
     for ranks in per_job:
-        result = ranks[0]
-        assert result.metrics["prefix_cache_same_step_hits"] == expected_hits > 0
-        for rid, tokens in oracle.tokens.items():
-            problem = first_divergence(result.outputs[rid], tokens, oracle.logits[rid], 1e-5)
-            assert problem is None, f"request {rid}: {problem}"
+        _check_burst(ranks[0], burst, oracle, cp)
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_a_burst_with_the_decode_kernels_matches_transformers_generate(tmp_path, family):
+    """The burst with ``decode_kernel`` one step ahead: its decodes through the Triton paged
+    kernels (GQA, and MLA over the latent) planned once a step and run per layer after the
+    layer's KV write, decode-only steps on the fast path; the tokens still equal
+    transformers'. CUDA tensors where there is a GPU, else Triton's interpreter on the CPU
+    (``tests/executor/devices.py``)."""
+    from .devices import run_fast_path
+
+    path, burst, oracle = _hf_burst(tmp_path, family)
+    job = config(1, 1024, 0, True, True, max_num_tokens=BURST_TOKENS).with_(
+        model=str(path), decode_kernel=True
+    )
+    (result,) = run_fast_path([(burst, MAX_NEW, job)], 1)
+    assert result.fast_path_steps > 0
+    _check_burst(result, burst, oracle, 1)
