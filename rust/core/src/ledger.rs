@@ -690,6 +690,23 @@ impl Ledger {
     /// Gives request `id`, which holds nothing, the cached `pages` (a prefix hit): its
     /// table names them and its length is their tokens.
     pub fn attach_cached(&mut self, id: RequestId, pages: &[SuperblockId]) -> Result<()> {
+        self.attach_prefix(id, pages, false)
+    }
+
+    /// [`Self::attach_cached`] for a prefix hit of the scheduler's that may also name
+    /// superblocks another table holds unkeyed: those an earlier entry of the step being
+    /// scheduled computes (same-step sharing). Each page is either cached (keyed) or held
+    /// by another table; nothing keys the written ones (the update that ran the step does).
+    pub(crate) fn attach_shared(&mut self, id: RequestId, pages: &[SuperblockId]) -> Result<()> {
+        self.attach_prefix(id, pages, true)
+    }
+
+    fn attach_prefix(
+        &mut self,
+        id: RequestId,
+        pages: &[SuperblockId],
+        written_too: bool,
+    ) -> Result<()> {
         let entry = self.active_entry_of(id)?;
         let Some(cache) = self.cache.as_mut() else {
             return Err(CoreError::InvalidState("prefix caching is off".into()));
@@ -703,7 +720,9 @@ impl Ledger {
                 "request {id} holds KV already; cached superblocks attach to an empty table"
             )));
         }
-        if let Some(&page) = pages.iter().find(|&&p| cache.key_of(p).is_none()) {
+        let attachable =
+            |p: SuperblockId| cache.key_of(p).is_some() || (written_too && cache.refs(p) > 0);
+        if let Some(&page) = pages.iter().find(|&&p| !attachable(p)) {
             return Err(CoreError::InvalidArgument(format!(
                 "superblock {page} caches no prefix"
             )));

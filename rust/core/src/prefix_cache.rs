@@ -323,7 +323,8 @@ impl PrefixCache {
         self.refs[page as usize] = 1;
     }
 
-    /// A cached page named by one more table (a hit).
+    /// A cached page named by one more table (a hit), or a page another table holds that
+    /// an earlier entry of the step being scheduled computes (a same-step hit).
     pub(crate) fn share(&mut self, page: SuperblockId) {
         let p = page as usize;
         if self.refs[p] == 0 {
