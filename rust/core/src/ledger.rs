@@ -5,23 +5,9 @@
 use rustc_hash::FxHashMap;
 
 use crate::error::{CoreError, Result};
+use crate::ids::{page_id, superblock_count, RequestId, SuperblockId, MAX_CAPACITY};
 use crate::layout::Layout;
 use crate::prefix_cache::{BlockKey, Eviction, PrefixCache};
-use crate::{RequestId, SuperblockId};
-
-/// Largest pool: superblock ids are page ids, handed out as int32 (block tables pad with
-/// -1), so every id must fit `i32`.
-pub const MAX_CAPACITY: u32 = i32::MAX as u32;
-
-/// A superblock id as the int32 page id of block tables and the executor's arrays.
-#[expect(
-    clippy::cast_possible_wrap,
-    reason = "ids are below the pool's capacity, at most MAX_CAPACITY = i32::MAX (`Ledger::new` refuses more)"
-)]
-pub(crate) fn page_id(superblock: SuperblockId) -> i32 {
-    debug_assert!(superblock < MAX_CAPACITY);
-    superblock as i32
-}
 
 /// The bits of a superblock id as an int32 word, whatever its value: a page id where the
 /// id is held ([`page_id`]); stale cells of a table held in place are masked off after.
@@ -71,15 +57,6 @@ fn pad_cells(cells: &mut [i32], pad: i32) {
         at += LANES;
     }
     cells[n - LANES..].copy_from_slice(&lanes);
-}
-
-/// The length of a page table or of the free list, in superblocks.
-#[expect(
-    clippy::cast_possible_truncation,
-    reason = "a table or the free list holds at most the pool's capacity, a u32"
-)]
-pub(crate) fn superblock_count(len: usize) -> u32 {
-    len as u32
 }
 
 /// Where a held request's [`RequestKv`] sits in the ledger's slab: its *ledger entry*.

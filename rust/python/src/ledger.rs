@@ -1,5 +1,6 @@
 //! `Ledger`: the superblock page ledger with numpy batch forms.
 
+use helix_kv_core::ids::superblock_count;
 use helix_kv_core::{DecodeView, Ledger, RequestKv};
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
@@ -146,16 +147,6 @@ impl From<RequestKv<'_>> for PyRequestHoldings {
             suspended: r.is_suspended(),
         }
     }
-}
-
-/// The number of superblocks in a page table.
-#[expect(
-    clippy::cast_possible_truncation,
-    reason = "a table holds at most the pool's capacity, a u32"
-)]
-fn superblock_count(len: usize) -> u32 {
-    debug_assert!(u32::try_from(len).is_ok());
-    len as u32
 }
 
 /// A superblock id or count as numpy's int32 (the page ids of block tables).

@@ -23,9 +23,9 @@ use super::placement::{DecodePlacement, Divisor, Placement};
 use super::request::RequestIndex;
 use super::Scheduler;
 use crate::error::{CoreError, Result};
+use crate::ids::{page_id, RequestId, SuperblockId};
 use crate::layout::Layout;
-use crate::ledger::{page_id, write_table_cells};
-use crate::{RequestId, SuperblockId};
+use crate::ledger::write_table_cells;
 
 /// How many elements a section holds, in terms of the capacities.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

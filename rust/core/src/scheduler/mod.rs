@@ -42,9 +42,9 @@ pub use request::{FinishReason, RequestOutput, RequestState};
 
 use crate::digest::{bits, Fnv64};
 use crate::error::{CoreError, Result};
+use crate::ids::RequestId;
 use crate::layout::Layout;
 use crate::ledger::Ledger;
-use crate::RequestId;
 use host::HostTier;
 use pending::{PendingSteps, StepBuilder};
 use placement::Placement;

@@ -11,9 +11,9 @@ use super::config::VictimPolicy;
 use super::output::ScheduleOutput;
 use super::request::{AheadMark, RequestIndex};
 use super::victim::VictimFinder;
+use crate::ids::SuperblockId;
 use crate::ledger::OlderUndo;
 use crate::prefix_cache::Eviction;
-use crate::SuperblockId;
 
 /// A context entry of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
