@@ -499,8 +499,9 @@ impl<'a> WriterView<'a> {
                     .zip(context_hints.chain(std::iter::repeat(usize::MAX)))
                     .map(|(((&id, &start), &len), hint)| (id, start, len, hint)),
             );
+        let ledger = self.ledger;
         for (id, start, count, hint) in entries {
-            let request = self.ledger.request_hinted(hint, id)?;
+            let request = ledger.request_hinted(hint, id)?;
             let end = start.saturating_add(count);
             if end > request.len() {
                 return Err(unreserved(id, start, end, request.len()));
@@ -1338,6 +1339,7 @@ impl<'a> WriterView<'a> {
             .iter()
             .map(|&r| r as usize)
             .chain(std::iter::repeat(usize::MAX));
+        let ledger = self.ledger;
         let mut tables = Vec::with_capacity(source.generation_ids.len());
         let (mut furthest, mut widest) = (0u64, 0usize);
         let entries = source
@@ -1346,7 +1348,7 @@ impl<'a> WriterView<'a> {
             .zip(hints)
             .zip(source.generation_positions);
         for ((&id, hint), &pos) in entries {
-            let request = self.ledger.request_hinted(hint, id)?;
+            let request = ledger.request_hinted(hint, id)?;
             if pos >= request.len() {
                 return Err(unreserved(id, pos, pos + 1, request.len()));
             }
@@ -1483,29 +1485,24 @@ impl WriterView<'_> {
     ) -> Result<StepMetadata> {
         self.check_pending(source)?;
         let drafts = checked_draft_total(source)?;
-        let g = generation_len(source)?;
-        lengths_agree(g, &[source.generation_batch_slots.len()], "generation")?;
-        // The plain shape checks, on the step without its drafts, then the drafts' room.
-        let plain = StepSource {
-            generation_draft_counts: &[],
-            generation_draft_tokens: &[],
-            ..*source
-        };
-        check_shapes(&plain, layout, buffer.len(), 0)?;
+        check_shapes(source, layout, buffer.len(), drafts)?;
+        let g = source.generation_ids.len();
         let num_tokens = g + drafts + source.context_token_ids.len();
-        if num_tokens > layout.max_tokens {
-            return Err(CoreError::InvalidLength(format!(
-                "step {} has {num_tokens} tokens; the layout holds {}",
-                source.step, layout.max_tokens
-            )));
-        }
         // Every entry as (id, first position, tokens), generation entries first.
-        let entries: Vec<(RequestId, u64, u64)> = source
+        let generation = source
             .generation_ids
             .iter()
             .zip(source.generation_positions)
             .zip(source.generation_draft_counts)
-            .map(|((&id, &pos), &count)| (id, pos, 1 + count))
+            .map(|((&id, &pos), &count)| (id, pos, 1 + count));
+        let checked = EntryTables {
+            tables: Vec::with_capacity(g + source.context_ids.len()),
+            furthest: 0,
+            widest: 0,
+        };
+        let (tables, widest) =
+            self.entry_tables(source, generation.clone(), checked, layout.table_width)?;
+        let entries: Vec<(RequestId, u64, u64)> = generation
             .chain(
                 source
                     .context_ids
@@ -1515,25 +1512,6 @@ impl WriterView<'_> {
                     .map(|((&id, &start), &len)| (id, start, len)),
             )
             .collect();
-        let mut tables = Vec::with_capacity(entries.len());
-        let (mut furthest, mut widest) = (0u64, 0usize);
-        for &(id, start, count) in &entries {
-            let request = self.ledger.request(id)?;
-            let end = start.saturating_add(count);
-            if end > request.len() {
-                return Err(unreserved(id, start, end, request.len()));
-            }
-            furthest = furthest.max(end);
-            widest = widest.max(request.table().len());
-            tables.push(request.table());
-        }
-        check_word(furthest, "position")?;
-        if widest > layout.table_width {
-            return Err(CoreError::InvalidLength(format!(
-                "a request holds {widest} superblocks, wider than the layout's {} columns",
-                layout.table_width
-            )));
-        }
         let completes = source.context_completes.iter().filter(|&&c| c).count();
         let metadata = StepMetadata {
             step: source.step,
