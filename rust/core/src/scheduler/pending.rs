@@ -13,9 +13,9 @@ use super::request::{AheadMark, RequestIndex};
 use super::victim::VictimFinder;
 use rustc_hash::FxHashMap;
 
+use crate::ids::SuperblockId;
 use crate::ledger::OlderUndo;
 use crate::prefix_cache::{BlockKey, Eviction};
-use crate::SuperblockId;
 
 /// A context entry of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -9,9 +9,9 @@ use super::slots::{entry_id, row_id, slot_id};
 use super::victim::VictimKey;
 use super::Scheduler;
 use crate::error::{CoreError, Result};
-use crate::ledger::{page_id, superblock_count, DecodeLane, OlderUndo};
+use crate::ids::{page_id, superblock_count, RequestId, SuperblockId};
+use crate::ledger::{DecodeLane, OlderUndo};
 use crate::prefix_cache::{chain_keys, extend_keys};
-use crate::{RequestId, SuperblockId};
 
 impl Scheduler {
     /// The pending step that the step being planned ahead is planned ahead of.
