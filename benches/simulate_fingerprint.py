@@ -5,8 +5,9 @@ Each run is ``helix-kv simulate ARGV --json --events FILE`` in this process; its
 SHA-256 of the ``--json`` report and of the events file (every step's figures and every
 request's outcome), and the last line the SHA-256 of all of them. The runs cover what the
 simulator can do: every rank verification mode, drafts, a host tier, one step ahead, prefix
-caching with a shared prompt and conversations, client aborts, a modelled step time, arrivals
-in time, each under KV pressure (preemptions, recomputation, suspends).
+caching with a shared prompt (arriving over time, or at once: a burst that shares it in its
+step) and conversations, client aborts, a modelled step time, arrivals in time, each under KV
+pressure (preemptions, recomputation, suspends).
 
     PYTHONPATH=SITE python benches/simulate_fingerprint.py [--out DIR] [--only NAME ...]
 
@@ -32,6 +33,9 @@ PRESSURED = (
     "--output-len 64 --seed 5"
 )
 
+#: :data:`PRESSURED` with every request arriving at step 0.
+BURST = PRESSURED.replace("--arrival-rate 1", "--arrival-rate 0")
+
 #: name -> the run's flags.
 RUNS: dict[str, str] = {
     "default": "",
@@ -56,6 +60,15 @@ RUNS: dict[str, str] = {
     "prefix_turns_drafts_host": (
         f"--cp 4 {PRESSURED} --prefix-caching --turns 3 --spec-tokens 2 "
         "--host-tier-tokens 2048 --abort-rate 0.1"
+    ),
+    # every request at once behind one system prompt: the burst shares it in its step
+    "prefix_burst_overlap": (
+        f"--cp 4 {BURST} --prefix-caching --shared-prefix-len 256 --shared-prefix-share 0.8 "
+        "--overlap"
+    ),
+    "prefix_burst_drafts_host": (
+        f"--cp 4 {BURST} --prefix-caching --shared-prefix-len 256 --shared-prefix-share 0.8 "
+        "--host-tier-tokens 2048 --spec-tokens 2 --abort-rate 0.1"
     ),
     "step_time": f"--cp 4 {PRESSURED} --step-time default",
     "arrivals_in_time": (

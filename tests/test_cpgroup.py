@@ -123,10 +123,11 @@ STATES = ("waiting", "prefilling", "decoding", "recompute-paused")
 def test_a_host_tier_group_suspends_resumes_and_aborts_suspended_requests(
     overlap: bool, caching: bool
 ) -> None:
-    # With the cache, the even requests share a system prompt: a victim sharing it is
-    # recompute-paused (never copied out from under the others), the odd ones suspend.
+    # With the cache, requests 0, 2 and 4 share a system prompt (from their first step, where
+    # they are admitted together: same-step sharing): a victim sharing it is recompute-paused
+    # (never copied out from under the others), the others suspend (6 and 7 are aborted so).
     def shared(i: int) -> int:
-        return 8 if caching and i % 2 == 0 else 0
+        return 8 if caching and i in (0, 2, 4) else 0
 
     specs = [Spec(i, 10, 30, shared_prefix=shared(i)) for i in range(8)]
     specs[2] = Spec(2, 10, 30, abort_step=18, shared_prefix=shared(2))

@@ -154,3 +154,88 @@ def test_caching_with_a_host_tier_reads_only_kv_that_was_written(
     assert_matches_reference_with_aborts(specs, result, model)
     if result.outputs:
         assert result.kv_reads > 0, "every sampled token read its context back"
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(
+    cp=st.sampled_from([1, 2, 4]),
+    overlap=st.booleans(),
+    revert_every=st.sampled_from([0, 3, 5]),
+    fail_every=st.sampled_from([0, 4]),
+    host=st.booleans(),
+    shared=st.sampled_from([0, 8, 20]),
+    bursts=st.lists(
+        st.tuples(
+            st.integers(1, 4),
+            st.integers(1, 12),
+            st.integers(1, 10),
+            st.integers(0, 4),
+            st.sampled_from([None, "tenant-a"]),
+            st.sampled_from([None, 1, 4]),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    spare=st.integers(0, 12),
+)
+def test_bursts_share_their_prompts_in_their_step(
+    cp: int,
+    overlap: bool,
+    revert_every: int,
+    fail_every: int,
+    host: bool,
+    shared: int,
+    bursts: list[tuple[int, int, int, int, str | None, int | None]],
+    spare: int,
+) -> None:
+    """Same-step sharing: bursts of requests with one prompt (behind a shared system prompt
+    or not, salted apart or not) arriving in one step, under KV pressure, plain or one step
+    ahead with reverts and failing steps, aborts and a host tier. A later request of a burst
+    reads the superblocks its first request writes in that very step (the harness checks each
+    hit against what the step's earlier entries wrote), and the outputs equal the
+    reference."""
+    specs = []
+    for size, own, new, at, salt, abort in bursts:
+        first = len(specs)
+        for _ in range(size):
+            i = len(specs)
+            specs.append(
+                Spec(
+                    i,
+                    own,
+                    new,
+                    arrival_step=at,
+                    shared_prefix=shared,
+                    twin_of=first,
+                    cache_salt=salt,
+                    abort_step=None if abort is None or i % 3 else at + abort,
+                    abort_pending=bool(i % 2),
+                )
+            )
+    largest = max(s.shared_prefix + s.prompt_len + s.max_new_tokens for s in specs)
+    superblock = 4 * cp
+    kv_superblocks = -(-largest // superblock) + 1 + spare // superblock
+    cfg = config(
+        cp, 4, kv_superblocks, max_num_tokens=48, chunk_unit=4, enable_prefix_caching=True,
+        host_tier_superblocks=kv_superblocks if host else 0, max_preemptions_per_request=1000,
+    )  # fmt: skip
+    executor = Executor(cfg, overlap=overlap)
+    result = executor.run(specs, revert_every=revert_every, fail_every=fail_every)
+    assert_matches_reference_with_aborts(specs, result)
+    assert result.metrics is not None
+    assert result.same_step_cached_tokens <= result.cached_tokens
+
+
+def test_a_burst_behind_one_system_prompt_computes_it_once() -> None:
+    """Four requests with one prompt admitted in one step at cp 2: the later three read the
+    first one's superblocks as the step writes them, and every hit is a same-step one."""
+    specs = [Spec(i, 5, 6, shared_prefix=32, twin_of=0) for i in range(4)]
+    cfg = config(2, 4, 64, max_num_tokens=128, chunk_unit=4, enable_prefix_caching=True)
+    for overlap in (False, True):
+        result = Executor(cfg, overlap=overlap).run(specs)
+        assert_matches_reference(specs, result)
+        assert result.metrics is not None
+        # 37 tokens: 4 full superblocks of 8 shared by each of the three later requests.
+        assert result.cached_tokens == result.same_step_cached_tokens == 3 * 32
+        assert result.metrics.prefix_cache_same_step_hits == 3 * 32
+        assert result.metrics.prefix_cache_hits == 3 * 32

@@ -509,6 +509,7 @@ class SchedulerMetrics:
         prefix_cache_hits: int,
         prefix_cache_recompute_queries: int,
         prefix_cache_recompute_hits: int,
+        prefix_cache_same_step_hits: int,
         prefix_cache_evictions: int,
         spec_decode_num_drafts: int,
         spec_decode_num_draft_tokens: int,
@@ -558,6 +559,8 @@ class SchedulerMetrics:
     def prefix_cache_recompute_queries(self) -> int: ...
     @property
     def prefix_cache_recompute_hits(self) -> int: ...
+    @property
+    def prefix_cache_same_step_hits(self) -> int: ...
     @property
     def prefix_cache_evictions(self) -> int: ...
     @property

@@ -581,6 +581,7 @@ RECORD_FIELDS: dict[str, dict[str, Kind]] = {
             "prefix_cache_hits",
             "prefix_cache_recompute_queries",
             "prefix_cache_recompute_hits",
+            "prefix_cache_same_step_hits",
             "prefix_cache_evictions",
             "spec_decode_num_drafts",
             "spec_decode_num_draft_tokens",

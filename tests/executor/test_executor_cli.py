@@ -461,6 +461,7 @@ def test_json_summary(
     assert prefix["hits"] >= 3 * 24
     assert prefix["hit_rate"] == pytest.approx(prefix["hits"] / prefix["queries"])
     assert {"recompute_queries", "recompute_hits", "evictions"} <= prefix.keys()
+    assert prefix["same_step_hits"] == 0  # a batch of one: one admission a step
     spec = summary["spec_decode"]
     assert spec["num_speculative_tokens"] == 2
     assert spec["drafted"] > 0

@@ -279,3 +279,48 @@ def test_prefix_caching_on_one_gpu_matches_caching_off_in_float32(mode):
             TOLERANCE["float32"],
             f"1 GPU float32 {mode} kv={kv} {options}: cache on vs off",
         )
+
+
+def burst_prompts() -> dict[int, list[int]]:
+    """Twelve requests behind one 120-token system prompt, all arriving at once (the first
+    two with the very same 129-token prompt): a 256-token step admits the first whole and the
+    others' tails beside it (at most 1 + 10 * 11 tokens)."""
+    rng = np.random.default_rng(13)
+    system = rng.integers(0, MODEL.vocab_size, size=120).tolist()
+    tails = [9, 9, *rng.integers(1, 12, size=10).tolist()]
+    twin = rng.integers(0, MODEL.vocab_size, size=9).tolist()
+    return {
+        i: system + (twin if i < 2 else rng.integers(0, MODEL.vocab_size, size=n).tolist())
+        for i, n in enumerate(tails)
+    }
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_burst_shares_its_system_prompt_on_one_gpu_in_float32(mode):
+    """Same-step sharing on the GPU: the burst's later requests read the system prompt's KV
+    as the step that admits them writes it (each layer's KV written before its attention),
+    on the general path, with the decode kernel and on the fast path with CUDA graphs:
+    float32 logits within tolerance of caching off."""
+    overlap = mode == "overlap"
+    for options in ({}, {"decode_kernel": True}, {"cuda_graphs": True}):
+        runs = {
+            caching: run_rank(
+                burst_prompts(),
+                MAX_NEW,
+                config(
+                    1,
+                    "float32",
+                    ROOMY,
+                    overlap=overlap,
+                    scheduler_options={"enable_prefix_caching": caching},
+                    **options,
+                ),
+            )
+            for caching in (False, True)
+        }
+        on, off = runs[True], runs[False]
+        # the twin: 16 whole 8-token pages (all but its last token); the other ten: the
+        # system prompt's 15 pages, all written by the first request in the same step
+        assert on.metrics["prefix_cache_same_step_hits"] == 128 + 10 * 120, options
+        assert off.tokens_run - on.tokens_run == on.metrics["prefix_cache_hits"]
+        check(off, on, TOLERANCE["float32"], f"1 GPU float32 {mode} burst {options}: on vs off")

@@ -1,7 +1,12 @@
 """Prefix caching end to end on CPU (gloo, float64): a prefill that starts after the cached
 tokens reads their pages (written by another request with the same prefix), and the greedy
 tokens equal those with caching off and a dense scheduler-free reference, for cp = 1, 2 and
-4, plain and one step ahead, with recompute-pauses and with the host tier."""
+4, plain and one step ahead, with recompute-pauses and with the host tier.
+
+Same-step sharing: a burst of requests behind one system prompt is admitted in one step, and
+the later ones read the first one's superblocks as that very step writes them (the executor
+writes each layer's KV before that layer's attention); the tokens still equal caching off,
+the dense reference and transformers' own ``generate``."""
 
 from __future__ import annotations
 
@@ -25,6 +30,11 @@ CP_SIZES = (1, 2, 4)
 #: (name, global KV tokens, host tier pages per rank): roomy, then tight enough to preempt.
 POOLS = (("roomy", 1024, 0), ("tight", 96, 0), ("host_tier", 96, 64))
 MODES = ("plain", "overlap")
+#: The burst's system prompt: whole superblocks at cp 1 and 2 (4-token pages), 2.5 at cp 4.
+SYSTEM_LEN = 40
+#: A step budget that admits the whole burst in its first step (its first prompt, then the
+#: others' tails).
+BURST_TOKENS = 128
 
 
 def prompts() -> dict[int, list[int]]:
@@ -39,15 +49,68 @@ def prompts() -> dict[int, list[int]]:
     return out
 
 
+def burst_prompts(vocab: int = MODEL.vocab_size) -> dict[int, list[int]]:
+    """Six requests behind one system prompt of :data:`SYSTEM_LEN` tokens, all arriving at
+    once: the first two with the very same prompt, the others with a few tokens of their own
+    (one with a single token)."""
+    rng = np.random.default_rng(17)
+    system = rng.integers(0, vocab, size=SYSTEM_LEN).tolist()
+    twin = system + rng.integers(0, vocab, size=5).tolist()
+    out = {300: twin, 301: list(twin)}
+    for i, own in enumerate((1, 7, 3, 9)):
+        out[302 + i] = system + rng.integers(0, vocab, size=own).tolist()
+    return out
+
+
+def burst_hits(prompts_by_id: dict[int, list[int]], per_superblock: int) -> int:
+    """Prompt tokens the burst's later requests find in the superblocks of the requests
+    before them, when all are admitted in one step: each one's longest common prefix with an
+    earlier prompt, at most all but its last token, in whole superblocks."""
+    seen: list[list[int]] = []
+    hits = 0
+    for prompt in prompts_by_id.values():
+        common = max((_common_prefix(prompt, other) for other in seen), default=0)
+        hits += min(common, len(prompt) - 1) // per_superblock * per_superblock
+        seen.append(prompt)
+    return hits
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def config(
-    cp: int, kv_tokens: int, host_pages: int, overlap: bool, caching: bool
+    cp: int,
+    kv_tokens: int,
+    host_pages: int,
+    overlap: bool,
+    caching: bool,
+    max_num_tokens: int = 40,
 ) -> ExecutorConfig:
     """The end-to-end test's configuration (same page size and batch), this test's model and
     a larger step budget, with prefix caching on or off."""
     base = e2e_config(cp, kv_tokens, overlap=overlap, host_pages=host_pages)
     return base.with_(
-        model=MODEL, max_num_tokens=40, scheduler_options={"enable_prefix_caching": caching}
+        model=MODEL,
+        max_num_tokens=max_num_tokens,
+        scheduler_options={"enable_prefix_caching": caching},
     )
+
+
+def job(
+    cp: int, pool: str, mode: str, caching: bool
+) -> tuple[dict[int, list[int]], int, ExecutorConfig]:
+    """The run of a key of :func:`runs`: a pool of :data:`POOLS` over :func:`prompts`, or
+    ``"burst"``, :func:`burst_prompts` in a roomy pool with :data:`BURST_TOKENS` a step."""
+    overlap = mode == "overlap"
+    if pool == "burst":
+        return (
+            burst_prompts(),
+            MAX_NEW,
+            config(cp, 1024, 0, overlap, caching, max_num_tokens=BURST_TOKENS),
+        )
+    kv, host = next((k, h) for n, k, h in POOLS if n == pool)
+    return prompts(), MAX_NEW, config(cp, kv, host, overlap, caching)
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +120,11 @@ def runs() -> dict[tuple[int, str, str, bool], RunResult]:
     for cp in CP_SIZES:
         keys = [
             (cp, name, mode, caching)
-            for name, *_ in POOLS
+            for name in [*(p[0] for p in POOLS), "burst"]
             for mode in MODES
             for caching in (False, True)
         ]
-        jobs = [
-            (prompts(), MAX_NEW, config(cp, kv, host, mode == "overlap", caching))
-            for _, name, mode, caching in keys
-            for kv, host in [next((k, h) for n, k, h in POOLS if n == name)]
-        ]
+        jobs = [job(*key) for key in keys]
         if cp == 1:
             per_job = [[run_rank(*job)] for job in jobs]
         else:
@@ -89,6 +148,25 @@ def test_caching_changes_no_token(runs, reference, cp, pool, mode):
     on, off = runs[cp, pool, mode, True], runs[cp, pool, mode, False]
     assert on.outputs == off.outputs == reference
     assert off.metrics["prefix_cache_hits"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cp", CP_SIZES)
+def test_a_burst_shares_its_system_prompt_in_its_first_step(runs, cp, mode):
+    """The burst is admitted in one step: every hit is in a superblock the step's earlier
+    entries write (none was cached before), each later request skips exactly the superblocks
+    its prompt shares with an earlier one, and the tokens equal caching off and the dense
+    reference."""
+    on, off = runs[cp, "burst", mode, True], runs[cp, "burst", mode, False]
+    model = TinyTransformer(MODEL)
+    reference = {rid: greedy_generate(model, p, MAX_NEW) for rid, p in burst_prompts().items()}
+    assert on.outputs == off.outputs == reference
+    expected = burst_hits(burst_prompts(), 4 * cp)
+    assert expected > 0
+    assert on.metrics["prefix_cache_hits"] == expected
+    assert on.metrics["prefix_cache_same_step_hits"] == expected
+    assert off.metrics["prefix_cache_hits"] == off.metrics["prefix_cache_same_step_hits"] == 0
+    assert off.tokens_run - on.tokens_run == expected
 
 
 @pytest.mark.parametrize("cp", CP_SIZES)
@@ -161,3 +239,69 @@ def test_bench_prefix_caching_reuses_the_shared_pages():
     # every hit token is one the forward did not run (a roomy pool: no recompute)
     saved = figures[False]["tokens_run"] - figures[True]["tokens_run"]
     assert saved == figures[True]["prefix_cache_hits"]
+
+
+def _hf_burst(tmp_path, family: str):
+    """A tiny checkpoint of ``family`` saved by transformers, the burst's prompts in its
+    vocabulary and transformers' greedy tokens and logits for them."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    from helix_kv.executor.hf_oracle import hf_greedy, save_tiny_checkpoint
+
+    path = save_tiny_checkpoint(family, tmp_path / family, seed=11)
+    burst = burst_prompts(vocab=128)
+    return path, burst, hf_greedy(path, burst, MAX_NEW)
+
+
+def _check_burst(result: RunResult, burst: dict[int, list[int]], oracle, cp: int) -> None:
+    from helix_kv.executor.hf_oracle import first_divergence
+
+    expected_hits = burst_hits(burst, 4 * cp)
+    assert result.metrics["prefix_cache_same_step_hits"] == expected_hits > 0
+    for rid, tokens in oracle.tokens.items():
+        problem = first_divergence(result.outputs[rid], tokens, oracle.logits[rid], 1e-5)
+        assert problem is None, f"request {rid}: {problem}"
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_burst_matches_transformers_generate(tmp_path, cp, family):
+    """Tiny models saved by transformers (GQA, and MLA: one latent KV per token): the burst
+    shares its system prompt in its first step, plain and one step ahead, on the general path
+    (every entry's KV written to the pool before any entry's attention, layer by layer), and
+    the greedy tokens equal transformers' ``generate``."""
+    path, burst, oracle = _hf_burst(tmp_path, family)
+    jobs = [
+        (
+            burst,
+            MAX_NEW,
+            config(cp, 1024, 0, mode == "overlap", True, max_num_tokens=BURST_TOKENS).with_(
+                model=str(path)
+            ),
+        )
+        for mode in MODES
+    ]
+    if cp == 1:
+        per_job = [[run_rank(*j)] for j in jobs]
+    else:
+        per_job = run_group(jobs, cp, backend="gloo", timeout_s=300)
+    for ranks in per_job:
+        _check_burst(ranks[0], burst, oracle, cp)
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_a_burst_with_the_decode_kernels_matches_transformers_generate(tmp_path, family):
+    """The burst with ``decode_kernel`` one step ahead: its decodes through the Triton paged
+    kernels (GQA, and MLA over the latent) planned once a step and run per layer after the
+    layer's KV write, decode-only steps on the fast path; the tokens still equal
+    transformers'. CUDA tensors where there is a GPU, else Triton's interpreter on the CPU
+    (``tests/executor/devices.py``)."""
+    from .devices import run_fast_path
+
+    path, burst, oracle = _hf_burst(tmp_path, family)
+    job = config(1, 1024, 0, True, True, max_num_tokens=BURST_TOKENS).with_(
+        model=str(path), decode_kernel=True
+    )
+    (result,) = run_fast_path([(burst, MAX_NEW, job)], 1)
+    assert result.fast_path_steps > 0
+    _check_burst(result, burst, oracle, 1)

@@ -132,3 +132,34 @@ def test_float32_equals_transformers_on_the_gpu(checkpoints, oracle, family, poo
 def test_bf16_within_a_logit_tolerance_of_transformers(checkpoints, oracle, family, mode):
     result = run(checkpoints[family], "bfloat16", POOLS[1], mode)
     check(result, oracle[family, "bfloat16"], BF16_TIE, BF16_LOGITS, BF16_RELATIVE)
+
+
+@pytest.mark.parametrize("mode", PATHS, ids=[p[0] for p in PATHS])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_burst_sharing_its_system_prompt_equals_transformers_on_the_gpu(tmp_path, family, mode):
+    """Same-step sharing on the GPU, in float32, for every family (MLA included) and path:
+    a burst behind one system prompt admitted in one step, the later requests reading the
+    superblocks the first one writes in that step; the tokens equal transformers'."""
+    from .test_executor_prefix_cache import BURST_TOKENS, burst_hits, burst_prompts
+
+    path = save_tiny_checkpoint(family, tmp_path / family, seed=5)
+    burst = burst_prompts(vocab=VOCAB)
+    expected = hf_greedy(path, burst, MAX_NEW, torch.float32, "cuda")
+    _, kernel, graphs, overlap = mode
+    config = ExecutorConfig(
+        tokens_per_block=TPB,
+        kv_superblocks=4096 // TPB,
+        max_batch_size=8,
+        max_num_tokens=BURST_TOKENS,
+        model=str(path),
+        dtype="float32",
+        device="cuda",
+        decode_kernel=kernel,
+        cuda_graphs=graphs,
+        overlap=overlap,
+        record_logits=True,
+        scheduler_options={"enable_prefix_caching": True},
+    )
+    result = run_rank(burst, MAX_NEW, config)
+    assert result.metrics["prefix_cache_same_step_hits"] == burst_hits(burst, TPB) > 0
+    check(result, expected, F32_TIE, F32_LOGITS)

@@ -17,10 +17,13 @@ whether it is valid, or is unknown (a reverted step's copy-in may or may not hav
 it). Writes go through the slot mappings of steps that ran; copies to and from the host tier
 copy slots; a reverted step makes its copy-outs, and its copy-ins as ``reverted_copy_ins`` says
 (``"done"``, ``"not_done"``, or ``"either"``: the slots become unknown); a draft the verifier
-rejected is marked not valid when its step completes. Every prefix-cache hit is read back
-before the step writes anything, every chunk's context after its writes and every sampled
-row's context as it is sampled, each slot checked against the reader's salt and tokens (and,
-without prefix caching, its own request).
+rejected is marked not valid when its step completes. A step's writes land entry by entry,
+context entries first, and every prefix-cache hit is read back just before its own entry's
+writes: it may read KV of steps that ran and of the step's earlier context entries (same-step
+sharing: the executor writes each layer's KV before that layer's attention), never of its own
+entry, a later one or a decode of the step. Every chunk's context is read after the step's
+writes and every sampled row's context as it is sampled, each slot checked against the
+reader's salt and tokens (and, without prefix caching, its own request).
 
 The executor drives the group through :class:`helix_kv.StepDriver`. With ``overlap=True`` it
 runs one step ahead, as an overlapping engine does (step t+1 is scheduled and run before step t
@@ -77,11 +80,15 @@ class Spec:
     #: Tokens of a system prompt every request with this field shares, before its own
     #: ``prompt_len`` (for prefix caching).
     shared_prefix: int = 0
+    #: Its own tokens are those of request ``twin_of`` (the same prompt, for prefix caching).
+    twin_of: int | None = None
     #: Its cache salt: prefix caching shares KV only between requests of the same salt.
     cache_salt: str | None = None
 
     def prompt(self) -> np.ndarray:
-        own = prompt_tokens(self.request_id, self.prompt_len)
+        own = prompt_tokens(
+            self.request_id if self.twin_of is None else self.twin_of, self.prompt_len
+        )
         if not self.shared_prefix:
             return own
         return np.concatenate([prompt_tokens(SYSTEM_PROMPT_ID, self.shared_prefix), own])
@@ -144,6 +151,9 @@ class HarnessResult:
     inputs_in_flight: int = 0
     #: Prompt tokens admissions found in the prefix cache (their chunks started after).
     cached_tokens: int = 0
+    #: Of those, tokens in superblocks that did not hold the reader's KV before the step and
+    #: did once the step's earlier context entries wrote theirs (same-step sharing).
+    same_step_cached_tokens: int = 0
     #: Draft tokens verified, and accepted (speculative decoding).
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -421,7 +431,7 @@ class Executor:
         inputs = self._check_replay(out)
         self._copy_in_resumed(out)
         self.result.resumed += out.resumed_ids.size
-        self._check_hits(out)
+        self._count_same_step_hits(out)
         self._write_kv(out, inputs)
         self._check_chunks(out)
         tokens, accepted = self._sample(out)
@@ -712,23 +722,55 @@ class Executor:
             or [np.zeros(0, np.uint64)]
         )
         owners = (positions // self.tpb) % self.cp
-        drafted = []
+        slots = []
         for rank, scheduler in enumerate(self.group.schedulers):
-            slots = scheduler.slot_mapping(ids, starts, counts)
-            assert slots.dtype == np.int64
-            assert slots.shape == (total,)
-            mine = slots >= 0
-            assert np.array_equal(mine, owners == rank), "a rank writes exactly what it owns"
-            self.token[rank, slots[mine]] = values[mine]
-            self.owner[rank, slots[mine]] = who[mine]
-            self.position[rank, slots[mine]] = positions[mine]
-            self.prefix[rank, slots[mine]] = prefix[mine]
-            self.valid[rank, slots[mine]] = True
-            take = mine & is_draft
-            drafted.append((who[take], positions[take], np.full(take.sum(), rank), slots[take]))
+            mapped = scheduler.slot_mapping(ids, starts, counts)
+            assert mapped.dtype == np.int64
+            assert mapped.shape == (total,)
+            assert np.array_equal(mapped >= 0, owners == rank), "a rank writes exactly what it owns"
+            slots.append(mapped)
+        # Entry by entry, context entries first: each hit is read back just before its own
+        # entry's writes, after those of the step's earlier context entries.
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        cut = 0
+        for entry, (request_id, cached) in enumerate(
+            zip(out.context_ids.tolist(), out.context_cached_lens.tolist())
+        ):
+            if cached:
+                written = slice(cut, int(offsets[entry]))
+                self._write_tokens(slots, written, values, who, positions, prefix)
+                cut = int(offsets[entry])
+                self._read_context(request_id, cached - 1)
+        self._write_tokens(slots, slice(cut, total), values, who, positions, prefix)
+        drafted = []
+        for rank in range(self.cp):
+            take = (slots[rank] >= 0) & is_draft
+            drafted.append(
+                (who[take], positions[take], np.full(take.sum(), rank), slots[rank][take])
+            )
         self._draft_slots[int(out.step)] = tuple(
             np.concatenate([d[k] for d in drafted]) for k in range(4)
         )
+
+    def _write_tokens(
+        self,
+        slots: list[np.ndarray],
+        tokens: slice,
+        values: np.ndarray,
+        who: np.ndarray,
+        positions: np.ndarray,
+        prefix: np.ndarray,
+    ) -> None:
+        """Each rank writes the KV of the step's ``tokens`` (a range of its token rows) that it
+        owns, through its slot mapping (``slots``, per rank)."""
+        for rank, mapped in enumerate(slots):
+            mine = np.flatnonzero(mapped[tokens] >= 0) + (tokens.start or 0)
+            at = mapped[mine]
+            self.token[rank, at] = values[mine]
+            self.owner[rank, at] = who[mine]
+            self.position[rank, at] = positions[mine]
+            self.prefix[rank, at] = prefix[mine]
+            self.valid[rank, at] = True
 
     def _entry_seqs(self, out: helix_kv.ScheduleOutput) -> list[list[int]]:
         """Each entry's tokens as the step sees them (context entries, then generation
@@ -743,12 +785,16 @@ class Executor:
             seqs.append(self.view(request_id) + drafts)
         return seqs
 
-    def _check_hits(self, out: helix_kv.ScheduleOutput) -> None:
-        """Before the step writes anything, each admission's cached tokens hold the KV it
-        would compute there (its tokens at the same positions under its salt)."""
+    def _count_same_step_hits(self, out: helix_kv.ScheduleOutput) -> None:
+        """Before the step writes anything: the superblocks of each admission's hit that do
+        not hold the KV it needs yet (an earlier context entry of the step writes them; the
+        hit is checked in :meth:`_write_kv`)."""
+        per = self.tpb * self.cp
         for request_id, cached in zip(out.context_ids.tolist(), out.context_cached_lens.tolist()):
             if cached:
-                self._read_context(request_id, cached - 1)
+                wrong = self._context_errors(request_id, cached - 1)
+                missing = np.unique(np.flatnonzero(wrong) // per)
+                self.result.same_step_cached_tokens += int(missing.size) * per
 
     def _check_chunks(self, out: helix_kv.ScheduleOutput) -> None:
         """Each chunk's tokens read the context before them (a completing chunk's last token
@@ -790,6 +836,29 @@ class Executor:
         attention would, and checks each slot against the KV-content model: the KV of the
         request's token there (``drafts`` after what the device knows of it), valid, computed
         over the same salt and tokens before it, and without prefix caching its own."""
+        wrong, owners, slots, seq = self._context_cells(request_id, last, drafts)
+        if wrong.any():
+            at = int(np.flatnonzero(wrong)[0])
+            raise AssertionError(
+                f"KV of {request_id} at {at} (token {seq[at]}) is not there: rank "
+                f"{owners[at]} slot {slots[at]} holds owner {self.owner[owners[at], slots[at]]}, "
+                f"position {self.position[owners[at], slots[at]]}, token "
+                f"{self.token[owners[at], slots[at]]}, valid {self.valid[owners[at], slots[at]]}"
+            )
+        self.result.kv_reads += last + 1
+        return self.token[owners, slots]
+
+    def _context_errors(self, request_id: int, last: int) -> np.ndarray:
+        """Per position ``0..=last`` of the request, whether :meth:`_read_context` would reject
+        its slot now."""
+        return self._context_cells(request_id, last)[0]
+
+    def _context_cells(
+        self, request_id: int, last: int, drafts: Sequence[int] = ()
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+        """The slots of positions ``0..=last`` of the request through its block table (each
+        position's owner rank and slot), which of them do not hold the KV the request needs
+        there, and the tokens it needs."""
         tables = [s.block_table([request_id])[0] for s in self.group.schedulers]
         for table in tables[1:]:
             assert np.array_equal(table, tables[0]), "every rank holds the same table"
@@ -809,16 +878,7 @@ class Executor:
         )
         if not self.caching:
             wrong |= owner != request_id
-        if wrong.any():
-            at = int(np.flatnonzero(wrong)[0])
-            raise AssertionError(
-                f"KV of {request_id} at {at} (token {seq[at]}) is not there: rank "
-                f"{owners[at]} slot {slots[at]} holds owner {owner[at]}, position "
-                f"{self.position[owners[at], slots[at]]}, token {self.token[owners[at], slots[at]]}"
-                f", valid {self.valid[owners[at], slots[at]]}"
-            )
-        self.result.kv_reads += last + 1
-        return self.token[owners, slots]
+        return wrong, owners, slots, seq
 
     def _sample(self, out: helix_kv.ScheduleOutput) -> tuple[np.ndarray, np.ndarray]:
         """The model's token at every sample row (each query row of a drafted entry, read
@@ -872,7 +932,12 @@ def reference_outputs(specs: Sequence[Spec], model: Model = Model()) -> dict[int
     )
     at_once = [
         Spec(
-            s.request_id, s.prompt_len, s.max_new_tokens, s.priority, shared_prefix=s.shared_prefix
+            s.request_id,
+            s.prompt_len,
+            s.max_new_tokens,
+            s.priority,
+            shared_prefix=s.shared_prefix,
+            twin_of=s.twin_of,
         )
         for s in specs
     ]

@@ -29,6 +29,7 @@ PREFIX_KEYS = {
     "prefix_cache_hit_rate",
     "prefix_cache_recompute_queries",
     "prefix_cache_recompute_hits",
+    "prefix_cache_same_step_hits",
     "prefill_tokens_saved",
     "prefix_cache_evictions",
 }
@@ -368,7 +369,7 @@ def test_the_user_guide_example_is_what_the_command_prints(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     section = _guide_section()
-    shared, turns = map(_command, _blocks(section, "bash"))
+    shared, burst, turns = map(_command, _blocks(section, "bash"))
     (sample,) = _blocks(section, "text")
     assert run_table(capsys, *shared) == sample
     # the figures the text quotes: the same command without caching, and the conversations
@@ -384,4 +385,16 @@ def test_the_user_guide_example_is_what_the_command_prints(
     assert f"{100 * cached['prefix_cache_hit_rate']:.1f}%" == "90.4%"
     assert (cached["computed_tokens"], baseline["computed_tokens"]) == (235775, 1465411)
     for figure in ("90.4%", "235775", "1465411", "1067823", "2819", "622 steps"):
+        assert figure in section
+    # the burst: its system prompt computed once, in the step that admits it
+    shared_burst = run_json(capsys, *burst)
+    assert (
+        shared_burst["prefix_cache_same_step_hits"],
+        shared_burst["computed_tokens"],
+        shared_burst["first_token_steps_p50"],
+    ) == (47104, 25624, 2)
+    assert shared_burst["prefix_cache_same_step_hits"] == 23 * 2048
+    unshared = run_json(capsys, *[arg for arg in burst if arg != "--prefix-caching"])
+    assert (unshared["computed_tokens"], unshared["first_token_steps_p50"]) == (156787, 10)
+    for figure in ("47104 tokens", "25624", "p50 2 steps", "156787", "p50 10 steps"):
         assert figure in section

@@ -135,6 +135,11 @@ METRICS: tuple[MetricInfo, ...] = (
         "Prefix caching: of those, tokens found cached.",
     ),
     MetricInfo(
+        PREFIX + "prefix_cache_same_step_hits_total",
+        "counter",
+        "Prefix caching: of both kinds of hits, tokens an earlier entry of the same step computed.",
+    ),
+    MetricInfo(
         PREFIX + "prefix_cache_evictions_total",
         "counter",
         "Prefix caching: cached superblocks evicted to make room.",
@@ -284,6 +289,7 @@ class RankCollector(Collector):
             "prefix_cache_hits_total": totals.prefix_cache_hits,
             "prefix_cache_recompute_queries_total": totals.prefix_cache_recompute_queries,
             "prefix_cache_recompute_hits_total": totals.prefix_cache_recompute_hits,
+            "prefix_cache_same_step_hits_total": totals.prefix_cache_same_step_hits,
             "prefix_cache_evictions_total": totals.prefix_cache_evictions,
             "spec_decode_num_drafts_total": totals.spec_decode_num_drafts,
             "spec_decode_num_draft_tokens_total": totals.spec_decode_num_draft_tokens,

@@ -313,6 +313,7 @@ def run_summary(result: RunResult, config: ExecutorConfig, requests: int) -> dic
             "hit_rate": hits / queries if queries else 0.0,
             "recompute_queries": int(metrics.get("prefix_cache_recompute_queries", 0)),
             "recompute_hits": int(metrics.get("prefix_cache_recompute_hits", 0)),
+            "same_step_hits": int(metrics.get("prefix_cache_same_step_hits", 0)),
             "evictions": int(metrics.get("prefix_cache_evictions", 0)),
         },
         "spec_decode": {

@@ -161,7 +161,8 @@ def prefix_cache_figures(result: SimulationResult) -> Summary:
     """The prefix cache's figures (empty when the run had prefix caching off): prompt tokens
     looked up and found cached at admissions and their share (the hit rate, in tokens), the
     same for re-prefills after a recompute-pause, the prefill tokens the cache saved (both
-    kinds of hits: tokens not computed) and the superblocks evicted from it."""
+    kinds of hits: tokens not computed), the part of those hits an earlier admission or chunk
+    of the same step computed (same-step sharing) and the superblocks evicted from it."""
     if not result.config.get("scheduler", {}).get("enable_prefix_caching"):
         return {}
     metrics = result.final_metrics
@@ -175,6 +176,7 @@ def prefix_cache_figures(result: SimulationResult) -> Summary:
         "prefix_cache_recompute_queries": int(metrics.prefix_cache_recompute_queries),
         "prefix_cache_recompute_hits": recompute_hits,
         "prefill_tokens_saved": hits + recompute_hits,
+        "prefix_cache_same_step_hits": int(metrics.prefix_cache_same_step_hits),
         "prefix_cache_evictions": int(metrics.prefix_cache_evictions),
     }
 
@@ -446,6 +448,10 @@ PREFIX_CACHE_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     (
         "prefill tokens saved",
         lambda s: f"{s['prefill_tokens_saved']} ({s['prefix_cache_recompute_hits']} on re-prefill)",
+    ),
+    (
+        "shared in their step",
+        lambda s: f"{s['prefix_cache_same_step_hits']} tokens",
     ),
     (
         "re-prefill cache hits",

@@ -166,6 +166,9 @@ struct Shape {
     /// Percent chance per iteration that requests arrive (while arrivals last).
     arrival: u64,
     iterations: u32,
+    /// Tokens of a system prompt every prompt starts with (0: none), so that requests
+    /// admitted in one step share it (same-step prefix sharing).
+    shared_prefix: u64,
 }
 
 #[expect(
@@ -211,6 +214,7 @@ fn shapes() -> Vec<Shape> {
             max_new,
             arrival,
             iterations,
+            shared_prefix: 0,
         });
     };
     add(
@@ -343,6 +347,33 @@ fn shapes() -> Vec<Shape> {
         45,
         300,
     );
+    // Bursts behind one system prompt (same-step prefix sharing; appended: the shapes above
+    // keep their hashes).
+    let mut c = config(2, 2, 24, 8, 64, true, Agg, 0);
+    c.enable_prefix_caching = true;
+    shapes.push(Shape {
+        name: "agg-cp2-tpb2-caching-system-prompt",
+        config: c,
+        max_prompt: 12,
+        max_new: 16,
+        arrival: 30,
+        iterations: 300,
+        shared_prefix: 20,
+    });
+    let mut c = config(4, 2, 16, 8, 48, true, Agg, 8);
+    c.enable_prefix_caching = true;
+    c.num_speculative_tokens = 2;
+    c.victim_policy = VictimPolicy::Priority;
+    c.cp_rank = 1;
+    shapes.push(Shape {
+        name: "agg-cp4-tpb2-caching-system-prompt-drafts-host",
+        config: c,
+        max_prompt: 16,
+        max_new: 20,
+        arrival: 40,
+        iterations: 300,
+        shared_prefix: 24,
+    });
     shapes
 }
 
@@ -371,6 +402,7 @@ struct Run {
     narrow: helix_kv_core::StepMetadataLayout,
     max_prompt: u64,
     max_new: u64,
+    shared_prefix: u64,
 }
 
 const SENTINEL: i32 = -7777;
@@ -392,8 +424,9 @@ impl Run {
                 self.fresh_id()
             };
             let len = self.rng.range(1, self.max_prompt);
-            let prompt: Vec<i32> = (0..len)
-                .map(|i| ((id * 7919 + i * 31) % 997) as i32)
+            let system = (0..self.shared_prefix).map(|i| ((i * 13 + 5) % 997) as i32);
+            let prompt: Vec<i32> = system
+                .chain((0..len).map(|i| ((id * 7919 + i * 31) % 997) as i32))
                 .collect();
             let max_new = self.rng.range(1, self.max_new) as u32;
             let priority = self.rng.range(0, 6) as i32 - 3;
@@ -721,6 +754,7 @@ fn run_scheduler(shape: &Shape, drive: Drive, seed: u64) -> u64 {
         narrow,
         max_prompt: shape.max_prompt,
         max_new: shape.max_new,
+        shared_prefix: shape.shared_prefix,
     };
     let arrivals_end = shape.iterations * 7 / 10;
     for iteration in 0..shape.iterations {

@@ -2,7 +2,7 @@
 //! (see the binding crate), so adding a variant is a compile error there until it is
 //! given a class.
 
-use crate::RequestId;
+use crate::ids::RequestId;
 
 /// Why a call into the core was refused. A call that returns an error has changed nothing.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -131,7 +131,7 @@ impl Layout {
     /// KV slot (cell of its owner rank's page pool) of global position `pos`, given the
     /// request's superblock table (superblock id == physical page id on every rank).
     /// `None` if the table does not reach `pos`.
-    pub fn slot(self, pos: u64, table: &[crate::SuperblockId]) -> Option<u64> {
+    pub fn slot(self, pos: u64, table: &[crate::ids::SuperblockId]) -> Option<u64> {
         let tpb = u64::from(self.tokens_per_block);
         let page = *table.get(usize::try_from(self.superblock_index(pos)).ok()?)?;
         Some(u64::from(page) * tpb + pos % tpb)

@@ -5,23 +5,9 @@
 use rustc_hash::FxHashMap;
 
 use crate::error::{CoreError, Result};
+use crate::ids::{page_id, superblock_count, RequestId, SuperblockId, MAX_CAPACITY};
 use crate::layout::Layout;
 use crate::prefix_cache::{BlockKey, Eviction, PrefixCache};
-use crate::{RequestId, SuperblockId};
-
-/// Largest pool: superblock ids are page ids, handed out as int32 (block tables pad with
-/// -1), so every id must fit `i32`.
-pub const MAX_CAPACITY: u32 = i32::MAX as u32;
-
-/// A superblock id as the int32 page id of block tables and the executor's arrays.
-#[expect(
-    clippy::cast_possible_wrap,
-    reason = "ids are below the pool's capacity, at most MAX_CAPACITY = i32::MAX (`Ledger::new` refuses more)"
-)]
-pub(crate) fn page_id(superblock: SuperblockId) -> i32 {
-    debug_assert!(superblock < MAX_CAPACITY);
-    superblock as i32
-}
 
 /// The bits of a superblock id as an int32 word, whatever its value: a page id where the
 /// id is held ([`page_id`]); stale cells of a table held in place are masked off after.
@@ -71,15 +57,6 @@ fn pad_cells(cells: &mut [i32], pad: i32) {
         at += LANES;
     }
     cells[n - LANES..].copy_from_slice(&lanes);
-}
-
-/// The length of a page table or of the free list, in superblocks.
-#[expect(
-    clippy::cast_possible_truncation,
-    reason = "a table or the free list holds at most the pool's capacity, a u32"
-)]
-pub(crate) fn superblock_count(len: usize) -> u32 {
-    len as u32
 }
 
 /// Where a held request's [`RequestKv`] sits in the ledger's slab: its *ledger entry*.
@@ -690,6 +667,23 @@ impl Ledger {
     /// Gives request `id`, which holds nothing, the cached `pages` (a prefix hit): its
     /// table names them and its length is their tokens.
     pub fn attach_cached(&mut self, id: RequestId, pages: &[SuperblockId]) -> Result<()> {
+        self.attach_prefix(id, pages, false)
+    }
+
+    /// [`Self::attach_cached`] for a prefix hit of the scheduler's that may also name
+    /// superblocks another table holds unkeyed: those an earlier entry of the step being
+    /// scheduled computes (same-step sharing). Each page is either cached (keyed) or held
+    /// by another table; nothing keys the written ones (the update that ran the step does).
+    pub(crate) fn attach_shared(&mut self, id: RequestId, pages: &[SuperblockId]) -> Result<()> {
+        self.attach_prefix(id, pages, true)
+    }
+
+    fn attach_prefix(
+        &mut self,
+        id: RequestId,
+        pages: &[SuperblockId],
+        written_too: bool,
+    ) -> Result<()> {
         let entry = self.active_entry_of(id)?;
         let Some(cache) = self.cache.as_mut() else {
             return Err(CoreError::InvalidState("prefix caching is off".into()));
@@ -703,7 +697,9 @@ impl Ledger {
                 "request {id} holds KV already; cached superblocks attach to an empty table"
             )));
         }
-        if let Some(&page) = pages.iter().find(|&&p| cache.key_of(p).is_none()) {
+        let attachable =
+            |p: SuperblockId| cache.key_of(p).is_some() || (written_too && cache.refs(p) > 0);
+        if let Some(&page) = pages.iter().find(|&&p| !attachable(p)) {
             return Err(CoreError::InvalidArgument(format!(
                 "superblock {page} caches no prefix"
             )));
@@ -1541,33 +1537,16 @@ impl Ledger {
         step: u64,
         drafts: u64,
     ) -> Result<Option<u64>> {
-        let entry = self.active_entry_hinted(hint, id)?;
-        let request = &self.requests.records[entry];
-        if request.decode_step() != Some(step) {
-            return Err(CoreError::InvalidState(format!(
-                "request {id} has no decode token allocated in step {step}: drafts follow it"
-            )));
-        }
-        let first = request.next_decode_position();
+        let (entry, first) = self.draft_start(hint, id, step)?;
         let end = first
             .checked_add(drafts)
             .ok_or_else(|| CoreError::InvalidLength(format!("{drafts} drafts overflow")))?;
         self.check_len(end)?;
-        let new_len = request.len.max(end);
-        let held = u64::from(request.held);
-        let needed = self.layout.superblocks_for(new_len).saturating_sub(held);
-        if needed > self.free.len() as u64 {
+        // All of them or none: the free list must hold the superblocks `end` reaches.
+        if end > self.draft_reach(entry) {
             return Ok(None);
         }
-        if new_len > held * self.layout.tokens_per_superblock() {
-            // Taken from the free list alone (checked above): a grow with the prefix cache
-            // evicts only what the free list lacks, which is nothing here.
-            let grown = self.grow_entry(entry, new_len);
-            debug_assert!(grown);
-        }
-        let request = &mut self.requests.records[entry];
-        request.len = new_len;
-        request.decode_count += drafts;
+        self.take_drafts(entry, first, drafts);
         Ok(Some(first))
     }
 
@@ -1581,6 +1560,18 @@ impl Ledger {
         step: u64,
         most: u64,
     ) -> Result<DraftExtension> {
+        let (entry, first) = self.draft_start(hint, id, step)?;
+        let count = most.min(self.draft_reach(entry).saturating_sub(first));
+        if count == 0 {
+            return Ok(DraftExtension::NONE);
+        }
+        Ok(self.take_drafts(entry, first, count))
+    }
+
+    /// The entry of `id` (`hint` as in [`Self::extend_decode_at`]) and the position of its
+    /// first draft, where `id` has a decode token allocated in `step`: drafts follow it.
+    #[inline]
+    fn draft_start(&self, hint: EntryIndex, id: RequestId, step: u64) -> Result<(EntryIndex, u64)> {
         let entry = self.active_entry_hinted(hint, id)?;
         let request = &self.requests.records[entry];
         if request.decode_step() != Some(step) {
@@ -1588,15 +1579,24 @@ impl Ledger {
                 "request {id} has no decode token allocated in step {step}: drafts follow it"
             )));
         }
-        let first = request.next_decode_position();
+        Ok((entry, request.next_decode_position()))
+    }
+
+    /// The end of the positions the table of `entry` can reach with the free list alone,
+    /// whatever its length: its superblocks plus the free list's.
+    #[inline]
+    fn draft_reach(&self, entry: EntryIndex) -> u64 {
+        let held = u64::from(self.requests.records[entry].held);
+        (held + self.free.len() as u64) * self.layout.tokens_per_superblock()
+    }
+
+    /// Takes the `count` draft positions from `first` for `entry`, within its
+    /// [`Self::draft_reach`] (the caller checked): from the free list alone, so a grow with
+    /// the prefix cache evicts nothing. What they took.
+    #[inline]
+    fn take_drafts(&mut self, entry: EntryIndex, first: u64, count: u64) -> DraftExtension {
+        let request = &self.requests.records[entry];
         let (len_before, held) = (request.len, request.held);
-        // Whatever the length, the table can reach its superblocks plus the free list's.
-        let reach =
-            (u64::from(held) + self.free.len() as u64) * self.layout.tokens_per_superblock();
-        let count = most.min(reach.saturating_sub(first));
-        if count == 0 {
-            return Ok(DraftExtension::NONE);
-        }
         let new_len = len_before.max(first + count);
         if new_len > u64::from(held) * self.layout.tokens_per_superblock() {
             let grown = self.grow_entry(entry, new_len);
@@ -1605,11 +1605,11 @@ impl Ledger {
         let request = &mut self.requests.records[entry];
         request.len = new_len;
         request.decode_count += count;
-        Ok(DraftExtension {
+        DraftExtension {
             count,
             len_before,
             grown: request.held - held,
-        })
+        }
     }
 
     /// Gives back the last `drafts` speculative positions of `id`'s decode in `step` (all

@@ -27,6 +27,7 @@ macro_rules! define_record {
 
 pub mod digest;
 pub mod error;
+pub mod ids;
 pub mod layout;
 pub mod ledger;
 pub mod prefix_cache;
@@ -35,6 +36,7 @@ pub mod scheduler;
 mod test_rng;
 
 pub use error::{CoreError, Result};
+pub use ids::{RequestId, SuperblockId};
 pub use layout::Layout;
 pub use ledger::{DecodeView, Ledger, RequestKv};
 pub use scheduler::{
@@ -44,8 +46,3 @@ pub use scheduler::{
     SchedulerConfig, SchedulerMetrics, ServingMode, StepMetadata, StepMetadataLayout,
     StepMetadataSection, StepSource, SuspendPolicy, VictimPolicy,
 };
-
-/// A request's id, chosen by the caller; unique among live requests.
-pub type RequestId = u64;
-/// A superblock id; it is also the physical page id on every rank.
-pub type SuperblockId = u32;

@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, VecDeque};
 use rustc_hash::FxHashMap;
 
 use crate::digest::Fnv64;
-use crate::SuperblockId;
+use crate::ids::{superblock_count, SuperblockId};
 
 /// The key of a full superblock's token prefix (128 bits of BLAKE3).
 pub type BlockKey = u128;
@@ -269,7 +269,7 @@ impl PrefixCache {
 
     /// Registered superblocks no request references (free capacity, evicted on demand).
     pub fn evictable_len(&self) -> u32 {
-        crate::ledger::superblock_count(self.evictable.len)
+        superblock_count(self.evictable.len)
     }
 
     /// Whether an entry of the eviction order stands: `page` is evictable (registered,
@@ -323,7 +323,8 @@ impl PrefixCache {
         self.refs[page as usize] = 1;
     }
 
-    /// A cached page named by one more table (a hit).
+    /// A cached page named by one more table (a hit), or a page another table holds that
+    /// an earlier entry of the step being scheduled computes (a same-step hit).
     pub(crate) fn share(&mut self, page: SuperblockId) {
         let p = page as usize;
         if self.refs[p] == 0 {

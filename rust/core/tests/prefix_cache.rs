@@ -377,11 +377,12 @@ fn reset_drops_unreferenced_keys_and_is_refused_while_a_step_is_pending() {
 
 #[test]
 fn caching_off_is_the_scheduler_without_it() {
-    // The same calls: equal schedules and no cache in the ledger.
+    // The same calls: equal schedules and no cache in the ledger. The prompts share no
+    // full superblock (10 common tokens would be one, shared by the burst in its first step).
     let mut off = Scheduler::new(common::config(2, 4, 12)).unwrap();
     let mut on = Scheduler::new(cached(2, 12)).unwrap();
     for id in 0..6 {
-        let p = prompt(10, 3, i32::try_from(id).unwrap());
+        let p = prompt(7, 6, i32::try_from(id).unwrap());
         off.add_request(id, &p, 8, 0).unwrap();
         on.add_request(id, &p, 8, 0).unwrap();
     }
@@ -466,13 +467,14 @@ fn group_run(config: &SchedulerConfig, specs: &[Spec], options: RunOptions) -> c
 #[test]
 fn group_runs_with_caching_equal_the_reference_in_every_mode() {
     let mut hits = BTreeMap::new();
+    let mut same_step = BTreeMap::new();
     for cp in [1u32, 2, 4] {
         for mode in [RunMode::Plain, RunMode::Overlap] {
             for host in [0u32, 16] {
                 for (revert, seed) in [(0u64, 1u64), (150, 2)] {
                     let mut config = cached(cp, 0);
                     let per = u64::from(4 * cp);
-                    config.capacity_superblocks = u32::try_from(260_u64.div_ceil(per)).unwrap();
+                    config.capacity_superblocks = u32::try_from(200_u64.div_ceil(per)).unwrap();
                     config.host_tier_superblocks = host;
                     config.max_num_tokens = 48;
                     config.chunk_unit = Some(4);
@@ -487,6 +489,7 @@ fn group_runs_with_caching_equal_the_reference_in_every_mode() {
                     };
                     let result = group_run(&config, &specs, options);
                     *hits.entry(cp).or_insert(0) += result.cached_tokens;
+                    *same_step.entry(cp).or_insert(0) += result.same_step_cached_tokens;
                     assert!(
                         result.preemptions + result.suspensions > 0,
                         "cp {cp}: no pressure"
@@ -496,6 +499,8 @@ fn group_runs_with_caching_equal_the_reference_in_every_mode() {
         }
     }
     assert!(hits.values().all(|&h| h > 0), "{hits:?}");
+    // Two requests arrive a step: the second shares the first's system prompt in it.
+    assert!(same_step.values().all(|&h| h > 0), "{same_step:?}");
 }
 
 #[test]
@@ -845,4 +850,284 @@ fn a_reverted_resume_does_not_put_back_the_prefix_it_evicted_from_its_pages() {
     s.add_request(4, &[10, 11, 12], 1, 0).unwrap();
     let out = s.schedule().unwrap().clone();
     assert_eq!(out.context_cached_lens.iter().sum::<u64>(), 0, "{out:?}");
+}
+
+// Same-step sharing: requests admitted in one step share the full superblocks an earlier
+// context entry of that step computes.
+
+/// Updates the oldest pending step (its output `out`), feeding `token` for every sample.
+fn update(s: &mut Scheduler, out: &ScheduleOutput, token: i32) -> Vec<RequestId> {
+    s.update(&vec![token; out.num_samples()], None)
+        .unwrap()
+        .to_vec()
+}
+
+#[test]
+fn a_burst_with_one_prompt_computes_it_once_in_its_first_step() {
+    for cp in [1u32, 2, 4] {
+        let per = 4 * cp as usize;
+        let mut s = Scheduler::new(cached(cp, 64)).unwrap();
+        // Four full superblocks and two tokens, three times, in one step.
+        let p = prompt(4 * per + 2, 0, 0);
+        for id in 1..=3 {
+            s.add_request(id, &p, 3, 0).unwrap();
+        }
+        let out = s.schedule().unwrap().clone();
+        assert_eq!(out.context_ids, vec![1, 2, 3]);
+        let shared = 4 * per as u64;
+        assert_eq!(out.context_starts, vec![0, shared, shared], "cp {cp}");
+        assert_eq!(out.context_cached_lens, vec![0, shared, shared]);
+        assert_eq!(out.context_lens, vec![shared + 2, 2, 2]);
+        assert_eq!(out.num_tokens, shared + 6, "the prompt is computed once");
+        // Every full superblock but the last is the first request's page; the tails differ.
+        let first = table(&s, 1);
+        for id in [2, 3] {
+            assert_eq!(table(&s, id)[..4], first[..4]);
+            assert_ne!(table(&s, id)[4], first[4]);
+        }
+        assert_eq!(s.ledger().used_superblocks(), 5 + 2);
+        let cache = s.ledger().prefix_cache().unwrap();
+        assert!(
+            first.iter().all(|&page| cache.key_of(page).is_none()),
+            "nothing is keyed before the step ran"
+        );
+        update(&mut s, &out, 7);
+        let m = s.metrics();
+        assert_eq!(m.prefix_cache_queries, 3 * (shared + 2));
+        assert_eq!(m.prefix_cache_hits, 2 * shared);
+        assert_eq!(m.prefix_cache_same_step_hits, 2 * shared);
+        let cache = s.ledger().prefix_cache().unwrap();
+        assert!(first[..4].iter().all(|&page| cache.key_of(page).is_some()));
+        // A later request hits the same pages through the cache: no same-step hit.
+        s.add_request(4, &p, 3, 0).unwrap();
+        let out = common::step(&mut s, 7);
+        assert_eq!(out.context_cached_lens, vec![shared]);
+        assert_eq!(table(&s, 4)[..4], first[..4]);
+        assert_eq!(s.metrics().prefix_cache_same_step_hits, 2 * shared);
+        drain(&mut s);
+        assert_eq!(s.ledger().free_superblocks(), 64);
+    }
+}
+
+#[test]
+fn a_prompt_of_whole_superblocks_shares_all_but_its_last() {
+    let mut s = Scheduler::new(cached(1, 32)).unwrap();
+    let p = prompt(16, 0, 0); // four superblocks of 4 tokens
+    s.add_request(1, &p, 1, 0).unwrap();
+    s.add_request(2, &p, 1, 0).unwrap();
+    let out = common::step(&mut s, 7);
+    assert_eq!(out.context_starts, vec![0, 12]);
+    assert_eq!(out.context_lens, vec![16, 4]);
+}
+
+#[test]
+fn shared_prefixes_share_their_common_superblocks_and_salts_keep_tenants_apart() {
+    let mut s = Scheduler::new(cached(1, 64)).unwrap();
+    // 10 common tokens: two full superblocks; request 3 has another salt.
+    s.add_request(1, &prompt(10, 7, 1), 2, 0).unwrap();
+    s.add_request(2, &prompt(10, 3, 2), 2, 0).unwrap();
+    s.add_request_salted(3, &prompt(10, 5, 3), 2, 0, b"tenant")
+        .unwrap();
+    s.add_request_salted(4, &prompt(10, 2, 4), 2, 0, b"tenant")
+        .unwrap();
+    let out = s.schedule().unwrap().clone();
+    assert_eq!(out.context_starts, vec![0, 8, 0, 8]);
+    assert_eq!(table(&s, 2)[..2], table(&s, 1)[..2]);
+    assert_eq!(table(&s, 4)[..2], table(&s, 3)[..2]);
+    assert_ne!(table(&s, 3)[0], table(&s, 1)[0]);
+    update(&mut s, &out, 7);
+    assert_eq!(s.metrics().prefix_cache_same_step_hits, 16);
+}
+
+#[test]
+fn a_chunk_shares_only_the_superblocks_its_writer_completes_in_the_step() {
+    // Per request at most 8 tokens a step while others are live: the first request's
+    // chunk completes two superblocks (0..8), the second shares them and computes 8..16
+    // itself; the next step the first goes on (8..16 its own) and nothing else is shared.
+    let mut config = cached(1, 32);
+    config.chunk_unit = Some(4);
+    config.long_prefill_token_threshold = 8;
+    let mut s = Scheduler::new(config).unwrap();
+    let p = prompt(18, 0, 0);
+    s.add_request(1, &p, 2, 0).unwrap();
+    s.add_request(2, &p, 2, 0).unwrap();
+    let out = common::step(&mut s, 7);
+    assert_eq!(out.context_starts, vec![0, 8]);
+    assert_eq!(out.context_lens, vec![8, 8]);
+    assert_eq!(out.context_cached_lens, vec![0, 8]);
+    assert_eq!(table(&s, 1).len(), 2);
+    assert_eq!(table(&s, 2)[..2], table(&s, 1)[..2]);
+    assert_eq!(s.metrics().prefix_cache_same_step_hits, 8);
+    // Superblocks 2 and 3 were computed by both (request 2 keyed them first).
+    let out = common::step(&mut s, 7);
+    assert_eq!(out.context_starts, vec![8, 16]);
+    assert_eq!(s.metrics().prefix_cache_same_step_hits, 8);
+    drain(&mut s);
+}
+
+#[test]
+fn a_superblock_a_chunk_completes_is_shared_whoever_computed_its_start() {
+    // cp 2 with 4-token pages: 8-token superblocks, chunks of 4-token units. The first
+    // request's first chunk ends inside superblock 1 (0..12); its second (12..20, with the
+    // second request admitted) completes it: the second request shares superblocks 0 and 1.
+    let mut config = cached(2, 32);
+    config.chunk_unit = Some(4);
+    config.max_num_tokens = 14;
+    let mut s = Scheduler::new(config).unwrap();
+    let p = prompt(21, 0, 0);
+    s.add_request(1, &p, 2, 0).unwrap();
+    let out = common::step(&mut s, 7);
+    assert_eq!((out.context_starts[0], out.context_lens[0]), (0, 12));
+    s.add_request(2, &p, 2, 0).unwrap();
+    let out = common::step(&mut s, 7);
+    assert_eq!(out.context_ids, vec![1, 2]);
+    // Superblock 0 was keyed at the first update; superblock 1 is this step's.
+    assert_eq!(out.context_starts, vec![12, 16]);
+    assert_eq!(out.context_lens, vec![9, 5]);
+    assert_eq!(table(&s, 2)[..2], table(&s, 1)[..2]);
+    assert_eq!(s.metrics().prefix_cache_same_step_hits, 8);
+    assert_eq!(s.metrics().prefix_cache_hits, 16);
+}
+
+#[test]
+fn reverting_a_burst_undoes_its_sharing_exactly() {
+    for ahead in [false, true] {
+        let mut s = Scheduler::new(cached(2, 24)).unwrap();
+        // Something cached (hit by the burst, its release stamps kept) and, one step
+        // ahead, an older pending step.
+        s.add_request(8, &prompt(16, 1, 8), 1, 0).unwrap();
+        drain(&mut s);
+        if ahead {
+            s.add_request(9, &prompt(0, 3, 9), 6, 0).unwrap();
+            s.schedule().unwrap();
+        }
+        for id in 1..=3 {
+            s.add_request(id, &prompt(16, 30, 0), 2, 0).unwrap();
+        }
+        let before = (
+            s.state_digest(),
+            s.ledger().state_digest(),
+            s.ledger().clone(),
+        );
+        let older = s.last_output().clone();
+        let out = s.schedule().unwrap().clone();
+        assert_eq!(out.context_ids, vec![1, 2, 3], "ahead={ahead}");
+        assert_eq!(out.context_cached_lens, vec![16, 40, 40]);
+        assert_eq!(table(&s, 2)[..5], table(&s, 1)[..5]);
+        s.revert().unwrap();
+        assert_eq!(s.ledger(), &before.2, "ahead={ahead}");
+        assert_eq!(
+            (s.state_digest(), s.ledger().state_digest()),
+            (before.0, before.1)
+        );
+        // Scheduled again: the same decisions.
+        let again = s.schedule().unwrap().clone();
+        assert_eq!(again.context_starts, out.context_starts);
+        assert_eq!(again.context_cached_lens, out.context_cached_lens);
+        if ahead {
+            update(&mut s, &older, 7);
+        }
+        update(&mut s, &again, 7);
+        assert_eq!(s.metrics().prefix_cache_same_step_hits, 2 * 24);
+        drain(&mut s);
+    }
+}
+
+#[test]
+fn a_step_planned_ahead_does_not_share_what_the_pending_step_computes() {
+    let mut s = Scheduler::new(cached(1, 32)).unwrap();
+    let p = prompt(13, 0, 0);
+    s.add_request(1, &p, 4, 0).unwrap();
+    let older = s.schedule().unwrap().clone();
+    assert_eq!(older.context_lens, vec![13]);
+    // Planned while request 1's prompt is in flight: its superblocks are not keyed yet,
+    // and they are no KV of this step. Requests 2 and 3 share with each other instead.
+    s.add_request(2, &p, 4, 0).unwrap();
+    s.add_request(3, &p, 4, 0).unwrap();
+    let newer = s.schedule().unwrap().clone();
+    assert_eq!(newer.context_ids, vec![2, 3]);
+    assert_eq!(newer.context_starts, vec![0, 12]);
+    assert_ne!(table(&s, 2)[0], table(&s, 1)[0]);
+    assert_eq!(table(&s, 3)[..3], table(&s, 2)[..3]);
+    update(&mut s, &older, 7);
+    update(&mut s, &newer, 7);
+    // Once the older step ran its keys are cached: the first request's pages, the second's
+    // left unkeyed (the key was taken).
+    s.add_request(4, &p, 4, 0).unwrap();
+    common::step(&mut s, 7);
+    assert_eq!(table(&s, 4)[..3], table(&s, 1)[..3]);
+    drain(&mut s);
+    assert_eq!(s.ledger().free_superblocks(), 32);
+}
+
+#[test]
+fn a_writer_aborted_or_finished_in_its_step_leaves_the_shared_superblocks_keyed() {
+    for abort in [false, true] {
+        let mut s = Scheduler::new(cached(1, 32)).unwrap();
+        let p = prompt(13, 0, 0);
+        // The writer stops at its first token (length) or is aborted while pending.
+        s.add_request(1, &p, 1, 0).unwrap();
+        s.add_request(2, &p, 4, 0).unwrap();
+        let out = s.schedule().unwrap().clone();
+        assert_eq!(out.context_cached_lens, vec![0, 12]);
+        let shared = table(&s, 2)[..3].to_vec();
+        if abort {
+            s.abort(1).unwrap();
+        }
+        let finished = update(&mut s, &out, 7);
+        assert_eq!(finished, vec![1]);
+        assert!(!s.ledger().contains(1));
+        // The sharer holds them, and they are keyed (the writer's chunk ran).
+        let cache = s.ledger().prefix_cache().unwrap();
+        for &page in &shared {
+            assert_eq!(cache.refs(page), 1);
+            assert!(cache.key_of(page).is_some(), "abort={abort}");
+        }
+        s.add_request(3, &p, 4, 0).unwrap();
+        let out = common::step(&mut s, 7);
+        assert_eq!(out.context_cached_lens, vec![12]);
+        assert_eq!(table(&s, 3)[..3], shared[..]);
+        drain(&mut s);
+        assert_eq!(s.ledger().free_superblocks(), 32);
+    }
+}
+
+#[test]
+fn an_aborted_sharer_gives_back_only_its_references() {
+    let mut s = Scheduler::new(cached(1, 32)).unwrap();
+    let p = prompt(13, 0, 0);
+    s.add_request(1, &p, 4, 0).unwrap();
+    s.add_request(2, &p, 4, 0).unwrap();
+    let out = s.schedule().unwrap().clone();
+    s.abort(2).unwrap();
+    assert_eq!(update(&mut s, &out, 7), vec![2]);
+    let first = table(&s, 1);
+    let cache = s.ledger().prefix_cache().unwrap();
+    assert!(first[..3].iter().all(|&page| cache.refs(page) == 1));
+    assert_eq!(
+        s.metrics().prefix_cache_same_step_hits,
+        0,
+        "an aborted entry counts no hit"
+    );
+    drain(&mut s);
+    assert_eq!(s.ledger().free_superblocks(), 32);
+}
+
+#[test]
+fn a_sharer_is_charged_its_tail_and_references_not_pages() {
+    // The step's budget fits one prompt and the tails of the others; the pool fits one
+    // prompt's pages and a page per sharer: without same-step sharing only one would run.
+    let mut config = cached(1, 8);
+    config.max_num_tokens = 20;
+    let mut s = Scheduler::new(config).unwrap();
+    let p = prompt(14, 0, 0);
+    for id in 1..=4 {
+        s.add_request(id, &p, 1, 0).unwrap();
+    }
+    let out = s.schedule().unwrap().clone();
+    assert_eq!(out.context_ids, vec![1, 2, 3, 4]);
+    assert_eq!(out.context_lens, vec![14, 2, 2, 2]);
+    assert_eq!(out.num_tokens, 20);
+    assert_eq!(s.ledger().used_superblocks(), 4 + 3);
+    assert!(out.preempted_ids.is_empty());
 }

@@ -392,6 +392,77 @@ proptest! {
     }
 }
 
+/// A case of bursts behind one prompt (same-step sharing): prefix caching on, and each
+/// request after the first takes, with probability 2/5, the prompt, cache salt and arrival
+/// step of the one before it, so identical prompts (every full superblock but the last
+/// shared) arrive in one step, besides the shared start of every prompt that cases with
+/// caching draw. Requests the pool is then too small for are refused at add (`accepted`).
+fn burst_case() -> impl Strategy<Value = Case> {
+    (
+        case_with_aborts(),
+        prop::collection::vec(prop::bool::weighted(0.4), 10),
+    )
+        .prop_map(|(mut case, twins)| {
+            case.config.enable_prefix_caching = true;
+            let twins = twins.iter().enumerate().take(case.specs.len()).skip(1);
+            for (i, _) in twins.filter(|&(_, &twin)| twin) {
+                let before = case.specs[i - 1].clone();
+                let spec = &mut case.specs[i];
+                spec.prompt = before.prompt;
+                spec.salt = before.salt;
+                spec.arrival_step = before.arrival_step;
+            }
+            case
+        })
+}
+
+proptest! {
+    #![proptest_config(gate_config(100))]
+
+    /// Bursts of identical and shared-prefix prompts arriving in one step share what an
+    /// earlier entry of that step computes: every hit and attention read finds the KV it
+    /// needs (a hit may read only KV of steps that ran and of the step's earlier context
+    /// entries), plain and one step ahead with failing steps, reverts, aborts, EOS, host
+    /// tiers and drafts, and the outputs equal the reference decoded without pressure.
+    #[test]
+    fn bursts_share_their_prompts_and_read_only_kv_that_was_written(
+        case in burst_case(),
+        k in 0u32..4,
+        draft_per_mille in 100u64..1001,
+    ) {
+        let mut config = case.config.clone();
+        config.num_speculative_tokens = k;
+        let config = &config;
+        let specs = accepted(config, &case.specs);
+        prop_assume!(!specs.is_empty());
+        let mut group = Group::new(config, case.model);
+        let options = RunOptions {
+            draft_per_mille: if k == 0 { 0 } else { draft_per_mille },
+            draft_true_per_mille: 500,
+            ..case.options(specs.len() as u64)
+        };
+        let result = match group.run(&specs, options) {
+            Ok(result) => result,
+            Err(err) => return check_early_stop(config, &group, &err),
+        };
+        assert_matches_reference_with_aborts(&specs, case.model, &result);
+        prop_assert!(result.same_step_cached_tokens <= result.cached_tokens);
+    }
+
+    /// Reverting a step of a burst (the newest pending step, or both) undoes its same-step
+    /// sharing exactly: the state digest as before (when the reverted steps chose no
+    /// victim), and every later step as a twin that never scheduled them makes it.
+    #[test]
+    fn reverts_of_bursts_restore_the_state_and_every_later_step(
+        case in burst_case(),
+        ahead in any::<bool>(),
+        both in any::<bool>(),
+        probe_at in 0u64..12,
+    ) {
+        check_reverts(case, ahead, both, probe_at, None)?;
+    }
+}
+
 /// The errors a run may end with (see the test above).
 fn check_early_stop(
     config: &SchedulerConfig,

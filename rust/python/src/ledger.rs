@@ -1,5 +1,6 @@
 //! `Ledger`: the superblock page ledger with numpy batch forms.
 
+use helix_kv_core::ids::{page_id, superblock_count};
 use helix_kv_core::{DecodeView, Ledger, RequestKv};
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
@@ -146,26 +147,6 @@ impl From<RequestKv<'_>> for PyRequestHoldings {
             suspended: r.is_suspended(),
         }
     }
-}
-
-/// The number of superblocks in a page table.
-#[expect(
-    clippy::cast_possible_truncation,
-    reason = "a table holds at most the pool's capacity, a u32"
-)]
-fn superblock_count(len: usize) -> u32 {
-    debug_assert!(u32::try_from(len).is_ok());
-    len as u32
-}
-
-/// A superblock id or count as numpy's int32 (the page ids of block tables).
-#[expect(
-    clippy::cast_possible_wrap,
-    reason = "ids are below, and counts at most, the pool's capacity, which `Ledger::new` caps at i32::MAX"
-)]
-fn superblock_int32(superblock: u32) -> i32 {
-    debug_assert!(i32::try_from(superblock).is_ok());
-    superblock as i32
 }
 
 /// Shared by `Ledger` and `Scheduler`: the padded block table of `ids`; `width` is
@@ -472,11 +453,7 @@ impl PyLedger {
         let request = self.inner.request(id_arg(request_id)?).py()?;
         Ok(PyArray1::from_vec(
             py,
-            request
-                .table()
-                .iter()
-                .map(|&p| superblock_int32(p))
-                .collect(),
+            request.table().iter().map(|&p| page_id(p)).collect(),
         ))
     }
     /// `(request_ids uint64, superblocks int32)`, sorted by id.
@@ -488,7 +465,8 @@ impl PyLedger {
             .inner
             .holdings()
             .into_iter()
-            .map(|(id, n)| (id, superblock_int32(n)))
+            // A count is at most the pool's capacity, which `Ledger::new` caps at i32::MAX.
+            .map(|(id, n)| (id, i32::try_from(n).unwrap_or(i32::MAX)))
             .unzip();
         (PyArray1::from_vec(py, ids), PyArray1::from_vec(py, counts))
     }

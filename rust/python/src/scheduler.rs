@@ -1,6 +1,7 @@
 //! `Scheduler` (one rank's preemptive, rank-invariant scheduler) and its metrics. One
 //! crossing per `schedule()` and per `update()`; arrays in and out are numpy.
 
+use helix_kv_core::ids::{page_id, superblock_count};
 use helix_kv_core::{PreparedPrompt, Scheduler};
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::prelude::*;
@@ -552,12 +553,6 @@ type QueueHoldings<'py> = (
     Bound<'py, PyArray1<bool>>,
 );
 
-/// A table's length as a superblock count (tables hold at most 2**31-1 superblocks, the
-/// pool's bound).
-fn superblock_count(len: usize) -> u32 {
-    u32::try_from(len).unwrap_or(u32::MAX)
-}
-
 /// `held - start` for a table of `held` superblocks (at most 2**31-1, the pool's bound) and
 /// a start of at most 2**63-1 (a length argument): both fit i64, so the difference does.
 #[expect(
@@ -566,16 +561,6 @@ fn superblock_count(len: usize) -> u32 {
 )]
 fn table_tail_count(held: usize, start: u64) -> i64 {
     held as i64 - start as i64
-}
-
-/// A superblock id as the int32 page id numpy arrays carry (ids are below the pool's
-/// capacity, at most 2**31-1).
-#[expect(
-    clippy::cast_possible_wrap,
-    reason = "superblock ids are below the pool's capacity, at most i32::MAX"
-)]
-fn page_id(superblock: u32) -> i32 {
-    superblock as i32
 }
 
 /// The longest cache salt accepted, in bytes (a tenant or adapter name, not a payload).

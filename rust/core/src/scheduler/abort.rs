@@ -6,7 +6,8 @@
 //! is pending it is deferred to the close of that step, because the executor may already be
 //! running the request's entries and `revert` must still find the step as it was scheduled.
 
-use super::{FinishReason, RequestId, Result, Scheduler};
+use super::{FinishReason, Result, Scheduler};
+use crate::ids::RequestId;
 
 impl Scheduler {
     /// Aborts one request; see [`Scheduler::abort_many`]. Returns whether it was live.

@@ -192,6 +192,7 @@ impl Scheduler {
     /// Counts an admission's prefix-cache lookup (in tokens), a re-prefill's apart.
     fn count_prefix_lookup(&mut self, entry: ContextEntry) {
         let m = &mut self.metrics;
+        m.prefix_cache_same_step_hits += entry.shared;
         if entry.recompute {
             m.prefix_cache_recompute_queries += entry.queried;
             m.prefix_cache_recompute_hits += entry.cached;

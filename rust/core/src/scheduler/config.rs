@@ -13,8 +13,8 @@ use std::str::FromStr;
 
 use crate::digest::Fnv64;
 use crate::error::{CoreError, Result};
+use crate::ids::MAX_CAPACITY;
 use crate::layout::Layout;
-use crate::ledger::MAX_CAPACITY;
 
 /// The most draft tokens one decode may verify in a step (`num_speculative_tokens`): peers
 /// run 1 to 10 (EAGLE, MTP, n-gram); 64 keeps a step's worst case well inside its budget.

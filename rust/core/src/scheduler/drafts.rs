@@ -26,8 +26,8 @@ use super::pending::{DraftEntry, JournalEntry};
 use super::request::{RequestIndex, NO_STEP};
 use super::Scheduler;
 use crate::error::{CoreError, Result};
+use crate::ids::RequestId;
 use crate::ledger::DraftExtension;
-use crate::RequestId;
 
 /// Draft proposals for the next `schedule()`, by request index, and the acceptance counts
 /// per draft position.

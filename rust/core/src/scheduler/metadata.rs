@@ -16,16 +16,22 @@
 //! ([`Scheduler::write_decode_rows`]): one int32 row per generation entry, its columns fixed
 //! by [`decode_row`] (`token_id, position, slot, local_len, past_seen_len, input_ref`, then
 //! the block table), in a caller-owned `[rows, width]` buffer.
+//!
+//! The writers are functions of what they read, a [`WriterView`]: the ledger, the newest
+//! pending step's record, the layout and the rank. They never see the scheduler (its
+//! public entry points, `Scheduler::write_step_metadata` and the others, build the view
+//! and call them), so a writer cannot touch the queue, the phases or a request's state.
 
 use super::output::ScheduleOutput;
-use super::pending::ContextEntry;
+use super::pending::{ContextEntry, StepRecord};
 use super::placement::{DecodePlacement, Divisor, Placement};
 use super::request::RequestIndex;
-use super::Scheduler;
 use crate::error::{CoreError, Result};
+use crate::ids::{page_id, RequestId, SuperblockId};
 use crate::layout::Layout;
-use crate::ledger::{page_id, write_table_cells};
-use crate::{RequestId, SuperblockId};
+use crate::ledger::{write_table_cells, Ledger};
+#[cfg(doc)]
+use crate::Scheduler;
 
 /// How many elements a section holds, in terms of the capacities.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -308,12 +314,14 @@ fn generation_len(source: &StepSource<'_>) -> Result<usize> {
     Ok(g)
 }
 
-/// Fails unless the arrays of `source` fit together and the step fits `layout` and a
-/// buffer of `buffer_words` words.
+/// Fails unless the arrays of `source` fit together and the step, with its `draft_tokens`
+/// (0 without drafts; their counts checked by [`checked_draft_total`]), fits `layout` and
+/// a buffer of `buffer_words` words.
 fn check_shapes(
     source: &StepSource<'_>,
     layout: &StepMetadataLayout,
     buffer_words: usize,
+    draft_tokens: usize,
 ) -> Result<()> {
     if buffer_words < layout.total_words {
         return Err(CoreError::InvalidLength(format!(
@@ -340,7 +348,7 @@ fn check_shapes(
             "the context lengths do not add up to the context tokens".into(),
         ));
     }
-    let num_tokens = g + source.context_token_ids.len();
+    let num_tokens = g + draft_tokens + source.context_token_ids.len();
     if num_tokens > layout.max_tokens || g + c > layout.max_entries {
         return Err(CoreError::InvalidLength(format!(
             "step {} has {num_tokens} tokens in {} entries; the layout holds {} tokens in {} entries",
@@ -353,46 +361,23 @@ fn check_shapes(
     Ok(())
 }
 
-impl Scheduler {
-    /// The metadata layout for this scheduler's capacities: `max_num_tokens` tokens and
-    /// `max_batch_size` entries a step, and rows of `table_width` superblocks (default: the
-    /// superblocks of a `max_seq_len` request, capped by the pool).
-    pub fn step_metadata_layout(&self, table_width: Option<u32>) -> Result<StepMetadataLayout> {
-        let width = table_width.unwrap_or_else(|| {
-            let needed = self.layout.superblocks_for(self.config.max_seq_len);
-            u32::try_from(needed)
-                .unwrap_or(u32::MAX)
-                .min(self.config.capacity_superblocks)
-        });
-        StepMetadataLayout::new(
-            self.config.max_num_tokens,
-            self.config.max_batch_size,
-            width,
-        )
-    }
+/// What the step-metadata and decode-row writers read, and all they read: the ledger (each
+/// entry's superblocks), the newest pending step's record (the only step whose metadata
+/// may be written, and each entry's ledger entry, where the writers look for its holdings
+/// first), the token layout with its prepared divisors, and the rank written for. Built by
+/// the scheduler for each call; read-only.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct WriterView<'a> {
+    pub ledger: &'a Ledger,
+    pub newest: Option<&'a StepRecord>,
+    pub layout: Layout,
+    pub placement: &'a Placement,
+    pub rank: u32,
+}
 
-    /// [`Scheduler::write_step_metadata`] for the output the scheduler still holds (one not
-    /// moved out with `take_last_output`).
-    pub fn write_last_step_metadata(
-        &self,
-        layout: &StepMetadataLayout,
-        buffer: &mut [i32],
-    ) -> Result<StepMetadata> {
-        self.write_step_metadata(StepSource::from(&self.output), layout, buffer)
-    }
-
-    /// Writes this rank's metadata of the pending step `source` (the fields of its
-    /// [`ScheduleOutput`]) into `buffer`, cut as `layout` says. Everything is checked before
-    /// the first word is written, so an error (`InvalidState` for an output that is not the
-    /// pending step's, `InvalidLength` for a step or table past the layout's capacities or a
-    /// buffer shorter than it, `InvalidArgument` for arrays that do not fit together,
-    /// `UnknownRequest`) leaves the buffer as it was. The scheduler is only read. A decode
-    /// input still in flight (a step planned one ahead) is written as token -1: the layout has
-    /// no section for `generation_input_refs` (the decode rows of
-    /// [`Scheduler::write_decode_rows`] have a column for it). The per-rank values (which
-    /// tokens this rank writes, its local and past-seen lengths) are this scheduler's rank's,
-    /// computed from the positions as the schedule computed them; the output's per-rank
-    /// arrays are not read (another rank's output of the step writes this rank's metadata).
+impl<'a> WriterView<'a> {
+    /// [`Scheduler::write_step_metadata`]: this rank's metadata of the pending step
+    /// `source`, checked whole before the first word of `buffer` is written.
     pub fn write_step_metadata(
         &self,
         source: StepSource<'_>,
@@ -419,7 +404,7 @@ impl Scheduler {
             layout,
             buffer,
             placement: self.layout,
-            rank: self.config.cp_rank,
+            rank: self.rank,
         };
         writer.header(&metadata);
         writer.tokens(&source);
@@ -431,14 +416,14 @@ impl Scheduler {
 
     /// Every check of [`Self::write_step_metadata`]; the superblock table of each entry, in
     /// entry order, and the widest one's length.
-    fn check_step_source<'s>(
-        &'s self,
+    fn check_step_source(
+        &self,
         source: &StepSource<'_>,
         layout: &StepMetadataLayout,
         buffer_words: usize,
-    ) -> Result<(Vec<&'s [SuperblockId]>, usize)> {
+    ) -> Result<(Vec<&'a [SuperblockId]>, usize)> {
         self.check_pending(source)?;
-        check_shapes(source, layout, buffer_words)?;
+        check_shapes(source, layout, buffer_words, 0)?;
         let (g, c) = (source.generation_ids.len(), source.context_ids.len());
         // Each entry's holdings, found through the scheduler's own index of the request
         // (its ledger entry) where that still names it: no id lookup on the common path.
@@ -449,13 +434,13 @@ impl Scheduler {
             tokens_per_superblock: self.layout.tokens_per_superblock(),
         };
         let hinted = hinted_row_tables(
-            &self.ledger,
+            self.ledger,
             source.generation_ids,
             self.generation_hints(),
             source.generation_positions,
             bounds,
         );
-        let (mut requests, mut furthest, mut widest, checked) = match hinted {
+        let (requests, furthest, widest, checked) = match hinted {
             Some(rows) => {
                 let mut tables = rows.tables;
                 tables.reserve_exact(c);
@@ -466,14 +451,45 @@ impl Scheduler {
             None => (Vec::with_capacity(g + c), 0, 0, 0),
         };
         // The entries not checked yet (the rest of the generation entries, then the chunks).
-        let generation_hints = self.generation_hints().get(checked..).unwrap_or_default();
-        let generation_hints = generation_hints.iter().map(|&r| r as usize);
-        let context_hints = self.context_hints().iter().map(|c| c.req as usize);
         let entries = source.generation_ids[checked..]
             .iter()
             .zip(&source.generation_positions[checked..])
+            .map(|(&id, &pos)| (id, pos, 1));
+        let checked = EntryTables {
+            tables: requests,
+            furthest,
+            widest,
+        };
+        self.entry_tables(source, entries, checked, layout.table_width)
+    }
+
+    /// `checked` (the tables of the entries checked so far, in entry order), then the table
+    /// of each of the rest of the entries of `source`: the generation entries `entries`
+    /// (the last ones, as `(id, first position, tokens)`), then the context chunks. Each is
+    /// looked up at its hint (its ledger entry) or by id, and must hold its tokens
+    /// reserved; then the furthest end must fit a word and the widest table the layout's
+    /// `columns`. Every entry's table, in entry order, and the widest one's length; the
+    /// first failure is the error, naming its request.
+    fn entry_tables(
+        &self,
+        source: &StepSource<'_>,
+        generation: impl ExactSizeIterator<Item = (RequestId, u64, u64)>,
+        checked: EntryTables<'a>,
+        columns: usize,
+    ) -> Result<(Vec<&'a [SuperblockId]>, usize)> {
+        let EntryTables {
+            tables: mut requests,
+            mut furthest,
+            mut widest,
+        } = checked;
+        let g = source.generation_ids.len();
+        let generation_hints = self.generation_hints().get(g - generation.len()..);
+        let generation_hints = generation_hints.unwrap_or_default().iter();
+        let generation_hints = generation_hints.map(|&r| r as usize);
+        let context_hints = self.context_hints().iter().map(|c| c.req as usize);
+        let entries = generation
             .zip(generation_hints.chain(std::iter::repeat(usize::MAX)))
-            .map(|((&id, &pos), hint)| (id, pos, 1, hint))
+            .map(|((id, pos, count), hint)| (id, pos, count, hint))
             .chain(
                 source
                     .context_ids
@@ -483,8 +499,9 @@ impl Scheduler {
                     .zip(context_hints.chain(std::iter::repeat(usize::MAX)))
                     .map(|(((&id, &start), &len), hint)| (id, start, len, hint)),
             );
+        let ledger = self.ledger;
         for (id, start, count, hint) in entries {
-            let request = self.ledger.request_hinted(hint, id)?;
+            let request = ledger.request_hinted(hint, id)?;
             let end = start.saturating_add(count);
             if end > request.len() {
                 return Err(unreserved(id, start, end, request.len()));
@@ -494,7 +511,7 @@ impl Scheduler {
             requests.push(request.table());
         }
         check_word(furthest, "position")?;
-        if widest > layout.table_width {
+        if widest > columns {
             let id = source
                 .generation_ids
                 .iter()
@@ -503,8 +520,7 @@ impl Scheduler {
                 .find(|(_, table)| table.len() == widest)
                 .map_or(0, |(&id, _)| id);
             return Err(CoreError::InvalidLength(format!(
-                "request {id} holds {widest} superblocks, wider than the layout's {} columns",
-                layout.table_width
+                "request {id} holds {widest} superblocks, wider than the layout's {columns} columns"
             )));
         }
         // The local and past-seen lengths are this rank's, computed from the positions as
@@ -516,7 +532,7 @@ impl Scheduler {
     /// Fails unless `source` is the pending step, as this scheduler made it (its digest).
     fn check_pending(&self, source: &StepSource<'_>) -> Result<()> {
         let step = source.step;
-        let newest = self.pending.newest();
+        let newest = self.newest;
         match newest {
             Some(newest) if newest.step == step && source.digest != newest.digest => {
                 Err(CoreError::InvalidState(format!(
@@ -540,17 +556,23 @@ impl Scheduler {
 
     /// The request index (its ledger entry) of each generation entry of the newest pending
     /// step: where the writers look for each entry's holdings first.
-    fn generation_hints(&self) -> &[RequestIndex] {
-        self.pending
-            .newest()
-            .map_or(&[], |newest| &newest.generation_reqs)
+    fn generation_hints(&self) -> &'a [RequestIndex] {
+        self.newest.map_or(&[], |newest| &newest.generation_reqs)
     }
 
     /// The context entries of the newest pending step (their requests' indices are the
     /// hints of the chunks).
-    fn context_hints(&self) -> &[ContextEntry] {
-        self.pending.newest().map_or(&[], |newest| &newest.context)
+    fn context_hints(&self) -> &'a [ContextEntry] {
+        self.newest.map_or(&[], |newest| &newest.context)
     }
+}
+
+/// The tables of a step's entries checked so far, in entry order (see
+/// [`WriterView::entry_tables`]): the furthest end and the widest table among them.
+struct EntryTables<'a> {
+    tables: Vec<&'a [SuperblockId]>,
+    furthest: u64,
+    widest: usize,
 }
 
 /// Writes the sections of one step (everything checked before).
@@ -941,7 +963,7 @@ struct RowBounds {
 /// [`RowTables`] of the rows `ids` (positions `positions`) taken at the
 /// ledger entries `hints` (the scheduler's own index of each request), every row's checks
 /// folded into one flag rather than a branch each. `None` where a hint is missing or does
-/// not hold its request, or a row fails a check: [`Scheduler::row_tables_in_order`] then
+/// not hold its request, or a row fails a check: [`WriterView::row_tables_in_order`] then
 /// looks the requests up and names the first failure. Kept out of line, so the loop holds
 /// its values in registers.
 #[inline(never)]
@@ -1194,34 +1216,9 @@ fn write_rows<'s, S: PositionSplit, T: TableSource<'s>>(
     }
 }
 
-impl Scheduler {
-    /// [`Scheduler::write_decode_rows`] for the output the scheduler still holds.
-    pub fn write_last_decode_rows(
-        &self,
-        buffer: &mut [i32],
-        width: usize,
-        pad_to: usize,
-    ) -> Result<DecodeRowCounts> {
-        self.write_decode_rows(StepSource::from(&self.output), buffer, width, pad_to)
-    }
-
-    /// Writes this rank's metadata of the pending decode-only step `source` as rows of
-    /// `width` int32 words (`buffer` holds `buffer.len() / width` rows, row-major), laid out
-    /// as [`decode_row`] says: row `i` is generation entry `i`, its block table -1 padded to
-    /// `width - decode_row::BLOCK_TABLE` columns. Rows `rows..pad_to` get the padding
-    /// columns ([`decode_row::PADDING`]; their block-table cells are left as they were, a
-    /// padding row attends to nothing); rows past `max(rows, pad_to)` are left as they were.
-    /// The slot, local and past-seen columns are this scheduler's rank's, computed from the
-    /// positions (the output's per-rank arrays are not read), as in
-    /// [`Scheduler::write_step_metadata`].
-    ///
-    /// Everything is checked before the first word is written, so an error leaves the buffer
-    /// as it was: `InvalidState` for an output that is not the pending step's;
-    /// `InvalidArgument` for a step with context chunks, arrays that do not fit together,
-    /// a width without the fixed columns or an input reference below -1; `InvalidLength` for
-    /// a buffer that is not whole rows, more rows (or `pad_to`) than it holds, a request
-    /// holding more superblocks than the row has columns, a value past `i32::MAX` or a
-    /// position not reserved; `UnknownRequest`. The scheduler is only read.
+impl<'a> WriterView<'a> {
+    /// [`Scheduler::write_decode_rows`]: this rank's decode rows of the pending decode-only
+    /// step `source`, checked whole before the first word of `buffer` is written.
     pub fn write_decode_rows(
         &self,
         source: StepSource<'_>,
@@ -1239,9 +1236,9 @@ impl Scheduler {
         let rows = checked.rows;
         let (written, padding) = buffer.split_at_mut(rows * width);
         let tpb = word(self.layout.tokens_per_block().into());
-        let rank = self.config.cp_rank;
+        let rank = self.rank;
         let hinted = Hinted {
-            ledger: &self.ledger,
+            ledger: self.ledger,
             hints: self.generation_hints(),
         };
         match (SplitByShifts::of(self.layout), checked.tables.as_deref()) {
@@ -1274,13 +1271,13 @@ impl Scheduler {
 
     /// Every check of [`Self::write_decode_rows`]; the superblock table of each row, and the
     /// counts.
-    fn check_decode_source<'s>(
-        &'s self,
+    fn check_decode_source(
+        &self,
         source: &StepSource<'_>,
         buffer_words: usize,
         width: usize,
         pad_to: usize,
-    ) -> Result<CheckedRows<'s>> {
+    ) -> Result<CheckedRows<'a>> {
         self.check_pending(source)?;
         let in_flight = check_decode_shapes(source, buffer_words, width, pad_to)?;
         // Every slot of the pool fits an int32 word, or none is written.
@@ -1296,7 +1293,7 @@ impl Scheduler {
         // the row is written: nothing collected.
         let per_superblock = Divisor::new(bounds.tokens_per_superblock);
         let hinted = hinted_row_check(
-            &self.ledger,
+            self.ledger,
             source.generation_ids,
             self.generation_hints(),
             source.generation_positions,
@@ -1316,10 +1313,7 @@ impl Scheduler {
         // (Where the rows were checked at their hints, `furthest` may be a bound above
         // the furthest position that fits a word with its local length: the check passes
         // as it would for the furthest.)
-        let longest = self
-            .placement
-            .decode(furthest, self.config.cp_rank)
-            .local_len;
+        let longest = self.placement.decode(furthest, self.rank).local_len;
         check_word(longest.max(furthest), "position or local length")?;
         Ok(CheckedRows {
             rows: source.generation_ids.len(),
@@ -1338,13 +1332,14 @@ impl Scheduler {
         &self,
         source: &StepSource<'_>,
         bounds: RowBounds,
-    ) -> Result<RowTables<'_>> {
+    ) -> Result<RowTables<'a>> {
         let per_superblock = Divisor::new(bounds.tokens_per_superblock);
         let hints = self
             .generation_hints()
             .iter()
             .map(|&r| r as usize)
             .chain(std::iter::repeat(usize::MAX));
+        let ledger = self.ledger;
         let mut tables = Vec::with_capacity(source.generation_ids.len());
         let (mut furthest, mut widest) = (0u64, 0usize);
         let entries = source
@@ -1353,7 +1348,7 @@ impl Scheduler {
             .zip(hints)
             .zip(source.generation_positions);
         for ((&id, hint), &pos) in entries {
-            let request = self.ledger.request_hinted(hint, id)?;
+            let request = ledger.request_hinted(hint, id)?;
             if pos >= request.len() {
                 return Err(unreserved(id, pos, pos + 1, request.len()));
             }
@@ -1471,7 +1466,7 @@ impl DraftRows {
     }
 }
 
-impl Scheduler {
+impl WriterView<'_> {
     /// [`Self::write_step_metadata`] of a step whose generation entries verify drafts: a
     /// generation entry is then `1 + drafts` query tokens (its input token, then its
     /// drafts, at consecutive positions) with its query start, this rank's KV slot of each,
@@ -1490,29 +1485,24 @@ impl Scheduler {
     ) -> Result<StepMetadata> {
         self.check_pending(source)?;
         let drafts = checked_draft_total(source)?;
-        let g = generation_len(source)?;
-        lengths_agree(g, &[source.generation_batch_slots.len()], "generation")?;
-        // The plain shape checks, on the step without its drafts, then the drafts' room.
-        let plain = StepSource {
-            generation_draft_counts: &[],
-            generation_draft_tokens: &[],
-            ..*source
-        };
-        check_shapes(&plain, layout, buffer.len())?;
+        check_shapes(source, layout, buffer.len(), drafts)?;
+        let g = source.generation_ids.len();
         let num_tokens = g + drafts + source.context_token_ids.len();
-        if num_tokens > layout.max_tokens {
-            return Err(CoreError::InvalidLength(format!(
-                "step {} has {num_tokens} tokens; the layout holds {}",
-                source.step, layout.max_tokens
-            )));
-        }
         // Every entry as (id, first position, tokens), generation entries first.
-        let entries: Vec<(RequestId, u64, u64)> = source
+        let generation = source
             .generation_ids
             .iter()
             .zip(source.generation_positions)
             .zip(source.generation_draft_counts)
-            .map(|((&id, &pos), &count)| (id, pos, 1 + count))
+            .map(|((&id, &pos), &count)| (id, pos, 1 + count));
+        let checked = EntryTables {
+            tables: Vec::with_capacity(g + source.context_ids.len()),
+            furthest: 0,
+            widest: 0,
+        };
+        let (tables, widest) =
+            self.entry_tables(source, generation.clone(), checked, layout.table_width)?;
+        let entries: Vec<(RequestId, u64, u64)> = generation
             .chain(
                 source
                     .context_ids
@@ -1522,25 +1512,6 @@ impl Scheduler {
                     .map(|((&id, &start), &len)| (id, start, len)),
             )
             .collect();
-        let mut tables = Vec::with_capacity(entries.len());
-        let (mut furthest, mut widest) = (0u64, 0usize);
-        for &(id, start, count) in &entries {
-            let request = self.ledger.request(id)?;
-            let end = start.saturating_add(count);
-            if end > request.len() {
-                return Err(unreserved(id, start, end, request.len()));
-            }
-            furthest = furthest.max(end);
-            widest = widest.max(request.table().len());
-            tables.push(request.table());
-        }
-        check_word(furthest, "position")?;
-        if widest > layout.table_width {
-            return Err(CoreError::InvalidLength(format!(
-                "a request holds {widest} superblocks, wider than the layout's {} columns",
-                layout.table_width
-            )));
-        }
         let completes = source.context_completes.iter().filter(|&&c| c).count();
         let metadata = StepMetadata {
             step: source.step,
@@ -1552,7 +1523,7 @@ impl Scheduler {
             table_width_used: widest,
         };
         let placement = self.layout;
-        let rank = self.config.cp_rank;
+        let rank = self.rank;
         let mut writer = Writer {
             layout,
             buffer,

@@ -59,6 +59,10 @@ macro_rules! scheduler_metrics_fields {
             /// Prefix caching: of those, tokens found cached (the victim's own KV, or a
             /// sharer's, kept while it waited).
             prefix_cache_recompute_hits: u64,
+            /// Prefix caching: of the hits (both kinds above), tokens in superblocks an
+            /// earlier admission or chunk of the same step computes (same-step sharing:
+            /// a burst of requests behind one system prompt computes it once).
+            prefix_cache_same_step_hits: u64,
             /// Prefix caching: cached superblocks evicted for allocations (in steps that ran).
             prefix_cache_evictions: u64,
             /// Speculative decoding: decodes that verified at least one draft token (in steps

@@ -32,6 +32,7 @@ pub use config::{
     SchedulerConfig, ServingMode, SuspendPolicy, VictimPolicy, DECISION_FIELDS,
     MAX_SPECULATIVE_TOKENS,
 };
+use metadata::WriterView;
 pub use metadata::{
     decode_row, DecodeRowCounts, StepMetadata, StepMetadataLayout, StepMetadataSection, StepSource,
 };
@@ -42,9 +43,9 @@ pub use request::{FinishReason, RequestOutput, RequestState};
 
 use crate::digest::{bits, Fnv64};
 use crate::error::{CoreError, Result};
+use crate::ids::RequestId;
 use crate::layout::Layout;
 use crate::ledger::Ledger;
-use crate::RequestId;
 use host::HostTier;
 use pending::{PendingSteps, StepBuilder};
 use placement::Placement;
@@ -799,5 +800,108 @@ impl Scheduler {
         }
         h.u64(self.finished.len() as u64);
         h.finish()
+    }
+}
+
+/// The step-metadata and decode-row writers (`metadata.rs`): each call hands them a
+/// [`WriterView`] of what they read (the ledger, the newest pending step's record, the
+/// layout and the rank), never the scheduler.
+impl Scheduler {
+    /// The metadata layout for this scheduler's capacities: `max_num_tokens` tokens and
+    /// `max_batch_size` entries a step, and rows of `table_width` superblocks (default: the
+    /// superblocks of a `max_seq_len` request, capped by the pool).
+    pub fn step_metadata_layout(&self, table_width: Option<u32>) -> Result<StepMetadataLayout> {
+        let width = table_width.unwrap_or_else(|| {
+            let needed = self.layout.superblocks_for(self.config.max_seq_len);
+            u32::try_from(needed)
+                .unwrap_or(u32::MAX)
+                .min(self.config.capacity_superblocks)
+        });
+        StepMetadataLayout::new(
+            self.config.max_num_tokens,
+            self.config.max_batch_size,
+            width,
+        )
+    }
+
+    /// [`Scheduler::write_step_metadata`] for the output the scheduler still holds (one not
+    /// moved out with `take_last_output`).
+    pub fn write_last_step_metadata(
+        &self,
+        layout: &StepMetadataLayout,
+        buffer: &mut [i32],
+    ) -> Result<StepMetadata> {
+        self.write_step_metadata(StepSource::from(&self.output), layout, buffer)
+    }
+
+    /// Writes this rank's metadata of the pending step `source` (the fields of its
+    /// [`ScheduleOutput`]) into `buffer`, cut as `layout` says. Everything is checked before
+    /// the first word is written, so an error (`InvalidState` for an output that is not the
+    /// pending step's, `InvalidLength` for a step or table past the layout's capacities or a
+    /// buffer shorter than it, `InvalidArgument` for arrays that do not fit together,
+    /// `UnknownRequest`) leaves the buffer as it was. The scheduler is only read. A decode
+    /// input still in flight (a step planned one ahead) is written as token -1: the layout has
+    /// no section for `generation_input_refs` (the decode rows of
+    /// [`Scheduler::write_decode_rows`] have a column for it). The per-rank values (which
+    /// tokens this rank writes, its local and past-seen lengths) are this scheduler's rank's,
+    /// computed from the positions as the schedule computed them; the output's per-rank
+    /// arrays are not read (another rank's output of the step writes this rank's metadata).
+    pub fn write_step_metadata(
+        &self,
+        source: StepSource<'_>,
+        layout: &StepMetadataLayout,
+        buffer: &mut [i32],
+    ) -> Result<StepMetadata> {
+        self.writer_view()
+            .write_step_metadata(source, layout, buffer)
+    }
+
+    /// [`Scheduler::write_decode_rows`] for the output the scheduler still holds.
+    pub fn write_last_decode_rows(
+        &self,
+        buffer: &mut [i32],
+        width: usize,
+        pad_to: usize,
+    ) -> Result<DecodeRowCounts> {
+        self.write_decode_rows(StepSource::from(&self.output), buffer, width, pad_to)
+    }
+
+    /// Writes this rank's metadata of the pending decode-only step `source` as rows of
+    /// `width` int32 words (`buffer` holds `buffer.len() / width` rows, row-major), laid out
+    /// as [`decode_row`] says: row `i` is generation entry `i`, its block table -1 padded to
+    /// `width - decode_row::BLOCK_TABLE` columns. Rows `rows..pad_to` get the padding
+    /// columns ([`decode_row::PADDING`]; their block-table cells are left as they were, a
+    /// padding row attends to nothing); rows past `max(rows, pad_to)` are left as they were.
+    /// The slot, local and past-seen columns are this scheduler's rank's, computed from the
+    /// positions (the output's per-rank arrays are not read), as in
+    /// [`Scheduler::write_step_metadata`].
+    ///
+    /// Everything is checked before the first word is written, so an error leaves the buffer
+    /// as it was: `InvalidState` for an output that is not the pending step's;
+    /// `InvalidArgument` for a step with context chunks, arrays that do not fit together,
+    /// a width without the fixed columns or an input reference below -1; `InvalidLength` for
+    /// a buffer that is not whole rows, more rows (or `pad_to`) than it holds, a request
+    /// holding more superblocks than the row has columns, a value past `i32::MAX` or a
+    /// position not reserved; `UnknownRequest`. The scheduler is only read.
+    pub fn write_decode_rows(
+        &self,
+        source: StepSource<'_>,
+        buffer: &mut [i32],
+        width: usize,
+        pad_to: usize,
+    ) -> Result<DecodeRowCounts> {
+        self.writer_view()
+            .write_decode_rows(source, buffer, width, pad_to)
+    }
+
+    /// What the writers read of this scheduler.
+    fn writer_view(&self) -> WriterView<'_> {
+        WriterView {
+            ledger: &self.ledger,
+            newest: self.pending.newest(),
+            layout: self.layout,
+            placement: &self.placement,
+            rank: self.config.cp_rank,
+        }
     }
 }

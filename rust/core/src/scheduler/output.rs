@@ -20,7 +20,7 @@ use std::fmt::Write as _;
 
 use crate::digest::{bits, LaneDigest};
 use crate::error::{CoreError, Result};
-use crate::RequestId;
+use crate::ids::RequestId;
 
 use super::placement::RankPlacement;
 

@@ -11,9 +11,11 @@ use super::config::VictimPolicy;
 use super::output::ScheduleOutput;
 use super::request::{AheadMark, RequestIndex};
 use super::victim::VictimFinder;
+use rustc_hash::FxHashMap;
+
+use crate::ids::SuperblockId;
 use crate::ledger::OlderUndo;
-use crate::prefix_cache::Eviction;
-use crate::SuperblockId;
+use crate::prefix_cache::{BlockKey, Eviction};
 
 /// A context entry of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -25,6 +27,9 @@ pub(super) struct ContextEntry {
     /// Tokens of an admission found in the prefix cache (0 for a later chunk, or without
     /// caching): the chunk starts after them.
     pub cached: u64,
+    /// Of `cached`: tokens in superblocks an earlier context entry of the same step
+    /// computes (same-step sharing, see `StepBuilder::step_keys`).
+    pub shared: u64,
     /// Of an admission with prefix caching: the tokens it looked up (its prefill length),
     /// and whether it re-prefills after a recompute-pause (counted apart).
     pub queried: u64,
@@ -276,6 +281,13 @@ pub(super) struct StepBuilder {
     /// (dense, so the decode path does not touch the request's cold record). A mark is
     /// meaningful only while the step it names is planned (older marks are stale).
     pub ahead_marks: Vec<AheadMark>,
+    /// With prefix caching: the key of each full superblock whose last token a context
+    /// entry of this step computes, and its page (the first entry's, in queue order). A
+    /// later admission of the same step attaches them as it attaches cached superblocks
+    /// (same-step sharing): the executor writes each layer's KV of the step before that
+    /// layer's attention, so the later entry reads what the earlier one writes. Nothing is
+    /// keyed in the cache before the step is updated; looked up, never iterated.
+    pub step_keys: FxHashMap<BlockKey, SuperblockId>,
 }
 
 impl StepBuilder {
@@ -294,6 +306,7 @@ impl StepBuilder {
             slot_claims: Vec::new(),
             preempted: false,
             ahead_marks: Vec::new(),
+            step_keys: FxHashMap::default(),
         }
     }
 
@@ -318,6 +331,9 @@ impl StepBuilder {
         self.new_slots = 0;
         self.slot_claims.clear();
         self.preempted = false;
+        if !self.step_keys.is_empty() {
+            self.step_keys.clear();
+        }
     }
 
     /// The record of the step just built (its output's digest and samples, the free list's

@@ -5,7 +5,7 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 
 use super::metrics::RequestMetrics;
-use crate::RequestId;
+use crate::ids::RequestId;
 
 /// Where a live request sits in `Scheduler::requests`; stable while the request is
 /// live, reused once it is retired. It is also the request's entry in the ledger (see

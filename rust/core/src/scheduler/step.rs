@@ -9,9 +9,9 @@ use super::slots::{entry_id, row_id, slot_id};
 use super::victim::VictimKey;
 use super::Scheduler;
 use crate::error::{CoreError, Result};
-use crate::ledger::{page_id, superblock_count, DecodeLane, OlderUndo};
+use crate::ids::{page_id, superblock_count, RequestId, SuperblockId};
+use crate::ledger::{DecodeLane, OlderUndo};
 use crate::prefix_cache::{chain_keys, extend_keys};
-use crate::{RequestId, SuperblockId};
 
 impl Scheduler {
     /// The pending step that the step being planned ahead is planned ahead of.
@@ -184,28 +184,69 @@ impl Scheduler {
         self.ledger.set_restoring(false);
     }
 
-    /// With prefix caching: the cached superblocks that hold the start of `req`'s prefill
-    /// (the longest run of its chain's keys found), at most all but its last token (which
-    /// is always computed, for its logits). Extends the request's key chain over its known
-    /// tokens first (a re-prefill has folded its generated tokens into its prompt).
-    fn prefix_hits(&mut self, req: RequestIndex) -> Vec<SuperblockId> {
+    /// With prefix caching: the superblocks that hold the start of `req`'s prefill (the
+    /// longest run of its chain's keys found), at most all but its last token (which is
+    /// always computed, for its logits), and how many of them an earlier context entry of
+    /// this step computes. A key is found cached (KV of a step that ran), else among the
+    /// superblocks this step's earlier entries complete (`StepBuilder::step_keys`: same-step
+    /// sharing). Extends the request's key chain over its known tokens first (a re-prefill
+    /// has folded its generated tokens into its prompt).
+    fn prefix_hits(&mut self, req: RequestIndex) -> (Vec<SuperblockId>, u64) {
         let per = self.layout.tokens_per_superblock();
         let request = &mut self.requests[req as usize];
         let cold = &mut *request.cold;
         let prefill = cold.tokens.len() as u64;
         chain_keys(cold.chain_seed, &cold.tokens, per, &mut cold.block_keys);
         let Some(cache) = self.ledger.prefix_cache() else {
-            return Vec::new();
+            return (Vec::new(), 0);
         };
         #[expect(
             clippy::cast_possible_truncation,
             reason = "at most the superblocks of its tokens, a slice length"
         )]
         let most = ((prefill - 1) / per) as usize;
-        cold.block_keys[..most.min(cold.block_keys.len())]
+        let step_keys = &self.builder.step_keys;
+        let mut written = 0;
+        let hits = cold.block_keys[..most.min(cold.block_keys.len())]
             .iter()
-            .map_while(|&key| cache.lookup(key))
-            .collect()
+            .map_while(|key| {
+                cache.lookup(*key).or_else(|| {
+                    let page = step_keys.get(key).copied();
+                    written += u64::from(page.is_some());
+                    page
+                })
+            })
+            .collect();
+        (hits, written)
+    }
+
+    /// With prefix caching: notes the full superblocks whose last token the context entry
+    /// of `req` just made computes (its chunk `start..end`), for later admissions of this
+    /// step to share (`StepBuilder::step_keys`). A superblock started before the chunk holds
+    /// KV of earlier steps (one that ran, or the older pending step, which the executor
+    /// runs first and which is reverted only after this one), and this step writes the rest.
+    fn note_step_writes(&mut self, req: RequestIndex, start: u64, end: u64) {
+        let per = self.layout.tokens_per_superblock();
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "superblocks of the request's tokens, within a slice length"
+        )]
+        let (first, last) = ((start / per) as usize, (end / per) as usize);
+        if first >= last {
+            return;
+        }
+        let request = &mut self.requests[req as usize];
+        let cold = &mut *request.cold;
+        chain_keys(cold.chain_seed, &cold.tokens, per, &mut cold.block_keys);
+        let table = self
+            .ledger
+            .request(request.id)
+            .expect("a request with a context entry is held by the ledger")
+            .table();
+        debug_assert!(last <= table.len() && last <= cold.block_keys.len());
+        for (&key, &page) in cold.block_keys[first..last].iter().zip(&table[first..last]) {
+            self.builder.step_keys.entry(key).or_insert(page);
+        }
     }
 
     /// With prefix caching: registers the full superblocks `req` has computed under its
@@ -622,10 +663,10 @@ impl Scheduler {
             if needs_slot && self.free_slots_now() == 0 {
                 continue;
             }
-            let hits = if admitting && self.config.enable_prefix_caching {
+            let (hits, written_hits) = if admitting && self.config.enable_prefix_caching {
                 self.prefix_hits(req)
             } else {
-                Vec::new()
+                (Vec::new(), 0)
             };
             let request = &self.requests[req as usize];
             let cached = hits.len() as u64 * self.layout.tokens_per_superblock();
@@ -646,7 +687,7 @@ impl Scheduler {
             }
             let id = request.id;
             if !hits.is_empty() {
-                self.ledger.attach_cached(id, &hits)?;
+                self.ledger.attach_shared(id, &hits)?;
             }
             if !self.reserve_prefill(step, queue_pos, req, start, start + chunk, cached > 0)? {
                 if !hits.is_empty() {
@@ -664,10 +705,14 @@ impl Scheduler {
                 break;
             }
             self.push_context_entry(step, req, start, chunk);
+            if self.config.enable_prefix_caching {
+                self.note_step_writes(req, start, start + chunk);
+            }
             if admitting && self.config.enable_prefix_caching {
                 let request = &self.requests[req as usize];
                 let entry = self.builder.record.context.last_mut().expect("just pushed");
                 entry.cached = cached;
+                entry.shared = written_hits * self.layout.tokens_per_superblock();
                 entry.queried = request.prefill_len();
                 entry.recompute = request.cold.recomputed_tokens > 0;
                 if let Some(last) = self.builder.out.context_cached_lens.last_mut() {
@@ -703,6 +748,7 @@ impl Scheduler {
             len,
             completes: end == request.prefill_len(),
             cached: 0,
+            shared: 0,
             queried: 0,
             recompute: false,
         });

@@ -17,7 +17,11 @@
 //! admission) and every attention read (each context chunk's and decode's tokens read their
 //! context back through the block table) is checked against what is there: a cell holds the
 //! reader's token at that position, valid, computed over the same salt and tokens before it
-//! (any request's with prefix caching, only the reader's own without).
+//! (any request's with prefix caching, only the reader's own without). A step's writes land
+//! entry by entry, context entries first, each hit checked just before its own entry's
+//! writes: a hit may read KV of steps that ran or of an earlier context entry of the same
+//! step (same-step sharing: the executor writes each layer's KV before that layer's
+//! attention), never of its own entry, a later one or a decode of the step.
 //!
 //! Every step it checks: identical rank-invariant outputs, digests and state digests on
 //! every rank; per-rank fields consistent with the Helix layout; victims strictly
@@ -253,6 +257,9 @@ pub struct RunResult {
     pub inputs_in_flight: u64,
     /// Prompt tokens admissions found in the prefix cache (their chunks started after).
     pub cached_tokens: u64,
+    /// Of those, tokens in superblocks that did not hold the reader's KV before the step
+    /// and did once the step's earlier context entries wrote theirs (same-step sharing).
+    pub same_step_cached_tokens: u64,
     /// KV tokens read back and checked against the KV-content model (hits and attention).
     pub kv_reads: u64,
     /// Steps that failed on the device one step ahead: their copies made, their KV writes
@@ -1148,10 +1155,10 @@ impl Group {
         self.copy_out_suspended(out);
         self.copy_in_resumed(out, None);
         self.check_device_slots(out);
-        self.check_context_entries(out);
+        let hits = self.check_context_entries(out);
         let inputs = self.decode_inputs(out);
         let (seqs, values) = self.query_tokens(out, &inputs);
-        let draft_cells = self.write_kv(out, &seqs, &values);
+        let draft_cells = self.write_kv(out, &seqs, &values, &hits);
         // Attention: each chunk's tokens read the context before them, its own included
         // (a completing chunk's last token reads everything again when it is sampled).
         let chunks = out.context_ids.iter().zip(&seqs).enumerate();
@@ -1163,12 +1170,16 @@ impl Group {
     }
 
     /// Replay checks of the step's context entries against what the harness knows (each
-    /// chunk continues its prefill with the request's tokens), and the KV each admission's
-    /// prefix-cache hit attaches, read back before anything of the step runs.
-    fn check_context_entries(&mut self, out: &ScheduleOutput) {
+    /// chunk continues its prefill with the request's tokens). Returns each context entry's
+    /// prefix-cache hit (tokens, 0 for none), which `write_kv` reads back just before the
+    /// entry's own writes; counts the superblocks of each hit that do not hold the reader's
+    /// KV before the step (only the step's earlier entries can have written them).
+    fn check_context_entries(&mut self, out: &ScheduleOutput) -> Vec<u64> {
         let cp = u64::from(self.config.cp_size);
         let tpb = u64::from(self.config.tokens_per_block);
+        let per = tpb * cp;
         let mut offset = 0usize;
+        let mut hits = Vec::with_capacity(out.context_ids.len());
         for i in 0..out.context_ids.len() {
             let id = out.context_ids[i];
             let (start, len) = (out.context_starts[i], out.context_lens[i]);
@@ -1188,17 +1199,21 @@ impl Group {
                 out.step
             );
             if cached > 0 {
-                // An admission that found its first superblocks cached: before anything of
-                // the step runs, they must hold the KV this request would compute there
-                // (its own tokens at the same positions under its salt), whoever wrote it.
-                let per = tpb * cp;
+                // An admission that found its first superblocks cached: they must hold the
+                // KV this request would compute there (its own tokens at the same positions
+                // under its salt), whoever wrote it (checked in `write_kv`).
                 assert_eq!(start, cached, "{id}'s chunk starts after its hit");
                 assert_eq!(start % per, 0, "a hit of {id} ends inside a superblock");
                 assert!(
                     start < known.len() as u64,
                     "{id}'s last token is always computed"
                 );
-                self.read_context(id, start - 1, &known);
+                let missing: BTreeSet<u64> = self
+                    .context_errors(id, start - 1, &known)
+                    .into_iter()
+                    .map(|pos| pos / per)
+                    .collect();
+                self.result.same_step_cached_tokens += missing.len() as u64 * per;
                 self.result.cached_tokens += start;
             } else {
                 assert_eq!(
@@ -1206,10 +1221,12 @@ impl Group {
                     "chunk of {id} does not continue its prefill"
                 );
             }
+            hits.push(cached);
             assert_eq!(tokens, &known[from..to], "re-prefill tokens of {id}");
             let end = start + len;
             assert_eq!(out.context_completes[i], end == known.len() as u64);
         }
+        hits
     }
 
     /// Each decode's input token (one still in flight gathered from the step in flight's
@@ -1249,12 +1266,17 @@ impl Group {
 
     /// Writes the step's KV into each rank's pool through its slot mapping, as the owner
     /// rank would: the KV of each entry's tokens (`seqs`: what it depends on; `values`:
-    /// every query token in entry order). Returns the cells it wrote drafts' KV into.
+    /// every query token in entry order). Entry by entry, context entries first: each
+    /// context entry's prefix-cache hit (`hits`) is read back just before its own writes,
+    /// so it sees what steps that ran and the step's earlier context entries wrote, and
+    /// nothing of its own entry, a later one or a decode of the step. Returns the cells it
+    /// wrote drafts' KV into.
     fn write_kv(
         &mut self,
         out: &ScheduleOutput,
         seqs: &[Vec<i32>],
         values: &[i32],
+        hits: &[u64],
     ) -> Vec<(RequestId, u64, usize, usize)> {
         let cp = self.config.cp_size as usize;
         let tpb = u64::from(self.config.tokens_per_block);
@@ -1266,20 +1288,29 @@ impl Group {
             .map(|(id, seq)| prefix_digests(&self.salts[id], seq))
             .collect();
         let first_draft = out.context_ids.len();
+        let mut ids = out.context_ids.clone();
+        let mut starts = out.context_starts.clone();
+        let mut counts = out.context_lens.clone();
+        ids.extend(&out.generation_ids);
+        starts.extend(&out.generation_positions);
+        counts.extend(out.generation_draft_counts.iter().map(|&k| 1 + k));
+        let slots: Vec<Vec<i64>> = self
+            .ranks
+            .iter()
+            .map(|sched| {
+                sched
+                    .slot_mapping(&ids, &starts, &counts)
+                    .expect("slot mapping")
+            })
+            .collect();
         let mut draft_cells = Vec::new();
-        for (rank, sched) in self.ranks.iter().enumerate() {
-            let mut ids = out.context_ids.clone();
-            let mut starts = out.context_starts.clone();
-            let mut counts = out.context_lens.clone();
-            ids.extend(&out.generation_ids);
-            starts.extend(&out.generation_positions);
-            counts.extend(out.generation_draft_counts.iter().map(|&k| 1 + k));
-            let slots = sched
-                .slot_mapping(&ids, &starts, &counts)
-                .expect("slot mapping");
-            let mut k = 0;
-            for i in 0..ids.len() {
-                for pos in starts[i]..starts[i] + counts[i] {
+        let mut first = 0;
+        for i in 0..ids.len() {
+            if let Some(&cached) = hits.get(i).filter(|&&cached| cached > 0) {
+                self.read_context(ids[i], cached - 1, &seqs[i]);
+            }
+            for (rank, slots) in slots.iter().enumerate() {
+                for (k, pos) in (first..).zip(starts[i]..starts[i] + counts[i]) {
                     let owner = usize::try_from(pos / tpb).unwrap() % cp;
                     assert_eq!(
                         slots[k] >= 0,
@@ -1302,9 +1333,9 @@ impl Group {
                             draft_cells.push((ids[i], pos, rank, slot));
                         }
                     }
-                    k += 1;
                 }
             }
+            first += usize::try_from(counts[i]).unwrap();
         }
         draft_cells
     }
@@ -1335,6 +1366,37 @@ impl Group {
     /// before it (`seq`: the request's tokens as the step sees them, drafts included).
     /// Without prefix caching the cell must also be the request's own.
     fn read_context(&self, id: RequestId, last: u64, seq: &[i32]) -> Vec<i32> {
+        self.kv_reads.set(self.kv_reads.get() + last + 1);
+        self.context_cells(id, last, seq)
+            .into_iter()
+            .enumerate()
+            .map(|(at, read)| match read {
+                Ok(token) => token,
+                Err(message) => panic!(
+                    "KV of {id} at {at} (token {}) is not there: {message}",
+                    seq[at]
+                ),
+            })
+            .collect()
+    }
+
+    /// The positions of `0..=last` of `id` whose cells [`Self::read_context`] would reject.
+    fn context_errors(&self, id: RequestId, last: u64, seq: &[i32]) -> Vec<u64> {
+        (0..)
+            .zip(self.context_cells(id, last, seq))
+            .filter_map(|(pos, read)| read.is_err().then_some(pos))
+            .collect()
+    }
+
+    /// Each cell of the context `0..=last` of `id` read back through its block table: the
+    /// token whose KV it holds if it is the one [`Self::read_context`] expects, else what it
+    /// holds instead.
+    fn context_cells(
+        &self,
+        id: RequestId,
+        last: u64,
+        seq: &[i32],
+    ) -> Vec<std::result::Result<i32, String>> {
         let cp = u64::from(self.config.cp_size);
         let tpb = u64::from(self.config.tokens_per_block);
         let (table, _) = self.ranks[0].block_table(&[id], None).expect("block table");
@@ -1347,7 +1409,6 @@ impl Group {
         }
         let upto = usize::try_from(last).unwrap() + 1;
         let digests = prefix_digests(&self.salts[&id], &seq[..upto]);
-        self.kv_reads.set(self.kv_reads.get() + last + 1);
         (0..=last)
             .map(|pos| {
                 let at = usize::try_from(pos).unwrap();
@@ -1363,12 +1424,11 @@ impl Group {
                             && kv.prefix == digests[at]
                             && (self.config.enable_prefix_caching || kv.request == id) =>
                     {
-                        kv.token
+                        Ok(kv.token)
                     }
-                    other => panic!(
-                        "KV of {id} at {pos} (token {}) is not there: rank {owner} page {page} slot {slot} holds {other:?}",
-                        seq[at]
-                    ),
+                    other => Err(format!(
+                        "rank {owner} page {page} slot {slot} holds {other:?}"
+                    )),
                 }
             })
             .collect()
