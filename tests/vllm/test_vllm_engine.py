@@ -261,6 +261,81 @@ def test_prefix_caching_hits_on_the_second_pass(model_dir: Path) -> None:
     assert seen["helix_hits"] == seen["hits"]
 
 
+class _RecordsPrefixStats:
+    """Records each update's prefix-cache statistics (what vLLM's metrics add up)."""
+
+    prefix_stats: list[Any]
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output
+        )
+        stats = [eco.scheduler_stats for eco in outputs.values() if eco.scheduler_stats]
+        if not hasattr(self, "prefix_stats"):
+            self.prefix_stats = []
+        self.prefix_stats.append(stats[0].prefix_cache_stats if stats else None)
+        return outputs
+
+
+class PrefixRecorder(_RecordsPrefixStats, ChunkRecorder):
+    """The adapter, recording each step's scheduled tokens and prefix-cache statistics."""
+
+
+class VllmPrefixRecorder(_RecordsPrefixStats, VllmChunkRecorder):
+    """vLLM's own scheduler, recording as :class:`PrefixRecorder` does."""
+
+
+def _core_shares_within_a_step() -> bool:
+    """Whether helix_kv's core shares a prompt's blocks among requests admitted in one step
+    (issue 40 part 2): it counts such hits apart."""
+    from helix_kv._core import SchedulerMetrics
+
+    return hasattr(SchedulerMetrics, "prefix_cache_same_step_hits")
+
+
+@pytest.mark.skipif(
+    not _core_shares_within_a_step(),
+    reason="helix_kv's core lacks same-step prefix sharing (no prefix_cache_same_step_hits)",
+)
+def test_a_burst_behind_one_system_prompt_shares_it_in_the_first_step(model_dir: Path) -> None:
+    """Six requests behind one system prompt of three blocks, admitted in the engine's first
+    step: the first computes the system prompt, the other five only their tails (vLLM's
+    own scheduler does the same), and the first step's prefix-cache statistics count their
+    hits; the tokens are transformers' (the CPU runner writes each layer's KV before that
+    layer's attention, so the tails read KV written in the same step)."""
+    system = prompts(1, 100, seed=12)[0][:96]  # three blocks of 32
+    batch = [system + tail for tail in prompts(6, 8, seed=13)]
+    expected = [reference(model_dir, prompt, 10) for prompt in batch]
+
+    def body(llm: Any) -> dict[str, Any]:
+        outputs = generate(llm, batch, 10)
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        seen: dict[str, Any] = {
+            "tokens": [list(out.token_ids) for out in outputs],
+            "steps": recorded_steps(llm),
+            "first": scheduler.prefix_stats[0],
+            "hits": metric(llm, "vllm:prefix_cache_hits"),
+        }
+        if isinstance(scheduler, HelixScheduler):
+            seen["same_step"] = scheduler.helix.metrics().prefix_cache_same_step_hits
+            assert_drained(llm)
+        return seen
+
+    ours = run(model_dir, body, scheduler_cls=PrefixRecorder, enable_prefix_caching=True)
+    theirs = run(model_dir, body, scheduler_cls=VllmPrefixRecorder, enable_prefix_caching=True)
+    assert ours["tokens"] == expected
+    assert theirs["tokens"] == expected
+    # the first step admits all six: one computes its whole prompt, five only their tails
+    tails = {str(i): len(prompt) - 96 for i, prompt in enumerate(batch)}
+    assert ours["steps"][0] == {**tails, "0": len(batch[0])}
+    assert ours["steps"] == theirs["steps"]  # step by step, as vLLM's own scheduler
+    # the first step's statistics hold the five system prompts shared, as vLLM's do
+    assert ours["first"].hits == theirs["first"].hits == 5 * 96
+    assert ours["first"].queries == theirs["first"].queries == sum(len(p) for p in batch)
+    assert ours["hits"] == theirs["hits"] == 5 * 96
+    assert ours["same_step"] == 5 * 96
+
+
 def test_a_stop_token_ends_the_request_through_vllms_stop_check(model_dir: Path) -> None:
     batch = prompts(3, 16, seed=6)
     full = [reference(model_dir, prompt, 20) for prompt in batch]

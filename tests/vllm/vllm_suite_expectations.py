@@ -207,10 +207,6 @@ NOT_APPLICABLE: dict[str, tuple[str, ...]] = {
     "a policy helix_kv decides differently on purpose: vLLM pads a first decode with "
     "placeholder drafts (for CUDA-graph batch shapes); helix_kv schedules the drafts a "
     "decode was proposed": ("test_spec_decode_padding_first_decode_step",),
-    "same-step prefix sharing (two requests with one prompt admitted in one step): the "
-    "core keys a step's blocks once it ran (issue 40 part 2)": (
-        "test_prefix_caching_for_prefill_dedup",
-    ),
 }
 
 
