@@ -7,7 +7,8 @@ views are derived from helix's state rather than kept as a second copy:
 
 - ``num_computed_tokens`` and ``is_prefill_chunk``: the adapter's arrays by helix id, written
   for a whole step at once;
-- ``spec_token_ids``: the drafter's lists, kept by helix id;
+- ``spec_token_ids``: the drafter's lists, kept by helix id (the owner's last proposals are
+  written there when first read);
 - the token lists (``_output_token_ids``, ``_all_token_ids``, their views ``output_token_ids``
   and ``all_token_ids``, and ``block_hashes`` computed from them): the adapter counts the
   tokens of each request in vLLM's view; a read first appends the ones the list lacks from
@@ -44,8 +45,11 @@ class Owner(Protocol):
     _chunk: npt.NDArray[np.bool_]
     _spec: npt.NDArray[np.object_]
     _ntokens: npt.NDArray[np.int64]
+    _proposed: Any
 
     def _sync_tokens(self, request: Any, hid: int) -> None: ...
+
+    def _write_proposals(self) -> None: ...
 
 
 class _Column:
@@ -74,6 +78,8 @@ class _Drafts:
         if request is None:
             return self
         owner, hid = request.__dict__[LINK]
+        if owner._proposed is not None:
+            owner._write_proposals()
         drafts = owner._spec[hid]
         if drafts is None:
             drafts = owner._spec[hid] = []
@@ -81,6 +87,8 @@ class _Drafts:
 
     def __set__(self, request: Any, value: Any) -> None:
         owner, hid = request.__dict__[LINK]
+        if owner._proposed is not None:
+            owner._write_proposals()
         owner._spec[hid] = value
 
 
@@ -130,6 +138,8 @@ class LockstepRequest(_Request):
 def attach(request: Any, owner: Owner, hid: int) -> None:
     """From now on ``request``'s per-step fields live in ``owner``'s arrays at ``hid``."""
     state = request.__dict__
+    if owner._proposed is not None:
+        owner._write_proposals()
     owner._computed[hid] = state["num_computed_tokens"]
     owner._chunk[hid] = state["is_prefill_chunk"]
     owner._spec[hid] = state["spec_token_ids"]

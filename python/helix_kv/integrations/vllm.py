@@ -254,6 +254,10 @@ class HelixScheduler(_SchedulerInterface):
         # their helix ids, valid while it stands.
         self._ids_version = 0
         self._draft_ids: tuple[list[str], int, _Ids] = ([], -1, np.zeros(0, np.int64))
+        # The drafter's last proposals (helix ids, its lists, their lengths), not yet in
+        # ``_spec``: the next schedule hands the lists on as they are when it verifies all of
+        # them, and anything reading a request's drafts first writes them there.
+        self._proposed: tuple[_Ids, list[list[int]], _Ids] | None = None
         # Live requests with trace headers, or another client than 0: while there are none,
         # a decode's output is built in the fewest steps.
         self._unusual = 0
@@ -750,15 +754,25 @@ class HelixScheduler(_SchedulerInterface):
         rids = rows.rids
         if self._async:
             return {rids[i]: [-1] * int(counts[i]) for i in rows_drafted.tolist()}
-        # helix verifies the first d drafts proposed (its generation_draft_tokens): the
-        # request's own list when they are all of it
-        lists: list[list[int]] = self._spec[rows.hids[rows_drafted]].tolist()
         drafted = counts[rows_drafted]
-        whole = np.fromiter(map(len, lists), np.int64, len(lists)) == drafted
         if len(rows_drafted) == len(counts):  # every decode verifies drafts
             names = rids[: len(counts)]
         else:
             names = [rids[i] for i in rows_drafted.tolist()]
+        proposed = self._proposed
+        if proposed is not None:
+            hids, proposals, lengths = proposed
+            if (
+                len(hids) == len(drafted)
+                and (hids == rows.hids[rows_drafted]).all()
+                and (lengths == drafted).all()
+            ):  # the drafter's lists, each verified whole, in the step's order
+                return dict(zip(names, proposals))
+            self._write_proposals()
+        # helix verifies the first d drafts proposed (its generation_draft_tokens): the
+        # request's own list when they are all of it
+        lists: list[list[int]] = self._spec[rows.hids[rows_drafted]].tolist()
+        whole = np.fromiter(map(len, lists), np.int64, len(lists)) == drafted
         if whole.all():
             return dict(zip(names, lists))
         return {
@@ -953,6 +967,10 @@ class HelixScheduler(_SchedulerInterface):
         hids = rows.hids
         self._computed[hids] = rows.computed + rows.counts
         if self.num_spec_tokens and not self._async:
+            proposed = self._proposed
+            if proposed is not None and not _subset(proposed[0], hids):
+                self._write_proposals()  # a request not scheduled keeps its drafts
+            self._proposed = None
             self._spec[hids] = None
         if rows.ctx_reqs:
             self._chunk[hids[rows.num_generation :]] = ~out.context_completes
@@ -1534,16 +1552,25 @@ class HelixScheduler(_SchedulerInterface):
         if (found < 0).any():  # finished meanwhile
             proposals = [d for d, hid in zip(proposals, found.tolist()) if hid >= 0]
             found = found[found >= 0]
-        n = len(found)
         flat, counts = flatten_token_lists(proposals)
         # vLLM ignores drafts for prefill chunks; the GPU n-gram drafter pads with -1
         limit = self.num_spec_tokens
         if self._chunk.any() or (len(flat) and (flat.min() < 0 or counts.max() > limit)):
             self._clean_proposals(found, proposals, flat, counts)
-        # the requests' spec_token_ids (``_vllm_lockstep``), which go to the model runner
-        # (``scheduled_spec_decode_tokens``); helix decides on the counts, given placeholders
-        self._spec[found] = np.fromiter(proposals, object, n)
+        # helix decides on the counts, given placeholders; the lists are the requests'
+        # spec_token_ids (``_vllm_lockstep``), which go to the model runner
+        # (``scheduled_spec_decode_tokens``), kept as the drafter made them until read
         self.helix.propose_drafts(found, counts, np.full(int(counts.sum()), -1, np.int32))
+        if self._proposed is not None:
+            self._write_proposals()
+        self._proposed = (found, proposals, counts)
+
+    def _write_proposals(self) -> None:
+        """The drafter's last proposals into the requests' ``spec_token_ids``."""
+        if self._proposed is not None:
+            found, proposals, _ = self._proposed
+            self._proposed = None
+            self._spec[found] = np.fromiter(proposals, object, len(found))
 
     def _clean_proposals(
         self, found: _Ids, proposals: list[list[int]], flat: npt.NDArray[np.int32], counts: _Ids
@@ -1720,6 +1747,13 @@ def _sampled_lists(runner: Any, rids: list[str]) -> list[list[int]] | None:
     if not sampled or (rows < 0).any():
         return None
     return [sampled[j] for j in rows.tolist()]
+
+
+def _subset(ids: _Ids, of: _Ids) -> bool:
+    """Whether every id of ``ids`` is in ``of`` (the same array, in the common case)."""
+    if len(ids) == len(of) and (ids == of).all():
+        return True
+    return bool(np.isin(ids, of).all())
 
 
 def _prefix_totals(metrics: Any) -> tuple[int, int, int, int]:
