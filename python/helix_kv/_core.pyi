@@ -746,6 +746,9 @@ class Scheduler:
     def block_table_tails(
         self, request_ids: _IntArray, starts: _IntArray
     ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]: ...
+    def grow_block_tables(
+        self, request_ids: _IntArray, held: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.int64]] | None: ...
     def slot_mapping(
         self, request_ids: _IntArray, starts: _IntArray, counts: _IntArray
     ) -> npt.NDArray[np.int64]: ...

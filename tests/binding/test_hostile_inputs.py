@@ -346,6 +346,20 @@ BUFFER = Kind(
         + [(np.zeros(_BUFFER_WORDS - 1, np.int32), InvalidLengthError)]
     ),
 )
+_HELD_READ_ONLY = np.zeros(4, np.int64)
+_HELD_READ_ONLY.setflags(write=False)
+HELD = Kind(
+    "held counts",
+    tuple(
+        [(v, InvalidTypeError) for v in ([0] * 4, None, "x", 3, object())]
+        + [(np.zeros(4, t), InvalidTypeError) for t in (np.int32, np.float64, np.uint64)]
+        + [(np.zeros((2, 4), np.int64), InvalidTypeError)]
+        + [(np.zeros(8, np.int64)[::2], InvalidArgumentError)]
+        + [(_HELD_READ_ONLY, InvalidArgumentError)]
+        + [(np.zeros(1, np.int64), InvalidArgumentError)]  # request 1 past its end
+        + [(np.full(4, -1, np.int64), InvalidArgumentError)]
+    ),
+)
 STEP_LAYOUT_ARG = Kind(
     "step metadata layout",
     tuple(
@@ -421,6 +435,7 @@ SCHEDULER_CALLS = [
     Call("idle", "request_state", (1,), (ID,)),
     Call("idle", "block_table", ([1, 2], 4), (IDS, WIDTH)),
     Call("pending", "block_table_tails", ([1, MAX_ID], [0, 1]), (IDS, LENGTHS), paired=(0, 1)),
+    Call("pending", "grow_block_tables", ([1], np.zeros(4, np.int64)), (IDS, HELD)),
     Call(
         "pending",
         "slot_mapping",

@@ -232,6 +232,29 @@ def test_block_table_tails_show_a_superblock_rejected_drafts_gave_back() -> None
     assert after.tolist() == [-1]  # every draft rejected: the superblock went back
 
 
+def test_grow_block_tables_gives_the_new_pages_and_counts_them_held() -> None:
+    s = scheduler(tpb=2, superblocks=8)
+    s.add_request(1, prompt(5), 4)
+    s.add_request(2, prompt(2, 2), 4)
+    step(s)
+    full = s.block_table([1, 2])
+    held = np.array([0, 1, 0, 0], np.int64)  # by request id: request 1 holds one
+    pages, rows, counts = s.grow_block_tables(np.array([1, 2], np.uint64), held)
+    assert (pages.dtype, rows.dtype, counts.dtype) == (np.int32, np.int64, np.int64)
+    assert (rows.tolist(), counts.tolist()) == ([0, 1], [2, 1])
+    assert pages.tolist() == [*full[0, 1:3].tolist(), full[1, 0]]
+    assert held.tolist() == [0, 3, 1, 0]
+    # nothing new: no row; the same as block_table_tails
+    pages, rows, counts = s.grow_block_tables([2, 1], held)
+    assert (pages.tolist(), rows.tolist(), counts.tolist()) == ([], [], [])
+    assert s.block_table_tails([1, 2], held[[1, 2]])[1].tolist() == [0, 0]
+    # a table shorter than held: None, and nothing written
+    held[2] = 4
+    before = held.copy()
+    assert s.grow_block_tables([1, 2], held) is None
+    assert held.tolist() == before.tolist()
+
+
 def test_queue_holdings_follow_admission_and_aborts() -> None:
     s = scheduler(tpb=4, superblocks=4, max_num_tokens=8)
     for request_id in (1, 2, 3):

@@ -101,8 +101,9 @@ _COLUMNS: tuple[tuple[str, Any, Any], ...] = (
 
 _Ids = npt.NDArray[np.int64]
 _Objects = npt.NDArray[np.object_]
-#: Rows whose tokens of a step are not yet in their request's lists, and how many each.
-_Lazy = tuple[_Ids, "_Ids | int"]
+#: Rows whose tokens of a step are not yet in their request's lists, and each one's count
+#: of tokens in vLLM's view with them.
+_Lazy = tuple[_Ids, _Ids]
 
 
 @dataclass
@@ -787,6 +788,10 @@ class HelixScheduler(_SchedulerInterface):
         hids = rows.hids
         if not len(hids):
             return []
+        if not rows.any_kind and not self._tables_changed:
+            grown = self.helix.grow_block_tables(hids, self._known)
+            if grown is not None:  # (the common case) every table the runner's, or longer
+                return self._grown_block_ids(hids, *grown)
         known = self._known[hids]
         starts = np.where(rows.kinds == 0, known, 0) if rows.any_kind else known
         pages, tails = self.helix.block_table_tails(hids, starts)
@@ -816,6 +821,20 @@ class HelixScheduler(_SchedulerInterface):
                     block_ids[row] = (ids[first:end],)
         if suspect:
             self._tables_changed = bool(self._replace.any() or (self._stale >= 0).any())
+        return block_ids
+
+    def _grown_block_ids(
+        self, hids: _Ids, pages: npt.NDArray[np.int32], grown: _Ids, tails: _Ids
+    ) -> list[tuple[list[int], ...] | None]:
+        """Each row's new vLLM block ids where no table changed under the runner: the
+        pages of rows ``grown`` (``tails`` each), None elsewhere."""
+        block_ids: list[tuple[list[int], ...] | None] = [None] * len(hids)
+        if len(grown):
+            ends = np.cumsum(tails)
+            self._last_page[hids[grown]] = pages[ends - 1]
+            ids: list[int] = (pages + 1).tolist()
+            for row, first, end in zip(grown.tolist(), (ends - tails).tolist(), ends.tolist()):
+                block_ids[row] = (ids[first:end],)
         return block_ids
 
     def _regrown(
@@ -1050,7 +1069,7 @@ class HelixScheduler(_SchedulerInterface):
         released, self._retired = self._retired, []
         finished = self.helix.update(tokens, eos, accepted)
         if lazy is not None:  # tokens helix now holds, not yet in vLLM's lists
-            self._ntokens[lazy[0]] += lazy[1]
+            self._ntokens[lazy[0]] = lazy[1]
         # Ids retired before this update: no pending step holds them any more.
         self._free.extend(released)
         for hid in finished.tolist():
@@ -1143,7 +1162,8 @@ class HelixScheduler(_SchedulerInterface):
             if stopped:
                 stops.append(row)
             outputs[request.client_index].append(self._output(request, new, stopped, j, extras))
-        all_tokens = np.concatenate([head, np.asarray(tokens, dtype=np.int32)])
+        rest = np.asarray(tokens, dtype=np.int32) if tokens else None
+        all_tokens = head if rest is None else np.concatenate([head, rest])
         eos = None
         if stops:
             eos = np.zeros(len(all_tokens), np.bool_)
@@ -1162,8 +1182,8 @@ class HelixScheduler(_SchedulerInterface):
         hids, rids = step.gen_hids, step.gen_rids
         g = len(hids)
         if not g:
-            return np.zeros(0, np.int32), [], (hids, 1)
-        if self._ended[hids].any():
+            return np.zeros(0, np.int32), [], (hids, hids)
+        if self._ended_live and self._ended[hids].any():
             return None
         news = _sampled_lists(runner, rids)
         if news is None:
@@ -1176,7 +1196,7 @@ class HelixScheduler(_SchedulerInterface):
         flagged = self._stops.candidates(hids, tokens, None, totals)
         if not flagged.any():
             outputs[0].extend(map(EngineCoreOutput, rids, news))
-            return tokens, [], (hids, 1)
+            return tokens, [], (hids, totals)
         keep = ~flagged
         outputs[0].extend(map(EngineCoreOutput, compress(rids, keep), compress(news, keep)))
         stops: list[int] = []
@@ -1190,7 +1210,7 @@ class HelixScheduler(_SchedulerInterface):
                 emit(self._output(request, new, True, row, None))
             else:
                 emit(EngineCoreOutput(request_id=request.request_id, new_token_ids=new))
-        return tokens, stops, (hids[keep], 1)
+        return tokens, stops, (hids[keep], totals[keep])
 
     def _decode_outputs(
         self,
@@ -1370,10 +1390,11 @@ class HelixScheduler(_SchedulerInterface):
         """The decodes' verifications in one pass over arrays (the common case, as
         :meth:`_decode_batch`): each keeps its accepted tokens; rows the stop filter flags
         go through vLLM's stop check token by token. Returns the rows whose lists lack
-        their tokens, and how many; None when a row needs the per-row path."""
+        their tokens, and each one's token count with them; None when a row needs the
+        per-row path."""
         hids, rids, drafts = step.gen_hids, step.gen_rids, step.drafts
         assert drafts is not None
-        if self._ended[hids].any() or verify.invalid or verify.per_request:
+        if (self._ended_live and self._ended[hids].any()) or verify.invalid or verify.per_request:
             return None
         news = _sampled_lists(runner, rids)
         if news is None:
@@ -1387,19 +1408,21 @@ class HelixScheduler(_SchedulerInterface):
         gaps = ends - np.cumsum(kept)
         tokens[np.arange(len(flat)) + np.repeat(gaps - rejected, kept)] = flat
         accepted[:] = kept - 1
-        flagged = self._stops.candidates(hids, flat, kept, self._ntokens[hids] + kept)
+        totals = self._ntokens[hids] + kept
+        flagged = self._stops.candidates(hids, flat, kept, totals)
         if flagged.any():
             keep = ~flagged
             outputs[0].extend(map(EngineCoreOutput, compress(rids, keep), compress(news, keep)))
             rows = np.flatnonzero(flagged)
             self._verify_flagged(step, rows, news, ends - drafts - 1, outputs, stops, verify)
             hids, drafts, kept, rejected = hids[keep], drafts[keep], kept[keep], rejected[keep]
+            totals = totals[keep]
         else:
             outputs[0].extend(map(EngineCoreOutput, rids, news))
         # rejected drafts were not computed after all
         self._computed[hids] -= rejected
         verify.observe_many(drafts, kept - 1)
-        return hids, kept
+        return hids, totals
 
     def _verify_flagged(
         self,

@@ -3,7 +3,7 @@
 
 use helix_kv_core::ids::{page_id, superblock_count};
 use helix_kv_core::{PreparedPrompt, Scheduler};
-use numpy::{IntoPyArray, PyArray1, PyArray2};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 
 use crate::arrays::{flags, id_arg, int_arg, invalid_type_of, token_ids, u64_vec, Flags, TokenIds};
@@ -306,6 +306,77 @@ impl PyScheduler {
         ))
     }
 
+    /// The pages the tables of `request_ids` gained past what a reader holds, the reader's
+    /// counts brought up to date in the same pass (an engine that keeps each request's
+    /// table and appends to it, as vLLM's model runner does, crossing once a step):
+    /// `held[id]` (int64, indexed by request id, writeable) is how many superblocks of
+    /// request `id`'s table the reader holds. Returns `(pages, rows, counts)`: `rows`
+    /// (int64) the positions in `request_ids` whose tables grew, `counts` (int64) by how
+    /// many superblocks, `pages` (int32) the new superblocks of those rows one row after
+    /// another; each grown `held[id]` becomes its table's length. Returns None, with
+    /// nothing written, when some table is shorter than `held` says (rejected drafts gave
+    /// a superblock back, or the request let go of its KV): `block_table_tails` tells
+    /// then. `UnknownRequestError` for an id the ledger does not hold,
+    /// `InvalidArgumentError` for an id past `held`'s end, a negative count, or a `held`
+    /// that is not a writeable C-contiguous int64 array; nothing written then.
+    fn grow_block_tables<'py>(
+        &self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+        held: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<TableGrowth<'py>>> {
+        let ids = u64_vec(request_ids, "request ids", false)?;
+        let held = held
+            .cast::<PyArray1<i64>>()
+            .map_err(|_| invalid_type_of("held", "an int64 numpy array", held))?;
+        let mut held = held.try_readwrite().map_err(|_| {
+            InvalidArgumentError::new_err("held must be writeable and not borrowed elsewhere")
+        })?;
+        let held = held
+            .as_slice_mut()
+            .map_err(|_| InvalidArgumentError::new_err("held must be C-contiguous"))?;
+        let ledger = self.inner.ledger();
+        let mut tables = Vec::with_capacity(ids.len());
+        for &id in &ids {
+            let table = ledger.request(id).py()?.table();
+            let at = usize::try_from(id)
+                .ok()
+                .filter(|&at| at < held.len())
+                .ok_or_else(|| {
+                    InvalidArgumentError::new_err(format!(
+                        "grow_block_tables() got request id {id}, past held's {} entries",
+                        held.len()
+                    ))
+                })?;
+            let known = usize::try_from(held[at]).map_err(|_| {
+                InvalidArgumentError::new_err(format!(
+                    "grow_block_tables() got held[{id}] = {}, a negative count",
+                    held[at]
+                ))
+            })?;
+            tables.push((at, known, table));
+        }
+        if tables.iter().any(|&(_, known, table)| table.len() < known) {
+            return Ok(None);
+        }
+        let mut pages = Vec::new();
+        let mut rows = Vec::new();
+        let mut counts = Vec::new();
+        for (row, &(at, known, table)) in tables.iter().enumerate() {
+            if table.len() > known {
+                pages.extend(table[known..].iter().map(|&page| page_id(page)));
+                rows.push(i64::try_from(row).unwrap_or(i64::MAX));
+                counts.push(table_tail_count(table.len(), known as u64));
+                held[at] = i64::try_from(table.len()).unwrap_or(i64::MAX);
+            }
+        }
+        Ok(Some((
+            PyArray1::from_vec(py, pages),
+            PyArray1::from_vec(py, rows),
+            PyArray1::from_vec(py, counts),
+        )))
+    }
+
     /// This rank's slot per new token (int64; -1 where another rank owns it).
     fn slot_mapping<'py>(
         &self,
@@ -544,6 +615,13 @@ pub fn update_args<'py>(
 /// `block_table_tails()`'s result: the pages past each start, concatenated, and each
 /// request's count past its start.
 type TableTails<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i64>>);
+
+/// `grow_block_tables()`'s result: the new pages, the rows that grew and by how much.
+type TableGrowth<'py> = (
+    Bound<'py, PyArray1<i32>>,
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray1<i64>>,
+);
 
 /// `queue_holdings()`'s result: the live ids in queue order, the superblocks each holds and
 /// whether its abort waits for the pending step.
