@@ -789,9 +789,9 @@ class HelixScheduler(_SchedulerInterface):
         if not len(hids):
             return []
         if not rows.any_kind and not self._tables_changed:
-            grown = self.helix.grow_block_tables(hids, self._known)
-            if grown is not None:  # (the common case) every table the runner's, or longer
-                return self._grown_block_ids(hids, *grown)
+            growth = self.helix.grow_block_tables(hids, self._known)
+            if growth is not None:  # (the common case) every table the runner's, or longer
+                return self._grown_block_ids(hids, *growth)
         known = self._known[hids]
         starts = np.where(rows.kinds == 0, known, 0) if rows.any_kind else known
         pages, tails = self.helix.block_table_tails(hids, starts)
