@@ -513,6 +513,36 @@ def test_an_abort_between_schedule_and_update_holds_the_pages_until_the_update(
     assert "a" in scheduler.schedule().finished_req_ids
 
 
+@pytest.mark.parametrize("read_first", [False, True], ids=["handed_on", "read_first"])
+def test_the_drafters_lists_reach_the_runner_and_the_requests(
+    model_dir: str, read_first: bool
+) -> None:
+    """The drafter's proposals go to the runner as proposed (the adapter keeps its lists
+    until the next schedule), and a request's ``spec_token_ids`` says them until then, read
+    before the schedule or not; a schedule clears them (the next ones come later)."""
+    config, kv = configs(model_dir, num_spec=3)
+    scheduler = build(config, kv)
+    names = ["a", "b", "c"]
+    for name in names:
+        scheduler.add_request(request(name, list(range(20)), 10, caching=False))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, sampled_for(scheduler, out, random.Random(0)))
+    drafts = {"a": [5, 6, 7], "b": [8, 9, 10], "c": [11, 12, 13]}
+    scheduler.update_draft_token_ids(DraftTokenIds(names, [list(drafts[n]) for n in names]))
+    requests = {r.request_id: r for r in scheduler.running}
+    if read_first:
+        assert {n: list(requests[n].spec_token_ids) for n in names} == drafts
+    out = scheduler.schedule()
+    assert out.scheduled_spec_decode_tokens == drafts
+    assert out.num_scheduled_tokens == dict.fromkeys(names, 4)
+    assert all(requests[n].spec_token_ids == [] for n in names)
+    # proposals helix cuts (it verifies the first drafts only) go cut
+    scheduler.update_from_output(out, sampled_for(scheduler, out, random.Random(1)))
+    scheduler.update_draft_token_ids(DraftTokenIds(["b", "a"], [[1, 2], [3]]))
+    out = scheduler.schedule()
+    assert out.scheduled_spec_decode_tokens == {"a": [3], "b": [1, 2]}
+
+
 def test_an_abort_with_two_steps_in_flight_drops_its_tokens_of_both(model_dir: str) -> None:
     config, kv = configs(model_dir, async_scheduling=True)
     scheduler = build(config, kv)
