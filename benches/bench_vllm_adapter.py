@@ -35,6 +35,12 @@ shared machine the wall time of a long step (vLLM's) takes in the time slices ot
 were given while it ran, and a short one (the adapter's) mostly fits in one: the CPU time's
 ratios are the ones a loaded machine does not inflate.
 
+The order of the three turns every round: a step run right after another finds the caches
+that one left (after vLLM's long step, little of its own code and data), and the adapter and
+the floor share code (vLLM's output types), so in a fixed order the one run later paid less
+for it (at ``6b95942``, in the order vLLM, adapter, floor, the adapter/floor ratio at
+N = 1024 read 2.05 to 2.17 where the two alone, the adapter first, read 1.5 to 1.6).
+
 Goal (issue 40): helix_kv >= 10x less time than vLLM's own at N = 1024 and 4096, and within
 1.5x of the floor. Skipped without vLLM. Run with
 ``python -m pytest benches/bench_vllm_adapter.py --benchmark-enable -s``; the figures are in
@@ -234,8 +240,9 @@ def test_bench_vllm_step(
     benchmark: Any, model_dir: str, collector: str, n: int, variant: str
 ) -> None:
     """vLLM's own step, the adapter's and the floor, one after the other in every round, so
-    that the machine's load (shared, here) weighs on the three alike; each one's median and
-    the median of the per-round ratios are reported."""
+    that the machine's load (shared, here) weighs on the three alike, in an order that turns
+    every round (each one as often first, second and third); each one's median and the
+    median of the per-round ratios are reported."""
     gc.collect()
     gc.freeze()  # the start-up heap, as vLLM's engine core freezes it after start-up
     try:
@@ -249,9 +256,16 @@ def test_bench_vllm_step(
             gc.freeze()
         times: dict[str, list[float]] = {impl: [] for impl in works}
         cpu: dict[str, list[float]] = {impl: [] for impl in works}
+        rounds = [0]
 
         def round_of_three() -> None:
-            for impl, work in works.items():
+            # The order turns every round: a step right after another one finds the caches
+            # the other one left (after vLLM's, little of its own), so in a fixed order the
+            # later ones would pay less for the code they share with the earlier ones.
+            turn = rounds[0] % len(works)
+            rounds[0] += 1
+            order = [*works.items()][turn:] + [*works.items()][:turn]
+            for impl, work in order:
                 work.prepare()
                 started, started_cpu = time.perf_counter(), time.thread_time()
                 work.step()
