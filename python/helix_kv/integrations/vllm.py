@@ -687,7 +687,7 @@ class HelixScheduler(_SchedulerInterface):
         """The step's entries as rows, with vLLM's view of each admission applied."""
         gen = out.generation_ids.view(np.int64)
         last = self._last_gen
-        repeated = last is not None and len(last[0]) == len(gen) and np.array_equal(last[0], gen)
+        repeated = last is not None and len(last[0]) == len(gen) and bool((last[0] == gen).all())
         if repeated:  # the same decodes as in the previous step (the common case)
             assert last is not None
             gen_rids, prompts = last[1], last[2]
@@ -1739,9 +1739,9 @@ class _StatsBase:
 
     def take(self, metrics: Any) -> Any:
         totals = _prefix_totals(metrics)
-        queries, hits, preempted_queries, preempted_hits = (
-            now - then for now, then in zip(totals, self._last)
-        )
+        last = self._last
+        queries, hits = totals[0] - last[0], totals[1] - last[1]
+        preempted_queries, preempted_hits = totals[2] - last[2], totals[3] - last[3]
         enabled = queries or preempted_queries
         stats = PrefixCacheStats(
             reset=self.reset,
