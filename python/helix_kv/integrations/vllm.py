@@ -828,13 +828,20 @@ class HelixScheduler(_SchedulerInterface):
     ) -> list[tuple[list[int], ...] | None]:
         """Each row's new vLLM block ids where no table changed under the runner: the
         pages of rows ``grown`` (``tails`` each), None elsewhere."""
+        if not len(grown):
+            return [None] * len(hids)
+        ends = np.cumsum(tails)
+        self._last_page[hids[grown]] = pages[ends - 1]
+        ids: list[int] = (pages + 1).tolist()
+        if len(ids) == len(grown) == len(hids):  # (lockstep decodes) one new block a row
+            return [([block],) for block in ids]
         block_ids: list[tuple[list[int], ...] | None] = [None] * len(hids)
-        if len(grown):
-            ends = np.cumsum(tails)
-            self._last_page[hids[grown]] = pages[ends - 1]
-            ids: list[int] = (pages + 1).tolist()
-            for row, first, end in zip(grown.tolist(), (ends - tails).tolist(), ends.tolist()):
-                block_ids[row] = (ids[first:end],)
+        if len(ids) == len(grown):  # one new block each
+            for row, block in zip(grown.tolist(), ids):
+                block_ids[row] = ([block],)
+            return block_ids
+        for row, first, end in zip(grown.tolist(), (ends - tails).tolist(), ends.tolist()):
+            block_ids[row] = (ids[first:end],)
         return block_ids
 
     def _regrown(
