@@ -513,6 +513,28 @@ def test_an_abort_between_schedule_and_update_holds_the_pages_until_the_update(
     assert "a" in scheduler.schedule().finished_req_ids
 
 
+@pytest.mark.parametrize("stagger", [0, 1], ids=["lockstep", "staggered"])
+def test_decodes_crossing_a_block_boundary_get_their_new_blocks(
+    model_dir: str, stagger: int
+) -> None:
+    """Decodes crossing a block boundary together (every row gets one new block) or apart
+    (some rows do): the runner's tables stay helix's, step after step."""
+    config, kv = configs(model_dir, num_blocks=64)
+    scheduler, runner = build(config, kv), Runner(v2=False)
+    for i in range(4):
+        length = 14 + stagger * i
+        scheduler.add_request(request(f"r{i}", list(range(5, 5 + length)), 24, caching=False))
+    grew_together = 0
+    for step in range(24):
+        out = scheduler.schedule()
+        runner.apply(out)
+        check_tables(scheduler, runner, out)
+        new_blocks = [b for b in out.scheduled_cached_reqs.new_block_ids if b is not None]
+        grew_together += step > 0 and len(new_blocks) == 4
+        scheduler.update_from_output(out, sampled_for(scheduler, out, random.Random(step)))
+    assert grew_together == (0 if stagger else 2)  # at blocks 16 and 32
+
+
 @pytest.mark.parametrize("read_first", [False, True], ids=["handed_on", "read_first"])
 def test_the_drafters_lists_reach_the_runner_and_the_requests(
     model_dir: str, read_first: bool
