@@ -12,7 +12,7 @@
 #   bash benches/gpu_test_suite.sh rest             # everything else (binding, simulate, ...)
 #   bash benches/gpu_test_suite.sh all              # the four parts one after another
 #   bash benches/gpu_test_suite.sh whole            # the whole command in one part, spread over
-#                                                   # the machine's cores by pytest-xdist (-n 12;
+#                                                   # the machine's cores by pytest-xdist (-n 8;
 #                                                   # XDIST_WORKERS sets it): one device call
 #   bash benches/gpu_test_suite.sh custom NAME ARGS...  # pytest ARGS, reported as NAME (a part
 #                                                   # that ran out of time, split by file)
@@ -112,7 +112,12 @@ run_part() {
   local spread=()
   if [ "$name" = whole ]; then
     $python -c "import xdist" 2> /dev/null || { echo "### whole: pytest-xdist is missing"; return 2; }
-    spread=(-n "${XDIST_WORKERS:-12}")
+    local workers=${XDIST_WORKERS:-8}
+    spread=(-n "$workers")
+    # each worker's torch would start a thread per core: 14 workers x 16 threads on 16 cores
+    # made fixtures 10x slower (the run of 1171181); a share of the cores each
+    local threads=$(( $(nproc) / workers ))
+    export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
   fi
   timeout -s INT -k 30 "$budget" $python -m pytest -p no:cacheprovider --durations=15 \
     --junitxml="$xml" "${spread[@]}" "${args[@]}" 2>&1 | tee "$log"
