@@ -103,14 +103,12 @@ const HELD_LANES: [[i32; INLINE_SUPERBLOCKS]; INLINE_SUPERBLOCKS + 1] = {
 
 /// Flag bits of [`KvRecord::flags`].
 const HAS_DECODE_STEP: u8 = 1;
-const HAS_UNDO: u8 = 1 << 1;
-const UNDO_HAS_STEP: u8 = 1 << 2;
-/// The undone allocation grew the length by one token (else it kept it).
-const UNDO_GREW: u8 = 1 << 3;
-const SUSPENDED: u8 = 1 << 4;
+const SUSPENDED: u8 = 1 << 1;
 
-/// The counters of one request's KV holdings: everything a decode allocation reads and
-/// writes (ids, lengths, counters, the undo of the last decode and the table's length).
+/// The counters of one request's KV holdings: everything a decode grow reads and writes
+/// (ids, lengths, counters, the step of the last decode and the table's length). Current
+/// state only: the undo of a step's changes is the step's (its record keeps their
+/// inverses, see [`DecodeInverse`]).
 ///
 /// One cache line (`align(64)`, exactly 64 bytes), so the per-step decode path touches one
 /// line per request, and the records of a slab pack densely: the table sits apart, in
@@ -123,16 +121,9 @@ struct KvRecord {
     len: u64,
     prompt_len: u64,
     decode_count: u64,
-    /// The step of the last decode allocation, if `flags` has `HAS_DECODE_STEP`.
+    /// The step of the last decode, if `flags` has `HAS_DECODE_STEP` (drafts follow the
+    /// decode of their step; `state_digest` covers it).
     decode_step: u64,
-    /// What the last decode allocation replaced, so `revert_decode` is an exact undo (a
-    /// reservation longer than the decode token, e.g. a whole-output admission, survives
-    /// it, and the step marker returns to its previous value); present with `HAS_UNDO`.
-    /// The step it replaced (with `UNDO_HAS_STEP`), and the length right after it: the
-    /// length before is one less with `UNDO_GREW`, the same without (an allocation grows
-    /// the length by at most its one token).
-    undo_step: u64,
-    undo_len_after: u64,
     /// Superblocks held: the table's length.
     held: u32,
     flags: u8,
@@ -168,8 +159,6 @@ impl KvRecord {
             prompt_len,
             decode_count: 0,
             decode_step: 0,
-            undo_step: 0,
-            undo_len_after: 0,
             held: 0,
             flags: 0,
         }
@@ -191,28 +180,6 @@ impl KvRecord {
                 self.flags |= HAS_DECODE_STEP;
             }
             None => self.flags &= !HAS_DECODE_STEP,
-        }
-    }
-    fn decode_undo(&self) -> Option<DecodeUndo> {
-        (self.flags & HAS_UNDO != 0).then(|| DecodeUndo {
-            step: (self.flags & UNDO_HAS_STEP != 0).then_some(self.undo_step),
-            len: self.undo_len_after - u64::from(self.flags & UNDO_GREW != 0),
-            len_after: self.undo_len_after,
-        })
-    }
-    fn set_decode_undo(&mut self, undo: Option<DecodeUndo>) {
-        self.flags &= !(HAS_UNDO | UNDO_HAS_STEP | UNDO_GREW);
-        if let Some(undo) = undo {
-            debug_assert!(undo.len_after - undo.len <= 1);
-            self.flags |= HAS_UNDO;
-            if let Some(step) = undo.step {
-                self.undo_step = step;
-                self.flags |= UNDO_HAS_STEP;
-            }
-            if undo.len_after != undo.len {
-                self.flags |= UNDO_GREW;
-            }
-            self.undo_len_after = undo.len_after;
         }
     }
 }
@@ -292,7 +259,6 @@ impl PartialEq for RequestKv<'_> {
             && a.prompt_len == b.prompt_len
             && a.decode_count == b.decode_count
             && a.decode_step() == b.decode_step()
-            && a.decode_undo() == b.decode_undo()
             && self.suspended_len() == other.suspended_len()
             && self.table() == other.table()
     }
@@ -311,7 +277,6 @@ impl std::fmt::Debug for RequestKv<'_> {
             .field("prompt_len", &record.prompt_len)
             .field("decode_count", &record.decode_count)
             .field("decode_step", &record.decode_step())
-            .field("decode_undo", &record.decode_undo())
             .field("suspended_len", &self.suspended_len())
             .finish_non_exhaustive()
     }
@@ -406,14 +371,53 @@ impl std::fmt::Debug for Slab {
     }
 }
 
-/// The state a decode allocation replaced, and the length it left.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct DecodeUndo {
-    step: Option<u64>,
-    len: u64,
-    /// The length right after the allocation. A `grow` or `shrink` since then owns the
-    /// length, so `revert_decode` restores it only while it still equals this.
-    len_after: u64,
+/// The inverse of each request's last [`Ledger::allocate_decode`], by ledger entry, for
+/// [`Ledger::revert_decode`]: the one-deep undo of the step-keyed calls a bare ledger's
+/// user makes (the scheduler keeps its steps' inverses itself and never fills this). Sized
+/// on first use, so a ledger that never takes those calls clears nothing; compared and
+/// printed as the undos it holds (an entry past its length holds none).
+#[derive(Clone, Default)]
+struct LastDecodeUndos(Vec<Option<DecodeInverse>>);
+
+impl LastDecodeUndos {
+    fn get(&self, entry: EntryIndex) -> Option<DecodeInverse> {
+        self.0.get(entry).copied().flatten()
+    }
+
+    fn set(&mut self, entry: EntryIndex, undo: DecodeInverse) {
+        if self.0.len() <= entry {
+            self.0.resize(entry + 1, None);
+        }
+        self.0[entry] = Some(undo);
+    }
+
+    #[inline]
+    fn clear(&mut self, entry: EntryIndex) {
+        if let Some(undo) = self.0.get_mut(entry) {
+            *undo = None;
+        }
+    }
+
+    fn held(&self) -> impl Iterator<Item = (EntryIndex, DecodeInverse)> + '_ {
+        self.0
+            .iter()
+            .enumerate()
+            .filter_map(|(entry, undo)| undo.map(|undo| (entry, undo)))
+    }
+}
+
+impl PartialEq for LastDecodeUndos {
+    fn eq(&self, other: &Self) -> bool {
+        self.held().eq(other.held())
+    }
+}
+
+impl Eq for LastDecodeUndos {}
+
+impl std::fmt::Debug for LastDecodeUndos {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.held()).finish()
+    }
 }
 
 /// The exact inverse of one decode grow a scheduler step made ([`Ledger::decode_at`],
@@ -524,6 +528,8 @@ pub struct Ledger {
     vacant: Vec<EntryIndex>,
     /// Id -> entry; used for lookups only, never iterated.
     index: IdIndex,
+    /// The one-deep undo of `allocate_decode` / `revert_decode` (not the scheduler's).
+    last_decode_undos: LastDecodeUndos,
     /// Working space of the batch calls, kept so they allocate nothing in steady state.
     scratch: Scratch,
     /// The prefix cache (references, keys, eviction order), when enabled: then a page
@@ -610,6 +616,7 @@ impl Ledger {
             requests: Slab::default(),
             vacant: Vec::new(),
             index: IdIndex::default(),
+            last_decode_undos: LastDecodeUndos::default(),
             scratch: Scratch::default(),
             cache: None,
         })
@@ -1201,6 +1208,7 @@ impl Ledger {
             "emptied first"
         );
         Self::clear_vacated(kv);
+        self.last_decode_undos.clear(entry);
         self.vacant.push(entry);
     }
 
@@ -1373,6 +1381,7 @@ impl Ledger {
             for &entry in &entries {
                 self.shrink_entry(entry, 0);
                 Self::clear_vacated(&mut self.requests.records[entry]);
+                self.last_decode_undos.clear(entry);
             }
             self.vacant.extend_from_slice(&entries);
             self.scratch.entries = entries;
@@ -1401,6 +1410,11 @@ impl Ledger {
             Self::clear_vacated(request);
         }
         self.free = free;
+        if !self.last_decode_undos.0.is_empty() {
+            for &entry in &entries {
+                self.last_decode_undos.clear(entry);
+            }
+        }
         self.vacant.extend_from_slice(&entries);
         self.scratch.entries = entries;
         Ok(())
@@ -1494,11 +1508,7 @@ impl Ledger {
         let Some((pos, inverse)) = self.decode_grow(entry, step)? else {
             return Ok(None);
         };
-        self.requests.records[entry].set_decode_undo(Some(DecodeUndo {
-            step: inverse.step_before(),
-            len: inverse.len_before(),
-            len_after: inverse.len_after(),
-        }));
+        self.last_decode_undos.set(entry, inverse);
         Ok(Some(pos))
     }
 
@@ -1711,15 +1721,15 @@ impl Ledger {
         if request.decode_step() != Some(step) {
             return Ok(false);
         }
-        let Some(undo) = request.decode_undo() else {
+        let Some(undo) = self.last_decode_undos.get(entry) else {
             return Ok(false);
         };
+        self.last_decode_undos.clear(entry);
         request.decode_count -= 1;
-        request.set_decode_step(undo.step);
-        request.set_decode_undo(None);
-        if request.len == undo.len_after {
-            // `undo.len <= undo.len_after`: this only ever shrinks.
-            self.shrink_entry(entry, undo.len);
+        request.set_decode_step(undo.step_before());
+        if request.len == undo.len_after() {
+            // `len_before <= len_after`: this only ever shrinks.
+            self.shrink_entry(entry, undo.len_before());
         }
         Ok(true)
     }
@@ -1744,8 +1754,8 @@ impl Ledger {
         request.prompt_len = new_prompt;
         request.decode_count = 0;
         request.set_decode_step(None);
-        request.set_decode_undo(None);
         request.flags &= !SUSPENDED;
+        self.last_decode_undos.clear(entry);
         Ok(())
     }
 
@@ -1760,7 +1770,7 @@ impl Ledger {
         let request = &mut self.requests.records[entry];
         request.flags |= SUSPENDED;
         request.set_decode_step(None);
-        request.set_decode_undo(None);
+        self.last_decode_undos.clear(entry);
         Ok(held)
     }
 
