@@ -441,6 +441,12 @@ const INVERSE_GREW: u64 = 1 << 62;
 const INVERSE_LEN: u64 = INVERSE_GREW - 1;
 
 impl DecodeInverse {
+    /// A placeholder (the inverse of nothing any ledger made): fills scratch arrays.
+    pub(crate) const ZERO: Self = Self {
+        step_before: 0,
+        len_after: 0,
+    };
+
     /// The inverse of a grow from `len_before` to `len_after` tokens of a record whose
     /// step marker was `step_before` (with `has_step`, else none).
     #[expect(

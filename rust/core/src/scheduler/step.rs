@@ -128,8 +128,8 @@ impl Scheduler {
     }
 
     /// Appends a chunk of decodes gathered by [`Self::decode_run`]: the output columns
-    /// both modes fill alike, the requests and their journal entries (the run kept each
-    /// decode's inverse in the record as it made it).
+    /// both modes fill alike, the requests, each decode's inverse and their journal
+    /// entries.
     #[inline]
     fn append_decode_chunk(
         &mut self,
@@ -137,6 +137,7 @@ impl Scheduler {
         positions: &[u64],
         slots: &[i32],
         reqs: &[RequestIndex],
+        inverses: &[DecodeInverse],
     ) {
         let out = &mut self.builder.out;
         out.generation_ids.extend_from_slice(ids);
@@ -145,6 +146,7 @@ impl Scheduler {
         let record = &mut self.builder.record;
         let from = entry_id(record.generation_reqs.len());
         record.generation_reqs.extend_from_slice(reqs);
+        record.decode_undos.extend_from_slice(inverses);
         let to = entry_id(record.generation_reqs.len());
         if from == to {
             return;
@@ -362,6 +364,8 @@ impl Scheduler {
         let mut reqs = [0; CHUNK];
         // The mode's own column: each entry's input token, or its row (see `M::input`).
         let mut inputs = [0; CHUNK];
+        // Each decode's inverse, for the step's record (see `append_decode_chunk`).
+        let mut inverses = [DecodeInverse::ZERO; CHUNK];
         let mut queue_pos = 0;
         loop {
             // The general path may have scheduled tokens: the budget is read afresh.
@@ -372,11 +376,6 @@ impl Scheduler {
                 let mut lane = self.ledger.decode_lane();
                 let marks = &self.builder.ahead_marks[..];
                 let room = usize::try_from(budget).unwrap_or(usize::MAX).min(CHUNK);
-                // The step keeps each decode's inverse, in entry order, as it makes it: in
-                // its record's column, held in a local for the chunk (so the loop keeps it
-                // in registers) with room made once.
-                let mut undos = std::mem::take(&mut self.builder.record.decode_undos);
-                undos.reserve(room);
                 let mut count = 0;
                 let mut pos = queue_pos;
                 while count < room {
@@ -401,7 +400,7 @@ impl Scheduler {
                     else {
                         break;
                     };
-                    undos.push(inverse);
+                    inverses[count] = inverse;
                     request.scheduled_step = step;
                     ids[count] = request.id;
                     positions[count] = position;
@@ -411,7 +410,6 @@ impl Scheduler {
                     count += 1;
                     pos += 1;
                 }
-                self.builder.record.decode_undos = undos;
                 (count, pos)
             };
             self.append_decode_chunk(
@@ -419,6 +417,7 @@ impl Scheduler {
                 &positions[..count],
                 &slots[..count],
                 &reqs[..count],
+                &inverses[..count],
             );
             M::flush(&inputs[..count], &mut self.builder.out);
             self.builder.tokens += count as u64;
