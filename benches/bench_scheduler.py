@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import helix_kv
-from scheduler_loops import CP, PROMPT, TPB, AheadLoop, DraftLoop, Loop
+from scheduler_loops import CP, PROMPT, TPB, AheadLoop, DraftAheadLoop, DraftLoop, Loop
 
 ROUNDS = 300
 WARMUP = 20
@@ -85,27 +85,32 @@ def test_bench_decode_step_with_a_step_in_flight(benchmark, report_figure, ahead
 
 
 @pytest.mark.parametrize("drafts", [0, 4], ids=["k0", "k4"])
-def test_bench_decode_step_with_drafts(benchmark, report_figure, drafts: int) -> None:
+@pytest.mark.parametrize("ahead", [False, True], ids=["plain", "one_step_ahead"])
+def test_bench_decode_step_with_drafts(benchmark, report_figure, drafts: int, ahead: bool) -> None:
     """N = 1024 decoding at cp = 4: propose_drafts() + schedule() + update(accepted) with k = 4
     drafts per request, 2 of them accepted (the other 2 rolled back, some superblocks given
-    back), against the same loop with k = 0 (drafts off)."""
+    back), against the same loop with k = 0 (drafts off); plain and one step ahead (each
+    step scheduled while the previous one is pending; a request whose pending decode carries
+    drafts is planned in the step after, so about half the batch decodes per step)."""
     n, accepted = 1024, 2
     max_new = (steps_needed() + 100) * (1 + accepted)
     per_request = -(-(PROMPT + max_new + drafts) // (CP * TPB))
-    loop = DraftLoop(n, n * per_request, max_new, drafts, accepted)
+    loop = (DraftAheadLoop if ahead else DraftLoop)(n, n * per_request, max_new, drafts, accepted)
     loop.prefill()
     out = loop.step()
-    assert out.generation_ids.size == n
-    assert int(out.generation_draft_counts.sum()) == n * drafts
+    if not ahead:
+        assert out.generation_ids.size == n
+        assert int(out.generation_draft_counts.sum()) == n * drafts
     benchmark.pedantic(loop.step, rounds=ROUNDS, warmup_rounds=WARMUP)
     metrics = loop.s.metrics()
     assert metrics.preemptions == 0
     # a step that admits replacements' prompts has less budget left: some drafts are trimmed
     assert metrics.spec_decode_num_accepted_tokens <= accepted * metrics.spec_decode_num_drafts
     assert (metrics.spec_decode_num_drafts > 0) == (drafts > 0)
+    mode = "one step ahead" if ahead else "plain"
     report_figure(
-        benchmark, f"propose+schedule+update, {n} decoding, cp={CP}, k={drafts} drafts", n,
-        "request", "k = 4 <= 2x k = 0",
+        benchmark, f"propose+schedule+update, {n} decoding, cp={CP}, k={drafts} drafts, {mode}",
+        n, "request", "k = 4 <= 2x k = 0 of the same mode",
     )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ against the plain decode kernel's.
     python benches/gpu_spec_decode.py --dtype bfloat16 --requests 128 --prompt-len 1024
     python benches/gpu_spec_decode.py --tie-embeddings   # nearly every draft right: the ceiling
     python benches/gpu_spec_decode.py --kernel-only      # only the kernel timing
+    python benches/gpu_spec_decode.py --draft-backoff 2  # the draft backoff on
 
 The workload repeats itself: every prompt is a random pattern of ``--period`` tokens repeated
 to ``--prompt-len``, and the greedy outputs of the randomly initialised model settle into
@@ -80,6 +81,9 @@ def config(args: argparse.Namespace, model: TinyConfig, k: int, overlap: bool) -
         drafter_max_ngram=args.max_ngram,
         drafter_min_ngram=args.min_ngram,
         group_draft_rows=args.group_draft_rows,
+        scheduler_options=(
+            {"draft_backoff_misses": args.draft_backoff} if args.draft_backoff and k else {}
+        ),
     )
 
 
@@ -296,6 +300,11 @@ def main() -> None:
         "input, so nearly every draft is right (the ceiling of the drafted path)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--draft-backoff", type=int, default=0, metavar="MISSES",
+        help="the scheduler's draft_backoff_misses (0: off): a request stops drafting for a "
+        "while after this many drafted decodes in a row with no draft accepted",
+    )  # fmt: skip
     parser.add_argument("--calls", type=int, default=20, help="kernel calls per graph")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--kernel-only", action="store_true")

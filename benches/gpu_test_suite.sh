@@ -11,6 +11,9 @@
 #   bash benches/gpu_test_suite.sh distributed      # tests/distributed + tests/test_step_driver.py
 #   bash benches/gpu_test_suite.sh rest             # everything else (binding, simulate, ...)
 #   bash benches/gpu_test_suite.sh all              # the four parts one after another
+#   bash benches/gpu_test_suite.sh whole            # the whole command in one part, spread over
+#                                                   # the machine's cores by pytest-xdist (-n 8;
+#                                                   # XDIST_WORKERS sets it): one device call
 #   bash benches/gpu_test_suite.sh custom NAME ARGS...  # pytest ARGS, reported as NAME (a part
 #                                                   # that ran out of time, split by file)
 #   NO_INSTALL=1 bash benches/gpu_test_suite.sh check   # here: the source tree's helix_kv
@@ -18,7 +21,7 @@
 # A part is stopped with SIGINT at PART_TIMEOUT_S (default 530 s): pytest then writes what ran
 # to the JUnit file and the line says "interrupted". Exit status: 0 when every part run passed.
 set -u
-part=${1:?usage: gpu_test_suite.sh check|oracle|executor|distributed|rest|all|custom NAME ARGS}
+part=${1:?usage: gpu_test_suite.sh check|oracle|executor|distributed|rest|whole|all|custom NAME ARGS}
 out=${OUT:-gpu-suite-out}
 budget=${PART_TIMEOUT_S:-530}
 mkdir -p "$out"
@@ -70,6 +73,7 @@ declare -A selection=(
   [executor]="tests/executor ${oracle_ignores[*]}"
   [distributed]="tests/distributed tests/test_step_driver.py"
   [rest]="tests --ignore=tests/executor --ignore=tests/distributed --ignore=tests/test_step_driver.py"
+  [whole]=""
 )
 parts=(oracle executor distributed rest)
 
@@ -105,8 +109,18 @@ run_part() {
   local start status
   start=$(date +%s)
   set -o pipefail
+  local spread=()
+  if [ "$name" = whole ]; then
+    $python -c "import xdist" 2> /dev/null || { echo "### whole: pytest-xdist is missing"; return 2; }
+    local workers=${XDIST_WORKERS:-8}
+    spread=(-n "$workers")
+    # each worker's torch would start a thread per core: 14 workers x 16 threads on 16 cores
+    # made fixtures 10x slower (the run of 1171181); a share of the cores each
+    local threads=$(( $(nproc) / workers ))
+    export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
+  fi
   timeout -s INT -k 30 "$budget" $python -m pytest -p no:cacheprovider --durations=15 \
-    --junitxml="$xml" "${args[@]}" 2>&1 | tee "$log"
+    --junitxml="$xml" "${spread[@]}" "${args[@]}" 2>&1 | tee "$log"
   status=$?
   set +o pipefail
   [ "$status" -eq 124 ] && status=2  # timed out: pytest was interrupted
@@ -128,7 +142,7 @@ case "$part" in
     echo "### python -m pytest collects $whole tests; the parts $sum"
     [ "$whole" = "$sum" ]
     ;;
-  oracle | executor | distributed | rest)
+  oracle | executor | distributed | rest | whole)
     run_part "$part"
     ;;
   custom)

@@ -125,3 +125,33 @@ class DraftLoop(Loop):
             self.add()
         self.decoding = out.generation_ids
         return out
+
+
+class DraftAheadLoop(DraftLoop):
+    """:class:`DraftLoop` one step ahead: each step proposes and schedules while the previous
+    one is pending, then updates that one (``accepted`` of its drafts accepted). Proposals go
+    to the requests that decoded in the step updated last, as an engine that drafts from the
+    tokens it knows does (a request whose pending decode carries drafts is not planned ahead,
+    so its proposal is ignored)."""
+
+    def __init__(self, n: int, superblocks: int, max_new: int, drafts: int, accepted: int) -> None:
+        super().__init__(n, superblocks, max_new, drafts, accepted)
+        self.in_flight: helix_kv.ScheduleOutput | None = None
+
+    def step(self) -> helix_kv.ScheduleOutput:
+        m = self.decoding.size
+        if self.drafts and m:
+            self.s.propose_drafts(
+                self.decoding, self.counts[:m], self.draft_tokens[: m * self.drafts]
+            )
+        out = self.s.schedule()
+        older, self.in_flight = self.in_flight, out
+        if older is not None:
+            counts = older.generation_draft_counts
+            accepted = np.minimum(self.accepted_counts[: counts.size], counts)
+            finished = self.s.update(self.tokens[: older.num_samples], None, accepted)
+            for request_id in finished.tolist():
+                self.s.take_output(request_id)
+                self.add()
+            self.decoding = older.generation_ids
+        return out

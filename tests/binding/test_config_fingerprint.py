@@ -22,6 +22,7 @@ BASE: dict[str, Any] = dict(
     max_seq_len=256, chunk_unit=4,
 )  # fmt: skip
 NON_HELIX = {**BASE, "cp_size": 1, "serving_mode": "non_helix"}
+BACKOFF = {**BASE, "num_speculative_tokens": 3, "draft_backoff_misses": 2}
 
 #: decision field -> (base keyword arguments, the keyword that sets the field, its new value).
 CHANGES: dict[str, tuple[dict[str, Any], str, Any]] = {
@@ -48,6 +49,8 @@ CHANGES: dict[str, tuple[dict[str, Any], str, Any]] = {
     "deadlock_steps": (BASE, "deadlock_steps", 65),
     "enable_prefix_caching": (BASE, "enable_prefix_caching", True),
     "num_speculative_tokens": (BASE, "num_speculative_tokens", 3),
+    "draft_backoff_misses": (BASE, "draft_backoff_misses", 2),
+    "draft_backoff_tokens": (BACKOFF, "draft_backoff_tokens", 32),
 }
 
 
@@ -87,3 +90,16 @@ def test_the_fingerprint_survives_pickling_and_ignores_the_rank() -> None:
     assert 0 <= config.fingerprint < 2**64
     assert pickle.loads(pickle.dumps(config)).fingerprint == config.fingerprint
     assert config.with_rank(1).fingerprint == config.fingerprint
+
+
+def test_the_draft_backoff_off_hashes_as_absent() -> None:
+    """With ``draft_backoff_misses = 0`` neither backoff field reaches the fingerprint, so a
+    configuration from before the backoff keeps its fingerprint (and every digest its
+    value); turned on, both do."""
+    base = helix_kv.SchedulerConfig(**{**BASE, "num_speculative_tokens": 3})
+    longer = helix_kv.SchedulerConfig(
+        **{**BASE, "num_speculative_tokens": 3, "draft_backoff_tokens": 99}
+    )
+    assert base.fingerprint == longer.fingerprint
+    on = helix_kv.SchedulerConfig(**BACKOFF)
+    assert on.fingerprint != base.fingerprint

@@ -433,6 +433,7 @@ SCHEDULER_CALLS = [
     Call("idle", "take_output", (3,), (ID,)),
     Call("idle", "tokens", (1,), (ID,)),
     Call("idle", "request_state", (1,), (ID,)),
+    Call("idle", "drafts_paused", ([1, 2],), (IDS,)),
     Call("idle", "block_table", ([1, 2], 4), (IDS, WIDTH)),
     Call("pending", "block_table_tails", ([1, MAX_ID], [0, 1]), (IDS, LENGTHS), paired=(0, 1)),
     Call("pending", "grow_block_tables", ([1], np.zeros(4, np.int64)), (IDS, HELD)),
@@ -509,6 +510,7 @@ NO_ARGUMENTS = {
         "write_decode_rows",  # needs a decode-only step: tests/binding/test_step_metadata.py
         "reset_prefix_cache",  # refused while a step is pending: tests/binding/test_prefix_cache.py
         "spec_decode_accepted_per_position",
+        "spec_decode_backoffs",
     },
     "SchedulerConfig": {"to_dict", "decision_fields"},
     "Layout": set(),
@@ -539,6 +541,8 @@ CONFIG_KEYWORDS = {
     "deadlock_steps": CONFIG_INT,
     "enable_prefix_caching": FLAG,
     "num_speculative_tokens": CONFIG_INT,
+    "draft_backoff_misses": CONFIG_INT,
+    "draft_backoff_tokens": CONFIG_INT,
 }
 
 # The value records' keyword-only constructors (what unpickling calls): each field by the

@@ -103,6 +103,8 @@ class EngineConfig:
     deadlock_steps: int = _DEFAULTS["deadlock_steps"]
     enable_prefix_caching: bool = _DEFAULTS["enable_prefix_caching"]
     num_speculative_tokens: int = _DEFAULTS["num_speculative_tokens"]
+    draft_backoff_misses: int = _DEFAULTS["draft_backoff_misses"]
+    draft_backoff_tokens: int = _DEFAULTS["draft_backoff_tokens"]
 
     host_cache_bytes: int | None = None
     aggregated_host_tier: bool = False

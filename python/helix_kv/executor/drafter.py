@@ -104,6 +104,13 @@ class NgramDrafter:
         drafts: IntArray = seq[wanted - period * ((wanted - length) // period + 1)]
         return drafts
 
+    def grid(self, histories: Sequence[npt.ArrayLike]) -> tuple[npt.NDArray[np.int32], IntArray]:
+        """The histories (each cut to its last ``max_search`` tokens) right-aligned in one
+        int32 ``[requests, width]`` array, ``-1`` before each (it matches no token), and
+        their lengths (int64): what the n-gram search runs over, on the host or the device
+        (:func:`helix_kv.executor.ngram_device.ngram_propose`)."""
+        return _grid(histories, self.max_search)
+
     def propose(
         self, histories: Sequence[npt.ArrayLike], skips: npt.ArrayLike | int = 0
     ) -> tuple[IntArray, npt.NDArray[np.int32]]:
@@ -120,15 +127,8 @@ class NgramDrafter:
         k = self.num_speculative_tokens
         if not count:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
-        seqs = [np.asarray(h).ravel() for h in histories]
-        if self.max_search is not None:
-            seqs = [seq[-self.max_search :] for seq in seqs]
-        lengths = np.array([seq.size for seq in seqs], dtype=np.int64)
-        width = max(2, int(lengths.max()))
-        grid = np.full((count, width), -1, dtype=np.int32)  # padding matches no token
-        for row, seq in enumerate(seqs):  # one slice copy each (a scatter costs 10x more)
-            if seq.size:
-                grid[row, width - seq.size :] = seq
+        grid, lengths = self.grid(histories)
+        width = grid.shape[1]
         first = width - lengths  # each row's first real column
         ends = np.arange(width - 1, dtype=np.int64)  # a window ends at column e <= width - 2
         match = np.ones((count, width - 1), dtype=bool)
@@ -159,6 +159,22 @@ class NgramDrafter:
         source = wanted - period[:, None] * ((wanted - width) // period[:, None] + 1)
         tokens = grid[rows[:, None], source]
         return counts, tokens.ravel().astype(np.int32)
+
+
+def _grid(
+    histories: Sequence[npt.ArrayLike], max_search: int | None
+) -> tuple[npt.NDArray[np.int32], IntArray]:
+    """See :meth:`NgramDrafter.grid`."""
+    seqs = [np.asarray(h).ravel() for h in histories]
+    if max_search is not None:
+        seqs = [seq[-max_search:] for seq in seqs]
+    lengths = np.array([seq.size for seq in seqs], dtype=np.int64)
+    width = max(2, int(lengths.max(initial=0)))
+    grid = np.full((len(seqs), width), -1, dtype=np.int32)  # padding matches no token
+    for row, seq in enumerate(seqs):  # one slice copy each (a scatter costs 10x more)
+        if seq.size:
+            grid[row, width - seq.size :] = seq
+    return grid, lengths
 
 
 def greedy_acceptance(

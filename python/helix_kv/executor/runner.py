@@ -49,6 +49,7 @@ from helix_kv.executor.drafter import NgramDrafter, greedy_acceptance
 from helix_kv.executor.host_pool import HostKVPool
 from helix_kv.executor.kv_pool import KVPool
 from helix_kv.executor.model import ModelConfig, TinyConfig, Transformer, group_combine
+from helix_kv.executor.ngram_device import DeviceNgramDrafter
 from helix_kv.executor.overlap import DecodeInputGather, HostTokens, StepTimeline, TokenReadback
 from helix_kv.executor.placement import RankPlacement
 from helix_kv.executor.step_plan import StepPlan, generation_draft_counts
@@ -98,8 +99,11 @@ class ExecutorConfig:
     and step (0: off; it becomes the ``EngineConfig``'s ``num_speculative_tokens``), proposed
     by a prompt-lookup :class:`~helix_kv.executor.drafter.NgramDrafter` over each request's
     own tokens (``drafter_max_ngram`` down to ``drafter_min_ngram``, matched within the last
-    ``drafter_max_search`` tokens, ``None``: all) and verified greedily in the same forward;
-    the outputs are the greedy tokens without drafts, token for token. On the fast path a
+    ``drafter_max_search`` tokens, ``None``: all; on CUDA its search runs on the GPU,
+    :class:`~helix_kv.executor.ngram_device.DeviceNgramDrafter`, the same drafts) and
+    verified greedily in the same forward; the outputs are the greedy tokens without drafts,
+    token for token. With the draft backoff on (``scheduler_options``'
+    ``draft_backoff_misses``) a request it stopped is not searched. On the fast path a
     drafted step is one kernel row per query token; ``group_draft_rows`` attends a request's
     rows in one kernel program (each key block loaded once for them; off by default: alone
     it timed slower than one program per row on an H200 at k = 4, docs/gpu-results.md).
@@ -333,16 +337,10 @@ class _RankRun:
         engine = _engine_config(config, self.model.config, self.kv_dtype)
         self.spec_tokens = int(engine.num_speculative_tokens)
         self.eos_ids = _eos_ids(config.eos_token_id)
-        self.drafter = (
-            NgramDrafter(
-                self.spec_tokens,
-                config.drafter_max_ngram,
-                config.drafter_min_ngram,
-                config.drafter_max_search,
-            )
-            if self.spec_tokens
-            else None
-        )
+        self.drafter = _drafter(config, self.spec_tokens, self.device) if self.spec_tokens else None
+        # The draft backoff on: a request it stopped is not searched (its drafts would be
+        # ignored).
+        self.skip_backed_off = bool(engine.draft_backoff_misses)
         # quota sync (MIN over the ranks' budgets) + init-status sync + optional schedule check
         self.helix = HelixKVRank.create(
             engine,
@@ -438,7 +436,7 @@ class _RankRun:
         result.logits = {rid: np.stack(rows) for rid, rows in self.logits_rows.items()}
         return result
 
-    def propose(self, drafter: NgramDrafter) -> None:
+    def propose(self, drafter: NgramDrafter | DeviceNgramDrafter) -> None:
         """Drafts for the requests that may decode in the step scheduled next, from the
         tokens known on the host (identical on every rank). One step ahead, a request whose
         newest token is still being sampled by the pending step drafts past it (``skip=1``);
@@ -461,6 +459,9 @@ class _RankRun:
             if rid not in skips and rid not in blocked:
                 skips[rid] = 0
         ids = [rid for rid in skips if rid not in self.result.outputs]
+        if ids and self.skip_backed_off:
+            paused = self.helix.scheduler.drafts_paused(np.asarray(ids, dtype=np.uint64))
+            ids = [rid for rid, off in zip(ids, paused.tolist()) if not off]
         if not ids:
             return
         histories = [self.helix.scheduler.tokens(rid) for rid in ids]
@@ -643,6 +644,17 @@ class _RankRun:
         ran_ids = ran.tolist()
         live = [rid for rid in ran_ids if rid not in self.result.outputs]
         _record_logits(self.logits_rows, live, ran_ids, logits)
+
+
+def _drafter(
+    config: ExecutorConfig, spec_tokens: int, device: torch.device
+) -> NgramDrafter | DeviceNgramDrafter:
+    """The run's n-gram drafter: the search on the GPU where the run is on one (its own
+    stream: it waits for no step in flight), else the host drafter; the same drafts."""
+    host = NgramDrafter(
+        spec_tokens, config.drafter_max_ngram, config.drafter_min_ngram, config.drafter_max_search
+    )
+    return DeviceNgramDrafter(host, device) if device.type == "cuda" else host
 
 
 def _previous_of(driver: StepDriver[_LaunchedStep]) -> _LaunchedStep | None:

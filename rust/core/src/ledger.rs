@@ -103,14 +103,12 @@ const HELD_LANES: [[i32; INLINE_SUPERBLOCKS]; INLINE_SUPERBLOCKS + 1] = {
 
 /// Flag bits of [`KvRecord::flags`].
 const HAS_DECODE_STEP: u8 = 1;
-const HAS_UNDO: u8 = 1 << 1;
-const UNDO_HAS_STEP: u8 = 1 << 2;
-/// The undone allocation grew the length by one token (else it kept it).
-const UNDO_GREW: u8 = 1 << 3;
-const SUSPENDED: u8 = 1 << 4;
+const SUSPENDED: u8 = 1 << 1;
 
-/// The counters of one request's KV holdings: everything a decode allocation reads and
-/// writes (ids, lengths, counters, the undo of the last decode and the table's length).
+/// The counters of one request's KV holdings: everything a decode grow reads and writes
+/// (ids, lengths, counters, the step of the last decode and the table's length). Current
+/// state only: the undo of a step's changes is the step's (its record keeps their
+/// inverses, see [`DecodeInverse`]).
 ///
 /// One cache line (`align(64)`, exactly 64 bytes), so the per-step decode path touches one
 /// line per request, and the records of a slab pack densely: the table sits apart, in
@@ -123,16 +121,9 @@ struct KvRecord {
     len: u64,
     prompt_len: u64,
     decode_count: u64,
-    /// The step of the last decode allocation, if `flags` has `HAS_DECODE_STEP`.
+    /// The step of the last decode, if `flags` has `HAS_DECODE_STEP` (drafts follow the
+    /// decode of their step; `state_digest` covers it).
     decode_step: u64,
-    /// What the last decode allocation replaced, so `revert_decode` is an exact undo (a
-    /// reservation longer than the decode token, e.g. a whole-output admission, survives
-    /// it, and the step marker returns to its previous value); present with `HAS_UNDO`.
-    /// The step it replaced (with `UNDO_HAS_STEP`), and the length right after it: the
-    /// length before is one less with `UNDO_GREW`, the same without (an allocation grows
-    /// the length by at most its one token).
-    undo_step: u64,
-    undo_len_after: u64,
     /// Superblocks held: the table's length.
     held: u32,
     flags: u8,
@@ -168,8 +159,6 @@ impl KvRecord {
             prompt_len,
             decode_count: 0,
             decode_step: 0,
-            undo_step: 0,
-            undo_len_after: 0,
             held: 0,
             flags: 0,
         }
@@ -191,24 +180,6 @@ impl KvRecord {
                 self.flags |= HAS_DECODE_STEP;
             }
             None => self.flags &= !HAS_DECODE_STEP,
-        }
-    }
-    fn decode_undo(&self) -> Option<DecodeUndo> {
-        OlderUndo::of(self).get()
-    }
-    fn set_decode_undo(&mut self, undo: Option<DecodeUndo>) {
-        self.flags &= !(HAS_UNDO | UNDO_HAS_STEP | UNDO_GREW);
-        if let Some(undo) = undo {
-            debug_assert!(undo.len_after - undo.len <= 1);
-            self.flags |= HAS_UNDO;
-            if let Some(step) = undo.step {
-                self.undo_step = step;
-                self.flags |= UNDO_HAS_STEP;
-            }
-            if undo.len_after != undo.len {
-                self.flags |= UNDO_GREW;
-            }
-            self.undo_len_after = undo.len_after;
         }
     }
 }
@@ -288,7 +259,6 @@ impl PartialEq for RequestKv<'_> {
             && a.prompt_len == b.prompt_len
             && a.decode_count == b.decode_count
             && a.decode_step() == b.decode_step()
-            && a.decode_undo() == b.decode_undo()
             && self.suspended_len() == other.suspended_len()
             && self.table() == other.table()
     }
@@ -307,7 +277,6 @@ impl std::fmt::Debug for RequestKv<'_> {
             .field("prompt_len", &record.prompt_len)
             .field("decode_count", &record.decode_count)
             .field("decode_step", &record.decode_step())
-            .field("decode_undo", &record.decode_undo())
             .field("suspended_len", &self.suspended_len())
             .finish_non_exhaustive()
     }
@@ -402,87 +371,119 @@ impl std::fmt::Debug for Slab {
     }
 }
 
-/// The state a decode allocation replaced, and the length it left.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct DecodeUndo {
-    step: Option<u64>,
-    len: u64,
-    /// The length right after the allocation. A `grow` or `shrink` since then owns the
-    /// length, so `revert_decode` restores it only while it still equals this.
-    len_after: u64,
-}
+/// The inverse of each request's last [`Ledger::allocate_decode`], by ledger entry, for
+/// [`Ledger::revert_decode`]: the one-deep undo of the step-keyed calls a bare ledger's
+/// user makes (the scheduler keeps its steps' inverses itself and never fills this). Sized
+/// on first use, so a ledger that never takes those calls clears nothing; compared and
+/// printed as the undos it holds (an entry past its length holds none).
+#[derive(Clone, Default)]
+struct LastDecodeUndos(Vec<Option<DecodeInverse>>);
 
-/// Flag bits of [`KvRecord::flags`] that describe its decode undo.
-const UNDO_BITS: u8 = HAS_UNDO | UNDO_HAS_STEP | UNDO_GREW;
-
-/// An `Option<DecodeUndo>` as [`KvRecord`] keeps it (its undo fields and flag bits), so
-/// it is copied out and back with three stores. Compared and printed as the
-/// `Option<DecodeUndo>` it stands for (what the unused fields keep does not count).
-///
-/// A record keeps the undo of its last decode allocation only. A decode planned ahead of
-/// a pending step (`allocate_decode_ahead_at`) replaces the undo of that step's decode:
-/// it hands the replaced one out, the scheduler keeps it in the journal of the step
-/// planned ahead, and gives it back when it reverts that step (`revert_decode_to`), so the
-/// older step can be reverted after it.
-#[derive(Clone, Copy)]
-pub(crate) struct OlderUndo {
-    step: u64,
-    len_after: u64,
-    /// `UNDO_BITS` of the flags: none of them for no undo.
-    flags: u8,
-}
-
-impl OlderUndo {
-    /// No undo: a step reverted with it leaves its request's record without one.
-    pub(crate) const NONE: Self = Self {
-        step: 0,
-        len_after: 0,
-        flags: 0,
-    };
-
-    fn get(self) -> Option<DecodeUndo> {
-        (self.flags & HAS_UNDO != 0).then(|| DecodeUndo {
-            step: (self.flags & UNDO_HAS_STEP != 0).then_some(self.step),
-            len: self.len_after - u64::from(self.flags & UNDO_GREW != 0),
-            len_after: self.len_after,
-        })
+impl LastDecodeUndos {
+    fn get(&self, entry: EntryIndex) -> Option<DecodeInverse> {
+        self.0.get(entry).copied().flatten()
     }
 
-    /// The undo `request` holds now.
+    fn set(&mut self, entry: EntryIndex, undo: DecodeInverse) {
+        if self.0.len() <= entry {
+            self.0.resize(entry + 1, None);
+        }
+        self.0[entry] = Some(undo);
+    }
+
     #[inline]
-    fn of(request: &KvRecord) -> Self {
-        Self {
-            step: request.undo_step,
-            len_after: request.undo_len_after,
-            flags: request.flags & UNDO_BITS,
+    fn clear(&mut self, entry: EntryIndex) {
+        if let Some(undo) = self.0.get_mut(entry) {
+            *undo = None;
         }
     }
 
-    /// Whether both stand for the same `Option<DecodeUndo>` (`get() == get()`), read off
-    /// the raw fields without building either: both without an undo (whatever their other
-    /// bits keep), or the same bits, length after and, where there is one, step.
-    #[inline]
-    fn same(self, other: Self) -> bool {
-        (self.flags | other.flags) & HAS_UNDO == 0
-            || (self.flags == other.flags
-                && self.len_after == other.len_after
-                && (self.flags & UNDO_HAS_STEP == 0 || self.step == other.step))
+    fn held(&self) -> impl Iterator<Item = (EntryIndex, DecodeInverse)> + '_ {
+        self.0
+            .iter()
+            .enumerate()
+            .filter_map(|(entry, undo)| undo.map(|undo| (entry, undo)))
     }
 }
 
-impl PartialEq for OlderUndo {
+impl PartialEq for LastDecodeUndos {
     fn eq(&self, other: &Self) -> bool {
-        let same = self.same(*other);
-        debug_assert_eq!(same, self.get() == other.get());
-        same
+        self.held().eq(other.held())
     }
 }
 
-impl Eq for OlderUndo {}
+impl Eq for LastDecodeUndos {}
 
-impl std::fmt::Debug for OlderUndo {
+impl std::fmt::Debug for LastDecodeUndos {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.get().fmt(f)
+        f.debug_map().entries(self.held()).finish()
+    }
+}
+
+/// The exact inverse of one decode grow a scheduler step made ([`Ledger::decode_at`],
+/// [`DecodeLane::try_decode_in_place`]), which the step's record keeps (one per
+/// generation entry) and hands back to [`Ledger::undo_decode`] when it reverts the step:
+/// the step marker the grow replaced, the length it left, and whether it added a token
+/// (a reservation longer than the decode token, e.g. a whole-output admission, covers it
+/// without one). Two words: a length is below 2^55 (at most `MAX_CAPACITY` superblocks of
+/// at most 2^24 tokens), so the two flags ride in the top bits of the length's word.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DecodeInverse {
+    step_before: u64,
+    /// The length right after the grow, with `INVERSE_HAS_STEP` and `INVERSE_GREW`.
+    len_after: u64,
+}
+
+/// The record had a decode step before the grow (`step_before` holds it).
+const INVERSE_HAS_STEP: u64 = 1 << 63;
+/// The grow added its token to the length (else a longer reservation covered it).
+const INVERSE_GREW: u64 = 1 << 62;
+const INVERSE_LEN: u64 = INVERSE_GREW - 1;
+
+impl DecodeInverse {
+    /// A placeholder (the inverse of nothing any ledger made): fills scratch arrays.
+    pub(crate) const ZERO: Self = Self {
+        step_before: 0,
+        len_after: 0,
+    };
+
+    /// The inverse of a grow from `len_before` to `len_after` tokens of a record whose
+    /// step marker was `step_before` (with `has_step`, else none).
+    #[expect(
+        clippy::inline_always,
+        reason = "part of the per-request body of the scheduler's decode loop"
+    )]
+    #[inline(always)]
+    fn new(has_step: bool, step_before: u64, len_before: u64, len_after: u64) -> Self {
+        debug_assert!(len_after & !INVERSE_LEN == 0 && len_after - len_before <= 1);
+        Self {
+            step_before,
+            len_after: len_after
+                | (u64::from(has_step) << 63)
+                | (u64::from(len_after != len_before) << 62),
+        }
+    }
+
+    fn step_before(self) -> Option<u64> {
+        (self.len_after & INVERSE_HAS_STEP != 0).then_some(self.step_before)
+    }
+
+    fn len_after(self) -> u64 {
+        self.len_after & INVERSE_LEN
+    }
+
+    fn len_before(self) -> u64 {
+        self.len_after() - u64::from(self.len_after & INVERSE_GREW != 0)
+    }
+}
+
+impl std::fmt::Debug for DecodeInverse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeInverse")
+            .field("step_before", &self.step_before())
+            .field("len_before", &self.len_before())
+            .field("len_after", &self.len_after())
+            .finish()
     }
 }
 
@@ -533,6 +534,8 @@ pub struct Ledger {
     vacant: Vec<EntryIndex>,
     /// Id -> entry; used for lookups only, never iterated.
     index: IdIndex,
+    /// The one-deep undo of `allocate_decode` / `revert_decode` (not the scheduler's).
+    last_decode_undos: LastDecodeUndos,
     /// Working space of the batch calls, kept so they allocate nothing in steady state.
     scratch: Scratch,
     /// The prefix cache (references, keys, eviction order), when enabled: then a page
@@ -619,6 +622,7 @@ impl Ledger {
             requests: Slab::default(),
             vacant: Vec::new(),
             index: IdIndex::default(),
+            last_decode_undos: LastDecodeUndos::default(),
             scratch: Scratch::default(),
             cache: None,
         })
@@ -1210,6 +1214,7 @@ impl Ledger {
             "emptied first"
         );
         Self::clear_vacated(kv);
+        self.last_decode_undos.clear(entry);
         self.vacant.push(entry);
     }
 
@@ -1382,6 +1387,7 @@ impl Ledger {
             for &entry in &entries {
                 self.shrink_entry(entry, 0);
                 Self::clear_vacated(&mut self.requests.records[entry]);
+                self.last_decode_undos.clear(entry);
             }
             self.vacant.extend_from_slice(&entries);
             self.scratch.entries = entries;
@@ -1410,6 +1416,11 @@ impl Ledger {
             Self::clear_vacated(request);
         }
         self.free = free;
+        if !self.last_decode_undos.0.is_empty() {
+            for &entry in &entries {
+                self.last_decode_undos.clear(entry);
+            }
+        }
         self.vacant.extend_from_slice(&entries);
         self.scratch.entries = entries;
         Ok(())
@@ -1423,44 +1434,58 @@ impl Ledger {
         self.allocate_decode_in(entry, step)
     }
 
-    /// [`Ledger::allocate_decode`] for a request at a known entry (from
-    /// [`Ledger::entry_of`]); an entry that does not hold `id` falls back to the lookup.
-    pub(crate) fn allocate_decode_at(
+    /// A scheduler step's decode grow of `id` (at `entry`, a hint: the scheduler's own
+    /// index of the request, looked up where it does not hold `id`): reserves its next
+    /// decode token and returns the token's position with the grow's exact inverse, for
+    /// the step's record to keep and hand back to [`Self::undo_decode`] if the step is
+    /// reverted; `None` (nothing changed) if the pool is short. The step marker becomes
+    /// `step`; a step decodes a request once (a second decode of it in `step` is an
+    /// error, not the retry [`Self::allocate_decode`] answers).
+    pub(crate) fn decode_at(
         &mut self,
         entry: EntryIndex,
         id: RequestId,
         step: u64,
-    ) -> Result<Option<u64>> {
-        match self.requests.records.get(entry) {
+    ) -> Result<Option<(u64, DecodeInverse)>> {
+        let entry = match self.requests.records.get(entry) {
             Some(request) if request.id == id && !request.is_suspended() => {
                 debug_assert_eq!(self.index.get(id), Some(entry));
-                self.allocate_decode_in(entry, step)
+                entry
             }
-            _ => self.allocate_decode(id, step),
-        }
-    }
-
-    /// [`Ledger::allocate_decode_at`] for a step planned while the request's previous
-    /// decode allocation belongs to a step still pending: with the position it returns the
-    /// undo the allocation replaced (that allocation's, [`OlderUndo::NONE`] if it replaced
-    /// none), for the caller to hand back to [`Ledger::revert_decode_to`] when it reverts
-    /// this one, so the older one can be undone too.
-    pub(crate) fn allocate_decode_ahead_at(
-        &mut self,
-        entry: EntryIndex,
-        id: RequestId,
-        step: u64,
-    ) -> Result<Option<(u64, OlderUndo)>> {
-        let entry = match self.requests.records.get(entry) {
-            Some(request) if request.id == id => entry,
             _ => self.active_entry_of(id)?,
         };
-        let before = OlderUndo::of(&self.requests.records[entry]);
-        let position = self.allocate_decode_in(entry, step)?;
-        Ok(position.map(|position| {
-            let now = OlderUndo::of(&self.requests.records[entry]);
-            (position, replaced_undo(now, before))
-        }))
+        if self.requests.records[entry].decode_step() == Some(step) {
+            return Err(CoreError::InvalidState(format!(
+                "request {id} is decoded twice in step {step}"
+            )));
+        }
+        self.decode_grow(entry, step)
+    }
+
+    /// Undoes the decode grow of `id` in `step` whose inverse [`Self::decode_at`] (or
+    /// [`DecodeLane::try_decode_in_place`]) returned, the newest of its decodes not undone
+    /// yet: the decode counter and step marker go back, and the length too unless a `grow`
+    /// or `shrink` changed it since (that call owns it: restoring the old length could
+    /// raise it past the superblocks a shrink gave back, or drop a grow). Nothing changes
+    /// where `id` holds no decode of `step` (a preemption reset it since).
+    pub(crate) fn undo_decode(
+        &mut self,
+        id: RequestId,
+        step: u64,
+        inverse: DecodeInverse,
+    ) -> Result<()> {
+        let entry = self.active_entry_of(id)?;
+        let request = &mut self.requests.records[entry];
+        if request.decode_step() != Some(step) {
+            return Ok(());
+        }
+        request.decode_count -= 1;
+        request.set_decode_step(inverse.step_before());
+        if request.len == inverse.len_after() {
+            // `len_before <= len_after`: this only ever shrinks.
+            self.shrink_entry(entry, inverse.len_before());
+        }
+        Ok(())
     }
 
     /// The records and what the per-step decode loop needs of the ledger, apart, so the
@@ -1486,6 +1511,23 @@ impl Ledger {
             }
             return Ok(Some(pos));
         }
+        let Some((pos, inverse)) = self.decode_grow(entry, step)? else {
+            return Ok(None);
+        };
+        self.last_decode_undos.set(entry, inverse);
+        Ok(Some(pos))
+    }
+
+    /// The decode grow of the request at `entry` in `step` (not decoded in `step` yet):
+    /// its next decode token's position and the grow's inverse, or `None` (nothing
+    /// changed) if the pool is short.
+    fn decode_grow(
+        &mut self,
+        entry: EntryIndex,
+        step: u64,
+    ) -> Result<Option<(u64, DecodeInverse)>> {
+        let request = &self.requests.records[entry];
+        let id = request.id;
         let pos = request.next_decode_position();
         if request.len < pos {
             return Err(CoreError::InvalidState(format!(
@@ -1505,15 +1547,16 @@ impl Ledger {
             }
         }
         let request = &mut self.requests.records[entry];
+        let inverse = DecodeInverse::new(
+            request.flags & HAS_DECODE_STEP != 0,
+            request.decode_step,
+            len_before,
+            new_len,
+        );
         request.len = new_len;
-        request.set_decode_undo(Some(DecodeUndo {
-            step: request.decode_step(),
-            len: len_before,
-            len_after: new_len,
-        }));
         request.decode_count += 1;
         request.set_decode_step(Some(step));
-        Ok(Some(pos))
+        Ok(Some((pos, inverse)))
     }
 
     /// Reserves `drafts` speculative positions right after the decode token `id` was
@@ -1672,40 +1715,27 @@ impl Ledger {
     /// length and the step marker return to what they were before the allocation (so
     /// `state_digest` does too). The latest allocation can be undone (a request keeps the
     /// undo of its last one); the scheduler, which may plan a step ahead of a pending one,
-    /// keeps what a decode planned ahead replaced and reverts that step with
-    /// `revert_decode_to`, so it can revert the older step after it.
+    /// keeps the inverse of each of its decodes in the step's record instead
+    /// ([`Self::decode_at`], [`Self::undo_decode`]), so it can revert both steps in turn.
     ///
     /// If a `grow` or `shrink` changed the length since the allocation, that call owns
     /// the length and it is kept (only the counters go back): restoring the old length
     /// could raise it past the superblocks a shrink gave back, or drop a grow.
     pub fn revert_decode(&mut self, id: RequestId, step: u64) -> Result<bool> {
-        self.revert_decode_to(id, step, OlderUndo::NONE)
-    }
-
-    /// [`Ledger::revert_decode`], leaving `older` as the request's undo: the undo its
-    /// allocation replaced, as [`Ledger::allocate_decode_ahead_at`] (or
-    /// [`DecodeLane::try_allocate_ahead_in_place`]) returned it, so the decode of the
-    /// older step can be reverted next.
-    pub(crate) fn revert_decode_to(
-        &mut self,
-        id: RequestId,
-        step: u64,
-        older: OlderUndo,
-    ) -> Result<bool> {
         let entry = self.active_entry_of(id)?;
         let request = &mut self.requests.records[entry];
         if request.decode_step() != Some(step) {
             return Ok(false);
         }
-        let Some(undo) = request.decode_undo() else {
+        let Some(undo) = self.last_decode_undos.get(entry) else {
             return Ok(false);
         };
+        self.last_decode_undos.clear(entry);
         request.decode_count -= 1;
-        request.set_decode_step(undo.step);
-        request.set_decode_undo(older.get());
-        if request.len == undo.len_after {
-            // `undo.len <= undo.len_after`: this only ever shrinks.
-            self.shrink_entry(entry, undo.len);
+        request.set_decode_step(undo.step_before());
+        if request.len == undo.len_after() {
+            // `len_before <= len_after`: this only ever shrinks.
+            self.shrink_entry(entry, undo.len_before());
         }
         Ok(true)
     }
@@ -1730,8 +1760,8 @@ impl Ledger {
         request.prompt_len = new_prompt;
         request.decode_count = 0;
         request.set_decode_step(None);
-        request.set_decode_undo(None);
         request.flags &= !SUSPENDED;
+        self.last_decode_undos.clear(entry);
         Ok(())
     }
 
@@ -1746,7 +1776,7 @@ impl Ledger {
         let request = &mut self.requests.records[entry];
         request.flags |= SUSPENDED;
         request.set_decode_step(None);
-        request.set_decode_undo(None);
+        self.last_decode_undos.clear(entry);
         Ok(held)
     }
 
@@ -1903,21 +1933,6 @@ impl Ledger {
     }
 }
 
-/// The undo a decode allocation replaced (`before`), or none if it replaced nothing
-/// (`now`, its record's undo after it, is the same: a retry in the same step).
-#[expect(
-    clippy::inline_always,
-    reason = "part of the per-request body of the scheduler's decode loop planned ahead"
-)]
-#[inline(always)]
-fn replaced_undo(now: OlderUndo, before: OlderUndo) -> OlderUndo {
-    if now.same(before) {
-        OlderUndo::NONE
-    } else {
-        before
-    }
-}
-
 /// The ledger's records as the scheduler's per-step decode loop uses them
 /// ([`Ledger::decode_lane`]): the record slice and tokens per superblock held apart from
 /// the ledger, so the loop's stores cannot alias them and it keeps them in registers.
@@ -1927,89 +1942,48 @@ pub(crate) struct DecodeLane<'a> {
 }
 
 impl DecodeLane<'_> {
-    /// The common decode allocation of the per-step path, all in the entry's first line:
-    /// `entry` holds `id`, active, not yet allocated in `step`, with its prompt reserved
+    /// The common decode grow of the per-step path, all in the entry's first line:
+    /// `entry` holds `id`, active, not yet decoded in `step`, with its prompt reserved
     /// and room for the token in the superblocks it holds. Then it is
-    /// [`Ledger::allocate_decode_at`] exactly (same position, same state after);
-    /// otherwise it returns `None` and changes nothing, and the caller takes the general
-    /// path.
+    /// [`Ledger::decode_at`] exactly (same position, inverse and state after); otherwise
+    /// it returns `None` and changes nothing, and the caller takes the general path.
     #[expect(
         clippy::inline_always,
         reason = "the per-request body of the scheduler's decode loop"
     )]
     #[inline(always)]
-    pub(crate) fn try_allocate_in_place(
+    pub(crate) fn try_decode_in_place(
         &mut self,
         entry: EntryIndex,
         id: RequestId,
         step: u64,
-    ) -> Option<u64> {
+    ) -> Option<(u64, DecodeInverse)> {
         let request = self.requests.get_mut(entry)?;
-        allocate_decode_in_place(request, self.tokens_per_superblock, id, step)
+        let stepped = request.flags & HAS_DECODE_STEP != 0 && request.decode_step == step;
+        if request.id != id || request.flags & SUSPENDED != 0 || stepped {
+            return None;
+        }
+        let pos = request.prompt_len + request.decode_count;
+        let len_before = request.len;
+        if len_before < pos {
+            return None;
+        }
+        let new_len = len_before.max(pos + 1);
+        if new_len > u64::from(request.held) * self.tokens_per_superblock {
+            return None;
+        }
+        let inverse = DecodeInverse::new(
+            request.flags & HAS_DECODE_STEP != 0,
+            request.decode_step,
+            len_before,
+            new_len,
+        );
+        request.flags |= HAS_DECODE_STEP;
+        request.len = new_len;
+        request.decode_count += 1;
+        request.decode_step = step;
+        Some((pos, inverse))
     }
-
-    /// [`Self::try_allocate_in_place`] for a step planned ahead: when it gives a
-    /// position it is [`Ledger::allocate_decode_ahead_at`] exactly (with the undo it
-    /// replaced); otherwise it changes nothing.
-    #[expect(
-        clippy::inline_always,
-        reason = "the per-request body of the scheduler's decode loop planned ahead"
-    )]
-    #[inline(always)]
-    pub(crate) fn try_allocate_ahead_in_place(
-        &mut self,
-        entry: EntryIndex,
-        id: RequestId,
-        step: u64,
-    ) -> Option<(u64, OlderUndo)> {
-        let request = self.requests.get_mut(entry)?;
-        let before = OlderUndo::of(request);
-        let position = allocate_decode_in_place(request, self.tokens_per_superblock, id, step)?;
-        let now = OlderUndo::of(request);
-        Some((position, replaced_undo(now, before)))
-    }
-}
-
-/// The body of [`DecodeLane::try_allocate_in_place`] on the entry's record.
-#[expect(
-    clippy::inline_always,
-    reason = "the per-request body of the scheduler's decode loop"
-)]
-#[inline(always)]
-fn allocate_decode_in_place(
-    request: &mut KvRecord,
-    tokens_per_superblock: u64,
-    id: RequestId,
-    step: u64,
-) -> Option<u64> {
-    let stepped = request.flags & HAS_DECODE_STEP != 0 && request.decode_step == step;
-    if request.id != id || request.flags & SUSPENDED != 0 || stepped {
-        return None;
-    }
-    let pos = request.prompt_len + request.decode_count;
-    let len_before = request.len;
-    if len_before < pos {
-        return None;
-    }
-    let new_len = len_before.max(pos + 1);
-    if new_len > u64::from(request.held) * tokens_per_superblock {
-        return None;
-    }
-    // `set_decode_undo` and `set_decode_step` in one write of the flags.
-    let mut flags = (request.flags & !(UNDO_HAS_STEP | UNDO_GREW)) | HAS_UNDO | HAS_DECODE_STEP;
-    if request.flags & HAS_DECODE_STEP != 0 {
-        flags |= UNDO_HAS_STEP;
-    }
-    if new_len != len_before {
-        flags |= UNDO_GREW;
-    }
-    request.undo_step = request.decode_step;
-    request.undo_len_after = new_len;
-    request.flags = flags;
-    request.len = new_len;
-    request.decode_count += 1;
-    request.decode_step = step;
-    Some(pos)
 }
 
 /// Applies a validated grow of `request` to `new_len` tokens, its superblocks taken from
@@ -2284,70 +2258,40 @@ mod tests {
         assert_ne!(index, fresh);
     }
 
-    /// `OlderUndo::same` is `get() == get()` for every pair of flag bits, lengths and steps
-    /// (the stale fields of an undo without `HAS_UNDO` do not count).
-    #[test]
-    fn older_undo_same_is_equality_of_what_it_stands_for() {
-        let values = [(0, 1), (0, 2), (3, 1), (3, 2)];
-        for a_flags in 0..=UNDO_BITS {
-            for b_flags in 0..=UNDO_BITS {
-                for (a_step, a_len) in values {
-                    for (b_step, b_len) in values {
-                        let a = OlderUndo {
-                            step: a_step,
-                            len_after: a_len,
-                            flags: a_flags & UNDO_BITS,
-                        };
-                        let b = OlderUndo {
-                            step: b_step,
-                            len_after: b_len,
-                            flags: b_flags & UNDO_BITS,
-                        };
-                        assert_eq!(a.same(b), a.get() == b.get(), "{a_flags:b} {b_flags:b}");
-                    }
-                }
-            }
-        }
-    }
-
     /// Two decodes of a request, the second planned ahead of the first (one step ahead,
-    /// with and without a new superblock, and over a whole-output reservation): reverting
-    /// the second with the undo it replaced, then the first, leaves the ledger as before
-    /// both; the plain `revert_decode` of the second leaves nothing to undo the first
-    /// with.
+    /// with and without a new superblock, and over a whole-output reservation): undoing
+    /// the second with its inverse, then the first with its own, leaves the ledger as
+    /// before both.
     #[test]
-    fn a_decode_planned_ahead_hands_out_the_undo_that_reverts_both() {
+    fn two_decodes_undone_newest_first_leave_the_ledger_as_before() {
         let layout = Layout::new(1, 4).unwrap();
         for (prompt, reserved) in [(2, 2), (3, 3), (3, 12)] {
             let mut ledger = Ledger::new(layout, 8).unwrap();
             ledger.add(1, prompt).unwrap();
             assert!(ledger.grow(1, reserved).unwrap());
             let before = ledger.clone();
-            assert_eq!(ledger.allocate_decode(1, 0).unwrap(), Some(prompt));
             let entry = ledger.entry_of(1).unwrap();
-            let (position, replaced) = ledger
-                .allocate_decode_ahead_at(entry, 1, 1)
-                .unwrap()
-                .unwrap();
+            let (first, older) = ledger.decode_at(entry, 1, 0).unwrap().unwrap();
+            assert_eq!(first, prompt);
+            let (position, newer) = ledger.decode_at(entry, 1, 1).unwrap().unwrap();
             assert_eq!(position, prompt + 1);
-            assert!(replaced.get().is_some(), "prompt {prompt}");
-            let mut plain = ledger.clone();
-            assert!(ledger.revert_decode_to(1, 1, replaced).unwrap());
-            assert!(ledger.revert_decode(1, 0).unwrap());
+            assert_eq!(newer.step_before(), Some(0), "prompt {prompt}");
+            assert!(
+                ledger.decode_at(entry, 1, 1).is_err(),
+                "a step decodes a request once"
+            );
+            ledger.undo_decode(1, 1, newer).unwrap();
+            ledger.undo_decode(1, 0, older).unwrap();
             assert_eq!(ledger, before, "prompt {prompt}, reserved {reserved}");
             assert_eq!(ledger.state_digest(), before.state_digest());
-            assert!(plain.revert_decode(1, 1).unwrap());
-            assert!(!plain.revert_decode(1, 0).unwrap());
         }
     }
 
-    /// The scheduler's in-place decodes (`DecodeLane`) against the general calls they
-    /// stand for, from random states (no step yet, a step, a retry in the same step, a
-    /// grow or not, suspended, shrunk, wrong hints): where the in-place one gives a
-    /// position (and, planned ahead, the undo it replaced), the general one gives the same
-    /// and leaves the same ledger; where it gives none, nothing changed. Reverting both
-    /// ways after (the newer step with the undo it replaced, then the older) stays equal
-    /// too.
+    /// The scheduler's in-place decodes (`DecodeLane`) against the general decode they
+    /// stand for, from random states (no step yet, a step, a second decode in the same
+    /// step, a grow or not, suspended, shrunk, wrong hints): where the in-place one gives
+    /// a position and inverse, the general one gives the same and leaves the same ledger;
+    /// where it gives none, nothing changed. Undoing both with the inverse stays equal too.
     #[test]
     fn in_place_decodes_are_the_general_decodes() {
         let layout = Layout::new(2, 4).unwrap();
@@ -2369,26 +2313,16 @@ mod tests {
                 }
                 _ => {}
             }
-            // Steps advance slowly, so retries in the same step and steps planned ahead of
-            // a pending one both happen.
+            // Steps advance slowly, so second decodes in the same step and steps planned
+            // ahead of a pending one both happen.
             let step = round / 3 + next(2);
             let entry = match ledger.entry_of(id) {
                 Ok(entry) if next(8) != 0 => entry,
                 _ => usize::try_from(next(14)).unwrap(),
             };
-            let ahead = next(2) == 0;
             let before = ledger.clone();
-            let got = if ahead {
-                ledger
-                    .decode_lane()
-                    .try_allocate_ahead_in_place(entry, id, step)
-            } else {
-                ledger
-                    .decode_lane()
-                    .try_allocate_in_place(entry, id, step)
-                    .map(|position| (position, OlderUndo::NONE))
-            };
-            let Some((position, replaced)) = got else {
+            let got = ledger.decode_lane().try_decode_in_place(entry, id, step);
+            let Some((position, inverse)) = got else {
                 refused += 1;
                 assert_eq!(
                     ledger, before,
@@ -2398,23 +2332,18 @@ mod tests {
             };
             placed += 1;
             let mut general = before;
-            let expected = if ahead {
-                general.allocate_decode_ahead_at(entry, id, step)
-            } else {
-                general
-                    .allocate_decode_at(entry, id, step)
-                    .map(|got| got.map(|position| (position, OlderUndo::NONE)))
-            };
-            let (expected_position, expected_replaced) = expected.unwrap().unwrap();
-            assert_eq!(expected_position, position, "round {round}");
-            assert_eq!(expected_replaced, replaced, "round {round}");
+            let expected = general.decode_at(entry, id, step);
+            assert_eq!(
+                expected.unwrap(),
+                Some((position, inverse)),
+                "round {round}"
+            );
             assert_eq!(ledger, general, "round {round}");
             if next(4) == 0 {
-                for (revert, older) in [(step, replaced), (step.saturating_sub(1), OlderUndo::NONE)]
-                {
+                for undo in [step, step.saturating_sub(1)] {
                     let (a, b) = (
-                        ledger.revert_decode_to(id, revert, older),
-                        general.revert_decode_to(id, revert, older),
+                        ledger.undo_decode(id, undo, inverse),
+                        general.undo_decode(id, undo, inverse),
                     );
                     assert_eq!(format!("{a:?}"), format!("{b:?}"), "round {round}");
                     assert_eq!(ledger, general, "round {round}");

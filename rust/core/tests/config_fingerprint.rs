@@ -33,6 +33,7 @@ fn single_field_changes() -> Vec<(&'static str, SchedulerConfig, SchedulerConfig
         c.serving_mode = ServingMode::NonHelix;
     });
     let pinned = changed(&b, |c| c.chunk_unit = Some(4));
+    let backoff = changed(&b, |c| c.draft_backoff_misses = 2);
     vec![
         ("cp_size", b.clone(), changed(&b, |c| c.cp_size = 4)),
         // With the chunk unit pinned: the unit in effect follows tokens_per_block otherwise.
@@ -149,6 +150,17 @@ fn single_field_changes() -> Vec<(&'static str, SchedulerConfig, SchedulerConfig
             "num_speculative_tokens",
             b.clone(),
             changed(&b, |c| c.num_speculative_tokens = 3),
+        ),
+        (
+            "draft_backoff_misses",
+            b.clone(),
+            changed(&b, |c| c.draft_backoff_misses = 2),
+        ),
+        // With the backoff on: its pause length is not a decision field while it is off.
+        (
+            "draft_backoff_tokens",
+            backoff.clone(),
+            changed(&backoff, |c| c.draft_backoff_tokens = 8),
         ),
     ]
 }

@@ -192,6 +192,29 @@ impl PyScheduler {
             .into_pyarray(py)
     }
 
+    /// Times the draft backoff (`draft_backoff_misses`) stopped a request's drafting, over
+    /// the steps that ran.
+    fn spec_decode_backoffs(&self) -> u64 {
+        self.inner.spec_decode_backoffs()
+    }
+
+    /// Per id, whether the draft backoff keeps that live request from drafting in the next
+    /// `schedule()` (bool array): its proposals would be ignored, so a drafter may skip it.
+    /// `UnknownRequestError` for an id that is not live.
+    fn drafts_paused<'py>(
+        &self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
+        let ids = u64_vec(request_ids, "request ids", false)?;
+        let paused = ids
+            .iter()
+            .map(|&id| self.inner.draft_paused(id))
+            .collect::<helix_kv_core::Result<Vec<bool>>>()
+            .py()?;
+        Ok(paused.into_pyarray(py))
+    }
+
     /// Undoes the scheduled step that did not run (preemptions stay applied), then
     /// applies the aborts requested while it was pending. Returns their ids (uint64).
     fn revert<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u64>>> {

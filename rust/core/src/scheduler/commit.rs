@@ -1,6 +1,6 @@
 //! Closing a step: `update` (it ran) or `revert` (it did not).
 
-use super::drafts::count_verified;
+use super::drafts::{count_verified, Verified};
 use super::metrics::RequestMetrics;
 use super::pending::{ContextEntry, DraftEntry, JournalEntry, StepRecord};
 use super::request::{FinishReason, RequestIndex, RequestOutput, RequestState, NO_STEP};
@@ -298,7 +298,8 @@ impl Scheduler {
         let token_log = &mut self.token_log;
         let ledger = &mut self.ledger;
         let metrics = &mut self.metrics;
-        let per_position = &mut self.drafts.accepted_per_position;
+        let drafts_state = &mut self.drafts;
+        let config = &self.config;
         let mut run = 0;
         while let (Some(&entry), Some(&queued)) = (
             record.generation_reqs.get(at.generation),
@@ -343,7 +344,13 @@ impl Scheduler {
                         .expect("the ledger takes back the rejected drafts of this step");
                     metrics.spec_decode_returned_superblocks += u64::from(returned);
                 }
-                count_verified(metrics, per_position, d.count, accepted);
+                let verified = Verified {
+                    req: queued,
+                    drafts: d.count,
+                    accepted,
+                    computed: request.computed,
+                };
+                count_verified(metrics, drafts_state, config, verified);
             }
             at.computed_tokens += u64::from(accepted);
             queue[kept + run] = queued;

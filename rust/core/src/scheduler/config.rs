@@ -355,6 +355,12 @@ macro_rules! scheduler_config_fields {
             /// Draft tokens a decode may verify in one step (speculative decoding); 0 turns drafts off.
             #[range(0, MAX_SPECULATIVE_TOKENS, "the most draft positions a decode verifies in one step")]
             num_speculative_tokens: u32 = 0,
+            /// Consecutive drafted decodes of a request with no draft accepted after which it stops drafting for a while (the draft backoff); 0 turns the backoff off.
+            #[range(0, u32::MAX)]
+            draft_backoff_misses: u32 = 0,
+            /// Tokens a request decodes without drafts once the draft backoff stops it; each further stop without an accepted draft in between doubles it (at most 64x).
+            #[range(1, 1 << 24, "the longest first pause of the draft backoff")]
+            draft_backoff_tokens: u32 = 16,
         }
     };
 }
@@ -633,10 +639,12 @@ impl SchedulerConfig {
                     "enable_prefix_caching" | "long_prefill_token_threshold_adaptive",
                     FieldValue::Bool(false)
                 ) | (
-                    "num_speculative_tokens" | "long_prefill_token_threshold",
+                    "num_speculative_tokens"
+                        | "long_prefill_token_threshold"
+                        | "draft_backoff_misses",
                     FieldValue::Int(0)
                 ) | ("admission_policy", FieldValue::Name("fcfs"))
-            );
+            ) || (name == "draft_backoff_tokens" && self.draft_backoff_misses == 0);
             if off {
                 // A feature off hashes as if it did not exist, so configurations from
                 // before it keep their fingerprint (and every digest its value).

@@ -21,6 +21,8 @@
 //!   depends on how many drafts that step accepts. It decodes again in the step after that
 //!   update. Every other request is planned ahead as usual, drafts included.
 
+use super::config::SchedulerConfig;
+use super::draft_backoff::DraftBackoff;
 use super::metrics::SchedulerMetrics;
 use super::pending::{DraftEntry, JournalEntry};
 use super::request::{RequestIndex, NO_STEP};
@@ -56,6 +58,10 @@ pub(super) struct Drafts {
     /// that step accepts, so a step planned ahead neither decodes it nor takes it as a
     /// victim.
     pending_step: Vec<u64>,
+    /// Which requests the draft backoff keeps from drafting (`draft_backoff.rs`), and how
+    /// many times it stopped one (in steps that ran).
+    pub backoff: DraftBackoff,
+    pub backoffs: u64,
 }
 
 impl Drafts {
@@ -81,6 +87,7 @@ impl Drafts {
         if let Some(epoch) = self.epochs.get_mut(req as usize) {
             *epoch = u64::MAX;
         }
+        self.backoff.forget(req);
     }
 
     /// Drops every proposal (a step was scheduled with them).
@@ -185,6 +192,23 @@ impl Scheduler {
         counts
     }
 
+    /// Times the draft backoff stopped a request's drafting (`draft_backoff_misses` drafted
+    /// decodes in a row with no draft accepted), over the steps that ran.
+    pub fn spec_decode_backoffs(&self) -> u64 {
+        self.drafts.backoffs
+    }
+
+    /// Whether the draft backoff keeps live request `id` from drafting in the next
+    /// `schedule()` (its proposals would be ignored; a drafter may skip it). One step ahead
+    /// this reads the state before the pending step's update, as the step planned next does.
+    ///
+    /// Refused: `UnknownRequest` for an id that is not live.
+    pub fn draft_paused(&self, id: RequestId) -> Result<bool> {
+        let req = self.request_index(id)?;
+        let computed = self.requests[req as usize].computed;
+        Ok(self.drafts.backoff.paused(req, computed))
+    }
+
     /// The last phase of a step: gives each generation entry the drafts proposed for it
     /// that fit, in entry (queue) order, from the free list alone and within the token
     /// budget left, never past `max_new_tokens`. Fills the output's draft columns (a count
@@ -203,6 +227,10 @@ impl Scheduler {
                 continue;
             }
             let request = &self.requests[req as usize];
+            if self.drafts.backoff.paused(req, request.computed) {
+                // Backed off: the proposal is ignored, as for a request that does not decode.
+                continue;
+            }
             let id = request.id;
             // A decode on a token in flight (planned ahead) follows that token, which
             // `remaining_tokens` does not count yet.
@@ -308,6 +336,7 @@ impl Scheduler {
             }
         }
         request.computed += u64::from(taken);
+        let computed = request.computed;
         let rejected = drafts.count + 1 - taken;
         let id = request.id;
         if rejected > 0 {
@@ -324,25 +353,46 @@ impl Scheduler {
             let held_after = self.ledger.request(id).map_or(held, |kv| kv.table().len());
             self.metrics.spec_decode_returned_superblocks += (held - held_after) as u64;
         }
-        count_verified(
-            &mut self.metrics,
-            &mut self.drafts.accepted_per_position,
-            drafts.count,
+        let verified = Verified {
+            req,
+            drafts: drafts.count,
             accepted,
-        );
+            computed,
+        };
+        count_verified(&mut self.metrics, &mut self.drafts, &self.config, verified);
         ended
     }
 }
 
-/// Counts a verified decode of `drafts` drafts, `accepted` of them accepted (in steps that
-/// ran: at `update`).
+/// A drafted decode as `update` verified it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Verified {
+    pub req: RequestIndex,
+    /// Its drafts in the step, and how many were accepted.
+    pub drafts: u32,
+    pub accepted: u32,
+    /// Its `computed` length after the tokens it kept.
+    pub computed: u64,
+}
+
+/// Counts a verified decode (in steps that ran: at `update`) and feeds the draft backoff.
 #[inline]
 pub(super) fn count_verified(
     metrics: &mut SchedulerMetrics,
-    per_position: &mut Vec<u64>,
-    drafts: u32,
-    accepted: u32,
+    state: &mut Drafts,
+    config: &SchedulerConfig,
+    verified: Verified,
 ) {
+    let Verified {
+        req,
+        drafts,
+        accepted,
+        computed,
+    } = verified;
+    if state.backoff.verified(config, req, accepted, computed) {
+        state.backoffs += 1;
+    }
+    let per_position = &mut state.accepted_per_position;
     metrics.spec_decode_num_drafts += 1;
     metrics.spec_decode_num_draft_tokens += u64::from(drafts);
     metrics.spec_decode_num_accepted_tokens += u64::from(accepted);

@@ -13,6 +13,7 @@
 mod abort;
 mod commit;
 mod config;
+mod draft_backoff;
 mod drafts;
 mod host;
 mod metadata;

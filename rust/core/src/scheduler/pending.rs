@@ -5,7 +5,7 @@
 //! turns into a record on success.
 //!
 //! A leaf of the scheduler's module graph: it knows the request index, the output, the
-//! victim search and the ledger's decode undo, and nothing of the scheduler's state.
+//! victim search and the ledger's decode inverse, and nothing of the scheduler's state.
 
 use super::config::VictimPolicy;
 use super::output::ScheduleOutput;
@@ -14,7 +14,7 @@ use super::victim::VictimFinder;
 use rustc_hash::FxHashMap;
 
 use crate::ids::SuperblockId;
-use crate::ledger::OlderUndo;
+use crate::ledger::DecodeInverse;
 use crate::prefix_cache::{BlockKey, Eviction};
 
 /// A context entry of a step.
@@ -40,7 +40,7 @@ pub(super) struct ContextEntry {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) enum JournalEntry {
     /// The decode of the request `req`, made as the step's generation entry `entry` (its
-    /// position when it was made, which is also its place in `older_undos`).
+    /// position when it was made, which is also its place in `decode_undos`).
     Decode {
         req: RequestIndex,
         entry: u32,
@@ -89,13 +89,11 @@ pub(super) struct SatOut {
 /// (which may have been moved out; the digest tells this scheduler's output of the step
 /// from another's).
 ///
-/// The ledger's undo of a step's decodes is in two places. The undo of a request's last
-/// decode allocation stays in its ledger record: one deep, written in the cache line the
-/// decode writes anyway (so the plain decode path pays nothing for it), and it makes
-/// `Ledger::revert_decode` exact for every ledger user. A step planned ahead replaces the
-/// older pending step's undo there: the replaced one is handed to the newer step's record
-/// (`older_undos`) and given back when that step is reverted, so the older one can be
-/// reverted after it.
+/// The record owns the undo of its step's decodes: each decode grow's exact inverse
+/// (`decode_undos`, one per generation entry, plain step or planned ahead alike), handed
+/// back to `Ledger::undo_decode` newest first when the step is reverted; the ledger's
+/// record of the request keeps only its current state. So a step planned ahead and the
+/// pending step before it are reverted in turn, each with its own inverses.
 #[derive(Debug, Clone, Default)]
 pub(super) struct StepRecord {
     pub step: u64,
@@ -113,11 +111,9 @@ pub(super) struct StepRecord {
     pub generation_reqs: Vec<RequestIndex>,
     /// The step's ledger changes, oldest first.
     pub journal: Vec<JournalEntry>,
-    /// A step planned ahead only (empty for a plain step): for each generation entry, by
-    /// its position when it was made, the ledger's undo of the older step's decode that
-    /// its decode replaced (`OlderUndo::NONE` if it replaced none), for the revert of this
-    /// step to leave in the request's ledger record.
-    pub older_undos: Vec<OlderUndo>,
+    /// For each generation entry, by its position when it was made, the exact inverse of
+    /// its decode grow (what the revert of this step hands back to the ledger).
+    pub decode_undos: Vec<DecodeInverse>,
     /// Requests that took a new batch slot in the step.
     pub new_slot_reqs: Vec<RequestIndex>,
     pub sat_out: Vec<SatOut>,
@@ -152,7 +148,7 @@ impl StepRecord {
         self.context.clear();
         self.generation_reqs.clear();
         self.journal.clear();
-        self.older_undos.clear();
+        self.decode_undos.clear();
         self.new_slot_reqs.clear();
         self.sat_out.clear();
         self.evictions.clear();

@@ -10,7 +10,7 @@ use super::victim::VictimKey;
 use super::Scheduler;
 use crate::error::{CoreError, Result};
 use crate::ids::{page_id, superblock_count, RequestId, SuperblockId};
-use crate::ledger::{DecodeLane, OlderUndo};
+use crate::ledger::DecodeInverse;
 use crate::prefix_cache::{chain_keys, extend_keys};
 
 impl Scheduler {
@@ -128,9 +128,8 @@ impl Scheduler {
     }
 
     /// Appends a chunk of decodes gathered by [`Self::decode_run`]: the output columns
-    /// both modes fill alike, the requests and their journal entries (a step planned ahead
-    /// kept the undos its decodes replaced as it made them, see
-    /// [`DecodeRunMode::allocate`]).
+    /// both modes fill alike, the requests, each decode's inverse and their journal
+    /// entries.
     #[inline]
     fn append_decode_chunk(
         &mut self,
@@ -138,6 +137,7 @@ impl Scheduler {
         positions: &[u64],
         slots: &[i32],
         reqs: &[RequestIndex],
+        inverses: &[DecodeInverse],
     ) {
         let out = &mut self.builder.out;
         out.generation_ids.extend_from_slice(ids);
@@ -146,6 +146,7 @@ impl Scheduler {
         let record = &mut self.builder.record;
         let from = entry_id(record.generation_reqs.len());
         record.generation_reqs.extend_from_slice(reqs);
+        record.decode_undos.extend_from_slice(inverses);
         let to = entry_id(record.generation_reqs.len());
         if from == to {
             return;
@@ -363,6 +364,8 @@ impl Scheduler {
         let mut reqs = [0; CHUNK];
         // The mode's own column: each entry's input token, or its row (see `M::input`).
         let mut inputs = [0; CHUNK];
+        // Each decode's inverse, for the step's record (see `append_decode_chunk`).
+        let mut inverses = [DecodeInverse::ZERO; CHUNK];
         let mut queue_pos = 0;
         loop {
             // The general path may have scheduled tokens: the budget is read afresh.
@@ -373,16 +376,6 @@ impl Scheduler {
                 let mut lane = self.ledger.decode_lane();
                 let marks = &self.builder.ahead_marks[..];
                 let room = usize::try_from(budget).unwrap_or(usize::MAX).min(CHUNK);
-                // A step planned ahead keeps what each of its decodes replaced, in entry
-                // order, as it makes them: in its record's column, held in a local for the
-                // chunk (so the loop keeps it in registers) with room made once.
-                let mut undos = if M::KEEPS_UNDOS {
-                    let mut undos = std::mem::take(&mut self.builder.record.older_undos);
-                    undos.reserve(room);
-                    undos
-                } else {
-                    Vec::new()
-                };
                 let mut count = 0;
                 let mut pos = queue_pos;
                 while count < room {
@@ -402,10 +395,12 @@ impl Scheduler {
                         break;
                     };
                     // The request's index is also its ledger entry (see `add_request`).
-                    let Some(position) = M::allocate(&mut lane, req, request.id, step, &mut undos)
+                    let Some((position, inverse)) =
+                        lane.try_decode_in_place(req as usize, request.id, step)
                     else {
                         break;
                     };
+                    inverses[count] = inverse;
                     request.scheduled_step = step;
                     ids[count] = request.id;
                     positions[count] = position;
@@ -415,9 +410,6 @@ impl Scheduler {
                     count += 1;
                     pos += 1;
                 }
-                if M::KEEPS_UNDOS {
-                    self.builder.record.older_undos = undos;
-                }
                 (count, pos)
             };
             self.append_decode_chunk(
@@ -425,6 +417,7 @@ impl Scheduler {
                 &positions[..count],
                 &slots[..count],
                 &reqs[..count],
+                &inverses[..count],
             );
             M::flush(&inputs[..count], &mut self.builder.out);
             self.builder.tokens += count as u64;
@@ -469,18 +462,8 @@ impl Scheduler {
         let mut preempted = false;
         loop {
             // The request's index is also its ledger entry (see `add_request`).
-            // A decode on a token in flight keeps the undo of the pending step's decode
-            // it replaces (reverting this step, then that one, stays exact).
-            let allocated = if AHEAD && input_row >= 0 {
-                self.ledger
-                    .allocate_decode_ahead_at(req as usize, id, step)?
-            } else {
-                self.ledger
-                    .allocate_decode_at(req as usize, id, step)?
-                    .map(|position| (position, OlderUndo::NONE))
-            };
-            if let Some((position, replaced)) = allocated {
-                self.push_generation_entry::<AHEAD>(step, req, position, input_row, replaced);
+            if let Some((position, inverse)) = self.ledger.decode_at(req as usize, id, step)? {
+                self.push_generation_entry::<AHEAD>(step, req, position, input_row, inverse);
                 if preempted {
                     self.mark_served_by_preempting(step, queue_pos, req);
                 }
@@ -515,15 +498,15 @@ impl Scheduler {
     /// touches each request once per step); a victim's entry is dropped in
     /// `finish_step`, a missing batch slot is filled in there (and, for a plain step, the
     /// input refs: all -1). Owner ranks are not stored: the output computes them from the
-    /// positions ([`ScheduleOutput::generation_owner_ranks`]). `replaced`: the undo of
-    /// the older step's decode that this decode replaced (`AHEAD` only).
+    /// positions ([`ScheduleOutput::generation_owner_ranks`]). `inverse`: the decode
+    /// grow's inverse, kept for a revert of the step.
     fn push_generation_entry<const AHEAD: bool>(
         &mut self,
         step: u64,
         req: RequestIndex,
         position: u64,
         input_row: i32,
-        replaced: OlderUndo,
+        inverse: DecodeInverse,
     ) {
         let request = &mut self.requests[req as usize];
         debug_assert!(input_row >= 0 || position == request.computed);
@@ -551,9 +534,7 @@ impl Scheduler {
         out.generation_batch_slots.push(slot);
         let record = &mut self.builder.record;
         record.generation_reqs.push(req);
-        if AHEAD {
-            record.older_undos.push(replaced);
-        }
+        record.decode_undos.push(inverse);
         record.journal.push(JournalEntry::Decode {
             req,
             entry: entry_id(entry),
@@ -905,7 +886,11 @@ impl Scheduler {
         if request.scheduled_step == step {
             // Scheduled earlier in this step: undo its decode token and give its budget
             // back; its entry is dropped when the output is built.
-            self.ledger.revert_decode(id, step)?;
+            let record = &self.builder.record;
+            if let Some(entry) = record.generation_reqs.iter().rposition(|&g| g == victim) {
+                self.ledger
+                    .undo_decode(id, step, record.decode_undos[entry])?;
+            }
             self.builder.tokens -= 1;
             self.builder.new_slots -= u32::from(request.batch_slot.is_none());
             self.builder.generation_removed = true;
@@ -1003,10 +988,10 @@ impl Scheduler {
     /// preempted after they were scheduled, and digests it.
     pub(super) fn finish_step(&mut self, step: u64) {
         let record = &self.builder.record;
-        debug_assert!(
-            record.older_undos.is_empty()
-                || record.older_undos.len() == record.generation_reqs.len(),
-            "a step planned ahead keeps one undo per generation entry"
+        debug_assert_eq!(
+            record.decode_undos.len(),
+            record.generation_reqs.len(),
+            "a step keeps one inverse per generation entry"
         );
         for &entry in &self.builder.generation_needing_slots {
             let req = self.builder.record.generation_reqs[entry];
@@ -1149,27 +1134,20 @@ impl Scheduler {
     pub(super) fn undo_step(&mut self, record: &StepRecord) {
         let step = record.step;
         let generation = &record.generation_reqs;
-        // The undo each decode replaced (a step planned ahead), else none.
-        let older = |entry: u32| {
-            record
-                .older_undos
-                .get(entry as usize)
-                .copied()
-                .unwrap_or(OlderUndo::NONE)
-        };
+        let inverse = |entry: u32| Some(record.decode_undos[entry as usize]);
         for &change in record.journal.iter().rev() {
             match change {
                 JournalEntry::Decodes { from, to } => {
                     for entry in (from..to).rev() {
                         let req = generation[entry as usize];
-                        self.undo_change(step, req, change, older(entry));
+                        self.undo_change(step, req, change, inverse(entry));
                     }
                 }
                 JournalEntry::Decode { req, entry } => {
-                    self.undo_change(step, req, change, older(entry));
+                    self.undo_change(step, req, change, inverse(entry));
                 }
                 JournalEntry::Reserve { req, .. } | JournalEntry::Resume(req) => {
-                    self.undo_change(step, req, change, OlderUndo::NONE);
+                    self.undo_change(step, req, change, None);
                 }
                 JournalEntry::Drafts => {
                     for &drafts in record.drafts.iter().rev() {
@@ -1199,8 +1177,14 @@ impl Scheduler {
     }
 
     /// Undoes one change of the step, the request `req`'s (`entry` is its journal entry;
-    /// a decode of a `Decodes` run is undone as its own `Decode`).
-    fn undo_change(&mut self, step: u64, req: RequestIndex, entry: JournalEntry, older: OlderUndo) {
+    /// a decode of a `Decodes` run is undone as its own `Decode`, with its `inverse`).
+    fn undo_change(
+        &mut self,
+        step: u64,
+        req: RequestIndex,
+        entry: JournalEntry,
+        inverse: Option<DecodeInverse>,
+    ) {
         let request = &self.requests[req as usize];
         // A zombie finished meanwhile (the older step's update retired it): what it holds
         // is freed after this undo, but its ledger change is undone first, so the pages the
@@ -1227,7 +1211,8 @@ impl Scheduler {
         let id = request.id;
         let undone = match entry {
             JournalEntry::Decode { .. } | JournalEntry::Decodes { .. } => {
-                self.ledger.revert_decode_to(id, step, older).map(|_| ())
+                let inverse = inverse.expect("a decode is undone with its inverse");
+                self.ledger.undo_decode(id, step, inverse)
             }
             JournalEntry::Reserve { len_before, .. } => self.ledger.shrink(id, len_before),
             JournalEntry::Drafts => unreachable!("drafts are undone by `undo_drafts`"),
@@ -1330,25 +1315,14 @@ enum Admit {
 }
 
 /// What differs between [`Scheduler::decode_run`]'s modes: which requests it decodes,
-/// how the ledger allocates their token, the one column it keeps per entry besides those
-/// both fill alike, and its general path. A mode has no state: its functions are inlined
-/// into the run, which is compiled apart per mode.
+/// the one column it keeps per entry besides those both fill alike, and its general path
+/// (the ledger's decode grow and the inverse the record keeps are the same in both). A
+/// mode has no state: its functions are inlined into the run, which is compiled apart per
+/// mode.
 trait DecodeRunMode {
-    /// Whether [`Self::allocate`] keeps what each decode replaced (a step planned ahead:
-    /// the older step's undo; a plain step keeps nothing).
-    const KEEPS_UNDOS: bool;
     /// Whether the request `req` at the run's position decodes, is passed over or stops
     /// the run. `marks` are the older pending step's marks (read only one step ahead).
     fn admit(marks: &[AheadMark], step: u64, req: RequestIndex, request: &Request) -> Admit;
-    /// Allocates the decode token of `req` in place (its position), or `None` for the
-    /// general path; with [`Self::KEEPS_UNDOS`], appends what it replaced to `undos`.
-    fn allocate(
-        lane: &mut DecodeLane<'_>,
-        req: RequestIndex,
-        id: RequestId,
-        step: u64,
-        undos: &mut Vec<OlderUndo>,
-    ) -> Option<u64>;
     /// The mode's column for a decoding entry, from its request and the row [`Self::admit`]
     /// gave.
     fn input(request: &Request, row: i32) -> i32;
@@ -1369,8 +1343,6 @@ trait DecodeRunMode {
 struct PlainRun;
 
 impl DecodeRunMode for PlainRun {
-    const KEEPS_UNDOS: bool = false;
-
     #[inline]
     fn admit(_: &[AheadMark], _: u64, _: RequestIndex, request: &Request) -> Admit {
         match request.state {
@@ -1378,17 +1350,6 @@ impl DecodeRunMode for PlainRun {
             RequestState::Waiting | RequestState::Prefilling => Admit::Skip,
             RequestState::Suspended => Admit::Stop,
         }
-    }
-
-    #[inline]
-    fn allocate(
-        lane: &mut DecodeLane<'_>,
-        req: RequestIndex,
-        id: RequestId,
-        step: u64,
-        _: &mut Vec<OlderUndo>,
-    ) -> Option<u64> {
-        lane.try_allocate_in_place(req as usize, id, step)
     }
 
     /// The input token: the request's last token.
@@ -1420,8 +1381,6 @@ impl DecodeRunMode for PlainRun {
 struct AheadRun;
 
 impl DecodeRunMode for AheadRun {
-    const KEEPS_UNDOS: bool = true;
-
     #[inline]
     fn admit(marks: &[AheadMark], step: u64, req: RequestIndex, request: &Request) -> Admit {
         if request.abort_requested {
@@ -1442,19 +1401,6 @@ impl DecodeRunMode for AheadRun {
                 RequestState::Decoding | RequestState::Suspended => Admit::Stop,
             },
         }
-    }
-
-    #[inline]
-    fn allocate(
-        lane: &mut DecodeLane<'_>,
-        req: RequestIndex,
-        id: RequestId,
-        step: u64,
-        undos: &mut Vec<OlderUndo>,
-    ) -> Option<u64> {
-        let (position, replaced) = lane.try_allocate_ahead_in_place(req as usize, id, step)?;
-        undos.push(replaced);
-        Some(position)
     }
 
     /// The row of the older step's sampled tokens that holds the input.
