@@ -377,14 +377,23 @@ impl std::fmt::Debug for Slab {
 /// on first use, so a ledger that never takes those calls clears nothing; compared and
 /// printed as the undos it holds (an entry past its length holds none).
 #[derive(Clone, Default)]
-struct LastDecodeUndos(Vec<Option<DecodeInverse>>);
+struct LastDecodeUndos(Vec<Option<BareDecodeUndo>>);
+
+/// What [`Ledger::revert_decode`] needs of a bare ledger's decode: the step marker it
+/// replaced (any step a caller gave, so not packed as a [`DecodeInverse`]) and whether it
+/// added its token to the length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct BareDecodeUndo {
+    step_before: Option<u64>,
+    grew: bool,
+}
 
 impl LastDecodeUndos {
-    fn get(&self, entry: EntryIndex) -> Option<DecodeInverse> {
+    fn get(&self, entry: EntryIndex) -> Option<BareDecodeUndo> {
         self.0.get(entry).copied().flatten()
     }
 
-    fn set(&mut self, entry: EntryIndex, undo: DecodeInverse) {
+    fn set(&mut self, entry: EntryIndex, undo: BareDecodeUndo) {
         if self.0.len() <= entry {
             self.0.resize(entry + 1, None);
         }
@@ -398,7 +407,7 @@ impl LastDecodeUndos {
         }
     }
 
-    fn held(&self) -> impl Iterator<Item = (EntryIndex, DecodeInverse)> + '_ {
+    fn held(&self) -> impl Iterator<Item = (EntryIndex, BareDecodeUndo)> + '_ {
         self.0
             .iter()
             .enumerate()
@@ -422,58 +431,72 @@ impl std::fmt::Debug for LastDecodeUndos {
 
 /// The exact inverse of one decode grow a scheduler step made ([`Ledger::decode_at`],
 /// [`DecodeLane::try_decode_in_place`]), which the step's record keeps (one per
-/// generation entry) and hands back to [`Ledger::undo_decode`] when it reverts the step:
-/// the step marker the grow replaced, the length it left, and whether it added a token
-/// (a reservation longer than the decode token, e.g. a whole-output admission, covers it
-/// without one). Two words: a length is below 2^55 (at most `MAX_CAPACITY` superblocks of
-/// at most 2^24 tokens), so the two flags ride in the top bits of the length's word.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) struct DecodeInverse {
-    step_before: u64,
-    /// The length right after the grow, with `INVERSE_HAS_STEP` and `INVERSE_GREW`.
-    len_after: u64,
+/// generation entry) and hands back to [`Ledger::undo_decode`] when it reverts the step.
+/// One word: the step marker the grow replaced and two flags in its top bits (a scheduler
+/// counts its steps from 0, one at a time, so a step is below `INVERSE_STEP_LIMIT`;
+/// [`Ledger::decode_at`] refuses one that is not). The rest is derived at the undo from
+/// the record's own facts: the decode being undone is the record's newest (its step marker
+/// is the step's), so its token sat at `prompt_len + decode_count - 1`, and a grow that
+/// added that token left the length one past it.
+/// Two are equal when they undo alike (the step bits of one without a step are not read).
+#[derive(Clone, Copy)]
+pub(crate) struct DecodeInverse(u64);
+
+impl PartialEq for DecodeInverse {
+    fn eq(&self, other: &Self) -> bool {
+        (self.step_before(), self.grew()) == (other.step_before(), other.grew())
+    }
 }
 
-/// The record had a decode step before the grow (`step_before` holds it).
+impl Eq for DecodeInverse {}
+
+/// The record had a decode step before the grow (the low bits hold it).
 const INVERSE_HAS_STEP: u64 = 1 << 63;
 /// The grow added its token to the length (else a longer reservation covered it).
 const INVERSE_GREW: u64 = 1 << 62;
-const INVERSE_LEN: u64 = INVERSE_GREW - 1;
+/// Steps at and past this do not fit an inverse's word.
+const INVERSE_STEP_LIMIT: u64 = INVERSE_GREW;
+
+/// A scheduler step whose decodes' inverses fit their word ([`DecodeInverse`]): every step
+/// a scheduler counts, from 0, one at a time.
+pub(crate) fn check_inverse_step(step: u64) -> Result<()> {
+    if step >= INVERSE_STEP_LIMIT {
+        return Err(CoreError::InvalidState(format!(
+            "step {step} is past the last step a decode's inverse can name ({})",
+            INVERSE_STEP_LIMIT - 1
+        )));
+    }
+    Ok(())
+}
 
 impl DecodeInverse {
     /// A placeholder (the inverse of nothing any ledger made): fills scratch arrays.
-    pub(crate) const ZERO: Self = Self {
-        step_before: 0,
-        len_after: 0,
-    };
+    pub(crate) const ZERO: Self = Self(0);
 
-    /// The inverse of a grow from `len_before` to `len_after` tokens of a record whose
-    /// step marker was `step_before` (with `has_step`, else none).
+    /// The inverse of a grow (which added its token when `grew`) of a record whose step
+    /// marker was `step_before` (with `has_step`, else none; the flag as `HAS_DECODE_STEP`
+    /// of its flags).
     #[expect(
         clippy::inline_always,
         reason = "part of the per-request body of the scheduler's decode loop"
     )]
     #[inline(always)]
-    fn new(has_step: bool, step_before: u64, len_before: u64, len_after: u64) -> Self {
-        debug_assert!(len_after & !INVERSE_LEN == 0 && len_after - len_before <= 1);
-        Self {
-            step_before,
-            len_after: len_after
+    fn new(has_step: u8, step_before: u64, grew: bool) -> Self {
+        debug_assert!(step_before < INVERSE_STEP_LIMIT || has_step == 0);
+        const { assert!(HAS_DECODE_STEP == 1) };
+        Self(
+            (step_before & (INVERSE_STEP_LIMIT - 1))
                 | (u64::from(has_step) << 63)
-                | (u64::from(len_after != len_before) << 62),
-        }
+                | (u64::from(grew) << 62),
+        )
     }
 
     fn step_before(self) -> Option<u64> {
-        (self.len_after & INVERSE_HAS_STEP != 0).then_some(self.step_before)
+        (self.0 & INVERSE_HAS_STEP != 0).then_some(self.0 & (INVERSE_STEP_LIMIT - 1))
     }
 
-    fn len_after(self) -> u64 {
-        self.len_after & INVERSE_LEN
-    }
-
-    fn len_before(self) -> u64 {
-        self.len_after() - u64::from(self.len_after & INVERSE_GREW != 0)
+    fn grew(self) -> bool {
+        self.0 & INVERSE_GREW != 0
     }
 }
 
@@ -481,8 +504,7 @@ impl std::fmt::Debug for DecodeInverse {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DecodeInverse")
             .field("step_before", &self.step_before())
-            .field("len_before", &self.len_before())
-            .field("len_after", &self.len_after())
+            .field("grew", &self.grew())
             .finish()
     }
 }
@@ -1459,7 +1481,17 @@ impl Ledger {
                 "request {id} is decoded twice in step {step}"
             )));
         }
-        self.decode_grow(entry, step)
+        check_inverse_step(step)?;
+        Ok(self.decode_grow(entry, step)?.map(|(pos, undo)| {
+            (
+                pos,
+                DecodeInverse::new(
+                    u8::from(undo.step_before.is_some()),
+                    undo.step_before.unwrap_or(0),
+                    undo.grew,
+                ),
+            )
+        }))
     }
 
     /// Undoes the decode grow of `id` in `step` whose inverse [`Self::decode_at`] (or
@@ -1475,17 +1507,26 @@ impl Ledger {
         inverse: DecodeInverse,
     ) -> Result<()> {
         let entry = self.active_entry_of(id)?;
-        let request = &mut self.requests.records[entry];
-        if request.decode_step() != Some(step) {
-            return Ok(());
-        }
-        request.decode_count -= 1;
-        request.set_decode_step(inverse.step_before());
-        if request.len == inverse.len_after() {
-            // `len_before <= len_after`: this only ever shrinks.
-            self.shrink_entry(entry, inverse.len_before());
+        if self.requests.records[entry].decode_step() == Some(step) {
+            self.undo_newest_decode(entry, inverse.step_before(), inverse.grew());
         }
         Ok(())
+    }
+
+    /// Undoes the newest decode grow of the request at `entry` (its step marker is still
+    /// the grow's step), which replaced the marker `step_before` and added its token to
+    /// the length when `grew`: its token sat at `prompt_len + decode_count - 1` (the last
+    /// decode counted), so the grow left the length one past it, and gave it back unless a
+    /// `grow` or `shrink` changed it since (that call owns it: restoring the old length
+    /// could raise it past the superblocks a shrink gave back, or drop a grow).
+    fn undo_newest_decode(&mut self, entry: EntryIndex, step_before: Option<u64>, grew: bool) {
+        let request = &mut self.requests.records[entry];
+        request.decode_count -= 1;
+        request.set_decode_step(step_before);
+        let pos = request.next_decode_position();
+        if grew && request.len == pos + 1 {
+            self.shrink_entry(entry, pos);
+        }
     }
 
     /// The records and what the per-step decode loop needs of the ledger, apart, so the
@@ -1511,21 +1552,21 @@ impl Ledger {
             }
             return Ok(Some(pos));
         }
-        let Some((pos, inverse)) = self.decode_grow(entry, step)? else {
+        let Some((pos, undo)) = self.decode_grow(entry, step)? else {
             return Ok(None);
         };
-        self.last_decode_undos.set(entry, inverse);
+        self.last_decode_undos.set(entry, undo);
         Ok(Some(pos))
     }
 
     /// The decode grow of the request at `entry` in `step` (not decoded in `step` yet):
-    /// its next decode token's position and the grow's inverse, or `None` (nothing
+    /// its next decode token's position and what undoes the grow, or `None` (nothing
     /// changed) if the pool is short.
     fn decode_grow(
         &mut self,
         entry: EntryIndex,
         step: u64,
-    ) -> Result<Option<(u64, DecodeInverse)>> {
+    ) -> Result<Option<(u64, BareDecodeUndo)>> {
         let request = &self.requests.records[entry];
         let id = request.id;
         let pos = request.next_decode_position();
@@ -1547,16 +1588,14 @@ impl Ledger {
             }
         }
         let request = &mut self.requests.records[entry];
-        let inverse = DecodeInverse::new(
-            request.flags & HAS_DECODE_STEP != 0,
-            request.decode_step,
-            len_before,
-            new_len,
-        );
+        let undo = BareDecodeUndo {
+            step_before: request.decode_step(),
+            grew: new_len != len_before,
+        };
         request.len = new_len;
         request.decode_count += 1;
         request.set_decode_step(Some(step));
-        Ok(Some((pos, inverse)))
+        Ok(Some((pos, undo)))
     }
 
     /// Reserves `drafts` speculative positions right after the decode token `id` was
@@ -1723,20 +1762,14 @@ impl Ledger {
     /// could raise it past the superblocks a shrink gave back, or drop a grow.
     pub fn revert_decode(&mut self, id: RequestId, step: u64) -> Result<bool> {
         let entry = self.active_entry_of(id)?;
-        let request = &mut self.requests.records[entry];
-        if request.decode_step() != Some(step) {
+        if self.requests.records[entry].decode_step() != Some(step) {
             return Ok(false);
         }
         let Some(undo) = self.last_decode_undos.get(entry) else {
             return Ok(false);
         };
         self.last_decode_undos.clear(entry);
-        request.decode_count -= 1;
-        request.set_decode_step(undo.step_before());
-        if request.len == undo.len_after() {
-            // `len_before <= len_after`: this only ever shrinks.
-            self.shrink_entry(entry, undo.len_before());
-        }
+        self.undo_newest_decode(entry, undo.step_before, undo.grew);
         Ok(true)
     }
 
@@ -1973,10 +2006,9 @@ impl DecodeLane<'_> {
             return None;
         }
         let inverse = DecodeInverse::new(
-            request.flags & HAS_DECODE_STEP != 0,
+            request.flags & HAS_DECODE_STEP,
             request.decode_step,
-            len_before,
-            new_len,
+            new_len != len_before,
         );
         request.flags |= HAS_DECODE_STEP;
         request.len = new_len;

@@ -10,7 +10,7 @@ use super::victim::VictimKey;
 use super::Scheduler;
 use crate::error::{CoreError, Result};
 use crate::ids::{page_id, superblock_count, RequestId, SuperblockId};
-use crate::ledger::DecodeInverse;
+use crate::ledger::{check_inverse_step, DecodeInverse};
 use crate::prefix_cache::{chain_keys, extend_keys};
 
 impl Scheduler {
@@ -358,6 +358,8 @@ impl Scheduler {
     /// (monomorphised), with its own filter and column inlined.
     #[inline(never)]
     fn decode_run<M: DecodeRunMode>(&mut self, step: u64) -> Result<()> {
+        // Each decode's inverse names this step (see `DecodeInverse`).
+        check_inverse_step(step)?;
         let mut ids = [0; CHUNK];
         let mut positions = [0; CHUNK];
         let mut slots = [0; CHUNK];
