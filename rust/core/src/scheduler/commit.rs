@@ -1,6 +1,6 @@
 //! Closing a step: `update` (it ran) or `revert` (it did not).
 
-use super::drafts::{count_verified, Verified};
+use super::drafts::Drafts;
 use super::metrics::RequestMetrics;
 use super::pending::{ContextEntry, DraftEntry, JournalEntry, StepRecord};
 use super::request::{FinishReason, RequestIndex, RequestOutput, RequestState, NO_STEP};
@@ -298,8 +298,20 @@ impl Scheduler {
         let token_log = &mut self.token_log;
         let ledger = &mut self.ledger;
         let metrics = &mut self.metrics;
-        let drafts_state = &mut self.drafts;
+        let Drafts {
+            backoff,
+            backoffs,
+            accepted_per_position,
+            ..
+        } = &mut self.drafts;
         let config = &self.config;
+        // What `count_verified` adds per drafted decode, summed over the run and added once.
+        // No decode accepts more than `num_speculative_tokens` (checked by `update`).
+        let most = config.num_speculative_tokens as usize;
+        if accepted_per_position.len() < most {
+            accepted_per_position.resize(most, 0);
+        }
+        let (mut drafted, mut draft_tokens, mut accepted_tokens) = (0u64, 0u64, 0u64);
         let mut run = 0;
         while let (Some(&entry), Some(&queued)) = (
             record.generation_reqs.get(at.generation),
@@ -344,19 +356,24 @@ impl Scheduler {
                         .expect("the ledger takes back the rejected drafts of this step");
                     metrics.spec_decode_returned_superblocks += u64::from(returned);
                 }
-                let verified = Verified {
-                    req: queued,
-                    drafts: d.count,
-                    accepted,
-                    computed: request.computed,
-                };
-                count_verified(metrics, drafts_state, config, verified);
+                if backoff.verified(config, queued, accepted, request.computed) {
+                    *backoffs += 1;
+                }
+                for count in &mut accepted_per_position[..accepted as usize] {
+                    *count += 1;
+                }
+                drafted += 1;
+                draft_tokens += u64::from(d.count);
+                accepted_tokens += u64::from(accepted);
             }
-            at.computed_tokens += u64::from(accepted);
             queue[kept + run] = queued;
             at.pass_generation(drafts);
             run += 1;
         }
+        at.computed_tokens += accepted_tokens;
+        metrics.spec_decode_num_drafts += drafted;
+        metrics.spec_decode_num_draft_tokens += draft_tokens;
+        metrics.spec_decode_num_accepted_tokens += accepted_tokens;
         run
     }
 

@@ -65,16 +65,6 @@ pub(super) struct Drafts {
 }
 
 impl Drafts {
-    /// The current proposal of `req`: its tokens.
-    fn of(&self, req: RequestIndex) -> &[i32] {
-        let r = req as usize;
-        if !self.any || self.epochs.get(r) != Some(&self.epoch) {
-            return &[];
-        }
-        let start = self.offsets[r] as usize;
-        &self.tokens[start..start + self.counts[r] as usize]
-    }
-
     /// Whether `req`'s decode in a pending step carries drafts.
     pub fn pending(&self, req: RequestIndex) -> bool {
         self.pending_step
@@ -215,53 +205,70 @@ impl Scheduler {
     /// per entry) and the record's draft entries and journal.
     pub(super) fn draft_phase(&mut self, step: u64) {
         let entries = self.builder.out.generation_ids.len();
-        let out = &mut self.builder.out;
-        out.generation_draft_counts.resize(entries, 0);
+        self.builder.out.generation_draft_counts.resize(entries, 0);
         if !self.drafts.any {
             return;
         }
-        for entry in 0..entries {
-            let req = self.builder.record.generation_reqs[entry];
-            let proposed = self.drafts.of(req).len() as u64;
-            if proposed == 0 {
+        // Split borrows, so the loop reads each proposal once and asks no question twice.
+        let Drafts {
+            epochs,
+            offsets,
+            counts,
+            tokens: proposed_tokens,
+            epoch,
+            backoff,
+            pending_step,
+            ..
+        } = &mut self.drafts;
+        if pending_step.len() < self.requests.len() {
+            pending_step.resize(self.requests.len(), NO_STEP);
+        }
+        let requests = &self.requests[..];
+        let ledger = &mut self.ledger;
+        let out = &mut self.builder.out;
+        let record = &mut self.builder.record;
+        let mut budget = u64::from(self.config.max_num_tokens).saturating_sub(self.builder.tokens);
+        let mut taken = 0u64;
+        for (entry, &req) in record.generation_reqs[..entries].iter().enumerate() {
+            let r = req as usize;
+            if epochs.get(r) != Some(&*epoch) || counts[r] == 0 {
                 continue;
             }
-            let request = &self.requests[req as usize];
-            if self.drafts.backoff.paused(req, request.computed) {
+            let proposed = u64::from(counts[r]);
+            let request = &requests[r];
+            if backoff.paused(req, request.computed) {
                 // Backed off: the proposal is ignored, as for a request that does not decode.
                 continue;
             }
-            let id = request.id;
             // A decode on a token in flight (planned ahead) follows that token, which
             // `remaining_tokens` does not count yet.
-            let in_flight = u32::from(self.builder.out.generation_input_refs[entry] >= 0);
+            let in_flight = u32::from(out.generation_input_refs[entry] >= 0);
             let room = request.remaining_tokens.saturating_sub(1 + in_flight);
-            let budget = u64::from(self.config.max_num_tokens).saturating_sub(self.builder.tokens);
             let most = proposed.min(u64::from(room)).min(budget);
             let extended = if most == 0 {
                 DraftExtension::NONE
             } else {
-                self.ledger
-                    .extend_decode_most(req as usize, id, step, most)
+                ledger
+                    .extend_decode_most(r, request.id, step, most)
                     .expect("a decode of this step takes drafts after its token")
             };
             let count = extended.count;
-            self.builder.record.drafts_trimmed += proposed - count;
+            record.drafts_trimmed += proposed - count;
             if count == 0 {
                 continue;
             }
-            self.builder.record.draft_superblocks += u64::from(extended.grown);
+            record.draft_superblocks += u64::from(extended.grown);
             #[expect(
                 clippy::cast_possible_truncation,
                 reason = "at most num_speculative_tokens (a u32) drafts"
             )]
             let count32 = count as u32;
-            let tokens = &self.drafts.of(req)[..count32 as usize];
-            let out = &mut self.builder.out;
+            let start = offsets[r] as usize;
             out.generation_draft_counts[entry] = count;
-            out.generation_draft_tokens.extend_from_slice(tokens);
-            self.builder.tokens += count;
-            let record = &mut self.builder.record;
+            out.generation_draft_tokens
+                .extend_from_slice(&proposed_tokens[start..start + count32 as usize]);
+            budget -= count;
+            taken += count;
             #[expect(
                 clippy::cast_possible_truncation,
                 reason = "entries of one step are counted in u32 (batch slots)"
@@ -272,12 +279,9 @@ impl Scheduler {
                 count: count32,
                 len_before: extended.len_before,
             });
-            let pending = &mut self.drafts.pending_step;
-            if pending.len() <= req as usize {
-                pending.resize(self.requests.len(), NO_STEP);
-            }
-            pending[req as usize] = step;
+            pending_step[r] = step;
         }
+        self.builder.tokens += taken;
         // One journal entry for every draft of the step (they come after every other change,
         // so a revert undoes them first, in any order among themselves).
         let record = &mut self.builder.record;
