@@ -493,6 +493,21 @@ class HelixScheduler(_SchedulerInterface):
         if self._finished_by_client is not None:
             self._finished_by_client[request.client_index].add(request.request_id)
 
+    def _finish_in_error(self, request: Any, outputs: defaultdict[int, list[Any]]) -> None:
+        """Ends ``request`` in error as vLLM's scheduler does: finished, and one output
+        without tokens carrying its finish reason to its client."""
+        request.status = RequestStatus.FINISHED_ERROR
+        self._note_finished(request)
+        outputs[request.client_index].append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                events=request.take_events(),
+                trace_headers=request.trace_headers,
+            )
+        )
+
     # -- the views vLLM's tools and tests read ----------------------------------------------
 
     def _live(self) -> tuple[list[Any], list[Any]]:
@@ -1040,17 +1055,7 @@ class HelixScheduler(_SchedulerInterface):
         if step.helix is not None:
             spec_stats = self._close(step, model_runner_output, outputs)
         for request, _ in self._rejected:
-            request.status = RequestStatus.FINISHED_ERROR
-            self._note_finished(request)
-            outputs[request.client_index].append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[],
-                    finish_reason=request.get_finished_reason(),
-                    events=request.take_events(),
-                    trace_headers=request.trace_headers,
-                )
-            )
+            self._finish_in_error(request, outputs)
         self._rejected = []
         self._close_empty_steps()
         return self._engine_outputs(outputs, spec_stats)
@@ -1298,17 +1303,7 @@ class HelixScheduler(_SchedulerInterface):
         hid = self._hid_of.pop(request.request_id)
         self._ids_version += 1
         self.helix.abort(hid)
-        request.status = RequestStatus.FINISHED_ERROR
-        self._note_finished(request)
-        outputs[request.client_index].append(
-            EngineCoreOutput(
-                request_id=request.request_id,
-                new_token_ids=[],
-                finish_reason=request.get_finished_reason(),
-                events=request.take_events(),
-                trace_headers=request.trace_headers,
-            )
-        )
+        self._finish_in_error(request, outputs)
 
     def _apply_drafts(
         self, step: _Step, runner: Any, outputs: defaultdict[int, list[Any]]
